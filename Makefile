@@ -1,0 +1,30 @@
+# `make run`: set up and start the service on embedded defaults. `make test`: set up and run every test.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[dev,postgres,redis]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/llmjobs serve
+
+test: setup
+	$(PY) -m pytest -ra
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not slow and not e2e"
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf var .pytest_cache

@@ -1,0 +1,87 @@
+"""Entry point shared by every job kind: parse flags/spec, set up the run directory, run, report, exit.
+
+Each kind's runner is ``run(spec, run: RunDir) -> (outputs, summary)``; it raises ``BadInput`` for user errors.
+Multi-process runs end with ``os._exit`` after tearing down the process group: processes that used a DeviceMesh
+otherwise abort at interpreter exit now and then (``shared/docs/torch-distributed-on-gloo.md``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
+
+log = logging.getLogger("engine")
+
+RUNNERS: dict[str, str] = {
+    "preprocess": "engine.data.job:run",
+    "train": "engine.train.job:run",
+    "convert": "engine.checkpoint.job:run",
+    "eval": "engine.eval.job:run",
+}
+USAGE = "usage: python -m engine {preprocess,convert,train,eval} [--spec spec.json] [--run-dir DIR] [flags]"
+
+
+def _runner(kind: str) -> Callable[..., tuple[dict[str, str], dict[str, Any]]]:
+    module, func = RUNNERS[kind].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _finish(code: int) -> int:
+    """Tear down torch.distributed if a runner left it up, then leave without running atexit/destructors."""
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in RUNNERS:
+        print(USAGE, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    kind, rest = argv[0], argv[1:]
+    from engine.flags import spec_from_argv  # pydantic only; cheap
+
+    try:
+        spec, run_dir, ignored = spec_from_argv(kind, rest)
+    except Exception as err:  # noqa: BLE001 - pydantic ValidationError or a bad spec file
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    setup_logging(run_dir, _rank())
+    run = RunDir(run_dir, _rank())
+    if ignored:
+        run.event("warning", "ignored flags: " + " ".join(ignored), ignored=ignored)
+    run.event("started", f"{kind} started", kind=kind)
+    try:
+        outputs, summary = _runner(kind)(spec, run)
+    except BadInput as err:
+        log.error("%s", err)
+        run.event("error", str(err), code="bad_input", field=err.field)
+        return _finish(EXIT_BAD_INPUT)
+    except Exception as err:  # noqa: BLE001 - report every crash the same way
+        log.error("%s failed:\n%s", kind, traceback.format_exc())
+        run.event("error", f"{type(err).__name__}: {err}", code="engine_error")
+        return _finish(EXIT_FAILED)
+    run.write_result(kind, outputs, summary)
+    run.event("finished", f"{kind} succeeded", outputs=outputs)
+    return _finish(EXIT_OK)

