@@ -321,9 +321,28 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(0.0, ge=0, le=1)
     top_k: int = Field(0, ge=0)
-    prompt_type: str | None = None
+    prompt_type: str | None = Field(None, description="Chat template for prompts: qwen3 (alias qwen; the default), or hf for the tokenizer's own.")
     enable_thinking: TriState = "none"
     map_keys: JsonObject | None = None
+    lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset).")
+    lora_alpha: float | None = Field(None, gt=0)
+    lora_target_modules: StrList = Field(default_factory=list)
+    greedy: bool = Field(False, description="Argmax decoding whatever the temperature (temperature below 1e-3 is greedy too).")
+    eval_mode: Literal["generate", "loss"] = Field("generate", description="generate: answers and accuracy; loss: loss and perplexity.")
+    eval_batch_size: int | None = Field(None, ge=1, description="Prompts decoded together (left-padded); default micro_batch_size.")
+    no_kv_cache: bool = Field(False, description="Recompute the whole sequence at every step (for checking the cache).")
+    answer_normalization: StrList = Field(default_factory=lambda: ["trim"], description="Applied to answer and reference before exact match: trim, case.")
+    bad_line_policy: Literal["skip", "error"] = Field("skip", description="Test lines without an assistant answer: skip and report them, or fail.")
+    top_confusions: int = Field(10, ge=0, le=1000, description="How many of the most frequent (reference, answer) errors result.json lists.")
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> "EvalSpec":
+        unknown = [r for r in self.answer_normalization if r not in ("trim", "case")]
+        if unknown:
+            raise ValueError(f"answer_normalization: unknown rule(s) {unknown}; known: trim, case")
+        if self.lora_load is None and self.lora_r is not None:
+            raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
+        return self
 
 
 class PipelineStep(_Strict):
