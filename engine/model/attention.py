@@ -1,0 +1,148 @@
+"""Core attention (softmax(q k^T / sqrt(d)) v) for causal, packed (segment_ids) and left-padded batches.
+
+The caller builds one ``AttentionPlan`` per forward (``plan_attention``) and every layer reuses it:
+- plain causal batch: ``scaled_dot_product_attention(is_causal=True)`` — flash kernel on CUDA, no mask tensor;
+- packed samples (segment_ids): on NPU ``torch_npu.npu_fusion_attention`` in TND layout with cumulative sequence
+  lengths, on CUDA ``flash_attn_varlen_func`` when flash-attn is installed; otherwise SDPA with ONE boolean block mask
+  (B, 1, T, T) built once per batch (1 byte per entry, shared by all layers and heads — never a float mask per head);
+- left padding and/or a KV cache: SDPA with a boolean (B, 1, T, T_kv) mask.
+The kernel choice comes from ``engine.parallel.device.attention_kernel``; head counts are read from tensor shapes, so
+a TP shard holding fewer heads works unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.parallel.device import AttentionKernel, attention_kernel
+
+
+@dataclasses.dataclass
+class AttentionPlan:
+    """What every layer needs to run attention for one batch."""
+
+    kernel: AttentionKernel = "sdpa"
+    mask: torch.Tensor | None = None  # (B, 1, T, T_kv) bool, True = may attend; None with is_causal
+    is_causal: bool = True
+    cu_seqlens: torch.Tensor | None = None  # (n_docs + 1,) int32 over the flattened B*T tokens, varlen kernels only
+    max_seqlen: int = 0
+
+
+def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True where a new sample starts (each row start, and wherever the segment id changes)."""
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return starts
+
+
+def cu_seqlens_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative sample lengths over the row-major flattened batch, and the longest sample (a host sync)."""
+    starts = segment_starts(segment_ids).flatten().nonzero().flatten()
+    total = torch.tensor([segment_ids.numel()], device=starts.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: token i sees token j iff j <= i and both carry the same segment id."""
+    t = segment_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]
+
+
+def padded_causal_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """(B, 1, q_len, T_kv) bool for the last ``q_len`` query positions of a left-padded (B, T_kv) 1/0 mask.
+
+    A padded query row would otherwise see no key at all and SDPA would return NaN; it may see itself (its output
+    is never used, and the diagonal keeps the softmax finite).
+    """
+    kv_len = attention_mask.shape[1]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=attention_mask.device)[:, None]  # (q_len, 1)
+    k_pos = torch.arange(kv_len, device=attention_mask.device)[None, :]  # (1, T_kv)
+    allowed = (k_pos <= q_pos) & attention_mask.bool()[:, None, :]  # (B, q_len, T_kv)
+    return (allowed | (k_pos == q_pos))[:, None]
+
+
+def plan_attention(
+    device: torch.device,
+    q_len: int,
+    past_len: int = 0,
+    segment_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Choose kernel and masks once per forward."""
+    if segment_ids is not None and (attention_mask is not None or past_len):
+        raise ValueError("segment_ids: packed batches cannot be combined with attention_mask or a KV cache")
+    if segment_ids is not None:
+        kernel = attention_kernel(device.type)
+        if kernel == "sdpa":
+            return AttentionPlan(mask=block_causal_mask(segment_ids), is_causal=False)
+        cu, longest = cu_seqlens_from_segments(segment_ids)
+        return AttentionPlan(kernel=kernel, is_causal=False, cu_seqlens=cu, max_seqlen=longest)
+    if attention_mask is not None:
+        if attention_mask.shape[1] != past_len + q_len:
+            raise ValueError(
+                f"attention_mask: has {attention_mask.shape[1]} columns, expected cache length + new tokens "
+                f"= {past_len} + {q_len}"
+            )
+        return AttentionPlan(mask=padded_causal_mask(attention_mask, q_len), is_causal=False)
+    if past_len:
+        # One new token attends to everything cached; several new tokens need the offset causal mask.
+        if q_len == 1:
+            return AttentionPlan(is_causal=False)
+        ones = torch.ones(1, past_len + q_len, dtype=torch.long, device=device)
+        return AttentionPlan(mask=padded_causal_mask(ones, q_len), is_causal=False)
+    return AttentionPlan()
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """q (B, nh, T, d), k/v (B, nkv, T_kv, d) -> (B, T, nh, d). GQA: query head h uses kv head h // (nh/nkv)."""
+    if plan.kernel == "flash_varlen":
+        return _flash_varlen(q, k, v, plan)
+    if plan.kernel == "npu_fusion":
+        return _npu_fusion(q, k, v, plan)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=q.shape[-1] ** -0.5,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # (B, nh, T, d); SDPA's softmax accumulates in fp32 for bf16 inputs
+    return out.transpose(1, 2)
+
+
+def _to_tnd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # (B, n, T, d) -> (B*T, n, d)
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func  # present: attention_kernel checked
+
+    b, nh, t, d = q.shape
+    out = flash_attn_varlen_func(
+        _to_tnd(q), _to_tnd(k), _to_tnd(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+        softmax_scale=d ** -0.5, causal=True,
+    )  # (B*T, nh, d)
+    return out.view(b, t, nh, d)
+
+
+_NPU_CAUSAL_MASK: dict[torch.device, torch.Tensor] = {}
+
+
+def _npu_fusion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    import torch_npu  # present: attention_kernel checked
+
+    b, nh, t, d = q.shape
+    # sparse_mode 3 (right-down causal) wants the fixed 2048x2048 upper-triangular mask, True = masked out.
+    mask = _NPU_CAUSAL_MASK.get(q.device)
+    if mask is None:
+        mask = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
+        _NPU_CAUSAL_MASK[q.device] = mask
+    ends = plan.cu_seqlens[1:].tolist()  # the kernel takes cumulative lengths (without the leading 0) as a list
+    out = torch_npu.npu_fusion_attention(
+        _to_tnd(q), _to_tnd(k), _to_tnd(v), nh, "TND", atten_mask=mask, scale=1.0 / math.sqrt(d),
+        actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3,
+    )[0]  # (B*T, nh, d)
+    return out.view(b, t, nh, d)

@@ -1,0 +1,222 @@
+"""Qwen3 dense decoder, math only, with Megatron-Core local-spec module names.
+
+References: transformers ``models/qwen3/modeling_qwen3.py`` (the numerics we match: RMSNorm in fp32, rotate-half RoPE,
+q/k RMSNorm per head before RoPE, SwiGLU), Megatron-Core ``transformer/attention.py`` + ``mlp.py`` (fused
+``linear_qkv`` interleaved per KV group, ``linear_fc1`` = [gate; up]) and torchtitan ``models/qwen3/model/model.py``
+(written for outside transforms). Written so that parallelism can be applied from outside:
+- head counts are read from tensor shapes (views with -1): TP may shard ``linear_qkv`` by whole KV groups,
+  ``linear_fc1`` as [gate_k; up_k], ``linear_proj``/``linear_fc2`` on their input dim;
+- layers live in a ModuleDict keyed by the global layer index, so a pipeline stage can delete some and keep keys;
+- ``forward`` accepts hidden states when ``embedding`` was removed and returns hidden states when the final norm was
+  removed (``model.embedding = None``, ``model.decoder.final_layernorm = None``);
+- ``init_weights`` is separate from ``__init__`` (build on the meta device, ``to_empty``, then initialise).
+State-dict keys are the native keys of ``engine.model.hf_mapping``; the model holds no buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import AttentionPlan, core_attention, plan_attention
+from engine.model.config import ModelConfig
+from engine.model.kv_cache import KVCache
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, head_dim)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight (as transformers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
+    """cos/sin tables (B, T, head_dim) for the given positions, computed in fp32."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (base ** exponent)  # (d/2,)
+    freqs = position_ids[..., None].float() * inv_freq  # (B, T, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x (B, n, T, d): rotate-half RoPE (the HF/Qwen convention: pairs (i, i + d/2), not adjacent)."""
+    cos, sin = rope[0][:, None], rope[1][:, None]  # (B, 1, T, d)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SelfAttention(nn.Module):
+    """GQA with per-head q/k RMSNorm; ``linear_qkv`` rows are [q heads of group g; k_g; v_g] for each group g."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.kv_channels
+        self.heads_per_group = cfg.heads_per_group  # unchanged by TP, which shards whole groups
+        self.linear_qkv = nn.Linear(cfg.hidden_size, cfg.qkv_rows, bias=False)
+        self.q_layernorm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon)
+        self.k_layernorm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon)
+        self.linear_proj = nn.Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        d, hpg = self.head_dim, self.heads_per_group
+        qkv = self.linear_qkv(x).view(b, t, -1, (hpg + 2) * d)  # (B, T, groups_local, (hpg+2)*d)
+        q, k, v = qkv.split([hpg * d, d, d], dim=-1)
+        q = self.q_layernorm(q.reshape(b, t, -1, d)).transpose(1, 2)  # (B, heads_local, T, d)
+        k = self.k_layernorm(k).transpose(1, 2)  # (B, groups_local, T, d)
+        v = v.transpose(1, 2)  # (B, groups_local, T, d)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)  # (B, groups_local, past+T, d)
+        out = core_attention(q, k, v, plan)  # (B, T, heads_local, d)
+        return self.linear_proj(out.reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: fc2(silu(gate) * up) with ``linear_fc1`` = [gate; up] (per TP rank: [gate_k; up_k])."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False)
+        self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # each (B, T, ffn_local)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.self_attention = SelfAttention(cfg)
+        self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
+    ) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rope, plan, kv_cache, layer_idx)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(input_ids)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in range(cfg.num_layers)})
+        self.final_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+
+
+class Qwen3Model(nn.Module):
+    """Qwen3 causal LM. ``forward`` returns logits (B, T, V), or final-norm hidden states with ``return_hidden``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embedding: Embedding | None = Embedding(cfg)
+        self.decoder = Decoder(cfg)
+        self.output_layer: nn.Linear | None = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    def output_weight(self) -> torch.Tensor:
+        """The (V, H) head matrix: ``output_layer`` if present, else the tied embedding."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        if self.embedding is not None and self.cfg.tie_word_embeddings:
+            return self.embedding.word_embeddings.weight
+        raise RuntimeError(
+            "output_layer: this model part has neither an output layer nor the tied embedding; a pipeline last "
+            "stage of a tied model must carry its own output_layer (as Megatron does)"
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Args:
+        input_ids: (B, T) token ids, or (B, T, H) hidden states when ``embedding`` was removed.
+        position_ids: (B, T); default arange after the cache length, or from ``attention_mask`` (left padding).
+        segment_ids: (B, T) packed samples: attention stays causal within equal ids (positions restart per sample,
+            given by the caller).
+        attention_mask: (B, past + T) 1 = real token, 0 = left padding (batched generation).
+        kv_cache: appended to; ``kv_cache.length`` is the past length.
+        return_hidden: return final-norm hidden states (B, T, H) instead of logits. Without a final norm (not
+            the last pipeline stage) the layer output is returned.
+        """
+        h = self.embedding(input_ids) if self.embedding is not None else input_ids  # (B, T, H)
+        b, t = h.shape[:2]
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = default_position_ids(b, t, past, attention_mask, h.device)
+        rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, h.dtype)
+        plan = plan_attention(h.device, t, past, segment_ids, attention_mask)
+        for idx, layer in self.decoder.layers.items():
+            h = layer(h, rope, plan, kv_cache, int(idx))
+        if self.decoder.final_layernorm is None:
+            return h
+        h = self.decoder.final_layernorm(h)
+        if return_hidden:
+            return h
+        return F.linear(h, self.output_weight())  # (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Megatron init: every matrix ~ N(0, std); the two residual-output matrices (``linear_proj``,
+        ``linear_fc2``) ~ N(0, std / sqrt(2 * num_layers)) (``scaled_init_method_normal``); norms = 1."""
+        std = self.cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        generators: dict[torch.device, torch.Generator] = {}
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param)
+                continue
+            gen = generators.get(param.device)
+            if gen is None and seed is not None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            nn.init.normal_(param, 0.0, out_std if scaled else std, generator=gen)
+
+
+def default_position_ids(
+    batch: int, length: int, past: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """arange(past, past + T) per row; with left padding, positions count real tokens only (as HF generate)."""
+    if attention_mask is None:
+        return torch.arange(past, past + length, device=device).expand(batch, length)
+    pos = attention_mask.long().cumsum(-1) - 1  # (B, past + T)
+    return pos.clamp(min=0)[:, -length:]
