@@ -1,0 +1,198 @@
+"""LoRA as a converter applied to a built model from outside (torchtitan ``components/lora.py``, litgpt ``lora.py``).
+
+``apply_lora`` swaps the target ``nn.Linear`` modules for ``LoRALinear`` (an ``nn.Linear`` subclass that keeps the
+same ``weight`` Parameter, so base keys stay the native keys) with two adapters: y = W x + (alpha/r) · B(A(drop(x))).
+A ~ kaiming-uniform (as PEFT), B = 0, so the converted model starts equal to the base. Everything that is not an
+adapter is frozen, optionally cast to bf16 (adapters stay fp32).
+
+Targets: Megatron names ``linear_qkv linear_proj linear_fc1 linear_fc2`` or HF names. HF names map onto our fused
+modules: q_proj,k_proj,v_proj -> linear_qkv; o_proj -> linear_proj; gate_proj,up_proj -> linear_fc1;
+down_proj -> linear_fc2. A fused module gets ONE adapter pair, so a partial HF target (only q_proj, or q_proj+v_proj)
+is refused: one adapter on the fused rows is not what PEFT would train on the HF model (q+v in PEFT = two independent
+rank-r adapters; a row-masked fused adapter would share A), and silently training something else would be dishonest.
+Empty targets = all four modules (MindSpeed's qwen3 LoRA scripts pass all four).
+
+Key names. Ours (native module path): ``decoder.layers.{i}.self_attention.linear_qkv.lora_A.weight`` (r, in) and
+``...lora_B.weight`` (out, r); the base stays ``...linear_qkv.weight``. MindSpeed-LLM (PEFT wrapped, unwrapped
+prefix) names the same tensors ``...linear_qkv.lora_A.default.weight`` / ``lora_B.default.weight`` and the base
+``...linear_qkv.base_layer.weight`` (megatron-interop.md §3); ``to_mindspeed_keys``/``from_mindspeed_keys`` rename.
+Scale alpha/r, as MindSpeed (no rsLoRA).
+
+Tensor parallelism (to be applied by engine.parallel, as MindSpeed ``lora_moe.py`` does):
+- column-parallel targets (linear_qkv, linear_fc1): A replicated on every TP rank, weight (r, H); B sharded like the
+  base weight along dim 0, (out/TP, r), its rows in the same per-rank layout as the base shard (whole KV groups of
+  interleaved q,k,v; [gate_k; up_k]). Local result: W_k x + s·B_k(A x), no extra communication.
+- row-parallel targets (linear_proj, linear_fc2): A sharded along its input dim, (r, in/TP); B replicated, (out, r).
+  The rank-r partial sums A_k x_k must be all-reduced before B (or B applied locally and the sum folded into the
+  base output's all-reduce, since B is linear).
+Merging per shard is then exact: W_k + s·B_k A (column) and W_k + s·B A_k (row).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_TO_MEGATRON = {
+    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+}
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # shard B on dim 0 under TP
+ROW_PARALLEL = ("linear_proj", "linear_fc2")  # shard A on dim 1 under TP
+
+
+def resolve_targets(targets: Iterable[str]) -> list[str]:
+    """Megatron module names for Megatron or HF ``targets``; refuses unknown names and partial fused targets."""
+    names = [t.strip() for t in targets if t.strip()]
+    if not names:
+        return list(MEGATRON_TARGETS)
+    unknown = [t for t in names if t not in MEGATRON_TARGETS and t not in HF_TO_MEGATRON]
+    if unknown:
+        raise ValueError(
+            f"lora_target_modules: unknown {unknown}; use {' '.join(MEGATRON_TARGETS)} or "
+            f"{' '.join(HF_TO_MEGATRON)}"
+        )
+    chosen = {HF_TO_MEGATRON.get(t, t) for t in names}
+    for fused in COLUMN_PARALLEL:
+        parts = {hf for hf, m in HF_TO_MEGATRON.items() if m == fused}
+        given = parts & set(names)
+        if given and given != parts and fused not in names:
+            raise ValueError(
+                f"lora_target_modules: {sorted(given)} is only part of the fused {fused} ({'+'.join(sorted(parts))}); "
+                f"LoRA adapts the fused matrix as a whole: give all of {sorted(parts)} or {fused}"
+            )
+    return [t for t in MEGATRON_TARGETS if t in chosen]
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` plus a low-rank update; ``weight`` (and ``bias``) are the base layer's own Parameters."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # shared, not copied: base keys and optimizer refs hold
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        kw = {"device": base.weight.device, "dtype": torch.float32}
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, **kw)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, **kw)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A as ``nn.Linear``'s default (kaiming-uniform, a=sqrt(5)), as PEFT; B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        a_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        return base + (self.lora_B(self.lora_A(a_in)) * self.scaling).to(base.dtype)
+
+
+def apply_lora(
+    model: nn.Module,
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    targets: Iterable[str] = (),
+    base_dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> list[str]:
+    """Wrap every target Linear of ``model`` in place, freeze the rest; returns the wrapped module paths."""
+    if r < 1:
+        raise ValueError(f"lora_r: must be at least 1, got {r}")
+    wanted = set(resolve_targets(targets))
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in wanted and type(module) is nn.Linear:
+            lora = LoRALinear(module, r, alpha, dropout)
+            if gen is not None and module.weight.device.type == "cpu":
+                lora.reset_lora_parameters(gen)
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, leaf, lora)
+            wrapped.append(name)
+    if not wrapped:
+        raise ValueError(f"lora_target_modules: no module named {sorted(wanted)} in the model")
+    for pname, param in model.named_parameters():
+        is_adapter = ".lora_A." in pname or ".lora_B." in pname
+        param.requires_grad_(is_adapter)
+        if base_dtype is not None and not is_adapter:
+            param.data = param.data.to(base_dtype)
+    return wrapped
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors only: ``<module>.lora_A.weight`` and ``<module>.lora_B.weight`` under native paths."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load adapters saved by ``lora_state_dict`` (MindSpeed names accepted); refuses missing or extra keys."""
+    state = from_mindspeed_keys(state)
+    own = lora_state_dict(model)
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"lora_load: adapter keys do not match the model (missing {missing[:3]}, extra {extra[:3]})")
+    model.load_state_dict(state, strict=False)
+
+
+def merge_lora(
+    base_weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, alpha: float, r: int,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W + (alpha/r) · B @ A computed in fp32, returned in ``out_dtype`` (default the base dtype), as MindSpeed."""
+    merged = base_weight.float() + (alpha / r) * (lora_b.float() @ lora_a.float())
+    return merged.to(out_dtype or base_weight.dtype)
+
+
+@torch.no_grad()
+def merge_into(model: nn.Module) -> list[str]:
+    """Fold every adapter into its base weight and put plain ``nn.Linear`` modules back; returns their paths."""
+    merged = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LoRALinear):
+            continue
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        w = merge_lora(module.weight, module.lora_A.weight, module.lora_B.weight, module.alpha, module.r)
+        plain.weight = nn.Parameter(w, requires_grad=module.weight.requires_grad)
+        plain.bias = module.bias
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, plain)
+        merged.append(name)
+    return merged
+
+
+def to_mindspeed_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our adapter (and base) keys -> MindSpeed-LLM's PEFT names (``lora_A.default``, ``base_layer``)."""
+    adapted = {k.rsplit(".lora_A.", 1)[0] for k in state if ".lora_A." in k}
+    out = {}
+    for key, value in state.items():
+        module, _, leaf = key.rpartition(".")
+        if module.endswith((".lora_A", ".lora_B")):
+            out[f"{module}.default.{leaf}"] = value
+        elif module in adapted:
+            out[f"{module}.base_layer.{leaf}"] = value
+        else:
+            out[key] = value
+    return out
+
+
+def from_mindspeed_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of ``to_mindspeed_keys``; also accepts lower-case ``lora_a``/``lora_b``; drops ``_extra_state``."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("._extra_state"):
+            continue
+        key = key.replace(".lora_a.", ".lora_A.").replace(".lora_b.", ".lora_B.")
+        key = key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        out[key.replace(".base_layer.", ".")] = value
+    return out

@@ -1,0 +1,96 @@
+"""Memory-bounded cross-entropy over the output head (Qwen3's 151,936-word vocabulary).
+
+Full logits are the biggest activation of an SFT step (b8 × s2048 × 151,936 fp32 = 10 GB, plus as much again for
+their gradient; anchors-engine.md §4). ``chunked_cross_entropy`` takes the final hidden states and the head matrix
+instead of logits and walks over row chunks: each chunk's logits (chunk × V, fp32) are computed, turned into the
+loss and, in the same pass, into the gradients for the hidden rows and the head matrix (as Liger-Kernel's fused
+linear cross-entropy does), then freed. Nothing of size (B·T, V) exists at any time, and backward only rescales the
+stored gradients. Rows whose label is ``ignore_index`` are dropped before the head matmul (prompt tokens in SFT cost
+nothing; TRL's ``chunked_nll`` does the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum_i CE(h_i @ W^T, y_i) over the given rows, gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, grad_hidden, grad_weight):  # type: ignore[override]
+        loss, gh, gw = _chunked_loss_and_grads(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
+        ctx.save_for_backward(gh if gh is not None else torch.empty(0), gw if gw is not None else torch.empty(0))
+        ctx.has = (gh is not None, gw is not None)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        gh, gw = ctx.saved_tensors
+        d_hidden = gh * grad_loss.to(gh.dtype) if ctx.has[0] else None
+        d_weight = (gw * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
+        return d_hidden, d_weight, None, None, None, None
+
+
+def _chunked_loss_and_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, want_gh: bool, want_gw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """hidden (N, H), weight (V, H), labels (N,) all valid -> (loss sum fp32, dL/dhidden, dL/dweight in fp32)."""
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    gh = torch.empty_like(hidden) if want_gh else None
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_gw else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start:start + chunk_size]  # (c, H)
+        y = labels[start:start + chunk_size]  # (c,)
+        logits = (h @ weight.t()).float()  # (c, V): the only vocab-sized buffer, one chunk at a time
+        lse = torch.logsumexp(logits, dim=-1)  # (c,)
+        loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+        if gh is None and gw is None:
+            continue
+        # d(sum CE)/d logits = softmax - onehot, computed in place over the logits buffer
+        dlogits = logits.sub_(lse[:, None]).exp_()
+        dlogits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+        dlogits = dlogits.to(weight.dtype)
+        if gh is not None:
+            gh[start:start + chunk_size] = dlogits @ weight  # (c, H)
+        if gw is not None:
+            gw += (dlogits.t() @ h).float()  # (V, H), accumulated in fp32
+    return loss, gh, gw
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, and the number of counted tokens.
+
+    Args:
+        hidden: (B, T, H) or (N, H) final-norm hidden states (``model(..., return_hidden=True)``).
+        weight: (V, H) head matrix (``model.output_weight()``).
+        labels: (B, T) or (N,) target ids aligned with ``hidden`` (already shifted: row t predicts labels[t]);
+            ``ignore_index`` rows count neither in the loss nor in the token count.
+        chunk_size: rows per chunk; peak extra memory is about chunk_size × V × 8 bytes.
+    Returns:
+        (loss_sum fp32 scalar, num_tokens int64 scalar), so the trainer can normalise by the global token count.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    flat_y = labels.reshape(-1)
+    valid = flat_y != ignore_index
+    num_tokens = valid.sum()
+    rows = valid.nonzero().squeeze(1)  # a host sync, paid once per call
+    h, y = flat_h.index_select(0, rows), flat_y.index_select(0, rows)  # backward scatters into the ignored rows
+    want_grad = torch.is_grad_enabled()
+    loss = _ChunkedLinearCE.apply(
+        h, weight, y, chunk_size, want_grad and h.requires_grad, want_grad and weight.requires_grad
+    )
+    return loss, num_tokens
