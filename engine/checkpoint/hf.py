@@ -1,0 +1,307 @@
+"""Hugging Face safetensors checkpoints: lazy reading and streaming, sharded writing.
+
+Reading (``HFCheckpoint``) goes through ``safetensors.safe_open``: the files are memory-mapped and a tensor (or a
+row/column slice of one, for one TP rank) is copied out only when asked for, so converting never holds the model.
+Writing (``save_hf``) plans every shard's header from the shapes first (a dry run of the mapping on meta tensors),
+then writes tensors one at a time as the mapping produces them: peak memory is about one layer, not one shard.
+The layout is what ``transformers.save_pretrained`` writes: config.json, generation_config.json,
+``model-XXXXX-of-YYYYY.safetensors`` and ``model.safetensors.index.json`` (``metadata.total_size`` + ``weight_map``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
+from engine.model.config import ModelConfig
+from engine.model.hf_mapping import _LAYER_COPIES, fuse_fc1, fuse_qkv, hf_from_native, native_keys
+from engine.runfiles import BadInput
+
+Getter = Callable[[str], torch.Tensor]
+Progress = Callable[[int, int], None]
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DEFAULT_SHARD_BYTES = 5_000_000_000  # transformers' "5GB": the seed's 8 GB Qwen3-4B became 2 files
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+# Qwen3's published generation_config.json, used when the source has none.
+QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                    "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+# ---------------------------------------------------------------- reading
+
+
+class HFCheckpoint:
+    """An HF Qwen3 directory (config.json + safetensors), read lazily and checked against its config up front."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise BadInput(f"{config_file}: missing (an HF model directory needs config.json)", field="load_dir")
+        try:
+            self.hf_config: dict[str, Any] = json.loads(config_file.read_text())
+            self.config = ModelConfig.from_hf(self.hf_config)
+        except (ValueError, KeyError) as err:
+            raise BadInput(f"{config_file}: not a usable Qwen3 config ({err})", field="load_dir") from err
+        self._handles: dict[str, Any] = {}
+        self._files = self._weight_map()
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        self._check()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                return dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError) as err:
+                raise BadInput(f"{index}: not a safetensors index ({err})", field="load_dir") from err
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise BadInput(f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)", field="load_dir")
+        return {key: name for name in files for key in self._open(name).keys()}
+
+    def _open(self, name: str) -> Any:
+        if name not in self._handles:
+            file = self.path / name
+            if not file.is_file():
+                raise BadInput(f"{file}: missing (listed in {INDEX})", field="load_dir")
+            try:
+                self._handles[name] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise BadInput(f"{file}: not a readable safetensors file, truncated? ({err})", field="load_dir") from err
+        return self._handles[name]
+
+    def _check(self) -> None:
+        """Every tensor the config needs is present with the right shape (header reads only, no data)."""
+        for name in sorted(set(self._files.values())):
+            handle = self._open(name)
+            for key in handle.keys():
+                sl = handle.get_slice(key)
+                self._shapes[key], self._dtypes[key] = tuple(sl.get_shape()), sl.get_dtype()
+        for key, shape in expected_hf_shapes(self.config).items():
+            if key not in self._files or key not in self._shapes:
+                raise BadInput(f"{self.path}: tensor {key} is missing", field="load_dir")
+            if self._shapes[key] != shape:
+                raise BadInput(
+                    f"{self.path / self._files[key]}: tensor {key} has shape {list(self._shapes[key])}, "
+                    f"config.json implies {list(shape)}", field="load_dir")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        name = self._dtypes["model.embed_tokens.weight"]
+        return {v: k for k, v in _ST_NAMES.items()}[name]
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The HF tensor ``key``, copied out of the memory map."""
+        return self._read(key, None)
+
+    def _read(self, key: str, index: Any) -> torch.Tensor:
+        if key not in self._files:
+            raise BadInput(f"{self.path}: tensor {key} is missing", field="load_dir")
+        try:
+            sl = self._open(self._files[key]).get_slice(key)
+            return sl[:] if index is None else sl[index]
+        except SafetensorError as err:
+            raise BadInput(f"{self.path / self._files[key]}: cannot read tensor {key} ({err})", field="load_dir") from err
+
+    def get_native(self, key: str) -> torch.Tensor:
+        """The native (Megatron TP1) tensor ``key``, fused from its HF tensors."""
+        return self.get_native_shard(key, 1, 0)
+
+    def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s piece of native ``key``, reading only the rows/columns it needs."""
+        cfg = self.config
+        if key == EMBEDDING or (key == OUTPUT and cfg.tie_word_embeddings):
+            return self._rows("model.embed_tokens.weight", tp, rank)
+        if key == OUTPUT:
+            return self._rows("lm_head.weight", tp, rank)
+        if key == FINAL_NORM:
+            return self.get("model.norm.weight")
+        parsed = layer_of(key)
+        if parsed is None:
+            raise KeyError(key)
+        i, suffix = parsed
+        f = f"model.layers.{i}."
+        if suffix == "self_attention.linear_qkv.weight":
+            local = cfg.replace(num_attention_heads=cfg.num_attention_heads // tp,
+                                num_query_groups=cfg.num_query_groups // tp)
+            return fuse_qkv(*(self._rows(f + f"self_attn.{p}_proj.weight", tp, rank) for p in "qkv"), local)
+        if suffix == "mlp.linear_fc1.weight":
+            return fuse_fc1(self._rows(f + "mlp.gate_proj.weight", tp, rank), self._rows(f + "mlp.up_proj.weight", tp, rank))
+        hf_key = f + _LAYER_COPIES[suffix]
+        if split_rule(key) == "dim1" and tp > 1:
+            cols = self._shapes[hf_key][1] // tp
+            return self._read(hf_key, (slice(None), slice(rank * cols, (rank + 1) * cols)))
+        return self.get(hf_key)
+
+    def _rows(self, hf_key: str, tp: int, rank: int) -> torch.Tensor:
+        if tp == 1:
+            return self.get(hf_key)
+        rows = self._shapes[hf_key][0] // tp
+        return self._read(hf_key, slice(rank * rows, (rank + 1) * rows))
+
+    def native_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: self.get_native(k) for k in native_keys(self.config)}
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape for ``cfg``: the native->HF mapping run on meta tensors."""
+    shapes = native_shapes(cfg)
+    meta = lambda key: torch.empty(shapes[key], device="meta")  # noqa: E731
+    return {k: tuple(t.shape) for k, t in hf_from_native(meta, cfg)}
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                      plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+    """Write one safetensors file whose header is ``plan``, consuming ``tensors`` in the same order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset, size = 0, torch.empty((), dtype=dtype).element_size()
+    for name, shape in plan:
+        nbytes = size * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, shape), (got, t) in zip(plan, tensors, strict=True):
+            if got != name or tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"writer expected {name} {list(shape)}, got {got} {list(t.shape)}")
+            t = t.detach().to(dtype).contiguous()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def plan_shards(entries: list[tuple[str, tuple[int, ...]]], elem_bytes: int,
+                max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy split in order, as transformers does: start a new shard when the next tensor would overflow."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in entries:
+        nbytes = elem_bytes * int(torch.Size(shape).numel())
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def as_getter(source: Mapping[str, torch.Tensor] | Getter | Any) -> Getter:
+    """A ``get(native_key)`` from a state dict, a callable, or a checkpoint object with ``get_native``."""
+    if isinstance(source, Mapping):
+        return source.__getitem__
+    if hasattr(source, "get_native"):
+        return source.get_native
+    return source
+
+
+def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig, out_dir: str | os.PathLike[str],
+            dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            hf_config: dict[str, Any] | None = None, generation_config: dict[str, Any] | None = None,
+            progress: Progress | None = None) -> list[Path]:
+    """Write ``cfg``'s model as an HF directory into ``out_dir`` (staged in a temp dir, published at the end).
+
+    ``source`` gives native tensors (dict, ``get(key)`` callable, or an object with ``get_native``); ``dtype``
+    defaults to the source's; ``hf_config`` is an original config.json whose extra keys are kept.
+    """
+    get = as_getter(source)
+    dtype = dtype or get(FINAL_NORM).dtype
+    entries = list(expected_hf_shapes(cfg).items())
+    shards = plan_shards(entries, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
+    out = Path(out_dir)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    with staging(out) as tmp:
+        stream = iter(hf_from_native(get, cfg))
+        done = 0
+        for name, plan in zip(names, shards):
+            write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
+            done += len(plan)
+            if progress:
+                progress(done, len(entries))
+        elem = torch.empty((), dtype=dtype).element_size()
+        index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
+                 "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = {**(hf_config or {}), **cfg.to_hf(_HF_DTYPE_NAMES[dtype])}
+        config.pop("dtype", None)  # transformers 5 spelling; one dtype key only
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config or QWEN3_GENERATION, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / n for n in names]
+
+
+def _counted(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for _ in range(n):
+        yield next(stream)
+
+
+def copy_tokenizer(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer files found in ``src`` (a directory, or a file inside one) into ``out_dir``."""
+    src_dir = Path(src) if Path(src).is_dir() else Path(src).parent
+    if not src_dir.is_dir():
+        raise BadInput(f"{src}: tokenizer directory not found", field="tokenizer_model")
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src_dir / name).is_file():
+            shutil.copy2(src_dir / name, Path(out_dir) / name)
+            copied.append(name)
+    return copied
+
+
+class staging:
+    """Write into ``<out>/.staging-<pid>/``, then move each file into ``out`` (config/index/tracker files last).
+
+    A crash leaves only the hidden staging directory: nothing half-written under a final name.
+    """
+
+    LAST = ("model.safetensors.index.json", "config.json", "latest_checkpointed_iteration.txt")
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.tmp = out / f".staging-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for name in (self.out / INDEX, self.out / "latest_checkpointed_iteration.txt"):
+            name.unlink(missing_ok=True)  # the old completion markers go first
+        if (self.tmp / INDEX).exists():  # shards of an earlier conversion would pollute the directory
+            for old in self.out.glob("model-?????-of-?????.safetensors"):
+                old.unlink()
+        entries = sorted(self.tmp.iterdir(), key=lambda p: p.name in self.LAST)
+        for entry in entries:
+            target = self.out / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        self.tmp.rmdir()

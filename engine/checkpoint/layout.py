@@ -1,0 +1,198 @@
+"""How native (Megatron local-spec, TP1/PP1) tensors are cut into Megatron's TP/PP ranks, and glued back.
+
+Facts from ``shared/docs/megatron-interop.md`` §2:
+
+- column-parallel weights (``linear_qkv``, word embeddings, ``output_layer``) are chunked on dim 0; ``linear_qkv``
+  is interleaved per KV group, so a plain dim-0 chunk hands each rank ``ng/TP`` whole groups;
+- ``linear_fc1`` is ``[gate; up]`` and rank k holds ``[gate_k; up_k]`` ("glu" rule);
+- row-parallel weights (``linear_proj``, ``linear_fc2``) are chunked on dim 1; norms are replicated;
+- LoRA (MindSpeed ``lora_moe.py``): on column-parallel targets A is replicated and B is split like the base weight;
+  on row-parallel targets A is split like the base weight (dim 1) and B is replicated;
+- PP stage p holds a contiguous run of layers renumbered from 0; with virtual pipeline chunk v of stage p holds
+  layers starting at ``(v*PP + p) * Lv``; the embedding is on the first stage, the final norm and ``output_layer``
+  on the last (a tied model gets a copy of the embedding there when PP > 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.hf_mapping import native_keys
+
+Rule = Literal["rep", "dim0", "dim1", "glu"]
+
+_COLUMN = ("self_attention.linear_qkv", "mlp.linear_fc1")
+_ROW = ("self_attention.linear_proj", "mlp.linear_fc2")
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
+
+EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+
+
+def split_rule(key: str) -> Rule:
+    """How the tensor ``key`` (any layer index, base or LoRA) is divided among TP ranks."""
+    lora = LORA_RE.match(key)
+    if lora:
+        module, ab = lora["module"], lora["ab"].upper()
+        column = module.endswith(_COLUMN)
+        if ab == "A":
+            return "rep" if column else "dim1"
+        return ("glu" if module.endswith("linear_fc1") else "dim0") if column else "rep"
+    if key in (EMBEDDING, OUTPUT) or key.endswith("linear_qkv.weight"):
+        return "dim0"
+    if key.endswith("linear_fc1.weight"):
+        return "glu"
+    if key.endswith(tuple(m + ".weight" for m in _ROW)):
+        return "dim1"
+    return "rep"
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A compact copy when ``t`` is a view: torch.save writes a view's whole storage, not just the view."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
+def shard(t: torch.Tensor, rule: Rule, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of the full tensor ``t`` (a compact tensor, safe to ``torch.save``)."""
+    if rule == "rep" or tp == 1:
+        return _own(t)
+    if rule == "glu":
+        gate, up = torch.chunk(t, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp, 0)[rank], torch.chunk(up, tp, 0)[rank]], dim=0)
+    dim = 0 if rule == "dim0" else 1
+    if t.shape[dim] % tp:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by TP {tp}")
+    return _own(torch.chunk(t, tp, dim)[rank])
+
+
+def merge(shards: list[torch.Tensor], rule: Rule) -> torch.Tensor:
+    """Inverse of ``shard``: the full tensor from every TP rank's piece, in rank order."""
+    if rule == "rep" or len(shards) == 1:
+        return shards[0]
+    if rule == "glu":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0 if rule == "dim0" else 1)
+
+
+def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every native (TP1) tensor of the model described by ``cfg``."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "self_attention.linear_qkv.weight": (cfg.qkv_rows, h),
+        "self_attention.q_layernorm.weight": (d,),
+        "self_attention.k_layernorm.weight": (d,),
+        "self_attention.linear_proj.weight": (h, cfg.num_attention_heads * d),
+        "pre_mlp_layernorm.weight": (h,),
+        "mlp.linear_fc1.weight": (2 * cfg.ffn_hidden_size, h),
+        "mlp.linear_fc2.weight": (h, cfg.ffn_hidden_size),
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key in native_keys(cfg):
+        m = _LAYER_RE.match(key)
+        if m:
+            shapes[key] = per_layer[m[2]]
+        elif key == FINAL_NORM:
+            shapes[key] = (h,)
+        else:
+            shapes[key] = (cfg.vocab_size, h)
+    return shapes
+
+
+def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
+    if rule in ("dim0", "glu"):
+        return (shape[0] // tp, *shape[1:])
+    if rule == "dim1":
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming the first quantity ``tp`` does not divide."""
+    for name, value in (
+        ("num_query_groups (KV heads)", cfg.num_query_groups),
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("ffn_hidden_size", cfg.ffn_hidden_size),
+        ("vocab_size", cfg.vocab_size),
+    ):
+        if value % tp:
+            raise ValueError(f"target TP {tp} does not divide {name} = {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One model chunk of one pipeline stage: ``model`` (or ``model{v}`` with VPP) in ``mp_rank_TT_PPP``."""
+
+    stage: int
+    index: int  # virtual chunk v; 0 without VPP
+    layers: tuple[int, ...]  # global layer numbers, local index = position in this tuple
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and the output layer
+
+
+def pipeline_chunks(num_layers: int, pp: int, num_layer_list: list[int] | None = None,
+                    vpp_layers: int | None = None) -> list[list[Chunk]]:
+    """Per stage, its model chunks. Raises ValueError when the layers cannot be divided as asked."""
+    if num_layer_list:
+        if len(num_layer_list) != pp or sum(num_layer_list) != num_layers or min(num_layer_list) < 0:
+            raise ValueError(f"num_layer_list {num_layer_list} must have {pp} entries summing to {num_layers}")
+        if vpp_layers:
+            raise ValueError("num_layer_list and num_layers_per_virtual_pipeline_stage cannot be combined")
+        starts = [sum(num_layer_list[:p]) for p in range(pp)]
+        return [[Chunk(p, 0, tuple(range(starts[p], starts[p] + num_layer_list[p])), p == 0, p == pp - 1)]
+                for p in range(pp)]
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers are not divisible by PP {pp}; give num_layer_list")
+    if not vpp_layers:
+        per = num_layers // pp
+        return [[Chunk(p, 0, tuple(range(p * per, (p + 1) * per)), p == 0, p == pp - 1)] for p in range(pp)]
+    if num_layers % (pp * vpp_layers):
+        raise ValueError(f"{num_layers} layers are not divisible by PP {pp} × {vpp_layers} layers per virtual stage")
+    nv = num_layers // (pp * vpp_layers)
+    return [
+        [Chunk(p, v, tuple(range((v * pp + p) * vpp_layers, (v * pp + p + 1) * vpp_layers)),
+               p == 0 and v == 0, p == pp - 1 and v == nv - 1) for v in range(nv)]
+        for p in range(pp)
+    ]
+
+
+def chunk_keys(cfg: ModelConfig, chunk: Chunk, pp: int) -> list[tuple[str, str]]:
+    """(local key as stored in the rank file, native key) for every tensor of ``chunk``.
+
+    A tied model with PP > 1 stores a copy of the embedding as ``output_layer.weight`` on the last stage
+    (Megatron's ``setup_embeddings_and_output_layer``); its native key is then the embedding's.
+    """
+    pairs: list[tuple[str, str]] = []
+    if chunk.first:
+        pairs.append((EMBEDDING, EMBEDDING))
+    suffixes = [k.split(".", 3)[3] for k in native_keys(cfg.replace(num_layers=1)) if k.startswith("decoder.layers.0.")]
+    for local, layer in enumerate(chunk.layers):
+        pairs += [(f"decoder.layers.{local}.{s}", f"decoder.layers.{layer}.{s}") for s in suffixes]
+    if chunk.last:
+        pairs.append((FINAL_NORM, FINAL_NORM))
+        if not cfg.tie_word_embeddings:
+            pairs.append((OUTPUT, OUTPUT))
+        elif pp > 1:
+            pairs.append((OUTPUT, EMBEDDING))
+    return pairs
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def layer_of(key: str) -> tuple[int, str] | None:
+    """(layer index, suffix) of a ``decoder.layers.{i}.suffix`` key, else None."""
+    m = _LAYER_RE.match(key)
+    return (int(m[1]), m[2]) if m else None

@@ -1,0 +1,441 @@
+"""Megatron-LM / MindSpeed-LLM legacy ``torch`` checkpoints, sharded by TP and PP.
+
+Layout (``shared/docs/megatron-interop.md`` §1): ``<root>/latest_checkpointed_iteration.txt`` (an integer, or
+``release``), ``<root>/iter_{N:07d}/mp_rank_{TT}[_{PPP}]/model_optim_rng.pt``, each a ``torch.save`` dict with
+``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0, ``iteration`` and ``model`` (``model0``,
+``model1``... per virtual-pipeline chunk) holding that rank's local-spec tensors with stage-local layer numbers.
+
+Writing builds one rank's dict at a time and saves it before the next, so peak memory is one output shard.
+Reading memory-maps every rank file (``torch.load(mmap=True)``) and glues a native tensor from its TP pieces only
+when asked, merging LoRA adapters per TP shard on the way (W_k + alpha/r · B_k @ A_k in fp32, MindSpeed's rule).
+Pickled classes that are not importable here (Megatron/MindSpeed enums in ``args``) load as inert stand-ins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import re
+import types
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from engine.checkpoint.hf import DTYPES, as_getter, staging
+from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
+                                      native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule,
+                                      _own)
+from engine.model.config import ModelConfig
+from engine.model.hf_mapping import native_keys
+from engine.model.lora import from_mindspeed_keys, merge_lora
+from engine.runfiles import BadInput
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+Progress = Callable[[int, int], None]
+
+
+# ---------------------------------------------------------------- tracker and directories
+
+
+def iteration_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str | None]:
+    """The directory holding the ``mp_rank_*`` folders, and its iteration, following Megatron's tracker rules."""
+    root = Path(root)
+    if not root.is_dir():
+        raise BadInput(f"{root}: checkpoint directory not found", field="load_dir")
+    if any(_RANK_DIR_RE.match(p.name) for p in root.iterdir()):
+        return root, None  # pointed straight at iter_XXXXXXX/
+    tracker = root / TRACKER
+    iters = sorted(p for p in root.glob("iter_[0-9]*") if p.is_dir())
+    if not tracker.is_file():
+        if not iters:
+            raise BadInput(f"{root}: no {TRACKER} and no iter_*/ directory: not a Megatron checkpoint", field="load_dir")
+        log.warning("%s: no %s; using the newest directory %s", root, TRACKER, iters[-1].name)
+        return iters[-1], int(iters[-1].name[5:])
+    text = tracker.read_text().strip()
+    if text == "release":
+        if not (root / "release").is_dir():
+            found = f" but the checkpoint has {', '.join(p.name for p in iters)}" if iters else ""
+            raise BadInput(f"{tracker}: says 'release'{found}; an iteration number is needed (e.g. "
+                           f"{int(iters[-1].name[5:]) if iters else 1})", field="load_dir")
+        return root / "release", "release"
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise BadInput(f"{tracker}: must hold an iteration number or 'release', found {text[:40]!r}", field="load_dir") from None
+    if iteration <= 0:
+        raise BadInput(f"{tracker}: iteration must be positive, found {iteration}", field="load_dir")
+    path = root / iteration_dir_name(iteration)
+    if not path.is_dir():
+        raise BadInput(f"{tracker}: says iteration {iteration} but {path} does not exist", field="load_dir")
+    return path, iteration
+
+
+def _lenient_pickle() -> types.ModuleType:
+    """A pickle module whose unpickler turns unknown classes into stand-ins instead of failing."""
+
+    class Missing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.args = args
+
+        def __setstate__(self, state: Any) -> None:
+            self.state = state
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return type(name, (Missing,), {"__module__": module})
+
+    mod = types.ModuleType("lenient_pickle")
+    mod.__dict__.update({k: v for k, v in pickle.__dict__.items() if not k.startswith("__")})
+    mod.Unpickler = Unpickler  # type: ignore[attr-defined]
+    return mod
+
+
+_PICKLE = _lenient_pickle()
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """One ``model_optim_rng.pt``, tensors memory-mapped (old non-zip files are read whole)."""
+    if not path.is_file():
+        raise BadInput(f"{path}: missing", field="load_dir")
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+        raise BadInput(f"{path}: not a readable torch checkpoint, truncated? ({err})", field="load_dir") from err
+
+
+# ---------------------------------------------------------------- writing
+
+
+def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer_list: list[int] | None = None,
+               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None) -> argparse.Namespace:
+    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3)."""
+    hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return argparse.Namespace(**{
+        **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1,
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
+        # Never False here: with --use-checkpoint-args it would silently turn GQA off (gotcha 3).
+        "group_query_attention": True, "num_query_groups": cfg.num_query_groups, "kv_channels": cfg.kv_channels,
+        "qk_layernorm": True, "qkv_type": "unpack", "add_qkv_bias": False, "add_bias_linear": False,
+        "swiglu": True, "normalization": "RMSNorm", "norm_epsilon": cfg.norm_epsilon,
+        "position_embedding_type": "rope", "use_rotary_position_embeddings": True, "rotary_base": cfg.rotary_base,
+        # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
+        "add_position_embedding": True,
+        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": cfg.max_position_embeddings,
+        "padded_vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": 1,
+        "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
+        "num_layer_list": ",".join(map(str, num_layer_list)) if num_layer_list else None,  # MindSpeed: a str flag
+        "num_layers_per_virtual_pipeline_stage": vpp_layers, "init_method_std": cfg.init_method_std,
+        "params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
+        "tokenizer_type": "PretrainedFromHF", "model_type_hf": "qwen3", "use_mcore_models": True,
+        "transformer_impl": "local", "consumed_train_samples": 0, "consumed_valid_samples": 0,
+        "skipped_train_samples": 0, "params_dtype_name": dtype_name,
+    })
+
+
+def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
+    """``(native_key, tp, rank) -> shard``: sources that can read one rank's piece directly do so."""
+    if hasattr(source, "get_native_shard"):
+        return source.get_native_shard
+    get = as_getter(source)
+    return lambda key, tp, rank: shard(get(key), split_rule(key), tp, rank)
+
+
+def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
+               iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
+               vpp_layers: int | None = None, dtype: torch.dtype | None = None,
+               progress: Progress | None = None) -> list[Path]:
+    """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
+
+    ``source``: a native state dict, a ``get(key)`` callable, or a checkpoint with ``get_native_shard``.
+    The checkpoint is staged in a hidden directory; the tracker is written last.
+    """
+    try:
+        check_tp(cfg, tp)
+        stages = pipeline_chunks(cfg.num_layers, pp, num_layer_list, vpp_layers)
+    except ValueError as err:
+        raise BadInput(str(err), field="target_tensor_parallel_size") from err
+    get_shard = _shard_getter(source)
+    dtype = dtype or as_getter(source)(FINAL_NORM).dtype
+    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
+    out, files = Path(out_dir), []
+    with staging(out) as tmp:
+        it_dir = tmp / iteration_dir_name(iteration)
+        for p, chunks in enumerate(stages):
+            for t in range(tp):
+                state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+                for chunk in chunks:
+                    name = "model" if len(chunks) == 1 else f"model{chunk.index}"
+                    state[name] = {local: _own(get_shard(native, tp, t).to(dtype))
+                                   for local, native in chunk_keys(cfg, chunk, pp)}
+                rank_dir = it_dir / rank_dir_name(t, p, pp)
+                rank_dir.mkdir(parents=True)
+                torch.save(state, rank_dir / MODEL_FILE)
+                del state
+                files.append(out / it_dir.name / rank_dir.name / MODEL_FILE)
+                if progress:
+                    progress(len(files), tp * pp)
+        (tmp / TRACKER).write_text(str(iteration))
+    return files
+
+
+# ---------------------------------------------------------------- reading
+
+
+class MegatronCheckpoint:
+    """A Megatron legacy checkpoint opened lazily; ``get_native(key)`` gives full TP1 tensors.
+
+    ``lora_dir``: MindSpeed's ``--lora-load`` checkpoint (same TP/PP) whose tensors override the base; LoRA
+    adapters found in either are merged when ``lora_alpha``/``lora_r`` are known (flags, else the checkpoint args).
+    ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
+                 lora_alpha: float | None = None, lora_r: int | None = None,
+                 hf_config: Mapping[str, Any] | None = None):
+        self.root = Path(root)
+        self.iter_dir, self.iteration = resolve_iteration_dir(self.root)
+        self.tp, self.pp, files = _rank_files(self.iter_dir)
+        self._raw = {rank: load_rank_file(path) for rank, path in files.items()}
+        self.args = self._raw[(0, 0)].get("args")
+        self._models = {rank: _chunks(raw, files[rank]) for rank, raw in self._raw.items()}
+        if lora_dir is not None:
+            self._overlay(Path(lora_dir))
+        self.lora_alpha, self.lora_r = self._lora_params(lora_alpha, lora_r)
+        self._locate()
+        self.config = self._infer_config(dict(hf_config or {}))
+        self._validate()
+
+    # -- structure
+
+    def _overlay(self, lora_dir: Path) -> None:
+        lora = MegatronCheckpoint.__new__(MegatronCheckpoint)
+        lora.iter_dir, _ = resolve_iteration_dir(lora_dir)
+        ltp, lpp, files = _rank_files(lora.iter_dir)
+        if (ltp, lpp) != (self.tp, self.pp):
+            raise BadInput(f"{lora_dir}: LoRA checkpoint is TP{ltp}/PP{lpp} but the base is TP{self.tp}/PP{self.pp}",
+                           field="lora_load")
+        for rank, path in files.items():
+            raw = load_rank_file(path)
+            if self.args is None and raw.get("args") is not None:
+                self.args = raw["args"]
+            for name, tensors in _chunks(raw, path).items():
+                self._models[rank].setdefault(name, {}).update(tensors)
+
+    def _lora_params(self, alpha: float | None, r: int | None) -> tuple[float | None, int | None]:
+        alpha = alpha if alpha is not None else getattr(self.args, "lora_alpha", None)
+        r = r if r is not None else getattr(self.args, "lora_r", None)
+        return alpha, r
+
+    def _locate(self) -> None:
+        """Map global layers and the embedding/head to (stage, chunk name, local index)."""
+        names = sorted(self._models[(0, 0)], key=lambda n: int(n[5:] or 0))
+        counts = {(p, n): _layer_count(self._models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
+        self.layer_at: list[tuple[int, str, int]] = []
+        for n in names:  # with VPP chunk v of every stage comes before chunk v+1
+            for p in range(self.pp):
+                self.layer_at += [(p, n, i) for i in range(counts[(p, n)])]
+        self.where: dict[str, tuple[int, str]] = {}
+        for p in range(self.pp):
+            for n in names:
+                for key in (EMBEDDING, FINAL_NORM, OUTPUT):
+                    if key in self._models[(0, p)].get(n, {}):
+                        self.where.setdefault(key, (p, n))
+        for key in (EMBEDDING, FINAL_NORM):
+            if key not in self.where:
+                raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
+
+    def _local(self, key: str) -> tuple[int, str, str]:
+        """(stage, chunk name, key as stored) of native ``key``."""
+        parsed = layer_of(key)
+        if parsed is None:
+            if key not in self.where:
+                raise KeyError(key)
+            return (*self.where[key], key)
+        layer, suffix = parsed
+        if layer >= len(self.layer_at):
+            raise KeyError(key)
+        p, n, i = self.layer_at[layer]
+        return p, n, f"decoder.layers.{i}.{suffix}"
+
+    # -- config
+
+    def _infer_config(self, hf: dict[str, Any]) -> ModelConfig:
+        """Shapes from the tensors (they cannot lie); epsilon, RoPE base and tying from args or config.json."""
+        a, tp = self.args, self.tp
+        shape = lambda key: tuple(self._raw_tensor(key, 0).shape)  # noqa: E731
+        pre = "decoder.layers.0."
+        try:
+            d = shape(pre + "self_attention.q_layernorm.weight")[0]
+        except KeyError:
+            raise BadInput(f"{self.iter_dir}: no q_layernorm: not a Qwen3 (qk-layernorm) checkpoint", field="load_dir") from None
+        rows, hidden = shape(EMBEDDING)
+        heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
+        groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
+        ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
+        untie = getattr(a, "untie_embeddings_and_output_weights", None)
+        tied = (not untie) if untie is not None else hf.get("tie_word_embeddings", self._output_is_embedding())
+        vocab = rows * tp
+        if hf.get("vocab_size") and hf["vocab_size"] < vocab:
+            vocab = hf["vocab_size"]  # Megatron padded the vocabulary; the HF model has the true size
+        pick = lambda arg, hf_key, default: getattr(a, arg, None) or hf.get(hf_key) or default  # noqa: E731
+        cfg = ModelConfig(
+            num_layers=len(self.layer_at), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+            num_query_groups=groups, kv_channels=d, vocab_size=vocab, tie_word_embeddings=bool(tied),
+            norm_epsilon=float(pick("norm_epsilon", "rms_norm_eps", 1e-6)),
+            rotary_base=float(pick("rotary_base", "rope_theta", 1e6)),
+            max_position_embeddings=int(pick("max_position_embeddings", "max_position_embeddings", 40960)),
+            init_method_std=float(pick("init_method_std", "initializer_range", 0.02)),
+        )
+        for field in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(a, field, None) not in (None, getattr(cfg, field)):
+                raise BadInput(f"{self.iter_dir}: args.{field} is {getattr(a, field)} but the tensors hold "
+                               f"{getattr(cfg, field)} (missing or mixed rank files?)", field="load_dir")
+        return cfg
+
+    def _output_is_embedding(self) -> bool:
+        if OUTPUT not in self.where:
+            return True  # PP=1 tied checkpoints carry no output layer
+        return all(torch.equal(self._raw_tensor(OUTPUT, t), self._raw_tensor(EMBEDDING, t))
+                   for t in range(self.tp))
+
+    def _validate(self) -> None:
+        cfg = self.config
+        full = native_shapes(cfg.replace(vocab_size=self._padded_rows()))
+        for key in native_keys(cfg):
+            want = shard_shape(full[key], split_rule(key), self.tp)
+            for t in range(self.tp):
+                p, n, local = self._local(key)
+                got = self._models[(t, p)].get(n, {}).get(local)
+                where = self.iter_dir / rank_dir_name(t, p, self.pp) / MODEL_FILE
+                if got is None:
+                    raise BadInput(f"{where}: tensor {local} is missing", field="load_dir")
+                if tuple(got.shape) != want:
+                    raise BadInput(f"{where}: tensor {local} has shape {list(got.shape)}, expected {list(want)}",
+                                   field="load_dir")
+
+    def _padded_rows(self) -> int:
+        return self._models[(0, self.where[EMBEDDING][0])][self.where[EMBEDDING][1]][EMBEDDING].shape[0] * self.tp
+
+    # -- tensors
+
+    def get_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        """Native ``key``'s piece for TP rank ``rank`` of ``tp``; LoRA merged, vocabulary padding dropped."""
+        trimmed = key in (EMBEDDING, OUTPUT) and self.config.vocab_size != self._padded_rows()
+        if tp == self.tp and not trimmed:
+            return self._stored(key, rank)
+        return shard(self.get_native(key), split_rule(key), tp, rank)
+
+    get_native_shard = get_shard
+
+    def get_native(self, key: str) -> torch.Tensor:
+        if key == OUTPUT and getattr(self, "config", None) is not None and self.config.tie_word_embeddings:
+            key = EMBEDDING
+        full = merge([self._stored(key, t) for t in range(self.tp)], split_rule(key))
+        if key in (EMBEDDING, OUTPUT) and getattr(self, "config", None) is not None:
+            full = full[: self.config.vocab_size]
+        return full
+
+    def _raw_tensor(self, key: str, t: int) -> torch.Tensor:
+        p, n, local = self._local(key)
+        tensors = self._models[(t, p)].get(n, {})
+        if local not in tensors:
+            raise KeyError(key)
+        return tensors[local]
+
+    def _stored(self, key: str, t: int) -> torch.Tensor:
+        weight = self._raw_tensor(key, t)
+        p, n, local = self._local(key)
+        tensors = self._models[(t, p)][n]
+        module = local.removesuffix(".weight")
+        a, b = tensors.get(module + ".lora_A.weight"), tensors.get(module + ".lora_B.weight")
+        if a is None or b is None:
+            return weight
+        if self.lora_alpha is None or self.lora_r is None:
+            raise BadInput(f"{self.iter_dir}: {local} has LoRA adapters; give lora_r and lora_alpha to merge them",
+                           field="lora_r")
+        return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+
+    def has_lora(self) -> bool:
+        return any(k.endswith(".lora_A.weight") for m in self._models[(0, 0)].values() for k in m)
+
+    def lora_tensor(self, key: str) -> torch.Tensor:
+        """A full (TP-merged) LoRA tensor, e.g. ``decoder.layers.3.mlp.linear_fc1.lora_B.weight``."""
+        p, n, local = self._local(key)
+        return merge([self._models[(t, p)][n][local] for t in range(self.tp)], split_rule(key))
+
+    def lora_modules(self) -> list[str]:
+        """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
+        found = []
+        for layer, (p, n, i) in enumerate(self.layer_at):
+            prefix = f"decoder.layers.{i}."
+            for key in self._models[(0, p)][n]:
+                if key.startswith(prefix) and key.endswith(".lora_A.weight"):
+                    found.append(f"decoder.layers.{layer}." + key[len(prefix):].removesuffix(".lora_A.weight"))
+        return found
+
+
+def _rank_files(iter_dir: Path) -> tuple[int, int, dict[tuple[int, int], Path]]:
+    found: dict[tuple[int, int], Path] = {}
+    for entry in iter_dir.iterdir():
+        m = _RANK_DIR_RE.match(entry.name)
+        if not m:
+            continue
+        if m[3] is not None:
+            raise BadInput(f"{entry}: expert-parallel checkpoints are not supported (dense Qwen3 only)", field="load_dir")
+        found[(int(m[1]), int(m[2] or 0))] = entry / MODEL_FILE
+    if not found:
+        raise BadInput(f"{iter_dir}: no mp_rank_* directories", field="load_dir")
+    tp = max(t for t, _ in found) + 1
+    pp = max(p for _, p in found) + 1
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in found:
+                raise BadInput(f"{iter_dir / rank_dir_name(t, p, pp)}: missing (TP {tp} × PP {pp} ranks expected)",
+                               field="load_dir")
+    return tp, pp, found
+
+
+def _chunks(raw: Mapping[str, Any], path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """``model``/``model{v}`` -> tensors with MindSpeed's PEFT names normalised and ``_extra_state`` dropped."""
+    names = [k for k in raw if k == "model" or re.fullmatch(r"model\d+", k)]
+    if not names:
+        raise BadInput(f"{path}: no 'model' entry (keys: {', '.join(map(str, raw))})", field="load_dir")
+    return {n: from_mindspeed_keys({k: v for k, v in raw[n].items() if isinstance(v, torch.Tensor)}) for n in names}
+
+
+def _layer_count(tensors: Mapping[str, torch.Tensor]) -> int:
+    layers = {p[0] for p in map(layer_of, tensors) if p is not None}
+    return max(layers) + 1 if layers else 0
+
+
+def load_mcore(path: str | os.PathLike[str], **kwargs: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
+    """(config, ``get(native_key)``) of a Megatron checkpoint; see ``MegatronCheckpoint`` for ``kwargs``."""
+    ckpt = MegatronCheckpoint(path, **kwargs)
+    return ckpt.config, ckpt.get_native
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    return DTYPES[name] if name else None
