@@ -210,27 +210,53 @@ class ParallelArgs(_Strict):
 
 
 class PreprocessSpec(JobBase):
-    """``preprocess_data.py``: raw instruction/pretraining data -> Megatron indexed datasets."""
+    """``preprocess_data.py``: raw instruction/pretraining data -> Megatron indexed datasets (``engine.data.job``)."""
 
     kind: Literal["preprocess"] = "preprocess"
-    input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files.")
-    tokenizer_name_or_path: DataPath
-    output_prefix: DataPath
-    tokenizer_type: str = "PretrainedFromHF"
+    input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files (one format).")
+    tokenizer_name_or_path: DataPath = Field(..., description="Local directory of a Hugging Face tokenizer.")
+    output_prefix: DataPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
+    tokenizer_type: Literal["PretrainedFromHF"] = "PretrainedFromHF"
     tokenizer_not_use_fast: bool = False
-    handler_name: str = Field("", description="e.g. SharegptStyleInstructionHandler, AlpacaStyleInstructionHandler; empty = pretraining text.")
-    prompt_type: str | None = Field(None, description="Chat template: qwen3 (alias qwen), or hf for the tokenizer's own.")
-    enable_thinking: TriState = "none"
-    map_keys: JsonObject | None = None
-    json_keys: StrList = Field(default_factory=lambda: ["text"])
-    workers: int = Field(1, ge=1, le=256)
-    log_interval: int = Field(100, ge=1)
-    seq_length: int | None = Field(None, ge=1)
-    pack: bool = False
-    neat_pack: bool = False
-    append_eod: bool = False
-    skip_bad_samples: bool = False
-    overlong_policy: Literal["truncate", "drop"] = Field("truncate", description="What to do with samples longer than seq_length.")
+    handler_name: str = Field(
+        "",
+        description="SharegptStyleInstructionHandler (ShareGPT/OpenAI messages), AlpacaStyleInstructionHandler, "
+        "GeneralInstructionHandler (Alpaca); empty or GeneralPretrainHandler = pretraining text.",
+    )
+    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (ChatML without thinking rules) or hf (the tokenizer's own).")
+    enable_thinking: TriState = Field("none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning).")
+    map_keys: JsonObject | None = Field(None, description='Column and role-tag mapping, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.')
+    json_keys: StrList = Field(default_factory=lambda: ["text"], description="Pretraining: the text column(s).")
+    workers: int = Field(1, ge=1, le=256, description="Tokenizing processes.")
+    log_interval: int = Field(100, ge=1, description="Samples between progress reports.")
+    seq_length: int | None = Field(None, ge=2, description="Samples of seq_length tokens or more are dropped (or truncated); pack bins.")
+    pack: bool = Field(False, description="Pack samples into seq_length rows (needs seq_length).")
+    neat_pack: bool = Field(False, description="With pack: attention_mask holds 1-based sub-sample ids, 0 on padding.")
+    append_eod: bool = Field(False, description="Pretraining: append the tokenizer's eos id to every document.")
+    skip_bad_samples: bool = Field(False, description="Count and skip malformed records instead of failing on the first.")
+    overlong_policy: Literal["drop", "truncate"] = Field(
+        "drop", description="Samples longer than seq_length - 1 tokens: drop (MindSpeed) or keep the first seq_length - 1."
+    )
+
+    @model_validator(mode="after")
+    def _check_preprocess(self) -> "PreprocessSpec":
+        from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
+        from engine.data.templates import TEMPLATES
+
+        if self.handler_name not in HANDLERS:
+            raise ValueError(f"handler_name: {self.handler_name!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
+        instruction = HANDLERS[self.handler_name] != "text"
+        if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
+            raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
+        if instruction and self.prompt_type is None:
+            raise ValueError(f"prompt_type: required with {self.handler_name} (qwen3, qwen or hf)")
+        if self.pack and self.seq_length is None:
+            raise ValueError("seq_length: required with pack")
+        if self.neat_pack and not self.pack:
+            raise ValueError("neat_pack: requires pack")
+        if self.pack and not instruction:
+            raise ValueError("pack: applies to instruction data only (pretraining samples are packed by the trainer)")
+        return self
 
 
 class TrainSpec(JobBase, ParallelArgs, ModelArgs):

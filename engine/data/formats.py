@@ -1,0 +1,189 @@
+"""Instruction formats: a decoded record -> a normalized conversation (list of ``{"role", "content"}``).
+
+Public interface (shared with evaluation):
+
+- ``iter_conversations(path, map_keys=None, handler_name="SharegptStyleInstructionHandler")`` yields
+  ``(file, number, messages)`` for every record of a file or directory (see ``readers`` for what ``number`` counts) and
+  raises ``BadInput`` naming the file, line and problem at the first bad record.
+- ``Converter(handler_name, map_keys)`` with ``.messages(record)`` for one record (raises ``FormatError``).
+
+Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed's ``--map-keys`` defaults:
+
+- ShareGPT (``SharegptStyleInstructionHandler``): ``{"messages": "conversations", "system": <column or absent>,
+  "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}}``. A first message with
+  the system tag is the system prompt; otherwise the ``system`` column, when mapped. Tags missing from a given
+  ``map_keys`` keep these defaults. OpenAI messages are ShareGPT with ``{"messages": "messages", "tags": {"role_tag":
+  "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}}`` (the
+  seed's ``--map-keys``); without ``map_keys``, a record that has ``messages`` and no ``conversations`` is read so.
+- Alpaca (``AlpacaStyleInstructionHandler``, ``GeneralInstructionHandler``): ``{"prompt": "instruction",
+  "query": "input", "response": "output"}``; the user turn is ``instruction + "\\n" + input`` (empty parts omitted).
+  ``system`` and ``history`` (a list of ``[query, response]`` pairs before this turn) are read only when mapped,
+  e.g. ``{"system": "system", "history": "history"}``, as in MindSpeed.
+- Plain text (``GeneralPretrainHandler`` or no handler): not a conversation; see ``text_fields``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+from engine.data.readers import RecordError, input_files, iter_raw, parse_record, unit
+from engine.data.templates import ConversationError, check_conversation
+from engine.runfiles import BadInput
+
+HANDLERS: dict[str, str] = {
+    "SharegptStyleInstructionHandler": "sharegpt",
+    "AlpacaStyleInstructionHandler": "alpaca",
+    "GeneralInstructionHandler": "alpaca",
+    "GeneralPretrainHandler": "text",
+    "": "text",
+}
+SHAREGPT_TAGS = {
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
+OPENAI_TAGS = {
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "tool",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
+_SHAREGPT_KEYS = {"messages", "system", "tools", "tags"}
+_ALPACA_KEYS = {"prompt", "query", "response", "system", "history"}
+_ROLE_OF_TAG = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "observation", "function_tag": "function", "system_tag": "system"}
+
+
+class FormatError(ValueError):
+    """A record that does not fit its format (missing key, unknown role, bad turn order); caller adds file/line."""
+
+
+def handler_format(handler_name: str | None) -> str:
+    """``sharegpt``, ``alpaca`` or ``text`` for a MindSpeed handler name; ``ValueError`` for an unsupported one."""
+    name = handler_name or ""
+    if name not in HANDLERS:
+        raise ValueError(f"handler_name: {name!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
+    return HANDLERS[name]
+
+
+def _check_map_keys(fmt: str, map_keys: dict[str, Any]) -> None:
+    allowed = _SHAREGPT_KEYS if fmt == "sharegpt" else _ALPACA_KEYS
+    unknown = sorted(set(map_keys) - allowed)
+    if unknown:
+        raise ValueError(f"map_keys: unknown key(s) {', '.join(map(repr, unknown))} for {fmt}; allowed: {', '.join(sorted(allowed))}")
+    tags = map_keys.get("tags", {})
+    if not isinstance(tags, dict) or set(tags) - set(SHAREGPT_TAGS):
+        raise ValueError(f"map_keys: tags must be an object with keys among {', '.join(SHAREGPT_TAGS)}")
+
+
+class Converter:
+    """Turns decoded records of one format into checked conversations (see the module docstring)."""
+
+    def __init__(self, handler_name: str | None, map_keys: dict[str, Any] | None = None):
+        self.format = handler_format(handler_name)
+        if self.format == "text":
+            raise ValueError(f"handler_name: {handler_name or '(none)'} reads plain text, not conversations")
+        self.explicit = map_keys is not None
+        keys = dict(map_keys or {})
+        _check_map_keys(self.format, keys)
+        self.keys = keys
+        self.tags = {**SHAREGPT_TAGS, **keys.get("tags", {})}
+
+    def messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
+        """The record's conversation, validated for the templates. Raises ``FormatError``."""
+        try:
+            raw = self._sharegpt(record) if self.format == "sharegpt" else self._alpaca(record)
+            return check_conversation(raw)
+        except ConversationError as err:
+            raise FormatError(str(err)) from err
+
+    # ------------------------------------------------------------ ShareGPT / OpenAI
+
+    def _sharegpt(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        column, tags = self.keys.get("messages", "conversations"), self.tags
+        if not self.explicit and column not in record and "messages" in record:
+            column, tags = "messages", OPENAI_TAGS
+        turns = _require(record, column)
+        if not isinstance(turns, list):
+            raise FormatError(f"{column!r} must be a list of messages, got {type(turns).__name__}")
+        if not turns:
+            raise FormatError("empty conversation")
+        role_of = {tags[t]: role for t, role in _ROLE_OF_TAG.items() if tags.get(t) is not None}
+        out: list[dict[str, Any]] = []
+        system_column = self.keys.get("system")
+        if system_column and record.get(system_column) and not _is_system(turns[0], tags):
+            out.append({"role": "system", "content": record[system_column]})
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, dict):
+                raise FormatError(f"turn {i}: expected an object, got {type(turn).__name__}")
+            tag = _require(turn, tags["role_tag"], f"turn {i}: ")
+            if tag not in role_of:
+                raise FormatError(f"turn {i}: unknown role {tag!r} (known: {', '.join(map(repr, role_of))})")
+            out.append({"role": role_of[tag], "content": _require(turn, tags["content_tag"], f"turn {i}: ")})
+        return out
+
+    # ------------------------------------------------------------ Alpaca
+
+    def _alpaca(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        prompt = _require(record, self.keys.get("prompt", "instruction"))
+        query_key = self.keys.get("query", "input")
+        parts = [p for p in (prompt, record.get(query_key) if query_key else None) if p]
+        response = _require(record, self.keys.get("response", "output"))
+        out: list[dict[str, Any]] = []
+        if self.keys.get("system") and record.get(self.keys["system"]):
+            out.append({"role": "system", "content": record[self.keys["system"]]})
+        for j, pair in enumerate((record.get(self.keys["history"]) or []) if self.keys.get("history") else []):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise FormatError(f"history item {j}: expected [query, response]")
+            out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        out += [{"role": "user", "content": "\n".join(str(p) for p in parts)}, {"role": "assistant", "content": response}]
+        return out
+
+
+def _is_system(turn: Any, tags: dict[str, str]) -> bool:
+    return isinstance(turn, dict) and turn.get(tags["role_tag"]) == tags.get("system_tag")
+
+
+def _require(obj: dict[str, Any], key: str, where: str = "") -> Any:
+    if key not in obj or obj[key] is None:
+        raise FormatError(f"{where}missing key {key!r}")
+    return obj[key]
+
+
+def text_fields(record: dict[str, Any], json_keys: list[str]) -> list[str]:
+    """The pretraining texts of a record, one per ``json_keys`` entry. Raises ``FormatError``."""
+    texts = []
+    for key in json_keys:
+        value = _require(record, key)
+        if not isinstance(value, str):
+            raise FormatError(f"{key!r} must be a string, got {type(value).__name__}")
+        texts.append(value)
+    return texts
+
+
+def where(file: str, number: int) -> str:
+    """``file, line N`` / ``file, row N`` for error messages."""
+    return f"{file}, {unit(file)} {number}"
+
+
+def iter_conversations(
+    path: str | os.PathLike[str], map_keys: dict[str, Any] | None = None, handler_name: str = "SharegptStyleInstructionHandler"
+) -> Iterator[tuple[str, int, list[dict[str, str]]]]:
+    """``(file, number, messages)`` for every record under ``path``; ``BadInput`` names the first bad record."""
+    try:
+        converter = Converter(handler_name, map_keys)
+    except ValueError as err:
+        raise BadInput(str(err), field=str(err).split(":")[0]) from err
+    for file, number, payload in iter_raw(input_files(path)):
+        try:
+            yield file, number, converter.messages(parse_record(payload))
+        except (RecordError, FormatError) as err:
+            raise BadInput(f"{where(file, number)}: {err}", field="input") from err
