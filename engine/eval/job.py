@@ -1,0 +1,184 @@
+"""The ``eval`` job kind: ``python -m engine eval`` (the seed's ``inference_4_midea_test.py``).
+
+``eval_mode=generate`` (default): render every test line's prompt with the training template, decode answers in
+left-padded batches with a KV cache, score them by exact match against the reference assistant turn, and write
+``predictions.jsonl`` (one object per scored line: ``line``, ``input``, ``reference``, ``output`` raw, ``answer``
+parsed, ``correct``, ``finish_reason``) next to the summary in ``result.json``.
+``eval_mode=loss``: token loss and perplexity with the training loss code (``engine.eval.loss_eval``).
+
+Under torchrun with several ranks the test set is split across ranks (data parallel; each rank holds the whole
+model) and rank 0 gathers, scores and writes. Tensor/pipeline-parallel decoding is not implemented: a TP/PP layout
+in the flags is reported and the model is replicated instead, which works while it fits one device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.data.tokenizer import load_tokenizer
+from engine.eval.dataset import TestLine, TestSet, read_test_set
+from engine.eval.generate import DecodeOptions, generate
+from engine.eval.model_loading import build_model
+from engine.eval.sampling import SamplingParams
+from engine.eval.scoring import Scoreboard
+from engine.parallel.device import Device, init_distributed
+from engine.runfiles import BadInput, RunDir
+
+log = logging.getLogger(__name__)
+
+PREDICTIONS = "predictions.jsonl"
+MAX_REPORTED_BAD_LINES = 50
+
+
+def _tokenizer(spec: Any) -> Any:
+    path = spec.tokenizer_name_or_path or spec.load
+    if spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file():
+        raise BadInput("tokenizer_name_or_path: required (the checkpoint directory holds no tokenizer)",
+                       field="tokenizer_name_or_path")
+    return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
+
+
+def _decode_options(spec: Any, tokenizer: Any) -> DecodeOptions:
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stops = {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    temperature = 0.0 if spec.greedy else spec.temperature
+    sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
+    return DecodeOptions(max_new_tokens=spec.max_new_tokens, stop_ids=tuple(sorted(stops)), pad_id=pad,
+                         sampling=sampling, use_cache=not spec.no_kv_cache)
+
+
+def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
+    for bad in testset.bad[:MAX_REPORTED_BAD_LINES]:
+        run.event("warning", f"{testset.path}: line {bad.number} skipped: {bad.reason}", line=bad.number,
+                  reason=bad.reason, policy=policy)
+    if testset.bad:
+        log.warning("%d bad test line(s) skipped (bad_line_policy=%s)", len(testset.bad), policy)
+
+
+def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: DecodeOptions, batch_size: int,
+            run: RunDir, device: Device, world: int) -> tuple[list[dict[str, Any]], int, float]:
+    """Generate for this rank's lines: (records, tokens generated, seconds)."""
+    prompts = [line.prompt_ids for line in lines]
+    records: list[dict[str, Any]] = []
+    produced, start, done = 0, time.perf_counter(), 0
+    for step, (indices, gen) in enumerate(generate(model, cfg, prompts, opts, batch_size)):
+        device.synchronize()
+        produced += gen.num_generated
+        for i, tokens, reason in zip(indices, gen.tokens, gen.finish_reasons):
+            records.append({"index": i, "tokens": tokens, "finish_reason": reason})
+        done += len(indices)
+        elapsed = time.perf_counter() - start
+        run.metric(step, {"tokens_per_s": produced / max(elapsed, 1e-9), "batch_size": len(indices),
+                          "batch_tokens_per_s": gen.num_generated / max(gen.seconds, 1e-9)})
+        run.progress(min(done * world, run_total(lines, world)), run_total(lines, world), "lines")
+    return records, produced, time.perf_counter() - start
+
+
+def run_total(lines: list[TestLine], world: int) -> int:
+    """The progress total: lines across all ranks (each rank holds about the same share)."""
+    return len(lines) * world
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
+    target = run.path / PREDICTIONS
+    tmp = target.with_name(f".{PREDICTIONS}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def _score(spec: Any, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Scoreboard]:
+    board = Scoreboard(spec.answer_normalization, top_confusions=spec.top_confusions)
+    rows = []
+    for rec in sorted(records, key=lambda r: lines[r["index"]].number):
+        line = lines[rec["index"]]
+        output = tokenizer.decode(rec["tokens"], skip_special_tokens=False)
+        answer, correct = board.add(output, line.reference)
+        rows.append({"line": line.number, "input": line.input, "reference": line.reference, "output": output,
+                     "answer": answer, "correct": correct, "finish_reason": rec["finish_reason"]})
+    return rows, board
+
+
+def _check_layout(spec: Any, run: RunDir) -> None:
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    if tp > 1 or pp > 1:
+        message = (f"tensor_model_parallel_size: eval does not shard the model yet (TP {tp}, PP {pp} asked); "
+                   "every rank holds the whole model and decodes its share of the test set")
+        log.warning(message)
+        run.event("warning", message, field="tensor_model_parallel_size")
+
+
+def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
+    """Entry point for ``python -m engine eval`` (see the module docstring)."""
+    torch.manual_seed(spec.seed)
+    _check_layout(spec, run)
+    tokenizer = _tokenizer(spec)
+    # Checkpoints are read before the process group exists: each rank reads the whole model on its own.
+    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer))
+    device = init_distributed(spec.resources.device_type)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model.to(device.torch_device)
+    if spec.eval_mode == "loss":
+        from engine.eval.loss_eval import run_loss_eval
+
+        return run_loss_eval(spec, run, model, tokenizer, device, info)
+    testset = read_test_set(spec.eval_data_path, tokenizer, template=(spec.prompt_type or "qwen3"),
+                            enable_thinking=spec.enable_thinking, map_keys=spec.map_keys,
+                            limit=spec.eval_data_size, max_prompt_tokens=spec.seq_length,
+                            policy=spec.bad_line_policy)
+    _report_bad_lines(run, testset, spec.bad_line_policy)
+    if not testset.lines:
+        raise BadInput(f"eval_data_path: no scorable line in {spec.eval_data_path} "
+                       f"({len(testset.bad)} bad line(s) skipped)", field="eval_data_path")
+    opts = _decode_options(spec, tokenizer)
+    mine = testset.lines[rank::world]
+    records, produced, seconds = _decode(model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size,
+                                         run, device, world)
+    for rec in records:  # indices into this rank's share -> indices into the whole test set
+        rec["index"] = rec["index"] * world + rank
+    gathered = _gather((records, produced, seconds))
+    all_records = [r for part in gathered for r in part[0]]
+    rows, board = _score(spec, tokenizer, testset.lines, all_records)
+    outputs: dict[str, str] = {}
+    if run.is_writer:
+        outputs["predictions"] = str(_write_predictions(run, rows))
+        outputs["result"] = str(run.path / "result.json")
+    tokens = sum(part[1] for part in gathered)
+    wall = max(part[2] for part in gathered)
+    summary = {
+        **board.summary(),
+        "skipped": len(testset.bad),
+        "skipped_lines": [{"line": b.number, "reason": b.reason} for b in testset.bad[:MAX_REPORTED_BAD_LINES]],
+        "bad_line_policy": spec.bad_line_policy,
+        "stopped_by_length": sum(r["finish_reason"] == "length" for r in rows),
+        "generated_tokens": tokens,
+        "generation_seconds": wall,
+        "tokens_per_s": tokens / max(wall, 1e-9),
+        "decoding": {"greedy": opts.sampling.greedy, "temperature": spec.temperature, "top_k": spec.top_k,
+                     "top_p": spec.top_p, "seed": spec.seed, "max_new_tokens": spec.max_new_tokens,
+                     "batch_size": spec.eval_batch_size or spec.micro_batch_size, "kv_cache": opts.use_cache},
+        "world_size": world,
+        "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, **info},
+    }
+    log.info("accuracy %.4f (%d/%d), %d skipped, %.1f tokens/s", summary["accuracy"], summary["correct"],
+             summary["total"], summary["skipped"], summary["tokens_per_s"])
+    return outputs, summary

@@ -1,0 +1,235 @@
+"""Build the model an eval job runs: checkpoint (any of our formats) + model-shape flags + optional LoRA adapters.
+
+The checkpoint decides the shape when it carries one (HF ``config.json``, Megatron ``args``, our training
+checkpoints); shape flags given on the command line must then agree with it, as Megatron's
+``check_checkpoint_args`` insists — a mismatch is a ``BadInput`` naming every differing flag, never a silent
+reshape or a shape error deep inside ``load_state_dict``. A checkpoint without a shape (an mcore checkpoint saved
+without ``args``) takes it from the flags.
+
+LoRA adapters (``lora_load``) are applied on the loaded base with ``engine.model.lora`` and never merged into it, so
+what is evaluated is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter
+checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.qwen3 import Qwen3Model
+from engine.runfiles import BadInput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# spec flag -> (ModelConfig field, how to read the flag's value off the spec)
+_SHAPE_FLAGS: dict[str, str] = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels",
+    "padded_vocab_size": "vocab_size",
+    "norm_epsilon": "norm_epsilon",
+    "rotary_base": "rotary_base",
+    "max_position_embeddings": "max_position_embeddings",
+    "untie_embeddings_and_output_weights": "tie_word_embeddings",
+}
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
+# Megatron MindSpeed LoRA checkpoints may hold the "hidden" optimizer-free extras; they carry no weights.
+_SKIP_SUFFIXES = ("._extra_state",)
+
+
+def flag_values(spec: Any) -> dict[str, Any]:
+    """Shape values the user set explicitly (unset flags keep MindSpeed defaults that say nothing about the model)."""
+    given = spec.model_fields_set
+    values: dict[str, Any] = {}
+    for flag, field in _SHAPE_FLAGS.items():
+        if flag not in given:
+            continue
+        value = getattr(spec, flag)
+        if flag == "untie_embeddings_and_output_weights":
+            value = not value
+        if flag == "num_query_groups" and not spec.group_query_attention:
+            continue  # Megatron ignores it without --group-query-attention
+        if value is not None:
+            values[field] = value
+    if "num_query_groups" not in values and spec.group_query_attention is False and "num_attention_heads" in values:
+        values["num_query_groups"] = values["num_attention_heads"]  # MHA
+    return values
+
+
+def check_against_flags(cfg: ModelConfig, spec: Any, source: str) -> None:
+    """Raise ``BadInput`` listing every shape flag that disagrees with the checkpoint's shape."""
+    wanted = flag_values(spec)
+    if "num_query_groups" in wanted and not spec.group_query_attention:
+        wanted.pop("num_query_groups")  # an MHA default derived from the heads flag is no user statement
+    field_to_flag = {v: k for k, v in _SHAPE_FLAGS.items()}
+    diffs = []
+    for field, value in wanted.items():
+        have = getattr(cfg, field)
+        same = math.isclose(have, value, rel_tol=1e-9) if isinstance(value, float) else have == value
+        if not same:
+            flag = field_to_flag[field]
+            shown = (not have) if flag == "untie_embeddings_and_output_weights" else have
+            diffs.append((flag, f"{flag}: the checkpoint has {shown!r} but the flags say {getattr(spec, flag)!r}"))
+    if diffs:
+        raise BadInput(f"load: checkpoint {source} does not match the model flags: " + "; ".join(d for _, d in diffs),
+                       field=diffs[0][0])
+
+
+def config_from_flags(spec: Any, vocab_hint: int | None = None) -> ModelConfig:
+    """A shape from the flags alone (for checkpoints that carry none). Raises ``BadInput`` when flags are missing."""
+    values = flag_values(spec)
+    required = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"]
+    missing = [f for f in required if f not in values]
+    if missing:
+        raise BadInput(f"{missing[0]}: the checkpoint has no model config, so --" + ", --".join(
+            m.replace("_", "-") for m in missing) + " must be given", field=missing[0])
+    if spec.group_query_attention and "num_query_groups" not in values:
+        values["num_query_groups"] = 1  # Megatron's default with --group-query-attention
+    values.setdefault("num_query_groups", values["num_attention_heads"])
+    values.setdefault("kv_channels", values["hidden_size"] // values["num_attention_heads"])
+    if "vocab_size" not in values:
+        if vocab_hint is None:
+            raise BadInput("padded_vocab_size: the checkpoint has no model config; give --padded-vocab-size",
+                           field="padded_vocab_size")
+        multiple = spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size
+        values["vocab_size"] = -(-vocab_hint // multiple) * multiple  # Megatron's _vocab_size_with_padding
+    values.setdefault("norm_epsilon", spec.norm_epsilon)
+    values.setdefault("rotary_base", spec.rotary_base)
+    values.setdefault("tie_word_embeddings", not spec.untie_embeddings_and_output_weights)
+    try:
+        return ModelConfig(**values)
+    except ValueError as err:
+        raise BadInput(f"num_query_groups: {err}", field="num_query_groups") from err
+
+
+def read_checkpoint(path: str) -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
+    """(shape or None, native state dict) of any checkpoint format ``engine.checkpoint.load`` knows."""
+    try:
+        from engine.checkpoint.load import load_model_weights
+    except ImportError:  # the conversion helper's loader has not landed yet: HF directories only
+        load_model_weights = _load_hf
+
+    try:
+        cfg, state = load_model_weights(path)
+    except FileNotFoundError as err:
+        raise BadInput(f"load: {err}", field="load") from err
+    return cfg, dict(state)
+
+
+def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from engine.checkpoint.hf import HFCheckpoint
+
+    if not (Path(path) / "config.json").is_file():
+        raise BadInput(f"load: {path} is not an HF model directory (no config.json)", field="load")
+    ckpt = HFCheckpoint(path)
+    return ckpt.config, ckpt.native_state_dict()
+
+
+def lora_settings(path: str) -> dict[str, Any]:
+    """r/alpha/targets our trainer recorded next to a LoRA checkpoint ({} for other formats)."""
+    from engine.checkpoint import dcp
+
+    if not dcp.is_training_checkpoint(path):
+        return {}
+    return dict(dcp.read_meta(path).get("lora") or {})
+
+
+def split_adapters(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base overrides, LoRA tensors keyed ``<module>.lora_A.weight``) of an adapter checkpoint."""
+    base, lora = {}, {}
+    for key, tensor in state.items():
+        if key.endswith(_SKIP_SUFFIXES):
+            continue
+        m = _LORA_KEY.match(key)
+        if m:
+            lora[f"{m['module']}.lora_{m['ab'].upper()}.weight"] = tensor
+        else:
+            base[key.replace(".base_layer.weight", ".weight")] = tensor
+    return base, lora
+
+
+def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model``; every key must exist with its shape and every model tensor must be given."""
+    own = model.state_dict()
+    state = {k: v for k, v in state.items() if not k.endswith(_SKIP_SUFFIXES)}
+    if "output_layer.weight" in state and "output_layer.weight" not in own:
+        state.pop("output_layer.weight")  # a tied model's last pipeline stage keeps a copy (megatron-interop.md §2)
+    unexpected = sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(state))
+    wrong = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own
+             if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    problems = []
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with another shape: " + ", ".join(wrong[:5]))
+    if missing:
+        problems.append(f"{len(missing)} missing: " + ", ".join(missing[:5]))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:5]))
+    if problems:
+        raise BadInput(f"load: checkpoint {source} does not fit the model: " + "; ".join(problems), field="load")
+    model.load_state_dict(state, strict=True)
+
+
+def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Wrap the targeted modules with LoRA (unmerged) and load the adapter weights; returns what was applied."""
+    from engine.model.lora import apply_lora
+
+    base, lora = split_adapters(adapter_state)
+    if not lora:
+        raise BadInput(f"lora_load: {spec.lora_load} holds no LoRA tensors (no *.lora_A.weight keys)", field="lora_load")
+    if base:
+        own = model.state_dict()
+        stray = sorted(set(base) - set(own))
+        if stray:
+            raise BadInput(f"lora_load: unexpected tensors {stray[:5]}", field="lora_load")
+        model.load_state_dict(base, strict=False)
+    ranks = sorted({t.shape[0] for k, t in lora.items() if k.endswith("lora_A.weight")})
+    if len(ranks) != 1:
+        raise BadInput(f"lora_load: adapters have mixed ranks {ranks}", field="lora_load")
+    r = ranks[0]
+    if spec.lora_r is not None and spec.lora_r != r:
+        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}",
+                       field="lora_r")
+    alpha = spec.lora_alpha if spec.lora_alpha is not None else lora_settings(spec.lora_load).get("alpha")
+    if alpha is None:
+        alpha = 32.0  # MindSpeed's default --lora-alpha
+        log.warning("lora_alpha: not given and not recorded with the adapters; using MindSpeed's default 32")
+    targets = sorted({k.rsplit(".", 3)[0].rsplit(".", 1)[-1] for k in lora})
+    if spec.lora_target_modules and set(spec.lora_target_modules) != set(targets):
+        log.warning("lora_target_modules %s differ from the adapters found %s; using the adapters", spec.lora_target_modules, targets)
+    apply_lora(model, r=r, alpha=alpha, dropout=0.0, targets=targets)
+    own = model.state_dict()
+    wrong = [k for k in lora if k not in own or tuple(own[k].shape) != tuple(lora[k].shape)]
+    if wrong:
+        raise BadInput(f"lora_load: adapter tensors do not fit the model (r={r}): {wrong[:5]}", field="lora_load")
+    model.load_state_dict(lora, strict=False)
+    return {"lora_r": r, "lora_alpha": alpha, "lora_targets": targets, "lora_tensors": len(lora)}
+
+
+def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
+    """The eval model on its device, in eval mode, plus facts for the summary (format, shape, LoRA)."""
+    ckpt_cfg, state = read_checkpoint(spec.load)
+    if ckpt_cfg is not None:
+        check_against_flags(ckpt_cfg, spec, spec.load)
+        cfg = ckpt_cfg
+    else:
+        cfg = config_from_flags(spec, vocab_hint)
+    model = Qwen3Model(cfg)
+    load_weights(model, state, spec.load)
+    del state
+    info: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters())}
+    if spec.lora_load:
+        _, adapter_state = read_checkpoint(spec.lora_load)
+        info.update(apply_adapters(model, spec, adapter_state))
+    dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
+    return model.to(dtype=dtype).eval(), cfg, info
