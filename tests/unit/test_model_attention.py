@@ -1,0 +1,61 @@
+"""Attention plans: masks, cumulative sequence lengths and the varlen-kernel plumbing (layouts, not kernels)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import attention
+from engine.model.attention import block_causal_mask, cu_seqlens_from_segments, padded_causal_mask, plan_attention
+from engine.model.config import ModelConfig
+from engine.model.qwen3 import Qwen3Model
+
+
+def test_cu_seqlens_over_flattened_rows() -> None:
+    seg = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 2]])  # row 2 restarts even with the same id as row 1's end
+    cu, longest = cu_seqlens_from_segments(seg)
+    assert cu.tolist() == [0, 2, 5, 9, 10] and cu.dtype == torch.int32 and longest == 4
+
+
+def test_masks() -> None:
+    m = block_causal_mask(torch.tensor([[0, 0, 1]]))[0, 0]
+    assert m.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+    pad = padded_causal_mask(torch.tensor([[0, 1, 1]]), q_len=3)[0, 0]
+    # the padded row sees only itself (keeps softmax finite), real rows never see the pad column
+    assert pad.tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    assert plan_attention(torch.device("cpu"), 8).is_causal  # plain batch: no mask tensor at all
+    with pytest.raises(ValueError, match="segment_ids"):
+        plan_attention(torch.device("cpu"), 4, past_len=2, segment_ids=torch.zeros(1, 4))
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
+    """flash_attn_varlen_func's contract written with SDPA per sample (TND in, TND out; GQA by head grouping)."""
+    assert causal and torch.equal(cu_q, cu_k)
+    out = torch.empty_like(q)
+    bounds = cu_q.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # (n, len, d)
+        out[s:e] = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def test_flash_varlen_path_lays_out_tokens_like_the_block_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig(2, 32, 64, 4, 2, 8, vocab_size=128)
+    model = Qwen3Model(cfg)
+    model.init_weights(seed=0)
+    ids = torch.randint(0, 128, (2, 9))
+    seg = torch.tensor([[0] * 4 + [1] * 5, [0] * 6 + [1] * 3])
+    pos = torch.cat([torch.arange(4), torch.arange(5)]).expand(2, 9)
+    pos = torch.stack([pos[0], torch.cat([torch.arange(6), torch.arange(3)])])
+    with torch.no_grad():
+        expected = model(ids, position_ids=pos, segment_ids=seg)
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_reference_varlen))
+        monkeypatch.setattr(attention, "attention_kernel", lambda device_type: "flash_varlen")
+        assert plan_attention(ids.device, 9, segment_ids=seg).kernel == "flash_varlen"
+        got = model(ids, position_ids=pos, segment_ids=seg)
+    assert (got - expected).abs().max().item() <= 1e-5
