@@ -26,6 +26,7 @@ import torch.distributed as dist
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
+from engine.eval.loss_eval import gather_objects, run_loss_eval
 from engine.eval.model_loading import build_model
 from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
@@ -88,14 +89,6 @@ def run_total(lines: list[TestLine], world: int) -> int:
     return len(lines) * world
 
 
-def _gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
     target = run.path / PREDICTIONS
     tmp = target.with_name(f".{PREDICTIONS}.tmp{os.getpid()}")
@@ -138,8 +131,6 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model.to(device.torch_device)
     if spec.eval_mode == "loss":
-        from engine.eval.loss_eval import run_loss_eval
-
         return run_loss_eval(spec, run, model, tokenizer, device, info)
     testset = read_test_set(spec.eval_data_path, tokenizer, template=(spec.prompt_type or "qwen3"),
                             enable_thinking=spec.enable_thinking, map_keys=spec.map_keys,
@@ -155,7 +146,7 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
                                          run, device, world)
     for rec in records:  # indices into this rank's share -> indices into the whole test set
         rec["index"] = rec["index"] * world + rank
-    gathered = _gather((records, produced, seconds))
+    gathered = gather_objects((records, produced, seconds))
     all_records = [r for part in gathered for r in part[0]]
     rows, board = _score(spec, tokenizer, testset.lines, all_records)
     outputs: dict[str, str] = {}
