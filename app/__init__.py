@@ -1,0 +1,1 @@
+"""llmjobs service: HTTP API, database, dispatcher/reconciler and CLI."""

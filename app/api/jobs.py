@@ -1,0 +1,92 @@
+"""Job resources: submit, list, get, cancel."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.dispatch import dispatch
+from app.errors import ApiError
+from app.pubsub import notify
+from app.schemas import JobPublic, ListPage
+from app.settings import Settings
+from app.services import jobs as service
+from engine.spec import JobBase, parse_spec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
+SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}}
+
+
+def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
+    if not isinstance(raw, dict):
+        raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
+    if raw.get("kind") == "pipeline":  # run by the pipeline runner (issue 8), which is not in this build yet
+        raise ApiError(422, "unsupported_kind", "kind: pipeline jobs are not supported by this server yet", "kind")
+    return parse_spec(raw, data_roots=data_roots)
+
+
+@router.post("", status_code=201, response_model=JobPublic, openapi_extra=SPEC_BODY,
+             responses={**ERRORS, 409: {"description": "Idempotency-Key reused with another body"},
+                        413: {"description": "Body too large"}, 422: {"description": "Invalid spec"}})
+async def create_job(
+    request: Request, response: Response, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobPublic:
+    """Submit a job. With an Idempotency-Key, a replay of the same body returns the same job."""
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
+    spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
+    job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+    job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
+    if created:
+        dispatch(settings, job.id, job.queue)  # after the commit: a worker never sees a job that isn't there
+        session.refresh(job)
+    return JobPublic.from_row(job), created
+
+
+@router.get("", response_model=ListPage[JobPublic], responses=ERRORS)
+def list_jobs(
+    request: Request, session: SessionDep, principal: PrincipalDep,
+    state: Annotated[str | None, Query(description="one state, or several comma-separated")] = None,
+    kind: Annotated[Literal["preprocess", "convert", "train", "eval", "pipeline"] | None, Query()] = None,
+    name: str | None = None,
+    parent_id: str | None = None,
+    after: Annotated[str | None, Query(description="last_id of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+) -> ListPage[JobPublic]:
+    """List your team's jobs, newest first. Filter metadata with metadata[key]=value."""
+    metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
+    rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
+                                       metadata=metadata, parent_id=parent_id, after=after, limit=limit)
+    data = [JobPublic.from_row(j) for j in rows]
+    return ListPage[JobPublic](data=data, has_more=has_more, first_id=data[0].id if data else None,
+                               last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
+def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPublic:
+    """One job, with its state, error and result."""
+    return JobPublic.from_row(service.get_visible_job(session, job_id, principal))
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
+             responses={**ERRORS, 409: {"description": "The job already finished"}})
+def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> JobPublic:
+    """Cancel a job: at once if it has not started, else the worker stops its processes (SIGTERM, then SIGKILL)."""
+    job = service.request_cancel(session, service.get_visible_job(session, job_id, principal))
+    notify(settings.redis_url, job_id, state=1)
+    return JobPublic.from_row(job)

@@ -1,0 +1,97 @@
+"""What a job produced: events, metric points, log lines, artifacts, and the live SSE stream of all of them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from sqlalchemy import select
+from sse_starlette import EventSourceResponse
+
+from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.api.jobs import ERRORS
+from app.errors import ApiError
+from app.models import Artifact, Event, LogLine, MetricPoint
+from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
+from app.services.jobs import get_visible_job
+from app.stream import Cursor, job_stream
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
+
+
+@router.get("/events", response_model=ListPage[EventPublic], responses=ERRORS)
+def list_events(
+    job_id: str, session: SessionDep, principal: PrincipalDep,
+    after: Annotated[int, Query(ge=0, description="last_id of the previous page")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> ListPage[EventPublic]:
+    """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
+    get_visible_job(session, job_id, principal)
+    rows = list(session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id).limit(limit + 1)))
+    data = [EventPublic.model_validate(r) for r in rows[:limit]]
+    return ListPage[EventPublic](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
+                                 last_id=data[-1].id if data else None)
+
+
+@router.get("/metrics", response_model=MetricsPage, responses=ERRORS)
+def list_metrics(
+    job_id: str, session: SessionDep, principal: PrincipalDep,
+    since_step: Annotated[int, Query(description="only steps after this one")] = -1,
+    names: Annotated[str | None, Query(description="comma-separated metric names, e.g. lm_loss,grad_norm")] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> MetricsPage:
+    """Metric points by step (job-wide values have rank null, per-rank values carry their rank)."""
+    get_visible_job(session, job_id, principal)
+    query = select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step > since_step)
+    if names:
+        query = query.where(MetricPoint.name.in_([n.strip() for n in names.split(",") if n.strip()]))
+    rows = list(session.scalars(query.order_by(MetricPoint.step, MetricPoint.id).limit(limit + 1)))
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    if has_more and rows[0].step != rows[-1].step:  # never end a page inside a step
+        rows = [r for r in rows if r.step != rows[-1].step]
+    data = [MetricPointPublic.model_validate(r) for r in rows]
+    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None)
+
+
+@router.get("/logs", response_model=LogsPage, responses=ERRORS)
+def list_logs(
+    job_id: str, session: SessionDep, principal: PrincipalDep,
+    rank: Annotated[int | None, Query(ge=0, description="a rank's own log (logs/rank{R}.log)")] = None,
+    stream: Annotated[str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")] = None,
+    offset: Annotated[int, Query(ge=0, description="first line number to return")] = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+) -> LogsPage:
+    """Log lines of one stream, from line ``offset`` on."""
+    get_visible_job(session, job_id, principal)
+    if rank is not None and stream is not None:
+        raise ApiError(400, "bad_request", "rank: give rank or stream, not both", "rank")
+    name = f"rank{rank}" if rank is not None else (stream or "launcher")
+    rows = list(session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.stream == name, LogLine.seq >= offset)
+                                .order_by(LogLine.seq).limit(limit + 1)))
+    data = [LogLinePublic.model_validate(r) for r in rows[:limit]]
+    return LogsPage(data=data, has_more=len(rows) > limit, next_offset=data[-1].seq + 1 if data else offset)
+
+
+@router.get("/artifacts", response_model=ListPage[ArtifactPublic], responses=ERRORS)
+def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[ArtifactPublic]:
+    """The outputs the job wrote (result.json ``outputs``), with their files and sizes."""
+    get_visible_job(session, job_id, principal)
+    rows = session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name))
+    return ListPage[ArtifactPublic](data=[ArtifactPublic.model_validate(r) for r in rows], has_more=False)
+
+
+@router.get("/stream", responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+                                                   "description": "SSE: state, event, metric, log, end"}})
+def stream_job(
+    job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    last_event_id: Annotated[str | None, Header()] = None,
+    after: Annotated[str | None, Query(description="a Last-Event-ID, for clients that cannot send the header")] = None,
+) -> Any:
+    """Server-Sent Events of everything the job records, until it ends. Resumes after Last-Event-ID."""
+    get_visible_job(session, job_id, principal)
+    try:
+        cursor = Cursor.parse(last_event_id or after)
+    except ValueError as err:
+        raise ApiError(400, "bad_request", f"Last-Event-ID: {err}", "Last-Event-ID") from err
+    return EventSourceResponse(job_stream(settings, job_id, cursor), ping=15)

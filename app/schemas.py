@@ -1,0 +1,115 @@
+"""API response schemas (pydantic), kept apart from the ORM tables. Request bodies are the specs in engine/spec.py."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+T = TypeVar("T")
+
+
+class _FromRow(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class JobError(BaseModel):
+    code: str
+    message: str | None = None
+    log_tail: str | None = None
+
+
+class JobPublic(BaseModel):
+    object: Literal["job"] = "job"
+    id: str
+    team: str
+    kind: str
+    name: str | None
+    state: str
+    spec: dict[str, Any]
+    metadata: dict[str, Any]
+    priority: int
+    parent_id: str | None
+    attempt_count: int
+    max_restarts: int
+    pending_reason: str | None
+    error: JobError | None
+    result: dict[str, Any] | None
+    host: str | None
+    run_dir: str
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    heartbeat_at: datetime | None
+
+    @classmethod
+    def from_row(cls, job: Any) -> "JobPublic":
+        error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
+        fields = {name: getattr(job, name) for name in cls.model_fields if name not in {"object", "metadata", "error"}}
+        return cls(**fields, metadata=job.meta or {}, error=error)
+
+
+class ListPage(BaseModel, Generic[T]):
+    """A cursor page, as OpenAI's lists: pass ``last_id`` as ``after`` for the next page."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | int | None = None
+    last_id: str | int | None = None
+
+
+class EventPublic(_FromRow):
+    id: int
+    attempt: int | None
+    time: datetime
+    type: str
+    level: str
+    message: str
+    data: dict[str, Any]
+
+
+class MetricPointPublic(_FromRow):
+    id: int
+    step: int
+    name: str
+    value: float | None = Field(description="null when the value was NaN or infinite")
+    rank: int | None = Field(description="null for a job-wide value, else the rank it was measured on")
+    time: datetime
+
+
+class MetricsPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MetricPointPublic]
+    has_more: bool
+    next_since_step: int | None = Field(description="pass as since_step for the next page")
+
+
+class LogLinePublic(_FromRow):
+    id: int
+    stream: str
+    seq: int
+    text: str
+    time: datetime
+
+
+class LogsPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LogLinePublic]
+    has_more: bool
+    next_offset: int = Field(description="pass as offset for the next page")
+
+
+class ArtifactPublic(_FromRow):
+    name: str
+    path: str
+    size_bytes: int | None
+    files: list[str]
+    created_at: datetime
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,159 @@
+"""Job records: creation with idempotency, compare-and-set transitions, cancel, queries.
+
+Every state change is one ``UPDATE jobs ... WHERE id = :id AND state IN (:allowed)``; the caller learns from the row
+count whether it won. The transition writes a ``state`` event in the same transaction, so the event feed and the SSE
+stream carry every change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from typing import Any, Iterable
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.auth import Principal
+from app.errors import ApiError
+from app.models import Event, Job, new_id, utcnow
+from app.settings import Settings
+from app.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
+from engine.spec import JobBase
+
+
+def body_hash(raw: Any) -> str:
+    """Hash of the request body's JSON value (key order and whitespace do not matter)."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _find_by_key(session: Session, team: str, key: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.team == team, Job.idempotency_key == key))
+
+
+def _replay(existing: Job, digest: str) -> Job:
+    if existing.body_hash != digest:
+        raise ApiError(409, "idempotency_conflict", "Idempotency-Key was already used with a different request body",
+                       "Idempotency-Key")
+    return existing
+
+
+def create_job(
+    session: Session, *, settings: Settings, team: str, spec: JobBase, raw: Any,
+    idempotency_key: str | None = None, parent_id: str | None = None,
+) -> tuple[Job, bool]:
+    """Insert a queued job and commit. Returns ``(job, created)``; a replayed Idempotency-Key returns the first job."""
+    digest = body_hash(raw)
+    if idempotency_key and (existing := _find_by_key(session, team, idempotency_key)):
+        return _replay(existing, digest), False
+    job_id = new_id()
+    job = Job(id=job_id, team=team, kind=spec.kind, name=spec.name, spec=spec.model_dump(mode="json"),  # type: ignore[attr-defined]
+              meta=dict(spec.metadata), priority=spec.priority, parent_id=parent_id,
+              idempotency_key=idempotency_key, body_hash=digest,
+              queue=settings.queue_for(spec.resources.device_type), run_dir=str(settings.runs_path / job_id),
+              max_restarts=settings.default_max_restarts if spec.max_restarts is None else spec.max_restarts,
+              state=JobState.queued.value, pending_reason="waiting for the message to reach a worker")
+    session.add(job)
+    try:
+        session.flush()  # the row first: events reference it
+        add_event(session, job.id, "state", "queued", data={"state": "queued"})
+        session.commit()
+    except IntegrityError:
+        session.rollback()  # lost a race with the same Idempotency-Key
+        existing = _find_by_key(session, team, idempotency_key or "")
+        if existing is None:
+            raise
+        return _replay(existing, digest), False
+    return job, True
+
+
+def add_event(session: Session, job_id: str, type: str, message: str = "", *, level: str = "info",
+              data: dict[str, Any] | None = None, attempt: int | None = None, time: datetime | None = None) -> None:
+    session.add(Event(job_id=job_id, type=type, message=message, level=level, data=data or {}, attempt=attempt,
+                      time=time or utcnow()))
+
+
+def transition(session: Session, job_id: str, target: JobState, *, only_from: Iterable[JobState] | None = None,
+               message: str = "", **values: Any) -> bool:
+    """Compare-and-set ``job.state`` to ``target``; returns False (and changes nothing) if another writer won.
+
+    Commits on success, so the broker message or signal that follows never sees an uncommitted state.
+    """
+    sources = set(ALLOWED_FROM[target]) & (set(only_from) if only_from is not None else set(JobState))
+    now = utcnow()
+    values = {"updated_at": now, **values}
+    if target is JobState.running:
+        values.setdefault("started_at", now)
+    if target in TERMINAL:
+        values.setdefault("finished_at", now)
+        values.setdefault("pending_reason", None)
+    if target in (JobState.starting, JobState.running):
+        values.setdefault("pending_reason", None)
+    stmt = (update(Job).where(Job.id == job_id, Job.state.in_([s.value for s in sources]))
+            .values(state=target.value, **values).execution_options(synchronize_session=False))
+    if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        return False
+    add_event(session, job_id, "state", message or target.value, data={"state": target.value},
+              level="error" if target is JobState.failed else "info")
+    session.commit()
+    return True
+
+
+def request_cancel(session: Session, job: Job) -> Job:
+    """Cancel a waiting job at once; ask the worker to stop an active one (``cancelling``)."""
+    state = JobState(job.state)
+    if state is JobState.cancelled or state is JobState.cancelling:
+        return job
+    if state in TERMINAL:
+        raise ApiError(409, "job_finished", f"job {job.id} already {state.value}; nothing to cancel", None)
+    if state in WAITING:
+        transition(session, job.id, JobState.cancelled, only_from=WAITING, message="cancelled before it started")
+    else:
+        transition(session, job.id, JobState.cancelling, message="cancel requested")
+    # The worker may have moved the job meanwhile (e.g. queued -> starting): re-read and retry once more.
+    session.expire_all()
+    fresh = session.get(Job, job.id)
+    assert fresh is not None
+    if fresh.state not in (JobState.cancelled.value, JobState.cancelling.value) and not JobState(fresh.state).is_terminal():
+        return request_cancel(session, fresh)
+    return fresh
+
+
+def get_visible_job(session: Session, job_id: str, principal: Principal) -> Job:
+    """The job, if this principal's team owns it (an admin sees every team); otherwise 404 (never 403)."""
+    job = session.get(Job, job_id)
+    if job is None or (job.team != principal.team and not principal.admin):
+        raise ApiError(404, "not_found", f"no job {job_id}", "id")
+    return job
+
+
+def list_jobs(
+    session: Session, *, principal: Principal, state: str | None = None, kind: str | None = None,
+    name: str | None = None, metadata: dict[str, str] | None = None, parent_id: str | None = None,
+    after: str | None = None, limit: int = 20,
+) -> tuple[list[Job], bool]:
+    """Newest first; ``after`` is the last id of the previous page."""
+    query = select(Job)
+    if not principal.admin:
+        query = query.where(Job.team == principal.team)
+    if state:
+        query = query.where(Job.state.in_(state.split(",")))
+    if kind:
+        query = query.where(Job.kind == kind)
+    if name:
+        query = query.where(Job.name == name)
+    if parent_id:
+        query = query.where(Job.parent_id == parent_id)
+    for key, value in (metadata or {}).items():
+        query = query.where(Job.meta[key].as_string() == value)
+    if after:
+        anchor = session.get(Job, after)
+        if anchor is None:
+            raise ApiError(400, "invalid_cursor", f"after: no job {after}", "after")
+        query = query.where(or_(Job.created_at < anchor.created_at,
+                                and_(Job.created_at == anchor.created_at, Job.id < anchor.id)))
+    rows = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,84 @@
+"""Service configuration: one pydantic-settings class read from ``LLMJOBS_*`` environment variables.
+
+Defaults give the embedded setup that ``make run`` starts: a SQLite database file, Celery's SQLAlchemy transport on its
+own SQLite file, data and run directories under ``<repo>/var``. Production points the URLs at PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import socket
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMJOBS_", extra="ignore")
+
+    var_dir: Path = Field(REPO_ROOT / "var", description="Where the embedded defaults keep their files.")
+    database_url: str = Field("", description="SQLAlchemy URL; default sqlite:///<var_dir>/llmjobs.db.")
+    broker_url: str = Field("", description="Celery broker; default sqla+sqlite:///<var_dir>/broker.db.")
+    redis_url: str | None = Field(None, description="Optional Redis for pub/sub, so SSE streams are pushed.")
+    data_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="Comma-separated directories every job path must stay inside; default <var_dir>/data."
+    )
+    runs_dir: Path | None = Field(None, description="Run directories (<runs_dir>/<job_id>); default <var_dir>/runs.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies are refused with 413.")
+    default_max_restarts: int = Field(2, ge=0, description="Retries after a retryable failure when a spec sets none.")
+    cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
+    redispatch_after_s: float = Field(30.0, gt=0, description="The reconciler re-sends a queued job's message after this.")
+    reconcile_interval_s: float = Field(5.0, gt=0)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    host_stale_after_s: float = Field(30.0, gt=0, description="A host without a heartbeat for this long counts as down.")
+    ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
+    stream_poll_s: float = Field(1.0, gt=0, description="SSE re-check interval (a fallback when Redis pushes).")
+    queue_prefix: str = Field("llmjobs", description="Jobs go to <prefix>.<device_type>; hosts also read host.<name>.")
+    worker_name: str = Field(default_factory=socket.gethostname)
+    worker_device_type: str = "cpu"
+    worker_devices: int = Field(1, ge=0)
+    worker_concurrency: int = Field(2, ge=1, description="Jobs one worker runs at once.")
+
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "Settings":
+        self.var_dir = self.var_dir.resolve()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.var_dir / 'llmjobs.db'}"
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{self.var_dir / 'broker.db'}"
+        if not self.data_roots:
+            self.data_roots = [self.var_dir / "data"]
+        self.data_roots = [p.resolve() for p in self.data_roots]
+        self.runs_dir = (self.runs_dir or self.var_dir / "runs").resolve()
+        return self
+
+    @property
+    def runs_path(self) -> Path:
+        assert self.runs_dir is not None  # filled by the validator
+        return self.runs_dir
+
+    def queue_for(self, device_type: str) -> str:
+        return f"{self.queue_prefix}.{device_type}"
+
+    def ensure_dirs(self) -> None:
+        """Create the local directories the embedded setup writes to."""
+        for path in [self.var_dir, self.runs_path, *self.data_roots]:
+            path.mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,131 @@
+"""The SSE stream of one job: state changes, engine events, metric points and log lines, in database order.
+
+Every message's id is the cursor "<event id>-<metric point id>-<log line id>" after it, so Last-Event-ID resumes
+all three feeds exactly. The stream wakes on Redis pub/sub when configured (pushed), else re-checks every
+``stream_poll_s``; the rows always come from the database. It ends with an ``end`` message once the job is terminal
+and everything has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+from sqlalchemy import select
+
+from app.db import session_scope
+from app.models import Event, Job, LogLine, MetricPoint
+from app.pubsub import channel
+from app.settings import Settings
+from app.states import JobState
+
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class Cursor:
+    event: int = 0
+    metric: int = 0
+    log: int = 0
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Cursor":
+        if not text:
+            return cls()
+        parts = text.split("-")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"expected '<event>-<metric>-<log>' ids, got {text!r}")
+        return cls(*(int(p) for p in parts))
+
+    def __str__(self) -> str:
+        return f"{self.event}-{self.metric}-{self.log}"
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat()
+
+
+def fetch(settings: Settings, job_id: str, cursor: Cursor) -> tuple[list[dict[str, Any]], Cursor, bool]:
+    """New rows after ``cursor`` as SSE messages, the advanced cursor, and whether the job was terminal before."""
+    messages: list[dict[str, Any]] = []
+    with session_scope(settings.database_url) as session:
+        # Read the state first: if it is terminal now, every row the worker wrote is already committed.
+        terminal = JobState(session.scalar(select(Job.state).where(Job.id == job_id))).is_terminal()
+        for event in session.scalars(select(Event).where(Event.job_id == job_id, Event.id > cursor.event).order_by(Event.id).limit(BATCH)):
+            cursor = replace(cursor, event=event.id)
+            kind = "state" if event.type == "state" else "event"
+            payload = {"id": event.id, "type": event.type, "level": event.level, "message": event.message,
+                       "data": event.data, "time": _iso(event.time)}
+            messages.append({"event": kind, "id": str(cursor), "data": json.dumps(payload)})
+        points = list(session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.id > cursor.metric)
+                                      .order_by(MetricPoint.id).limit(BATCH * 4)))
+        for group in _group_points(points):
+            cursor = replace(cursor, metric=group[-1].id)
+            payload = {"step": group[0].step, "rank": group[0].rank, "time": _iso(group[0].time),
+                       "metrics": {p.name: p.value for p in group}}
+            messages.append({"event": "metric", "id": str(cursor), "data": json.dumps(payload)})
+        for line in session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > cursor.log).order_by(LogLine.id).limit(BATCH * 4)):
+            cursor = replace(cursor, log=line.id)
+            payload = {"stream": line.stream, "seq": line.seq, "text": line.text, "time": _iso(line.time)}
+            messages.append({"event": "log", "id": str(cursor), "data": json.dumps(payload)})
+    return messages, cursor, terminal
+
+
+def _group_points(points: list[MetricPoint]) -> list[list[MetricPoint]]:
+    """One message per (step, rank): a training step's metrics arrive together."""
+    groups: list[list[MetricPoint]] = []
+    for point in points:
+        if groups and (groups[-1][0].step, groups[-1][0].rank) == (point.step, point.rank):
+            groups[-1].append(point)
+        else:
+            groups.append([point])
+    return groups
+
+
+class Waiter:
+    """Waits until the job may have new rows: a pub/sub message (Redis), or the poll interval."""
+
+    def __init__(self, settings: Settings, job_id: str):
+        self.settings, self.job_id = settings, job_id
+        self._client: Any = None
+        self._pubsub: Any = None
+
+    async def __aenter__(self) -> "Waiter":
+        if self.settings.redis_url:
+            import redis.asyncio as aioredis
+
+            self._client = aioredis.Redis.from_url(self.settings.redis_url)
+            self._pubsub = self._client.pubsub()
+            await self._pubsub.subscribe(channel(self.job_id))  # before the first read, so no publish is missed
+        return self
+
+    async def wait(self) -> None:
+        if self._pubsub is None:
+            await asyncio.sleep(self.settings.stream_poll_s)
+            return
+        # The timeout is a safety net; a publish normally wakes us at once.
+        timeout = max(self.settings.stream_poll_s, 5.0)
+        if await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout):
+            await asyncio.sleep(0.05)  # let a burst of notifications land in one read
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+            await self._client.aclose()
+
+
+async def job_stream(settings: Settings, job_id: str, cursor: Cursor) -> AsyncIterator[dict[str, Any]]:
+    async with Waiter(settings, job_id) as waiter:
+        while True:
+            messages, cursor, terminal = await anyio.to_thread.run_sync(fetch, settings, job_id, cursor)
+            for message in messages:
+                yield message
+            if terminal and not messages:
+                yield {"event": "end", "id": str(cursor), "data": json.dumps({"job_id": job_id})}
+                return
+            if not messages:
+                await waiter.wait()

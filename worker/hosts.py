@@ -1,0 +1,49 @@
+"""A worker host registers itself in the hosts table and heart-beats while it runs (leases build on this)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+
+from app.db import session_scope
+from app.models import Host, utcnow
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def register_host(settings: Settings, *, name: str, device_type: str, devices: int, queues: list[str]) -> None:
+    with session_scope(settings.database_url) as session:
+        host = session.get(Host, name) or Host(name=name)
+        host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)
+        host.pid, host.state, host.started_at, host.heartbeat_at = os.getpid(), "up", utcnow(), utcnow()
+        host.info = {"platform": platform.platform(), "python": platform.python_version(), "node": platform.node()}
+        session.add(host)
+
+
+def set_host_state(settings: Settings, name: str, state: str) -> None:
+    with session_scope(settings.database_url) as session:
+        host = session.get(Host, name)
+        if host is not None:
+            host.state, host.heartbeat_at = state, utcnow()
+
+
+class HostHeartbeat(threading.Thread):
+    """Stamps ``hosts.heartbeat_at`` every ``heartbeat_interval_s`` until stopped."""
+
+    def __init__(self, settings: Settings, name: str):
+        super().__init__(name=f"heartbeat-{name}", daemon=True)
+        self.settings, self.host = settings, name
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.settings.heartbeat_interval_s):
+            try:
+                set_host_state(self.settings, self.host, "up")
+            except Exception as err:  # noqa: BLE001 - a database blip must not kill the heartbeat
+                log.warning("host heartbeat failed: %s", err)
+
+    def stop(self) -> None:
+        self._stop_event.set()
