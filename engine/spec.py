@@ -306,6 +306,17 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     lora_target_modules: StrList = Field(default_factory=list)
     lora_fusion: bool = False
     save_hf: bool = Field(False, description="Also export the final weights as HF safetensors under <save>/hf.")
+    no_save_optim: bool = Field(False, description="Training checkpoints hold no optimizer state (a resume restarts Adam).")
+    no_save_rng: bool = Field(False, description="Training checkpoints hold no RNG state.")
+    lr_warmup_init: float = Field(0.0, ge=0, description="LR at the start of warmup (Megatron).")
+    recompute_activations: bool = Field(False, description="Megatron alias of recompute_granularity=selective.")
+    use_checkpoint_args: bool = Field(False, description="Take the model shape from the checkpoint (always done for unset shape flags).")
+    padding_free: bool = Field(
+        True,
+        description="Engine extension: pack each micro-batch's samples into one row (segment ids, restarted positions), "
+        "no padding; false pads each sample to the micro-batch's longest (variable_seq_lengths) or to seq_length.",
+    )
+    cross_entropy_chunk_size: int = Field(1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss.")
 
 
 class ConvertSpec(JobBase):

@@ -1,0 +1,187 @@
+"""The trainer's own checkpoints: torch.distributed.checkpoint (DCP), sharded as trained, resumable at any DP size.
+
+Layout under a ``save`` directory::
+
+    <save>/train_state/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint
+    <save>/train_state/iter_0000100/.metadata, *.distcp      model (+ optimizer) shards, written by every rank
+    <save>/train_state/iter_0000100/meta.json                iteration, consumed samples, scheduler, loss scaler,
+                                                             counters, model config, LoRA settings (rank 0)
+    <save>/train_state/iter_0000100/rng_rank{R}.pt           each rank's Python/NumPy/torch RNG states
+
+Atomic: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it and only then rewrites the
+tracker (temp file + rename). A crash mid-save leaves a ``.tmp`` directory that is ignored and removed on the next
+save, and the tracker still names the previous complete checkpoint. DCP reshards on load (FSDP2 dp2 -> one process
+and back, torch-distributed-on-gloo.md §e), so a re-queued job may come back on a different number of ranks.
+
+LoRA runs save only trainable (adapter) parameters; the frozen base is re-read from ``load`` on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+STATE_DIR = "train_state"
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "meta.json"
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def state_root(save: str | os.PathLike[str]) -> Path:
+    return Path(save) / STATE_DIR
+
+
+def latest(save: str | os.PathLike[str]) -> Path | None:
+    """The newest complete training checkpoint under ``save`` (or ``save`` itself being ``train_state``), or None."""
+    for root in (state_root(save), Path(save)):
+        tracker = root / TRACKER
+        if tracker.is_file() and (root / iter_name(int(tracker.read_text().strip())) / META).is_file():
+            return root / iter_name(int(tracker.read_text().strip()))
+    return None
+
+
+def is_training_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True for a ``save`` directory holding our checkpoints, a ``train_state`` directory or one ``iter_*`` of it."""
+    p = Path(path)
+    return (p / META).is_file() and (p / ".metadata").is_file() or latest(p) is not None
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The ``iter_*`` directory a training-checkpoint path means."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    found = latest(p)
+    if found is None:
+        raise FileNotFoundError(f"{p}: no complete training checkpoint (no {STATE_DIR}/{TRACKER})")
+    return found
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    return json.loads((resolve(path) / META).read_text())
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _options(trainable_only: bool, strict: bool = True) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=strict)
+
+
+def save(
+    save_dir: str | os.PathLike[str],
+    iteration: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    meta: dict[str, Any],
+    trainable_only: bool = False,
+    save_rng: bool = True,
+) -> Path:
+    """Write one checkpoint collectively (every rank calls this); returns the final ``iter_*`` directory."""
+    root = state_root(save_dir)
+    final = root / iter_name(iteration)
+    tmp = root / (iter_name(iteration) + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        for stale in root.glob("iter_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model, options=_options(trainable_only))}
+    dcp.save(state, checkpoint_id=str(tmp))
+    if save_rng:
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / META).write_text(json.dumps({**meta, "iteration": iteration, "has_optimizer": optimizer is not None}))
+        if final.exists():  # the same iteration saved again (a resumed run): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(str(iteration))
+        os.replace(tracker_tmp, root / TRACKER)
+    dist.barrier()
+    return final
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainable_only: bool = False,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Load model (and optimizer when given and saved) in place, collectively; returns meta.json."""
+    ckpt = resolve(path)
+    meta = json.loads((ckpt / META).read_text())
+    # A LoRA checkpoint holds adapters only: the frozen base is neither expected nor required.
+    opts = _options(trainable_only, strict=not trainable_only)
+    if optimizer is not None and meta.get("has_optimizer"):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    else:
+        state = {"model": get_model_state_dict(model, options=opts)}
+        dcp.load(state, checkpoint_id=str(ckpt))
+        set_model_state_dict(model, state["model"], options=opts)
+    rng = ckpt / f"rng_rank{dist.get_rank()}.pt"
+    if load_rng and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return meta
+
+
+def _saved_keys(ckpt: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+
+
+def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(meta.json, full native model state dict) read in this one process, for converters and evaluation.
+
+    Call it outside a multi-rank group (``_load_state_dict_from_keys`` coordinates through the default group when
+    there is one). LoRA checkpoints return adapter tensors only; meta["lora"] tells how to merge them.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    ckpt = resolve(path)
+    meta = json.loads((ckpt / META).read_text())
+    keys = {k for k in _saved_keys(ckpt) if k.startswith("model.")}
+    loaded = _load_state_dict_from_keys(keys, checkpoint_id=str(ckpt))
+    model = loaded["model"] if "model" in loaded else {k[len("model."):]: v for k, v in loaded.items()}
+    return meta, model

@@ -1,0 +1,54 @@
+"""Activation checkpointing of decoder layers, with Megatron's knobs.
+
+- ``full``: recompute whole decoder layers in backward. ``recompute_method``: ``block`` recomputes the first
+  ``recompute_num_layers`` layers and keeps the rest; ``uniform`` (and no method) recomputes every layer
+  (Megatron's uniform groups ``recompute_num_layers`` layers per checkpoint; per-layer checkpoints store the same
+  boundaries or fewer, so memory is the same or lower).
+- ``selective``: Megatron recomputes core attention only; here an op-level policy (torchtitan SelectiveAC style)
+  keeps every matmul output and recomputes the cheap rest (attention softmax, norms, RoPE, SwiGLU), which is the
+  same trade: save the FLOP-heavy results, recompute what is memory-heavy and cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Outputs of these ops are kept in selective mode; everything else is recomputed.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+}
+
+
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _layers_to_wrap(num_layers: int, method: str | None, recompute_num_layers: int | None) -> list[int]:
+    if method == "block":
+        return list(range(min(recompute_num_layers or num_layers, num_layers)))
+    return list(range(num_layers))
+
+
+def apply_ac(
+    model: nn.Module, granularity: str, method: str | None = None, recompute_num_layers: int | None = None
+) -> list[int]:
+    """Wrap ``model.decoder.layers`` in place; returns the indices (in layer order) that recompute."""
+    layers: nn.ModuleDict = model.decoder.layers  # type: ignore[assignment]
+    keys = list(layers.keys())
+    chosen = _layers_to_wrap(len(keys), method if granularity == "full" else None, recompute_num_layers)
+    for i in chosen:
+        if granularity == "selective":
+            context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            wrapped = checkpoint_wrapper(layers[keys[i]], context_fn=context_fn, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(layers[keys[i]], preserve_rng_state=False)
+        layers[keys[i]] = wrapped
+    return chosen

@@ -1,0 +1,44 @@
+"""Data parallelism: FSDP2 ``fully_shard`` over the ``dp`` mesh dimension (ZeRO-style sharded optimizer).
+
+Every rank keeps only its shard of the fp32 master weights, gradients and Adam state (torch-distributed-on-gloo.md:
+FSDP2 on gloo matches one process). Compute runs in ``param_dtype`` (bf16/fp16) with fp32 gradient reduction
+(``MixedPrecisionPolicy``). ``use_distributed_optimizer`` picks how parameters live between forward and backward:
+
+- on  (ZeRO-3): parameters are resharded after forward and gathered again in backward — least memory;
+- off (ZeRO-2): gathered parameters stay until backward — one all-gather per step less, more memory.
+
+Both shard optimizer state; plain replicated DDP would only add memory on every rank, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard each decoder layer, then the root (embedding, final norm, output layer) as its own group."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layers = list(model.decoder.layers.values())
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
+        last = i == len(layers) - 1
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The trainer divides the summed loss by the global token count itself: FSDP must sum, not average, over ranks.
+    # The setter only reaches the module's own parameter group, hence the loop over every sharded module.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,48 @@
+"""The one ordered entry that turns a plain ``Qwen3Model`` into the model a rank trains.
+
+Order (torchtitan ``models/qwen3/infra/parallelize.py``): tensor/sequence parallel -> activation checkpointing ->
+compile -> data parallel. Each step is an ``apply_*`` helper; the model file knows nothing of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from engine.parallel.activation_checkpoint import apply_ac
+from engine.parallel.data_parallel import apply_fsdp
+
+
+def compute_dtype(spec: Any) -> torch.dtype:
+    """The dtype matmuls run in: bf16 / fp16 from the spec, else fp32."""
+    if getattr(spec, "bf16", False):
+        return torch.bfloat16
+    if getattr(spec, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def recompute_granularity(spec: Any) -> str | None:
+    if getattr(spec, "recompute_granularity", None):
+        return spec.recompute_granularity
+    return "selective" if getattr(spec, "recompute_activations", False) else None
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
+    """Apply, in order, TP/SP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
+    if mesh["tp"].size() > 1 or mesh["pp"].size() > 1:
+        raise NotImplementedError("tensor_model_parallel_size / pipeline_model_parallel_size > 1 are not supported yet")
+    granularity = recompute_granularity(spec)
+    if granularity:
+        apply_ac(model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None))
+    # compile: not applied yet (CPU CI); it would go here, per decoder layer, after AC and before FSDP.
+    dtype = compute_dtype(spec)
+    dp = mesh["dp"]
+    # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU).
+    if dp.size() > 1 or dtype != torch.float32:
+        apply_fsdp(model, dp, param_dtype=None if dtype == torch.float32 else dtype,
+                   reshard_after_forward=bool(getattr(spec, "use_distributed_optimizer", False)))
+    return model

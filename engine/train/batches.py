@@ -1,0 +1,117 @@
+"""Micro-batches from tokenized samples: padding-free packing or padded rows, labels shifted per sample.
+
+Packed (default): the micro-batch's samples are concatenated into one row; ``segment_ids`` keep attention inside each
+sample and ``position_ids`` restart at 0 per sample, so the model computes nothing on padding and no sample sees
+another. Padded: one row per sample, right-padded to the micro-batch's longest sample (``variable_seq_lengths``) or
+to ``seq_length``; right padding under a causal mask needs no attention mask.
+
+Labels are shifted inside each sample (token t predicts label t+1) so packing never makes one sample predict the
+next one's first token. ``loss_index`` lists the flat positions with a real label, computed here on the host so the
+trainer gathers those hidden states without a device->host sync (boolean masking on a device would sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+PAD_ID = 0  # never attended to (right padding, causal mask) and never in the loss
+
+
+@dataclasses.dataclass
+class Sample:
+    """One tokenized sample: ``input_ids`` and aligned ``labels`` (IGNORE_INDEX where there is no loss)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (B, T) long
+    position_ids: torch.Tensor  # (B, T) long
+    segment_ids: torch.Tensor | None  # (B, T) int32 when several samples share a row
+    labels: torch.Tensor  # (B, T) long, IGNORE_INDEX where no loss
+    loss_index: torch.Tensor  # (N,) flat positions in B*T with a label
+    loss_labels: torch.Tensor  # (N,)
+    seq_lens: list[int]  # real tokens per sample (after the shift)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens."""
+        return sum(self.seq_lens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_index.numel())
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return dataclasses.replace(
+            self,
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            segment_ids=move(self.segment_ids),
+            labels=move(self.labels),
+            loss_index=move(self.loss_index),
+            loss_labels=move(self.loss_labels),
+        )
+
+
+def shift(sample: Sample, seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, targets) of a sample truncated to ``seq_length`` tokens: targets[t] = labels[t + 1]."""
+    ids = np.asarray(sample.input_ids[:seq_length], dtype=np.int64)
+    labels = np.asarray(sample.labels[:seq_length], dtype=np.int64)
+    return ids[:-1], labels[1:]
+
+
+def _finish(ids: np.ndarray, pos: np.ndarray, seg: np.ndarray | None, labels: np.ndarray, lens: list[int]) -> MicroBatch:
+    flat = labels.reshape(-1)
+    index = np.flatnonzero(flat != IGNORE_INDEX)
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(pos),
+        segment_ids=None if seg is None else torch.from_numpy(seg),
+        labels=torch.from_numpy(labels),
+        loss_index=torch.from_numpy(index),
+        loss_labels=torch.from_numpy(flat[index]),
+        seq_lens=lens,
+    )
+
+
+def pack(samples: Sequence[Sample], seq_length: int) -> MicroBatch:
+    """All samples in one row (B=1) with per-sample segment ids and positions."""
+    parts = [shift(s, seq_length) for s in samples]
+    parts = [p for p in parts if len(p[0])]
+    if not parts:
+        raise ValueError("every sample of the micro-batch is shorter than 2 tokens")
+    lens = [len(t) for t, _ in parts]
+    ids = np.concatenate([t for t, _ in parts])[None]
+    labels = np.concatenate([lab for _, lab in parts])[None]
+    pos = np.concatenate([np.arange(n) for n in lens])[None]
+    seg = np.repeat(np.arange(len(lens), dtype=np.int32), lens)[None] if len(lens) > 1 else None
+    return _finish(ids, pos, seg, labels, lens)
+
+
+def pad(samples: Sequence[Sample], seq_length: int, to_longest: bool) -> MicroBatch:
+    """One right-padded row per sample: to the longest sample, or to ``seq_length - 1`` (after the shift)."""
+    parts = [shift(s, seq_length) for s in samples]
+    lens = [len(t) for t, _ in parts]
+    width = max(lens) if to_longest else seq_length - 1
+    ids = np.full((len(parts), width), PAD_ID, dtype=np.int64)
+    labels = np.full((len(parts), width), IGNORE_INDEX, dtype=np.int64)
+    for row, (tokens, targets) in enumerate(parts):
+        ids[row, : len(tokens)] = tokens
+        labels[row, : len(targets)] = targets
+    pos = np.broadcast_to(np.arange(width), ids.shape).copy()
+    return _finish(ids, pos, None, labels, lens)
+
+
+def collate(samples: Sequence[Sample], seq_length: int, padding_free: bool, variable_seq_lengths: bool) -> MicroBatch:
+    return pack(samples, seq_length) if padding_free else pad(samples, seq_length, variable_seq_lengths)

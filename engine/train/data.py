@@ -1,0 +1,138 @@
+"""Training data: indexed datasets from ``data_path``, a seeded global sample order, and each rank's micro-batches.
+
+Order: global sample ``k`` (counting every sample of every iteration from the start of training) is sample
+``perm_e[k mod N]`` of epoch ``e = k // N``, where ``perm_e`` is a permutation seeded by (seed, e). Iteration ``i``
+(1-based) uses global samples ``[(i-1)·G, i·G)`` with ``G = global_batch_size``; as in Megatron's
+``MegatronPretrainingSampler``, micro-batch ``m`` of DP rank ``r`` takes the ``micro_batch_size`` samples starting
+at ``m·mbs·DP + r·mbs`` inside that window. So the data position is just ``consumed_samples`` (checkpointed), a
+resumed run sees exactly the samples it would have seen, and the global batch of an iteration does not depend on
+the DP size (DP=2 trains on the same samples as one process).
+
+Datasets (``engine.data.indexed``): MindSpeed instruction data ``<prefix>_packed_{input_ids,labels,...}_document``
+(pre-packed rows are split back into their samples by their boundaries, so the trainer packs them its own way), or
+pretraining text ``<prefix>`` / ``<prefix>_text_document`` where a sample is one document and every token is a label.
+``split`` "train,valid,test" keeps the leading train share of the samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from engine.data.indexed import IndexedDataset, InstructionDataset, instruction_prefix
+from engine.runfiles import BadInput
+from engine.train.batches import Sample
+
+
+def _exists(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")
+
+
+class _Source:
+    """One dataset: ``samples(i)`` -> the samples of row ``i`` (several for a pre-packed row)."""
+
+    def __init__(self, prefix: str):
+        if _exists(instruction_prefix(prefix, "input_ids")):
+            self.instruction: InstructionDataset | None = InstructionDataset(prefix)
+            self.text: IndexedDataset | None = None
+        else:
+            text = prefix if _exists(prefix) else prefix + "_text_document"
+            self.instruction, self.text = None, IndexedDataset(text)
+
+    def __len__(self) -> int:
+        return len(self.instruction) if self.instruction is not None else len(self.text)  # type: ignore[arg-type]
+
+    def samples(self, i: int) -> list[Sample]:
+        if self.text is not None:
+            ids = self.text[i]
+            return [Sample(ids, ids)]
+        row = self.instruction[i]  # type: ignore[index]
+        starts = np.concatenate(([0], row.boundaries[:-1]))
+        return [Sample(row.input_ids[s:e], row.labels[s:e]) for s, e in zip(starts, row.boundaries)]
+
+
+def check_data_paths(paths: Sequence[str]) -> None:
+    """BadInput naming the first prefix with no dataset files (before any work starts)."""
+    for prefix in paths:
+        try:
+            float(prefix)
+        except ValueError:
+            pass
+        else:
+            raise BadInput(f"data_path: blending weights ({prefix!r}) are not supported; give prefixes only", "data_path")
+        candidates = [instruction_prefix(prefix, "input_ids"), prefix, prefix + "_text_document"]
+        if not any(_exists(c) for c in candidates):
+            looked = ", ".join(c + ".bin/.idx" for c in candidates)
+            raise BadInput(f"data_path: no indexed dataset for prefix {prefix!r} (looked for {looked})", "data_path")
+
+
+def train_fraction(split: str) -> float:
+    parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
+    if not parts or sum(parts) <= 0 or parts[0] <= 0:
+        raise BadInput(f"split: {split!r} leaves no training data", "split")
+    return parts[0] / sum(parts)
+
+
+@dataclasses.dataclass
+class TrainData:
+    """Samples of all ``data_path`` datasets in one index space, in the seeded global order."""
+
+    sources: list[_Source]
+    num_samples: int
+    seed: int
+    _order: tuple[int, np.ndarray] | None = None
+
+    @classmethod
+    def open(cls, paths: Sequence[str], split: str, seed: int) -> "TrainData":
+        check_data_paths(paths)
+        sources = [_Source(p) for p in paths]
+        total = sum(len(s) for s in sources)
+        n = int(total * train_fraction(split))
+        if n < 1:
+            raise BadInput(f"data_path: {total} samples and split {split!r} leave no training sample", "data_path")
+        return cls(sources, n, seed)
+
+    def _row(self, index: int) -> list[Sample]:
+        for src in self.sources:
+            if index < len(src):
+                return src.samples(index)
+            index -= len(src)
+        raise IndexError(index)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        # One epoch's permutation is kept: consecutive iterations nearly always fall in the same epoch.
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return self._order[1]
+
+    def sample_at(self, k: int) -> list[Sample]:
+        """The row (one or more samples) at global sample position ``k``."""
+        order = self._epoch_order(k // self.num_samples)
+        return self._row(int(order[k % self.num_samples]))
+
+
+def rank_micro_batches(
+    data: TrainData, iteration: int, global_batch: int, micro_batch: int, dp: int, dp_rank: int
+) -> list[list[Sample]]:
+    """The samples of each of this rank's micro-batches for 1-based ``iteration`` (only this rank's rows are read)."""
+    start = (iteration - 1) * global_batch
+    per_step = micro_batch * dp
+    out = []
+    for m in range(global_batch // per_step):
+        first = start + m * per_step + dp_rank * micro_batch
+        out.append([s for k in range(first, first + micro_batch) for s in data.sample_at(k)])
+    return out
+
+
+def data_files(paths: Sequence[str]) -> list[Path]:
+    """Every .bin/.idx file the datasets read (for the summary)."""
+    found = []
+    for prefix in paths:
+        for p in Path(prefix).parent.glob(Path(prefix).name + "*"):
+            if p.suffix in (".bin", ".idx"):
+                found.append(p)
+    return found

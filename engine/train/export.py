@@ -1,0 +1,86 @@
+"""The final checkpoint of a run, in the seed's Megatron layout (and HF on request).
+
+Full fine-tuning / pretraining: ``<save>/iter_XXXXXXX/mp_rank_00[_000]/model_optim_rng.pt`` +
+``<save>/latest_checkpointed_iteration.txt`` through ``engine.checkpoint.megatron.save_mcore`` (weights in the
+training dtype, ``args`` as MindSpeed's converters write them), so ``convert``/``eval`` and MindSpeed read it.
+
+LoRA: the same layout holding the adapters only, under MindSpeed's PEFT key names
+(``...linear_qkv.lora_A.default.weight``), with ``args.lora_r``/``lora_alpha``/``lora_target_modules`` and
+``args.lora_base`` = the ``load`` path. To merge, give the base checkpoint as ``load_dir`` and this directory as
+``lora_load`` to a ``convert`` job (MindSpeed's ``--load`` + ``--lora-load``): W + alpha/r · B @ A per module.
+``save_hf`` writes the merged full model as HF safetensors under ``<save>/hf``.
+
+The full state dict is gathered on rank 0 only (FSDP2 ``full_state_dict`` + ``cpu_offload``); other ranks wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from engine.checkpoint.hf import save_hf
+from engine.checkpoint.layout import rank_dir_name
+from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, save_mcore
+from engine.model.config import ModelConfig
+from engine.model.lora import merge_lora, to_mindspeed_keys
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0's CPU (empty elsewhere); collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def merged_weights(state: dict[str, torch.Tensor], alpha: float, r: int) -> dict[str, torch.Tensor]:
+    """Base weights with every adapter folded in (fp32 merge), adapter keys dropped."""
+    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
+    for key in [k for k in state if k.endswith(".lora_A.weight")]:
+        module = key[: -len(".lora_A.weight")]
+        out[module + ".weight"] = merge_lora(state[module + ".weight"], state[key], state[module + ".lora_B.weight"], alpha, r)
+    return out
+
+
+def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: Any,
+                dtype: torch.dtype) -> Path:
+    adapters = {k: v.to(dtype) for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
+    args = build_args(cfg, 1, 1, dtype)
+    extra = {"lora_r": spec.lora_r, "lora_alpha": spec.lora_alpha, "lora_target_modules": list(spec.lora_target_modules),
+             "lora_base": spec.load, "iteration": iteration}
+    args = argparse.Namespace(**{**vars(args), **extra})
+    rank_dir = save / iteration_dir_name(iteration) / rank_dir_name(0, 0, 1)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    tmp = rank_dir / (MODEL_FILE + ".tmp")
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": to_mindspeed_keys(adapters)}, tmp)
+    os.replace(tmp, rank_dir / MODEL_FILE)
+    tracker = save / (TRACKER + ".tmp")
+    tracker.write_text(str(iteration))
+    os.replace(tracker, save / TRACKER)
+    return rank_dir.parent
+
+
+def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
+                 dtype: torch.dtype) -> dict[str, str]:
+    """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
+    state = full_state_dict(model)
+    outputs = {"checkpoint": str(save), "checkpoint_iteration": str(iteration),
+               "checkpoint_dir": str(save / iteration_dir_name(iteration))}
+    if dist.get_rank() == 0:
+        lora = spec.lora_r is not None
+        if lora:
+            _write_lora(state, cfg, save, iteration, spec, dtype)
+        else:
+            save_mcore(state, cfg, save, tp=spec.tensor_model_parallel_size, pp=spec.pipeline_model_parallel_size,
+                       iteration=iteration, dtype=dtype, num_layer_list=spec.num_layer_list)
+        if spec.save_hf:
+            weights = merged_weights(state, spec.lora_alpha, spec.lora_r) if lora else state
+            save_hf(weights, cfg, save / "hf", dtype=dtype)
+    if spec.save_hf:
+        outputs["hf"] = str(save / "hf")
+    dist.barrier()
+    return outputs

@@ -1,0 +1,267 @@
+"""The ``train`` job: ``run(spec, run) -> (outputs, summary)``, on one process or under torchrun with data parallel.
+
+Order of work: check every input (data files, checkpoint format and shape, batch arithmetic) before touching a
+device -> start the process group and the dp×pp×tp mesh -> build the model, load weights, LoRA, ``parallelize`` ->
+optimizer, LR schedule, loss scaler -> resume from ``<save>/train_state`` if an earlier attempt left a checkpoint ->
+iterate -> final checkpoint in the seed's Megatron layout (+ HF on request).
+
+Checkpoint semantics (MindSpeed/Megatron): ``load`` of an HF or mcore checkpoint gives weights only, iteration 0
+(what ``--finetune`` does; converted checkpoints say iteration 1 and nothing else). ``load`` of our own training
+checkpoint continues its iteration, optimizer (unless ``no_load_optim``) and RNG (unless ``no_load_rng``), or with
+``finetune`` takes weights only and starts at 0. A checkpoint under ``save`` always wins: the service re-queues a
+failed job with the same spec and expects it to continue where it stopped, optimizer and data position included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint import dcp
+from engine.model.config import ModelConfig
+from engine.parallel.device import Device, init_distributed
+from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
+from engine.parallel.parallelize import compute_dtype, parallelize
+from engine.runfiles import BadInput, RunDir
+from engine.spec import TrainSpec
+from engine.train.batches import MicroBatch, collate
+from engine.train.data import TrainData, check_data_paths
+from engine.train.export import export_final
+from engine.train.loop import TrainState, train_step
+from engine.train.metrics import MetricsLogger
+from engine.train.model_setup import (LoadedWeights, check_against_checkpoint, check_model_kind, config_from_flags,
+                                      open_load)
+from engine.train.optim import LossScaler, build_optimizer
+from engine.train.schedule import Scheduler, schedule_from_spec
+
+log = logging.getLogger("engine.train")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything decided from the spec and the files before any work starts."""
+
+    cfg: ModelConfig
+    loaded: LoadedWeights | None
+    dims: ParallelDims
+    global_batch_size: int
+    seq_length: int
+    save: Path
+    resume_from: Path | None
+
+
+def _check_batch(spec: TrainSpec, dims: ParallelDims) -> int:
+    gbs = spec.global_batch_size or spec.micro_batch_size * dims.dp
+    if gbs % (spec.micro_batch_size * dims.dp):
+        raise BadInput(
+            f"global_batch_size: {gbs} is not divisible by micro_batch_size × DP ({spec.micro_batch_size} × {dims.dp}, "
+            f"DP = world size {dims.world_size} / (TP {dims.tp} × PP {dims.pp}))", "global_batch_size"
+        )
+    return gbs
+
+
+def _tokenizer_vocab(spec: TrainSpec) -> int | None:
+    if not spec.tokenizer_name_or_path:
+        return None
+    from engine.data.tokenizer import load_tokenizer
+
+    return len(load_tokenizer(spec.tokenizer_name_or_path))
+
+
+def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
+    check_model_kind(spec)
+    if spec.load is None:
+        return config_from_flags(spec, _tokenizer_vocab(spec)), None
+    loaded = open_load(spec.load)
+    check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
+    if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only") and spec.lora_r is None:
+        raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model instead", "load")
+    return loaded.config, loaded
+
+
+def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
+    """Validate the job against its files; BadInput (exit 2, no retry) for anything the user must fix."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    if tp > 1 or pp > 1:
+        raise BadInput("tensor_model_parallel_size / pipeline_model_parallel_size: only 1 is supported so far "
+                       "(data parallel over every rank)", "tensor_model_parallel_size")
+    try:
+        dims = ParallelDims.from_world(world, tp, pp)
+    except ValueError as err:
+        raise BadInput(str(err), "tensor_model_parallel_size") from err
+    gbs = _check_batch(spec, dims)
+    if spec.seq_length is None:
+        raise BadInput("seq_length: required for training (the longest sample, in tokens)", "seq_length")
+    if spec.lr_decay_style == "WSD":
+        raise BadInput("lr_decay_style: WSD is not supported; use constant, linear, cosine or inverse-square-root",
+                       "lr_decay_style")
+    if spec.lora_r is not None:
+        from engine.model.lora import resolve_targets
+
+        try:
+            resolve_targets(spec.lora_target_modules)
+        except ValueError as err:
+            raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
+    check_data_paths(spec.data_path)
+    cfg, loaded = _model_config(spec)
+    save = Path(spec.save) if spec.save else run.path / "checkpoints"
+    return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, spec: TrainSpec, run: RunDir, plan: Plan, device: Device):
+        self.spec, self.run, self.plan, self.device = spec, run, plan, device
+        self.lora = spec.lora_r is not None
+        self.dtype = compute_dtype(spec)
+        self.state = TrainState()
+        self.mesh = build_mesh(device, plan.dims)
+        self.dp_group = self.mesh["dp"].get_group()
+        _seed_everything(spec.seed)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, spec)
+        self.scheduler = Scheduler(self.optimizer, schedule_from_spec(spec))
+        self.scaler = LossScaler(spec)
+        self.resumed_from = self._restore()
+
+    # -- setup
+
+    def _build_model(self) -> torch.nn.Module:
+        from engine.model.qwen3 import Qwen3Model
+
+        model = Qwen3Model(self.plan.cfg)
+        loaded, resuming = self.plan.loaded, self.plan.resume_from is not None
+        if loaded is not None and loaded.get is not None and not (resuming and not self.lora):
+            keys = list(model.state_dict())
+            model.load_state_dict({k: loaded.get(k).float() for k in keys}, strict=True)
+        else:
+            model.init_weights(self.spec.seed)  # overwritten below when weights come from a DCP checkpoint
+        model.to(self.device.torch_device)
+        if self.lora:
+            from engine.model.lora import apply_lora
+
+            apply_lora(model, self.spec.lora_r, self.spec.lora_alpha, self.spec.lora_dropout,
+                       self.spec.lora_target_modules, seed=self.spec.seed)
+        return parallelize(model, self.mesh, self.spec)
+
+    def _restore(self) -> str | None:
+        spec, plan = self.spec, self.plan
+        if plan.resume_from is not None:
+            meta = dcp.load(plan.resume_from, self.model, self.optimizer, trainable_only=self.lora)
+            self._restore_progress(meta)
+            log.info("resumed from %s at iteration %d", plan.resume_from, self.state.iteration)
+            return str(plan.resume_from)
+        if plan.loaded is not None and plan.loaded.format == "native":
+            keep_going = not spec.finetune
+            optimizer = self.optimizer if keep_going and not spec.no_load_optim else None
+            meta = dcp.load(spec.load, self.model, optimizer, trainable_only=bool(plan.loaded.meta.get("trainable_only")),
+                            load_rng=keep_going and not spec.no_load_rng)
+            if keep_going:
+                self._restore_progress(meta)
+        return None
+
+    def _restore_progress(self, meta: dict[str, Any]) -> None:
+        self.state = TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_iterations", 0))
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.scaler.load_state_dict(meta["loss_scaler"])
+
+    # -- loop
+
+    def _batches(self, data: TrainData, iteration: int) -> list[MicroBatch]:
+        from engine.train.data import rank_micro_batches
+
+        spec = self.spec
+        groups = rank_micro_batches(data, iteration, self.plan.global_batch_size, spec.micro_batch_size,
+                                    self.plan.dims.dp, self.mesh["dp"].get_local_rank())
+        batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
+        vocab = self.plan.cfg.vocab_size
+        for mb in batches:
+            top = int(mb.input_ids.max())
+            if top >= vocab:
+                raise BadInput(f"data_path: token id {top} is outside the model's vocabulary ({vocab})", "data_path")
+        return batches
+
+    def _save(self, iteration: int) -> None:
+        spec = self.spec
+        meta = {
+            "consumed_samples": self.state.consumed_samples,
+            "skipped_iterations": self.state.skipped_iterations,
+            "scheduler": self.scheduler.state_dict(),
+            "loss_scaler": self.scaler.state_dict(),
+            "model_config": dataclasses.asdict(self.plan.cfg),
+            "trainable_only": self.lora,
+            "lora": {"r": spec.lora_r, "alpha": spec.lora_alpha, "targets": list(spec.lora_target_modules)} if self.lora else None,
+            "load": spec.load,
+            "global_batch_size": self.plan.global_batch_size,
+            "world_size": self.plan.dims.world_size,
+        }
+        path = dcp.save(self.plan.save, iteration, self.model, None if spec.no_save_optim else self.optimizer, meta,
+                        trainable_only=self.lora, save_rng=not spec.no_save_rng)
+        self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
+
+    def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
+        spec, plan = self.spec, self.plan
+        data = TrainData.open(spec.data_path, spec.split, spec.seed)
+        metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
+                                spec.log_interval, spec.tensorboard_dir, self.lora)
+        start = self.state.iteration
+        self.model.train()
+        for iteration in range(start + 1, spec.train_iters + 1):
+            batches = self._batches(data, iteration)
+            record = train_step(
+                self.model, self.optimizer, self.scheduler, self.scaler, batches, self.state,
+                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad,
+                chunk_size=spec.cross_entropy_chunk_size, dp_group=self.dp_group, device=self.device.torch_device,
+            )
+            metrics.record(record)
+            if iteration % spec.log_interval == 0:
+                self.run.progress(iteration, spec.train_iters, "iterations")
+            if spec.save_interval and iteration % spec.save_interval == 0:
+                self._save(iteration)
+        metrics.close()
+        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self._export_dtype())
+        if spec.tensorboard_dir:
+            outputs["tensorboard"] = spec.tensorboard_dir
+        summary = {
+            "iterations": self.state.iteration,
+            "start_iteration": start,
+            "consumed_samples": self.state.consumed_samples,
+            "resumed_from": self.resumed_from,
+            "load_format": plan.loaded.format if plan.loaded else None,
+            "world_size": plan.dims.world_size,
+            "global_batch_size": plan.global_batch_size,
+            "lora": self.lora,
+            **metrics.summary(),
+        }
+        return outputs, summary
+
+    def _export_dtype(self) -> torch.dtype:
+        return self.dtype if self.dtype != torch.float32 else torch.float32
+
+
+def run(spec: TrainSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
+    plan = plan_run(spec, run)
+    device = init_distributed(spec.resources.device_type)
+    own_group = not dist.is_initialized()
+    ensure_process_group(device)
+    try:
+        return Trainer(spec, run, plan, device).fit()
+    finally:
+        # A group this call started for a plain single process is torn down here (in-process callers, tests);
+        # under torchrun the CLI tears down and os._exit()s (the gloo exit-crash trap).
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()

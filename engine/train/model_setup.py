@@ -1,0 +1,148 @@
+"""Model shape and initial weights of a training run, checked before any work.
+
+``load`` is told apart by contents: our own training checkpoint (``engine.checkpoint.dcp``: meta.json + DCP
+shards, or a ``save`` dir holding ``train_state/``), an HF directory (config.json + safetensors) or a Megatron mcore
+checkpoint (tracker file / ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``). The shape comes from the
+checkpoint; shape flags the user set explicitly must agree with it (Megatron's ``check_checkpoint_args``), else the
+run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+
+from engine.checkpoint import dcp
+from engine.model.config import ModelConfig
+from engine.runfiles import BadInput
+
+Format = Literal["native", "hf", "mcore"]
+
+# spec flag -> (ModelConfig field, how the flag's value maps onto it)
+_SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "num_layers": ("num_layers", int),
+    "hidden_size": ("hidden_size", int),
+    "ffn_hidden_size": ("ffn_hidden_size", int),
+    "num_attention_heads": ("num_attention_heads", int),
+    "kv_channels": ("kv_channels", int),
+    "padded_vocab_size": ("vocab_size", int),
+    "norm_epsilon": ("norm_epsilon", float),
+    "rotary_base": ("rotary_base", float),
+    "untie_embeddings_and_output_weights": ("tie_word_embeddings", lambda untie: not untie),
+}
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"load: {p} does not exist", "load")
+    if dcp.is_training_checkpoint(p):
+        return "native"
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf"
+    if (p / "latest_checkpointed_iteration.txt").is_file() or any(p.glob("iter_*/mp_rank_*")) or any(p.glob("mp_rank_*")):
+        return "mcore"
+    raise BadInput(
+        f"load: {p} is neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
+        "(latest_checkpointed_iteration.txt, iter_*/mp_rank_*) nor a training checkpoint of this engine", "load"
+    )
+
+
+@dataclasses.dataclass
+class LoadedWeights:
+    """What ``load`` holds: its format, model shape and (for HF/mcore) a ``get(native_key)`` for the weights."""
+
+    format: Format
+    config: ModelConfig
+    get: Callable[[str], torch.Tensor] | None  # None for native: loaded collectively through DCP
+    meta: dict[str, Any] | None = None  # native only: meta.json
+
+
+def open_load(path: str) -> LoadedWeights:
+    fmt = detect_format(path)
+    if fmt == "native":
+        meta = dcp.read_meta(path)
+        return LoadedWeights("native", ModelConfig(**meta["model_config"]), None, meta)
+    if fmt == "hf":
+        from engine.checkpoint.hf import HFCheckpoint
+
+        ckpt = HFCheckpoint(path)
+        return LoadedWeights("hf", ckpt.config, ckpt.get_native)
+    from engine.checkpoint.megatron import load_mcore
+
+    try:
+        cfg, get = load_mcore(path)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise BadInput(f"load: {path} is not a readable Megatron checkpoint ({err})", "load") from err
+    return LoadedWeights("mcore", cfg, get)
+
+
+def _megatron_ffn(spec: Any) -> int:
+    """Megatron's default FFN width: 4h, or for SwiGLU 2/3 of it rounded down to a multiple of 64."""
+    if spec.swiglu:
+        return int((4 * spec.hidden_size * 2 / 3) / 64) * 64
+    return 4 * spec.hidden_size
+
+
+def _pad_vocab(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
+    """A from-scratch model's shape from the spec's Megatron flags."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(spec, flag) is None:
+            raise BadInput(f"{flag}: required when no checkpoint is loaded (load is not set)", flag)
+    vocab = spec.padded_vocab_size
+    if vocab is None:
+        if tokenizer_vocab is None:
+            raise BadInput("padded_vocab_size: required without load and without tokenizer_name_or_path", "padded_vocab_size")
+        vocab = _pad_vocab(tokenizer_vocab, spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size)
+    heads = spec.num_attention_heads
+    return ModelConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size or _megatron_ffn(spec),
+        num_attention_heads=heads,
+        num_query_groups=(spec.num_query_groups or 1) if spec.group_query_attention else heads,
+        kv_channels=spec.kv_channels or spec.hidden_size // heads,
+        vocab_size=vocab,
+        norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base,
+        max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
+        tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
+        init_method_std=spec.init_method_std,
+    )
+
+
+def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
+    """BadInput for the first explicitly set shape flag that disagrees with the checkpoint's shape."""
+    explicit = spec.model_fields_set
+    pairs = [(flag, *_SHAPE_FLAGS[flag]) for flag in _SHAPE_FLAGS if flag in explicit]
+    if "num_query_groups" in explicit and spec.group_query_attention:
+        pairs.append(("num_query_groups", "num_query_groups", int))
+    for flag, field, convert in pairs:
+        wanted, have = convert(getattr(spec, flag)), getattr(cfg, field)
+        same = abs(wanted - have) <= 1e-9 * max(abs(have), 1) if isinstance(have, float) else wanted == have
+        if not same:
+            raise BadInput(
+                f"{flag}: the spec says {getattr(spec, flag)!r} but the checkpoint {source} has {field}={have!r}; "
+                "drop the flag to take the checkpoint's value, or load a matching checkpoint", flag
+            )
+
+
+def check_model_kind(spec: Any) -> None:
+    """Only Qwen3 (RMSNorm, RoPE, SwiGLU) is built here: refuse explicit flags asking for something else."""
+    explicit = spec.model_fields_set
+    if "normalization" in explicit and spec.normalization != "RMSNorm":
+        raise BadInput(f"normalization: {spec.normalization} is not supported (Qwen3 uses RMSNorm)", "normalization")
+    if "position_embedding_type" in explicit and spec.position_embedding_type != "rope":
+        raise BadInput(f"position_embedding_type: {spec.position_embedding_type} is not supported (rope only)",
+                       "position_embedding_type")
+    if "num_query_groups" in explicit and not spec.group_query_attention and spec.num_query_groups != spec.num_attention_heads:
+        raise BadInput("num_query_groups: set group_query_attention too (Megatron ignores the groups without it)",
+                       "num_query_groups")

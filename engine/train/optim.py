@@ -1,0 +1,88 @@
+"""AdamW with Megatron's weight-decay groups, gradient clipping by global norm, and the fp16 loss scaler.
+
+Megatron (``megatron/core/optimizer/__init__.py`` ``_get_param_groups``) exempts biases and every 1-D parameter
+(norm weights) from weight decay; so do we. The loss scaler follows Megatron's ``DynamicGradScaler``: halve the scale
+after ``hysteresis`` overflowing iterations, double it after ``loss_scale_window`` clean ones, never under
+``min_loss_scale``; an overflowing iteration skips the optimizer step and counts as skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split into decayed (matrices) and not decayed (biases, norms)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, spec: Any) -> torch.optim.AdamW:
+    groups = param_groups(model, spec.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(
+        groups, lr=spec.lr, betas=(spec.adam_beta1, spec.adam_beta2), eps=spec.adam_eps, foreach=True
+    )
+
+
+def grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of all gradients across every rank (a 0-d tensor; no host sync)."""
+    norm = torch.nn.utils.get_total_norm(grads(params), 2.0, error_if_nonfinite=False, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # sharded grads: the partial norms are reduced across the dp group here
+    return norm
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+
+
+class LossScaler:
+    """Megatron's loss scaling: constant (``loss_scale``), dynamic (fp16), or none (scale 1, bf16/fp32)."""
+
+    def __init__(self, spec: Any):
+        self.dynamic = bool(spec.fp16) and spec.loss_scale is None
+        self.scale = float(spec.loss_scale or (spec.initial_loss_scale if spec.fp16 else 1.0))
+        self.min_scale = spec.min_loss_scale
+        self.window = spec.loss_scale_window
+        self.hysteresis = spec.hysteresis
+        self._growth = 0
+        self._hysteresis_left = spec.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self._growth = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale * 0.5, self.min_scale)
+            return
+        self._growth += 1
+        if self._growth == self.window:
+            self._growth = 0
+            self._hysteresis_left = self.hysteresis
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth": self._growth, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._growth = int(state["growth"])
+        self._hysteresis_left = int(state["hysteresis_left"])
