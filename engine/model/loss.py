@@ -20,8 +20,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """sum_i CE(h_i @ W^T, y_i) over the given rows, gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, grad_hidden, grad_weight):  # type: ignore[override]
-        loss, gh, gw = _chunked_loss_and_grads(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight):  # type: ignore[override]
+        loss, gh, gw = _chunked_loss_and_grads(
+            hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight
+        )
         ctx.save_for_backward(gh if gh is not None else torch.empty(0), gw if gw is not None else torch.empty(0))
         ctx.has = (gh is not None, gw is not None)
         ctx.weight_dtype = weight.dtype
@@ -32,28 +34,31 @@ class _ChunkedLinearCE(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         d_hidden = gh * grad_loss.to(gh.dtype) if ctx.has[0] else None
         d_weight = (gw * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def _chunked_loss_and_grads(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, want_gh: bool, want_gw: bool
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, ignore_index: int,
+    want_gh: bool, want_gw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """hidden (N, H), weight (V, H), labels (N,) all valid -> (loss sum fp32, dL/dhidden, dL/dweight in fp32)."""
+    """hidden (N, H), weight (V, H), labels (N,) -> (loss sum fp32, dL/dhidden, dL/dweight in fp32)."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     gh = torch.empty_like(hidden) if want_gh else None
     gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_gw else None
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]  # (c, H)
         y = labels[start:start + chunk_size]  # (c,)
+        keep = (y != ignore_index)[:, None]  # (c, 1)
+        y = y.masked_fill(~keep[:, 0], 0)  # any valid index; the row is zeroed below
         logits = (h @ weight.t()).float()  # (c, V): the only vocab-sized buffer, one chunk at a time
-        lse = torch.logsumexp(logits, dim=-1)  # (c,)
-        loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (c, 1)
+        loss += ((lse - logits.gather(1, y[:, None])) * keep).sum()
         if gh is None and gw is None:
             continue
         # d(sum CE)/d logits = softmax - onehot, computed in place over the logits buffer
-        dlogits = logits.sub_(lse[:, None]).exp_()
+        dlogits = logits.sub_(lse).exp_()
         dlogits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-        dlogits = dlogits.to(weight.dtype)
+        dlogits = dlogits.mul_(keep).to(weight.dtype)
         if gh is not None:
             gh[start:start + chunk_size] = dlogits @ weight  # (c, H)
         if gw is not None:
@@ -83,14 +88,10 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels: shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
-    flat_h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
-    flat_y = labels.reshape(-1)
-    valid = flat_y != ignore_index
-    num_tokens = valid.sum()
-    rows = valid.nonzero().squeeze(1)  # a host sync, paid once per call
-    h, y = flat_h.index_select(0, rows), flat_y.index_select(0, rows)  # backward scatters into the ignored rows
+    h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    y = labels.reshape(-1)
     want_grad = torch.is_grad_enabled()
     loss = _ChunkedLinearCE.apply(
-        h, weight, y, chunk_size, want_grad and h.requires_grad, want_grad and weight.requires_grad
+        h, weight, y, chunk_size, ignore_index, want_grad and h.requires_grad, want_grad and weight.requires_grad
     )
-    return loss, num_tokens
+    return loss, (y != ignore_index).sum()

@@ -19,7 +19,7 @@ def _inputs(n_rows: int = 50, hidden: int = 16, vocab: int = 700, seed: int = 0)
     return h, w, y
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("chunk_size", [3, 64])
 def test_equals_cross_entropy_loss_and_grads(chunk_size: int) -> None:
     h, w, y = _inputs()
     loss, n = chunked_cross_entropy(h, w, y, chunk_size=chunk_size)
@@ -68,7 +68,7 @@ def _largest_saved_and_allocated(fn) -> tuple[int, int]:
 
 
 def test_no_full_logits_in_forward_or_backward() -> None:
-    n_rows, vocab = 256, 4096
+    n_rows, vocab = 128, 2048
     h, w, y = _inputs(n_rows=n_rows, vocab=vocab, hidden=32)
     full_bytes = n_rows * vocab * 4
 
