@@ -250,6 +250,9 @@ def run(spec: PreprocessSpec, run: RunDir) -> tuple[dict[str, str], dict[str, An
     started = time.monotonic()
     try:
         _process(spec, config, files, total, sink, run, started)
+        if sink.written == 0:  # Megatron cannot even open an empty dataset; training would fail later and worse
+            raise BadInput(f"input: no sample left to write ({sink.read} read, dropped {dict(sink.dropped)}, "
+                           f"{sink.bad} bad skipped)", field="input")
         written = outputs.commit()
     except BaseException:
         outputs.abort()
