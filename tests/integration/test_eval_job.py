@@ -1,0 +1,156 @@
+"""The eval job end to end on a tiny random Qwen3 saved as an HF directory: known-answer accuracy, predictions file,
+bad-line policies, checkpoint/flag mismatch, loss mode against transformers, and the seed's command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from engine.cli import main
+from engine.data.templates import encode_conversation, encode_prompt
+from engine.model.config import preset
+from engine.runfiles import EXIT_BAD_INPUT, EXIT_OK
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+QUESTIONS = ["广州塔为什么也叫小蛮腰", "play jazz", "明天北京天气怎么样？请告诉我", "turn off the lights in the kitchen",
+             "hi", "设置一个早上七点的闹钟", "what's 2+2", "给妈妈打电话"]
+MAX_NEW = 4
+N_RIGHT = 5  # the first N_RIGHT lines get the model's own greedy answer as reference
+
+
+def _conv(question: str, answer: str | None) -> dict:
+    msgs = [SYSTEM, {"role": "user", "content": f"请你判读用户的意图。交互历史：用户：{question}"}]
+    return {"messages": msgs + ([{"role": "assistant", "content": answer}] if answer is not None else [])}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, qwen_tokenizer_dir: Path) -> dict:
+    root = tmp_path_factory.mktemp("eval")
+    cfg = preset("qwen3-tiny")
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**cfg.to_hf("float32"), "initializer_range": 0.5})).eval()
+    hf.save_pretrained(root / "hf")
+    tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
+    answers = []
+    for q in QUESTIONS:  # transformers' greedy answer to the prompt the eval job will render
+        prompt = encode_prompt(tok, _conv(q, None)["messages"], "qwen3", "none")
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                              eos_token_id=[151645, 151643], pad_token_id=151643)
+        answers.append(tok.decode(out[0, len(prompt):], skip_special_tokens=True))
+    lines = [_conv(q, a if i < N_RIGHT else f"WRONG_{i}") for i, (q, a) in enumerate(zip(QUESTIONS, answers))]
+    text = [json.dumps(x, ensure_ascii=False) for x in lines]
+    text.insert(3, json.dumps(_conv("no answer here", None), ensure_ascii=False))  # line 4: no assistant answer
+    text.insert(6, "{not json")  # line 7
+    (root / "test.jsonl").write_text("\n".join(text) + "\n")
+    return {"root": root, "hf": root / "hf", "data": root / "test.jsonl", "tok": str(qwen_tokenizer_dir),
+            "answers": answers, "hf_model": hf, "tokenizer": tok}
+
+
+def _eval(setup: dict, run_dir: Path, *extra: str) -> int:
+    return main(["eval", "--load", str(setup["hf"]), "--tokenizer-name-or-path", setup["tok"],
+                 "--eval-data-path", str(setup["data"]), "--max-new-tokens", str(MAX_NEW),
+                 "--temperature", "0.00001", "--run-dir", str(run_dir), *extra])
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_known_answers_accuracy_and_predictions(setup, tmp_path: Path) -> None:
+    assert _eval(setup, tmp_path, "--eval-batch-size", "3") == EXIT_OK
+    result = json.loads((tmp_path / "result.json").read_text())
+    s = result["summary"]
+    assert (s["total"], s["correct"], s["skipped"]) == (8, N_RIGHT, 2)
+    assert s["accuracy"] == pytest.approx(N_RIGHT / 8)
+    assert [b["line"] for b in s["skipped_lines"]] == [4, 7]
+    assert "no assistant answer" in s["skipped_lines"][0]["reason"]
+    assert s["tokens_per_s"] > 0 and s["generated_tokens"] == 8 * MAX_NEW
+    assert {x["count"] for x in s["confusion"]} == {1} and len(s["confusion"]) == 3
+    rows = [json.loads(x) for x in Path(result["outputs"]["predictions"]).read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 3, 5, 6, 8, 9, 10]
+    assert all({"input", "reference", "output", "answer", "correct"} <= set(r) for r in rows)
+    assert [r["correct"] for r in rows] == [True] * N_RIGHT + [False] * 3
+    assert [r["answer"] for r in rows] == [a.strip() for a in setup["answers"]]
+    assert rows[0]["input"].endswith(QUESTIONS[0])
+    events = _events(tmp_path)
+    progress = [e for e in events if e["type"] == "progress"]
+    assert progress and progress[-1]["data"]["done"] == progress[-1]["data"]["total"] == 8
+    assert sum(e["type"] == "warning" and "skipped" in e["message"] for e in events) == 2
+
+
+def test_no_kv_cache_and_batch_1_give_the_same_predictions(setup, tmp_path: Path) -> None:
+    assert _eval(setup, tmp_path / "a", "--eval-batch-size", "8") == EXIT_OK
+    assert _eval(setup, tmp_path / "b", "--no-kv-cache") == EXIT_OK  # micro_batch_size 1
+    a, b = ((tmp_path / d / "predictions.jsonl").read_text() for d in "ab")
+    assert a == b
+
+
+def test_bad_line_policy_error_fails_naming_the_line(setup, tmp_path: Path) -> None:
+    assert _eval(setup, tmp_path, "--bad-line-policy", "error") == EXIT_BAD_INPUT
+    error = [e for e in _events(tmp_path) if e["type"] == "error"][0]
+    assert "test.jsonl:4" in error["message"] and "no assistant answer" in error["message"]
+    assert error["data"]["field"] == "eval_data_path"
+
+
+def test_checkpoint_not_matching_the_flags_is_a_clear_error(setup, tmp_path: Path) -> None:
+    code = _eval(setup, tmp_path, "--num-layers", "36", "--hidden-size", "64")
+    assert code == EXIT_BAD_INPUT
+    error = [e for e in _events(tmp_path) if e["type"] == "error"][0]
+    assert "num_layers: the checkpoint has 2 but the flags say 36" in error["message"]
+    assert "hidden_size" not in error["message"]  # only the flags that differ are named
+    assert error["data"]["field"] == "num_layers"
+
+
+def test_loss_mode_matches_transformers(setup, tmp_path: Path) -> None:
+    assert _eval(setup, tmp_path, "--eval-mode", "loss", "--eval-batch-size", "4") == EXIT_OK
+    s = json.loads((tmp_path / "result.json").read_text())["summary"]
+    total, count = 0.0, 0
+    for line in setup["data"].read_text().splitlines():
+        try:
+            msgs = json.loads(line)["messages"]
+        except json.JSONDecodeError:
+            continue
+        if msgs[-1]["role"] != "assistant":
+            continue
+        ids, labels = encode_conversation(setup["tokenizer"], msgs, "qwen3", "none")
+        with torch.no_grad():
+            loss = setup["hf_model"](input_ids=torch.tensor(ids[None]).long(), labels=torch.tensor(labels[None]).long()).loss
+        n = int((labels[1:] != -100).sum())
+        total, count = total + float(loss) * n, count + n
+    assert s["tokens"] == count and s["skipped"] == 2
+    assert s["loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_seed_command_line(setup, tmp_path: Path) -> None:
+    """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through ``python -m engine``."""
+    cfg = preset("qwen3-tiny")
+    argv = [
+        "--use-mcore-models", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        "--load", str(setup["hf"]), "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec",
+        "--kv-channels", str(cfg.kv_channels), "--qk-layernorm", "--num-layers", str(cfg.num_layers),
+        "--hidden-size", str(cfg.hidden_size), "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
+        "--num-attention-heads", str(cfg.num_attention_heads), "--ffn-hidden-size", str(cfg.ffn_hidden_size),
+        "--max-position-embeddings", str(cfg.max_position_embeddings), "--seq-length", "800",
+        "--make-vocab-size-divisible-by", "1", "--padded-vocab-size", "151936", "--rotary-base", "1000000",
+        "--micro-batch-size", "1", "--disable-bias-linear", "--swiglu", "--tokenizer-type", "PretrainedFromHF",
+        "--tokenizer-name-or-path", setup["tok"], "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+        "--norm-epsilon", "1e-6", "--hidden-dropout", "0", "--attention-dropout", "0", "--max-new-tokens", str(MAX_NEW),
+        "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32", "--exit-on-missing-checkpoint",
+        "--no-masked-softmax-fusion", "--group-query-attention", "--num-query-groups", str(cfg.num_query_groups),
+        "--seed", "42", "--eval-data-path", str(setup["data"]), "--eval-data-size", "1000", "--temperature", "0.00001",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "engine", "eval", *argv, "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accuracy 0.6250 (5/8)" in proc.stderr
+    s = json.loads((tmp_path / "result.json").read_text())["summary"]
+    assert s["accuracy"] == pytest.approx(N_RIGHT / 8) and (tmp_path / "predictions.jsonl").is_file()
