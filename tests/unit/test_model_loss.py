@@ -68,8 +68,8 @@ def _largest_saved_and_allocated(fn) -> tuple[int, int]:
 
 
 def test_no_full_logits_in_forward_or_backward() -> None:
-    n_rows, vocab = 128, 2048
-    h, w, y = _inputs(n_rows=n_rows, vocab=vocab, hidden=32)
+    n_rows, vocab = 256, 2048
+    h, w, y = _inputs(n_rows=n_rows, vocab=vocab, hidden=16)
     full_bytes = n_rows * vocab * 4
 
     def chunked() -> None:
