@@ -1,0 +1,38 @@
+"""Helpers for tests of the service: isolated settings, a migrated database, tokens, an HTTP client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from app.auth import create_token
+from app.db import session_scope, upgrade_head
+from app.settings import Settings
+
+
+def isolated_settings(var_dir: Path, database_url: str | None = None, **overrides: Any) -> Settings:
+    """Settings whose files all live under ``var_dir`` (SQLite unless ``database_url`` is given), migrated."""
+    settings = Settings(var_dir=var_dir, database_url=database_url or "", **overrides)
+    settings.ensure_dirs()
+    upgrade_head(settings.database_url)
+    return settings
+
+
+def make_token(settings: Settings, team: str, admin: bool = False) -> str:
+    with session_scope(settings.database_url) as session:
+        return create_token(session, team=team, admin=admin)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def make_job(settings: Settings, team: str = "t", **fields: Any) -> str:
+    """A queued preprocess job (paths are not checked); returns its id."""
+    from app.services.jobs import create_job
+    from engine.spec import parse_spec
+
+    raw = {"kind": "preprocess", "input": "a", "tokenizer_name_or_path": "t", "output_prefix": "o", **fields}
+    with session_scope(settings.database_url) as session:
+        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw), raw=raw)
+        return job.id
