@@ -31,12 +31,16 @@ def apply_fsdp(
         # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
         last = i == len(layers) - 1
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root group (embedding, final norm, output layer) stays gathered from forward to backward: the trainer's
+    # chunked loss reads the head matrix (``model.output_weight()``) after forward returns.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     # The trainer divides the summed loss by the global token count itself: FSDP must sum, not average, over ranks.
     # The setter only reaches the module's own parameter group, hence the loop over every sharded module.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; NCCL is zero-copy only for SUM anyway).
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

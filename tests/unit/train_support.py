@@ -1,0 +1,50 @@
+"""Shared helpers of the train tests (not a test module): tiny instruction datasets and tiny train specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
+
+TINY_SHAPE: dict[str, Any] = {
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+    "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 512,
+}
+
+
+def write_instruction_data(prefix: Path, n: int = 48, vocab: int = 512, seed: int = 0) -> str:
+    """``n`` samples of 8-39 tokens; the answer repeats the first prompt token, so the loss can fall."""
+    rng = np.random.default_rng(seed)
+    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")}
+    for _ in range(n):
+        length = int(rng.integers(8, 40))
+        ids = rng.integers(1, vocab, length)
+        answer = int(rng.integers(4, length - 2))
+        ids[answer:] = ids[0]
+        labels = ids.copy()
+        labels[:answer] = -100
+        writers["input_ids"].add_document(ids)
+        writers["attention_mask"].add_document(np.ones(length))
+        writers["labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
+
+
+def tiny_spec(data: str, **overrides: Any) -> dict[str, Any]:
+    spec = {
+        "kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 3e-3, "min_lr": 0.0,
+        "lr_warmup_iters": 1, "seq_length": 64, "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1,
+        "seed": 7, **TINY_SHAPE,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
