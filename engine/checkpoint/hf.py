@@ -235,13 +235,9 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
     out = Path(out_dir)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with staging(out) as tmp:
-        stream = iter(hf_from_native(get, cfg))
-        done = 0
+        stream = _reported(hf_from_native(get, cfg), len(entries), progress)
         for name, plan in zip(names, shards):
             write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
-            done += len(plan)
-            if progress:
-                progress(done, len(entries))
         elem = torch.empty((), dtype=dtype).element_size()
         index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
                  "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan}}
@@ -251,6 +247,14 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
         (tmp / "generation_config.json").write_text(json.dumps(generation_config or QWEN3_GENERATION, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [out / n for n in names]
+
+
+def _reported(stream: Iterator[tuple[str, torch.Tensor]], total: int,
+              progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for done, item in enumerate(stream, 1):
+        yield item
+        if progress:
+            progress(done, total)
 
 
 def _counted(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -181,22 +181,25 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
     args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
     out, files = Path(out_dir), []
+    total = tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks)
+    done = 0
     with staging(out) as tmp:
         it_dir = tmp / iteration_dir_name(iteration)
         for p, chunks in enumerate(stages):
             for t in range(tp):
                 state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
                 for chunk in chunks:
-                    name = "model" if len(chunks) == 1 else f"model{chunk.index}"
-                    state[name] = {local: _own(get_shard(native, tp, t).to(dtype))
-                                   for local, native in chunk_keys(cfg, chunk, pp)}
+                    tensors = state["model" if len(chunks) == 1 else f"model{chunk.index}"] = {}
+                    for local, native in chunk_keys(cfg, chunk, pp):
+                        tensors[local] = _own(get_shard(native, tp, t).to(dtype))
+                        done += 1
+                        if progress:
+                            progress(done, total)
                 rank_dir = it_dir / rank_dir_name(t, p, pp)
                 rank_dir.mkdir(parents=True)
                 torch.save(state, rank_dir / MODEL_FILE)
-                del state
+                del state, tensors
                 files.append(out / it_dir.name / rank_dir.name / MODEL_FILE)
-                if progress:
-                    progress(len(files), tp * pp)
         (tmp / TRACKER).write_text(str(iteration))
     return files
 
@@ -204,55 +207,21 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
 # ---------------------------------------------------------------- reading
 
 
-class MegatronCheckpoint:
-    """A Megatron legacy checkpoint opened lazily; ``get_native(key)`` gives full TP1 tensors.
+class _Ranks:
+    """The rank files of one checkpoint directory, addressed by native (global) key."""
 
-    ``lora_dir``: MindSpeed's ``--lora-load`` checkpoint (same TP/PP) whose tensors override the base; LoRA
-    adapters found in either are merged when ``lora_alpha``/``lora_r`` are known (flags, else the checkpoint args).
-    ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
-    """
-
-    def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
-                 lora_alpha: float | None = None, lora_r: int | None = None,
-                 hf_config: Mapping[str, Any] | None = None):
-        self.root = Path(root)
-        self.iter_dir, self.iteration = resolve_iteration_dir(self.root)
+    def __init__(self, root: str | os.PathLike[str]):
+        self.iter_dir, self.iteration = resolve_iteration_dir(root)
         self.tp, self.pp, files = _rank_files(self.iter_dir)
-        self._raw = {rank: load_rank_file(path) for rank, path in files.items()}
-        self.args = self._raw[(0, 0)].get("args")
-        self._models = {rank: _chunks(raw, files[rank]) for rank, raw in self._raw.items()}
-        if lora_dir is not None:
-            self._overlay(Path(lora_dir))
-        self.lora_alpha, self.lora_r = self._lora_params(lora_alpha, lora_r)
+        raw = {rank: load_rank_file(path) for rank, path in files.items()}
+        self.args = raw[(0, 0)].get("args")
+        self.models = {rank: _chunks(r, files[rank]) for rank, r in raw.items()}
         self._locate()
-        self.config = self._infer_config(dict(hf_config or {}))
-        self._validate()
-
-    # -- structure
-
-    def _overlay(self, lora_dir: Path) -> None:
-        lora = MegatronCheckpoint.__new__(MegatronCheckpoint)
-        lora.iter_dir, _ = resolve_iteration_dir(lora_dir)
-        ltp, lpp, files = _rank_files(lora.iter_dir)
-        if (ltp, lpp) != (self.tp, self.pp):
-            raise BadInput(f"{lora_dir}: LoRA checkpoint is TP{ltp}/PP{lpp} but the base is TP{self.tp}/PP{self.pp}",
-                           field="lora_load")
-        for rank, path in files.items():
-            raw = load_rank_file(path)
-            if self.args is None and raw.get("args") is not None:
-                self.args = raw["args"]
-            for name, tensors in _chunks(raw, path).items():
-                self._models[rank].setdefault(name, {}).update(tensors)
-
-    def _lora_params(self, alpha: float | None, r: int | None) -> tuple[float | None, int | None]:
-        alpha = alpha if alpha is not None else getattr(self.args, "lora_alpha", None)
-        r = r if r is not None else getattr(self.args, "lora_r", None)
-        return alpha, r
 
     def _locate(self) -> None:
         """Map global layers and the embedding/head to (stage, chunk name, local index)."""
-        names = sorted(self._models[(0, 0)], key=lambda n: int(n[5:] or 0))
-        counts = {(p, n): _layer_count(self._models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
+        names = sorted(self.models[(0, 0)], key=lambda n: int(n[5:] or 0))
+        counts = {(p, n): _layer_count(self.models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
         self.layer_at: list[tuple[int, str, int]] = []
         for n in names:  # with VPP chunk v of every stage comes before chunk v+1
             for p in range(self.pp):
@@ -261,14 +230,11 @@ class MegatronCheckpoint:
         for p in range(self.pp):
             for n in names:
                 for key in (EMBEDDING, FINAL_NORM, OUTPUT):
-                    if key in self._models[(0, p)].get(n, {}):
+                    if key in self.models[(0, p)].get(n, {}):
                         self.where.setdefault(key, (p, n))
-        for key in (EMBEDDING, FINAL_NORM):
-            if key not in self.where:
-                raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
 
-    def _local(self, key: str) -> tuple[int, str, str]:
-        """(stage, chunk name, key as stored) of native ``key``."""
+    def local(self, key: str) -> tuple[int, str, str]:
+        """(stage, chunk name, key as stored) of native ``key``; KeyError when absent."""
         parsed = layer_of(key)
         if parsed is None:
             if key not in self.where:
@@ -280,21 +246,88 @@ class MegatronCheckpoint:
         p, n, i = self.layer_at[layer]
         return p, n, f"decoder.layers.{i}.{suffix}"
 
+    def has(self, key: str) -> bool:
+        try:
+            p, n, local = self.local(key)
+        except KeyError:
+            return False
+        return local in self.models[(0, p)].get(n, {})
+
+    def raw(self, key: str, t: int) -> torch.Tensor:
+        p, n, local = self.local(key)
+        tensors = self.models[(t, p)].get(n, {})
+        if local not in tensors:
+            raise KeyError(key)
+        return tensors[local]
+
+    def full(self, key: str) -> torch.Tensor:
+        return merge([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+
+    def lora_modules(self) -> list[str]:
+        """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
+        found = []
+        for layer, (p, n, i) in enumerate(self.layer_at):
+            prefix = f"decoder.layers.{i}."
+            for key in self.models[(0, p)][n]:
+                if key.startswith(prefix) and key.endswith(".lora_A.weight"):
+                    found.append(f"decoder.layers.{layer}." + key[len(prefix):].removesuffix(".lora_A.weight"))
+        return found
+
+    def rank_file(self, t: int, p: int) -> Path:
+        return self.iter_dir / rank_dir_name(t, p, self.pp) / MODEL_FILE
+
+
+class MegatronCheckpoint:
+    """A Megatron legacy checkpoint opened lazily; ``get_native(key)`` gives full TP1 tensors.
+
+    ``lora_dir``: MindSpeed's ``--lora-load`` checkpoint whose tensors override the base (same TP/PP: per rank, as
+    MindSpeed; another layout, e.g. our trainer's TP1 adapters-only save: re-cut to the base's shards). LoRA
+    adapters found in either are merged when ``lora_alpha``/``lora_r`` are known (flags, else checkpoint args).
+    ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
+                 lora_alpha: float | None = None, lora_r: int | None = None,
+                 hf_config: Mapping[str, Any] | None = None):
+        self.root = Path(root)
+        self.base = _Ranks(root)
+        self.iter_dir, self.iteration, self.tp, self.pp = self.base.iter_dir, self.base.iteration, self.base.tp, self.base.pp
+        self.args = self.base.args
+        self.side: _Ranks | None = None
+        arg_sources = [self.args]
+        if lora_dir is not None:
+            lora = _Ranks(lora_dir)
+            arg_sources.insert(0, lora.args)
+            if (lora.tp, lora.pp) == (self.tp, self.pp):
+                for rank, chunks in lora.models.items():
+                    for name, tensors in chunks.items():
+                        self.base.models[rank].setdefault(name, {}).update(tensors)
+            else:
+                self.side = lora
+        self.lora_alpha = lora_alpha if lora_alpha is not None else _first_attr(arg_sources, "lora_alpha")
+        self.lora_r = lora_r if lora_r is not None else _first_attr(arg_sources, "lora_r")
+        for key in (EMBEDDING, FINAL_NORM):
+            if key not in self.base.where:
+                raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
+        self.config = self._infer_config(dict(hf_config or {}))
+        self._validate()
+
     # -- config
 
     def _infer_config(self, hf: dict[str, Any]) -> ModelConfig:
         """Shapes from the tensors (they cannot lie); epsilon, RoPE base and tying from args or config.json."""
         a, tp = self.args, self.tp
-        shape = lambda key: tuple(self._raw_tensor(key, 0).shape)  # noqa: E731
+        shape = lambda key: tuple(self.base.raw(key, 0).shape)  # noqa: E731
         pre = "decoder.layers.0."
         try:
             d = shape(pre + "self_attention.q_layernorm.weight")[0]
-        except KeyError:
-            raise BadInput(f"{self.iter_dir}: no q_layernorm: not a Qwen3 (qk-layernorm) checkpoint", field="load_dir") from None
+            heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
+            groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
+            ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
+        except KeyError as err:
+            raise BadInput(f"{self.base.rank_file(0, 0)}: tensor {err.args[0]} is missing: not a Qwen3 "
+                           f"(local spec, qk-layernorm) checkpoint", field="load_dir") from None
         rows, hidden = shape(EMBEDDING)
-        heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
-        groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
-        ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         untie = getattr(a, "untie_embeddings_and_output_weights", None)
         tied = (not untie) if untie is not None else hf.get("tie_word_embeddings", self._output_is_embedding())
         vocab = rows * tp
@@ -302,7 +335,7 @@ class MegatronCheckpoint:
             vocab = hf["vocab_size"]  # Megatron padded the vocabulary; the HF model has the true size
         pick = lambda arg, hf_key, default: getattr(a, arg, None) or hf.get(hf_key) or default  # noqa: E731
         cfg = ModelConfig(
-            num_layers=len(self.layer_at), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+            num_layers=len(self.base.layer_at), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=d, vocab_size=vocab, tie_word_embeddings=bool(tied),
             norm_epsilon=float(pick("norm_epsilon", "rms_norm_eps", 1e-6)),
             rotary_base=float(pick("rotary_base", "rope_theta", 1e6)),
@@ -316,28 +349,28 @@ class MegatronCheckpoint:
         return cfg
 
     def _output_is_embedding(self) -> bool:
-        if OUTPUT not in self.where:
+        if OUTPUT not in self.base.where:
             return True  # PP=1 tied checkpoints carry no output layer
-        return all(torch.equal(self._raw_tensor(OUTPUT, t), self._raw_tensor(EMBEDDING, t))
-                   for t in range(self.tp))
+        return all(torch.equal(self.base.raw(OUTPUT, t), self.base.raw(EMBEDDING, t)) for t in range(self.tp))
 
     def _validate(self) -> None:
         cfg = self.config
         full = native_shapes(cfg.replace(vocab_size=self._padded_rows()))
         for key in native_keys(cfg):
             want = shard_shape(full[key], split_rule(key), self.tp)
+            p = self.base.local(key)[0] if self.base.has(key) else None
             for t in range(self.tp):
-                p, n, local = self._local(key)
-                got = self._models[(t, p)].get(n, {}).get(local)
-                where = self.iter_dir / rank_dir_name(t, p, self.pp) / MODEL_FILE
-                if got is None:
-                    raise BadInput(f"{where}: tensor {local} is missing", field="load_dir")
+                try:
+                    got = self.base.raw(key, t)
+                except KeyError:
+                    where = self.base.rank_file(t, p) if p is not None else self.iter_dir
+                    raise BadInput(f"{where}: tensor {key} (global name) is missing", field="load_dir") from None
                 if tuple(got.shape) != want:
-                    raise BadInput(f"{where}: tensor {local} has shape {list(got.shape)}, expected {list(want)}",
-                                   field="load_dir")
+                    raise BadInput(f"{self.base.rank_file(t, p)}: tensor {self.base.local(key)[2]} has shape "
+                                   f"{list(got.shape)}, expected {list(want)}", field="load_dir")
 
     def _padded_rows(self) -> int:
-        return self._models[(0, self.where[EMBEDDING][0])][self.where[EMBEDDING][1]][EMBEDDING].shape[0] * self.tp
+        return self.base.raw(EMBEDDING, 0).shape[0] * self.tp
 
     # -- tensors
 
@@ -351,50 +384,48 @@ class MegatronCheckpoint:
     get_native_shard = get_shard
 
     def get_native(self, key: str) -> torch.Tensor:
-        if key == OUTPUT and getattr(self, "config", None) is not None and self.config.tie_word_embeddings:
+        if key == OUTPUT and self.config.tie_word_embeddings:
             key = EMBEDDING
         full = merge([self._stored(key, t) for t in range(self.tp)], split_rule(key))
-        if key in (EMBEDDING, OUTPUT) and getattr(self, "config", None) is not None:
+        if key in (EMBEDDING, OUTPUT):
             full = full[: self.config.vocab_size]
         return full
 
-    def _raw_tensor(self, key: str, t: int) -> torch.Tensor:
-        p, n, local = self._local(key)
-        tensors = self._models[(t, p)].get(n, {})
-        if local not in tensors:
-            raise KeyError(key)
-        return tensors[local]
-
     def _stored(self, key: str, t: int) -> torch.Tensor:
-        weight = self._raw_tensor(key, t)
-        p, n, local = self._local(key)
-        tensors = self._models[(t, p)][n]
-        module = local.removesuffix(".weight")
-        a, b = tensors.get(module + ".lora_A.weight"), tensors.get(module + ".lora_B.weight")
-        if a is None or b is None:
+        """TP rank ``t``'s piece of ``key`` as this checkpoint is cut, with its LoRA adapters merged in."""
+        weight = self.base.raw(key, t)
+        if self.side is not None and self.side.has(key):
+            weight = shard(self.side.full(key), split_rule(key), self.tp, t)
+        module = key.removesuffix(".weight")
+        a_key, b_key = module + ".lora_A.weight", module + ".lora_B.weight"
+        if self.base.has(a_key) and self.base.has(b_key):
+            a, b = self.base.raw(a_key, t), self.base.raw(b_key, t)
+        elif self.side is not None and self.side.has(a_key) and self.side.has(b_key):
+            a = shard(self.side.full(a_key), split_rule(a_key), self.tp, t)
+            b = shard(self.side.full(b_key), split_rule(b_key), self.tp, t)
+        else:
             return weight
         if self.lora_alpha is None or self.lora_r is None:
-            raise BadInput(f"{self.iter_dir}: {local} has LoRA adapters; give lora_r and lora_alpha to merge them",
+            raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
         return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
 
-    def has_lora(self) -> bool:
-        return any(k.endswith(".lora_A.weight") for m in self._models[(0, 0)].values() for k in m)
+    def lora_modules(self) -> list[str]:
+        found = self.base.lora_modules() + (self.side.lora_modules() if self.side else [])
+        return list(dict.fromkeys(found))
 
     def lora_tensor(self, key: str) -> torch.Tensor:
         """A full (TP-merged) LoRA tensor, e.g. ``decoder.layers.3.mlp.linear_fc1.lora_B.weight``."""
-        p, n, local = self._local(key)
-        return merge([self._models[(t, p)][n][local] for t in range(self.tp)], split_rule(key))
+        if self.base.has(key) or self.side is None:
+            return self.base.full(key)
+        return self.side.full(key)
 
-    def lora_modules(self) -> list[str]:
-        """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
-        found = []
-        for layer, (p, n, i) in enumerate(self.layer_at):
-            prefix = f"decoder.layers.{i}."
-            for key in self._models[(0, p)][n]:
-                if key.startswith(prefix) and key.endswith(".lora_A.weight"):
-                    found.append(f"decoder.layers.{layer}." + key[len(prefix):].removesuffix(".lora_A.weight"))
-        return found
+
+def _first_attr(objs: list[Any], name: str) -> Any:
+    for obj in objs:
+        if getattr(obj, name, None) is not None:
+            return getattr(obj, name)
+    return None
 
 
 def _rank_files(iter_dir: Path) -> tuple[int, int, dict[tuple[int, int], Path]]:

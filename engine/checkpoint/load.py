@@ -1,0 +1,91 @@
+"""Which checkpoint format a path holds, and loading model weights from any of them as native tensors.
+
+- ``hf``: a directory with config.json and safetensors (``engine.checkpoint.hf``);
+- ``mcore``: Megatron/MindSpeed legacy layout, a tracker or ``iter_*``/``mp_rank_*`` folders (``engine.checkpoint.megatron``);
+- ``native``: the trainer's own distributed checkpoints (torch DCP ``.metadata``), read by ``engine.checkpoint.dcp``
+  (owned by the trainer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engine.checkpoint.hf import HFCheckpoint
+from engine.checkpoint.megatron import TRACKER, MegatronCheckpoint
+from engine.model.config import ModelConfig
+from engine.model.hf_mapping import native_keys
+from engine.runfiles import BadInput
+
+Format = Literal["hf", "mcore", "native"]
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """Raise BadInput when ``path`` is none of the known formats."""
+    p = Path(path)
+    if not p.is_dir():
+        raise BadInput(f"{p}: checkpoint directory not found", field="load_dir")
+    names = {e.name for e in p.iterdir()}
+    if "config.json" in names and any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        return "hf"
+    if TRACKER in names or any(re.match(r"^(iter_\d{7}|release|mp_rank_\d\d)", n) for n in names):
+        if _dcp_inside(p):
+            return "native"
+        return "mcore"
+    if _dcp_inside(p):
+        return "native"
+    raise BadInput(f"{p}: neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
+                   f"({TRACKER}, iter_*/mp_rank_*) nor a training checkpoint (.metadata)", field="load_dir")
+
+
+def _dcp_inside(p: Path) -> bool:
+    if (p / ".metadata").is_file():
+        return True
+    tracker = p / TRACKER
+    if tracker.is_file():
+        step = tracker.read_text().strip()
+        sub = p / (f"iter_{int(step):07d}" if step.isdigit() else step)
+        return (sub / ".metadata").is_file()
+    return any((d / ".metadata").is_file() for d in p.glob("iter_*"))
+
+
+def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[ModelConfig, Any]:
+    """(config, reader with ``get_native``/``get_native_shard``) without reading any tensor data yet."""
+    fmt = detect_format(path)
+    if fmt == "hf":
+        ckpt = HFCheckpoint(path)
+        return ckpt.config, ckpt
+    if fmt == "mcore":
+        ckpt = MegatronCheckpoint(path, **mcore_kwargs)
+        return ckpt.config, ckpt
+    cfg, state = _load_native(path)
+    return cfg, state
+
+
+def load_model_weights(path: str | os.PathLike[str]) -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
+    """(config, full native state dict) of an HF, Megatron or training checkpoint."""
+    fmt = detect_format(path)
+    if fmt == "native":
+        return _load_native(path)
+    cfg, ckpt = open_checkpoint(path)
+    return cfg, {k: ckpt.get_native(k) for k in native_keys(cfg)}
+
+
+def _load_native(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    try:
+        dcp = importlib.import_module("engine.checkpoint.dcp")
+    except ModuleNotFoundError:
+        raise BadInput(f"{path}: a training (DCP) checkpoint, but engine.checkpoint.dcp is not available",
+                       field="load_dir") from None
+    meta, state = dcp.load_model_weights(path)
+    if not meta.get("model_config"):
+        raise BadInput(f"{path}: the training checkpoint's meta.json has no model_config", field="load_dir")
+    if meta.get("lora"):
+        raise BadInput(f"{path}: a LoRA training state holds adapters only; convert the run's final checkpoint "
+                       f"(<save>/iter_*) with lora_load, or give the base as load_dir", field="load_dir")
+    return ModelConfig(**meta["model_config"]), state
