@@ -332,15 +332,34 @@ class ConvertSpec(JobBase):
     target_pipeline_parallel_size: int = Field(1, ge=1)
     num_layer_list: IntList | None = None
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1)
-    load_dir: DataPath
-    save_dir: DataPath
-    tokenizer_model: DataPath | None = None
-    params_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
-    lora_load: DataPath | None = None
-    lora_r: int | None = Field(None, ge=1)
-    lora_alpha: float | None = Field(None, gt=0)
+    load_dir: DataPath = Field(..., description="HF model directory, or Megatron checkpoint root (tracker + iter_*).")
+    save_dir: DataPath = Field(..., description=(
+        "Output directory. For hf output into an existing HF model directory (config.json present) the model "
+        "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
+    tokenizer_model: DataPath | None = Field(None, description="Tokenizer file or directory; its files are copied into HF output.")
+    hf_cfg_dir: DataPath | None = Field(None, description="HF directory whose config/tokenizer/generation files seed HF output.")
+    params_dtype: Literal["fp16", "bf16", "fp32"] | None = Field(None, description=(
+        "Output dtype. Default: the source's dtype (MindSpeed v1 defaults to fp16, which loses bf16 range)."))
+    lora_load: DataPath | None = Field(None, description="MindSpeed LoRA checkpoint overriding load_dir's tensors, then merged.")
+    lora_r: int | None = Field(None, ge=1, description="LoRA rank for merging (default: the checkpoint's args.lora_r).")
+    lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
     lora_target_modules: StrList = Field(default_factory=list)
-    save_lora_to_hf: bool = False
+    save_lora_to_hf: bool = Field(False, description="Export only the LoRA adapters as a PEFT directory.")
+
+    @model_validator(mode="after")
+    def _check_convert(self) -> "ConvertSpec":
+        pp = self.target_pipeline_parallel_size
+        if self.num_layer_list is not None and len(self.num_layer_list) != pp:
+            raise ValueError(f"num_layer_list: has {len(self.num_layer_list)} stages but target PP is {pp}")
+        if self.num_layer_list is not None and self.num_layers_per_virtual_pipeline_stage is not None:
+            raise ValueError("num_layer_list: cannot be combined with num_layers_per_virtual_pipeline_stage")
+        if self.load_model_type == "hf" and (self.lora_load or self.save_lora_to_hf):
+            raise ValueError("lora_load: LoRA merge/export reads Megatron checkpoints; use load_model_type mg")
+        if self.save_lora_to_hf and self.save_model_type != "hf":
+            raise ValueError("save_lora_to_hf: needs save_model_type hf")
+        if (self.lora_r is None) != (self.lora_alpha is None):
+            raise ValueError("lora_r: give both lora_r and lora_alpha (the merge scale is alpha / r)")
+        return self
 
 
 class EvalSpec(JobBase, ParallelArgs, ModelArgs):
