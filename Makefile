@@ -7,13 +7,14 @@ STAMP  := $(VENV)/.installed
 .PHONY: setup run test test-fast bench clean
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
 	$(PY) -m pip install -q -e '.[dev,postgres,redis]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
+# `llmjobs serve` applies the migrations, prepares the demo data, starts one local worker and the API on
+# LLMJOBS_HOST:LLMJOBS_PORT (default 127.0.0.1:8000), and prints the URL and an admin token.
 run: setup
 	$(VENV)/bin/llmjobs serve
 
