@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -112,36 +111,64 @@ def config_from_flags(spec: Any, vocab_hint: int | None = None) -> ModelConfig:
         raise BadInput(f"num_query_groups: {err}", field="num_query_groups") from err
 
 
-def read_checkpoint(path: str) -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
-    """(shape or None, native state dict) of any checkpoint format ``engine.checkpoint.load`` knows."""
-    try:
-        from engine.checkpoint.load import load_model_weights
-    except ImportError:  # the conversion helper's loader has not landed yet: HF directories only
-        load_model_weights = _load_hf
+def _refield(err: BadInput, field: str) -> BadInput:
+    """The checkpoint readers speak of ``load_dir`` (the convert job's flag); name this job's flag instead."""
+    return BadInput(str(err) if str(err).startswith(field) else f"{field}: {err}", field=field)
+
+
+def read_checkpoint(path: str, field: str = "load") -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
+    """(shape or None, native state dict) of an HF directory, a Megatron checkpoint or one of our training checkpoints."""
+    from engine.checkpoint.load import load_model_weights
 
     try:
         cfg, state = load_model_weights(path)
+    except BadInput as err:
+        raise _refield(err, field) from err
     except FileNotFoundError as err:
-        raise BadInput(f"load: {err}", field="load") from err
+        raise BadInput(f"{field}: {err}", field=field) from err
+    if isinstance(cfg, dict):  # a training checkpoint: the loader hands back its meta.json
+        cfg = ModelConfig(**cfg["model_config"]) if cfg.get("model_config") else None
     return cfg, dict(state)
 
 
-def _load_hf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from engine.checkpoint.hf import HFCheckpoint
+def _mcore_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from engine.checkpoint.load import detect_format
+    from engine.checkpoint.megatron import MegatronCheckpoint, load_rank_file, resolve_iteration_dir
+    from engine.model.lora import from_mindspeed_keys
 
-    if not (Path(path) / "config.json").is_file():
-        raise BadInput(f"load: {path} is not an HF model directory (no config.json)", field="load")
-    ckpt = HFCheckpoint(path)
-    return ckpt.config, ckpt.native_state_dict()
+    if detect_format(spec.load) == "mcore":  # adapters sharded like their base: the reader glues TP/PP pieces
+        ckpt = MegatronCheckpoint(spec.load, lora_dir=spec.lora_load)
+        state = {f"{m}.lora_{ab}.weight": ckpt.lora_tensor(f"{m}.lora_{ab}.weight")
+                 for m in ckpt.lora_modules() for ab in "AB"}
+        return state, {"alpha": ckpt.lora_alpha, "r": ckpt.lora_r}
+    iter_dir, _ = resolve_iteration_dir(spec.lora_load)
+    files = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))
+    if len(files) != 1:
+        raise BadInput(f"lora_load: {iter_dir} is sharded ({len(files)} rank files); over a non-Megatron base only "
+                       "TP1/PP1 adapter checkpoints can be read", field="lora_load")
+    raw = load_rank_file(files[0])
+    args = raw.get("args")
+    state = from_mindspeed_keys({k: v for k, v in raw["model"].items() if isinstance(v, torch.Tensor)})
+    return state, {"alpha": getattr(args, "lora_alpha", None), "r": getattr(args, "lora_r", None)}
 
 
-def lora_settings(path: str) -> dict[str, Any]:
-    """r/alpha/targets our trainer recorded next to a LoRA checkpoint ({} for other formats)."""
-    from engine.checkpoint import dcp
+def read_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(adapter checkpoint tensors, recorded LoRA settings) of ``lora_load``: ours (DCP) or Megatron/MindSpeed."""
+    from engine.checkpoint.load import detect_format
 
-    if not dcp.is_training_checkpoint(path):
-        return {}
-    return dict(dcp.read_meta(path).get("lora") or {})
+    try:
+        fmt = detect_format(spec.lora_load)
+        if fmt == "native":
+            from engine.checkpoint import dcp
+
+            meta, state = dcp.load_model_weights(spec.lora_load)
+            return dict(state), dict(meta.get("lora") or {})
+        if fmt == "mcore":
+            return _mcore_adapters(spec)
+    except BadInput as err:
+        raise _refield(err, "lora_load") from err
+    raise BadInput(f"lora_load: {spec.lora_load} is an HF model directory, not a LoRA checkpoint (give the adapters "
+                   "saved by a LoRA training job, ours or MindSpeed's)", field="lora_load")
 
 
 def split_adapters(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -180,7 +207,8 @@ def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], sour
     model.load_state_dict(state, strict=True)
 
 
-def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str, torch.Tensor],
+                   recorded: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Wrap the targeted modules with LoRA (unmerged) and load the adapter weights; returns what was applied."""
     from engine.model.lora import apply_lora
 
@@ -200,11 +228,11 @@ def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str
     if spec.lora_r is not None and spec.lora_r != r:
         raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}",
                        field="lora_r")
-    alpha = spec.lora_alpha if spec.lora_alpha is not None else lora_settings(spec.lora_load).get("alpha")
+    alpha = spec.lora_alpha if spec.lora_alpha is not None else (recorded or {}).get("alpha")
     if alpha is None:
         alpha = 32.0  # MindSpeed's default --lora-alpha
         log.warning("lora_alpha: not given and not recorded with the adapters; using MindSpeed's default 32")
-    targets = sorted({k.rsplit(".", 3)[0].rsplit(".", 1)[-1] for k in lora})
+    targets = sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in lora})  # <module>.lora_A.weight
     if spec.lora_target_modules and set(spec.lora_target_modules) != set(targets):
         log.warning("lora_target_modules %s differ from the adapters found %s; using the adapters", spec.lora_target_modules, targets)
     apply_lora(model, r=r, alpha=alpha, dropout=0.0, targets=targets)
@@ -229,7 +257,7 @@ def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, M
     del state
     info: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters())}
     if spec.lora_load:
-        _, adapter_state = read_checkpoint(spec.lora_load)
-        info.update(apply_adapters(model, spec, adapter_state))
+        adapter_state, recorded = read_adapters(spec)
+        info.update(apply_adapters(model, spec, adapter_state, recorded))
     dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
     return model.to(dtype=dtype).eval(), cfg, info

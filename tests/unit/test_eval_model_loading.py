@@ -1,0 +1,91 @@
+"""Building the eval model: flags vs checkpoint shape, weight/shape checks, LoRA adapters applied without merging."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.eval.model_loading import apply_adapters, check_against_flags, config_from_flags, load_weights
+from engine.model.config import preset
+from engine.model.lora import LoRALinear, apply_lora, lora_state_dict
+from engine.model.qwen3 import Qwen3Model
+from engine.runfiles import BadInput
+from engine.spec import parse_spec
+
+CFG = preset("qwen3-tiny").replace(vocab_size=512)
+
+
+def _spec(**fields):
+    return parse_spec({"kind": "eval", "load": "ckpt", "eval_data_path": "test.jsonl", **fields})
+
+
+def _base() -> Qwen3Model:
+    model = Qwen3Model(CFG)
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+def test_flags_agreeing_with_the_checkpoint_pass_and_disagreeing_ones_are_named() -> None:
+    check_against_flags(CFG, _spec(num_layers=2, hidden_size=64, group_query_attention=True, num_query_groups=2,
+                                   untie_embeddings_and_output_weights=True, norm_epsilon=1e-6), "ckpt")
+    with pytest.raises(BadInput) as err:
+        check_against_flags(CFG, _spec(num_layers=36, group_query_attention=True, num_query_groups=8, hidden_size=64), "ckpt")
+    assert err.value.field == "num_layers"
+    assert "num_layers: the checkpoint has 2 but the flags say 36" in str(err.value)
+    assert "num_query_groups: the checkpoint has 2 but the flags say 8" in str(err.value)
+    with pytest.raises(BadInput, match="untie_embeddings_and_output_weights"):
+        check_against_flags(preset("qwen3-tiny-tied"), _spec(untie_embeddings_and_output_weights=True), "ckpt")
+
+
+def test_shape_from_flags_when_the_checkpoint_has_none() -> None:
+    cfg = config_from_flags(_spec(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                  group_query_attention=True, num_query_groups=2, kv_channels=16,
+                                  make_vocab_size_divisible_by=128), vocab_hint=151665)
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size, cfg.tie_word_embeddings) == (2, 16, 151680, True)
+    with pytest.raises(BadInput, match="--num-layers, --ffn-hidden-size") as err:
+        config_from_flags(_spec(hidden_size=64, num_attention_heads=4), vocab_hint=100)
+    assert err.value.field == "num_layers"
+
+
+def test_weights_that_do_not_fit_are_a_clear_error() -> None:
+    state = _base().state_dict()
+    state["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(64, 256)
+    del state["decoder.final_layernorm.weight"]
+    state["decoder.layers.7.mlp.linear_fc2.weight"] = torch.zeros(1)
+    with pytest.raises(BadInput) as err:
+        load_weights(Qwen3Model(CFG), state, "ckpt")
+    message = str(err.value)
+    assert "decoder.layers.0.mlp.linear_fc2.weight (64, 256) vs model (64, 128)" in message
+    assert "1 missing: decoder.final_layernorm.weight" in message and "1 unexpected: decoder.layers.7" in message
+
+
+def test_lora_adapters_are_applied_unmerged_and_reproduce_the_trained_model() -> None:
+    base = _base()
+    trained = copy.deepcopy(base)
+    apply_lora(trained, r=4, alpha=8, targets=["linear_qkv", "linear_fc2"], seed=0)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)  # as if trained: B starts at zero
+    adapters = lora_state_dict(trained)
+    model = _base()
+    info = apply_adapters(model, _spec(lora_load="adapters"), adapters, {"alpha": 8})
+    assert info["lora_r"] == 4 and info["lora_alpha"] == 8 and info["lora_targets"] == ["linear_fc2", "linear_qkv"]
+    assert isinstance(model.decoder.layers["0"].self_attention.linear_qkv, LoRALinear)
+    # not merged: the base matrices are the base checkpoint's
+    assert torch.equal(model.decoder.layers["1"].mlp.linear_fc2.weight, base.decoder.layers["1"].mlp.linear_fc2.weight)
+    ids = torch.randint(0, CFG.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(model(ids), trained(ids), atol=1e-6)
+        assert not torch.allclose(model(ids), base(ids), atol=1e-3)
+
+
+def test_lora_rank_flag_must_match_the_adapters() -> None:
+    trained = _base()
+    apply_lora(trained, r=4, alpha=8)
+    with pytest.raises(BadInput, match="lora_r: --lora-r is 8 but the adapters in adapters have rank 4"):
+        apply_adapters(_base(), _spec(lora_load="adapters", lora_r=8), lora_state_dict(trained))
+    with pytest.raises(BadInput, match="holds no LoRA tensors"):
+        apply_adapters(_base(), _spec(lora_load="adapters"), _base().state_dict())
