@@ -30,6 +30,7 @@ class AttentionPlan:
     is_causal: bool = True
     cu_seqlens: torch.Tensor | None = None  # (n_docs + 1,) int32 over the flattened B*T tokens, varlen kernels only
     max_seqlen: int = 0
+    seq_ends: list[int] | None = None  # cu_seqlens[1:] on the host (NPU kernel argument), read once per batch
 
 
 def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,8 @@ def plan_attention(
         if kernel == "sdpa":
             return AttentionPlan(mask=block_causal_mask(segment_ids), is_causal=False)
         cu, longest = cu_seqlens_from_segments(segment_ids)
-        return AttentionPlan(kernel=kernel, is_causal=False, cu_seqlens=cu, max_seqlen=longest)
+        ends = cu[1:].tolist() if kernel == "npu_fusion" else None
+        return AttentionPlan(kernel=kernel, is_causal=False, cu_seqlens=cu, max_seqlen=longest, seq_ends=ends)
     if attention_mask is not None:
         if attention_mask.shape[1] != past_len + q_len:
             raise ValueError(
@@ -106,9 +108,15 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
         return _flash_varlen(q, k, v, plan)
     if plan.kernel == "npu_fusion":
         return _npu_fusion(q, k, v, plan)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and plan.mask is not None:
+        # With a mask, CUDA's memory-efficient kernel is the one that applies; SDPA's docstring says GQA works only
+        # with the flash and math kernels, and math materialises (B, nh, T, T) scores. So expand k/v instead.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, nh, T_kv, d)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = False
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=q.shape[-1] ** -0.5,
-        enable_gqa=k.shape[1] != q.shape[1],
+        q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=q.shape[-1] ** -0.5, enable_gqa=gqa,
     )  # (B, nh, T, d); SDPA's softmax accumulates in fp32 for bf16 inputs
     return out.transpose(1, 2)
 
@@ -140,9 +148,9 @@ def _npu_fusion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attenti
     if mask is None:
         mask = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(1)
         _NPU_CAUSAL_MASK[q.device] = mask
-    ends = plan.cu_seqlens[1:].tolist()  # the kernel takes cumulative lengths (without the leading 0) as a list
+    # the kernel takes cumulative lengths without the leading 0, as a host list
     out = torch_npu.npu_fusion_attention(
         _to_tnd(q), _to_tnd(k), _to_tnd(v), nh, "TND", atten_mask=mask, scale=1.0 / math.sqrt(d),
-        actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3,
+        actual_seq_qlen=plan.seq_ends, actual_seq_kvlen=plan.seq_ends, sparse_mode=3,
     )[0]  # (B*T, nh, d)
     return out.view(b, t, nh, d)
