@@ -1,0 +1,279 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (torchtitan ``distributed/pipeline_parallel.py``).
+
+- Split: stage s holds global layers by an even split or an explicit ``num_layer_list``; with virtual stages
+  (``num_layers_per_virtual_pipeline_stage`` = Lv) rank p holds the chunks v = 0.. of stage index v·PP + p, i.e.
+  global layers [(v·PP + p)·Lv, (v·PP + p + 1)·Lv) — Megatron's interleaved layout. A stage is a copy of the model
+  with the other layers deleted; layers stay keyed by their global index, so state-dict keys stay native.
+- The embedding lives on the first stage, the final norm and the head on the last. A tied model's last stage gets
+  its own ``output_layer`` initialised from the embedding (Megatron's ``setup_embeddings_and_output_layer``); both
+  copies get the all-reduced sum of their gradients before the optimizer step (Megatron's embedding group), so
+  they stay equal. Checkpoints never store the copy (``checkpoint_view``).
+- Schedules: ``Schedule1F1B`` (one stage per rank) and ``ScheduleInterleaved1F1B`` (virtual stages), with
+  ``scale_grads=False``: the loss of every micro-batch is divided by the global token count of the whole step
+  (all micro-batches, all DP ranks) *before* backward, on the last stage, so the gradient every stage receives is
+  already normalised (the per-micro-batch mean + 1/n scaling of the default would weight micro-batches wrongly).
+- Activations crossing stages are plain local tensors: with sequence parallelism each TP rank sends its own
+  sequence shard (Megatron does the same), re-wrapped as a ``Shard(1)`` DTensor on the next stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Shard
+
+from engine.model.loss import chunked_cross_entropy
+from engine.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+TIED_COPY_ATTR = "_llmjobs_tied_copy"  # marks a last stage's copy of a tied embedding (excluded from norms / DCP)
+
+
+def stage_layers(
+    num_layers: int, pp: int, num_layer_list: Sequence[int] | None = None, layers_per_virtual_stage: int | None = None
+) -> list[list[int]]:
+    """Global layer indices of every pipeline stage, in stage order (len = PP × virtual chunks)."""
+    if num_layer_list is not None and layers_per_virtual_stage is not None:
+        raise ValueError("num_layer_list: cannot be combined with num_layers_per_virtual_pipeline_stage")
+    if num_layer_list is not None:
+        if len(num_layer_list) != pp or sum(num_layer_list) != num_layers or min(num_layer_list) < 1:
+            raise ValueError(
+                f"num_layer_list: {list(num_layer_list)} must have PP={pp} positive entries summing to {num_layers}"
+            )
+        counts = list(num_layer_list)
+    else:
+        per = layers_per_virtual_stage or num_layers // pp
+        if per < 1 or num_layers % (pp * per):
+            what = "num_layers_per_virtual_pipeline_stage" if layers_per_virtual_stage else "num_layers"
+            raise ValueError(f"{what}: {num_layers} layers cannot be split into stages of {per} layers over PP={pp}")
+        counts = [per] * (num_layers // per)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+
+
+def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` keeping only ``layers`` (and the embedding / final norm + head where they belong)."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layers}
+    for key in list(part.decoder.layers.keys()):
+        if key not in keep:
+            del part.decoder.layers[key]
+    if not first:
+        part.embedding = None
+    if not last:
+        part.decoder.final_layernorm = None
+        part.output_layer = None
+    elif part.output_layer is None and not first:
+        # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
+        weight = model.embedding.word_embeddings.weight
+        part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            part.output_layer.weight.copy_(weight)
+        part.output_layer.weight.requires_grad_(weight.requires_grad)
+        setattr(part.output_layer, TIED_COPY_ATTR, True)  # on the module: TP/FSDP replace the Parameter
+    return part
+
+
+class StageModule(nn.Module):
+    """What ``PipelineStage`` runs: the model part, with DTensor <-> local conversion at the stage boundary."""
+
+    def __init__(self, part: nn.Module, sequence_parallel_mesh: DeviceMesh | None) -> None:
+        super().__init__()
+        self.part = part
+        self.sp_mesh = sequence_parallel_mesh
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sp_mesh is not None and self.part.embedding is None:
+            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)  # this rank's sequence shard
+        out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
+        return out.to_local() if isinstance(out, DTensor) else out
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs one global step's micro-batches through them."""
+
+    parts: list[nn.Module]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
+    stages: list[PipelineStage]
+    schedule: Any
+    is_first: bool
+    is_last: bool
+    pp_mesh: DeviceMesh
+    _norm: dict[str, Any] = dataclasses.field(default_factory=dict)  # "tokens": global token count of the step
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+        segment_ids: torch.Tensor | None, global_tokens: int,
+    ) -> torch.Tensor:
+        """Forward + backward of all micro-batches (stacked on dim 0); returns this rank's summed loss
+        divided by ``global_tokens`` (non-zero on the last stage only)."""
+        self._norm["tokens"] = torch.tensor(float(max(global_tokens, 1)))
+        kwargs: dict[str, Any] = {"position_ids": position_ids}
+        if segment_ids is not None:
+            kwargs["segment_ids"] = segment_ids
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.is_first else ()
+        target = labels if self.is_last else None
+        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        sync_tied_grads(self)
+        if not self.is_last:
+            return torch.zeros(())
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def make_loss_fn(last_part: nn.Module | None, norm: dict[str, torch.Tensor], tp_mesh: DeviceMesh | None,
+                 sequence_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward)."""
+
+    def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        weight = last_part.output_weight()
+        if isinstance(weight, DTensor):
+            if sequence_parallel:
+                hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
+            loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
+        else:
+            loss_sum, _ = chunked_cross_entropy(hidden, weight, labels)
+        return loss_sum / norm["tokens"]
+
+    return loss_fn
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    n_microbatches: int,
+    *,
+    num_layer_list: Sequence[int] | None = None,
+    layers_per_virtual_stage: int | None = None,
+    parallelize_part: Callable[[nn.Module], nn.Module] = lambda part: part,
+    tp_mesh: DeviceMesh | None = None,
+    sequence_parallel: bool = False,
+) -> Pipeline:
+    """Split ``model`` for this PP rank, parallelize each part (TP/AC/FSDP via ``parallelize_part``), build the
+    schedule. ``model`` is the full model with its initial weights (each rank keeps only its parts)."""
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    layout = stage_layers(model.cfg.num_layers, pp, num_layer_list, layers_per_virtual_stage)
+    n_stages = len(layout)
+    if n_stages > pp and n_microbatches % pp:
+        raise ValueError(
+            f"global_batch_size: the interleaved schedule needs the micro-batch count ({n_microbatches}) to be a "
+            f"multiple of PP ({pp})"
+        )
+    stage_ids = list(range(rank, n_stages, pp))
+    parts = [build_stage_module(model, layout[s], s == 0, s == n_stages - 1) for s in stage_ids]
+    parts = [parallelize_part(p) for p in parts]
+    sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
+    group = pp_mesh.get_group()
+    device = next(iter(model.parameters())).device
+    stages = [
+        PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
+        for part, s in zip(parts, stage_ids)
+    ]
+    norm: dict[str, torch.Tensor] = {"tokens": torch.tensor(1.0)}
+    last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
+    loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None)
+    if n_stages == pp:
+        schedule = Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(parts, stages, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh, norm)
+
+
+# ------------------------------------------------------------------ tied embedding group
+
+
+def _tied_weights(pipe: Pipeline) -> list[torch.Tensor]:
+    out = []
+    for part in pipe.parts:
+        if part.embedding is not None and part.cfg.tie_word_embeddings:
+            out.append(part.embedding.word_embeddings.weight)
+        if _has_copy(part):
+            out.append(part.output_layer.weight)
+    return out
+
+
+def sync_tied_grads(pipe: Pipeline) -> None:
+    """All-reduce (sum) the gradients of the tied embedding and its last-stage copy (Megatron's embedding group).
+
+    Every PP rank takes part (the others contribute zeros): one group, no extra sub-groups to create."""
+    model_cfg = pipe.parts[0].cfg
+    if not model_cfg.tie_word_embeddings or pipe.pp_mesh.size() == 1:
+        return
+    tied = _tied_weights(pipe)
+    if len(tied) > 1:
+        raise RuntimeError("tied embedding: a rank holds both the embedding and its copy; use PP > 1 stages")
+    ref = tied[0] if tied else None
+    if ref is not None and isinstance(ref.grad, DTensor) and ref.grad.placements != ref.placements:
+        # PyTorch's vocab-parallel embedding backward yields a replicated (full) gradient: take this rank's rows.
+        ref.grad = ref.grad.redistribute(placements=ref.placements)
+    shape = _local_embedding_shape(pipe, ref)
+    if ref is not None and ref.grad is not None:
+        buf = _local(ref.grad).clone()
+    else:
+        buf = torch.zeros(shape)
+    dist.all_reduce(buf, group=pipe.pp_mesh.get_group())
+    if ref is not None and ref.grad is not None:
+        _local(ref.grad).copy_(buf)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[int, ...]:
+    """The local gradient shape of the tied weight (the same on its two holders); asked once, then cached."""
+    if "shape" not in pipe._norm:
+        shapes: list[Any] = [None] * pipe.pp_mesh.size()
+        dist.all_gather_object(shapes, None if ref is None else tuple(_local(ref).shape), group=pipe.pp_mesh.get_group())
+        pipe._norm["shape"] = next(s for s in shapes if s is not None)
+    return pipe._norm["shape"]
+
+
+def _has_copy(part: nn.Module) -> bool:
+    return part.output_layer is not None and bool(getattr(part.output_layer, TIED_COPY_ATTR, False))
+
+
+def norm_parameters(parts: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Trainable parameters that count in the global grad norm: all but a tied embedding's last-stage copy
+    (Megatron counts the shared embedding once)."""
+    skip = {id(part.output_layer.weight) for part in parts if _has_copy(part)}
+    return [p for part in parts for p in part.parameters() if p.requires_grad and id(p) not in skip]
+
+
+def pipeline_grad_norm(local_norm: torch.Tensor, pp_mesh: DeviceMesh) -> torch.Tensor:
+    """Combine per-stage gradient norms (already reduced over DP/TP) into the global norm over every stage."""
+    if pp_mesh.size() == 1:
+        return local_norm
+    sq = local_norm.detach().float().pow(2).reshape(())
+    dist.all_reduce(sq, group=pp_mesh.get_group())
+    return sq.sqrt()
+
+
+def checkpoint_view(state: dict[str, Any], parts: Sequence[nn.Module], mode: str) -> dict[str, Any]:
+    """Keys of a (flattened model + optimizer) state dict as a checkpoint must see them on this PP rank.
+
+    A tied model's last-stage ``output_layer`` copy is not a native tensor: on save it is left out (the embedding
+    holds the same values), on load it reads the embedding's entries (weight and optimizer state), so a checkpoint
+    saved under any PP layout — or without PP — restores the copy exactly."""
+    if not any(_has_copy(p) for p in parts):
+        return dict(state)
+    if mode == "save":
+        return {k: v for k, v in state.items() if "output_layer.weight" not in k}
+    if mode == "load":
+        return {k.replace("output_layer.weight", "embedding.word_embeddings.weight"): v for k, v in state.items()}
+    raise ValueError(f"mode: expected 'save' or 'load', got {mode!r}")
+
+
+def checkpoint_key(key: str, parts: Sequence[nn.Module]) -> str:
+    """The checkpoint key ``checkpoint_view(mode='load')`` reads ``key`` from."""
+    has_copy = any(_has_copy(p) for p in parts)
+    return key.replace("output_layer.weight", "embedding.word_embeddings.weight") if has_copy else key

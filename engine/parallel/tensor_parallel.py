@@ -1,0 +1,311 @@
+"""Tensor and sequence parallelism for ``Qwen3Model``, applied from outside the model (torchtitan's ``apply_tp``).
+
+Layout (Megatron's per-rank layout, so mcore TP shards are this rank's local tensors without any reshuffling):
+- ``linear_qkv``: column-parallel, a plain dim-0 shard. The fused weight is interleaved per KV group
+  ([q heads of group g; k_g; v_g] for g = 0..ng-1), so an even dim-0 shard gives each rank ng/TP *whole* groups,
+  which is what the model's ``view(B, T, -1, (heads_per_group + 2) * d)`` expects. TP must divide ng.
+- ``linear_fc1``: column-parallel with rank k holding ``[gate_k; up_k]``. The global (native) tensor stays
+  ``[gate; up]`` and the placement is ``_StridedShard(0, split_factor=2)``: the tensor is cut into the 2 halves,
+  each half is sharded over TP, and rank k holds the concatenation of its pieces. So the DTensor's full tensor is
+  the native key's layout while the local tensor is Megatron's shard. DCP cannot store a non-contiguous shard, so
+  ``dcp_view`` presents such tensors to DCP as ``Shard(0)`` of the same global tensor (see there).
+- ``linear_proj`` / ``linear_fc2``: row-parallel (dim 1).
+- ``embedding.word_embeddings`` / ``output_layer``: vocab-parallel (dim 0); the loss is ``vocab_parallel_cross_entropy``.
+- Norms: ``SequenceParallel`` when sequence parallelism is on (the residual stream is a DTensor sharded on the
+  sequence dim between the TP regions), otherwise replicated DTensor parameters (``_Replicated``).
+- ``q_layernorm`` / ``k_layernorm`` act per head on head-sharded activations; every rank only sees its own heads,
+  so each rank's weight gradient is a partial sum. They use ``SequenceParallel(sequence_dim=2)``: a replicated
+  DTensor weight applied to an input sharded on the heads dim, so DTensor all-reduces the weight gradient.
+
+PyTorch primitives used (they run on gloo, nccl and hccl): ``parallelize_module`` with ``ColwiseParallel``,
+``RowwiseParallel`` (its ``nn.Embedding`` path is PyTorch's vocab-parallel embedding: masked lookup + reduce /
+reduce-scatter), ``SequenceParallel``, DTensor redistribution. Explicit collectives replace what is missing:
+the chunked vocab-parallel cross-entropy (PyTorch's ``loss_parallel`` needs its context manager around backward and
+materialises full-sequence logits) is Megatron's algorithm with ``all_reduce`` MAX/SUM over the TP group.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from engine.model.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Refuse layouts the TP plan cannot shard evenly, naming the flag to change."""
+    checks = [
+        (cfg.num_query_groups, "KV groups (num_query_groups); each rank must hold whole groups"),
+        (cfg.num_attention_heads, "attention heads (num_attention_heads)"),
+        (cfg.ffn_hidden_size, "FFN size (ffn_hidden_size)"),
+        (cfg.vocab_size, "vocabulary rows (padded_vocab_size)"),
+    ]
+    for value, what in checks:
+        if value % tp:
+            raise ValueError(f"tensor_model_parallel_size: TP {tp} must divide the {value} {what}")
+
+
+def _place(param: torch.Tensor, mesh: DeviceMesh, placement: Placement | str) -> DTensor:
+    if placement == "gate_up":
+        return _distribute_strided(param.detach(), mesh, dim=0)
+    return distribute_tensor(param.detach(), mesh, [placement], src_data_rank=0)
+
+
+def _partition_by_submodule(placements: dict[str, Placement | str]) -> Callable[[str, nn.Module, DeviceMesh], None]:
+    """partition_fn for ``distribute_module``: the base Linear (name "") and LoRA's ``lora_A`` / ``lora_B``
+    sub-Linears each get their own placement (MindSpeed ``lora_moe.py`` sharding of adapters)."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name not in placements:
+            return
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = placements[name] if pname == "weight" or placements[name] == "gate_up" else placements["bias"]
+            dparam = nn.Parameter(_place(param, mesh, placement), requires_grad=param.requires_grad)
+            module.register_parameter(pname, dparam)
+
+    return partition
+
+
+class ColumnParallel(ColwiseParallel):
+    """``ColwiseParallel`` for ``nn.Linear`` and LoRA-wrapped Linears (``engine.model.lora.LoRALinear``).
+
+    Base weight ``Shard(0)``; LoRA: A replicated (r, H), B sharded like the base rows (out/TP, r). With
+    ``gate_up=True`` (fused ``[gate; up]`` fc1) base and B use ``_StridedShard(0, split_factor=2)`` so that rank k
+    holds ``[gate_k; up_k]`` (Megatron's per-rank layout) while the global tensor keeps the native ``[gate; up]``."""
+
+    def __init__(self, *, gate_up: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        rows: Placement | str = "gate_up" if gate_up else Shard(0)
+        self.placements = {"": rows, "lora_A": Replicate(), "lora_B": rows, "bias": Shard(0)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            _partition_by_submodule(self.placements),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._local_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    @staticmethod
+    def _local_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        # A strided output (fc1: locally [gate_k | up_k]) is exactly what the MLP's chunk(2) needs: no redistribute.
+        if use_local_output and any(isinstance(p, _StridedShard) for p in outputs.placements):
+            return outputs.to_local()
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class RowParallel(RowwiseParallel):
+    """``RowwiseParallel`` for ``nn.Linear`` and LoRA-wrapped Linears: base weight ``Shard(1)``; LoRA A sharded on
+    its input dim (r, in/TP), B replicated (out, r). The adapter's partial sums join the base output's partial sums,
+    so the one reduce(-scatter) of the row-parallel output also reduces the adapter path."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.placements = {"": Shard(1), "lora_A": Shard(1), "lora_B": Replicate(), "bias": Replicate()}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            return super()._apply(module, device_mesh)  # nn.Embedding: PyTorch's vocab-parallel embedding
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            _partition_by_submodule(self.placements),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _distribute_strided(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTensor:
+    """A DTensor whose rank-k local tensor is cat(half0_k, half1_k) along ``dim``; the global tensor is ``full``."""
+    n, k = mesh.size(), mesh.get_local_rank()
+    halves = full.chunk(2, dim=dim)
+    local = torch.cat([h.chunk(n, dim=dim)[k] for h in halves], dim=dim).contiguous()
+    placements = [_StridedShard(dim, split_factor=2)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+class _Replicated(ParallelStyle):
+    """Parameters become replicated DTensors; inputs/outputs stay local (TP without sequence parallelism).
+
+    Keeps every parameter of a TP model a DTensor on the TP mesh, so grad-norm and DCP treat them uniformly."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dparam = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
+                mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+        def inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if _is_plain(a) else a for a in args)
+
+        def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def _is_plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def _norm_style(sequence_parallel: bool, *, use_local_output: bool = False) -> ParallelStyle:
+    return SequenceParallel(use_local_output=use_local_output) if sequence_parallel else _Replicated()
+
+
+def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for one decoder layer (module paths relative to the layer)."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    return {
+        "input_layernorm": _norm_style(sp),
+        "self_attention.linear_qkv": ColumnParallel(input_layouts=seq),
+        # (B, T, heads_local, d): heads are dim 2. Replicated weight on a head-sharded input -> all-reduced grad.
+        "self_attention.q_layernorm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attention.k_layernorm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attention.linear_proj": RowParallel(output_layouts=seq, use_local_output=not sp),
+        "pre_mlp_layernorm": _norm_style(sp),
+        "mlp.linear_fc1": ColumnParallel(gate_up=True, input_layouts=seq),
+        "mlp.linear_fc2": RowParallel(output_layouts=seq, use_local_output=not sp),
+    }
+
+
+def top_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for the embedding, final norm and head that exist on this (pipeline) stage."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "embedding", None) is not None:
+        plan["embedding.word_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sp
+        )
+    if getattr(model.decoder, "final_layernorm", None) is not None:
+        plan["decoder.final_layernorm"] = _norm_style(sp)
+    if getattr(model, "output_layer", None) is not None:
+        plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard ``model`` (a whole ``Qwen3Model`` or a pipeline stage of it) over the 1-D ``tp_mesh`` in place."""
+    check_tensor_parallel(model.cfg, tp_mesh.size())
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
+    for layer in model.decoder.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+    # SequenceParallel re-creates parameters with requires_grad=True (measured trap): restore the frozen set.
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    model.tp_mesh = tp_mesh  # read by the loss and the metrics
+    return model
+
+
+# ------------------------------------------------------------------ vocab-parallel cross-entropy
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token CE of logits sharded on the vocab dim (Megatron's ``_VocabParallelCrossEntropy``).
+
+    Forward: global max (all-reduce MAX), target logit from the owning rank (all-reduce SUM), sum of exp
+    (all-reduce SUM). Backward is local: softmax - one_hot on this rank's vocab slice."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:  # noqa: ANN001
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        vocab_local = logits.shape[-1]
+        in_range = (target >= vocab_start) & (target < vocab_start + vocab_local)
+        local_idx = torch.where(in_range, target - vocab_start, torch.zeros_like(target))
+        picked = shifted.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1) * in_range
+        dist.all_reduce(picked, group=group)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_idx, in_range)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
+        softmax, local_idx, in_range = ctx.saved_tensors
+        g = softmax
+        g.scatter_add_(-1, local_idx.unsqueeze(-1), -in_range.unsqueeze(-1).to(g.dtype))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, num_tokens)`` of final hidden states against a vocab-sharded head, fp32, labels -100 ignored.
+
+    ``hidden``: (B, T, H), a local replicated tensor or a sequence-sharded DTensor; ``weight``: the head as a DTensor
+    ``Shard(0)`` on the TP mesh. Like ``chunked_cross_entropy``, only ``chunk_size`` rows of (local) logits exist at
+    a time. ``loss_sum`` is identical on every TP rank."""
+    mesh = weight.device_mesh
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()])
+    else:
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    # Each rank's dL/dh is a partial sum over its vocab slice: declare it Partial so DTensor reduces it.
+    h = hidden.to_local(grad_placements=[Partial()]).reshape(-1, hidden.shape[-1])
+    w = weight.to_local()
+    vocab_start = mesh.get_local_rank() * w.shape[0]
+    flat = labels.reshape(-1)
+    group = mesh.get_group()
+    total = h.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_size):
+        tgt = flat[start : start + chunk_size]
+        logits = h[start : start + chunk_size] @ w.t()
+        per_token = _VocabParallelCE.apply(logits, tgt.clamp(min=0), vocab_start, group)
+        total = total + (per_token * (tgt != IGNORE_INDEX)).sum()
+    return total, (flat != IGNORE_INDEX).sum()
+
+
+# ------------------------------------------------------------------ checkpoint view
+
+
+def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Make a (nested) state dict storable by DCP, plus a function that copies loaded values back.
+
+    DCP stores one contiguous chunk per rank, so a ``_StridedShard`` tensor (fc1's ``[gate_k; up_k]``) is replaced
+    by a copy redistributed to ``Shard(dim)`` of the *same global tensor*. The checkpoint therefore holds the
+    native global layout and loads under any TP/PP/DP layout. After ``dcp.load`` into the view, call the returned
+    function to write the values back into the strided originals (a no-op after ``dcp.save``)."""
+    pairs: list[tuple[DTensor, DTensor]] = []
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+            copy = value.detach().redistribute(placements=plain)
+            pairs.append((value, copy))
+            return copy
+        return value
+
+    def restore() -> None:
+        with torch.no_grad():
+            for original, copy in pairs:
+                original.copy_(copy.redistribute(placements=original.placements))
+
+    return convert(state), restore
