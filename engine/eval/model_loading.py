@@ -2,9 +2,10 @@
 
 The checkpoint decides the shape when it carries one (HF ``config.json``, Megatron ``args``, our training
 checkpoints); shape flags given on the command line must then agree with it, as Megatron's
-``check_checkpoint_args`` insists — a mismatch is a ``BadInput`` naming every differing flag, never a silent
-reshape or a shape error deep inside ``load_state_dict``. A checkpoint without a shape (an mcore checkpoint saved
-without ``args``) takes it from the flags.
+``check_checkpoint_args`` insists — a mismatch is a ``BadInput`` naming the flag (the trainer's
+``engine.train.model_setup`` rules, shared), never a silent reshape or a shape error deep inside
+``load_state_dict``. A checkpoint without a shape (an mcore checkpoint saved without ``args``) takes it from the
+flags.
 
 LoRA adapters (``lora_load``) are applied on the loaded base with ``engine.model.lora`` and never merged into it, so
 what is evaluated is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter
@@ -14,7 +15,6 @@ checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``).
 from __future__ import annotations
 
 import logging
-import math
 import re
 from typing import Any, Mapping
 
@@ -23,92 +23,14 @@ import torch
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import BadInput
+from engine.train.model_setup import check_against_checkpoint, check_model_kind, config_from_flags
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# spec flag -> (ModelConfig field, how to read the flag's value off the spec)
-_SHAPE_FLAGS: dict[str, str] = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups",
-    "kv_channels": "kv_channels",
-    "padded_vocab_size": "vocab_size",
-    "norm_epsilon": "norm_epsilon",
-    "rotary_base": "rotary_base",
-    "max_position_embeddings": "max_position_embeddings",
-    "untie_embeddings_and_output_weights": "tie_word_embeddings",
-}
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 # Megatron MindSpeed LoRA checkpoints may hold the "hidden" optimizer-free extras; they carry no weights.
 _SKIP_SUFFIXES = ("._extra_state",)
-
-
-def flag_values(spec: Any) -> dict[str, Any]:
-    """Shape values the user set explicitly (unset flags keep MindSpeed defaults that say nothing about the model)."""
-    given = spec.model_fields_set
-    values: dict[str, Any] = {}
-    for flag, field in _SHAPE_FLAGS.items():
-        if flag not in given:
-            continue
-        value = getattr(spec, flag)
-        if flag == "untie_embeddings_and_output_weights":
-            value = not value
-        if flag == "num_query_groups" and not spec.group_query_attention:
-            continue  # Megatron ignores it without --group-query-attention
-        if value is not None:
-            values[field] = value
-    if "num_query_groups" not in values and spec.group_query_attention is False and "num_attention_heads" in values:
-        values["num_query_groups"] = values["num_attention_heads"]  # MHA
-    return values
-
-
-def check_against_flags(cfg: ModelConfig, spec: Any, source: str) -> None:
-    """Raise ``BadInput`` listing every shape flag that disagrees with the checkpoint's shape."""
-    wanted = flag_values(spec)
-    if "num_query_groups" in wanted and not spec.group_query_attention:
-        wanted.pop("num_query_groups")  # an MHA default derived from the heads flag is no user statement
-    field_to_flag = {v: k for k, v in _SHAPE_FLAGS.items()}
-    diffs = []
-    for field, value in wanted.items():
-        have = getattr(cfg, field)
-        same = math.isclose(have, value, rel_tol=1e-9) if isinstance(value, float) else have == value
-        if not same:
-            flag = field_to_flag[field]
-            shown = (not have) if flag == "untie_embeddings_and_output_weights" else have
-            diffs.append((flag, f"{flag}: the checkpoint has {shown!r} but the flags say {getattr(spec, flag)!r}"))
-    if diffs:
-        raise BadInput(f"load: checkpoint {source} does not match the model flags: " + "; ".join(d for _, d in diffs),
-                       field=diffs[0][0])
-
-
-def config_from_flags(spec: Any, vocab_hint: int | None = None) -> ModelConfig:
-    """A shape from the flags alone (for checkpoints that carry none). Raises ``BadInput`` when flags are missing."""
-    values = flag_values(spec)
-    required = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"]
-    missing = [f for f in required if f not in values]
-    if missing:
-        raise BadInput(f"{missing[0]}: the checkpoint has no model config, so --" + ", --".join(
-            m.replace("_", "-") for m in missing) + " must be given", field=missing[0])
-    if spec.group_query_attention and "num_query_groups" not in values:
-        values["num_query_groups"] = 1  # Megatron's default with --group-query-attention
-    values.setdefault("num_query_groups", values["num_attention_heads"])
-    values.setdefault("kv_channels", values["hidden_size"] // values["num_attention_heads"])
-    if "vocab_size" not in values:
-        if vocab_hint is None:
-            raise BadInput("padded_vocab_size: the checkpoint has no model config; give --padded-vocab-size",
-                           field="padded_vocab_size")
-        multiple = spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size
-        values["vocab_size"] = -(-vocab_hint // multiple) * multiple  # Megatron's _vocab_size_with_padding
-    values.setdefault("norm_epsilon", spec.norm_epsilon)
-    values.setdefault("rotary_base", spec.rotary_base)
-    values.setdefault("tie_word_embeddings", not spec.untie_embeddings_and_output_weights)
-    try:
-        return ModelConfig(**values)
-    except ValueError as err:
-        raise BadInput(f"num_query_groups: {err}", field="num_query_groups") from err
 
 
 def _refield(err: BadInput, field: str) -> BadInput:
@@ -246,11 +168,12 @@ def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str
 
 def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
     """The eval model on its device, in eval mode, plus facts for the summary (format, shape, LoRA)."""
+    check_model_kind(spec)
     ckpt_cfg, state = read_checkpoint(spec.load)
     if ckpt_cfg is not None:
-        check_against_flags(ckpt_cfg, spec, spec.load)
+        check_against_checkpoint(spec, ckpt_cfg, spec.load)
         cfg = ckpt_cfg
-    else:
+    else:  # an mcore checkpoint saved without args: the flags give the shape, the weights must then fit it
         cfg = config_from_flags(spec, vocab_hint)
     model = Qwen3Model(cfg)
     load_weights(model, state, spec.load)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from engine.eval.model_loading import apply_adapters, check_against_flags, config_from_flags, load_weights
+from engine.eval.model_loading import apply_adapters, load_weights
 from engine.model.config import preset
 from engine.model.lora import LoRALinear, apply_lora, lora_state_dict
 from engine.model.qwen3 import Qwen3Model
@@ -25,28 +25,6 @@ def _base() -> Qwen3Model:
     model = Qwen3Model(CFG)
     model.init_weights(seed=0)
     return model.eval()
-
-
-def test_flags_agreeing_with_the_checkpoint_pass_and_disagreeing_ones_are_named() -> None:
-    check_against_flags(CFG, _spec(num_layers=2, hidden_size=64, group_query_attention=True, num_query_groups=2,
-                                   untie_embeddings_and_output_weights=True, norm_epsilon=1e-6), "ckpt")
-    with pytest.raises(BadInput) as err:
-        check_against_flags(CFG, _spec(num_layers=36, group_query_attention=True, num_query_groups=8, hidden_size=64), "ckpt")
-    assert err.value.field == "num_layers"
-    assert "num_layers: the checkpoint has 2 but the flags say 36" in str(err.value)
-    assert "num_query_groups: the checkpoint has 2 but the flags say 8" in str(err.value)
-    with pytest.raises(BadInput, match="untie_embeddings_and_output_weights"):
-        check_against_flags(preset("qwen3-tiny-tied"), _spec(untie_embeddings_and_output_weights=True), "ckpt")
-
-
-def test_shape_from_flags_when_the_checkpoint_has_none() -> None:
-    cfg = config_from_flags(_spec(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                                  group_query_attention=True, num_query_groups=2, kv_channels=16,
-                                  make_vocab_size_divisible_by=128), vocab_hint=151665)
-    assert (cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size, cfg.tie_word_embeddings) == (2, 16, 151680, True)
-    with pytest.raises(BadInput, match="--num-layers, --ffn-hidden-size") as err:
-        config_from_flags(_spec(hidden_size=64, num_attention_heads=4), vocab_hint=100)
-    assert err.value.field == "num_layers"
 
 
 def test_weights_that_do_not_fit_are_a_clear_error() -> None:
