@@ -152,12 +152,19 @@ def run(
     run_dir: Annotated[Optional[Path], typer.Option(help="default <runs_dir>/local-<time>")] = None,
 ) -> None:
     """Run one job in the foreground, without a server, writing the same run directory a worker would."""
+    from pydantic import ValidationError
+
+    from app.errors import validation_errors
     from worker.foreground import run_foreground
 
     try:
         code = run_foreground(spec_file, run_dir, _settings().runs_path)
+    except ValidationError as err:
+        for item in validation_errors(list(err.errors())):
+            typer.echo(f"error: {spec_file}: {item['message']}", err=True)
+        raise typer.Exit(2) from err
     except ValueError as err:
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {spec_file}: {err}", err=True)
         raise typer.Exit(2) from err
     raise typer.Exit(code)
 
