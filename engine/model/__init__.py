@@ -1,1 +1,10 @@
-"""Qwen3 dense decoder: math only. Parallelism is applied from outside (engine.parallel)."""
+"""Qwen3 dense decoder: math only. Parallelism is applied from outside (engine.parallel).
+
+- ``config``: ModelConfig (HF config.json <-> Megatron names) and presets qwen3-0.6b … qwen3-32b, qwen3-tiny(-tied).
+- ``qwen3``: Qwen3Model with Megatron-Core local-spec module names (fused ``linear_qkv`` / ``linear_fc1``).
+- ``attention``: per-batch attention plan (causal / packed block mask / left padding / varlen kernels).
+- ``kv_cache``: preallocated per-layer KV cache for decoding.
+- ``loss``: chunked cross-entropy over the head that never holds (tokens × vocab) logits.
+- ``lora``: LoRA converter, adapter-only state dicts, merge.
+- ``hf_mapping``: native <-> HF tensor names and layouts, streaming.
+"""

@@ -153,3 +153,22 @@ def test_meta_device_build_then_materialise() -> None:
     model.init_weights(seed=0)
     out = model(torch.randint(0, 1024, (1, 4)))
     assert out.shape == (1, 4, 1024) and torch.isfinite(out).all()
+
+
+def test_real_vocab_tiny_preset_matches_transformers() -> None:
+    """The preset other components test with (real 151,936-word vocabulary) under the same parity bound."""
+    hf, ours = hf_pair(preset("qwen3-tiny"), seed=5)
+    ids = torch.randint(0, 151936, (1, 16))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-5
+
+
+def test_bf16_forward_stays_close_to_fp32() -> None:
+    _, ours = hf_pair(small_cfg(tied=True), seed=6)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    seg = torch.tensor([[0] * 9 + [1] * 7, [0] * 16])
+    with torch.no_grad():
+        ref = ours(ids, segment_ids=seg).softmax(-1)
+        low = ours.to(torch.bfloat16)(ids, segment_ids=seg)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    assert (low.float().softmax(-1) - ref).abs().max().item() < 2e-2
