@@ -1,0 +1,126 @@
+"""The train runner in one process: falling loss, metrics, checkpoint layout, resume equal to an uninterrupted run,
+LoRA from an HF checkpoint in bf16 with adapter-only save, and bad inputs refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
+
+from engine.checkpoint.hf import save_hf  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.qwen3 import Qwen3Model  # noqa: E402
+from engine.runfiles import BadInput, RunDir  # noqa: E402
+from engine.spec import parse_spec  # noqa: E402
+from engine.train import job  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_instruction_data(tmp_path_factory.mktemp("data") / "sft")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = ModelConfig(2, 64, 128, 4, 2, 16, vocab_size=512, max_position_embeddings=256)
+    model = Qwen3Model(cfg)
+    model.init_weights(1)
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    save_hf(model.state_dict(), cfg, out, dtype=torch.float32)
+    return out
+
+
+def _train(spec: dict, run_dir: Path):
+    return job.run(parse_spec(spec), RunDir(run_dir))
+
+
+def test_resume_equals_uninterrupted_run(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = tiny_spec(data, train_iters=6, save_interval=3)
+    outputs, summary = _train({**spec, "save": str(tmp_path / "a")}, tmp_path / "run_a")
+    straight = metric_rows(tmp_path / "run_a")
+    assert [r["iteration"] for r in straight] == [1, 2, 3, 4, 5, 6]
+    assert straight[-1]["lm_loss"] < straight[0]["lm_loss"] - 0.5
+    for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "skipped_iterations", "nan_iterations", "consumed_samples",
+                "iteration_time_ms", "tokens_per_s", "tflops", "mfu"):
+        assert key in straight[0]
+    assert outputs["checkpoint"] == str(tmp_path / "a")
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert (tmp_path / "a" / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert summary["iterations"] == 6 and summary["nan_iterations"] == 0
+
+    # The same job crashes right after its iteration-3 checkpoint, then is re-queued unchanged.
+    original = job.Trainer._save
+
+    def save_then_crash(self: job.Trainer, iteration: int) -> None:
+        original(self, iteration)
+        if iteration == 3:
+            raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(job.Trainer, "_save", save_then_crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _train({**spec, "save": str(tmp_path / "b")}, tmp_path / "run_b")
+    monkeypatch.setattr(job.Trainer, "_save", original)
+    _, resumed = _train({**spec, "save": str(tmp_path / "b")}, tmp_path / "run_b2")
+    assert resumed["resumed_from"].endswith("iter_0000003") and resumed["start_iteration"] == 3
+    after = metric_rows(tmp_path / "run_b2")
+    assert [r["iteration"] for r in after] == [4, 5, 6]
+    for a, b in zip(straight[3:], after):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["lr"] == a["lr"] and b["consumed_samples"] == a["consumed_samples"]
+
+
+def test_lora_bf16_from_hf_saves_adapters_only(data: str, hf_dir: Path, tmp_path: Path):
+    shape = {k: v for k, v in TINY_SHAPE.items() if k not in ("ffn_hidden_size",)}  # flags may be partial
+    spec = tiny_spec(data, **shape, load=str(hf_dir), finetune=True, bf16=True, lora_r=4, lora_alpha=8,
+                     lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                     lr=1e-2, train_iters=3, save=str(tmp_path / "save"), save_hf=True,
+                     tensorboard_dir=str(tmp_path / "tb"), recompute_granularity="full")
+    outputs, summary = _train(spec, tmp_path / "run")
+    assert summary["load_format"] == "hf" and summary["lora"] is True
+    state = torch.load(tmp_path / "save" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    keys = list(state["model"])
+    assert keys and all(".lora_A.default." in k or ".lora_B.default." in k for k in keys)
+    assert state["args"].lora_r == 4 and state["args"].lora_base == str(hf_dir)
+    assert (Path(outputs["hf"]) / "model.safetensors.index.json").is_file()
+    assert any((tmp_path / "tb").iterdir())
+    rows = metric_rows(tmp_path / "run")
+    assert rows[0]["loss_scale"] == 1.0 and all(r["grad_norm"] is not None for r in rows)
+
+
+def test_checkpoint_shape_mismatch_is_bad_input_before_work(data: str, hf_dir: Path, tmp_path: Path):
+    spec = parse_spec(tiny_spec(data, load=str(hf_dir), hidden_size=128))
+    with pytest.raises(BadInput, match="hidden_size: the spec says 128 but the checkpoint"):
+        job.plan_run(spec, RunDir(tmp_path / "run"))
+
+
+def test_global_batch_must_divide_by_micro_batch_times_dp(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = parse_spec(tiny_spec(data, micro_batch_size=2, global_batch_size=6))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the spec's resources say 1; torchrun says 2
+    with pytest.raises(BadInput, match=r"global_batch_size: 6 is not divisible by micro_batch_size × DP \(2 × 2"):
+        job.plan_run(spec, RunDir(tmp_path / "run"))
+
+
+def test_missing_data_files_exit_2_with_message(tmp_path: Path):
+    spec = tiny_spec(str(tmp_path / "nowhere" / "sft"))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "engine", "train", "--spec", str(tmp_path / "spec.json"),
+                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    error = events[-1]
+    assert error["type"] == "error" and error["data"]["field"] == "data_path"
+    assert "no indexed dataset for prefix" in error["message"] and "nowhere/sft" in error["message"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
