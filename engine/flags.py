@@ -40,6 +40,15 @@ IGNORED_FLAGS: dict[str, int | str] = {
     "reuse-fp32-param": 0,
     "use-cpu-initialization": 0,
     "sequence-parallel-ignored": 0,
+    # Training (engine.train): the loss is always normalised per token over the global batch, throughput and
+    # memory are always logged, checkpoints are DCP while training and the legacy torch layout at the end.
+    "calculate-per-token-loss": 0,
+    "log-throughput": 0,
+    "log-timers-to-tensorboard": 0,
+    "log-memory-to-tensorboard": 0,
+    "log-validation-ppl-to-tensorboard": 0,
+    "no-check-for-nan-in-loss-and-grad": 0,
+    "ckpt-format": 1,
 }
 # Fields that only exist in the JSON spec, never as flags (nested objects).
 _NOT_FLAGS = {"resources", "metadata", "kind", "steps"}
