@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +39,25 @@ def make_job(settings: Settings, team: str = "t", **fields: Any) -> str:
     with session_scope(settings.database_url) as session:
         job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw), raw=raw)
         return job.id
+
+
+@contextmanager
+def fresh_postgres_database(server_url: str) -> Iterator[str]:
+    """A new, empty database on the server of ``server_url`` for one test session; dropped afterwards."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    from app.db import get_engine
+
+    name = f"llmjobs_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        get_engine(url).dispose()
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -9,18 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from sqlalchemy.engine import make_url
 
 from app.db import get_engine, session_scope
 from app.main import create_app
 from app.models import Base, Job, MetricPoint
 from app.settings import Settings
-from app.testing import auth, isolated_settings, make_job, make_token
+from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token
 from engine.runfiles import RunDir
 from worker.execute import claim
 from worker.ingest import RunIngestor
@@ -30,16 +28,8 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture(scope="module")
 def pg_database(postgres_url: str) -> Iterator[str]:
-    name = f"llmjobs_test_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
-    yield url
-    get_engine(url).dispose()
-    with admin.connect() as connection:
-        connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with fresh_postgres_database(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture
