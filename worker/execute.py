@@ -171,7 +171,8 @@ def finish(settings: Settings, work: Claim, code: int, stop_reason: str | None, 
                                                  message=f"retrying after exit code {code} ({work.attempt} of "
                                                          f"{work.max_restarts + 1} attempts used): {message}")
         else:
-            code_name = "bad_input" if code == EXIT_BAD_INPUT else ("killed" if code < 0 else "engine_error")
+            code_name = {EXIT_BAD_INPUT: "bad_input", EXIT_RETRYABLE: "retries_exhausted"}.get(
+                code, "killed" if code < 0 else "engine_error")
             outcome, ok = "failed", transition(session, work.job_id, JobState.failed, error_code=code_name,
                                                message=message, **failed)
     if not ok:
