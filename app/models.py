@@ -185,3 +185,62 @@ class Host(Base):
     info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    address: Mapped[str | None] = mapped_column(String(255))  # where other nodes reach this host (rendezvous)
+    device_ids: Mapped[list[int] | None] = mapped_column(JSON)  # physical ids; None = range(devices)
+
+
+class Lease(Base):
+    """One device of one host held by one node of one job attempt. Rows exist only while held."""
+
+    __tablename__ = "leases"
+    __table_args__ = (UniqueConstraint("host", "device", name="uq_leases_host_device"), Index("ix_leases_job", "job_id"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    host: Mapped[str] = mapped_column(String(255))
+    device: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    team: Mapped[str] = mapped_column(String(64))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobNode(Base):
+    """One node of one attempt of a (possibly multi-node) job: where it runs, its devices, its rendezvous, its state.
+
+    state: assigned (message sent) -> launching -> running -> exited; or lost (host died / worker restarted) or
+    dropped (never launched: cancelled or superseded). ``released_at`` is set once its leases are given back.
+    """
+
+    __tablename__ = "job_nodes"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_attempt_rank"),
+                      Index("ix_job_nodes_host_state", "host", "state"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(255))
+    devices: Mapped[list[int]] = mapped_column(JSON)
+    master_addr: Mapped[str] = mapped_column(String(255))
+    master_port: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="assigned")
+    worker_pid: Mapped[int | None] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]
+    released_at: Mapped[datetime | None]
+
+
+class SchedulerLock(Base):
+    """A single row; every scheduling transaction updates it first, which serialises schedulers on both backends
+    (a row lock on PostgreSQL, the database write lock on SQLite)."""
+
+    __tablename__ = "scheduler_lock"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
