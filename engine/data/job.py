@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import time
 from collections import Counter, deque
@@ -87,13 +88,22 @@ def _map_ordered(fn: Callable[[Any], ChunkResult], items: Iterable[Any], workers
             yield pending.popleft().get()
 
 
+def _remove_dead_partials(final: Path) -> None:
+    """Delete temporary directories left by killed runs with this output prefix (their process is gone)."""
+    for stale in final.parent.glob(f".{final.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 class _Outputs:
     """Indexed-dataset writers under a hidden temporary directory; ``commit`` renames them into place."""
 
     def __init__(self, output_prefix: str, names: list[str], stale: list[str]):
         final = Path(output_prefix)
         final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = final.parent / f".{final.name}.partial"
+        _remove_dead_partials(final)
+        self.tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir()
         self.final = {name: str(final.parent / name) for name in names}
@@ -236,6 +246,8 @@ def _check(spec: PreprocessSpec, config: EncodeConfig) -> Any:
 
 def run(spec: PreprocessSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     """Preprocess ``spec.input`` into indexed datasets at ``spec.output_prefix``; see the module docstring."""
+    if int(os.environ.get("RANK", "0")) != 0:  # launched under torchrun with several processes: one writer only
+        return {}, {"skipped": f"rank {os.environ['RANK']}: preprocessing runs on global rank 0 only"}
     config = _config(spec)
     tokenizer = _check(spec, config)
     files = input_files(spec.input)
@@ -259,7 +271,7 @@ def run(spec: PreprocessSpec, run: RunDir) -> tuple[dict[str, str], dict[str, An
         raise
     summary = sink.summary(time.monotonic() - started)
     log.info("preprocess summary: %s", summary)
-    prefix = str(spec.output_prefix)
+    prefix = str(Path(spec.output_prefix).resolve())  # absolute: the next pipeline step may run elsewhere
     data_path = prefix if config.instruction else f"{prefix}_{config.json_keys[0]}_document"
     return {"data_path": data_path, "output_prefix": prefix, "files": ",".join(written)}, summary
 

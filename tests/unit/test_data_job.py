@@ -184,3 +184,40 @@ def test_mindspeed_flags_and_spec_file_build_the_same_spec(tmp_path, data, qwen_
 def test_spec_validation_names_the_field(tmp_path, data, qwen_tokenizer_dir, over, message):
     with pytest.raises(ValueError, match=message):
         make_spec(tmp_path, data, qwen_tokenizer_dir, **over)
+
+
+def test_alpaca_parquet_directory_with_hf_template(tmp_path, qwen_tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "alpaca"
+    src.mkdir()
+    rows = [{"instruction": f"Classify {i}", "input": "text" if i % 2 else "", "output": f"label{i}"} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows[:3]), src / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[3:]), src / "b.parquet")
+    spec = PreprocessSpec(input=str(src), tokenizer_name_or_path=str(qwen_tokenizer_dir), output_prefix=str(tmp_path / "out" / "alp"),
+                          handler_name="AlpacaStyleInstructionHandler", prompt_type="hf", enable_thinking="false")
+    _, summary = run(spec, RunDir(tmp_path / "run"))
+    assert summary["samples_written"] == 6
+    tok = load_tokenizer(str(qwen_tokenizer_dir))
+    ds = InstructionDataset(str(tmp_path / "out" / "alp"))
+    for i, row in enumerate(rows):
+        user = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+        assert ds[i].input_ids.tolist() == list(tok.apply_chat_template(messages, tokenize=True, enable_thinking=False)["input_ids"])
+        assert tok.decode([t for t in ds[i].labels.tolist() if t != IGNORE_INDEX]) == f"label{i}<|im_end|>\n"
+
+
+def test_partials_of_dead_runs_are_removed(tmp_path, data, qwen_tokenizer_dir):
+    (tmp_path / "out").mkdir()
+    dead = tmp_path / "out" / ".customed.partial-999999999"
+    dead.mkdir()
+    (dead / "customed_packed_labels_document.bin").write_bytes(b"x")
+    run(make_spec(tmp_path, data, qwen_tokenizer_dir), RunDir(tmp_path / "run"))
+    assert not dead.exists()
+
+
+def test_non_zero_ranks_do_not_write(tmp_path, data, qwen_tokenizer_dir, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    outputs, summary = run(make_spec(tmp_path, data, qwen_tokenizer_dir), RunDir(tmp_path / "run", rank=1))
+    assert outputs == {} and "rank 0 only" in summary["skipped"] and not (tmp_path / "out").exists()
