@@ -3,7 +3,8 @@
 The caller builds one ``AttentionPlan`` per forward (``plan_attention``) and every layer reuses it:
 - plain causal batch: ``scaled_dot_product_attention(is_causal=True)`` — flash kernel on CUDA, no mask tensor;
 - packed samples (segment_ids): on NPU ``torch_npu.npu_fusion_attention`` in TND layout with cumulative sequence
-  lengths, on CUDA ``flash_attn_varlen_func`` when flash-attn is installed; otherwise SDPA with ONE boolean block mask
+  lengths, on CUDA torch's own flash varlen kernel (``torch.nn.attention.varlen.varlen_attn``) or else
+  ``flash_attn_varlen_func`` when flash-attn is installed; otherwise SDPA with ONE boolean block mask
   (B, 1, T, T) built once per batch (1 byte per entry, shared by all layers and heads — never a float mask per head);
 - left padding and/or a KV cache: SDPA with a boolean (B, 1, T, T_kv) mask.
 The kernel choice comes from ``engine.parallel.device.attention_kernel``; head counts are read from tensor shapes, so
@@ -104,10 +105,9 @@ def plan_attention(
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """q (B, nh, T, d), k/v (B, nkv, T_kv, d) -> (B, T, nh, d). GQA: query head h uses kv head h // (nh/nkv)."""
-    if plan.kernel == "flash_varlen":
-        return _flash_varlen(q, k, v, plan)
-    if plan.kernel == "npu_fusion":
-        return _npu_fusion(q, k, v, plan)
+    if plan.kernel != "sdpa":
+        q, k, v = _kernel_inputs(q, k, v)
+        return _VARLEN[plan.kernel](q, k, v, plan)
     gqa = k.shape[1] != q.shape[1]
     if gqa and plan.mask is not None:
         # With a mask, CUDA's memory-efficient kernel is the one that applies; SDPA's docstring says GQA works only
@@ -121,8 +121,27 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     return out.transpose(1, 2)
 
 
+def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One dtype for the fused kernels. Under autocast q/k leave the fp32-weighted q/k RMSNorm in fp32 while v is
+    bf16; SDPA casts by itself (it is on autocast's list), the varlen kernels do not."""
+    kind = q.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else v.dtype
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def _to_tnd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # (B, n, T, d) -> (B*T, n, d)
+
+
+def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn  # present: attention_kernel checked
+
+    b, nh, t, d = q.shape
+    out = varlen_attn(
+        _to_tnd(q), _to_tnd(k), _to_tnd(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+        scale=d ** -0.5, window_size=(-1, 0), enable_gqa=k.shape[1] != nh,  # (-1, 0) = causal
+    )  # (B*T, nh, d)
+    return out.view(b, t, nh, d)
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -154,3 +173,6 @@ def _npu_fusion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attenti
         actual_seq_qlen=plan.seq_ends, actual_seq_kvlen=plan.seq_ends, sparse_mode=3,
     )[0]  # (B*T, nh, d)
     return out.view(b, t, nh, d)
+
+
+_VARLEN = {"torch_varlen": _torch_varlen, "flash_varlen": _flash_varlen, "npu_fusion": _npu_fusion}

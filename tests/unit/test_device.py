@@ -29,11 +29,13 @@ def test_unknown_device_type_is_refused() -> None:
 
 def test_attention_kernel_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dev.attention_kernel("cpu") == "sdpa"
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real_find_spec(n))
-    assert dev.attention_kernel("cuda") == "sdpa"
+    assert dev.attention_kernel("cuda") == "sdpa"  # no CUDA device here
+    monkeypatch.setattr(dev, "_cuda_has_flash", lambda: True)  # as on an A100/H100
+    assert dev.attention_kernel("cuda") == "torch_varlen"  # this torch ships torch.nn.attention.varlen
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else None)
-    assert dev.attention_kernel("cuda") == "flash_varlen"
+    assert dev.attention_kernel("cuda") == "flash_varlen"  # an older torch with the flash-attn package
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None)
+    assert dev.attention_kernel("cuda") == "sdpa"
     # an NPU tensor means torch_npu is loaded; the kernel is used only if this torch_npu has it
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace())
     assert dev.attention_kernel("npu") == "sdpa"

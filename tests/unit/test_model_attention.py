@@ -1,4 +1,7 @@
-"""Attention plans: masks, cumulative sequence lengths and the varlen-kernel plumbing (layouts, not kernels)."""
+"""Attention plans: masks, cumulative sequence lengths and the varlen-kernel plumbing (layouts, not kernels).
+
+The varlen kernels need CUDA/NPU; here they are replaced by a reference written with SDPA per sample, which checks
+our TND layout, cumulative lengths and arguments, not the kernels' numerics."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import varlen
 
 from engine.model import attention
 from engine.model.attention import block_causal_mask, cu_seqlens_from_segments, padded_causal_mask, plan_attention
@@ -35,6 +39,7 @@ def test_masks() -> None:
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
     """flash_attn_varlen_func's contract written with SDPA per sample (TND in, TND out; GQA by head grouping)."""
     assert causal and torch.equal(cu_q, cu_k)
+    assert q.dtype == k.dtype == v.dtype  # fused kernels take one dtype
     out = torch.empty_like(q)
     bounds = cu_q.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -44,7 +49,13 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
     return out
 
 
-def test_flash_varlen_path_lays_out_tokens_like_the_block_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+def _reference_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    assert window_size == (-1, 0) and enable_gqa == (k.shape[1] != q.shape[1])
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
+
+
+@pytest.mark.parametrize("kernel", ["flash_varlen", "torch_varlen"])
+def test_varlen_paths_lay_out_tokens_like_the_block_mask(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ModelConfig(2, 32, 64, 4, 2, 8, vocab_size=128)
     model = Qwen3Model(cfg)
     model.init_weights(seed=0)
@@ -55,7 +66,25 @@ def test_flash_varlen_path_lays_out_tokens_like_the_block_mask(monkeypatch: pyte
     with torch.no_grad():
         expected = model(ids, position_ids=pos, segment_ids=seg)
         monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_reference_varlen))
-        monkeypatch.setattr(attention, "attention_kernel", lambda device_type: "flash_varlen")
-        assert plan_attention(ids.device, 9, segment_ids=seg).kernel == "flash_varlen"
+        monkeypatch.setattr(varlen, "varlen_attn", _reference_torch_varlen)
+        monkeypatch.setattr(attention, "attention_kernel", lambda device_type: kernel)
+        assert plan_attention(ids.device, 9, segment_ids=seg).kernel == kernel
         got = model(ids, position_ids=pos, segment_ids=seg)
     assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_varlen_inputs_share_the_autocast_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast q/k leave the fp32 q/k norms in fp32 while v is bf16; the kernel must get one dtype."""
+    model = Qwen3Model(ModelConfig(1, 32, 64, 4, 2, 8, vocab_size=64))
+    model.init_weights(seed=0)
+    seen = []
+
+    def spy(q, k, v, *args, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return _reference_torch_varlen(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(varlen, "varlen_attn", spy)
+    monkeypatch.setattr(attention, "attention_kernel", lambda device_type: "torch_varlen")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 64, (1, 6)), segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    assert seen == [(torch.bfloat16,) * 3]
