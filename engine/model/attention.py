@@ -76,10 +76,14 @@ def plan_attention(
     past_len: int = 0,
     segment_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    batch: int = 1,
 ) -> AttentionPlan:
     """Choose kernel and masks once per forward."""
     if segment_ids is not None and (attention_mask is not None or past_len):
         raise ValueError("segment_ids: packed batches cannot be combined with attention_mask or a KV cache")
+    if segment_ids is None and attention_mask is None and not past_len and attention_kernel(device.type) == "npu_fusion":
+        # On NPU the fused kernel is also the fast path for plain causal rows: one sample per row.
+        segment_ids = torch.zeros(batch, q_len, dtype=torch.long, device=device)
     if segment_ids is not None:
         kernel = attention_kernel(device.type)
         if kernel == "sdpa":

@@ -184,7 +184,7 @@ class Qwen3Model(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(b, t, past, attention_mask, h.device)
         rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, h.dtype)
-        plan = plan_attention(h.device, t, past, segment_ids, attention_mask)
+        plan = plan_attention(h.device, t, past, segment_ids, attention_mask, batch=b)
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))
         if self.decoder.final_layernorm is None:

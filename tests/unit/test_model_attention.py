@@ -88,3 +88,10 @@ def test_varlen_inputs_share_the_autocast_dtype(monkeypatch: pytest.MonkeyPatch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 64, (1, 6)), segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))
     assert seen == [(torch.bfloat16,) * 3]
+
+
+def test_plain_batches_use_the_npu_kernel_as_one_sample_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "attention_kernel", lambda device_type: "npu_fusion")
+    plan = plan_attention(torch.device("cpu"), 5, batch=3)
+    assert plan.kernel == "npu_fusion" and plan.seq_ends == [5, 10, 15] and plan.max_seqlen == 5
+    assert plan_attention(torch.device("cpu"), 1, past_len=4).kernel == "sdpa"  # decoding stays on SDPA
