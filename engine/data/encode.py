@@ -90,17 +90,17 @@ def _encode_instruction(config: EncodeConfig, records: list[tuple[str, int, dict
             good.append((file, number, converter.messages(record)))
         except FormatError as err:
             result.errors.append((file, number, str(err)))
+    template = config.template or ""
+    encoded: list[tuple[np.ndarray, np.ndarray]] = []
     try:
-        encoded = encode_conversations(tokenizer, [m for _, _, m in good], config.template or "", config.enable_thinking)
+        encoded = encode_conversations(tokenizer, [m for _, _, m in good], template, config.enable_thinking)
     except ConversationError:  # isolate the bad record(s): encode one by one
-        encoded = []
         for file, number, messages in good:
             try:
-                encoded.append(encode_conversations(tokenizer, [messages], config.template or "", config.enable_thinking)[0])
+                encoded.append(encode_conversations(tokenizer, [messages], template, config.enable_thinking)[0])
             except ConversationError as err:
                 result.errors.append((file, number, str(err)))
-                encoded.append(None)  # type: ignore[arg-type]
-    kept = [lim for pair in encoded if pair is not None and (lim := _limit(config, *pair, result)) is not None]
+    kept = [limited for pair in encoded if (limited := _limit(config, *pair, result)) is not None]
     result.fields["input_ids"], result.lengths["input_ids"] = _flatten([ids for ids, _ in kept])
     result.fields["labels"], result.lengths["labels"] = _flatten([labels for _, labels in kept])
 

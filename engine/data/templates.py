@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
@@ -232,15 +233,16 @@ def _hf_render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
 
 
+_TURN_END: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 def _hf_turn_end(tokenizer: Any) -> str:
     """The text the template writes after an assistant message (e.g. ``<|im_end|>\\n``), found with a sentinel."""
-    cached = getattr(tokenizer, "_llmjobs_turn_end", None)
-    if cached is None:
+    if tokenizer not in _TURN_END:
         sentinel = "\x1fLLMJOBS\x1f"
         text = _hf_render(tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": sentinel}], False)
-        cached = text.split(sentinel)[-1] or (tokenizer.eos_token or "")
-        tokenizer._llmjobs_turn_end = cached
-    return cached
+        _TURN_END[tokenizer] = text.split(sentinel)[-1] or (tokenizer.eos_token or "")
+    return _TURN_END[tokenizer]
 
 
 def _hf_encode(tokenizer: Any, messages: list[dict[str, str]], thinking: ThinkingMode) -> tuple[np.ndarray, np.ndarray]:

@@ -115,8 +115,13 @@ def test_bad_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, data, qw
 def test_skip_bad_samples_counts_them(tmp_path, data, qwen_tokenizer_dir):
     with data.open("a", encoding="utf-8") as f:
         f.write("{broken\n" + json.dumps({"messages": []}) + "\n")
-    _, summary = run(make_spec(tmp_path, data, qwen_tokenizer_dir, skip_bad_samples=True), RunDir(tmp_path / "run"))
-    assert summary["bad_samples_skipped"] == 2 and summary["samples_written"] == 40
+        call = [{"role": "user", "content": "q"}, {"role": "function_call", "content": "not json"}]
+        f.write(json.dumps({"messages": call}) + "\n")
+    keys = json.loads(SEED_MAP)
+    keys["tags"]["function_tag"] = "function_call"
+    _, summary = run(make_spec(tmp_path, data, qwen_tokenizer_dir, skip_bad_samples=True, map_keys=keys), RunDir(tmp_path / "run"))
+    assert summary["bad_samples_skipped"] == 3 and summary["samples_written"] == 40
+    assert summary["bad_sample_examples"][2].endswith("line 43: function call content is not JSON: Expecting value")
     assert summary["bad_sample_examples"][0].endswith("line 41: malformed JSON: Expecting property name enclosed in double quotes at column 2")
 
 
