@@ -7,7 +7,7 @@
 - The embedding lives on the first stage, the final norm and the head on the last. A tied model's last stage gets
   its own ``output_layer`` initialised from the embedding (Megatron's ``setup_embeddings_and_output_layer``); both
   copies get the all-reduced sum of their gradients before the optimizer step (Megatron's embedding group), so
-  they stay equal. Checkpoints never store the copy (``checkpoint_view``).
+  they stay equal. Checkpoints never store the copy (``dcp_state_view``).
 - Schedules: ``Schedule1F1B`` (one stage per rank) and ``ScheduleInterleaved1F1B`` (virtual stages), with
   ``scale_grads=False``: the loss of every micro-batch is divided by the global token count of the whole step
   (all micro-batches, all DP ranks) *before* backward, on the last stage, so the gradient every stage receives is
@@ -24,13 +24,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
-from engine.model.loss import chunked_cross_entropy
-from engine.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from engine.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
 
 TIED_COPY_ATTR = "_llmjobs_tied_copy"  # marks a last stage's copy of a tied embedding (excluded from norms / DCP)
 
@@ -112,11 +113,12 @@ class Pipeline:
 
     def step(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-        segment_ids: torch.Tensor | None, global_tokens: int,
+        segment_ids: torch.Tensor | None, normaliser: float,
     ) -> torch.Tensor:
-        """Forward + backward of all micro-batches (stacked on dim 0); returns this rank's summed loss
-        divided by ``global_tokens`` (non-zero on the last stage only)."""
-        self._norm["tokens"] = torch.tensor(float(max(global_tokens, 1)))
+        """Forward + backward of all micro-batches (stacked on dim 0); every micro-batch's summed token loss is
+        divided by ``normaliser`` (the step's global token count) before backward. Returns the sum of those
+        divided losses (non-zero on the last stage only)."""
+        self._norm["tokens"] = float(max(normaliser, 1e-12))
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if segment_ids is not None:
             kwargs["segment_ids"] = segment_ids
@@ -130,7 +132,7 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def make_loss_fn(last_part: nn.Module | None, norm: dict[str, torch.Tensor], tp_mesh: DeviceMesh | None,
+def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
                  sequence_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward)."""
 
@@ -173,12 +175,12 @@ def build_pipeline(
     parts = [parallelize_part(p) for p in parts]
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
-    device = next(iter(model.parameters())).device
+    device = _local(next(iter(parts[0].parameters()))).device
     stages = [
         PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
         for part, s in zip(parts, stage_ids)
     ]
-    norm: dict[str, torch.Tensor] = {"tokens": torch.tensor(1.0)}
+    norm: dict[str, Any] = {"tokens": 1.0}
     last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None)
     if n_stages == pp:
@@ -258,22 +260,138 @@ def pipeline_grad_norm(local_norm: torch.Tensor, pp_mesh: DeviceMesh) -> torch.T
     return sq.sqrt()
 
 
-def checkpoint_view(state: dict[str, Any], parts: Sequence[nn.Module], mode: str) -> dict[str, Any]:
-    """Keys of a (flattened model + optimizer) state dict as a checkpoint must see them on this PP rank.
-
-    A tied model's last-stage ``output_layer`` copy is not a native tensor: on save it is left out (the embedding
-    holds the same values), on load it reads the embedding's entries (weight and optimizer state), so a checkpoint
-    saved under any PP layout — or without PP — restores the copy exactly."""
-    if not any(_has_copy(p) for p in parts):
-        return dict(state)
-    if mode == "save":
-        return {k: v for k, v in state.items() if "output_layer.weight" not in k}
-    if mode == "load":
-        return {k.replace("output_layer.weight", "embedding.word_embeddings.weight"): v for k, v in state.items()}
-    raise ValueError(f"mode: expected 'save' or 'load', got {mode!r}")
+_COPY_KEY, _NATIVE_KEY = "output_layer.weight", "embedding.word_embeddings.weight"
 
 
-def checkpoint_key(key: str, parts: Sequence[nn.Module]) -> str:
-    """The checkpoint key ``checkpoint_view(mode='load')`` reads ``key`` from."""
-    has_copy = any(_has_copy(p) for p in parts)
-    return key.replace("output_layer.weight", "embedding.word_embeddings.weight") if has_copy else key
+def dcp_state_view(
+    state: dict[str, Any], modules: nn.Module | Sequence[nn.Module], mode: str
+) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
+    """A (nested or flattened) model + optimizer state dict as DCP must see it on this rank, and ``finish()``.
+
+    - A tied model's last-stage ``output_layer`` copy is not a native tensor: on save it is left out (the embedding
+      holds the same values), on load it reads the embedding's entries (weight and optimizer state). So checkpoints
+      saved under any PP layout, or without PP, restore the copy exactly.
+    - TP's strided fc1 shards are presented as plain shards of the same global tensor (``dcp_view``).
+    Save: pass the view to ``dcp.save``. Load: ``dcp.load`` the view, then ``finish()`` returns ``state`` with the
+    loaded values (tensors are filled in place; plain values such as learning rates come from the view)."""
+    if mode not in ("save", "load"):
+        raise ValueError(f"mode: expected 'save' or 'load', got {mode!r}")
+    parts = [modules] if isinstance(modules, nn.Module) else list(modules)
+    copy_here = any(getattr(getattr(m, "output_layer", None), TIED_COPY_ATTR, False) for m in parts)
+
+    def is_copy(name: Any) -> bool:
+        return copy_here and isinstance(name, str) and _COPY_KEY in name
+
+    def rename(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            kept = {k: v for k, v in obj.items() if not (mode == "save" and is_copy(k))}
+            return {(k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k): rename(v) for k, v in kept.items()}
+        if isinstance(obj, list):
+            kept = [v for v in obj if not (mode == "save" and is_copy(v))]
+            return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept]
+        return obj
+
+    view, restore = dcp_view(rename(state))
+
+    def merge(original: Any, loaded: Any) -> Any:
+        if isinstance(original, dict):
+            return {k: merge(v, loaded[k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k]) for k, v in original.items()}
+        if isinstance(original, list):
+            return [merge(o, l) for o, l in zip(original, loaded)]
+        if isinstance(original, (torch.Tensor, str)):
+            return original  # tensors were loaded in place (or restored); FQN strings keep this rank's names
+        return loaded
+
+    def finish() -> dict[str, Any]:
+        restore()
+        return merge(state, view)
+
+    return view, finish
+
+
+# ------------------------------------------------------------------ the trainer's view of a pipeline
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline parts seen as one module with native FQNs (``embedding``, ``decoder.layers.<global i>``,
+    ``decoder.final_layernorm``, ``output_layer``), so the optimizer, DCP checkpoints and export treat a pipeline
+    rank like a model. The pipeline itself is not a submodule (its parts are registered through the attributes)."""
+
+    def __init__(self, pipe: Pipeline, width: int) -> None:
+        super().__init__()
+        parts = pipe.parts
+        self.cfg = parts[0].cfg
+        self.embedding = next((p.embedding for p in parts if p.embedding is not None), None)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({k: v for p in parts for k, v in p.decoder.layers.items()})
+        self.decoder.final_layernorm = parts[-1].decoder.final_layernorm
+        self.output_layer = parts[-1].output_layer
+        object.__setattr__(self, "pipeline", pipe)
+        self.width = width  # every micro-batch is padded to (rows, width): stages exchange fixed shapes
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("a pipeline rank runs through forward_backward(), not forward()")
+
+    def forward_backward(self, batches: Sequence[Any], denominator: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """Run the step's micro-batches; returns the summed token loss (last stage; zeros elsewhere)."""
+        ids, labels, pos, seg = stack_micro_batches(batches, self.width)
+        device = _local(next(iter(self.pipeline.parts[0].parameters()))).device
+        normaliser = float(denominator) / loss_scale
+        scaled = self.pipeline.step(ids.to(device), labels.to(device), pos.to(device),
+                                    None if seg is None else seg.to(device), normaliser)
+        return (scaled * normaliser).to(device)
+
+    def grad_norm_parameters(self) -> list[nn.Parameter]:
+        return norm_parameters(self.pipeline.parts)
+
+    def combine_grad_norm(self, local_norm: torch.Tensor) -> torch.Tensor:
+        return pipeline_grad_norm(local_norm, self.pipeline.pp_mesh)
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> None:
+        """Bring the last stage's loss to every PP rank (in place)."""
+        dist.all_reduce(loss_sum, group=self.pipeline.pp_mesh.get_group())
+
+    def full_state_dict(self, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+        """The whole native state dict on global rank 0's CPU (empty elsewhere); collective over every rank.
+
+        Each PP rank gathers its parts over TP/DP (``full_tensor``), then rank (dp 0, tp 0) of each stage sends
+        them to global rank 0. A tied model's last-stage copy is dropped (the embedding is the native tensor)."""
+        local = {}
+        for key, value in self.state_dict().items():
+            if key == "output_layer.weight" and _has_copy(self.pipeline.parts[-1]):
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            local[key] = full.detach().cpu()
+        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local if sender else {}, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        return {k: v for part in gathered for k, v in part.items()}
+
+
+def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tensor, ...]:
+    """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0.
+
+    Padding: token 0, label -100, positions continuing, and (when any micro-batch is packed) the row's last
+    segment id — pad tokens come after every real token, so under the causal mask no real token sees them."""
+    packed = any(mb.segment_ids is not None for mb in batches)
+    ids, labels, pos, seg = [], [], [], []
+    for mb in batches:
+        rows, t = mb.input_ids.shape
+        if t > width:
+            raise ValueError(f"seq_length: a micro-batch has {t} tokens per row, more than the pipeline width {width}")
+        extra = width - t
+        ids.append(F.pad(mb.input_ids, (0, extra), value=0))
+        labels.append(F.pad(mb.labels, (0, extra), value=IGNORE_INDEX))
+        pos.append(torch.cat([mb.position_ids, mb.position_ids[:, -1:] + torch.arange(1, extra + 1)], dim=1))
+        if packed:
+            s = mb.segment_ids if mb.segment_ids is not None else torch.zeros(rows, t, dtype=torch.int32)
+            seg.append(torch.cat([s, s[:, -1:].expand(rows, extra)], dim=1))
+    return torch.cat(ids), torch.cat(labels), torch.cat(pos), torch.cat(seg) if packed else None
+
+
+def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -> int:
+    """Columns of every micro-batch under PP: one packed row of ``micro_batch_size`` samples, or one padded row per
+    sample (samples are shifted, so a sample has at most seq_length - 1 tokens)."""
+    return micro_batch_size * (seq_length - 1) if padding_free else seq_length - 1

@@ -25,8 +25,8 @@ from engine.model.qwen3 import Qwen3Model
 from engine.parallel.data_parallel import apply_fsdp
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
-from engine.parallel.pipeline_parallel import build_pipeline, norm_parameters, pipeline_grad_norm
-from engine.parallel.tensor_parallel import apply_tensor_parallel, dcp_view, vocab_parallel_cross_entropy
+from engine.parallel.pipeline_parallel import build_pipeline, dcp_state_view, norm_parameters, pipeline_grad_norm
+from engine.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.train.optim import clip_grads, total_grad_norm
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, LR, CLIP = 32, 8, 2, 5, 1e-3, 0.5
@@ -128,7 +128,7 @@ def parallel(opts: dict[str, Any]) -> list[tuple[float, float]]:
         ids, labels = ids[rows], labels[rows]
         pos = torch.arange(SEQ).expand(ids.shape[0], SEQ)
         if pipe is not None:
-            loss = pipe.step(ids, labels, pos, None, global_tokens)
+            loss = pipe.step(ids, labels, pos, None, float(global_tokens))
         else:
             loss = torch.zeros(())
             for mb in range(n_micro):
@@ -163,20 +163,14 @@ def _state(parts: list, optims: list) -> dict[str, Any]:
 
 
 def save_checkpoint(parts: list, optims: list, path: str) -> None:
-    from engine.parallel.pipeline_parallel import checkpoint_view
-
-    view, _ = dcp_view(checkpoint_view(_state(parts, optims), parts, "save"))
+    view, _ = dcp_state_view(_state(parts, optims), parts, "save")
     dcp.save(view, checkpoint_id=path)
 
 
 def load_checkpoint(parts: list, optims: list, path: str) -> None:
-    from engine.parallel.pipeline_parallel import checkpoint_key, checkpoint_view
-
-    state = _state(parts, optims)
-    view, restore = dcp_view(checkpoint_view(state, parts, "load"))
+    view, finish = dcp_state_view(_state(parts, optims), parts, "load")
     dcp.load(view, checkpoint_id=path)
-    restore()  # tensors were loaded in place (or copied back); plain values come back in the view
-    state = {k: v if isinstance(v, torch.Tensor) else view[checkpoint_key(k, parts)] for k, v in state.items()}
+    state = finish()
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     for part, opt in zip(parts, optims):
         msd, osd = get_state_dict(part, opt, options=options)
