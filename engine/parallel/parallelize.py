@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.parallel.activation_checkpoint import apply_ac
 from engine.parallel.data_parallel import apply_fsdp
+from engine.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def compute_dtype(spec: Any) -> torch.dtype:
@@ -33,8 +34,9 @@ def recompute_granularity(spec: Any) -> str | None:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
     """Apply, in order, TP/SP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
-    if mesh["tp"].size() > 1 or mesh["pp"].size() > 1:
-        raise NotImplementedError("tensor_model_parallel_size / pipeline_model_parallel_size > 1 are not supported yet")
+    # Under pipeline parallelism ``model`` is one stage's part (engine.parallel.pipeline_parallel.build_pipeline).
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
     granularity = recompute_granularity(spec)
     if granularity:
         apply_ac(model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None))
@@ -43,6 +45,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
     dp = mesh["dp"]
     # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU).
     if dp.size() > 1 or dtype != torch.float32:
-        apply_fsdp(model, dp, param_dtype=None if dtype == torch.float32 else dtype,
-                   reshard_after_forward=bool(getattr(spec, "use_distributed_optimizer", False)))
+        # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
+        # parameters per micro-batch, so stages keep them (torch-distributed-on-gloo.md, PP × FSDP2 recipe).
+        reshard = bool(getattr(spec, "use_distributed_optimizer", False)) and mesh["pp"].size() == 1
+        apply_fsdp(model, dp, param_dtype=None if dtype == torch.float32 else dtype, reshard_after_forward=reshard)
     return model
