@@ -340,7 +340,7 @@ class ConvertSpec(JobBase):
     hf_cfg_dir: DataPath | None = Field(None, description="HF directory whose config/tokenizer/generation files seed HF output.")
     params_dtype: Literal["fp16", "bf16", "fp32"] | None = Field(None, description=(
         "Output dtype. Default: the source's dtype (MindSpeed v1 defaults to fp16, which loses bf16 range)."))
-    lora_load: DataPath | None = Field(None, description="MindSpeed LoRA checkpoint overriding load_dir's tensors, then merged.")
+    lora_load: DataPath | None = Field(None, description="Megatron LoRA checkpoint (MindSpeed's or ours) merged onto load_dir.")
     lora_r: int | None = Field(None, ge=1, description="LoRA rank for merging (default: the checkpoint's args.lora_r).")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
     lora_target_modules: StrList = Field(default_factory=list)
@@ -353,8 +353,8 @@ class ConvertSpec(JobBase):
             raise ValueError(f"num_layer_list: has {len(self.num_layer_list)} stages but target PP is {pp}")
         if self.num_layer_list is not None and self.num_layers_per_virtual_pipeline_stage is not None:
             raise ValueError("num_layer_list: cannot be combined with num_layers_per_virtual_pipeline_stage")
-        if self.load_model_type == "hf" and (self.lora_load or self.save_lora_to_hf):
-            raise ValueError("lora_load: LoRA merge/export reads Megatron checkpoints; use load_model_type mg")
+        if self.load_model_type == "hf" and self.save_lora_to_hf and not self.lora_load:
+            raise ValueError("save_lora_to_hf: an HF model has no adapters; give the LoRA checkpoint as lora_load")
         if self.save_lora_to_hf and self.save_model_type != "hf":
             raise ValueError("save_lora_to_hf: needs save_model_type hf")
         if (self.lora_r is None) != (self.lora_alpha is None):

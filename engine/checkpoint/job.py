@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tqdm import tqdm
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from engine.checkpoint.hf import DTYPES, HFCheckpoint, as_getter, copy_tokenizer, save_hf
 from engine.checkpoint.layout import FINAL_NORM, check_tp, pipeline_chunks
 from engine.checkpoint.load import detect_format, open_checkpoint
-from engine.checkpoint.lora_merge import save_peft_adapter
+from engine.checkpoint.lora_merge import LoraOverlay, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.model.config import ModelConfig
 from engine.model.lora import resolve_targets
@@ -87,22 +88,28 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
     if spec.load_model_type == "hf":
         if fmt != "hf":
             raise BadInput(f"{spec.load_dir}: load_model_type is hf but this is a {fmt} checkpoint", field="load_model_type")
-        ckpt = HFCheckpoint(spec.load_dir)
-        return ckpt.config, ckpt
+        return _with_lora(spec, HFCheckpoint(spec.load_dir), run)
     if fmt == "hf":
         raise BadInput(f"{spec.load_dir}: load_model_type is mg but this is an HF model directory", field="load_model_type")
     if fmt == "native":
         cfg, state = open_checkpoint(spec.load_dir)
-        if cfg is None:
-            raise BadInput(f"{spec.load_dir}: the training checkpoint carries no model config", field="load_dir")
-        return cfg, state
+        return _with_lora(spec, SimpleNamespace(config=cfg, get_native=state.__getitem__), run)
     ckpt = MegatronCheckpoint(spec.load_dir, lora_dir=spec.lora_load, lora_alpha=spec.lora_alpha, lora_r=spec.lora_r,
                               hf_config=_hf_reference(spec))
     _check_lora(spec, ckpt, run)
     return ckpt.config, ckpt
 
 
-def _check_lora(spec: ConvertSpec, ckpt: MegatronCheckpoint, run: RunDir) -> None:
+def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, Any]:
+    """An HF or training-checkpoint base, with ``lora_load``'s adapters merged on top when given."""
+    if not spec.lora_load:
+        return base.config, base
+    source = LoraOverlay(base, spec.lora_load, spec.lora_alpha, spec.lora_r)
+    _check_lora(spec, source, run)
+    return source.config, source
+
+
+def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
     modules = ckpt.lora_modules()
     if not modules:
         if spec.lora_r is not None or spec.lora_load:
@@ -148,7 +155,7 @@ def _to_hf(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progres
 
 
 def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any) -> tuple[Path, list[Path]]:
-    if not isinstance(source, MegatronCheckpoint):
+    if not hasattr(source, "lora_modules"):
         raise BadInput("save_lora_to_hf: adapters are read from Megatron checkpoints only", field="save_lora_to_hf")
     r = spec.lora_r or source.lora_r
     alpha = spec.lora_alpha or source.lora_alpha
@@ -183,7 +190,7 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
         "tensor_parallel": spec.target_tensor_parallel_size if spec.save_model_type == "mg" else 1,
         "pipeline_parallel": spec.target_pipeline_parallel_size if spec.save_model_type == "mg" else 1,
         "files": len(files), "bytes": sum(sizes), "largest_file_bytes": max(sizes, default=0),
-        "lora_merged": bool(isinstance(source, MegatronCheckpoint) and source.lora_modules() and not spec.save_lora_to_hf),
+        "lora_merged": bool(hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf),
         "seconds": round(seconds, 3), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     log.info("converted %s -> %s in %.1fs (%d files, %.1f MB)", spec.load_dir, out, seconds, len(files), sum(sizes) / 1e6)

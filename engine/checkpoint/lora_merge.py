@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
 
+from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import split_fc1, split_qkv
+from engine.model.lora import merge_lora
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
@@ -71,3 +73,45 @@ def save_peft_adapter(modules: list[str], get: Callable[[str], torch.Tensor], cf
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+class LoraOverlay:
+    """A base checkpoint (HF, or anything with ``get_native``) with a Megatron LoRA checkpoint merged on top.
+
+    This is how the trainer's adapter-only saves meet their base (``args.lora_base``, often an HF directory):
+    every adapted weight becomes W + alpha/r · B @ A, cut per target TP shard like MindSpeed's merge.
+    """
+
+    def __init__(self, base: Any, lora_dir: str | os.PathLike[str], lora_alpha: float | None, lora_r: int | None):
+        from engine.checkpoint.megatron import RankFiles
+
+        self.base, self.config = base, base.config
+        self.lora = RankFiles(lora_dir)
+        self.lora_alpha = lora_alpha if lora_alpha is not None else getattr(self.lora.args, "lora_alpha", None)
+        self.lora_r = lora_r if lora_r is not None else getattr(self.lora.args, "lora_r", None)
+        if self.lora_modules() and (self.lora_alpha is None or self.lora_r is None):
+            raise BadInput(f"{lora_dir}: give lora_r and lora_alpha to merge its adapters", field="lora_r")
+
+    def get_native(self, key: str) -> torch.Tensor:
+        return self.get_native_shard(key, 1, 0)
+
+    def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        module = key.removesuffix(".weight")
+        a_key, b_key = module + ".lora_A.weight", module + ".lora_B.weight"
+        if self.lora.has(key):  # a full-model LoRA save overrides the base weights
+            weight = shard(self.lora.full(key), split_rule(key), tp, rank)
+        elif hasattr(self.base, "get_native_shard"):
+            weight = self.base.get_native_shard(key, tp, rank)
+        else:
+            weight = shard(self.base.get_native(key), split_rule(key), tp, rank)
+        if not (self.lora.has(a_key) and self.lora.has(b_key)):
+            return weight
+        a = shard(self.lora.full(a_key), split_rule(a_key), tp, rank)
+        b = shard(self.lora.full(b_key), split_rule(b_key), tp, rank)
+        return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+
+    def lora_modules(self) -> list[str]:
+        return self.lora.lora_modules()
+
+    def lora_tensor(self, key: str) -> torch.Tensor:
+        return self.lora.full(key)

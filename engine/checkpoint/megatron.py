@@ -207,7 +207,7 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
 # ---------------------------------------------------------------- reading
 
 
-class _Ranks:
+class RankFiles:
     """The rank files of one checkpoint directory, addressed by native (global) key."""
 
     def __init__(self, root: str | os.PathLike[str]):
@@ -290,13 +290,13 @@ class MegatronCheckpoint:
                  lora_alpha: float | None = None, lora_r: int | None = None,
                  hf_config: Mapping[str, Any] | None = None):
         self.root = Path(root)
-        self.base = _Ranks(root)
+        self.base = RankFiles(root)
         self.iter_dir, self.iteration, self.tp, self.pp = self.base.iter_dir, self.base.iteration, self.base.tp, self.base.pp
         self.args = self.base.args
-        self.side: _Ranks | None = None
+        self.side: RankFiles | None = None
         arg_sources = [self.args]
         if lora_dir is not None:
-            lora = _Ranks(lora_dir)
+            lora = RankFiles(lora_dir)
             arg_sources.insert(0, lora.args)
             if (lora.tp, lora.pp) == (self.tp, self.pp):
                 for rank, chunks in lora.models.items():
