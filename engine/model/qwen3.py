@@ -202,6 +202,8 @@ class Qwen3Model(nn.Module):
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         generators: dict[torch.device, torch.Generator] = {}
         for name, param in self.named_parameters():
+            if ".lora_" in name:
+                continue  # adapters have their own init (B = 0 keeps the converted model equal to the base)
             if param.dim() == 1:
                 nn.init.ones_(param)
                 continue
@@ -210,6 +212,9 @@ class Qwen3Model(nn.Module):
                 gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
             scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
             nn.init.normal_(param, 0.0, out_std if scaled else std, generator=gen)
+        for module in self.modules():
+            if hasattr(module, "reset_lora_parameters"):
+                module.reset_lora_parameters()
 
 
 def default_position_ids(

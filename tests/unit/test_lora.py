@@ -107,3 +107,16 @@ def test_frozen_base_in_bf16_with_fp32_adapters() -> None:
     assert model.decoder.layers["0"].mlp.linear_fc1.lora_A.weight.dtype == torch.float32
     train_steps(model, steps=1)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_lora_on_meta_model_then_init_keeps_b_zero() -> None:
+    """Build on meta, convert, materialise, init (torchtitan order): the model starts equal to its base."""
+    with torch.device("meta"):
+        model = Qwen3Model(CFG)
+    apply_lora(model, r=4, alpha=8)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    lora = lora_state_dict(model)
+    assert all(torch.all(v == 0) for k, v in lora.items() if ".lora_B." in k)
+    assert all(v.abs().sum() > 0 for k, v in lora.items() if ".lora_A." in k)
+    assert model.decoder.layers["0"].mlp.linear_fc2.weight.std() < 0.02  # base got Megatron's scaled init
