@@ -19,6 +19,7 @@ def write_instruction_data(prefix: Path, n: int = 48, vocab: int = 512, seed: in
     """``n`` samples of 8-39 tokens; the answer is one of 8 tokens (chosen by the first prompt token), repeated, so
     the loss falls within a few iterations."""
     rng = np.random.default_rng(seed)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")}
     for _ in range(n):
         length = int(rng.integers(8, 40))
