@@ -50,10 +50,12 @@ def cu_seqlens_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, i
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool: token i sees token j iff j <= i and both carry the same segment id."""
+    """(B, 1, T, T) bool: token i sees token j iff j <= i and both lie in the same run of equal segment ids
+    (runs, not ids, so that this path and the varlen kernels' cumulative lengths agree on any input)."""
     t = segment_ids.shape[1]
+    runs = segment_starts(segment_ids).cumsum(dim=1)  # (B, T) run index per token
     causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    same = runs[:, :, None] == runs[:, None, :]  # (B, T, T)
     return (same & causal)[:, None]
 
 

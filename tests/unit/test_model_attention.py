@@ -28,6 +28,8 @@ def test_cu_seqlens_over_flattened_rows() -> None:
 def test_masks() -> None:
     m = block_causal_mask(torch.tensor([[0, 0, 1]]))[0, 0]
     assert m.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+    m = block_causal_mask(torch.tensor([[5, 7, 5]]))[0, 0]  # a reused id starts a new sample, as in cu_seqlens
+    assert m.tolist() == [[True, False, False], [False, True, False], [False, False, True]]
     pad = padded_causal_mask(torch.tensor([[0, 1, 1]]), q_len=3)[0, 0]
     # the padded row sees only itself (keeps softmax finite), real rows never see the pad column
     assert pad.tolist() == [[True, False, False], [False, True, False], [False, True, True]]
