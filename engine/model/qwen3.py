@@ -171,8 +171,8 @@ class Qwen3Model(nn.Module):
         """Args:
         input_ids: (B, T) token ids, or (B, T, H) hidden states when ``embedding`` was removed.
         position_ids: (B, T); default arange after the cache length, or from ``attention_mask`` (left padding).
-        segment_ids: (B, T) packed samples: attention stays causal within equal ids (positions restart per sample,
-            given by the caller).
+        segment_ids: (B, T) packed samples: each run of equal ids is one sample and attention stays causal within
+            it (positions restart per sample, given by the caller; padding may be its own run).
         attention_mask: (B, past + T) 1 = real token, 0 = left padding (batched generation).
         kv_cache: appended to; ``kv_cache.length`` is the past length.
         return_hidden: return final-norm hidden states (B, T, H) instead of logits. Without a final norm (not
