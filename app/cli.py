@@ -115,35 +115,48 @@ def api(host: Annotated[Optional[str], typer.Option()] = None, port: Annotated[O
 @cli.command()
 def worker(
     host: Annotated[Optional[str], typer.Option("--host", help="this host's name (default: hostname)")] = None,
-    device_type: Annotated[str, typer.Option(help="cpu, cuda or npu")] = "cpu",
-    devices: Annotated[int, typer.Option(help="devices on this host")] = 1,
+    device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",
+    devices: Annotated[Optional[int], typer.Option(help="devices (CPU: slots) on this host; default: discovered "
+                                                        "through torch_npu / torch.cuda, 1 slot on CPU")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
 ) -> None:
-    """A Celery worker that runs jobs for one device type and its own host queue."""
-    if device_type not in ("cpu", "cuda", "npu"):
-        raise typer.BadParameter("choose cpu, cuda or npu", param_hint="--device-type")
-    for key, value in (("WORKER_NAME", host), ("WORKER_DEVICE_TYPE", device_type), ("WORKER_DEVICES", str(devices)),
-                       ("WORKER_CONCURRENCY", str(concurrency) if concurrency else None)):
+    """A Celery worker for one host: registers its devices, heart-beats, runs the job nodes leased to it."""
+    if device_type not in ("cpu", "cuda", "npu", "auto"):
+        raise typer.BadParameter("choose cpu, cuda, npu or auto", param_hint="--device-type")
+    configured = devices if devices is not None else (
+        int(os.environ["LLMJOBS_WORKER_DEVICES"]) if os.environ.get("LLMJOBS_WORKER_DEVICES") else None)
+    for key, value in (("WORKER_NAME", host), ("WORKER_CONCURRENCY", str(concurrency) if concurrency else None)):
         if value is not None:
             os.environ[f"LLMJOBS_{key}"] = value
     settings = _settings()
     _prepare(settings)
+    from app.scheduler import host_queue, schedule
     from worker.celery_app import get_celery
+    from worker.devices import discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
+    from worker.leases import sweep_host
 
-    queues = [settings.queue_for(settings.worker_device_type), f"host.{settings.worker_name}"]
-    register_host(settings, name=settings.worker_name, device_type=settings.worker_device_type,
-                  devices=settings.worker_devices, queues=queues)
-    beat = HostHeartbeat(settings, settings.worker_name)
+    try:
+        inventory = discover(device_type, configured)
+    except (ValueError, RuntimeError) as err:
+        raise typer.BadParameter(str(err), param_hint="--device-type/--devices") from err
+    name = settings.worker_name
+    queues = [settings.queue_for(inventory.device_type), host_queue(name)]
+    register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
+                  queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address))
+    sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
+    schedule(settings)
+    beat = HostHeartbeat(settings, name, on_beat=lambda: (sweep_host(settings, name), schedule(settings)))
     beat.start()
+    threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
     try:
         get_celery(settings.broker_url).worker_main([
-            "worker", "-Q", ",".join(queues), "-n", f"{settings.worker_name}@%h", "--pool", "threads",
-            "-c", str(settings.worker_concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+            "worker", "-Q", ",".join(queues), "-n", f"{name}@%h", "--pool", "threads",
+            "-c", str(threads), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
         ])
     finally:
         beat.stop()
-        set_host_state(settings, settings.worker_name, "down")
+        set_host_state(settings, name, "down")
 
 
 @cli.command()

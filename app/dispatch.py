@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
 from app.db import session_scope
-from app.models import Host, Job, utcnow
+from app.models import Job, utcnow
 from app.services.jobs import transition
 from app.settings import Settings
 from app.states import WAITING, JobState
@@ -24,7 +24,16 @@ def send_run_job(settings: Settings, job_id: str, queue: str) -> None:
 
 
 def dispatch(settings: Settings, job_id: str, queue: str) -> bool:
-    """Send the message for a committed job and stamp ``dispatched_at``; False if the broker refused."""
+    """Run a scheduling pass (it leases devices for the committed job if they are free and messages its hosts);
+    if the job still waits, send the "job X waits" message that wakes the workers' schedulers. False if the
+    broker refused."""
+    from app.scheduler import schedule
+
+    try:
+        if any(g.job_id == job_id for g in schedule(settings)):
+            return True
+    except Exception as err:  # noqa: BLE001 - the reconciler and the workers schedule again
+        log.warning("scheduling pass for %s failed (will be retried): %s", job_id, err)
     try:
         send_run_job(settings, job_id, queue)
     except Exception as err:  # noqa: BLE001 - the reconciler retries
@@ -35,34 +44,26 @@ def dispatch(settings: Settings, job_id: str, queue: str) -> bool:
     return True
 
 
-def _pending_reason(settings: Settings, live: dict[str, int], job: Job) -> str:
-    device_type = job.queue.rsplit(".", 1)[-1]
-    if not live.get(device_type):
-        return (f"no live worker serves queue {job.queue} (start one: llmjobs worker --device-type {device_type}); "
-                f"hosts count as live for {settings.host_stale_after_s:.0f}s after a heartbeat")
-    return f"waiting for a free slot on one of {live[device_type]} {device_type} worker(s)"
-
-
 def reconcile_once(settings: Settings) -> int:
-    """Re-send lost messages, explain why jobs wait, enforce start deadlines. Returns the number re-sent."""
+    """Recover (dead hosts, lost nodes, cancels), schedule (which also writes pending reasons), enforce start
+    deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent."""
+    from app.recovery import recover
+    from app.scheduler import schedule
+
+    recover(settings)
+    schedule(settings)
     now = utcnow()
     stale = now - timedelta(seconds=settings.redispatch_after_s)
     with session_scope(settings.database_url) as session:
-        live = dict(session.execute(
-            select(Host.device_type, func.count()).where(
-                Host.state == "up", Host.heartbeat_at > now - timedelta(seconds=settings.host_stale_after_s))
-            .group_by(Host.device_type)).all())
         waiting = list(session.scalars(select(Job).where(Job.state.in_([s.value for s in WAITING]))))
         to_send: list[tuple[str, str]] = []
         expired: list[Job] = []
         for job in waiting:
             deadline = job.spec.get("start_deadline_s")
-            if deadline and (now - job.created_at).total_seconds() > deadline:
+            since = job.updated_at if job.state == JobState.retrying.value else job.created_at  # a retry waits anew
+            if deadline and (now - since).total_seconds() > deadline:
                 expired.append(job)
                 continue
-            reason = _pending_reason(settings, live, job)
-            if reason != job.pending_reason:
-                session.execute(update(Job).where(Job.id == job.id, Job.state == job.state).values(pending_reason=reason))
             if job.dispatched_at is None or job.dispatched_at < stale:
                 to_send.append((job.id, job.queue))
     for job in expired:

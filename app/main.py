@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from pydantic import TypeAdapter
 
-from app.api import health, jobs, observe
+from app.api import health, hosts, jobs, observe
 from app.db import upgrade_head
 from app.dispatch import reconcile_once
 from app.errors import install_error_handlers
@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    for router in (health.router, jobs.router, observe.router):
+    for router in (health.router, jobs.router, observe.router, hosts.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 

@@ -44,6 +44,15 @@ class Settings(BaseSettings):
     worker_device_type: str = "cpu"
     worker_devices: int = Field(1, ge=0)
     worker_concurrency: int = Field(2, ge=1, description="Jobs one worker runs at once.")
+    worker_address: str = Field("", description="Address other nodes use to reach this host; default: auto-detected.")
+    team_device_limit: int = Field(0, ge=0, description="Devices one team may hold at once; 0 = no limit.")
+    team_device_limits: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Per-team overrides of team_device_limit, e.g. 'research=16,ops=4'.")
+    retry_exit_codes: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [75, 1], description="Engine exit codes retried up to max_restarts (2 = bad input is never "
+                                                     "retried); a rank killed by a signal or a lost node always is.")
+    rdzv_port_base: int = Field(29500, ge=1024, le=65000, description="Multi-node rendezvous ports start here ...")
+    rdzv_port_count: int = Field(500, ge=1, description="... and the scheduler picks one of this many per job.")
 
     @field_validator("data_roots", mode="before")
     @classmethod
@@ -51,6 +60,29 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+    @field_validator("team_device_limits", mode="before")
+    @classmethod
+    def _split_limits(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("team_device_limits: expected 'team=N,team=N'")
+            return {k.strip(): int(v) for k, v in pairs}
+        return value
+
+    @field_validator("retry_exit_codes", mode="before")
+    @classmethod
+    def _split_codes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [int(v) for v in value.split(",") if v.strip()]
+        if 2 in value:
+            raise ValueError("retry_exit_codes: 2 means bad input and is never retried")
+        return value
+
+    def device_limit(self, team: str) -> int:
+        """Devices ``team`` may hold at once (0 = unlimited)."""
+        return self.team_device_limits.get(team, self.team_device_limit)
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> "Settings":

@@ -6,6 +6,7 @@ import logging
 import os
 import platform
 import threading
+from typing import Callable
 
 from app.db import session_scope
 from app.models import Host, utcnow
@@ -14,10 +15,12 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def register_host(settings: Settings, *, name: str, device_type: str, devices: int, queues: list[str]) -> None:
+def register_host(settings: Settings, *, name: str, device_type: str, devices: int, queues: list[str],
+                  device_ids: list[int] | None = None, address: str | None = None) -> None:
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name) or Host(name=name)
         host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)
+        host.device_ids, host.address = device_ids, address
         host.pid, host.state, host.started_at, host.heartbeat_at = os.getpid(), "up", utcnow(), utcnow()
         host.info = {"platform": platform.platform(), "python": platform.python_version(), "node": platform.node()}
         session.add(host)
@@ -33,15 +36,17 @@ def set_host_state(settings: Settings, name: str, state: str) -> None:
 class HostHeartbeat(threading.Thread):
     """Stamps ``hosts.heartbeat_at`` every ``heartbeat_interval_s`` until stopped."""
 
-    def __init__(self, settings: Settings, name: str):
+    def __init__(self, settings: Settings, name: str, on_beat: Callable[[], object] | None = None):
         super().__init__(name=f"heartbeat-{name}", daemon=True)
-        self.settings, self.host = settings, name
+        self.settings, self.host, self.on_beat = settings, name, on_beat
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.settings.heartbeat_interval_s):
             try:
                 set_host_state(self.settings, self.host, "up")
+                if self.on_beat is not None:
+                    self.on_beat()  # the scheduler's housekeeping (worker.leases.sweep_host, a scheduling pass)
             except Exception as err:  # noqa: BLE001 - a database blip must not kill the heartbeat
                 log.warning("host heartbeat failed: %s", err)
 

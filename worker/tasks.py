@@ -1,14 +1,23 @@
-"""Celery tasks: thin, like views. They take an id and hand off to ``worker.execute``."""
+"""Celery tasks: thin, like views. They take ids and hand off to ``app.scheduler`` / ``worker.node``."""
 
 from __future__ import annotations
 
+from app.scheduler import schedule
 from app.settings import get_settings
 from worker.celery_app import celery_app
-from worker.execute import execute_job
+from worker.node import run_node as run_node_on_host
 
 
 @celery_app.task(name="llmjobs.run_job")
 def run_job(job_id: str) -> str:
-    """Run job ``job_id`` if it is still waiting; a duplicate or stale message does nothing."""
+    """"Job X waits": run a scheduling pass here, which leases devices for it (on any host) if they are free and
+    sends each node's ``run_node`` message to its host's queue. A duplicate or stale message does nothing more."""
+    granted = schedule(get_settings())
+    return "scheduled" if any(g.job_id == job_id for g in granted) else "waiting"
+
+
+@celery_app.task(name="llmjobs.run_node")
+def run_node(job_id: str, attempt: int, node_rank: int) -> str:
+    """Run node ``node_rank`` of attempt ``attempt`` on this host; a redelivered message finds it claimed and returns."""
     settings = get_settings()
-    return execute_job(settings, job_id, host=settings.worker_name)
+    return run_node_on_host(settings, job_id, attempt, node_rank, host=settings.worker_name)

@@ -14,6 +14,7 @@ from app.dispatch import dispatch
 from app.errors import ApiError
 from app.pubsub import notify
 from app.schemas import JobPublic, ListPage
+from app.scheduler import check_fits
 from app.settings import Settings
 from app.services import jobs as service
 from engine.spec import JobBase, parse_spec
@@ -33,7 +34,8 @@ def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
 
 @router.post("", status_code=201, response_model=JobPublic, openapi_extra=SPEC_BODY,
              responses={**ERRORS, 409: {"description": "Idempotency-Key reused with another body"},
-                        413: {"description": "Body too large"}, 422: {"description": "Invalid spec"}})
+                        413: {"description": "Body too large"},
+                        422: {"description": "Invalid spec, or resources no registered host could ever provide"}})
 async def create_job(
     request: Request, response: Response, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
@@ -51,6 +53,7 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+    check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     if created:
         dispatch(settings, job.id, job.queue)  # after the commit: a worker never sees a job that isn't there

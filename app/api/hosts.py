@@ -1,0 +1,63 @@
+"""Hosts: their devices, which job holds each, and health."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+
+from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.models import Host, Job, Lease, utcnow
+from app.scheduler import host_ids, is_live
+from app.schemas import ListPage
+
+router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
+
+
+class DevicePublic(BaseModel):
+    id: int
+    held: bool
+    job_id: str | None = Field(None, description="the job holding the device (hidden for other teams' jobs)")
+    node_rank: int | None = None
+
+
+class HostPublic(BaseModel):
+    object: Literal["host"] = "host"
+    name: str
+    device_type: str
+    address: str | None
+    health: Literal["up", "stale", "down"] = Field(description="stale: no heartbeat within host_stale_after_s")
+    heartbeat_at: datetime
+    heartbeat_age_s: float
+    devices: list[DevicePublic]
+    free: int
+
+
+def _host_public(host: Host, leases: dict[int, Lease], teams: dict[str, str], principal: Any, live: bool) -> HostPublic:
+    devices = []
+    for device in host_ids(host):
+        lease = leases.get(device)
+        visible = lease is not None and (principal.admin or teams.get(lease.job_id) == principal.team)
+        devices.append(DevicePublic(id=device, held=lease is not None, job_id=lease.job_id if visible else None,
+                                    node_rank=lease.node_rank if visible else None))
+    health = "down" if host.state == "down" else ("up" if live else "stale")
+    return HostPublic(name=host.name, device_type=host.device_type, address=host.address, health=health,
+                      heartbeat_at=host.heartbeat_at, heartbeat_age_s=round((utcnow() - host.heartbeat_at).total_seconds(), 1),
+                      devices=devices, free=sum(not d.held for d in devices))
+
+
+@router.get("", response_model=ListPage[HostPublic], responses={401: {"description": "No or bad token"}})
+def list_hosts(session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> ListPage[HostPublic]:
+    """Every registered host with its devices, the job holding each, and health."""
+    by_host: dict[str, dict[int, Lease]] = {}
+    for lease in session.scalars(select(Lease)):
+        by_host.setdefault(lease.host, {})[lease.device] = lease
+    job_ids = {lease.job_id for leases in by_host.values() for lease in leases.values()}
+    teams = dict(session.execute(select(Job.id, Job.team).where(Job.id.in_(job_ids))).all()) if job_ids else {}
+    data = [_host_public(h, by_host.get(h.name, {}), teams, principal, is_live(h, settings))  # type: ignore[arg-type]
+            for h in session.scalars(select(Host).order_by(Host.name))]
+    return ListPage[HostPublic](data=data, has_more=False, first_id=data[0].name if data else None,
+                                last_id=data[-1].name if data else None)

@@ -1,0 +1,133 @@
+"""Recovery: end a failed attempt (re-queue it up to max_restarts, or fail the job), notice dead hosts, settle
+cancels whose nodes are gone, re-send lost node messages. Run by the API's reconciler and by workers.
+
+A job re-queued here keeps its spec and run directory, so the train engine resumes from the latest checkpoint under
+``save`` on its next attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.db import session_scope
+from app.models import Host, Job, JobNode, Lease, utcnow
+from app.scheduler import ACTIVE_NODE_STATES, RUN_NODE_TASK, host_queue, is_live
+from app.services.jobs import transition
+from app.settings import Settings
+from app.states import JobState
+
+log = logging.getLogger(__name__)
+RUNNING = (JobState.starting, JobState.running)
+
+
+def is_retryable(settings: Settings, code: int | None) -> bool:
+    """Exit codes from settings (75 and 1 by default), a signal death, or no exit code at all (a lost node)."""
+    return code is None or code < 0 or code in settings.retry_exit_codes
+
+
+def drop_unlaunched(session: Session, job_id: str, attempt: int) -> None:
+    """Nodes of the attempt that never launched have no process: mark them dropped and free their devices now."""
+    ranks = list(session.scalars(select(JobNode.node_rank).where(
+        JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.state == "assigned")))
+    if not ranks:
+        return
+    now = utcnow()
+    session.execute(update(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
+                                          JobNode.state == "assigned")
+                    .values(state="dropped", finished_at=now, released_at=now).execution_options(synchronize_session=False))
+    session.query(Lease).filter(Lease.job_id == job_id, Lease.attempt == attempt,
+                                Lease.node_rank.in_(ranks)).delete(synchronize_session=False)
+    session.commit()
+
+
+def end_attempt(settings: Settings, job_id: str, attempt: int, *, retryable: bool, error_code: str, message: str,
+                log_tail: str | None = None) -> str:
+    """The attempt failed: retrying (if retryable and restarts are left) or failed. 'superseded' if already decided."""
+    with session_scope(settings.database_url) as session:
+        job = session.get(Job, job_id)
+        if job is None or job.attempt_count != attempt or JobState(job.state) not in RUNNING:
+            return "superseded"
+        if retryable and attempt <= job.max_restarts:
+            ok = transition(session, job_id, JobState.retrying, only_from=RUNNING,
+                            message=f"retrying: {message} ({attempt} of {job.max_restarts + 1} attempts used)")
+            outcome = "retrying"
+        else:
+            ok = transition(session, job_id, JobState.failed, only_from=RUNNING,
+                            error_code="retries_exhausted" if retryable else error_code,
+                            error_message=message, error_log_tail=log_tail, message=message)
+            outcome = "failed"
+        if ok:
+            drop_unlaunched(session, job_id, attempt)
+    return outcome if ok else "superseded"
+
+
+def settle_cancel(settings: Settings, job_id: str) -> bool:
+    """cancelling -> cancelled once no node of the job is launching or running (their processes are gone)."""
+    with session_scope(settings.database_url) as session:
+        job = session.get(Job, job_id)
+        if job is None or job.state != JobState.cancelling.value:
+            return False
+        drop_unlaunched(session, job_id, job.attempt_count)
+        busy = session.scalar(select(JobNode.id).where(JobNode.job_id == job_id,
+                                                       JobNode.state.in_(("launching", "running"))).limit(1))
+        if busy is not None:
+            return False
+        return transition(session, job_id, JobState.cancelled, only_from=[JobState.cancelling],
+                          message="cancelled; every node has stopped")
+
+
+def mark_dead_hosts(settings: Settings) -> list[tuple[str, int, str]]:
+    """Hosts past host_stale_after_s go down; their active nodes are lost. Returns (job, attempt, message) to end.
+
+    Their leases stay: only the host's worker can check that the processes are gone (it does when it comes back).
+    """
+    ended = []
+    with session_scope(settings.database_url) as session:
+        for host in session.scalars(select(Host).where(Host.state == "up")):
+            if not is_live(host, settings):
+                host.state = "down"
+                log.warning("host %s stopped heart-beating (last %s); marked down", host.name, host.heartbeat_at)
+        session.flush()
+        down = select(Host.name).where(Host.state == "down")
+        for node in session.scalars(select(JobNode).where(JobNode.host.in_(down), JobNode.state.in_(ACTIVE_NODE_STATES))):
+            node.state, node.finished_at = "lost", utcnow()
+            node.reason = f"host {node.host} stopped heart-beating"
+            ended.append((node.job_id, node.attempt, f"node {node.node_rank} lost: {node.reason}"))
+    return ended
+
+
+def resend_lost_messages(settings: Settings) -> int:
+    """Nodes still 'assigned' after redispatch_after_s on a live host: their message was lost; send it again."""
+    stale = utcnow() - timedelta(seconds=settings.redispatch_after_s)
+    with session_scope(settings.database_url) as session:
+        nodes = list(session.scalars(select(JobNode).where(JobNode.state == "assigned", JobNode.heartbeat_at < stale)))
+        for node in nodes:
+            node.heartbeat_at = utcnow()  # for an assigned node: when its message was last sent
+    for node in nodes:
+        try:
+            _send_one(settings, node)
+        except Exception as err:  # noqa: BLE001 - next pass retries
+            log.warning("re-sending node %s of %s failed: %s", node.node_rank, node.job_id, err)
+    return len(nodes)
+
+
+def _send_one(settings: Settings, node: JobNode) -> None:
+    from worker.celery_app import get_celery  # config only
+
+    get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[node.job_id, node.attempt, node.node_rank],
+                                              queue=host_queue(node.host))
+
+
+def recover(settings: Settings) -> None:
+    """One recovery pass (the reconciler calls it before scheduling)."""
+    for job_id, attempt, message in mark_dead_hosts(settings):
+        end_attempt(settings, job_id, attempt, retryable=True, error_code="node_lost", message=message)
+    with session_scope(settings.database_url) as session:
+        cancelling = list(session.scalars(select(Job.id).where(Job.state == JobState.cancelling.value)))
+    for job_id in cancelling:
+        settle_cancel(settings, job_id)
+    resend_lost_messages(settings)

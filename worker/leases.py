@@ -1,0 +1,89 @@
+"""Giving devices back: a node's leases are released only once none of its processes is alive (checked, not assumed).
+
+Every engine process carries ``LLMJOBS_NODE_ID`` in its environment (set by ``worker.node``), so the check finds the
+node's processes wherever they went: torchrun's workers start new sessions, and a killed worker's children are no
+longer anyone's descendants. ``sweep_host`` runs when a worker starts and on every heartbeat: it kills what a
+previous worker on this host left behind, marks those nodes lost, and releases the devices of finished nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import psutil
+from sqlalchemy import delete, select, update
+
+from app.db import session_scope
+from app.models import JobNode, Lease, utcnow
+from app.recovery import end_attempt
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+NODE_ENV = "LLMJOBS_NODE_ID"
+KILL_WAIT_S = 10.0
+
+
+def node_processes(node_id: int) -> list[psutil.Process]:
+    """Live processes of this node on this host (zombies are dead: they hold no device)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(NODE_ENV) == str(node_id) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_node_processes(node_id: int, wait_s: float = KILL_WAIT_S) -> list[int]:
+    """SIGKILL every process of the node and wait; returns the pids still alive afterwards (normally none)."""
+    procs = node_processes(node_id)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def release_node(settings: Settings, node_id: int) -> bool:
+    """Release the node's leases if its processes are gone (killing stragglers first). False if some survive."""
+    survivors = kill_node_processes(node_id)
+    with session_scope(settings.database_url) as session:
+        node = session.get(JobNode, node_id)
+        if node is None or node.released_at is not None:
+            return True
+        if survivors:
+            node.reason = f"processes {survivors} survive SIGKILL; devices {node.devices} stay leased"
+            log.error("node %s of job %s: %s", node.node_rank, node.job_id, node.reason)
+            return False
+        session.execute(delete(Lease).where(Lease.job_id == node.job_id, Lease.attempt == node.attempt,
+                                            Lease.node_rank == node.node_rank))
+        node.released_at = utcnow()
+    return True
+
+
+def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> int:
+    """Clean up nodes on ``host`` that no live task of this worker runs; returns how many were released."""
+    worker_pid = os.getpid() if worker_pid is None else worker_pid
+    with session_scope(settings.database_url) as session:
+        nodes = list(session.scalars(select(JobNode).where(JobNode.host == host, JobNode.released_at.is_(None))))
+    released = 0
+    for node in nodes:
+        orphaned = node.state in ("launching", "running") and node.worker_pid != worker_pid
+        if node.state in ("assigned", "launching", "running") and not orphaned:
+            continue  # this worker runs it, or its message is still on the way
+        if orphaned:
+            _mark_lost(settings, node)
+        released += release_node(settings, node.id)
+    return released
+
+
+def _mark_lost(settings: Settings, node: JobNode) -> None:
+    message = f"node {node.node_rank} lost: the worker on {node.host} (pid {node.worker_pid}) died while running it"
+    with session_scope(settings.database_url) as session:
+        session.execute(update(JobNode).where(JobNode.id == node.id, JobNode.state.in_(("launching", "running")))
+                        .values(state="lost", finished_at=utcnow(), reason=message))
+    end_attempt(settings, node.job_id, node.attempt, retryable=True, error_code="node_lost", message=message)

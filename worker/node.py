@@ -1,0 +1,227 @@
+"""Run one node of one job attempt on this host: the devices and rendezvous come from its ``job_nodes`` row.
+
+claim (assigned -> launching, a compare-and-set: a redelivered message finds the node taken and does nothing) ->
+launch (torchrun with --nnodes/--node-rank/rendezvous for multi-node jobs, exactly the leased devices visible) ->
+running (the job becomes running when every node is) -> watch (ingest on node 0, heartbeat, stop on cancel, on a
+run deadline, or when another node failed the attempt) -> record the exit -> settle the job -> release the leases
+once the processes are gone -> a scheduling pass for whoever waits for these devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+
+from app.db import session_scope
+from app.models import Attempt, Job, JobNode, utcnow
+from app.pubsub import notify
+from app.recovery import end_attempt, is_retryable, settle_cancel
+from app.scheduler import schedule
+from app.services.jobs import transition
+from app.settings import Settings
+from app.states import JobState
+from engine.runfiles import EXIT_BAD_INPUT, read_result
+from engine.spec import parse_spec
+from worker.execute import log_tail, record_artifacts, write_spec
+from worker.ingest import RunIngestor
+from worker.launcher import LaunchPlan, Rendezvous, build_launch
+from worker.leases import NODE_ENV, release_node
+from worker.supervisor import Supervised
+
+log = logging.getLogger(__name__)
+ACTIVE = (JobState.starting.value, JobState.running.value)
+
+
+@dataclass
+class NodeWork:
+    node_id: int
+    job_id: str
+    attempt: int
+    node_rank: int
+    nnodes: int
+    spec: dict[str, Any]
+    run_dir: Path
+    devices: list[int]
+    master_addr: str
+    master_port: int
+
+
+def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> NodeWork | None:
+    """assigned -> launching for this host's node of the current attempt, else None (duplicate or stale message)."""
+    with session_scope(settings.database_url) as session:
+        job = session.get(Job, job_id)
+        if job is None or job.attempt_count != attempt or job.state not in ACTIVE:
+            return None
+        claimed = session.execute(update(JobNode).where(
+            JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank == node_rank,
+            JobNode.host == host, JobNode.state == "assigned").values(
+            state="launching", worker_pid=os.getpid(), started_at=utcnow(), heartbeat_at=utcnow()))
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        node = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
+                                                     JobNode.node_rank == node_rank)).one()
+        return NodeWork(node.id, job_id, attempt, node_rank, int(job.spec["resources"]["nnodes"]), job.spec,
+                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port)
+
+
+def node_plan(work: NodeWork) -> LaunchPlan:
+    spec = parse_spec(work.spec)
+    rdzv = Rendezvous(work.master_addr, work.master_port, work.node_rank) if work.nnodes > 1 else None
+    devices = work.devices if spec.resources.device_type != "cpu" else None
+    plan = build_launch(spec, work.run_dir, job_id=work.job_id, devices=devices, rendezvous=rdzv)
+    plan.env[NODE_ENV] = str(work.node_id)  # how leases.py finds every process of this node
+    plan.env["LLMJOBS_NODE_RANK"] = str(work.node_rank)
+    plan.env["LLMJOBS_DEVICES"] = ",".join(str(d) for d in work.devices)  # on CPU: the leased slots
+    return plan
+
+
+def _log_path(work: NodeWork) -> Path:
+    name = "launcher.log" if work.node_rank == 0 else f"launcher-node{work.node_rank}.log"
+    return work.run_dir / "logs" / name
+
+
+def mark_running(settings: Settings, work: NodeWork, pid: int, argv: list[str], host: str) -> None:
+    with session_scope(settings.database_url) as session:
+        session.execute(update(JobNode).where(JobNode.id == work.node_id, JobNode.state == "launching")
+                        .values(state="running", pid=pid, heartbeat_at=utcnow()))
+        if work.node_rank == 0:
+            session.add(Attempt(job_id=work.job_id, number=work.attempt, host=host, pid=pid, argv=argv))
+    promote_if_all_running(settings, work)
+
+
+def promote_if_all_running(settings: Settings, work: NodeWork) -> bool:
+    """starting -> running once every node of the attempt runs (a gang is running only as a whole)."""
+    with session_scope(settings.database_url) as session:
+        states = list(session.scalars(select(JobNode.state).where(JobNode.job_id == work.job_id,
+                                                                  JobNode.attempt == work.attempt)))
+        if len(states) != work.nnodes or any(s != "running" for s in states):
+            return False
+        job = session.get(Job, work.job_id)
+        if job is None or job.attempt_count != work.attempt:
+            return False
+        return transition(session, work.job_id, JobState.running, only_from=[JobState.starting],
+                          message=f"running on {work.nnodes} node(s)")
+
+
+def _job_view(settings: Settings, work: NodeWork, beat: bool) -> tuple[str, int]:
+    with session_scope(settings.database_url) as session:
+        if beat:
+            session.execute(update(JobNode).where(JobNode.id == work.node_id).values(heartbeat_at=utcnow()))
+            session.execute(update(Job).where(Job.id == work.job_id, Job.attempt_count == work.attempt)
+                            .values(heartbeat_at=utcnow()))
+        state, attempt = session.execute(select(Job.state, Job.attempt_count).where(Job.id == work.job_id)).one()
+    return state, attempt
+
+
+def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: RunIngestor | None) -> tuple[int, str | None]:
+    """Until the engine exits or must stop; returns (exit code, stop reason or None)."""
+    deadline = work.spec.get("run_deadline_s")
+    started = last_beat = time.monotonic()
+    while (code := proc.poll()) is None:
+        if ingestor is not None:
+            try:
+                ingestor.poll()
+            except Exception as err:  # noqa: BLE001 - offsets did not move; the next poll retries
+                log.warning("ingest of %s failed, will retry: %s", work.job_id, err)
+        now = time.monotonic()
+        beat = now - last_beat >= settings.heartbeat_interval_s
+        last_beat = now if beat else last_beat
+        state, attempt = _job_view(settings, work, beat)
+        if state == JobState.cancelling.value:
+            return proc.terminate(settings.cancel_grace_s), "cancelled"
+        if attempt != work.attempt or state not in ACTIVE:
+            return proc.terminate(settings.cancel_grace_s), "superseded"  # another node failed the attempt
+        if state == JobState.starting.value and beat:
+            promote_if_all_running(settings, work)
+        if deadline and now - started > deadline:
+            return proc.terminate(settings.cancel_grace_s), "run_deadline"
+        time.sleep(settings.ingest_interval_s)
+    return code, None
+
+
+def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None) -> None:
+    with session_scope(settings.database_url) as session:
+        session.execute(update(JobNode).where(JobNode.id == work.node_id).values(
+            state="exited", exit_code=code, finished_at=utcnow(), reason=stop))
+        if work.node_rank == 0:
+            session.execute(update(Attempt).where(Attempt.job_id == work.job_id, Attempt.number == work.attempt)
+                            .values(exit_code=code, finished_at=utcnow(), outcome=stop or ("ok" if code == 0 else "error")))
+
+
+def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, error: dict[str, Any] | None) -> str:
+    """Decide the job from this node's exit (the others decide from theirs; compare-and-set picks one winner)."""
+    if stop == "cancelled" or stop == "superseded":
+        settle_cancel(settings, work.job_id)
+        return stop
+    message = str((error or {}).get("message") or f"node {work.node_rank} exited with code {code}")
+    tail = log_tail(work.run_dir)
+    if stop == "run_deadline":
+        return end_attempt(settings, work.job_id, work.attempt, retryable=False, error_code="run_deadline_exceeded",
+                           message=f"run deadline of {work.spec.get('run_deadline_s')}s exceeded", log_tail=tail)
+    if code != 0:
+        name = "bad_input" if code == EXIT_BAD_INPUT else ("killed" if code < 0 else "engine_error")
+        return end_attempt(settings, work.job_id, work.attempt, retryable=is_retryable(settings, code), error_code=name,
+                           message=message, log_tail=tail)
+    return succeed_if_all_done(settings, work)
+
+
+def succeed_if_all_done(settings: Settings, work: NodeWork) -> str:
+    with session_scope(settings.database_url) as session:
+        codes = list(session.scalars(select(JobNode.exit_code).where(
+            JobNode.job_id == work.job_id, JobNode.attempt == work.attempt, JobNode.state == "exited")))
+        if len(codes) < work.nnodes or any(c != 0 for c in codes):
+            return "waiting for the other nodes"
+        result = read_result(work.run_dir)
+        if result is None:
+            return end_attempt(settings, work.job_id, work.attempt, retryable=False, error_code="no_result",
+                               message="the engine exited 0 without writing result.json", log_tail=log_tail(work.run_dir))
+        record_artifacts(settings, work.job_id, result.get("outputs") or {})
+        ok = transition(session, work.job_id, JobState.succeeded, only_from=[JobState.starting, JobState.running,
+                                                                            JobState.cancelling],
+                        result=result, message=f"{result.get('kind', 'job')} succeeded")
+    return "succeeded" if ok else "superseded"
+
+
+def launch_failed(settings: Settings, work: NodeWork, err: Exception) -> str:
+    log.exception("node %s of job %s failed to launch", work.node_rank, work.job_id)
+    record_exit(settings, work, -1, "launch_failed")
+    release_node(settings, work.node_id)
+    return end_attempt(settings, work.job_id, work.attempt, retryable=True, error_code="launch_failed",
+                       message=f"node {work.node_rank} could not launch: {err}")
+
+
+def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> str:
+    """The body of the ``llmjobs.run_node`` task; returns a short word for the task log."""
+    work = claim_node(settings, job_id, attempt, node_rank, host)
+    if work is None:
+        return "skipped"
+    try:
+        write_spec(work.run_dir, work.spec)
+        ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, attempt, settings.redis_url) \
+            if node_rank == 0 else None
+        plan = node_plan(work)
+        proc = Supervised(plan, _log_path(work))
+    except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
+        return launch_failed(settings, work, err)
+    try:
+        mark_running(settings, work, proc.pid, plan.argv, host)
+        notify(settings.redis_url, job_id, state=1)
+        code, stop = watch_node(settings, work, proc, ingestor)
+    finally:
+        if proc.poll() is None:  # an exception above: never leave the engine running unsupervised
+            proc.terminate(settings.cancel_grace_s)
+    if ingestor is not None:
+        ingestor.poll(final=True)
+    record_exit(settings, work, code, stop)
+    outcome = settle(settings, work, code, stop, ingestor.last_error if ingestor else None)
+    settle_cancel(settings, job_id)  # a cancel that raced with the exit
+    release_node(settings, work.node_id)
+    notify(settings.redis_url, job_id, state=1)
+    schedule(settings)  # the freed devices may let a waiting job start
+    return outcome
