@@ -9,6 +9,8 @@ import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import varlen
@@ -97,3 +99,20 @@ def test_plain_batches_use_the_npu_kernel_as_one_sample_per_row(monkeypatch: pyt
     plan = plan_attention(torch.device("cpu"), 5, batch=3)
     assert plan.kernel == "npu_fusion" and plan.seq_ends == [5, 10, 15] and plan.max_seqlen == 5
     assert plan_attention(torch.device("cpu"), 1, past_len=4).kernel == "sdpa"  # decoding stays on SDPA
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=3).filter(
+    lambda rows: len({len(r) for r in rows}) == 1))
+@settings(max_examples=40, deadline=None)
+def test_block_mask_and_cu_seqlens_describe_the_same_samples(rows: list[list[int]]) -> None:
+    seg = torch.tensor(rows)
+    b, t = seg.shape
+    cu, longest = cu_seqlens_from_segments(seg)
+    sample = torch.zeros(b * t, dtype=torch.long)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sample[s:e] = i
+    sample = sample.view(b, t)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    expected = (sample[:, :, None] == sample[:, None, :]) & causal
+    assert torch.equal(block_causal_mask(seg)[:, 0], expected)
+    assert longest == int((cu[1:] - cu[:-1]).max()) and cu[-1].item() == b * t
