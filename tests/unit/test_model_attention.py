@@ -8,9 +8,10 @@ from __future__ import annotations
 import sys
 import types
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import varlen
