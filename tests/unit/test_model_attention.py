@@ -10,7 +10,6 @@ import types
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 import pytest
 import torch
 import torch.nn.functional as F
