@@ -180,7 +180,7 @@ def iter_conversations(
     """``(file, number, messages)`` for every record under ``path``; ``BadInput`` names the first bad record."""
     try:
         converter = Converter(handler_name, map_keys)
-    except ValueError as err:
+    except ValueError as err:  # messages start with the field: "handler_name: ..." or "map_keys: ..."
         raise BadInput(str(err), field=str(err).split(":")[0]) from err
     for file, number, payload in iter_raw(input_files(path)):
         try:

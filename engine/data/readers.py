@@ -146,9 +146,7 @@ def iter_raw(files: list[Path]) -> Iterator[tuple[str, int, str | dict[str, Any]
                 yield str(file), number, payload
         except UnicodeDecodeError as err:
             raise BadInput(f"input: {file}: not UTF-8 text ({err.reason} at byte {err.start})", field="input") from err
-        except (OSError, ValueError) as err:
-            if isinstance(err, BadInput):
-                raise
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
             raise BadInput(f"input: {file}: cannot read: {err}", field="input") from err
 
 
