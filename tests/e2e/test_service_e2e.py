@@ -1,0 +1,206 @@
+"""The service started the way `make run` starts it (`llmjobs serve` on a free port with its own var dir):
+the README's demo job end to end over HTTP and SSE, idempotent replay, and a cancel that leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from app.client import parse_sse
+from app.demo import intent_samples, write_jsonl
+from app.settings import REPO_ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@dataclass
+class Service:
+    url: str
+    token: str
+    var: Path
+    log: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_command() -> list[str]:
+    script = Path(sys.executable).parent / "llmjobs"  # what `make run` runs
+    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "app.cli", "serve"]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    var = tmp_path_factory.mktemp("service-var")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
+    env.update(LLMJOBS_VAR_DIR=str(var), LLMJOBS_PORT=str(port), LLMJOBS_CANCEL_GRACE_S="3",
+               LLMJOBS_HEARTBEAT_INTERVAL_S="1", LLMJOBS_WORKER_NAME="e2e-host")
+    log = var / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_serve_command(), env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, var, proc, log)
+        yield Service(url, (var / "admin_token").read_text().strip(), var, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_ready(url: str, var: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"llmjobs serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (var / "admin_token").exists():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"service not ready:\n{log.read_text()[-3000:]}")
+
+
+def readme_example() -> tuple[dict[str, Any], str]:
+    """The job body and Idempotency-Key of the README's curl example (so the README stays true)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    body = re.search(r"-d '(\{.*?\})'", text, re.S)
+    key = re.search(r"Idempotency-Key: ([\w-]+)", text)
+    assert body and key, "README quick start lost its curl example"
+    return json.loads(body.group(1)), key.group(1)
+
+
+def follow(service: Service, job_id: str, last_event_id: str | None = None, timeout: float = 240) -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {service.token}", **({"Last-Event-ID": last_event_id} if last_event_id else {})}
+    messages: list[dict[str, Any]] = []
+    with httpx.stream("GET", f"{service.url}/v1/jobs/{job_id}/stream", headers=headers,
+                      timeout=httpx.Timeout(10, read=timeout)) as response:
+        assert response.status_code == 200
+        current_id = None
+        lines = []
+        for line in response.iter_lines():
+            if line.startswith("id:"):
+                current_id = line[3:].strip()
+            lines.append(line)
+            if not line and current_id:
+                for event, data in parse_sse(iter(lines)):
+                    messages.append({"event": event, "id": current_id, "data": data})
+                lines, current_id = [], None
+    return messages
+
+
+def test_readme_demo_job_end_to_end(service: Service) -> None:
+    body, key = readme_example()
+    with service.client() as client:
+        created = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+        assert created.status_code == 201, created.text
+        job_id = created.json()["id"]
+
+        messages = follow(service, job_id)
+        assert messages[-1]["event"] == "end"
+        states = [m["data"]["data"]["state"] for m in messages if m["event"] == "state"]
+        assert states == ["queued", "starting", "running", "succeeded"], service.log.read_text()[-2000:]
+        event_types = [m["data"]["type"] for m in messages if m["event"] == "event"]
+        assert event_types[0] == "started" and "progress" in event_types and event_types[-1] == "finished"
+        sse_logs = [m["data"]["text"] for m in messages if m["event"] == "log"]
+        assert any("preprocess summary" in line for line in sse_logs)
+
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert job["state"] == "succeeded" and job["error"] is None and job["finished_at"]
+        assert job["result"]["summary"]["samples_written"] == 200
+        artifacts = {a["name"]: a for a in client.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]}
+        files = artifacts["data_path"]["files"]
+        assert {Path(f).suffix for f in files} == {".bin", ".idx"} and all(Path(f).stat().st_size for f in files)
+        assert artifacts["data_path"]["size_bytes"] == sum(Path(f).stat().st_size for f in files)
+
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        assert [e["type"] for e in events if e["type"] != "state"] == event_types
+        streams = {m["data"]["stream"] for m in messages if m["event"] == "log"}
+        api_logs = sum(len(client.get(f"/v1/jobs/{job_id}/logs", params={"stream": s, "limit": 5000}).json()["data"])
+                       for s in streams)
+        assert api_logs == len(sse_logs)
+
+        # Resume in the middle: exactly the messages after that id come again, none twice (the id is a cursor over
+        # the event, metric and log feeds, so the order across feeds may differ from the live stream's batches).
+        middle = len(messages) // 2
+        resumed = follow(service, job_id, last_event_id=messages[middle]["id"])
+        canon = sorted(json.dumps(m["data"], sort_keys=True) for m in resumed)
+        assert canon == sorted(json.dumps(m["data"], sort_keys=True) for m in messages[middle + 1:])
+        assert len(set(canon)) == len(canon)
+
+        # Idempotent replay: same key and body -> same job; same key, other body -> 409.
+        replay = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+        assert replay.status_code == 201 and replay.json()["id"] == job_id
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        conflict = client.post("/v1/jobs", json={**body, "name": "another"}, headers={"Idempotency-Key": key})
+        assert conflict.status_code == 409 and conflict.json()["field"] == "Idempotency-Key"
+
+
+def _job_processes(job_id: str) -> list[psutil.Process]:
+    """Every live process started for this job (the launcher puts LLMJOBS_JOB_ID in their environment)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("LLMJOBS_JOB_ID") == job_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
+    big = service.var / "data" / "demo" / "big_train.jsonl"
+    write_jsonl(big, intent_samples(300_000))  # minutes of tokenizing: it is still at work when cancelled
+    body, _ = readme_example()
+    body = {**body, "input": "demo/big_train.jsonl", "output_prefix": "demo/out/big", "workers": 2, "log_interval": 2000}
+    with service.client() as client:
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # cancel once the engine and its tokenizer workers are busy
+            events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+            if any(e["type"] == "progress" for e in events):
+                break
+            assert client.get(f"/v1/jobs/{job_id}").json()["state"] in ("queued", "starting", "running")
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"no progress event:\n{service.log.read_text()[-3000:]}")
+        before = _job_processes(job_id)
+        assert len(before) >= 3, f"expected the engine and 2 tokenizer workers, found {before}"
+
+        cancelled = client.post(f"/v1/jobs/{job_id}/cancel")
+        assert cancelled.status_code == 202 and cancelled.json()["state"] == "cancelling"
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{job_id}").json()["state"] != "cancelled":
+            assert time.monotonic() < deadline, "cancel did not finish"
+            time.sleep(0.3)
+        assert _job_processes(job_id) == []
+        assert not [p.pid for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        states = [e["data"]["state"] for e in client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+                  if e["type"] == "state"]
+        assert states[-2:] == ["cancelling", "cancelled"]
+        assert client.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"  # idempotent
