@@ -111,8 +111,9 @@ def plan_attention(
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """q (B, nh, T, d), k/v (B, nkv, T_kv, d) -> (B, T, nh, d). GQA: query head h uses kv head h // (nh/nkv)."""
-    if plan.kernel != "sdpa":
+    if plan.kernel != "sdpa" or not q.dtype == k.dtype == v.dtype:
         q, k, v = _kernel_inputs(q, k, v)
+    if plan.kernel != "sdpa":
         return _VARLEN[plan.kernel](q, k, v, plan)
     gqa = k.shape[1] != q.shape[1]
     if gqa and plan.mask is not None:
@@ -128,8 +129,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One dtype for the fused kernels. Under autocast q/k leave the fp32-weighted q/k RMSNorm in fp32 while v is
-    bf16; SDPA casts by itself (it is on autocast's list), the varlen kernels do not."""
+    """One dtype for the attention kernels. Under autocast q/k leave the fp32-weighted q/k RMSNorm in fp32 while v
+    is bf16; the varlen kernels need one dtype, and casting here does not rely on SDPA being on autocast's list."""
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else v.dtype
     return q.to(dtype), k.to(dtype), v.to(dtype)
