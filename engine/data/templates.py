@@ -132,19 +132,21 @@ def _has_thought(content: str) -> bool:
     return "<think>" in content or "</think>" in content
 
 
-def _tool_calls(content: str) -> str:
+def _parse_calls(content: str) -> list[dict[str, Any]]:
+    """``[{"name", "arguments"}]`` from a function-call turn (one JSON object or a list; arguments may be a JSON string)."""
     try:
         calls = json.loads(content)
+        calls = calls if isinstance(calls, list) else [calls]
+        if not all(isinstance(c, dict) and "name" in c and "arguments" in c for c in calls):
+            raise ConversationError("function call must be JSON with name and arguments")
+        return [{"name": c["name"], "arguments": json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"]}
+                for c in calls]
     except json.JSONDecodeError as err:
         raise ConversationError(f"function call content is not JSON: {err.msg}") from err
-    calls = calls if isinstance(calls, list) else [calls]
-    texts = []
-    for call in calls:
-        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-            raise ConversationError("function call must be JSON with name and arguments")
-        args = call["arguments"]
-        args = json.loads(args) if isinstance(args, str) else args
-        texts.append(json.dumps({"name": call["name"], "arguments": args}, ensure_ascii=False))
+
+
+def _tool_calls(content: str) -> str:
+    texts = [json.dumps(call, ensure_ascii=False) for call in _parse_calls(content)]
     return "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in texts)
 
 
@@ -215,8 +217,7 @@ def _hf_messages(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
         if m["role"] == "observation":
             out.append({"role": "tool", "content": m["content"]})
         elif m["role"] == "function":
-            calls = json.loads(m["content"])
-            calls = calls if isinstance(calls, list) else [calls]
+            calls = _parse_calls(m["content"])
             out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c} for c in calls]})
         else:
             out.append(dict(m))

@@ -181,3 +181,20 @@ def test_batch_equals_one_by_one(tok):
 def test_unknown_template_is_refused(tok):
     with pytest.raises(ValueError, match="prompt_type: unknown template 'llama3'"):
         encode_conversation(tok, [USER, ANSWER], "llama3")
+
+
+@pytest.mark.parametrize("template", ["qwen3", "hf"])
+def test_function_call_that_is_not_json_is_a_conversation_error(tok, template):
+    conv = [USER, {"role": "function_call", "content": "call weather please"}]
+    with pytest.raises(ConversationError, match="function call content is not JSON"):
+        encode_conversation(tok, conv, template)
+
+
+def test_hf_tool_call_ids_equal_apply_chat_template(tok):
+    call = {"name": "weather", "arguments": {"city": "广州"}}
+    conv = [USER, {"role": "function_call", "content": json.dumps(call, ensure_ascii=False)}, {"role": "tool", "content": "sunny"}, ANSWER]
+    ids, labels = encode_conversation(tok, conv, "hf", "none")
+    hf_conv = [USER, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+               {"role": "tool", "content": "sunny"}, ANSWER]
+    assert ids.tolist() == hf_ids(tok, hf_conv)
+    assert "weather" in trained_text(tok, ids, labels) and "sunny" not in trained_text(tok, ids, labels)
