@@ -103,7 +103,10 @@ def _iter_batches(file: Path) -> Iterator[list[dict[str, Any]]]:
     elif suffix == ".csv":
         import pyarrow.csv as pacsv
 
-        for batch in pacsv.open_csv(file):
+        # Every column as text, as written: "1" stays a string label, an empty cell stays "".
+        names = pacsv.open_csv(file).schema.names
+        convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
+        for batch in pacsv.open_csv(file, convert_options=convert):
             yield batch.to_pylist()
     else:  # .arrow
         with pa.memory_map(str(file)) as source:

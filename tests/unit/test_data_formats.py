@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
@@ -48,9 +47,10 @@ def test_every_file_type_yields_the_same_conversations(tmp_path, suffix):
 
 def test_csv_alpaca_and_txt(tmp_path):
     csv = tmp_path / "a.csv"
-    pacsv.write_csv(pa.Table.from_pylist([{"instruction": "Do", "input": "", "output": "done"}]), csv)
+    csv.write_text('instruction,input,output\nDo,,done\n"Rate, please",it,5\n')
     assert [m for _, _, m in iter_conversations(csv, None, "AlpacaStyleInstructionHandler")] == [
-        [{"role": "user", "content": "Do"}, {"role": "assistant", "content": "done"}]
+        [{"role": "user", "content": "Do"}, {"role": "assistant", "content": "done"}],
+        [{"role": "user", "content": "Rate, please\nit"}, {"role": "assistant", "content": "5"}],
     ]
     txt = tmp_path / "t.txt"
     txt.write_text("first line\nsecond\n")
