@@ -1,0 +1,152 @@
+"""Helpers of the scheduler's worker tests (not a test module): tiny train data and specs, real `llmjobs worker`
+processes acting as hosts, a reconciler thread standing in for the API's, waits on job state."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from sqlalchemy import select
+
+from app.db import session_scope
+from app.dispatch import reconcile_once
+from app.models import Job, LogLine
+from app.services.jobs import create_job
+from app.settings import Settings
+from app.states import JobState
+from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
+from engine.spec import parse_spec
+
+TINY_SHAPE: dict[str, Any] = {
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+    "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 512,
+    # The service stores the full spec (every default), so the engine sees these as set: give Qwen3's values.
+    "normalization": "RMSNorm", "position_embedding_type": "rope",
+}
+
+
+def write_tiny_data(prefix: Path, n: int = 48, vocab: int = 512, seed: int = 0) -> str:
+    """``n`` instruction samples whose answer is one token repeated, so the loss falls within a few iterations."""
+    rng = np.random.default_rng(seed)
+    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")}
+    for _ in range(n):
+        length = int(rng.integers(8, 40))
+        ids = rng.integers(1, vocab, length)
+        answer = int(rng.integers(4, length - 2))
+        ids[answer:] = ids[0] % 8 + 1
+        labels = ids.copy()
+        labels[:answer] = -100
+        writers["input_ids"].add_document(ids)
+        writers["attention_mask"].add_document(np.ones(length))
+        writers["labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
+
+
+def train_spec(data: str, **overrides: Any) -> dict[str, Any]:
+    return {"kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 3e-3,
+            "lr_warmup_iters": 1, "seq_length": 64, "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1,
+            "seed": 7, **TINY_SHAPE, **overrides}
+
+
+def submit(settings: Settings, raw: dict[str, Any], team: str = "t") -> str:
+    with session_scope(settings.database_url) as session:
+        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw, [str(r) for r in settings.data_roots]),
+                            raw=raw)
+        return job.id
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    return {**os.environ, "LLMJOBS_VAR_DIR": str(settings.var_dir), "LLMJOBS_DATABASE_URL": settings.database_url,
+            "LLMJOBS_BROKER_URL": settings.broker_url, "LLMJOBS_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
+            "LLMJOBS_HOST_STALE_AFTER_S": str(settings.host_stale_after_s), "LLMJOBS_WORKER_ADDRESS": "127.0.0.1",
+            "LLMJOBS_INGEST_INTERVAL_S": str(settings.ingest_interval_s), "OMP_NUM_THREADS": "1",
+            "LLMJOBS_DATA_ROOTS": ",".join(str(r) for r in settings.data_roots)}
+
+
+def start_worker(settings: Settings, host: str, devices: int, log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")
+    return subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--host", host, "--devices", str(devices)],
+                            env=worker_env(settings), stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def reconciler(settings: Settings, interval: float = 0.5) -> Iterator[None]:
+    """What the API's lifespan loop does, in a thread."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                reconcile_once(settings)
+            except Exception:  # noqa: BLE001 - a busy database: next round
+                pass
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def job_row(settings: Settings, job_id: str) -> Job:
+    with session_scope(settings.database_url) as session:
+        row = session.get(Job, job_id)
+        assert row is not None
+        return row
+
+
+def wait_for(settings: Settings, job_id: str, pred: Any, timeout: float, what: str) -> Job:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = job_row(settings, job_id)
+        if pred(row):
+            return row
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id}: not {what} after {timeout}s (state {row.state}, {row.pending_reason})\n"
+                         + log_text(settings, job_id))
+
+
+def wait_terminal(settings: Settings, job_id: str, timeout: float) -> Job:
+    return wait_for(settings, job_id, lambda r: JobState(r.state).is_terminal(), timeout, "finished")
+
+
+def log_text(settings: Settings, job_id: str, last: int = 30) -> str:
+    with session_scope(settings.database_url) as session:
+        lines = session.scalars(select(LogLine.text).where(LogLine.job_id == job_id).order_by(LogLine.id)).all()
+    return "\n".join(lines[-last:])
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes (any parent) whose environment names this job: the engine, torchrun and its ranks."""
+    pids = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("LLMJOBS_JOB_ID") == job_id and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return pids
