@@ -250,6 +250,10 @@ class PreprocessSpec(JobBase):
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         if instruction and self.prompt_type is None:
             raise ValueError(f"prompt_type: required with {self.handler_name} (qwen3, qwen or hf)")
+        if instruction:
+            from engine.data.formats import Converter
+
+            Converter(self.handler_name, self.map_keys)  # ValueError "map_keys: ..." for unknown keys or tags
         if self.pack and self.seq_length is None:
             raise ValueError("seq_length: required with pack")
         if self.neat_pack and not self.pack:

@@ -7,6 +7,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, InstructionDataset, boundaries_prefix, instruction_prefix
@@ -120,3 +122,12 @@ def test_boundaries_from_side_file_or_neat_mask(tmp_path):
     assert side[0].boundaries.tolist() == [1, 4]
     neat = _instruction(tmp_path / "n", [[1, 2, 3, 4, 0, 0]], [[1, 2, 2, 2, 0, 0]]) if (tmp_path / "n").mkdir() is None else None
     assert neat[0].boundaries.tolist() == [1, 4]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.integers(-100, 151935), max_size=40), min_size=1, max_size=30).filter(any), st.booleans())
+def test_any_sequences_round_trip_through_megatron(tmp_path, sequences, bulk):
+    # At least one token: Megatron cannot map an empty .bin (see test_empty_dataset_is_readable_by_ours).
+    prefix = write(str(tmp_path / f"h{abs(hash(str(sequences))) % 10**9}"), sequences, bulk=bulk)
+    ref, ours = MegatronIndexedDataset(prefix), IndexedDataset(prefix)
+    assert [ref[i].tolist() for i in range(len(ref))] == [ours[i].tolist() for i in range(len(ours))] == sequences

@@ -226,3 +226,10 @@ def test_non_zero_ranks_do_not_write(tmp_path, data, qwen_tokenizer_dir, monkeyp
     monkeypatch.setenv("RANK", "1")
     outputs, summary = run(make_spec(tmp_path, data, qwen_tokenizer_dir), RunDir(tmp_path / "run", rank=1))
     assert outputs == {} and "rank 0 only" in summary["skipped"] and not (tmp_path / "out").exists()
+
+
+def test_bad_map_keys_are_refused_at_submission(tmp_path, data, qwen_tokenizer_dir):
+    with pytest.raises(ValueError, match="map_keys: unknown key"):
+        make_spec(tmp_path, data, qwen_tokenizer_dir, map_keys={"message": "messages"})
+    with pytest.raises(ValueError, match="map_keys: tags must be an object"):
+        make_spec(tmp_path, data, qwen_tokenizer_dir, map_keys={"tags": {"speaker_tag": "who"}})
