@@ -1,6 +1,7 @@
 """Giving devices back: a node's leases are released only once none of its processes is alive (checked, not assumed).
 
-Every engine process carries ``LLMJOBS_NODE_ID`` in its environment (set by ``worker.node``), so the check finds the
+Every engine process carries ``LLMJOBS_NODE=<job id>:<attempt>:<node rank>`` in its environment (set by
+``worker.node``; job ids are UUIDs, so it is unique across databases sharing a machine), so the check finds the
 node's processes wherever they went: torchrun's workers start new sessions, and a killed worker's children are no
 longer anyone's descendants. ``sweep_host`` runs when a worker starts and on every heartbeat: it kills what a
 previous worker on this host left behind, marks those nodes lost, and releases the devices of finished nodes.
@@ -20,25 +21,29 @@ from app.recovery import end_attempt
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-NODE_ENV = "LLMJOBS_NODE_ID"
+NODE_ENV = "LLMJOBS_NODE"
 KILL_WAIT_S = 10.0
 
 
-def node_processes(node_id: int) -> list[psutil.Process]:
+def node_token(job_id: str, attempt: int, node_rank: int) -> str:
+    return f"{job_id}:{attempt}:{node_rank}"
+
+
+def node_processes(token: str) -> list[psutil.Process]:
     """Live processes of this node on this host (zombies are dead: they hold no device)."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get(NODE_ENV) == str(node_id) and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(NODE_ENV) == token and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
 
-def kill_node_processes(node_id: int, wait_s: float = KILL_WAIT_S) -> list[int]:
+def kill_node_processes(token: str, wait_s: float = KILL_WAIT_S) -> list[int]:
     """SIGKILL every process of the node and wait; returns the pids still alive afterwards (normally none)."""
-    procs = node_processes(node_id)
+    procs = node_processes(token)
     for proc in procs:
         try:
             proc.kill()
@@ -50,11 +55,11 @@ def kill_node_processes(node_id: int, wait_s: float = KILL_WAIT_S) -> list[int]:
 
 def release_node(settings: Settings, node_id: int) -> bool:
     """Release the node's leases if its processes are gone (killing stragglers first). False if some survive."""
-    survivors = kill_node_processes(node_id)
     with session_scope(settings.database_url) as session:
         node = session.get(JobNode, node_id)
         if node is None or node.released_at is not None:
             return True
+        survivors = kill_node_processes(node_token(node.job_id, node.attempt, node.node_rank))
         if survivors:
             node.reason = f"processes {survivors} survive SIGKILL; devices {node.devices} stay leased"
             log.error("node %s of job %s: %s", node.node_rank, node.job_id, node.reason)

@@ -31,7 +31,7 @@ from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
 from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
-from worker.leases import NODE_ENV, release_node
+from worker.leases import NODE_ENV, node_token, release_node
 from worker.supervisor import Supervised
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def node_plan(work: NodeWork) -> LaunchPlan:
     rdzv = Rendezvous(work.master_addr, work.master_port, work.node_rank) if work.nnodes > 1 else None
     devices = work.devices if spec.resources.device_type != "cpu" else None
     plan = build_launch(spec, work.run_dir, job_id=work.job_id, devices=devices, rendezvous=rdzv)
-    plan.env[NODE_ENV] = str(work.node_id)  # how leases.py finds every process of this node
+    plan.env[NODE_ENV] = node_token(work.job_id, work.attempt, work.node_rank)  # how leases.py finds them all
     plan.env["LLMJOBS_NODE_RANK"] = str(work.node_rank)
     plan.env["LLMJOBS_DEVICES"] = ",".join(str(d) for d in work.devices)  # on CPU: the leased slots
     return plan

@@ -1,0 +1,87 @@
+"""Faults with real workers: a worker SIGKILLed mid-training leaves no process behind, and the job resumes from its
+checkpoint and succeeds; a redelivered broker message never starts a second run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from app.db import session_scope
+from app.models import Attempt, Event, JobNode, Lease
+from app.scheduler import RUN_NODE_TASK, host_queue
+from app.settings import Settings
+from app.testing import isolated_settings
+from sched_support import (job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
+                           wait_terminal, write_tiny_data)
+from worker.celery_app import get_celery
+
+pytestmark = pytest.mark.slow
+
+
+def checkpoints(settings: Settings, job_id: str) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(select(func.count()).select_from(Event).where(
+            Event.job_id == job_id, Event.type == "checkpoint")) or 0)
+
+
+def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
+    data = write_tiny_data(settings.data_roots[0] / "tiny")
+    spec = train_spec(data, train_iters=120, save_interval=10, save=str(settings.data_roots[0] / "ckpt"),
+                      max_restarts=2, resources={"nproc_per_node": 2})
+    worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
+    try:
+        with reconciler(settings):
+            job_id = submit(settings, spec)
+            wait_for(settings, job_id, lambda r: checkpoints(settings, job_id) >= 1, 180, "checkpointed")
+            engine = job_processes(job_id)
+            assert len(engine) >= 3, engine  # torchrun and its two ranks
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait()
+            deadline = time.monotonic() + 30
+            while job_processes(job_id) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert job_processes(job_id) == [], "the engine outlived its SIGKILLed worker"
+            worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")  # the host comes back
+            row = wait_terminal(settings, job_id, 240)
+    finally:
+        stop_worker(worker)
+    assert row.state == "succeeded", log_text(settings, job_id)
+    assert row.attempt_count == 2
+    summary = (row.result or {})["summary"]
+    assert summary["resumed_from"] and summary["start_iteration"] >= 10 and summary["iterations"] == 120
+    with session_scope(settings.database_url) as session:
+        lost = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == 1)).one()
+        assert lost.state == "lost" and lost.released_at is not None
+        assert session.scalars(select(Lease)).all() == []
+    assert job_processes(job_id) == []
+
+
+def test_redelivered_message_does_not_start_a_second_run(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
+    data = write_tiny_data(settings.data_roots[0] / "tiny")
+    worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
+    celery = get_celery(settings.broker_url)
+    try:
+        with reconciler(settings):
+            job_id = submit(settings, train_spec(data, train_iters=40))
+            wait_for(settings, job_id, lambda r: r.state == "running", 120, "running")
+            for _ in range(2):  # the broker hands the same "run node" message out again
+                celery.send_task(RUN_NODE_TASK, args=[job_id, 1, 0], queue=host_queue("h1"))
+            row = wait_terminal(settings, job_id, 180)
+            celery.send_task(RUN_NODE_TASK, args=[job_id, 1, 0], queue=host_queue("h1"))  # and after the end
+            time.sleep(3)
+    finally:
+        stop_worker(worker)
+    assert row.state == "succeeded" and row.attempt_count == 1, log_text(settings, job_id)
+    with session_scope(settings.database_url) as session:
+        assert session.scalar(select(func.count()).select_from(Attempt).where(Attempt.job_id == job_id)) == 1
+        started = session.scalar(select(func.count()).select_from(Event).where(Event.job_id == job_id,
+                                                                              Event.type == "started"))
+        assert started == 1
+    assert "skipped" in (tmp_path / "h1.log").read_text()
