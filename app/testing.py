@@ -61,3 +61,13 @@ def fresh_postgres_database(server_url: str) -> Iterator[str]:
         with admin.connect() as connection:
             connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def claim(settings: Settings, job_id: str, host: str) -> bool:
+    """queued -> starting with one more attempt, the compare-and-set a worker does to take a job."""
+    from app.models import Job
+    from app.services.jobs import transition
+    from app.states import JobState
+
+    with session_scope(settings.database_url) as session:
+        return transition(session, job_id, JobState.starting, host=host, attempt_count=Job.attempt_count + 1)

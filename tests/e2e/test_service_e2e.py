@@ -204,3 +204,70 @@ def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
                   if e["type"] == "state"]
         assert states[-2:] == ["cancelling", "cancelled"]
         assert client.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"  # idempotent
+
+
+def test_bad_input_fails_once_with_message_and_log_tail(service: Service) -> None:
+    broken = service.var / "data" / "demo" / "broken.jsonl"
+    write_jsonl(broken, intent_samples(5))
+    with open(broken, "a") as f:
+        f.write("{this is not json\n")
+    body, _ = readme_example()
+    with service.client() as client:
+        job_id = client.post("/v1/jobs", json={**body, "input": "demo/broken.jsonl", "max_restarts": 3}).json()["id"]
+        assert follow(service, job_id)[-1]["event"] == "end"
+        job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and job["attempt_count"] == 1  # bad input is never retried
+    assert job["error"]["code"] == "bad_input"
+    assert "broken.jsonl" in job["error"]["message"] and "line 6" in job["error"]["message"]
+    assert "broken.jsonl" in job["error"]["log_tail"]
+
+
+def _cli(service: Service, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
+    env.update(LLMJOBS_URL=service.url, LLMJOBS_TOKEN=service.token, LLMJOBS_VAR_DIR=str(service.var))
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_client_commands(service: Service, tmp_path: Path) -> None:
+    body, _ = readme_example()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({**body, "output_prefix": "demo/out/cli"}))
+    submitted = _cli(service, "submit", str(spec), "--follow")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[0]
+    assert f"{job_id} succeeded" in submitted.stderr
+    assert job_id in _cli(service, "list", "--state", "succeeded").stdout
+    assert json.loads(_cli(service, "status", job_id).stdout)["state"] == "succeeded"
+    assert "preprocess summary" in _cli(service, "logs", job_id).stdout
+    assert _cli(service, "metrics", job_id).returncode == 0
+    cancel = _cli(service, "cancel", job_id)
+    assert cancel.returncode == 1 and "job_finished" in cancel.stderr
+    token = _cli(service, "token", "create", "--team", "cli-team").stdout.strip()
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}) as other:
+        assert other.get(f"/v1/jobs/{job_id}").status_code == 404  # another team's job
+
+
+def test_llmjobs_run_in_the_foreground(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", intent_samples(50))
+    body, _ = readme_example()
+    spec = {**body, "input": str(data / "train.jsonl"), "tokenizer_name_or_path": str(qwen_tokenizer_dir),
+            "output_prefix": str(data / "out" / "fg")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
+    run = subprocess.run([sys.executable, "-m", "app.cli", "run", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")],
+                         env={**env, "LLMJOBS_VAR_DIR": str(tmp_path / "var")}, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["kind"] == "preprocess" and result["summary"]["samples_written"] == 50
+    assert "[finished] preprocess succeeded" in run.stderr
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "result.json").read_text()) == result
+    assert (run_dir / "spec.json").exists() and (run_dir / "events.jsonl").exists() and (run_dir / "logs" / "rank0.log").exists()
+    (tmp_path / "bad.json").write_text(json.dumps({**spec, "workers": 0}))
+    bad = subprocess.run([sys.executable, "-m", "app.cli", "run", str(tmp_path / "bad.json")], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "workers:" in bad.stderr

@@ -18,9 +18,8 @@ from app.db import get_engine, session_scope
 from app.main import create_app
 from app.models import Base, Job, MetricPoint
 from app.settings import Settings
-from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token
+from app.testing import auth, claim, fresh_postgres_database, isolated_settings, make_job, make_token
 from engine.runfiles import RunDir
-from worker.execute import claim
 from worker.ingest import RunIngestor
 
 pytestmark = pytest.mark.postgres

@@ -12,8 +12,7 @@ from app.db import get_engine, session_scope
 from app.models import Base, Event, Job
 from app.services.jobs import transition
 from app.states import JobState
-from app.testing import isolated_settings, make_job
-from worker.execute import claim
+from app.testing import claim, isolated_settings, make_job
 
 
 def test_migrations_match_the_models(tmp_path: Path) -> None:
@@ -44,7 +43,7 @@ def test_only_one_of_many_workers_claims_a_job(tmp_path: Path) -> None:
 
     def worker(name: str) -> None:
         barrier.wait()
-        if claim(settings, job_id, name) is not None:
+        if claim(settings, job_id, name):
             wins.append(name)
 
     threads = [threading.Thread(target=worker, args=(f"h{i}",)) for i in range(6)]
