@@ -47,10 +47,12 @@ def dispatch(settings: Settings, job_id: str, queue: str) -> bool:
 def reconcile_once(settings: Settings) -> int:
     """Recover (dead hosts, lost nodes, cancels), schedule (which also writes pending reasons), enforce start
     deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent."""
+    from app.pipelines import advance_all
     from app.recovery import recover
     from app.scheduler import schedule
 
     recover(settings)
+    advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)
     schedule(settings)
     now = utcnow()
     stale = now - timedelta(seconds=settings.redispatch_after_s)

@@ -146,7 +146,8 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
 
 def _pass(session: Session, settings: Settings) -> list[Grant]:
     lock(session)
-    jobs = list(session.scalars(select(Job).where(Job.state.in_([s.value for s in WAITING]))
+    waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
+    jobs = list(session.scalars(select(Job).where(waiting)
                                 .order_by(Job.priority.desc(), Job.created_at, Job.id)))
     usage, hosts, blocked = team_usage(session), {}, {}  # type: ignore[var-annotated]
     grants = []

@@ -20,6 +20,14 @@ class JobError(BaseModel):
     log_tail: str | None = None
 
 
+class PipelineStepPublic(BaseModel):
+    name: str
+    kind: str
+    state: str = Field(description="the step's job state, or pending (not submitted yet) / skipped (will not run)")
+    job_id: str | None = Field(description="the child job (parent_id = the pipeline); null while pending or skipped")
+    reason: str | None = None
+
+
 class JobPublic(BaseModel):
     object: Literal["job"] = "job"
     id: str
@@ -43,11 +51,13 @@ class JobPublic(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     heartbeat_at: datetime | None
+    steps: list[PipelineStepPublic] | None = Field(None, description="pipelines: their steps, in order (GET one job)")
 
     @classmethod
     def from_row(cls, job: Any) -> "JobPublic":
         error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
-        fields = {name: getattr(job, name) for name in cls.model_fields if name not in {"object", "metadata", "error"}}
+        fields = {name: getattr(job, name) for name in cls.model_fields
+                  if name not in {"object", "metadata", "error", "steps"}}
         return cls(**fields, metadata=job.meta or {}, error=error)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     model_validator,
 )
@@ -405,6 +407,50 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
         return self
 
 
+STEP_KINDS = ("preprocess", "convert", "train", "eval")
+REFERENCE = re.compile(r"\$\{steps\.([A-Za-z][A-Za-z0-9_-]{0,63})\.outputs\.([A-Za-z0-9_-]+)\}")
+_ANY_REFERENCE = re.compile(r"\$\{[^}]*\}?")
+REFERENCE_PLACEHOLDER_DIR = ".pipeline-refs"
+
+
+def find_references(value: Any, where: str = "") -> list[tuple[str, str, str]]:
+    """``(field, step, output key)`` for every ``${steps.<step>.outputs.<key>}`` in a step spec (strings anywhere)."""
+    if isinstance(value, dict):
+        return [ref for k, v in value.items() for ref in find_references(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [ref for i, v in enumerate(value) for ref in find_references(v, f"{where}.{i}")]
+    if not isinstance(value, str):
+        return []
+    for match in _ANY_REFERENCE.finditer(value):
+        if not REFERENCE.fullmatch(match.group(0)):
+            raise ValueError(f"{where}: malformed reference {match.group(0)!r}; write ${{steps.<name>.outputs.<key>}}")
+    return [(where, m.group(1), m.group(2)) for m in REFERENCE.finditer(value)]
+
+
+def substitute_references(value: Any, resolve: Callable[[str, str], str]) -> Any:
+    """A copy of ``value`` with every reference replaced by ``resolve(step, key)``."""
+    if isinstance(value, dict):
+        return {k: substitute_references(v, resolve) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute_references(v, resolve) for v in value]
+    if isinstance(value, str):
+        return REFERENCE.sub(lambda m: resolve(m.group(1), m.group(2)), value)
+    return value
+
+
+def first_error(err: ValidationError, prefix: str) -> str:
+    """A nested spec's first validation error as "<prefix>.<field>: message" (the kind tag dropped from the path)."""
+    item = err.errors()[0]
+    parts = [str(p) for p in item.get("loc", ())]
+    if parts and parts[0] in STEP_KINDS:
+        parts = parts[1:]
+    field, message = ".".join(parts), str(item.get("msg", "invalid"))
+    named = re.match(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", message, re.S)
+    if named:
+        field, message = (f"{field}.{named.group(1)}" if field else named.group(1)), named.group(2)
+    return f"{prefix}.{field}: {message}" if field else f"{prefix}: {message}"
+
+
 class PipelineStep(_Strict):
     """One step of a pipeline; ``${steps.<name>.outputs.<key>}`` in its spec refers to an earlier step's outputs."""
 
@@ -413,11 +459,47 @@ class PipelineStep(_Strict):
 
 
 class PipelineSpec(JobBase):
-    """An ordered list of jobs run one after another as child jobs."""
+    """An ordered list of jobs run one after another as child jobs (driven by ``app.pipelines``, not the engine).
+
+    A step's spec may contain ``${steps.<name>.outputs.<key>}`` (whole or inside a string) naming an output of an
+    EARLIER step's result.json; it is replaced when that step has succeeded. At submission every step is validated as
+    its kind with each reference replaced by a placeholder path inside the first data root
+    (``<root>/.pipeline-refs/<step>/<key>``), so references belong in path/string fields. The pipeline's own
+    ``resources`` are unused (each step asks for its own).
+    """
 
     kind: Literal["pipeline"] = "pipeline"
     steps: list[PipelineStep] = Field(..., min_length=1, max_length=32)
-    on_failure: Literal["fail_fast", "continue"] = "fail_fast"
+    on_failure: Literal["fail_fast", "continue"] = Field(
+        "fail_fast", description="fail_fast: the first failed step fails the pipeline and nothing more runs; continue: "
+        "later steps still run unless they refer to a step that did not succeed (those are skipped).")
+
+    @model_validator(mode="after")
+    def _check_steps(self, info: ValidationInfo) -> "PipelineSpec":
+        roots = (info.context or {}).get("data_roots") if info.context else None
+        names = [s.name for s in self.steps]
+        earlier: list[str] = []
+        for i, step in enumerate(self.steps):
+            where = f"steps.{i}.spec"
+            if step.name in earlier:
+                raise ValueError(f"steps.{i}.name: {step.name!r} is already the name of an earlier step")
+            if step.spec.get("kind") not in STEP_KINDS:
+                raise ValueError(f"{where}.kind: must be one of {', '.join(STEP_KINDS)} (pipelines do not nest), "
+                                 f"not {step.spec.get('kind')!r}")
+            for field, ref, _key in find_references(step.spec, where):
+                if ref not in names:
+                    raise ValueError(f"{field}: refers to unknown step {ref!r} (steps: {', '.join(names)})")
+                if ref not in earlier:
+                    raise ValueError(f"{field}: refers to step {ref!r}, which does not run before step {step.name!r}")
+            base = Path(roots[0]) if roots else Path("/")
+            placeheld = substitute_references(
+                step.spec, lambda ref, key: str(base / REFERENCE_PLACEHOLDER_DIR / ref / key))
+            try:
+                parse_spec(placeheld, data_roots=roots)
+            except ValidationError as err:
+                raise ValueError(first_error(err, where)) from None
+            earlier.append(step.name)
+        return self
 
 
 JobSpec = Annotated[

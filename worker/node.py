@@ -20,6 +20,7 @@ from sqlalchemy import select, update
 
 from app.db import session_scope
 from app.models import Attempt, Job, JobNode, utcnow
+from app.pipelines import advance_parent
 from app.pubsub import notify
 from app.recovery import end_attempt, is_retryable, settle_cancel
 from app.scheduler import schedule
@@ -223,5 +224,6 @@ def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host
     settle_cancel(settings, job_id)  # a cancel that raced with the exit
     release_node(settings, work.node_id)
     notify(settings.redis_url, job_id, state=1)
+    advance_parent(settings, job_id)  # the next step of its pipeline, if it is one
     schedule(settings)  # the freed devices may let a waiting job start
     return outcome

@@ -9,15 +9,16 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app import pipelines
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.dispatch import dispatch
 from app.errors import ApiError
 from app.pubsub import notify
-from app.schemas import JobPublic, ListPage
+from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from app.scheduler import check_fits
 from app.settings import Settings
 from app.services import jobs as service
-from engine.spec import JobBase, parse_spec
+from engine.spec import JobBase, PipelineSpec, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
@@ -27,8 +28,6 @@ SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
 def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
-    if raw.get("kind") == "pipeline":  # run by the pipeline runner (issue 8), which is not in this build yet
-        raise ApiError(422, "unsupported_kind", "kind: pipeline jobs are not supported by this server yet", "kind")
     return parse_spec(raw, data_roots=data_roots)
 
 
@@ -53,6 +52,9 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+    if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by app.pipelines
+        job, created = pipelines.submit(session, settings, team, spec, raw, key)
+        return _public(session, job), created
     check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     if created:
@@ -82,14 +84,22 @@ def list_jobs(
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
 def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPublic:
-    """One job, with its state, error and result."""
-    return JobPublic.from_row(service.get_visible_job(session, job_id, principal))
+    """One job, with its state, error and result; a pipeline also lists its steps and their jobs."""
+    return _public(session, service.get_visible_job(session, job_id, principal))
+
+
+def _public(session: Session, job: Any) -> JobPublic:
+    public = JobPublic.from_row(job)
+    if job.kind == "pipeline":
+        public.steps = [PipelineStepPublic(**step) for step in pipelines.step_views(session, job)]
+    return public
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
              responses={**ERRORS, 409: {"description": "The job already finished"}})
 def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> JobPublic:
     """Cancel a job: at once if it has not started, else the worker stops its processes (SIGTERM, then SIGKILL)."""
-    job = service.request_cancel(session, service.get_visible_job(session, job_id, principal))
+    job = service.get_visible_job(session, job_id, principal)
+    job = pipelines.cancel(session, settings, job) if job.kind == "pipeline" else service.request_cancel(session, job)
     notify(settings.redis_url, job_id, state=1)
-    return JobPublic.from_row(job)
+    return _public(session, job)
