@@ -15,12 +15,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from pydantic import TypeAdapter
 
-from app.api import health, hosts, jobs, observe
+from app.api import health, hosts, jobs, observe, webhooks
 from app.db import upgrade_head
 from app.dispatch import reconcile_once
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware
 from app.settings import Settings, get_settings
+from app.webhooks import send_forever
 from engine.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -58,16 +59,18 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
         task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
+        sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (app.webhooks)
         yield
-        if task is not None:
-            task.cancel()
+        for background in (task, sender):
+            if background is not None:
+                background.cancel()
 
     app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    for router in (health.router, jobs.router, observe.router, hosts.router):
+    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 

@@ -244,3 +244,58 @@ class SchedulerLock(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Webhook(Base):
+    """A team's webhook endpoint (``app.webhooks``); ``cursor`` is the last ``events.id`` fanned out to it."""
+
+    __tablename__ = "webhooks"
+    __table_args__ = (Index("ix_webhooks_team", "team"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    team: Mapped[str] = mapped_column(String(64))
+    url: Mapped[str] = mapped_column(Text)
+    secret: Mapped[str] = mapped_column(String(128))  # whsec_<base64>: the HMAC key must be readable to sign
+    events: Mapped[list[str]] = mapped_column(JSON)
+    description: Mapped[str | None] = mapped_column(String(200))
+    cursor: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    disabled_at: Mapped[datetime | None]
+
+
+class WebhookDelivery(Base):
+    """One message (one event for one webhook); its id is the ``webhook-id`` header, the same on every retry."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
+                      Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),
+                      Index("ix_webhook_deliveries_webhook", "webhook_id", "created_at"))
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    event_id: Mapped[int] = mapped_column(BigInteger)
+    job_id: Mapped[str] = mapped_column(String(36))
+    type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None]
+    last_status: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None]
+
+
+class WebhookAttempt(Base):
+    """Every POST of a delivery: when, the HTTP status or the connection error, how long it took."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (Index("ix_webhook_attempts_delivery", "delivery_id", "number"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    response_body: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[float] = mapped_column(Float)

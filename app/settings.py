@@ -53,6 +53,10 @@ class Settings(BaseSettings):
                                                      "retried); a rank killed by a signal or a lost node always is.")
     rdzv_port_base: int = Field(29500, ge=1024, le=65000, description="Multi-node rendezvous ports start here ...")
     rdzv_port_count: int = Field(500, ge=1, description="... and the scheduler picks one of this many per job.")
+    webhook_poll_s: float = Field(1.0, gt=0, description="How often the API's webhook sender looks for new events.")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="One webhook POST may take this long.")
+    webhook_max_attempts: int = Field(8, ge=1, description="POSTs of one webhook message before it is given up.")
+    webhook_backoff_s: float = Field(5.0, gt=0, description="Retry n waits webhook_backoff_s * 2**(n-1), at most 1 h.")
 
     @field_validator("data_roots", mode="before")
     @classmethod

@@ -1,0 +1,149 @@
+"""Webhook endpoints of a team: register, list, show, disable, and every delivery with its attempts."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.api.deps import PrincipalDep, SessionDep
+from app.auth import Principal
+from app.errors import ApiError
+from app.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
+from app.schemas import ListPage
+from app.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_key
+
+router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
+                                           404: {"description": "No such webhook"}}
+EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint"]
+assert set(EventType.__args__) == set(EVENT_TYPES)  # type: ignore[attr-defined]
+
+
+class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: AnyHttpUrl = Field(description="http(s) endpoint that receives a POST per event")
+    events: list[EventType] = Field(default_factory=lambda: list(TERMINAL_EVENTS), min_length=1,
+                                    description="which events to send; default: the three terminal states")
+    secret: str | None = Field(None, description="whsec_<base64 of 24-64 bytes>; generated when omitted")
+    description: str | None = Field(None, max_length=200)
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, value: str | None) -> str | None:
+        if value is not None:
+            secret_key(value)
+        return value
+
+
+class WebhookPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    object: Literal["webhook"] = "webhook"
+    id: str
+    team: str
+    url: str
+    events: list[str]
+    description: str | None
+    secret: str | None = Field(None, description="only in the answer to POST /v1/webhooks: keep it to verify signatures")
+    created_at: datetime
+    disabled_at: datetime | None
+
+
+class AttemptPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    number: int
+    time: datetime
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+
+
+class DeliveryPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    object: Literal["webhook.delivery"] = "webhook.delivery"
+    id: str = Field(description="the webhook-id header of every attempt")
+    type: str
+    job_id: str
+    state: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status: int | None
+    next_attempt_at: datetime | None
+    created_at: datetime
+    delivered_at: datetime | None
+    payload: dict[str, Any]
+    attempt_log: list[AttemptPublic]
+
+
+def _public(hook: Webhook, with_secret: bool = False) -> WebhookPublic:
+    public = WebhookPublic.model_validate(hook)
+    public.secret = hook.secret if with_secret else None
+    return public
+
+
+def _visible(session: Session, webhook_id: str, principal: Principal) -> Webhook:
+    hook = session.get(Webhook, webhook_id)
+    if hook is None or (hook.team != principal.team and not principal.admin):
+        raise ApiError(404, "not_found", f"no webhook {webhook_id}", "id")
+    return hook
+
+
+@router.post("", status_code=201, response_model=WebhookPublic, responses=ERRORS)
+def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
+    """Send your team's job events to ``url``, signed Standard-Webhooks style (the secret is shown only here)."""
+    hook = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret, body.description)
+    return _public(hook, with_secret=True)
+
+
+@router.get("", response_model=ListPage[WebhookPublic], responses=ERRORS)
+def list_webhooks(session: SessionDep, principal: PrincipalDep) -> ListPage[WebhookPublic]:
+    """Your team's webhooks, oldest first (secrets are not shown)."""
+    rows = [_public(h) for h in session.scalars(select(Webhook).where(Webhook.team == principal.team)
+                                                .order_by(Webhook.created_at, Webhook.id))]
+    return ListPage[WebhookPublic](data=rows, has_more=False, first_id=rows[0].id if rows else None,
+                                   last_id=rows[-1].id if rows else None)
+
+
+@router.get("/{webhook_id}", response_model=WebhookPublic, responses=ERRORS)
+def get_webhook(webhook_id: str, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
+    return _public(_visible(session, webhook_id, principal))
+
+
+@router.delete("/{webhook_id}", response_model=WebhookPublic, responses=ERRORS)
+def disable(webhook_id: str, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
+    """Stop sending (pending messages are not sent); the delivery history stays readable."""
+    hook = _visible(session, webhook_id, principal)
+    if hook.disabled_at is None:
+        hook.disabled_at = utcnow()
+        session.commit()
+    return _public(hook)
+
+
+@router.get("/{webhook_id}/deliveries", response_model=ListPage[DeliveryPublic], responses=ERRORS)
+def deliveries(
+    webhook_id: str, session: SessionDep, principal: PrincipalDep,
+    job_id: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> ListPage[DeliveryPublic]:
+    """Newest first, each with every attempt (status or error, duration)."""
+    _visible(session, webhook_id, principal)
+    query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
+    if job_id:
+        query = query.where(WebhookDelivery.job_id == job_id)
+    rows = list(session.scalars(query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id).limit(limit + 1)))
+    data = []
+    for row in rows[:limit]:
+        attempts = session.scalars(select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id)
+                                   .order_by(WebhookAttempt.number))
+        data.append(DeliveryPublic.model_validate({**{k: getattr(row, k) for k in DeliveryPublic.model_fields
+                                                      if k not in ("object", "attempt_log")},
+                                                   "attempt_log": [AttemptPublic.model_validate(a) for a in attempts]}))
+    return ListPage[DeliveryPublic](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
+                                    last_id=data[-1].id if data else None)

@@ -1,0 +1,269 @@
+"""Webhooks: POST a signed message to a team's endpoints when its jobs end (and, if asked, on each checkpoint).
+
+Outbox style, so nothing on the request path or in the worker's ingest loop ever waits for a receiver: every state
+change and checkpoint is already an ``events`` row written in the same transaction as the change. The API's sender
+loop (``run_once``, every ``webhook_poll_s``) fans new events out into ``webhook_deliveries`` rows (a per-endpoint
+cursor advanced by compare-and-set, plus a unique (webhook, event) key, so several API processes never duplicate a
+message), then POSTs the due ones from a small thread pool. Each POST is a ``webhook_attempts`` row; a non-2xx answer
+or a connection error is retried after ``webhook_backoff_s * 2**(n-1)`` (capped at 1 h) up to ``webhook_max_attempts``.
+
+Signing follows Standard Webhooks (as OpenAI's fine-tuning webhooks do): headers ``webhook-id`` (the message id, the
+same on every retry), ``webhook-timestamp`` (unix seconds of this attempt) and ``webhook-signature``
+``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`` keyed with the base64-decoded part of ``whsec_<base64>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.db import session_scope
+from app.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+TERMINAL_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
+EVENT_TYPES = (*TERMINAL_EVENTS, "job.checkpoint")
+SECRET_PREFIX = "whsec_"
+FAN_OUT_BATCH = 500
+SEND_BATCH = 32
+MAX_BACKOFF_S = 3600.0
+USER_AGENT = "llmjobs-webhooks/1"
+
+
+# ---------------------------------------------------------------- signing (Standard Webhooks)
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def secret_key(secret: str) -> bytes:
+    """The HMAC key of a ``whsec_<base64>`` secret; ValueError names the field when it is not one."""
+    try:
+        key = base64.b64decode(secret.removeprefix(SECRET_PREFIX), validate=True)
+    except (ValueError, TypeError) as err:
+        raise ValueError("secret: must be whsec_ followed by base64") from err
+    if not secret.startswith(SECRET_PREFIX) or not 24 <= len(key) <= 64:
+        raise ValueError("secret: must be whsec_ followed by the base64 of 24 to 64 random bytes")
+    return key
+
+
+def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value: ``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">``."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret_key(secret), signed, hashlib.sha256).digest()).decode()
+
+
+def headers(secret: str, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    return {"content-type": "application/json", "user-agent": USER_AGENT, "webhook-id": msg_id,
+            "webhook-timestamp": str(timestamp), "webhook-signature": sign(secret, msg_id, timestamp, body)}
+
+
+# ---------------------------------------------------------------- events -> deliveries
+
+
+def event_type(event: Event) -> str | None:
+    """The webhook type of an ``events`` row, or None when it is not one we announce."""
+    if event.type == "checkpoint":
+        return "job.checkpoint"
+    state = (event.data or {}).get("state") if event.type == "state" else None
+    return f"job.{state}" if f"job.{state}" in TERMINAL_EVENTS else None
+
+
+def payload(msg_type: str, event: Event, job: Job) -> dict[str, Any]:
+    """OpenAI's shape: {object, id, type, created_at, data}; data carries the job's essentials."""
+    data: dict[str, Any] = {"id": job.id, "object": "job", "kind": job.kind, "name": job.name, "state": job.state,
+                            "parent_id": job.parent_id, "metadata": job.meta or {}}
+    if msg_type == "job.checkpoint":
+        data.update(state="running", checkpoint={k: v for k, v in (event.data or {}).items() if k in ("iteration", "path")})
+    else:
+        data["state"] = msg_type.removeprefix("job.")
+        if msg_type == "job.failed":
+            data["error"] = {"code": job.error_code, "message": job.error_message}
+        if msg_type == "job.succeeded":
+            data["outputs"] = (job.result or {}).get("outputs") or {}
+    return {"object": "event", "id": f"evt_{event.id}", "type": msg_type, "created_at": int(event.time.timestamp()),
+            "data": data}
+
+
+def _fan_out_one(session: Session, hook: Webhook, now: datetime) -> int:
+    top = session.scalar(select(func.max(Event.id))) or 0
+    rows = list(session.execute(
+        select(Event, Job).join(Job, Job.id == Event.job_id)
+        .where(Event.id > hook.cursor, Event.id <= top, Event.type.in_(("state", "checkpoint")), Job.team == hook.team)
+        .order_by(Event.id).limit(FAN_OUT_BATCH)).tuples())
+    cursor = rows[-1][0].id if len(rows) == FAN_OUT_BATCH else top
+    moved = session.execute(update(Webhook).where(Webhook.id == hook.id, Webhook.cursor == hook.cursor)
+                            .values(cursor=cursor).execution_options(synchronize_session=False))
+    if moved.rowcount != 1:  # type: ignore[attr-defined]  # another sender took this batch
+        session.rollback()
+        return 0
+    made = 0
+    for event, job in rows:
+        msg_type = event_type(event)
+        if msg_type is None or msg_type not in hook.events:
+            continue
+        session.add(WebhookDelivery(id=f"msg_{uuid.uuid4().hex}", webhook_id=hook.id, event_id=event.id, job_id=job.id,
+                                    type=msg_type, payload=payload(msg_type, event, job), state="pending",
+                                    next_attempt_at=now, created_at=now))
+        made += 1
+    try:
+        session.commit()
+    except IntegrityError:  # a delivery for this (webhook, event) exists already
+        session.rollback()
+        return 0
+    return made
+
+
+def fan_out(settings: Settings) -> int:
+    """New events -> pending deliveries for every enabled webhook of the events' teams. Returns how many."""
+    made = 0
+    with session_scope(settings.database_url) as session:
+        hooks = list(session.scalars(select(Webhook).where(Webhook.disabled_at.is_(None))))
+        for hook in hooks:
+            made += _fan_out_one(session, hook, utcnow())
+    return made
+
+
+# ---------------------------------------------------------------- sending
+
+
+@dataclass
+class Outgoing:
+    delivery_id: str
+    number: int
+    url: str
+    secret: str
+    body: bytes
+
+
+def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
+    """Due pending deliveries of enabled webhooks, each claimed by pushing its next_attempt_at past the POST's timeout
+    (a compare-and-set: another sender skips it; a sender that dies leaves it due again)."""
+    now = utcnow()
+    hold = now + timedelta(seconds=settings.webhook_timeout_s + 30)
+    out = []
+    with session_scope(settings.database_url) as session:
+        due = session.execute(select(WebhookDelivery, Webhook).join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+                              .where(WebhookDelivery.state == "pending", WebhookDelivery.next_attempt_at <= now,
+                                     Webhook.disabled_at.is_(None))
+                              .order_by(WebhookDelivery.next_attempt_at).limit(limit)).tuples()
+        for delivery, hook in list(due):
+            took = session.execute(update(WebhookDelivery).where(
+                WebhookDelivery.id == delivery.id, WebhookDelivery.state == "pending",
+                WebhookDelivery.attempts == delivery.attempts, WebhookDelivery.next_attempt_at <= now)
+                .values(next_attempt_at=hold).execution_options(synchronize_session=False))
+            if took.rowcount == 1:  # type: ignore[attr-defined]
+                body = json.dumps(delivery.payload, separators=(",", ":")).encode()
+                out.append(Outgoing(delivery.id, delivery.attempts + 1, hook.url, hook.secret, body))
+        session.commit()
+    return out
+
+
+def post(settings: Settings, item: Outgoing) -> tuple[int | None, str | None, str | None, float]:
+    """One POST: (status, error, first 500 characters of the answer, milliseconds)."""
+    started = time.monotonic()
+    try:
+        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False) as client:
+            response = client.post(item.url, content=item.body,
+                                   headers=headers(item.secret, item.delivery_id, int(time.time()), item.body))
+        return response.status_code, None, response.text[:500], (time.monotonic() - started) * 1000
+    except httpx.HTTPError as err:
+        return None, f"{type(err).__name__}: {err}"[:1000], None, (time.monotonic() - started) * 1000
+
+
+def backoff_s(settings: Settings, attempts: int) -> float:
+    return min(settings.webhook_backoff_s * 2 ** (attempts - 1), MAX_BACKOFF_S)
+
+
+def record(settings: Settings, item: Outgoing, status: int | None, error: str | None, answer: str | None,
+           ms: float) -> str:
+    """Store the attempt and decide: delivered (2xx), failed (attempts used up) or pending again later."""
+    now, ok = utcnow(), status is not None and 200 <= status < 300
+    if ok:
+        state, values = "delivered", {"delivered_at": now, "next_attempt_at": None}
+    elif item.number >= settings.webhook_max_attempts:
+        state, values = "failed", {"next_attempt_at": None}
+    else:
+        state, values = "pending", {"next_attempt_at": now + timedelta(seconds=backoff_s(settings, item.number))}
+    with session_scope(settings.database_url) as session:
+        session.add(WebhookAttempt(delivery_id=item.delivery_id, number=item.number, time=now, status_code=status,
+                                   error=error, response_body=answer, duration_ms=round(ms, 1)))
+        session.execute(update(WebhookDelivery).where(WebhookDelivery.id == item.delivery_id).values(
+            state=state, attempts=item.number, last_status=status, **values))
+    return state
+
+
+def deliver(settings: Settings, item: Outgoing) -> str:
+    return record(settings, item, *post(settings, item))
+
+
+def run_once(settings: Settings, pool: ThreadPoolExecutor | None = None) -> int:
+    """Fan out new events, then POST every due delivery (concurrently in ``pool``). Returns how many were POSTed."""
+    fan_out(settings)
+    due = claim_due(settings)
+    if pool is None:
+        return len([deliver(settings, item) for item in due])
+    return len(list(pool.map(lambda item: deliver(settings, item), due)))
+
+
+class Sender:
+    """The API's background sender: ``run_once`` every ``webhook_poll_s`` in a thread (never on the event loop)."""
+
+    def __init__(self, settings: Settings, workers: int = 4):
+        self.settings = settings
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
+
+    def tick(self) -> int:
+        try:
+            return run_once(self.settings, self.pool)
+        except Exception as err:  # noqa: BLE001 - a database blip must not stop the sender
+            log.warning("webhook pass failed: %s", err)
+            return 0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---------------------------------------------------------------- registrations
+
+
+def create_webhook(session: Session, team: str, url: str, events: list[str], secret: str | None,
+                   description: str | None) -> Webhook:
+    """A new endpoint; it gets the events after this moment (its cursor starts at the newest event)."""
+    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)), secret=secret or new_secret(),
+                   description=description, cursor=session.scalar(select(func.max(Event.id))) or 0)
+    session.add(hook)
+    session.commit()
+    return hook
+
+
+async def send_forever(settings: Settings) -> None:
+    """The API lifespan's task: a sender pass every ``webhook_poll_s``, run in a thread."""
+    import asyncio
+
+    import anyio
+
+    sender = Sender(settings)
+    try:
+        while True:
+            await anyio.to_thread.run_sync(sender.tick)
+            await asyncio.sleep(settings.webhook_poll_s)
+    finally:
+        sender.close()
