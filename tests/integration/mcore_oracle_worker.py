@@ -1,13 +1,18 @@
 """Run under torchrun (world = TP × PP): build Megatron-Core's own GPTModel (local spec, qk-layernorm) for this
 rank and check that our converted rank file holds exactly its keys and shapes and loads into it.
 
-argv: <checkpoint dir> <tp> <pp> <config json>. Prints one JSON line per rank; exits 1 on any mismatch.
+argv: <checkpoint dir> <tp> <pp> <config json> [<reference.pt>]. With a reference (``ids`` and transformers'
+``logits``) and PP = 1, Megatron's forward on CPU must also give transformers' logits. Prints one JSON line per
+rank; exits 1 on any mismatch.
 """
 
+import contextlib
 import json
 import os
 import sys
 import warnings
+
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -40,6 +45,7 @@ def main() -> int:
         cfg, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), vocab_size=shape["vocab_size"],
         max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=shape["tie_word_embeddings"], position_embedding_type="rope",
+        rotary_base=shape.get("rotary_base", 10000), parallel_output=False,
     )
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
@@ -55,9 +61,30 @@ def main() -> int:
                       "only_megatron": sorted(set(theirs) - set(mine)), "only_ours": sorted(set(mine) - set(theirs)),
                       "shape_diff": {k: [theirs[k], mine[k]] for k in theirs.keys() & mine.keys() if theirs[k] != mine[k]},
                       "missing": bad_missing, "unexpected": result.unexpected_keys}), flush=True)
+    if ok and len(sys.argv) > 5 and pp == 1:
+        ok = _forward_matches(model, sys.argv[5])
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _forward_matches(model: torch.nn.Module, reference: str) -> bool:
+    """The three CPU substitutions of megatron-core-on-cpu.md, then Megatron's logits against transformers'."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel as tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    tracker = SimpleNamespace(fork=lambda *args, **kwargs: contextlib.nullcontext())
+    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: tracker
+    ref = torch.load(reference)
+    ids = ref["ids"]
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        logits = model.eval()(ids, positions, None)
+    diff = (logits.float() - ref["logits"]).abs().max().item()
+    print(json.dumps({"rank": dist.get_rank(), "max_logit_diff": diff}), flush=True)
+    return diff < 1e-4
 
 
 if __name__ == "__main__":

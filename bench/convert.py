@@ -1,0 +1,118 @@
+"""Conversion benchmark: a Qwen3-0.6B-shaped bf16 checkpoint, hf -> mg (TP2 PP2) and mg -> hf, against ``cp -r``.
+
+Each conversion runs as ``python -m engine convert`` in a fresh process (as a job does); its time is the job's own
+``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
+compared with ``cp -r`` of the conversion's input directory in the same run, so both see the same disk and page
+cache. Peak memory is the child's max RSS (``ru_maxrss``, interpreter and torch included) against the largest file
+the conversion writes. The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
+under ``--work-dir`` for later runs.
+
+    .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert]
+
+Last line: {"bench":"convert","time_ratio":...,"peak_rss_ratio":...} (the worse of the two directions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def generate(path: Path) -> Path:
+    """Qwen3-0.6B's published shape, bf16, random values, saved by transformers (about 1.2 GB)."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def copy_seconds(src: Path, dst: Path) -> float:
+    shutil.rmtree(dst, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync", "-f", str(dst)], check=False)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return seconds
+
+
+def convert(flags: list[str], run_dir: Path) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "engine", "convert", *flags, "--run-dir", str(run_dir)],
+                          env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "result.json").read_text())["summary"]
+    return {**summary, "wall_seconds": round(wall, 3)}
+
+
+def measure(name: str, src: Path, flags: list[str], work: Path) -> dict:
+    cp = copy_seconds(src, work / "cp-target")
+    result = convert(flags, work / f"run-{name}")
+    largest = result["largest_file_bytes"]
+    row = {
+        "direction": name, "convert_s": result["seconds"], "convert_wall_s": result["wall_seconds"],
+        "cp_s": round(cp, 3), "time_ratio": round(result["seconds"] / cp, 3),
+        "peak_rss_mb": result["peak_rss_mb"], "largest_output_mb": round(largest / 2**20, 1),
+        "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
+        "output_mb": round(result["bytes"] / 2**20, 1), "files": result["files"],
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert")
+    args = parser.parse_args()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    if free < 6 * 2**30:
+        raise SystemExit(f"{work}: only {free / 2**30:.1f} GiB free; the bench needs about 6 GiB")
+    print(json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "free_gib": round(free / 2**30, 1)}))
+    hf = generate(work / "qwen3-0.6b-hf")
+    mg, back = work / "mg-tp2pp2", work / "hf-back"
+    rows = [
+        measure("hf->mg tp2pp2", hf, ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+                                      "--save-dir", str(mg), "--target-tensor-parallel-size", "2",
+                                      "--target-pipeline-parallel-size", "2"], work),
+        measure("mg->hf", mg, ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg),
+                               "--save-dir", str(back)], work),
+    ]
+    shutil.rmtree(mg)
+    shutil.rmtree(back)
+    print(json.dumps({"load_average_after": os.getloadavg()}))
+    print(json.dumps({"bench": "convert", "time_ratio": max(r["time_ratio"] for r in rows),
+                      "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows)}))
+
+
+if __name__ == "__main__":
+    main()
