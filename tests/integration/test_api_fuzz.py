@@ -62,4 +62,4 @@ def test_submit_never_breaks(body: dict[str, Any]) -> None:
     assert response.status_code in (201, 422), response.text
     if response.status_code == 422:
         error = response.json()
-        assert error["code"] in ("validation_error", "unsupported_kind") and error["message"]
+        assert isinstance(error["code"], str) and error["message"] and "field" in error
