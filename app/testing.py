@@ -71,3 +71,23 @@ def claim(settings: Settings, job_id: str, host: str) -> bool:
 
     with session_scope(settings.database_url) as session:
         return transition(session, job_id, JobState.starting, host=host, attempt_count=Job.attempt_count + 1)
+
+
+def race_claims(settings: Settings, job_id: str, workers: int) -> list[str]:
+    """``workers`` threads claim the job at the same instant; returns the hosts that won."""
+    import threading
+
+    wins: list[str] = []
+    barrier = threading.Barrier(workers)
+
+    def worker(name: str) -> None:
+        barrier.wait()
+        if claim(settings, job_id, name):
+            wins.append(name)
+
+    threads = [threading.Thread(target=worker, args=(f"h{i}",)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wins

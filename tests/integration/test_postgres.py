@@ -3,7 +3,6 @@ ingest. Each test session gets a fresh database (the `test` database itself is n
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from app.db import get_engine, session_scope
 from app.main import create_app
 from app.models import Base, Job, MetricPoint
 from app.settings import Settings
-from app.testing import auth, claim, fresh_postgres_database, isolated_settings, make_job, make_token
+from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims
 from engine.runfiles import RunDir
 from worker.ingest import RunIngestor
 
@@ -66,19 +65,7 @@ def test_api_on_postgres(settings: Settings) -> None:
 
 def test_concurrent_claims_on_postgres(settings: Settings) -> None:
     job_id = make_job(settings)
-    wins: list[str] = []
-    barrier = threading.Barrier(8)
-
-    def worker(name: str) -> None:
-        barrier.wait()
-        if claim(settings, job_id, name):
-            wins.append(name)
-
-    threads = [threading.Thread(target=worker, args=(f"h{i}",)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wins = race_claims(settings, job_id, workers=8)
     assert len(wins) == 1
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
@@ -12,7 +11,7 @@ from app.db import get_engine, session_scope
 from app.models import Base, Event, Job
 from app.services.jobs import transition
 from app.states import JobState
-from app.testing import claim, isolated_settings, make_job
+from app.testing import isolated_settings, make_job, race_claims
 
 
 def test_migrations_match_the_models(tmp_path: Path) -> None:
@@ -38,19 +37,7 @@ def test_terminal_state_is_final(tmp_path: Path) -> None:
 def test_only_one_of_many_workers_claims_a_job(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path)
     job_id = make_job(settings)
-    wins: list[str] = []
-    barrier = threading.Barrier(6)
-
-    def worker(name: str) -> None:
-        barrier.wait()
-        if claim(settings, job_id, name):
-            wins.append(name)
-
-    threads = [threading.Thread(target=worker, args=(f"h{i}",)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wins = race_claims(settings, job_id, workers=6)
     assert len(wins) == 1
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
