@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.spec import SPEC_CLASSES
 
+log = logging.getLogger(__name__)
 _FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.S)
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
                409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error"}
@@ -76,5 +78,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body("internal_error", f"{type(exc).__name__}: {exc}"), status_code=500)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # The details (SQL, paths) go to the server log, not to the client.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal_error", f"internal error ({type(exc).__name__}); see the server log"),
+                            status_code=500)
