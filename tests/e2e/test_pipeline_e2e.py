@@ -1,0 +1,178 @@
+"""The seed's chain as one pipeline job through the service started as `make run` starts it (`llmjobs serve`: API +
+one worker): preprocess -> convert hf->mg -> train -> convert mg->hf -> eval on a tiny random HF Qwen3 with the real
+151936 vocabulary and tokenizer; each step a child job with its own logs; a signed webhook for the pipeline's end."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.demo import intent_samples, write_jsonl
+from app.settings import REPO_ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    var = tmp_path_factory.mktemp("pipeline-var")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
+    env.update(LLMJOBS_VAR_DIR=str(var), LLMJOBS_PORT=str(port), LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+               LLMJOBS_WORKER_NAME="pipeline-host", LLMJOBS_RECONCILE_INTERVAL_S="1", LLMJOBS_WEBHOOK_POLL_S="0.3",
+               OMP_NUM_THREADS="1")
+    log = var / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], env=env, cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while not _ready(url, var):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        yield url, (var / "admin_token").read_text().strip(), var
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ready(url: str, var: Path) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (var / "admin_token").exists()
+    except httpx.HTTPError:
+        return False
+
+
+def tiny_hf_qwen3(path: Path) -> None:
+    """A random Qwen3 with the real vocabulary but hidden 64 and 2 layers, written by transformers itself."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    seen: list[tuple[dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            seen.append(({k.lower(): v for k, v in self.headers.items()}, self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/", seen
+    server.shutdown()
+    server.server_close()
+
+
+# The seed's GPT_ARGS for the tiny model. The service stores the full validated spec, so the engine sees every model
+# flag as given and checks it against the checkpoint: like the seed's scripts, the steps spell the shape out.
+MODEL_FLAGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "kv_channels": 16,
+               "group_query_attention": True, "num_query_groups": 2, "padded_vocab_size": 151936,
+               "make_vocab_size_divisible_by": 1, "norm_epsilon": 1e-6, "rotary_base": 1_000_000.0,
+               "untie_embeddings_and_output_weights": True, "normalization": "RMSNorm",
+               "position_embedding_type": "rope", "swiglu": True, "qk_layernorm": True, "disable_bias_linear": True}
+
+
+def pipeline_body() -> dict[str, Any]:
+    return {"kind": "pipeline", "name": "seed-chain", "metadata": {"seed": "004"}, "steps": [
+        {"name": "prep", "spec": {"kind": "preprocess", "input": "pipe/train.jsonl", "tokenizer_name_or_path": "pipe/tok",
+                                  "output_prefix": "pipe/data/intent", "handler_name": "SharegptStyleInstructionHandler",
+                                  "prompt_type": "qwen3"}},
+        {"name": "hf2mg", "spec": {"kind": "convert", "load_model_type": "hf", "save_model_type": "mg",
+                                   "load_dir": "pipe/hf", "save_dir": "pipe/mg"}},
+        {"name": "train", "spec": {"kind": "train", "data_path": "${steps.prep.outputs.data_path}",
+                                   "load": "${steps.hf2mg.outputs.checkpoint}", "save": "pipe/trained",
+                                   "tokenizer_name_or_path": "pipe/tok", "finetune": True, "split": "100,0,0",
+                                   "seq_length": 128, "micro_batch_size": 4, "global_batch_size": 4,
+                                   "train_iters": 3, "lr": 1e-3, "log_interval": 1, **MODEL_FLAGS}},
+        {"name": "mg2hf", "spec": {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf",
+                                   "load_dir": "${steps.train.outputs.checkpoint}", "save_dir": "pipe/final"}},
+        {"name": "eval", "spec": {"kind": "eval", "load": "${steps.mg2hf.outputs.checkpoint}",
+                                  "tokenizer_name_or_path": "pipe/tok", "eval_data_path": "pipe/test.jsonl",
+                                  "max_new_tokens": 4, "greedy": True, "eval_batch_size": 8, **MODEL_FLAGS}},
+    ]}
+
+
+def test_five_step_pipeline_end_to_end(service: tuple[str, str, Path], qwen_tokenizer_dir: Path,
+                                       receiver: tuple[str, list[tuple[dict[str, str], bytes]]]) -> None:
+    url, token, var = service
+    pipe = var / "data" / "pipe"
+    shutil.copytree(qwen_tokenizer_dir, pipe / "tok")
+    write_jsonl(pipe / "train.jsonl", intent_samples(32, seed=1))
+    write_jsonl(pipe / "test.jsonl", intent_samples(8, seed=2))
+    tiny_hf_qwen3(pipe / "hf")
+    hook_url, seen = receiver
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        hook = client.post("/v1/webhooks", json={"url": hook_url, "events": ["job.succeeded", "job.failed"]}).json()
+        created = client.post("/v1/jobs", json=pipeline_body())
+        assert created.status_code == 201, created.text
+        pipeline_id = created.json()["id"]
+        deadline = time.monotonic() + 240
+        while (job := client.get(f"/v1/jobs/{pipeline_id}").json())["state"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, (job, (var / "serve.log").read_text()[-3000:])
+            time.sleep(1)
+        steps = job["steps"]
+        assert job["state"] == "succeeded", (job, [client.get(f"/v1/jobs/{s['job_id']}").json()["error"]
+                                                    for s in steps if s["job_id"]])
+        assert [s["name"] for s in steps] == ["prep", "hf2mg", "train", "mg2hf", "eval"]
+        children = {s["name"]: client.get(f"/v1/jobs/{s['job_id']}").json() for s in steps}
+        assert all(c["state"] == "succeeded" and c["parent_id"] == pipeline_id for c in children.values())
+        # references were replaced by the earlier steps' outputs
+        assert children["train"]["spec"]["load"] == children["hf2mg"]["result"]["outputs"]["checkpoint"]
+        assert children["eval"]["spec"]["load"] == children["mg2hf"]["result"]["outputs"]["checkpoint"]
+        assert children["train"]["result"]["summary"]["iterations"] == 3
+        assert (Path(children["mg2hf"]["result"]["outputs"]["checkpoint"]) / "config.json").is_file()
+        assert children["eval"]["result"]["summary"]["total"] == 8
+        assert job["result"]["outputs"]["eval.predictions"] == children["eval"]["result"]["outputs"]["predictions"]
+        # each step has its own metrics and logs
+        losses = client.get(f"/v1/jobs/{children['train']['id']}/metrics", params={"names": "lm_loss"}).json()["data"]
+        assert len(losses) >= 3
+        logs = client.get(f"/v1/jobs/{children['prep']['id']}/logs", params={"limit": 1000}).json()["data"]
+        assert logs
+        deadline = time.monotonic() + 20
+        while not any(json.loads(b)["data"]["id"] == pipeline_id for _, b in seen) and time.monotonic() < deadline:
+            time.sleep(0.3)
+    ends = [(h, b) for h, b in seen if json.loads(b)["data"]["id"] == pipeline_id]
+    assert len(ends) == 1 and json.loads(ends[0][1])["type"] == "job.succeeded"
+    assert sum(json.loads(b)["type"] == "job.succeeded" for _, b in seen) == 6  # 5 steps + the pipeline
+    headers, body = ends[0]
+    key = base64.b64decode(hook["secret"].removeprefix("whsec_"))
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    assert headers["webhook-signature"] == "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
