@@ -13,6 +13,7 @@ import anyio
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
 from app.api import health, hosts, jobs, observe, webhooks
@@ -77,5 +78,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
         return FileResponse(UI_DIR / "index.html")
+
+    app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")  # the dashboard's modules, styles and vendored uPlot
 
     return app

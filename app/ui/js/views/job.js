@@ -1,0 +1,176 @@
+// Job detail: state (pending reason, error), progress and ETA, result summary, and tabs with live metric charts,
+// logs, events, artifacts and the spec. One SSE stream feeds everything and resumes after its last id.
+
+import {api, auth, TERMINAL} from "../api.js";
+import {h, fill} from "../dom.js";
+import {duration, num, runtime, time} from "../format.js";
+import {setQuery, go} from "../router.js";
+import {JobStream} from "../sse.js";
+import {MetricStore} from "../series.js";
+import {MetricsPanel} from "./metrics_panel.js";
+import {ArtifactsPanel, EventsPanel, LogsPanel} from "./panels.js";
+import {errorBox, every, keyValues, stateBadge} from "./widgets.js";
+
+const TABS = ["metrics", "logs", "events", "artifacts", "spec"];
+export const DRAFT_KEY = "llmjobs.draft";
+
+export function renderJob(root, {params: [jobId], query}) {
+  const ui = {tab: TABS.includes(query.get("tab")) ? query.get("tab") : "metrics", stream: query.get("stream") || ""};
+  const store = new MetricStore();
+  const metrics = new MetricsPanel(store);
+  const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); });
+  const events = new EventsPanel();
+  const artifacts = new ArtifactsPanel(jobId);
+  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, artifacts: artifacts.el, spec: h("div")};
+  let job = null;
+  let progress = null;  // the last progress event's data {done, total, unit}
+  let stopped = false;
+
+  const head = h("div", {class: "job-head"});
+  const overview = h("div", {class: "overview"});
+  const live = h("span", {class: "live", id: "stream-status"});
+  const tabBar = h("nav", {class: "tabs"}, TABS.map((t) => h("button", {dataset: {tab: t}, onclick: () => showTab(t)}, t)));
+  const tabBody = h("div", {class: "tab-body"}, Object.values(panels));
+  root.append(h("section", {class: "card"}, head, overview), h("section", {class: "card"}, h("div", {class: "tab-row"}, tabBar, live), tabBody));
+
+  function saveQuery() { setQuery({tab: ui.tab === "metrics" ? "" : ui.tab, stream: ui.stream}); }
+
+  function showTab(tab) {
+    ui.tab = tab;
+    saveQuery();
+    tabBar.querySelectorAll("button").forEach((b) => b.classList.toggle("active", b.dataset.tab === tab));
+    for (const [name, el] of Object.entries(panels)) el.hidden = name !== tab;
+    metrics.setVisible(tab === "metrics");
+    if (tab === "artifacts") artifacts.load();
+    if (tab === "logs") logs.scroll();
+  }
+
+  async function refresh() {
+    try {
+      job = await api(`/v1/jobs/${jobId}`);
+    } catch (err) {
+      fill(head, h("a", {href: "#/jobs"}, "‹ Jobs"), errorBox(err));
+      return;
+    }
+    renderHead();
+    renderOverview();
+    fill(panels.spec, h("div", {class: "toolbar"},
+      h("button", {onclick: () => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(job.spec, null, 2)); go("#/submit"); }}, "Edit & resubmit")),
+    h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2)));
+  }
+
+  function renderHead() {
+    const cancel = h("button", {class: "danger", id: "cancel", hidden: TERMINAL.has(job.state) || job.state === "cancelling"}, "Cancel job");
+    let armed = false;
+    cancel.addEventListener("click", async () => {
+      if (!armed) {  // two clicks, so a stray click never cancels a day of training
+        armed = true;
+        cancel.textContent = "Click again to cancel";
+        setTimeout(() => { armed = false; cancel.textContent = "Cancel job"; }, 4000);
+        return;
+      }
+      cancel.disabled = true;
+      try { job = await api(`/v1/jobs/${jobId}/cancel`, {method: "POST"}); renderHead(); renderOverview(); } catch (err) { head.append(errorBox(err)); }
+    });
+    fill(head,
+      h("a", {href: "#/jobs", class: "muted"}, "‹ Jobs"),
+      h("div", {class: "title-row"},
+        h("h2", {}, job.name || job.id), stateBadge(job.state), h("span", {class: "kind"}, job.kind), h("span", {class: "spacer"}), cancel),
+      h("div", {class: "muted mono small"}, job.id));
+  }
+
+  function renderOverview() {
+    const facts = {
+      team: job.team, created: time(job.created_at), started: time(job.started_at), finished: time(job.finished_at),
+      "run time": runtime(job), host: job.host || "—", attempts: `${job.attempt_count} of ${job.max_restarts + 1}`,
+      priority: job.priority, "run dir": job.run_dir,
+    };
+    if (Object.keys(job.metadata || {}).length) facts.metadata = Object.entries(job.metadata).map(([k, v]) => `${k}=${v}`).join(", ");
+    fill(overview,
+      job.pending_reason && !TERMINAL.has(job.state) ? h("div", {class: "notice", id: "pending-reason"}, h("b", {}, "Waiting: "), job.pending_reason) : null,
+      job.error ? h("div", {class: "failure", id: "job-error"}, h("b", {}, job.error.code), job.error.message ? `: ${job.error.message}` : "",
+        job.error.log_tail ? h("details", {open: true}, h("summary", {}, "last log lines"), h("pre", {class: "log small"}, job.error.log_tail)) : null) : null,
+      progressBar(),
+      job.result ? resultBox(job.result) : null,
+      keyValues(facts));
+  }
+
+  function progressBar() {
+    let done = null, total = null, unit = "", eta = null;
+    const step = metrics.lastStep();
+    if (job.kind === "train" && job.spec.train_iters && step !== null) {
+      done = step; total = job.spec.train_iters; unit = "iterations";
+      const it = store.series.get("iteration_time_ms");
+      if (it && it.n && !TERMINAL.has(job.state)) {
+        let sum = 0, k = 0;
+        for (let i = Math.max(0, it.n - 20); i < it.n; i++) if (Number.isFinite(it.y[i])) { sum += it.y[i]; k++; }
+        if (k) eta = ((total - done) * sum) / k / 1000;
+      }
+    } else if (progress && progress.done !== undefined) {
+      ({done, total, unit} = progress);
+    }
+    if (done === null) return null;
+    if (job.state === "succeeded" && total) done = total;
+    const pct = total ? Math.min(100, (100 * done) / total) : null;
+    return h("div", {class: "progress", id: "progress"},
+      h("div", {class: "bar"}, h("div", {class: "fill", style: {width: `${pct ?? 100}%`}})),
+      h("span", {}, `${num(done)}${total ? ` / ${num(total)}` : ""} ${unit || ""}`, pct !== null ? ` (${pct.toFixed(0)}%)` : "",
+        eta !== null ? ` · ETA ${duration(eta)}` : ""));
+  }
+
+  function resultBox(result) {
+    const summary = result.summary || {};
+    const headline = ["accuracy", "exact_match", "loss", "perplexity", "lm_loss", "samples_written"].filter((k) => k in summary);
+    const simple = Object.fromEntries(Object.entries(summary).filter(([, v]) => v === null || typeof v !== "object"));
+    return h("div", {class: "result", id: "result"},
+      h("h3", {}, "Result"),
+      headline.length ? h("div", {class: "latest"}, headline.map((k) => h("div", {class: "stat big"}, h("span", {class: "muted"}, k), h("b", {}, num(summary[k]))))) : null,
+      keyValues(simple, (v) => (typeof v === "number" ? num(v) : String(v))),
+      Object.keys(result.outputs || {}).length ? keyValues(result.outputs, (v) => h("span", {class: "mono small"}, v)) : null);
+  }
+
+  // Stream handling: all messages of one network chunk at once, then one redraw.
+  let refreshTimer = 0;
+  const refreshSoon = () => { clearTimeout(refreshTimer); refreshTimer = setTimeout(refresh, 200); };
+  function onBatch(messages) {
+    const newLogs = [], newEvents = [];
+    let stateChanged = false, ended = false;
+    for (const m of messages) {
+      if (m.event === "metric") store.add(m.data.step, m.data.rank, m.data.metrics);
+      else if (m.event === "log") newLogs.push(m.data);
+      else if (m.event === "event" || m.event === "state") {
+        newEvents.push(m.data);
+        if (m.event === "state") stateChanged = true;
+        if (m.data.type === "progress") progress = m.data.data;
+      } else if (m.event === "end") ended = true;
+    }
+    if (newLogs.length) logs.add(newLogs);
+    if (newEvents.length) events.add(newEvents);
+    metrics.changed();
+    if (job && (messages.some((m) => m.event === "metric") || newEvents.length)) {
+      const bar = progressBar(), old = overview.querySelector("#progress");
+      if (bar && old) old.replaceWith(bar); else if (bar) renderOverview();
+    }
+    if (stateChanged || ended) refreshSoon();
+    if (ended && ui.tab === "artifacts") artifacts.load();
+  }
+
+  const statusText = {connecting: "connecting…", live: "● live", reconnecting: "reconnecting…", ended: "job finished", error: "stream error"};
+  const stream = new JobStream(`/v1/jobs/${encodeURIComponent(jobId)}/stream`, auth.token, {
+    onBatch,
+    onStatus: (s) => { live.textContent = statusText[s] || s; live.dataset.status = s; },
+    onError: (err) => live.append(" ", err.message),
+  });
+
+  showTab(ui.tab);
+  refresh().then(() => { if (!stopped) stream.start(); });
+  // Pending reasons and heartbeats change without a stream message: re-read the job while it is not finished.
+  const stopPoll = every(5000, () => (job && !TERMINAL.has(job.state) ? refresh() : null));
+  return () => {
+    stopped = true;
+    stream.stop();
+    stopPoll();
+    clearTimeout(refreshTimer);
+    metrics.destroy();
+  };
+}
