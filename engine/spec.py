@@ -78,8 +78,23 @@ def _tristate(value: Any) -> Any:
     return str(value).lower()
 
 
+def _resolve_list_in_roots(values: list[str], info: ValidationInfo) -> list[str]:
+    """Each path of a list inside the data roots; numbers pass (Megatron's blend "0.3 prefix1 0.7 prefix2")."""
+    return [value if _is_number(value) else str(_resolve_in_roots(value, info)) for value in values]
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 IntList = Annotated[list[int], BeforeValidator(_split_list)]
 StrList = Annotated[list[str], BeforeValidator(_split_list)]
+DataPathList = Annotated[list[str], BeforeValidator(_split_list), AfterValidator(_resolve_list_in_roots)]
+"""Paths (optionally with blend weights) that must all resolve inside the data roots when submitted over the API."""
 JsonObject = Annotated[dict[str, Any], BeforeValidator(_json_object)]
 TriState = Annotated[Literal["true", "false", "none"], BeforeValidator(_tristate)]
 DeviceType = Literal["cpu", "cuda", "npu"]
@@ -269,7 +284,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     """``pretrain_gpt.py`` / ``posttrain_gpt.py`` under torchrun: pretraining, full and LoRA fine-tuning."""
 
     kind: Literal["train"] = "train"
-    data_path: StrList = Field(..., description="Indexed dataset prefix(es), as produced by preprocess.")
+    data_path: DataPathList = Field(..., description="Indexed dataset prefix(es), as produced by preprocess.")
     split: str = "969, 30, 1"
     load: DataPath | None = None
     save: DataPath | None = None

@@ -103,6 +103,7 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
     ({"kind": "train", "data_path": "d", "train_iters": 1, "lr": 0.1, "global_batch_size": 3, "micro_batch_size": 2},
      "global_batch_size", "not divisible by micro_batch_size"),
     ({"kind": "nope"}, None, "kind"),
+    ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
 ])
 def test_validation_errors_name_the_field(client: TestClient, token: str, body: Any, field: str | None, text: str) -> None:
     response = submit(client, token, body)
