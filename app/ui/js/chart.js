@@ -9,6 +9,9 @@ import {h} from "./dom.js";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f", "#475569", "#b45309"];
 
+// Steps are integers: tick every 1, 2, 5, 10, 20, 50, ... steps, never at 1.5.
+const STEP_INCRS = Array.from({length: 24}, (_, i) => [1, 2, 5][i % 3] * 10 ** Math.floor(i / 3));
+
 export class LiveChart {
   /** parent: element to append to; title: text; series: [Series] (series.js). */
   constructor(parent, title, series, {height = 200} = {}) {
@@ -37,7 +40,7 @@ export class LiveChart {
           value: (u, v) => num(v),
         })),
       ],
-      axes: [{}, {size: 64, values: (u, ticks) => ticks.map((t) => num(t))}],
+      axes: [{incrs: STEP_INCRS}, {size: 64, values: (u, ticks) => ticks.map((t) => num(t))}],
       cursor: {drag: {x: true, y: false, setScale: false}},
       hooks: {setSelect: [(u) => this.onSelect(u)]},
     };

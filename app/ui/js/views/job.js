@@ -91,8 +91,7 @@ export function renderJob(root, {params: [jobId], query}) {
       job.error ? h("div", {class: "failure", id: "job-error"}, h("b", {}, job.error.code), job.error.message ? `: ${job.error.message}` : "",
         job.error.log_tail ? h("details", {open: true}, h("summary", {}, "last log lines"), h("pre", {class: "log small"}, job.error.log_tail)) : null) : null,
       progressBar(),
-      job.result ? resultBox(job.result) : null,
-      keyValues(facts));
+      h("div", {class: "overview-grid"}, keyValues(facts), job.result ? resultBox(job.result) : null));
   }
 
   function progressBar() {
@@ -120,12 +119,13 @@ export function renderJob(root, {params: [jobId], query}) {
 
   function resultBox(result) {
     const summary = result.summary || {};
-    const headline = ["accuracy", "exact_match", "loss", "perplexity", "lm_loss", "samples_written"].filter((k) => k in summary);
+    const headline = ["accuracy", "exact_match", "loss", "perplexity", "final_lm_loss", "mean_tokens_per_s", "samples_written", "tokens"]
+      .filter((k) => typeof summary[k] === "number");
     const simple = Object.fromEntries(Object.entries(summary).filter(([, v]) => v === null || typeof v !== "object"));
     return h("div", {class: "result", id: "result"},
       h("h3", {}, "Result"),
       headline.length ? h("div", {class: "latest"}, headline.map((k) => h("div", {class: "stat big"}, h("span", {class: "muted"}, k), h("b", {}, num(summary[k]))))) : null,
-      keyValues(simple, (v) => (typeof v === "number" ? num(v) : String(v))),
+      keyValues(simple, (v) => (typeof v === "number" ? num(v) : String(v)), "cols4"),
       Object.keys(result.outputs || {}).length ? keyValues(result.outputs, (v) => h("span", {class: "mono small"}, v)) : null);
   }
 

@@ -35,10 +35,12 @@ export function renderSubmit(root) {
   const errors = h("div", {class: "errors", id: "submit-errors", role: "alert"});
   const reference = h("div", {class: "reference"});
   const key = h("input", {id: "idempotency-key", placeholder: "optional Idempotency-Key", autocomplete: "off"});
-  const template = h("select", {id: "template", onchange: () => {
+  const template = h("select", {id: "template", onchange: async () => {
     if (!template.value) return;
-    editor.value = JSON.stringify(TEMPLATES[template.value], null, 2);
+    const spec = structuredClone(TEMPLATES[template.value]);
     template.value = "";
+    if (spec.kind === "train") spec.data_path = await latestPreprocessOutput() || spec.data_path;
+    editor.value = JSON.stringify(spec, null, 2);
     clearErrors();
     showReference();
   }}, h("option", {value: ""}, "load a template…"), Object.keys(TEMPLATES).map((t) => h("option", {value: t}, t)));
@@ -124,7 +126,7 @@ export function renderSubmit(root) {
     if (!schema) { fill(reference, h("p", {class: "muted"}, `No schema for kind ${JSON.stringify(kind)}.`)); return; }
     const required = new Set(schema.required || []);
     fill(reference, h("h3", {}, `${kind} fields`), h("p", {class: "muted small"}, "Bold = required. Full schema: ", h("a", {href: "/docs"}, "/docs")),
-      h("dl", {class: "fields"}, Object.entries(schema.properties).flatMap(([name, p]) => [
+      h("dl", {class: "fields"}, ordered(schema.properties, required).flatMap(([name, p]) => [
         h("dt", {dataset: {field: name}, class: required.has(name) ? "required" : ""}, name,
           h("span", {class: "muted small"}, ` ${typeLabel(p)}${"default" in p ? ` = ${JSON.stringify(p.default)}` : ""}`)),
         p.description ? h("dd", {class: "small"}, p.description) : null])));
@@ -144,6 +146,17 @@ export function renderSubmit(root) {
       h("div", {class: "actions"}, key, button),
       errors)));
   showReference();
+}
+
+/** data_path of the newest succeeded preprocess job (train takes it as written, not relative to a data root). */
+async function latestPreprocessOutput() {
+  try {
+    const page = await api("/v1/jobs", {params: {kind: "preprocess", state: "succeeded", limit: 1}});
+    const path = page.data[0]?.result?.outputs?.data_path;
+    return path ? [path] : null;
+  } catch {
+    return null;
+  }
 }
 
 /** [start, end) of the key named by an API error field ("resources.nproc_per_node", "data_path.0"), or null. */
@@ -168,6 +181,13 @@ function jsonErrorPosition(err, text) {
   if (!lc) return undefined;
   const lines = text.split("\n").slice(0, Number(lc[1]) - 1);
   return lines.reduce((n, l) => n + l.length + 1, 0) + Number(lc[2]) - 1;
+}
+
+/** kind, then required fields, then the rest in schema order (the kind's own flags before the common ones). */
+function ordered(properties, required) {
+  const rank = ([name]) => (name === "kind" ? 0 : required.has(name) ? 1 : 2);
+  const common = new Set(["name", "resources", "metadata", "priority", "max_restarts", "start_deadline_s", "run_deadline_s"]);
+  return Object.entries(properties).sort((a, b) => rank(a) - rank(b) || common.has(a[0]) - common.has(b[0]));
 }
 
 function typeLabel(p) {

@@ -24,6 +24,6 @@ export function every(ms, fn) {
   return () => { stopped = true; clearTimeout(timer); };
 }
 
-export function keyValues(obj, format = (v) => v) {
-  return h("dl", {class: "kv"}, Object.entries(obj).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, format(v, k))]));
+export function keyValues(obj, format = (v) => v, cls = "") {
+  return h("dl", {class: `kv ${cls}`}, Object.entries(obj).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, format(v, k))]));
 }
