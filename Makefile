@@ -4,14 +4,21 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup chromium run test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
 	$(PY) -m pip install -q -e '.[dev,postgres,redis]'
 	@touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
+
+# The dashboard's browser test (tests/e2e/test_dashboard_browser.py) drives Debian's chromium through Playwright (no
+# downloaded browser). Installed here when missing and we are root; otherwise that test skips (fails under
+# LLMJOBS_REQUIRE_SERVICES=1).
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 # `llmjobs serve` applies the migrations, prepares the demo data, starts one local worker and the API on
 # LLMJOBS_HOST:LLMJOBS_PORT (default 127.0.0.1:8000), and prints the URL and an admin token.
