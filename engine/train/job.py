@@ -82,8 +82,9 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
         return config_from_flags(spec, _tokenizer_vocab(spec)), None
     loaded = open_load(spec.load)
     check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
-    if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only") and spec.lora_r is None:
-        raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model instead", "load")
+    if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
+        raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "
+                       "or merge the run's final checkpoint with a convert job first", "load")
     return loaded.config, loaded
 
 
@@ -233,7 +234,7 @@ class Trainer:
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
-        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self._export_dtype())
+        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir
         summary = {
@@ -249,8 +250,6 @@ class Trainer:
         }
         return outputs, summary
 
-    def _export_dtype(self) -> torch.dtype:
-        return self.dtype if self.dtype != torch.float32 else torch.float32
 
 
 def run(spec: TrainSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:

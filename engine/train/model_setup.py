@@ -1,9 +1,9 @@
 """Model shape and initial weights of a training run, checked before any work.
 
-``load`` is told apart by contents: our own training checkpoint (``engine.checkpoint.dcp``: meta.json + DCP
-shards, or a ``save`` dir holding ``train_state/``), an HF directory (config.json + safetensors) or a Megatron mcore
-checkpoint (tracker file / ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``). The shape comes from the
-checkpoint; shape flags the user set explicitly must agree with it (Megatron's ``check_checkpoint_args``), else the
+``load`` is told apart by contents: our own training checkpoint (``engine.checkpoint.dcp``: a ``train_state`` dir
+or one of its ``iter_*``), an HF directory (config.json + safetensors) or a Megatron mcore checkpoint (tracker file /
+``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``), by the rule conversion uses
+(``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly must agree with it (Megatron's ``check_checkpoint_args``), else the
 run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -37,19 +36,15 @@ _SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
-    p = Path(path)
-    if not p.exists():
-        raise BadInput(f"load: {p} does not exist", "load")
-    if dcp.is_training_checkpoint(p):
-        return "native"
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        return "hf"
-    if (p / "latest_checkpointed_iteration.txt").is_file() or any(p.glob("iter_*/mp_rank_*")) or any(p.glob("mp_rank_*")):
-        return "mcore"
-    raise BadInput(
-        f"load: {p} is neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
-        "(latest_checkpointed_iteration.txt, iter_*/mp_rank_*) nor a training checkpoint of this engine", "load"
-    )
+    """CONVERSION's rule (``engine.checkpoint.load``), so every job reads a directory the same way. A finished run's
+    ``save`` dir counts as mcore (its final export, newer than any periodic ``train_state`` checkpoint); give
+    ``<save>/train_state`` to continue from the training state itself."""
+    from engine.checkpoint.load import detect_format as detect
+
+    try:
+        return detect(path)
+    except BadInput as err:
+        raise BadInput(f"load: {err}", "load") from err
 
 
 @dataclasses.dataclass
