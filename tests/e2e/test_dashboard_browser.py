@@ -160,6 +160,30 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     assert "6 / 6 iterations" in page.inner_text("#progress")
     page.screenshot(path=str(SCREENSHOT), full_page=True)
 
+    # The page's stream client (fetch + Authorization header, no token in the URL) resumes after an id exactly, and
+    # its parser gives the same messages whatever the chunking (here one character at a time).
+    resume = page.evaluate("""async ([jobId, token]) => {
+        const {JobStream, SseParser} = await import("/ui/js/sse.js");
+        const url = `/v1/jobs/${jobId}/stream`;
+        const collect = (last) => new Promise((resolve) => {
+            const got = [];
+            new JobStream(url, token, {onBatch: (m) => got.push(...m), onStatus: (s) => s === "ended" && resolve(got)}, last).start();
+        });
+        const key = (m) => JSON.stringify([m.event, m.data]);
+        const all = (await collect(null)).filter((m) => m.event !== "end");
+        const middle = Math.floor(all.length / 2);
+        const rest = (await collect(all[middle].id)).filter((m) => m.event !== "end");
+        const raw = await (await fetch(url, {headers: {Authorization: `Bearer ${token}`}})).text();
+        const parser = new SseParser(), split = [];
+        for (const ch of raw) split.push(...parser.push(ch));
+        return {
+            total: all.length, metrics: all.filter((m) => m.event === "metric").length,
+            resumedExactly: JSON.stringify(rest.map(key).sort()) === JSON.stringify(all.slice(middle + 1).map(key).sort()),
+            parsedAlike: JSON.stringify(split.filter((m) => m.event !== "end").map(key)) === JSON.stringify(all.map(key)),
+        };
+    }""", [train_id, service.token])
+    assert resume["metrics"] >= 6 and resume["resumedExactly"] and resume["parsedAlike"], resume
+
     # The view survives a reload: the tab is in the URL and the stream replays the logs.
     page.click('button[data-tab="logs"]')
     assert "tab=logs" in page.url
