@@ -15,7 +15,9 @@ from app.settings import Settings
 
 def isolated_settings(var_dir: Path, database_url: str | None = None, **overrides: Any) -> Settings:
     """Settings whose files all live under ``var_dir`` (SQLite unless ``database_url`` is given), migrated."""
-    settings = Settings(var_dir=var_dir, database_url=database_url or "", **overrides)
+    # Everything that locates state is passed explicitly, so LLMJOBS_* variables of the caller's shell never leak in.
+    where: dict[str, Any] = {"broker_url": "", "redis_url": None, "data_roots": [], "runs_dir": None}
+    settings = Settings(var_dir=var_dir, database_url=database_url or "", **{**where, **overrides})
     settings.ensure_dirs()
     upgrade_head(settings.database_url)
     return settings

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from app.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("LLMJOBS_")]:
+        monkeypatch.delenv(name)
 
 
 def test_embedded_defaults_live_under_var_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
