@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import _LAYER_COPIES, fuse_fc1, fuse_qkv, hf_from_native, native_keys
@@ -188,11 +189,14 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, shape), (got, t) in zip(plan, tensors, strict=True):
-            if got != name or tuple(t.shape) != tuple(shape):
-                raise RuntimeError(f"writer expected {name} {list(shape)}, got {got} {list(t.shape)}")
-            t = t.detach().to(dtype).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        writer = BackgroundWriter(lambda t: f.write(tensor_bytes(t)), name=f"write-{path.name}")
+        try:
+            for (name, shape), (got, t) in zip(plan, tensors, strict=True):
+                if got != name or tuple(t.shape) != tuple(shape):
+                    raise RuntimeError(f"writer expected {name} {list(shape)}, got {got} {list(t.shape)}")
+                writer.put(t.detach().to(dtype).contiguous())
+        finally:
+            writer.close()
 
 
 def plan_shards(entries: list[tuple[str, tuple[int, ...]]], elem_bytes: int,

@@ -167,6 +167,17 @@ def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any) ->
     return path, [path / "adapter_model.safetensors"]
 
 
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS. VmHWM, not ru_maxrss: the latter keeps the parent's size across fork + exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     """Convert ``spec.load_dir`` into ``spec.save_dir``; returns (outputs, summary) for result.json."""
     start = time.perf_counter()
@@ -191,7 +202,7 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
         "pipeline_parallel": spec.target_pipeline_parallel_size if spec.save_model_type == "mg" else 1,
         "files": len(files), "bytes": sum(sizes), "largest_file_bytes": max(sizes, default=0),
         "lora_merged": bool(hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf),
-        "seconds": round(seconds, 3), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "seconds": round(seconds, 3), "peak_rss_mb": round(_peak_rss_bytes() / 2**20, 1),
     }
     log.info("converted %s -> %s in %.1fs (%d files, %.1f MB)", spec.load_dir, out, seconds, len(files), sum(sizes) / 1e6)
     return {"checkpoint": str(out.resolve())}, summary

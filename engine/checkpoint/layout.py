@@ -54,25 +54,18 @@ def split_rule(key: str) -> Rule:
     return "rep"
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A compact copy when ``t`` is a view: torch.save writes a view's whole storage, not just the view."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
-        t = t.clone()
-    return t
-
-
 def shard(t: torch.Tensor, rule: Rule, tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of the full tensor ``t`` (a compact tensor, safe to ``torch.save``)."""
+    """Rank ``rank``'s piece of the full tensor ``t`` (may be a view: ``.contiguous().clone()`` before ``torch.save``,
+    which would otherwise write the whole underlying storage)."""
     if rule == "rep" or tp == 1:
-        return _own(t)
+        return t
     if rule == "glu":
         gate, up = torch.chunk(t, 2, dim=0)
         return torch.cat([torch.chunk(gate, tp, 0)[rank], torch.chunk(up, tp, 0)[rank]], dim=0)
     dim = 0 if rule == "dim0" else 1
     if t.shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by TP {tp}")
-    return _own(torch.chunk(t, tp, dim)[rank])
+    return torch.chunk(t, tp, dim)[rank]
 
 
 def merge(shards: list[torch.Tensor], rule: Rule) -> torch.Tensor:

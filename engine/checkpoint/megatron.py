@@ -26,8 +26,8 @@ import torch
 
 from engine.checkpoint.hf import DTYPES, as_getter, staging
 from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
-                                      native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule,
-                                      _own)
+                                      native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
+from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora
@@ -181,6 +181,7 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
     args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
     out, files = Path(out_dir), []
+    full_shapes = native_shapes(cfg)
     total = tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks)
     done = 0
     with staging(out) as tmp:
@@ -188,17 +189,22 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
         for p, chunks in enumerate(stages):
             for t in range(tp):
                 state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+                plan: list[tuple[LazyTensor, str]] = []
                 for chunk in chunks:
                     tensors = state["model" if len(chunks) == 1 else f"model{chunk.index}"] = {}
                     for local, native in chunk_keys(cfg, chunk, pp):
-                        tensors[local] = _own(get_shard(native, tp, t).to(dtype))
+                        shape = shard_shape(full_shapes[native], split_rule(native), tp)
+                        tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
+                        plan.append((tensors[local], native))
+                rank_dir = it_dir / rank_dir_name(t, p, pp)
+                rank_dir.mkdir(parents=True)
+                # The pickle goes first from shapes; each shard is then written while the next one is cut.
+                with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
+                    for lazy, native in plan:
+                        writer.write(lazy, get_shard(native, tp, t).to(dtype))
                         done += 1
                         if progress:
                             progress(done, total)
-                rank_dir = it_dir / rank_dir_name(t, p, pp)
-                rank_dir.mkdir(parents=True)
-                torch.save(state, rank_dir / MODEL_FILE)
-                del state, tensors
                 files.append(out / it_dir.name / rank_dir.name / MODEL_FILE)
         (tmp / TRACKER).write_text(str(iteration))
     return files
