@@ -213,6 +213,7 @@ def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host
     try:
         mark_running(settings, work, proc.pid, plan.argv, host)
         notify(settings.redis_url, job_id, state=1)
+        advance_parent(settings, job_id)  # a pipeline runs once its step does
         code, stop = watch_node(settings, work, proc, ingestor)
     finally:
         if proc.poll() is None:  # an exception above: never leave the engine running unsupervised
