@@ -9,13 +9,16 @@ and everything has been sent.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 import anyio
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.db import session_scope
 from app.models import Event, Job, LogLine, MetricPoint
@@ -51,28 +54,41 @@ def _iso(value: Any) -> str:
 
 def fetch(settings: Settings, job_id: str, cursor: Cursor) -> tuple[list[dict[str, Any]], Cursor, bool]:
     """New rows after ``cursor`` as SSE messages, the advanced cursor, and whether the job was terminal before."""
-    messages: list[dict[str, Any]] = []
     with session_scope(settings.database_url) as session:
         # Read the state first: if it is terminal now, every row the worker wrote is already committed.
         terminal = JobState(session.scalar(select(Job.state).where(Job.id == job_id))).is_terminal()
-        for event in session.scalars(select(Event).where(Event.job_id == job_id, Event.id > cursor.event).order_by(Event.id).limit(BATCH)):
-            cursor = replace(cursor, event=event.id)
-            kind = "state" if event.type == "state" else "event"
-            payload = {"id": event.id, "type": event.type, "level": event.level, "message": event.message,
-                       "data": event.data, "time": _iso(event.time)}
-            messages.append({"event": kind, "id": str(cursor), "data": json.dumps(payload)})
-        points = list(session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.id > cursor.metric)
-                                      .order_by(MetricPoint.id).limit(BATCH * 4)))
-        for group in _group_points(points):
-            cursor = replace(cursor, metric=group[-1].id)
-            payload = {"step": group[0].step, "rank": group[0].rank, "time": _iso(group[0].time),
-                       "metrics": {p.name: p.value for p in group}}
-            messages.append({"event": "metric", "id": str(cursor), "data": json.dumps(payload)})
-        for line in session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > cursor.log).order_by(LogLine.id).limit(BATCH * 4)):
-            cursor = replace(cursor, log=line.id)
-            payload = {"stream": line.stream, "seq": line.seq, "text": line.text, "time": _iso(line.time)}
-            messages.append({"event": "log", "id": str(cursor), "data": json.dumps(payload)})
+        feeds = [_events(session, job_id, cursor.event), _metrics(session, job_id, cursor.metric),
+                 _logs(session, job_id, cursor.log)]
+    messages = []
+    # Interleave the three feeds by time; each keeps its id order, so every message's cursor stays exact.
+    for when, feed, row_id, name, payload in heapq.merge(*feeds, key=lambda item: item[0]):
+        cursor = replace(cursor, **{feed: row_id})
+        messages.append({"event": name, "id": str(cursor), "data": json.dumps(payload)})
     return messages, cursor, terminal
+
+
+Item = tuple[datetime, str, int, str, dict[str, Any]]  # (time, cursor field, row id, SSE event name, payload)
+
+
+def _events(session: Session, job_id: str, after: int) -> list[Item]:
+    rows = session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id).limit(BATCH))
+    return [(e.time, "event", e.id, "state" if e.type == "state" else "event",
+             {"id": e.id, "type": e.type, "level": e.level, "message": e.message, "data": e.data, "time": _iso(e.time)})
+            for e in rows]
+
+
+def _metrics(session: Session, job_id: str, after: int) -> list[Item]:
+    points = list(session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.id > after)
+                                  .order_by(MetricPoint.id).limit(BATCH * 4)))
+    return [(g[0].time, "metric", g[-1].id, "metric", {"step": g[0].step, "rank": g[0].rank, "time": _iso(g[0].time),
+                                                      "metrics": {p.name: p.value for p in g}})
+            for g in _group_points(points)]
+
+
+def _logs(session: Session, job_id: str, after: int) -> list[Item]:
+    rows = session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after).order_by(LogLine.id).limit(BATCH * 4))
+    return [(line.time, "log", line.id, "log", {"stream": line.stream, "seq": line.seq, "text": line.text,
+                                                "time": _iso(line.time)}) for line in rows]
 
 
 def _group_points(points: list[MetricPoint]) -> list[list[MetricPoint]]:

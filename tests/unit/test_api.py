@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,18 @@ def test_openapi_has_every_kind(client: TestClient) -> None:
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     assert {"PreprocessSpec", "TrainSpec", "ConvertSpec", "EvalSpec", "PipelineSpec"} <= set(schemas)
     assert "global_batch_size" in schemas["TrainSpec"]["properties"]
+
+
+def test_stream_interleaves_feeds_by_time(client: TestClient, token: str, settings: Settings) -> None:
+    job_id = submit(client, token, spec()).json()["id"]
+    base = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    with session_scope(settings.database_url) as session:
+        assert transition(session, job_id, JobState.cancelled)
+        session.execute(insert(Event), [{"job_id": job_id, "type": "warning", "message": m, "data": {},
+                                         "time": base + timedelta(seconds=s)} for m, s in (("first", 1), ("third", 3))])
+        session.execute(insert(LogLine), [{"job_id": job_id, "stream": "launcher", "seq": 0, "text": "second",
+                                           "time": base + timedelta(seconds=2)}])
+        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": 1, "name": "lm_loss", "value": 1.0,
+                                               "time": base + timedelta(seconds=4)}])
+    messages = [m for m in _sse(client, job_id, token) if m["event"] in ("event", "log", "metric")]
+    assert [m["data"].get("message") or m["data"].get("text") or m["event"] for m in messages] == ["first", "second", "third", "metric"]
