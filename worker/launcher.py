@@ -28,7 +28,6 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
-    nproc: int = 1
 
 
 def engine_args(kind: str, run_dir: Path) -> list[str]:
@@ -55,7 +54,7 @@ def build_launch(
                      "--rdzv-endpoint", f"{rdzv.master_addr}:{rdzv.master_port}", "--rdzv-id", job_id or "llmjobs"]
         argv += engine_args(kind, run_dir)
     return LaunchPlan(argv=argv, env=build_env(spec, job_id=job_id, run_dir=run_dir, base_env=base_env, devices=devices),
-                      cwd=run_dir, nproc=res.nproc_per_node)
+                      cwd=run_dir)
 
 
 def build_env(spec: JobBase, *, job_id: str, run_dir: Path, base_env: Mapping[str, str] | None = None,
