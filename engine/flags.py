@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import types
 import typing
 from pathlib import Path
@@ -98,6 +99,16 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _resources_from_torchrun(data: dict[str, Any]) -> None:
+    """Under torchrun the job's size is the launcher's: without explicit resources, take WORLD_SIZE and
+    LOCAL_WORLD_SIZE so the spec's layout checks (TP × PP divides the world) see the real world size."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    resources = data.setdefault("resources", {})
+    if world > 1 and "nproc_per_node" not in resources and "nnodes" not in resources:
+        local = local if local and world % local == 0 else world
+        resources.update(nproc_per_node=local, nnodes=world // local)
+
+
 def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[str]]:
     """Parse a command line into (spec, run_dir, ignored flags). Raises SystemExit(2) on an unknown flag."""
     parser = build_parser(kind)
@@ -122,6 +133,7 @@ def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[
             data[key] = value[0] if isinstance(value, list) and len(value) == 1 else value
     if ns._nproc:
         data.setdefault("resources", {})["nproc_per_node"] = ns._nproc
+    _resources_from_torchrun(data)
     if ignored:
         log.warning("ignored flags (no effect in this engine): %s", " ".join(ignored))
     return parse_spec(data), Path(ns._run_dir), ignored

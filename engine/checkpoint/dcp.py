@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from engine.parallel.pipeline_parallel import dcp_state_view
+
 STATE_DIR = "train_state"
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -124,6 +126,7 @@ def save(
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model, options=_options(trainable_only))}
+    state, _ = dcp_state_view(state, model, "save")  # TP/PP layout -> the native global tensors
     dcp.save(state, checkpoint_id=str(tmp))
     if save_rng:
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -154,12 +157,14 @@ def load(
     opts = _options(trainable_only, strict=not trainable_only)
     if optimizer is not None and meta.get("has_optimizer"):
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(ckpt))
+        view, finish = dcp_state_view({"model": model_sd, "optim": optim_sd}, model, "load")
+        dcp.load(view, checkpoint_id=str(ckpt))
+        state = finish()
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     else:
-        state = {"model": get_model_state_dict(model, options=opts)}
-        dcp.load(state, checkpoint_id=str(ckpt))
+        view, finish = dcp_state_view({"model": get_model_state_dict(model, options=opts)}, model, "load")
+        dcp.load(view, checkpoint_id=str(ckpt))
+        state = finish()
         set_model_state_dict(model, state["model"], options=opts)
     rng = ckpt / f"rng_rank{dist.get_rank()}.pt"
     if load_rng and rng.is_file():

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from engine.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
 
+WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
 TIED_COPY_ATTR = "_llmjobs_tied_copy"  # marks a last stage's copy of a tied embedding (excluded from norms / DCP)
 
 
@@ -98,15 +99,19 @@ class StageModule(nn.Module):
 
 @dataclasses.dataclass
 class Pipeline:
-    """This rank's stages and the schedule that runs one global step's micro-batches through them."""
+    """This rank's stages and the schedule that runs one global step's micro-batches through them.
+
+    Stages exchange activations of a shape fixed when a ``PipelineStage`` first runs, so one set of stages and
+    schedule is built per micro-batch shape (``make_schedule``) and kept: with variable sequence lengths the
+    trainer pads each step to a bucketed width, so only a few shapes ever occur."""
 
     parts: list[nn.Module]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
-    stages: list[PipelineStage]
-    schedule: Any
+    make_schedule: Callable[[], Any]
     is_first: bool
     is_last: bool
     pp_mesh: DeviceMesh
     _norm: dict[str, Any] = dataclasses.field(default_factory=dict)  # "tokens": global token count of the step
+    _schedules: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -125,7 +130,10 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.is_first else ()
         target = labels if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        key = (tuple(input_ids.shape), segment_ids is not None)
+        if key not in self._schedules:
+            self._schedules[key] = self.make_schedule()
+        self._schedules[key].step(*args, target=target, losses=losses, **kwargs)
         sync_tied_grads(self)
         if not self.is_last:
             return torch.zeros(())
@@ -176,18 +184,18 @@ def build_pipeline(
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
     device = _local(next(iter(parts[0].parameters()))).device
-    stages = [
-        PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
-        for part, s in zip(parts, stage_ids)
-    ]
-    norm: dict[str, Any] = {"tokens": 1.0}
     last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
+    norm: dict[str, Any] = {"tokens": 1.0}  # set by every step before the schedule runs
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None)
-    if n_stages == pp:
-        schedule = Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(parts, stages, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh, norm)
+
+    def make_schedule() -> Any:
+        stages = [PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
+                  for part, s in zip(parts, stage_ids)]
+        if n_stages == pp:
+            return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    return Pipeline(parts, make_schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh, norm)
 
 
 # ------------------------------------------------------------------ tied embedding group
@@ -327,14 +335,16 @@ class PipelineModel(nn.Module):
         self.decoder.final_layernorm = parts[-1].decoder.final_layernorm
         self.output_layer = parts[-1].output_layer
         object.__setattr__(self, "pipeline", pipe)
-        self.width = width  # every micro-batch is padded to (rows, width): stages exchange fixed shapes
+        self.width = width  # the widest micro-batch a step can have; steps pad to a multiple of WIDTH_BUCKET
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError("a pipeline rank runs through forward_backward(), not forward()")
 
     def forward_backward(self, batches: Sequence[Any], denominator: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """Run the step's micro-batches; returns the summed token loss (last stage; zeros elsewhere)."""
-        ids, labels, pos, seg = stack_micro_batches(batches, self.width)
+        longest = max(mb.input_ids.shape[1] for mb in batches)
+        width = min(self.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few distinct shapes -> few schedules
+        ids, labels, pos, seg = stack_micro_batches(batches, width)
         device = _local(next(iter(self.pipeline.parts[0].parameters()))).device
         normaliser = float(denominator) / loss_scale
         scaled = self.pipeline.step(ids.to(device), labels.to(device), pos.to(device),
@@ -395,3 +405,45 @@ def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -
     """Columns of every micro-batch under PP: one packed row of ``micro_batch_size`` samples, or one padded row per
     sample (samples are shifted, so a sample has at most seq_length - 1 tokens)."""
     return micro_batch_size * (seq_length - 1) if padding_free else seq_length - 1
+
+
+# ------------------------------------------------------------------ spec -> pipeline (the trainer's entry points)
+
+
+def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int) -> None:
+    """BadInput (naming the flag) for a TP/PP layout this model and batch cannot use; run before any work."""
+    from engine.parallel.tensor_parallel import check_tensor_parallel
+    from engine.runfiles import BadInput
+
+    try:
+        check_tensor_parallel(cfg, dims.tp)
+    except ValueError as err:
+        raise BadInput(str(err), "tensor_model_parallel_size") from err
+    vpp = spec.num_layers_per_virtual_pipeline_stage
+    if vpp is not None and dims.pp == 1:
+        raise BadInput("num_layers_per_virtual_pipeline_stage: needs pipeline_model_parallel_size > 1",
+                       "num_layers_per_virtual_pipeline_stage")
+    try:
+        layout = stage_layers(cfg.num_layers, dims.pp, spec.num_layer_list, vpp)
+    except ValueError as err:
+        field = str(err).split(":", 1)[0]
+        raise BadInput(str(err), field) from err
+    n_micro = global_batch_size // (spec.micro_batch_size * dims.dp)
+    if len(layout) > dims.pp and n_micro % dims.pp:
+        raise BadInput(
+            f"global_batch_size: the interleaved schedule needs the number of micro-batches (global_batch_size / "
+            f"(micro_batch_size × DP) = {n_micro}) to be a multiple of PP ({dims.pp})", "global_batch_size")
+
+
+def build_pipeline_model(
+    model: nn.Module, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
+    parallelize_part: Callable[[nn.Module], nn.Module],
+) -> PipelineModel:
+    """This rank's stages of ``model`` (split by the spec's PP flags), parallelized and scheduled."""
+    dp = mesh["dp"].size()
+    pipe = build_pipeline(
+        model, mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
+        num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
+        parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
+    )
+    return PipelineModel(pipe, pipeline_width(seq_length, spec.micro_batch_size, bool(spec.padding_free)))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from engine.checkpoint.hf import save_hf
@@ -30,6 +31,7 @@ from engine.checkpoint.layout import rank_dir_name
 from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, save_mcore
 from engine.model.config import ModelConfig
 from engine.model.lora import merge_lora, to_mindspeed_keys
+from engine.parallel.pipeline_parallel import PipelineModel
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,9 +67,10 @@ def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, it
 
 
 def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
-                 dtype: torch.dtype) -> dict[str, str]:
+                 dtype: torch.dtype, mesh: DeviceMesh | None = None) -> dict[str, str]:
     """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
-    state = full_state_dict(model)
+    # Pipeline ranks hold different layers: each stage gathers its own over TP/DP and sends it to rank 0.
+    state = model.full_state_dict(mesh) if isinstance(model, PipelineModel) else full_state_dict(model)
     outputs = {"checkpoint": str(save), "checkpoint_iteration": str(iteration),
                "checkpoint_dir": str(save / iteration_dir_name(iteration))}
     if dist.get_rank() == 0:
@@ -76,7 +79,8 @@ def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iter
             _write_lora(state, cfg, save, iteration, spec, dtype)
         else:
             save_mcore(state, cfg, save, tp=spec.tensor_model_parallel_size, pp=spec.pipeline_model_parallel_size,
-                       iteration=iteration, dtype=dtype, num_layer_list=spec.num_layer_list)
+                       iteration=iteration, dtype=dtype, num_layer_list=spec.num_layer_list,
+                       vpp_layers=spec.num_layers_per_virtual_pipeline_stage)
         if spec.save_hf:
             weights = merged_weights(state, spec.lora_alpha, spec.lora_r) if lora else state
             save_hf(weights, cfg, save / "hf", dtype=dtype)

@@ -30,6 +30,7 @@ from engine.model.config import ModelConfig
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype, parallelize
+from engine.parallel.pipeline_parallel import build_pipeline_model, check_parallel_layout
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
@@ -92,9 +93,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     """Validate the job against its files; BadInput (exit 2, no retry) for anything the user must fix."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    if tp > 1 or pp > 1:
-        raise BadInput("tensor_model_parallel_size / pipeline_model_parallel_size: only 1 is supported so far "
-                       "(data parallel over every rank)", "tensor_model_parallel_size")
     try:
         dims = ParallelDims.from_world(world, tp, pp)
     except ValueError as err:
@@ -114,6 +112,7 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
+    check_parallel_layout(spec, cfg, dims, gbs)
     save = Path(spec.save) if spec.save else run.path / "checkpoints"
     return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))
 
@@ -151,12 +150,16 @@ class Trainer:
             model.load_state_dict({k: loaded.get(k).float() for k in keys}, strict=True)
         else:
             model.init_weights(self.spec.seed)  # overwritten below when weights come from a DCP checkpoint
-        model.to(self.device.torch_device)
+        if self.plan.dims.pp == 1:
+            model.to(self.device.torch_device)
         if self.lora:
             from engine.model.lora import apply_lora
 
             apply_lora(model, self.spec.lora_r, self.spec.lora_alpha, self.spec.lora_dropout,
                        self.spec.lora_target_modules, seed=self.spec.seed)
+        if self.plan.dims.pp > 1:  # split on the host, then each stage part goes to the device and is parallelized
+            return build_pipeline_model(model, self.mesh, self.spec, self.plan.global_batch_size, self.plan.seq_length,
+                                        lambda part: parallelize(part.to(self.device.torch_device), self.mesh, self.spec))
         return parallelize(model, self.mesh, self.spec)
 
     def _restore(self) -> str | None:
@@ -234,7 +237,8 @@ class Trainer:
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
-        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
+        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self.dtype,
+                               mesh=self.mesh)
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir
         summary = {

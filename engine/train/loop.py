@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.model.loss import chunked_cross_entropy
+from engine.parallel.pipeline_parallel import PipelineModel
+from engine.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from engine.train.batches import MicroBatch
 from engine.train.metrics import StepRecord
 from engine.train.optim import LossScaler, clip_grads, total_grad_norm
@@ -50,6 +52,8 @@ def _global_counts(batches: Sequence[MicroBatch], group: dist.ProcessGroup | Non
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, chunk_size: int) -> torch.Tensor:
     """Sum of the token losses of one micro-batch (fp32 scalar), never materialising (tokens × vocab) logits."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
+    if getattr(model, "tp_mesh", None) is not None:  # tensor parallel: vocab-sharded head (sequence-sharded hidden)
+        return vocab_parallel_cross_entropy(hidden, model.output_weight(), mb.labels, chunk_size)[0]
     # Only rows with a label go through the head: the indices were computed on the host, so no device sync here.
     rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)  # (N, H)
     loss_sum, _ = chunked_cross_entropy(rows, model.output_weight(), mb.loss_labels, chunk_size)
@@ -75,14 +79,18 @@ def train_step(
     counts = _global_counts(batches, dp_group, device)
     denominator = counts[0].clamp(min=1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for mb in batches:
+    pipeline = isinstance(model, PipelineModel)
+    if pipeline:  # the schedule runs every micro-batch; the same normalisation is applied on the last stage
+        loss_sum += model.forward_backward(batches, denominator, scaler.scale)
+    for mb in [] if pipeline else batches:
         mb = mb.to(device)
         part = micro_batch_loss(model, mb, chunk_size)
         (part * (scaler.scale / denominator)).backward()
         loss_sum += part.detach()
     if scaler.scale != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
-    grad_norm = total_grad_norm(params)
+    # Pipeline: per-stage norms (a tied embedding counted once) combined over the stages.
+    grad_norm = model.combine_grad_norm(total_grad_norm(model.grad_norm_parameters())) if pipeline else total_grad_norm(params)
     skipped = not bool(torch.isfinite(grad_norm))  # the one host sync of the step
     if not skipped:
         clip_grads(params, clip_grad, grad_norm)
@@ -91,6 +99,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     scaler.update(skipped)
     dist.all_reduce(loss_sum, group=dp_group)  # for the logged loss only; read at the next log flush
+    if pipeline:
+        model.reduce_loss(loss_sum)  # the loss exists on the last stage only
     state.iteration += 1
     state.consumed_samples += global_batch_size
     state.skipped_iterations += int(skipped)

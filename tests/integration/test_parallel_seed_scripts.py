@@ -1,0 +1,55 @@
+"""The seed's full-SFT script (seed 004, tiny model, paths changed) under TP=1 PP=2, TP=2 and TP=2×PP=2 with
+``python -m engine train`` under torchrun: the same losses and grad norms as one process, and the final checkpoint
+in the seed's mcore layout for that TP/PP (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``).
+
+The flags and assets are test_train_seed_scripts.py's (the seed's lines verbatim but for the shape and paths); here
+only the parallel sizes change. The seed trains in bf16, so layouts agree to bf16 rounding, not to fp32 precision
+(the fp32 step-by-step parity of every layout is test_parallel_layouts.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_seed_scripts import FULL, TRAIN_ITERS, _run, seed_assets  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def _flags(tp: int, pp: int) -> str:
+    return FULL.replace("--tensor-model-parallel-size 1", f"--tensor-model-parallel-size {tp}").replace(
+        "--pipeline-model-parallel-size 1", f"--pipeline-model-parallel-size {pp}")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(seed_assets: dict[str, Path]) -> list[dict]:  # noqa: F811
+    _, run_dir = _run(_flags(1, 1), seed_assets, "par_ref", 1)
+    return _metrics(run_dir)
+
+
+@pytest.mark.parametrize(("tp", "pp", "nproc"), [(1, 2, 2), (2, 1, 2), (2, 2, 4)])
+def test_seed_full_sft_parallel(seed_assets: dict[str, Path], one_process: list[dict], tp: int, pp: int,  # noqa: F811
+                                nproc: int) -> None:
+    save, run_dir = _run(_flags(tp, pp), seed_assets, f"par_tp{tp}pp{pp}", nproc)
+    rows = _metrics(run_dir)
+    assert [r["iteration"] for r in rows] == list(range(1, TRAIN_ITERS + 1))
+    for row, ref in zip(rows, one_process):
+        assert row["lm_loss"] == pytest.approx(ref["lm_loss"], rel=2e-3), (tp, pp, row["iteration"])
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2), (tp, pp, row["iteration"])
+    summary = json.loads((run_dir / "result.json").read_text())["summary"]
+    assert summary["world_size"] == nproc
+    it_dir = save / f"iter_{TRAIN_ITERS:07d}"
+    names = sorted(p.name for p in it_dir.iterdir())
+    expected = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)]
+    assert names == sorted(expected)
+    first = torch.load(it_dir / expected[0] / "model_optim_rng.pt", weights_only=False)
+    assert first["model"]["embedding.word_embeddings.weight"].shape == (151936 // tp, 64)
+    assert first["args"].tensor_model_parallel_size == tp and first["args"].pipeline_model_parallel_size == pp
