@@ -12,6 +12,20 @@ const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"
 // Steps are integers: tick every 1, 2, 5, 10, 20, 50, ... steps, never at 1.5.
 const STEP_INCRS = Array.from({length: 24}, (_, i) => [1, 2, 5][i % 3] * 10 ** Math.floor(i / 3));
 
+/** Tick labels: short ("3e-4", "0.25", "12,000"); float noise from the tick maths rounded away. */
+function tick(v) {
+  if (v === null || v === undefined) return "";
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e7)) return Number(v.toPrecision(6)).toExponential();
+  return Number(v.toPrecision(6)).toLocaleString("en-US", {maximumFractionDigits: 6});
+}
+
+/** The y axis as wide as its longest label (about 7 px a character at 12 px). */
+function axisWidth(u, values) {
+  const longest = Math.max(3, ...(values || []).map((v) => String(v).length));
+  return 18 + 7 * longest;
+}
+
 export class LiveChart {
   /** parent: element to append to; title: text; series: [Series] (series.js). */
   constructor(parent, title, series, {height = 200} = {}) {
@@ -40,7 +54,7 @@ export class LiveChart {
           value: (u, v) => num(v),
         })),
       ],
-      axes: [{incrs: STEP_INCRS}, {size: 64, values: (u, ticks) => ticks.map((t) => num(t))}],
+      axes: [{incrs: STEP_INCRS}, {size: axisWidth, values: (u, ticks) => ticks.map(tick)}],
       cursor: {drag: {x: true, y: false, setScale: false}},
       hooks: {setSelect: [(u) => this.onSelect(u)]},
     };

@@ -88,7 +88,7 @@ export function renderSubmit(root) {
   function showErrors(list, positionOf = () => undefined) {
     fill(errors, h("ul", {}, list.map((e, i) => h("li", {dataset: {field: e.field || ""}},
       e.field ? h("button", {class: "link field", onclick: () => focusField(e.field, positionOf(e, i))}, e.field) : null,
-      e.field ? " " : null, e.message))));
+      e.field ? ": " : null, e.field && e.message.startsWith(`${e.field}: `) ? e.message.slice(e.field.length + 2) : e.message))));
   }
 
   async function submit(event) {
