@@ -14,6 +14,7 @@ same on every retry), ``webhook-timestamp`` (unix seconds of this attempt) and `
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import anyio
 import httpx
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -256,10 +258,6 @@ def create_webhook(session: Session, team: str, url: str, events: list[str], sec
 
 async def send_forever(settings: Settings) -> None:
     """The API lifespan's task: a sender pass every ``webhook_poll_s``, run in a thread."""
-    import asyncio
-
-    import anyio
-
     sender = Sender(settings)
     try:
         while True:
