@@ -69,7 +69,7 @@ def settle_cancel(settings: Settings, job_id: str) -> bool:
     """cancelling -> cancelled once no node of the job is launching or running (their processes are gone)."""
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
-        if job is None or job.state != JobState.cancelling.value:
+        if job is None or job.state != JobState.cancelling.value or job.kind == "pipeline":  # settled by its steps
             return False
         drop_unlaunched(session, job_id, job.attempt_count)
         busy = session.scalar(select(JobNode.id).where(JobNode.job_id == job_id,

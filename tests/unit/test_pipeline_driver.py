@@ -14,6 +14,7 @@ from app import pipelines
 from app.db import session_scope
 from app.main import create_app
 from app.models import Job
+from app.recovery import recover
 from app.services.jobs import transition
 from app.settings import Settings
 from app.states import JobState
@@ -135,6 +136,8 @@ def test_cancel_stops_the_running_step_and_the_rest(client: TestClient, token: s
     cancelled = client.post(f"/v1/jobs/{pipeline['id']}/cancel", headers=auth(token))
     assert cancelled.status_code == 202 and cancelled.json()["state"] == "cancelling"
     assert get(client, token, second)["state"] == "cancelling"  # the worker now stops its processes
+    recover(settings)  # the reconciler's cancel settling leaves a pipeline to its steps
+    assert get(client, token, pipeline["id"])["state"] == "cancelling"
     with session_scope(settings.database_url) as session:
         transition(session, second, JobState.cancelled)
     pipelines.advance_parent(settings, second)
