@@ -54,6 +54,7 @@ export function renderJob(root, {params: [jobId], query}) {
     }
     renderHead();
     renderOverview();
+    if (job.kind === "pipeline") metrics.empty.textContent = "A pipeline's metrics, logs and artifacts belong to its steps' jobs (linked above).";
     fill(panels.spec, h("div", {class: "toolbar"},
       h("button", {onclick: () => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(job.spec, null, 2)); go("#/submit"); }}, "Edit & resubmit")),
     h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2)));
@@ -90,8 +91,19 @@ export function renderJob(root, {params: [jobId], query}) {
       job.pending_reason && !TERMINAL.has(job.state) ? h("div", {class: "notice", id: "pending-reason"}, h("b", {}, "Waiting: "), job.pending_reason) : null,
       job.error ? h("div", {class: "failure", id: "job-error"}, h("b", {}, job.error.code), job.error.message ? `: ${job.error.message}` : "",
         job.error.log_tail ? h("details", {open: true}, h("summary", {}, "last log lines"), h("pre", {class: "log small"}, job.error.log_tail)) : null) : null,
+      job.parent_id ? h("p", {}, "Step of pipeline ", h("a", {href: `#/jobs/${job.parent_id}`, class: "mono"}, job.parent_id)) : null,
       progressBar(),
+      job.steps ? stepsTable(job.steps) : null,
       h("div", {class: "overview-grid"}, keyValues(facts), job.result ? resultBox(job.result) : null));
+  }
+
+  function stepsTable(steps) {
+    return h("table", {class: "steps", id: "pipeline-steps"},
+      h("thead", {}, h("tr", {}, ["Step", "Kind", "State", "Job"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, steps.map((step) => h("tr", {dataset: {step: step.name}},
+        h("td", {}, step.name), h("td", {}, step.kind),
+        h("td", {}, stateBadge(step.state), step.reason ? h("div", {class: "muted small"}, step.reason) : null),
+        h("td", {}, step.job_id ? h("a", {href: `#/jobs/${step.job_id}`, class: "mono small"}, step.job_id) : "—")))));
   }
 
   function progressBar() {

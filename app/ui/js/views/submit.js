@@ -25,6 +25,13 @@ export const TEMPLATES = {
     log_interval: 1, is_instruction_dataset: true, finetune: true, stage: "sft", ...TINY_QWEN3,
   },
 };
+TEMPLATES["pipeline: preprocess, then train on its output"] = {
+  kind: "pipeline", name: "demo-pipeline", steps: [
+    {name: "preprocess", spec: {...TEMPLATES["preprocess (demo data)"], name: undefined, output_prefix: "demo/out/pipeline"}},
+    {name: "train", spec: {...TEMPLATES["train (tiny model on the preprocessed demo)"], name: undefined,
+      data_path: ["${steps.preprocess.outputs.data_path}"]}},
+  ],
+};
 
 export function renderSubmit(root) {
   const draft = sessionStorage.getItem(DRAFT_KEY);
@@ -161,12 +168,14 @@ async function latestPreprocessOutput() {
 
 /** [start, end) of the key named by an API error field ("resources.nproc_per_node", "data_path.0"), or null. */
 export function locate(text, field) {
-  let from = 0, found = null;
+  let from = 0, found = null, skip = 0;
   for (const part of field.split(".")) {
-    if (/^\d+$/.test(part)) continue;  // a list index: the key before it is the best place to point at
+    // A list index k: the next key is looked for as its (k+1)-th occurrence ("steps.1.spec" = the second step's spec).
+    if (/^\d+$/.test(part)) { skip = Number(part); continue; }
     const re = new RegExp(`"${part.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}"\\s*:`, "g");
     re.lastIndex = from;
-    const m = re.exec(text);
+    let m = re.exec(text);
+    for (; m && skip > 0; skip--) m = re.exec(text);
     if (!m) break;
     found = [m.index, m.index + m[0].length - 1];
     from = re.lastIndex;
