@@ -124,3 +124,27 @@ def test_missing_data_files_exit_2_with_message(tmp_path: Path):
     assert error["type"] == "error" and error["data"]["field"] == "data_path"
     assert "no indexed dataset for prefix" in error["message"] and "nowhere/sft" in error["message"]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fp16_overflow_skips_iterations_then_trains(data: str, tmp_path: Path):
+    # Too large a loss scale overflows the fp16 gradients: the iteration is skipped (no optimizer or LR step, counted
+    # as skipped), the scale halves (hysteresis 1) and training proceeds; the logged scale is the one after the step.
+    spec = tiny_spec(data, fp16=True, train_iters=4, hysteresis=1, initial_loss_scale=2.0**17)
+    _, summary = _train(spec, tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
+    assert [r["skipped_iterations"] for r in rows] == [1, 0, 0, 0] and summary["skipped_iterations"] == 1
+    assert rows[0]["grad_norm"] is None and rows[1]["grad_norm"] is not None
+    assert [r["loss_scale"] for r in rows] == [2.0**16] * 4
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-2  # the skipped iteration did not advance the warmup
+    assert summary["nan_iterations"] == 0
+
+
+def test_finetune_from_own_training_state_resets_iteration(data: str, tmp_path: Path):
+    first = tiny_spec(data, train_iters=2, save_interval=2, save=str(tmp_path / "a"))
+    _train(first, tmp_path / "run_a")
+    second = tiny_spec(data, train_iters=2, load=str(tmp_path / "a" / "train_state"), finetune=True,
+                       save=str(tmp_path / "b"))
+    _, summary = _train(second, tmp_path / "run_b")
+    assert summary["load_format"] == "native" and summary["start_iteration"] == 0
+    before, after = metric_rows(tmp_path / "run_a"), metric_rows(tmp_path / "run_b")
+    assert after[0]["lm_loss"] < before[0]["lm_loss"]  # starts from the trained weights, not a fresh init
