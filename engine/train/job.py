@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,12 +226,14 @@ class Trainer:
         start = self.state.iteration
         self.model.train()
         for iteration in range(start + 1, spec.train_iters + 1):
+            started = time.perf_counter()
             batches = self._batches(data, iteration)
             record = train_step(
                 self.model, self.optimizer, self.scheduler, self.scaler, batches, self.state,
                 global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad,
                 chunk_size=spec.cross_entropy_chunk_size, dp_group=self.dp_group, device=self.device.torch_device,
             )
+            record.elapsed_s = time.perf_counter() - started  # Megatron's iteration time includes getting the batch
             metrics.record(record)
             if iteration % spec.log_interval == 0:
                 self.run.progress(iteration, spec.train_iters, "iterations")
