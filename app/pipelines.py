@@ -104,7 +104,7 @@ def decide(spec: PipelineSpec, children: dict[str, Job], stopping: bool = False)
             decision = Decision("create", index=index)
             views.append(StepView(step.name, kind, "pending"))
             continue
-        views.append(StepView(step.name, kind, child.state, child.id))
+        views.append(StepView(step.name, kind, child.state, child.id, reason=child.pending_reason))
         if child.state == JobState.succeeded.value:
             done[step.name] = _outputs(child)
         elif child.state in FAILED:
@@ -137,6 +137,14 @@ def step_views(session: Session, job: Job) -> list[dict[str, Any]]:
     spec = PipelineSpec.model_validate(job.spec)
     stopping = job.state in (JobState.cancelling.value, JobState.cancelled.value)
     return [v.public() for v in decide(spec, children_by_step(session, job.id), stopping).views]
+
+
+def waiting_reason(steps: list[dict[str, Any]]) -> str | None:
+    """Why a pipeline waits: its waiting step's pending reason (shown as the pipeline's ``pending_reason``)."""
+    for step in steps:
+        if step["state"] in (JobState.queued.value, JobState.retrying.value) and step["reason"]:
+            return f"step {step['name']}: {step['reason']}"
+    return None
 
 
 def child_body(parent: Job, spec: PipelineSpec, index: int, done: dict[str, dict[str, str]]) -> dict[str, Any]:

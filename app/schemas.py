@@ -25,7 +25,7 @@ class PipelineStepPublic(BaseModel):
     kind: str
     state: str = Field(description="the step's job state, or pending (not submitted yet) / skipped (will not run)")
     job_id: str | None = Field(description="the child job (parent_id = the pipeline); null while pending or skipped")
-    reason: str | None = None
+    reason: str | None = Field(None, description="why it is skipped, or why its job still waits")
 
 
 class JobPublic(BaseModel):

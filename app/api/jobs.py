@@ -18,6 +18,7 @@ from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from app.scheduler import check_fits
 from app.settings import Settings
 from app.services import jobs as service
+from app.states import JobState
 from engine.spec import JobBase, PipelineSpec, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -91,7 +92,9 @@ def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPub
 def _public(session: Session, job: Any) -> JobPublic:
     public = JobPublic.from_row(job)
     if job.kind == "pipeline":
-        public.steps = [PipelineStepPublic(**step) for step in pipelines.step_views(session, job)]
+        steps = pipelines.step_views(session, job)
+        public.steps = [PipelineStepPublic(**step) for step in steps]
+        public.pending_reason = pipelines.waiting_reason(steps) if not JobState(job.state).is_terminal() else None
     return public
 
 

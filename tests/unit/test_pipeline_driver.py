@@ -81,6 +81,7 @@ def get(client: TestClient, token: str, job_id: str) -> dict[str, Any]:
 def test_steps_run_in_order_with_references_resolved(client: TestClient, token: str, settings: Settings) -> None:
     pipeline = submit(client, token)
     assert [s["state"] for s in pipeline["steps"]] == ["queued", "pending", "pending", "pending"]
+    assert pipeline["pending_reason"].startswith("step prep: no live worker serves cpu devices")
     data = settings.data_roots[0]
     outputs = {"prep": {"data_path": str(data / "out/x_packed"), "files": "a"}, "tomg": {"checkpoint": str(data / "mg")},
                "train": {"checkpoint": str(data / "ckpt")}, "tohf": {"checkpoint": str(data / "final/mg2hf")}}
