@@ -193,3 +193,24 @@ def test_the_api_sends_in_the_background(settings: Settings, receiver: Receiver)
         while not receiver.seen and time.monotonic() < deadline:
             time.sleep(0.1)
     assert receiver.seen and verify(hook["secret"], *receiver.seen[0])
+
+
+def test_webhook_migration_is_the_single_head_and_reverts(tmp_path: Path) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine, inspect
+
+    from app.db import ALEMBIC_INI, REPO_ROOT
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    config = Config(str(ALEMBIC_INI))
+    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    config.attributes["database_url"] = url
+    assert len(ScriptDirectory.from_config(config).get_heads()) == 1
+    command.upgrade(config, "0003")
+    command.downgrade(config, "0002")
+    engine = create_engine(url)
+    assert not {"webhooks", "webhook_deliveries", "webhook_attempts"} & set(inspect(engine).get_table_names())
+    engine.dispose()
+    command.upgrade(config, "head")
