@@ -190,6 +190,9 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     page.reload()
     page.wait_for_selector('button[data-tab="logs"].active')
     page.wait_for_function("document.querySelector('pre.log').textContent.includes('iteration 6/')")
+    page.select_option("#log-stream", "rank0")  # one rank's own log
+    page.wait_for_function("document.querySelector('pre.log').textContent.includes('[rank0]')")
+    assert "stream=rank0" in page.url
 
     # Cancel from the page (two clicks).
     with service.client() as client:
@@ -198,6 +201,17 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     page.click("#cancel")
     page.click("#cancel")
     _wait_state(page, "cancelled")
+
+    # Cursor paging, one job a page: newest first, and back.
+    page.goto(f"{service.url}/#/jobs?limit=1")
+    page.wait_for_selector(f'tr[data-job="{cancel_id}"]')
+    page.click("#page-older")
+    page.wait_for_selector(f'tr[data-job="{train_id}"]')
+    page.click("#page-older")
+    page.wait_for_selector(f'tr[data-job="{pre_id}"]')
+    assert page.is_disabled("#page-older")
+    page.click("#page-newer")
+    page.wait_for_selector(f'tr[data-job="{train_id}"]')
     assert time.monotonic() - started < 150
 
 

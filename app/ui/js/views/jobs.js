@@ -1,4 +1,5 @@
-// Job list: state / kind / exact-name filters, cursor paging, auto-refresh. Filters and the page live in the URL.
+// Job list: state / kind / exact-name filters, cursor paging, auto-refresh. Filters, the page and its size
+// (?limit=, default 25) live in the URL.
 
 import {api, KINDS, STATES} from "../api.js";
 import {h, fill} from "../dom.js";
@@ -13,7 +14,7 @@ export function renderJobs(root, {query}) {
   const f = {
     state: query.get("state") || "", kind: query.get("kind") || "", name: query.get("name") || "",
     after: query.get("after") || "", trail: query.get("trail") ? query.get("trail").split(",") : [],
-    refresh: query.get("refresh") !== "off",
+    refresh: query.get("refresh") !== "off", limit: Math.min(200, Math.max(1, Number(query.get("limit")) || PAGE)),
   };
   const stateSel = h("select", {id: "f-state", onchange: () => update({state: stateSel.value})},
     h("option", {value: ""}, "all states"), h("option", {value: ACTIVE}, "active (not finished)"),
@@ -31,7 +32,8 @@ export function renderJobs(root, {query}) {
   const pager = h("div", {class: "pager"});
 
   function save() {
-    setQuery({state: f.state, kind: f.kind, name: f.name, after: f.after, trail: f.trail.join(","), refresh: f.refresh ? "" : "off"});
+    setQuery({state: f.state, kind: f.kind, name: f.name, after: f.after, trail: f.trail.join(","), refresh: f.refresh ? "" : "off",
+      limit: f.limit === PAGE ? "" : f.limit});
   }
 
   function update(change) {
@@ -43,7 +45,7 @@ export function renderJobs(root, {query}) {
   async function load() {
     let page;
     try {
-      page = await api("/v1/jobs", {params: {state: f.state, kind: f.kind, name: f.name, after: f.after, limit: PAGE}});
+      page = await api("/v1/jobs", {params: {state: f.state, kind: f.kind, name: f.name, after: f.after, limit: f.limit}});
     } catch (err) {
       fill(status, errorBox(err));
       return;
@@ -52,9 +54,9 @@ export function renderJobs(root, {query}) {
     fill(body, page.data.length ? page.data.map(row) :
       h("tr", {}, h("td", {colspan: 7, class: "muted empty"}, "No jobs match. ", h("a", {href: "#/submit"}, "Submit one"))));
     fill(pager,
-      h("button", {disabled: !f.after, onclick: () => { Object.assign(f, {after: "", trail: []}); save(); load(); }}, "« Newest"),
-      h("button", {disabled: !f.after, onclick: () => { f.after = f.trail.pop() || ""; save(); load(); }}, "‹ Newer"),
-      h("button", {disabled: !page.has_more, onclick: () => { f.trail.push(f.after); f.after = page.last_id; save(); load(); }}, "Older ›"));
+      h("button", {id: "page-first", disabled: !f.after, onclick: () => { Object.assign(f, {after: "", trail: []}); save(); load(); }}, "« Newest"),
+      h("button", {id: "page-newer", disabled: !f.after, onclick: () => { f.after = f.trail.pop() || ""; save(); load(); }}, "‹ Newer"),
+      h("button", {id: "page-older", disabled: !page.has_more, onclick: () => { f.trail.push(f.after); f.after = page.last_id; save(); load(); }}, "Older ›"));
   }
 
   root.append(h("section", {class: "card"},
