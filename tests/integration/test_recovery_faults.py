@@ -1,9 +1,9 @@
 """More faults with a real worker: a rank killed mid-training fails the attempt (torchrun exits 1, retryable by
-policy) and the job resumes from its checkpoint; a run deadline stops the job and frees its devices."""
+policy) and the job resumes from its checkpoint; 2-slot jobs share a 4-slot host two at a time, and run deadlines
+stop jobs and free their slots."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import psutil
@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from app.db import session_scope
 from app.models import Event, JobNode, Lease
 from app.testing import isolated_settings
-from sched_support import (job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
+from sched_support import (job_processes, job_row, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
                            wait_terminal, write_tiny_data)
 
 pytestmark = pytest.mark.slow
@@ -56,20 +56,27 @@ def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
     assert first.exit_code == 1  # torchrun's exit when a rank dies: retryable by the default policy
 
 
-def test_run_deadline_stops_the_job_and_frees_devices(tmp_path: Path) -> None:
+def test_two_of_three_run_at_once_and_deadlines_free_their_slots(tmp_path: Path) -> None:
+    """3 jobs of 2 CPU slots on a 4-slot host: 2 run at once, the third waits with a reason; each run deadline stops
+    its job, and the devices it frees (once its processes are gone) start the third."""
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3, cancel_grace_s=2)
     data = write_tiny_data(settings.data_roots[0] / "tiny")
-    worker = start_worker(settings, "h1", 1, tmp_path / "h1.log")
+    spec = train_spec(data, train_iters=100000, run_deadline_s=6, max_restarts=3, resources={"nproc_per_node": 2})
+    worker = start_worker(settings, "h1", 4, tmp_path / "h1.log")
     try:
         with reconciler(settings):
-            job_id = submit(settings, train_spec(data, train_iters=100000, run_deadline_s=8, max_restarts=3))
-            started = time.monotonic()
-            row = wait_terminal(settings, job_id, 120)
-            elapsed = time.monotonic() - started
+            a, b, c = (submit(settings, spec) for _ in range(3))
+            wait_for(settings, b, lambda r: r.state == "running" and job_row(settings, a).state == "running", 120,
+                     "running together with the first")
+            waiting = job_row(settings, c)
+            rows = [wait_terminal(settings, j, 180) for j in (a, b, c)]
     finally:
         stop_worker(worker)
-    assert (row.state, row.error_code, row.attempt_count) == ("failed", "run_deadline_exceeded", 1), log_text(settings, job_id)
-    assert elapsed < 60
-    assert job_processes(job_id) == []
+    assert waiting.state == "queued"
+    assert waiting.pending_reason == "waiting for 2 free cpu devices on one host; host h1 has 0 free"
+    for row in rows:
+        assert (row.state, row.error_code, row.attempt_count) == ("failed", "run_deadline_exceeded", 1), log_text(settings, row.id)
+        assert job_processes(row.id) == []
+    assert rows[2].started_at is not None and rows[2].started_at >= min(r.finished_at for r in rows[:2])  # type: ignore[type-var]
     with session_scope(settings.database_url) as session:
         assert session.scalars(select(Lease)).all() == []
