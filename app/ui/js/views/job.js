@@ -60,16 +60,19 @@ export function renderJob(root, {params: [jobId], query}) {
     h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2)));
   }
 
+  let armedUntil = 0;  // two clicks within 4 s cancel, so a stray click never cancels a day of training
   function renderHead() {
-    const cancel = h("button", {class: "danger", id: "cancel", hidden: TERMINAL.has(job.state) || job.state === "cancelling"}, "Cancel job");
-    let armed = false;
+    const armed = () => Date.now() < armedUntil;
+    const cancel = h("button", {class: "danger", id: "cancel", hidden: TERMINAL.has(job.state) || job.state === "cancelling"},
+      armed() ? "Click again to cancel" : "Cancel job");
     cancel.addEventListener("click", async () => {
-      if (!armed) {  // two clicks, so a stray click never cancels a day of training
-        armed = true;
+      if (!armed()) {
+        armedUntil = Date.now() + 4000;
         cancel.textContent = "Click again to cancel";
-        setTimeout(() => { armed = false; cancel.textContent = "Cancel job"; }, 4000);
+        setTimeout(() => { if (!armed()) cancel.textContent = "Cancel job"; }, 4100);
         return;
       }
+      armedUntil = 0;
       cancel.disabled = true;
       try { job = await api(`/v1/jobs/${jobId}/cancel`, {method: "POST"}); renderHead(); renderOverview(); } catch (err) { head.append(errorBox(err)); }
     });
