@@ -141,7 +141,28 @@ export function renderJob(root, {params: [jobId], query}) {
       h("h3", {}, "Result"),
       headline.length ? h("div", {class: "latest"}, headline.map((k) => h("div", {class: "stat big"}, h("span", {class: "muted"}, k), h("b", {}, num(summary[k]))))) : null,
       keyValues(simple, (v) => (typeof v === "number" ? num(v) : String(v)), "cols4"),
+      Object.entries(summary).filter(([, v]) => v !== null && typeof v === "object").map(([k, v]) => nestedBlock(k, v)),
       Object.keys(result.outputs || {}).length ? keyValues(result.outputs, (v) => h("span", {class: "mono small"}, v)) : null);
+  }
+
+  /** A nested summary entry: a list of records or a map of records as a table (eval's confusion, per_label),
+   * anything else as compact key-values. */
+  function nestedBlock(key, value) {
+    const records = Array.isArray(value) ? value.map((r) => ({...r}))
+      : Object.values(value).every((v) => v && typeof v === "object" && !Array.isArray(v))
+        ? Object.entries(value).map(([name, r]) => ({[key === "per_label" ? "label" : "key"]: name, ...r})) : null;
+    const cell = (v) => (typeof v === "number" ? num(v) : typeof v === "object" && v !== null ? JSON.stringify(v) : String(v ?? "—"));
+    let body;
+    if (records && records.length && records.every((r) => r && typeof r === "object")) {
+      const columns = [...new Set(records.flatMap((r) => Object.keys(r)))];
+      body = h("table", {class: "summary-table"}, h("thead", {}, h("tr", {}, columns.map((c) => h("th", {}, c)))),
+        h("tbody", {}, records.slice(0, 100).map((r) => h("tr", {}, columns.map((c) => h("td", {}, cell(r[c])))))));
+    } else if (Array.isArray(value)) {
+      body = h("p", {class: "muted"}, value.length ? value.map(cell).join(", ") : "none");
+    } else {
+      body = keyValues(value, cell);
+    }
+    return h("details", {class: "nested", open: key === "per_label" || key === "confusion", dataset: {key}}, h("summary", {}, key), body);
   }
 
   // Stream handling: all messages of one network chunk at once, then one redraw.
