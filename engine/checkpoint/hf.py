@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoints: lazy reading and streaming, sharded writing.
 
-Reading (``HFCheckpoint``) goes through ``safetensors.safe_open``: the files are memory-mapped and a tensor (or a
-row/column slice of one, for one TP rank) is copied out only when asked for, so converting never holds the model.
+Reading (``HFCheckpoint``) parses each file's header and ``pread``s a tensor (or the rows one TP rank needs,
+straight into their place in a fused shard) only when asked for (``engine.checkpoint.reader``), so converting never
+holds the model.
 Writing (``save_hf``) plans every shard's header from the shapes first (a dry run of the mapping on meta tensors),
 then writes tensors one at a time as the mapping produces them: peak memory is about one layer, not one shard.
 The layout is what ``transformers.save_pretrained`` writes: config.json, generation_config.json,
@@ -18,12 +19,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import _LAYER_COPIES, fuse_fc1, fuse_qkv, hf_from_native, native_keys
+from engine.model.hf_mapping import _LAYER_COPIES, hf_from_native, native_keys
 from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
@@ -58,10 +59,9 @@ class HFCheckpoint:
             self.config = ModelConfig.from_hf(self.hf_config)
         except (ValueError, KeyError) as err:
             raise BadInput(f"{config_file}: not a usable Qwen3 config ({err})", field="load_dir") from err
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, SafetensorsFile] = {}
         self._files = self._weight_map()
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._dtypes: dict[str, str] = {}
+        self._refs: dict[str, TensorRef] = {}
         self._check()
 
     def _weight_map(self) -> dict[str, str]:
@@ -74,61 +74,50 @@ class HFCheckpoint:
         files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             raise BadInput(f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)", field="load_dir")
-        return {key: name for name in files for key in self._open(name).keys()}
+        return {key: name for name in files for key in self._open(name).tensors}
 
-    def _open(self, name: str) -> Any:
+    def _open(self, name: str) -> SafetensorsFile:
         if name not in self._handles:
             file = self.path / name
             if not file.is_file():
                 raise BadInput(f"{file}: missing (listed in {INDEX})", field="load_dir")
-            try:
-                self._handles[name] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise BadInput(f"{file}: not a readable safetensors file, truncated? ({err})", field="load_dir") from err
+            self._handles[name] = SafetensorsFile(file)
         return self._handles[name]
 
     def _check(self) -> None:
-        """Every tensor the config needs is present with the right shape (header reads only, no data)."""
+        """Every tensor the config needs is present with the right shape (headers only, no data)."""
         for name in sorted(set(self._files.values())):
-            handle = self._open(name)
-            for key in handle.keys():
-                sl = handle.get_slice(key)
-                self._shapes[key], self._dtypes[key] = tuple(sl.get_shape()), sl.get_dtype()
+            self._refs.update(self._open(name).tensors)
         for key, shape in expected_hf_shapes(self.config).items():
-            if key not in self._files or key not in self._shapes:
+            if key not in self._files or key not in self._refs:
                 raise BadInput(f"{self.path}: tensor {key} is missing", field="load_dir")
-            if self._shapes[key] != shape:
+            if self._refs[key].shape != shape:
                 raise BadInput(
-                    f"{self.path / self._files[key]}: tensor {key} has shape {list(self._shapes[key])}, "
+                    f"{self.path / self._files[key]}: tensor {key} has shape {list(self._refs[key].shape)}, "
                     f"config.json implies {list(shape)}", field="load_dir")
 
     @property
     def dtype(self) -> torch.dtype:
-        name = self._dtypes["model.embed_tokens.weight"]
-        return {v: k for k, v in _ST_NAMES.items()}[name]
+        return self._refs["model.embed_tokens.weight"].dtype
 
     def keys(self) -> list[str]:
         return list(self._files)
 
     def get(self, key: str) -> torch.Tensor:
-        """The HF tensor ``key``, copied out of the memory map."""
-        return self._read(key, None)
+        """The HF tensor ``key``, read from its file."""
+        return self._ref(key).read()
 
-    def _read(self, key: str, index: Any) -> torch.Tensor:
-        if key not in self._files:
+    def _ref(self, key: str) -> TensorRef:
+        if key not in self._refs:
             raise BadInput(f"{self.path}: tensor {key} is missing", field="load_dir")
-        try:
-            sl = self._open(self._files[key]).get_slice(key)
-            return sl[:] if index is None else sl[index]
-        except SafetensorError as err:
-            raise BadInput(f"{self.path / self._files[key]}: cannot read tensor {key} ({err})", field="load_dir") from err
+        return self._refs[key]
 
     def get_native(self, key: str) -> torch.Tensor:
         """The native (Megatron TP1) tensor ``key``, fused from its HF tensors."""
         return self.get_native_shard(key, 1, 0)
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
-        """TP rank ``rank``'s piece of native ``key``, reading only the rows/columns it needs."""
+        """TP rank ``rank``'s piece of native ``key``, reading only its rows straight into place."""
         cfg = self.config
         if key == EMBEDDING or (key == OUTPUT and cfg.tie_word_embeddings):
             return self._rows("model.embed_tokens.weight", tp, rank)
@@ -142,22 +131,38 @@ class HFCheckpoint:
         i, suffix = parsed
         f = f"model.layers.{i}."
         if suffix == "self_attention.linear_qkv.weight":
-            local = cfg.replace(num_attention_heads=cfg.num_attention_heads // tp,
-                                num_query_groups=cfg.num_query_groups // tp)
-            return fuse_qkv(*(self._rows(f + f"self_attn.{p}_proj.weight", tp, rank) for p in "qkv"), local)
+            return self._qkv_shard(f + "self_attn.", tp, rank)
         if suffix == "mlp.linear_fc1.weight":
-            return fuse_fc1(self._rows(f + "mlp.gate_proj.weight", tp, rank), self._rows(f + "mlp.up_proj.weight", tp, rank))
+            gate, up = self._ref(f + "mlp.gate_proj.weight"), self._ref(f + "mlp.up_proj.weight")
+            rows = gate.shape[0] // tp
+            out = torch.empty((2 * rows, gate.shape[1]), dtype=gate.dtype)  # [gate_k; up_k]
+            gate.read_rows(rank * rows, (rank + 1) * rows, out[:rows])
+            up.read_rows(rank * rows, (rank + 1) * rows, out[rows:])
+            return out
         hf_key = f + _LAYER_COPIES[suffix]
         if split_rule(key) == "dim1" and tp > 1:
-            cols = self._shapes[hf_key][1] // tp
-            return self._read(hf_key, (slice(None), slice(rank * cols, (rank + 1) * cols)))
+            cols = self._ref(hf_key).shape[1] // tp
+            return self.get(hf_key)[:, rank * cols:(rank + 1) * cols].contiguous()
         return self.get(hf_key)
 
+    def _qkv_shard(self, prefix: str, tp: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s ``linear_qkv``: for each of its KV groups, that group's q heads, then k, then v."""
+        cfg = self.config
+        q, k, v = (self._ref(prefix + f"{p}_proj.weight") for p in "qkv")
+        d, qd, groups = cfg.kv_channels, cfg.heads_per_group * cfg.kv_channels, cfg.num_query_groups // tp
+        out = torch.empty((groups * (qd + 2 * d), q.shape[1]), dtype=q.dtype)
+        view = out.view(groups, qd + 2 * d, q.shape[1])  # (ng/TP, q rows + k rows + v rows, H)
+        for j in range(groups):
+            g = rank * groups + j
+            q.read_rows(g * qd, (g + 1) * qd, view[j, :qd])
+            k.read_rows(g * d, (g + 1) * d, view[j, qd:qd + d])
+            v.read_rows(g * d, (g + 1) * d, view[j, qd + d:])
+        return out
+
     def _rows(self, hf_key: str, tp: int, rank: int) -> torch.Tensor:
-        if tp == 1:
-            return self.get(hf_key)
-        rows = self._shapes[hf_key][0] // tp
-        return self._read(hf_key, slice(rank * rows, (rank + 1) * rows))
+        ref = self._ref(hf_key)
+        rows = ref.shape[0] // tp
+        return ref.read_rows(rank * rows, (rank + 1) * rows)
 
     def native_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: self.get_native(k) for k in native_keys(self.config)}

@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import types
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -27,6 +28,7 @@ import torch
 from engine.checkpoint.hf import DTYPES, as_getter, staging
 from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
+from engine.checkpoint.reader import MemoryRef, TorchZipFile, read_merged
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
@@ -109,18 +111,17 @@ _PICKLE = _lenient_pickle()
 
 
 def load_rank_file(path: Path) -> dict[str, Any]:
-    """One ``model_optim_rng.pt``, tensors memory-mapped (old non-zip files are read whole)."""
+    """One ``model_optim_rng.pt`` with every tensor as a lazy ``TensorRef`` (old non-zip files are read whole)."""
     if not path.is_file():
         raise BadInput(f"{path}: missing", field="load_dir")
+    if zipfile.is_zipfile(path):
+        return TorchZipFile(path).obj
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+        raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
         raise BadInput(f"{path}: not a readable torch checkpoint, truncated? ({err})", field="load_dir") from err
+    return {k: ({n: MemoryRef(t) for n, t in v.items() if isinstance(t, torch.Tensor)} if isinstance(v, dict) else v)
+            for k, v in raw.items()}
 
 
 # ---------------------------------------------------------------- writing
@@ -259,7 +260,8 @@ class RankFiles:
             return False
         return local in self.models[(0, p)].get(n, {})
 
-    def raw(self, key: str, t: int) -> torch.Tensor:
+    def raw(self, key: str, t: int) -> Any:
+        """TP rank ``t``'s stored piece of ``key`` as a lazy reference (``.shape``, ``.read()``)."""
         p, n, local = self.local(key)
         tensors = self.models[(t, p)].get(n, {})
         if local not in tensors:
@@ -267,7 +269,7 @@ class RankFiles:
         return tensors[local]
 
     def full(self, key: str) -> torch.Tensor:
-        return merge([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+        return read_merged([self.raw(key, t) for t in range(self.tp)], split_rule(key))
 
     def lora_modules(self) -> list[str]:
         """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
@@ -357,7 +359,7 @@ class MegatronCheckpoint:
     def _output_is_embedding(self) -> bool:
         if OUTPUT not in self.base.where:
             return True  # PP=1 tied checkpoints carry no output layer
-        return all(torch.equal(self.base.raw(OUTPUT, t), self.base.raw(EMBEDDING, t)) for t in range(self.tp))
+        return all(torch.equal(self.base.raw(OUTPUT, t).read(), self.base.raw(EMBEDDING, t).read()) for t in range(self.tp))
 
     def _validate(self) -> None:
         cfg = self.config
@@ -392,20 +394,29 @@ class MegatronCheckpoint:
     def get_native(self, key: str) -> torch.Tensor:
         if key == OUTPUT and self.config.tie_word_embeddings:
             key = EMBEDDING
-        full = merge([self._stored(key, t) for t in range(self.tp)], split_rule(key))
+        if self._adapted(key):
+            full = merge([self._stored(key, t) for t in range(self.tp)], split_rule(key))
+        else:
+            source = self.side if self.side is not None and self.side.has(key) else self.base
+            full = source.full(key)
         if key in (EMBEDDING, OUTPUT):
             full = full[: self.config.vocab_size]
         return full
 
+    def _adapted(self, key: str) -> bool:
+        a_key = key.removesuffix(".weight") + ".lora_A.weight"
+        return self.base.has(a_key) or (self.side is not None and self.side.has(a_key))
+
     def _stored(self, key: str, t: int) -> torch.Tensor:
         """TP rank ``t``'s piece of ``key`` as this checkpoint is cut, with its LoRA adapters merged in."""
-        weight = self.base.raw(key, t)
         if self.side is not None and self.side.has(key):
             weight = shard(self.side.full(key), split_rule(key), self.tp, t)
+        else:
+            weight = self.base.raw(key, t).read()
         module = key.removesuffix(".weight")
         a_key, b_key = module + ".lora_A.weight", module + ".lora_B.weight"
         if self.base.has(a_key) and self.base.has(b_key):
-            a, b = self.base.raw(a_key, t), self.base.raw(b_key, t)
+            a, b = self.base.raw(a_key, t).read(), self.base.raw(b_key, t).read()
         elif self.side is not None and self.side.has(a_key) and self.side.has(b_key):
             a = shard(self.side.full(a_key), split_rule(a_key), self.tp, t)
             b = shard(self.side.full(b_key), split_rule(b_key), self.tp, t)
@@ -460,7 +471,7 @@ def _chunks(raw: Mapping[str, Any], path: Path) -> dict[str, dict[str, torch.Ten
     names = [k for k in raw if k == "model" or re.fullmatch(r"model\d+", k)]
     if not names:
         raise BadInput(f"{path}: no 'model' entry (keys: {', '.join(map(str, raw))})", field="load_dir")
-    return {n: from_mindspeed_keys({k: v for k, v in raw[n].items() if isinstance(v, torch.Tensor)}) for n in names}
+    return {n: from_mindspeed_keys({k: v for k, v in raw[n].items() if hasattr(v, "read_rows")}) for n in names}
 
 
 def _layer_count(tensors: Mapping[str, torch.Tensor]) -> int:
