@@ -12,6 +12,7 @@ deadlines, cancels settled elsewhere).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,12 +74,14 @@ class StepError(Exception):
     """A step's spec cannot be made runnable (a missing output, or invalid once resolved): the pipeline fails."""
 
 
-def _outputs(child: Job) -> dict[str, str]:
+def _outputs(child: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in ((child.result or {}).get("outputs") or {}).items()}
 
 
-def decide(spec: PipelineSpec, children: dict[str, Job], stopping: bool = False) -> Decision:
-    """The pure part of the driver: from the children's states, the step views and the next action."""
+def decide(spec: PipelineSpec, children: Mapping[str, Any], stopping: bool = False) -> Decision:
+    """The pure part of the driver: from the children's states, the step views and the next action.
+
+    ``children`` maps step names to their jobs (rows, or anything with the same state/result/error attributes)."""
     done: dict[str, dict[str, str]] = {}
     failed: list[str] = []
     skipped: list[str] = []
@@ -147,7 +150,7 @@ def waiting_reason(steps: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def child_body(parent: Job, spec: PipelineSpec, index: int, done: dict[str, dict[str, str]]) -> dict[str, Any]:
+def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict[str, str]]) -> dict[str, Any]:
     """Step ``index``'s spec with its references resolved, the parent's labels and priority inherited."""
     step: PipelineStep = spec.steps[index]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.runfiles import read_result
-from engine.spec import load_spec_file
+from engine.spec import PipelineSpec, load_spec_file
 from worker.execute import log_tail, write_spec
 from worker.ingest import FileTail
 from worker.launcher import build_launch
@@ -44,6 +44,10 @@ def run_foreground(spec_file: Path, run_dir: Path | None, runs_root: Path, out: 
     run_dir = (run_dir or runs_root / f"local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     write_spec(run_dir, spec.model_dump(mode="json"))
     print(f"run directory: {run_dir}", file=out, flush=True)
+    if isinstance(spec, PipelineSpec):  # its steps, one after another, each in <run_dir>/<step>/
+        from worker.pipeline_run import run_pipeline
+
+        return run_pipeline(spec, run_dir, runs_root, out)
     tails = {"events": FileTail(run_dir / "events.jsonl"), "metrics": FileTail(run_dir / "metrics.jsonl")}
     proc = Supervised(build_launch(spec, run_dir, job_id=run_dir.name), run_dir / "logs" / "launcher.log")
     try:
