@@ -55,6 +55,8 @@ def _normalise(parts: tuple[str, ...]) -> list[str]:
 def test_index_loads_uplot_then_the_app_module(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    csp = re.search(r'http-equiv="Content-Security-Policy" content="([^"]+)"', page.text)
+    assert csp and "default-src 'self'" in csp.group(1) and "unsafe" not in csp.group(1)  # no inline or foreign scripts
     scripts = re.findall(r'<script ([^>]*)src="([^"]+)"', page.text)
     assert scripts == [("", "/ui/vendor/uPlot.iife.min.js"), ('type="module" ', "/ui/js/app.js")]
     for href in re.findall(r'<link rel="stylesheet" href="([^"]+)"', page.text):
