@@ -305,6 +305,8 @@ def dcp_state_view(
         if isinstance(original, dict):
             return {k: merge(v, loaded[k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k]) for k, v in original.items()}
         if isinstance(original, list):
+            if any(isinstance(o, str) for o in original) or not isinstance(loaded, list) or len(loaded) != len(original):
+                return original  # FQN lists (param_groups' "params") name this rank's parameters, not the saver's
             return [merge(o, l) for o, l in zip(original, loaded)]
         if isinstance(original, (torch.Tensor, str)):
             return original  # tensors were loaded in place (or restored); FQN strings keep this rank's names

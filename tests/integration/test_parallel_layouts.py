@@ -1,7 +1,8 @@
-"""TP / SP / PP / DP layouts on gloo match one process step by step (5 AdamW steps, fp32, clipped), and a
-checkpoint saved under TP2×PP2 resumes under DP2 and TP1×PP1 with the same next-step losses.
+"""TP / SP / PP / DP layouts on gloo match one process step by step (5 steps of the trainer's own ``train_step``,
+AdamW, fp32, gradients clipped), and a checkpoint saved under TP2×PP2 (``engine.checkpoint.dcp``) resumes under DP2
+and TP1×PP1 with the same next-step losses.
 
-Each launch runs several layouts in one torchrun (``parallel_worker.py``) to pay the start-up once; every rank also
+Each launch runs several layouts in one torchrun (``parallel_worker.py``) to pay the start-up once; rank 0 also
 trains the single-process reference on the same weights and batches. Tolerance: relative 1e-5 (issue 5).
 """
 
@@ -41,10 +42,11 @@ def assert_matches(result: dict, name: str) -> None:
 
 
 def test_two_process_layouts(tmp_path: Path) -> None:
-    """TP=2 with and without sequence parallel, LoRA under TP=2, PP=2 1F1B (tied embedding group), PP=2
-    interleaved (2 virtual stages per rank), PP=2 with an uneven layer list."""
+    """TP=2 with and without sequence parallel, LoRA under TP=2 and under PP=2, PP=2 1F1B (tied embedding group),
+    PP=2 interleaved (2 virtual stages per rank), PP=2 with an uneven layer list, TP=2 with full recompute."""
     cases = ["tp2:tp=2", "tp2_nosp:tp=2,sp=0", "lora_tp2:tp=2,lora=1", "pp2_tied:pp=2,tied=1",
-             "pp2_interleaved:pp=2,layers=4,vpp=1", "pp2_uneven:pp=2,layers=4,list=1-3"]
+             "pp2_interleaved:pp=2,layers=4,vpp=1", "pp2_uneven:pp=2,layers=4,list=1-3",
+             "lora_pp2:pp=2,lora=1,tied=1", "tp2_recompute:tp=2,ac=full"]
     result = launch(tmp_path, 2, *cases)
     for case in cases:
         assert_matches(result, case.split(":")[0])

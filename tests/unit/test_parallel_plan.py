@@ -1,0 +1,130 @@
+"""Single-process checks of the TP/PP planning code: stage split, layout validation, micro-batch stacking,
+checkpoint key views, and the vocab-parallel loss on a one-rank TP mesh (equal to the plain chunked loss)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from engine.model.config import preset
+from engine.model.loss import chunked_cross_entropy
+from engine.model.qwen3 import Qwen3Model
+from engine.parallel.mesh import ParallelDims
+from engine.parallel.pipeline_parallel import (
+    TIED_COPY_ATTR,
+    build_stage_module,
+    check_parallel_layout,
+    dcp_state_view,
+    pipeline_width,
+    stack_micro_batches,
+    stage_layers,
+)
+from engine.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, vocab_parallel_cross_entropy
+from engine.runfiles import BadInput
+from engine.train.batches import Sample, pack, pad
+
+
+def test_stage_layers_even_list_and_virtual() -> None:
+    assert stage_layers(4, 2) == [[0, 1], [2, 3]]
+    assert stage_layers(4, 2, num_layer_list=[1, 3]) == [[0], [1, 2, 3]]
+    # Megatron's interleaving: chunk v of rank p is stage v·PP + p, holding Lv consecutive layers.
+    assert stage_layers(8, 2, layers_per_virtual_stage=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    ((5, 2), "num_layers"),
+    ((4, 2, [1, 2]), "num_layer_list"),
+    ((6, 2, None, 4), "num_layers_per_virtual_pipeline_stage"),
+])
+def test_stage_layers_refuses_uneven_layouts(args: tuple, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        stage_layers(*args)
+
+
+def test_tensor_parallel_needs_whole_kv_groups() -> None:
+    cfg = preset("qwen3-tiny")  # 4 heads, 2 KV groups
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match=r"^tensor_model_parallel_size: TP 4 must divide the 2 KV groups"):
+        check_tensor_parallel(cfg, 4)
+
+
+def _spec(**kw: object) -> types.SimpleNamespace:
+    base = {"num_layers_per_virtual_pipeline_stage": None, "num_layer_list": None, "micro_batch_size": 1}
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_layout_check_names_the_flag() -> None:
+    cfg = preset("qwen3-tiny").replace(num_layers=4)
+    with pytest.raises(BadInput) as err:
+        check_parallel_layout(_spec(), cfg, ParallelDims(dp=1, pp=1, tp=4), 4)
+    assert err.value.field == "tensor_model_parallel_size"
+    with pytest.raises(BadInput) as err:
+        check_parallel_layout(_spec(num_layers_per_virtual_pipeline_stage=1), cfg, ParallelDims(pp=1), 4)
+    assert err.value.field == "num_layers_per_virtual_pipeline_stage"
+    with pytest.raises(BadInput) as err:  # interleaved 1F1B: micro-batches must be a multiple of PP
+        check_parallel_layout(_spec(num_layers_per_virtual_pipeline_stage=1), cfg, ParallelDims(pp=2), 3)
+    assert err.value.field == "global_batch_size"
+    check_parallel_layout(_spec(num_layer_list=[1, 3]), cfg, ParallelDims(pp=2), 4)
+
+
+def test_stack_micro_batches_pads_to_one_width() -> None:
+    a = pack([Sample([1, 2, 3, 4], [-100, 2, 3, 4]), Sample([5, 6, 7], [5, 6, 7])], seq_length=8)  # packed, 5 tokens
+    b = pad([Sample([1, 2, 3], [1, 2, 3])], seq_length=8, to_longest=True)  # 2 tokens, no segments
+    ids, labels, pos, seg = stack_micro_batches([a, b], width=8)
+    assert ids.shape == labels.shape == pos.shape == seg.shape == (2, 8)
+    assert labels[0, 5:].eq(-100).all() and labels[1, 2:].eq(-100).all()
+    assert pos[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and pos[1].tolist() == list(range(8))
+    assert seg[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]  # padding continues the last sample (after it, causal)
+    assert pipeline_width(seq_length=8, micro_batch_size=2, padding_free=True) == 14
+    with pytest.raises(ValueError, match="^seq_length:"):
+        stack_micro_batches([a], width=4)
+
+
+def test_tied_last_stage_gets_a_marked_copy_and_checkpoints_skip_it() -> None:
+    model = Qwen3Model(preset("qwen3-tiny-tied").replace(vocab_size=64))
+    model.init_weights(0)
+    last = build_stage_module(model, [1], first=False, last=True)
+    assert last.embedding is None and list(last.decoder.layers) == ["1"]
+    assert getattr(last.output_layer, TIED_COPY_ATTR)
+    assert torch.equal(last.output_layer.weight, model.embedding.word_embeddings.weight)
+    state = {"model": {"output_layer.weight": torch.ones(1), "decoder.layers.1.x": torch.zeros(1)},
+             "optim": {"state": {"output_layer.weight": {"exp_avg": torch.ones(1)}},
+                       "param_groups": [{"lr": 0.1, "params": ["output_layer.weight", "decoder.layers.1.x"]}]}}
+    saved, _ = dcp_state_view(state, last, "save")
+    assert "output_layer.weight" not in saved["model"] and saved["optim"]["state"] == {}
+    assert saved["optim"]["param_groups"][0]["params"] == ["decoder.layers.1.x"]
+    view, finish = dcp_state_view(state, last, "load")
+    assert view["model"]["embedding.word_embeddings.weight"] is state["model"]["output_layer.weight"]
+    view["optim"]["param_groups"] = [{"lr": 0.2, "params": ["whatever"]}]  # what DCP puts back for plain values
+    done = finish()
+    assert done["optim"]["param_groups"][0] == {"lr": 0.2, "params": ["output_layer.weight", "decoder.layers.1.x"]}
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_loss_equals_chunked_loss(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    model = Qwen3Model(preset("qwen3-tiny").replace(vocab_size=96))
+    model.init_weights(0)
+    ids = torch.randint(0, 96, (2, 12))
+    labels = torch.randint(0, 96, (2, 12))
+    labels[:, :3] = -100
+    ref_sum, ref_n = chunked_cross_entropy(model(ids, return_hidden=True), model.output_weight(), labels, 5)
+    ref_sum.backward()
+    ref_grad = model.output_layer.weight.grad.clone()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model.zero_grad()
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    loss_sum, n = vocab_parallel_cross_entropy(model(ids, return_hidden=True), model.output_weight(), labels, 5)
+    loss_sum.backward()
+    assert int(n) == int(ref_n) and loss_sum.item() == pytest.approx(ref_sum.item(), rel=1e-6)
+    torch.testing.assert_close(model.output_layer.weight.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-7)
