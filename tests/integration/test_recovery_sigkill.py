@@ -1,5 +1,6 @@
-"""Faults with real workers: a worker SIGKILLed mid-training leaves no process behind, and the job resumes from its
-checkpoint and succeeds; a redelivered broker message never starts a second run."""
+"""Faults with real workers: a worker SIGKILLed mid-training leaves no process behind; its host stops heart-beating,
+so the job is re-queued, and once the host is back (its worker checks the devices are free) the job resumes from
+its checkpoint and succeeds. A redelivered broker message never starts a second run."""
 
 from __future__ import annotations
 
@@ -47,17 +48,20 @@ def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> No
             while job_processes(job_id) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert job_processes(job_id) == [], "the engine outlived its SIGKILLed worker"
+            waiting = wait_for(settings, job_id, lambda r: r.state == "retrying" and r.pending_reason, 60,
+                               "re-queued after its host stopped heart-beating")
             worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")  # the host comes back
             row = wait_terminal(settings, job_id, 240)
     finally:
         stop_worker(worker)
     assert row.state == "succeeded", log_text(settings, job_id)
     assert row.attempt_count == 2
+    assert (waiting.pending_reason or "").startswith("no live worker serves cpu devices")
     summary = (row.result or {})["summary"]
     assert summary["resumed_from"] and summary["start_iteration"] >= 10 and summary["iterations"] == 120
     with session_scope(settings.database_url) as session:
         lost = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == 1)).one()
-        assert lost.state == "lost" and lost.released_at is not None
+        assert lost.state == "lost" and lost.reason == "host h1 stopped heart-beating" and lost.released_at is not None
         assert session.scalars(select(Lease)).all() == []
     assert job_processes(job_id) == []
 
