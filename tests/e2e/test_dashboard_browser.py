@@ -184,6 +184,36 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     }""", [train_id, service.token])
     assert resume["metrics"] >= 6 and resume["resumedExactly"] and resume["parsedAlike"], resume
 
+    # A connection that drops mid-stream (here: the first answer cut after half its messages, no "end"): the client
+    # reconnects with Last-Event-ID = the last id it got and ends with every message exactly once.
+    with service.client() as client:
+        raw = client.get(f"/v1/jobs/{train_id}/stream", timeout=60).text
+    blocks = [b for b in re.split(r"\r?\n\r?\n", raw) if "data:" in b and "event: end" not in b]
+    half = blocks[: len(blocks) // 2]
+    cut_id = re.search(r"^id: ?(\S+)", half[-1], re.M).group(1)
+    resumed_with: list[str | None] = []
+
+    def drop_first(route: Any) -> None:
+        if not resumed_with and route.request.headers.get("last-event-id") is None:
+            resumed_with.append(None)
+            route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body="\r\n\r\n".join(half) + "\r\n\r\n")
+        else:
+            resumed_with.append(route.request.headers.get("last-event-id"))
+            route.continue_()
+
+    page.route(f"**/v1/jobs/{train_id}/stream", drop_first)
+    dropped = page.evaluate("""async ([jobId, token]) => {
+        const {JobStream} = await import("/ui/js/sse.js");
+        const got = await new Promise((resolve) => {
+            const all = [];
+            new JobStream(`/v1/jobs/${jobId}/stream`, token, {onBatch: (m) => all.push(...m), onStatus: (s) => s === "ended" && resolve(all)}).start();
+        });
+        return got.filter((m) => m.event !== "end").map((m) => JSON.stringify([m.event, m.data]));
+    }""", [train_id, service.token])
+    page.unroute(f"**/v1/jobs/{train_id}/stream")
+    assert resumed_with == [None, cut_id]
+    assert len(dropped) == len(blocks) == len(set(dropped)) == resume["total"]
+
     # The view survives a reload: the tab is in the URL and the stream replays the logs.
     page.click('button[data-tab="logs"]')
     assert "tab=logs" in page.url

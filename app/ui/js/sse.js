@@ -38,7 +38,8 @@ export class JobStream {
       this.status(failures ? "reconnecting" : "connecting");
       try {
         await this.readOnce();
-        failures = 0;  // a clean close without "end" (server restart): reconnect at once, resuming
+        failures = 0;  // a clean close without "end" (server restart): reconnect, resuming after the last id
+        if (!this.ended) await new Promise((r) => setTimeout(r, RETRY_MS[0]));
       } catch (err) {
         if (this.stopped) return;
         if (err.fatal) { this.status("error"); this.handlers.onError?.(err); return; }
