@@ -17,7 +17,7 @@ export function renderHosts(root) {
       fill(status, err.status === 404 ? h("p", {class: "muted"}, "This server has no hosts endpoint.") : errorBox(err));
       return;
     }
-    fill(status, h("span", {class: "muted"}, `${page.data.length} hosts · updated ${new Date().toLocaleTimeString("sv-SE")}`));
+    fill(status, h("span", {class: "muted"}, `${page.data.length} host${page.data.length === 1 ? "" : "s"} · updated ${new Date().toLocaleTimeString("sv-SE")}`));
     fill(body, page.data.length ? h("table", {class: "hosts"},
       h("thead", {}, h("tr", {}, ["Host", "Type", "Health", "Heartbeat", "Free", "Devices"].map((t) => h("th", {}, t)))),
       h("tbody", {}, page.data.map((host) => h("tr", {dataset: {host: host.name}},
