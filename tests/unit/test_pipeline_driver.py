@@ -157,8 +157,8 @@ def test_cancel_of_a_waiting_pipeline_cancels_its_queued_step(client: TestClient
 
 
 def test_the_scheduler_never_runs_the_pipeline_row(client: TestClient, token: str, settings: Settings) -> None:
-    from worker.hosts import register_host
     from app.scheduler import schedule
+    from worker.hosts import register_host
 
     pipeline = submit(client, token)
     register_host(settings, name="h", device_type="cpu", devices=4, queues=["host.h"])
@@ -203,3 +203,15 @@ def test_missing_output_at_run_time_fails_the_pipeline(client: TestClient, token
     view = get(client, token, pipeline["id"])
     assert view["state"] == "failed" and view["error"]["code"] == "step_invalid"
     assert "step prep has no output 'data_path' (its outputs: output_prefix)" in view["error"]["message"]
+
+
+def test_a_step_no_host_could_run_is_422_naming_it(client: TestClient, token: str, settings: Settings) -> None:
+    from worker.hosts import register_host
+
+    register_host(settings, name="h", device_type="cpu", devices=2, queues=["host.h"])
+    body = steps()
+    body[2]["spec"]["resources"] = {"nproc_per_node": 4}
+    response = client.post("/v1/jobs", json={"kind": "pipeline", "steps": body}, headers=auth(token))
+    assert response.status_code == 422 and response.json()["code"] == "unschedulable"
+    assert response.json()["field"] == "steps.2.spec.resources.nproc_per_node"
+    assert response.json()["message"].startswith("steps.2.spec.resources.nproc_per_node: 4 cpu devices per node")
