@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 from sqlalchemy import delete, select, update
@@ -23,6 +27,20 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 NODE_ENV = "LLMJOBS_NODE"
 KILL_WAIT_S = 10.0
+RUNNING_HERE: Counter[str] = Counter()  # node token -> tasks of this worker process on it now (a duplicate counts)
+_running_lock = threading.Lock()
+
+
+@contextmanager
+def running_here(token: str) -> Iterator[None]:
+    """Mark the node as run by a task of this process while the block runs (the sweep leaves such nodes alone)."""
+    with _running_lock:
+        RUNNING_HERE[token] += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            RUNNING_HERE[token] -= 1
 
 
 def node_token(job_id: str, attempt: int, node_rank: int) -> str:
@@ -71,13 +89,15 @@ def release_node(settings: Settings, node_id: int) -> bool:
 
 
 def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> int:
-    """Clean up nodes on ``host`` that no live task of this worker runs; returns how many were released."""
+    """Clean up nodes on ``host`` that no live task of this worker runs (a previous worker's, or one whose task died
+    with an exception); returns how many were released."""
     worker_pid = os.getpid() if worker_pid is None else worker_pid
     with session_scope(settings.database_url) as session:
         nodes = list(session.scalars(select(JobNode).where(JobNode.host == host, JobNode.released_at.is_(None))))
     released = 0
     for node in nodes:
-        orphaned = node.state in ("launching", "running") and node.worker_pid != worker_pid
+        token = node_token(node.job_id, node.attempt, node.node_rank)
+        orphaned = node.state in ("launching", "running") and (node.worker_pid != worker_pid or RUNNING_HERE[token] <= 0)
         if node.state in ("assigned", "launching", "running") and not orphaned:
             continue  # this worker runs it, or its message is still on the way
         if orphaned:

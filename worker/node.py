@@ -32,7 +32,7 @@ from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
 from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
-from worker.leases import NODE_ENV, node_token, release_node
+from worker.leases import NODE_ENV, node_token, release_node, running_here
 from worker.supervisor import Supervised
 
 log = logging.getLogger(__name__)
@@ -199,13 +199,17 @@ def launch_failed(settings: Settings, work: NodeWork, err: Exception) -> str:
 
 def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> str:
     """The body of the ``llmjobs.run_node`` task; returns a short word for the task log."""
-    work = claim_node(settings, job_id, attempt, node_rank, host)
-    if work is None:
-        return "skipped"
+    with running_here(node_token(job_id, attempt, node_rank)):  # before the claim: a sweep never takes it for an orphan
+        work = claim_node(settings, job_id, attempt, node_rank, host)
+        return "skipped" if work is None else _run_claimed(settings, work, host)
+
+
+def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
+    job_id = work.job_id
     try:
         write_spec(work.run_dir, work.spec)
-        ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, attempt, settings.redis_url) \
-            if node_rank == 0 else None
+        ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url) \
+            if work.node_rank == 0 else None
         plan = node_plan(work)
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
