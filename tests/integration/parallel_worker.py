@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def build_model(opts: dict[str, Any]) -> Qwen3Model:
 
 
 def train(model: torch.nn.Module, spec: TrainSpec, opts: dict[str, Any], dp: int, dp_rank: int,
-          dp_group: Any) -> list[tuple[float, float]]:
+          dp_group: Any) -> list[tuple[float, float, float]]:
     optimizer = build_optimizer(model, spec)
     scheduler, scaler, state = Scheduler(optimizer, schedule_from_spec(spec)), LossScaler(spec), TrainState()
     if opts["load"]:
@@ -104,16 +105,18 @@ def train(model: torch.nn.Module, spec: TrainSpec, opts: dict[str, Any], dp: int
         state.iteration = meta["iteration"]
     out = []
     for step in range(opts["start"], opts["start"] + opts["steps"]):
+        start = time.perf_counter()
         rec = train_step(model, optimizer, scheduler, scaler, micro_batches(step, dp, dp_rank), state,
                          global_batch_size=GLOBAL_BATCH, clip_grad=spec.clip_grad, chunk_size=64,
                          dp_group=dp_group, device=torch.device("cpu"))
-        out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm)))
+        # (loss, grad norm, step seconds); the float() calls are the step's host syncs, so the time is complete
+        out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm), time.perf_counter() - start))
         if opts["save_at"] and step + 1 == opts["save_at"]:
             dcp.save(opts["ckpt"], step + 1, model, optimizer, {})
     return out
 
 
-def parallel(opts: dict[str, Any]) -> list[tuple[float, float]]:
+def parallel(opts: dict[str, Any]) -> list[tuple[float, float, float]]:
     spec = make_spec(opts, dist.get_world_size())
     mesh = build_mesh(Device("cpu"), ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"]))
     model = build_model(opts)
@@ -124,7 +127,7 @@ def parallel(opts: dict[str, Any]) -> list[tuple[float, float]]:
     return train(model, spec, opts, opts["dp"], mesh["dp"].get_local_rank(), mesh["dp"].get_group())
 
 
-def reference(opts: dict[str, Any], own_group: Any) -> list[tuple[float, float]]:
+def reference(opts: dict[str, Any], own_group: Any) -> list[tuple[float, float, float]]:
     spec = make_spec({**opts, "tp": 1, "pp": 1, "list": "", "vpp": 0}, 1)
     return train(build_model(opts), spec, {**opts, "load": "", "save_at": 0}, 1, 0, own_group)
 

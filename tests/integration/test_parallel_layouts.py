@@ -36,7 +36,7 @@ def launch(tmp_path: Path, nproc: int, *cases: str) -> dict:
 def assert_matches(result: dict, name: str) -> None:
     par, ref = result[name]["parallel"], result[name]["reference"]
     assert len(par) == len(ref) == 5
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(par, ref)):
+    for step, ((loss, norm, _), (ref_loss, ref_norm, _)) in enumerate(zip(par, ref)):
         assert loss == pytest.approx(ref_loss, rel=RTOL), f"{name} step {step}: loss {loss} vs {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=RTOL), f"{name} step {step}: grad norm {norm} vs {ref_norm}"
 
@@ -63,6 +63,6 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     resumed_dp2 = launch(tmp_path, 2, f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2")["dp2"]["parallel"]
     resumed_one = launch(tmp_path, 1, f"one:layers=4,tied=1,load={ckpt},start=3,steps=2")["one"]["parallel"]
     for resumed in (resumed_dp2, resumed_one):
-        for (loss, norm), (ref_loss, ref_norm) in zip(resumed, expected):
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(resumed, expected):
             assert loss == pytest.approx(ref_loss, rel=RTOL)
             assert norm == pytest.approx(ref_norm, rel=RTOL)
