@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(10.0, gt=0, description="One webhook POST may take this long.")
     webhook_max_attempts: int = Field(8, ge=1, description="POSTs of one webhook message before it is given up.")
     webhook_backoff_s: float = Field(5.0, gt=0, description="Retry n waits webhook_backoff_s * 2**(n-1), at most 1 h.")
+    webhook_settle_s: float = Field(2.0, ge=0, description="Events are sent once they are this old (longer than any "
+                                                           "open transaction), so none is skipped.")
 
     @field_validator("data_roots", mode="before")
     @classmethod

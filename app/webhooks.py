@@ -23,6 +23,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -104,8 +105,29 @@ def payload(msg_type: str, event: Event, job: Job) -> dict[str, Any]:
             "data": data}
 
 
-def _fan_out_one(session: Session, hook: Webhook, now: datetime) -> int:
-    top = session.scalar(select(func.max(Event.id))) or 0
+class Watermark:
+    """The events.id up to which every transaction has committed: max(events.id) as it was ``settle_s`` ago.
+
+    PostgreSQL hands out ids at insert but rows appear at commit, so a transaction still open may commit an id below
+    the max seen now; fanning out only up to the max seen ``webhook_settle_s`` ago (longer than any transaction that
+    writes events) keeps a webhook's cursor from jumping over it. SQLite has one writer, so there ids appear in order.
+    """
+
+    def __init__(self, settle_s: float):
+        self.settle_s, self.safe = settle_s, 0
+        self.seen: deque[tuple[float, int]] = deque()
+
+    def update(self, current: int, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        self.seen.append((now, current))
+        while self.seen and now - self.seen[0][0] >= self.settle_s:
+            self.safe = max(self.safe, self.seen.popleft()[1])
+        return self.safe
+
+
+def _fan_out_one(session: Session, hook: Webhook, top: int, now: datetime) -> int:
+    if top <= hook.cursor:
+        return 0
     rows = list(session.execute(
         select(Event, Job).join(Job, Job.id == Event.job_id)
         .where(Event.id > hook.cursor, Event.id <= top, Event.type.in_(("state", "checkpoint")), Job.team == hook.team)
@@ -133,13 +155,14 @@ def _fan_out_one(session: Session, hook: Webhook, now: datetime) -> int:
     return made
 
 
-def fan_out(settings: Settings) -> int:
+def fan_out(settings: Settings, watermark: Watermark) -> int:
     """New events -> pending deliveries for every enabled webhook of the events' teams. Returns how many."""
     made = 0
     with session_scope(settings.database_url) as session:
+        top = watermark.update(session.scalar(select(func.max(Event.id))) or 0)
         hooks = list(session.scalars(select(Webhook).where(Webhook.disabled_at.is_(None))))
         for hook in hooks:
-            made += _fan_out_one(session, hook, utcnow())
+            made += _fan_out_one(session, hook, top, utcnow())
     return made
 
 
@@ -216,9 +239,9 @@ def deliver(settings: Settings, item: Outgoing) -> str:
     return record(settings, item, *post(settings, item))
 
 
-def run_once(settings: Settings, pool: ThreadPoolExecutor | None = None) -> int:
+def run_once(settings: Settings, pool: ThreadPoolExecutor | None = None, watermark: Watermark | None = None) -> int:
     """Fan out new events, then POST every due delivery (concurrently in ``pool``). Returns how many were POSTed."""
-    fan_out(settings)
+    fan_out(settings, watermark or Watermark(settings.webhook_settle_s))
     due = claim_due(settings)
     if pool is None:
         return len([deliver(settings, item) for item in due])
@@ -231,10 +254,11 @@ class Sender:
     def __init__(self, settings: Settings, workers: int = 4):
         self.settings = settings
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
+        self.watermark = Watermark(settings.webhook_settle_s)
 
     def tick(self) -> int:
         try:
-            return run_once(self.settings, self.pool)
+            return run_once(self.settings, self.pool, self.watermark)
         except Exception as err:  # noqa: BLE001 - a database blip must not stop the sender
             log.warning("webhook pass failed: %s", err)
             return 0

@@ -61,7 +61,8 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return isolated_settings(tmp_path, webhook_backoff_s=0.2, webhook_max_attempts=3, webhook_poll_s=0.2)
+    return isolated_settings(tmp_path, webhook_backoff_s=0.2, webhook_max_attempts=3, webhook_poll_s=0.2,
+                             webhook_settle_s=0)
 
 
 @pytest.fixture
@@ -214,3 +215,27 @@ def test_webhook_migration_is_the_single_head_and_reverts(tmp_path: Path) -> Non
     assert not {"webhooks", "webhook_deliveries", "webhook_attempts"} & set(inspect(engine).get_table_names())
     engine.dispose()
     command.upgrade(config, "head")
+
+
+def test_the_watermark_waits_for_transactions_that_may_still_commit_lower_ids() -> None:
+    mark = webhooks.Watermark(settle_s=2.0)
+    assert mark.update(10, now=0.0) == 0  # id 9 may still be in an open transaction
+    assert mark.update(20, now=1.0) == 0
+    assert mark.update(25, now=2.5) == 10  # what was the max 2 s ago is complete now
+    assert mark.update(25, now=3.5) == 20
+    assert mark.update(30, now=100.0) == 25  # 30 was first seen just now
+    assert mark.update(30, now=102.0) == 30
+    assert webhooks.Watermark(settle_s=0).update(7) == 7
+
+
+def test_a_fresh_event_waits_for_the_settle_time(client: TestClient, settings: Settings, receiver: Receiver) -> None:
+    slow = settings.model_copy(update={"webhook_settle_s": 0.5})
+    register(client, make_token(settings, "alpha"), receiver.url)
+    sender = webhooks.Sender(slow)
+    try:
+        finish_job(settings, "alpha")
+        assert sender.tick() == 0 and receiver.seen == []
+        time.sleep(0.6)
+        assert sender.tick() == 1 and len(receiver.seen) == 1
+    finally:
+        sender.close()
