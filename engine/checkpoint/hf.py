@@ -261,9 +261,9 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
 def _reported(stream: Iterator[tuple[str, torch.Tensor]], total: int,
               progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
     for done, item in enumerate(stream, 1):
-        yield item
-        if progress:
+        if progress:  # before the yield: the consumer stops pulling after the last tensor
             progress(done, total)
+        yield item
 
 
 def _counted(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,6 +24,19 @@ WORKER = Path(__file__).with_name("mcore_oracle_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _json_objects(text: str) -> list[dict]:
+    """Every JSON object printed by the ranks (their lines may run together on one line)."""
+    decoder, found, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+            found.append(obj)
+            i = text.find("{", end)
+        except ValueError:
+            i = text.find("{", i + 1)
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,tied", [(2, 2, False), (2, 2, True), (2, 1, True)], ids=["tp2pp2", "tp2pp2-tied", "tp2-tied-forward"])
 def test_megatron_core_gptmodel_accepts_our_shards(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
@@ -44,7 +57,7 @@ def test_megatron_core_gptmodel_accepts_our_shards(tmp_path: Path, tp: int, pp: 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp), str(WORKER), *argv],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = _json_objects(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [r for r in lines if "ok" in r]
     assert len(ranks) == tp * pp and all(r["ok"] for r in ranks), lines

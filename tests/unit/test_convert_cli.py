@@ -121,3 +121,20 @@ def test_seed_lora_merge_then_mcore2hf_lora(models: Path, tmp_path: Path) -> Non
         assert torch.equal(out[f"model.layers.{layer}.mlp.down_proj.weight"], expected)
         assert not torch.equal(expected, w)
     assert out["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16  # no silent fp16 (v1's default)
+
+
+def test_tokenizer_files_copied_and_progress_reported(models: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = models / "models" / "Qwen3-4B"
+    mg = tmp_path / "mg"
+    _run(tmp_path, "to-mg", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
+         "--save-dir", str(mg), "--target-tensor-parallel-size", "2")
+    out = tmp_path / "hf-out"
+    _run(tmp_path, "to-hf", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg),
+         "--save-dir", str(out), "--tokenizer-model", str(hf / "tokenizer.json"))
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in out.iterdir()}
+    assert AutoTokenizer.from_pretrained(out).encode("hello") == AutoTokenizer.from_pretrained(hf).encode("hello")
+    events = [json.loads(line) for line in (tmp_path / "runs" / "to-hf" / "events.jsonl").read_text().splitlines()]
+    progress = [e["data"] for e in events if e["type"] == "progress"]
+    assert progress and progress[-1]["done"] == progress[-1]["total"] and progress[-1]["unit"] == "tensors"

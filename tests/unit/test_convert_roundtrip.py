@@ -11,6 +11,7 @@ import torch
 from convert_tiny import hf_logits, read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.layout import merge, pipeline_chunks, shard, split_rule
+from engine.checkpoint.load import detect_format, load_model_weights
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.model.hf_mapping import native_keys
 
@@ -104,3 +105,14 @@ def test_shard_rules_are_megatrons() -> None:
     assert [[c.layers for c in s] for s in pipeline_chunks(8, 2, vpp_layers=2)] == [[(0, 1), (4, 5)], [(2, 3), (6, 7)]]
     with pytest.raises(ValueError, match="num_layer_list"):
         pipeline_chunks(9, 2)
+
+
+def test_detect_format_and_load_model_weights(hf_dir: Path, tmp_path: Path) -> None:
+    src = HFCheckpoint(hf_dir)
+    save_mcore(src, src.config, tmp_path / "mg", tp=2, pp=2)
+    assert detect_format(hf_dir) == "hf" and detect_format(tmp_path / "mg") == "mcore"
+    assert detect_format(tmp_path / "mg" / "iter_0000001") == "mcore"
+    cfg_hf, from_hf = load_model_weights(hf_dir)
+    cfg_mg, from_mg = load_model_weights(tmp_path / "mg")
+    assert cfg_hf == cfg_mg and from_hf.keys() == from_mg.keys() == set(native_keys(cfg_hf))
+    assert all(torch.equal(from_hf[k], from_mg[k]) for k in from_hf)
