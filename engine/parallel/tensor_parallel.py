@@ -17,11 +17,14 @@ Layout (Megatron's per-rank layout, so mcore TP shards are this rank's local ten
   so each rank's weight gradient is a partial sum. They use ``SequenceParallel(sequence_dim=2)``: a replicated
   DTensor weight applied to an input sharded on the heads dim, so DTensor all-reduces the weight gradient.
 
-PyTorch primitives used (they run on gloo, nccl and hccl): ``parallelize_module`` with ``ColwiseParallel``,
-``RowwiseParallel`` (its ``nn.Embedding`` path is PyTorch's vocab-parallel embedding: masked lookup + reduce /
-reduce-scatter), ``SequenceParallel``, DTensor redistribution. Explicit collectives replace what is missing:
-the chunked vocab-parallel cross-entropy (PyTorch's ``loss_parallel`` needs its context manager around backward and
-materialises full-sequence logits) is Megatron's algorithm with ``all_reduce`` MAX/SUM over the TP group.
+PyTorch primitives used (they run on gloo, nccl and hccl): ``parallelize_module`` with ``ColwiseParallel`` /
+``RowwiseParallel`` (subclassed only to place LoRA adapters and the strided fc1), ``SequenceParallel``,
+``DTensor.from_local`` / ``redistribute`` (all-gather, reduce-scatter, all-reduce chosen by DTensor). Written out
+where the primitive is missing or wasteful:
+- the vocab-parallel embedding (``VocabParallelEmbedding``): masked local lookup + a ``Partial`` DTensor reduced by
+  DTensor, because ``RowwiseParallel``'s embedding backward builds a full (V × H) gradient on every rank;
+- the chunked vocab-parallel cross-entropy: Megatron's algorithm with explicit ``all_reduce`` MAX/SUM over the TP
+  group (PyTorch's ``loss_parallel`` needs its context manager around backward and full-sequence logits).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -133,6 +137,39 @@ class RowParallel(RowwiseParallel):
         )
 
 
+class VocabParallelEmbedding(ParallelStyle):
+    """Megatron's ``VocabParallelEmbedding`` for ``nn.Embedding``: rank k holds vocabulary rows
+    [k·V/TP, (k+1)·V/TP) (``Shard(0)``), looks up the ids it owns (others give zeros), and the partial sums are
+    reduced (all-reduce, or reduce-scatter onto the sequence dim with sequence parallelism).
+
+    Written out instead of ``RowwiseParallel`` on the embedding: that works, but its backward produces a full
+    replicated (V × H) gradient on every rank (measured: 151,936 × H fp32 per rank for Qwen3); here each rank's
+    gradient is its own rows only. Primitives: ``DTensor.from_local(..., Partial())`` + ``redistribute``."""
+
+    def __init__(self, output_layout: Placement, use_local_output: bool) -> None:
+        super().__init__()
+        self.output_layout, self.use_local_output = output_layout, use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding: expects nn.Embedding, got {type(module).__name__}")
+        weight = module.weight
+        module.weight = nn.Parameter(_place(weight, device_mesh, Shard(0)), requires_grad=weight.requires_grad)
+        style = self
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            local = module.weight.to_local()  # (V/TP, H); its gradient stays this rank's rows
+            offset = ids - device_mesh.get_local_rank() * local.shape[0]
+            outside = (offset < 0) | (offset >= local.shape[0])
+            out = F.embedding(offset.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            out = out.redistribute(placements=[style.output_layout])
+            return out.to_local() if style.use_local_output else out
+
+        module.forward = forward
+        return module
+
+
 def _distribute_strided(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTensor:
     """A DTensor whose rank-k local tensor is cat(half0_k, half1_k) along ``dim``; the global tensor is ``full``."""
     n, k = mesh.size(), mesh.get_local_rank()
@@ -193,9 +230,7 @@ def top_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {}
     if getattr(model, "embedding", None) is not None:
-        plan["embedding.word_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sp
-        )
+        plan["embedding.word_embeddings"] = VocabParallelEmbedding(seq, use_local_output=not sp)
     if getattr(model.decoder, "final_layernorm", None) is not None:
         plan["decoder.final_layernorm"] = _norm_style(sp)
     if getattr(model, "output_layer", None) is not None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 from engine.model.config import preset
 from engine.model.loss import chunked_cross_entropy
@@ -128,3 +129,5 @@ def test_vocab_parallel_loss_equals_chunked_loss(one_rank_group: None) -> None:
     loss_sum.backward()
     assert int(n) == int(ref_n) and loss_sum.item() == pytest.approx(ref_sum.item(), rel=1e-6)
     torch.testing.assert_close(model.output_layer.weight.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-7)
+    # The vocab-parallel embedding's gradient holds this rank's rows only (not a replicated V × H tensor).
+    assert model.embedding.word_embeddings.weight.grad.placements == (Shard(0),)
