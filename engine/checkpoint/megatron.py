@@ -5,9 +5,10 @@ Layout (``shared/docs/megatron-interop.md`` §1): ``<root>/latest_checkpointed_i
 ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0, ``iteration`` and ``model`` (``model0``,
 ``model1``... per virtual-pipeline chunk) holding that rank's local-spec tensors with stage-local layer numbers.
 
-Writing builds one rank's dict at a time and saves it before the next, so peak memory is one output shard.
-Reading memory-maps every rank file (``torch.load(mmap=True)``) and glues a native tensor from its TP pieces only
-when asked, merging LoRA adapters per TP shard on the way (W_k + alpha/r · B_k @ A_k in fp32, MindSpeed's rule).
+Writing streams each rank file tensor by tensor (``engine.checkpoint.torchfile``: the pickle first from shapes,
+then the bytes), so peak memory stays around one tensor whatever the shard size. Reading parses every rank file's
+pickle only (``engine.checkpoint.reader``) and reads a native tensor's TP pieces straight into place when asked,
+merging LoRA adapters per TP shard on the way (W_k + alpha/r · B_k @ A_k in fp32, MindSpeed's rule).
 Pickled classes that are not importable here (Megatron/MindSpeed enums in ``args``) load as inert stand-ins.
 """
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from engine.checkpoint.hf import DTYPES, as_getter, staging
+from engine.checkpoint.hf import as_getter, staging
 from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.reader import MemoryRef, TorchZipFile, read_merged
@@ -483,7 +484,3 @@ def load_mcore(path: str | os.PathLike[str], **kwargs: Any) -> tuple[ModelConfig
     """(config, ``get(native_key)``) of a Megatron checkpoint; see ``MegatronCheckpoint`` for ``kwargs``."""
     ckpt = MegatronCheckpoint(path, **kwargs)
     return ckpt.config, ckpt.get_native
-
-
-def dtype_from_name(name: str | None) -> torch.dtype | None:
-    return DTYPES[name] if name else None
