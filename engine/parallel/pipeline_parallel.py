@@ -74,7 +74,8 @@ def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, las
     elif part.output_layer is None and not first:
         # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
         weight = model.embedding.word_embeddings.weight
-        part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                      dtype=weight.dtype)
         with torch.no_grad():
             part.output_layer.weight.copy_(weight)
         part.output_layer.weight.requires_grad_(weight.requires_grad)
@@ -90,7 +91,9 @@ class StageModule(nn.Module):
         self.part = part
         self.sp_mesh = sequence_parallel_mesh
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.sp_mesh is not None and self.part.embedding is None:
             x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)  # this rank's sequence shard
         out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
@@ -303,9 +306,11 @@ def dcp_state_view(
 
     def merge(original: Any, loaded: Any) -> Any:
         if isinstance(original, dict):
-            return {k: merge(v, loaded[k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k]) for k, v in original.items()}
+            return {k: merge(v, loaded[_NATIVE_KEY.join(k.split(_COPY_KEY)) if is_copy(k) else k])
+                    for k, v in original.items()}
         if isinstance(original, list):
-            if any(isinstance(o, str) for o in original) or not isinstance(loaded, list) or len(loaded) != len(original):
+            names = any(isinstance(o, str) for o in original)
+            if names or not isinstance(loaded, list) or len(loaded) != len(original):
                 return original  # FQN lists (param_groups' "params") name this rank's parameters, not the saver's
             return [merge(o, l) for o, l in zip(original, loaded)]
         if isinstance(original, (torch.Tensor, str)):

@@ -263,7 +263,7 @@ class _VocabParallelCE(torch.autograd.Function):
     (all-reduce SUM). Backward is local: softmax - one_hot on this rank's vocab slice."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)

@@ -90,7 +90,10 @@ def train_step(
     if scaler.scale != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
     # Pipeline: per-stage norms (a tied embedding counted once) combined over the stages.
-    grad_norm = model.combine_grad_norm(total_grad_norm(model.grad_norm_parameters())) if pipeline else total_grad_norm(params)
+    if pipeline:
+        grad_norm = model.combine_grad_norm(total_grad_norm(model.grad_norm_parameters()))
+    else:
+        grad_norm = total_grad_norm(params)
     skipped = not bool(torch.isfinite(grad_norm))  # the one host sync of the step
     if not skipped:
         clip_grads(params, clip_grad, grad_norm)

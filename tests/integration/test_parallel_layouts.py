@@ -53,8 +53,8 @@ def test_two_process_layouts(tmp_path: Path) -> None:
 
 
 def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
-    """TP2×PP2 (tied, saves a checkpoint after step 3), TP2×DP2 (tied: the vocab-sharded embedding is the head); then resume that checkpoint under DP2 and
-    TP1×PP1: their two next steps equal the uninterrupted TP2×PP2 run."""
+    """TP2×PP2 (tied, saves a checkpoint after step 3), TP2×DP2 (tied: the vocab-sharded embedding is the head);
+    then resume that checkpoint under DP2 and TP1×PP1: their two next steps equal the uninterrupted TP2×PP2 run."""
     ckpt = tmp_path / "ckpt"
     result = launch(tmp_path, 4, f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}", "tp2dp2:tp=2,dp=2,tied=1")
     assert_matches(result, "tp2pp2")
