@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from engine.checkpoint.hf import save_hf
-from engine.checkpoint.layout import rank_dir_name
+from engine.checkpoint.layout import pipeline_chunks, rank_dir_name, shard, split_rule
 from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, save_mcore
 from engine.model.config import ModelConfig
 from engine.model.lora import merge_lora, to_mindspeed_keys
@@ -48,22 +48,50 @@ def merged_weights(state: dict[str, torch.Tensor], alpha: float, r: int) -> dict
     return out
 
 
+def lora_rank_states(adapters: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+                     num_layer_list: list[int] | None = None, vpp_layers: int | None = None
+                     ) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """Full adapters cut as MindSpeed stores a LoRA run of this TP/PP: rank dir -> {"model" | "model{v}": tensors}.
+
+    TP: ``split_rule`` (column targets: A replicated, B like the base rows incl. [gate_k; up_k]; row targets: A on
+    dim 1, B replicated); PP: each stage's layers renumbered from 0 (``pipeline_chunks``)."""
+    out: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for p, chunks in enumerate(pipeline_chunks(cfg.num_layers, pp, num_layer_list, vpp_layers)):
+        for t in range(tp):
+            models = {}
+            for chunk in chunks:
+                local = {}
+                for i, layer in enumerate(chunk.layers):
+                    prefix = f"decoder.layers.{layer}."
+                    for key in (k for k in adapters if k.startswith(prefix)):
+                        piece = shard(adapters[key], split_rule(key), tp, t)
+                        local[f"decoder.layers.{i}." + key[len(prefix):]] = piece.contiguous().clone()
+                models["model" if len(chunks) == 1 else f"model{chunk.index}"] = local
+            out[rank_dir_name(t, p, pp)] = models
+    return out
+
+
 def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: Any,
                 dtype: torch.dtype) -> Path:
     adapters = {k: v.to(dtype) for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
-    args = build_args(cfg, 1, 1, dtype)
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    layers, vpp = spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage
+    args = build_args(cfg, tp, pp, dtype, layers, vpp)
     extra = {"lora_r": spec.lora_r, "lora_alpha": spec.lora_alpha, "lora_target_modules": list(spec.lora_target_modules),
              "lora_base": spec.load, "iteration": iteration}
     args = argparse.Namespace(**{**vars(args), **extra})
-    rank_dir = save / iteration_dir_name(iteration) / rank_dir_name(0, 0, 1)
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    tmp = rank_dir / (MODEL_FILE + ".tmp")
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": to_mindspeed_keys(adapters)}, tmp)
-    os.replace(tmp, rank_dir / MODEL_FILE)
+    it_dir = save / iteration_dir_name(iteration)
+    for name, models in lora_rank_states(adapters, cfg, tp, pp, layers, vpp).items():
+        rank_dir = it_dir / name
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        tmp = rank_dir / (MODEL_FILE + ".tmp")
+        chunks = {k: to_mindspeed_keys(v) for k, v in models.items()}
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **chunks}, tmp)
+        os.replace(tmp, rank_dir / MODEL_FILE)
     tracker = save / (TRACKER + ".tmp")
     tracker.write_text(str(iteration))
     os.replace(tracker, save / TRACKER)
-    return rank_dir.parent
+    return it_dir
 
 
 def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iteration: int,

@@ -131,3 +131,31 @@ def test_vocab_parallel_loss_equals_chunked_loss(one_rank_group: None) -> None:
     torch.testing.assert_close(model.output_layer.weight.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-7)
     # The vocab-parallel embedding's gradient holds this rank's rows only (not a replicated V × H tensor).
     assert model.embedding.word_embeddings.weight.grad.placements == (Shard(0),)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1)])
+def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp: int) -> None:
+    from engine.checkpoint.megatron import RankFiles
+    from engine.model.lora import apply_lora, lora_state_dict
+    from engine.train.export import _write_lora
+
+    cfg = preset("qwen3-tiny").replace(vocab_size=64, num_layers=4)
+    model = Qwen3Model(cfg)
+    apply_lora(model, r=4, alpha=8.0, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    adapters = lora_state_dict(model)
+    spec = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layer_list=None,
+                                 num_layers_per_virtual_pipeline_stage=None, lora_r=4, lora_alpha=8.0,
+                                 lora_target_modules=[], load=None)
+    it_dir = _write_lora(adapters, cfg, tmp_path, 7, spec, torch.float32)
+    names = sorted(p.name for p in it_dir.iterdir())
+    assert names == sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp))
+    last = torch.load(it_dir / names[-1] / "model_optim_rng.pt", weights_only=False)
+    local = "decoder.layers.0.mlp.linear_fc1.lora_B.default.weight"  # layer 2 (or 0) renumbered locally
+    assert last["model"][local].shape == (2 * cfg.ffn_hidden_size // tp, 4)
+    assert last["args"].tensor_model_parallel_size == tp and last["args"].lora_alpha == 8.0
+    files = RankFiles(tmp_path)
+    for key, value in adapters.items():  # the reader glues the per-rank pieces back to the trained adapters
+        torch.testing.assert_close(files.full(key), value)
