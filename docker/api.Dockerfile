@@ -15,7 +15,7 @@ WORKDIR /opt/llmjobs
 # torch first, from the CPU index: the API never imports it, the CPU worker's engine does (no CUDA libraries).
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
 COPY worker ./worker
 COPY engine ./engine

@@ -16,7 +16,7 @@ WORKDIR /opt/llmjobs
 
 RUN pip install --no-cache-dir torch==2.13.0
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
 COPY worker ./worker
 COPY engine ./engine

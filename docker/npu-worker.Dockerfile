@@ -19,7 +19,7 @@ WORKDIR /opt/llmjobs
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu \
     && pip install --no-cache-dir torch-npu==2.13.0 pyyaml==6.0.2 decorator==5.1.1 attrs==24.2.0 psutil==6.1.0
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
 COPY worker ./worker
 COPY engine ./engine

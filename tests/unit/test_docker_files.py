@@ -17,7 +17,7 @@ import yaml
 from app.settings import REPO_ROOT, Settings
 
 DOCKER = REPO_ROOT / "docker"
-DOCKERFILES = sorted(DOCKER.glob("*Dockerfile*"))
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 
 
 def hadolint() -> str:
@@ -60,7 +60,8 @@ def test_versions_are_pinned(dockerfile: Path) -> None:
         packages = [w for w in command.split() if not w.startswith("-") and not w.startswith("http") and w != "."]
         for package in packages:
             assert "==" in package or package.startswith('".['), f"{dockerfile.name}: unpinned {package}"
-    for required in ("COPY migrations", "COPY engine", "CMD "):
+    # what the installed service reads from the repository root at run time (app.db: alembic.ini, migrations/)
+    for required in ("alembic.ini", "COPY migrations", "COPY app", "COPY worker", "COPY engine", "CMD "):
         assert required in text, f"{dockerfile.name}: no {required}"
 
 
@@ -102,3 +103,9 @@ def test_readme_documents_deployment() -> None:
     for name in ("api.Dockerfile", "cuda-worker.Dockerfile", "npu-worker.Dockerfile", "compose.yaml"):
         assert name in section, f"README Deployment does not mention {name}"
     assert "--device-type npu" in section and "--device-type cuda" in section
+
+
+def test_the_build_context_leaves_out_the_venv_and_run_data() -> None:
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "var", ".git"} <= set(ignored)
+    assert not {"app", "worker", "engine", "migrations", "alembic.ini"} & set(ignored)
