@@ -342,14 +342,19 @@ class MegatronCheckpoint:
         vocab = rows * tp
         if hf.get("vocab_size") and hf["vocab_size"] < vocab:
             vocab = hf["vocab_size"]  # Megatron padded the vocabulary; the HF model has the true size
-        pick = lambda arg, hf_key, default: getattr(a, arg, None) or hf.get(hf_key) or default  # noqa: E731
+        try:
+            ref: ModelConfig | None = ModelConfig.from_hf(hf) if hf else None
+        except (KeyError, ValueError, TypeError):
+            ref = None
+        # args first (the run's own values), then config.json, then Qwen3's published values
+        pick = lambda arg, default: getattr(a, arg, None) or (getattr(ref, arg) if ref else None) or default  # noqa: E731
         cfg = ModelConfig(
             num_layers=len(self.base.layer_at), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=d, vocab_size=vocab, tie_word_embeddings=bool(tied),
-            norm_epsilon=float(pick("norm_epsilon", "rms_norm_eps", 1e-6)),
-            rotary_base=float(pick("rotary_base", "rope_theta", 1e6)),
-            max_position_embeddings=int(pick("max_position_embeddings", "max_position_embeddings", 40960)),
-            init_method_std=float(pick("init_method_std", "initializer_range", 0.02)),
+            norm_epsilon=float(pick("norm_epsilon", 1e-6)),
+            rotary_base=float(pick("rotary_base", 1e6)),
+            max_position_embeddings=int(pick("max_position_embeddings", 40960)),
+            init_method_std=float(pick("init_method_std", 0.02)),
         )
         for field in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(a, field, None) not in (None, getattr(cfg, field)):

@@ -116,3 +116,35 @@ def test_detect_format_and_load_model_weights(hf_dir: Path, tmp_path: Path) -> N
     cfg_mg, from_mg = load_model_weights(tmp_path / "mg")
     assert cfg_hf == cfg_mg and from_hf.keys() == from_mg.keys() == set(native_keys(cfg_hf))
     assert all(torch.equal(from_hf[k], from_mg[k]) for k in from_hf)
+
+
+def _rewrite(mg: Path, edit) -> None:  # noqa: ANN001 - a small in-test callback
+    for pt in sorted(mg.rglob("model_optim_rng.pt")):
+        state = torch.load(pt, weights_only=False)
+        edit(pt, state)
+        torch.save(state, pt)
+
+
+def test_megatron_padded_vocab_and_missing_args(hf_dir: Path, tmp_path: Path) -> None:
+    """A Megatron-trained checkpoint: vocabulary padded to a multiple of 128 × TP, and no ``args`` (the seed's
+    "could not find arguments in the checkpoint"). The HF config says what the tensors cannot."""
+    src = HFCheckpoint(hf_dir)
+    save_mcore(src, src.config, tmp_path / "mg", tp=2, pp=1)
+    full = src.get_native("embedding.word_embeddings.weight")
+    head = full if src.config.tie_word_embeddings else src.get_native("output_layer.weight")
+    zeros = torch.zeros(384 - full.shape[0], full.shape[1], dtype=full.dtype)  # 256 rows padded to 384
+    padded = {"embedding.word_embeddings.weight": torch.cat([full, zeros]), "output_layer.weight": torch.cat([head, zeros])}
+
+    def pad(pt: Path, state: dict) -> None:
+        del state["args"]
+        for key, value in padded.items():
+            if key in state["model"]:  # Megatron pads the full matrix, then splits it: padding sits on the last rank
+                state["model"][key] = torch.chunk(value, 2)[int(pt.parent.name[-2:])].clone()
+
+    _rewrite(tmp_path / "mg", pad)
+    mg = MegatronCheckpoint(tmp_path / "mg", hf_config=src.hf_config)
+    assert mg.args is None and mg.config == src.config  # vocab 256, epsilon and RoPE base from config.json
+    assert torch.equal(mg.get_native("embedding.word_embeddings.weight"), full)
+    save_hf(mg, mg.config, tmp_path / "hf")
+    original, back = read_hf(hf_dir), read_hf(tmp_path / "hf")
+    assert all(torch.equal(back[k], original[k]) for k in back)
