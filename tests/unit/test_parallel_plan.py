@@ -159,3 +159,15 @@ def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp:
     files = RankFiles(tmp_path)
     for key, value in adapters.items():  # the reader glues the per-rank pieces back to the trained adapters
         torch.testing.assert_close(files.full(key), value)
+
+
+def test_parallel_flags_under_torchrun_see_the_launcher_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.flags import spec_from_argv
+
+    argv = ["--data-path", "d", "--train-iters", "1", "--lr", "1e-4", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--num-layer-list", "1,3"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    spec, _, _ = spec_from_argv("train", argv)
+    assert (spec.resources.nnodes, spec.resources.nproc_per_node, spec.data_parallel_size) == (2, 4, 2)
+    assert spec.sequence_parallel and spec.num_layer_list == [1, 3]
