@@ -109,3 +109,29 @@ def test_the_build_context_leaves_out_the_venv_and_run_data() -> None:
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert {".venv", "var", ".git"} <= set(ignored)
     assert not {"app", "worker", "engine", "migrations", "alembic.ini"} & set(ignored)
+
+
+def copies(dockerfile: Path) -> list[str]:
+    return re.findall(r"^COPY (.+)$", dockerfile.read_text(), re.M)
+
+
+def test_what_the_images_copy_is_enough_to_migrate_and_start(tmp_path: Path) -> None:
+    """Lay out exactly the COPY'd paths as the images do and run the service's start-up steps from there."""
+    assert all(copies(d) == copies(DOCKERFILES[0]) for d in DOCKERFILES)
+    image = tmp_path / "opt"
+    image.mkdir()
+    for line in copies(DOCKERFILES[0]):
+        *sources, target = line.split()
+        for source in sources:
+            src, dst = REPO_ROOT / source, image / (target if target != "./" else source)
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(src, dst)
+    check = ("import app, app.main, worker.node, worker.tasks, engine.cli; from app.db import upgrade_head; "
+             f"upgrade_head('sqlite:///{tmp_path}/db.sqlite'); print(app.__file__)")
+    run = subprocess.run([sys.executable, "-c", check], cwd=image, env={"PYTHONPATH": str(image), "PATH": "/usr/bin:/bin",
+                                                                         "LLMJOBS_VAR_DIR": str(tmp_path / "var")},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().startswith(str(image))
