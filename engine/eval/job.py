@@ -66,8 +66,10 @@ def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
 
 
 def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: DecodeOptions, batch_size: int,
-            run: RunDir, device: Device, world: int) -> tuple[list[dict[str, Any]], int, float]:
-    """Generate for this rank's lines: (records, tokens generated, seconds)."""
+            run: RunDir, device: Device, total: int) -> tuple[list[dict[str, Any]], int, float]:
+    """Generate for this rank's lines: (records, tokens generated, seconds). Progress counts lines of all ranks,
+    estimated from this rank's share (rank 0 writes the events; every rank holds about ``total / world``)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     prompts = [line.prompt_ids for line in lines]
     records: list[dict[str, Any]] = []
     produced, start, done = 0, time.perf_counter(), 0
@@ -80,13 +82,8 @@ def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: Decod
         elapsed = time.perf_counter() - start
         run.metric(step, {"tokens_per_s": produced / max(elapsed, 1e-9), "batch_size": len(indices),
                           "batch_tokens_per_s": gen.num_generated / max(gen.seconds, 1e-9)})
-        run.progress(min(done * world, run_total(lines, world)), run_total(lines, world), "lines")
+        run.progress(min(done * world, total), total, "lines")
     return records, produced, time.perf_counter() - start
-
-
-def run_total(lines: list[TestLine], world: int) -> int:
-    """The progress total: lines across all ranks (each rank holds about the same share)."""
-    return len(lines) * world
 
 
 def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
@@ -143,10 +140,12 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     opts = _decode_options(spec, tokenizer)
     mine = testset.lines[rank::world]
     records, produced, seconds = _decode(model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size,
-                                         run, device, world)
+                                         run, device, len(testset.lines))
     for rec in records:  # indices into this rank's share -> indices into the whole test set
         rec["index"] = rec["index"] * world + rank
     gathered = gather_objects((records, produced, seconds))
+    if world > 1:
+        run.progress(len(testset.lines), len(testset.lines), "lines")  # every rank is done now
     all_records = [r for part in gathered for r in part[0]]
     rows, board = _score(spec, tokenizer, testset.lines, all_records)
     outputs: dict[str, str] = {}

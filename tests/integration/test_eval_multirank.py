@@ -1,0 +1,58 @@
+"""``python -m engine eval`` under torchrun with 2 ranks (gloo): the test set is split across ranks, rank 0 gathers,
+and the predictions equal a one-process run. The seed's PP=2 layout is accepted and reported (eval replicates the
+model instead of sharding it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint.hf import save_hf
+from engine.model.config import preset
+from engine.model.qwen3 import Qwen3Model
+
+pytestmark = pytest.mark.slow
+
+
+def _lines(n: int) -> str:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "请你判读用户的意图。交互历史：用户：" + "播放音乐" * (1 + i % 4)},
+                {"role": "assistant", "content": "音乐_播放"}]
+        out.append(json.dumps({"messages": msgs}, ensure_ascii=False))
+    out.insert(2, json.dumps({"messages": msgs[:2]}, ensure_ascii=False))  # a bad line: no answer
+    return "\n".join(out) + "\n"
+
+
+def _run(cmd: list[str], run_dir: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def test_two_ranks_split_the_test_set_and_match_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    cfg = preset("qwen3-tiny-tied")
+    model = Qwen3Model(cfg)
+    model.init_weights(seed=5)
+    save_hf(model.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
+    (tmp_path / "test.jsonl").write_text(_lines(7))
+    args = ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(qwen_tokenizer_dir),
+            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", "3", "--temperature", "0.00001",
+            "--eval-batch-size", "2"]
+    single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "engine", *args, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    multi = _run(torchrun, tmp_path / "two")
+    assert multi["summary"]["world_size"] == 2 and single["summary"]["world_size"] == 1
+    assert multi["summary"]["total"] == single["summary"]["total"] == 7 and multi["summary"]["skipped"] == 1
+    assert (tmp_path / "one" / "predictions.jsonl").read_text() == (tmp_path / "two" / "predictions.jsonl").read_text()
+    events = [json.loads(x) for x in (tmp_path / "two" / "events.jsonl").read_text().splitlines()]
+    assert any(e["type"] == "warning" and "does not shard the model" in e["message"] for e in events)
