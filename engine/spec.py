@@ -530,6 +530,16 @@ SPEC_CLASSES: dict[str, type[JobBase]] = {
 _adapter: TypeAdapter[Any] = TypeAdapter(JobSpec)
 
 
+def spec_to_json(spec: JobBase) -> dict[str, Any]:
+    """The stored form of a spec (job row, ``spec.json``): only the fields the user set, plus ``kind`` and the full
+    ``resources``. Keeping unset fields out lets the engine tell an explicit flag from a default (a model-shape flag
+    left unset comes from the checkpoint's config, not from Megatron's generic default)."""
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    data["kind"] = spec.kind  # type: ignore[attr-defined]
+    data["resources"] = spec.resources.model_dump(mode="json")
+    return data
+
+
 def parse_spec(data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None) -> JobBase:
     """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them."""
     context = {"data_roots": data_roots} if data_roots is not None else None

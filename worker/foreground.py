@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.runfiles import read_result
-from engine.spec import PipelineSpec, load_spec_file
+from engine.spec import PipelineSpec, load_spec_file, spec_to_json
 from worker.execute import log_tail, write_spec
 from worker.ingest import FileTail
 from worker.launcher import build_launch
@@ -42,7 +42,7 @@ def run_foreground(spec_file: Path, run_dir: Path | None, runs_root: Path, out: 
     """Run the spec to completion, printing events and metrics; returns the engine's exit code."""
     spec = load_spec_file(spec_file)
     run_dir = (run_dir or runs_root / f"local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    write_spec(run_dir, spec.model_dump(mode="json"))
+    write_spec(run_dir, spec_to_json(spec))
     print(f"run directory: {run_dir}", file=out, flush=True)
     if isinstance(spec, PipelineSpec):  # its steps, one after another, each in <run_dir>/<step>/
         from worker.pipeline_run import run_pipeline

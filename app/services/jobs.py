@@ -21,7 +21,7 @@ from app.errors import ApiError
 from app.models import Event, Job, new_id, utcnow
 from app.settings import Settings
 from app.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
-from engine.spec import JobBase
+from engine.spec import JobBase, spec_to_json
 
 
 def body_hash(raw: Any) -> str:
@@ -49,7 +49,7 @@ def create_job(
     if idempotency_key and (existing := _find_by_key(session, team, idempotency_key)):
         return _replay(existing, digest), False
     job_id = new_id()
-    job = Job(id=job_id, team=team, kind=spec.kind, name=spec.name, spec=spec.model_dump(mode="json"),  # type: ignore[attr-defined]
+    job = Job(id=job_id, team=team, kind=spec.kind, name=spec.name, spec=spec_to_json(spec),
               meta=dict(spec.metadata), priority=spec.priority, parent_id=parent_id,
               idempotency_key=idempotency_key, body_hash=digest,
               queue=settings.queue_for(spec.resources.device_type), run_dir=str(settings.runs_path / job_id),
