@@ -53,16 +53,21 @@ def test_two_process_layouts(tmp_path: Path) -> None:
 
 
 def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
-    """TP2×PP2 (tied, saves a checkpoint after step 3), TP2×DP2 (tied: the vocab-sharded embedding is the head);
-    then resume that checkpoint under DP2 and TP1×PP1: their two next steps equal the uninterrupted TP2×PP2 run."""
-    ckpt = tmp_path / "ckpt"
-    result = launch(tmp_path, 4, f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}", "tp2dp2:tp=2,dp=2,tied=1")
-    assert_matches(result, "tp2pp2")
-    assert_matches(result, "tp2dp2")
-    expected = result["tp2pp2"]["parallel"][3:]
-    resumed_dp2 = launch(tmp_path, 2, f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2")["dp2"]["parallel"]
-    resumed_one = launch(tmp_path, 1, f"one:layers=4,tied=1,load={ckpt},start=3,steps=2")["one"]["parallel"]
-    for resumed in (resumed_dp2, resumed_one):
-        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(resumed, expected):
+    """TP2×PP2 and PP2×DP2 (tied; each saves a checkpoint after step 3), TP2×DP2 (tied: the vocab-sharded embedding
+    is the head). Then resume: the TP2×PP2 checkpoint under DP2 and TP1×PP1, the PP2×DP2 one under PP2 interleaved;
+    their two next steps equal the uninterrupted runs."""
+    ckpt, ckpt_pd = tmp_path / "ckpt_tp2pp2", tmp_path / "ckpt_pp2dp2"
+    result = launch(tmp_path, 4, f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}",
+                    f"pp2dp2:pp=2,dp=2,layers=4,tied=1,save_at=3,ckpt={ckpt_pd}", "tp2dp2:tp=2,dp=2,tied=1")
+    for name in ("tp2pp2", "pp2dp2", "tp2dp2"):
+        assert_matches(result, name)
+    two = launch(tmp_path, 2, f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2",
+                 f"vpp:pp=2,vpp=1,layers=4,tied=1,load={ckpt_pd},start=3,steps=2")
+    one = launch(tmp_path, 1, f"one:layers=4,tied=1,load={ckpt},start=3,steps=2")
+    resumed = [(two["dp2"], "tp2pp2"), (one["one"], "tp2pp2"), (two["vpp"], "pp2dp2")]
+    for run, saved_by in resumed:
+        expected = result[saved_by]["parallel"][3:]
+        assert len(run["parallel"]) == len(expected) == 2
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(run["parallel"], expected):
             assert loss == pytest.approx(ref_loss, rel=RTOL)
             assert norm == pytest.approx(ref_norm, rel=RTOL)
