@@ -30,7 +30,7 @@ from engine.spec import parse_spec
 TINY_SHAPE: dict[str, Any] = {
     "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
     "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 512,
-    # The service stores the full spec (every default), so the engine sees these as set: give Qwen3's values.
+    # Qwen3's values, set explicitly as a MindSpeed user would (Megatron's defaults are LayerNorm / learned positions).
     "normalization": "RMSNorm", "position_embedding_type": "rope",
 }
 
