@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from engine.checkpoint.fastcopy import Piece, RowPlan, copy_segments, size_of
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
@@ -142,7 +143,7 @@ class HFCheckpoint:
         hf_key = f + _LAYER_COPIES[suffix]
         if split_rule(key) == "dim1" and tp > 1:
             cols = self._ref(hf_key).shape[1] // tp
-            return self.get(hf_key)[:, rank * cols:(rank + 1) * cols].contiguous()
+            return self._ref(hf_key).read_cols(rank * cols, (rank + 1) * cols)
         return self.get(hf_key)
 
     def _qkv_shard(self, prefix: str, tp: int, rank: int) -> torch.Tensor:
@@ -181,9 +182,8 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------- writing
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                      plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
-    """Write one safetensors file whose header is ``plan``, consuming ``tensors`` in the same order."""
+def _header(plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file holding ``plan`` in order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset, size = 0, torch.empty((), dtype=dtype).element_size()
     for name, shape in plan:
@@ -192,8 +192,14 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                      plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+    """Write one safetensors file whose header is ``plan``, consuming ``tensors`` in the same order."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.write(_header(plan, dtype))
         writer = BackgroundWriter(lambda t: f.write(tensor_bytes(t)), name=f"write-{path.name}")
         try:
             for (name, shape), (got, t) in zip(plan, tensors, strict=True):
@@ -202,6 +208,24 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
                 writer.put(t.detach().to(dtype).contiguous())
         finally:
             writer.close()
+
+
+def copy_safetensors(path: Path, segments: Iterable[tuple[str, list[Piece]]],
+                     plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+    """Like ``write_safetensors``, but each tensor's bytes are copied from file segments inside the kernel."""
+    head = _header(plan, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, head)
+        pos = len(head)
+        for (name, shape), (got, segs) in zip(plan, segments, strict=True):
+            want = size * int(torch.Size(shape).numel())
+            if got != name or sum(size_of(seg) for seg in segs) != want:
+                raise RuntimeError(f"copy plan for {name} does not cover its {want} bytes")
+            pos += copy_segments(fd, pos, segs)
+    finally:
+        os.close(fd)
 
 
 def plan_shards(entries: list[tuple[str, tuple[int, ...]]], elem_bytes: int,
@@ -244,9 +268,16 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
     out = Path(out_dir)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with staging(out) as tmp:
-        stream = _reported(hf_from_native(get, cfg), len(entries), progress)
-        for name, plan in zip(names, shards):
-            write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
+        if getattr(source, "can_copy", lambda dtype: False)(dtype):
+            rows = RowPlan(source.row_source)  # same bytes out as in: let the kernel copy them
+            pieces = ((k, rows.segments(ids)) for k, ids in hf_from_native(rows.get, cfg))
+            stream: Iterator[Any] = _reported(pieces, len(entries), progress)
+            for name, plan in zip(names, shards):
+                copy_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
+        else:
+            stream = _reported(hf_from_native(get, cfg), len(entries), progress)
+            for name, plan in zip(names, shards):
+                write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         elem = torch.empty((), dtype=dtype).element_size()
         index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
                  "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan}}
@@ -258,15 +289,14 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
     return [out / n for n in names]
 
 
-def _reported(stream: Iterator[tuple[str, torch.Tensor]], total: int,
-              progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _reported(stream: Iterator[tuple[str, Any]], total: int, progress: Progress | None) -> Iterator[tuple[str, Any]]:
     for done, item in enumerate(stream, 1):
         if progress:  # before the yield: the consumer stops pulling after the last tensor
             progress(done, total)
         yield item
 
 
-def _counted(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(stream: Iterator[tuple[str, Any]], n: int) -> Iterator[tuple[str, Any]]:
     for _ in range(n):
         yield next(stream)
 

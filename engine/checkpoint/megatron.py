@@ -29,7 +29,8 @@ import torch
 from engine.checkpoint.hf import as_getter, staging
 from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
-from engine.checkpoint.reader import MemoryRef, TorchZipFile, read_merged
+from engine.checkpoint.fastcopy import MergedRows
+from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
@@ -432,6 +433,20 @@ class MegatronCheckpoint:
             raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
         return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+
+    def can_copy(self, dtype: torch.dtype) -> bool:
+        """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
+        if self.side is not None or self.lora_modules():
+            return False
+        return all(isinstance(ref, TensorRef) and ref.dtype == dtype
+                   for chunks in self.base.models.values() for tensors in chunks.values() for ref in tensors.values())
+
+    def row_source(self, key: str) -> MergedRows:
+        """Where the rows of native ``key`` lie in the rank files (for ``fastcopy.RowPlan``)."""
+        if key == OUTPUT and self.config.tie_word_embeddings:
+            key = EMBEDDING
+        rows = self.config.vocab_size if key in (EMBEDDING, OUTPUT) else None
+        return MergedRows([self.base.raw(key, t) for t in range(self.tp)], split_rule(key), rows)
 
     def lora_modules(self) -> list[str]:
         found = self.base.lora_modules() + (self.side.lora_modules() if self.side else [])

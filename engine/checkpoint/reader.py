@@ -43,10 +43,7 @@ class TensorRef:
 
     def __init__(self, file: "_File", name: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
         self.file, self.name, self.offset, self.shape, self.dtype = file, name, offset, tuple(shape), dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return int(torch.Size(self.shape[1:]).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        self.row_bytes = int(torch.Size(self.shape[1:]).numel()) * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +62,29 @@ class TensorRef:
         elif tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.name}: cannot read rows {start}:{stop} into {tuple(out.shape)} {out.dtype}")
         return _pread_into(self.file.fd, out, self.offset + start * self.row_bytes, self.file.path, self.name)
+
+
+    def read_cols(self, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of a 2-D tensor: one ``preadv`` per 512 rows scatters each row's wanted bytes
+        into place and the rest into a scratch buffer, so no strided copy is made in user space."""
+        rows, cols = self.shape
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        out = torch.empty((rows, stop - start), dtype=self.dtype)
+        seg, gap = (stop - start) * elem, (cols - (stop - start)) * elem
+        dest = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        scratch = memoryview(bytearray(gap))
+        for first in range(0, rows, 512):  # IOV_MAX is 1024 buffers
+            last = min(first + 512, rows)
+            iov = []
+            for r in range(first, last):
+                iov.append(dest[r * seg:(r + 1) * seg])
+                if r < last - 1 and gap:
+                    iov.append(scratch)
+            offset = self.offset + first * cols * elem + start * elem
+            want = (last - first) * seg + (last - first - 1) * gap
+            if os.preadv(self.file.fd, iov, offset) != want:
+                raise BadInput(f"{self.file.path}: tensor {self.name} is cut short (truncated file?)", field="load_dir")
+        return out
 
 
 class _File:
