@@ -153,8 +153,11 @@ def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: Dev
             if sequence_parallel:
                 hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
-        else:
-            loss_sum, _ = chunked_cross_entropy(hidden, weight, labels)
+        else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
+            flat = labels.reshape(-1)
+            rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+            loss_sum, _ = chunked_cross_entropy(h, weight, flat.index_select(0, rows))
         return loss_sum / norm["tokens"]
 
     return loss_fn

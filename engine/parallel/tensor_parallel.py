@@ -289,13 +289,16 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, num_tokens)`` of final hidden states against a vocab-sharded head, fp32, labels -100 ignored.
 
     ``hidden``: (B, T, H), a local replicated tensor or a sequence-sharded DTensor; ``weight``: the head as a DTensor
     ``Shard(0)`` on the TP mesh. Like ``chunked_cross_entropy``, only ``chunk_size`` rows of (local) logits exist at
-    a time. ``loss_sum`` is identical on every TP rank."""
+    a time, and only labelled rows reach the head: ``rows`` (flat positions with a label, e.g. the batch's
+    host-computed ``loss_index``) or, if not given, found here (one host sync). ``loss_sum`` is identical on every
+    TP rank."""
     mesh = weight.device_mesh
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()])
@@ -303,9 +306,12 @@ def vocab_parallel_cross_entropy(
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
     # Each rank's dL/dh is a partial sum over its vocab slice: declare it Partial so DTensor reduces it.
     h = hidden.to_local(grad_placements=[Partial()]).reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1)
+    if rows is None:
+        rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    h, flat = h.index_select(0, rows), flat.index_select(0, rows)  # prompt and padding rows cost nothing
     w = weight.to_local()
     vocab_start = mesh.get_local_rank() * w.shape[0]
-    flat = labels.reshape(-1)
     group = mesh.get_group()
     total = h.new_zeros((), dtype=torch.float32)
     for start in range(0, h.shape[0], chunk_size):

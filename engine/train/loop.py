@@ -53,7 +53,7 @@ def micro_batch_loss(model: nn.Module, mb: MicroBatch, chunk_size: int) -> torch
     """Sum of the token losses of one micro-batch (fp32 scalar), never materialising (tokens × vocab) logits."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
     if getattr(model, "tp_mesh", None) is not None:  # tensor parallel: vocab-sharded head (sequence-sharded hidden)
-        return vocab_parallel_cross_entropy(hidden, model.output_weight(), mb.labels, chunk_size)[0]
+        return vocab_parallel_cross_entropy(hidden, model.output_weight(), mb.labels, chunk_size, mb.loss_index)[0]
     # Only rows with a label go through the head: the indices were computed on the host, so no device sync here.
     rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)  # (N, H)
     loss_sum, _ = chunked_cross_entropy(rows, model.output_weight(), mb.loss_labels, chunk_size)

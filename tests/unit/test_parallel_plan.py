@@ -128,7 +128,7 @@ def test_vocab_parallel_loss_equals_chunked_loss(one_rank_group: None) -> None:
     loss_sum, n = vocab_parallel_cross_entropy(model(ids, return_hidden=True), model.output_weight(), labels, 5)
     loss_sum.backward()
     assert int(n) == int(ref_n) and loss_sum.item() == pytest.approx(ref_sum.item(), rel=1e-6)
-    torch.testing.assert_close(model.output_layer.weight.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(model.output_layer.weight.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-6)
     # The vocab-parallel embedding's gradient holds this rank's rows only (not a replicated V × H tensor).
     assert model.embedding.word_embeddings.weight.grad.placements == (Shard(0),)
 
