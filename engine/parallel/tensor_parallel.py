@@ -203,8 +203,10 @@ def _is_plain(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-def _norm_style(sequence_parallel: bool, *, use_local_output: bool = False) -> ParallelStyle:
-    return SequenceParallel(use_local_output=use_local_output) if sequence_parallel else _Replicated()
+def _norm_style(sequence_parallel: bool) -> ParallelStyle:
+    """Sequence parallel: the norm runs on this rank's sequence shard and returns it as a ``Shard(1)`` DTensor (the
+    residual stream stays a DTensor with the global shape). Without it: replicated input, weight and output."""
+    return SequenceParallel(use_local_output=False) if sequence_parallel else _Replicated()
 
 
 def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -249,7 +251,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
-    model.tp_mesh = tp_mesh  # read by the loss and the metrics
+    model.tp_mesh = tp_mesh  # tells the trainer to use the vocab-parallel loss
     return model
 
 
