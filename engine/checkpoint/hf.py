@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from engine.checkpoint.fastcopy import Piece, RowPlan, copy_segments, size_of
+from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
@@ -145,6 +145,46 @@ class HFCheckpoint:
             cols = self._ref(hf_key).shape[1] // tp
             return self._ref(hf_key).read_cols(rank * cols, (rank + 1) * cols)
         return self.get(hf_key)
+
+    def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Segment] | None:
+        """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
+        rearrangement of rows in ``dtype``; None when it needs computing (a cast, or a column slice)."""
+        cfg = self.config
+        if key in (EMBEDDING, OUTPUT):
+            tied = key == EMBEDDING or cfg.tie_word_embeddings
+            runs = [self._tp_rows("model.embed_tokens.weight" if tied else "lm_head.weight", tp, rank)]
+        elif key == FINAL_NORM:
+            runs = [self._tp_rows("model.norm.weight", 1, 0)]
+        else:
+            parsed = layer_of(key)
+            if parsed is None:
+                raise KeyError(key)
+            f = f"model.layers.{parsed[0]}."
+            if parsed[1] == "self_attention.linear_qkv.weight":  # per KV group: its q rows, k rows, v rows
+                d, qd, groups = cfg.kv_channels, cfg.heads_per_group * cfg.kv_channels, cfg.num_query_groups // tp
+                runs = [run for g in range(rank * groups, (rank + 1) * groups)
+                        for run in ((f + "self_attn.q_proj.weight", g * qd, (g + 1) * qd),
+                                    (f + "self_attn.k_proj.weight", g * d, (g + 1) * d),
+                                    (f + "self_attn.v_proj.weight", g * d, (g + 1) * d))]
+            elif parsed[1] == "mlp.linear_fc1.weight":  # [gate_k; up_k]
+                runs = [self._tp_rows(f + "mlp.gate_proj.weight", tp, rank), self._tp_rows(f + "mlp.up_proj.weight", tp, rank)]
+            elif split_rule(key) == "dim1" and tp > 1:
+                return None
+            else:
+                runs = [self._tp_rows(f + _LAYER_COPIES[parsed[1]], 1, 0)]
+        if any(self._ref(hf_key).dtype != dtype for hf_key, _, _ in runs):
+            return None
+        return coalesce(self._segment(*run) for run in runs)
+
+    def _tp_rows(self, hf_key: str, tp: int, rank: int) -> tuple[str, int, int]:
+        shape = self._ref(hf_key).shape
+        rows = (shape[0] if len(shape) > 1 else 1) // tp
+        return hf_key, rank * rows, (rank + 1) * rows
+
+    def _segment(self, hf_key: str, start: int, stop: int) -> Segment:
+        ref = self._ref(hf_key)
+        size = ref.row_bytes if len(ref.shape) > 1 else ref.nbytes
+        return (ref.file.fd, ref.offset + start * size, (stop - start) * size)
 
     def _qkv_shard(self, prefix: str, tp: int, rank: int) -> torch.Tensor:
         """Rank ``rank``'s ``linear_qkv``: for each of its KV groups, that group's q heads, then k, then v."""

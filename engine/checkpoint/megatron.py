@@ -31,7 +31,7 @@ from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, c
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
-from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
+from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter, can_copy_records
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora
@@ -181,6 +181,7 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     except ValueError as err:
         raise BadInput(str(err), field="target_tensor_parallel_size") from err
     get_shard = _shard_getter(source)
+    segments_of = getattr(source, "shard_segments", None) if can_copy_records() else None
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
     args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
     out, files = Path(out_dir), []
@@ -204,7 +205,11 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
                 # The pickle goes first from shapes; each shard is then written while the next one is cut.
                 with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
                     for lazy, native in plan:
-                        writer.write(lazy, get_shard(native, tp, t).to(dtype))
+                        segments = segments_of(native, tp, t, dtype) if segments_of else None
+                        if segments is not None:  # the bytes exist as they are in the source: copy in the kernel
+                            writer.write_segments(lazy, segments)
+                        else:
+                            writer.write(lazy, get_shard(native, tp, t).to(dtype))
                         done += 1
                         if progress:
                             progress(done, total)

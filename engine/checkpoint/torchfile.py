@@ -22,10 +22,13 @@ import struct
 import sys
 import threading
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+
+from engine.checkpoint.fastcopy import Segment, copy_segments
 
 ALIGNMENT = 64
 _STORAGE_TYPES = {torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage", torch.float32: "FloatStorage",
@@ -135,9 +138,34 @@ class TorchFileWriter:
             raise RuntimeError(f"{self.path}: expected {lazy.shape} {lazy.dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
         self.writer.put((lazy, tensor.detach().contiguous()))
 
-    def _write_tensor(self, item: tuple[LazyTensor, torch.Tensor]) -> None:
-        lazy, tensor = item
-        self._record(f"data/{lazy.storage.key}", tensor_bytes(tensor))
+    def write_segments(self, lazy: LazyTensor, segments: list[Segment]) -> None:
+        """Queue file byte ranges (copied in the kernel) as the bytes of ``lazy``."""
+        expected = self.pending.popleft() if self.pending else None
+        nbytes = int(torch.Size(lazy.shape).numel()) * lazy.dtype.itemsize
+        if expected is not lazy or sum(n for _, _, n in segments) != nbytes:
+            raise RuntimeError(f"{self.path}: segments do not cover the {nbytes} bytes of record {lazy.storage.key}")
+        self.writer.put((lazy, segments))
+
+    def _write_tensor(self, item: tuple[LazyTensor, torch.Tensor | list[Segment]]) -> None:
+        lazy, data = item
+        name = f"data/{lazy.storage.key}"
+        if isinstance(data, torch.Tensor):
+            self._record(name, tensor_bytes(data))
+        else:
+            self._copy_record(name, data)
+
+    def _copy_record(self, name: str, segments: list[Segment]) -> None:
+        """A record whose bytes are copied file to file by ``copy_file_range``; only the CRC is computed here
+        (zip needs it in the header, which ``zipfile`` rewrites on close from its writer's counters)."""
+        size = sum(n for _, _, n in segments)
+        info, zip64 = self._info(name, size)
+        with self.zip.open(info, "w", force_zip64=zip64) as f:
+            self.zip.fp.flush()
+            start = self.zip.fp.tell()
+            copy_segments(self.zip.fp.fileno(), start, segments)
+            self.zip.fp.seek(start + size)
+            f._crc, f._file_size, f._compress_size = crc32_of(segments), size, size  # noqa: SLF001
+
 
     def close(self) -> None:
         self.writer.close()
@@ -159,3 +187,23 @@ class TorchFileWriter:
         except BaseException:  # noqa: BLE001 - the producer's own error is the one to report
             pass
         self.zip.close()
+
+
+def crc32_of(segments: list[Segment], chunk: int = 16 << 20) -> int:
+    """CRC-32 (zip's) of the concatenated file segments, read in ``chunk``-sized pieces."""
+    buf = memoryview(bytearray(min(chunk, max((n for _, _, n in segments), default=0)) or 1))
+    crc = 0
+    for fd, off, n in segments:
+        done = 0
+        while done < n:
+            k = os.preadv(fd, [buf[:min(len(buf), n - done)]], off + done)
+            if k <= 0:
+                raise OSError(f"short read at byte {off + done}")
+            crc = zlib.crc32(buf[:k], crc)
+            done += k
+    return crc
+
+
+def can_copy_records() -> bool:
+    """Whether this Python's zipfile writer keeps the counters ``_copy_record`` sets (CPython 3.6+)."""
+    return "_crc" in zipfile._ZipWriteFile.__init__.__code__.co_names  # noqa: SLF001
