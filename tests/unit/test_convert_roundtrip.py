@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
         "iter_0000001/mp_rank_01_000/model_optim_rng.pt", "iter_0000001/mp_rank_01_001/model_optim_rng.pt",
         "latest_checkpointed_iteration.txt"]
     assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    for pt in (tmp_path / "mg").rglob("model_optim_rng.pt"):  # records copied in the kernel carry correct CRCs
+        assert zipfile.ZipFile(pt).testzip() is None
     rank = torch.load(tmp_path / "mg/iter_0000001/mp_rank_01_001/model_optim_rng.pt", weights_only=False)
     assert rank["checkpoint_version"] == 3.0 and rank["iteration"] == 1
     a = rank["args"]
