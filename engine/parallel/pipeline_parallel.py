@@ -439,6 +439,10 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
         field = str(err).split(":", 1)[0]
         raise BadInput(str(err), field) from err
     n_micro = global_batch_size // (spec.micro_batch_size * dims.dp)
+    if dims.pp > 1 and n_micro < dims.pp:
+        raise BadInput(
+            f"global_batch_size: 1F1B needs at least PP ({dims.pp}) micro-batches per step; global_batch_size / "
+            f"(micro_batch_size × DP) = {n_micro}", "global_batch_size")
     if len(layout) > dims.pp and n_micro % dims.pp:
         raise BadInput(
             f"global_batch_size: the interleaved schedule needs the number of micro-batches (global_batch_size / "

@@ -69,6 +69,8 @@ def test_layout_check_names_the_flag() -> None:
     with pytest.raises(BadInput) as err:  # interleaved 1F1B: micro-batches must be a multiple of PP
         check_parallel_layout(_spec(num_layers_per_virtual_pipeline_stage=1), cfg, ParallelDims(pp=2), 3)
     assert err.value.field == "global_batch_size"
+    with pytest.raises(BadInput, match="^global_batch_size: 1F1B needs at least PP"):
+        check_parallel_layout(_spec(), cfg, ParallelDims(pp=2), 1)
     check_parallel_layout(_spec(num_layer_list=[1, 3]), cfg, ParallelDims(pp=2), 4)
 
 
