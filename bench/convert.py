@@ -1,10 +1,12 @@
 """Conversion benchmark: a Qwen3-0.6B-shaped bf16 checkpoint, hf -> mg (TP2 PP2) and mg -> hf, against ``cp -r``.
 
-Each conversion runs (best of ``--repeats``, alternating with the copy) as ``python -m engine convert`` in a fresh process (as a job does); its time is the job's own
-``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
+Each conversion runs (best of ``--repeats``, alternating with the copy) as ``python -m engine convert`` in a fresh
+process (as a job does); its time is the job's own ``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
 compared with ``cp -r`` of the conversion's input directory in the same run, so both see the same disk and page
 cache. Peak memory is the child's peak RSS (VmHWM, interpreter and torch included) against the largest file
-the conversion writes. The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
+the conversion writes. Same-dtype conversions copy most bytes in the kernel (``copy_file_range``, as ``cp`` itself
+does on ext4), so the figure mostly measures the remaining work: the zip CRCs of rank files and the row-parallel
+pieces glued in memory. The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
 under ``--work-dir`` for later runs.
 
     .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert]

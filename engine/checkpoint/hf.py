@@ -2,7 +2,8 @@
 
 Reading (``HFCheckpoint``) parses each file's header and ``pread``s a tensor (or the rows one TP rank needs,
 straight into their place in a fused shard) only when asked for (``engine.checkpoint.reader``), so converting never
-holds the model.
+holds the model; when no value changes it only names the byte ranges (``shard_segments``) and the kernel copies them
+(``engine.checkpoint.fastcopy``).
 Writing (``save_hf``) plans every shard's header from the shapes first (a dry run of the mapping on meta tensors),
 then writes tensors one at a time as the mapping produces them: peak memory is about one layer, not one shard.
 The layout is what ``transformers.save_pretrained`` writes: config.json, generation_config.json,
@@ -21,9 +22,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
+from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
-from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import _LAYER_COPIES, hf_from_native, native_keys
 from engine.runfiles import BadInput
