@@ -144,19 +144,20 @@ class TorchFileWriter:
         nbytes = int(torch.Size(lazy.shape).numel()) * lazy.dtype.itemsize
         if expected is not lazy or sum(n for _, _, n in segments) != nbytes:
             raise RuntimeError(f"{self.path}: segments do not cover the {nbytes} bytes of record {lazy.storage.key}")
-        self.writer.put((lazy, segments))
+        # The CRC is read here, in the producer's thread, while the writer thread copies the previous record.
+        self.writer.put((lazy, (segments, crc32_of(segments))))
 
-    def _write_tensor(self, item: tuple[LazyTensor, torch.Tensor | list[Segment]]) -> None:
+    def _write_tensor(self, item: tuple[LazyTensor, Any]) -> None:
         lazy, data = item
         name = f"data/{lazy.storage.key}"
         if isinstance(data, torch.Tensor):
             self._record(name, tensor_bytes(data))
         else:
-            self._copy_record(name, data)
+            self._copy_record(name, *data)
 
-    def _copy_record(self, name: str, segments: list[Segment]) -> None:
-        """A record whose bytes are copied file to file by ``copy_file_range``; only the CRC is computed here
-        (zip needs it in the header, which ``zipfile`` rewrites on close from its writer's counters)."""
+    def _copy_record(self, name: str, segments: list[Segment], crc: int) -> None:
+        """A record whose bytes are copied file to file by ``copy_file_range``; zip needs their CRC in the header,
+        which ``zipfile`` rewrites on close from its writer's counters."""
         size = sum(n for _, _, n in segments)
         info, zip64 = self._info(name, size)
         with self.zip.open(info, "w", force_zip64=zip64) as f:
@@ -164,7 +165,7 @@ class TorchFileWriter:
             start = self.zip.fp.tell()
             copy_segments(self.zip.fp.fileno(), start, segments)
             self.zip.fp.seek(start + size)
-            f._crc, f._file_size, f._compress_size = crc32_of(segments), size, size  # noqa: SLF001
+            f._crc, f._file_size, f._compress_size = crc, size, size  # noqa: SLF001
 
 
     def close(self) -> None:
