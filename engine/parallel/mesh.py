@@ -1,6 +1,7 @@
 """The dp × pp × tp DeviceMesh every parallelism step is applied over.
 
-Row-major over (dp, pp, tp): tp varies fastest, so neighbouring ranks share a TP group and TP stays inside a node. Dimension names ``dp``, ``pp``, ``tp`` are what ``parallelize`` and the trainer look up.
+Row-major over (dp, pp, tp): tp varies fastest, so neighbouring ranks share a TP group and TP stays inside a node.
+Dimension names ``dp``, ``pp``, ``tp`` are what ``parallelize`` and the trainer look up.
 A single process still gets a (1, 1, 1) mesh over a one-rank group, so FSDP2, DCP and collectives run the same code
 path at any world size.
 """

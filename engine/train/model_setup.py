@@ -3,8 +3,8 @@
 ``load`` is told apart by contents: our own training checkpoint (``engine.checkpoint.dcp``: a ``train_state`` dir
 or one of its ``iter_*``), an HF directory (config.json + safetensors) or a Megatron mcore checkpoint (tracker file /
 ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``), by the rule conversion uses
-(``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly must agree with it (Megatron's ``check_checkpoint_args``), else the
-run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
+(``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly
+must agree with it (Megatron's ``check_checkpoint_args``), else the run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
 """
 
 from __future__ import annotations
