@@ -42,7 +42,7 @@ def parse(case: str) -> dict[str, Any]:
     name, _, rest = case.partition(":")
     opts: dict[str, Any] = {"name": name, "tp": 1, "pp": 1, "dp": 1, "layers": 2, "sp": 1, "tied": 0, "lora": 0,
                             "vpp": 0, "list": "", "save_at": 0, "load": "", "ckpt": "", "start": 0, "steps": STEPS,
-                            "ac": ""}
+                            "ac": "", "scale": 1}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         opts[key] = value if key in ("list", "load", "ckpt", "ac") else int(value)
@@ -84,7 +84,10 @@ def micro_batches(step: int, dp: int, dp_rank: int) -> list[MicroBatch]:
 
 def build_model(opts: dict[str, Any]) -> Qwen3Model:
     base = preset("qwen3-tiny-tied" if opts["tied"] else "qwen3-tiny")
-    model = Qwen3Model(base.replace(vocab_size=VOCAB, num_layers=opts["layers"]))
+    k = opts["scale"]  # widen hidden, FFN and head size k times (benchmarks)
+    cfg = base.replace(vocab_size=VOCAB, num_layers=opts["layers"], hidden_size=base.hidden_size * k,
+                       ffn_hidden_size=base.ffn_hidden_size * k, kv_channels=base.kv_channels * k)
+    model = Qwen3Model(cfg)
     model.init_weights(seed=0)
     if opts["lora"]:
         apply_lora(model, r=4, alpha=8.0, seed=1)
