@@ -114,8 +114,22 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
     check_parallel_layout(spec, cfg, dims, gbs)
+    _warn_unsupported(spec, run)
     save = Path(spec.save) if spec.save else run.path / "checkpoints"
     return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))
+
+
+def _warn_unsupported(spec: TrainSpec, run: RunDir) -> None:
+    """Flags that are accepted but change nothing here: said once, in the log and the event stream."""
+    notes = []
+    if spec.eval_iters > 0 and "eval_iters" in spec.model_fields_set:
+        notes.append("eval_iters: no evaluation during training; run an eval job on the saved checkpoint")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if getattr(spec, flag) > 0 and flag in spec.model_fields_set:
+            notes.append(f"{flag}: the Qwen3 model here has no dropout; the value is ignored")
+    for note in notes:
+        log.warning("%s", note)
+        run.event("warning", note)
 
 
 def _seed_everything(seed: int) -> None:
