@@ -235,7 +235,8 @@ def sync_tied_grads(pipe: Pipeline) -> None:
     if ref is not None and ref.grad is not None:
         buf = _local(ref.grad).clone()
     else:
-        buf = torch.zeros(shape)
+        device = _local(next(iter(pipe.parts[0].parameters()))).device  # nccl/hccl need device tensors
+        buf = torch.zeros(shape, device=device)
     dist.all_reduce(buf, group=pipe.pp_mesh.get_group())
     if ref is not None and ref.grad is not None:
         _local(ref.grad).copy_(buf)
