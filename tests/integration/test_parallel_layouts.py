@@ -54,12 +54,13 @@ def test_two_process_layouts(tmp_path: Path) -> None:
 
 def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     """TP2×PP2 and PP2×DP2 (tied; each saves a checkpoint after step 3), TP2×DP2 (tied: the vocab-sharded embedding
-    is the head). Then resume: the TP2×PP2 checkpoint under DP2 and TP1×PP1, the PP2×DP2 one under PP2 interleaved;
+    is the head), PP4 tied (middle stages join the embedding group's all-reduce). Then resume: the TP2×PP2 checkpoint under DP2 and TP1×PP1, the PP2×DP2 one under PP2 interleaved;
     their two next steps equal the uninterrupted runs."""
     ckpt, ckpt_pd = tmp_path / "ckpt_tp2pp2", tmp_path / "ckpt_pp2dp2"
     result = launch(tmp_path, 4, f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}",
-                    f"pp2dp2:pp=2,dp=2,layers=4,tied=1,save_at=3,ckpt={ckpt_pd}", "tp2dp2:tp=2,dp=2,tied=1")
-    for name in ("tp2pp2", "pp2dp2", "tp2dp2"):
+                    f"pp2dp2:pp=2,dp=2,layers=4,tied=1,save_at=3,ckpt={ckpt_pd}", "tp2dp2:tp=2,dp=2,tied=1",
+                    "pp4_tied:pp=4,layers=4,tied=1")
+    for name in ("tp2pp2", "pp2dp2", "tp2dp2", "pp4_tied"):
         assert_matches(result, name)
     two = launch(tmp_path, 2, f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2",
                  f"vpp:pp=2,vpp=1,layers=4,tied=1,load={ckpt_pd},start=3,steps=2")
