@@ -112,18 +112,24 @@ def _lenient_pickle() -> types.ModuleType:
 _PICKLE = _lenient_pickle()
 
 
-def load_rank_file(path: Path) -> dict[str, Any]:
-    """One ``model_optim_rng.pt`` with every tensor as a lazy ``TensorRef`` (old non-zip files are read whole)."""
+def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
+    """One ``model_optim_rng.pt`` as ``torch.load`` gives it (tensors read); with ``lazy`` every tensor is a
+    ``TensorRef``/``MemoryRef`` read on demand. Unknown pickled classes load as stand-ins either way."""
     if not path.is_file():
         raise BadInput(f"{path}: missing", field="load_dir")
     if zipfile.is_zipfile(path):
-        return TorchZipFile(path).obj
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
-        raise BadInput(f"{path}: not a readable torch checkpoint, truncated? ({err})", field="load_dir") from err
-    return {k: ({n: MemoryRef(t) for n, t in v.items() if isinstance(t, torch.Tensor)} if isinstance(v, dict) else v)
-            for k, v in raw.items()}
+        obj = TorchZipFile(path).obj
+    else:
+        try:
+            raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
+            raise BadInput(f"{path}: not a readable torch checkpoint, truncated? ({err})", field="load_dir") from err
+        obj = {k: ({n: MemoryRef(t) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+                   if isinstance(v, dict) else v) for k, v in raw.items()}
+    if lazy:
+        return obj
+    return {k: ({n: t.read() if hasattr(t, "read_rows") else t for n, t in v.items()} if isinstance(v, dict) else v)
+            for k, v in obj.items()}
 
 
 # ---------------------------------------------------------------- writing
@@ -227,7 +233,7 @@ class RankFiles:
     def __init__(self, root: str | os.PathLike[str]):
         self.iter_dir, self.iteration = resolve_iteration_dir(root)
         self.tp, self.pp, files = _rank_files(self.iter_dir)
-        raw = {rank: load_rank_file(path) for rank, path in files.items()}
+        raw = {rank: load_rank_file(path, lazy=True) for rank, path in files.items()}
         self.args = raw[(0, 0)].get("args")
         self.models = {rank: _chunks(r, files[rank]) for rank, r in raw.items()}
         self._locate()
