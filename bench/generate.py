@@ -57,40 +57,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_ours(model: Qwen3Model, prompts: list[list[int]], new: int, device: torch.device, reps: int):
+def _timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _run_ours(model: Qwen3Model, prompts: list[list[int]], new: int, device: torch.device):
     opts = DecodeOptions(max_new_tokens=new, stop_ids=STOPS, pad_id=PAD)
-    generate_batch(model, model.cfg, prompts, opts)  # warm-up
-    best, gen = float("inf"), None
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
+
+    def go():
         gen = generate_batch(model, model.cfg, prompts, opts)
         _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return gen.num_generated, best, gen.tokens
+        return gen.num_generated, gen.tokens
+    return go
 
 
-def _time_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device: torch.device, reps: int):
+def _run_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device: torch.device):
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                   eos_token_id=list(STOPS), pad_token_id=PAD)
-    with torch.inference_mode():
-        model.generate(**kwargs)  # warm-up
-        best, out = float("inf"), None
-        for _ in range(reps):
-            _sync(device)
-            start = time.perf_counter()
+
+    def go():
+        with torch.inference_mode():
             out = model.generate(**kwargs)
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-    rows = []
-    for row in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in STOPS), None)
-        rows.append(row if cut is None else row[:cut])
-    produced = sum(len(r) + (len(r) < new) for r in rows)
-    return produced, best, rows
+        _sync(device)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in STOPS), None)
+            rows.append(row if cut is None else row[:cut])
+        return sum(len(r) + (len(r) < new) for r in rows), rows
+    return go
+
+
+def _measure(ours, theirs, reps: int) -> tuple[float, float, tuple, tuple]:
+    """Best time of each side over ``reps`` rounds, the two sides alternating so both see the same machine load."""
+    ours(), theirs()  # warm-up
+    best_ours = best_theirs = float("inf")
+    for _ in range(reps):
+        t, out_ours = _timed(ours)
+        best_ours = min(best_ours, t)
+        t, out_theirs = _timed(theirs)
+        best_theirs = min(best_theirs, t)
+    return best_ours, best_theirs, out_ours, out_theirs
 
 
 def main() -> None:
@@ -103,14 +114,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     hf, ours = _models(args, device, dtype)
     prompts = _prompts(args.batch)
-    n_ours, t_ours, rows_ours = _time_ours(ours, prompts, args.new_tokens, device, args.reps)
-    n_hf, t_hf, rows_hf = _time_hf(hf, prompts, args.new_tokens, device, args.reps)
+    t_ours, t_hf, (n_ours, rows_ours), (n_hf, rows_hf) = _measure(
+        _run_ours(ours, prompts, args.new_tokens, device), _run_hf(hf, prompts, args.new_tokens, device), args.reps)
     ours_tps, hf_tps = n_ours / t_ours, n_hf / t_hf
     print(f"ours:         {n_ours} tokens in {t_ours:.3f} s = {ours_tps:.1f} tokens/s")
     print(f"transformers: {n_hf} tokens in {t_hf:.3f} s = {hf_tps:.1f} tokens/s")
