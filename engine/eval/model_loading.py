@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
-# Megatron MindSpeed LoRA checkpoints may hold the "hidden" optimizer-free extras; they carry no weights.
+# Megatron's local linear layers save an ``_extra_state`` entry (None) next to their weights; nothing to load.
 _SKIP_SUFFIXES = ("._extra_state",)
 
 

@@ -93,6 +93,16 @@ def test_no_kv_cache_and_batch_1_give_the_same_predictions(setup, tmp_path: Path
     assert a == b
 
 
+def test_seeded_sampling_is_reproducible(setup, tmp_path: Path) -> None:
+    sample = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--eval-batch-size", "4"]
+    for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
+        assert _eval(setup, tmp_path / name, *sample, "--seed", seed) == EXIT_OK
+    a, b, c = ((tmp_path / d / "predictions.jsonl").read_text() for d in "abc")
+    assert a == b and a != c
+    s = json.loads((tmp_path / "a" / "result.json").read_text())["summary"]
+    assert s["decoding"]["greedy"] is False and s["decoding"]["top_k"] == 50
+
+
 def test_bad_line_policy_error_fails_naming_the_line(setup, tmp_path: Path) -> None:
     assert _eval(setup, tmp_path, "--bad-line-policy", "error") == EXIT_BAD_INPUT
     error = [e for e in _events(tmp_path) if e["type"] == "error"][0]
