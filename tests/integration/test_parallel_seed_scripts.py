@@ -56,3 +56,19 @@ def test_seed_full_sft_parallel(seed_assets: dict[str, Path], one_process: list[
     first = torch.load(it_dir / expected[0] / "model_optim_rng.pt", weights_only=False)
     assert first["model"]["embedding.word_embeddings.weight"].shape == (151936 // tp, 64)
     assert first["args"].tensor_model_parallel_size == tp and first["args"].pipeline_model_parallel_size == pp
+
+
+def test_seed_flags_interleaved_pipeline_from_scratch(seed_assets: dict[str, Path]) -> None:  # noqa: F811
+    """4 layers from the flags' shape (no load), PP=2 with --num-layers-per-virtual-pipeline-stage 1 (interleaved
+    1F1B, 2 chunks per rank) equals one process; the export stores each rank's chunks as model0/model1."""
+    flags = _flags(1, 1).replace("--load {load} ", "").replace("--num-layers 2 ", "--num-layers 4 ")
+    _, ref_dir = _run(flags, seed_assets, "vpp_ref", 1)
+    vpp = flags.replace("--pipeline-model-parallel-size 1", "--pipeline-model-parallel-size 2").replace(
+        "--num-layers 4 ", "--num-layers 4 --num-layers-per-virtual-pipeline-stage 1 ")
+    save, run_dir = _run(vpp, seed_assets, "vpp", 2)
+    for row, ref in zip(_metrics(run_dir), _metrics(ref_dir), strict=True):
+        assert row["lm_loss"] == pytest.approx(ref["lm_loss"], rel=2e-3)
+    state = torch.load(save / f"iter_{ITERS:07d}" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    assert state["args"].num_layers_per_virtual_pipeline_stage == 1
+    assert sorted(state["model0"]) == sorted(k for k in state["model0"] if k.startswith("decoder.layers.0."))
+    assert "decoder.final_layernorm.weight" in state["model1"]  # stage 3 of 4 (rank 1, chunk 1) is the last
