@@ -1,7 +1,7 @@
 """Step time of each TP / PP / DP layout against one process, on gloo (CPU), through the trainer's ``train_step``.
 
 Runs ``tests/integration/parallel_worker.py`` under torchrun (2 and 4 processes, OMP_NUM_THREADS=1): each layout
-trains a Qwen3-shaped model (4 layers, hidden 64·scale, vocab 256, global batch 8 × 32 tokens, micro-batch 2, fp32)
+trains a Qwen3-shaped model (4 layers, hidden 64·scale, vocab 256, global batch 8 × 33 tokens, micro-batch 2, fp32)
 for ``--steps`` steps, and rank 0 trains the same model single-process on the same batches. Reported per layout:
 median step wall time (first step excluded: schedule set-up, shape inference) and the worst relative loss difference
 from one process. On CPU the figures measure framework overhead (DTensor dispatch, gloo), not accelerator scaling.

@@ -94,10 +94,18 @@ class StageModule(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.sp_mesh is not None and self.part.embedding is None:
-            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)], run_check=False)  # this rank's sequence shard
+        if self.sp_mesh is not None and self.part.embedding is None:  # x: this rank's sequence shard
+            x = sequence_shard(x, self.sp_mesh, position_ids.shape[1])
         out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
         return out.to_local() if isinstance(out, DTensor) else out
+
+
+def sequence_shard(local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int) -> DTensor:
+    """This TP rank's (B, T_k, H) sequence shard as the ``Shard(1)`` DTensor of the (B, seq_len, H) activation; the
+    global shape is given explicitly because T need not divide evenly by TP (packed rows)."""
+    b, _, h = local.shape
+    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=(b, seq_len, h),
+                              stride=(seq_len * h, h, 1))
 
 
 @dataclasses.dataclass
@@ -151,7 +159,7 @@ def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: Dev
         weight = last_part.output_weight()
         if isinstance(weight, DTensor):
             if sequence_parallel:
-                hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
+                hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
             flat = labels.reshape(-1)
