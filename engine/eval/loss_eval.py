@@ -116,7 +116,7 @@ def run_loss_eval(spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any
         part_loss, part_tokens = _loss_of(model, _batch(mine[first:first + batch_size], pad, device.torch_device), 1024)
         loss_sum, tokens = loss_sum + part_loss, tokens + part_tokens
         run.metric(step, {"lm_loss": part_loss / max(part_tokens, 1)})
-        run.progress(min(len(mine), first + batch_size) * world, len(mine) * world, "samples")
+        run.progress(min(len(mine), first + batch_size) * world, len(mine) * world, "sequences")
     gathered = gather_objects((loss_sum, tokens, len(mine), time.perf_counter() - start))
     loss_sum, tokens = sum(g[0] for g in gathered), sum(g[1] for g in gathered)
     if tokens == 0:
@@ -127,7 +127,7 @@ def run_loss_eval(spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any
     loss = loss_sum / tokens
     wall = max(g[3] for g in gathered)
     summary = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens,
-               "samples": sum(g[2] for g in gathered), "skipped": len(bad), "skipped_lines": bad[:50],
+               "sequences": sum(g[2] for g in gathered), "skipped": len(bad), "skipped_lines": bad[:50],
                "tokens_per_s": tokens / max(wall, 1e-9), "world_size": world, "model": info}
     log.info("loss %.4f, perplexity %.3f over %d tokens", loss, summary["perplexity"], tokens)
     return ({"result": str(run.path / "result.json")} if run.is_writer else {}), summary

@@ -139,6 +139,26 @@ def test_loss_mode_matches_transformers(setup, tmp_path: Path) -> None:
     assert s["loss"] == pytest.approx(total / count, rel=1e-5)
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_loss_mode_on_an_indexed_dataset_equals_the_jsonl(setup, tmp_path: Path, pack: bool) -> None:
+    """Packed rows too: attention stays inside each sub-sample and no token predicts the next sub-sample's first."""
+    good = [x for x in setup["data"].read_text().splitlines() if x.startswith("{") and '"assistant"' in x]
+    (tmp_path / "good.jsonl").write_text("\n".join(good) + "\n")
+    prep = {"kind": "preprocess", "input": str(tmp_path / "good.jsonl"), "tokenizer_name_or_path": setup["tok"],
+            "output_prefix": str(tmp_path / "idx" / "test"), "prompt_type": "qwen3",
+            "handler_name": "SharegptStyleInstructionHandler", **({"pack": True, "seq_length": 256} if pack else {})}
+    (tmp_path / "prep.json").write_text(json.dumps(prep))
+    assert main(["preprocess", "--spec", str(tmp_path / "prep.json"), "--run-dir", str(tmp_path / "prep")]) == EXIT_OK
+    base = ["eval", "--load", str(setup["hf"]), "--tokenizer-name-or-path", setup["tok"], "--eval-mode", "loss",
+            "--eval-batch-size", "3"]
+    assert main([*base, "--eval-data-path", str(tmp_path / "idx" / "test"), "--run-dir", str(tmp_path / "a")]) == EXIT_OK
+    assert main([*base, "--eval-data-path", str(tmp_path / "good.jsonl"), "--run-dir", str(tmp_path / "b")]) == EXIT_OK
+    a, b = (json.loads((tmp_path / d / "result.json").read_text())["summary"] for d in "ab")
+    assert b["sequences"] == len(good) and a["tokens"] == b["tokens"]
+    assert a["sequences"] < len(good) if pack else a["sequences"] == len(good)  # packed: fewer, longer rows
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
 def test_seed_command_line(setup, tmp_path: Path) -> None:
     """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through ``python -m engine``."""
     cfg = preset("qwen3-tiny")
