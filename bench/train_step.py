@@ -187,7 +187,7 @@ def measure(side: str, batches: list[list], mbs: int, seed: int) -> dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps (the same global batch each time)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps (the same global batch each time)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
