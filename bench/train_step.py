@@ -10,11 +10,13 @@ gradient clipping 1.0, AdamW without weight decay.
 Ours: padding-free packing (one row per micro-batch), chunked cross-entropy over labelled rows only.
 HF: right-padded micro-batches (padded to the longest sample, as DataCollatorForSeq2Seq), full logits.
 
-Each side runs in its own fresh process: one warm-up step, then ``--repeats`` timed steps on the same global batch;
+Each side runs in its own fresh process with one intra-op thread (``--threads``: with two threads, other load on a
+shared machine makes each op wait for the slower thread, which varied our step time 5.9-28 s between runs), one
+warm-up step, then ``--repeats`` timed steps on the same global batch;
 tokens/s = real tokens of that batch (sample lengths, no padding) / the fastest repeat (on a shared machine the
 least disturbed one). Peak memory = peak RSS minus RSS after imports (weights + grads + Adam state + activations).
 Prints one JSON line per side, then ``{"bench":"train_step","tokens_per_s_ratio":...,"peak_mem_ratio":...}``.
-Run: ``.venv/bin/python bench/train_step.py`` (about 3 minutes on 2 idle cores).
+Run: ``.venv/bin/python bench/train_step.py`` (about 3 minutes).
 """
 
 from __future__ import annotations
@@ -165,15 +167,16 @@ class HFSide:
 SIDES = {"ours": OursSide, "hf": HFSide}
 
 
-def measure(side: str, batches: list[list], mbs: int, seed: int) -> dict[str, Any]:
+def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int) -> dict[str, Any]:
     """In a fresh process: build ``side``, run one warm-up step, then time each of ``batches`` (one step each).
 
     Peak memory = peak RSS growth over the RSS after imports (weights, grads, Adam state, activations). Both sides
     import torch and transformers first, so neither pays for the other's imports.
     """
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
 
+    torch.set_num_threads(threads)
     rss0 = _rss_mb()
     model = SIDES[side](seed)
     losses = [model.step(batches[0], mbs)]  # warm-up: allocations, Adam state creation
@@ -191,6 +194,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
+                             "wait for its slowest thread (many small ops suffer more than a few large GEMMs)")
     args = parser.parse_args()
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     samples = make_samples(2 * gbs, args.seed)
@@ -204,7 +210,8 @@ def main() -> None:
     results = {}
     for side in SIDES:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            results[side] = pool.submit(measure, side, [warmup] + [timed] * args.repeats, mbs, args.seed).result()
+            results[side] = pool.submit(measure, side, [warmup] + [timed] * args.repeats, mbs, args.seed,
+                                        args.threads).result()
         print(json.dumps(results[side]))
     # The fastest repeat of the same batch: on a shared machine the minimum is the least disturbed measurement.
     tps = {side: tokens / min(r["step_s"]) for side, r in results.items()}
@@ -216,7 +223,7 @@ def main() -> None:
         "ours_tokens_per_s": round(tps["ours"], 1), "hf_tokens_per_s": round(tps["hf"], 1),
         "ours_peak_mem_mb": round(peaks["ours"], 1), "hf_peak_mem_mb": round(peaks["hf"], 1),
         "first_loss_ours": round(results["ours"]["losses"][0], 5), "first_loss_hf": round(results["hf"]["losses"][0], 5),
-        "micro_batch_size": mbs, "global_batch_size": gbs, "repeats": args.repeats,
+        "micro_batch_size": mbs, "global_batch_size": gbs, "repeats": args.repeats, "threads": args.threads,
     }))
 
 
