@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.data.indexed import IndexedDataset, InstructionDataset, instruction_prefix
+from engine.data.sampler import DistributedSampler
 from engine.runfiles import BadInput
 from engine.train.batches import Sample
 
@@ -84,7 +85,11 @@ class TrainData:
     sources: list[_Source]
     num_samples: int
     seed: int
-    _order: tuple[int, np.ndarray] | None = None
+    order: DistributedSampler = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        # The global order is engine.data.sampler's (one definition for the reader's users and the trainer).
+        self.order = DistributedSampler(self.num_samples, micro_batch_size=1, seed=self.seed)
 
     @classmethod
     def open(cls, paths: Sequence[str], split: str, seed: int) -> "TrainData":
@@ -103,16 +108,9 @@ class TrainData:
             index -= len(src)
         raise IndexError(index)
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        # One epoch's permutation is kept: consecutive iterations nearly always fall in the same epoch.
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
-        return self._order[1]
-
     def sample_at(self, k: int) -> list[Sample]:
         """The row (one or more samples) at global sample position ``k``."""
-        order = self._epoch_order(k // self.num_samples)
-        return self._row(int(order[k % self.num_samples]))
+        return self._row(self.order.index_at(k))
 
 
 def rank_micro_batches(
