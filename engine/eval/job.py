@@ -6,9 +6,11 @@ left-padded batches with a KV cache, score them by exact match against the refer
 parsed, ``correct``, ``finish_reason``) next to the summary in ``result.json``.
 ``eval_mode=loss``: token loss and perplexity with the training loss code (``engine.eval.loss_eval``).
 
-Under torchrun with several ranks the test set is split across ranks (data parallel; each rank holds the whole
-model) and rank 0 gathers, scores and writes. Tensor/pipeline-parallel decoding is not implemented: a TP/PP layout
-in the flags is reported and the model is replicated instead, which works while it fits one device.
+Under torchrun with several ranks the test set is split across data-parallel ranks and rank 0 gathers, scores and
+writes. ``tensor_model_parallel_size`` > 1 shards the generate-mode model with the trainer's TP plan
+(``engine.parallel.tensor_parallel``) over the ``tp`` dim of a dp×tp mesh; the vocab-parallel head's logits are
+all-gathered, so greedy outputs equal a one-process run. Pipeline-parallel decoding is not implemented (nor TP in
+loss mode): such a layout is reported and the model is replicated instead, PP ranks acting as data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from engine.eval.model_loading import build_model
 from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
 from engine.parallel.device import Device, init_distributed
+from engine.parallel.mesh import ParallelDims, build_mesh
+from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.runfiles import BadInput, RunDir
 
 log = logging.getLogger(__name__)
@@ -66,10 +70,9 @@ def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
 
 
 def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: DecodeOptions, batch_size: int,
-            run: RunDir, device: Device, total: int) -> tuple[list[dict[str, Any]], int, float]:
+            run: RunDir, device: Device, total: int, world: int) -> tuple[list[dict[str, Any]], int, float]:
     """Generate for this rank's lines: (records, tokens generated, seconds). Progress counts lines of all ranks,
-    estimated from this rank's share (rank 0 writes the events; every rank holds about ``total / world``)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    estimated from this rank's share (rank 0 writes the events; every DP rank holds about ``total / world``)."""
     prompts = [line.prompt_ids for line in lines]
     records: list[dict[str, Any]] = []
     produced, start, done = 0, time.perf_counter(), 0
@@ -109,12 +112,34 @@ def _score(spec: Any, tokenizer: Any, lines: list[TestLine], records: list[dict[
 
 
 def _check_layout(spec: Any, run: RunDir) -> None:
+    """Report the layouts eval replicates instead of sharding: PP always, TP in loss mode."""
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    if tp > 1 or pp > 1:
-        message = (f"tensor_model_parallel_size: eval does not shard the model yet (TP {tp}, PP {pp} asked); "
-                   "every rank holds the whole model and decodes its share of the test set")
+    if pp > 1 or (tp > 1 and spec.eval_mode == "loss"):
+        field = "pipeline_model_parallel_size" if pp > 1 else "tensor_model_parallel_size"
+        message = (f"{field}: eval does not shard the model yet (TP {tp}, PP {pp} asked, eval_mode "
+                   f"{spec.eval_mode}); every rank holds the whole model and decodes its share of the test set")
         log.warning(message)
-        run.event("warning", message, field="tensor_model_parallel_size")
+        run.event("warning", message, field=field)
+
+
+def _shard(model: torch.nn.Module, spec: Any, device: Device) -> tuple[int, int]:
+    """Apply TP over a dp×tp mesh when asked; returns (dp rank, dp size), the split of the test set.
+
+    PP ranks are not pipeline stages here (see ``_check_layout``): they count as data-parallel ranks."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp = spec.tensor_model_parallel_size
+    if tp == 1:
+        return rank, world
+    if world % tp:
+        raise BadInput(f"tensor_model_parallel_size: TP {tp} must divide the world size {world}",
+                       field="tensor_model_parallel_size")
+    mesh = build_mesh(device, ParallelDims(dp=world // tp, pp=1, tp=tp))
+    try:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False)  # decoding needs no SP
+    except ValueError as err:
+        raise BadInput(str(err), field="tensor_model_parallel_size") from err
+    return mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
 def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
@@ -125,10 +150,11 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     # Checkpoints are read before the process group exists: each rank reads the whole model on its own.
     model, cfg, info = build_model(spec, vocab_hint=len(tokenizer))
     device = init_distributed(spec.resources.device_type)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     model.to(device.torch_device)
     if spec.eval_mode == "loss":
         return run_loss_eval(spec, run, model, tokenizer, device, info)
+    dp_rank, dp_size = _shard(model, spec, device)
     testset = read_test_set(spec.eval_data_path, tokenizer, template=(spec.prompt_type or "qwen3"),
                             enable_thinking=spec.enable_thinking, map_keys=spec.map_keys,
                             limit=spec.eval_data_size, max_prompt_tokens=spec.seq_length,
@@ -138,12 +164,13 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
         raise BadInput(f"eval_data_path: no scorable line in {spec.eval_data_path} "
                        f"({len(testset.bad)} bad line(s) skipped)", field="eval_data_path")
     opts = _decode_options(spec, tokenizer)
-    mine = testset.lines[rank::world]
+    mine = testset.lines[dp_rank::dp_size]
     records, produced, seconds = _decode(model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size,
-                                         run, device, len(testset.lines))
+                                         run, device, len(testset.lines), dp_size)
     for rec in records:  # indices into this rank's share -> indices into the whole test set
-        rec["index"] = rec["index"] * world + rank
-    gathered = gather_objects((records, produced, seconds))
+        rec["index"] = rec["index"] * dp_size + dp_rank
+    # Every TP rank of a DP group decoded the same lines: keep one copy per DP rank (the first of its TP group).
+    gathered = gather_objects((records, produced, seconds))[::world // dp_size]
     if world > 1:
         run.progress(len(testset.lines), len(testset.lines), "lines")  # every rank is done now
     all_records = [r for part in gathered for r in part[0]]
@@ -167,6 +194,7 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
                      "top_p": spec.top_p, "seed": spec.seed, "max_new_tokens": spec.max_new_tokens,
                      "batch_size": spec.eval_batch_size or spec.micro_batch_size, "kv_cache": opts.use_cache},
         "world_size": world,
+        "tensor_model_parallel_size": world // dp_size,
         "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, **info},
     }
     log.info("accuracy %.4f (%d/%d), %d skipped, %.1f tokens/s", summary["accuracy"], summary["correct"],

@@ -1,0 +1,40 @@
+"""``python -m engine eval`` under torchrun with ``--tensor-model-parallel-size 2`` (gloo): the model is sharded with
+the trainer's TP plan (vocab-parallel embedding and head, KV cache of the local KV groups), the head's logits are
+gathered across the TP group, and greedy predictions equal a one-process run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint.hf import save_hf
+from engine.model.config import preset
+from engine.model.qwen3 import Qwen3Model
+from test_eval_multirank import _lines, _run
+
+pytestmark = pytest.mark.slow
+
+
+def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    cfg = preset("qwen3-tiny")  # untied: the head is its own vocab-parallel output_layer
+    model = Qwen3Model(cfg)
+    model.init_weights(seed=7)
+    save_hf(model.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
+    (tmp_path / "test.jsonl").write_text(_lines(5))
+    args = ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(qwen_tokenizer_dir),
+            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", "4", "--temperature", "0.00001",
+            "--eval-batch-size", "2"]
+    single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "engine", *args, "--tensor-model-parallel-size", "2"]
+    multi = _run(torchrun, tmp_path / "tp")
+    assert multi["summary"]["world_size"] == 2 and multi["summary"]["tensor_model_parallel_size"] == 2
+    assert multi["summary"]["total"] == single["summary"]["total"] == 5
+    assert multi["summary"]["generated_tokens"] == single["summary"]["generated_tokens"]
+    assert (tmp_path / "one" / "predictions.jsonl").read_text() == (tmp_path / "tp" / "predictions.jsonl").read_text()
+    events = [json.loads(x) for x in (tmp_path / "tp" / "events.jsonl").read_text().splitlines()]
+    assert not any(e["type"] == "warning" and "does not shard the model" in e["message"] for e in events)
