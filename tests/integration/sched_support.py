@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 from sqlalchemy import select
 
@@ -24,34 +23,16 @@ from app.models import Job, LogLine
 from app.services.jobs import create_job
 from app.settings import Settings
 from app.states import JobState
-from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
 from engine.spec import parse_spec
 
+import train_support
+
 TINY_SHAPE: dict[str, Any] = {
-    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-    "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 512,
+    **train_support.TINY_SHAPE,
     # Qwen3's values, set explicitly as a MindSpeed user would (Megatron's defaults are LayerNorm / learned positions).
     "normalization": "RMSNorm", "position_embedding_type": "rope",
 }
-
-
-def write_tiny_data(prefix: Path, n: int = 48, vocab: int = 512, seed: int = 0) -> str:
-    """``n`` instruction samples whose answer is one token repeated, so the loss falls within a few iterations."""
-    rng = np.random.default_rng(seed)
-    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")}
-    for _ in range(n):
-        length = int(rng.integers(8, 40))
-        ids = rng.integers(1, vocab, length)
-        answer = int(rng.integers(4, length - 2))
-        ids[answer:] = ids[0] % 8 + 1
-        labels = ids.copy()
-        labels[:answer] = -100
-        writers["input_ids"].add_document(ids)
-        writers["attention_mask"].add_document(np.ones(length))
-        writers["labels"].add_document(labels)
-    for w in writers.values():
-        w.finalize()
-    return str(prefix)
+write_tiny_data = train_support.write_instruction_data
 
 
 def train_spec(data: str, **overrides: Any) -> dict[str, Any]:

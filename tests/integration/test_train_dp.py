@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from train_support import metric_rows, tiny_spec, write_instruction_data  # noqa: E402
+from train_support import metric_rows, tiny_spec, write_instruction_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

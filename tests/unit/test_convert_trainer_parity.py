@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_support import TINY_SHAPE, tiny_spec, write_instruction_data  # noqa: E402
+from train_support import TINY_SHAPE, tiny_spec, write_instruction_data
 
-from convert_tiny import hf_logits, read_hf  # noqa: E402
-from engine.checkpoint import dcp  # noqa: E402
-from engine.checkpoint.hf import HFCheckpoint, save_hf  # noqa: E402
-from engine.checkpoint.job import run as convert  # noqa: E402
-from engine.model.config import ModelConfig  # noqa: E402
-from engine.model.lora import apply_lora, load_lora_state_dict  # noqa: E402
-from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.runfiles import RunDir  # noqa: E402
-from engine.spec import ConvertSpec, parse_spec  # noqa: E402
-from engine.train import job as train  # noqa: E402
+from convert_tiny import hf_logits, read_hf
+from engine.checkpoint import dcp
+from engine.checkpoint.hf import HFCheckpoint, save_hf
+from engine.checkpoint.job import run as convert
+from engine.model.config import ModelConfig
+from engine.model.lora import apply_lora, load_lora_state_dict
+from engine.model.qwen3 import Qwen3Model
+from engine.runfiles import RunDir
+from engine.spec import ConvertSpec, parse_spec
+from engine.train import job as train
 
 IDS = torch.randint(1, 512, (2, 16), generator=torch.Generator().manual_seed(0))
 
