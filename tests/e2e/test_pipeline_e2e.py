@@ -8,12 +8,7 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,50 +20,17 @@ import httpx
 import pytest
 
 from app.demo import intent_samples, write_jsonl
-from app.settings import REPO_ROOT
+from service_support import serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
-    var = tmp_path_factory.mktemp("pipeline-var")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
-    env.update(LLMJOBS_VAR_DIR=str(var), LLMJOBS_PORT=str(port), LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+    with serve(tmp_path_factory.mktemp("pipeline-var"), LLMJOBS_HEARTBEAT_INTERVAL_S="1",
                LLMJOBS_WORKER_NAME="pipeline-host", LLMJOBS_RECONCILE_INTERVAL_S="1", LLMJOBS_WEBHOOK_POLL_S="0.3",
-               OMP_NUM_THREADS="1")
-    log = var / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], env=env, cwd=REPO_ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while not _ready(url, var):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
-        yield url, (var / "admin_token").read_text().strip(), var
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _ready(url: str, var: Path) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (var / "admin_token").exists()
-    except httpx.HTTPError:
-        return False
+               OMP_NUM_THREADS="1") as svc:
+        yield svc.url, svc.token, svc.var
 
 
 def tiny_hf_qwen3(path: Path) -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,67 +20,16 @@ import pytest
 from app.client import parse_sse
 from app.demo import intent_samples, write_jsonl
 from app.settings import REPO_ROOT
+from service_support import Service, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@dataclass
-class Service:
-    url: str
-    token: str
-    var: Path
-    log: Path
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_command() -> list[str]:
-    script = Path(sys.executable).parent / "llmjobs"  # what `make run` runs
-    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "app.cli", "serve"]
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    var = tmp_path_factory.mktemp("service-var")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
-    env.update(LLMJOBS_VAR_DIR=str(var), LLMJOBS_PORT=str(port), LLMJOBS_CANCEL_GRACE_S="3",
-               LLMJOBS_HEARTBEAT_INTERVAL_S="1", LLMJOBS_WORKER_NAME="e2e-host")
-    log = var / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(_serve_command(), env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, var, proc, log)
-        yield Service(url, (var / "admin_token").read_text().strip(), var, log)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _wait_ready(url: str, var: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"llmjobs serve exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (var / "admin_token").exists():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"service not ready:\n{log.read_text()[-3000:]}")
+    with serve(tmp_path_factory.mktemp("service-var"), LLMJOBS_CANCEL_GRACE_S="3", LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+               LLMJOBS_WORKER_NAME="e2e-host") as svc:
+        yield svc
 
 
 def readme_example() -> tuple[dict[str, Any], str]:
