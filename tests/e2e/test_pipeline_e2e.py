@@ -63,8 +63,8 @@ def receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
     server.server_close()
 
 
-# The seed's GPT_ARGS for the tiny model. The service stores the full validated spec, so the engine sees every model
-# flag as given and checks it against the checkpoint: like the seed's scripts, the steps spell the shape out.
+# The seed's GPT_ARGS for the tiny model, spelled out as the seed's scripts do: the engine checks every model flag a
+# spec sets against the checkpoint's config.json (flags left unset come from it).
 MODEL_FLAGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "kv_channels": 16,
                "group_query_attention": True, "num_query_groups": 2, "padded_vocab_size": 151936,
                "make_vocab_size_divisible_by": 1, "norm_epsilon": 1e-6, "rotary_base": 1_000_000.0,
