@@ -4,9 +4,9 @@ Each conversion runs (best of ``--repeats``, alternating with the copy) as ``pyt
 process (as a job does); its time is the job's own ``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
 compared with ``cp -r`` of the conversion's input directory in the same run, so both see the same disk and page
 cache. Peak memory is the child's peak RSS (VmHWM, interpreter and torch included) against the largest file
-the conversion writes. Same-dtype conversions copy most bytes in the kernel (``copy_file_range``, as ``cp`` itself
-does on ext4), so the figure mostly measures the remaining work: the zip CRCs of rank files and the row-parallel
-pieces glued in memory. The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
+the conversion writes. Same-dtype conversions copy most bytes as they are (``engine.checkpoint.fastcopy``), so the
+figure mostly measures that copy against ``cp``'s in-kernel ``copy_file_range``, plus the zip CRCs of rank files,
+the row-parallel pieces glued in memory and the extra bytes (a tied model's last stage repeats the embedding). The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
 under ``--work-dir`` for later runs.
 
     .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert]
@@ -55,6 +55,7 @@ def generate(path: Path) -> Path:
 
 def copy_seconds(src: Path, dst: Path) -> float:
     shutil.rmtree(dst, ignore_errors=True)
+    os.sync()  # each timed run starts with no earlier run's dirty pages still being written back
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)  # no sync: the converter does not fsync either
     seconds = time.perf_counter() - start
@@ -64,6 +65,9 @@ def copy_seconds(src: Path, dst: Path) -> float:
 
 def convert(flags: list[str], run_dir: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
+    # Like the copy's target, the output starts absent: replacing an earlier output is not part of the figure.
+    shutil.rmtree(flags[flags.index("--save-dir") + 1], ignore_errors=True)
+    os.sync()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "engine", "convert", *flags, "--run-dir", str(run_dir)],

@@ -1,20 +1,26 @@
-"""Conversion without touching the bytes: plans of file segments copied in the kernel with ``copy_file_range``.
+"""Conversion without computing: plans of file byte ranges, copied through one small buffer.
 
 When the dtype does not change and no LoRA is merged, every output tensor is a concatenation of byte ranges of the
 input files: TP pieces are whole row runs, the q/k/v and gate/up splits are row runs, and a row-parallel merge is
 one range per row per rank. ``RowPlan`` finds those ranges with the shared HF mapping itself: it hands
 ``hf_mapping.hf_from_native`` tensors of *row numbers* (shape (rows, 1)) instead of weights, so whatever reshuffle
-the mapping does to rows it does to the numbers, and the numbers name the source bytes. The copy then runs in the
-kernel (page cache to page cache; on this project's ext4 machines 5-10x faster than a user-space read + write).
+the mapping does to rows it does to the numbers, and the numbers name the source bytes.
+
+The bytes then go through a 1 MiB buffer: ``pread`` into it, ``write`` out of it (a zip writer computes its CRC on
+the way while the chunk is still in the CPU cache). Measured on this project's machines (1 GiB, page cache hot):
+0.24-0.27 s, against 0.37 s for an in-kernel ``copy_file_range`` whose source and target offsets differ within a
+page (they always do here: safetensors data starts 8-aligned, torch.save records 64-aligned), plus 0.07-0.1 s for
+reading the bytes again for the CRC.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
+CHUNK = 1 << 20
 Segment = tuple[int, int, int]  # (fd, offset, nbytes) of a source file
 
 
@@ -26,29 +32,27 @@ class RowSource(Protocol):
 
 class InMemory:
     """Row-parallel pieces read into memory, written row-interleaved (row r = every piece's row r, in order)
-    by ``pwritev``, so the glued matrix is never built in user space."""
+    1,024 rows at a time, so the glued matrix is never built whole."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.parts = [p.contiguous() for p in parts]
         self.nbytes = sum(p.numel() * p.element_size() for p in self.parts)
 
-    def write(self, fd: int, pos: int) -> int:
+    def chunks(self) -> Iterator[memoryview | bytes]:
+        """The bytes in file order: a single part as it is, several parts row-interleaved 1,024 rows at a time."""
         views = [memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in self.parts]
+        if len(views) == 1:
+            yield views[0]
+            return
         sizes = [p.shape[1] * p.element_size() for p in self.parts]
         rows = self.parts[0].shape[0]
-        start = pos
-        step = max(1, 1024 // len(views))  # IOV_MAX is 1024 buffers
-        for first in range(0, rows, step):
-            iov = [v[r * n:(r + 1) * n] for r in range(first, min(first + step, rows)) for v, n in zip(views, sizes)]
-            want = sum(len(b) for b in iov)
-            done = os.pwritev(fd, iov, pos)
-            if done != want:  # a short write: finish it plainly
-                rest = b"".join(bytes(b) for b in iov)[done:]
-                while rest:
-                    k = os.pwrite(fd, rest, pos + done)
-                    rest, done = rest[k:], done + k
-            pos += want
-        return pos - start
+        for first in range(0, rows, 1024):
+            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes))
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "InMemory":
+        """A whole tensor as one row."""
+        return cls([tensor.detach().reshape(1, -1)])
 
 
 Piece = Segment | InMemory
@@ -76,21 +80,32 @@ def coalesce(segments: Iterable[Piece]) -> list[Piece]:
     return out
 
 
-def copy_segments(dst_fd: int, dst_offset: int, segments: Iterable[Piece]) -> int:
-    """Copy ``segments`` one after another to ``dst_offset`` of ``dst_fd``; returns the bytes copied."""
-    pos = dst_offset
+def read_chunks(segments: Iterable[Piece], chunk: int = CHUNK) -> Iterator[memoryview | bytes]:
+    """The bytes of ``segments`` in order, at most ``chunk`` at a time from files. File bytes arrive in one reused
+    buffer: use each chunk before asking for the next."""
+    buf = memoryview(bytearray(chunk))
     for seg in segments:
         if isinstance(seg, InMemory):
-            pos += seg.write(dst_fd, pos)
+            yield from seg.chunks()
             continue
         fd, off, n = seg
         done = 0
         while done < n:
-            k = os.copy_file_range(fd, dst_fd, n - done, off + done, pos + done)
+            k = os.preadv(fd, [buf[:min(chunk, n - done)]], off + done)
             if k <= 0:
-                raise OSError(f"copy_file_range stopped after {done} of {n} bytes")
+                raise OSError(f"short read at byte {off + done}: the source file changed or was cut short")
+            yield buf[:k]
             done += k
-        pos += n
+
+
+def copy_segments(dst_fd: int, dst_offset: int, segments: Iterable[Piece]) -> int:
+    """Copy ``segments`` one after another to ``dst_offset`` of ``dst_fd``; returns the bytes copied."""
+    pos = dst_offset
+    for data in read_chunks(segments):
+        view = memoryview(data)
+        while view:
+            k = os.pwrite(dst_fd, view, pos)
+            view, pos = view[k:], pos + k
     return pos - dst_offset
 
 

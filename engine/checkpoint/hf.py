@@ -2,7 +2,7 @@
 
 Reading (``HFCheckpoint``) parses each file's header and ``pread``s a tensor (or the rows one TP rank needs,
 straight into their place in a fused shard) only when asked for (``engine.checkpoint.reader``), so converting never
-holds the model; when no value changes it only names the byte ranges (``shard_segments``) and the kernel copies them
+holds the model; when no value changes it only names the byte ranges (``shard_segments``), which are copied as they are
 (``engine.checkpoint.fastcopy``).
 Writing (``save_hf``) plans every shard's header from the shapes first (a dry run of the mapping on meta tensors),
 then writes tensors one at a time as the mapping produces them: peak memory is about one layer, not one shard.
@@ -26,7 +26,7 @@ from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, na
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import _LAYER_COPIES, hf_from_native, native_keys
+from engine.model.hf_mapping import LAYER_COPIES, hf_from_native, native_keys
 from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
@@ -141,7 +141,7 @@ class HFCheckpoint:
             gate.read_rows(rank * rows, (rank + 1) * rows, out[:rows])
             up.read_rows(rank * rows, (rank + 1) * rows, out[rows:])
             return out
-        hf_key = f + _LAYER_COPIES[suffix]
+        hf_key = f + LAYER_COPIES[suffix]
         if split_rule(key) == "dim1" and tp > 1:
             cols = self._ref(hf_key).shape[1] // tp
             return self._ref(hf_key).read_cols(rank * cols, (rank + 1) * cols)
@@ -172,7 +172,7 @@ class HFCheckpoint:
             elif split_rule(key) == "dim1" and tp > 1:
                 return None
             else:
-                runs = [self._tp_rows(f + _LAYER_COPIES[parsed[1]], 1, 0)]
+                runs = [self._tp_rows(f + LAYER_COPIES[parsed[1]], 1, 0)]
         if any(self._ref(hf_key).dtype != dtype for hf_key, _, _ in runs):
             return None
         return coalesce(self._segment(*run) for run in runs)
@@ -253,7 +253,7 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
 
 def copy_safetensors(path: Path, segments: Iterable[tuple[str, list[Piece]]],
                      plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
-    """Like ``write_safetensors``, but each tensor's bytes are copied from file segments inside the kernel."""
+    """Like ``write_safetensors``, but each tensor's bytes are copied from file segments (``fastcopy``)."""
     head = _header(plan, dtype)
     size = torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -310,7 +310,7 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with staging(out) as tmp:
         if getattr(source, "can_copy", lambda dtype: False)(dtype):
-            rows = RowPlan(source.row_source)  # same bytes out as in: let the kernel copy them
+            rows = RowPlan(source.row_source)  # same bytes out as in: copy them
             pieces = ((k, rows.segments(ids)) for k, ids in hf_from_native(rows.get, cfg))
             stream: Iterator[Any] = _reported(pieces, len(entries), progress)
             for name, plan in zip(names, shards):

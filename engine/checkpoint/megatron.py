@@ -19,8 +19,10 @@ import logging
 import os
 import pickle
 import re
+import threading
 import types
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -31,7 +33,7 @@ from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, c
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
-from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter, can_copy_records
+from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora
@@ -172,14 +174,32 @@ def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
     return lambda key, tp, rank: shard(get(key), split_rule(key), tp, rank)
 
 
+class _Counter:
+    """Thread-safe progress over the tensors of every rank file."""
+
+    def __init__(self, total: int, progress: Progress | None):
+        self.total, self.done, self.progress, self.lock = total, 0, progress, threading.Lock()
+
+    def step(self) -> None:
+        with self.lock:
+            self.done += 1
+            if self.progress:
+                self.progress(self.done, self.total)
+
+
+def _default_writers(files: int) -> int:
+    return max(1, min(files, os.cpu_count() or 1, 4))
+
+
 def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
                iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
                vpp_layers: int | None = None, dtype: torch.dtype | None = None,
-               progress: Progress | None = None) -> list[Path]:
+               progress: Progress | None = None, writers: int | None = None) -> list[Path]:
     """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
 
     ``source``: a native state dict, a ``get(key)`` callable, or a checkpoint with ``get_native_shard``.
-    The checkpoint is staged in a hidden directory; the tracker is written last.
+    The checkpoint is staged in a hidden directory; the tracker is written last. ``writers`` rank files are
+    written at once (default: one per core, at most 4).
     """
     try:
         check_tp(cfg, tp)
@@ -187,39 +207,42 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     except ValueError as err:
         raise BadInput(str(err), field="target_tensor_parallel_size") from err
     get_shard = _shard_getter(source)
-    segments_of = getattr(source, "shard_segments", None) if can_copy_records() else None
+    segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
     args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
-    out, files = Path(out_dir), []
+    out = Path(out_dir)
     full_shapes = native_shapes(cfg)
-    total = tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks)
-    done = 0
+    count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
+
+    def write_rank(it_dir: Path, p: int, t: int) -> Path:
+        state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+        plan: list[tuple[LazyTensor, str]] = []
+        for chunk in stages[p]:
+            tensors = state["model" if len(stages[p]) == 1 else f"model{chunk.index}"] = {}
+            for local, native in chunk_keys(cfg, chunk, pp):
+                shape = shard_shape(full_shapes[native], split_rule(native), tp)
+                tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
+                plan.append((tensors[local], native))
+        rank_dir = it_dir / rank_dir_name(t, p, pp)
+        rank_dir.mkdir(parents=True)
+        # The pickle goes first from shapes; each shard is then written while the next one is cut.
+        with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
+            for lazy, native in plan:
+                segments = segments_of(native, tp, t, dtype) if segments_of else None
+                if segments is not None:  # the bytes exist as they are in the source: copy them
+                    writer.write_segments(lazy, segments)
+                else:
+                    writer.write(lazy, get_shard(native, tp, t).to(dtype))
+                count.step()
+        return out / it_dir.name / rank_dir.name / MODEL_FILE
+
+    ranks = [(p, t) for p in range(len(stages)) for t in range(tp)]
     with staging(out) as tmp:
         it_dir = tmp / iteration_dir_name(iteration)
-        for p, chunks in enumerate(stages):
-            for t in range(tp):
-                state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-                plan: list[tuple[LazyTensor, str]] = []
-                for chunk in chunks:
-                    tensors = state["model" if len(chunks) == 1 else f"model{chunk.index}"] = {}
-                    for local, native in chunk_keys(cfg, chunk, pp):
-                        shape = shard_shape(full_shapes[native], split_rule(native), tp)
-                        tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
-                        plan.append((tensors[local], native))
-                rank_dir = it_dir / rank_dir_name(t, p, pp)
-                rank_dir.mkdir(parents=True)
-                # The pickle goes first from shapes; each shard is then written while the next one is cut.
-                with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
-                    for lazy, native in plan:
-                        segments = segments_of(native, tp, t, dtype) if segments_of else None
-                        if segments is not None:  # the bytes exist as they are in the source: copy in the kernel
-                            writer.write_segments(lazy, segments)
-                        else:
-                            writer.write(lazy, get_shard(native, tp, t).to(dtype))
-                        done += 1
-                        if progress:
-                            progress(done, total)
-                files.append(out / it_dir.name / rank_dir.name / MODEL_FILE)
+        # Rank files are independent: several are written at once (the copies and CRCs release the GIL), which
+        # is what lets a same-dtype conversion keep up with one `cp` on a machine with more than one core.
+        with ThreadPoolExecutor(max_workers=writers or _default_writers(len(ranks)), thread_name_prefix="rank") as pool:
+            files = list(pool.map(lambda pt: write_rank(it_dir, *pt), ranks))
         (tmp / TRACKER).write_text(str(iteration))
     return files
 

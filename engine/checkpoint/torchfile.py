@@ -22,13 +22,12 @@ import struct
 import sys
 import threading
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from engine.checkpoint.fastcopy import Segment, copy_segments
+from engine.checkpoint.fastcopy import Piece, read_chunks, size_of
 
 ALIGNMENT = 64
 _STORAGE_TYPES = {torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage", torch.float32: "FloatStorage",
@@ -133,40 +132,34 @@ class TorchFileWriter:
 
     def write(self, lazy: LazyTensor, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` as the bytes of ``lazy`` (which must be the next pending placeholder)."""
-        expected = self.pending.popleft() if self.pending else None
-        if expected is not lazy or tuple(tensor.shape) != lazy.shape or tensor.dtype != lazy.dtype:
+        if tuple(tensor.shape) != lazy.shape or tensor.dtype != lazy.dtype:
             raise RuntimeError(f"{self.path}: expected {lazy.shape} {lazy.dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+        self._next(lazy)
         self.writer.put((lazy, tensor.detach().contiguous()))
 
-    def write_segments(self, lazy: LazyTensor, segments: list[Segment]) -> None:
-        """Queue file byte ranges (copied in the kernel) as the bytes of ``lazy``."""
-        expected = self.pending.popleft() if self.pending else None
+    def write_segments(self, lazy: LazyTensor, segments: list[Piece]) -> None:
+        """Queue file byte ranges (and in-memory pieces) whose concatenation is the bytes of ``lazy``."""
         nbytes = int(torch.Size(lazy.shape).numel()) * lazy.dtype.itemsize
-        if expected is not lazy or sum(n for _, _, n in segments) != nbytes:
+        if sum(map(size_of, segments)) != nbytes:
             raise RuntimeError(f"{self.path}: segments do not cover the {nbytes} bytes of record {lazy.storage.key}")
-        # The CRC is read here, in the producer's thread, while the writer thread copies the previous record.
-        self.writer.put((lazy, (segments, crc32_of(segments))))
+        self._next(lazy)
+        self.writer.put((lazy, segments))
+
+    def _next(self, lazy: LazyTensor) -> None:
+        expected = self.pending.popleft() if self.pending else None
+        if expected is not lazy:
+            raise RuntimeError(f"{self.path}: record {lazy.storage.key} written out of order")
 
     def _write_tensor(self, item: tuple[LazyTensor, Any]) -> None:
         lazy, data = item
         name = f"data/{lazy.storage.key}"
         if isinstance(data, torch.Tensor):
             self._record(name, tensor_bytes(data))
-        else:
-            self._copy_record(name, *data)
-
-    def _copy_record(self, name: str, segments: list[Segment], crc: int) -> None:
-        """A record whose bytes are copied file to file by ``copy_file_range``; zip needs their CRC in the header,
-        which ``zipfile`` rewrites on close from its writer's counters."""
-        size = sum(n for _, _, n in segments)
-        info, zip64 = self._info(name, size)
+            return
+        info, zip64 = self._info(name, sum(map(size_of, data)))
         with self.zip.open(info, "w", force_zip64=zip64) as f:
-            self.zip.fp.flush()
-            start = self.zip.fp.tell()
-            copy_segments(self.zip.fp.fileno(), start, segments)
-            self.zip.fp.seek(start + size)
-            f._crc, f._file_size, f._compress_size = crc, size, size  # noqa: SLF001
-
+            for chunk in read_chunks(data):  # zipfile computes the CRC of each chunk while it is in the CPU cache
+                f.write(chunk)
 
     def close(self) -> None:
         self.writer.close()
@@ -188,23 +181,3 @@ class TorchFileWriter:
         except BaseException:  # noqa: BLE001 - the producer's own error is the one to report
             pass
         self.zip.close()
-
-
-def crc32_of(segments: list[Segment], chunk: int = 16 << 20) -> int:
-    """CRC-32 (zip's) of the concatenated file segments, read in ``chunk``-sized pieces."""
-    buf = memoryview(bytearray(min(chunk, max((n for _, _, n in segments), default=0)) or 1))
-    crc = 0
-    for fd, off, n in segments:
-        done = 0
-        while done < n:
-            k = os.preadv(fd, [buf[:min(len(buf), n - done)]], off + done)
-            if k <= 0:
-                raise OSError(f"short read at byte {off + done}")
-            crc = zlib.crc32(buf[:k], crc)
-            done += k
-    return crc
-
-
-def can_copy_records() -> bool:
-    """Whether this Python's zipfile writer keeps the counters ``_copy_record`` sets (CPython 3.6+)."""
-    return "_crc" in zipfile._ZipWriteFile.__init__.__code__.co_names  # noqa: SLF001

@@ -30,7 +30,7 @@ from engine.model.config import ModelConfig
 Getter = Callable[[str], torch.Tensor]
 
 # native suffix (under decoder.layers.{i}.) -> HF suffix (under model.layers.{i}.) for tensors copied unchanged
-_LAYER_COPIES = {
+LAYER_COPIES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
@@ -89,7 +89,7 @@ def native_from_hf(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None =
         yield "embedding.word_embeddings.weight", get("model.embed_tokens.weight")
     for i in range(cfg.num_layers) if layers is None else layers:
         n, f = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for ns, hs in _LAYER_COPIES.items():
+        for ns, hs in LAYER_COPIES.items():
             yield n + ns, get(f + hs)
         yield n + "self_attention.linear_qkv.weight", fuse_qkv(
             get(f + "self_attn.q_proj.weight"), get(f + "self_attn.k_proj.weight"), get(f + "self_attn.v_proj.weight"), cfg
@@ -115,7 +115,7 @@ def hf_from_native(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None =
         gate, up = split_fc1(get(n + "mlp.linear_fc1.weight"))
         yield f + "mlp.gate_proj.weight", gate
         yield f + "mlp.up_proj.weight", up
-        for ns, hs in _LAYER_COPIES.items():
+        for ns, hs in LAYER_COPIES.items():
             yield f + hs, get(n + ns)
     if head:
         yield "model.norm.weight", get("decoder.final_layernorm.weight")

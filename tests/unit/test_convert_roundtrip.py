@@ -34,7 +34,7 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
         "iter_0000001/mp_rank_01_000/model_optim_rng.pt", "iter_0000001/mp_rank_01_001/model_optim_rng.pt",
         "latest_checkpointed_iteration.txt"]
     assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "1"
-    for pt in (tmp_path / "mg").rglob("model_optim_rng.pt"):  # records copied in the kernel carry correct CRCs
+    for pt in (tmp_path / "mg").rglob("model_optim_rng.pt"):  # records copied from file ranges carry correct CRCs
         assert zipfile.ZipFile(pt).testzip() is None
     rank = torch.load(tmp_path / "mg/iter_0000001/mp_rank_01_001/model_optim_rng.pt", weights_only=False)
     assert rank["checkpoint_version"] == 3.0 and rank["iteration"] == 1
@@ -45,10 +45,16 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
     # tied + PP>1: the last stage carries a copy of its embedding shard (megatron-interop.md §2)
     assert "output_layer.weight" in rank["model"]
     assert "embedding.word_embeddings.weight" not in rank["model"]
+    # rank files are written in parallel by default; one at a time gives the same tensors
+    save_mcore(src, src.config, tmp_path / "serial", tp=2, pp=2, writers=1)
+    for pt in (tmp_path / "mg").rglob("model_optim_rng.pt"):
+        parallel = torch.load(pt, weights_only=False)["model"]
+        serial = torch.load(tmp_path / "serial" / pt.relative_to(tmp_path / "mg"), weights_only=False)["model"]
+        assert parallel.keys() == serial.keys() and all(torch.equal(parallel[k], serial[k]) for k in parallel)
 
     mg = MegatronCheckpoint(tmp_path / "mg")
     assert mg.config == src.config
-    assert mg.can_copy(torch.bfloat16)  # same dtype, no LoRA: the kernel-copy path is the one under test here
+    assert mg.can_copy(torch.bfloat16)  # same dtype, no LoRA: the byte-copy path is the one under test here
     save_hf(mg, mg.config, tmp_path / "back", max_shard_bytes=150_000)
     original, back = read_hf(hf_dir), read_hf(tmp_path / "back")
     original.pop("lm_head.weight", None) if src.config.tie_word_embeddings else None
@@ -84,6 +90,7 @@ def test_dtype_cast_and_extra_state_tolerated(hf_dir: Path, tmp_path: Path) -> N
     src = HFCheckpoint(hf_dir)
     save_mcore(src, src.config, tmp_path / "mg", tp=2, pp=1, dtype=torch.float32)
     path = tmp_path / "mg/iter_0000001/mp_rank_00/model_optim_rng.pt"
+    assert zipfile.ZipFile(path).testzip() is None  # cast tensors are written through the same CRC'd records
     state = torch.load(path, weights_only=False)
     state["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None  # as Megatron training saves
     state["model"]["output_layer._extra_state"] = None
