@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.models import ApiToken, utcnow
+from app.models import ApiToken
 
 TOKEN_PREFIX = "llmj_"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import insert
 
 from app.db import session_scope
-from app.main import create_app
 from app.models import Event, LogLine, MetricPoint
 from app.services.jobs import transition
 from app.settings import Settings
@@ -28,17 +26,6 @@ def settings(tmp_path: Path) -> Settings:
     (data / "in.jsonl").write_text('{"text": "hi"}\n')
     (data / "tok").mkdir()
     return settings
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, reconcile=False)) as client:
-        yield client
-
-
-@pytest.fixture
-def token(settings: Settings) -> str:
-    return make_token(settings, "alpha")
 
 
 def spec(**extra: Any) -> dict[str, Any]:

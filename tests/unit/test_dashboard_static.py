@@ -5,22 +5,21 @@ tests/e2e/test_dashboard_browser.py."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import UI_DIR, create_app
+from app.main import UI_DIR
+from app.settings import Settings
 from app.testing import isolated_settings
 
 IMPORT = re.compile(r"""(?:\bfrom\s*|\bimport\s*\(?\s*)["']([^"']+\.js)["']""")
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(isolated_settings(tmp_path), reconcile=False)) as client:
-        yield client
+def settings(tmp_path: Path) -> Settings:
+    return isolated_settings(tmp_path)
 
 
 def _reachable_modules(client: TestClient, entry: str) -> dict[str, str]:

@@ -3,7 +3,6 @@ step order, reference resolution, fail_fast vs continue, cancel, 422s naming the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +11,12 @@ from fastapi.testclient import TestClient
 
 from app import pipelines
 from app.db import session_scope
-from app.main import create_app
 from app.models import Job
 from app.recovery import recover
 from app.services.jobs import transition
 from app.settings import Settings
 from app.states import JobState
-from app.testing import auth, isolated_settings, make_token
+from app.testing import auth, isolated_settings
 
 
 @pytest.fixture
@@ -29,17 +27,6 @@ def settings(tmp_path: Path) -> Settings:
     (data / "tok").mkdir()
     (data / "hf").mkdir()
     return settings
-
-
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, reconcile=False)) as client:
-        yield client
-
-
-@pytest.fixture
-def token(settings: Settings) -> str:
-    return make_token(settings, "alpha")
 
 
 def steps() -> list[dict[str, Any]]:

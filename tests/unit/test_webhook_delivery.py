@@ -65,12 +65,6 @@ def settings(tmp_path: Path) -> Settings:
                              webhook_settle_s=0)
 
 
-@pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, reconcile=False)) as client:
-        yield client
-
-
 def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
     """A receiver's check, written from the Standard Webhooks spec (not with app.webhooks)."""
     key = base64.b64decode(secret.removeprefix("whsec_"))
