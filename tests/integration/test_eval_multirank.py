@@ -38,15 +38,20 @@ def _run(cmd: list[str], run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 
 
+def eval_args(tmp_path: Path, tokenizer: Path, model: str, seed: int, samples: int, new_tokens: int) -> list[str]:
+    """A random tiny HF model, a test set of ``samples`` lines (+1 bad) and greedy eval flags over them."""
+    cfg = preset(model)
+    weights = Qwen3Model(cfg)
+    weights.init_weights(seed=seed)
+    save_hf(weights.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
+    (tmp_path / "test.jsonl").write_text(_lines(samples))
+    return ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(tokenizer),
+            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", str(new_tokens),
+            "--temperature", "0.00001", "--eval-batch-size", "2"]
+
+
 def test_two_ranks_split_the_test_set_and_match_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
-    cfg = preset("qwen3-tiny-tied")
-    model = Qwen3Model(cfg)
-    model.init_weights(seed=5)
-    save_hf(model.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
-    (tmp_path / "test.jsonl").write_text(_lines(7))
-    args = ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(qwen_tokenizer_dir),
-            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", "3", "--temperature", "0.00001",
-            "--eval-batch-size", "2"]
+    args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny-tied", seed=5, samples=7, new_tokens=3)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "engine", *args, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]

@@ -9,25 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine.checkpoint.hf import save_hf
-from engine.model.config import preset
-from engine.model.qwen3 import Qwen3Model
-from test_eval_multirank import _lines, _run
+from test_eval_multirank import _run, eval_args
 
 pytestmark = pytest.mark.slow
 
 
 def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
-    cfg = preset("qwen3-tiny")  # untied: the head is its own vocab-parallel output_layer
-    model = Qwen3Model(cfg)
-    model.init_weights(seed=7)
-    save_hf(model.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
-    (tmp_path / "test.jsonl").write_text(_lines(5))
-    args = ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(qwen_tokenizer_dir),
-            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", "4", "--temperature", "0.00001",
-            "--eval-batch-size", "2"]
+    # untied: the head is its own vocab-parallel output_layer
+    args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny", seed=7, samples=5, new_tokens=4)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "engine", *args, "--tensor-model-parallel-size", "2"]
