@@ -285,7 +285,9 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
 
     kind: Literal["train"] = "train"
     data_path: DataPathList = Field(..., description="Indexed dataset prefix(es), as produced by preprocess.")
-    split: str = "969, 30, 1"
+    split: str = Field("969, 30, 1", description=(
+        "train,valid,test weights over the samples in dataset order (Megatron's): training uses the leading "
+        "share, validation the next one; the test share is not used."))
     load: DataPath | None = None
     save: DataPath | None = None
     save_interval: int | None = Field(None, ge=1)
@@ -313,8 +315,11 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = Field(None, ge=1)
     log_interval: int = Field(100, ge=1)
-    eval_interval: int = Field(1000, ge=1)
-    eval_iters: int = Field(100, ge=0)
+    eval_interval: int = Field(1000, ge=1, description=(
+        "Score the validation share every this many iterations (and after the last one)."))
+    eval_iters: int = Field(100, ge=0, description=(
+        "Global batches per validation pass (the same ones each pass; fewer when the validation share is smaller). "
+        "0 turns validation off. Reported as val_lm_loss / val_lm_ppl metrics and Megatron's validation log line."))
     tensorboard_dir: DataPath | None = None
     finetune: bool = False
     stage: Literal["sft"] | None = None

@@ -129,11 +129,11 @@ class Pipeline:
 
     def step(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-        segment_ids: torch.Tensor | None, normaliser: float,
+        segment_ids: torch.Tensor | None, normaliser: float, train: bool = True,
     ) -> torch.Tensor:
         """Forward + backward of all micro-batches (stacked on dim 0); every micro-batch's summed token loss is
         divided by ``normaliser`` (the step's global token count) before backward. Returns the sum of those
-        divided losses (non-zero on the last stage only)."""
+        divided losses (non-zero on the last stage only). ``train=False`` runs the forward passes only."""
         self._norm["tokens"] = float(max(normaliser, 1e-12))
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if segment_ids is not None:
@@ -144,8 +144,11 @@ class Pipeline:
         key = (tuple(input_ids.shape), segment_ids is not None)
         if key not in self._schedules:
             self._schedules[key] = self.make_schedule()
-        self._schedules[key].step(*args, target=target, losses=losses, **kwargs)
-        sync_tied_grads(self)
+        if train:
+            self._schedules[key].step(*args, target=target, losses=losses, **kwargs)
+            sync_tied_grads(self)
+        else:  # forward only (torch.distributed.pipelining switches the stages to eval and back by itself)
+            self._schedules[key].eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not self.is_last:
             return torch.zeros(())
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -361,14 +364,21 @@ class PipelineModel(nn.Module):
 
     def forward_backward(self, batches: Sequence[Any], denominator: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """Run the step's micro-batches; returns the summed token loss (last stage; zeros elsewhere)."""
+        normaliser = float(denominator) / loss_scale
+        return self._run(batches, normaliser, train=True) * normaliser
+
+    def forward_only(self, batches: Sequence[Any]) -> torch.Tensor:
+        """The summed token loss of the micro-batches without backward (last stage; zeros elsewhere)."""
+        return self._run(batches, 1.0, train=False)
+
+    def _run(self, batches: Sequence[Any], normaliser: float, train: bool) -> torch.Tensor:
         longest = max(mb.input_ids.shape[1] for mb in batches)
         width = min(self.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few distinct shapes -> few schedules
         ids, labels, pos, seg = stack_micro_batches(batches, width)
         device = _local(next(iter(self.pipeline.parts[0].parameters()))).device
-        normaliser = float(denominator) / loss_scale
-        scaled = self.pipeline.step(ids.to(device), labels.to(device), pos.to(device),
-                                    None if seg is None else seg.to(device), normaliser)
-        return (scaled * normaliser).to(device)
+        out = self.pipeline.step(ids.to(device), labels.to(device), pos.to(device),
+                                 None if seg is None else seg.to(device), normaliser, train=train)
+        return out.to(device)
 
     def grad_norm_parameters(self) -> list[nn.Parameter]:
         return norm_parameters(self.pipeline.parts)

@@ -11,7 +11,8 @@ the DP size (DP=2 trains on the same samples as one process).
 Datasets (``engine.data.indexed``): MindSpeed instruction data ``<prefix>_packed_{input_ids,labels,...}_document``
 (pre-packed rows are split back into their samples by their boundaries, so the trainer packs them its own way), or
 pretraining text ``<prefix>`` / ``<prefix>_text_document`` where a sample is one document and every token is a label.
-``split`` "train,valid,test" keeps the leading train share of the samples.
+``split`` "train,valid,test" cuts the samples (in dataset order, as Megatron cuts documents) into a leading train
+share, then a validation share (``split_counts``); each part has its own seeded order.
 """
 
 from __future__ import annotations
@@ -71,20 +72,25 @@ def check_data_paths(paths: Sequence[str]) -> None:
             raise BadInput(f"data_path: no indexed dataset for prefix {prefix!r} (looked for {looked})", "data_path")
 
 
-def train_fraction(split: str) -> float:
+def split_counts(total: int, split: str) -> tuple[int, int]:
+    """(train, validation) sample counts of ``total`` for ``split`` "a,b,c" (weights; the rest is the test share)."""
     parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
-    if not parts or sum(parts) <= 0 or parts[0] <= 0:
+    if not parts or sum(parts) <= 0 or parts[0] <= 0 or any(p < 0 for p in parts):
         raise BadInput(f"split: {split!r} leaves no training data", "split")
-    return parts[0] / sum(parts)
+    cumulative = [sum(parts[:i + 1]) / sum(parts) for i in range(min(len(parts), 2))]
+    train = int(total * cumulative[0])
+    valid = int(total * cumulative[1]) - train if len(cumulative) > 1 else 0
+    return train, valid
 
 
 @dataclasses.dataclass
 class TrainData:
-    """Samples of all ``data_path`` datasets in one index space, in the seeded global order."""
+    """Samples ``[start, start + num_samples)`` of all ``data_path`` datasets (one index space), in a seeded order."""
 
     sources: list[_Source]
     num_samples: int
     seed: int
+    start: int = 0
     order: DistributedSampler = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,13 +99,20 @@ class TrainData:
 
     @classmethod
     def open(cls, paths: Sequence[str], split: str, seed: int) -> "TrainData":
+        """The training share."""
         check_data_paths(paths)
         sources = [_Source(p) for p in paths]
         total = sum(len(s) for s in sources)
-        n = int(total * train_fraction(split))
+        n = split_counts(total, split)[0]
         if n < 1:
             raise BadInput(f"data_path: {total} samples and split {split!r} leave no training sample", "data_path")
         return cls(sources, n, seed)
+
+    def validation(self, split: str) -> "TrainData | None":
+        """The validation share that follows the training one (same datasets); None when the split leaves none."""
+        total = sum(len(s) for s in self.sources)
+        train, valid = split_counts(total, split)
+        return TrainData(self.sources, valid, self.seed, start=train) if valid > 0 else None
 
     def _row(self, index: int) -> list[Sample]:
         for src in self.sources:
@@ -110,7 +123,7 @@ class TrainData:
 
     def sample_at(self, k: int) -> list[Sample]:
         """The row (one or more samples) at global sample position ``k``."""
-        return self._row(self.order.index_at(k))
+        return self._row(self.start + self.order.index_at(k))
 
 
 def rank_micro_batches(

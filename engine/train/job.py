@@ -37,7 +37,7 @@ from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
 from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
-from engine.train.loop import TrainState, train_step
+from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
 from engine.train.model_setup import (LoadedWeights, check_against_checkpoint, check_model_kind, config_from_flags,
                                       open_load)
@@ -122,8 +122,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
 def _warn_unsupported(spec: TrainSpec, run: RunDir) -> None:
     """Flags that are accepted but change nothing here: said once, in the log and the event stream."""
     notes = []
-    if spec.eval_iters > 0 and "eval_iters" in spec.model_fields_set:
-        notes.append("eval_iters: no evaluation during training; run an eval job on the saved checkpoint")
     for flag in ("hidden_dropout", "attention_dropout"):
         if getattr(spec, flag) > 0 and flag in spec.model_fields_set:
             notes.append(f"{flag}: the Qwen3 model here has no dropout; the value is ignored")
@@ -232,9 +230,25 @@ class Trainer:
                         trainable_only=self.lora, save_rng=not spec.no_save_rng)
         self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
 
+    def _validate(self, valid: TrainData, iteration: int, metrics: MetricsLogger) -> None:
+        """Loss over the validation share: the same first ``eval_iters`` global batches each time (fewer when the
+        share is smaller: ceil(samples / global batch), the last one wrapping round), so passes compare."""
+        spec, started = self.spec, time.perf_counter()
+        batches = min(spec.eval_iters, -(-valid.num_samples // self.plan.global_batch_size))
+        total = torch.zeros(2, dtype=torch.float64, device=self.device.torch_device)
+        self.model.eval()
+        with torch.no_grad():
+            for j in range(1, batches + 1):
+                total += eval_step(self.model, self._batches(valid, j), chunk_size=spec.cross_entropy_chunk_size,
+                                   dp_group=self.dp_group, device=self.device.torch_device)
+        self.model.train()
+        loss_sum, tokens = total.tolist()
+        metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
+
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
         data = TrainData.open(spec.data_path, spec.split, spec.seed)
+        valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
                                 spec.log_interval, spec.tensorboard_dir, self.lora)
         start = self.state.iteration
@@ -251,6 +265,8 @@ class Trainer:
             metrics.record(record)
             if iteration % spec.log_interval == 0:
                 self.run.progress(iteration, spec.train_iters, "iterations")
+            if valid is not None and (iteration % spec.eval_interval == 0 or iteration == spec.train_iters):
+                self._validate(valid, iteration, metrics)  # as Megatron: every eval_interval and at the end
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
@@ -267,6 +283,7 @@ class Trainer:
             "world_size": plan.dims.world_size,
             "global_batch_size": plan.global_batch_size,
             "lora": self.lora,
+            "validation_samples": valid.num_samples if valid else 0,
             **metrics.summary(),
         }
         return outputs, summary

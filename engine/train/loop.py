@@ -118,3 +118,22 @@ def train_step(
         elapsed_s=time.perf_counter() - start,
         consumed_samples=state.consumed_samples,
     )
+
+
+def eval_step(model: nn.Module, batches: Sequence[MicroBatch], *, chunk_size: int, dp_group: dist.ProcessGroup | None,
+              device: torch.device) -> torch.Tensor:
+    """[summed token loss, labelled tokens] of one global batch, forward only, over every DP (and PP) rank.
+
+    Call under ``torch.no_grad()`` with the model in eval mode; the loss is the training loss (same chunked CE,
+    same TP/PP paths), summed rather than averaged so several batches combine exactly."""
+    counts = _global_counts(batches, dp_group, device)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    if isinstance(model, PipelineModel):
+        loss_sum += model.forward_only(batches)
+    else:
+        for mb in batches:
+            loss_sum += micro_batch_loss(model, mb.to(device), chunk_size)
+    dist.all_reduce(loss_sum, group=dp_group)
+    if isinstance(model, PipelineModel):
+        model.reduce_loss(loss_sum)
+    return torch.stack([loss_sum.double(), counts[0]])

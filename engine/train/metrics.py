@@ -9,6 +9,9 @@ gathered with one small all-gather at the same moment. The log line copies Megat
     grad norm: 191.792 | number of skipped iterations: 0 | number of nan iterations: 0 |
 
 followed after the first iteration by ``[Rank R] (after 1 iterations) memory (MB) | allocated: ... |`` per rank.
+Validation (``validation``) is reported as Megatron reports it::
+
+    validation loss at iteration 100 | lm loss value: 2.345678E+00 | lm loss PPL: 1.044017E+01 |
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class MetricsLogger:
         self.pending: list[StepRecord] = []
         self.totals = {"skipped_iterations": 0, "nan_iterations": 0}
         self.last: dict[str, Any] = {}
+        self.last_validation: dict[str, Any] = {}
         self.tokens_per_s: list[float] = []
         self.memory_reported = False
         self.tb = None
@@ -173,6 +177,23 @@ class MetricsLogger:
             f"max reserved: {s['mem_reserved_mb']}"
         )
 
+    def validation(self, iteration: int, loss_sum: float, tokens: float, seconds: float) -> dict[str, Any]:
+        """Record one validation pass (summed token loss over ``tokens`` labelled tokens of the validation share)."""
+        self.flush()  # training points first, so the streams stay in step order
+        loss = loss_sum / tokens if tokens else float("nan")
+        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")  # Megatron caps the exponent at 20
+        row = {"val_lm_loss": loss, "val_lm_ppl": ppl, "val_loss_tokens": int(tokens), "val_time_s": seconds}
+        self.run.metric(iteration, row)
+        self.last_validation = row
+        if self.tb is not None and math.isfinite(loss):
+            self.tb.add_scalar("lm loss validation", loss, iteration)  # Megatron's tags
+            self.tb.add_scalar("lm loss validation ppl", ppl, iteration)
+        if self.run.is_writer:
+            bar = "-" * 100
+            log.info("%s\n validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E | \n%s",
+                     bar, iteration, loss, ppl, bar)
+        return row
+
     def close(self) -> None:
         self.flush()
         if self.tb is not None:
@@ -184,5 +205,6 @@ class MetricsLogger:
             **self.totals,
             "final_lm_loss": self.last.get("lm_loss"),
             "final_grad_norm": self.last.get("grad_norm"),
+            "final_val_lm_loss": self.last_validation.get("val_lm_loss"),
             "mean_tokens_per_s": sum(steady) / len(steady) if steady else None,
         }
