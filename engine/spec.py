@@ -366,7 +366,9 @@ class ConvertSpec(JobBase):
     hf_cfg_dir: DataPath | None = Field(None, description="HF directory whose config/tokenizer/generation files seed HF output.")
     params_dtype: Literal["fp16", "bf16", "fp32"] | None = Field(None, description=(
         "Output dtype. Default: the source's dtype (MindSpeed v1 defaults to fp16, which loses bf16 range)."))
-    lora_load: DataPath | None = Field(None, description="Megatron LoRA checkpoint (MindSpeed's or ours) merged onto load_dir.")
+    lora_load: DataPath | None = Field(None, description=(
+        "LoRA adapters merged onto load_dir: a Megatron LoRA checkpoint (MindSpeed's or ours) or a Hugging Face PEFT "
+        "adapter directory (adapter_config.json + adapter_model.safetensors)."))
     lora_r: int | None = Field(None, ge=1, description="LoRA rank for merging (default: the checkpoint's args.lora_r).")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
     lora_target_modules: StrList = Field(default_factory=list)
@@ -393,7 +395,8 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
 
     kind: Literal["eval"] = "eval"
     load: DataPath
-    lora_load: DataPath | None = None
+    lora_load: DataPath | None = Field(None, description=(
+        "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."))
     no_load_optim: bool = False
     no_load_rng: bool = False
     exit_on_missing_checkpoint: bool = False

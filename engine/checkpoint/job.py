@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.checkpoint.hf import DTYPES, HFCheckpoint, as_getter, copy_tokenizer, save_hf
 from engine.checkpoint.layout import FINAL_NORM, check_tp, pipeline_chunks
 from engine.checkpoint.load import detect_format, open_checkpoint
-from engine.checkpoint.lora_merge import LoraOverlay, save_peft_adapter
+from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.model.config import ModelConfig
 from engine.model.lora import resolve_targets
@@ -94,6 +94,9 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
     if fmt == "native":
         cfg, state = open_checkpoint(spec.load_dir)
         return _with_lora(spec, SimpleNamespace(config=cfg, get_native=state.__getitem__), run)
+    if spec.lora_load and is_peft_adapter(spec.lora_load):
+        ckpt = MegatronCheckpoint(spec.load_dir, hf_config=_hf_reference(spec))
+        return ckpt.config, _peft_overlay(spec, ckpt)
     ckpt = MegatronCheckpoint(spec.load_dir, lora_dir=spec.lora_load, lora_alpha=spec.lora_alpha, lora_r=spec.lora_r,
                               hf_config=_hf_reference(spec))
     _check_lora(spec, ckpt, run)
@@ -101,12 +104,22 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
 
 
 def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, Any]:
-    """An HF or training-checkpoint base, with ``lora_load``'s adapters merged on top when given."""
+    """An HF or training-checkpoint base, with ``lora_load``'s adapters (Megatron's, ours or PEFT's) merged on top."""
     if not spec.lora_load:
         return base.config, base
+    if is_peft_adapter(spec.lora_load):
+        return base.config, _peft_overlay(spec, base)
     source = LoraOverlay(base, spec.lora_load, spec.lora_alpha, spec.lora_r)
     _check_lora(spec, source, run)
     return source.config, source
+
+
+def _peft_overlay(spec: ConvertSpec, base: Any) -> PeftOverlay:
+    overlay = PeftOverlay(base, spec.lora_load, spec.lora_alpha)
+    if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
+        raise BadInput(f"lora_r: {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
+                       field="lora_r")
+    return overlay
 
 
 def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
@@ -201,7 +214,8 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
         "tensor_parallel": spec.target_tensor_parallel_size if spec.save_model_type == "mg" else 1,
         "pipeline_parallel": spec.target_pipeline_parallel_size if spec.save_model_type == "mg" else 1,
         "files": len(files), "bytes": sum(sizes), "largest_file_bytes": max(sizes, default=0),
-        "lora_merged": bool(hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf),
+        "lora_merged": bool(getattr(source, "lora_merged", False)
+                            or (hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf)),
         "seconds": round(seconds, 3), "peak_rss_mb": round(_peak_rss_bytes() / 2**20, 1),
     }
     log.info("converted %s -> %s in %.1fs (%d files, %.1f MB)", spec.load_dir, out, seconds, len(files), sum(sizes) / 1e6)

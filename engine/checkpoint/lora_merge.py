@@ -6,21 +6,29 @@ module cut into the HF modules PEFT knows: ``linear_qkv``'s B rows split into q/
 and ``linear_fc1``'s into gate/up; the A matrix is shared by the pieces, so ``B_q @ A`` is exactly the q rows of
 ``B @ A``. Output: ``adapter_config.json`` + ``adapter_model.safetensors`` with keys
 ``base_model.model.model.layers.{L}.self_attn.q_proj.lora_A.weight`` etc., which ``peft.PeftModel`` loads.
+
+The other way (``peft_deltas``): a PEFT adapter directory trained elsewhere becomes native weight deltas
+``scale · B @ A`` per HF module (scale = alpha/r, or alpha/sqrt(r) with rsLoRA), fused into ``linear_qkv`` /
+``linear_fc1`` with the shared mapping (a module without an adapter contributes zeros), to be added to a base.
+PEFT's q/k/v adapters each have their own A, so they cannot become one unmerged fused LoRA of the same rank.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import split_fc1, split_qkv
+from engine.model.hf_mapping import fuse_fc1, fuse_qkv, split_fc1, split_qkv
 from engine.model.lora import merge_lora
 from engine.runfiles import BadInput
 
@@ -75,6 +83,73 @@ def save_peft_adapter(modules: list[str], get: Callable[[str], torch.Tensor], cf
     return out
 
 
+PEFT_CONFIG = "adapter_config.json"
+_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])(?:\.default)?\.weight$")
+_NATIVE_OF = {hf: native for native, hfs in _HF_MODULES.items() for hf in hfs}
+
+
+def is_peft_adapter(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / PEFT_CONFIG).is_file()
+
+
+def _peft_settings(path: Path, field: str, alpha: float | None) -> tuple[dict[str, Any], float]:
+    """The adapter's config and its merge scale (``alpha`` overrides the config's); BadInput for what a plain merge
+    cannot reproduce."""
+    try:
+        config = json.loads((path / PEFT_CONFIG).read_text())
+    except ValueError as err:
+        raise BadInput(f"{field}: {path / PEFT_CONFIG} is not JSON ({err})", field=field) from err
+    refused = {"peft_type": config.get("peft_type", "LORA") != "LORA", "use_dora": bool(config.get("use_dora")),
+               "fan_in_fan_out": bool(config.get("fan_in_fan_out")), "bias": config.get("bias", "none") != "none",
+               "modules_to_save": bool(config.get("modules_to_save")), "rank_pattern": bool(config.get("rank_pattern")),
+               "alpha_pattern": bool(config.get("alpha_pattern"))}
+    bad = [f"{k}={config.get(k)!r}" for k, flag in refused.items() if flag]
+    if bad:
+        raise BadInput(f"{field}: {path / PEFT_CONFIG}: only plain LoRA adapters can be merged here ({', '.join(bad)})",
+                       field=field)
+    r = int(config["r"])
+    alpha = float(config["lora_alpha"]) if alpha is None else alpha
+    return {**config, "lora_alpha": alpha}, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None,
+                field: str = "lora_load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(facts for the summary, native weight key -> fp32 delta) of the PEFT adapter directory ``path``."""
+    path = Path(path)
+    config, scale = _peft_settings(path, field, alpha)
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise BadInput(f"{field}: {weights} is missing (adapter_model.bin is not read: save with safetensors)", field=field)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights)).items():
+        m = _PEFT_KEY.match(key)
+        if not m or m[2] not in _NATIVE_OF:
+            raise BadInput(f"{field}: {weights}: tensor {key} is not a LoRA adapter of a Qwen3 attention/MLP projection",
+                           field=field)
+        if int(m[1]) >= cfg.num_layers:
+            raise BadInput(f"{field}: {weights}: tensor {key} is for layer {m[1]}; the model has {cfg.num_layers}", field=field)
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = tensor.float()
+    deltas: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for (layer, hf_module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise BadInput(f"{field}: {weights}: layer {layer} {hf_module} has lora_{''.join(ab)} only", field=field)
+        deltas.setdefault((layer, _NATIVE_OF[hf_module]), {})[hf_module] = scale * (ab["B"] @ ab["A"])
+    out, shapes = {}, expected_hf_shapes(cfg)
+    for (layer, native), pieces in deltas.items():
+        want = {hf: shapes[f"model.layers.{layer}.{hf}.weight"] for hf in _HF_MODULES[native]}
+        parts = [pieces.get(hf, torch.zeros(want[hf])) for hf in _HF_MODULES[native]]
+        for hf, part in zip(_HF_MODULES[native], parts):
+            if tuple(part.shape) != want[hf]:
+                raise BadInput(f"{field}: {weights}: layer {layer} {hf} adapter gives {tuple(part.shape)}, the model "
+                               f"has {want[hf]}", field=field)
+        fused = fuse_qkv(*parts, cfg) if native.endswith("linear_qkv") else fuse_fc1(*parts) \
+            if native.endswith("linear_fc1") else parts[0]
+        out[f"decoder.layers.{layer}.{native}.weight"] = fused
+    targets = sorted({hf.rsplit(".", 1)[1] for _, hf in pairs})
+    return {"lora_format": "peft", "lora_r": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
+            "lora_targets": targets, "lora_merged": True}, out
+
+
 class LoraOverlay:
     """A base checkpoint (HF, or anything with ``get_native``) with a Megatron LoRA checkpoint merged on top.
 
@@ -115,3 +190,27 @@ class LoraOverlay:
 
     def lora_tensor(self, key: str) -> torch.Tensor:
         return self.lora.full(key)
+
+
+class PeftOverlay:
+    """A base checkpoint with a Hugging Face PEFT adapter directory merged on top: W + delta in fp32 (``peft_deltas``),
+    cast back to the base's dtype and cut per target TP shard."""
+
+    lora_merged = True
+
+    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None):
+        self.base, self.config = base, base.config
+        self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha)
+
+    def get_native(self, key: str) -> torch.Tensor:
+        return self.get_native_shard(key, 1, 0)
+
+    def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        if hasattr(self.base, "get_native_shard"):
+            weight = self.base.get_native_shard(key, tp, rank)
+        else:
+            weight = shard(self.base.get_native(key), split_rule(key), tp, rank)
+        delta = self.deltas.get(key)
+        if delta is None:
+            return weight
+        return (weight.float() + shard(delta, split_rule(key), tp, rank)).to(weight.dtype)

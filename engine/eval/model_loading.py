@@ -9,7 +9,9 @@ flags.
 
 LoRA adapters (``lora_load``) are applied on the loaded base with ``engine.model.lora`` and never merged into it, so
 what is evaluated is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter
-checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``).
+checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``). A Hugging Face PEFT adapter directory
+(trained with ``peft`` elsewhere) is merged into the base instead (``lora_merge.peft_deltas``): its q/k/v adapters
+have separate A matrices, which no unmerged fused LoRA of the same rank can hold.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from engine.checkpoint.lora_merge import is_peft_adapter, peft_deltas
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import BadInput
@@ -166,6 +169,19 @@ def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str
     return {"lora_r": r, "lora_alpha": alpha, "lora_targets": targets, "lora_tensors": len(lora)}
 
 
+def merge_peft_adapter(model: torch.nn.Module, spec: Any, cfg: ModelConfig) -> dict[str, Any]:
+    """Add a Hugging Face PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) into the weights."""
+    facts, deltas = peft_deltas(spec.lora_load, cfg, alpha=spec.lora_alpha)
+    if spec.lora_r is not None and spec.lora_r != facts["lora_r"]:
+        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank {facts['lora_r']}",
+                       field="lora_r")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, delta in deltas.items():
+            params[key].add_(delta.to(params[key].dtype))
+    return facts
+
+
 def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
     """The eval model on its device, in eval mode, plus facts for the summary (format, shape, LoRA)."""
     check_model_kind(spec)
@@ -179,7 +195,9 @@ def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, M
     load_weights(model, state, spec.load)
     del state
     info: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters())}
-    if spec.lora_load:
+    if spec.lora_load and is_peft_adapter(spec.lora_load):
+        info.update(merge_peft_adapter(model, spec, cfg))
+    elif spec.lora_load:
         adapter_state, recorded = read_adapters(spec)
         info.update(apply_adapters(model, spec, adapter_state, recorded))
     dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]

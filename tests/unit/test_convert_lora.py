@@ -1,4 +1,5 @@
-"""LoRA: merging MindSpeed checkpoints per TP shard equals peft's merge_and_unload; the PEFT export loads in peft."""
+"""LoRA: merging MindSpeed checkpoints per TP shard equals peft's merge_and_unload; the PEFT export loads in peft;
+a PEFT adapter directory merges as peft merges it."""
 
 from __future__ import annotations
 
@@ -172,3 +173,27 @@ def test_adapters_without_alpha_and_r_are_refused(setup: dict) -> None:
     with pytest.raises(BadInput, match="lora_target_modules: the checkpoint has adapters on linear_fc1, linear_fc2"):
         _convert(setup, "stray", load_dir=str(setup["unified"]), lora_r=R, lora_alpha=ALPHA,
                  lora_target_modules="linear_qkv linear_proj")
+
+
+@pytest.mark.parametrize("base", ["hf", "mg"])
+def test_hf_peft_adapter_merges_onto_hf_and_megatron_bases(setup: dict, tmp_path: Path, base: str) -> None:
+    """An adapter trained with peft (its own A per q/k/v module, k without one) merged by --lora-load."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(5)
+    model = Qwen3ForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, init_lora_weights=False,
+                                                  target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reference = {k: v.detach().clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    spec = ConvertSpec(load_model_type=base, save_model_type="hf", save_dir=str(tmp_path / "out"),
+                       load_dir=str(setup["hf"] if base == "hf" else setup["root"] / "base"),
+                       lora_load=str(tmp_path / "adapter"))
+    _, summary = run(spec, RunDir(tmp_path / "run"))
+    assert summary["lora_merged"]
+    ours = read_hf(tmp_path / "out")
+    _assert_equal_to_peft(ours, reference)
+    original = read_hf(setup["hf"])
+    assert torch.equal(ours["model.layers.1.self_attn.k_proj.weight"], original["model.layers.1.self_attn.k_proj.weight"])
+    assert not torch.equal(ours["model.layers.1.self_attn.v_proj.weight"], original["model.layers.1.self_attn.v_proj.weight"])

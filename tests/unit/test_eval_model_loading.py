@@ -1,4 +1,5 @@
-"""Building the eval model: flags vs checkpoint shape, weight/shape checks, LoRA adapters applied without merging."""
+"""Building the eval model: flags vs checkpoint shape, weight/shape checks, LoRA adapters applied without merging,
+Hugging Face PEFT adapters merged."""
 
 from __future__ import annotations
 
@@ -67,3 +68,51 @@ def test_lora_rank_flag_must_match_the_adapters() -> None:
         apply_adapters(_base(), _spec(lora_load="adapters", lora_r=8), lora_state_dict(trained))
     with pytest.raises(BadInput, match="holds no LoRA tensors"):
         apply_adapters(_base(), _spec(lora_load="adapters"), _base().state_dict())
+
+
+def _peft_adapter(hf_dir, out, **config):
+    """A PEFT LoRA adapter with random (trained-looking) A and B, saved by peft; returns the peft model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(3)
+    base = Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool) -> None:
+    from convert_tiny import tiny_hf
+
+    from engine.eval.model_loading import build_model
+
+    hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
+    # q and v only (PEFT's classic targets: k gets no delta), o and the MLP's gate/down
+    peft_model = _peft_adapter(hf_dir, tmp_path / "adapter", r=4, lora_alpha=8, use_rslora=rslora,
+                               target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    model, _, info = build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "adapter")))
+    assert info["lora_format"] == "peft" and info["lora_merged"] and info["lora_r"] == 4
+    assert info["lora_targets"] == ["down_proj", "gate_proj", "o_proj", "q_proj", "v_proj"]
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids), peft_model(input_ids=ids).logits
+        base = build_model(_spec(load=str(hf_dir)))[0](ids)
+    assert torch.allclose(ours, theirs, atol=2e-5), (ours - theirs).abs().max()
+    assert not torch.allclose(base, theirs, atol=1e-2)  # the adapter matters
+
+
+def test_peft_adapters_a_merge_cannot_reproduce_are_refused(tmp_path) -> None:
+    from convert_tiny import tiny_hf
+
+    from engine.eval.model_loading import build_model
+
+    hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
+    _peft_adapter(hf_dir, tmp_path / "dora", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"])
+    with pytest.raises(BadInput, match=r"only plain LoRA adapters can be merged here \(use_dora=True\)") as err:
+        build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "dora")))
+    assert err.value.field == "lora_load"
+    _peft_adapter(hf_dir, tmp_path / "plain", r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(BadInput, match="lora_r: --lora-r is 8 but the adapter"):
+        build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "plain"), lora_r=8))
