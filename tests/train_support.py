@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,16 @@ def tiny_spec(data: str, **overrides: Any) -> dict[str, Any]:
 
 
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
-    import json
-
     return [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_train(spec: dict[str, Any], run_dir: Path, nproc: int) -> None:
+    """``python -m engine train`` on ``spec`` in a fresh process (under torchrun when ``nproc`` > 1)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    launcher = [sys.executable, "-m", "engine"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
+    proc = subprocess.run([*launcher, "train", "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)],
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,7 @@ from engine.runfiles import RunDir
 from engine.spec import parse_spec
 from engine.train import job
 from engine.train.data import split_counts
-from train_support import tiny_spec, write_instruction_data
-
-ROOT = Path(__file__).resolve().parents[2]
+from train_support import run_train, tiny_spec, write_instruction_data
 
 
 def _validation_rows(run_dir: Path) -> list[dict]:
@@ -76,14 +71,7 @@ def test_pipeline_and_tensor_parallel_validation_equal_one_process(tmp_path: Pat
     layouts = (("one", 1, {}), ("pp2", 2, {"pipeline_model_parallel_size": 2}), ("tp2", 2, {"tensor_model_parallel_size": 2}))
     for name, nproc, extra in layouts:
         run_dir = tmp_path / name
-        run_dir.mkdir()
-        (run_dir / "spec.json").write_text(json.dumps({**_spec(data, tmp_path / f"ckpt-{name}"), **extra}))
-        launcher = [sys.executable, "-m", "engine"] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
-        proc = subprocess.run([*launcher, "train", "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)],
-                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run_train({**_spec(data, tmp_path / f"ckpt-{name}"), **extra}, run_dir, nproc)
         runs[name] = _validation_rows(run_dir)
     for name in ("pp2", "tp2"):
         assert [r["step"] for r in runs[name]] == [r["step"] for r in runs["one"]] == [2, 4]
