@@ -6,10 +6,10 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from app.models import ApiToken
+from app.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "llmj_"
 
@@ -28,7 +28,8 @@ def hash_token(token: str) -> str:
 def create_token(session: Session, *, team: str, name: str | None = None, admin: bool = False) -> str:
     """Store a new token's hash and return the token itself (shown once)."""
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(token_hash=hash_token(token), prefix=token[:12], team=team, name=name, admin=admin))
+    session.add(ApiToken(token_hash=hash_token(token), prefix=token[:len(TOKEN_PREFIX) + 7], team=team, name=name,
+                         admin=admin))
     session.flush()
     return token
 
@@ -38,3 +39,26 @@ def authenticate(session: Session, token: str) -> Principal | None:
     if row is None:
         return None
     return Principal(team=row.team, admin=row.admin, token_id=row.id)
+
+
+def list_tokens(session: Session, team: str | None = None) -> list[ApiToken]:
+    """Every token (or one team's), oldest first; the secrets themselves are not stored."""
+    query = select(ApiToken).order_by(ApiToken.id)
+    return list(session.scalars(query if team is None else query.where(ApiToken.team == team)))
+
+
+def revoke_token(session: Session, ref: str) -> int:
+    """Revoke the token named by ``ref``: its id, its 12-character prefix (as ``token list`` prints it) or the token
+    itself. Returns how many were revoked (0 when none is active under that name); a prefix shared by two active
+    tokens is refused, so one command never revokes a token it did not mean to."""
+    match = ApiToken.token_hash == hash_token(ref)
+    if ref.isdigit():
+        match = or_(match, ApiToken.id == int(ref))
+    elif len(ref) == len(TOKEN_PREFIX) + 7:
+        match = or_(match, ApiToken.prefix == ref)
+    live = list(session.scalars(select(ApiToken.id).where(match, ApiToken.revoked_at.is_(None))))
+    if len(live) > 1:
+        raise ValueError(f"{ref!r} matches {len(live)} tokens; give the token id")
+    if live:
+        session.execute(update(ApiToken).where(ApiToken.id == live[0]).values(revoked_at=utcnow()))
+    return len(live)

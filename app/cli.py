@@ -295,6 +295,41 @@ def token_create(
         typer.echo(create_token(session, team=team, name=name, admin=admin))
 
 
+@token_cli.command("list")
+def token_list(team: Annotated[Optional[str], typer.Option(help="only this team's tokens")] = None) -> None:
+    """List API tokens: id, prefix, team, name, admin, created, active or revoked."""
+    from app.auth import list_tokens
+    from app.db import session_scope
+
+    settings = _settings()
+    _prepare(settings)
+    with session_scope(settings.database_url) as session:
+        for t in list_tokens(session, team):
+            typer.echo(f"{t.id}\t{t.prefix}\t{t.team}\t{t.name or '-'}\t{'admin' if t.admin else '-'}\t"
+                       f"created {t.created_at:%Y-%m-%d %H:%M}\t"
+                       f"{'revoked ' + format(t.revoked_at, '%Y-%m-%d %H:%M') if t.revoked_at else 'active'}")
+
+
+@token_cli.command("revoke")
+def token_revoke(ref: Annotated[str, typer.Argument(help="token id (from `token list`), its prefix, or the token")]) -> None:
+    """Revoke an API token: requests with it are refused (401) from now on."""
+    from app.auth import revoke_token
+    from app.db import session_scope
+
+    settings = _settings()
+    _prepare(settings)
+    with session_scope(settings.database_url) as session:
+        try:
+            revoked = revoke_token(session, ref)
+        except ValueError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from err
+    if not revoked:
+        typer.echo(f"no active token matches {ref!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {ref}", err=True)
+
+
 def main() -> None:
     cli()
 

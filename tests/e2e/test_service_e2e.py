@@ -192,6 +192,13 @@ def test_cli_client_commands(service: Service, tmp_path: Path) -> None:
     token = _cli(service, "token", "create", "--team", "cli-team").stdout.strip()
     with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}) as other:
         assert other.get(f"/v1/jobs/{job_id}").status_code == 404  # another team's job
+        listed = [line.split("\t") for line in _cli(service, "token", "list", "--team", "cli-team").stdout.splitlines()]
+        assert [(row[1], row[2], row[-1]) for row in listed] == [(token[:12], "cli-team", "active")]
+        revoked = _cli(service, "token", "revoke", token[:12])
+        assert revoked.returncode == 0, revoked.stderr
+        assert other.get(f"/v1/jobs/{job_id}").status_code == 401
+        assert _cli(service, "token", "list", "--team", "cli-team").stdout.split("\t")[-1].startswith("revoked")
+        assert _cli(service, "token", "revoke", token[:12]).returncode == 1  # nothing active by that name
 
 
 def test_llmjobs_run_in_the_foreground(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:

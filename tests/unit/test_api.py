@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import insert
 
 from app.db import session_scope
-from app.models import Event, LogLine, MetricPoint
+from app.models import ApiToken, Event, LogLine, MetricPoint
 from app.services.jobs import transition
 from app.settings import Settings
 from app.states import JobState
@@ -68,6 +68,32 @@ def test_other_team_sees_404(client: TestClient, token: str, settings: Settings)
     assert client.get("/v1/jobs", headers=auth(other)).json()["data"] == []
     admin = make_token(settings, "ops", admin=True)
     assert client.get(f"/v1/jobs/{job_id}", headers=auth(admin)).status_code == 200
+
+
+def test_revoked_tokens_are_refused_at_once(client: TestClient, token: str, settings: Settings) -> None:
+    from app.auth import list_tokens, revoke_token
+
+    job_id = submit(client, token, spec()).json()["id"]
+    second = make_token(settings, "alpha")
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth(second)).status_code == 200
+    with session_scope(settings.database_url) as session:
+        assert revoke_token(session, "llmj_") == 0  # not a name of any token
+        session.add(ApiToken(token_hash="0" * 64, prefix=second[:12], team="beta"))  # a (one in 2^42) prefix clash
+        session.flush()
+        with pytest.raises(ValueError, match="matches 2 tokens; give the token id"):
+            revoke_token(session, second[:12])
+        session.rollback()
+    with session_scope(settings.database_url) as session:
+        assert revoke_token(session, second[:12]) == 1  # the prefix `token list` prints
+    response = client.get(f"/v1/jobs/{job_id}", headers=auth(second))
+    assert response.status_code == 401 and response.json()["message"] == "invalid or revoked token"
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth(token)).status_code == 200  # the team's other token still works
+    with session_scope(settings.database_url) as session:
+        rows = {t.prefix: t for t in list_tokens(session, "alpha")}
+        assert rows[second[:12]].revoked_at is not None and rows[token[:12]].revoked_at is None
+        assert revoke_token(session, str(rows[second[:12]].id)) == 0  # already revoked: nothing to do
+        assert revoke_token(session, token) == 1  # the token itself
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth(token)).status_code == 401
 
 
 def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None:
