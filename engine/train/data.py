@@ -10,7 +10,8 @@ the DP size (DP=2 trains on the same samples as one process).
 
 Datasets (``engine.data.indexed``): MindSpeed instruction data ``<prefix>_packed_{input_ids,labels,...}_document``
 (pre-packed rows are split back into their samples by their boundaries, so the trainer packs them its own way), or
-pretraining text ``<prefix>`` / ``<prefix>_text_document`` where a sample is one document and every token is a label.
+pretraining text ``<prefix>`` / ``<prefix>_text_document`` where a sample is one document (or a ``seq_length``
+window of a longer one) and every token is a label.
 ``split`` "train,valid,test" cuts the samples (in dataset order, as Megatron cuts documents) into a leading train
 share, then a validation share (``split_counts``); each part has its own seeded order.
 """
@@ -35,22 +36,42 @@ def _exists(prefix: str) -> bool:
 
 
 class _Source:
-    """One dataset: ``samples(i)`` -> the samples of row ``i`` (several for a pre-packed row)."""
+    """One dataset: ``samples(i)`` -> the samples of row ``i`` (several for a pre-packed row).
 
-    def __init__(self, prefix: str):
+    Pretraining text: a document longer than ``seq_length`` tokens is several rows, windows of ``seq_length``
+    tokens that overlap by one, so each next-token target is trained on exactly once (truncating would drop the
+    rest of the document). Megatron concatenates documents into windows instead; here a window never spans two
+    documents, and the padding-free packer fills micro-batches with them. With every document short enough, rows
+    are documents, as before."""
+
+    def __init__(self, prefix: str, seq_length: int):
+        self.window_start: np.ndarray | None = None
         if _exists(instruction_prefix(prefix, "input_ids")):
             self.instruction: InstructionDataset | None = InstructionDataset(prefix)
             self.text: IndexedDataset | None = None
-        else:
-            text = prefix if _exists(prefix) else prefix + "_text_document"
-            self.instruction, self.text = None, IndexedDataset(text)
+            return
+        text = prefix if _exists(prefix) else prefix + "_text_document"
+        self.instruction, self.text = None, IndexedDataset(text)
+        self.step = max(1, seq_length - 1)
+        self.seq_length = seq_length
+        lengths = self.text.sequence_lengths
+        if len(lengths) and int(lengths.max()) > seq_length:
+            windows = np.maximum(1, -(-(lengths.astype(np.int64) - 1) // self.step))
+            self.window_start = np.concatenate(([0], np.cumsum(windows)))
 
     def __len__(self) -> int:
-        return len(self.instruction) if self.instruction is not None else len(self.text)  # type: ignore[arg-type]
+        if self.instruction is not None:
+            return len(self.instruction)
+        return len(self.text) if self.window_start is None else int(self.window_start[-1])  # type: ignore[arg-type]
 
     def samples(self, i: int) -> list[Sample]:
         if self.text is not None:
-            ids = self.text[i]
+            if self.window_start is None:
+                ids = self.text[i]
+            else:
+                doc = int(np.searchsorted(self.window_start, i, side="right")) - 1
+                first = (i - int(self.window_start[doc])) * self.step
+                ids = self.text[doc][first:first + self.seq_length]
             return [Sample(ids, ids)]
         row = self.instruction[i]  # type: ignore[index]
         starts = np.concatenate(([0], row.boundaries[:-1]))
@@ -98,10 +119,10 @@ class TrainData:
         self.order = DistributedSampler(self.num_samples, micro_batch_size=1, seed=self.seed)
 
     @classmethod
-    def open(cls, paths: Sequence[str], split: str, seed: int) -> "TrainData":
-        """The training share."""
+    def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int) -> "TrainData":
+        """The training share (samples of at most ``seq_length`` tokens; see ``_Source``)."""
         check_data_paths(paths)
-        sources = [_Source(p) for p in paths]
+        sources = [_Source(p, seq_length) for p in paths]
         total = sum(len(s) for s in sources)
         n = split_counts(total, split)[0]
         if n < 1:

@@ -247,7 +247,7 @@ class Trainer:
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
-        data = TrainData.open(spec.data_path, spec.split, spec.seed)
+        data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
                                 spec.log_interval, spec.tensorboard_dir, self.lora)

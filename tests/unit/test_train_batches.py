@@ -94,15 +94,34 @@ def test_activation_checkpointing_keeps_loss_and_grads(granularity: str, method:
 
 
 def test_global_batch_is_the_same_for_any_dp_size(tmp_path: Path):
-    data = TrainData.open([write_instruction_data(tmp_path / "d", n=20)], "100,0,0", seed=3)
+    data = TrainData.open([write_instruction_data(tmp_path / "d", n=20)], "100,0,0", seed=3, seq_length=64)
     lengths = lambda groups: sorted(len(s.input_ids) for g in groups for s in g)  # noqa: E731
     for iteration in (1, 3):  # iteration 3 crosses into the second epoch (20 samples, 8 per iteration)
         one = rank_micro_batches(data, iteration, 8, 2, dp=1, dp_rank=0)
         two = [g for r in (0, 1) for g in rank_micro_batches(data, iteration, 8, 2, dp=2, dp_rank=r)]
         assert len(one) == 4 and len(two) == 4
         assert lengths(one) == lengths(two)
-    again = TrainData.open([str(tmp_path / "d")], "100,0,0", seed=3)  # a restarted job: same order
+    again = TrainData.open([str(tmp_path / "d")], "100,0,0", seed=3, seq_length=64)  # a restarted job: same order
     first = rank_micro_batches(again, 2, 8, 2, dp=1, dp_rank=0)
     assert [len(s.input_ids) for g in first for s in g] == [
         len(s.input_ids) for g in rank_micro_batches(data, 2, 8, 2, dp=1, dp_rank=0) for s in g
     ]
+
+
+def test_long_pretraining_documents_become_windows_that_train_every_target_once(tmp_path: Path):
+    from engine.data.indexed import IndexedDatasetWriter
+
+    docs = [np.arange(1, 6), np.arange(100, 140), np.arange(200, 217), np.arange(300, 316)]  # 5, 40, 17, 16 tokens
+    writer = IndexedDatasetWriter(tmp_path / "text_document")
+    for doc in docs:
+        writer.add_document(doc)
+    writer.finalize()
+    data = TrainData.open([str(tmp_path / "text_document")], "100,0,0", seed=1, seq_length=16)
+    # windows of 16 tokens, 15 apart: 1 + ceil(39/15) + ceil(16/15) + 1
+    assert data.num_samples == 1 + 3 + 2 + 1
+    windows = [s.input_ids for k in range(data.num_samples) for s in data.sample_at(k)]
+    assert all(len(w) <= 16 for w in windows)
+    targets = sorted(int(t) for w in windows for t in w[1:])  # what the shifted labels ask the model to predict
+    assert targets == sorted(int(t) for doc in docs for t in doc[1:])  # every next token exactly once
+    whole = TrainData.open([str(tmp_path / "text_document")], "100,0,0", seed=1, seq_length=40)
+    assert whole.num_samples == 4  # nothing longer than 40 tokens: one sample per document, as before
