@@ -20,6 +20,10 @@ class Principal:
     admin: bool
     token_id: int
 
+    def sees(self, team: str | None) -> bool:
+        """Whether this principal may see what ``team`` owns (its own team's; an admin sees every team's)."""
+        return self.admin or team == self.team
+
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()

@@ -40,7 +40,7 @@ def _host_public(host: Host, leases: dict[int, Lease], teams: dict[str, str], pr
     devices = []
     for device in host_ids(host):
         lease = leases.get(device)
-        visible = lease is not None and (principal.admin or teams.get(lease.job_id) == principal.team)
+        visible = lease is not None and principal.sees(teams.get(lease.job_id))
         devices.append(DevicePublic(id=device, held=lease is not None, job_id=lease.job_id if visible else None,
                                     node_rank=lease.node_rank if visible else None))
     health = "down" if host.state == "down" else ("up" if live else "stale")

@@ -90,7 +90,7 @@ def _public(hook: Webhook, with_secret: bool = False) -> WebhookPublic:
 
 def _visible(session: Session, webhook_id: str, principal: Principal) -> Webhook:
     hook = session.get(Webhook, webhook_id)
-    if hook is None or (hook.team != principal.team and not principal.admin):
+    if hook is None or not principal.sees(hook.team):
         raise ApiError(404, "not_found", f"no webhook {webhook_id}", "id")
     return hook
 

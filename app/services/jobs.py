@@ -125,7 +125,7 @@ def request_cancel(session: Session, job: Job) -> Job:
 def get_visible_job(session: Session, job_id: str, principal: Principal) -> Job:
     """The job, if this principal's team owns it (an admin sees every team); otherwise 404 (never 403)."""
     job = session.get(Job, job_id)
-    if job is None or (job.team != principal.team and not principal.admin):
+    if job is None or not principal.sees(job.team):
         raise ApiError(404, "not_found", f"no job {job_id}", "id")
     return job
 

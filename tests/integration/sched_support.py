@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from app.db import session_scope
 from app.dispatch import reconcile_once
-from app.models import Job, LogLine
+from app.models import Event, Job, LogLine
 from app.services.jobs import create_job
 from app.settings import Settings
 from app.states import JobState
@@ -98,6 +98,13 @@ def job_row(settings: Settings, job_id: str) -> Job:
         row = session.get(Job, job_id)
         assert row is not None
         return row
+
+
+def checkpoints(settings: Settings, job_id: str) -> int:
+    """How many checkpoint events the job has recorded."""
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(select(func.count()).select_from(Event).where(
+            Event.job_id == job_id, Event.type == "checkpoint")) or 0)
 
 
 def wait_for(settings: Settings, job_id: str, pred: Any, timeout: float, what: str) -> Job:

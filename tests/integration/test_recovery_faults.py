@@ -8,12 +8,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from app.db import session_scope
 from app.models import Event, JobNode, Lease
 from app.testing import isolated_settings
-from sched_support import (job_processes, job_row, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
+from sched_support import (checkpoints, job_processes, job_row, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
                            wait_terminal, write_tiny_data)
 
 pytestmark = pytest.mark.slow
@@ -36,13 +36,7 @@ def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
     try:
         with reconciler(settings):
             job_id = submit(settings, spec)
-
-            def checkpointed(_: object) -> bool:
-                with session_scope(settings.database_url) as session:
-                    return bool(session.scalar(select(func.count()).select_from(Event).where(
-                        Event.job_id == job_id, Event.type == "checkpoint")))
-
-            wait_for(settings, job_id, checkpointed, 180, "checkpointed")
+            wait_for(settings, job_id, lambda _: checkpoints(settings, job_id) >= 1, 180, "checkpointed")
             _rank(job_id, "1").kill()
             row = wait_terminal(settings, job_id, 240)
     finally:

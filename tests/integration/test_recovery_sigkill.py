@@ -15,19 +15,12 @@ from sqlalchemy import func, select
 from app.db import session_scope
 from app.models import Attempt, Event, JobNode, Lease
 from app.scheduler import RUN_NODE_TASK, host_queue
-from app.settings import Settings
 from app.testing import isolated_settings
-from sched_support import (job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
+from sched_support import (checkpoints, job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
                            wait_terminal, write_tiny_data)
 from worker.celery_app import get_celery
 
 pytestmark = pytest.mark.slow
-
-
-def checkpoints(settings: Settings, job_id: str) -> int:
-    with session_scope(settings.database_url) as session:
-        return int(session.scalar(select(func.count()).select_from(Event).where(
-            Event.job_id == job_id, Event.type == "checkpoint")) or 0)
 
 
 def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
