@@ -112,9 +112,32 @@ def _peft_settings(path: Path, field: str, alpha: float | None) -> tuple[dict[st
     return {**config, "lora_alpha": alpha}, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
+class PeftDeltas:
+    """Native weight key -> fp32 delta of a PEFT adapter, computed when asked: one module's delta at a time (a
+    delta is as large as its weight, so holding them all would cost a full-size copy of every adapted matrix)."""
+
+    def __init__(self, modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], shapes: dict[str, Any],
+                 scale: float, cfg: ModelConfig):
+        self.modules, self.shapes, self.scale, self.cfg = modules, shapes, scale, cfg
+
+    def keys(self) -> list[str]:
+        return list(self.modules)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        pieces = self.modules.get(key)
+        if pieces is None:
+            return None
+        native = key.split(".", 3)[3].removesuffix(".weight")
+        parts = [self.scale * (pieces[hf][1] @ pieces[hf][0]) if hf in pieces else torch.zeros(self.shapes[key][hf])
+                 for hf in _HF_MODULES[native]]
+        if native.endswith("linear_qkv"):
+            return fuse_qkv(*parts, self.cfg)
+        return fuse_fc1(*parts) if native.endswith("linear_fc1") else parts[0]
+
+
 def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None,
-                field: str = "lora_load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(facts for the summary, native weight key -> fp32 delta) of the PEFT adapter directory ``path``."""
+                field: str = "lora_load") -> tuple[dict[str, Any], PeftDeltas]:
+    """(facts for the summary, the deltas) of the PEFT adapter directory ``path``, every tensor checked up front."""
     path = Path(path)
     config, scale = _peft_settings(path, field, alpha)
     weights = path / "adapter_model.safetensors"
@@ -129,25 +152,23 @@ def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | N
         if int(m[1]) >= cfg.num_layers:
             raise BadInput(f"{field}: {weights}: tensor {key} is for layer {m[1]}; the model has {cfg.num_layers}", field=field)
         pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = tensor.float()
-    deltas: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    hf_shapes = expected_hf_shapes(cfg)
+    modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     for (layer, hf_module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise BadInput(f"{field}: {weights}: layer {layer} {hf_module} has lora_{''.join(ab)} only", field=field)
-        deltas.setdefault((layer, _NATIVE_OF[hf_module]), {})[hf_module] = scale * (ab["B"] @ ab["A"])
-    out, shapes = {}, expected_hf_shapes(cfg)
-    for (layer, native), pieces in deltas.items():
-        want = {hf: shapes[f"model.layers.{layer}.{hf}.weight"] for hf in _HF_MODULES[native]}
-        parts = [pieces.get(hf, torch.zeros(want[hf])) for hf in _HF_MODULES[native]]
-        for hf, part in zip(_HF_MODULES[native], parts):
-            if tuple(part.shape) != want[hf]:
-                raise BadInput(f"{field}: {weights}: layer {layer} {hf} adapter gives {tuple(part.shape)}, the model "
-                               f"has {want[hf]}", field=field)
-        fused = fuse_qkv(*parts, cfg) if native.endswith("linear_qkv") else fuse_fc1(*parts) \
-            if native.endswith("linear_fc1") else parts[0]
-        out[f"decoder.layers.{layer}.{native}.weight"] = fused
+        a, b = ab["A"], ab["B"]
+        want = hf_shapes[f"model.layers.{layer}.{hf_module}.weight"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != want:
+            raise BadInput(f"{field}: {weights}: layer {layer} {hf_module} adapter is B {tuple(b.shape)} @ A "
+                           f"{tuple(a.shape)}; the model's weight is {want}", field=field)
+        key = f"decoder.layers.{layer}.{_NATIVE_OF[hf_module]}.weight"
+        modules.setdefault(key, {})[hf_module] = (a, b)
+        shapes[key] = {hf: hf_shapes[f"model.layers.{layer}.{hf}.weight"] for hf in _HF_MODULES[_NATIVE_OF[hf_module]]}
     targets = sorted({hf.rsplit(".", 1)[1] for _, hf in pairs})
-    return {"lora_format": "peft", "lora_r": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
-            "lora_targets": targets, "lora_merged": True}, out
+    return ({"lora_format": "peft", "lora_r": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
+             "lora_targets": targets, "lora_merged": True}, PeftDeltas(modules, shapes, scale, cfg))
 
 
 class LoraOverlay:

@@ -177,8 +177,8 @@ def merge_peft_adapter(model: torch.nn.Module, spec: Any, cfg: ModelConfig) -> d
                        field="lora_r")
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for key, delta in deltas.items():
-            params[key].add_(delta.to(params[key].dtype))
+        for key in deltas.keys():
+            params[key].add_(deltas.get(key).to(params[key].dtype))
     return facts
 
 
