@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,45 +11,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.spec import SPEC_CLASSES
+from core.errors import ApiError, error_body, validation_errors
 
 log = logging.getLogger(__name__)
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.S)
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
                409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-
-def error_body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"code": code, "message": message, "field": field, **extra}
-
-
-def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    if parts and parts[0] in SPEC_CLASSES:  # the discriminated union adds the kind as the first element
-        parts = parts[1:]
-    return ".".join(parts) or None
-
-
-def validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """pydantic errors -> ``[{code, message, field}]``. A model validator's "field: message" names its field."""
-    out = []
-    for err in errors:
-        field, message = _loc_to_field(tuple(err.get("loc", ()))), str(err.get("msg", ""))
-        match = _FIELD_PREFIX.match(message)
-        if match:
-            named = match.group(1)
-            field = f"{field}.{named}" if field and not named.startswith(field) else named
-            message = f"{named}: {match.group(2)}"
-        elif field:
-            message = f"{field}: {message}"
-        out.append(error_body(err.get("type", "invalid"), message, field))
-    return out
 
 
 def validation_response(errors: list[dict[str, Any]], status: int = 422) -> JSONResponse:

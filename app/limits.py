@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError, error_body
+from core.errors import ApiError, error_body
 
 
 class BodyTooLarge(ApiError):

@@ -17,12 +17,12 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
 from app.api import health, hosts, jobs, observe, webhooks
-from app.db import upgrade_head
-from app.dispatch import reconcile_once
+from core.db import upgrade_head
+from core.reconciler import reconcile_once
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware
-from app.settings import Settings, get_settings
-from app.webhooks import send_forever
+from core.settings import Settings, get_settings
+from core.webhooks import send_forever
 from engine.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
         task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
-        sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (app.webhooks)
+        sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (core.webhooks)
         yield
         for background in (task, sender):
             if background is not None:

@@ -20,11 +20,11 @@ import anyio
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.db import session_scope
-from app.models import Event, Job, LogLine, MetricPoint
-from app.pubsub import channel
-from app.settings import Settings
-from app.states import JobState
+from core.db import session_scope
+from core.models import Event, Job, LogLine, MetricPoint
+from core.pubsub import channel
+from core.settings import Settings
+from core.states import JobState
 
 BATCH = 500
 

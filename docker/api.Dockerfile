@@ -17,10 +17,12 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 
 COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
+COPY core ./core
 COPY worker ./worker
+COPY cli ./cli
 COPY engine ./engine
 COPY migrations ./migrations
-# Editable install: the migrations are found next to the sources (app.db uses <repo>/migrations).
+# Editable install: the migrations are found next to the sources (core.db uses <repo>/migrations).
 RUN pip install --no-cache-dir -e ".[postgres,redis]" \
     && useradd --system --uid 10001 --create-home --home-dir /var/lib/llmjobs llmjobs \
     && mkdir -p /data && chown llmjobs /data

@@ -18,7 +18,9 @@ RUN pip install --no-cache-dir torch==2.13.0
 
 COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
+COPY core ./core
 COPY worker ./worker
+COPY cli ./cli
 COPY engine ./engine
 COPY migrations ./migrations
 RUN pip install --no-cache-dir -e ".[postgres,redis]"

@@ -21,7 +21,9 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 
 COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
+COPY core ./core
 COPY worker ./worker
+COPY cli ./cli
 COPY engine ./engine
 COPY migrations ./migrations
 RUN pip install --no-cache-dir -e ".[postgres,redis]"

@@ -482,7 +482,7 @@ class PipelineStep(_Strict):
 
 
 class PipelineSpec(JobBase):
-    """An ordered list of jobs run one after another as child jobs (driven by ``app.pipelines``, not the engine).
+    """An ordered list of jobs run one after another as child jobs (driven by ``core.pipelines``, not the engine).
 
     A step's spec may contain ``${steps.<name>.outputs.<key>}`` (whole or inside a string) naming an output of an
     EARLIER step's result.json; it is replaced when that step has succeeded. At submission every step is validated as

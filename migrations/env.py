@@ -1,12 +1,12 @@
-"""Alembic environment: the URL comes from the caller (app.db.upgrade_head) or from app.settings."""
+"""Alembic environment: the URL comes from the caller (core.db.upgrade_head) or from core.settings."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from app.db import make_engine
-from app.models import Base
-from app.settings import Settings
+from core.db import make_engine
+from core.models import Base
+from core.settings import Settings
 
 config = context.config
 url = config.attributes.get("database_url") or Settings().database_url

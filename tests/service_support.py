@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from app.settings import REPO_ROOT
+from core.settings import REPO_ROOT
 
 
 @dataclass
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def _serve_command() -> list[str]:
     script = Path(sys.executable).parent / "llmjobs"  # what `make run` runs
-    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "app.cli", "serve"]
+    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "cli.main", "serve"]
 
 
 @contextmanager

@@ -9,9 +9,9 @@ from typing import Any
 
 from sqlalchemy import delete
 
-from app.db import session_scope
-from app.models import Artifact
-from app.settings import Settings
+from core.db import session_scope
+from core.models import Artifact
+from core.settings import Settings
 
 LOG_TAIL_LINES = 40
 

@@ -8,9 +8,9 @@ import platform
 import threading
 from typing import Callable
 
-from app.db import session_scope
-from app.models import Host, utcnow
-from app.settings import Settings
+from core.db import session_scope
+from core.models import Host, utcnow
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from sqlalchemy import func, insert, select, update
 
-from app.db import session_scope
-from app.models import Event, Job, LogLine, MetricPoint, utcnow
-from app.pubsub import notify
+from core.db import session_scope
+from core.models import Event, Job, LogLine, MetricPoint, utcnow
+from core.pubsub import notify
 
 MAX_BYTES_PER_POLL = 4 << 20  # bounds one transaction; the rest comes next poll
 MAX_LINE_CHARS = 16_000

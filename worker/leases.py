@@ -19,10 +19,10 @@ from contextlib import contextmanager
 import psutil
 from sqlalchemy import delete, select, update
 
-from app.db import session_scope
-from app.models import JobNode, Lease, utcnow
-from app.recovery import end_attempt
-from app.settings import Settings
+from core.db import session_scope
+from core.models import JobNode, Lease, utcnow
+from core.recovery import end_attempt
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 NODE_ENV = "LLMJOBS_NODE"

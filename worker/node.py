@@ -18,15 +18,15 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from app.db import session_scope
-from app.models import Attempt, Job, JobNode, utcnow
-from app.pipelines import advance_parent
-from app.pubsub import notify
-from app.recovery import end_attempt, is_retryable, settle_cancel
-from app.scheduler import schedule
-from app.services.jobs import transition
-from app.settings import Settings
-from app.states import JobState
+from core.db import session_scope
+from core.models import Attempt, Job, JobNode, utcnow
+from core.pipelines import advance_parent
+from core.pubsub import notify
+from core.recovery import end_attempt, is_retryable, settle_cancel
+from core.scheduler import schedule
+from core.jobs import transition
+from core.settings import Settings
+from core.states import JobState
 from engine.runfiles import EXIT_BAD_INPUT, read_result
 from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec

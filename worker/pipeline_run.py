@@ -1,6 +1,6 @@
 """``llmjobs run pipeline.json``: a pipeline's steps one after another in the foreground, with no server or database.
 
-The same decisions as the service's driver (``app.pipelines.decide``): each step runs as ``llmjobs run`` runs a job,
+The same decisions as the service's driver (``core.pipelines.decide``): each step runs as ``llmjobs run`` runs a job,
 in ``<run>/<step>/``, its ``${steps.<name>.outputs.<key>}`` replaced from the earlier steps' result.json, and
 ``on_failure`` is honoured. The pipeline's own result.json lists every step and every output as ``<step>.<key>``.
 """
@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from app.pipelines import StepError, child_body, decide
-from app.states import JobState
+from core.pipelines import StepError, child_body, decide
+from core.states import JobState
 from engine.runfiles import read_result
 from engine.spec import PipelineSpec, first_error
 

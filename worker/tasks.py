@@ -1,10 +1,10 @@
-"""Celery tasks: thin, like views. They take ids and hand off to ``app.scheduler`` / ``worker.node``."""
+"""Celery tasks: thin, like views. They take ids and hand off to ``core.scheduler`` / ``worker.node``."""
 
 from __future__ import annotations
 
-from app.scheduler import schedule
-from app.settings import get_settings
-from worker.celery_app import celery_app
+from core.scheduler import schedule
+from core.settings import get_settings
+from core.messaging import celery_app
 from worker.node import run_node as run_node_on_host
 
 

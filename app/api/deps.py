@@ -9,10 +9,10 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from app.auth import Principal, authenticate
-from app.db import get_sessionmaker
-from app.errors import ApiError
-from app.settings import Settings
+from core.auth import Principal, authenticate
+from core.db import get_sessionmaker
+from core.errors import ApiError
+from core.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="An API token from `llmjobs token create --team T`.")
 

@@ -9,16 +9,16 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from app import pipelines
+from core import pipelines
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from app.dispatch import dispatch
-from app.errors import ApiError
-from app.pubsub import notify
+from core.reconciler import dispatch
+from core.errors import ApiError
+from core.pubsub import notify
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
-from app.scheduler import check_fits
-from app.settings import Settings
-from app.services import jobs as service
-from app.states import JobState
+from core.scheduler import check_fits
+from core.settings import Settings
+from core import jobs as service
+from core.states import JobState
 from engine.spec import JobBase, PipelineSpec, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -53,7 +53,7 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
-    if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by app.pipelines
+    if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
     check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy

@@ -10,10 +10,10 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
-from app.errors import ApiError
-from app.models import Artifact, Event, LogLine, MetricPoint
+from core.errors import ApiError
+from core.models import Artifact, Event, LogLine, MetricPoint
 from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
-from app.services.jobs import get_visible_job
+from core.jobs import get_visible_job
 from app.stream import Cursor, job_stream
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])

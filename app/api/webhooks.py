@@ -11,11 +11,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.api.deps import PrincipalDep, SessionDep
-from app.auth import Principal
-from app.errors import ApiError
-from app.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
+from core.auth import Principal
+from core.errors import ApiError
+from core.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from app.schemas import ListPage
-from app.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_key
+from core.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_key
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.demo import intent_samples, write_jsonl
+from cli.demo import intent_samples, write_jsonl
 from service_support import serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -17,9 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from app.client import parse_sse
-from app.demo import intent_samples, write_jsonl
-from app.settings import REPO_ROOT
+from cli.client import parse_sse
+from cli.demo import intent_samples, write_jsonl
+from core.settings import REPO_ROOT
 from service_support import Service, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -171,7 +171,7 @@ def test_bad_input_fails_once_with_message_and_log_tail(service: Service) -> Non
 def _cli(service: Service, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
     env.update(LLMJOBS_URL=service.url, LLMJOBS_TOKEN=service.token, LLMJOBS_VAR_DIR=str(service.var))
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env, cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -210,7 +210,7 @@ def test_llmjobs_run_in_the_foreground(tmp_path: Path, qwen_tokenizer_dir: Path)
             "output_prefix": str(data / "out" / "fg")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
-    run = subprocess.run([sys.executable, "-m", "app.cli", "run", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")],
+    run = subprocess.run([sys.executable, "-m", "cli.main", "run", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")],
                          env={**env, "LLMJOBS_VAR_DIR": str(tmp_path / "var")}, cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=240)
     assert run.returncode == 0, run.stderr
@@ -221,6 +221,6 @@ def test_llmjobs_run_in_the_foreground(tmp_path: Path, qwen_tokenizer_dir: Path)
     assert json.loads((run_dir / "result.json").read_text()) == result
     assert (run_dir / "spec.json").exists() and (run_dir / "events.jsonl").exists() and (run_dir / "logs" / "rank0.log").exists()
     (tmp_path / "bad.json").write_text(json.dumps({**spec, "workers": 0}))
-    bad = subprocess.run([sys.executable, "-m", "app.cli", "run", str(tmp_path / "bad.json")], env=env, cwd=REPO_ROOT,
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "run", str(tmp_path / "bad.json")], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "workers:" in bad.stderr

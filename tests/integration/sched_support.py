@@ -17,12 +17,12 @@ from typing import Any
 import psutil
 from sqlalchemy import func, select
 
-from app.db import session_scope
-from app.dispatch import reconcile_once
-from app.models import Event, Job, LogLine
-from app.services.jobs import create_job
-from app.settings import Settings
-from app.states import JobState
+from core.db import session_scope
+from core.reconciler import reconcile_once
+from core.models import Event, Job, LogLine
+from core.jobs import create_job
+from core.settings import Settings
+from core.states import JobState
 from engine.spec import parse_spec
 
 import train_support
@@ -58,7 +58,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
 
 def start_worker(settings: Settings, host: str, devices: int, log: Path) -> subprocess.Popen[bytes]:
     out = open(log, "ab")
-    return subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--host", host, "--devices", str(devices)],
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--host", host, "--devices", str(devices)],
                             env=worker_env(settings), stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -18,7 +18,7 @@ from hypothesis import settings as hypothesis_settings
 from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
 
 from app.main import create_app
-from app.testing import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token
 from engine.spec import SPEC_CLASSES
 
 MAX_EXAMPLES = 6

@@ -15,11 +15,11 @@ from sched_support import (job_processes, job_row, log_text, start_worker, stop_
                            write_tiny_data)
 from sqlalchemy import func, select
 
-from app.db import session_scope
+from core.db import session_scope
 from app.main import create_app
-from app.models import Job, MetricPoint
-from app.settings import Settings
-from app.testing import auth, fresh_postgres_database, isolated_settings, make_token
+from core.models import Job, MetricPoint
+from core.settings import Settings
+from core_support import auth, fresh_postgres_database, isolated_settings, make_token
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

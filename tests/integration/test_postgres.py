@@ -13,11 +13,11 @@ from alembic.migration import MigrationContext
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.db import get_engine, session_scope
+from core.db import get_engine, session_scope
 from app.main import create_app
-from app.models import Base, Job, MetricPoint
-from app.settings import Settings
-from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims
+from core.models import Base, Job, MetricPoint
+from core.settings import Settings
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims
 from engine.runfiles import RunDir
 from worker.ingest import RunIngestor
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from app.db import session_scope
-from app.models import Attempt, Event, JobNode, Lease
-from app.scheduler import RUN_NODE_TASK, host_queue
-from app.testing import isolated_settings
+from core.db import session_scope
+from core.models import Attempt, Event, JobNode, Lease
+from core.scheduler import RUN_NODE_TASK, host_queue
+from core_support import isolated_settings
 from sched_support import (checkpoints, job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
                            wait_terminal, write_tiny_data)
-from worker.celery_app import get_celery
+from core.messaging import get_celery
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from app.db import session_scope
-from app.models import Host, Job, JobNode, Lease
-from app.scheduler import schedule
-from app.testing import isolated_settings, make_job
+from core.db import session_scope
+from core.models import Host, Job, JobNode, Lease
+from core.scheduler import schedule
+from core_support import isolated_settings, make_job
 from worker.launcher import LaunchPlan
 from worker.leases import NODE_ENV, node_processes, node_token, running_here, sweep_host
 from worker.node import claim_node, mark_running

@@ -18,15 +18,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, select
 
-from app.db import session_scope
-from app.demo import demo_spec, prepare_demo
-from app.dispatch import dispatch
+from core.db import session_scope
+from cli.demo import demo_spec, prepare_demo
+from core.reconciler import dispatch
 from app.main import create_app
-from app.models import Host, Job, LogLine
-from app.pubsub import notify
-from app.services.jobs import create_job, transition
-from app.states import JobState
-from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token
+from core.models import Host, Job, LogLine
+from core.pubsub import notify
+from core.jobs import create_job, transition
+from core.states import JobState
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
 from engine.spec import parse_spec
 
 pytestmark = pytest.mark.redis
@@ -85,7 +85,7 @@ def test_worker_runs_a_job_with_postgres_and_redis_broker(production_env: dict[s
     with session_scope(settings.database_url) as session:
         job, _ = create_job(session, settings=settings, team="prod", spec=parse_spec(raw, [str(settings.data_roots[0])]), raw=raw)
     assert dispatch(settings, job.id, job.queue)  # the message waits in Redis until a worker starts
-    worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--host", "pg-redis-host", "--concurrency", "1"],
+    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--host", "pg-redis-host", "--concurrency", "1"],
                               env={**os.environ, **production_env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         state = _wait_terminal(settings.database_url, job.id, timeout=150)

@@ -14,15 +14,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from app.db import session_scope
-from app.dispatch import reconcile_once
+from core.db import session_scope
+from core.reconciler import reconcile_once
 from app.main import create_app
-from app.models import Host, Job, JobNode, Lease, utcnow
-from app.recovery import recover
-from app.scheduler import schedule
-from app.services.jobs import request_cancel
-from app.settings import Settings
-from app.testing import auth, fresh_postgres_database, isolated_settings, make_job, make_token
+from core.models import Host, Job, JobNode, Lease, utcnow
+from core.recovery import recover
+from core.scheduler import schedule
+from core.jobs import request_cancel
+from core.settings import Settings
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
 from worker.leases import release_node
 from worker.node import claim_node
 

@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from app.settings import Settings
-from app.testing import make_token
+from core.settings import Settings
+from core_support import make_token
 
 
 @pytest.fixture

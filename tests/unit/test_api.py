@@ -11,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert
 
-from app.db import session_scope
-from app.models import ApiToken, Event, LogLine, MetricPoint
-from app.services.jobs import transition
-from app.settings import Settings
-from app.states import JobState
-from app.testing import auth, isolated_settings, make_token
+from core.db import session_scope
+from core.models import ApiToken, Event, LogLine, MetricPoint
+from core.jobs import transition
+from core.settings import Settings
+from core.states import JobState
+from core_support import auth, isolated_settings, make_token
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_other_team_sees_404(client: TestClient, token: str, settings: Settings)
 
 
 def test_revoked_tokens_are_refused_at_once(client: TestClient, token: str, settings: Settings) -> None:
-    from app.auth import list_tokens, revoke_token
+    from core.auth import list_tokens, revoke_token
 
     job_id = submit(client, token, spec()).json()["id"]
     second = make_token(settings, "alpha")

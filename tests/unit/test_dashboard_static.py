@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import UI_DIR
-from app.settings import Settings
-from app.testing import isolated_settings
+from core.settings import Settings
+from core_support import isolated_settings
 
 IMPORT = re.compile(r"""(?:\bfrom\s*|\bimport\s*\(?\s*)["']([^"']+\.js)["']""")
 

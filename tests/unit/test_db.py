@@ -7,11 +7,11 @@ from pathlib import Path
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from app.db import get_engine, session_scope
-from app.models import Base, Event, Job
-from app.services.jobs import transition
-from app.states import JobState
-from app.testing import isolated_settings, make_job, race_claims
+from core.db import get_engine, session_scope
+from core.models import Base, Event, Job
+from core.jobs import transition
+from core.states import JobState
+from core_support import isolated_settings, make_job, race_claims
 
 
 def test_migrations_match_the_models(tmp_path: Path) -> None:

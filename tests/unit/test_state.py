@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.states import ALLOWED_FROM, TERMINAL, JobState, can_transition
+from core.states import ALLOWED_FROM, TERMINAL, JobState, can_transition
 
 
 def test_happy_path_is_allowed() -> None:

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app import webhooks
-from app.db import session_scope
+from core import webhooks
+from core.db import session_scope
 from app.main import create_app
-from app.services.jobs import add_event, transition
-from app.settings import Settings
-from app.states import JobState
-from app.testing import auth, isolated_settings, make_job, make_token
+from core.jobs import add_event, transition
+from core.settings import Settings
+from core.states import JobState
+from core_support import auth, isolated_settings, make_job, make_token
 
 
 @dataclass
@@ -66,7 +66,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
-    """A receiver's check, written from the Standard Webhooks spec (not with app.webhooks)."""
+    """A receiver's check, written from the Standard Webhooks spec (not with core.webhooks)."""
     key = base64.b64decode(secret.removeprefix("whsec_"))
     signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
     expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
@@ -196,7 +196,7 @@ def test_webhook_migration_is_the_single_head_and_reverts(tmp_path: Path) -> Non
     from alembic.script import ScriptDirectory
     from sqlalchemy import create_engine, inspect
 
-    from app.db import ALEMBIC_INI, REPO_ROOT
+    from core.db import ALEMBIC_INI, REPO_ROOT
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     config = Config(str(ALEMBIC_INI))

@@ -7,18 +7,18 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from app.db import session_scope
-from app.models import Job, utcnow
-from app.services.jobs import transition
-from app.settings import Settings
-from app.states import WAITING, JobState
+from core.db import session_scope
+from core.models import Job, utcnow
+from core.jobs import transition
+from core.settings import Settings
+from core.states import WAITING, JobState
 
 log = logging.getLogger(__name__)
 RUN_JOB_TASK = "llmjobs.run_job"
 
 
 def send_run_job(settings: Settings, job_id: str, queue: str) -> None:
-    from worker.celery_app import get_celery  # config only; importing it does not start a worker
+    from core.messaging import get_celery  # config only; importing it does not start a worker
 
     get_celery(settings.broker_url).send_task(RUN_JOB_TASK, args=[job_id], queue=queue)
 
@@ -27,7 +27,7 @@ def dispatch(settings: Settings, job_id: str, queue: str) -> bool:
     """Run a scheduling pass (it leases devices for the committed job if they are free and messages its hosts);
     if the job still waits, send the "job X waits" message that wakes the workers' schedulers. False if the
     broker refused."""
-    from app.scheduler import schedule
+    from core.scheduler import schedule
 
     try:
         if any(g.job_id == job_id for g in schedule(settings)):
@@ -47,9 +47,9 @@ def dispatch(settings: Settings, job_id: str, queue: str) -> bool:
 def reconcile_once(settings: Settings) -> int:
     """Recover (dead hosts, lost nodes, cancels), schedule (which also writes pending reasons), enforce start
     deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent."""
-    from app.pipelines import advance_all
-    from app.recovery import recover
-    from app.scheduler import schedule
+    from core.pipelines import advance_all
+    from core.recovery import recover
+    from core.scheduler import schedule
 
     recover(settings)
     advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)

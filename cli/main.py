@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from app.client import Client, ClientError
+from cli.client import Client, ClientError
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Qwen3 fine-tuning job service.")
 token_cli = typer.Typer(no_args_is_help=True, help="API tokens.")
@@ -19,7 +19,7 @@ cli.add_typer(token_cli, name="token")
 
 
 def _settings():  # noqa: ANN202 - imported lazily so client commands start fast
-    from app.settings import get_settings
+    from core.settings import get_settings
 
     get_settings.cache_clear()
     return get_settings()
@@ -42,8 +42,8 @@ def _client_call(method: str, path: str, **kwargs: Any) -> Any:
 
 def admin_token(settings: Any) -> str:
     """The embedded setup's admin token: kept in <var_dir>/admin_token (mode 0600), its hash in the database."""
-    from app.auth import authenticate, create_token
-    from app.db import session_scope
+    from core.auth import authenticate, create_token
+    from core.db import session_scope
 
     path = settings.var_dir / "admin_token"
     with session_scope(settings.database_url) as session:
@@ -56,7 +56,7 @@ def admin_token(settings: Any) -> str:
 
 
 def _prepare(settings: Any) -> None:
-    from app.db import upgrade_head
+    from core.db import upgrade_head
 
     settings.ensure_dirs()
     upgrade_head(settings.database_url)
@@ -69,7 +69,7 @@ def serve(
     worker: Annotated[bool, typer.Option(help="also start one local worker")] = True,
 ) -> None:
     """API + one local worker on the embedded defaults (what `make run` starts)."""
-    from app.demo import prepare_demo
+    from cli.demo import prepare_demo
     from worker.supervisor import preexec_die_with_parent
 
     settings = _settings()
@@ -78,7 +78,7 @@ def serve(
     token = admin_token(settings)
     child = None
     if worker:
-        argv = [sys.executable, "-m", "app.cli", "worker", "--host", settings.worker_name,
+        argv = [sys.executable, "-m", "cli.main", "worker", "--host", settings.worker_name,
                 "--device-type", settings.worker_device_type, "--devices", str(settings.worker_devices)]
         child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())
     url = f"http://{host or settings.host}:{port or settings.port}"
@@ -130,8 +130,8 @@ def worker(
             os.environ[f"LLMJOBS_{key}"] = value
     settings = _settings()
     _prepare(settings)
-    from app.scheduler import host_queue, schedule
-    from worker.celery_app import get_celery
+    from core.scheduler import host_queue, schedule
+    from core.messaging import get_celery
     from worker.devices import discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
@@ -167,7 +167,7 @@ def run(
     """Run one job in the foreground, without a server, writing the same run directory a worker would."""
     from pydantic import ValidationError
 
-    from app.errors import validation_errors
+    from core.errors import validation_errors
     from worker.foreground import run_foreground
 
     try:
@@ -286,8 +286,8 @@ def token_create(
     admin: Annotated[bool, typer.Option(help="sees every team's jobs")] = False,
 ) -> None:
     """Create an API token (written to the database directly; printed once)."""
-    from app.auth import create_token
-    from app.db import session_scope
+    from core.auth import create_token
+    from core.db import session_scope
 
     settings = _settings()
     _prepare(settings)
@@ -298,8 +298,8 @@ def token_create(
 @token_cli.command("list")
 def token_list(team: Annotated[Optional[str], typer.Option(help="only this team's tokens")] = None) -> None:
     """List API tokens: id, prefix, team, name, admin, created, active or revoked."""
-    from app.auth import list_tokens
-    from app.db import session_scope
+    from core.auth import list_tokens
+    from core.db import session_scope
 
     settings = _settings()
     _prepare(settings)
@@ -313,8 +313,8 @@ def token_list(team: Annotated[Optional[str], typer.Option(help="only this team'
 @token_cli.command("revoke")
 def token_revoke(ref: Annotated[str, typer.Argument(help="token id (from `token list`), its prefix, or the token")]) -> None:
     """Revoke an API token: requests with it are refused (401) from now on."""
-    from app.auth import revoke_token
-    from app.db import session_scope
+    from core.auth import revoke_token
+    from core.db import session_scope
 
     settings = _settings()
     _prepare(settings)

@@ -12,7 +12,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.settings import REPO_ROOT
+from core.settings import REPO_ROOT
 
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 

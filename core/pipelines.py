@@ -20,15 +20,15 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.db import session_scope
-from app.dispatch import dispatch
-from app.errors import ApiError
-from app.models import Job
-from app.pubsub import notify
-from app.scheduler import check_fits
-from app.services import jobs as service
-from app.settings import Settings
-from app.states import ACTIVE, TERMINAL, WAITING, JobState
+from core.db import session_scope
+from core.reconciler import dispatch
+from core.errors import ApiError
+from core.models import Job
+from core.pubsub import notify
+from core.scheduler import check_fits
+from core import jobs as service
+from core.settings import Settings
+from core.states import ACTIVE, TERMINAL, WAITING, JobState
 from engine.spec import (
     PipelineSpec,
     PipelineStep,

@@ -1,4 +1,4 @@
-"""The job state machine. Every transition is a compare-and-set in SQL (``app.services.jobs.transition``)."""
+"""The job state machine. Every transition is a compare-and-set in SQL (``core.jobs.transition``)."""
 
 from __future__ import annotations
 

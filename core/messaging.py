@@ -6,7 +6,7 @@ from functools import lru_cache
 
 from celery import Celery
 
-from app.settings import get_settings
+from core.settings import get_settings
 
 
 def transport_options(broker_url: str) -> dict[str, object]:

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from app.auth import create_token
-from app.db import session_scope, upgrade_head
-from app.settings import Settings
+from core.auth import create_token
+from core.db import session_scope, upgrade_head
+from core.settings import Settings
 
 
 def isolated_settings(var_dir: Path, database_url: str | None = None, **overrides: Any) -> Settings:
@@ -34,7 +34,7 @@ def auth(token: str) -> dict[str, str]:
 
 def make_job(settings: Settings, team: str = "t", **fields: Any) -> str:
     """A queued preprocess job (paths are not checked); returns its id."""
-    from app.services.jobs import create_job
+    from core.jobs import create_job
     from engine.spec import parse_spec
 
     raw = {"kind": "preprocess", "input": "a", "tokenizer_name_or_path": "t", "output_prefix": "o", **fields}
@@ -49,7 +49,7 @@ def fresh_postgres_database(server_url: str) -> Iterator[str]:
     import sqlalchemy as sa
     from sqlalchemy.engine import make_url
 
-    from app.db import get_engine
+    from core.db import get_engine
 
     name = f"llmjobs_test_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
@@ -67,9 +67,9 @@ def fresh_postgres_database(server_url: str) -> Iterator[str]:
 
 def claim(settings: Settings, job_id: str, host: str) -> bool:
     """queued -> starting with one more attempt, the compare-and-set a worker does to take a job."""
-    from app.models import Job
-    from app.services.jobs import transition
-    from app.states import JobState
+    from core.models import Job
+    from core.jobs import transition
+    from core.states import JobState
 
     with session_scope(settings.database_url) as session:
         return transition(session, job_id, JobState.starting, host=host, attempt_count=Job.attempt_count + 1)

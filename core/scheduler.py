@@ -22,12 +22,12 @@ from datetime import timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from app.db import session_scope
-from app.errors import ApiError
-from app.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
-from app.services.jobs import add_event
-from app.settings import Settings
-from app.states import WAITING, JobState
+from core.db import session_scope
+from core.errors import ApiError
+from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
+from core.jobs import add_event
+from core.settings import Settings
+from core.states import WAITING, JobState
 from engine.spec import Resources
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
 
 
 def send_node_messages(settings: Settings, grant_: Grant) -> None:
-    from worker.celery_app import get_celery  # config only; importing it does not start a worker
+    from core.messaging import get_celery  # config only; importing it does not start a worker
 
     app = get_celery(settings.broker_url)
     for rank, host in enumerate(grant_.hosts):

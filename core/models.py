@@ -247,7 +247,7 @@ class SchedulerLock(Base):
 
 
 class Webhook(Base):
-    """A team's webhook endpoint (``app.webhooks``); ``cursor`` is the last ``events.id`` fanned out to it."""
+    """A team's webhook endpoint (``core.webhooks``); ``cursor`` is the last ``events.id`` fanned out to it."""
 
     __tablename__ = "webhooks"
     __table_args__ = (Index("ix_webhooks_team", "team"),)

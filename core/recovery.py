@@ -13,12 +13,12 @@ from datetime import timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from app.db import session_scope
-from app.models import Host, Job, JobNode, Lease, utcnow
-from app.scheduler import ACTIVE_NODE_STATES, RUN_NODE_TASK, host_queue, is_live
-from app.services.jobs import transition
-from app.settings import Settings
-from app.states import JobState
+from core.db import session_scope
+from core.models import Host, Job, JobNode, Lease, utcnow
+from core.scheduler import ACTIVE_NODE_STATES, RUN_NODE_TASK, host_queue, is_live
+from core.jobs import transition
+from core.settings import Settings
+from core.states import JobState
 
 log = logging.getLogger(__name__)
 RUNNING = (JobState.starting, JobState.running)
@@ -116,7 +116,7 @@ def resend_lost_messages(settings: Settings) -> int:
 
 
 def _send_one(settings: Settings, node: JobNode) -> None:
-    from worker.celery_app import get_celery  # config only
+    from core.messaging import get_celery  # config only
 
     get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[node.job_id, node.attempt, node.node_rank],
                                               queue=host_queue(node.host))

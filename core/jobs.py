@@ -16,11 +16,11 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.auth import Principal
-from app.errors import ApiError
-from app.models import Event, Job, new_id, utcnow
-from app.settings import Settings
-from app.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
+from core.auth import Principal
+from core.errors import ApiError
+from core.models import Event, Job, new_id, utcnow
+from core.settings import Settings
+from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
 from engine.spec import JobBase, spec_to_json
 
 

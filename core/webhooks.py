@@ -35,9 +35,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.db import session_scope
-from app.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
-from app.settings import Settings
+from core.db import session_scope
+from core.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 TERMINAL_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from app.models import ApiToken, utcnow
+from core.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "llmj_"
 

@@ -1,0 +1,1 @@
+"""The `llmjobs` command: service processes, remote client commands, tokens, local runs."""

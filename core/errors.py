@@ -1,0 +1,46 @@
+"""Errors of the domain: ``ApiError`` (status, code, message, field) and pydantic errors as ``{code, message, field}``.
+
+The HTTP layer (``app.errors``) turns them into JSON answers; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.spec import SPEC_CLASSES
+
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.S)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+
+def error_body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"code": code, "message": message, "field": field, **extra}
+
+
+def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    if parts and parts[0] in SPEC_CLASSES:  # the discriminated union adds the kind as the first element
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pydantic errors -> ``[{code, message, field}]``. A model validator's "field: message" names its field."""
+    out = []
+    for err in errors:
+        field, message = _loc_to_field(tuple(err.get("loc", ()))), str(err.get("msg", ""))
+        match = _FIELD_PREFIX.match(message)
+        if match:
+            named = match.group(1)
+            field = f"{field}.{named}" if field and not named.startswith(field) else named
+            message = f"{named}: {match.group(2)}"
+        elif field:
+            message = f"{field}: {message}"
+        out.append(error_body(err.get("type", "invalid"), message, field))
+    return out
