@@ -1,4 +1,14 @@
-"""Celery configuration only. The job row in the database, not the message, decides whether work runs."""
+"""Celery messaging: the broker configuration, every task name, and the only code that sends a message.
+
+The job row in the database, not the message, decides whether work runs: a message only says "look at job X".
+Two messages exist:
+
+- ``llmjobs.schedule`` (to a device-type queue): a job waits; a worker that takes it runs a scheduling pass.
+  Its old name ``llmjobs.run_job`` is still accepted (``LEGACY_TASK_NAMES``), for messages queued before an upgrade.
+- ``llmjobs.run_node`` (to one host's queue): run node ``node_rank`` of attempt ``attempt`` of job X on that host.
+
+The worker registers the task bodies under these names (``worker.tasks``); everything else calls ``send_*`` here.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +16,29 @@ from functools import lru_cache
 
 from celery import Celery
 
-from core.settings import get_settings
+from core.settings import Settings
+
+SCHEDULE_TASK = "llmjobs.schedule"
+RUN_NODE_TASK = "llmjobs.run_node"
+LEGACY_TASK_NAMES = {"llmjobs.run_job": SCHEDULE_TASK}  # old name -> the task that now does its work
+
+
+def host_queue(host: str) -> str:
+    """The queue only the worker of ``host`` consumes (its nodes' ``run_node`` messages)."""
+    return f"host.{host}"
 
 
 def transport_options(broker_url: str) -> dict[str, object]:
     if broker_url.startswith("sqla+"):
         return {}  # kombu hands these to create_engine(); polling is set on the consumer
-    # Redis redelivers unacked messages after this; a redelivered run_job finds its job taken and returns.
+    # Redis redelivers unacked messages after this; a redelivered run_node finds its node taken and returns.
     return {"visibility_timeout": 12 * 3600}
 
 
 @lru_cache(maxsize=4)
 def get_celery(broker_url: str) -> Celery:
-    app = Celery("llmjobs", broker=broker_url, include=["worker.tasks"])
+    """The Celery app for ``broker_url`` (configuration only: creating it starts no worker and connects nowhere)."""
+    app = Celery("llmjobs", broker=broker_url)
     app.conf.update(
         task_acks_late=True,  # a message is only gone once its job has been handled ...
         task_reject_on_worker_lost=True,  # ... and a crashed worker's message goes back to the queue
@@ -35,4 +55,12 @@ def get_celery(broker_url: str) -> Celery:
     return app
 
 
-celery_app = get_celery(get_settings().broker_url)
+def send_schedule(settings: Settings, job_id: str, queue: str) -> None:
+    """"Job X waits": wake a worker of ``queue`` to run a scheduling pass. Send only after the job row committed."""
+    get_celery(settings.broker_url).send_task(SCHEDULE_TASK, args=[job_id], queue=queue)
+
+
+def send_run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> None:
+    """Tell ``host`` to run one node of a granted attempt. Send only after the grant committed."""
+    get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[job_id, attempt, node_rank],
+                                              queue=host_queue(host))

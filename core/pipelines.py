@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
-from core.reconciler import dispatch
+from core.dispatch import dispatch
 from core.errors import ApiError
 from core.models import Job
 from core.pubsub import notify

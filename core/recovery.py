@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.models import Host, Job, JobNode, Lease, utcnow
-from core.scheduler import ACTIVE_NODE_STATES, RUN_NODE_TASK, host_queue, is_live
+from core.messaging import send_run_node
+from core.scheduler import ACTIVE_NODE_STATES, is_live
 from core.jobs import transition
 from core.settings import Settings
 from core.states import JobState
@@ -109,17 +110,10 @@ def resend_lost_messages(settings: Settings) -> int:
             node.heartbeat_at = utcnow()  # for an assigned node: when its message was last sent
     for node in nodes:
         try:
-            _send_one(settings, node)
+            send_run_node(settings, node.job_id, node.attempt, node.node_rank, node.host)
         except Exception as err:  # noqa: BLE001 - next pass retries
             log.warning("re-sending node %s of %s failed: %s", node.node_rank, node.job_id, err)
     return len(nodes)
-
-
-def _send_one(settings: Settings, node: JobNode) -> None:
-    from core.messaging import get_celery  # config only
-
-    get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[node.job_id, node.attempt, node.node_rank],
-                                              queue=host_queue(node.host))
 
 
 def recover(settings: Settings) -> None:

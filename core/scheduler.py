@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.errors import ApiError
+from core.messaging import send_run_node
 from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.jobs import add_event
 from core.settings import Settings
@@ -31,12 +32,7 @@ from core.states import WAITING, JobState
 from engine.spec import Resources
 
 log = logging.getLogger(__name__)
-RUN_NODE_TASK = "llmjobs.run_node"
 ACTIVE_NODE_STATES = ("assigned", "launching", "running")
-
-
-def host_queue(host: str) -> str:
-    return f"host.{host}"
 
 
 @dataclass
@@ -176,11 +172,8 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
 
 
 def send_node_messages(settings: Settings, grant_: Grant) -> None:
-    from core.messaging import get_celery  # config only; importing it does not start a worker
-
-    app = get_celery(settings.broker_url)
     for rank, host in enumerate(grant_.hosts):
-        app.send_task(RUN_NODE_TASK, args=[grant_.job_id, grant_.attempt, rank], queue=host_queue(host))
+        send_run_node(settings, grant_.job_id, grant_.attempt, rank, host)
 
 
 def schedule(settings: Settings) -> list[Grant]:

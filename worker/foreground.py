@@ -1,68 +1,23 @@
-"""``llmjobs run SPEC``: one job in the foreground, no server or database, the same run directory a worker writes.
+"""``llmjobs run SPEC``: one job or pipeline in the foreground, no server or database, the same run directory a
+worker writes.
 
 This is how a platform that runs one container per task uses llmjobs.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from engine.runfiles import read_result
-from engine.spec import PipelineSpec, load_spec_file, spec_to_json
-from worker.execute import log_tail, write_spec
-from worker.ingest import FileTail
-from worker.launcher import build_launch
-from worker.supervisor import Supervised
-
-CANCEL_GRACE_S = 10.0
-
-
-def _format_metrics(record: dict[str, Any]) -> str:
-    values = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in (record.get("metrics") or {}).items())
-    return f"step {record.get('step')}: {values}"
-
-
-def _echo_new(tails: dict[str, FileTail], out: TextIO, final: bool = False) -> None:
-    for name, tail in tails.items():
-        lines, tail.offset = tail.read_lines(final)
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            text = _format_metrics(record) if name == "metrics" else f"[{record.get('type')}] {record.get('message', '')}"
-            print(text, file=out, flush=True)
+from engine.spec import PipelineSpec
+from worker.local_job import prepare_run, run_job
+from worker.pipeline_run import run_pipeline
 
 
 def run_foreground(spec_file: Path, run_dir: Path | None, runs_root: Path, out: TextIO = sys.stderr) -> int:
-    """Run the spec to completion, printing events and metrics; returns the engine's exit code."""
-    spec = load_spec_file(spec_file)
-    run_dir = (run_dir or runs_root / f"local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    write_spec(run_dir, spec_to_json(spec))
-    print(f"run directory: {run_dir}", file=out, flush=True)
+    """Run the spec to completion, printing events and metrics; returns the exit code (the engine's for a job)."""
+    spec, run_dir = prepare_run(spec_file, run_dir, runs_root, out)
     if isinstance(spec, PipelineSpec):  # its steps, one after another, each in <run_dir>/<step>/
-        from worker.pipeline_run import run_pipeline
-
         return run_pipeline(spec, run_dir, runs_root, out)
-    tails = {"events": FileTail(run_dir / "events.jsonl"), "metrics": FileTail(run_dir / "metrics.jsonl")}
-    proc = Supervised(build_launch(spec, run_dir, job_id=run_dir.name), run_dir / "logs" / "launcher.log")
-    try:
-        while (code := proc.poll()) is None:
-            _echo_new(tails, out)
-            time.sleep(0.3)
-        proc.wait()
-    except KeyboardInterrupt:
-        code = proc.terminate(CANCEL_GRACE_S)
-        print("cancelled", file=out)
-        return 130
-    _echo_new(tails, out, final=True)
-    result = read_result(run_dir)
-    if code == 0 and result is not None:
-        print(json.dumps(result, indent=2, ensure_ascii=False), flush=True)
-    else:
-        print(f"failed with exit code {code}; last log lines:\n{log_tail(run_dir)}", file=out, flush=True)
-    return code
+    return run_job(spec, run_dir, out)

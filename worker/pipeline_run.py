@@ -20,8 +20,8 @@ from core.pipelines import StepError, child_body, decide
 from core.states import JobState
 from engine.runfiles import read_result
 from engine.spec import PipelineSpec, first_error
+from worker.local_job import INTERRUPTED, prepare_run, run_job
 
-INTERRUPTED = 130
 
 
 @dataclass
@@ -37,14 +37,13 @@ class StepRun:
 
 
 def run_step(spec: PipelineSpec, index: int, body: dict[str, Any], run_dir: Path, runs_root: Path, out: TextIO) -> StepRun:
-    from worker.foreground import run_foreground  # it calls back into this module for pipelines
-
     name = spec.steps[index].name
     spec_file = run_dir / f"{name}.spec.json"
     spec_file.write_text(json.dumps(body, indent=2))
     print(f"== step {index + 1}/{len(spec.steps)}: {name} ({body['kind']})", file=out, flush=True)
     try:
-        code = run_foreground(spec_file, run_dir / name, runs_root, out)
+        step_spec, step_dir = prepare_run(spec_file, run_dir / name, runs_root, out)
+        code = run_job(step_spec, step_dir, out)
     except ValidationError as err:
         raise StepError(first_error(err, f"steps.{index}.spec")) from None
     result = read_result(run_dir / name) if code == 0 else None

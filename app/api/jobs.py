@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from core import pipelines
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from core.reconciler import dispatch
+from core.dispatch import dispatch
 from core.errors import ApiError
 from core.pubsub import notify
 from app.schemas import JobPublic, ListPage, PipelineStepPublic

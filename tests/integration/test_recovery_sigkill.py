@@ -14,11 +14,10 @@ from sqlalchemy import func, select
 
 from core.db import session_scope
 from core.models import Attempt, Event, JobNode, Lease
-from core.scheduler import RUN_NODE_TASK, host_queue
 from core_support import isolated_settings
 from sched_support import (checkpoints, job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
                            wait_terminal, write_tiny_data)
-from core.messaging import get_celery
+from core.messaging import send_run_node
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +62,14 @@ def test_redelivered_message_does_not_start_a_second_run(tmp_path: Path) -> None
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
     data = write_tiny_data(settings.data_roots[0] / "tiny")
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
-    celery = get_celery(settings.broker_url)
     try:
         with reconciler(settings):
             job_id = submit(settings, train_spec(data, train_iters=40))
             wait_for(settings, job_id, lambda r: r.state == "running", 120, "running")
             for _ in range(2):  # the broker hands the same "run node" message out again
-                celery.send_task(RUN_NODE_TASK, args=[job_id, 1, 0], queue=host_queue("h1"))
+                send_run_node(settings, job_id, 1, 0, "h1")
             row = wait_terminal(settings, job_id, 180)
-            celery.send_task(RUN_NODE_TASK, args=[job_id, 1, 0], queue=host_queue("h1"))  # and after the end
+            send_run_node(settings, job_id, 1, 0, "h1")  # and after the end
             time.sleep(3)
     finally:
         stop_worker(worker)

@@ -20,7 +20,7 @@ from sqlalchemy import insert, select
 
 from core.db import session_scope
 from cli.demo import demo_spec, prepare_demo
-from core.reconciler import dispatch
+from core.dispatch import dispatch
 from app.main import create_app
 from core.models import Host, Job, LogLine
 from core.pubsub import notify

@@ -1,0 +1,124 @@
+"""Service processes: ``serve`` (API + one local worker on the embedded defaults), ``api``, ``worker``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from cli.env import load_settings
+from cli.env import prepare
+
+
+def admin_token(settings: Any) -> str:
+    """The embedded setup's admin token: kept in <var_dir>/admin_token (mode 0600), its hash in the database."""
+    from core.auth import authenticate, create_token
+    from core.db import session_scope
+
+    path = settings.var_dir / "admin_token"
+    with session_scope(settings.database_url) as session:
+        if path.exists() and authenticate(session, path.read_text().strip()):
+            return path.read_text().strip()
+        token = create_token(session, team="default", name="admin (llmjobs serve)", admin=True)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="default LLMJOBS_HOST")] = None,
+    port: Annotated[Optional[int], typer.Option(help="default LLMJOBS_PORT")] = None,
+    worker: Annotated[bool, typer.Option(help="also start one local worker")] = True,
+) -> None:
+    """API + one local worker on the embedded defaults (what `make run` starts)."""
+    from cli.demo import prepare_demo
+    from worker.supervisor import preexec_die_with_parent
+
+    settings = load_settings()
+    prepare(settings)
+    demo = prepare_demo(settings.data_roots[0])
+    token = admin_token(settings)
+    child = None
+    if worker:
+        argv = [sys.executable, "-m", "cli.main", "worker", "--host", settings.worker_name,
+                "--device-type", settings.worker_device_type, "--devices", str(settings.worker_devices)]
+        child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())
+    url = f"http://{host or settings.host}:{port or settings.port}"
+    typer.echo(f"llmjobs API:  {url}   (docs {url}/docs)\nadmin token:  {token}\n"
+               f"demo data:    {demo}\ntry:          export LLMJOBS_URL={url} LLMJOBS_TOKEN={token}", err=True)
+    try:
+        _uvicorn(settings, host, port)
+    finally:
+        if child is not None:
+            child.terminate()
+            try:
+                child.wait(timeout=settings.cancel_grace_s + 5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
+    import uvicorn
+
+    from app.main import create_app
+
+    uvicorn.run(create_app(settings, migrate=False), host=host or settings.host, port=port or settings.port,
+                log_level="info", timeout_graceful_shutdown=3)
+
+
+def api(host: Annotated[Optional[str], typer.Option()] = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+    """The HTTP API only (workers run elsewhere)."""
+    settings = load_settings()
+    prepare(settings)
+    _uvicorn(settings, host, port)
+
+
+def worker(
+    host: Annotated[Optional[str], typer.Option("--host", help="this host's name (default: hostname)")] = None,
+    device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",
+    devices: Annotated[Optional[int], typer.Option(help="devices (CPU: slots) on this host; default: discovered "
+                                                        "through torch_npu / torch.cuda, 1 slot on CPU")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
+) -> None:
+    """A Celery worker for one host: registers its devices, heart-beats, runs the job nodes leased to it."""
+    if device_type not in ("cpu", "cuda", "npu", "auto"):
+        raise typer.BadParameter("choose cpu, cuda, npu or auto", param_hint="--device-type")
+    configured = devices if devices is not None else (
+        int(os.environ["LLMJOBS_WORKER_DEVICES"]) if os.environ.get("LLMJOBS_WORKER_DEVICES") else None)
+    for key, value in (("WORKER_NAME", host), ("WORKER_CONCURRENCY", str(concurrency) if concurrency else None)):
+        if value is not None:
+            os.environ[f"LLMJOBS_{key}"] = value
+    settings = load_settings()
+    prepare(settings)
+    from core.messaging import host_queue
+    from core.scheduler import schedule
+    from worker.tasks import celery_app
+    from worker.devices import discover, host_address
+    from worker.hosts import HostHeartbeat, register_host, set_host_state
+    from worker.leases import sweep_host
+
+    try:
+        inventory = discover(device_type, configured)
+    except (ValueError, RuntimeError) as err:
+        raise typer.BadParameter(str(err), param_hint="--device-type/--devices") from err
+    name = settings.worker_name
+    queues = [settings.queue_for(inventory.device_type), host_queue(name)]
+    register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
+                  queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address))
+    sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
+    schedule(settings)
+    beat = HostHeartbeat(settings, name, on_beat=lambda: (sweep_host(settings, name), schedule(settings)))
+    beat.start()
+    threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
+    try:
+        celery_app.worker_main([
+            "worker", "-Q", ",".join(queues), "-n", f"{name}@%h", "--pool", "threads",
+            "-c", str(threads), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+        ])
+    finally:
+        beat.stop()
+        set_host_state(settings, name, "down")
+
