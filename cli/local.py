@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,7 +12,7 @@ from cli.env import load_settings
 
 def run(
     spec_file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="a job spec (JSON)")],
-    run_dir: Annotated[Optional[Path], typer.Option(help="default <runs_dir>/local-<time>")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="default <runs_dir>/local-<time>")] = None,
 ) -> None:
     """Run one job in the foreground, without a server, writing the same run directory a worker would."""
     from pydantic import ValidationError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -26,7 +26,7 @@ def _client_call(method: str, path: str, **kwargs: Any) -> Any:
 
 def submit(
     spec_file: Annotated[Path, typer.Argument(help="a job spec (JSON); - for stdin")],
-    idempotency_key: Annotated[Optional[str], typer.Option(help="a replay with the same key returns the same job")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="a replay with the same key returns the same job")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the job until it ends")] = False,
 ) -> None:
     """Submit a job spec to the server."""
@@ -39,7 +39,7 @@ def submit(
 
 
 def list_(
-    state: Annotated[Optional[str], typer.Option()] = None, kind: Annotated[Optional[str], typer.Option()] = None,
+    state: Annotated[str | None, typer.Option()] = None, kind: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option()] = 20,
 ) -> None:
     """Your team's jobs, newest first."""
@@ -56,7 +56,7 @@ def status(job_id: str) -> None:
 
 def logs(
     job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
-    rank: Annotated[Optional[int], typer.Option(help="a rank's own log instead of the launcher's")] = None,
+    rank: Annotated[int | None, typer.Option(help="a rank's own log instead of the launcher's")] = None,
 ) -> None:
     """A job's log lines (with -f: until the job ends)."""
     if follow:
@@ -73,7 +73,7 @@ def logs(
             return
 
 
-def metrics(job_id: str, names: Annotated[Optional[str], typer.Option(help="comma-separated")] = None) -> None:
+def metrics(job_id: str, names: Annotated[str | None, typer.Option(help="comma-separated")] = None) -> None:
     """A job's metric points, one line per point."""
     since = -1
     while True:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from cli.env import load_settings
-from cli.env import prepare
+from cli.env import load_settings, prepare
 
 
 def admin_token(settings: Any) -> str:
@@ -29,8 +28,8 @@ def admin_token(settings: Any) -> str:
 
 
 def serve(
-    host: Annotated[Optional[str], typer.Option(help="default LLMJOBS_HOST")] = None,
-    port: Annotated[Optional[int], typer.Option(help="default LLMJOBS_PORT")] = None,
+    host: Annotated[str | None, typer.Option(help="default LLMJOBS_HOST")] = None,
+    port: Annotated[int | None, typer.Option(help="default LLMJOBS_PORT")] = None,
     worker: Annotated[bool, typer.Option(help="also start one local worker")] = True,
 ) -> None:
     """API + one local worker on the embedded defaults (what `make run` starts)."""
@@ -45,7 +44,7 @@ def serve(
     if worker:
         argv = [sys.executable, "-m", "cli.main", "worker", "--host", settings.worker_name,
                 "--device-type", settings.worker_device_type, "--devices", str(settings.worker_devices)]
-        child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())
+        child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - only prctl, no lock
     url = f"http://{host or settings.host}:{port or settings.port}"
     typer.echo(f"llmjobs API:  {url}   (docs {url}/docs)\nadmin token:  {token}\n"
                f"demo data:    {demo}\ntry:          export LLMJOBS_URL={url} LLMJOBS_TOKEN={token}", err=True)
@@ -69,7 +68,7 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
                 log_level="info", timeout_graceful_shutdown=3)
 
 
-def api(host: Annotated[Optional[str], typer.Option()] = None, port: Annotated[Optional[int], typer.Option()] = None) -> None:
+def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int | None, typer.Option()] = None) -> None:
     """The HTTP API only (workers run elsewhere)."""
     settings = load_settings()
     prepare(settings)
@@ -77,11 +76,11 @@ def api(host: Annotated[Optional[str], typer.Option()] = None, port: Annotated[O
 
 
 def worker(
-    host: Annotated[Optional[str], typer.Option("--host", help="this host's name (default: hostname)")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="this host's name (default: hostname)")] = None,
     device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",
-    devices: Annotated[Optional[int], typer.Option(help="devices (CPU: slots) on this host; default: discovered "
+    devices: Annotated[int | None, typer.Option(help="devices (CPU: slots) on this host; default: discovered "
                                                         "through torch_npu / torch.cuda, 1 slot on CPU")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
 ) -> None:
     """A Celery worker for one host: registers its devices, heart-beats, runs the job nodes leased to it."""
     if device_type not in ("cpu", "cuda", "npu", "auto"):
@@ -95,10 +94,10 @@ def worker(
     prepare(settings)
     from core.messaging import host_queue
     from core.scheduler import schedule
-    from worker.tasks import celery_app
     from worker.devices import discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
+    from worker.tasks import celery_app
 
     try:
         inventory = discover(device_type, configured)

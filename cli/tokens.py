@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from cli.env import load_settings
-from cli.env import prepare
+from cli.env import load_settings, prepare
 
 token_cli = typer.Typer(no_args_is_help=True, help="API tokens.")
 
@@ -15,7 +14,7 @@ token_cli = typer.Typer(no_args_is_help=True, help="API tokens.")
 @token_cli.command("create")
 def token_create(
     team: Annotated[str, typer.Option(help="the team whose jobs this token sees")],
-    name: Annotated[Optional[str], typer.Option()] = None,
+    name: Annotated[str | None, typer.Option()] = None,
     admin: Annotated[bool, typer.Option(help="sees every team's jobs")] = False,
 ) -> None:
     """Create an API token (written to the database directly; printed once)."""
@@ -29,7 +28,7 @@ def token_create(
 
 
 @token_cli.command("list")
-def token_list(team: Annotated[Optional[str], typer.Option(help="only this team's tokens")] = None) -> None:
+def token_list(team: Annotated[str | None, typer.Option(help="only this team's tokens")] = None) -> None:
     """List API tokens: id, prefix, team, name, admin, created, active or revoked."""
     from core.auth import list_tokens
     from core.db import session_scope

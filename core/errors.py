@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.spec import SPEC_CLASSES
 
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.S)
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.DOTALL)
 
 
 class ApiError(Exception):

@@ -20,13 +20,13 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core import jobs as service
 from core.db import session_scope
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.models import Job
 from core.pubsub import notify
 from core.scheduler import check_fits
-from core import jobs as service
 from core.settings import Settings
 from core.states import ACTIVE, TERMINAL, WAITING, JobState
 from engine.spec import (

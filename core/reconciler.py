@@ -17,7 +17,6 @@ from core.settings import Settings
 from core.states import WAITING, JobState
 
 
-
 def reconcile_once(settings: Settings) -> int:
     """Recover (dead hosts, lost nodes, cancels), schedule (which also writes pending reasons), enforce start
     deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent."""

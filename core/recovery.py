@@ -14,10 +14,10 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
-from core.models import Host, Job, JobNode, Lease, utcnow
-from core.messaging import send_run_node
-from core.scheduler import ACTIVE_NODE_STATES, is_live
 from core.jobs import transition
+from core.messaging import send_run_node
+from core.models import Host, Job, JobNode, Lease, utcnow
+from core.scheduler import ACTIVE_NODE_STATES, is_live
 from core.settings import Settings
 from core.states import JobState
 

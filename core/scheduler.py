@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.errors import ApiError
+from core.jobs import add_event
 from core.messaging import send_run_node
 from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
-from core.jobs import add_event
 from core.settings import Settings
 from core.states import WAITING, JobState
 from engine.spec import Resources

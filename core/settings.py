@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         return self.team_device_limits.get(team, self.team_device_limit)
 
     @model_validator(mode="after")
-    def _fill_defaults(self) -> "Settings":
+    def _fill_defaults(self) -> Settings:
         self.var_dir = self.var_dir.resolve()
         if not self.database_url:
             self.database_url = f"sqlite:///{self.var_dir / 'llmjobs.db'}"

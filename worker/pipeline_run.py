@@ -23,7 +23,6 @@ from engine.spec import PipelineSpec, first_error
 from worker.local_job import INTERRUPTED, prepare_run, run_job
 
 
-
 @dataclass
 class StepRun:
     """What ``decide`` reads of a step's job, for a step run in the foreground."""

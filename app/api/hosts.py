@@ -10,9 +10,9 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.schemas import ListPage
 from core.models import Host, Job, Lease, utcnow
 from core.scheduler import host_ids, is_live
-from app.schemas import ListPage
 
 router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 

@@ -9,15 +9,15 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from core import pipelines
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.schemas import JobPublic, ListPage, PipelineStepPublic
+from core import jobs as service
+from core import pipelines
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.pubsub import notify
-from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from core.scheduler import check_fits
 from core.settings import Settings
-from core import jobs as service
 from core.states import JobState
 from engine.spec import JobBase, PipelineSpec, parse_spec
 

@@ -10,11 +10,11 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
-from core.errors import ApiError
-from core.models import Artifact, Event, LogLine, MetricPoint
 from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
-from core.jobs import get_visible_job
 from app.stream import Cursor, job_stream
+from core.errors import ApiError
+from core.jobs import get_visible_job
+from core.models import Artifact, Event, LogLine, MetricPoint
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
 

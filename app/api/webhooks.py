@@ -11,10 +11,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.api.deps import PrincipalDep, SessionDep
+from app.schemas import ListPage
 from core.auth import Principal
 from core.errors import ApiError
 from core.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
-from app.schemas import ListPage
 from core.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_key
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])

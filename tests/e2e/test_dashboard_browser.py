@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_service_e2e import Service, readme_example, service  # noqa: F401 - the module-scoped `llmjobs serve` fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -205,7 +204,7 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
         raw = client.get(f"/v1/jobs/{train_id}/stream", timeout=60).text
     blocks = [b for b in re.split(r"\r?\n\r?\n", raw) if "data:" in b and "event: end" not in b]
     half = blocks[: len(blocks) // 2]
-    cut_id = re.search(r"^id: ?(\S+)", half[-1], re.M).group(1)
+    cut_id = re.search(r"^id: ?(\S+)", half[-1], re.MULTILINE).group(1)
     resumed_with: list[str | None] = []
 
     def drop_first(route: Any) -> None:

@@ -35,7 +35,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 def readme_example() -> tuple[dict[str, Any], str]:
     """The job body and Idempotency-Key of the README's curl example (so the README stays true)."""
     text = (REPO_ROOT / "README.md").read_text()
-    body = re.search(r"-d '(\{.*?\})'", text, re.S)
+    body = re.search(r"-d '(\{.*?\})'", text, re.DOTALL)
     key = re.search(r"Idempotency-Key: ([\w-]+)", text)
     assert body and key, "README quick start lost its curl example"
     return json.loads(body.group(1)), key.group(1)

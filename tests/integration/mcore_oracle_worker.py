@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import warnings
-
 from types import SimpleNamespace
 
 import torch
@@ -70,8 +69,8 @@ def main() -> int:
 
 def _forward_matches(model: torch.nn.Module, reference: str) -> bool:
     """The three CPU substitutions of megatron-core-on-cpu.md, then Megatron's logits against transformers'."""
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.tensor_parallel as tensor_parallel
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
 
     torch.cuda.current_device = lambda: "cpu"
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)

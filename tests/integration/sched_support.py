@@ -3,6 +3,7 @@ processes acting as hosts, a reconciler thread standing in for the API's, waits 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,15 +18,14 @@ from typing import Any
 import psutil
 from sqlalchemy import func, select
 
+import train_support
 from core.db import session_scope
-from core.reconciler import reconcile_once
-from core.models import Event, Job, LogLine
 from core.jobs import create_job
+from core.models import Event, Job, LogLine
+from core.reconciler import reconcile_once
 from core.settings import Settings
 from core.states import JobState
 from engine.spec import parse_spec
-
-import train_support
 
 TINY_SHAPE: dict[str, Any] = {
     **train_support.TINY_SHAPE,
@@ -79,10 +79,8 @@ def reconciler(settings: Settings, interval: float = 0.5) -> Iterator[None]:
 
     def loop() -> None:
         while not stop.wait(interval):
-            try:
+            with contextlib.suppress(Exception):  # a busy database: next round
                 reconcile_once(settings)
-            except Exception:  # noqa: BLE001 - a busy database: next round
-                pass
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()

@@ -13,8 +13,8 @@ from typing import Any
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given
-from hypothesis import strategies as st
 from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
 
 from app.main import create_app

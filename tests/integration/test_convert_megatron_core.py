@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from convert_tiny import VOCAB, hf_logits, tiny_hf  # noqa: E402
-
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron import save_mcore  # noqa: E402
 

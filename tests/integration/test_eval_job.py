@@ -105,7 +105,7 @@ def test_seeded_sampling_is_reproducible(setup, tmp_path: Path) -> None:
 
 def test_bad_line_policy_error_fails_naming_the_line(setup, tmp_path: Path) -> None:
     assert _eval(setup, tmp_path, "--bad-line-policy", "error") == EXIT_BAD_INPUT
-    error = [e for e in _events(tmp_path) if e["type"] == "error"][0]
+    error = next(e for e in _events(tmp_path) if e["type"] == "error")
     assert "test.jsonl:4" in error["message"] and "no assistant answer" in error["message"]
     assert error["data"]["field"] == "eval_data_path"
 
@@ -113,7 +113,7 @@ def test_bad_line_policy_error_fails_naming_the_line(setup, tmp_path: Path) -> N
 def test_checkpoint_not_matching_the_flags_is_a_clear_error(setup, tmp_path: Path) -> None:
     code = _eval(setup, tmp_path, "--num-layers", "36", "--hidden-size", "64")
     assert code == EXIT_BAD_INPUT
-    error = [e for e in _events(tmp_path) if e["type"] == "error"][0]
+    error = next(e for e in _events(tmp_path) if e["type"] == "error")
     assert error["message"].startswith("num_layers: the spec says 36 but the checkpoint")
     assert "num_layers=2" in error["message"]
     assert error["data"]["field"] == "num_layers"

@@ -13,8 +13,18 @@ from core.db import session_scope
 from core.models import Event, JobNode, Lease, MetricPoint
 from core.settings import Settings
 from core_support import isolated_settings
-from sched_support import (job_processes, job_row, log_text, reconciler, start_worker, stop_worker, submit, train_spec,
-                           wait_terminal, write_tiny_data)
+from sched_support import (
+    job_processes,
+    job_row,
+    log_text,
+    reconciler,
+    start_worker,
+    stop_worker,
+    submit,
+    train_spec,
+    wait_terminal,
+    write_tiny_data,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -11,15 +11,23 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sched_support import (job_processes, job_row, log_text, start_worker, stop_worker, train_spec, wait_terminal,
-                           write_tiny_data)
 from sqlalchemy import func, select
 
-from core.db import session_scope
 from app.main import create_app
+from core.db import session_scope
 from core.models import Job, MetricPoint
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_token
+from sched_support import (
+    job_processes,
+    job_row,
+    log_text,
+    start_worker,
+    stop_worker,
+    train_spec,
+    wait_terminal,
+    write_tiny_data,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -13,8 +13,8 @@ from alembic.migration import MigrationContext
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from core.db import get_engine, session_scope
 from app.main import create_app
+from core.db import get_engine, session_scope
 from core.models import Base, Job, MetricPoint
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims

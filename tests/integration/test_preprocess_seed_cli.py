@@ -80,7 +80,7 @@ def test_seed_command_line_produces_the_seed_files(dataset, qwen_tokenizer_dir):
     assert result["outputs"]["data_path"] == prefix
     assert result["summary"]["samples_written"] == 1500
     events = [json.loads(line) for line in (dataset / "run4" / "events.jsonl").read_text().splitlines()]
-    assert [e["type"] for e in events][0] == "started" and events[-1]["type"] == "finished"
+    assert events[0]["type"] == "started" and events[-1]["type"] == "finished"
     assert any(e["type"] == "progress" and e["data"]["done"] == 1500 for e in events)
 
     # One process writes the same bytes as four, and the spec-file form runs the same job.

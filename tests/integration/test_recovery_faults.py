@@ -13,8 +13,20 @@ from sqlalchemy import select
 from core.db import session_scope
 from core.models import Event, JobNode, Lease
 from core_support import isolated_settings
-from sched_support import (checkpoints, job_processes, job_row, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
-                           wait_terminal, write_tiny_data)
+from sched_support import (
+    checkpoints,
+    job_processes,
+    job_row,
+    log_text,
+    reconciler,
+    start_worker,
+    stop_worker,
+    submit,
+    train_spec,
+    wait_for,
+    wait_terminal,
+    write_tiny_data,
+)
 
 pytestmark = pytest.mark.slow
 

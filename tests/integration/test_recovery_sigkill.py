@@ -13,11 +13,22 @@ import pytest
 from sqlalchemy import func, select
 
 from core.db import session_scope
+from core.messaging import send_run_node
 from core.models import Attempt, Event, JobNode, Lease
 from core_support import isolated_settings
-from sched_support import (checkpoints, job_processes, log_text, reconciler, start_worker, stop_worker, submit, train_spec, wait_for,
-                           wait_terminal, write_tiny_data)
-from core.messaging import send_run_node
+from sched_support import (
+    checkpoints,
+    job_processes,
+    log_text,
+    reconciler,
+    start_worker,
+    stop_worker,
+    submit,
+    train_spec,
+    wait_for,
+    wait_terminal,
+    write_tiny_data,
+)
 
 pytestmark = pytest.mark.slow
 

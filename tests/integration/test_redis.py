@@ -18,13 +18,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, select
 
-from core.db import session_scope
-from cli.demo import demo_spec, prepare_demo
-from core.dispatch import dispatch
 from app.main import create_app
+from cli.demo import demo_spec, prepare_demo
+from core.db import session_scope
+from core.dispatch import dispatch
+from core.jobs import create_job, transition
 from core.models import Host, Job, LogLine
 from core.pubsub import notify
-from core.jobs import create_job, transition
 from core.states import JobState
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
 from engine.spec import parse_spec

@@ -14,13 +14,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from core.db import session_scope
-from core.reconciler import reconcile_once
 from app.main import create_app
+from core.db import session_scope
+from core.jobs import request_cancel
 from core.models import Host, Job, JobNode, Lease, utcnow
+from core.reconciler import reconcile_once
 from core.recovery import recover
 from core.scheduler import schedule
-from core.jobs import request_cancel
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
 from worker.leases import release_node

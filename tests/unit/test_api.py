@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import insert
 
 from core.db import session_scope
-from core.models import ApiToken, Event, LogLine, MetricPoint
 from core.jobs import transition
+from core.models import ApiToken, Event, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_token

@@ -49,7 +49,7 @@ def test_missing_shard_file(hf_dir: Path, tmp_path: Path) -> None:
 
 def test_truncated_safetensors_names_the_file(hf_dir: Path, tmp_path: Path) -> None:
     bad = _copy(hf_dir, tmp_path)
-    victim = sorted(bad.glob("model-*.safetensors"))[0]
+    victim = min(bad.glob("model-*.safetensors"))
     victim.write_bytes(victim.read_bytes()[:-100])
     with pytest.raises(BadInput, match=f"{victim.name}.*truncated"):
         HFCheckpoint(bad)

@@ -49,7 +49,7 @@ def _native_adapters(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     out = {}
     for i in range(cfg.num_layers):
         p, n = f"base_model.model.model.layers.{i}.", f"decoder.layers.{i}."
-        b = lambda m: hf[p + m + ".lora_B.weight"]  # noqa: E731
+        b = lambda m, p=p: hf[p + m + ".lora_B.weight"]  # noqa: E731
         out[n + "self_attention.linear_qkv.lora_A.weight"] = hf[p + "self_attn.q_proj.lora_A.weight"]
         out[n + "self_attention.linear_qkv.lora_B.weight"] = fuse_qkv(b("self_attn.q_proj"), b("self_attn.k_proj"), b("self_attn.v_proj"), cfg)
         out[n + "self_attention.linear_proj.lora_A.weight"] = hf[p + "self_attn.o_proj.lora_A.weight"]

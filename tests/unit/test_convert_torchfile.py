@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import zipfile
 from pathlib import Path
@@ -24,7 +25,7 @@ def test_copied_pieces_are_the_concatenated_bytes(tmp_path_factory, data: bytes,
     src, dst = os.open(tmp / "src.bin", os.O_RDONLY), os.open(tmp / "dst.bin", os.O_RDWR | os.O_CREAT)
     try:
         bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
-        segments = [(src, a, b - a) for a, b in zip(bounds, bounds[1:])][::-1]  # ranges in any order
+        segments = [(src, a, b - a) for a, b in itertools.pairwise(bounds)][::-1]  # ranges in any order
         rows = torch.arange(2400, dtype=torch.int16).reshape(1200, 2)  # > 1,024 rows: two batches
         pieces = [*segments, InMemory([rows[:, :1], rows[:, 1:]])]  # rows interleaved: the tensor's own byte order
         expected = b"".join(data[a:a + n] for _, a, n in segments) + rows.numpy().tobytes()

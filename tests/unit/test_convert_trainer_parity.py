@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_support import TINY_SHAPE, tiny_spec, write_instruction_data
-
 from convert_tiny import hf_logits, read_hf
 from engine.checkpoint import dcp
 from engine.checkpoint.hf import HFCheckpoint, save_hf
@@ -19,6 +17,7 @@ from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import RunDir
 from engine.spec import ConvertSpec, parse_spec
 from engine.train import job as train
+from train_support import TINY_SHAPE, tiny_spec, write_instruction_data
 
 IDS = torch.randint(1, 512, (2, 16), generator=torch.Generator().manual_seed(0))
 

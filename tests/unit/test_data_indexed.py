@@ -7,11 +7,17 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch
 
-from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, InstructionDataset, boundaries_prefix, instruction_prefix
+from engine.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    InstructionDataset,
+    boundaries_prefix,
+    instruction_prefix,
+)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -46,7 +52,7 @@ def test_idx_bytes_follow_the_specification(tmp_path, bulk):
     assert pointers.tolist() == [0, 12, 16, 36]  # byte offsets: running sum of length × 4
     assert docs.tolist() == [0, 1, 2, 3, 4]
     assert len(raw) == offset + 16 + 32 + 40
-    assert np.fromfile(prefix + ".bin", np.int32).tolist() == sum(SEQUENCES, [])
+    assert np.fromfile(prefix + ".bin", np.int32).tolist() == [t for seq in SEQUENCES for t in seq]
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])

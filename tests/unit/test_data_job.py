@@ -127,7 +127,7 @@ def test_skip_bad_samples_counts_them(tmp_path, data, qwen_tokenizer_dir):
 
 def test_failed_rerun_keeps_no_half_written_dataset(tmp_path, data, qwen_tokenizer_dir, monkeypatch):
     run(make_spec(tmp_path, data, qwen_tokenizer_dir), RunDir(tmp_path / "run"))
-    import engine.data.job as job
+    from engine.data import job
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")

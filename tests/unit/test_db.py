@@ -8,8 +8,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from core.db import get_engine, session_scope
-from core.models import Base, Event, Job
 from core.jobs import transition
+from core.models import Base, Event, Job
 from core.states import JobState
 from core_support import isolated_settings, make_job, race_claims
 

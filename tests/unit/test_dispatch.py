@@ -9,8 +9,8 @@ import sqlalchemy as sa
 from sqlalchemy import update
 
 from core.db import session_scope
-from core.reconciler import reconcile_once
 from core.models import Job, utcnow
+from core.reconciler import reconcile_once
 from core.settings import Settings
 from core_support import isolated_settings, make_job
 

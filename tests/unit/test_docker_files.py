@@ -52,7 +52,7 @@ def test_hadolint_does_fail_on_a_bad_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_versions_are_pinned(dockerfile: Path) -> None:
     text = dockerfile.read_text()
-    bases = re.findall(r"^(?:ARG CANN_IMAGE=|FROM )(\S+)", text, re.M)
+    bases = re.findall(r"^(?:ARG CANN_IMAGE=|FROM )(\S+)", text, re.MULTILINE)
     for base in (b for b in bases if not b.startswith("$")):
         assert re.search(r":\d[\w.-]*$", base), f"{dockerfile.name}: base image {base} has no version tag"
     assert "torch==2.13.0" in text  # the version pyproject pins; never an unpinned torch
@@ -112,7 +112,7 @@ def test_the_build_context_leaves_out_the_venv_and_run_data() -> None:
 
 
 def copies(dockerfile: Path) -> list[str]:
-    return re.findall(r"^COPY (.+)$", dockerfile.read_text(), re.M)
+    return re.findall(r"^COPY (.+)$", dockerfile.read_text(), re.MULTILINE)
 
 
 def test_what_the_images_copy_is_enough_to_migrate_and_start(tmp_path: Path) -> None:

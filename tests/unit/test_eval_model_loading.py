@@ -85,7 +85,6 @@ def _peft_adapter(hf_dir, out, **config):
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
 def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool) -> None:
     from convert_tiny import tiny_hf
-
     from engine.eval.model_loading import build_model
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
@@ -105,7 +104,6 @@ def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool)
 
 def test_peft_adapters_a_merge_cannot_reproduce_are_refused(tmp_path) -> None:
     from convert_tiny import tiny_hf
-
     from engine.eval.model_loading import build_model
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)

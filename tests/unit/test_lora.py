@@ -7,8 +7,15 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.lora import (
-    LoRALinear, apply_lora, from_mindspeed_keys, load_lora_state_dict, lora_state_dict, merge_into, merge_lora,
-    resolve_targets, to_mindspeed_keys,
+    LoRALinear,
+    apply_lora,
+    from_mindspeed_keys,
+    load_lora_state_dict,
+    lora_state_dict,
+    merge_into,
+    merge_lora,
+    resolve_targets,
+    to_mindspeed_keys,
 )
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model

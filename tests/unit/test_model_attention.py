@@ -5,14 +5,15 @@ our TND layout, cumulative lengths and arguments, not the kernels' numerics."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import varlen
 
 from engine.model import attention
@@ -46,7 +47,7 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
     assert q.dtype == k.dtype == v.dtype  # fused kernels take one dtype
     out = torch.empty_like(q)
     bounds = cu_q.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # (n, len, d)
         out[s:e] = F.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1)

@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 
 from core import pipelines
 from core.db import session_scope
+from core.jobs import transition
 from core.models import Job
 from core.recovery import recover
-from core.jobs import transition
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings

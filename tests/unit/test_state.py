@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from core.states import ALLOWED_FROM, TERMINAL, JobState, can_transition
@@ -9,7 +11,7 @@ from core.states import ALLOWED_FROM, TERMINAL, JobState, can_transition
 
 def test_happy_path_is_allowed() -> None:
     path = [JobState.queued, JobState.starting, JobState.running, JobState.succeeded]
-    assert all(can_transition(a, b) for a, b in zip(path, path[1:]))
+    assert all(can_transition(a, b) for a, b in itertools.pairwise(path))
 
 
 @pytest.mark.parametrize("terminal", sorted(TERMINAL))

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from app.main import create_app
 from core import webhooks
 from core.db import session_scope
-from app.main import create_app
 from core.jobs import add_event, transition
 from core.settings import Settings
 from core.states import JobState
