@@ -94,6 +94,7 @@ def worker(
     prepare(settings)
     from core.messaging import host_queue
     from core.scheduler import schedule
+    from core.states import HostState
     from worker.devices import discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
@@ -119,5 +120,5 @@ def worker(
         ])
     finally:
         beat.stop()
-        set_host_state(settings, name, "down")
+        set_host_state(settings, name, HostState.down)
 

@@ -17,12 +17,12 @@ from core.db import session_scope
 from core.jobs import transition
 from core.messaging import send_run_node
 from core.models import Host, Job, JobNode, Lease, utcnow
-from core.scheduler import ACTIVE_NODE_STATES, is_live
+from core.nodes import move_nodes
+from core.scheduler import is_live
 from core.settings import Settings
-from core.states import JobState
+from core.states import NODE_ACTIVE, NODE_STARTED, RUNNING, HostState, JobState, NodeState, sources
 
 log = logging.getLogger(__name__)
-RUNNING = (JobState.starting, JobState.running)
 
 
 def is_retryable(settings: Settings, code: int | None) -> bool:
@@ -33,13 +33,12 @@ def is_retryable(settings: Settings, code: int | None) -> bool:
 def drop_unlaunched(session: Session, job_id: str, attempt: int) -> None:
     """Nodes of the attempt that never launched have no process: mark them dropped and free their devices now."""
     ranks = list(session.scalars(select(JobNode.node_rank).where(
-        JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.state == "assigned")))
+        JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.state == NodeState.assigned.value)))
     if not ranks:
         return
     now = utcnow()
-    session.execute(update(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
-                                          JobNode.state == "assigned")
-                    .values(state="dropped", finished_at=now, released_at=now).execution_options(synchronize_session=False))
+    move_nodes(session, NodeState.dropped, JobNode.job_id == job_id, JobNode.attempt == attempt,
+               JobNode.node_rank.in_(ranks), finished_at=now, released_at=now)
     session.query(Lease).filter(Lease.job_id == job_id, Lease.attempt == attempt,
                                 Lease.node_rank.in_(ranks)).delete(synchronize_session=False)
     session.commit()
@@ -74,11 +73,19 @@ def settle_cancel(settings: Settings, job_id: str) -> bool:
             return False
         drop_unlaunched(session, job_id, job.attempt_count)
         busy = session.scalar(select(JobNode.id).where(JobNode.job_id == job_id,
-                                                       JobNode.state.in_(("launching", "running"))).limit(1))
+                                                       JobNode.state.in_([s.value for s in NODE_STARTED])).limit(1))
         if busy is not None:
             return False
         return transition(session, job_id, JobState.cancelled, only_from=[JobState.cancelling],
                           message="cancelled; every node has stopped")
+
+
+def mark_host_down(session: Session, host: Host) -> bool:
+    """up -> down, unless a heartbeat arrived since ``host`` was read (compare-and-set on state and heartbeat)."""
+    moved = session.execute(update(Host).where(Host.name == host.name, Host.state.in_(sources(HostState.down)),
+                                               Host.heartbeat_at == host.heartbeat_at)
+                            .values(state=HostState.down.value).execution_options(synchronize_session=False))
+    return moved.rowcount == 1  # type: ignore[attr-defined]
 
 
 def mark_dead_hosts(settings: Settings) -> list[tuple[str, int, str]]:
@@ -88,16 +95,15 @@ def mark_dead_hosts(settings: Settings) -> list[tuple[str, int, str]]:
     """
     ended = []
     with session_scope(settings.database_url) as session:
-        for host in session.scalars(select(Host).where(Host.state == "up")):
-            if not is_live(host, settings):
-                host.state = "down"
+        for host in list(session.scalars(select(Host).where(Host.state == HostState.up.value))):
+            if not is_live(host, settings) and mark_host_down(session, host):
                 log.warning("host %s stopped heart-beating (last %s); marked down", host.name, host.heartbeat_at)
-        session.flush()
-        down = select(Host.name).where(Host.state == "down")
-        for node in session.scalars(select(JobNode).where(JobNode.host.in_(down), JobNode.state.in_(ACTIVE_NODE_STATES))):
-            node.state, node.finished_at = "lost", utcnow()
-            node.reason = f"host {node.host} stopped heart-beating"
-            ended.append((node.job_id, node.attempt, f"node {node.node_rank} lost: {node.reason}"))
+        down = select(Host.name).where(Host.state == HostState.down.value)
+        active = [s.value for s in NODE_ACTIVE]
+        for node in list(session.scalars(select(JobNode).where(JobNode.host.in_(down), JobNode.state.in_(active)))):
+            reason = f"host {node.host} stopped heart-beating"
+            if move_nodes(session, NodeState.lost, JobNode.id == node.id, finished_at=utcnow(), reason=reason):
+                ended.append((node.job_id, node.attempt, f"node {node.node_rank} lost: {reason}"))
     return ended
 
 
@@ -105,7 +111,7 @@ def resend_lost_messages(settings: Settings) -> int:
     """Nodes still 'assigned' after redispatch_after_s on a live host: their message was lost; send it again."""
     stale = utcnow() - timedelta(seconds=settings.redispatch_after_s)
     with session_scope(settings.database_url) as session:
-        nodes = list(session.scalars(select(JobNode).where(JobNode.state == "assigned", JobNode.heartbeat_at < stale)))
+        nodes = list(session.scalars(select(JobNode).where(JobNode.state == NodeState.assigned.value, JobNode.heartbeat_at < stale)))
         for node in nodes:
             node.heartbeat_at = utcnow()  # for an assigned node: when its message was last sent
     for node in nodes:

@@ -28,11 +28,10 @@ from core.jobs import add_event
 from core.messaging import send_run_node
 from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.settings import Settings
-from core.states import WAITING, JobState
+from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
 from engine.spec import Resources
 
 log = logging.getLogger(__name__)
-ACTIVE_NODE_STATES = ("assigned", "launching", "running")
 
 
 @dataclass
@@ -61,7 +60,7 @@ def host_ids(host: Host) -> list[int]:
 
 
 def is_live(host: Host, settings: Settings) -> bool:
-    return host.state == "up" and host.heartbeat_at > utcnow() - timedelta(seconds=settings.host_stale_after_s)
+    return host.state == HostState.up.value and host.heartbeat_at > utcnow() - timedelta(seconds=settings.host_stale_after_s)
 
 
 def live_hosts(session: Session, settings: Settings, device_type: str) -> list[HostView]:
@@ -109,7 +108,7 @@ def waiting_reason(res: Resources, hosts: list[HostView], settings: Settings) ->
 def choose_port(session: Session, settings: Settings, master: str, job_id: str, attempt: int) -> int:
     """A rendezvous port on node 0's host that no active job there uses; spread by job so retries rarely reuse one."""
     used = set(session.scalars(select(JobNode.master_port).where(
-        JobNode.host == master, JobNode.node_rank == 0, JobNode.state.in_(ACTIVE_NODE_STATES))))
+        JobNode.host == master, JobNode.node_rank == 0, JobNode.state.in_([s.value for s in NODE_ACTIVE]))))
     start = zlib.crc32(f"{job_id}:{attempt}".encode()) % settings.rdzv_port_count
     for i in range(settings.rdzv_port_count):
         port = settings.rdzv_port_base + (start + i) % settings.rdzv_port_count
@@ -122,7 +121,7 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
     """Lease the devices and move the job to ``starting``, inside the caller's locked transaction."""
     attempt, now = job.attempt_count + 1, utcnow()
     master = placement[0][0]
-    started = session.execute(update(Job).where(Job.id == job.id, Job.state.in_([s.value for s in WAITING])).values(
+    started = session.execute(update(Job).where(Job.id == job.id, Job.state.in_(sources(JobState.starting))).values(
         state=JobState.starting.value, attempt_count=attempt, host=master.name, pending_reason=None, updated_at=now,
         heartbeat_at=now, dispatched_at=now).execution_options(synchronize_session=False))
     if started.rowcount != 1:  # type: ignore[attr-defined]  # cancelled meanwhile
@@ -132,7 +131,7 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
         session.add_all(Lease(host=host.name, device=d, job_id=job.id, team=job.team, attempt=attempt, node_rank=rank)
                         for d in devices)
         session.add(JobNode(job_id=job.id, attempt=attempt, node_rank=rank, host=host.name, devices=devices,
-                            master_addr=master.address, master_port=port, state="assigned", heartbeat_at=now))
+                            master_addr=master.address, master_port=port, state=NodeState.assigned.value, heartbeat_at=now))
         host.free = [d for d in host.free if d not in devices]
     where = ", ".join(f"{h.name} {job.spec['resources']['device_type']} {d}" for h, d in placement)
     add_event(session, job.id, "state", f"starting attempt {attempt} on {where}", attempt=attempt,

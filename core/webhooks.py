@@ -9,15 +9,14 @@ or a connection error is retried after ``webhook_backoff_s * 2**(n-1)`` (capped 
 
 Signing follows Standard Webhooks (as OpenAI's fine-tuning webhooks do): headers ``webhook-id`` (the message id, the
 same on every retry), ``webhook-timestamp`` (unix seconds of this attempt) and ``webhook-signature``
-``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`` keyed with the base64-decoded part of ``whsec_<base64>``.
+``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`` keyed with the base64-decoded part of ``whsec_<base64>``,
+computed by the reference library (``standardwebhooks``) that receivers verify with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import json
 import logging
 import secrets
@@ -26,22 +25,25 @@ import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, Literal, get_args
 
 import anyio
 import httpx
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from standardwebhooks.webhooks import Webhook as StandardWebhook
 
 from core.db import session_scope
 from core.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from core.settings import Settings
+from core.states import DeliveryState, sources
 
 log = logging.getLogger(__name__)
-TERMINAL_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
-EVENT_TYPES = (*TERMINAL_EVENTS, "job.checkpoint")
+EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint"]
+TERMINAL_EVENTS: tuple[EventType, ...] = ("job.succeeded", "job.failed", "job.cancelled")
+EVENT_TYPES: tuple[EventType, ...] = get_args(EventType)
 SECRET_PREFIX = "whsec_"
 FAN_OUT_BATCH = 500
 SEND_BATCH = 32
@@ -69,8 +71,8 @@ def secret_key(secret: str) -> bytes:
 
 def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
     """The ``webhook-signature`` value: ``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">``."""
-    signed = f"{msg_id}.{timestamp}.".encode() + body
-    return "v1," + base64.b64encode(hmac.new(secret_key(secret), signed, hashlib.sha256).digest()).decode()
+    when = datetime.fromtimestamp(timestamp, tz=timezone.utc)
+    return StandardWebhook(secret_key(secret)).sign(msg_id, when, body.decode())
 
 
 def headers(secret: str, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
@@ -144,7 +146,7 @@ def _fan_out_one(session: Session, hook: Webhook, top: int, now: datetime) -> in
         if msg_type is None or msg_type not in hook.events:
             continue
         session.add(WebhookDelivery(id=f"msg_{uuid.uuid4().hex}", webhook_id=hook.id, event_id=event.id, job_id=job.id,
-                                    type=msg_type, payload=payload(msg_type, event, job), state="pending",
+                                    type=msg_type, payload=payload(msg_type, event, job), state=DeliveryState.pending.value,
                                     next_attempt_at=now, created_at=now))
         made += 1
     try:
@@ -186,12 +188,12 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
     out = []
     with session_scope(settings.database_url) as session:
         due = session.execute(select(WebhookDelivery, Webhook).join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
-                              .where(WebhookDelivery.state == "pending", WebhookDelivery.next_attempt_at <= now,
+                              .where(WebhookDelivery.state == DeliveryState.pending.value, WebhookDelivery.next_attempt_at <= now,
                                      Webhook.disabled_at.is_(None))
                               .order_by(WebhookDelivery.next_attempt_at).limit(limit)).tuples()
         for delivery, hook in list(due):
             took = session.execute(update(WebhookDelivery).where(
-                WebhookDelivery.id == delivery.id, WebhookDelivery.state == "pending",
+                WebhookDelivery.id == delivery.id, WebhookDelivery.state == DeliveryState.pending.value,
                 WebhookDelivery.attempts == delivery.attempts, WebhookDelivery.next_attempt_at <= now)
                 .values(next_attempt_at=hold).execution_options(synchronize_session=False))
             if took.rowcount == 1:  # type: ignore[attr-defined]
@@ -221,18 +223,23 @@ def record(settings: Settings, item: Outgoing, status: int | None, error: str | 
            ms: float) -> str:
     """Store the attempt and decide: delivered (2xx), failed (attempts used up) or pending again later."""
     now, ok = utcnow(), status is not None and 200 <= status < 300
+    values: dict[str, Any]
     if ok:
-        state, values = "delivered", {"delivered_at": now, "next_attempt_at": None}
+        state, values = DeliveryState.delivered, {"delivered_at": now, "next_attempt_at": None}
     elif item.number >= settings.webhook_max_attempts:
-        state, values = "failed", {"next_attempt_at": None}
+        state, values = DeliveryState.failed, {"next_attempt_at": None}
     else:
-        state, values = "pending", {"next_attempt_at": now + timedelta(seconds=backoff_s(settings, item.number))}
+        state = DeliveryState.pending
+        values = {"next_attempt_at": now + timedelta(seconds=backoff_s(settings, item.number))}
     with session_scope(settings.database_url) as session:
         session.add(WebhookAttempt(delivery_id=item.delivery_id, number=item.number, time=now, status_code=status,
                                    error=error, response_body=answer, duration_ms=round(ms, 1)))
-        session.execute(update(WebhookDelivery).where(WebhookDelivery.id == item.delivery_id).values(
-            state=state, attempts=item.number, last_status=status, **values))
-    return state
+        # Compare-and-set: only the sender that claimed this attempt (attempts still one less) records it.
+        session.execute(update(WebhookDelivery).where(
+            WebhookDelivery.id == item.delivery_id, WebhookDelivery.state.in_(sources(state)),
+            WebhookDelivery.attempts == item.number - 1).values(
+            state=state.value, attempts=item.number, last_status=status, **values))
+    return state.value
 
 
 def deliver(settings: Settings, item: Outgoing) -> str:

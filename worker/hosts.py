@@ -11,6 +11,7 @@ from collections.abc import Callable
 from core.db import session_scope
 from core.models import Host, utcnow
 from core.settings import Settings
+from core.states import HostState
 
 log = logging.getLogger(__name__)
 
@@ -21,16 +22,16 @@ def register_host(settings: Settings, *, name: str, device_type: str, devices: i
         host = session.get(Host, name) or Host(name=name)
         host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)
         host.device_ids, host.address = device_ids, address
-        host.pid, host.state, host.started_at, host.heartbeat_at = os.getpid(), "up", utcnow(), utcnow()
+        host.pid, host.state, host.started_at, host.heartbeat_at = os.getpid(), HostState.up.value, utcnow(), utcnow()
         host.info = {"platform": platform.platform(), "python": platform.python_version(), "node": platform.node()}
         session.add(host)
 
 
-def set_host_state(settings: Settings, name: str, state: str) -> None:
+def set_host_state(settings: Settings, name: str, state: HostState) -> None:
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name)
         if host is not None:
-            host.state, host.heartbeat_at = state, utcnow()
+            host.state, host.heartbeat_at = state.value, utcnow()
 
 
 class HostHeartbeat(threading.Thread):
@@ -44,7 +45,7 @@ class HostHeartbeat(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(self.settings.heartbeat_interval_s):
             try:
-                set_host_state(self.settings, self.host, "up")
+                set_host_state(self.settings, self.host, HostState.up)
                 if self.on_beat is not None:
                     self.on_beat()  # the scheduler's housekeeping (worker.leases.sweep_host, a scheduling pass)
             except Exception as err:  # noqa: BLE001 - a database blip must not kill the heartbeat

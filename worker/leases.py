@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 
 from core.db import session_scope
 from core.models import JobNode, Lease, utcnow
+from core.nodes import move_nodes
 from core.recovery import end_attempt
 from core.settings import Settings
+from core.states import NODE_ACTIVE, NODE_STARTED, NodeState
 
 log = logging.getLogger(__name__)
 NODE_ENV = "LLMJOBS_NODE"
@@ -97,8 +99,8 @@ def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> 
     released = 0
     for node in nodes:
         token = node_token(node.job_id, node.attempt, node.node_rank)
-        orphaned = node.state in ("launching", "running") and (node.worker_pid != worker_pid or RUNNING_HERE[token] <= 0)
-        if node.state in ("assigned", "launching", "running") and not orphaned:
+        orphaned = node.state in NODE_STARTED and (node.worker_pid != worker_pid or RUNNING_HERE[token] <= 0)
+        if node.state in NODE_ACTIVE and not orphaned:
             continue  # this worker runs it, or its message is still on the way
         if orphaned:
             _mark_lost(settings, node)
@@ -109,6 +111,6 @@ def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> 
 def _mark_lost(settings: Settings, node: JobNode) -> None:
     message = f"node {node.node_rank} lost: the worker on {node.host} (pid {node.worker_pid}) died while running it"
     with session_scope(settings.database_url) as session:
-        session.execute(update(JobNode).where(JobNode.id == node.id, JobNode.state.in_(("launching", "running")))
-                        .values(state="lost", finished_at=utcnow(), reason=message))
+        move_nodes(session, NodeState.lost, JobNode.id == node.id, only_from=NODE_STARTED, finished_at=utcnow(),
+                   reason=message)
     end_attempt(settings, node.job_id, node.attempt, retryable=True, error_code="node_lost", message=message)

@@ -21,12 +21,13 @@ from sqlalchemy import select, update
 from core.db import session_scope
 from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
+from core.nodes import move_nodes
 from core.pipelines import advance_parent
 from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
 from core.settings import Settings
-from core.states import JobState
+from core.states import RUNNING, JobState, NodeState
 from engine.runfiles import EXIT_BAD_INPUT, read_result
 from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
@@ -36,7 +37,6 @@ from worker.leases import NODE_ENV, node_token, release_node, running_here
 from worker.supervisor import Supervised
 
 log = logging.getLogger(__name__)
-ACTIVE = (JobState.starting.value, JobState.running.value)
 
 
 @dataclass
@@ -57,13 +57,12 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
     """assigned -> launching for this host's node of the current attempt, else None (duplicate or stale message)."""
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
-        if job is None or job.attempt_count != attempt or job.state not in ACTIVE:
+        if job is None or job.attempt_count != attempt or job.state not in RUNNING:
             return None
-        claimed = session.execute(update(JobNode).where(
-            JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank == node_rank,
-            JobNode.host == host, JobNode.state == "assigned").values(
-            state="launching", worker_pid=os.getpid(), started_at=utcnow(), heartbeat_at=utcnow()))
-        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+        claimed = move_nodes(session, NodeState.launching, JobNode.job_id == job_id, JobNode.attempt == attempt,
+                             JobNode.node_rank == node_rank, JobNode.host == host, worker_pid=os.getpid(),
+                             started_at=utcnow(), heartbeat_at=utcnow())
+        if claimed != 1:
             return None
         node = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
                                                      JobNode.node_rank == node_rank)).one()
@@ -89,8 +88,7 @@ def _log_path(work: NodeWork) -> Path:
 
 def mark_running(settings: Settings, work: NodeWork, pid: int, argv: list[str], host: str) -> None:
     with session_scope(settings.database_url) as session:
-        session.execute(update(JobNode).where(JobNode.id == work.node_id, JobNode.state == "launching")
-                        .values(state="running", pid=pid, heartbeat_at=utcnow()))
+        move_nodes(session, NodeState.running, JobNode.id == work.node_id, pid=pid, heartbeat_at=utcnow())
         if work.node_rank == 0:
             session.add(Attempt(job_id=work.job_id, number=work.attempt, host=host, pid=pid, argv=argv))
     promote_if_all_running(settings, work)
@@ -101,7 +99,7 @@ def promote_if_all_running(settings: Settings, work: NodeWork) -> bool:
     with session_scope(settings.database_url) as session:
         states = list(session.scalars(select(JobNode.state).where(JobNode.job_id == work.job_id,
                                                                   JobNode.attempt == work.attempt)))
-        if len(states) != work.nnodes or any(s != "running" for s in states):
+        if len(states) != work.nnodes or any(s != NodeState.running.value for s in states):
             return False
         job = session.get(Job, work.job_id)
         if job is None or job.attempt_count != work.attempt:
@@ -136,7 +134,7 @@ def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: R
         state, attempt = _job_view(settings, work, beat)
         if state == JobState.cancelling.value:
             return proc.terminate(settings.cancel_grace_s), "cancelled"
-        if attempt != work.attempt or state not in ACTIVE:
+        if attempt != work.attempt or state not in RUNNING:
             return proc.terminate(settings.cancel_grace_s), "superseded"  # another node failed the attempt
         if state == JobState.starting.value and beat:
             promote_if_all_running(settings, work)
@@ -148,8 +146,8 @@ def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: R
 
 def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None) -> None:
     with session_scope(settings.database_url) as session:
-        session.execute(update(JobNode).where(JobNode.id == work.node_id).values(
-            state="exited", exit_code=code, finished_at=utcnow(), reason=stop))
+        move_nodes(session, NodeState.exited, JobNode.id == work.node_id, exit_code=code, finished_at=utcnow(),
+                   reason=stop)
         if work.node_rank == 0:
             session.execute(update(Attempt).where(Attempt.job_id == work.job_id, Attempt.number == work.attempt)
                             .values(exit_code=code, finished_at=utcnow(), outcome=stop or ("ok" if code == 0 else "error")))
@@ -175,7 +173,7 @@ def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, erro
 def succeed_if_all_done(settings: Settings, work: NodeWork) -> str:
     with session_scope(settings.database_url) as session:
         codes = list(session.scalars(select(JobNode.exit_code).where(
-            JobNode.job_id == work.job_id, JobNode.attempt == work.attempt, JobNode.state == "exited")))
+            JobNode.job_id == work.job_id, JobNode.attempt == work.attempt, JobNode.state == NodeState.exited.value)))
         if len(codes) < work.nnodes or any(c != 0 for c in codes):
             return "waiting for the other nodes"
         result = read_result(work.run_dir)

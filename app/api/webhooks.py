@@ -15,13 +15,11 @@ from app.schemas import ListPage
 from core.auth import Principal
 from core.errors import ApiError
 from core.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
-from core.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_key
+from core.webhooks import TERMINAL_EVENTS, EventType, create_webhook, secret_key
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
                                            404: {"description": "No such webhook"}}
-EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint"]
-assert set(EventType.__args__) == set(EVENT_TYPES)  # type: ignore[attr-defined]
 
 
 class WebhookCreate(BaseModel):
