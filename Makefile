@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup chromium run test test-fast bench clean
+.PHONY: setup chromium run lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
@@ -24,6 +24,14 @@ chromium:
 # LLMJOBS_HOST:LLMJOBS_PORT (default 127.0.0.1:8000), and prints the URL and an admin token.
 run: setup
 	$(VENV)/bin/llmjobs serve
+
+# The gate: ruff (style and bugs), mypy (types) and import-linter (the layering: cli -> app | worker -> core -> engine,
+# no import cycle). What each covers is configured in pyproject.toml. `ruff format --check` joins once the tree is
+# formatted.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: setup
 	$(PY) -m pytest -ra

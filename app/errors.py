@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +19,7 @@ _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "
                409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error"}
 
 
-def validation_response(errors: list[dict[str, Any]], status: int = 422) -> JSONResponse:
+def validation_response(errors: Iterable[Mapping[str, Any]], status: int = 422) -> JSONResponse:
     items = validation_errors(errors)
     first = items[0] if items else error_body("invalid", "invalid request")
     return JSONResponse(error_body("validation_error", first["message"], first["field"], errors=items), status_code=status)

@@ -64,9 +64,10 @@ def render() -> str:
     for kind, model in SPEC_CLASSES.items():
         doc = (model.__doc__ or "").strip().splitlines()[0]
         parts += [f"#### `{kind}`", "", doc, "", table(model), ""]
-    for model in (Resources, PipelineStep):
-        doc = (model.__doc__ or "").strip().splitlines()[0]
-        parts += [f"#### `{model.__name__}`", "", doc, "", table(model), ""]
+    parts_of: tuple[type[BaseModel], ...] = (Resources, PipelineStep)
+    for part in parts_of:
+        doc = (part.__doc__ or "").strip().splitlines()[0]
+        parts += [f"#### `{part.__name__}`", "", doc, "", table(part), ""]
     parts.append(END)
     return "\n".join(parts)
 

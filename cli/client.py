@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 
 class ClientError(Exception):
@@ -36,23 +37,12 @@ class Client:
         return response.json()
 
     def stream(self, job_id: str, last_event_id: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(event name, data) of the job's SSE stream until it ends."""
+        """(event name, data) of the job's SSE stream until it ends (parsed by httpx-sse)."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers, timeout=None) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise ClientError(f"HTTP {response.status_code} {response.text}")
-            yield from parse_sse(response.iter_lines())
-
-
-def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    event, data = "message", []
-    for line in lines:
-        if not line:
-            if data:
-                yield event, json.loads("\n".join(data))
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
+        with connect_sse(self.http, "GET", f"/v1/jobs/{job_id}/stream", headers=headers, timeout=None) as source:
+            if source.response.status_code >= 400:
+                source.response.read()
+                raise ClientError(f"HTTP {source.response.status_code} {source.response.text}")
+            for message in source.iter_sse():
+                if message.data:  # a keep-alive comment ends a block with no data
+                    yield message.event or "message", json.loads(message.data)

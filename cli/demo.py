@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 SYSTEM = "You are a helpful assistant."
 PROMPT = "请你判读用户的意图。交互历史：用户：{utterance}\n用户最后一句话所属的技能和意图是："
@@ -33,7 +34,7 @@ def tokenizer_source() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
-def intent_samples(count: int, seed: int = 0) -> list[dict[str, object]]:
+def intent_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     labels = sorted(INTENTS)
     samples = []
@@ -46,7 +47,7 @@ def intent_samples(count: int, seed: int = 0) -> list[dict[str, object]]:
     return samples
 
 
-def write_jsonl(path: Path, records: list[dict[str, object]]) -> None:
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

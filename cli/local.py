@@ -23,7 +23,7 @@ def run(
     try:
         code = run_foreground(spec_file, run_dir, load_settings().runs_path)
     except ValidationError as err:
-        for item in validation_errors(list(err.errors())):
+        for item in validation_errors(err.errors()):
             typer.echo(f"error: {spec_file}: {item['message']}", err=True)
         raise typer.Exit(2) from err
     except ValueError as err:

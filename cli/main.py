@@ -12,11 +12,16 @@ from cli import local, remote, service
 from cli.tokens import token_cli
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Qwen3 fine-tuning job service.")
-for command in (service.serve, service.api, service.worker, local.run, remote.submit):
-    cli.command()(command)
+cli.command()(service.serve)
+cli.command()(service.api)
+cli.command()(service.worker)
+cli.command()(local.run)
+cli.command()(remote.submit)
 cli.command("list")(remote.list_)
-for command in (remote.status, remote.logs, remote.metrics, remote.cancel):
-    cli.command()(command)
+cli.command()(remote.status)
+cli.command()(remote.logs)
+cli.command()(remote.metrics)
+cli.command()(remote.cancel)
 cli.add_typer(token_cli, name="token")
 
 

@@ -6,6 +6,7 @@ The HTTP layer (``app.errors``) turns them into JSON answers; the CLI prints the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine.spec import SPEC_CLASSES
@@ -30,7 +31,7 @@ def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def validation_errors(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """pydantic errors -> ``[{code, message, field}]``. A model validator's "field: message" names its field."""
     out = []
     for err in errors:

@@ -50,7 +50,8 @@ def create_job(
     if idempotency_key and (existing := _find_by_key(session, team, idempotency_key)):
         return _replay(existing, digest), False
     job_id = new_id()
-    job = Job(id=job_id, team=team, kind=spec.kind, name=spec.name, spec=spec_to_json(spec),
+    body = spec_to_json(spec)
+    job = Job(id=job_id, team=team, kind=body["kind"], name=spec.name, spec=body,
               meta=dict(spec.metadata), priority=spec.priority, parent_id=parent_id,
               idempotency_key=idempotency_key, body_hash=digest,
               queue=settings.queue_for(spec.resources.device_type), run_dir=str(settings.runs_path / job_id),

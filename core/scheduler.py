@@ -65,8 +65,8 @@ def is_live(host: Host, settings: Settings) -> bool:
 
 def live_hosts(session: Session, settings: Settings, device_type: str) -> list[HostView]:
     held: dict[str, set[int]] = {}
-    for host, device in session.execute(select(Lease.host, Lease.device)):
-        held.setdefault(host, set()).add(device)
+    for name, device in session.execute(select(Lease.host, Lease.device)):
+        held.setdefault(name, set()).add(device)
     views = []
     for host in session.scalars(select(Host).where(Host.device_type == device_type).order_by(Host.name)):
         if is_live(host, settings):
@@ -85,7 +85,7 @@ def place(res: Resources, hosts: list[HostView]) -> list[tuple[HostView, list[in
 
 
 def team_usage(session: Session) -> dict[str, int]:
-    return dict(session.execute(select(Lease.team, func.count()).group_by(Lease.team)).all())  # type: ignore[arg-type]
+    return {team: count for team, count in session.execute(select(Lease.team, func.count()).group_by(Lease.team))}
 
 
 def _free_summary(hosts: list[HostView], limit: int = 5) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
@@ -11,8 +11,10 @@ from sqlalchemy import select
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.schemas import ListPage
+from core.auth import Principal
 from core.models import Host, Job, Lease, utcnow
 from core.scheduler import host_ids, is_live
+from core.states import HostState
 
 router = APIRouter(prefix="/v1/hosts", tags=["hosts"])
 
@@ -24,26 +26,29 @@ class DevicePublic(BaseModel):
     node_rank: int | None = None
 
 
+Health = Literal["up", "stale", "down"]
+
+
 class HostPublic(BaseModel):
     object: Literal["host"] = "host"
     name: str
     device_type: str
     address: str | None
-    health: Literal["up", "stale", "down"] = Field(description="stale: no heartbeat within host_stale_after_s")
+    health: Health = Field(description="stale: no heartbeat within host_stale_after_s")
     heartbeat_at: datetime
     heartbeat_age_s: float
     devices: list[DevicePublic]
     free: int
 
 
-def _host_public(host: Host, leases: dict[int, Lease], teams: dict[str, str], principal: Any, live: bool) -> HostPublic:
+def _host_public(host: Host, leases: dict[int, Lease], teams: dict[str, str], principal: Principal, live: bool) -> HostPublic:
     devices = []
     for device in host_ids(host):
         lease = leases.get(device)
-        visible = lease is not None and principal.sees(teams.get(lease.job_id))
-        devices.append(DevicePublic(id=device, held=lease is not None, job_id=lease.job_id if visible else None,
-                                    node_rank=lease.node_rank if visible else None))
-    health = "down" if host.state == "down" else ("up" if live else "stale")
+        shown = lease if lease is not None and principal.sees(teams.get(lease.job_id)) else None
+        devices.append(DevicePublic(id=device, held=lease is not None, job_id=shown.job_id if shown else None,
+                                    node_rank=shown.node_rank if shown else None))
+    health: Health = "down" if host.state == HostState.down.value else ("up" if live else "stale")
     return HostPublic(name=host.name, device_type=host.device_type, address=host.address, health=health,
                       heartbeat_at=host.heartbeat_at, heartbeat_age_s=round((utcnow() - host.heartbeat_at).total_seconds(), 1),
                       devices=devices, free=sum(not d.held for d in devices))
@@ -57,7 +62,7 @@ def list_hosts(session: SessionDep, principal: PrincipalDep, settings: SettingsD
         by_host.setdefault(lease.host, {})[lease.device] = lease
     job_ids = {lease.job_id for leases in by_host.values() for lease in leases.values()}
     teams = dict(session.execute(select(Job.id, Job.team).where(Job.id.in_(job_ids))).all()) if job_ids else {}
-    data = [_host_public(h, by_host.get(h.name, {}), teams, principal, is_live(h, settings))  # type: ignore[arg-type]
+    data = [_host_public(h, by_host.get(h.name, {}), teams, principal, is_live(h, settings))
             for h in session.scalars(select(Host).order_by(Host.name))]
     return ListPage[HostPublic](data=data, has_more=False, first_id=data[0].name if data else None,
                                 last_id=data[-1].name if data else None)

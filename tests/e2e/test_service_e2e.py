@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from httpx_sse import connect_sse
 
-from cli.client import parse_sse
 from cli.demo import intent_samples, write_jsonl
 from core.settings import REPO_ROOT
 from service_support import Service, serve
@@ -44,19 +44,12 @@ def readme_example() -> tuple[dict[str, Any], str]:
 def follow(service: Service, job_id: str, last_event_id: str | None = None, timeout: float = 240) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {service.token}", **({"Last-Event-ID": last_event_id} if last_event_id else {})}
     messages: list[dict[str, Any]] = []
-    with httpx.stream("GET", f"{service.url}/v1/jobs/{job_id}/stream", headers=headers,
-                      timeout=httpx.Timeout(10, read=timeout)) as response:
-        assert response.status_code == 200
-        current_id = None
-        lines = []
-        for line in response.iter_lines():
-            if line.startswith("id:"):
-                current_id = line[3:].strip()
-            lines.append(line)
-            if not line and current_id:
-                for event, data in parse_sse(iter(lines)):
-                    messages.append({"event": event, "id": current_id, "data": data})
-                lines, current_id = [], None
+    with httpx.Client(timeout=httpx.Timeout(10, read=timeout)) as client, \
+            connect_sse(client, "GET", f"{service.url}/v1/jobs/{job_id}/stream", headers=headers) as source:
+        assert source.response.status_code == 200
+        for sse in source.iter_sse():
+            if sse.data:
+                messages.append({"event": sse.event, "id": sse.id, "data": json.loads(sse.data)})
     return messages
 
 
