@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
@@ -69,6 +70,13 @@ class ListPage(BaseModel, Generic[T]):
     has_more: bool
     first_id: str | int | None = None
     last_id: str | int | None = None
+
+    @classmethod
+    def of(cls, data: list[T], has_more: bool = False,
+           key: Callable[[T], str | int] = lambda item: item.id) -> ListPage[T]:  # type: ignore[attr-defined]
+        """The page of ``data``, its first and last ids read with ``key``."""
+        return cls(data=data, has_more=has_more, first_id=key(data[0]) if data else None,
+                   last_id=key(data[-1]) if data else None)
 
 
 class EventPublic(_FromRow):

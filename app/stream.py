@@ -17,12 +17,12 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 from typing_extensions import Self
 
+from core import records
 from core.db import session_scope
-from core.models import Event, Job, LogLine, MetricPoint
+from core.models import MetricPoint
 from core.pubsub import channel
 from core.settings import Settings
 from core.states import JobState
@@ -57,7 +57,7 @@ def fetch(settings: Settings, job_id: str, cursor: Cursor) -> tuple[list[dict[st
     """New rows after ``cursor`` as SSE messages, the advanced cursor, and whether the job was terminal before."""
     with session_scope(settings.database_url) as session:
         # Read the state first: if it is terminal now, every row the worker wrote is already committed.
-        terminal = JobState(session.scalar(select(Job.state).where(Job.id == job_id))).is_terminal()
+        terminal = JobState(records.job_state(session, job_id)).is_terminal()
         feeds = [_events(session, job_id, cursor.event), _metrics(session, job_id, cursor.metric),
                  _logs(session, job_id, cursor.log)]
     messages = []
@@ -72,22 +72,21 @@ Item = tuple[datetime, str, int, str, dict[str, Any]]  # (time, cursor field, ro
 
 
 def _events(session: Session, job_id: str, after: int) -> list[Item]:
-    rows = session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id).limit(BATCH))
+    rows = records.events_after(session, job_id, after, BATCH)
     return [(e.time, "event", e.id, "state" if e.type == "state" else "event",
              {"id": e.id, "type": e.type, "level": e.level, "message": e.message, "data": e.data, "time": _iso(e.time)})
             for e in rows]
 
 
 def _metrics(session: Session, job_id: str, after: int) -> list[Item]:
-    points = list(session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.id > after)
-                                  .order_by(MetricPoint.id).limit(BATCH * 4)))
+    points = records.metric_points_after(session, job_id, after, BATCH * 4)
     return [(g[0].time, "metric", g[-1].id, "metric", {"step": g[0].step, "rank": g[0].rank, "time": _iso(g[0].time),
                                                       "metrics": {p.name: p.value for p in g}})
             for g in _group_points(points)]
 
 
 def _logs(session: Session, job_id: str, after: int) -> list[Item]:
-    rows = session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after).order_by(LogLine.id).limit(BATCH * 4))
+    rows = records.log_lines_after(session, job_id, after, BATCH * 4)
     return [(line.time, "log", line.id, "log", {"stream": line.stream, "seq": line.seq, "text": line.text,
                                                 "time": _iso(line.time)}) for line in rows]
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from core.errors import ApiError
 from core.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "llmj_"
@@ -23,6 +25,21 @@ class Principal:
     def sees(self, team: str | None) -> bool:
         """Whether this principal may see what ``team`` owns (its own team's; an admin sees every team's)."""
         return self.admin or team == self.team
+
+
+class Owned(Protocol):
+    team: str
+
+
+O = TypeVar("O", bound=Owned)
+
+
+def load_visible(session: Session, model: type[O], key: str, principal: Principal, what: str) -> O:
+    """The row ``key`` of ``model`` if this principal sees its team; otherwise 404 (never 403: no existence leak)."""
+    row = session.get(model, key)
+    if row is None or not principal.sees(row.team):
+        raise ApiError(404, "not_found", f"no {what} {key}", "id")
+    return row
 
 
 def hash_token(token: str) -> str:

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -71,3 +71,8 @@ def upgrade_head(url: str) -> None:
     config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
     config.attributes["database_url"] = url
     command.upgrade(config, "head")
+
+
+def ping(session: Session) -> None:
+    """Raise unless the database answers (the readiness probe)."""
+    session.execute(text("SELECT 1"))

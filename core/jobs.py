@@ -17,9 +17,10 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from core.auth import Principal
+from core.auth import Principal, load_visible
 from core.errors import ApiError
 from core.models import Event, Job, new_id, utcnow
+from core.pages import fetch_page
 from core.settings import Settings
 from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
 from engine.spec import JobBase, spec_to_json
@@ -126,10 +127,7 @@ def request_cancel(session: Session, job: Job) -> Job:
 
 def get_visible_job(session: Session, job_id: str, principal: Principal) -> Job:
     """The job, if this principal's team owns it (an admin sees every team); otherwise 404 (never 403)."""
-    job = session.get(Job, job_id)
-    if job is None or not principal.sees(job.team):
-        raise ApiError(404, "not_found", f"no job {job_id}", "id")
-    return job
+    return load_visible(session, Job, job_id, principal, "job")
 
 
 def list_jobs(
@@ -157,5 +155,4 @@ def list_jobs(
             raise ApiError(400, "invalid_cursor", f"after: no job {after}", "after")
         query = query.where(or_(Job.created_at < anchor.created_at,
                                 and_(Job.created_at == anchor.created_at, Job.id < anchor.id)))
-    rows = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    return fetch_page(session, query.order_by(Job.created_at.desc(), Job.id.desc()), limit)

@@ -37,6 +37,7 @@ from standardwebhooks.webhooks import Webhook as StandardWebhook
 
 from core.db import session_scope
 from core.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
+from core.pages import fetch_page
 from core.settings import Settings
 from core.states import DeliveryState, sources
 
@@ -285,6 +286,31 @@ def create_webhook(session: Session, team: str, url: str, events: list[str], sec
     session.add(hook)
     session.commit()
     return hook
+
+
+def team_webhooks(session: Session, team: str) -> list[Webhook]:
+    """A team's endpoints, oldest first."""
+    return list(session.scalars(select(Webhook).where(Webhook.team == team).order_by(Webhook.created_at, Webhook.id)))
+
+
+def disable_webhook(session: Session, hook: Webhook) -> Webhook:
+    """Stop sending to it (pending messages are not sent); its delivery history stays."""
+    if hook.disabled_at is None:
+        hook.disabled_at = utcnow()
+        session.commit()
+    return hook
+
+
+def deliveries_page(session: Session, webhook_id: str, *, job_id: str | None,
+                    limit: int) -> tuple[list[tuple[WebhookDelivery, list[WebhookAttempt]]], bool]:
+    """An endpoint's deliveries, newest first, each with its attempts in order."""
+    query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
+    if job_id:
+        query = query.where(WebhookDelivery.job_id == job_id)
+    rows, has_more = fetch_page(session, query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id), limit)
+    attempts = [list(session.scalars(select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id)
+                                     .order_by(WebhookAttempt.number))) for row in rows]
+    return list(zip(rows, attempts, strict=True)), has_more
 
 
 async def send_forever(settings: Settings) -> None:

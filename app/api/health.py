@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
 from app.api.deps import SessionDep
 from app.schemas import Health
+from core.db import ping
 
 router = APIRouter(tags=["health"])
 
@@ -22,7 +22,7 @@ def healthz() -> Health:
 def readyz(session: SessionDep) -> Health | JSONResponse:
     """The database answers."""
     try:
-        session.execute(text("SELECT 1"))
+        ping(session)
     except Exception as err:  # noqa: BLE001 - report, don't crash the probe
         return JSONResponse(Health(status="unavailable", checks={"database": str(err)}).model_dump(), status_code=503)
     return Health(status="ok", checks={"database": "ok"})

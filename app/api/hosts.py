@@ -7,12 +7,12 @@ from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
-from sqlalchemy import select
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.schemas import ListPage
 from core.auth import Principal
-from core.models import Host, Job, Lease, utcnow
+from core.inventory import inventory
+from core.models import Host, Lease, utcnow
 from core.scheduler import host_ids, is_live
 from core.states import HostState
 
@@ -57,12 +57,7 @@ def _host_public(host: Host, leases: dict[int, Lease], teams: dict[str, str], pr
 @router.get("", response_model=ListPage[HostPublic], responses={401: {"description": "No or bad token"}})
 def list_hosts(session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> ListPage[HostPublic]:
     """Every registered host with its devices, the job holding each, and health."""
-    by_host: dict[str, dict[int, Lease]] = {}
-    for lease in session.scalars(select(Lease)):
-        by_host.setdefault(lease.host, {})[lease.device] = lease
-    job_ids = {lease.job_id for leases in by_host.values() for lease in leases.values()}
-    teams = dict(session.execute(select(Job.id, Job.team).where(Job.id.in_(job_ids))).all()) if job_ids else {}
-    data = [_host_public(h, by_host.get(h.name, {}), teams, principal, is_live(h, settings))
-            for h in session.scalars(select(Host).order_by(Host.name))]
-    return ListPage[HostPublic](data=data, has_more=False, first_id=data[0].name if data else None,
-                                last_id=data[-1].name if data else None)
+    cluster = inventory(session)
+    data = [_host_public(h, cluster.leases.get(h.name, {}), cluster.teams, principal, is_live(h, settings))
+            for h in cluster.hosts]
+    return ListPage[HostPublic].of(data, key=lambda host: host.name)

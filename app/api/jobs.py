@@ -78,9 +78,7 @@ def list_jobs(
     metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
     rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
                                        metadata=metadata, parent_id=parent_id, after=after, limit=limit)
-    data = [JobPublic.from_row(j) for j in rows]
-    return ListPage[JobPublic](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                               last_id=data[-1].id if data else None)
+    return ListPage[JobPublic].of([JobPublic.from_row(j) for j in rows], has_more)
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)

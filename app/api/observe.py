@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
-from sqlalchemy import select
 from sse_starlette import EventSourceResponse
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
 from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
 from app.stream import Cursor, job_stream
+from core import records
 from core.errors import ApiError
 from core.jobs import get_visible_job
-from core.models import Artifact, Event, LogLine, MetricPoint
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
 
@@ -27,10 +26,8 @@ def list_events(
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
-    rows = list(session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id).limit(limit + 1)))
-    data = [EventPublic.model_validate(r) for r in rows[:limit]]
-    return ListPage[EventPublic](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
-                                 last_id=data[-1].id if data else None)
+    rows, has_more = records.events_page(session, job_id, after=after, limit=limit)
+    return ListPage[EventPublic].of([EventPublic.model_validate(r) for r in rows], has_more)
 
 
 @router.get("/metrics", response_model=MetricsPage, responses=ERRORS)
@@ -42,14 +39,8 @@ def list_metrics(
 ) -> MetricsPage:
     """Metric points by step (job-wide values have rank null, per-rank values carry their rank)."""
     get_visible_job(session, job_id, principal)
-    query = select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step > since_step)
-    if names:
-        query = query.where(MetricPoint.name.in_([n.strip() for n in names.split(",") if n.strip()]))
-    rows = list(session.scalars(query.order_by(MetricPoint.step, MetricPoint.id).limit(limit + 1)))
-    has_more = len(rows) > limit
-    rows = rows[:limit]
-    if has_more and rows[0].step != rows[-1].step:  # never end a page inside a step
-        rows = [r for r in rows if r.step != rows[-1].step]
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit)
     data = [MetricPointPublic.model_validate(r) for r in rows]
     return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None)
 
@@ -67,17 +58,16 @@ def list_logs(
     if rank is not None and stream is not None:
         raise ApiError(400, "bad_request", "rank: give rank or stream, not both", "rank")
     name = f"rank{rank}" if rank is not None else (stream or "launcher")
-    rows = list(session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.stream == name, LogLine.seq >= offset)
-                                .order_by(LogLine.seq).limit(limit + 1)))
-    data = [LogLinePublic.model_validate(r) for r in rows[:limit]]
-    return LogsPage(data=data, has_more=len(rows) > limit, next_offset=data[-1].seq + 1 if data else offset)
+    rows, has_more = records.logs_page(session, job_id, stream=name, offset=offset, limit=limit)
+    data = [LogLinePublic.model_validate(r) for r in rows]
+    return LogsPage(data=data, has_more=has_more, next_offset=data[-1].seq + 1 if data else offset)
 
 
 @router.get("/artifacts", response_model=ListPage[ArtifactPublic], responses=ERRORS)
 def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[ArtifactPublic]:
     """The outputs the job wrote (result.json ``outputs``), with their files and sizes."""
     get_visible_job(session, job_id, principal)
-    rows = session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name))
+    rows = records.artifacts(session, job_id)
     return ListPage[ArtifactPublic](data=[ArtifactPublic.model_validate(r) for r in rows], has_more=False)
 
 

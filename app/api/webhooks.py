@@ -7,15 +7,21 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.api.deps import PrincipalDep, SessionDep
 from app.schemas import ListPage
-from core.auth import Principal
-from core.errors import ApiError
-from core.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
-from core.webhooks import TERMINAL_EVENTS, EventType, create_webhook, secret_key
+from core.auth import Principal, load_visible
+from core.models import Webhook
+from core.webhooks import (
+    TERMINAL_EVENTS,
+    EventType,
+    create_webhook,
+    deliveries_page,
+    disable_webhook,
+    secret_key,
+    team_webhooks,
+)
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
@@ -87,10 +93,7 @@ def _public(hook: Webhook, with_secret: bool = False) -> WebhookPublic:
 
 
 def _visible(session: Session, webhook_id: str, principal: Principal) -> Webhook:
-    hook = session.get(Webhook, webhook_id)
-    if hook is None or not principal.sees(hook.team):
-        raise ApiError(404, "not_found", f"no webhook {webhook_id}", "id")
-    return hook
+    return load_visible(session, Webhook, webhook_id, principal, "webhook")
 
 
 @router.post("", status_code=201, response_model=WebhookPublic, responses=ERRORS)
@@ -103,10 +106,7 @@ def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep) 
 @router.get("", response_model=ListPage[WebhookPublic], responses=ERRORS)
 def list_webhooks(session: SessionDep, principal: PrincipalDep) -> ListPage[WebhookPublic]:
     """Your team's webhooks, oldest first (secrets are not shown)."""
-    rows = [_public(h) for h in session.scalars(select(Webhook).where(Webhook.team == principal.team)
-                                                .order_by(Webhook.created_at, Webhook.id))]
-    return ListPage[WebhookPublic](data=rows, has_more=False, first_id=rows[0].id if rows else None,
-                                   last_id=rows[-1].id if rows else None)
+    return ListPage[WebhookPublic].of([_public(h) for h in team_webhooks(session, principal.team)])
 
 
 @router.get("/{webhook_id}", response_model=WebhookPublic, responses=ERRORS)
@@ -117,11 +117,7 @@ def get_webhook(webhook_id: str, session: SessionDep, principal: PrincipalDep) -
 @router.delete("/{webhook_id}", response_model=WebhookPublic, responses=ERRORS)
 def disable(webhook_id: str, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
     """Stop sending (pending messages are not sent); the delivery history stays readable."""
-    hook = _visible(session, webhook_id, principal)
-    if hook.disabled_at is None:
-        hook.disabled_at = utcnow()
-        session.commit()
-    return _public(hook)
+    return _public(disable_webhook(session, _visible(session, webhook_id, principal)))
 
 
 @router.get("/{webhook_id}/deliveries", response_model=ListPage[DeliveryPublic], responses=ERRORS)
@@ -132,16 +128,10 @@ def deliveries(
 ) -> ListPage[DeliveryPublic]:
     """Newest first, each with every attempt (status or error, duration)."""
     _visible(session, webhook_id, principal)
-    query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
-    if job_id:
-        query = query.where(WebhookDelivery.job_id == job_id)
-    rows = list(session.scalars(query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id).limit(limit + 1)))
+    rows, has_more = deliveries_page(session, webhook_id, job_id=job_id, limit=limit)
     data = []
-    for row in rows[:limit]:
-        attempts = session.scalars(select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id)
-                                   .order_by(WebhookAttempt.number))
+    for row, attempts in rows:
         data.append(DeliveryPublic.model_validate({**{k: getattr(row, k) for k in DeliveryPublic.model_fields
                                                       if k not in ("object", "attempt_log")},
                                                    "attempt_log": [AttemptPublic.model_validate(a) for a in attempts]}))
-    return ListPage[DeliveryPublic](data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
-                                    last_id=data[-1].id if data else None)
+    return ListPage[DeliveryPublic].of(data, has_more)
