@@ -5,13 +5,10 @@ The HTTP layer (``app.errors``) turns them into JSON answers; the CLI prints the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from engine.spec import SPEC_CLASSES
-
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.DOTALL)
+from engine.spec import FIELD_MESSAGE, SPEC_CLASSES
 
 
 class ApiError(Exception):
@@ -36,7 +33,7 @@ def validation_errors(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
     out = []
     for err in errors:
         field, message = _loc_to_field(tuple(err.get("loc", ()))), str(err.get("msg", ""))
-        match = _FIELD_PREFIX.match(message)
+        match = FIELD_MESSAGE.match(message)
         if match:
             named = match.group(1)
             field = f"{field}.{named}" if field and not named.startswith(field) else named

@@ -24,6 +24,6 @@ def test_the_http_layer_builds_no_sql() -> None:
     assert offenders == [], f"query through core/ instead: {offenders}"
 
 
-def test_the_check_sees_a_query_builder(tmp_path: Path) -> None:
+def test_the_check_sees_a_query_builder() -> None:
     probe = REPO_ROOT / "core" / "records.py"
     assert any(hit.endswith(" select") for hit in _sql_imports(probe))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
+from pydantic import BaseModel
+
 from app.spec_reference import README, render, updated
-from engine.spec import SPEC_CLASSES
+from engine.spec import SPEC_CLASSES, PipelineStep, Resources
 
 
 def test_readme_spec_reference_is_current() -> None:
@@ -17,3 +21,30 @@ def test_reference_lists_every_field_of_every_kind() -> None:
         assert f"#### `{kind}`" in reference
         for name in model.model_fields:
             assert f"| `{name}` |" in reference
+
+
+def _spec_models() -> list[type[BaseModel]]:
+    """Every model a job spec is made of: the kinds and the nested objects they hold."""
+    seen: list[type[BaseModel]] = []
+    todo: list[type[BaseModel]] = [*SPEC_CLASSES.values(), Resources, PipelineStep]
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.append(model)
+        for field in model.model_fields.values():
+            todo += [a for a in (field.annotation, *get_args(field.annotation))
+                     if isinstance(a, type) and issubclass(a, BaseModel)]
+    return seen
+
+
+def test_every_spec_field_has_a_description() -> None:
+    """The README reference and the OpenAPI document show it: units, default, the MindSpeed flag mirrored."""
+    bare = [f"{m.__name__}.{name}" for m in _spec_models() for name, field in m.model_fields.items()
+            if not (field.description or "").strip()]
+    assert bare == [], f"spec fields without a description: {bare}"
+
+
+def test_the_description_check_sees_nested_models() -> None:
+    names = {m.__name__ for m in _spec_models()}
+    assert {"TrainSpec", "PipelineSpec", "Resources", "PipelineStep"} <= names
