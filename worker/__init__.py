@@ -1,1 +1,2 @@
-"""llmjobs worker: Celery tasks, the engine launcher, process supervision and run-file ingestion."""
+"""llmjobs worker: Celery tasks, the engine launcher, process supervision, run-file ingestion and local runs. It calls
+the domain core (core/) and never the HTTP layer."""
