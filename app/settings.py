@@ -59,8 +59,13 @@ class Settings(BaseSettings):
     webhook_backoff_s: float = Field(5.0, gt=0, description="Retry n waits webhook_backoff_s * 2**(n-1), at most 1 h.")
     webhook_settle_s: float = Field(2.0, ge=0, description="Events are sent once they are this old (longer than any "
                                                            "open transaction), so none is skipped.")
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Admin's comma-separated host names, addresses or networks (CIDR) that "
+                                          "webhooks may reach although not public (and over plain http).")
+    webhook_max_url_length: int = Field(2048, ge=64, description="Longer webhook URLs are refused.")
+    webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
 
-    @field_validator("data_roots", mode="before")
+    @field_validator("data_roots", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -35,6 +35,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from app import net_guard
 from app.db import session_scope
 from app.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from app.settings import Settings
@@ -202,15 +203,27 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
 
 
 def post(settings: Settings, item: Outgoing) -> tuple[int | None, str | None, str | None, float]:
-    """One POST: (status, error, first 500 characters of the answer, milliseconds)."""
+    """One POST to the address checked just now (``net_guard.pin``): (status, coarse error, first 500 characters of
+    the answer, milliseconds). Tenants see only the coarse error; the detail goes to the server log."""
     started = time.monotonic()
     try:
-        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False) as client:
-            response = client.post(item.url, content=item.body,
-                                   headers=headers(item.secret, item.delivery_id, int(time.time()), item.body))
+        target = net_guard.pin(item.url, settings)
+        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False) as client:
+            response = client.post(target.url, content=item.body, extensions={"sni_hostname": target.host},
+                                   headers={**headers(item.secret, item.delivery_id, int(time.time()), item.body),
+                                            "host": target.host_header})
         return response.status_code, None, response.text[:500], (time.monotonic() - started) * 1000
+    except net_guard.Blocked as err:
+        log.warning("webhook %s not sent: %s", item.delivery_id, err)
+        return None, net_guard.BLOCKED_REASON, None, (time.monotonic() - started) * 1000
     except httpx.HTTPError as err:
-        return None, f"{type(err).__name__}: {err}"[:1000], None, (time.monotonic() - started) * 1000
+        log.info("webhook %s: %s: %s", item.delivery_id, type(err).__name__, err)
+        return None, coarse_error(err), None, (time.monotonic() - started) * 1000
+
+
+def coarse_error(err: httpx.HTTPError) -> str:
+    """What a tenant may learn of a failed POST: not which port answered how (that would be a port scanner)."""
+    return "timed out" if isinstance(err, httpx.TimeoutException) else "connection failed"
 
 
 def backoff_s(settings: Settings, attempts: int) -> float:

@@ -10,7 +10,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.deps import PrincipalDep, SessionDep
+from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.webhook_rules import check_registration
 from app.auth import Principal
 from app.errors import ApiError
 from app.models import Webhook, WebhookAttempt, WebhookDelivery, utcnow
@@ -19,7 +20,8 @@ from app.webhooks import EVENT_TYPES, TERMINAL_EVENTS, create_webhook, secret_ke
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
-                                           404: {"description": "No such webhook"}}
+                                           404: {"description": "No such webhook"},
+                                           409: {"description": "The team has webhook_max_per_team webhooks"}}
 EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint"]
 assert set(EventType.__args__) == set(EVENT_TYPES)  # type: ignore[attr-defined]
 
@@ -96,8 +98,11 @@ def _visible(session: Session, webhook_id: str, principal: Principal) -> Webhook
 
 
 @router.post("", status_code=201, response_model=WebhookPublic, responses=ERRORS)
-def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
-    """Send your team's job events to ``url``, signed Standard-Webhooks style (the secret is shown only here)."""
+def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> WebhookPublic:
+    """Send your team's job events to ``url``, signed Standard-Webhooks style (the secret is shown only here).
+
+    ``url`` must be https and resolve to a public address (internal receivers: an admin lists them in settings)."""
+    check_registration(session, settings, principal.team, str(body.url))
     hook = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret, body.description)
     return _public(hook, with_secret=True)
 
