@@ -20,6 +20,7 @@ from app.api import health, hosts, jobs, observe, webhooks
 from app.db import upgrade_head
 from app.dispatch import reconcile_once
 from app.errors import install_error_handlers
+from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
 from app.settings import Settings, get_settings
 from app.webhooks import send_forever
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
         app.include_router(router)
