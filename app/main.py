@@ -17,11 +17,13 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
 from app.api import health, hosts, jobs, observe, webhooks
+from app.api_docs import install_docs
 from app.db import upgrade_head
 from app.dispatch import reconcile_once
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.security_headers import SecurityHeadersMiddleware
 from app.settings import Settings, get_settings
 from app.webhooks import send_forever
 from engine.spec import JobSpec
@@ -67,15 +69,17 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
             if background is not None:
                 background.cancel()
 
-    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer gets the headers
     for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    install_docs(app)  # /docs and /redoc from local files (app.api_docs)
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
