@@ -58,8 +58,10 @@ def admin_token(settings: Any) -> str:
 def _prepare(settings: Any) -> None:
     from app.db import upgrade_head
 
+    from app.secrets_box import keys
+
     settings.ensure_dirs()
-    upgrade_head(settings.database_url)
+    upgrade_head(settings.database_url, keys(settings))
 
 
 @cli.command()

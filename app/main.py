@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
+from app import secrets_box
 from app.api import health, hosts, jobs, observe, webhooks
 from app.api_docs import install_docs
 from app.db import upgrade_head
@@ -61,7 +62,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         settings.ensure_dirs()
         if migrate:
-            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
+            await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
         task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
         sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (app.webhooks)
         yield

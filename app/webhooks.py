@@ -35,7 +35,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app import net_guard
+from app import net_guard, secrets_box
 from app.db import session_scope
 from app.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from app.settings import Settings
@@ -184,7 +184,7 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
     (a compare-and-set: another sender skips it; a sender that dies leaves it due again)."""
     now = utcnow()
     hold = now + timedelta(seconds=settings.webhook_timeout_s + 30)
-    out = []
+    out, key_list = [], secrets_box.keys(settings)
     with session_scope(settings.database_url) as session:
         due = session.execute(select(WebhookDelivery, Webhook).join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
                               .where(WebhookDelivery.state == "pending", WebhookDelivery.next_attempt_at <= now,
@@ -197,7 +197,8 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
                 .values(next_attempt_at=hold).execution_options(synchronize_session=False))
             if took.rowcount == 1:  # type: ignore[attr-defined]
                 body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-                out.append(Outgoing(delivery.id, delivery.attempts + 1, hook.url, hook.secret, body))
+                secret = secrets_box.unseal(key_list, hook.secret)
+                out.append(Outgoing(delivery.id, delivery.attempts + 1, hook.url, secret, body))
         session.commit()
     return out
 
@@ -284,13 +285,16 @@ class Sender:
 
 
 def create_webhook(session: Session, team: str, url: str, events: list[str], secret: str | None,
-                   description: str | None) -> Webhook:
-    """A new endpoint; it gets the events after this moment (its cursor starts at the newest event)."""
-    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)), secret=secret or new_secret(),
+                   description: str | None, *, settings: Settings) -> tuple[Webhook, str]:
+    """A new endpoint and its secret in clear (stored sealed, ``app.secrets_box``); it gets the events after this
+    moment (its cursor starts at the newest event)."""
+    secret = secret or new_secret()
+    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)),
+                   secret=secrets_box.seal(secrets_box.keys(settings), secret),
                    description=description, cursor=session.scalar(select(func.max(Event.id))) or 0)
     session.add(hook)
     session.commit()
-    return hook
+    return hook, secret
 
 
 async def send_forever(settings: Settings) -> None:

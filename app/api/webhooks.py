@@ -84,9 +84,9 @@ class DeliveryPublic(BaseModel):
     attempt_log: list[AttemptPublic]
 
 
-def _public(hook: Webhook, with_secret: bool = False) -> WebhookPublic:
+def _public(hook: Webhook) -> WebhookPublic:
     public = WebhookPublic.model_validate(hook)
-    public.secret = hook.secret if with_secret else None
+    public.secret = None  # stored sealed; shown in clear only in the answer to POST
     return public
 
 
@@ -103,8 +103,11 @@ def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep, 
 
     ``url`` must be https and resolve to a public address (internal receivers: an admin lists them in settings)."""
     check_registration(session, settings, principal.team, str(body.url))
-    hook = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret, body.description)
-    return _public(hook, with_secret=True)
+    hook, secret = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret,
+                                  body.description, settings=settings)
+    public = _public(hook)
+    public.secret = secret
+    return public
 
 
 @router.get("", response_model=ListPage[WebhookPublic], responses=ERRORS)
