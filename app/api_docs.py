@@ -5,6 +5,7 @@ of ``app.security_headers`` forbids both). FastAPI's own pages would do both."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import fastapi_offline
 from fastapi import FastAPI
@@ -39,3 +40,23 @@ def install_docs(app: FastAPI) -> None:
         return HTMLResponse(_REDOC.format(title=app.title, openapi=openapi))
 
     app.mount("/docs-assets", StaticFiles(directory=ASSETS), name="docs-assets")
+
+
+def document_refusals(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document as clients must read it: ``kind`` is required in every job spec (it selects the spec,
+    the server has no default), and every operation may answer 400 (``app.input_guard`` refuses hostile input on any
+    route before it runs)."""
+    components = schema.get("components", {}).get("schemas", {})
+    for ref in components.get("JobSpec", {}).get("discriminator", {}).get("mapping", {}).values():
+        spec = components.get(ref.rsplit("/", 1)[-1], {})
+        if "kind" in spec.get("properties", {}) and "kind" not in spec.setdefault("required", []):
+            spec["required"].insert(0, "kind")
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            if isinstance(operation, dict) and "responses" in operation:
+                operation["responses"].setdefault("400", {"description": BAD_REQUEST})
+    return schema
+
+
+BAD_REQUEST = ("Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "
+               "levels; a NUL in the path or query")

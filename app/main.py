@@ -18,7 +18,7 @@ from pydantic import TypeAdapter
 
 from app import secrets_box
 from app.api import health, hosts, jobs, observe, webhooks
-from app.api_docs import install_docs
+from app.api_docs import document_refusals, install_docs
 from app.db import upgrade_head
 from app.dispatch import reconcile_once
 from app.errors import install_error_handlers
@@ -51,7 +51,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(spec_schema.pop("$defs", {}))
     components["JobSpec"] = spec_schema
-    app.openapi_schema = schema
+    app.openapi_schema = document_refusals(schema)
     return schema
 
 
