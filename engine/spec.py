@@ -54,6 +54,20 @@ DataPath = Annotated[str, AfterValidator(_resolve_in_roots)]
 """A filesystem path a job reads or writes; must resolve inside the data roots when submitted over the API."""
 
 
+def _output_below_root(value: str | None, info: ValidationInfo) -> str | None:
+    """An output must name something inside a root, not the root: a prefix equal to the root ("", ".") would put
+    ``<root>_text_document.bin`` beside it, outside every root."""
+    if value is None or not info.context or info.context.get("data_roots") is None:
+        return value
+    if any(Path(value) == Path(r).resolve() for r in info.context["data_roots"]):
+        raise ValueError(f"path {value!r} is a data root itself; name a file or directory inside it")
+    return value
+
+
+OutputPath = Annotated[str, AfterValidator(_resolve_in_roots), AfterValidator(_output_below_root)]
+"""A path a job writes: a ``DataPath`` strictly below a data root."""
+
+
 def _split_list(value: Any) -> Any:
     """Accept MindSpeed's comma/space separated strings ("4,4" or "a b") for list fields."""
     if isinstance(value, str):
@@ -232,7 +246,7 @@ class PreprocessSpec(JobBase):
     kind: Literal["preprocess"] = "preprocess"
     input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files (one format).")
     tokenizer_name_or_path: DataPath = Field(..., description="Local directory of a Hugging Face tokenizer.")
-    output_prefix: DataPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
+    output_prefix: OutputPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
     tokenizer_type: Literal["PretrainedFromHF"] = "PretrainedFromHF"
     tokenizer_not_use_fast: bool = False
     handler_name: str = Field(
@@ -289,7 +303,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         "train,valid,test weights over the samples in dataset order (Megatron's): training uses the leading "
         "share, validation the next one; the test share is not used."))
     load: DataPath | None = None
-    save: DataPath | None = None
+    save: OutputPath | None = None
     save_interval: int | None = Field(None, ge=1)
     no_load_optim: bool = False
     no_load_rng: bool = False
@@ -320,7 +334,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     eval_iters: int = Field(100, ge=0, description=(
         "Global batches per validation pass (the same ones each pass; fewer when the validation share is smaller). "
         "0 turns validation off. Reported as val_lm_loss / val_lm_ppl metrics and Megatron's validation log line."))
-    tensorboard_dir: DataPath | None = None
+    tensorboard_dir: OutputPath | None = None
     finetune: bool = False
     stage: Literal["sft"] | None = None
     is_instruction_dataset: bool = False
@@ -359,7 +373,7 @@ class ConvertSpec(JobBase):
     num_layer_list: IntList | None = None
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1)
     load_dir: DataPath = Field(..., description="HF model directory, or Megatron checkpoint root (tracker + iter_*).")
-    save_dir: DataPath = Field(..., description=(
+    save_dir: OutputPath = Field(..., description=(
         "Output directory. For hf output into an existing HF model directory (config.json present) the model "
         "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
     tokenizer_model: DataPath | None = Field(None, description="Tokenizer file or directory; its files are copied into HF output.")
