@@ -17,8 +17,12 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import TypeAdapter
 
 from app.api import health, hosts, jobs, observe, webhooks
+from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
+from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.security_headers import SecurityHeadersMiddleware
+from core import secrets_box
 from core.db import upgrade_head
 from core.reconciler import reconcile_once
 from core.settings import Settings, get_settings
@@ -47,7 +51,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(spec_schema.pop("$defs", {}))
     components["JobSpec"] = spec_schema
-    app.openapi_schema = schema
+    app.openapi_schema = document_refusals(schema)
     return schema
 
 
@@ -58,7 +62,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         settings.ensure_dirs()
         if migrate:
-            await anyio.to_thread.run_sync(upgrade_head, settings.database_url)
+            await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
         task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
         sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (core.webhooks)
         yield
@@ -66,14 +70,17 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
             if background is not None:
                 background.cancel()
 
-    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer gets the headers
     for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    install_docs(app)  # /docs and /redoc from local files (app.api_docs)
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:

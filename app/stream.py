@@ -41,8 +41,8 @@ class Cursor:
         if not text:
             return cls()
         parts = text.split("-")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"expected '<event>-<metric>-<log>' ids, got {text!r}")
+        if len(parts) != 3 or not all(p.isdigit() and len(p) <= 19 and int(p) < 2**63 for p in parts):
+            raise ValueError(f"expected '<event>-<metric>-<log>' ids below 2**63, got {text[:80]!r}")
         return cls(*(int(p) for p in parts))
 
     def __str__(self) -> str:

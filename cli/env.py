@@ -14,6 +14,7 @@ def load_settings() -> Settings:
 def prepare(settings: Settings) -> None:
     """Create the var directories and apply the migrations."""
     from core.db import upgrade_head
+    from core.secrets_box import keys
 
     settings.ensure_dirs()
-    upgrade_head(settings.database_url)
+    upgrade_head(settings.database_url, keys(settings))

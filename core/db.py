@@ -62,14 +62,16 @@ def session_scope(url: str) -> Iterator[Session]:
         session.close()
 
 
-def upgrade_head(url: str) -> None:
-    """Apply every Alembic migration (``alembic upgrade head``) to the database at ``url``."""
+def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:
+    """Apply every Alembic migration (``alembic upgrade head``) to the database at ``url``; ``secret_keys``
+    (``app.secrets_box.keys``) seal stored secrets that a migration encrypts."""
     from alembic import command
     from alembic.config import Config
 
     config = Config(str(ALEMBIC_INI))
     config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
     config.attributes["database_url"] = url
+    config.attributes["secret_keys"] = secret_keys
     command.upgrade(config, "head")
 
 

@@ -151,7 +151,7 @@ def list_jobs(
         query = query.where(Job.meta[key].as_string() == value)
     if after:
         anchor = session.get(Job, after)
-        if anchor is None:
+        if anchor is None or not principal.sees(anchor.team):  # another team's id reads as unknown
             raise ApiError(400, "invalid_cursor", f"after: no job {after}", "after")
         query = query.where(or_(Job.created_at < anchor.created_at,
                                 and_(Job.created_at == anchor.created_at, Job.id < anchor.id)))

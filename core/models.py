@@ -267,7 +267,7 @@ class Webhook(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     team: Mapped[str] = mapped_column(String(64))
     url: Mapped[str] = mapped_column(Text)
-    secret: Mapped[str] = mapped_column(String(128))  # whsec_<base64>: the HMAC key must be readable to sign
+    secret: Mapped[str] = mapped_column(String(512))  # whsec_<base64> sealed by app.secrets_box (the sender signs with it)
     events: Mapped[list[str]] = mapped_column(JSON)
     description: Mapped[str | None] = mapped_column(String(200))
     cursor: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -139,12 +139,18 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
     return Grant(job.id, attempt, [h.name for h, _ in placement])
 
 
+def behind_reason(count: int, kind: str) -> str:
+    """Why a job waits behind others: how many, not whose (their ids may be other teams')."""
+    return f"waiting behind {count} job{'s' if count != 1 else ''} (higher priority or queued earlier) for {kind} devices"
+
+
 def _pass(session: Session, settings: Settings) -> list[Grant]:
     lock(session)
     waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
     jobs = list(session.scalars(select(Job).where(waiting)
                                 .order_by(Job.priority.desc(), Job.created_at, Job.id)))
     usage, hosts, blocked = team_usage(session), {}, {}  # type: ignore[var-annotated]
+    ahead: dict[str, int] = {}  # waiting jobs queued before this one for a blocked device type (counted, never named)
     grants = []
     for job in jobs:
         res = Resources.model_validate(job.spec.get("resources") or {})
@@ -155,9 +161,10 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
         if limit and held + res.world_size > limit:
             reason = f"team {job.team} holds {held} of its {limit} devices; this job needs {res.world_size}"
         elif kind in blocked:
-            reason = f"waiting behind job {blocked[kind]} (higher priority or queued earlier) for {kind} devices"
+            reason = behind_reason(ahead[kind], kind)
+            ahead[kind] += 1
         elif (placement := place(res, hosts[kind])) is None:
-            reason, blocked[kind] = waiting_reason(res, hosts[kind], settings), job.id
+            reason, blocked[kind], ahead[kind] = waiting_reason(res, hosts[kind], settings), job.id, 1
         elif (granted := grant(session, settings, job, placement)) is not None:
             usage[job.team] = held + res.world_size
             grants.append(granted)

@@ -59,8 +59,21 @@ class Settings(BaseSettings):
     webhook_backoff_s: float = Field(5.0, gt=0, description="Retry n waits webhook_backoff_s * 2**(n-1), at most 1 h.")
     webhook_settle_s: float = Field(2.0, ge=0, description="Events are sent once they are this old (longer than any "
                                                            "open transaction), so none is skipped.")
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Admin's comma-separated host names, addresses or networks (CIDR) that "
+                                          "webhooks may reach although not public (and over plain http).")
+    webhook_max_url_length: int = Field(2048, ge=64, description="Longer webhook URLs are refused.")
+    secret_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Comma-separated Fernet keys for secrets stored encrypted (webhook secrets), "
+                                          "newest first: the first encrypts, all decrypt. Default: one generated into "
+                                          "<var_dir>/secret.key.")
+    metadata_max_keys: int = Field(16, ge=0, description="Keys a job's metadata may have.")
+    metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
+    metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
+    metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
+    webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
 
-    @field_validator("data_roots", mode="before")
+    @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):

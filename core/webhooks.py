@@ -35,6 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from standardwebhooks.webhooks import Webhook as StandardWebhook
 
+from core import net_guard, secrets_box
 from core.db import session_scope
 from core.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from core.pages import fetch_page
@@ -186,7 +187,7 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
     (a compare-and-set: another sender skips it; a sender that dies leaves it due again)."""
     now = utcnow()
     hold = now + timedelta(seconds=settings.webhook_timeout_s + 30)
-    out = []
+    out, key_list = [], secrets_box.keys(settings)
     with session_scope(settings.database_url) as session:
         due = session.execute(select(WebhookDelivery, Webhook).join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
                               .where(WebhookDelivery.state == DeliveryState.pending.value, WebhookDelivery.next_attempt_at <= now,
@@ -199,21 +200,34 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
                 .values(next_attempt_at=hold).execution_options(synchronize_session=False))
             if took.rowcount == 1:  # type: ignore[attr-defined]
                 body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-                out.append(Outgoing(delivery.id, delivery.attempts + 1, hook.url, hook.secret, body))
+                secret = secrets_box.unseal(key_list, hook.secret)
+                out.append(Outgoing(delivery.id, delivery.attempts + 1, hook.url, secret, body))
         session.commit()
     return out
 
 
 def post(settings: Settings, item: Outgoing) -> tuple[int | None, str | None, str | None, float]:
-    """One POST: (status, error, first 500 characters of the answer, milliseconds)."""
+    """One POST to the address checked just now (``net_guard.pin``): (status, coarse error, first 500 characters of
+    the answer, milliseconds). Tenants see only the coarse error; the detail goes to the server log."""
     started = time.monotonic()
     try:
-        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False) as client:
-            response = client.post(item.url, content=item.body,
-                                   headers=headers(item.secret, item.delivery_id, int(time.time()), item.body))
+        target = net_guard.pin(item.url, settings)
+        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False) as client:
+            response = client.post(target.url, content=item.body, extensions={"sni_hostname": target.host},
+                                   headers={**headers(item.secret, item.delivery_id, int(time.time()), item.body),
+                                            "host": target.host_header})
         return response.status_code, None, response.text[:500], (time.monotonic() - started) * 1000
+    except net_guard.Blocked as err:
+        log.warning("webhook %s not sent: %s", item.delivery_id, err)
+        return None, net_guard.BLOCKED_REASON, None, (time.monotonic() - started) * 1000
     except httpx.HTTPError as err:
-        return None, f"{type(err).__name__}: {err}"[:1000], None, (time.monotonic() - started) * 1000
+        log.info("webhook %s: %s: %s", item.delivery_id, type(err).__name__, err)
+        return None, coarse_error(err), None, (time.monotonic() - started) * 1000
+
+
+def coarse_error(err: httpx.HTTPError) -> str:
+    """What a tenant may learn of a failed POST: not which port answered how (that would be a port scanner)."""
+    return "timed out" if isinstance(err, httpx.TimeoutException) else "connection failed"
 
 
 def backoff_s(settings: Settings, attempts: int) -> float:
@@ -279,13 +293,16 @@ class Sender:
 
 
 def create_webhook(session: Session, team: str, url: str, events: list[str], secret: str | None,
-                   description: str | None) -> Webhook:
-    """A new endpoint; it gets the events after this moment (its cursor starts at the newest event)."""
-    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)), secret=secret or new_secret(),
+                   description: str | None, *, settings: Settings) -> tuple[Webhook, str]:
+    """A new endpoint and its secret in clear (stored sealed, ``core.secrets_box``); it gets the events after this
+    moment (its cursor starts at the newest event)."""
+    secret = secret or new_secret()
+    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)),
+                   secret=secrets_box.seal(secrets_box.keys(settings), secret),
                    description=description, cursor=session.scalar(select(func.max(Event.id))) or 0)
     session.add(hook)
     session.commit()
-    return hook
+    return hook, secret
 
 
 def team_webhooks(session: Session, team: str) -> list[Webhook]:

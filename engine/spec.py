@@ -54,6 +54,20 @@ DataPath = Annotated[str, AfterValidator(_resolve_in_roots)]
 """A filesystem path a job reads or writes; must resolve inside the data roots when submitted over the API."""
 
 
+def _output_below_root(value: str | None, info: ValidationInfo) -> str | None:
+    """An output must name something inside a root, not the root: a prefix equal to the root ("", ".") would put
+    ``<root>_text_document.bin`` beside it, outside every root."""
+    if value is None or not info.context or info.context.get("data_roots") is None:
+        return value
+    if any(Path(value) == Path(r).resolve() for r in info.context["data_roots"]):
+        raise ValueError(f"path {value!r} is a data root itself; name a file or directory inside it")
+    return value
+
+
+OutputPath = Annotated[str, AfterValidator(_resolve_in_roots), AfterValidator(_output_below_root)]
+"""A path a job writes: a ``DataPath`` strictly below a data root."""
+
+
 def _split_list(value: Any) -> Any:
     """Accept MindSpeed's comma/space separated strings ("4,4" or "a b") for list fields."""
     if isinstance(value, str):
@@ -232,7 +246,7 @@ class PreprocessSpec(JobBase):
     kind: Literal["preprocess"] = Field("preprocess", description="Job kind \"preprocess\" (the discriminator).")
     input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files (one format).")
     tokenizer_name_or_path: DataPath = Field(..., description="Local directory of a Hugging Face tokenizer.")
-    output_prefix: DataPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
+    output_prefix: OutputPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
     tokenizer_type: Literal["PretrainedFromHF"] = Field("PretrainedFromHF", description="--tokenizer-type: PretrainedFromHF, the one supported.")
     tokenizer_not_use_fast: bool = Field(False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one.")
     handler_name: str = Field(
@@ -289,7 +303,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         "train,valid,test weights over the samples in dataset order (Megatron's): training uses the leading "
         "share, validation the next one; the test share is not used."))
     load: DataPath | None = Field(None, description="--load: checkpoint to start from: a Megatron checkpoint root (tracker + iter_*) or an HF model directory.")
-    save: DataPath | None = Field(None, description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.")
+    save: OutputPath | None = Field(None, description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.")
     save_interval: int | None = Field(None, ge=1, description="--save-interval: iterations between checkpoints (default: only at the end).")
     no_load_optim: bool = Field(False, description="--no-load-optim: do not restore optimizer state from load.")
     no_load_rng: bool = Field(False, description="--no-load-rng: do not restore RNG state from load.")
@@ -320,7 +334,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     eval_iters: int = Field(100, ge=0, description=(
         "Global batches per validation pass (the same ones each pass; fewer when the validation share is smaller). "
         "0 turns validation off. Reported as val_lm_loss / val_lm_ppl metrics and Megatron's validation log line."))
-    tensorboard_dir: DataPath | None = Field(None, description="--tensorboard-dir: write TensorBoard event files here as well.")
+    tensorboard_dir: OutputPath | None = Field(None, description="--tensorboard-dir: write TensorBoard event files here as well.")
     finetune: bool = Field(False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load.")
     stage: Literal["sft"] | None = Field(None, description="--stage: sft for supervised fine-tuning on instruction data.")
     is_instruction_dataset: bool = Field(False, description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from the loss).")
@@ -359,7 +373,7 @@ class ConvertSpec(JobBase):
     num_layer_list: IntList | None = Field(None, description="--num-layer-list: layers per pipeline stage of the output, e.g. '10,8,8,10' (default: even split).")
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage of the output.")
     load_dir: DataPath = Field(..., description="HF model directory, or Megatron checkpoint root (tracker + iter_*).")
-    save_dir: DataPath = Field(..., description=(
+    save_dir: OutputPath = Field(..., description=(
         "Output directory. For hf output into an existing HF model directory (config.json present) the model "
         "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
     tokenizer_model: DataPath | None = Field(None, description="Tokenizer file or directory; its files are copied into HF output.")

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from core import secrets_box
 from core.auth import create_token
 from core.db import session_scope, upgrade_head
 from core.settings import Settings
@@ -19,7 +20,7 @@ def isolated_settings(var_dir: Path, database_url: str | None = None, **override
     where: dict[str, Any] = {"broker_url": "", "redis_url": None, "data_roots": [], "runs_dir": None}
     settings = Settings(var_dir=var_dir, database_url=database_url or "", **{**where, **overrides})
     settings.ensure_dirs()
-    upgrade_head(settings.database_url)
+    upgrade_head(settings.database_url, secrets_box.keys(settings))
     return settings
 
 

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
+from app.input_guard import check_metadata
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from core import jobs as service
 from core import pipelines
@@ -46,6 +47,7 @@ async def create_job(
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
     spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
+    check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
     if not created:
         response.headers["Idempotent-Replayed"] = "true"

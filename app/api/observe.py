@@ -9,6 +9,7 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
+from app.input_guard import INT32_MAX, INT64_MAX
 from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
 from app.stream import Cursor, job_stream
 from core import records
@@ -21,7 +22,7 @@ router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
 @router.get("/events", response_model=ListPage[EventPublic], responses=ERRORS)
 def list_events(
     job_id: str, session: SessionDep, principal: PrincipalDep,
-    after: Annotated[int, Query(ge=0, description="last_id of the previous page")] = 0,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX, description="last_id of the previous page")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
@@ -33,7 +34,7 @@ def list_events(
 @router.get("/metrics", response_model=MetricsPage, responses=ERRORS)
 def list_metrics(
     job_id: str, session: SessionDep, principal: PrincipalDep,
-    since_step: Annotated[int, Query(description="only steps after this one")] = -1,
+    since_step: Annotated[int, Query(ge=-1, le=INT32_MAX, description="only steps after this one")] = -1,
     names: Annotated[str | None, Query(description="comma-separated metric names, e.g. lm_loss,grad_norm")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> MetricsPage:
@@ -48,9 +49,9 @@ def list_metrics(
 @router.get("/logs", response_model=LogsPage, responses=ERRORS)
 def list_logs(
     job_id: str, session: SessionDep, principal: PrincipalDep,
-    rank: Annotated[int | None, Query(ge=0, description="a rank's own log (logs/rank{R}.log)")] = None,
+    rank: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="a rank's own log (logs/rank{R}.log)")] = None,
     stream: Annotated[str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")] = None,
-    offset: Annotated[int, Query(ge=0, description="first line number to return")] = 0,
+    offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="first line number to return")] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> LogsPage:
     """Log lines of one stream, from line ``offset`` on."""

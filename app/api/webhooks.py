@@ -9,9 +9,10 @@ from fastapi import APIRouter, Query
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
-from app.api.deps import PrincipalDep, SessionDep
+from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.schemas import ListPage
 from core.auth import Principal, load_visible
+from core.webhook_rules import check_registration
 from core.models import Webhook
 from core.webhooks import (
     TERMINAL_EVENTS,
@@ -25,7 +26,8 @@ from core.webhooks import (
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
-                                           404: {"description": "No such webhook"}}
+                                           404: {"description": "No such webhook"},
+                                           409: {"description": "The team has webhook_max_per_team webhooks"}}
 
 
 class WebhookCreate(BaseModel):
@@ -86,9 +88,9 @@ class DeliveryPublic(BaseModel):
     attempt_log: list[AttemptPublic]
 
 
-def _public(hook: Webhook, with_secret: bool = False) -> WebhookPublic:
+def _public(hook: Webhook) -> WebhookPublic:
     public = WebhookPublic.model_validate(hook)
-    public.secret = hook.secret if with_secret else None
+    public.secret = None  # stored sealed; shown in clear only in the answer to POST
     return public
 
 
@@ -97,10 +99,16 @@ def _visible(session: Session, webhook_id: str, principal: Principal) -> Webhook
 
 
 @router.post("", status_code=201, response_model=WebhookPublic, responses=ERRORS)
-def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep) -> WebhookPublic:
-    """Send your team's job events to ``url``, signed Standard-Webhooks style (the secret is shown only here)."""
-    hook = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret, body.description)
-    return _public(hook, with_secret=True)
+def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> WebhookPublic:
+    """Send your team's job events to ``url``, signed Standard-Webhooks style (the secret is shown only here).
+
+    ``url`` must be https and resolve to a public address (internal receivers: an admin lists them in settings)."""
+    check_registration(session, settings, principal.team, str(body.url))
+    hook, secret = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret,
+                                  body.description, settings=settings)
+    public = _public(hook)
+    public.secret = secret
+    return public
 
 
 @router.get("", response_model=ListPage[WebhookPublic], responses=ERRORS)

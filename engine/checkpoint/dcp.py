@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from engine.parallel.pipeline_parallel import dcp_state_view
 
 STATE_DIR = "train_state"
@@ -153,27 +154,28 @@ def load(
     """Load model (and optimizer when given and saved) in place, collectively; returns meta.json."""
     ckpt = resolve(path)
     meta = json.loads((ckpt / META).read_text())
+    _saved_keys(ckpt)  # read .metadata here first: a refused class is a BadInput, not wrapped by DCP's collectives
     # A LoRA checkpoint holds adapters only: the frozen base is neither expected nor required.
     opts = _options(trainable_only, strict=not trainable_only)
     if optimizer is not None and meta.get("has_optimizer"):
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         view, finish = dcp_state_view({"model": model_sd, "optim": optim_sd}, model, "load")
-        dcp.load(view, checkpoint_id=str(ckpt))
+        dcp.load(view, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner())
         state = finish()
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     else:
         view, finish = dcp_state_view({"model": get_model_state_dict(model, options=opts)}, model, "load")
-        dcp.load(view, checkpoint_id=str(ckpt))
+        dcp.load(view, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner())
         state = finish()
         set_model_state_dict(model, state["model"], options=opts)
     rng = ckpt / f"rng_rank{dist.get_rank()}.pt"
     if load_rng and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(load_torch_file(rng))
     return meta
 
 
 def _saved_keys(ckpt: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    return set(SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
 
 
 def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -187,6 +189,6 @@ def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], di
     ckpt = resolve(path)
     meta = json.loads((ckpt / META).read_text())
     keys = {k for k in _saved_keys(ckpt) if k.startswith("model.")}
-    loaded = _load_state_dict_from_keys(keys, checkpoint_id=str(ckpt))
+    loaded = _load_state_dict_from_keys(keys, storage_reader=SafeFileSystemReader(str(ckpt)))
     model = loaded["model"] if "model" in loaded else {k[len("model."):]: v for k, v in loaded.items()}
     return meta, model

@@ -9,7 +9,8 @@ Writing streams each rank file tensor by tensor (``engine.checkpoint.torchfile``
 then the bytes), so peak memory stays around one tensor whatever the shard size. Reading parses every rank file's
 pickle only (``engine.checkpoint.reader``) and reads a native tensor's TP pieces straight into place when asked,
 merging LoRA adapters per TP shard on the way (W_k + alpha/r · B_k @ A_k in fp32, MindSpeed's rule).
-Pickled classes that are not importable here (Megatron/MindSpeed enums in ``args``) load as inert stand-ins.
+Pickles are read through an allow-list (``engine.checkpoint.safe_pickle``): Megatron's enums in ``args`` load as
+inert stand-ins, any class a real checkpoint does not hold is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import re
 import threading
-import types
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, c
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
+from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
@@ -88,44 +88,15 @@ def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str
     return path, iteration
 
 
-def _lenient_pickle() -> types.ModuleType:
-    """A pickle module whose unpickler turns unknown classes into stand-ins instead of failing."""
-
-    class Missing:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.args = args
-
-        def __setstate__(self, state: Any) -> None:
-            self.state = state
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            try:
-                return super().find_class(module, name)
-            except (ImportError, AttributeError):
-                return type(name, (Missing,), {"__module__": module})
-
-    mod = types.ModuleType("lenient_pickle")
-    mod.__dict__.update({k: v for k, v in pickle.__dict__.items() if not k.startswith("__")})
-    mod.Unpickler = Unpickler  # type: ignore[attr-defined]
-    return mod
-
-
-_PICKLE = _lenient_pickle()
-
-
 def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
     """One ``model_optim_rng.pt`` as ``torch.load`` gives it (tensors read); with ``lazy`` every tensor is a
-    ``TensorRef``/``MemoryRef`` read on demand. Unknown pickled classes load as stand-ins either way."""
+    ``TensorRef``/``MemoryRef`` read on demand. Pickles go through the allow-list (``safe_pickle``)."""
     if not path.is_file():
         raise BadInput(f"{path}: missing", field="load_dir")
     if zipfile.is_zipfile(path):
         obj = TorchZipFile(path).obj
     else:
-        try:
-            raw = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
-        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError) as err:
-            raise BadInput(f"{path}: not a readable torch checkpoint, truncated? ({err})", field="load_dir") from err
+        raw = load_torch_file(path)
         obj = {k: ({n: MemoryRef(t) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
                    if isinstance(v, dict) else v) for k, v in raw.items()}
     if lazy:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.checkpoint.safe_pickle import SafeUnpickler
 from engine.runfiles import BadInput
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -136,8 +137,8 @@ class _StorageRef:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
-class _LazyUnpickler(pickle.Unpickler):
-    """Turns tensors into ``(storage key, offset, shape, stride)`` records; unknown classes into stand-ins."""
+class _LazyUnpickler(SafeUnpickler):
+    """Turns tensors into ``(storage key, offset, shape, stride)`` records; other globals pass the allow-list."""
 
     def persistent_load(self, pid: Any) -> Any:
         _, storage_type, key, _location, numel = pid
@@ -153,18 +154,7 @@ class _LazyUnpickler(pickle.Unpickler):
             return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
         if module == "torch._utils" and name == "_rebuild_parameter":
             return lambda data, requires_grad, backward_hooks, *rest: data
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Missing,), {"__module__": module})
-
-
-class _Missing:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
+        return super().find_class(module, name)
 
 
 class TorchZipFile(_File):
@@ -175,7 +165,9 @@ class TorchZipFile(_File):
         try:
             with zipfile.ZipFile(self.path) as zf:
                 infos = {i.filename.split("/", 1)[1]: i for i in zf.infolist() if "/" in i.filename}
-                raw = _LazyUnpickler(zf.open(infos["data.pkl"])).load()
+                unpickler = _LazyUnpickler(zf.open(infos["data.pkl"]))
+                unpickler.path = self.path
+                raw = unpickler.load()
         except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as err:
             raise BadInput(f"{self.path}: not a readable torch checkpoint, truncated? ({type(err).__name__}: {err})",
                            field="load_dir") from err

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
     with serve(tmp_path_factory.mktemp("pipeline-var"), LLMJOBS_HEARTBEAT_INTERVAL_S="1",
                LLMJOBS_WORKER_NAME="pipeline-host", LLMJOBS_RECONCILE_INTERVAL_S="1", LLMJOBS_WEBHOOK_POLL_S="0.3",
-               OMP_NUM_THREADS="1") as svc:
+               LLMJOBS_WEBHOOK_ALLOWED_HOSTS="127.0.0.1", OMP_NUM_THREADS="1") as svc:
         yield svc.url, svc.token, svc.var
 
 

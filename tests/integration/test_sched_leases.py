@@ -94,7 +94,7 @@ def test_priority_first_then_fifo_and_no_backfill(settings: Settings) -> None:
     assert [g.job_id for g in schedule(settings)] == [high, low1]
     big_row, low2_row = rows(settings, big, low2)
     assert "waiting for 2 free cpu devices" in (big_row.pending_reason or "")
-    assert low2_row.pending_reason == f"waiting behind job {big} (higher priority or queued earlier) for cpu devices"
+    assert low2_row.pending_reason == "waiting behind 1 job (higher priority or queued earlier) for cpu devices"
     finish(settings, high)
     assert schedule(settings) == []  # one device free, but the 2-device job queued earlier comes first
     finish(settings, low1)

@@ -1,0 +1,62 @@
+"""/docs (Swagger UI) and /redoc served from files on this host: the ``fastapi-offline`` package's copies of
+swagger-ui and ReDoc, and a start-up script of ours, so that no page runs a CDN's script or an inline one (the CSP
+of ``app.security_headers`` forbids both). FastAPI's own pages would do both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import fastapi_offline
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+ASSETS = Path(fastapi_offline.__file__).parent / "static"
+
+_SWAGGER = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title} - API docs</title>
+<link rel="stylesheet" href="/docs-assets/swagger-ui.css"><link rel="icon" href="/docs-assets/favicon.png"></head>
+<body><div id="swagger-ui" data-openapi-url="{openapi}"></div>
+<script src="/docs-assets/swagger-ui-bundle.js"></script><script src="/ui/docs/swagger-init.js"></script>
+</body></html>"""
+
+_REDOC = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title} - ReDoc</title>
+<link rel="icon" href="/docs-assets/favicon.png"></head>
+<body><redoc spec-url="{openapi}"></redoc><script src="/docs-assets/redoc.standalone.js"></script></body></html>"""
+
+
+def install_docs(app: FastAPI) -> None:
+    """Add /docs, /redoc and /docs-assets; create the app with ``docs_url=None, redoc_url=None``."""
+    openapi = app.openapi_url or "/openapi.json"
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui() -> HTMLResponse:
+        return HTMLResponse(_SWAGGER.format(title=app.title, openapi=openapi))
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return HTMLResponse(_REDOC.format(title=app.title, openapi=openapi))
+
+    app.mount("/docs-assets", StaticFiles(directory=ASSETS), name="docs-assets")
+
+
+def document_refusals(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document as clients must read it: ``kind`` is required in every job spec (it selects the spec,
+    the server has no default), and every operation may answer 400 (``app.input_guard`` refuses hostile input on any
+    route before it runs)."""
+    components = schema.get("components", {}).get("schemas", {})
+    for ref in components.get("JobSpec", {}).get("discriminator", {}).get("mapping", {}).values():
+        spec = components.get(ref.rsplit("/", 1)[-1], {})
+        if "kind" in spec.get("properties", {}) and "kind" not in spec.setdefault("required", []):
+            spec["required"].insert(0, "kind")
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            if isinstance(operation, dict) and "responses" in operation:
+                operation["responses"].setdefault("400", {"description": BAD_REQUEST})
+    return schema
+
+
+BAD_REQUEST = ("Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "
+               "levels; a NUL in the path or query")
