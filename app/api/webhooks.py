@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.schemas import ListPage
 from core.auth import Principal, load_visible
-from core.webhook_rules import check_registration
 from core.models import Webhook
+from core.webhook_rules import check_registration
 from core.webhooks import (
     TERMINAL_EVENTS,
     EventType,

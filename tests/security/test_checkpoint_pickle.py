@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from convert_tiny import tiny_hf
 
+from convert_tiny import tiny_hf
 from engine.checkpoint import dcp
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run

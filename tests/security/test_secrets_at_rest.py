@@ -14,9 +14,9 @@ from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
 from security_support import Receiver, finish_job
 
+from app.main import create_app
 from core import secrets_box, webhooks
 from core.db import ALEMBIC_INI, REPO_ROOT, session_scope
-from app.main import create_app
 from core.models import ApiToken, Webhook
 from core.settings import Settings
 from tests.core_support import auth, isolated_settings, make_token
