@@ -246,14 +246,19 @@ class PreprocessSpec(JobBase):
     json_keys: StrList = Field(default_factory=lambda: ["text"], description="Pretraining: the text column(s).")
     workers: int = Field(1, ge=1, le=256, description="Tokenizing processes.")
     log_interval: int = Field(100, ge=1, description="Samples between progress reports.")
-    seq_length: int | None = Field(None, ge=2, description="Samples of seq_length tokens or more are dropped (or truncated); pack bins.")
+    seq_length: int | None = Field(None, ge=2, description="Instruction samples are cut to fit seq_length - 1 tokens (see overlong_policy); pack bins.")
     pack: bool = Field(False, description="Pack samples into seq_length rows (needs seq_length).")
     neat_pack: bool = Field(False, description="With pack: attention_mask holds 1-based sub-sample ids, 0 on padding.")
-    append_eod: bool = Field(False, description="Pretraining: append the tokenizer's eos id to every document.")
+    append_eod: bool = Field(False, description=(
+        "Append an end-of-document token to every sample: pretraining documents get the tokenizer's eos; instruction "
+        "samples a trained <|im_end|> (qwen/qwen3) or the tokenizer's eos (hf), as MindSpeed does."))
     skip_bad_samples: bool = Field(False, description="Count and skip malformed records instead of failing on the first.")
-    overlong_policy: Literal["drop", "truncate"] = Field(
-        "drop", description="Samples longer than seq_length - 1 tokens: drop (MindSpeed) or keep the first seq_length - 1."
-    )
+    overlong_policy: Literal["truncate", "truncate_head", "drop"] = Field(
+        "truncate", description=(
+            "Instruction samples over seq_length - 1 tokens: truncate = MindSpeed's rule (each prompt/answer pair cut "
+            "in proportion until the sample fits; qwen keeps MindSpeed's older rule, whose cut samples reach "
+            "seq_length and are dropped); truncate_head = keep the first tokens; drop = leave the sample out. "
+            "Whatever the policy, a sample of seq_length tokens or more after append_eod is dropped (MindSpeed's check)."))
 
     @model_validator(mode="after")
     def _check_preprocess(self) -> "PreprocessSpec":

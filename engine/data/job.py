@@ -55,7 +55,7 @@ def _config(spec: PreprocessSpec) -> EncodeConfig:
         enable_thinking=spec.enable_thinking,
         json_keys=tuple(spec.json_keys),
         append_eod=spec.append_eod,
-        max_length=spec.seq_length - 1 if spec.seq_length else None,
+        seq_length=spec.seq_length,
         overlong_policy=spec.overlong_policy,
     )
 
