@@ -21,6 +21,8 @@ MindSpeed's own code cannot be imported here (it needs torch_npu/Megatron at imp
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 
 from engine.data.templates import IGNORE_INDEX
@@ -33,7 +35,7 @@ def pairs_of(labels: np.ndarray) -> list[tuple[int, int, int]]:
     trained = labels != IGNORE_INDEX
     edges = np.flatnonzero(np.diff(trained.astype(np.int8))) + 1
     bounds = [0, *edges.tolist(), labels.size]
-    runs = list(zip(bounds[:-1], bounds[1:]))
+    runs = list(pairwise(bounds))
     out: list[tuple[int, int, int]] = []
     i = 0
     while i < len(runs):

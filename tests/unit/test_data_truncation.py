@@ -70,9 +70,9 @@ def test_append_eod_is_trained_and_can_push_a_cut_sample_out():
 
 
 def _spec(tmp_path, tok_dir, **over) -> PreprocessSpec:
-    fields = dict(input=str(CORPUS / "long_samples.jsonl"), tokenizer_name_or_path=str(tok_dir),
-                  output_prefix=str(tmp_path / "out" / "long"), handler_name="SharegptStyleInstructionHandler",
-                  prompt_type="qwen3", seq_length=64)
+    fields = {"input": str(CORPUS / "long_samples.jsonl"), "tokenizer_name_or_path": str(tok_dir),
+              "output_prefix": str(tmp_path / "out" / "long"), "handler_name": "SharegptStyleInstructionHandler",
+              "prompt_type": "qwen3", "seq_length": 64}
     return PreprocessSpec(**{**fields, **over})
 
 
