@@ -16,7 +16,12 @@ import numpy as np
 
 from engine.data.formats import Converter, FormatError, text_fields
 from engine.data.readers import RecordError, parse_record
-from engine.data.templates import IGNORE_INDEX, IM_END, ConversationError, encode_conversations
+from engine.data.templates import (
+    IGNORE_INDEX,
+    IM_END,
+    ConversationError,
+    encode_conversations,
+)
 from engine.data.tokenizer import load_tokenizer
 from engine.data.truncation import limit_sample
 

@@ -16,6 +16,9 @@ Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed
   ``map_keys`` keep these defaults. OpenAI messages are ShareGPT with ``{"messages": "messages", "tags": {"role_tag":
   "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}}`` (the
   seed's ``--map-keys``); without ``map_keys``, a record that has ``messages`` and no ``conversations`` is read so.
+  ``{"tools": "<column>"}`` reads that column's tool definitions (a JSON string or list, as in LLaMA-Factory's
+  glaive_toolcall data) into a ``tools`` message after the system prompt; like MindSpeed, tools are read only when
+  mapped.
 - Alpaca (``AlpacaStyleInstructionHandler``, ``GeneralInstructionHandler``): ``{"prompt": "instruction",
   "query": "input", "response": "output"}``; the user turn is ``instruction + "\\n" + input`` (empty parts omitted).
   ``system`` and ``history`` (a list of ``[query, response]`` pairs before this turn) are read only when mapped,
@@ -128,6 +131,9 @@ class Converter:
             if tag not in role_of:
                 raise FormatError(f"turn {i}: unknown role {tag!r} (known: {', '.join(map(repr, role_of))})")
             out.append({"role": role_of[tag], "content": _require(turn, tags["content_tag"], f"turn {i}: ")})
+        tools_column = self.keys.get("tools")
+        if tools_column and record.get(tools_column):  # MindSpeed reads tools only when mapped (parser.py: None)
+            out.insert(1 if out[0]["role"] == "system" else 0, {"role": "tools", "content": record[tools_column]})
         return out
 
     # ------------------------------------------------------------ Alpaca

@@ -16,7 +16,11 @@ Public interface (shared with evaluation; names are stable):
 ``messages`` is a list of ``{"role", "content"}`` with roles ``system`` (first only), ``user``, ``assistant``,
 ``observation`` (alias ``tool``: a tool result) and ``function`` (alias ``function_call``: an assistant tool call whose
 content is JSON ``{"name", "arguments"}`` or a list of them). After an optional system message, turns alternate
-user/observation then assistant/function.
+user/observation then assistant/function. A ``tools`` message right after the optional system message carries the tool
+definitions (a JSON list, bare function definitions or ``{"type": "function", "function": ...}``; ``parse_tools``).
+``qwen3`` and ``hf`` render them exactly as Qwen3's chat template does with ``apply_chat_template(..., tools=...)``:
+one system turn holding the system prompt, a blank line, then the ``# Tools`` block with one JSON definition per line
+(``json.dumps(ensure_ascii=False)``, the template's ``tojson``).
 
 Templates (``template`` argument; ``TEMPLATES`` lists them):
 
@@ -60,6 +64,17 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"  # MindSpeed thought_words "<think>\n" + "\n</think>\n\n"
 _THOUGHT_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ROLE_ALIASES = {"tool": "observation", "function_call": "function", "human": "user", "gpt": "assistant"}
+TOOLS_ROLE = "tools"  # a pseudo-message after the system prompt: the JSON list of tool definitions
+# Qwen3's chat template text around the tool definitions (tokenizer_config.json "chat_template", tools branch).
+QWEN3_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN3_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
 _PROMPT_ROLES = ("user", "observation")
 _RESPONSE_ROLES = ("assistant", "function")
 
@@ -83,41 +98,71 @@ def normalize_thinking(mode: Any) -> ThinkingMode:
     return text  # type: ignore[return-value]
 
 
+def parse_tools(value: Any) -> list[dict[str, Any]]:
+    """Tool definitions (a JSON string or a list) as ``[{"type": "function", "function": {...}}]``.
+
+    A bare function definition is wrapped as MindSpeed's ``QwenToolUtils.tool_formatter`` and transformers' callers
+    do; an empty string or list means no tools. Raises ``ConversationError``."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConversationError(f"tools: not valid JSON: {err.msg} at character {err.pos}") from err
+    tools = value if isinstance(value, list) else [value]
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("function", tool).get("name"), str):
+            raise ConversationError(f"tools: entry {i} must be an object with a name (a function definition)")
+    return [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools]
+
+
 def check_conversation(messages: Sequence[dict[str, Any]], need_response: bool = True) -> list[dict[str, str]]:
-    """Validate and normalize roles; returns a new list of ``{"role", "content"}``. Raises ``ConversationError``."""
+    """Validate and normalize roles; returns a new list of ``{"role", "content"}``. Raises ``ConversationError``.
+
+    A ``tools`` message (content: JSON list of tool definitions, or the list itself) may follow the optional system
+    message; it comes out as canonical JSON of the wrapped definitions, or is left out when the list is empty."""
     if not messages:
         raise ConversationError("empty conversation")
     out: list[dict[str, str]] = []
+    turn = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ConversationError(f"turn {i}: expected an object with role and content, got {type(message).__name__}")
         role = _ROLE_ALIASES.get(str(message.get("role")), message.get("role"))
         content = message.get("content")
+        if role == TOOLS_ROLE and turn == 0 and all(m["role"] == "system" for m in out):
+            tools = parse_tools(content)
+            if tools:
+                out.append({"role": TOOLS_ROLE, "content": json.dumps(tools, ensure_ascii=False)})
+            continue
         if not isinstance(content, str):
             raise ConversationError(f"turn {i}: content must be a string, got {type(content).__name__}")
         if role == "system" and i == 0:
             out.append({"role": "system", "content": content})
             continue
-        turn = i - (1 if out and out[0]["role"] == "system" else 0)
         expected = _PROMPT_ROLES if turn % 2 == 0 else _RESPONSE_ROLES
         if role not in _PROMPT_ROLES + _RESPONSE_ROLES + ("system",):
             raise ConversationError(f"turn {i}: unknown role {message.get('role')!r}")
         if role not in expected:
             raise ConversationError(f"turn {i}: role {role!r} where {' or '.join(expected)} was expected")
         out.append({"role": role, "content": content})
-    body = len(out) - (1 if out[0]["role"] == "system" else 0)
-    if body == 0:
+        turn += 1
+    if turn == 0:
         raise ConversationError("conversation has only a system message")
-    if need_response and body % 2:
+    if need_response and turn % 2:
         raise ConversationError("conversation must end with an assistant turn")
     return out
 
 
-def _split_turns(messages: list[dict[str, str]]) -> tuple[str | None, list[tuple[dict[str, str], dict[str, str] | None]]]:
-    system = messages[0]["content"] if messages[0]["role"] == "system" else None
-    body = messages[1:] if system is not None else messages
+def _split_turns(
+    messages: list[dict[str, str]],
+) -> tuple[str | None, str | None, list[tuple[dict[str, str], dict[str, str] | None]]]:
+    """(system, tools JSON, [(prompt turn, response turn or None)])."""
+    head = {m["role"]: m["content"] for m in messages[:2] if m["role"] in ("system", TOOLS_ROLE)}
+    body = messages[len(head):]
     pairs = [(body[i], body[i + 1] if i + 1 < len(body) else None) for i in range(0, len(body), 2)]
-    return system, pairs
+    return head.get("system"), head.get(TOOLS_ROLE), pairs
 
 
 # ---------------------------------------------------------------- ChatML (qwen3, qwen)
@@ -150,6 +195,12 @@ def _tool_calls(content: str) -> str:
     return "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in texts)
 
 
+def _qwen3_tools_system(system: str | None, tools: str) -> str:
+    """The system turn's text with tools, as Qwen3's chat template writes it (system prompt, blank line, # Tools)."""
+    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in json.loads(tools))
+    return ("" if system is None else system + "\n\n") + QWEN3_TOOLS_HEAD + lines + QWEN3_TOOLS_TAIL
+
+
 def _prompt_text(message: dict[str, str]) -> str:
     if message["role"] == "observation":
         return f"{IM_START}user\n<tool_response>\n{message['content']}\n</tool_response>{IM_END}\n{IM_START}assistant\n"
@@ -168,9 +219,11 @@ def chatml_segments(
 
     With ``generation`` the conversation ends with a prompt and the result is the generation prompt.
     """
-    system, pairs = _split_turns(messages)
+    system, tools, pairs = _split_turns(messages)
     segments: list[tuple[str, bool]] = []
-    if system is not None:
+    if tools is not None:
+        segments.append((f"{IM_START}system\n{_qwen3_tools_system(system, tools)}{IM_END}\n", False))
+    elif system is not None:
         segments.append((f"{IM_START}system\n{system}{IM_END}\n", False))
     for prompt, response in pairs:
         segments.append((_prompt_text(prompt), False))
@@ -211,9 +264,17 @@ def _tokenize_unique(tokenizer: Any, texts: Iterable[str]) -> dict[str, list[int
 # ---------------------------------------------------------------- hf (the tokenizer's chat template)
 
 
+def _hf_tools(messages: list[dict[str, str]]) -> dict[str, Any]:
+    """``tools=`` for ``apply_chat_template`` (the wrapped definitions), or nothing."""
+    tools = [json.loads(m["content"]) for m in messages[:2] if m["role"] == TOOLS_ROLE]
+    return {"tools": tools[0]} if tools else {}
+
+
 def _hf_messages(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
+        if m["role"] == TOOLS_ROLE:
+            continue
         if m["role"] == "observation":
             out.append({"role": "tool", "content": m["content"]})
         elif m["role"] == "function":
@@ -224,8 +285,8 @@ def _hf_messages(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
     return out
 
 
-def _hf_kwargs(thinking: ThinkingMode) -> dict[str, Any]:
-    return {} if thinking == "none" else {"enable_thinking": thinking == "true"}
+def _hf_kwargs(thinking: ThinkingMode, messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {**_hf_tools(messages), **({} if thinking == "none" else {"enable_thinking": thinking == "true"})}
 
 
 def _hf_render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool, **kwargs: Any) -> str:
@@ -248,7 +309,7 @@ def _hf_turn_end(tokenizer: Any) -> str:
 
 def _hf_encode(tokenizer: Any, messages: list[dict[str, str]], thinking: ThinkingMode) -> tuple[np.ndarray, np.ndarray]:
     hf_msgs = _hf_messages(messages)
-    kwargs = _hf_kwargs(thinking)
+    kwargs = _hf_kwargs(thinking, messages)
     text = _hf_render(tokenizer, hf_msgs, False, **kwargs)
     end_marker = _hf_turn_end(tokenizer)
     spans = []
@@ -257,7 +318,7 @@ def _hf_encode(tokenizer: Any, messages: list[dict[str, str]], thinking: Thinkin
             continue
         # The generation header with the thinking flag (qwen3 false: ends with the empty thought, which stays masked);
         # when the template renders this turn differently (e.g. no thought on earlier turns), the plain header.
-        heads = [_hf_render(tokenizer, hf_msgs[:i], True, **kwargs), _hf_render(tokenizer, hf_msgs[:i], True)]
+        heads = [_hf_render(tokenizer, hf_msgs[:i], True, **kwargs), _hf_render(tokenizer, hf_msgs[:i], True, **_hf_tools(messages))]
         start = max((len(h) for h in heads if text.startswith(h)), default=None)
         if start is None:
             raise ConversationError(f"template hf: cannot locate assistant turn {i} in the rendered text")
@@ -310,7 +371,7 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: 
         msgs = msgs[:-1]
     checked = check_conversation(msgs, need_response=False)  # alternation => it now ends with a user/observation turn
     if name == "hf":
-        text = _hf_render(tokenizer, _hf_messages(checked), True, **_hf_kwargs(thinking))
+        text = _hf_render(tokenizer, _hf_messages(checked), True, **_hf_kwargs(thinking, checked))
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     segments = chatml_segments(checked, reasoning=name == "qwen3", thinking=thinking, generation=True)
     ids_of = _tokenize_unique(tokenizer, (text for text, _ in segments))
