@@ -39,8 +39,10 @@ Templates (``template`` argument; ``TEMPLATES`` lists them):
 
   Unlike transformers' Qwen3 chat template, true/none never strip reasoning from earlier turns and false/none put the
   empty thought before every assistant turn, not only after the last user query (MindSpeed's definition).
-  ``false`` strips any ``<think>…</think>`` block; MindSpeed's regex only matches the canonical
-  ``<think>\\n…\\n</think>\\n\\n`` spelling, which gives the same result on canonical data.
+  A thought is recognised only in MindSpeed's spelling, its ``thought_words`` ``<think>\\n`` and ``\\n</think>\\n\\n``
+  (``ReasoningTemplate.encode_multiturn`` tests ``thought_words[0] in content or thought_words[1] in content``;
+  ``remove_thought`` matches ``<think>\\n(.*?)\\n</think>\\n\\n``): markers without those newlines, e.g.
+  ``<think>short</think>Answer.``, are plain text, so true/none add the empty thought and false keeps the block.
 - ``qwen``: the same ChatML pieces without the thinking rules (``enable_thinking`` is ignored).
 - ``hf``: the tokenizer's own ``chat_template`` via ``apply_chat_template``; the rendered text is tokenized in one piece
   (ids equal ``apply_chat_template(..., tokenize=True)``) and assistant spans (from the generation header to the
@@ -62,7 +64,8 @@ ThinkingMode = Literal["true", "false", "none"]
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 EMPTY_THOUGHT = "<think>\n\n</think>\n\n"  # MindSpeed thought_words "<think>\n" + "\n</think>\n\n"
-_THOUGHT_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+THOUGHT_WORDS = ("<think>\n", "\n</think>\n\n")  # MindSpeed _register_template default thought_words
+_THOUGHT_RE = re.compile(f"{re.escape(THOUGHT_WORDS[0])}(.*?){re.escape(THOUGHT_WORDS[1])}", re.DOTALL)
 _ROLE_ALIASES = {"tool": "observation", "function_call": "function", "human": "user", "gpt": "assistant"}
 TOOLS_ROLE = "tools"  # a pseudo-message after the system prompt: the JSON list of tool definitions
 # Qwen3's chat template text around the tool definitions (tokenizer_config.json "chat_template", tools branch).
@@ -169,12 +172,12 @@ def _split_turns(
 
 
 def remove_thought(content: str) -> str:
-    """Drop every ``<think>…</think>`` block and the newlines that follow it (MindSpeed's ``remove_thought``)."""
+    """Drop every ``<think>\\n…\\n</think>\\n\\n`` block and the newlines after it (MindSpeed's ``remove_thought``)."""
     return _THOUGHT_RE.sub("", content).lstrip("\n")
 
 
 def _has_thought(content: str) -> bool:
-    return "<think>" in content or "</think>" in content
+    return THOUGHT_WORDS[0] in content or THOUGHT_WORDS[1] in content
 
 
 def _parse_calls(content: str) -> list[dict[str, Any]]:
