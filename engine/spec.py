@@ -240,7 +240,7 @@ class PreprocessSpec(JobBase):
         description="SharegptStyleInstructionHandler (ShareGPT/OpenAI messages), AlpacaStyleInstructionHandler, "
         "GeneralInstructionHandler (Alpaca); empty or GeneralPretrainHandler = pretraining text.",
     )
-    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (ChatML without thinking rules) or hf (the tokenizer's own).")
+    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (MindSpeed's older qwen: default system prompt, no thinking rules) or hf (the tokenizer's own).")
     enable_thinking: TriState = Field("none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning).")
     map_keys: JsonObject | None = Field(None, description='Column and role-tag mapping, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.')
     json_keys: StrList = Field(default_factory=lambda: ["text"], description="Pretraining: the text column(s).")
@@ -411,7 +411,9 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(0.0, ge=0, le=1)
     top_k: int = Field(0, ge=0)
-    prompt_type: str | None = Field(None, description="Chat template for prompts: qwen3 (alias qwen; the default), or hf for the tokenizer's own.")
+    prompt_type: str | None = Field(None, description=(
+        "Chat template for prompts, as in preprocess: qwen3 (the default), qwen (MindSpeed's older qwen template) or hf "
+        "(the tokenizer's own)."))
     enable_thinking: TriState = "none"
     map_keys: JsonObject | None = None
     lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset).")
@@ -427,6 +429,10 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
 
     @model_validator(mode="after")
     def _check_eval(self) -> "EvalSpec":
+        from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
+
+        if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
+            raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         unknown = [r for r in self.answer_normalization if r not in ("trim", "case")]
         if unknown:
             raise ValueError(f"answer_normalization: unknown rule(s) {unknown}; known: trim, case")

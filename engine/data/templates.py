@@ -43,7 +43,14 @@ Templates (``template`` argument; ``TEMPLATES`` lists them):
   (``ReasoningTemplate.encode_multiturn`` tests ``thought_words[0] in content or thought_words[1] in content``;
   ``remove_thought`` matches ``<think>\\n(.*?)\\n</think>\\n\\n``): markers without those newlines, e.g.
   ``<think>short</think>Answer.``, are plain text, so true/none add the empty thought and false keeps the block.
-- ``qwen``: the same ChatML pieces without the thinking rules (``enable_thinking`` is ignored).
+- ``qwen``: MindSpeed-LLM's ``qwen`` entry (``configs/finetune/templates.json``, the older ``Template`` class, no
+  thinking rules: ``enable_thinking`` is ignored): the system turn is always there, with the default system prompt
+  ``You are a helpful assistant.`` when the data has none; an answer ends with the eos token, ``<|im_end|>``, and no
+  newline (``default_assistant_formatter`` + ``replace_eos``); a ``\\n`` separator (masked) precedes every prompt turn
+  after the first; a tool result is a ``<|im_start|>tool\\n…<|im_end|>\\n`` turn; a function call is
+  ``Action: name\\nAction Input: {arguments JSON}`` + eos (``FunctionFormatter``) and tools go into the system prompt
+  in LLaMA-Factory's ``default_tool_formatter`` text (``mindspeed_llm/tasks/preprocess/formatter.py``). One function
+  call per turn: MindSpeed's formatter writes an empty call for a list, so parallel calls are refused here.
 - ``hf``: the tokenizer's own ``chat_template`` via ``apply_chat_template``; the rendered text is tokenized in one piece
   (ids equal ``apply_chat_template(..., tokenize=True)``) and assistant spans (from the generation header to the
   end-of-turn marker) are the trained tokens. ``enable_thinking`` true/false is passed to the template, none is not.
@@ -247,6 +254,71 @@ def chatml_segments(
     return segments
 
 
+# ---------------------------------------------------------------- qwen (MindSpeed's older ChatML template)
+
+QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
+_QWEN_TOOL_PROMPT = (
+    "You have access to the following tools:\n{tool_text}Use the following format if using a tool:\n```\n"
+    "Action: tool name (one of [{tool_names}]).\nAction Input: the input to the tool{format_prompt}.\n```\n"
+)
+_QWEN_JSON_FORMAT = ', in a JSON format representing the kwargs (e.g. ```{"input": "hello world", "num_beams": 5}```)'
+
+
+def _qwen_param_line(name: str, param: dict[str, Any], required: list[str]) -> str:
+    enum = f", should be one of [{', '.join(param['enum'])}]" if param.get("enum") else ""
+    items = f", where each item should be {param['items'].get('type', '')}" if param.get("items") else ""
+    flag = ", required" if name in required else ""
+    return f"  - {name} ({param.get('type', '')}{flag}): {param.get('description', '')}{enum}{items}\n"
+
+
+def _qwen_tool_text(tools: str) -> str:
+    """LLaMA-Factory's ``default_tool_formatter`` text, which MindSpeed's ``qwen`` appends to the system prompt."""
+    functions = [t["function"] for t in json.loads(tools)]
+    text = ""
+    for fn in functions:
+        params = fn.get("parameters") or {}
+        args = "".join(_qwen_param_line(n, p, params.get("required", [])) for n, p in params.get("properties", {}).items())
+        text += f"> Tool Name: {fn['name']}\nTool Description: {fn.get('description', '')}\nTool Args:\n{args}\n"
+    names = ", ".join(fn["name"] for fn in functions)
+    return _QWEN_TOOL_PROMPT.format(tool_text=text, tool_names=names, format_prompt=_QWEN_JSON_FORMAT)
+
+
+def _qwen_action(content: str) -> str:
+    try:
+        call = json.loads(content)
+    except json.JSONDecodeError as err:
+        raise ConversationError(f"function call content is not JSON: {err.msg}") from err
+    if isinstance(call, list):
+        raise ConversationError("template qwen: one function call per turn (MindSpeed's qwen writes no parallel "
+                                "calls); use qwen3 or hf")
+    if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
+        raise ConversationError("function call must be JSON with name and arguments")
+    return f"Action: {call['name']}\nAction Input: {json.dumps(call['arguments'], ensure_ascii=False)}"
+
+
+def qwen_segments(messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """MindSpeed ``qwen``'s pieces, each with "is trained" (see the module docstring)."""
+    system, tools, pairs = _split_turns(messages)
+    system_text = (system or QWEN_DEFAULT_SYSTEM) + (_qwen_tool_text(tools) if tools else "")
+    segments = [(f"{IM_START}system\n{system_text}{IM_END}\n", False)]
+    for k, (prompt, response) in enumerate(pairs):
+        if k:
+            segments.append(("\n", False))
+        role = "tool" if prompt["role"] == "observation" else "user"
+        segments.append((f"{IM_START}{role}\n{prompt['content']}{IM_END}\n{IM_START}assistant\n", False))
+        if response is None:
+            break
+        content = _qwen_action(response["content"]) if response["role"] == "function" else response["content"]
+        segments.append((content + IM_END, True))
+    return segments
+
+
+def _segments(name: str, messages: list[dict[str, str]], thinking: ThinkingMode, generation: bool = False) -> list[tuple[str, bool]]:
+    if name == "qwen":
+        return qwen_segments(messages)  # a trailing prompt turn already ends with the assistant header
+    return chatml_segments(messages, reasoning=True, thinking=thinking, generation=generation)
+
+
 def _assemble(segments: list[tuple[str, bool]], ids_of: dict[str, list[int]]) -> tuple[np.ndarray, np.ndarray]:
     ids: list[int] = []
     labels: list[int] = []
@@ -354,7 +426,7 @@ def encode_conversations(
     checked = [check_conversation(c) for c in conversations]
     if name == "hf":
         return [_hf_encode(tokenizer, c, thinking) for c in checked]
-    segments = [chatml_segments(c, reasoning=name == "qwen3", thinking=thinking) for c in checked]
+    segments = [_segments(name, c, thinking) for c in checked]
     ids_of = _tokenize_unique(tokenizer, (text for segs in segments for text, _ in segs))
     return [_assemble(segs, ids_of) for segs in segments]
 
@@ -376,6 +448,6 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: 
     if name == "hf":
         text = _hf_render(tokenizer, _hf_messages(checked), True, **_hf_kwargs(thinking, checked))
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    segments = chatml_segments(checked, reasoning=name == "qwen3", thinking=thinking, generation=True)
+    segments = _segments(name, checked, thinking, generation=True)
     ids_of = _tokenize_unique(tokenizer, (text for text, _ in segments))
     return _assemble(segments, ids_of)[0].tolist()
