@@ -27,6 +27,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -260,13 +261,21 @@ class PreprocessSpec(JobBase):
             "seq_length and are dropped); truncate_head = keep the first tokens; drop = leave the sample out. "
             "Whatever the policy, a sample of seq_length tokens or more after append_eod is dropped (MindSpeed's check)."))
 
+    @field_validator("handler_name")
+    @classmethod
+    def _check_handler(cls, value: str) -> str:
+        """A field error (not the model's), so the message shows the name alone, not the whole spec."""
+        from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
+
+        if value not in HANDLERS:
+            raise ValueError(f"handler_name: {value!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
+        return value
+
     @model_validator(mode="after")
     def _check_preprocess(self) -> "PreprocessSpec":
         from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
         from engine.data.templates import TEMPLATES
 
-        if self.handler_name not in HANDLERS:
-            raise ValueError(f"handler_name: {self.handler_name!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
         instruction = HANDLERS[self.handler_name] != "text"
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")

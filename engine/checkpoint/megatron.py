@@ -352,6 +352,10 @@ class MegatronCheckpoint:
         self.lora_r = lora_r if lora_r is not None else _first_attr(arg_sources, "lora_r")
         for key in (EMBEDDING, FINAL_NORM):
             if key not in self.base.where:
+                names = [k for c in self.base.models.values() for t in c.values() for k in t if not k.endswith("_extra_state")]
+                if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
+                    raise BadInput(f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
+                                   "--load-dir and the adapter as --lora-load", field="load_dir")
                 raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
         self.config = self._infer_config(dict(hf_config or {}))
         self._validate()

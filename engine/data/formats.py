@@ -102,6 +102,10 @@ class Converter:
 
     def messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         """The record's conversation, validated for the templates. Raises ``FormatError``."""
+        if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+            pairwise = "SharegptStylePairwiseHandler" if self.format == "sharegpt" else "AlpacaStylePairwiseHandler"
+            raise FormatError(f"a pairwise (preference) record with chosen/rejected answers; preprocess it with "
+                              f"handler_name {pairwise}")
         try:
             raw = self._sharegpt(record) if self.format == "sharegpt" else self._alpaca(record)
             return check_conversation(raw)
