@@ -36,7 +36,7 @@ from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_me
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
-from engine.model.lora import from_mindspeed_keys, merge_lora
+from engine.model.lora import from_mindspeed_keys
 from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
@@ -330,6 +330,8 @@ class MegatronCheckpoint:
     ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
     """
 
+    merge_rounding = "fp32"  # lora_merge.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
+
     def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
                  lora_alpha: float | None = None, lora_r: int | None = None,
                  hf_config: Mapping[str, Any] | None = None):
@@ -470,7 +472,9 @@ class MegatronCheckpoint:
         if self.lora_alpha is None or self.lora_r is None:
             raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
-        return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+        from engine.checkpoint.lora_merge import merge_lora_rounded
+
+        return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.merge_rounding)
 
     def can_copy(self, dtype: torch.dtype) -> bool:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
