@@ -137,9 +137,18 @@ def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
 # ---------------------------------------------------------------- writing
 
 
+CONVERT_SEQ_LENGTH = 4096  # what MindSpeed's converter writes for qwen3 (configs/checkpoint/model_cfg.json)
+
+
 def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer_list: list[int] | None = None,
-               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None) -> argparse.Namespace:
-    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3)."""
+               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None,
+               seq_length: int | None = None) -> argparse.Namespace:
+    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3).
+
+    ``hf_config``: the source's config.json, whose plain attributes are carried as they are (MindSpeed v2's
+    ``convert_hf2mg.py::__parameter_packaging``); without it they are rebuilt from ``cfg``. ``seq_length``: the
+    training length when known (a trainer save), else MindSpeed's converter value ``CONVERT_SEQ_LENGTH``, never
+    ``max_position_embeddings``."""
     hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     return argparse.Namespace(**{
@@ -154,7 +163,7 @@ def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer
         "position_embedding_type": "rope", "use_rotary_position_embeddings": True, "rotary_base": cfg.rotary_base,
         # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
         "add_position_embedding": True,
-        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": cfg.max_position_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": seq_length or CONVERT_SEQ_LENGTH,
         "padded_vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": 1,
         "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
         "num_layer_list": ",".join(map(str, num_layer_list)) if num_layer_list else None,  # MindSpeed: a str flag
@@ -194,9 +203,12 @@ def _default_writers(files: int) -> int:
 def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
                iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
                vpp_layers: int | None = None, dtype: torch.dtype | None = None,
-               progress: Progress | None = None, writers: int | None = None) -> list[Path]:
+               progress: Progress | None = None, writers: int | None = None,
+               seq_length: int | None = None) -> list[Path]:
     """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
 
+    Without ``args``, ``build_args`` makes them, with ``seq_length`` and the source's config.json (``hf_config``
+    of an HF source) carried.
     ``source``: a native state dict, a ``get(key)`` callable, or a checkpoint with ``get_native_shard``.
     The checkpoint is staged in a hidden directory; the tracker is written last. ``writers`` rank files are
     written at once (default: one per core, at most 4).
@@ -209,7 +221,8 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     get_shard = _shard_getter(source)
     segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
-    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
+    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers,
+                              hf_config=getattr(source, "hf_config", None), seq_length=seq_length)
     out = Path(out_dir)
     full_shapes = native_shapes(cfg)
     count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
