@@ -32,10 +32,10 @@ def test_converted_checkpoint_carries_the_source_config_and_mindspeeds_seq_lengt
 
 
 def test_trainer_length_is_written_when_known():
-    cfg = ModelConfig.from_hf(({
+    cfg = ModelConfig.from_hf({
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True}))
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True})
     assert build_args(cfg, 1, 1, torch.bfloat16, seq_length=2048).seq_length == 2048
     assert build_args(cfg, 1, 1, torch.bfloat16).seq_length == 4096
     assert build_args(cfg, 1, 1, torch.bfloat16).max_position_embeddings == 40960
