@@ -239,7 +239,9 @@ class PreprocessSpec(JobBase):
     handler_name: str = Field(
         "",
         description="SharegptStyleInstructionHandler (ShareGPT/OpenAI messages), AlpacaStyleInstructionHandler, "
-        "GeneralInstructionHandler (Alpaca); empty or GeneralPretrainHandler = pretraining text.",
+        "GeneralInstructionHandler (Alpaca); SharegptStylePairwiseHandler / AlpacaStylePairwiseHandler (preference "
+        "pairs: <prefix>_packed_{chosen,rejected}_{input_ids,labels}_document); empty or GeneralPretrainHandler = "
+        "pretraining text.",
     )
     prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (MindSpeed's older qwen: default system prompt, no thinking rules) or hf (the tokenizer's own).")
     enable_thinking: TriState = Field("none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning).")
@@ -291,6 +293,8 @@ class PreprocessSpec(JobBase):
             raise ValueError("neat_pack: requires pack")
         if self.pack and not instruction:
             raise ValueError("pack: applies to instruction data only (pretraining samples are packed by the trainer)")
+        if self.pack and self.handler_name in ("SharegptStylePairwiseHandler", "AlpacaStylePairwiseHandler"):
+            raise ValueError("pack: not for pairwise data (MindSpeed writes one chosen/rejected pair per document)")
         return self
 
 

@@ -21,6 +21,7 @@ from engine.data.templates import (
     IM_END,
     ConversationError,
     encode_conversations,
+    encode_pair,
 )
 from engine.data.tokenizer import load_tokenizer
 from engine.data.truncation import limit_sample
@@ -35,6 +36,7 @@ class EncodeConfig:
     tokenizer_path: str
     use_fast: bool
     instruction: bool
+    pairwise: bool  # preference pairs (SharegptStylePairwiseHandler / AlpacaStylePairwiseHandler)
     handler_name: str
     map_keys: dict[str, Any] | None
     template: str | None
@@ -119,6 +121,37 @@ def _encode_instruction(config: EncodeConfig, records: list[tuple[str, int, dict
     result.fields["labels"], result.lengths["labels"] = _flatten([labels for _, labels in kept])
 
 
+PAIRWISE_FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
+
+def _encode_pairwise(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
+    """MindSpeed ``AlpacaStylePairwiseHandler._filter``: chosen/rejected ids = prompt + answer, labels mask the prompt.
+    No truncation and no eod (MindSpeed has neither for pairs); a pair with any field of ``seq_length`` tokens or more
+    is dropped whole (``_serialize_to_disk``'s shared skip indices)."""
+    tokenizer = load_tokenizer(config.tokenizer_path, config.use_fast)
+    converter = Converter(config.handler_name, config.map_keys)
+    kept: dict[str, list[np.ndarray]] = {key: [] for key in PAIRWISE_FIELDS}
+    for file, number, record in records:
+        try:
+            prompt_ids, chosen, rejected = encode_pair(tokenizer, *converter.pair(record), config.template or "",
+                                                       config.enable_thinking)
+        except (FormatError, ConversationError) as err:
+            result.errors.append((file, number, str(err)))
+            continue
+        masked = np.full(prompt_ids.size, IGNORE_INDEX, np.int32)
+        row = {"chosen_input_ids": np.concatenate([prompt_ids, chosen]),
+               "chosen_labels": np.concatenate([masked, chosen]),
+               "rejected_input_ids": np.concatenate([prompt_ids, rejected]),
+               "rejected_labels": np.concatenate([masked, rejected])}
+        if config.seq_length is not None and max(a.size for a in row.values()) >= config.seq_length:
+            result.dropped["too_long"] += 1
+            continue
+        for key, array in row.items():
+            kept[key].append(array.astype(np.int32))
+    for key in PAIRWISE_FIELDS:
+        result.fields[key], result.lengths[key] = _flatten(kept[key])
+
+
 def _encode_text(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
     tokenizer = load_tokenizer(config.tokenizer_path, config.use_fast)
     texts: list[list[str]] = []
@@ -145,7 +178,8 @@ def encode_chunk(config: EncodeConfig, chunk: Chunk) -> ChunkResult:
             records.append((file, number, parse_record(payload)))
         except RecordError as err:
             result.errors.append((file, number, str(err)))
-    (_encode_instruction if config.instruction else _encode_text)(config, records, result)
+    encode = _encode_pairwise if config.pairwise else _encode_instruction if config.instruction else _encode_text
+    encode(config, records, result)
     result.dropped = +result.dropped  # drop zero counts
     result.errors.sort(key=lambda e: (e[0], e[1]))  # files are read in sorted order, so this is input order
     return result

@@ -222,6 +222,12 @@ def _response_text(message: dict[str, str]) -> str:
     return f"{content}{IM_END}\n"
 
 
+def _chatml_head(system: str | None, tools: str | None) -> list[tuple[str, bool]]:
+    if tools is not None:
+        return [(f"{IM_START}system\n{_qwen3_tools_system(system, tools)}{IM_END}\n", False)]
+    return [] if system is None else [(f"{IM_START}system\n{system}{IM_END}\n", False)]
+
+
 def chatml_segments(
     messages: list[dict[str, str]], reasoning: bool, thinking: ThinkingMode, generation: bool = False
 ) -> list[tuple[str, bool]]:
@@ -230,11 +236,7 @@ def chatml_segments(
     With ``generation`` the conversation ends with a prompt and the result is the generation prompt.
     """
     system, tools, pairs = _split_turns(messages)
-    segments: list[tuple[str, bool]] = []
-    if tools is not None:
-        segments.append((f"{IM_START}system\n{_qwen3_tools_system(system, tools)}{IM_END}\n", False))
-    elif system is not None:
-        segments.append((f"{IM_START}system\n{system}{IM_END}\n", False))
+    segments = _chatml_head(system, tools)
     for prompt, response in pairs:
         segments.append((_prompt_text(prompt), False))
         if response is None and not generation:
@@ -436,6 +438,53 @@ def encode_conversation(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and labels (-100 on every non-assistant token) of one conversation; see the module docstring."""
     return encode_conversations(tokenizer, [messages], template, enable_thinking)[0]
+
+
+def _qwen3_oneturn(messages: list[dict[str, str]], thinking: ThinkingMode) -> list[tuple[str, bool]]:
+    """MindSpeed ``ReasoningTemplate.encode_oneturn``: earlier answers lose their thoughts and get no empty thought;
+    only the last answer (trained) follows the enable_thinking rule."""
+    system, tools, pairs = _split_turns(messages)
+    segments = _chatml_head(system, tools)
+    for k, (prompt, response) in enumerate(pairs):
+        assert response is not None  # checked: the conversation ends with the answer
+        last = k == len(pairs) - 1
+        content = remove_thought(response["content"]) if not last or thinking == "false" else response["content"]
+        segments.append((_prompt_text(prompt), False))
+        if last and not _has_thought(content):
+            segments.append((EMPTY_THOUGHT, thinking == "true"))
+        segments.append((_response_text({**response, "content": content}), last))
+    return segments
+
+
+def encode_pair(
+    tokenizer: Any, prompt: Sequence[dict[str, Any]], chosen: dict[str, Any], rejected: dict[str, Any], template: str,
+    enable_thinking: Any = "none",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt ids, chosen answer ids, rejected answer ids) of a preference pair, as MindSpeed's pairwise handlers
+    encode it (``data_handler.py::AlpacaStylePairwiseHandler._filter``, ``Template.encode_oneturn``): the prompt is
+    the one computed with the chosen answer (qwen3: it ends with the masked empty thought when the chosen answer has
+    no thought and enable_thinking is not true), each answer is its last turn (with the empty thought in front in
+    ``true`` mode). ``hf`` (no MindSpeed counterpart): the tokenizer's template, the prompt being everything before
+    the last assistant turn."""
+    name, thinking = _check_template(template), normalize_thinking(enable_thinking)
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for answer in (chosen, rejected):
+        conversation = check_conversation([*prompt, answer])
+        if name == "hf":
+            ids, labels = _hf_encode(tokenizer, conversation, thinking)
+            trained = labels != IGNORE_INDEX
+            start = int(np.flatnonzero(trained & ~np.concatenate(([False], trained[:-1])))[-1])  # last answer
+            out.append((ids[:start], ids[start:]))
+            continue
+        if name == "qwen":
+            segments = qwen_segments(conversation)
+            segments = [(text, trained and i == len(segments) - 1) for i, (text, trained) in enumerate(segments)]
+        else:
+            segments = _qwen3_oneturn(conversation, thinking)
+        ids, labels = _assemble(segments, _tokenize_unique(tokenizer, (text for text, _ in segments)))
+        first = int(np.flatnonzero(labels != IGNORE_INDEX)[0])
+        out.append((ids[:first], ids[first:]))
+    return out[0][0], out[0][1], out[1][1]
 
 
 def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: Any = "none") -> list[int]:

@@ -181,7 +181,7 @@ def test_mindspeed_flags_and_spec_file_build_the_same_spec(tmp_path, data, qwen_
         ({"neat_pack": True}, "neat_pack: requires pack"),
         ({"prompt_type": None}, "prompt_type: required with SharegptStyleInstructionHandler"),
         ({"prompt_type": "llama3"}, "prompt_type: 'llama3' is not supported"),
-        ({"handler_name": "AlpacaStylePairwiseHandler"}, "handler_name: 'AlpacaStylePairwiseHandler' is not supported"),
+        ({"handler_name": "MOSSInstructionHandler"}, "handler_name: 'MOSSInstructionHandler' is not supported"),
         ({"enable_thinking": "maybe"}, "enable_thinking"),
     ],
 )
