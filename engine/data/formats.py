@@ -18,7 +18,7 @@ Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed
   seed's ``--map-keys``); without ``map_keys``, a record that has ``messages`` and no ``conversations`` is read so.
   ``{"tools": "<column>"}`` reads that column's tool definitions (a JSON string or list, as in LLaMA-Factory's
   glaive_toolcall data) into a ``tools`` message after the system prompt; like MindSpeed, tools are read only when
-  mapped.
+  mapped. An OpenAI assistant message with ``tool_calls`` becomes a function turn (its calls as a JSON list).
 - Alpaca (``AlpacaStyleInstructionHandler``, ``GeneralInstructionHandler``): ``{"prompt": "instruction",
   "query": "input", "response": "output"}``; the user turn is ``instruction + "\\n" + input`` (empty parts omitted).
   ``system`` and ``history`` (a list of ``[query, response]`` pairs before this turn) are read only when mapped,
@@ -33,6 +33,7 @@ Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterator
 
@@ -177,6 +178,9 @@ class Converter:
             tag = _require(turn, tags["role_tag"], f"turn {i}: ")
             if tag not in role_of:
                 raise FormatError(f"turn {i}: unknown role {tag!r} (known: {', '.join(map(repr, role_of))})")
+            if turn.get("tool_calls"):  # OpenAI messages: an assistant turn that calls tools is a function turn
+                out.append(_function_turn(turn, i))
+                continue
             out.append({"role": role_of[tag], "content": _require(turn, tags["content_tag"], f"turn {i}: ")})
         tools_column = self.keys.get("tools")
         if tools_column and record.get(tools_column):  # MindSpeed reads tools only when mapped (parser.py: None)
@@ -202,6 +206,19 @@ class Converter:
             out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
         out.append({"role": "user", "content": "\n".join(str(p) for p in parts)})
         return out
+
+
+def _function_turn(turn: dict[str, Any], i: int) -> dict[str, str]:
+    """An OpenAI assistant message with ``tool_calls`` as a function turn (JSON list of name/arguments)."""
+    if turn.get("content"):
+        raise FormatError(f"turn {i}: an assistant turn with both text and tool_calls is not supported")
+    calls = []
+    for call in turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [None]:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or "name" not in fn or "arguments" not in fn:
+            raise FormatError(f"turn {i}: each tool_calls entry needs a function name and arguments")
+        calls.append({"name": fn["name"], "arguments": fn["arguments"]})
+    return {"role": "function", "content": json.dumps(calls, ensure_ascii=False)}
 
 
 def _is_system(turn: Any, tags: dict[str, str]) -> bool:

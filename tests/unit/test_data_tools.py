@@ -125,3 +125,22 @@ def test_bad_tools_are_refused_with_the_reason(tok):
     ids, _ = encode_conversation(tok, [{"role": "tools", "content": "[]"}, {"role": "user", "content": "u"},
                                        {"role": "assistant", "content": "a"}], "qwen3")
     assert np.asarray(ids).size and "Tools" not in tok.decode(ids.tolist())  # an empty list means no tools
+
+
+OPENAI_MAP = {"messages": "messages", "tools": "tools", "tags": {
+    "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+    "observation_tag": "tool", "system_tag": "system"}}
+
+
+@pytest.mark.parametrize("template", ["qwen3", "hf"])
+def test_openai_messages_with_tool_calls_encode_like_the_sharegpt_rows(tok, corpus, tmp_path, template):
+    path = tmp_path / "openai.jsonl"
+    path.write_text("".join(json.dumps({"messages": m, "tools": json.dumps(t)}, ensure_ascii=False) + "\n"
+                            for m, t in zip(HF_MESSAGES, TOOLS)), encoding="utf-8")
+    rows = [m for _, _, m in iter_conversations(path, OPENAI_MAP, "SharegptStyleInstructionHandler")]
+    for row, messages in enumerate(rows):
+        ids, labels = encode_conversation(tok, messages, template, "none")
+        ref_ids, ref_labels = encode_conversation(tok, corpus[row], template, "none")
+        assert ids.tolist() == ref_ids.tolist() and labels.tolist() == ref_labels.tolist()
+        if template == "hf":
+            assert ids.tolist() == hf_ids(tok, HF_MESSAGES[row], TOOLS[row])
