@@ -27,6 +27,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -252,30 +253,45 @@ class PreprocessSpec(JobBase):
     handler_name: str = Field(
         "",
         description="SharegptStyleInstructionHandler (ShareGPT/OpenAI messages), AlpacaStyleInstructionHandler, "
-        "GeneralInstructionHandler (Alpaca); empty or GeneralPretrainHandler = pretraining text.",
+        "GeneralInstructionHandler (Alpaca); SharegptStylePairwiseHandler / AlpacaStylePairwiseHandler (preference "
+        "pairs: <prefix>_packed_{chosen,rejected}_{input_ids,labels}_document); empty or GeneralPretrainHandler = "
+        "pretraining text.",
     )
-    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (ChatML without thinking rules) or hf (the tokenizer's own).")
+    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (MindSpeed's older qwen: default system prompt, no thinking rules) or hf (the tokenizer's own).")
     enable_thinking: TriState = Field("none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning).")
     map_keys: JsonObject | None = Field(None, description='Column and role-tag mapping, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.')
     json_keys: StrList = Field(default_factory=lambda: ["text"], description="Pretraining: the text column(s).")
     workers: int = Field(1, ge=1, le=256, description="Tokenizing processes.")
     log_interval: int = Field(100, ge=1, description="Samples between progress reports.")
-    seq_length: int | None = Field(None, ge=2, description="Samples of seq_length tokens or more are dropped (or truncated); pack bins.")
+    seq_length: int | None = Field(None, ge=2, description="Instruction samples are cut to fit seq_length - 1 tokens (see overlong_policy); pack bins.")
     pack: bool = Field(False, description="Pack samples into seq_length rows (needs seq_length).")
     neat_pack: bool = Field(False, description="With pack: attention_mask holds 1-based sub-sample ids, 0 on padding.")
-    append_eod: bool = Field(False, description="Pretraining: append the tokenizer's eos id to every document.")
+    append_eod: bool = Field(False, description=(
+        "Append an end-of-document token to every sample: pretraining documents get the tokenizer's eos; instruction "
+        "samples a trained <|im_end|> (qwen/qwen3) or the tokenizer's eos (hf), as MindSpeed does."))
     skip_bad_samples: bool = Field(False, description="Count and skip malformed records instead of failing on the first.")
-    overlong_policy: Literal["drop", "truncate"] = Field(
-        "drop", description="Samples longer than seq_length - 1 tokens: drop (MindSpeed) or keep the first seq_length - 1."
-    )
+    overlong_policy: Literal["truncate", "truncate_head", "drop"] = Field(
+        "truncate", description=(
+            "Instruction samples over seq_length - 1 tokens: truncate = MindSpeed's rule (each prompt/answer pair cut "
+            "in proportion until the sample fits; qwen keeps MindSpeed's older rule, whose cut samples reach "
+            "seq_length and are dropped); truncate_head = keep the first tokens; drop = leave the sample out. "
+            "Whatever the policy, a sample of seq_length tokens or more after append_eod is dropped (MindSpeed's check)."))
+
+    @field_validator("handler_name")
+    @classmethod
+    def _check_handler(cls, value: str) -> str:
+        """A field error (not the model's), so the message shows the name alone, not the whole spec."""
+        from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
+
+        if value not in HANDLERS:
+            raise ValueError(f"handler_name: {value!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
+        return value
 
     @model_validator(mode="after")
     def _check_preprocess(self) -> "PreprocessSpec":
         from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
         from engine.data.templates import TEMPLATES
 
-        if self.handler_name not in HANDLERS:
-            raise ValueError(f"handler_name: {self.handler_name!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
         instruction = HANDLERS[self.handler_name] != "text"
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
@@ -291,6 +307,8 @@ class PreprocessSpec(JobBase):
             raise ValueError("neat_pack: requires pack")
         if self.pack and not instruction:
             raise ValueError("pack: applies to instruction data only (pretraining samples are packed by the trainer)")
+        if self.pack and self.handler_name in ("SharegptStylePairwiseHandler", "AlpacaStylePairwiseHandler"):
+            raise ValueError("pack: not for pairwise data (MindSpeed writes one chosen/rejected pair per document)")
         return self
 
 
@@ -387,6 +405,10 @@ class ConvertSpec(JobBase):
     lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
     lora_target_modules: StrList = Field(default_factory=list, description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj (default: the checkpoint's).")
     save_lora_to_hf: bool = Field(False, description="Export only the LoRA adapters as a PEFT directory.")
+    lora_merge_rounding: Literal["fp32", "mindspeed"] = Field("fp32", description=(
+        "LoRA merge arithmetic: fp32 = W + alpha/r · B @ A added in fp32 and rounded once (more accurate); "
+        "mindspeed = MindSpeed's exact rounding (the product cast to the weight dtype before scaling and adding; "
+        "for bf16 weights 10-20 % of merged values differ from fp32 by one rounding step)."))
 
     @model_validator(mode="after")
     def _check_convert(self) -> "ConvertSpec":
@@ -420,7 +442,9 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     temperature: float = Field(1.0, ge=0, description="--temperature: sampling temperature (below 1e-3: greedy).")
     top_p: float = Field(0.0, ge=0, le=1, description="--top-p: nucleus sampling probability mass (0: off).")
     top_k: int = Field(0, ge=0, description="--top-k: sample among the k most likely tokens (0: off).")
-    prompt_type: str | None = Field(None, description="Chat template for prompts: qwen3 (alias qwen; the default), or hf for the tokenizer's own.")
+    prompt_type: str | None = Field(None, description=(
+        "Chat template for prompts, as in preprocess: qwen3 (the default), qwen (MindSpeed's older qwen template) or hf "
+        "(the tokenizer's own)."))
     enable_thinking: TriState = Field("none", description="qwen3 template's thinking switch for prompts: true, false or none (MindSpeed's meaning).")
     map_keys: JsonObject | None = Field(None, description="Column and role-tag mapping of the test set, e.g. {\"messages\":\"messages\",\"tags\":{\"role_tag\":\"role\",...}}.")
     lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset).")
@@ -436,6 +460,10 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
 
     @model_validator(mode="after")
     def _check_eval(self) -> "EvalSpec":
+        from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
+
+        if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
+            raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         unknown = [r for r in self.answer_normalization if r not in ("trim", "case")]
         if unknown:
             raise ValueError(f"answer_normalization: unknown rule(s) {unknown}; known: trim, case")

@@ -99,6 +99,7 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
         return ckpt.config, _peft_overlay(spec, ckpt)
     ckpt = MegatronCheckpoint(spec.load_dir, lora_dir=spec.lora_load, lora_alpha=spec.lora_alpha, lora_r=spec.lora_r,
                               hf_config=_hf_reference(spec))
+    ckpt.merge_rounding = spec.lora_merge_rounding
     _check_lora(spec, ckpt, run)
     return ckpt.config, ckpt
 
@@ -109,7 +110,7 @@ def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, 
         return base.config, base
     if is_peft_adapter(spec.lora_load):
         return base.config, _peft_overlay(spec, base)
-    source = LoraOverlay(base, spec.lora_load, spec.lora_alpha, spec.lora_r)
+    source = LoraOverlay(base, spec.lora_load, spec.lora_alpha, spec.lora_r, spec.lora_merge_rounding)
     _check_lora(spec, source, run)
     return source.config, source
 

@@ -1,7 +1,11 @@
 """LoRA adapters of a Megatron/MindSpeed checkpoint exported as a Hugging Face PEFT adapter directory.
 
-Merging into the base weights happens per TP shard while reading (``MegatronCheckpoint._stored``, MindSpeed's
-``W_k + alpha/r · B_k @ A_k`` in fp32). Exporting an adapter alone needs the full A and B of each fused Megatron
+Merging into the base weights happens per TP shard while reading (``MegatronCheckpoint._stored``), as MindSpeed
+merges, ``W_k + alpha/r · B_k @ A_k``, with one of two roundings (``merge_lora_rounded``, ConvertSpec
+``lora_merge_rounding``): ``fp32`` (default) adds in fp32 and rounds once to the base dtype; ``mindspeed`` is
+MindSpeed's exact arithmetic (``mindspeed_llm/tasks/checkpoint/convert_mg2hf.py::_merge_lora``: the fp32 product is
+cast to the base dtype first, then scaled and added in that dtype), which for bf16 weights differs from ``fp32`` by
+one rounding step on a share of the merged weights; ``fp32`` is the more accurate. Exporting an adapter alone needs the full A and B of each fused Megatron
 module cut into the HF modules PEFT knows: ``linear_qkv``'s B rows split into q/k/v (per-KV-group interleave undone)
 and ``linear_fc1``'s into gate/up; the A matrix is shared by the pieces, so ``B_q @ A`` is exactly the q rows of
 ``B @ A``. Output: ``adapter_config.json`` + ``adapter_model.safetensors`` with keys
@@ -33,12 +37,23 @@ from engine.model.lora import merge_lora
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
+MERGE_ROUNDINGS = ("fp32", "mindspeed")
 _HF_MODULES = {
     "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attention.linear_proj": ("self_attn.o_proj",),
     "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.linear_fc2": ("mlp.down_proj",),
 }
+
+
+def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
+                       rounding: str = "fp32") -> torch.Tensor:
+    """``weight + alpha/r · b @ a`` in the base dtype with ``rounding`` (see the module docstring)."""
+    if rounding == "mindspeed":  # base + (alpha / r) * matmul(B.float(), A.float()).to(base.dtype), literally
+        return weight + (alpha / r) * torch.matmul(b.float(), a.float()).to(weight.dtype)
+    if rounding != "fp32":
+        raise ValueError(f"lora_merge_rounding: {rounding!r} is not one of {', '.join(MERGE_ROUNDINGS)}")
+    return merge_lora(weight, a, b, alpha, r)
 
 
 def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
@@ -178,10 +193,11 @@ class LoraOverlay:
     every adapted weight becomes W + alpha/r · B @ A, cut per target TP shard like MindSpeed's merge.
     """
 
-    def __init__(self, base: Any, lora_dir: str | os.PathLike[str], lora_alpha: float | None, lora_r: int | None):
+    def __init__(self, base: Any, lora_dir: str | os.PathLike[str], lora_alpha: float | None, lora_r: int | None,
+                 rounding: str = "fp32"):
         from engine.checkpoint.megatron import RankFiles
 
-        self.base, self.config = base, base.config
+        self.base, self.config, self.rounding = base, base.config, rounding
         self.lora = RankFiles(lora_dir)
         self.lora_alpha = lora_alpha if lora_alpha is not None else getattr(self.lora.args, "lora_alpha", None)
         self.lora_r = lora_r if lora_r is not None else getattr(self.lora.args, "lora_r", None)
@@ -204,7 +220,7 @@ class LoraOverlay:
             return weight
         a = shard(self.lora.full(a_key), split_rule(a_key), tp, rank)
         b = shard(self.lora.full(b_key), split_rule(b_key), tp, rank)
-        return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+        return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.rounding)
 
     def lora_modules(self) -> list[str]:
         return self.lora.lora_modules()
@@ -215,7 +231,8 @@ class LoraOverlay:
 
 class PeftOverlay:
     """A base checkpoint with a Hugging Face PEFT adapter directory merged on top: W + delta in fp32 (``peft_deltas``),
-    cast back to the base's dtype and cut per target TP shard."""
+    cast back to the base's dtype and cut per target TP shard (MindSpeed merges no PEFT adapters, so no rounding
+    option here)."""
 
     lora_merged = True
 

@@ -36,7 +36,7 @@ from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
-from engine.model.lora import from_mindspeed_keys, merge_lora
+from engine.model.lora import from_mindspeed_keys
 from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
@@ -108,9 +108,18 @@ def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
 # ---------------------------------------------------------------- writing
 
 
+CONVERT_SEQ_LENGTH = 4096  # what MindSpeed's converter writes for qwen3 (configs/checkpoint/model_cfg.json)
+
+
 def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer_list: list[int] | None = None,
-               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None) -> argparse.Namespace:
-    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3)."""
+               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None,
+               seq_length: int | None = None) -> argparse.Namespace:
+    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3).
+
+    ``hf_config``: the source's config.json, whose plain attributes are carried as they are (MindSpeed v2's
+    ``convert_hf2mg.py::__parameter_packaging``); without it they are rebuilt from ``cfg``. ``seq_length``: the
+    training length when known (a trainer save), else MindSpeed's converter value ``CONVERT_SEQ_LENGTH``, never
+    ``max_position_embeddings``."""
     hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     return argparse.Namespace(**{
@@ -125,7 +134,7 @@ def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer
         "position_embedding_type": "rope", "use_rotary_position_embeddings": True, "rotary_base": cfg.rotary_base,
         # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
         "add_position_embedding": True,
-        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": cfg.max_position_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": seq_length or CONVERT_SEQ_LENGTH,
         "padded_vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": 1,
         "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
         "num_layer_list": ",".join(map(str, num_layer_list)) if num_layer_list else None,  # MindSpeed: a str flag
@@ -165,9 +174,12 @@ def _default_writers(files: int) -> int:
 def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
                iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
                vpp_layers: int | None = None, dtype: torch.dtype | None = None,
-               progress: Progress | None = None, writers: int | None = None) -> list[Path]:
+               progress: Progress | None = None, writers: int | None = None,
+               seq_length: int | None = None) -> list[Path]:
     """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
 
+    Without ``args``, ``build_args`` makes them, with ``seq_length`` and the source's config.json (``hf_config``
+    of an HF source) carried.
     ``source``: a native state dict, a ``get(key)`` callable, or a checkpoint with ``get_native_shard``.
     The checkpoint is staged in a hidden directory; the tracker is written last. ``writers`` rank files are
     written at once (default: one per core, at most 4).
@@ -180,7 +192,8 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     get_shard = _shard_getter(source)
     segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
-    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers)
+    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers,
+                              hf_config=getattr(source, "hf_config", None), seq_length=seq_length)
     out = Path(out_dir)
     full_shapes = native_shapes(cfg)
     count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
@@ -301,6 +314,8 @@ class MegatronCheckpoint:
     ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
     """
 
+    merge_rounding = "fp32"  # lora_merge.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
+
     def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
                  lora_alpha: float | None = None, lora_r: int | None = None,
                  hf_config: Mapping[str, Any] | None = None):
@@ -323,6 +338,10 @@ class MegatronCheckpoint:
         self.lora_r = lora_r if lora_r is not None else _first_attr(arg_sources, "lora_r")
         for key in (EMBEDDING, FINAL_NORM):
             if key not in self.base.where:
+                names = [k for c in self.base.models.values() for t in c.values() for k in t if not k.endswith("_extra_state")]
+                if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
+                    raise BadInput(f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
+                                   "--load-dir and the adapter as --lora-load", field="load_dir")
                 raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
         self.config = self._infer_config(dict(hf_config or {}))
         self._validate()
@@ -437,7 +456,9 @@ class MegatronCheckpoint:
         if self.lora_alpha is None or self.lora_r is None:
             raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
-        return merge_lora(weight, a, b, self.lora_alpha, self.lora_r)
+        from engine.checkpoint.lora_merge import merge_lora_rounded
+
+        return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.merge_rounding)
 
     def can_copy(self, dtype: torch.dtype) -> bool:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""

@@ -8,7 +8,9 @@ Modules, in pipeline order (each has one job; the docstrings are the interface d
 - ``templates`` render conversations to ``(input_ids, labels)`` with a chat template (``qwen3`` with MindSpeed's
                 ``enable_thinking`` true/false/none, ``qwen``, or ``hf`` = the tokenizer's own chat template);
                 ``encode_conversation`` / ``encode_prompt`` are shared with evaluation.
+- ``truncation`` over-long samples: MindSpeed's proportional prompt/answer cut, head cut or drop; ``append_eod``.
 - ``tokenizer`` load a ``transformers`` fast tokenizer from a local directory.
+- (pairwise) ``encode`` also writes MindSpeed's preference pairs: ``<prefix>_packed_{chosen,rejected}_{input_ids,labels}_document``.
 - ``indexed``   Megatron ``.bin``/``.idx`` writer and memory-mapped reader; MindSpeed instruction datasets.
 - ``packing``   greedy knapsack packing of samples into ``seq_length`` rows, with per-sample boundaries.
 - ``sampler``   seeded, resumable, data-parallel sample order for the trainer.

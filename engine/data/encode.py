@@ -16,8 +16,15 @@ import numpy as np
 
 from engine.data.formats import Converter, FormatError, text_fields
 from engine.data.readers import RecordError, parse_record
-from engine.data.templates import IGNORE_INDEX, ConversationError, encode_conversations
+from engine.data.templates import (
+    IGNORE_INDEX,
+    IM_END,
+    ConversationError,
+    encode_conversations,
+    encode_pair,
+)
 from engine.data.tokenizer import load_tokenizer
+from engine.data.truncation import limit_sample
 
 Chunk = list[tuple[str, int, Any]]  # (file, number, payload) from readers.iter_raw
 
@@ -29,14 +36,15 @@ class EncodeConfig:
     tokenizer_path: str
     use_fast: bool
     instruction: bool
+    pairwise: bool  # preference pairs (SharegptStylePairwiseHandler / AlpacaStylePairwiseHandler)
     handler_name: str
     map_keys: dict[str, Any] | None
     template: str | None
     enable_thinking: str
     json_keys: tuple[str, ...]
     append_eod: bool
-    max_length: int | None  # longest sample kept (seq_length - 1), None = no limit
-    overlong_policy: str  # "drop" or "truncate"
+    seq_length: int | None  # samples of seq_length tokens or more are cut or dropped (truncation.limit_sample)
+    overlong_policy: str  # truncation.POLICIES
 
 
 @dataclass
@@ -67,18 +75,25 @@ def _flatten(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lengths
 
 
-def _limit(config: EncodeConfig, ids: np.ndarray, labels: np.ndarray, result: ChunkResult) -> tuple[np.ndarray, np.ndarray] | None:
-    """Apply the over-long policy; None = drop (the reason is counted)."""
-    if config.max_length is not None and ids.size > config.max_length:
-        if config.overlong_policy == "drop":
-            result.dropped["too_long"] += 1
-            return None
-        ids, labels = ids[: config.max_length], labels[: config.max_length]
-        result.truncated += 1
+def _limit(config: EncodeConfig, ids: np.ndarray, labels: np.ndarray, eod: int | None, result: ChunkResult) -> tuple[np.ndarray, np.ndarray] | None:
+    """Apply the over-long policy and ``append_eod``; None = drop (the reason is counted)."""
+    ids, labels, outcome = limit_sample(ids, labels, config.seq_length, config.overlong_policy, config.template or "", eod)
+    if outcome == "too_long":
+        result.dropped["too_long"] += 1
+        return None
+    result.truncated += outcome == "truncated"
     if not (labels != IGNORE_INDEX).any():
         result.dropped["no_trained_tokens"] += 1
         return None
     return ids, labels
+
+
+def instruction_eod(tokenizer: Any, template: str | None) -> int:
+    """MindSpeed's ``tokenizer.eod`` for instruction data: qwen/qwen3 replace the eos token with ``<|im_end|>``
+    (``replace_eos`` in ``configs/finetune/templates.json``); ``hf`` keeps the tokenizer's own eos."""
+    if template in ("qwen", "qwen3"):
+        return int(tokenizer.convert_tokens_to_ids(IM_END))
+    return int(tokenizer.eos_token_id)
 
 
 def _encode_instruction(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
@@ -100,9 +115,41 @@ def _encode_instruction(config: EncodeConfig, records: list[tuple[str, int, dict
                 encoded.append(encode_conversations(tokenizer, [messages], template, config.enable_thinking)[0])
             except ConversationError as err:
                 result.errors.append((file, number, str(err)))
-    kept = [limited for pair in encoded if (limited := _limit(config, *pair, result)) is not None]
+    eod = instruction_eod(tokenizer, config.template) if config.append_eod else None
+    kept = [limited for pair in encoded if (limited := _limit(config, *pair, eod, result)) is not None]
     result.fields["input_ids"], result.lengths["input_ids"] = _flatten([ids for ids, _ in kept])
     result.fields["labels"], result.lengths["labels"] = _flatten([labels for _, labels in kept])
+
+
+PAIRWISE_FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
+
+def _encode_pairwise(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
+    """MindSpeed ``AlpacaStylePairwiseHandler._filter``: chosen/rejected ids = prompt + answer, labels mask the prompt.
+    No truncation and no eod (MindSpeed has neither for pairs); a pair with any field of ``seq_length`` tokens or more
+    is dropped whole (``_serialize_to_disk``'s shared skip indices)."""
+    tokenizer = load_tokenizer(config.tokenizer_path, config.use_fast)
+    converter = Converter(config.handler_name, config.map_keys)
+    kept: dict[str, list[np.ndarray]] = {key: [] for key in PAIRWISE_FIELDS}
+    for file, number, record in records:
+        try:
+            prompt_ids, chosen, rejected = encode_pair(tokenizer, *converter.pair(record), config.template or "",
+                                                       config.enable_thinking)
+        except (FormatError, ConversationError) as err:
+            result.errors.append((file, number, str(err)))
+            continue
+        masked = np.full(prompt_ids.size, IGNORE_INDEX, np.int32)
+        row = {"chosen_input_ids": np.concatenate([prompt_ids, chosen]),
+               "chosen_labels": np.concatenate([masked, chosen]),
+               "rejected_input_ids": np.concatenate([prompt_ids, rejected]),
+               "rejected_labels": np.concatenate([masked, rejected])}
+        if config.seq_length is not None and max(a.size for a in row.values()) >= config.seq_length:
+            result.dropped["too_long"] += 1
+            continue
+        for key, array in row.items():
+            kept[key].append(array.astype(np.int32))
+    for key in PAIRWISE_FIELDS:
+        result.fields[key], result.lengths[key] = _flatten(kept[key])
 
 
 def _encode_text(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
@@ -131,7 +178,8 @@ def encode_chunk(config: EncodeConfig, chunk: Chunk) -> ChunkResult:
             records.append((file, number, parse_record(payload)))
         except RecordError as err:
             result.errors.append((file, number, str(err)))
-    (_encode_instruction if config.instruction else _encode_text)(config, records, result)
+    encode = _encode_pairwise if config.pairwise else _encode_instruction if config.instruction else _encode_text
+    encode(config, records, result)
     result.dropped = +result.dropped  # drop zero counts
     result.errors.sort(key=lambda e: (e[0], e[1]))  # files are read in sorted order, so this is input order
     return result

@@ -16,15 +16,24 @@ Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed
   ``map_keys`` keep these defaults. OpenAI messages are ShareGPT with ``{"messages": "messages", "tags": {"role_tag":
   "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}}`` (the
   seed's ``--map-keys``); without ``map_keys``, a record that has ``messages`` and no ``conversations`` is read so.
+  ``{"tools": "<column>"}`` reads that column's tool definitions (a JSON string or list, as in LLaMA-Factory's
+  glaive_toolcall data) into a ``tools`` message after the system prompt; like MindSpeed, tools are read only when
+  mapped. An OpenAI assistant message with ``tool_calls`` becomes a function turn (its calls as a JSON list).
 - Alpaca (``AlpacaStyleInstructionHandler``, ``GeneralInstructionHandler``): ``{"prompt": "instruction",
   "query": "input", "response": "output"}``; the user turn is ``instruction + "\\n" + input`` (empty parts omitted).
   ``system`` and ``history`` (a list of ``[query, response]`` pairs before this turn) are read only when mapped,
   e.g. ``{"system": "system", "history": "history"}``, as in MindSpeed.
+- Pairwise (``SharegptStylePairwiseHandler`` / ``AlpacaStylePairwiseHandler``, MindSpeed's ``ranking`` datasets):
+  ``Converter.pair(record)`` gives (prompt ending with a user turn, chosen, rejected); ShareGPT reads ``chosen`` /
+  ``rejected`` message objects (``{"from": "gpt", "value": ...}``), Alpaca strings (from list columns MindSpeed takes
+  ``chosen[0]`` and ``rejected[1]``); the column names are map_keys ``chosen`` / ``rejected``. A pairwise record under
+  an instruction handler is refused with a message naming the pairwise handler.
 - Plain text (``GeneralPretrainHandler`` or no handler): not a conversation; see ``text_fields``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterator
 
@@ -37,8 +46,11 @@ HANDLERS: dict[str, str] = {
     "AlpacaStyleInstructionHandler": "alpaca",
     "GeneralInstructionHandler": "alpaca",
     "GeneralPretrainHandler": "text",
+    "SharegptStylePairwiseHandler": "sharegpt",
+    "AlpacaStylePairwiseHandler": "alpaca",
     "": "text",
 }
+PAIRWISE_HANDLERS = ("SharegptStylePairwiseHandler", "AlpacaStylePairwiseHandler")
 SHAREGPT_TAGS = {
     "role_tag": "from",
     "content_tag": "value",
@@ -74,8 +86,8 @@ def handler_format(handler_name: str | None) -> str:
     return HANDLERS[name]
 
 
-def _check_map_keys(fmt: str, map_keys: dict[str, Any]) -> None:
-    allowed = _SHAREGPT_KEYS if fmt == "sharegpt" else _ALPACA_KEYS
+def _check_map_keys(fmt: str, map_keys: dict[str, Any], pairwise: bool = False) -> None:
+    allowed = (_SHAREGPT_KEYS if fmt == "sharegpt" else _ALPACA_KEYS) | ({"chosen", "rejected"} if pairwise else set())
     unknown = sorted(set(map_keys) - allowed)
     if unknown:
         raise ValueError(f"map_keys: unknown key(s) {', '.join(map(repr, unknown))} for {fmt}; allowed: {', '.join(sorted(allowed))}")
@@ -91,19 +103,58 @@ class Converter:
         self.format = handler_format(handler_name)
         if self.format == "text":
             raise ValueError(f"handler_name: {handler_name or '(none)'} reads plain text, not conversations")
+        self.pairwise = handler_name in PAIRWISE_HANDLERS
         self.explicit = map_keys is not None
         keys = dict(map_keys or {})
-        _check_map_keys(self.format, keys)
+        _check_map_keys(self.format, keys, self.pairwise)
         self.keys = keys
         self.tags = {**SHAREGPT_TAGS, **keys.get("tags", {})}
 
     def messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         """The record's conversation, validated for the templates. Raises ``FormatError``."""
+        if self.pairwise:
+            raise FormatError("a pairwise handler reads chosen/rejected pairs (Converter.pair), not conversations")
+        if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+            pairwise = "SharegptStylePairwiseHandler" if self.format == "sharegpt" else "AlpacaStylePairwiseHandler"
+            raise FormatError(f"a pairwise (preference) record with chosen/rejected answers; preprocess it with "
+                              f"handler_name {pairwise}")
         try:
             raw = self._sharegpt(record) if self.format == "sharegpt" else self._alpaca(record)
             return check_conversation(raw)
         except ConversationError as err:
             raise FormatError(str(err)) from err
+
+    def pair(self, record: dict[str, Any]) -> tuple[list[dict[str, str]], dict[str, str], dict[str, str]]:
+        """A pairwise record as (prompt conversation ending with a user turn, chosen answer, rejected answer), as
+        MindSpeed's ``convert_{sharegpt,alpaca}_to_intermediate`` read it with ``ranking``. Raises ``FormatError``."""
+        chosen_key, rejected_key = self.keys.get("chosen", "chosen"), self.keys.get("rejected", "rejected")
+        try:
+            if self.format == "sharegpt":
+                prompt = self._sharegpt(record)
+                answers = [self._sharegpt_answer(_require(record, k), k) for k in (chosen_key, rejected_key)]
+            else:
+                prompt = self._alpaca_prompt(record)
+                chosen, rejected = _require(record, chosen_key), _require(record, rejected_key)
+                if isinstance(chosen, list):  # MindSpeed takes chosen[0] and rejected[1] from list columns
+                    chosen, rejected = chosen[0], rejected[1]
+                answers = [{"role": "assistant", "content": a} for a in (chosen, rejected)]
+            checked = check_conversation(prompt, need_response=False)
+            if checked[-1]["role"] not in ("user", "observation"):
+                raise FormatError("a pairwise prompt must end with a user turn (chosen/rejected answer it)")
+            for answer in answers:
+                check_conversation([*checked, answer])
+        except ConversationError as err:
+            raise FormatError(str(err)) from err
+        return checked, answers[0], answers[1]
+
+    def _sharegpt_answer(self, value: Any, key: str) -> dict[str, str]:
+        tags = self.tags
+        if not isinstance(value, dict):
+            raise FormatError(f"{key!r} must be a message object, got {type(value).__name__}")
+        role = {tags["assistant_tag"]: "assistant", tags["function_tag"]: "function"}.get(value.get(tags["role_tag"]))
+        if role is None:
+            raise FormatError(f"{key!r}: role must be {tags['assistant_tag']!r} or {tags['function_tag']!r}")
+        return {"role": role, "content": _require(value, tags["content_tag"], f"{key}: ")}
 
     # ------------------------------------------------------------ ShareGPT / OpenAI
 
@@ -127,16 +178,25 @@ class Converter:
             tag = _require(turn, tags["role_tag"], f"turn {i}: ")
             if tag not in role_of:
                 raise FormatError(f"turn {i}: unknown role {tag!r} (known: {', '.join(map(repr, role_of))})")
+            if turn.get("tool_calls"):  # OpenAI messages: an assistant turn that calls tools is a function turn
+                out.append(_function_turn(turn, i))
+                continue
             out.append({"role": role_of[tag], "content": _require(turn, tags["content_tag"], f"turn {i}: ")})
+        tools_column = self.keys.get("tools")
+        if tools_column and record.get(tools_column):  # MindSpeed reads tools only when mapped (parser.py: None)
+            out.insert(1 if out[0]["role"] == "system" else 0, {"role": "tools", "content": record[tools_column]})
         return out
 
     # ------------------------------------------------------------ Alpaca
 
     def _alpaca(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        response = _require(record, self.keys.get("response", "output"))
+        return [*self._alpaca_prompt(record), {"role": "assistant", "content": response}]
+
+    def _alpaca_prompt(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         prompt = _require(record, self.keys.get("prompt", "instruction"))
         query_key = self.keys.get("query", "input")
         parts = [p for p in (prompt, record.get(query_key) if query_key else None) if p]
-        response = _require(record, self.keys.get("response", "output"))
         out: list[dict[str, Any]] = []
         if self.keys.get("system") and record.get(self.keys["system"]):
             out.append({"role": "system", "content": record[self.keys["system"]]})
@@ -144,8 +204,21 @@ class Converter:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise FormatError(f"history item {j}: expected [query, response]")
             out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-        out += [{"role": "user", "content": "\n".join(str(p) for p in parts)}, {"role": "assistant", "content": response}]
+        out.append({"role": "user", "content": "\n".join(str(p) for p in parts)})
         return out
+
+
+def _function_turn(turn: dict[str, Any], i: int) -> dict[str, str]:
+    """An OpenAI assistant message with ``tool_calls`` as a function turn (JSON list of name/arguments)."""
+    if turn.get("content"):
+        raise FormatError(f"turn {i}: an assistant turn with both text and tool_calls is not supported")
+    calls = []
+    for call in turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [None]:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or "name" not in fn or "arguments" not in fn:
+            raise FormatError(f"turn {i}: each tool_calls entry needs a function name and arguments")
+        calls.append({"name": fn["name"], "arguments": fn["arguments"]})
+    return {"role": "function", "content": json.dumps(calls, ensure_ascii=False)}
 
 
 def _is_system(turn: Any, tags: dict[str, str]) -> bool:

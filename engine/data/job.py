@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from engine.data.encode import ChunkResult, EncodeConfig, encode_chunk, init_worker
-from engine.data.formats import Converter, handler_format, where
+from engine.data.encode import PAIRWISE_FIELDS, ChunkResult, EncodeConfig, encode_chunk, init_worker
+from engine.data.formats import PAIRWISE_HANDLERS, Converter, handler_format, where
 from engine.data.indexed import INSTRUCTION_FIELDS, IndexedDatasetWriter, boundaries_prefix, instruction_prefix
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
@@ -49,13 +49,14 @@ def _config(spec: PreprocessSpec) -> EncodeConfig:
         tokenizer_path=str(spec.tokenizer_name_or_path),
         use_fast=not spec.tokenizer_not_use_fast,
         instruction=fmt != "text",
+        pairwise=spec.handler_name in PAIRWISE_HANDLERS,
         handler_name=spec.handler_name,
         map_keys=spec.map_keys,
         template=(spec.prompt_type or "").lower() or None,
         enable_thinking=spec.enable_thinking,
         json_keys=tuple(spec.json_keys),
         append_eod=spec.append_eod,
-        max_length=spec.seq_length - 1 if spec.seq_length else None,
+        seq_length=spec.seq_length,
         overlong_policy=spec.overlong_policy,
     )
 
@@ -152,7 +153,9 @@ class _Sink:
             if len(self.examples) < MAX_EXAMPLES:
                 self.examples.append(f"{where(file, number)}: {problem}")
         self.written += result.written
-        if not self.config.instruction:
+        if self.config.pairwise:
+            self._write_pairwise(result)
+        elif not self.config.instruction:
             self._write_text(result)
         elif self.spec.pack:
             self._buffer(result)
@@ -171,6 +174,13 @@ class _Sink:
         for key in self.config.json_keys:
             self._writer(key).add_documents(result.fields[key], result.lengths[key])
             self.tokens += int(result.fields[key].size)
+
+    def _write_pairwise(self, result: ChunkResult) -> None:
+        for key in PAIRWISE_FIELDS:
+            self._writer(key).add_documents(result.fields[key], result.lengths[key])
+        for side in ("chosen", "rejected"):
+            self.tokens += int(result.fields[f"{side}_input_ids"].size)
+            self.trained += int((result.fields[f"{side}_labels"] != IGNORE_INDEX).sum())
 
     def _write_instruction(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         self._writer("input_ids").add_documents(ids, lengths)
@@ -226,9 +236,15 @@ def _dataset_names(spec: PreprocessSpec, config: EncodeConfig) -> tuple[list[str
     name = Path(spec.output_prefix).name
     if not config.instruction:
         return [f"{name}_{key}_document" for key in config.json_keys], []
+    # MindSpeed globs <prefix>_packed_*_document*: instruction and pairwise files must not coexist under one prefix.
+    directory = Path(spec.output_prefix).parent
     names = [instruction_prefix(name, f) for f in INSTRUCTION_FIELDS]
+    pairs = [instruction_prefix(name, f) for f in PAIRWISE_FIELDS]
     bounds = boundaries_prefix(name)
-    return (names + [bounds], []) if spec.pack else (names, [str(Path(spec.output_prefix).parent / bounds)])
+    if config.pairwise:
+        return pairs, [str(directory / n) for n in [*names, bounds]]
+    stale = [str(directory / n) for n in pairs]
+    return (names + [bounds], stale) if spec.pack else (names, [*stale, str(directory / bounds)])
 
 
 def _check(spec: PreprocessSpec, config: EncodeConfig) -> Any:

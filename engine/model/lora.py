@@ -149,7 +149,9 @@ def merge_lora(
     base_weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, alpha: float, r: int,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """W + (alpha/r) · B @ A computed in fp32, returned in ``out_dtype`` (default the base dtype), as MindSpeed."""
+    """W + (alpha/r) · B @ A computed in fp32, returned in ``out_dtype`` (default the base dtype): one rounding.
+
+    MindSpeed rounds the product to the base dtype before adding (``lora_merge.merge_lora_rounded`` "mindspeed")."""
     merged = base_weight.float() + (alpha / r) * (lora_b.float() @ lora_a.float())
     return merged.to(out_dtype or base_weight.dtype)
 

@@ -76,7 +76,7 @@ def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, it
     adapters = {k: v.to(dtype) for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     layers, vpp = spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage
-    args = build_args(cfg, tp, pp, dtype, layers, vpp)
+    args = build_args(cfg, tp, pp, dtype, layers, vpp, seq_length=spec.seq_length)
     extra = {"lora_r": spec.lora_r, "lora_alpha": spec.lora_alpha, "lora_target_modules": list(spec.lora_target_modules),
              "lora_base": spec.load, "iteration": iteration}
     args = argparse.Namespace(**{**vars(args), **extra})
@@ -108,7 +108,7 @@ def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iter
         else:
             save_mcore(state, cfg, save, tp=spec.tensor_model_parallel_size, pp=spec.pipeline_model_parallel_size,
                        iteration=iteration, dtype=dtype, num_layer_list=spec.num_layer_list,
-                       vpp_layers=spec.num_layers_per_virtual_pipeline_stage)
+                       vpp_layers=spec.num_layers_per_virtual_pipeline_stage, seq_length=spec.seq_length)
         if spec.save_hf:
             weights = merged_weights(state, spec.lora_alpha, spec.lora_r) if lora else state
             save_hf(weights, cfg, save / "hf", dtype=dtype)

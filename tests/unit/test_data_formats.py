@@ -124,5 +124,5 @@ def test_iter_conversations_names_file_and_line(tmp_path):
 def test_unknown_map_keys_and_handlers_are_refused():
     with pytest.raises(ValueError, match="map_keys: unknown key"):
         Converter("SharegptStyleInstructionHandler", {"messagez": "m"})
-    with pytest.raises(ValueError, match="handler_name: 'AlpacaStylePairwiseHandler' is not supported"):
-        Converter("AlpacaStylePairwiseHandler")
+    with pytest.raises(ValueError, match="handler_name: 'MOSSInstructionHandler' is not supported"):
+        Converter("MOSSInstructionHandler")

@@ -98,9 +98,8 @@ def test_overlong_policy_is_reported(tmp_path, data, qwen_tokenizer_dir, policy)
     if policy == "drop":
         assert summary["samples_dropped"]["too_long"] > 0 and summary["truncated"] == 0
         assert summary["samples_written"] == 40 - summary["samples_dropped"]["too_long"]
-    else:  # truncation cuts into the prompt here, so those samples have no trained token left and are dropped too
-        assert summary["truncated"] > 0
-        assert summary["samples_written"] + sum(summary["samples_dropped"].values()) == 40
+    else:  # MindSpeed's proportional cut: every sample kept, each with trained tokens
+        assert summary["truncated"] > 0 and summary["samples_written"] == 40 and summary["samples_dropped"] == {}
 
 
 def test_bad_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, data, qwen_tokenizer_dir):
@@ -182,7 +181,7 @@ def test_mindspeed_flags_and_spec_file_build_the_same_spec(tmp_path, data, qwen_
         ({"neat_pack": True}, "neat_pack: requires pack"),
         ({"prompt_type": None}, "prompt_type: required with SharegptStyleInstructionHandler"),
         ({"prompt_type": "llama3"}, "prompt_type: 'llama3' is not supported"),
-        ({"handler_name": "AlpacaStylePairwiseHandler"}, "handler_name: 'AlpacaStylePairwiseHandler' is not supported"),
+        ({"handler_name": "MOSSInstructionHandler"}, "handler_name: 'MOSSInstructionHandler' is not supported"),
         ({"enable_thinking": "maybe"}, "enable_thinking"),
     ],
 )
