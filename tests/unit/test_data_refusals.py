@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_tiny import tiny_hf
 from pydantic import ValidationError
 
+from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run as convert
 from engine.checkpoint.megatron import save_mcore

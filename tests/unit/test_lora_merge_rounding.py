@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-from convert_tiny import read_hf, tiny_hf
 
+from convert_tiny import read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
 from engine.checkpoint.lora_merge import merge_lora_rounded

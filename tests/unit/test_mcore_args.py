@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import torch
-from convert_tiny import tiny_hf
 
+from convert_tiny import tiny_hf
 from engine.checkpoint.job import run
 from engine.checkpoint.megatron import build_args
 from engine.model.config import ModelConfig
