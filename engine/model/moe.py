@@ -58,17 +58,20 @@ class Router(nn.Module):
 
 @functools.cache
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here (it is missing or dtype-limited on some
-    builds and devices); probed once per (device type, dtype)."""
+    """Whether ``torch._grouped_mm`` runs here (it is missing or dtype-limited on some builds and devices); probed
+    once per (device type, dtype) on the three products forward and backward use, without autograd (so a probe
+    inside an activation-checkpointed forward saves nothing)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-        y.backward(torch.ones_like(y))
-        return bool(torch.isfinite(y).all())
+        with torch.no_grad():
+            x = torch.ones(4, 16, device=device_type, dtype=dtype)
+            w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+            offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # forward: rows @ w_e^T
+            dx = torch._grouped_mm(y, w, offs=offs)  # grad of the rows
+            dw = torch._grouped_mm(y.t(), x, offs=offs)  # grad of the stacked weights (E, out, in)
+            return bool(torch.isfinite(dx).all() and torch.isfinite(dw).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -252,12 +255,12 @@ class MoELayer(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
-    """The MoE layers this model (or pipeline stage) holds, by global layer index."""
+    """The MoE layers this model (or pipeline stage) holds, by global layer index (0 for a lone MoELayer)."""
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
             parts = name.split(".")
-            found[int(parts[parts.index("layers") + 1])] = module
+            found[int(parts[parts.index("layers") + 1]) if "layers" in parts else 0] = module
     return dict(sorted(found.items()))
 
 
