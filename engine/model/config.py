@@ -196,6 +196,32 @@ def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def moe_fields_from_flags(spec: Any, base: ModelConfig | None = None) -> dict[str, Any]:
+    """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.spec.ModelArgs``), to pass to
+    ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
+    knobs then; the expert shape comes from the checkpoint). Empty for a dense model."""
+    num_experts = getattr(spec, "num_experts", None) or (base.num_experts if base is not None else None)
+    if not num_experts:
+        return {}
+    coeff = spec.moe_aux_loss_coeff
+    if coeff is None:
+        coeff = base.moe_aux_loss_coeff if base is not None else 0.0
+    fields: dict[str, Any] = {
+        "moe_aux_loss_coeff": 0.0 if spec.moe_router_load_balancing_type == "none" else coeff,
+        "moe_expert_capacity_factor": spec.moe_expert_capacity_factor,
+    }
+    if base is None:
+        freq = spec.moe_layer_freq
+        fields.update(
+            num_experts=num_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.moe_intermediate_size,
+            moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+            norm_topk_prob=spec.norm_topk_prob,
+        )
+    return fields
+
+
 def _preset(layers: int, hidden: int, ffn: int, heads: int, groups: int, tied: bool, **kw: Any) -> ModelConfig:
     return ModelConfig(layers, hidden, ffn, heads, groups, kw.pop("kv_channels", 128), tie_word_embeddings=tied, **kw)
 

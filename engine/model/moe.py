@@ -139,7 +139,9 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
-def switch_balance_loss(probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+def switch_balance_loss(
+    probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int
+) -> torch.Tensor:
     """Megatron's ``switch_load_balancing_loss_func`` without the coefficient: E / (k T^2) * sum_e(sum_t p_te * n_e)
     = E * sum_e f_e P_e; 1.0 for a perfectly balanced router."""
     e = probs_sum.shape[-1]

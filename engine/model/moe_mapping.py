@@ -4,7 +4,7 @@ Kept apart from ``engine.model.hf_mapping`` (being rewritten as one declarative 
 folded into that table at merge:
 
     decoder.layers.{i}.mlp.router.weight              (E, H)       <- model.layers.{i}.mlp.gate.weight
-    decoder.layers.{i}.mlp.experts.linear_fc1.weight  (E, 2F, H)   <- stack_e [experts.{e}.gate_proj; experts.{e}.up_proj]
+    decoder.layers.{i}.mlp.experts.linear_fc1.weight  (E, 2F, H)   <- stack_e [experts.{e}.gate_proj; .up_proj]
     decoder.layers.{i}.mlp.experts.linear_fc2.weight  (E, H, F)    <- stack_e experts.{e}.down_proj
 
 Names are the published checkpoints' (``transformers`` keeps them on disk although its in-memory module holds
