@@ -15,8 +15,9 @@ expert count is read from the weight shapes: an EP shard holding E/EP experts ru
 
 Computation: the (token, choice) pairs are sorted by expert once, each expert's rows are contiguous, and ONE grouped
 matmul per projection runs every local expert (``torch._grouped_mm`` where this torch build and device have it for
-the dtype; otherwise a loop over the non-empty experts only). Outputs return to (token, choice) order and are summed
-with the routing weights without atomics (deterministic).
+the dtype; on CPU one padded ``bmm``, which measured faster than CPU's grouped_mm; a loop over the non-empty experts
+only as the fallback). The routing weight scales each row before ``linear_fc2``; outputs return to (token, choice)
+order and are summed over the k choices without atomics (deterministic).
 
 Load balancing (training): each MoE layer computes Megatron's switch loss ``E * sum_e f_e * P_e`` (f_e: fraction of
 the top-k assignments that went to expert e, before dropping; P_e: mean router probability of e) and, when
@@ -77,34 +78,58 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def grouped_backend(x: torch.Tensor, *dims: int) -> str:
-    """"grouped_mm" when torch's grouped GEMM serves this device/dtype (rows 16-byte aligned), else "loop"."""
+    """The expert-matmul backend for rows like ``x`` (``dims``: the matmul widths).
+
+    "grouped_mm" on accelerators whose torch build runs ``torch._grouped_mm`` for this dtype (rows 16-byte aligned);
+    on CPU that op exists but loops over experts internally, and one padded ``bmm`` measured as fast or faster
+    (bench/moe_step.py), so CPU and the rest take "padded": ``bmm`` unless padding to the busiest expert would more
+    than double the rows, then ``grouped_mm`` where it runs, else the "loop" over non-empty experts.
+    """
+    if x.device.type != "cpu" and _grouped_mm_fits(x, *dims):
+        return "grouped_mm"
+    return "padded"
+
+
+def _grouped_mm_fits(x: torch.Tensor, *dims: int) -> bool:
     aligned = all(d * x.element_size() % 16 == 0 for d in dims)
-    return "grouped_mm" if aligned and _grouped_mm_works(x.device.type, x.dtype) else "loop"
+    return aligned and _grouped_mm_works(x.device.type, x.dtype)
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
     """Rows of ``x`` (M, in) sorted by expert, ``counts[e]`` rows for expert e: row @ weight[e].T -> (M, out).
 
     ``grouped_mm``: one kernel over all experts (offsets stay on the device, no host sync). ``loop``: one matmul per
-    non-empty expert (a host sync for the counts); ``bmm``: experts padded to the largest count, one bmm.
+    non-empty expert (a host sync for the counts).
     """
     if backend == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
-    sizes = counts.tolist()
-    if backend == "bmm":
-        cap = max(sizes) if sizes else 0
-        rows = torch.arange(x.shape[0], device=x.device)
-        start = (counts.cumsum(0) - counts).repeat_interleave(counts)
-        slot = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts) * cap + rows - start
-        padded = x.new_zeros(len(sizes) * cap, x.shape[1]).index_copy(0, slot, x).view(len(sizes), cap, -1)
-        return torch.bmm(padded, weight.transpose(-2, -1)).flatten(0, 1).index_select(0, slot)
     if backend != "loop":
-        raise ValueError(f"expert matmul backend: unknown {backend!r} (grouped_mm, loop, bmm)")
-    parts = [
-        chunk @ weight[e].t() for e, chunk in enumerate(torch.split(x, sizes)) if sizes[e]
-    ]  # only the experts that received tokens
+        raise ValueError(f"expert matmul backend: unknown {backend!r} (grouped_mm, loop)")
+    sizes = counts.tolist()
+    # unbind once: indexing weight[e] per expert would give each its own weight-sized zero gradient in backward
+    parts = [chunk @ w.t() for chunk, w, n in zip(torch.split(x, sizes), weight.unbind(0), sizes) if n]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def _swiglu(h: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up * row_weight
+
+
+def padded_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+               row_weight: torch.Tensor) -> torch.Tensor:
+    """The whole expert MLP as two ``bmm`` over (E, busiest count, ·) blocks: rows are scattered into their
+    expert's block once and gathered back once; padding rows are zero and stay zero (silu(0) * 0 = 0)."""
+    e = counts.shape[0]
+    cap = int(counts.max()) if e else 0  # host sync
+    start = (counts.cumsum(0) - counts).repeat_interleave(counts, output_size=x.shape[0])
+    slot = torch.arange(x.shape[0], device=x.device) - start
+    slot += torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=x.shape[0]) * cap
+    blocks = x.new_zeros(e * cap, x.shape[1]).index_copy(0, slot, x).view(e, cap, -1)
+    w = row_weight.new_zeros(e * cap, 1).index_copy(0, slot, row_weight).view(e, cap, 1)
+    act = _swiglu(torch.bmm(blocks, w1.transpose(-2, -1)), w)
+    return torch.bmm(act, w2.transpose(-2, -1)).flatten(0, 1).index_select(0, slot)
 
 
 class GroupedExperts(nn.Module):
@@ -115,13 +140,20 @@ class GroupedExperts(nn.Module):
         e, h, f = cfg.num_experts or 0, cfg.hidden_size, cfg.expert_ffn_hidden_size
         self.linear_fc1 = StackedWeight(e, 2 * f, h)
         self.linear_fc2 = StackedWeight(e, h, f)
-        self.backend: str | None = None  # None: chosen per call by ``grouped_backend``
+        self.backend: str | None = None  # grouped_mm | padded | bmm | loop; None: ``grouped_backend`` decides
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+        """x (M, H) expert-sorted rows, counts (E,), row_weight (M, 1): the routing weight of each row, applied
+        before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale)."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         backend = self.backend or grouped_backend(x, w1.shape[-1], w1.shape[-2], w2.shape[-1])
-        gate, up = expert_matmul(x, w1, counts, backend).chunk(2, dim=-1)
-        return expert_matmul(F.silu(gate) * up, w2, counts, backend)
+        if backend == "padded":
+            fits = int(counts.max()) * counts.shape[0] <= 2 * max(x.shape[0], 1)
+            dims = (w1.shape[-1], w1.shape[-2], w2.shape[-1])
+            backend = "bmm" if fits else "grouped_mm" if _grouped_mm_fits(x, *dims) else "loop"
+        if backend == "bmm":
+            return padded_mlp(x, w1, w2, counts, row_weight)
+        return expert_matmul(_swiglu(expert_matmul(x, w1, counts, backend), row_weight), w2, counts, backend)
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -229,9 +261,9 @@ class MoELayer(nn.Module):
         counts = tokens_per_expert if keep is None else torch.bincount(expert, minlength=self.num_experts + 1)[:-1]
         if keep is not None:
             order = order[: int(counts.sum())]  # host sync only in the (non-default) token-dropping mode
-        y = self.experts(x.index_select(0, order // k), counts)  # (M, H) expert-sorted
+        y = self.experts(x.index_select(0, order // k), counts, weight.index_select(0, order)[:, None])  # (M, H)
         y_pairs = y.new_zeros(n * k, shape[-1]).index_copy(0, order, y)  # back to (token, choice); dropped = 0
-        out = (y_pairs.view(n, k, -1) * weight.view(n, k, 1)).sum(dim=1).view(shape)
+        out = y_pairs.view(n, k, -1).sum(dim=1).view(shape)
         balance = switch_balance_loss(probs.sum(0), tokens_per_expert.to(probs.dtype), n, k)
         self._record(probs, tokens_per_expert, balance, keep, n)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
