@@ -5,7 +5,9 @@ Shape (tiny but wide, as the real ones are wide: Qwen3-30B-A3B has 128 experts, 
 64 experts, top-8, expert FFN 128, ``--tokens`` tokens (default 4096, as 2 × 2048). The layer side feeds the same
 input and output gradient to both blocks and checks that outputs agree. The model side: 2 MoE layers, 4 heads of 64
 (2 KV groups), vocabulary 4096; ours computes the chunked cross-entropy from hidden states, transformers its logits
-loss (``output_router_logits`` off, so neither adds an aux loss).
+loss (``output_router_logits`` off, so neither adds an aux loss). Note: transformers 5 runs its full MoE models'
+experts through ``torch._grouped_mm`` by default; only the standalone block runs the per-expert loop, so the layer
+line also reports that block with ``experts_implementation="grouped_mm"`` (``vs_hf_grouped_mm_ratio``).
 
 Timing: both sides in this process, one intra-op thread by default (``--threads``; on a shared machine a second
 thread makes each op wait for the slower one), one warm-up, then ``--repeats`` timed runs per side interleaved;
@@ -93,6 +95,11 @@ def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         hf.gate.weight.copy_(ours.router.weight)
         hf.experts.gate_up_proj.copy_(ours.experts.linear_fc1.weight)  # (E, 2F, H): [gate; up] per expert in both
         hf.experts.down_proj.copy_(ours.experts.linear_fc2.weight)
+    # transformers' own grouped path (its full models default to it; the standalone block runs the expert loop)
+    grouped_cfg = hf_config(1)
+    grouped_cfg._experts_implementation = "grouped_mm"
+    hf_grouped = Qwen3MoeSparseMoeBlock(grouped_cfg).to(device=device, dtype=dtype)
+    hf_grouped.load_state_dict(hf.state_dict())
     x = torch.randn(1, args.tokens, HIDDEN, device=device, dtype=dtype)
     grad = torch.randn_like(x)
 
@@ -109,16 +116,19 @@ def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     with torch.no_grad():
         diff = (ours(x) - hf(x)).abs().max().item()
     auto = grouped_backend(x, HIDDEN, 2 * EXPERT_FFN, EXPERT_FFN)
-    sides = {"hf": run(hf), "ours": run(ours)} | {b: run(ours, b) for b in ("grouped_mm", "bmm", "loop")}
+    sides = {"hf": run(hf), "hf_grouped_mm": run(hf_grouped), "ours": run(ours)}
+    sides |= {b: run(ours, b) for b in ("grouped_mm", "bmm", "loop")}
     times = interleaved(sides, args.repeats, device)
     backends = {b: round(args.tokens / times[b], 1) for b in ("grouped_mm", "bmm", "loop")}
     result = {
         "what": "moe_layer_fwd_bwd", "tokens": args.tokens, "backend": auto, "max_abs_diff_vs_hf": diff,
         "ours_tokens_per_s": round(args.tokens / times["ours"], 1),
         "hf_tokens_per_s": round(args.tokens / times["hf"], 1),
+        "hf_grouped_mm_tokens_per_s": round(args.tokens / times["hf_grouped_mm"], 1),
         "ours_tokens_per_s_by_backend": backends,
     }
     result["tokens_per_s_ratio"] = round(times["hf"] / times["ours"], 3)
+    result["vs_hf_grouped_mm_ratio"] = round(times["hf_grouped_mm"] / times["ours"], 3)
     return result
 
 
@@ -190,7 +200,7 @@ def main() -> None:
         "bench": "moe_step", "device": device.type, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
         "tokens": args.tokens, "experts": EXPERTS, "topk": TOPK, "hidden": HIDDEN, "expert_ffn": EXPERT_FFN,
         "backend": layer["backend"],
-        "tokens_per_s_ratio": layer["tokens_per_s_ratio"],
+        "tokens_per_s_ratio": layer["tokens_per_s_ratio"], "vs_hf_grouped_mm_ratio": layer["vs_hf_grouped_mm_ratio"],
         "ours_tokens_per_s": layer["ours_tokens_per_s"], "hf_tokens_per_s": layer["hf_tokens_per_s"],
         "model_tokens_per_s_ratio": model["tokens_per_s_ratio"],
         "model_ours_tokens_per_s": model["ours_tokens_per_s"], "model_hf_tokens_per_s": model["hf_tokens_per_s"],
