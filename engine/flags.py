@@ -50,6 +50,10 @@ IGNORED_FLAGS: dict[str, int | str] = {
     "log-validation-ppl-to-tensorboard": 0,
     "no-check-for-nan-in-loss-and-grad": 0,
     "ckpt-format": 1,
+    # MoE: token permutation is always one sort on the device; these choose MindSpeed's fused/async variants of it.
+    "moe-permute-fusion": 0,
+    "moe-permutation-async-comm": 0,
+    "use-fused-moe-token-permute-and-unpermute": 0,
 }
 # Fields that only exist in the JSON spec, never as flags (nested objects).
 _NOT_FLAGS = {"resources", "metadata", "kind", "steps"}

@@ -106,7 +106,30 @@ def _is_number(value: str) -> bool:
     return True
 
 
+def _layer_freq(value: Any) -> Any:
+    """Megatron's ``--moe-layer-freq``: an int, or a 0/1 per layer as "[1,0,1]" / "1,0,1" / a list. Megatron's
+    Python-expression form ("([1]*3+[0])*2") is refused: user input is never evaluated."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        parts = [p for p in text.replace(",", " ").split() if p]
+        if not all(p.lstrip("-").isdigit() for p in parts) or not parts:
+            raise ValueError(f"must be an int or a list of 0/1 per layer like [1,0,1], got {value!r}")
+        return int(parts[0]) if len(parts) == 1 and not value.strip().startswith("[") else [int(p) for p in parts]
+    return value
+
+
+def _check_layer_freq(value: int | list[int]) -> int | list[int]:
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"must be >= 1 (every k-th layer is MoE), got {value}")
+    if isinstance(value, list) and (not value or any(v not in (0, 1) for v in value)):
+        raise ValueError(f"a per-layer pattern holds only 0 (dense) and 1 (MoE), got {value}")
+    return value
+
+
 IntList = Annotated[list[int], BeforeValidator(_split_list)]
+LayerFreq = Annotated[int | list[int], BeforeValidator(_layer_freq), AfterValidator(_check_layer_freq)]
 StrList = Annotated[list[str], BeforeValidator(_split_list)]
 DataPathList = Annotated[list[str], BeforeValidator(_split_list), AfterValidator(_resolve_list_in_roots)]
 """Paths (optionally with blend weights) that must all resolve inside the data roots when submitted over the API."""
@@ -174,7 +197,29 @@ class ModelArgs(_Strict):
     attention_dropout: float = Field(0.1, ge=0, le=1, description="--attention-dropout: accepted for script parity; the Qwen3 model here has no dropout (a value > 0 is ignored with a warning).")
     init_method_std: float = Field(0.02, gt=0, description="--init-method-std: std of the normal init of new weights (pretraining from scratch).")
     attention_softmax_in_fp32: bool = Field(False, description="--attention-softmax-in-fp32: attention softmax in fp32 under bf16/fp16 (accepted for script parity).")
-    norm_topk_prob: bool = Field(False, description="--norm-topk-prob: renormalise the selected experts' router probabilities to sum to 1 (MoE models only).")
+    norm_topk_prob: bool = Field(
+        False, description="MoE: renormalise the top-k routing weights to sum to 1 (Qwen3-MoE: on).")
+    num_experts: int | None = Field(
+        None, ge=1, description="MoE: routed experts per MoE layer; unset = a dense model (or the checkpoint's).")
+    moe_router_topk: int = Field(2, ge=1, description="MoE: experts each token is routed to (Qwen3-MoE: 8).")
+    moe_ffn_hidden_size: int | None = Field(
+        None, ge=1, description="MoE: FFN width of one expert; default ffn_hidden_size.")
+    moe_intermediate_size: int | None = Field(None, ge=1, description="MindSpeed's name for moe_ffn_hidden_size.")
+    moe_layer_freq: LayerFreq = Field(1, description=(
+        "MoE: an int k (layers with index % k == 0 are MoE) or one 0/1 per layer like [1,0,1] (0 = dense MLP)."))
+    moe_grouped_gemm: bool = Field(False, description=(
+        "Accepted for MindSpeed scripts: local experts always run as grouped matmuls (torch._grouped_mm where the "
+        "device has it)."))
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field("allgather", description=(
+        "MoE token dispatch across expert-parallel ranks; no effect while expert_model_parallel_size is 1."))
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field("aux_loss", description=(
+        "aux_loss: Megatron's switch load-balancing loss weighted by moe_aux_loss_coeff; none: no balancing loss."))
+    moe_aux_loss_coeff: float | None = Field(None, ge=0, description=(
+        "Weight of the load-balancing loss per MoE layer; unset = the checkpoint's router_aux_loss_coef "
+        "(0 without one)."))
+    moe_expert_capacity_factor: float | None = Field(None, gt=0, description=(
+        "MoE: unset = dropless; else each expert takes at most ceil(tokens × topk / experts × factor) tokens per "
+        "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy)."))
     tokenizer_type: str | None = Field(None, description="--tokenizer-type: PretrainedFromHF (a Hugging Face tokenizer directory) is the one supported.")
     tokenizer_name_or_path: DataPath | None = Field(None, description="--tokenizer-name-or-path: local Hugging Face tokenizer directory (inside the data roots).")
     tokenizer_not_use_fast: bool = Field(False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one.")
@@ -186,7 +231,18 @@ class ModelArgs(_Strict):
     def _check_shape(self) -> "ModelArgs":
         if self.bf16 and self.fp16:
             raise ValueError("bf16: choose at most one of bf16 and fp16")
+        self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        ffn, alias = self.moe_ffn_hidden_size, self.moe_intermediate_size
+        if ffn is not None and alias is not None and ffn != alias:
+            raise ValueError(f"moe_intermediate_size: {alias} disagrees with moe_ffn_hidden_size {ffn}; give one")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk: {self.moe_router_topk} is more than num_experts ({self.num_experts})")
+        freq = self.moe_layer_freq
+        if isinstance(freq, list) and self.num_layers is not None and len(freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq: the pattern has {len(freq)} entries but num_layers is {self.num_layers}")
 
 
 class ParallelArgs(_Strict):
@@ -194,6 +250,8 @@ class ParallelArgs(_Strict):
 
     tensor_model_parallel_size: int = Field(1, ge=1, description="--tensor-model-parallel-size: TP degree, devices that split each layer's matrices.")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="--pipeline-model-parallel-size: PP degree, stages the layers are split into.")
+    expert_model_parallel_size: int = Field(1, ge=1, description=(
+        "MoE: ranks the experts of each MoE layer are split over. Only 1 is available so far."))
     sequence_parallel: bool = Field(False, description="--sequence-parallel: with TP > 1, shard norms and dropout activations along the sequence.")
     num_layer_list: IntList | None = Field(None, description="Layers per pipeline stage, e.g. '10,8,8,10'.")
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage (interleaved 1F1B).")
@@ -205,6 +263,11 @@ class ParallelArgs(_Strict):
     def _check_layout(self) -> "ParallelArgs":
         world = self.resources.world_size if isinstance(self, JobBase) else 1
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"expert_model_parallel_size: {self.expert_model_parallel_size} is not available yet (expert "
+                "parallelism is being built); use 1 (the experts then shard like every other weight, over DP)"
+            )
         if world % (tp * pp):
             raise ValueError(
                 f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size "

@@ -1,4 +1,10 @@
-"""Model shape: built from an HF ``config.json``, a named preset, or a spec's Megatron flags."""
+"""Model shape: built from an HF ``config.json``, a named preset, or a spec's Megatron flags.
+
+MoE (Qwen3-MoE) fields use Megatron's names and meanings: ``num_experts``, ``moe_router_topk``,
+``moe_ffn_hidden_size``, ``moe_layer_freq`` (an int k: layers with ``i % k == 0`` are MoE; or one 0/1 per layer),
+``moe_aux_loss_coeff``, ``moe_expert_capacity_factor``. HF's ``decoder_sparse_step`` / ``mlp_only_layers`` (layer i is
+MoE when ``(i + 1) % step == 0`` and i is not listed) are turned into the explicit per-layer pattern by ``from_hf``.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,14 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
+    # MoE (None / 0 experts: a dense model). Routing: softmax over experts, top-k, renormalised when norm_topk_prob.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # per-expert FFN width; default ffn_hidden_size
+    moe_layer_freq: int | tuple[int, ...] = 1
+    norm_topk_prob: bool = False
+    moe_aux_loss_coeff: float = 0.0  # Megatron's per-layer switch load-balancing loss weight (HF router_aux_loss_coef)
+    moe_expert_capacity_factor: float | None = None  # None: dropless; else Megatron token dropping (policy "probs")
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
@@ -33,6 +47,38 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.num_query_groups})"
             )
+        if isinstance(self.moe_layer_freq, list):  # JSON round trip (checkpoint metadata) gives a list
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if not self.is_moe:
+            return
+        if not 1 <= self.moe_router_topk <= self.num_experts:  # type: ignore[operator]
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) must be in 1..num_experts ({self.num_experts})")
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple) and len(freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq: the pattern has {len(freq)} entries but num_layers is {self.num_layers}")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"moe_layer_freq: must be >= 1, got {freq}")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"moe_expert_capacity_factor: must be positive, got {self.moe_expert_capacity_factor}")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based, global) has routed experts instead of the dense MLP."""
+        if not self.is_moe:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[index]) if isinstance(freq, tuple) else index % freq == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     @property
     def heads_per_group(self) -> int:
@@ -43,13 +89,17 @@ class ModelConfig:
         """Rows of the fused ``linear_qkv`` weight: per group, its q heads then one k and one v head."""
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """All parameters, or with ``active`` those one token uses (top-k of the experts, as FLOPs count them)."""
         h, d = self.hidden_size, self.kv_channels
         attn = h * self.qkv_rows + self.num_attention_heads * d * h + 2 * d
-        mlp = 3 * h * self.ffn_hidden_size
-        per_layer = attn + mlp + 2 * h
+        dense_mlp = 3 * h * self.ffn_hidden_size
+        experts = self.moe_router_topk if active else (self.num_experts or 0)
+        moe_mlp = (self.num_experts or 0) * h + experts * 3 * h * self.expert_ffn_hidden_size  # router + experts
+        n_moe = len(self.moe_layers)
+        layers = self.num_layers * (attn + 2 * h) + n_moe * moe_mlp + (self.num_layers - n_moe) * dense_mlp
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + h + (emb if include_embedding else 0)
+        return layers + h + (emb if include_embedding else 0)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -67,6 +117,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_method_std=hf.get("initializer_range", 0.02),
+            **_moe_from_hf(hf),
         )
 
     @classmethod
@@ -77,8 +128,8 @@ class ModelConfig:
         return cls.from_hf(json.loads(config_file.read_text()))
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
-        """A ``config.json`` that ``transformers.Qwen3ForCausalLM`` loads."""
-        return {
+        """A ``config.json`` that ``transformers.Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for MoE) loads."""
+        out = {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
             "attention_bias": False,
@@ -105,14 +156,77 @@ class ModelConfig:
             "use_cache": True,
             "vocab_size": self.vocab_size,
         }
+        if self.is_moe:
+            out.update(self._moe_to_hf())
+        return out
+
+    def _moe_to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(self.num_layers) if not self.is_moe_layer(i)],
+            "moe_intermediate_size": self.expert_ffn_hidden_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.moe_router_topk,
+            "norm_topk_prob": self.norm_topk_prob,
+            "output_router_logits": False,
+            "router_aux_loss_coef": self.moe_aux_loss_coeff,
+        }
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
 
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig MoE fields from a Qwen3-MoE ``config.json`` (empty for a dense one)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes num_local_experts
+    if not experts:
+        return {}
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+    return {
+        "num_experts": experts,
+        "moe_router_topk": hf.get("num_experts_per_tok", 8),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size"),
+        "moe_layer_freq": 1 if all(pattern) else pattern,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
+def moe_fields_from_flags(spec: Any, base: ModelConfig | None = None) -> dict[str, Any]:
+    """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.spec.ModelArgs``), to pass to
+    ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
+    knobs then; the expert shape comes from the checkpoint). Empty for a dense model."""
+    num_experts = getattr(spec, "num_experts", None) or (base.num_experts if base is not None else None)
+    if not num_experts:
+        return {}
+    coeff = spec.moe_aux_loss_coeff
+    if coeff is None:
+        coeff = base.moe_aux_loss_coeff if base is not None else 0.0
+    fields: dict[str, Any] = {
+        "moe_aux_loss_coeff": 0.0 if spec.moe_router_load_balancing_type == "none" else coeff,
+        "moe_expert_capacity_factor": spec.moe_expert_capacity_factor,
+    }
+    if base is None:
+        freq = spec.moe_layer_freq
+        fields.update(
+            num_experts=num_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.moe_intermediate_size,
+            moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+            norm_topk_prob=spec.norm_topk_prob,
+        )
+    return fields
+
+
 def _preset(layers: int, hidden: int, ffn: int, heads: int, groups: int, tied: bool, **kw: Any) -> ModelConfig:
     return ModelConfig(layers, hidden, ffn, heads, groups, kw.pop("kv_channels", 128), tie_word_embeddings=tied, **kw)
 
+
+_MOE: dict[str, Any] = {"num_experts": 128, "moe_router_topk": 8, "norm_topk_prob": True, "moe_aux_loss_coeff": 0.001}
 
 # Shapes of the published Qwen3 dense checkpoints (their config.json files).
 PRESETS: dict[str, ModelConfig] = {
@@ -122,9 +236,17 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": _preset(36, 4096, 12288, 32, 8, False),
     "qwen3-14b": _preset(40, 5120, 17408, 40, 8, False),
     "qwen3-32b": _preset(64, 5120, 25600, 64, 8, False),
+    # MoE: Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json (128 experts, top-8, norm_topk_prob true,
+    # router_aux_loss_coef 0.001, every layer sparse; intermediate_size is the dense width, unused by these shapes).
+    "qwen3-30b-a3b": _preset(48, 2048, 6144, 32, 4, False, **_MOE, moe_ffn_hidden_size=768),
+    "qwen3-235b-a22b": _preset(94, 4096, 12288, 64, 4, False, **_MOE, moe_ffn_hidden_size=1536),
     # For tests: the real vocabulary (so the real tokenizer works), everything else tiny.
     "qwen3-tiny": _preset(2, 64, 128, 4, 2, False, kv_channels=16, max_position_embeddings=2048),
     "qwen3-tiny-tied": _preset(2, 64, 128, 4, 2, True, kv_channels=16, max_position_embeddings=2048),
+    # MoE for tests: 8 experts, top-2, layer 1 of 3 dense (mlp_only_layers=[1]).
+    "qwen3-moe-tiny": _preset(3, 64, 128, 4, 2, False, kv_channels=16, max_position_embeddings=2048, num_experts=8,
+                              moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(1, 0, 1), norm_topk_prob=True,
+                              moe_aux_loss_coeff=0.001),
 }
 
 

@@ -1,4 +1,4 @@
-"""Qwen3 dense decoder, math only, with Megatron-Core local-spec module names.
+"""Qwen3 dense and MoE decoder, math only, with Megatron-Core local-spec module names (MoE MLP: ``engine.model.moe``).
 
 References: transformers ``models/qwen3/modeling_qwen3.py`` (the numerics we match: RMSNorm in fp32, rotate-half RoPE,
 q/k RMSNorm per head before RoPE, SwiGLU), Megatron-Core ``transformer/attention.py`` + ``mlp.py`` (fused
@@ -24,6 +24,7 @@ from torch import nn
 from engine.model.attention import AttentionPlan, core_attention, plan_attention
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
+from engine.model.moe import MoELayer
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, head_dim)
 
@@ -104,14 +105,14 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is routed experts in MoE layers."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | MoELayer = MoELayer(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
@@ -132,7 +133,7 @@ class Embedding(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
 
 
@@ -196,8 +197,9 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Megatron init: every matrix ~ N(0, std); the two residual-output matrices (``linear_proj``,
-        ``linear_fc2``) ~ N(0, std / sqrt(2 * num_layers)) (``scaled_init_method_normal``); norms = 1."""
+        """Megatron init: every matrix ~ N(0, std) (the MoE router and stacked experts too); the two
+        residual-output matrices (``linear_proj``, ``linear_fc2``, expert ``linear_fc2``) ~ N(0, std / sqrt(2 *
+        num_layers)) (``scaled_init_method_normal``); norms = 1."""
         std = self.cfg.init_method_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         generators: dict[torch.device, torch.Generator] = {}

@@ -1,0 +1,211 @@
+"""MoE forward+backward throughput: our grouped-expert MoE layer vs transformers' ``Qwen3MoeSparseMoeBlock``, and a
+full tiny Qwen3-MoE training step (forward, loss, backward) vs ``Qwen3MoeForCausalLM``, same weights, same run.
+
+Shape (tiny but wide, as the real ones are wide: Qwen3-30B-A3B has 128 experts, top-8, expert FFN 768): hidden 256,
+64 experts, top-8, expert FFN 128, ``--tokens`` tokens (default 4096, as 2 × 2048). The layer side feeds the same
+input and output gradient to both blocks and checks that outputs agree. The model side: 2 MoE layers, 4 heads of 64
+(2 KV groups), vocabulary 4096; ours computes the chunked cross-entropy from hidden states, transformers its logits
+loss (``output_router_logits`` off, so neither adds an aux loss). Note: transformers 5 runs its full MoE models'
+experts through ``torch._grouped_mm`` by default; only the standalone block runs the per-expert loop, so the layer
+line also reports that block with ``experts_implementation="grouped_mm"`` (``vs_hf_grouped_mm_ratio``).
+
+Timing: both sides in this process, one intra-op thread by default (``--threads``; on a shared machine a second
+thread makes each op wait for the slower one), one warm-up, then ``--repeats`` timed runs per side interleaved;
+tokens/s = tokens / the fastest run (the least disturbed). Our layer is also timed with each expert-matmul backend
+(``grouped_mm`` = torch._grouped_mm, ``loop`` over non-empty experts, padded ``bmm``); all variants are timed
+interleaved with the transformers block; the ratios use the automatic choice (``engine.model.moe.grouped_backend``),
+which is what the model runs.
+Prints one JSON line per measurement, the last line one JSON object with ``tokens_per_s_ratio`` (layer, target >= 2)
+and ``model_tokens_per_s_ratio``. Run: ``.venv/bin/python bench/moe_step.py`` (about a minute on CPU);
+``--device cuda`` runs bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.model.config import ModelConfig
+from engine.model.loss import chunked_cross_entropy
+from engine.model.moe import MoELayer, grouped_backend
+from engine.model.moe_mapping import native_from_hf
+from engine.model.qwen3 import Qwen3Model
+
+HIDDEN, EXPERTS, TOPK, EXPERT_FFN, VOCAB = 256, 64, 8, 128, 4096
+
+
+def hf_config(layers: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=EXPERT_FFN,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=EXPERTS,
+        num_experts_per_tok=TOPK, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        max_position_embeddings=8192, initializer_range=0.02, output_router_logits=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_time(fn: Callable[[], None], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def interleaved(sides: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Fastest seconds per side; one warm-up each, then the sides alternate so load changes hit all alike."""
+    for fn in sides.values():
+        best_time(fn, device)
+    best = {name: float("inf") for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            best[name] = min(best[name], best_time(fn, device))
+    return best
+
+
+def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hf_cfg = hf_config(1)
+    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+    torch.manual_seed(0)
+    ours = MoELayer(cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        ours.router.weight.normal_(0.0, 0.5)
+        ours.experts.linear_fc1.weight.normal_(0.0, 0.05)
+        ours.experts.linear_fc2.weight.normal_(0.0, 0.05)
+    ours.aux_loss_coeff = 0.0  # the HF block has no aux loss inside: compare the same work
+    hf = Qwen3MoeSparseMoeBlock(hf_cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        hf.gate.weight.copy_(ours.router.weight)
+        hf.experts.gate_up_proj.copy_(ours.experts.linear_fc1.weight)  # (E, 2F, H): [gate; up] per expert in both
+        hf.experts.down_proj.copy_(ours.experts.linear_fc2.weight)
+    # transformers' own grouped path (its full models default to it; the standalone block runs the expert loop)
+    grouped_cfg = hf_config(1)
+    grouped_cfg._experts_implementation = "grouped_mm"
+    hf_grouped = Qwen3MoeSparseMoeBlock(grouped_cfg).to(device=device, dtype=dtype)
+    hf_grouped.load_state_dict(hf.state_dict())
+    x = torch.randn(1, args.tokens, HIDDEN, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+
+    def run(block: torch.nn.Module, backend: str | None = None) -> Callable[[], None]:
+        def fn() -> None:
+            if isinstance(block, MoELayer):
+                block.experts.backend = backend
+            xi = x.detach().requires_grad_()
+            block(xi).backward(grad)
+            block.zero_grad(set_to_none=True)
+
+        return fn
+
+    with torch.no_grad():
+        diff = (ours(x) - hf(x)).abs().max().item()
+    auto = grouped_backend(x, HIDDEN, 2 * EXPERT_FFN, EXPERT_FFN)
+    sides = {"hf": run(hf), "hf_grouped_mm": run(hf_grouped), "ours": run(ours)}
+    sides |= {b: run(ours, b) for b in ("grouped_mm", "bmm", "loop")}
+    times = interleaved(sides, args.repeats, device)
+    backends = {b: round(args.tokens / times[b], 1) for b in ("grouped_mm", "bmm", "loop")}
+    result = {
+        "what": "moe_layer_fwd_bwd", "tokens": args.tokens, "backend": auto, "max_abs_diff_vs_hf": diff,
+        "ours_tokens_per_s": round(args.tokens / times["ours"], 1),
+        "hf_tokens_per_s": round(args.tokens / times["hf"], 1),
+        "hf_grouped_mm_tokens_per_s": round(args.tokens / times["hf_grouped_mm"], 1),
+        "ours_tokens_per_s_by_backend": backends,
+    }
+    result["tokens_per_s_ratio"] = round(times["hf"] / times["ours"], 3)
+    result["vs_hf_grouped_mm_ratio"] = round(times["hf_grouped_mm"] / times["ours"], 3)
+    return result
+
+
+def model_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(1)
+    hf = Qwen3MoeForCausalLM(hf_config(2)).to(device=device, dtype=dtype)
+    cfg = ModelConfig.from_hf(hf.config.to_dict()).replace(moe_aux_loss_coeff=0.0)
+    ours = Qwen3Model(cfg)
+    state = {k: v for k, v in hf.state_dict().items()}
+    ours.load_state_dict(dict(native_from_hf(_disk_names(state), cfg)))
+    ours.to(device=device, dtype=dtype).train()
+    hf.train()
+    seq = args.tokens // 2
+    ids = torch.randint(0, VOCAB, (2, seq), device=device)
+
+    def ours_step() -> None:
+        hidden = ours(ids, return_hidden=True)
+        loss_sum, n = chunked_cross_entropy(hidden[:, :-1], ours.output_weight(), ids[:, 1:])
+        (loss_sum / n).backward()
+        ours.zero_grad(set_to_none=True)
+
+    def hf_step() -> None:
+        hf(ids, labels=ids).loss.backward()
+        hf.zero_grad(set_to_none=True)
+
+    times = interleaved({"hf": hf_step, "ours": ours_step}, max(1, args.repeats // 2), device)
+    tokens = 2 * seq
+    return {
+        "what": "moe_model_step", "tokens": tokens, "layers": 2,
+        "ours_tokens_per_s": round(tokens / times["ours"], 1), "hf_tokens_per_s": round(tokens / times["hf"], 1),
+        "tokens_per_s_ratio": round(times["hf"] / times["ours"], 3),
+    }
+
+
+def _disk_names(state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """Published checkpoint names served from transformers' fused in-memory expert tensors."""
+
+    def get(name: str) -> torch.Tensor:
+        if ".mlp.experts." in name:
+            base, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            prefix = base + ".mlp.experts."
+            if proj == "down_proj":
+                return state[prefix + "down_proj"][int(e)]
+            gate, up = state[prefix + "gate_up_proj"][int(e)].chunk(2)
+            return gate if proj == "gate_proj" else up
+        return state[name]
+
+    return get
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    layer = layer_bench(args, device, dtype)
+    print(json.dumps(layer), flush=True)
+    model = model_bench(args, device, dtype)
+    print(json.dumps(model), flush=True)
+    print(json.dumps({
+        "bench": "moe_step", "device": device.type, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+        "tokens": args.tokens, "experts": EXPERTS, "topk": TOPK, "hidden": HIDDEN, "expert_ffn": EXPERT_FFN,
+        "backend": layer["backend"],
+        "tokens_per_s_ratio": layer["tokens_per_s_ratio"], "vs_hf_grouped_mm_ratio": layer["vs_hf_grouped_mm_ratio"],
+        "ours_tokens_per_s": layer["ours_tokens_per_s"], "hf_tokens_per_s": layer["hf_tokens_per_s"],
+        "model_tokens_per_s_ratio": model["tokens_per_s_ratio"],
+        "model_ours_tokens_per_s": model["ours_tokens_per_s"], "model_hf_tokens_per_s": model["hf_tokens_per_s"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
