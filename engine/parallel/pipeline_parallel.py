@@ -267,7 +267,10 @@ def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[in
 
 
 def _has_copy(part: nn.Module) -> bool:
-    return part.output_layer is not None and bool(getattr(part.output_layer, TIED_COPY_ATTR, False))
+    """Whether ``part`` (a stage, a ``PipelineModel`` or a whole model) holds a tied embedding's copy: a tied model
+    has no output layer of its own, so any it holds is the last stage's copy (read from the structure, not a mark)."""
+    cfg = getattr(part, "cfg", None)
+    return bool(cfg is not None and cfg.tie_word_embeddings and getattr(part, "output_layer", None) is not None)
 
 
 def norm_parameters(parts: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -303,7 +306,7 @@ def dcp_state_view(
     if mode not in ("save", "load"):
         raise ValueError(f"mode: expected 'save' or 'load', got {mode!r}")
     parts = [modules] if isinstance(modules, nn.Module) else list(modules)
-    copy_here = any(getattr(getattr(m, "output_layer", None), TIED_COPY_ATTR, False) for m in parts)
+    copy_here = any(_has_copy(m) for m in parts)
 
     def is_copy(name: Any) -> bool:
         return copy_here and isinstance(name, str) and _COPY_KEY in name
