@@ -350,6 +350,8 @@ class PipelineModel(nn.Module):
     ``decoder.final_layernorm``, ``output_layer``), so the optimizer, DCP checkpoints and export treat a pipeline
     rank like a model. The pipeline itself is not a submodule (its parts are registered through the attributes)."""
 
+    pipeline: Pipeline  # set in __init__, outside nn.Module's registry
+
     def __init__(self, pipe: Pipeline, width: int) -> None:
         super().__init__()
         parts = pipe.parts

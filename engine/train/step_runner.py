@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.model.loss import chunked_cross_entropy
+from engine.model.qwen3 import Qwen3Model
 from engine.parallel.pipeline_parallel import (
     WIDTH_BUCKET,
     PipelineModel,
@@ -78,9 +79,16 @@ MicroBatchLoss = Callable[[nn.Module, MicroBatch], Losses]
 class StepRunner(Protocol):
     """What the training loop needs from a rank's model, for any layout."""
 
-    module: nn.Module  # this rank's parameters under native FQNs (optimizer, DCP checkpoints)
-    device: torch.device
-    dp_group: dist.ProcessGroup | None  # the ranks that share one step's micro-batches
+    @property
+    def module(self) -> nn.Module:
+        """This rank's parameters under native FQNs (optimizer, DCP checkpoints)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share one step's micro-batches."""
 
     def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor,
                          loss_scale: float) -> Losses: ...
@@ -107,11 +115,12 @@ def micro_batch_loss(model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_pa
     """Sum of the token losses of one micro-batch (fp32 scalar). ``vocab_parallel``: the head is vocab-sharded
     over TP (and the hidden states may be sequence-sharded)."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
+    head = cast(Qwen3Model, model).output_weight()  # (V, H), or its vocab shard (a DTensor) under TP
     if vocab_parallel:
-        return vocab_parallel_cross_entropy(hidden, model.output_weight(), mb.labels, chunk_size, mb.loss_index)[0]
+        return vocab_parallel_cross_entropy(hidden, head, mb.labels, chunk_size, mb.loss_index)[0]
     # Only rows with a label go through the head: the indices were computed on the host, so no device sync here.
     rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)  # (N, H)
-    loss_sum, _ = chunked_cross_entropy(rows, model.output_weight(), mb.loss_labels, chunk_size)
+    loss_sum, _ = chunked_cross_entropy(rows, head, mb.loss_labels, chunk_size)
     return loss_sum
 
 
@@ -152,7 +161,8 @@ class ModuleRunner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on rank 0's CPU (empty elsewhere); collective."""
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], state)
 
 
 class PipelineRunner:
