@@ -95,6 +95,7 @@ class OursSide:
         from engine.train.loop import TrainState
         from engine.train.optim import LossScaler
         from engine.train.schedule import LRSchedule, Scheduler
+        from engine.train.step_runner import ModuleRunner, lm_loss
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -105,19 +106,18 @@ class OursSide:
         self.scaler = LossScaler(argparse.Namespace(fp16=False, loss_scale=None, initial_loss_scale=1.0,
                                                     min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2))
         self.state = TrainState()
+        self.runner = ModuleRunner(self.model, torch.device("cpu"), None, lm_loss(False, chunk_size=1024))
 
     def step(self, chunk: list, mbs: int) -> float:
         import numpy as np
-        import torch
 
         from engine.train.batches import Sample, pack
         from engine.train.loop import train_step
 
         batches = [pack([Sample(np.asarray(i), np.asarray(lab)) for i, lab in chunk[m:m + mbs]], SEQ_LENGTH)
                    for m in range(0, len(chunk), mbs)]
-        rec = train_step(self.model, self.optimizer, self.scheduler, self.scaler, batches, self.state,
-                         global_batch_size=len(chunk), clip_grad=1.0, chunk_size=1024, dp_group=None,
-                         device=torch.device("cpu"))
+        rec = train_step(self.runner, self.optimizer, self.scheduler, self.scaler, batches, self.state,
+                         global_batch_size=len(chunk), clip_grad=1.0)
         return float(rec.loss_sum / rec.counts[0])
 
 

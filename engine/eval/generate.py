@@ -37,6 +37,7 @@ class DecodeOptions:
     pad_id: int
     sampling: SamplingParams = SamplingParams()
     use_cache: bool = True
+    tp_size: int = 1  # the model's tensor-parallel size: a TP rank holds num_query_groups / TP whole KV groups
 
 
 def _device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -81,8 +82,7 @@ class _Stepper:
             from engine.model.kv_cache import KVCache
 
             device, dtype = _device_dtype(model)
-            tp_mesh = getattr(model, "tp_mesh", None)  # a TP rank holds num_query_groups / TP whole KV groups
-            local_kv = cfg.num_query_groups // (tp_mesh.size() if tp_mesh is not None else 1)
+            local_kv = cfg.num_query_groups // opts.tp_size
             self.cache = KVCache(cfg, ids.shape[0], ids.shape[1] + opts.max_new_tokens, dtype, device,
                                  num_kv_heads=local_kv)
 

@@ -51,14 +51,14 @@ def _tokenizer(spec: Any) -> Any:
     return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
 
 
-def _decode_options(spec: Any, tokenizer: Any) -> DecodeOptions:
+def _decode_options(spec: Any, tokenizer: Any, tp_size: int) -> DecodeOptions:
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     stops = {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     temperature = 0.0 if spec.greedy else spec.temperature
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
     return DecodeOptions(max_new_tokens=spec.max_new_tokens, stop_ids=tuple(sorted(stops)), pad_id=pad,
-                         sampling=sampling, use_cache=not spec.no_kv_cache)
+                         sampling=sampling, use_cache=not spec.no_kv_cache, tp_size=tp_size)
 
 
 def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
@@ -163,7 +163,7 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     if not testset.lines:
         raise BadInput(f"eval_data_path: no scorable line in {spec.eval_data_path} "
                        f"({len(testset.bad)} bad line(s) skipped)", field="eval_data_path")
-    opts = _decode_options(spec, tokenizer)
+    opts = _decode_options(spec, tokenizer, tp_size=world // dp_size)
     mine = testset.lines[dp_rank::dp_size]
     records, produced, seconds = _decode(model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size,
                                          run, device, len(testset.lines), dp_size)

@@ -2,7 +2,7 @@
 
 Every rank keeps only its shard of the fp32 master weights, gradients and Adam state (torch-distributed-on-gloo.md:
 FSDP2 on gloo matches one process). Compute runs in ``param_dtype`` (bf16/fp16) with fp32 gradient reduction
-(``MixedPrecisionPolicy``). ``use_distributed_optimizer`` picks how parameters live between forward and backward:
+(``MixedPrecisionPolicy``); the dtypes are decided in ``engine.parallel.precision``. ``use_distributed_optimizer`` picks how parameters live between forward and backward:
 
 - on  (ZeRO-3): parameters are resharded after forward and gathered again in backward — least memory;
 - off (ZeRO-2): gathered parameters stay until backward — one all-gather per step less, more memory.
@@ -24,7 +24,10 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard each decoder layer, then the root (embedding, final norm, output layer) as its own group."""
+    """Shard each decoder layer, then the root (embedding, final norm, output layer) as its own group.
+
+    Parameters keep their storage dtype (``engine.parallel.precision``: fp32 trainable, a frozen base possibly in
+    ``param_dtype`` already); compute sees ``param_dtype`` copies; gradients are reduced and kept in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layers = list(model.decoder.layers.values())
     for i, layer in enumerate(layers):

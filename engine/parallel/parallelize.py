@@ -1,7 +1,7 @@
 """The one ordered entry that turns a plain ``Qwen3Model`` into the model a rank trains.
 
-Order (torchtitan ``models/qwen3/infra/parallelize.py``): tensor/sequence parallel -> activation checkpointing ->
-compile -> data parallel. Each step is an ``apply_*`` helper; the model file knows nothing of ranks.
+Order (torchtitan ``models/qwen3/infra/parallelize.py``): storage dtypes (``engine.parallel.precision``) ->
+tensor/sequence parallel -> activation checkpointing -> compile -> data parallel (with the mixed-precision policy). Each step is an ``apply_*`` helper; the model file knows nothing of ranks.
 """
 
 from __future__ import annotations
@@ -14,16 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.parallel.activation_checkpoint import apply_ac
 from engine.parallel.data_parallel import apply_fsdp
+from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 
-
-def compute_dtype(spec: Any) -> torch.dtype:
-    """The dtype matmuls run in: bf16 / fp16 from the spec, else fp32."""
-    if getattr(spec, "bf16", False):
-        return torch.bfloat16
-    if getattr(spec, "fp16", False):
-        return torch.float16
-    return torch.float32
+__all__ = ["compute_dtype", "parallelize", "recompute_granularity"]
 
 
 def recompute_granularity(spec: Any) -> str | None:
@@ -35,15 +29,18 @@ def recompute_granularity(spec: Any) -> str | None:
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
     """Apply, in order, TP/SP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
     # Under pipeline parallelism ``model`` is one stage's part (engine.parallel.pipeline_parallel.build_pipeline).
+    dtypes = param_dtypes(spec)
+    apply_param_dtypes(model, dtypes)  # fp32 main weights; a frozen (LoRA) base stored once in the compute dtype
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
     granularity = recompute_granularity(spec)
     if granularity:
         apply_ac(model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None))
     # compile: not applied yet (CPU CI); it would go here, per decoder layer, after AC and before FSDP.
-    dtype = compute_dtype(spec)
+    dtype = dtypes.compute
     dp = mesh["dp"]
-    # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU).
+    # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU). Otherwise FSDP2
+    # shards main weights, fp32 grads and Adam states over DP and casts each layer to the compute dtype just in time.
     if dp.size() > 1 or dtype != torch.float32:
         # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
         # parameters per micro-batch, so stages keep them (torch-distributed-on-gloo.md, PP × FSDP2 recipe).

@@ -267,7 +267,10 @@ def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[in
 
 
 def _has_copy(part: nn.Module) -> bool:
-    return part.output_layer is not None and bool(getattr(part.output_layer, TIED_COPY_ATTR, False))
+    """Whether ``part`` (a stage, a ``PipelineModel`` or a whole model) holds a tied embedding's copy: a tied model
+    has no output layer of its own, so any it holds is the last stage's copy (read from the structure, not a mark)."""
+    cfg = getattr(part, "cfg", None)
+    return bool(cfg is not None and cfg.tie_word_embeddings and getattr(part, "output_layer", None) is not None)
 
 
 def norm_parameters(parts: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -303,7 +306,7 @@ def dcp_state_view(
     if mode not in ("save", "load"):
         raise ValueError(f"mode: expected 'save' or 'load', got {mode!r}")
     parts = [modules] if isinstance(modules, nn.Module) else list(modules)
-    copy_here = any(getattr(getattr(m, "output_layer", None), TIED_COPY_ATTR, False) for m in parts)
+    copy_here = any(_has_copy(m) for m in parts)
 
     def is_copy(name: Any) -> bool:
         return copy_here and isinstance(name, str) and _COPY_KEY in name
@@ -347,6 +350,8 @@ class PipelineModel(nn.Module):
     ``decoder.final_layernorm``, ``output_layer``), so the optimizer, DCP checkpoints and export treat a pipeline
     rank like a model. The pipeline itself is not a submodule (its parts are registered through the attributes)."""
 
+    pipeline: Pipeline  # set in __init__, outside nn.Module's registry
+
     def __init__(self, pipe: Pipeline, width: int) -> None:
         super().__init__()
         parts = pipe.parts
@@ -360,53 +365,26 @@ class PipelineModel(nn.Module):
         self.width = width  # the widest micro-batch a step can have; steps pad to a multiple of WIDTH_BUCKET
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise RuntimeError("a pipeline rank runs through forward_backward(), not forward()")
+        raise RuntimeError("a pipeline rank runs through engine.train.step_runner.PipelineRunner, not forward()")
 
-    def forward_backward(self, batches: Sequence[Any], denominator: torch.Tensor, loss_scale: float) -> torch.Tensor:
-        """Run the step's micro-batches; returns the summed token loss (last stage; zeros elsewhere)."""
-        normaliser = float(denominator) / loss_scale
-        return self._run(batches, normaliser, train=True) * normaliser
 
-    def forward_only(self, batches: Sequence[Any]) -> torch.Tensor:
-        """The summed token loss of the micro-batches without backward (last stage; zeros elsewhere)."""
-        return self._run(batches, 1.0, train=False)
+def pipeline_full_state_dict(model: PipelineModel, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """The whole native state dict on global rank 0's CPU (empty elsewhere); collective over every rank.
 
-    def _run(self, batches: Sequence[Any], normaliser: float, train: bool) -> torch.Tensor:
-        longest = max(mb.input_ids.shape[1] for mb in batches)
-        width = min(self.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few distinct shapes -> few schedules
-        ids, labels, pos, seg = stack_micro_batches(batches, width)
-        device = _local(next(iter(self.pipeline.parts[0].parameters()))).device
-        out = self.pipeline.step(ids.to(device), labels.to(device), pos.to(device),
-                                 None if seg is None else seg.to(device), normaliser, train=train)
-        return out.to(device)
-
-    def grad_norm_parameters(self) -> list[nn.Parameter]:
-        return norm_parameters(self.pipeline.parts)
-
-    def combine_grad_norm(self, local_norm: torch.Tensor) -> torch.Tensor:
-        return pipeline_grad_norm(local_norm, self.pipeline.pp_mesh)
-
-    def reduce_loss(self, loss_sum: torch.Tensor) -> None:
-        """Bring the last stage's loss to every PP rank (in place)."""
-        dist.all_reduce(loss_sum, group=self.pipeline.pp_mesh.get_group())
-
-    def full_state_dict(self, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
-        """The whole native state dict on global rank 0's CPU (empty elsewhere); collective over every rank.
-
-        Each PP rank gathers its parts over TP/DP (``full_tensor``), then rank (dp 0, tp 0) of each stage sends
-        them to global rank 0. A tied model's last-stage copy is dropped (the embedding is the native tensor)."""
-        local = {}
-        for key, value in self.state_dict().items():
-            if key == "output_layer.weight" and _has_copy(self.pipeline.parts[-1]):
-                continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            local[key] = full.detach().cpu()
-        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local if sender else {}, gathered, dst=0)
-        if dist.get_rank() != 0:
-            return {}
-        return {k: v for part in gathered for k, v in part.items()}
+    Each PP rank gathers its parts over TP/DP (``full_tensor``), then rank (dp 0, tp 0) of each stage sends
+    them to global rank 0. A tied model's last-stage copy is dropped (the embedding is the native tensor)."""
+    local = {}
+    for key, value in model.state_dict().items():
+        if key == "output_layer.weight" and _has_copy(model.pipeline.parts[-1]):
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        local[key] = full.detach().cpu()
+    sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local if sender else {}, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    return {k: v for part in gathered for k, v in part.items()}
 
 
 def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tensor, ...]:

@@ -251,7 +251,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
-    model.tp_mesh = tp_mesh  # tells the trainer to use the vocab-parallel loss
     return model
 
 

@@ -10,7 +10,7 @@ LoRA: the same layout holding the adapters only, under MindSpeed's PEFT key name
 ``lora_load`` to a ``convert`` job (MindSpeed's ``--load`` + ``--lora-load``): W + alpha/r · B @ A per module.
 ``save_hf`` writes the merged full model as HF safetensors under ``<save>/hf``.
 
-The full state dict is gathered on rank 0 only (FSDP2 ``full_state_dict`` + ``cpu_offload``); other ranks wait.
+The full state dict is gathered on rank 0 only (``StepRunner.full_state_dict``); other ranks wait.
 """
 
 from __future__ import annotations
@@ -22,21 +22,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from engine.checkpoint.hf import save_hf
 from engine.checkpoint.layout import pipeline_chunks, rank_dir_name, shard, split_rule
-from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, save_mcore
+from engine.checkpoint.megatron import (
+    MODEL_FILE,
+    TRACKER,
+    build_args,
+    iteration_dir_name,
+    save_mcore,
+)
 from engine.model.config import ModelConfig
 from engine.model.lora import merge_lora, to_mindspeed_keys
-from engine.parallel.pipeline_parallel import PipelineModel
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU (empty elsewhere); collective."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+from engine.train.step_runner import StepRunner
 
 
 def merged_weights(state: dict[str, torch.Tensor], alpha: float, r: int) -> dict[str, torch.Tensor]:
@@ -94,11 +92,10 @@ def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, it
     return it_dir
 
 
-def export_final(model: nn.Module, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
-                 dtype: torch.dtype, mesh: DeviceMesh | None = None) -> dict[str, str]:
+def export_final(runner: StepRunner, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
+                 dtype: torch.dtype) -> dict[str, str]:
     """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
-    # Pipeline ranks hold different layers: each stage gathers its own over TP/DP and sends it to rank 0.
-    state = model.full_state_dict(mesh) if isinstance(model, PipelineModel) else full_state_dict(model)
+    state = runner.full_state_dict()  # the whole model on rank 0 (each pipeline stage gathers and sends its own)
     outputs = {"checkpoint": str(save), "checkpoint_iteration": str(iteration),
                "checkpoint_dir": str(save / iteration_dir_name(iteration))}
     if dist.get_rank() == 0:

@@ -43,6 +43,7 @@ from engine.train.model_setup import (LoadedWeights, check_against_checkpoint, c
                                       open_load)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
+from engine.train.step_runner import make_runner
 
 log = logging.getLogger("engine.train")
 
@@ -143,9 +144,9 @@ class Trainer:
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
         self.mesh = build_mesh(device, plan.dims)
-        self.dp_group = self.mesh["dp"].get_group()
         _seed_everything(spec.seed)
         self.model = self._build_model()
+        self.runner = make_runner(self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size)
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = Scheduler(self.optimizer, schedule_from_spec(spec))
         self.scaler = LossScaler(spec)
@@ -226,8 +227,9 @@ class Trainer:
             "global_batch_size": self.plan.global_batch_size,
             "world_size": self.plan.dims.world_size,
         }
-        path = dcp.save(self.plan.save, iteration, self.model, None if spec.no_save_optim else self.optimizer, meta,
-                        trainable_only=self.lora, save_rng=not spec.no_save_rng)
+        optimizer = None if spec.no_save_optim else self.optimizer
+        path = dcp.save(self.plan.save, iteration, self.runner.module, optimizer, meta, trainable_only=self.lora,
+                        save_rng=not spec.no_save_rng)
         self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
 
     def _validate(self, valid: TrainData, iteration: int, metrics: MetricsLogger) -> None:
@@ -236,12 +238,11 @@ class Trainer:
         spec, started = self.spec, time.perf_counter()
         batches = min(spec.eval_iters, -(-valid.num_samples // self.plan.global_batch_size))
         total = torch.zeros(2, dtype=torch.float64, device=self.device.torch_device)
-        self.model.eval()
+        self.runner.module.eval()
         with torch.no_grad():
             for j in range(1, batches + 1):
-                total += eval_step(self.model, self._batches(valid, j), chunk_size=spec.cross_entropy_chunk_size,
-                                   dp_group=self.dp_group, device=self.device.torch_device)
-        self.model.train()
+                total += eval_step(self.runner, self._batches(valid, j))
+        self.runner.module.train()
         loss_sum, tokens = total.tolist()
         metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
 
@@ -252,15 +253,12 @@ class Trainer:
         metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
                                 spec.log_interval, spec.tensorboard_dir, self.lora)
         start = self.state.iteration
-        self.model.train()
+        self.runner.module.train()
         for iteration in range(start + 1, spec.train_iters + 1):
             started = time.perf_counter()
             batches = self._batches(data, iteration)
-            record = train_step(
-                self.model, self.optimizer, self.scheduler, self.scaler, batches, self.state,
-                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad,
-                chunk_size=spec.cross_entropy_chunk_size, dp_group=self.dp_group, device=self.device.torch_device,
-            )
+            record = train_step(self.runner, self.optimizer, self.scheduler, self.scaler, batches, self.state,
+                                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad)
             record.elapsed_s = time.perf_counter() - started  # Megatron's iteration time includes getting the batch
             metrics.record(record)
             if iteration % spec.log_interval == 0:
@@ -270,8 +268,7 @@ class Trainer:
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
-        outputs = export_final(self.model, plan.cfg, spec, plan.save, self.state.iteration, self.dtype,
-                               mesh=self.mesh)
+        outputs = export_final(self.runner, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir
         summary = {

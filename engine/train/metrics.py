@@ -45,6 +45,7 @@ class StepRecord:
     loss_scale: float
     elapsed_s: float
     consumed_samples: int
+    extra_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # named terms (global sums)
 
 
 class MetricsLogger:
@@ -86,10 +87,15 @@ class MetricsLogger:
             return
         recs, self.pending = self.pending, []
         # One host sync for the whole interval.
-        values = torch.stack([torch.cat([r.loss_sum.double()[None], r.counts.double(), r.grad_norm.double()[None]]) for r in recs])
-        numbers = values.cpu().tolist()
+        parts = [torch.cat([r.loss_sum.double()[None], r.counts.double(), r.grad_norm.double()[None],
+                            *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses))]) for r in recs]
+        flat = torch.cat(parts).cpu().tolist()
+        numbers = []
+        for part in parts:
+            numbers.append(flat[:len(part)])
+            flat = flat[len(part):]
         memory = self._gather_memory()
-        rows = [self._metrics(r, *n) for r, n in zip(recs, numbers)]
+        rows = [{**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:]))} for r, n in zip(recs, numbers)]
         for rec, row in zip(recs, rows):
             self.run.metric(rec.iteration, row, rank_metrics=memory)
             self._tensorboard(rec, row)

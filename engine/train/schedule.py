@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 
 @dataclasses.dataclass
@@ -54,31 +55,31 @@ def schedule_from_spec(spec: Any) -> LRSchedule:
     return LRSchedule(spec.lr, spec.min_lr, spec.lr_decay_style, decay, warmup, spec.lr_warmup_init)
 
 
-class Scheduler:
-    """Sets the LR of every param group from ``LRSchedule``; its state is the step count (checkpointed)."""
+class Scheduler(LambdaLR):
+    """``torch.optim.lr_scheduler.LambdaLR`` over ``LRSchedule.lr_at``: every group's base LR is 1, so the LR of step
+    ``s`` is exactly ``lr_at(s)`` (no max_lr × ratio rounding). Its state (the step count) goes into meta.json."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule):
-        self.optimizer = optimizer
         self.schedule = schedule
-        self.num_steps = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        lr = self.schedule.lr_at(self.num_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = 1.0
+        super().__init__(optimizer, schedule.lr_at)
 
     @property
     def lr(self) -> float:
-        return self.schedule.lr_at(self.num_steps)
-
-    def step(self, increment: int = 1) -> None:
-        self.num_steps += increment
-        self._apply()
+        return float(self.get_last_lr()[0])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "schedule": dataclasses.asdict(self.schedule)}
+        state = {k: v for k, v in super().state_dict().items() if k != "schedule"}
+        return {**state, "schedule": dataclasses.asdict(self.schedule)}  # the schedule for the record only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_steps = int(state["num_steps"])
-        self._apply()
+        if "last_epoch" not in state:  # written before LambdaLR: {"num_steps": N, "schedule": ...}
+            state = {"last_epoch": int(state["num_steps"]), "_step_count": int(state["num_steps"]) + 1,
+                     "lr_lambdas": [None] * len(self.lr_lambdas)}
+        super().load_state_dict({k: v for k, v in state.items() if k != "schedule"})
+        # The optimizer's LR follows the restored step even when its own state was not loaded (no_load_optim).
+        lr = self.schedule.lr_at(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._last_lr = [lr] * len(self.optimizer.param_groups)

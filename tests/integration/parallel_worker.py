@@ -34,6 +34,7 @@ from engine.train.batches import MicroBatch, Sample, pad
 from engine.train.loop import TrainState, train_step
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
+from engine.train.step_runner import ModuleRunner, StepRunner, lm_loss, make_runner
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, VOCAB = 34, 8, 2, 5, 256  # 33 tokens after the shift: uneven TP2 sequence shards
 
@@ -99,8 +100,9 @@ def build_model(opts: dict[str, Any]) -> Qwen3Model:
     return model
 
 
-def train(model: torch.nn.Module, spec: TrainSpec, opts: dict[str, Any], dp: int, dp_rank: int,
-          dp_group: Any) -> list[tuple[float, float, float]]:
+def train(runner: StepRunner, spec: TrainSpec, opts: dict[str, Any], dp: int,
+          dp_rank: int) -> list[tuple[float, float, float]]:
+    model = runner.module
     optimizer = build_optimizer(model, spec)
     scheduler, scaler, state = Scheduler(optimizer, schedule_from_spec(spec)), LossScaler(spec), TrainState()
     if opts["load"]:
@@ -109,9 +111,8 @@ def train(model: torch.nn.Module, spec: TrainSpec, opts: dict[str, Any], dp: int
     out = []
     for step in range(opts["start"], opts["start"] + opts["steps"]):
         start = time.perf_counter()
-        rec = train_step(model, optimizer, scheduler, scaler, micro_batches(step, dp, dp_rank), state,
-                         global_batch_size=GLOBAL_BATCH, clip_grad=spec.clip_grad, chunk_size=64,
-                         dp_group=dp_group, device=torch.device("cpu"))
+        rec = train_step(runner, optimizer, scheduler, scaler, micro_batches(step, dp, dp_rank), state,
+                         global_batch_size=GLOBAL_BATCH, clip_grad=spec.clip_grad)
         # (loss, grad norm, step seconds); the float() calls are the step's host syncs, so the time is complete
         out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm), time.perf_counter() - start))
         if opts["save_at"] and step + 1 == opts["save_at"]:
@@ -127,12 +128,14 @@ def parallel(opts: dict[str, Any]) -> list[tuple[float, float, float]]:
         model = build_pipeline_model(model, mesh, spec, GLOBAL_BATCH, SEQ, lambda part: parallelize(part, mesh, spec))
     else:
         model = parallelize(model, mesh, spec)
-    return train(model, spec, opts, opts["dp"], mesh["dp"].get_local_rank(), mesh["dp"].get_group())
+    runner = make_runner(model, mesh, torch.device("cpu"), chunk_size=64)
+    return train(runner, spec, opts, opts["dp"], mesh["dp"].get_local_rank())
 
 
 def reference(opts: dict[str, Any], own_group: Any) -> list[tuple[float, float, float]]:
     spec = make_spec({**opts, "tp": 1, "pp": 1, "list": "", "vpp": 0}, 1)
-    return train(build_model(opts), spec, {**opts, "load": "", "save_at": 0}, 1, 0, own_group)
+    runner = ModuleRunner(build_model(opts), torch.device("cpu"), own_group, lm_loss(False, chunk_size=64))
+    return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0)
 
 
 def main() -> None:

@@ -49,11 +49,40 @@ def test_scheduler_sets_param_groups_and_restores():
     opt = torch.optim.AdamW([p], lr=1.0)
     sched = Scheduler(opt, LRSchedule(1.0, 0.0, "linear", 4, 0))
     assert opt.param_groups[0]["lr"] == 1.0
+    opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.75
     other = Scheduler(torch.optim.AdamW([p], lr=1.0), LRSchedule(1.0, 0.0, "linear", 4, 0))
     other.load_state_dict(sched.state_dict())
     assert other.optimizer.param_groups[0]["lr"] == 0.75
+
+
+def test_scheduler_is_lambda_lr_giving_lr_at_exactly_and_resumes_exactly():
+    import json
+
+    schedule = LRSchedule(3e-4, 3e-5, "cosine", 10, 2.5, 1e-6)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = Scheduler(opt, schedule)
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+    seen, saved = [sched.lr], None
+    for step in range(1, 8):
+        opt.step()
+        sched.step()
+        seen.append(opt.param_groups[0]["lr"])
+        if step == 3:
+            saved = json.loads(json.dumps(sched.state_dict()))  # it travels in meta.json
+    assert seen == [schedule.lr_at(s) for s in range(8)]  # bit-exact, no max_lr × ratio rounding
+    for state in (saved, {"num_steps": 3, "schedule": {}}):  # also the format written before LambdaLR
+        opt2 = torch.optim.AdamW([p], lr=1.0)
+        resumed = Scheduler(opt2, schedule)
+        resumed.load_state_dict(state)
+        after = [opt2.param_groups[0]["lr"]]
+        for _ in range(4):
+            opt2.step()
+            resumed.step()
+            after.append(resumed.lr)
+        assert after == seen[3:]
 
 
 def test_no_weight_decay_on_norms():
