@@ -6,6 +6,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -13,12 +14,14 @@ from app import pipelines
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.dispatch import dispatch
 from app.errors import ApiError
+from app.models import Host
 from app.pubsub import notify
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from app.scheduler import check_fits
 from app.settings import Settings
 from app.services import jobs as service
 from app.states import JobState
+from engine.plan import DoesNotFit, check_registered_memory
 from engine.spec import JobBase, PipelineSpec, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -57,6 +60,11 @@ def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw:
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
     check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
+    try:  # 422 when a rank's predicted peak exceeds every registered device's memory (engine.plan)
+        kind = spec.resources.device_type
+        check_registered_memory(spec, session.scalars(select(Host.info).where(Host.device_type == kind)))
+    except DoesNotFit as err:
+        raise ApiError(422, "does_not_fit", str(err), err.field) from err
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     if created:
         dispatch(settings, job.id, job.queue)  # after the commit: a worker never sees a job that isn't there

@@ -2,7 +2,8 @@
 
 Prints one row per rank (MiB) and ends with one JSON line ``{"ranks": [{"rank": 0, "total_bytes": ...}, ...], ...}``.
 Own options: ``--model PRESET`` (shape of a published Qwen3 when neither ``load`` nor the flags give it),
-``--device-memory-gib N`` (say whether every rank fits), ``--device-type npu`` (its attention kernel), ``--kind train|eval`` (default: from the script name, else
+``--device-memory-gib N`` (say whether every rank fits), ``--device-type npu`` (its attention kernel),
+``--kind train|eval`` (default: from the script name, else
 train). A MindSpeed line may start with torchrun's own arguments: ``--nproc_per_node``/``--nnodes`` give the world
 size, the rest of torchrun's arguments are dropped. Fields a plan does not need (data paths, iterations, lr) may be
 left out.

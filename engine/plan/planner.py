@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from engine.model.config import ModelConfig
@@ -14,7 +15,7 @@ from engine.plan.memory import (
     RankMemory,
     plan_ranks,
 )
-from engine.plan.shape import model_config
+from engine.plan.shape import ShapeUnknown, model_config
 
 
 @dataclasses.dataclass
@@ -130,3 +131,21 @@ def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) ->
                f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
                f"seq_length {lay.seq_length}); {advice}")
     raise DoesNotFit(field, message, plan)
+
+
+DEVICE_MEMORY_KEY = "device_memory_bytes"  # in a registered host's ``info``: the memory of one of its devices
+
+
+def check_registered_memory(spec: Any, host_infos: Iterable[dict[str, Any] | None]) -> MemoryPlan | None:
+    """Submission check: ``DoesNotFit`` when the worst rank exceeds the largest device memory any registered host of
+    the job's device type reports. None (accepted unchecked) for other kinds, when no host reports its device memory
+    (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
+    if getattr(spec, "kind", None) not in ("train", "eval"):
+        return None
+    sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
+    if not sizes:
+        return None
+    try:
+        return check_fits(spec, max(sizes))
+    except ShapeUnknown:
+        return None
