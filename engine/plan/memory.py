@@ -18,7 +18,9 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
   micro-batches a rank holds at once: 1 without PP, ``PP - stage`` under 1F1B, Megatron's warm-up count of layer
   chunks under the interleaved schedule.
 - ``loss``: the chunked cross-entropy (``engine.model.loss``) on the last stage: one chunk of fp32 logits (and its
-  compute-dtype copy), the hidden-state gradient it writes in forward, and the fp32 head gradient when the head trains.
+  compute-dtype copy), the hidden-state gradient it writes in forward, and, when the head trains, its fp32 gradient
+  twice (the accumulator and the chunk product added to it in forward; the accumulator and its scaled copy in
+  backward).
 - ``comm``: pipeline send/recv of one micro-batch's hidden states, FSDP's gathered layer and its reduce-scatter
   buffer, the sequence-parallel all-gather of a layer's input.
 - ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
@@ -237,7 +239,8 @@ def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
     rows = min(lay.loss_chunk, lay.tokens)
     logits = rows * v * (4 + (e if e != 4 else 0))
     hidden_grad = lay.tokens * cfg.hidden_size * e
-    head_grad = v * cfg.hidden_size * 4 if head_trains else 0
+    # the fp32 head gradient accumulated in forward, plus its product being added, plus backward's scaled copy
+    head_grad = 2 * v * cfg.hidden_size * 4 if head_trains else 0
     return logits + hidden_grad + head_grad
 
 

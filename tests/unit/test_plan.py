@@ -120,3 +120,42 @@ def test_cli_prints_table_and_json_last_line_without_torch() -> None:
     assert [r["rank"] for r in last["ranks"]] == [0, 1]
     assert last["ranks"][0]["total_bytes"] > last["ranks"][0]["persistent_bytes"] > 0
     assert "rank" in proc.stdout.splitlines()[1]
+
+
+def test_shape_from_megatron_args_without_torch(tmp_path: Path) -> None:
+    """The mcore rank file's ``args`` are read by the allow-list unpickler; a planted class is never called."""
+    import torch
+
+    from engine.checkpoint.megatron import save_mcore
+    from engine.model.qwen3 import Qwen3Model
+    from engine.plan.shape import config_from_checkpoint
+
+    cfg = preset("qwen3-tiny")
+    save_mcore(Qwen3Model(cfg).state_dict(), cfg, tmp_path / "mg", tp=1, pp=2, dtype=torch.bfloat16)
+    got = config_from_checkpoint(tmp_path / "mg")
+    assert got is not None and got.replace(norm_epsilon=cfg.norm_epsilon, rotary_base=cfg.rotary_base,
+                                           max_position_embeddings=cfg.max_position_embeddings,
+                                           init_method_std=cfg.init_method_std) == cfg
+    spec = parse_spec({"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64,
+                       "load": str(tmp_path / "mg"), "pipeline_model_parallel_size": 2,
+                       "resources": {"nproc_per_node": 2}})
+    assert plan_spec(spec).source.startswith("checkpoint")
+
+
+def test_unpickler_refuses_to_call_anything(tmp_path: Path) -> None:
+    import pickle
+    import zipfile
+
+    from engine.plan.shape import config_from_checkpoint
+
+    class Boom:
+        def __reduce__(self) -> Any:
+            return (Path.write_text, (tmp_path / "pwned", "x"))
+
+    rank = tmp_path / "mg" / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("1")
+    with zipfile.ZipFile(rank / "model_optim_rng.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"args": Boom()}))
+    assert config_from_checkpoint(tmp_path / "mg") is None
+    assert not (tmp_path / "pwned").exists()
