@@ -1,11 +1,11 @@
 """Measured memory and reads of one training run, per rank: the other side of the planner's predictions.
 
 ``python -m engine.plan.measure SPEC.json RUN_DIR`` (one process, or under torchrun). Each rank starts the process
-group, warms up torch and gloo (one step of a small model, an all-reduce) so their fixed costs land in the
-baseline, takes the baseline RSS and I/O counters, resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` 5), runs the trainer's
-own entry point (``engine.train.job.run``) and writes ``RUN_DIR/measure_rank{R}.json``: baseline RSS (the
-interpreter's fixed cost), peak RSS (``VmHWM``) and its growth over the baseline, and the growth of
-``/proc/self/io`` ``read_bytes`` (from storage) and ``rchar`` (through read syscalls, page cache included).
+group, warms up torch and gloo (one step of a small model, an all-reduce) so their fixed costs land in the baseline,
+takes the baseline RSS and I/O counters, resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` 5), runs the
+trainer's own entry point (``engine.train.job.run``) and writes ``RUN_DIR/measure_rank{R}.json``: baseline RSS (the
+interpreter's fixed cost), peak RSS (``VmHWM``) and its growth over the baseline, and the growth of ``/proc/self/io``
+``read_bytes`` (from storage) and ``rchar`` (through read syscalls, page cache included).
 
 Why RSS and not an allocator counter: on CPU torch keeps no allocator statistics, and RSS is what the host gives the
 job (the trainer's own ``mem_max_allocated_mb`` on CPU); it also sees what a count of live tensors would miss, such as
@@ -77,7 +77,8 @@ def main(spec_path: str, run_dir: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     run(spec, RunDir(Path(run_dir), rank))
     peak, io_after = status_bytes("VmHWM"), io_counters()
-    out: dict[str, Any] = {"rank": rank, "baseline_bytes": baseline, "peak_bytes": peak, "growth_bytes": peak - baseline,
+    out: dict[str, Any] = {"rank": rank, "baseline_bytes": baseline, "peak_bytes": peak,
+                           "growth_bytes": peak - baseline,
                            "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
                            "rchar": io_after["rchar"] - io_before["rchar"]}
     (Path(run_dir) / f"measure_rank{rank}.json").write_text(json.dumps(out))

@@ -10,8 +10,9 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
 - ``grads``: fp32 gradient accumulation; ``optimizer``: Adam m and v in fp32. ``main_params``, ``grads`` and
   ``optimizer`` are divided over the DP ranks when DP > 1 (FSDP2 is this engine's data parallelism and always
   shards them) — Megatron's distributed optimizer (which also keeps grads whole) differs only in the grads.
-- LoRA: the frozen base once, in the compute dtype, no master copy, no grads; only the adapters (fp32, created by
-  ``engine.model.lora``) carry main weights, grads and Adam state.
+- LoRA: the frozen base once, in the compute dtype, no master copy, no grads (over DP: its shard plus what FSDP
+  gathers of it, as for full training); only the adapters (fp32, created by ``engine.model.lora``) carry main
+  weights, grads and Adam state.
 - ``activations``: bytes autograd keeps per token per decoder layer (counted from ``engine.model.qwen3``: fp32
   norm inputs, the q/k norm's fp32 copies, attention inputs/outputs, SwiGLU's fc1 output, the matmul inputs), by
   recompute mode (full: each layer's input plus one layer's working set; selective: the matmul outputs), times the
@@ -260,7 +261,9 @@ def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int) -> None:
         m.params = 0 if (not mixed and dp == 1) else (gathered if resharding else compute)
         m.main_params = trainable * 4 // dp
     else:
-        m.params = (frozen * e // dp + gathered) if resharding else frozen * e
+        # the frozen base: its FSDP shard (in the compute dtype) plus, over DP, what is gathered of it for compute
+        shard = frozen * e // dp
+        m.params = shard + (gathered if resharding else frozen * e if dp > 1 else 0)
         m.main_params = trainable * 4 // dp
     m.grads = trainable * 4 // dp
     m.optimizer = trainable * 8 // dp
