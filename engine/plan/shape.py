@@ -3,8 +3,8 @@
 Sources, first that applies: the ``load`` checkpoint's HF ``config.json`` (or, for a Megatron checkpoint, the
 ``args`` namespace inside an ``mp_rank_*`` file, read by an allow-list unpickler that builds nothing but plain
 containers and ``argparse.Namespace``), else a named preset, else the spec's Megatron flags with Megatron's defaults.
-Explicit shape flags win over the checkpoint only for what the checkpoint cannot tell; the trainer itself refuses a
-disagreement (``engine.train.model_setup.check_against_checkpoint``), so here the checkpoint simply wins.
+The checkpoint's shape wins over shape flags: the trainer refuses a disagreement before any work
+(``engine.train.model_setup.check_against_checkpoint``).
 
 ``config_from_flags`` mirrors ``engine.train.model_setup.config_from_flags``, which imports torch and so cannot be
 called from the API; the trainer may switch to this one.
@@ -59,8 +59,8 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelCon
 
 
 class _ArgsUnpickler(pickle.Unpickler):
-    """Loads a Megatron rank file's pickle keeping only what is safe to build: tensors become their shapes, the
-    ``args`` Namespace a Namespace; any other class becomes an inert stand-in (nothing user-chosen is called)."""
+    """Loads a Megatron rank file's pickle keeping only what is safe to build: the ``args`` Namespace and plain
+    containers; tensors, storages and any other class become inert stand-ins (nothing the file names is called)."""
 
     def persistent_load(self, pid: Any) -> Any:
         return None
