@@ -283,8 +283,11 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
         layers = [i for chunk in mine for i in chunk]
         first, last = pp_rank == 0, pp_rank == lay.pp - 1
         total, trainable = _rank_params(cfg, lay, layers, first, last)
-        m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable)
-        _fill_state(m, lay, layer_params(cfg, lay.tp))
+        m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
+        if lay.train:
+            _fill_state(m, lay, layer_params(cfg, lay.tp))
+        else:  # evaluation loads the weights in the dtype it runs in; nothing trains
+            m.params = total * lay.compute_bytes
         tokens = lay.tokens
         if lay.train:
             held = in_flight(lay, pp_rank, chunks)

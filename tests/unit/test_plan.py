@@ -159,3 +159,14 @@ def test_unpickler_refuses_to_call_anything(tmp_path: Path) -> None:
         zf.writestr("archive/data.pkl", pickle.dumps({"args": Boom()}))
     assert config_from_checkpoint(tmp_path / "mg") is None
     assert not (tmp_path / "pwned").exists()
+
+
+def test_eval_holds_weights_and_kv_cache_only() -> None:
+    spec = parse_spec({"kind": "eval", "load": "none", "eval_data_path": "x", "bf16": True, "seq_length": 1024,
+                       "max_new_tokens": 128, "micro_batch_size": 4, "pipeline_model_parallel_size": 2,
+                       "resources": {"nproc_per_node": 2}, **QWEN3_4B})
+    ranks = plan_spec(spec).ranks
+    assert ranks[0].grads == ranks[0].optimizer == ranks[0].main_params == ranks[0].optimizer_step == 0
+    assert ranks[0].params == ranks[0].num_params * 2
+    kv = 2 * 18 * 4 * (1024 + 128) * 8 * 128 * 2  # K and V, 18 layers, batch 4, 8 groups × 128, bf16
+    assert ranks[0].activations > kv
