@@ -74,6 +74,9 @@ def main(spec_path: str, run_dir: str) -> None:
     spec = load_spec_file(spec_path)
     gc.collect()
     baseline, io_before = status_bytes("VmRSS"), io_counters()
+    start = {"rank": rank, "pid": os.getpid(), "baseline_bytes": baseline,
+             **{f"{k}_before": v for k, v in io_before.items()}}
+    (Path(run_dir) / f"measure_rank{rank}.start.json").write_text(json.dumps(start))  # lets a watcher read /proc live
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     run(spec, RunDir(Path(run_dir), rank))
     peak, io_after = status_bytes("VmHWM"), io_counters()
