@@ -95,7 +95,7 @@ def worker(
     from core.messaging import host_queue
     from core.scheduler import schedule
     from core.states import HostState
-    from worker.devices import discover, host_address
+    from worker.devices import device_memory_bytes, discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
     from worker.tasks import celery_app
@@ -107,7 +107,8 @@ def worker(
     name = settings.worker_name
     queues = [settings.queue_for(inventory.device_type), host_queue(name)]
     register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
-                  queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address))
+                  queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address),
+                  device_memory=device_memory_bytes(inventory.device_type))
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
     schedule(settings)
     beat = HostHeartbeat(settings, name, on_beat=lambda: (sweep_host(settings, name), schedule(settings)))

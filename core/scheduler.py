@@ -29,7 +29,8 @@ from core.messaging import send_run_node
 from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.settings import Settings
 from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
-from engine.spec import Resources
+from engine.plan import DoesNotFit, check_registered_memory
+from engine.spec import JobBase, Resources
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +222,14 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
         raise ApiError(422, "unschedulable", f"resources.nnodes: {res.nnodes} nodes of {res.nproc_per_node} {kind} "
                                              f"devices requested, but only {enough} {kind} hosts have that many",
                        "resources.nnodes")
+
+
+def check_memory_fits(session: Session, spec: JobBase) -> None:
+    """422 ``does_not_fit`` (naming the field to change, with the per-rank breakdown) when the planner's peak for a
+    rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
+    not checked (``engine.plan.check_registered_memory``)."""
+    kind = spec.resources.device_type
+    try:
+        check_registered_memory(spec, session.scalars(select(Host.info).where(Host.device_type == kind)))
+    except DoesNotFit as err:
+        raise ApiError(422, "does_not_fit", str(err), err.field) from err

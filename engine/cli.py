@@ -24,7 +24,7 @@ RUNNERS: dict[str, str] = {
     "convert": "engine.checkpoint.job:run",
     "eval": "engine.eval.job:run",
 }
-USAGE = "usage: python -m engine {preprocess,convert,train,eval} [--spec spec.json] [--run-dir DIR] [flags]"
+USAGE = "usage: python -m engine {preprocess,convert,train,eval,plan} [--spec spec.json] [--run-dir DIR] [flags]"
 
 
 def _runner(kind: str) -> Callable[..., tuple[dict[str, str], dict[str, Any]]]:
@@ -56,6 +56,10 @@ def _finish(code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":  # no run directory, no process group: prints and exits
+        from engine.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if not argv or argv[0] not in RUNNERS:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT

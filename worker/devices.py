@@ -39,6 +39,19 @@ def _count(device_type: str) -> int:
         return 0
 
 
+def device_memory_bytes(device_type: str) -> int | None:
+    """Memory of one device (the first visible one; hosts are homogeneous), for the submission-time memory check
+    (``engine.plan.check_registered_memory``); None on CPU or when the runtime cannot tell."""
+    if device_type not in ("cuda", "npu") or _count(device_type) == 0:
+        return None
+    try:
+        torch = importlib.import_module("torch")
+        accelerator = torch.npu if device_type == "npu" else torch.cuda
+        return int(accelerator.get_device_properties(0).total_memory)
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+
+
 def _visible_ids(device_type: str, env: Mapping[str, str]) -> list[int] | None:
     raw = env.get(VISIBLE_DEVICES_VAR.get(device_type, ""), "").strip()
     if not raw:

@@ -12,18 +12,22 @@ from core.db import session_scope
 from core.models import Host, utcnow
 from core.settings import Settings
 from core.states import HostState
+from engine.plan.planner import DEVICE_MEMORY_KEY
 
 log = logging.getLogger(__name__)
 
 
 def register_host(settings: Settings, *, name: str, device_type: str, devices: int, queues: list[str],
-                  device_ids: list[int] | None = None, address: str | None = None) -> None:
+                  device_ids: list[int] | None = None, address: str | None = None,
+                  device_memory: int | None = None) -> None:
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name) or Host(name=name)
         host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)
         host.device_ids, host.address = device_ids, address
         host.pid, host.state, host.started_at, host.heartbeat_at = os.getpid(), HostState.up.value, utcnow(), utcnow()
         host.info = {"platform": platform.platform(), "python": platform.python_version(), "node": platform.node()}
+        if device_memory:  # read by the API's memory check at submission
+            host.info[DEVICE_MEMORY_KEY] = device_memory
         session.add(host)
 
 

@@ -17,7 +17,7 @@ from core import pipelines
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.pubsub import notify
-from core.scheduler import check_fits
+from core.scheduler import check_fits, check_memory_fits
 from core.settings import Settings
 from core.states import JobState
 from engine.spec import JobBase, PipelineSpec, parse_spec
@@ -59,6 +59,7 @@ def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw:
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
     check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
+    check_memory_fits(session, spec)  # 422 when a rank would not fit any registered device (engine.plan)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     if created:
         dispatch(settings, job.id, job.queue)  # after the commit: a worker never sees a job that isn't there

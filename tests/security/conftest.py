@@ -11,7 +11,7 @@ from security_support import Receiver, serve_receiver
 
 from app.main import create_app
 from core.settings import Settings
-from tests.core_support import isolated_settings
+from core_support import isolated_settings
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from core.db import session_scope
 from core.jobs import transition
 from core.settings import Settings
 from core.states import JobState
-from tests.core_support import make_job
+from core_support import make_job
 
 
 @dataclass

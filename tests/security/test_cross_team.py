@@ -8,7 +8,7 @@ from core.db import session_scope
 from core.models import Host
 from core.scheduler import schedule
 from core.settings import Settings
-from tests.core_support import auth, make_job, make_token
+from core_support import auth, make_job, make_token
 
 
 def _host(settings: Settings, devices: int) -> None:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from core.settings import Settings
-from tests.core_support import (
+from core_support import (
     auth,
     fresh_postgres_database,
     isolated_settings,

@@ -25,7 +25,7 @@ def test_every_operation_declares_400(client: TestClient) -> None:
 
 
 def test_a_spec_without_kind_is_refused(client: TestClient, settings: Settings) -> None:
-    from tests.core_support import auth, make_token
+    from core_support import auth, make_token
 
     answer = client.post("/v1/jobs", json={"input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"},
                          headers=auth(make_token(settings, "alpha")))

@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from core.settings import Settings
-from tests.core_support import auth, make_token
+from core_support import auth, make_token
 
 BASE = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "out/x"}
 

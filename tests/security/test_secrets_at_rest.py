@@ -19,7 +19,7 @@ from core import secrets_box, webhooks
 from core.db import ALEMBIC_INI, REPO_ROOT, session_scope
 from core.models import ApiToken, Webhook
 from core.settings import Settings
-from tests.core_support import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token
 
 
 def _register(settings: Settings, url: str) -> dict:

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from core.settings import Settings
-from tests.core_support import auth, make_token
+from core_support import auth, make_token
 
 CHROMIUM = Path("/usr/bin/chromium")
 PAGES = ["/", "/docs", "/redoc"]
@@ -63,7 +63,7 @@ def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
     """The app under uvicorn on a free loopback port, for the browser."""
     import uvicorn
 
-    from tests.core_support import isolated_settings
+    from core_support import isolated_settings
 
     settings: Settings = isolated_settings(tmp_path_factory.mktemp("var"))
     with socket.socket() as probe:

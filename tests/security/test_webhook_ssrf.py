@@ -13,7 +13,7 @@ from security_support import Receiver, finish_job
 
 from core import net_guard, webhooks
 from core.settings import Settings
-from tests.core_support import auth, make_token
+from core_support import auth, make_token
 
 HOSTILE = [
     "https://169.254.169.254/latest/meta-data/iam/",  # cloud metadata (link-local)

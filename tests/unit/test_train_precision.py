@@ -15,8 +15,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from train_support import metric_rows, tiny_spec, write_instruction_data  # noqa: E402
-
 from engine.model.config import preset  # noqa: E402
 from engine.model.lora import apply_lora  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
@@ -32,6 +30,7 @@ from engine.train.loop import TrainState, train_step  # noqa: E402
 from engine.train.optim import LossScaler, build_optimizer  # noqa: E402
 from engine.train.schedule import Scheduler, schedule_from_spec  # noqa: E402
 from engine.train.step_runner import Losses, ModuleRunner, lm_loss  # noqa: E402
+from train_support import metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 MODES: dict[str, dict[str, Any]] = {

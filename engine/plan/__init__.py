@@ -1,0 +1,23 @@
+"""Memory planner: per-rank parameters, grads, optimizer state, activations, loss and communication buffers of a
+train/eval job, from its spec alone. No torch import: the API runs it at submission (``check_fits``).
+
+- ``shape``: the model shape from ``load``'s config.json / Megatron args, a preset, or the flags.
+- ``memory``: the accounting (Megatron's bf16 + distributed-optimizer scheme, PP schedules, recompute).
+- ``planner``: spec -> ``MemoryPlan``; ``check_fits`` -> ``DoesNotFit`` naming the field to change.
+- ``cli``: ``python -m engine plan``.
+"""
+
+from engine.plan.memory import Layout, RankMemory, plan_ranks
+from engine.plan.planner import (
+           DoesNotFit,
+           MemoryPlan,
+           breakdown,
+           check_fits,
+           check_registered_memory,
+           plan_spec,
+)
+from engine.plan.shape import ShapeUnknown, model_config
+
+__all__ = ["DoesNotFit", "Layout", "MemoryPlan", "RankMemory", "ShapeUnknown", "breakdown", "check_fits",
+           "check_registered_memory",
+           "model_config", "plan_ranks", "plan_spec"]

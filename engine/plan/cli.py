@@ -1,0 +1,136 @@
+"""``python -m engine plan --spec spec.json`` or ``python -m engine plan [torchrun ARGS script.py] <MindSpeed flags>``.
+
+Prints one row per rank (MiB) and ends with one JSON line ``{"ranks": [{"rank": 0, "total_bytes": ...}, ...], ...}``.
+Own options: ``--model PRESET`` (shape of a published Qwen3 when neither ``load`` nor the flags give it),
+``--device-memory-gib N`` (say whether every rank fits), ``--device-type npu`` (its attention kernel),
+``--kind train|eval`` (default: from the script name, else
+train). A MindSpeed line may start with torchrun's own arguments: ``--nproc_per_node``/``--nnodes`` give the world
+size, the rest of torchrun's arguments are dropped. Fields a plan does not need (data paths, iterations, lr) may be
+left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.plan.memory import MIB
+from engine.plan.planner import MemoryPlan, plan_spec
+from engine.spec import first_error
+
+_TORCHRUN_VALUE_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
+                         "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
+                         "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
+_PLACEHOLDERS = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
+                 "eval": {"load": "unused-by-plan", "eval_data_path": "unused-by-plan"}}
+
+
+def split_torchrun(argv: list[str]) -> tuple[list[str], dict[str, Any], str | None]:
+    """(engine flags, resources from torchrun's arguments, script name) of a pasted MindSpeed command line."""
+    tokens = [t for t in argv if t not in ("torchrun", "\\")]
+    script_at = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
+    launcher, flags = (tokens[:script_at], tokens[script_at + 1:]) if script_at is not None else ([], tokens)
+    resources: dict[str, Any] = {}
+    rest: list[str] = []
+    for source, keep in ((launcher, False), (flags, True)):
+        i = 0
+        while i < len(source):
+            tok, value = source[i], None
+            name = tok.split("=", 1)[0]
+            if name in _TORCHRUN_VALUE_FLAGS:
+                value = tok.split("=", 1)[1] if "=" in tok else source[i + 1]
+                i += 1 if "=" in tok else 2
+                if name in ("--nproc_per_node", "--nproc-per-node"):
+                    resources["nproc_per_node"] = int(value)
+                elif name == "--nnodes":
+                    resources["nnodes"] = int(value.split(":")[-1])
+                continue
+            if keep:
+                rest.append(tok)
+            i += 1
+    return rest, resources, tokens[script_at] if script_at is not None else None
+
+
+def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any]) -> Any:
+    from engine.flags import build_parser
+    from engine.spec import parse_spec
+
+    ns = build_parser(kind).parse_args(flags)
+    data: dict[str, Any] = {}
+    if ns._spec and len(ns._spec) == 1 and ns._spec[0].endswith(".json"):
+        data = json.loads(Path(ns._spec[0]).read_text())
+    for key, value in vars(ns).items():
+        if value is not None and not key.startswith("_"):
+            data[key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if resources:
+        data.setdefault("resources", {}).update(resources)
+    data["kind"] = data.get("kind", kind)
+    for key, value in _PLACEHOLDERS.get(data["kind"], {}).items():
+        data.setdefault(key, value)
+    return parse_spec(data)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.0f}"
+
+
+def table(plan: MemoryPlan) -> str:
+    head = ["rank", "tp", "pp", "dp", "layers", "params", "main", "grads", "optim", "activ (mb)", "loss", "comm",
+            "opt step", "total MiB"]
+    rows = [head]
+    for r in plan.ranks:
+        layers = f"{r.layers[0]}-{r.layers[-1]}" if r.layers else "-"
+        rows.append([str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank), layers, _mib(r.params),
+                     _mib(r.main_params), _mib(r.grads), _mib(r.optimizer),
+                     f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm),
+                     _mib(r.optimizer_step), _mib(r.total_bytes)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    cfg, lay = plan.cfg, plan.layout
+    lines.insert(0, f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
+                    f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "
+                    f"{cfg.vocab_size}; TP {lay.tp} PP {lay.pp} DP {lay.dp}, MBS {lay.micro_batch_size} × "
+                    f"{lay.micro_batches} micro-batches, seq {lay.seq_length}, "
+                    f"{'bf16/fp16' if lay.compute_bytes == 2 else 'fp32'}"
+                    f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}")
+    if plan.device_memory_bytes:
+        worst = plan.peak
+        verdict = "fits" if worst.total_bytes <= plan.device_memory_bytes else "DOES NOT FIT"
+        lines.append(f"device memory {_mib(plan.device_memory_bytes)} MiB: worst rank {worst.rank} "
+                     f"{_mib(worst.total_bytes)} MiB — {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    own = argparse.ArgumentParser(prog="python -m engine plan", add_help=False)
+    own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
+    own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
+    own.add_argument("--kind", choices=("train", "eval"))
+    own.add_argument("--device-type", choices=("cpu", "cuda", "npu"), help="resources.device_type (attention kernel)")
+    own.add_argument("-h", "--help", action="store_true")
+    opts, rest = own.parse_known_args(argv)
+    if opts.help:
+        print(__doc__)
+        return 0
+    flags, resources, script = split_torchrun(rest)
+    if opts.device_type:
+        resources["device_type"] = opts.device_type
+    kind = opts.kind or ("eval" if script and "inference" in script else "train")
+    try:
+        spec = _spec_from_args(kind, flags, resources)
+        device = int(opts.device_memory_gib * 2**30) if opts.device_memory_gib else None
+        plan = plan_spec(spec, opts.model, device)
+    except ValidationError as err:
+        print(f"error: {first_error(err, 'spec')}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(table(plan))
+    print(json.dumps(plan.as_json()))
+    return 0

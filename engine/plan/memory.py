@@ -1,0 +1,311 @@
+"""Per-rank memory of a training or evaluation job, predicted from its spec without torch.
+
+The accounting is Megatron's bf16 + distributed-optimizer scheme (``megatron/training/theoretical_memory_usage.py``
+counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this engine implements it:
+
+- ``params``: the weights compute reads — bf16/fp16 (2 B) in a mixed-precision run, fp32 (4 B) otherwise. Under
+  data parallelism FSDP2 gathers them per layer from the sharded fp32 main weights; they stay gathered for the whole
+  step under PP or without ``use_distributed_optimizer`` (reshard-after-forward off), else about two layers are.
+- ``main_params``: fp32 master weights of a mixed-precision run (the fp32 ``params`` themselves in an fp32 run).
+- ``grads``: fp32 gradient accumulation; ``optimizer``: Adam m and v in fp32. ``main_params``, ``grads`` and
+  ``optimizer`` are divided over the DP ranks when DP > 1 (FSDP2 is this engine's data parallelism and always
+  shards them) — Megatron's distributed optimizer (which also keeps grads whole) differs only in the grads.
+- LoRA: the frozen base once, in the compute dtype, no master copy, no grads (over DP: its shard plus what FSDP
+  gathers of it, as for full training); only the adapters (fp32, created by ``engine.model.lora``) carry main
+  weights, grads and Adam state.
+- ``activations``: bytes autograd keeps per token per decoder layer (counted from ``engine.model.qwen3``: fp32
+  norm inputs, the q/k norm's fp32 copies, attention inputs/outputs, SwiGLU's fc1 output, the matmul inputs), by
+  recompute mode (full: each layer's input plus one layer's working set; selective: the matmul outputs), times the
+  micro-batches a rank holds at once: 1 without PP, ``PP - stage`` under 1F1B, Megatron's warm-up count of layer
+  chunks under the interleaved schedule.
+- ``loss``: the chunked cross-entropy (``engine.model.loss``) on the last stage: one chunk of fp32 logits (and its
+  compute-dtype copy), the hidden-state gradient it writes in forward, and, when the head trains, its fp32 gradient
+  twice (the accumulator and the chunk product added to it in forward; the accumulator and its scaled copy in
+  backward).
+- ``comm``: pipeline send/recv of one micro-batch's hidden states, FSDP's gathered layer and its reduce-scatter
+  buffer, the sequence-parallel all-gather of a layer's input.
+- ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
+  activations are gone by then, so the peak is the larger of the two phases on top of the persistent state.
+
+Everything is per rank; TP divides attention heads, KV groups, FFN width and vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.model.config import ModelConfig
+
+MIB = 2**20
+GIB = 2**30
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_LORA_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+                 "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "comm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the planner needs beyond the model shape; built from a spec by ``layout_from_spec``."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    seq_length: int = 2048
+    compute_bytes: int = 4  # 2 for bf16/fp16
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    num_layer_list: tuple[int, ...] | None = None
+    layers_per_virtual_stage: int | None = None
+    recompute: str | None = None  # None | "full" | "selective"
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    loss_chunk: int = 1024
+    device_type: str = "cpu"
+    train: bool = True
+    eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def micro_batches(self) -> int:
+        gbs = self.global_batch_size or self.micro_batch_size * self.dp
+        return max(1, gbs // (self.micro_batch_size * self.dp))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank (before sequence-parallel sharding)."""
+        return self.micro_batch_size * self.seq_length
+
+
+@dataclasses.dataclass
+class RankMemory:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    layers: list[int]
+    num_params: int
+    trainable_params: int
+    params: int = 0
+    main_params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    loss: int = 0
+    comm: int = 0
+    optimizer_step: int = 0
+    micro_batches_in_flight: int = 0
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.params + self.main_params + self.grads + self.optimizer
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak: the persistent state plus the larger of the forward/backward and optimizer-step working sets."""
+        return self.persistent_bytes + max(self.activations + self.loss + self.comm, self.optimizer_step)
+
+    def as_json(self) -> dict[str, Any]:
+        out = {"rank": self.rank, "total_bytes": self.total_bytes, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+               "dp_rank": self.dp_rank, "layers": [self.layers[0], self.layers[-1]] if self.layers else [],
+               "num_params": self.num_params, "trainable_params": self.trainable_params}
+        out.update({f"{p}_bytes": getattr(self, p) for p in PARTS})
+        out["optimizer_step_bytes"] = self.optimizer_step
+        out["persistent_bytes"] = self.persistent_bytes
+        out["micro_batches_in_flight"] = self.micro_batches_in_flight
+        return out
+
+
+# ------------------------------------------------------------------ parameters
+
+
+def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
+    """Global layer indices per pipeline stage index (same split as ``engine.parallel.pipeline_parallel``)."""
+    if lay.num_layer_list is not None:
+        counts = list(lay.num_layer_list)
+    else:
+        per = lay.layers_per_virtual_stage or cfg.num_layers // lay.pp
+        counts = [per] * (cfg.num_layers // per)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> int:
+    h, d = cfg.hidden_size, cfg.kv_channels
+    attn = h * cfg.qkv_rows // tp + cfg.num_attention_heads * d * h // tp + 2 * d
+    return attn + 3 * h * cfg.ffn_hidden_size // tp + 2 * h
+
+
+def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters of one layer on one TP rank: column-parallel targets shard B, row-parallel shard A."""
+    h, f, ad = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads * cfg.kv_channels
+    shapes = {"linear_qkv": (h, cfg.qkv_rows, "col"), "linear_fc1": (h, 2 * f, "col"),
+              "linear_proj": (ad, h, "row"), "linear_fc2": (f, h, "row")}
+    total = 0
+    for name in targets:
+        fan_in, fan_out, kind = shapes[name]
+        total += r * fan_in + r * fan_out // tp if kind == "col" else r * fan_in // tp + r * fan_out
+    return total
+
+
+def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool) -> tuple[int, int]:
+    """(all parameters, trainable parameters) of one rank."""
+    base = len(layers) * layer_params(cfg, lay.tp)
+    vocab_rows = cfg.vocab_size * cfg.hidden_size // lay.tp
+    if first:
+        base += vocab_rows
+    if last:
+        base += cfg.hidden_size  # final norm
+        if not cfg.tie_word_embeddings or not first:
+            base += vocab_rows  # untied head, or a tied model's copy on the last stage (Megatron's rule)
+    if lay.lora_r is None:
+        return base, base
+    adapters = len(layers) * lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
+    return base + adapters, adapters
+
+
+# ------------------------------------------------------------------ activations
+
+
+def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """Bytes autograd saves for one decoder layer over ``tokens`` tokens, without recompute."""
+    e, tp = lay.compute_bytes, lay.tp
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
+    a, g, d = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.kv_channels
+    sp = tp if lay.sequence_parallel else 1
+    norm = (4 * h + 4 + e * h) // sp + e * h  # fp32 input, rstd, normed (SP-sharded); the gathered matmul input
+    q = 4 * a * d + 4 * a + e * a * d  # fp32 copy, rstd, normed
+    k = 4 * g * d + 4 * g + e * g * d
+    if lay.device_type == "cpu":  # sdpa with a block mask: k and v are expanded to every query head
+        attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
+    else:  # flash/varlen kernels: q, k, v, output, lse, proj input
+        attn = 3 * e * a * d + 2 * e * g * d + 4 * a
+    mlp = 4 * e * f  # fc1 output (gate|up), silu(gate), product
+    return tokens * (2 * norm + q + k + attn + mlp)
+
+
+def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """Selective recompute keeps the layer input and every matmul output (``engine.parallel.activation_checkpoint``)."""
+    e, tp = lay.compute_bytes, lay.tp
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
+    return tokens * e * (h + cfg.qkv_rows // tp + h + 2 * f + h)
+
+
+def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: int) -> int:
+    """One micro-batch's activations in a stage of ``layers`` layers (plus the per-forward RoPE tables and mask)."""
+    full = layer_activation_bytes(cfg, lay, tokens)
+    if lay.recompute == "full":
+        kept = layers if lay.recompute_method != "block" else min(layers, lay.recompute_num_layers or layers)
+        boundary = tokens * lay.compute_bytes * cfg.hidden_size // (lay.tp if lay.sequence_parallel else 1)
+        per_mb = kept * boundary + (layers - kept) * full
+    elif lay.recompute == "selective":
+        per_mb = layers * _selective_bytes(cfg, lay, tokens)
+    else:
+        per_mb = layers * full
+    rope = 2 * tokens * cfg.kv_channels * lay.compute_bytes
+    mask = lay.micro_batch_size * lay.seq_length ** 2 if lay.device_type == "cpu" else 0
+    return per_mb + rope + mask
+
+
+def recompute_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """Extra bytes while one recomputed layer is re-run in backward."""
+    if lay.recompute == "full":
+        return layer_activation_bytes(cfg, lay, tokens)
+    if lay.recompute == "selective":
+        return layer_activation_bytes(cfg, lay, tokens) - _selective_bytes(cfg, lay, tokens)
+    return 0
+
+
+def in_flight(lay: Layout, pp_rank: int, chunks: int) -> int:
+    """Micro-batch activations (in units of one chunk of layers) a pipeline rank holds at its peak."""
+    m = lay.micro_batches
+    if lay.pp == 1:
+        return 1
+    if chunks == 1:  # 1F1B: stage p runs PP - p forwards before its first backward
+        return min(m, lay.pp - pp_rank)
+    warmup = (lay.pp - pp_rank - 1) * 2 + (chunks - 1) * lay.pp  # Megatron's interleaved warm-up
+    return min(m * chunks, warmup + 1)
+
+
+def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
+    e, v = lay.compute_bytes, cfg.vocab_size // lay.tp
+    rows = min(lay.loss_chunk, lay.tokens)
+    logits = rows * v * (4 + (e if e != 4 else 0))
+    hidden_grad = lay.tokens * cfg.hidden_size * e
+    # the fp32 head gradient accumulated in forward, plus its product being added, plus backward's scaled copy
+    head_grad = 2 * v * cfg.hidden_size * 4 if head_trains else 0
+    return logits + hidden_grad + head_grad
+
+
+# ------------------------------------------------------------------ per rank
+
+
+def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int) -> None:
+    """params / main_params / grads / optimizer of one rank, and the transient gathered layers of FSDP."""
+    e, dp = lay.compute_bytes, lay.dp
+    trainable, frozen = m.trainable_params, m.num_params - m.trainable_params
+    mixed = e != 4
+    resharding = dp > 1 and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
+    gathered = 2 * per_layer_params * e if resharding else 0
+    if lay.lora_r is None:
+        compute = trainable * e
+        # fp32 one process: the params are the main weights; under FSDP the sharded fp32 weights are the main ones
+        m.params = 0 if (not mixed and dp == 1) else (gathered if resharding else compute)
+        m.main_params = trainable * 4 // dp
+    else:
+        # the frozen base: its FSDP shard (in the compute dtype) plus, over DP, what is gathered of it for compute
+        shard = frozen * e // dp
+        m.params = shard + (gathered if resharding else frozen * e if dp > 1 else 0)
+        m.main_params = trainable * 4 // dp
+    m.grads = trainable * 4 // dp
+    m.optimizer = trainable * 8 // dp
+    m.optimizer_step = trainable * 4 // dp
+    if dp > 1:
+        m.comm += 2 * per_layer_params * 4  # a layer's unsharded fp32 grads and its reduce-scatter output
+
+
+def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
+    """Predicted memory of every rank, in global rank order (rank = (dp · PP + pp) · TP + tp, mesh dp × pp × tp)."""
+    stages = stage_layers(cfg, lay)
+    chunks = len(stages) // lay.pp
+    out: list[RankMemory] = []
+    for rank in range(lay.world_size):
+        tp_rank, pp_rank, dp_rank = rank % lay.tp, (rank // lay.tp) % lay.pp, rank // (lay.tp * lay.pp)
+        mine = [stages[v * lay.pp + pp_rank] for v in range(chunks)]
+        layers = [i for chunk in mine for i in chunk]
+        first, last = pp_rank == 0, pp_rank == lay.pp - 1
+        total, trainable = _rank_params(cfg, lay, layers, first, last)
+        m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
+        if lay.train:
+            _fill_state(m, lay, layer_params(cfg, lay.tp))
+        else:  # evaluation loads the weights in the dtype it runs in; nothing trains
+            m.params = total * lay.compute_bytes
+        tokens = lay.tokens
+        if lay.train:
+            held = in_flight(lay, pp_rank, chunks)
+            chunk_layers = max(len(c) for c in mine)
+            m.micro_batches_in_flight = held
+            m.activations = held * stage_activation_bytes(cfg, lay, chunk_layers, tokens)
+            m.activations += recompute_working_set(cfg, lay, tokens)
+            if last:
+                head_trains = lay.lora_r is None
+                m.loss = loss_bytes(cfg, lay, head_trains)
+        else:
+            kv = 2 * len(layers) * lay.micro_batch_size * lay.eval_tokens * (cfg.num_query_groups // lay.tp)
+            m.activations = kv * cfg.kv_channels * lay.compute_bytes + layer_activation_bytes(cfg, lay, tokens)
+            if last:
+                m.loss = lay.micro_batch_size * cfg.vocab_size // lay.tp * 4
+        if lay.pp > 1:
+            m.comm += 2 * tokens * cfg.hidden_size * lay.compute_bytes // (lay.tp if lay.sequence_parallel else 1)
+        if lay.tp > 1 and lay.sequence_parallel:
+            m.comm += tokens * cfg.hidden_size * lay.compute_bytes
+        out.append(m)
+    return out

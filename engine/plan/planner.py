@@ -1,0 +1,151 @@
+"""Job spec -> per-rank memory plan, and the check that every rank fits its device (no torch: the API calls it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from engine.model.config import ModelConfig
+from engine.plan.memory import (
+    GIB,
+    HF_LORA_NAMES,
+    LORA_TARGETS,
+    Layout,
+    RankMemory,
+    plan_ranks,
+)
+from engine.plan.shape import ShapeUnknown, model_config
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    cfg: ModelConfig
+    source: str
+    layout: Layout
+    ranks: list[RankMemory]
+    device_memory_bytes: int | None = None
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    def as_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "ranks": [r.as_json() for r in self.ranks],
+            "max_total_bytes": self.peak.total_bytes,
+            "device_memory_bytes": self.device_memory_bytes,
+            "fits": None if self.device_memory_bytes is None else self.peak.total_bytes <= self.device_memory_bytes,
+            "model_source": self.source,
+            "model": dataclasses.asdict(self.cfg),
+            "layout": {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+                       "virtual_chunks": (len(self.ranks[0].layers) // max(1, lay.layers_per_virtual_stage or 0))
+                       if lay.layers_per_virtual_stage else 1,
+                       "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
+                       "seq_length": lay.seq_length, "compute_bytes": lay.compute_bytes,
+                       "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
+                       "lora_r": lay.lora_r, "device_type": lay.device_type, "train": lay.train},
+        }
+
+
+class DoesNotFit(ValueError):
+    """A rank's predicted peak exceeds the device memory; ``field`` is the spec field to change first."""
+
+    def __init__(self, field: str, message: str, plan: MemoryPlan):
+        super().__init__(f"{field}: {message}")
+        self.field, self.plan = field, plan
+
+
+def _lora_targets(names: list[str]) -> tuple[str, ...]:
+    chosen = {HF_LORA_NAMES.get(n, n) for n in names if n}
+    return tuple(t for t in LORA_TARGETS if t in chosen) or LORA_TARGETS
+
+
+def _recompute(spec: Any) -> str | None:
+    if getattr(spec, "recompute_granularity", None):
+        return spec.recompute_granularity
+    return "selective" if getattr(spec, "recompute_activations", False) else None
+
+
+def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
+    """The planner's view of a TrainSpec/EvalSpec (world size from ``resources``)."""
+    train = spec.kind == "train"
+    seq = spec.seq_length or cfg.max_position_embeddings
+    lora_r = spec.lora_r if train else None
+    return Layout(
+        world_size=spec.resources.world_size, tp=spec.tensor_model_parallel_size,
+        pp=spec.pipeline_model_parallel_size, micro_batch_size=spec.micro_batch_size,
+        global_batch_size=spec.global_batch_size, seq_length=seq,
+        compute_bytes=2 if (spec.bf16 or spec.fp16) else 4,
+        distributed_optimizer=spec.use_distributed_optimizer, sequence_parallel=spec.sequence_parallel,
+        num_layer_list=tuple(spec.num_layer_list) if spec.num_layer_list else None,
+        layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
+        recompute=_recompute(spec) if train else None,
+        recompute_method=getattr(spec, "recompute_method", None),
+        recompute_num_layers=getattr(spec, "recompute_num_layers", None),
+        lora_r=lora_r, lora_targets=_lora_targets(list(spec.lora_target_modules)) if lora_r else LORA_TARGETS,
+        loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024), device_type=spec.resources.device_type,
+        train=train, eval_tokens=0 if train else seq + getattr(spec, "max_new_tokens", 0),
+    )
+
+
+def plan_spec(spec: Any, model: str | None = None, device_memory_bytes: int | None = None) -> MemoryPlan:
+    """Predicted per-rank memory of a train or eval spec. Raises ``ShapeUnknown`` when the shape cannot be found."""
+    if spec.kind not in ("train", "eval"):
+        raise ValueError(f"kind: only train and eval jobs have a memory plan, not {spec.kind!r}")
+    cfg, source = model_config(spec, model)
+    lay = layout_from_spec(spec, cfg)
+    return MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def breakdown(r: RankMemory) -> str:
+    """One line: the rank's parts, for error messages."""
+    parts = [("params", r.params), ("main params", r.main_params), ("grads", r.grads), ("optimizer", r.optimizer),
+             ("activations", r.activations), ("loss", r.loss), ("comm", r.comm), ("optimizer step", r.optimizer_step)]
+    return ", ".join(f"{name} {_gib(v)}" for name, v in parts if v)
+
+
+def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
+    """The plan, or ``DoesNotFit`` naming what to change when the worst rank exceeds ``device_memory_bytes``."""
+    plan = plan_spec(spec, model, device_memory_bytes)
+    worst = plan.peak
+    if worst.total_bytes <= device_memory_bytes:
+        return plan
+    lay = plan.layout
+    if worst.persistent_bytes > device_memory_bytes:
+        field = "resources" if lay.dp > 1 or lay.world_size == 1 else "pipeline_model_parallel_size"
+        advice = ("weights and optimizer state alone exceed the device: spread them over more devices "
+                  "(resources, tensor_model_parallel_size, pipeline_model_parallel_size"
+                  + ("" if lay.distributed_optimizer else ", use_distributed_optimizer") + ")")
+    else:
+        field = "micro_batch_size"
+        advice = ("activations overflow the device: lower micro_batch_size or seq_length, or set "
+                  "recompute_granularity")
+    message = (f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs "
+               f"{_gib(worst.total_bytes)} but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
+               f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
+               f"seq_length {lay.seq_length}); {advice}")
+    raise DoesNotFit(field, message, plan)
+
+
+DEVICE_MEMORY_KEY = "device_memory_bytes"  # in a registered host's ``info``: the memory of one of its devices
+
+
+def check_registered_memory(spec: Any, host_infos: Iterable[dict[str, Any] | None]) -> MemoryPlan | None:
+    """Submission check: ``DoesNotFit`` when the worst rank exceeds the largest device memory any registered host of
+    the job's device type reports. None (accepted unchecked) for other kinds, when no host reports its device memory
+    (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
+    if getattr(spec, "kind", None) not in ("train", "eval"):
+        return None
+    sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
+    if not sizes:
+        return None
+    try:
+        return check_fits(spec, max(sizes))
+    except ShapeUnknown:
+        return None

@@ -1,0 +1,158 @@
+"""The model shape a job will train or evaluate, found without torch (the API process calls this).
+
+Sources, first that applies: the ``load`` checkpoint's HF ``config.json`` (or, for a Megatron checkpoint, the
+``args`` namespace inside an ``mp_rank_*`` file, read by an allow-list unpickler that builds nothing but plain
+containers and ``argparse.Namespace``), else a named preset, else the spec's Megatron flags with Megatron's defaults.
+The checkpoint's shape wins over shape flags: the trainer refuses a disagreement before any work
+(``engine.train.model_setup.check_against_checkpoint``).
+
+``config_from_flags`` mirrors ``engine.train.model_setup.config_from_flags``, which imports torch and so cannot be
+called from the API; the trainer may switch to this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from engine.model.config import ModelConfig, preset
+
+_RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
+
+
+class ShapeUnknown(ValueError):
+    """The model shape cannot be told from the spec (field named in the message)."""
+
+
+def _megatron_ffn(hidden: int, swiglu: bool) -> int:
+    return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+
+
+def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelConfig:
+    """A model's shape from the spec's Megatron flags (the trainer's rule for a run without ``load``)."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(spec, flag, None) is None:
+            raise ShapeUnknown(f"{flag}: needed to size the model (no readable checkpoint in load, no preset)")
+    vocab = spec.padded_vocab_size
+    if vocab is None:
+        if tokenizer_vocab is None:
+            raise ShapeUnknown("padded_vocab_size: needed to size the model without a readable checkpoint")
+        multiple = spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size
+        vocab = -(-tokenizer_vocab // multiple) * multiple
+    heads = spec.num_attention_heads
+    return ModelConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size or _megatron_ffn(spec.hidden_size, spec.swiglu),
+        num_attention_heads=heads,
+        num_query_groups=(spec.num_query_groups or 1) if spec.group_query_attention else heads,
+        kv_channels=spec.kv_channels or spec.hidden_size // heads,
+        vocab_size=vocab,
+        max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
+        tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
+    )
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    """Loads a Megatron rank file's pickle keeping only what is safe to build: the ``args`` Namespace and plain
+    containers; tensors, storages and any other class become inert stand-ins (nothing the file names is called)."""
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("argparse", "Namespace"):
+            return argparse.Namespace
+        if (module, name) in {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}:
+            return {"OrderedDict": dict, "set": set, "frozenset": frozenset}[name]
+        return _Inert
+
+
+class _Inert:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _mcore_args(root: Path) -> argparse.Namespace | None:
+    tracker = root / "latest_checkpointed_iteration.txt"
+    iter_dir = root
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        iter_dir = root / ("release" if it == "release" else f"iter_{int(it):07d}")
+    ranks = sorted(p for p in iter_dir.glob("mp_rank_*") if _RANK_DIR.match(p.name)) if iter_dir.is_dir() else []
+    for rank in ranks:
+        path = rank / "model_optim_rng.pt"
+        if not zipfile.is_zipfile(path):
+            continue
+        with zipfile.ZipFile(path) as zf:
+            pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if pkl is None:
+                continue
+            obj = _ArgsUnpickler(zf.open(pkl)).load()
+        args = obj.get("args") if isinstance(obj, dict) else None
+        if isinstance(args, argparse.Namespace):
+            return args
+    return None
+
+
+def _from_mcore_args(args: argparse.Namespace) -> ModelConfig | None:
+    get = vars(args).get
+    if not all(get(k) for k in ("num_layers", "hidden_size", "num_attention_heads")):
+        return None
+    heads = get("num_attention_heads")
+    vocab = get("padded_vocab_size") or get("vocab_size")
+    if not vocab:
+        return None
+    return ModelConfig(
+        num_layers=get("num_layers"), hidden_size=get("hidden_size"),
+        ffn_hidden_size=get("ffn_hidden_size") or _megatron_ffn(get("hidden_size"), bool(get("swiglu"))),
+        num_attention_heads=heads,
+        num_query_groups=(get("num_query_groups") or 1) if get("group_query_attention") else heads,
+        kv_channels=get("kv_channels") or get("hidden_size") // heads, vocab_size=vocab,
+        tie_word_embeddings=not get("untie_embeddings_and_output_weights"),
+    )
+
+
+def config_from_checkpoint(path: str | Path) -> ModelConfig | None:
+    """The shape stored in a checkpoint directory, or None when it holds none that can be read without torch."""
+    root = Path(path)
+    for candidate in (root / "config.json", root / "hf" / "config.json"):
+        if candidate.is_file():
+            try:
+                return ModelConfig.from_hf(json.loads(candidate.read_text()))
+            except (KeyError, ValueError, TypeError):
+                return None
+    meta = root / "meta.json"  # our own training checkpoint (engine.checkpoint.dcp)
+    if meta.is_file():
+        try:
+            return ModelConfig(**json.loads(meta.read_text())["model_config"])
+        except (KeyError, ValueError, TypeError):
+            return None
+    try:
+        args = _mcore_args(root)
+    except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError):
+        return None
+    return _from_mcore_args(args) if args is not None else None
+
+
+def model_config(spec: Any, model: str | None = None) -> tuple[ModelConfig, str]:
+    """(shape, where it came from) for a train/eval spec; ``model`` names a preset (``qwen3-4b``)."""
+    load = getattr(spec, "load", None)
+    if load:
+        cfg = config_from_checkpoint(load)
+        if cfg is not None:
+            return cfg, f"checkpoint {load}"
+    if model:
+        return preset(model), f"preset {model}"
+    return config_from_flags(spec), "flags"

@@ -1,0 +1,172 @@
+"""The memory planner (engine.plan): Megatron's figures for the seed's Qwen3-4B line, schedules, LoRA, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.model.config import preset
+from engine.plan import DoesNotFit, Layout, check_fits, plan_ranks, plan_spec
+from engine.plan.cli import split_torchrun
+from engine.plan.memory import MIB, in_flight
+from engine.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3_4B = {"num_layers": 36, "hidden_size": 2560, "ffn_hidden_size": 9728, "num_attention_heads": 32,
+            "group_query_attention": True, "num_query_groups": 8, "kv_channels": 128, "padded_vocab_size": 151936}
+
+
+def seed_full(**extra: Any) -> dict[str, Any]:
+    """The seed's full-SFT line: TP1 PP2 on 2 devices, MBS 8, GBS 128, seq 800, bf16, distributed optimizer."""
+    return {"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-6, "bf16": True, "seq_length": 800,
+            "micro_batch_size": 8, "global_batch_size": 128, "pipeline_model_parallel_size": 2,
+            "use_distributed_optimizer": True, "resources": {"device_type": "npu", "nproc_per_node": 2},
+            **QWEN3_4B, **extra}
+
+
+def test_seed_weight_and_optimizer_matches_megatron() -> None:
+    """Megatron printed 'weight and optimizer = 37865.08 MB' (18 B × 2.2058e9 params of the most loaded shard)."""
+    ranks = plan_spec(parse_spec(seed_full())).ranks
+    assert ranks[0].num_params == pytest.approx(2.2058e9, rel=1e-4)
+    assert ranks[0].persistent_bytes / MIB == pytest.approx(37865.08, rel=1e-3)
+    assert ranks[1].num_params == pytest.approx(ranks[0].num_params, rel=1e-3)  # last stage: tied head copy + norm
+    assert ranks[0].micro_batches_in_flight == 2 and ranks[1].micro_batches_in_flight == 1
+    assert ranks[1].loss > 0 and ranks[0].loss == 0
+
+
+def test_distributed_optimizer_shards_fp32_state_over_dp() -> None:
+    one = plan_spec(parse_spec(seed_full(resources={"device_type": "npu", "nproc_per_node": 2}))).ranks[0]
+    four = plan_spec(parse_spec(seed_full(global_batch_size=128,
+                                          resources={"device_type": "npu", "nproc_per_node": 8}))).ranks[0]
+    assert four.params == one.params  # bf16 compute weights stay whole (gathered for the PP step)
+    for part in ("main_params", "grads", "optimizer"):
+        assert getattr(four, part) * 4 == pytest.approx(getattr(one, part), rel=1e-6)
+
+
+def test_lora_keeps_base_once_in_bf16_and_trains_only_adapters() -> None:
+    full = plan_spec(parse_spec(seed_full())).ranks[0]
+    lora = plan_spec(parse_spec(seed_full(lora_r=16, lora_alpha=32))).ranks[0]
+    assert lora.params == full.params  # the frozen base: 2 B per parameter
+    adapters = lora.trainable_params
+    # r × (in + out) for qkv, proj, fc1, fc2 over 18 layers
+    per_layer = 16 * ((2560 + 6144) + (4096 + 2560) + (2560 + 2 * 9728) + (9728 + 2560))
+    assert adapters == 18 * per_layer
+    assert lora.grads == adapters * 4 and lora.optimizer == adapters * 8 and lora.main_params == adapters * 4
+
+
+def test_recompute_and_micro_batch_scale_activations() -> None:
+    base = plan_spec(parse_spec(seed_full())).ranks[0].activations
+    half = plan_spec(parse_spec(seed_full(micro_batch_size=4, global_batch_size=64))).ranks[0].activations
+    full = plan_spec(parse_spec(seed_full(recompute_granularity="full"))).ranks[0].activations
+    selective = plan_spec(parse_spec(seed_full(recompute_granularity="selective"))).ranks[0].activations
+    assert half == pytest.approx(base / 2, rel=0.01)
+    assert full < selective < base
+
+
+def test_interleaved_schedule_holds_megatron_warmup_chunks() -> None:
+    lay = Layout(world_size=4, pp=4, micro_batch_size=1, global_batch_size=8, layers_per_virtual_stage=1)
+    assert [in_flight(lay, p, chunks=2) for p in range(4)] == [11, 9, 7, 5]
+    ranks = plan_ranks(preset("qwen3-tiny"), Layout(world_size=2, pp=2, global_batch_size=4,
+                                                    layers_per_virtual_stage=1))
+    assert [r.layers for r in ranks] == [[0], [1]]
+
+
+def test_does_not_fit_names_the_field_and_gives_the_breakdown() -> None:
+    spec = parse_spec(seed_full())
+    with pytest.raises(DoesNotFit) as err:
+        check_fits(spec, 64 * 2**30)
+    assert err.value.field == "micro_batch_size" and "activations" in str(err.value) and "optimizer" in str(err.value)
+    with pytest.raises(DoesNotFit) as err:
+        check_fits(spec, 16 * 2**30)
+    assert err.value.field == "pipeline_model_parallel_size"
+    fitting = check_fits(parse_spec(seed_full(micro_batch_size=1, global_batch_size=16)), 64 * 2**30)
+    assert fitting.peak.total_bytes <= 64 * 2**30
+
+
+def test_split_torchrun_takes_world_size_from_launcher() -> None:
+    flags, res, script = split_torchrun(["torchrun", "--nproc_per_node", "4", "--nnodes=2", "--master_port", "6000",
+                                         "posttrain_gpt.py", "--bf16", "--seq-length", "8"])
+    assert res == {"nproc_per_node": 4, "nnodes": 2} and script == "posttrain_gpt.py"
+    assert flags == ["--bf16", "--seq-length", "8"]
+
+
+def test_shape_from_hf_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(preset("qwen3-0.6b").to_hf()))
+    spec = parse_spec({"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64,
+                       "load": str(tmp_path)})
+    plan = plan_spec(spec)
+    assert plan.cfg == preset("qwen3-0.6b").replace(max_position_embeddings=plan.cfg.max_position_embeddings)
+    assert plan.source.startswith("checkpoint")
+
+
+def test_cli_prints_table_and_json_last_line_without_torch() -> None:
+    code = ("import sys, runpy; sys.argv = ['engine', 'plan'] + sys.argv[1:]; "
+            "from engine.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'planner imported torch'; raise SystemExit(rc)")
+    line = ["torchrun", "--nproc_per_node", "2", "posttrain_gpt.py", "--num-layers", "36", "--hidden-size", "2560",
+            "--ffn-hidden-size", "9728", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--kv-channels", "128", "--padded-vocab-size", "151936", "--bf16",
+            "--seq-length", "800", "--micro-batch-size", "8", "--global-batch-size", "128",
+            "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--data-path", "x"]
+    proc = subprocess.run([sys.executable, "-c", code, *line], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in last["ranks"]] == [0, 1]
+    assert last["ranks"][0]["total_bytes"] > last["ranks"][0]["persistent_bytes"] > 0
+    assert "rank" in proc.stdout.splitlines()[1]
+
+
+def test_shape_from_megatron_args_without_torch(tmp_path: Path) -> None:
+    """The mcore rank file's ``args`` are read by the allow-list unpickler; a planted class is never called."""
+    import torch
+
+    from engine.checkpoint.megatron import save_mcore
+    from engine.model.qwen3 import Qwen3Model
+    from engine.plan.shape import config_from_checkpoint
+
+    cfg = preset("qwen3-tiny")
+    save_mcore(Qwen3Model(cfg).state_dict(), cfg, tmp_path / "mg", tp=1, pp=2, dtype=torch.bfloat16)
+    got = config_from_checkpoint(tmp_path / "mg")
+    assert got is not None and got.replace(norm_epsilon=cfg.norm_epsilon, rotary_base=cfg.rotary_base,
+                                           max_position_embeddings=cfg.max_position_embeddings,
+                                           init_method_std=cfg.init_method_std) == cfg
+    spec = parse_spec({"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64,
+                       "load": str(tmp_path / "mg"), "pipeline_model_parallel_size": 2,
+                       "resources": {"nproc_per_node": 2}})
+    assert plan_spec(spec).source.startswith("checkpoint")
+
+
+def test_unpickler_refuses_to_call_anything(tmp_path: Path) -> None:
+    import pickle
+    import zipfile
+
+    from engine.plan.shape import config_from_checkpoint
+
+    class Boom:
+        def __reduce__(self) -> Any:
+            return (Path.write_text, (tmp_path / "pwned", "x"))
+
+    rank = tmp_path / "mg" / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("1")
+    with zipfile.ZipFile(rank / "model_optim_rng.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"args": Boom()}))
+    assert config_from_checkpoint(tmp_path / "mg") is None
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_eval_holds_weights_and_kv_cache_only() -> None:
+    spec = parse_spec({"kind": "eval", "load": "none", "eval_data_path": "x", "bf16": True, "seq_length": 1024,
+                       "max_new_tokens": 128, "micro_batch_size": 4, "pipeline_model_parallel_size": 2,
+                       "resources": {"nproc_per_node": 2}, **QWEN3_4B})
+    ranks = plan_spec(spec).ranks
+    assert ranks[0].grads == ranks[0].optimizer == ranks[0].main_params == ranks[0].optimizer_step == 0
+    assert ranks[0].params == ranks[0].num_params * 2
+    kv = 2 * 18 * 4 * (1024 + 128) * 8 * 128 * 2  # K and V, 18 layers, batch 4, 8 groups × 128, bf16
+    assert ranks[0].activations > kv

@@ -1,0 +1,54 @@
+"""Submission refuses (422) a train job whose predicted per-rank peak exceeds the registered device memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from core.db import session_scope
+from core.models import Host
+from core.settings import Settings
+from core_support import auth, isolated_settings
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return isolated_settings(tmp_path)
+
+
+def register(settings: Settings, memory_gib: float | None) -> None:
+    info = {} if memory_gib is None else {"device_memory_bytes": int(memory_gib * 2**30)}
+    with session_scope(settings.database_url) as session:
+        session.add(Host(name="npu1", device_type="npu", devices=8, queue="host.npu1", address="127.0.0.1", info=info))
+
+
+def qwen3_4b(**extra: Any) -> dict[str, Any]:
+    return {"kind": "train", "data_path": ["d"], "train_iters": 10, "lr": 1e-6, "bf16": True, "seq_length": 800,
+            "micro_batch_size": 8, "global_batch_size": 128, "pipeline_model_parallel_size": 2,
+            "use_distributed_optimizer": True, "num_layers": 36, "hidden_size": 2560, "ffn_hidden_size": 9728,
+            "num_attention_heads": 32, "group_query_attention": True, "num_query_groups": 8, "kv_channels": 128,
+            "padded_vocab_size": 151936, "resources": {"device_type": "npu", "nproc_per_node": 2}, **extra}
+
+
+def test_too_big_micro_batch_is_refused_with_breakdown(client: TestClient, token: str, settings: Settings) -> None:
+    register(settings, 64)
+    response = client.post("/v1/jobs", json=qwen3_4b(), headers=auth(token))
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["code"] == "does_not_fit" and body["field"] == "micro_batch_size"
+    assert "rank 0" in body["message"] and "activations" in body["message"] and "optimizer" in body["message"]
+    assert client.post("/v1/jobs", json=qwen3_4b(micro_batch_size=1), headers=auth(token)).status_code == 201
+
+
+def test_weights_alone_too_big_names_the_parallel_sizes(client: TestClient, token: str, settings: Settings) -> None:
+    register(settings, 16)
+    response = client.post("/v1/jobs", json=qwen3_4b(micro_batch_size=1), headers=auth(token))
+    assert response.status_code == 422 and response.json()["field"] == "pipeline_model_parallel_size"
+
+
+def test_hosts_without_registered_memory_are_not_checked(client: TestClient, token: str, settings: Settings) -> None:
+    register(settings, None)
+    assert client.post("/v1/jobs", json=qwen3_4b(), headers=auth(token)).status_code == 201
