@@ -28,17 +28,12 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import fuse_fc1, fuse_qkv, split_fc1, split_qkv
+from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
 from engine.model.lora import merge_lora
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
-_HF_MODULES = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj",),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj",),
-}
+_HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map
 
 
 def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
@@ -49,12 +44,7 @@ def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
         if rest not in _HF_MODULES:
             raise BadInput(f"LoRA on {path} has no Hugging Face counterpart", field="save_lora_to_hf")
         a, b = get(path + ".lora_A.weight"), get(path + ".lora_B.weight")
-        if rest.endswith("linear_qkv"):
-            pieces = split_qkv(b, cfg)
-        elif rest.endswith("linear_fc1"):
-            pieces = split_fc1(b)
-        else:
-            pieces = (b,)
+        pieces = LAYER_MAP[rest + ".weight"].split(b, cfg)  # B's rows split like the weight's; A is shared
         for hf_module, piece in zip(_HF_MODULES[rest], pieces):
             prefix = f"{PEFT_PREFIX}{layer}.{hf_module}"
             yield prefix + ".lora_A.weight", a.contiguous().clone()
@@ -130,9 +120,7 @@ class PeftDeltas:
         native = key.split(".", 3)[3].removesuffix(".weight")
         parts = [self.scale * (pieces[hf][1] @ pieces[hf][0]) if hf in pieces else torch.zeros(self.shapes[key][hf])
                  for hf in _HF_MODULES[native]]
-        if native.endswith("linear_qkv"):
-            return fuse_qkv(*parts, self.cfg)
-        return fuse_fc1(*parts) if native.endswith("linear_fc1") else parts[0]
+        return LAYER_MAP[native + ".weight"].fuse(*parts, self.cfg)
 
 
 def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None,
