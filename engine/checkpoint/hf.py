@@ -163,6 +163,9 @@ class HFCheckpoint:
         ref = self._ref(hf_key)
         return (ref.file.fd, ref.offset + start * ref.row_bytes, (stop - start) * ref.row_bytes)
 
+    def lora_modules(self) -> list[str]:
+        return []  # a plain HF model directory; PEFT adapters come through lora_merge.PeftOverlay
+
     def native_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: self.get_native(k) for k in native_keys(self.config)}
 

@@ -425,6 +425,8 @@ class MegatronCheckpoint:
 
     def get_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         """Native ``key``'s piece for TP rank ``rank`` of ``tp``; LoRA merged, vocabulary padding dropped."""
+        if key == OUTPUT and self.config.tie_word_embeddings:
+            key = EMBEDDING  # a pipeline last stage's copy of the tied embedding
         trimmed = key in (EMBEDDING, OUTPUT) and self.config.vocab_size != self._padded_rows()
         if tp == self.tp and not trimmed:
             return self._stored(key, rank)

@@ -154,26 +154,40 @@ class Trainer:
     # -- setup
 
     def _build_model(self) -> torch.nn.Module:
+        """Build this rank's part on the meta device (PP split -> TP -> AC -> FSDP), then ``to_empty`` on the device
+        and fill it with this rank's slices: of ``load`` (HF / mcore), or of the seeded initial weights. Weights a
+        DCP checkpoint restores next (``_restore``) are left unfilled."""
+        from engine.checkpoint.sharded import fill_parts
+        from engine.checkpoint.sources import SeededInit, SeededLoraInit
         from engine.model.qwen3 import Qwen3Model
 
-        model = Qwen3Model(self.plan.cfg)
-        loaded, resuming = self.plan.loaded, self.plan.resume_from is not None
-        if loaded is not None and loaded.get is not None and not (resuming and not self.lora):
-            keys = list(model.state_dict())
-            model.load_state_dict({k: loaded.get(k).float() for k in keys}, strict=True)
-        else:
-            model.init_weights(self.spec.seed)  # overwritten below when weights come from a DCP checkpoint
-        if self.plan.dims.pp == 1:
-            model.to(self.device.torch_device)
+        spec, plan, device = self.spec, self.plan, self.device.torch_device
+        with torch.device("meta"):
+            model = Qwen3Model(plan.cfg)
+        adapted: list[str] = []
         if self.lora:
             from engine.model.lora import apply_lora
 
-            apply_lora(model, self.spec.lora_r, self.spec.lora_alpha, self.spec.lora_dropout,
-                       self.spec.lora_target_modules, seed=self.spec.seed)
-        if self.plan.dims.pp > 1:  # split on the host, then each stage part goes to the device and is parallelized
-            return build_pipeline_model(model, self.mesh, self.spec, self.plan.global_batch_size, self.plan.seq_length,
-                                        lambda part: parallelize(part.to(self.device.torch_device), self.mesh, self.spec))
-        return parallelize(model, self.mesh, self.spec)
+            adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
+        if plan.dims.pp > 1:
+            model = build_pipeline_model(model, self.mesh, spec, plan.global_batch_size, plan.seq_length,
+                                         lambda part: parallelize(part, self.mesh, spec), device=device)
+            parts = list(model.pipeline.parts)
+        else:
+            model = parallelize(model, self.mesh, spec)
+            parts = [model]
+        for part in parts:
+            part.to_empty(device=device)
+        loaded, resuming = plan.loaded, plan.resume_from is not None
+        if resuming and not self.lora or loaded is not None and loaded.format == "native":
+            base = None  # every weight comes from the training checkpoint (DCP, sharded) in _restore
+        elif loaded is not None:
+            base = loaded.source
+        else:
+            base = SeededInit(plan.cfg, spec.seed)
+        lora = SeededLoraInit(plan.cfg, adapted, spec.lora_r, spec.seed) if self.lora else None
+        fill_parts(parts, base, lora)
+        return model
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan

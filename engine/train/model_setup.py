@@ -13,9 +13,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Literal
 
-import torch
-
 from engine.checkpoint import dcp
+from engine.checkpoint.sources import WeightSource
 from engine.model.config import ModelConfig
 from engine.runfiles import BadInput
 
@@ -49,15 +48,16 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 @dataclasses.dataclass
 class LoadedWeights:
-    """What ``load`` holds: its format, model shape and (for HF/mcore) a ``get(native_key)`` for the weights."""
+    """What ``load`` holds: its format, model shape and (for HF/mcore) the reader every rank takes its slices from."""
 
     format: Format
     config: ModelConfig
-    get: Callable[[str], torch.Tensor] | None  # None for native: loaded collectively through DCP
+    source: WeightSource | None  # None for native: loaded collectively through DCP's sharded planner
     meta: dict[str, Any] | None = None  # native only: meta.json
 
 
 def open_load(path: str) -> LoadedWeights:
+    """Open ``load`` without reading tensor data (headers and pickles only)."""
     fmt = detect_format(path)
     if fmt == "native":
         meta = dcp.read_meta(path)
@@ -66,14 +66,14 @@ def open_load(path: str) -> LoadedWeights:
         from engine.checkpoint.hf import HFCheckpoint
 
         ckpt = HFCheckpoint(path)
-        return LoadedWeights("hf", ckpt.config, ckpt.get_native)
-    from engine.checkpoint.megatron import load_mcore
+        return LoadedWeights("hf", ckpt.config, ckpt)
+    from engine.checkpoint.megatron import MegatronCheckpoint
 
     try:
-        cfg, get = load_mcore(path)
+        mcore = MegatronCheckpoint(path)
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise BadInput(f"load: {path} is not a readable Megatron checkpoint ({err})", "load") from err
-    return LoadedWeights("mcore", cfg, get)
+    return LoadedWeights("mcore", mcore.config, mcore)
 
 
 def _megatron_ffn(spec: Any) -> int:
