@@ -10,11 +10,12 @@ time, and holds nothing else.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from engine.checkpoint.sources import WeightSource
 
@@ -31,7 +32,8 @@ def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
     if not isinstance(param, DTensor) or "dp" not in (param.device_mesh.mesh_dim_names or ()):
         return 0, rows
     dim = param.device_mesh.mesh_dim_names.index("dp")
-    if not param.placements[dim].is_shard():
+    placement = param.placements[dim]
+    if not (placement.is_shard() or isinstance(placement, _StridedShard)):  # FSDP over a TP dim-0 shard: strided
         return 0, rows
     size, rank = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
     step = -(-rows // size)
@@ -56,7 +58,8 @@ def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
     piece = piece[start:stop]
     if tuple(piece.shape) != tuple(local.shape):
         raise ValueError(f"{key}: the source gives a piece of shape {tuple(piece.shape)} for a local parameter of "
-                         f"shape {tuple(local.shape)} (TP rank {tp_rank} of {tp}, rows {start}:{stop})")
+                         f"shape {tuple(local.shape)} (TP rank {tp_rank} of {tp}, rows {start}:{stop}, "
+                         f"placements {getattr(param, 'placements', None)})")
     local.copy_(piece)
 
 

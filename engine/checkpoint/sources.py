@@ -16,7 +16,8 @@ dropping it, a bounded chunk at a time: the same numbers for any layout, and nev
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 

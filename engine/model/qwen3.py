@@ -16,7 +16,7 @@ State-dict keys are the native keys of ``engine.model.hf_mapping``; the model ho
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

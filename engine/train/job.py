@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import dcp
+from engine.checkpoint.sources import SeededInit, WeightSource
 from engine.model.config import ModelConfig
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
-from engine.parallel.parallelize import compute_dtype, parallelize
-from engine.parallel.pipeline_parallel import build_pipeline_model, check_parallel_layout
+from engine.parallel.parallelize import compute_dtype
+from engine.parallel.pipeline_parallel import check_parallel_layout
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
@@ -39,8 +40,8 @@ from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
-from engine.train.model_setup import (LoadedWeights, check_against_checkpoint, check_model_kind, config_from_flags,
-                                      open_load)
+from engine.train.model_setup import (LoadedWeights, build_rank_model, check_against_checkpoint, check_model_kind,
+                                      config_from_flags, open_load)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
 
@@ -154,40 +155,18 @@ class Trainer:
     # -- setup
 
     def _build_model(self) -> torch.nn.Module:
-        """Build this rank's part on the meta device (PP split -> TP -> AC -> FSDP), then ``to_empty`` on the device
-        and fill it with this rank's slices: of ``load`` (HF / mcore), or of the seeded initial weights. Weights a
-        DCP checkpoint restores next (``_restore``) are left unfilled."""
-        from engine.checkpoint.sharded import fill_parts
-        from engine.checkpoint.sources import SeededInit, SeededLoraInit
-        from engine.model.qwen3 import Qwen3Model
-
-        spec, plan, device = self.spec, self.plan, self.device.torch_device
-        with torch.device("meta"):
-            model = Qwen3Model(plan.cfg)
-        adapted: list[str] = []
-        if self.lora:
-            from engine.model.lora import apply_lora
-
-            adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
-        if plan.dims.pp > 1:
-            model = build_pipeline_model(model, self.mesh, spec, plan.global_batch_size, plan.seq_length,
-                                         lambda part: parallelize(part, self.mesh, spec), device=device)
-            parts = list(model.pipeline.parts)
-        else:
-            model = parallelize(model, self.mesh, spec)
-            parts = [model]
-        for part in parts:
-            part.to_empty(device=device)
+        """This rank's part, meta-built and parallelized, filled with its slices of ``load`` or of the seeded initial
+        weights; weights a DCP checkpoint restores next (``_restore``) are left unfilled."""
+        spec, plan = self.spec, self.plan
         loaded, resuming = plan.loaded, plan.resume_from is not None
         if resuming and not self.lora or loaded is not None and loaded.format == "native":
-            base = None  # every weight comes from the training checkpoint (DCP, sharded) in _restore
+            base: WeightSource | None = None  # every weight comes from the training checkpoint in _restore
         elif loaded is not None:
             base = loaded.source
         else:
             base = SeededInit(plan.cfg, spec.seed)
-        lora = SeededLoraInit(plan.cfg, adapted, spec.lora_r, spec.seed) if self.lora else None
-        fill_parts(parts, base, lora)
-        return model
+        return build_rank_model(plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length,
+                                self.device.torch_device, base)
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan

@@ -5,6 +5,9 @@ or one of its ``iter_*``), an HF directory (config.json + safetensors) or a Mega
 ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``), by the rule conversion uses
 (``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly
 must agree with it (Megatron's ``check_checkpoint_args``), else the run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
+
+``build_rank_model`` builds what one rank trains: its part on the ``meta`` device (PP split -> TP -> activation
+checkpointing -> FSDP), ``to_empty`` on the device, then only its own slices filled (``engine.checkpoint.sharded``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any, Callable, Literal
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
@@ -141,3 +147,35 @@ def check_model_kind(spec: Any) -> None:
     if "num_query_groups" in explicit and not spec.group_query_attention and spec.num_query_groups != spec.num_attention_heads:
         raise BadInput("num_query_groups: set group_query_attention too (Megatron ignores the groups without it)",
                        "num_query_groups")
+
+
+def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
+                     device: torch.device, base: WeightSource | None) -> torch.nn.Module:
+    """This rank's model: built on meta, split/sharded, materialised on ``device``, filled from ``base`` (None: left
+    empty for a DCP restore) and, for LoRA (``spec.lora_r``), adapters seeded as ``apply_lora(seed=spec.seed)``
+    would on the full model. Returns the module (a ``PipelineModel`` under PP)."""
+    from engine.checkpoint.sharded import fill_parts
+    from engine.checkpoint.sources import SeededLoraInit
+    from engine.model.qwen3 import Qwen3Model
+    from engine.parallel.parallelize import parallelize
+    from engine.parallel.pipeline_parallel import build_pipeline_model
+
+    with torch.device("meta"):
+        model: torch.nn.Module = Qwen3Model(cfg)
+    adapted: list[str] = []
+    if spec.lora_r is not None:
+        from engine.model.lora import apply_lora
+
+        adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
+    if mesh["pp"].size() > 1:
+        model = build_pipeline_model(model, mesh, spec, global_batch_size, seq_length,
+                                     lambda part: parallelize(part, mesh, spec), device=device)
+        parts = list(model.pipeline.parts)
+    else:
+        model = parallelize(model, mesh, spec)
+        parts = [model]
+    for part in parts:
+        part.to_empty(device=device)
+    lora = SeededLoraInit(cfg, adapted, spec.lora_r, spec.seed) if adapted else None
+    fill_parts(parts, base, lora)
+    return model
