@@ -207,9 +207,10 @@ class PeftOverlay:
 
     lora_merged = True
 
-    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None):
-        self.base, self.config = base, base.config
-        self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha)
+    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None,
+                 dtype: torch.dtype | None = None, field: str = "lora_load"):
+        self.base, self.config, self.dtype = base, base.config, dtype  # dtype: of merged tensors (default: base's)
+        self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha, field=field)
 
     def get_native(self, key: str) -> torch.Tensor:
         return self.get_native_shard(key, 1, 0)
@@ -222,4 +223,7 @@ class PeftOverlay:
         delta = self.deltas.get(key)
         if delta is None:
             return weight
-        return (weight.float() + shard(delta, split_rule(key), tp, rank)).to(weight.dtype)
+        return (weight.float() + shard(delta, split_rule(key), tp, rank)).to(self.dtype or weight.dtype)
+
+    def lora_modules(self) -> list[str]:
+        return []  # merged into the weights
