@@ -41,7 +41,7 @@ from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
 from engine.train.model_setup import (LoadedWeights, build_rank_model, check_against_checkpoint, check_model_kind,
-                                      config_from_flags, open_load)
+                                      config_from_flags, open_load, rank_view)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
 
@@ -83,7 +83,7 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
     check_model_kind(spec)
     if spec.load is None:
         return config_from_flags(spec, _tokenizer_vocab(spec)), None
-    loaded = open_load(spec.load)
+    loaded = open_load(spec.load, rank_view(spec))
     check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
     if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
         raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "

@@ -62,8 +62,42 @@ class LoadedWeights:
     meta: dict[str, Any] | None = None  # native only: meta.json
 
 
-def open_load(path: str) -> LoadedWeights:
-    """Open ``load`` without reading tensor data (headers and pickles only)."""
+def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
+    """The native keys PP rank ``pp_rank`` holds under the spec's pipeline layout, in model order (every key when
+    the layout is invalid: ``check_parallel_layout`` names that error later)."""
+    from engine.model.hf_mapping import LAYER_MAP
+    from engine.parallel.pipeline_parallel import stage_layers
+
+    pp = spec.pipeline_model_parallel_size
+    try:
+        layout = stage_layers(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
+    except ValueError:
+        layout, pp, pp_rank = [list(range(cfg.num_layers))], 1, 0
+    keys: list[str] = []
+    for stage in range(pp_rank, len(layout), pp):
+        if stage == 0:
+            keys.append("embedding.word_embeddings.weight")
+        keys += [f"decoder.layers.{i}.{suffix}" for i in layout[stage] for suffix in LAYER_MAP]
+        if stage == len(layout) - 1:
+            keys.append("decoder.final_layernorm.weight")
+            if not cfg.tie_word_embeddings or stage != 0:
+                keys.append("output_layer.weight")
+    return keys
+
+
+def rank_view(spec: Any) -> Any:
+    """This process's ``megatron.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
+    from engine.checkpoint.megatron import RankView
+
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    rank = int(os.environ.get("RANK", "0"))
+    pp_rank = (rank // tp) % pp
+    return RankView(tp, rank % tp, pp, pp_rank, lambda cfg: rank_keys(cfg, spec, pp_rank))
+
+
+def open_load(path: str, view: Any = None) -> LoadedWeights:
+    """Open ``load`` without reading tensor data (headers and pickles only); an mcore checkpoint opens only the
+    rank files ``view`` (``rank_view``) needs."""
     fmt = detect_format(path)
     if fmt == "native":
         meta = dcp.read_meta(path)
@@ -76,7 +110,7 @@ def open_load(path: str) -> LoadedWeights:
     from engine.checkpoint.megatron import MegatronCheckpoint
 
     try:
-        mcore = MegatronCheckpoint(path)
+        mcore = MegatronCheckpoint(path, view=view)
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise BadInput(f"load: {path} is not a readable Megatron checkpoint ({err})", "load") from err
     return LoadedWeights("mcore", mcore.config, mcore)

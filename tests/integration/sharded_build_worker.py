@@ -2,7 +2,8 @@
 trainer's way (``build_rank_model``: meta device, PP split -> TP -> AC -> FSDP, ``to_empty``, its own slices filled)
 and the way it was built before (the whole model in fp32 on the host, ``init_weights`` / ``load_state_dict`` of every
 key, ``apply_lora``, then split and parallelized), and compares every local parameter bit for bit. Rank 0 writes
-``{case: {"mismatches": [...], "params": n}}`` to a JSON file.
+``{case: {"mismatches": [...], "params": [n per rank], "opened": [mcore rank files each rank opened]}}`` to a JSON
+file.
 
 Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N tests/integration/sharded_build_worker.py OUT.json
 WORK_DIR CASE..`` with CASE = ``name:key=value,...`` (keys in ``parse``; ``src`` is init, hf or mcore, the mcore
@@ -32,7 +33,7 @@ from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
 from engine.parallel.pipeline_parallel import build_pipeline_model
 from engine.spec import TrainSpec
-from engine.train.model_setup import build_rank_model, open_load
+from engine.train.model_setup import build_rank_model, open_load, rank_view
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, VOCAB, SEED = 34, 8, 2, 256, 11
 
@@ -105,8 +106,9 @@ def compare(opts: dict[str, Any], work: Path) -> dict[str, Any]:
     cfg = model_config(opts)
     mesh = build_mesh(Device("cpu"), ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"]))
     path = write_checkpoint(opts, cfg, work)
-    base = SeededInit(cfg, spec.seed) if path is None else open_load(path).source
+    base = SeededInit(cfg, spec.seed) if path is None else open_load(path, rank_view(spec)).source
     new = build_rank_model(cfg, mesh, spec, GLOBAL_BATCH, SEQ, torch.device("cpu"), base)
+    opened = [f"{f.parent.name}/{f.name}" for f in base.opened_files()] if opts["src"] == "mcore" else []
     old = old_build(opts, cfg, spec, mesh, path)
     new_params, old_params = dict(new.named_parameters()), dict(old.named_parameters())
     bad = sorted(set(new_params) ^ set(old_params))
@@ -118,9 +120,9 @@ def compare(opts: dict[str, Any], work: Path) -> dict[str, Any]:
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b) or p.requires_grad != q.requires_grad:
             bad.append(name)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (bad, len(new_params)))
-    return {"mismatches": sorted({n for names, _ in gathered for n in names}),
-            "params": [n for _, n in gathered]}
+    dist.all_gather_object(gathered, (bad, len(new_params), opened))
+    return {"mismatches": sorted({n for names, _, _ in gathered for n in names}),
+            "params": [n for _, n, _ in gathered], "opened": [files for _, _, files in gathered]}
 
 
 def main() -> None:

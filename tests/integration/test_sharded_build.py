@@ -3,7 +3,8 @@
 Each launch runs several layouts in one torchrun (``sharded_build_worker.py``): every rank builds its part the
 trainer's way (``build_rank_model``) and the old way (whole fp32 model on the host, split and sharded afterwards)
 and compares every local parameter exactly. Sources: the seeded initial weights, an HF directory, Megatron mcore
-checkpoints of the run's own layout and of another one (re-sliced).
+checkpoints of the run's own layout (each rank provably opens exactly its own ``mp_rank_TT_PPP`` file) and of
+another one (re-sliced from the files holding the rank's layers only).
 """
 
 from __future__ import annotations
@@ -51,4 +52,11 @@ def test_four_process_layouts(tmp_path: Path) -> None:
     cases = ["tp2pp2_tied:tp=2,pp=2,tied=1", "tp2dp2_lora:tp=2,dp=2,tied=1,lora=1", "pp2dp2_vpp:pp=2,dp=2,vpp=1",
              "mcore_tp2pp2_own:tp=2,pp=2,src=mcore,ctp=2,cpp=2,tied=1",
              "mcore_tp2pp2_resliced:tp=2,pp=2,src=mcore,ctp=1,cpp=4"]
-    assert_equal(launch(tmp_path, 4, *cases), cases)
+    result = launch(tmp_path, 4, *cases)
+    assert_equal(result, cases)
+    # Same layout: each rank opened exactly its own file (ranks are tp-fastest: rank = pp_rank * 2 + tp_rank).
+    own = [f"mp_rank_{r % 2:02d}_{r // 2:03d}/model_optim_rng.pt" for r in range(4)]
+    assert result["mcore_tp2pp2_own"]["opened"] == [[name] for name in own]
+    # TP1 × PP4 re-sliced to TP2 × PP2: a stage's two layers live in two of the four files, which both TP ranks read.
+    stage_files = [[f"mp_rank_00_{s:03d}/model_optim_rng.pt" for s in (2 * p, 2 * p + 1)] for p in (0, 0, 1, 1)]
+    assert [sorted(files) for files in result["mcore_tp2pp2_resliced"]["opened"]] == stage_files
