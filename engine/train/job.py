@@ -1,7 +1,8 @@
 """The ``train`` job: ``run(spec, run) -> (outputs, summary)``, on one process or under torchrun with data parallel.
 
 Order of work: check every input (data files, checkpoint format and shape, batch arithmetic) before touching a
-device -> start the process group and the dp×pp×tp mesh -> build the model, load weights, LoRA, ``parallelize`` ->
+device -> start the process group and the dp×pp×tp mesh -> build this rank's part on the meta device (PP split, LoRA,
+TP, recompute, FSDP), materialise it and read only its own slices of ``load`` (``model_setup.build_rank_model``) ->
 optimizer, LR schedule, loss scaler -> resume from ``<save>/train_state`` if an earlier attempt left a checkpoint ->
 iterate -> final checkpoint in the seed's Megatron layout (+ HF on request).
 
