@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
-from engine.checkpoint.layout import FINAL_NORM, native_shapes, shard, split_rule
+from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.model.config import ModelConfig
@@ -64,6 +64,7 @@ class HFCheckpoint:
         self._handles: dict[str, SafetensorsFile] = {}
         self._files = self._weight_map()
         self._refs: dict[str, TensorRef] = {}
+        self._plans: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # layer 0's row runs
         self._check()
 
     def _weight_map(self) -> dict[str, str]:
@@ -156,8 +157,19 @@ class HFCheckpoint:
             rule_of(key, self.config)
         except KeyError:
             raise KeyError(key) from None
-        return native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
-                               lambda ids: shard(ids, split_rule(key), tp, rank))
+        parsed = layer_of(key)
+        if parsed is None:
+            return native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
+                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+        # Every layer has the same rows: plan layer 0's once per (tensor, TP rank), rename for layer i.
+        layer, suffix = parsed
+        cached = self._plans.get((suffix, tp, rank))
+        if cached is None:
+            cached = self._plans[(suffix, tp, rank)] = self._runs(f"decoder.layers.0.{suffix}", tp, rank) \
+                if layer != 0 else native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
+                                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+        prefix = f"model.layers.{layer}."
+        return [(prefix + hf_key.removeprefix("model.layers.0."), a, b) for hf_key, a, b in cached]
 
     def _segment(self, hf_key: str, start: int, stop: int) -> Segment:
         ref = self._ref(hf_key)

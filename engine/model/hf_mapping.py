@@ -140,7 +140,9 @@ def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
     runs: list[tuple[str, int, int]] = []
     if ids.numel() == 0:
         return runs
-    tensor = torch.bucketize(ids, torch.tensor(bases[1:], dtype=torch.int64), right=True)  # which HF tensor
+    tensor = torch.zeros_like(ids)  # which HF tensor each row comes from
+    for b in bases[1:]:
+        tensor += ids >= b
     cut = (ids[1:] - ids[:-1] != 1) | (tensor[1:] != tensor[:-1])
     breaks = (torch.nonzero(cut).reshape(-1) + 1).tolist()
     for lo, hi in zip([0] + breaks, breaks + [ids.numel()]):
