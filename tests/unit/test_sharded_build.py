@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import engine.checkpoint.sources as sources
+from engine.checkpoint import sources
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.layout import shard, split_rule
 from engine.checkpoint.megatron import save_mcore
