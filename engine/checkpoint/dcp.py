@@ -192,3 +192,38 @@ def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], di
     loaded = _load_state_dict_from_keys(keys, storage_reader=SafeFileSystemReader(str(ckpt)))
     model = loaded["model"] if "model" in loaded else {k[len("model."):]: v for k, v in loaded.items()}
     return meta, model
+
+
+class DcpWeights:
+    """A training checkpoint as a ``WeightSource`` (``engine.checkpoint.sources``), read in this one process one
+    tensor at a time: DCP's planner reads only the saved chunks of the asked key (for converters and evaluation;
+    training restores through ``load``, sharded by the rank's own DTensors). Call outside a multi-rank group."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        from engine.model.config import ModelConfig
+
+        self.path = resolve(path)
+        self.meta = json.loads((self.path / META).read_text())
+        if not self.meta.get("model_config"):
+            raise ValueError(f"{self.path}: the training checkpoint's meta.json has no model_config")
+        self.config = ModelConfig(**self.meta["model_config"])
+
+    def get_native(self, key: str) -> torch.Tensor:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        if key == _COPY_KEY and self.config.tie_word_embeddings:
+            key = _NATIVE_KEY
+        loaded = _load_state_dict_from_keys({f"model.{key}"}, checkpoint_id=str(self.path))
+        return loaded["model"][key] if "model" in loaded else loaded[f"model.{key}"]
+
+    def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        from engine.checkpoint.layout import shard, split_rule
+
+        return shard(self.get_native(key), split_rule(key), tp, rank)
+
+    def lora_modules(self) -> list[str]:
+        keys = (k[len("model."):] for k in _saved_keys(self.path) if k.startswith("model.") and ".lora_A." in k)
+        return sorted({k.rsplit(".lora_A.", 1)[0] for k in keys})
+
+
+_COPY_KEY, _NATIVE_KEY = "output_layer.weight", "embedding.word_embeddings.weight"

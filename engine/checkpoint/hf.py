@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
-from engine.checkpoint.layout import EMBEDDING, FINAL_NORM, OUTPUT, layer_of, native_shapes, split_rule
+from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import LAYER_COPIES, hf_from_native, native_keys
+from engine.model.hf_mapping import hf_from_native, native_keys, native_row_runs, rule_of
 from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
@@ -64,6 +64,7 @@ class HFCheckpoint:
         self._handles: dict[str, SafetensorsFile] = {}
         self._files = self._weight_map()
         self._refs: dict[str, TensorRef] = {}
+        self._plans: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # layer 0's row runs
         self._check()
 
     def _weight_map(self) -> dict[str, str]:
@@ -120,91 +121,62 @@ class HFCheckpoint:
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         """TP rank ``rank``'s piece of native ``key``, reading only its rows straight into place."""
-        cfg = self.config
-        if key == EMBEDDING or (key == OUTPUT and cfg.tie_word_embeddings):
-            return self._rows("model.embed_tokens.weight", tp, rank)
-        if key == OUTPUT:
-            return self._rows("lm_head.weight", tp, rank)
-        if key == FINAL_NORM:
-            return self.get("model.norm.weight")
-        parsed = layer_of(key)
-        if parsed is None:
-            raise KeyError(key)
-        i, suffix = parsed
-        f = f"model.layers.{i}."
-        if suffix == "self_attention.linear_qkv.weight":
-            return self._qkv_shard(f + "self_attn.", tp, rank)
-        if suffix == "mlp.linear_fc1.weight":
-            gate, up = self._ref(f + "mlp.gate_proj.weight"), self._ref(f + "mlp.up_proj.weight")
-            rows = gate.shape[0] // tp
-            out = torch.empty((2 * rows, gate.shape[1]), dtype=gate.dtype)  # [gate_k; up_k]
-            gate.read_rows(rank * rows, (rank + 1) * rows, out[:rows])
-            up.read_rows(rank * rows, (rank + 1) * rows, out[rows:])
-            return out
-        hf_key = f + LAYER_COPIES[suffix]
-        if split_rule(key) == "dim1" and tp > 1:
-            cols = self._ref(hf_key).shape[1] // tp
-            return self._ref(hf_key).read_cols(rank * cols, (rank + 1) * cols)
-        return self.get(hf_key)
+        cols = self._column_source(key, tp)
+        if cols is not None:
+            width = cols.shape[1] // tp
+            return cols.read_cols(rank * width, (rank + 1) * width)
+        runs = self._runs(key, tp, rank)
+        first = self._ref(runs[0][0])
+        out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
+        at = 0
+        for hf_key, start, stop in runs:
+            self._ref(hf_key).read_rows(start, stop, out[at:at + stop - start])
+            at += stop - start
+        return out
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Segment] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
         rearrangement of rows in ``dtype``; None when it needs computing (a cast, or a column slice)."""
-        cfg = self.config
-        if key in (EMBEDDING, OUTPUT):
-            tied = key == EMBEDDING or cfg.tie_word_embeddings
-            runs = [self._tp_rows("model.embed_tokens.weight" if tied else "lm_head.weight", tp, rank)]
-        elif key == FINAL_NORM:
-            runs = [self._tp_rows("model.norm.weight", 1, 0)]
-        else:
-            parsed = layer_of(key)
-            if parsed is None:
-                raise KeyError(key)
-            f = f"model.layers.{parsed[0]}."
-            if parsed[1] == "self_attention.linear_qkv.weight":  # per KV group: its q rows, k rows, v rows
-                d, qd, groups = cfg.kv_channels, cfg.heads_per_group * cfg.kv_channels, cfg.num_query_groups // tp
-                runs = [run for g in range(rank * groups, (rank + 1) * groups)
-                        for run in ((f + "self_attn.q_proj.weight", g * qd, (g + 1) * qd),
-                                    (f + "self_attn.k_proj.weight", g * d, (g + 1) * d),
-                                    (f + "self_attn.v_proj.weight", g * d, (g + 1) * d))]
-            elif parsed[1] == "mlp.linear_fc1.weight":  # [gate_k; up_k]
-                runs = [self._tp_rows(f + "mlp.gate_proj.weight", tp, rank), self._tp_rows(f + "mlp.up_proj.weight", tp, rank)]
-            elif split_rule(key) == "dim1" and tp > 1:
-                return None
-            else:
-                runs = [self._tp_rows(f + LAYER_COPIES[parsed[1]], 1, 0)]
+        if self._column_source(key, tp) is not None:
+            return None
+        runs = self._runs(key, tp, rank)
         if any(self._ref(hf_key).dtype != dtype for hf_key, _, _ in runs):
             return None
         return coalesce(self._segment(*run) for run in runs)
 
-    def _tp_rows(self, hf_key: str, tp: int, rank: int) -> tuple[str, int, int]:
-        shape = self._ref(hf_key).shape
-        rows = (shape[0] if len(shape) > 1 else 1) // tp
-        return hf_key, rank * rows, (rank + 1) * rows
+    def _column_source(self, key: str, tp: int) -> TensorRef | None:
+        """The HF tensor a row-parallel (dim-1) shard is cut from, when ``tp`` cuts it; else None."""
+        if tp == 1 or split_rule(key) != "dim1":
+            return None
+        (hf_key,), _ = rule_of(key, self.config)
+        return self._ref(hf_key)
+
+    def _runs(self, key: str, tp: int, rank: int) -> list[tuple[str, int, int]]:
+        """(HF key, first row, end row) runs of TP rank ``rank``'s rows of ``key``, from the one key map."""
+        try:
+            rule_of(key, self.config)
+        except KeyError:
+            raise KeyError(key) from None
+        parsed = layer_of(key)
+        if parsed is None:
+            return native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
+                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+        # Every layer has the same rows: plan layer 0's once per (tensor, TP rank), rename for layer i.
+        layer, suffix = parsed
+        cached = self._plans.get((suffix, tp, rank))
+        if cached is None:
+            cached = self._plans[(suffix, tp, rank)] = self._runs(f"decoder.layers.0.{suffix}", tp, rank) \
+                if layer != 0 else native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
+                                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+        prefix = f"model.layers.{layer}."
+        return [(prefix + hf_key.removeprefix("model.layers.0."), a, b) for hf_key, a, b in cached]
 
     def _segment(self, hf_key: str, start: int, stop: int) -> Segment:
         ref = self._ref(hf_key)
-        size = ref.row_bytes if len(ref.shape) > 1 else ref.nbytes
-        return (ref.file.fd, ref.offset + start * size, (stop - start) * size)
+        return (ref.file.fd, ref.offset + start * ref.row_bytes, (stop - start) * ref.row_bytes)
 
-    def _qkv_shard(self, prefix: str, tp: int, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s ``linear_qkv``: for each of its KV groups, that group's q heads, then k, then v."""
-        cfg = self.config
-        q, k, v = (self._ref(prefix + f"{p}_proj.weight") for p in "qkv")
-        d, qd, groups = cfg.kv_channels, cfg.heads_per_group * cfg.kv_channels, cfg.num_query_groups // tp
-        out = torch.empty((groups * (qd + 2 * d), q.shape[1]), dtype=q.dtype)
-        view = out.view(groups, qd + 2 * d, q.shape[1])  # (ng/TP, q rows + k rows + v rows, H)
-        for j in range(groups):
-            g = rank * groups + j
-            q.read_rows(g * qd, (g + 1) * qd, view[j, :qd])
-            k.read_rows(g * d, (g + 1) * d, view[j, qd:qd + d])
-            v.read_rows(g * d, (g + 1) * d, view[j, qd + d:])
-        return out
-
-    def _rows(self, hf_key: str, tp: int, rank: int) -> torch.Tensor:
-        ref = self._ref(hf_key)
-        rows = ref.shape[0] // tp
-        return ref.read_rows(rank * rows, (rank + 1) * rows)
+    def lora_modules(self) -> list[str]:
+        return []  # a plain HF model directory; PEFT adapters come through lora_merge.PeftOverlay
 
     def native_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: self.get_native(k) for k in native_keys(self.config)}

@@ -15,7 +15,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from tqdm import tqdm
@@ -92,8 +91,7 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
     if fmt == "hf":
         raise BadInput(f"{spec.load_dir}: load_model_type is mg but this is an HF model directory", field="load_model_type")
     if fmt == "native":
-        cfg, state = open_checkpoint(spec.load_dir)
-        return _with_lora(spec, SimpleNamespace(config=cfg, get_native=state.__getitem__), run)
+        return _with_lora(spec, open_checkpoint(spec.load_dir)[1], run)
     if spec.lora_load and is_peft_adapter(spec.lora_load):
         ckpt = MegatronCheckpoint(spec.load_dir, hf_config=_hf_reference(spec))
         return ckpt.config, _peft_overlay(spec, ckpt)

@@ -18,6 +18,7 @@ import torch
 
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.megatron import TRACKER, MegatronCheckpoint
+from engine.checkpoint.sources import WeightSource
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.runfiles import BadInput
@@ -54,8 +55,8 @@ def _dcp_inside(p: Path) -> bool:
     return any((d / ".metadata").is_file() for d in p.glob("iter_*"))
 
 
-def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[ModelConfig, Any]:
-    """(config, reader with ``get_native``/``get_native_shard``) without reading any tensor data yet."""
+def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[ModelConfig, WeightSource]:
+    """(config, reader implementing ``sources.WeightSource``) without reading any tensor data yet."""
     fmt = detect_format(path)
     if fmt == "hf":
         ckpt = HFCheckpoint(path)
@@ -63,29 +64,27 @@ def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[
     if fmt == "mcore":
         ckpt = MegatronCheckpoint(path, **mcore_kwargs)
         return ckpt.config, ckpt
-    cfg, state = _load_native(path)
-    return cfg, state
+    source = _open_native(path)
+    return source.config, source
 
 
 def load_model_weights(path: str | os.PathLike[str]) -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
     """(config, full native state dict) of an HF, Megatron or training checkpoint."""
-    fmt = detect_format(path)
-    if fmt == "native":
-        return _load_native(path)
     cfg, ckpt = open_checkpoint(path)
     return cfg, {k: ckpt.get_native(k) for k in native_keys(cfg)}
 
 
-def _load_native(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _open_native(path: str | os.PathLike[str]) -> Any:
     try:
         dcp = importlib.import_module("engine.checkpoint.dcp")
     except ModuleNotFoundError:
         raise BadInput(f"{path}: a training (DCP) checkpoint, but engine.checkpoint.dcp is not available",
                        field="load_dir") from None
-    meta, state = dcp.load_model_weights(path)
-    if not meta.get("model_config"):
-        raise BadInput(f"{path}: the training checkpoint's meta.json has no model_config", field="load_dir")
-    if meta.get("lora"):
+    try:
+        source = dcp.DcpWeights(path)
+    except ValueError as err:
+        raise BadInput(str(err), field="load_dir") from err
+    if source.meta.get("lora"):
         raise BadInput(f"{path}: a LoRA training state holds adapters only; convert the run's final checkpoint "
                        f"(<save>/iter_*) with lora_load, or give the base as load_dir", field="load_dir")
-    return ModelConfig(**meta["model_config"]), state
+    return source

@@ -32,18 +32,13 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import fuse_fc1, fuse_qkv, split_fc1, split_qkv
+from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
 from engine.model.lora import merge_lora
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
 MERGE_ROUNDINGS = ("fp32", "mindspeed")
-_HF_MODULES = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj",),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj",),
-}
+_HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map
 
 
 def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
@@ -64,12 +59,7 @@ def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
         if rest not in _HF_MODULES:
             raise BadInput(f"LoRA on {path} has no Hugging Face counterpart", field="save_lora_to_hf")
         a, b = get(path + ".lora_A.weight"), get(path + ".lora_B.weight")
-        if rest.endswith("linear_qkv"):
-            pieces = split_qkv(b, cfg)
-        elif rest.endswith("linear_fc1"):
-            pieces = split_fc1(b)
-        else:
-            pieces = (b,)
+        pieces = LAYER_MAP[rest + ".weight"].split(b, cfg)  # B's rows split like the weight's; A is shared
         for hf_module, piece in zip(_HF_MODULES[rest], pieces):
             prefix = f"{PEFT_PREFIX}{layer}.{hf_module}"
             yield prefix + ".lora_A.weight", a.contiguous().clone()
@@ -145,9 +135,7 @@ class PeftDeltas:
         native = key.split(".", 3)[3].removesuffix(".weight")
         parts = [self.scale * (pieces[hf][1] @ pieces[hf][0]) if hf in pieces else torch.zeros(self.shapes[key][hf])
                  for hf in _HF_MODULES[native]]
-        if native.endswith("linear_qkv"):
-            return fuse_qkv(*parts, self.cfg)
-        return fuse_fc1(*parts) if native.endswith("linear_fc1") else parts[0]
+        return LAYER_MAP[native + ".weight"].fuse(*parts, self.cfg)
 
 
 def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None,
@@ -236,9 +224,10 @@ class PeftOverlay:
 
     lora_merged = True
 
-    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None):
-        self.base, self.config = base, base.config
-        self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha)
+    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None,
+                 dtype: torch.dtype | None = None, field: str = "lora_load"):
+        self.base, self.config, self.dtype = base, base.config, dtype  # dtype: of merged tensors (default: base's)
+        self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha, field=field)
 
     def get_native(self, key: str) -> torch.Tensor:
         return self.get_native_shard(key, 1, 0)
@@ -251,4 +240,7 @@ class PeftOverlay:
         delta = self.deltas.get(key)
         if delta is None:
             return weight
-        return (weight.float() + shard(delta, split_rule(key), tp, rank)).to(weight.dtype)
+        return (weight.float() + shard(delta, split_rule(key), tp, rank)).to(self.dtype or weight.dtype)
+
+    def lora_modules(self) -> list[str]:
+        return []  # merged into the weights

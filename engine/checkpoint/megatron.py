@@ -16,6 +16,7 @@ inert stand-ins, any class a real checkpoint does not hold is refused.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -234,16 +235,84 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
 # ---------------------------------------------------------------- reading
 
 
-class RankFiles:
-    """The rank files of one checkpoint directory, addressed by native (global) key."""
+class _LazyModels(dict):
+    """rank -> its file's chunks, each rank file opened (pickle parsed) the first time it is asked for."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, files: dict[tuple[int, int], Path], opened: list[Path]):
+        super().__init__()
+        self.files, self.opened = files, opened
+
+    def __missing__(self, rank: tuple[int, int]) -> dict[str, dict[str, Any]]:
+        if rank not in self.files:
+            raise KeyError(rank)
+        self.opened.append(self.files[rank])
+        value = self[rank] = _chunks(load_rank_file(self.files[rank], lazy=True), self.files[rank])
+        return value
+
+    def load_all(self) -> "_LazyModels":
+        for rank in self.files:
+            self[rank]  # noqa: B018 - opens it
+        return self
+
+    def items(self):  # noqa: ANN201 - every rank file, opened
+        return dict.items(self.load_all())
+
+    def values(self):  # noqa: ANN201
+        return dict.values(self.load_all())
+
+
+class RankFiles:
+    """The rank files of one checkpoint directory, addressed by native (global) key.
+
+    Files are opened when a tensor of theirs is asked for; the one opened for ``args`` is ``view``'s own (or the one
+    at the same relative place when the layouts differ), else the first. When ``args``
+    give the pipeline layout (num_layers, PP, num_layer_list / virtual stages: what Megatron and MindSpeed write),
+    layers are located from it and no other file is opened for that; else by counting the layers of every stage.
+    ``opened`` lists the files opened so far."""
+
+    def __init__(self, root: str | os.PathLike[str], view: RankView | None = None):
         self.iter_dir, self.iteration = resolve_iteration_dir(root)
         self.tp, self.pp, files = _rank_files(self.iter_dir)
-        raw = {rank: load_rank_file(path, lazy=True) for rank, path in files.items()}
-        self.args = raw[(0, 0)].get("args")
-        self.models = {rank: _chunks(r, files[rank]) for rank, r in raw.items()}
-        self._locate()
+        self.opened: list[Path] = []
+        self.models = _LazyModels(files, self.opened)
+        first = (0, 0)
+        if view is not None:  # the file at the same relative place: the rank's own when the layouts match
+            first = (view.tp_rank * self.tp // view.tp, view.pp_rank * self.pp // view.pp)
+        self.first = first
+        raw = load_rank_file(files[first], lazy=True)
+        self.opened.append(files[first])
+        self.models[first] = _chunks(raw, files[first])
+        self.args = raw.get("args")
+        if not self._locate_from_args():
+            self._locate()
+
+    def _locate_from_args(self) -> bool:
+        """Layer and embedding/head locations from ``args`` alone (no file opened); False when args cannot say."""
+        a = self.args
+        layers, pp = getattr(a, "num_layers", None), getattr(a, "pipeline_model_parallel_size", None)
+        if not isinstance(layers, int) or pp != self.pp:
+            return False
+        raw_list = getattr(a, "num_layer_list", None)
+        try:
+            items = raw_list.split(",") if isinstance(raw_list, str) else raw_list
+            layer_list = [int(x) for x in items] if items else None
+            stages = pipeline_chunks(layers, pp, layer_list, getattr(a, "num_layers_per_virtual_pipeline_stage", None))
+        except (ValueError, TypeError):
+            return False
+        self.layer_at = []
+        self.where = {}
+        for chunks in zip(*stages):  # chunk v of every stage comes before chunk v+1
+            for chunk in chunks:
+                name = "model" if len(stages[chunk.stage]) == 1 else f"model{chunk.index}"
+                self.layer_at += [(chunk.stage, name, i) for i in range(len(chunk.layers))]
+                if chunk.first:
+                    self.where[EMBEDDING] = (chunk.stage, name)
+                if chunk.last:
+                    self.where[FINAL_NORM] = (chunk.stage, name)
+                    tied = not getattr(a, "untie_embeddings_and_output_weights", False)
+                    if not tied or pp > 1:
+                        self.where[OUTPUT] = (chunk.stage, name)
+        return True
 
     def _locate(self) -> None:
         """Map global layers and the embedding/head to (stage, chunk name, local index)."""
@@ -273,12 +342,12 @@ class RankFiles:
         p, n, i = self.layer_at[layer]
         return p, n, f"decoder.layers.{i}.{suffix}"
 
-    def has(self, key: str) -> bool:
+    def has(self, key: str, t: int = 0) -> bool:
         try:
             p, n, local = self.local(key)
         except KeyError:
             return False
-        return local in self.models[(0, p)].get(n, {})
+        return local in self.models[(t, p)].get(n, {})
 
     def raw(self, key: str, t: int) -> Any:
         """TP rank ``t``'s stored piece of ``key`` as a lazy reference (``.shape``, ``.read()``)."""
@@ -318,9 +387,10 @@ class MegatronCheckpoint:
 
     def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
                  lora_alpha: float | None = None, lora_r: int | None = None,
-                 hf_config: Mapping[str, Any] | None = None):
+                 hf_config: Mapping[str, Any] | None = None, view: RankView | None = None):
         self.root = Path(root)
-        self.base = RankFiles(root)
+        self.view = view
+        self.base = RankFiles(root, view)
         self.iter_dir, self.iteration, self.tp, self.pp = self.base.iter_dir, self.base.iteration, self.base.tp, self.base.pp
         self.args = self.base.args
         self.side: RankFiles | None = None
@@ -351,17 +421,20 @@ class MegatronCheckpoint:
     def _infer_config(self, hf: dict[str, Any]) -> ModelConfig:
         """Shapes from the tensors (they cannot lie); epsilon, RoPE base and tying from args or config.json."""
         a, tp = self.args, self.tp
-        shape = lambda key: tuple(self.base.raw(key, 0).shape)  # noqa: E731
-        pre = "decoder.layers.0."
+        t, layer = self._probe()
+        shape = lambda key: tuple(self.base.raw(key, t).shape)  # noqa: E731
+        pre = f"decoder.layers.{layer}."
         try:
             d = shape(pre + "self_attention.q_layernorm.weight")[0]
             heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
             groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
             ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
-            raise BadInput(f"{self.base.rank_file(0, 0)}: tensor {err.args[0]} is missing: not a Qwen3 "
+            raise BadInput(f"{self.base.rank_file(t, self.base.layer_at[layer][0])}: tensor {err.args[0]} is "
+                           f"missing: not a Qwen3 "
                            f"(local spec, qk-layernorm) checkpoint", field="load_dir") from None
-        rows, hidden = shape(EMBEDDING)
+        hidden = shape(pre + "input_layernorm.weight")[0]
+        rows = self._padded_rows() // tp
         untie = getattr(a, "untie_embeddings_and_output_weights", None)
         tied = (not untie) if untie is not None else hf.get("tie_word_embeddings", self._output_is_embedding())
         vocab = rows * tp
@@ -392,13 +465,37 @@ class MegatronCheckpoint:
             return True  # PP=1 tied checkpoints carry no output layer
         return all(torch.equal(self.base.raw(OUTPUT, t).read(), self.base.raw(EMBEDDING, t).read()) for t in range(self.tp))
 
+    def _probe(self) -> tuple[int, int]:
+        """(TP rank, global layer) whose tensors tell the shapes: the first layer of the file already open."""
+        if not self.base.layer_at:
+            raise BadInput(f"{self.iter_dir}: the checkpoint holds no decoder layers", field="load_dir")
+        t, p = self.base.first
+        layer = next((i for i, (stage, _, _) in enumerate(self.base.layer_at) if stage == p), 0)
+        return (t, layer) if self.base.layer_at[layer][0] == p else (0, 0)
+
+    def _read_keys(self) -> tuple[list[str], range]:
+        """(native keys, TP ranks) this process will read: a rank's own (``view``), else every tensor."""
+        if self.view is None:
+            return native_keys(self.config), range(self.tp)
+        keys = self.view.keys(self.config)
+        if self.view.tp == self.tp:  # the rank reads its own TP piece as stored
+            return keys, range(self.view.tp_rank, self.view.tp_rank + 1)
+        return keys, range(self.tp)
+
     def _validate(self) -> None:
         cfg = self.config
         full = native_shapes(cfg.replace(vocab_size=self._padded_rows()))
-        for key in native_keys(cfg):
-            want = shard_shape(full[key], split_rule(key), self.tp)
-            p = self.base.local(key)[0] if self.base.has(key) else None
-            for t in range(self.tp):
+        keys, tp_ranks = self._read_keys()
+        for key in keys:
+            if key == OUTPUT and cfg.tie_word_embeddings:
+                if OUTPUT not in self.base.where:
+                    continue  # read from the embedding
+            want = shard_shape(full[key if key in full else EMBEDDING], split_rule(key), self.tp)
+            try:
+                p: int | None = self.base.local(key)[0]
+            except KeyError:
+                p = None
+            for t in tp_ranks:
                 try:
                     got = self.base.raw(key, t)
                 except KeyError:
@@ -409,12 +506,17 @@ class MegatronCheckpoint:
                                    f"{list(got.shape)}, expected {list(want)}", field="load_dir")
 
     def _padded_rows(self) -> int:
+        padded = getattr(self.args, "padded_vocab_size", None)
+        if self.view is not None and isinstance(padded, int) and padded % self.tp == 0:
+            return padded  # a rank of another stage need not open the first stage's file for this
         return self.base.raw(EMBEDDING, 0).shape[0] * self.tp
 
     # -- tensors
 
     def get_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         """Native ``key``'s piece for TP rank ``rank`` of ``tp``; LoRA merged, vocabulary padding dropped."""
+        if key == OUTPUT and self.config.tie_word_embeddings and not (tp == self.tp and OUTPUT in self.base.where):
+            key = EMBEDDING  # a pipeline last stage's copy of the tied embedding (stored there with PP > 1)
         trimmed = key in (EMBEDDING, OUTPUT) and self.config.vocab_size != self._padded_rows()
         if tp == self.tp and not trimmed:
             return self._stored(key, rank)
@@ -438,6 +540,10 @@ class MegatronCheckpoint:
         a_key = key.removesuffix(".weight") + ".lora_A.weight"
         return self.base.has(a_key) or (self.side is not None and self.side.has(a_key))
 
+    def opened_files(self) -> list[Path]:
+        """Rank files opened so far (pickle parsed), in order."""
+        return list(self.base.opened)
+
     def _stored(self, key: str, t: int) -> torch.Tensor:
         """TP rank ``t``'s piece of ``key`` as this checkpoint is cut, with its LoRA adapters merged in."""
         if self.side is not None and self.side.has(key):
@@ -446,7 +552,7 @@ class MegatronCheckpoint:
             weight = self.base.raw(key, t).read()
         module = key.removesuffix(".weight")
         a_key, b_key = module + ".lora_A.weight", module + ".lora_B.weight"
-        if self.base.has(a_key) and self.base.has(b_key):
+        if self.base.has(a_key, t) and self.base.has(b_key, t):
             a, b = self.base.raw(a_key, t).read(), self.base.raw(b_key, t).read()
         elif self.side is not None and self.side.has(a_key) and self.side.has(b_key):
             a = shard(self.side.full(a_key), split_rule(a_key), self.tp, t)
@@ -483,6 +589,19 @@ class MegatronCheckpoint:
         if self.base.has(key) or self.side is None:
             return self.base.full(key)
         return self.side.full(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankView:
+    """What one training rank reads: TP rank ``tp_rank`` of ``tp`` and PP rank ``pp_rank``; ``keys(cfg)`` its native
+    keys. When the checkpoint is cut the same way, the rank opens exactly its own ``mp_rank_TT_PPP`` file; else the
+    files holding its keys (all TP pieces of them, re-sliced)."""
+
+    tp: int
+    tp_rank: int
+    pp: int
+    pp_rank: int
+    keys: Callable[[ModelConfig], list[str]]
 
 
 def _first_attr(objs: list[Any], name: str) -> Any:

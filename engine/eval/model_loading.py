@@ -10,8 +10,11 @@ flags.
 LoRA adapters (``lora_load``) are applied on the loaded base with ``engine.model.lora`` and never merged into it, so
 what is evaluated is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter
 checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``). A Hugging Face PEFT adapter directory
-(trained with ``peft`` elsewhere) is merged into the base instead (``lora_merge.peft_deltas``): its q/k/v adapters
-have separate A matrices, which no unmerged fused LoRA of the same rank can hold.
+(trained with ``peft`` elsewhere) is merged into the base instead, as each weight is read (``lora_merge.PeftOverlay``):
+its q/k/v adapters have separate A matrices, which no unmerged fused LoRA of the same rank can hold.
+
+The model is built on the ``meta`` device and filled in the dtype it runs in from the checkpoint's reader
+(``engine.checkpoint.sources.WeightSource``), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Any, Mapping
 
 import torch
 
-from engine.checkpoint.lora_merge import is_peft_adapter, peft_deltas
+from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
+from engine.checkpoint.sharded import fill_parts
+from engine.checkpoint.sources import WeightSource
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import BadInput
@@ -39,21 +44,6 @@ _SKIP_SUFFIXES = ("._extra_state",)
 def _refield(err: BadInput, field: str) -> BadInput:
     """The checkpoint readers speak of ``load_dir`` (the convert job's flag); name this job's flag instead."""
     return BadInput(str(err) if str(err).startswith(field) else f"{field}: {err}", field=field)
-
-
-def read_checkpoint(path: str, field: str = "load") -> tuple[ModelConfig | None, dict[str, torch.Tensor]]:
-    """(shape or None, native state dict) of an HF directory, a Megatron checkpoint or one of our training checkpoints."""
-    from engine.checkpoint.load import load_model_weights
-
-    try:
-        cfg, state = load_model_weights(path)
-    except BadInput as err:
-        raise _refield(err, field) from err
-    except FileNotFoundError as err:
-        raise BadInput(f"{field}: {err}", field=field) from err
-    if isinstance(cfg, dict):  # a training checkpoint: the loader hands back its meta.json
-        cfg = ModelConfig(**cfg["model_config"]) if cfg.get("model_config") else None
-    return cfg, dict(state)
 
 
 def _mcore_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -169,36 +159,51 @@ def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str
     return {"lora_r": r, "lora_alpha": alpha, "lora_targets": targets, "lora_tensors": len(lora)}
 
 
-def merge_peft_adapter(model: torch.nn.Module, spec: Any, cfg: ModelConfig) -> dict[str, Any]:
-    """Add a Hugging Face PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) into the weights."""
-    facts, deltas = peft_deltas(spec.lora_load, cfg, alpha=spec.lora_alpha)
-    if spec.lora_r is not None and spec.lora_r != facts["lora_r"]:
-        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank {facts['lora_r']}",
-                       field="lora_r")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for key in deltas.keys():
-            params[key].add_(deltas.get(key).to(params[key].dtype))
-    return facts
+def peft_source(base: WeightSource, spec: Any, dtype: torch.dtype) -> PeftOverlay:
+    """``base`` with a Hugging Face PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) added in
+    fp32 as each weight is read, then cast to ``dtype``."""
+    overlay = PeftOverlay(base, spec.lora_load, spec.lora_alpha, dtype=dtype)
+    if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
+        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank "
+                       f"{overlay.facts['lora_r']}", field="lora_r")
+    return overlay
+
+
+def open_source(path: str, field: str = "load") -> WeightSource:
+    """The reader of an HF directory, a Megatron checkpoint or one of our training checkpoints (no tensor read)."""
+    from engine.checkpoint.load import open_checkpoint
+
+    try:
+        return open_checkpoint(path)[1]
+    except BadInput as err:
+        raise _refield(err, field) from err
+    except FileNotFoundError as err:
+        raise BadInput(f"{field}: {err}", field=field) from err
 
 
 def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
-    """The eval model on its device, in eval mode, plus facts for the summary (format, shape, LoRA)."""
+    """The eval model on the host, in eval mode and in the dtype it runs in, plus facts for the summary.
+
+    Built on the meta device, materialised in the run's dtype and filled tensor by tensor from the checkpoint's
+    reader (each weight cast as it arrives): a bf16 model is never built in fp32 first."""
     check_model_kind(spec)
-    ckpt_cfg, state = read_checkpoint(spec.load)
-    if ckpt_cfg is not None:
-        check_against_checkpoint(spec, ckpt_cfg, spec.load)
-        cfg = ckpt_cfg
-    else:  # an mcore checkpoint saved without args: the flags give the shape, the weights must then fit it
-        cfg = config_from_flags(spec, vocab_hint)
-    model = Qwen3Model(cfg)
-    load_weights(model, state, spec.load)
-    del state
-    info: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters())}
+    source = open_source(spec.load)
+    cfg = source.config
+    check_against_checkpoint(spec, cfg, spec.load)
+    dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
+    info: dict[str, Any] = {}
     if spec.lora_load and is_peft_adapter(spec.lora_load):
-        info.update(merge_peft_adapter(model, spec, cfg))
-    elif spec.lora_load:
+        source = peft_source(source, spec, dtype)
+        info.update(source.facts)
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    model = model.to(dtype).to_empty(device="cpu")
+    try:
+        fill_parts([model], source)
+    except (KeyError, ValueError) as err:
+        raise BadInput(f"load: checkpoint {spec.load} does not fit the model: {err}", field="load") from err
+    info["num_params"] = sum(p.numel() for p in model.parameters())
+    if spec.lora_load and not is_peft_adapter(spec.lora_load):
         adapter_state, recorded = read_adapters(spec)
         info.update(apply_adapters(model, spec, adapter_state, recorded))
-    dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
     return model.to(dtype=dtype).eval(), cfg, info

@@ -9,5 +9,5 @@
 - ``kv_cache``: preallocated per-layer KV cache for decoding.
 - ``loss``: chunked cross-entropy over the head that never holds (tokens × vocab) logits.
 - ``lora``: LoRA converter, adapter-only state dicts, merge.
-- ``hf_mapping``: native <-> HF tensor names and layouts, streaming.
+- ``hf_mapping``: the one declarative native <-> HF key map (QKV interleave, fc1 [gate; up]) and what derives from it.
 """

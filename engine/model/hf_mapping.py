@@ -15,12 +15,18 @@ Native state-dict keys are exactly Megatron-Core's local-spec keys for TP=1, PP=
     decoder.final_layernorm.weight                        <- model.norm.weight
     output_layer.weight                                   <- lm_head.weight (absent when embeddings are tied)
 
-The functions are generators over a ``get(name) -> Tensor`` callback so that converters can stream from
-memory-mapped safetensors and never hold the whole model.
+This module is the ONE place the rules are written: ``LAYER_MAP`` / ``TOP_MAP`` say which HF tensors make each native
+tensor and how (``fuse_qkv``: per-KV-group interleave; ``fuse_fc1``: ``[gate; up]``), and everything else derives
+from them: the tensor path (``native_tensor``, ``native_from_hf``, ``hf_from_native``), the row plans of the
+byte-range fast paths (``native_row_runs`` here for HF -> native; ``fastcopy.RowPlan`` runs ``hf_from_native`` on
+row numbers for native -> HF) and LoRA's module correspondence (``HF_MODULES``). The functions work over a
+``get(name) -> Tensor`` callback so that converters can stream from the files and never hold the whole model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -28,16 +34,6 @@ import torch
 from engine.model.config import ModelConfig
 
 Getter = Callable[[str], torch.Tensor]
-
-# native suffix (under decoder.layers.{i}.) -> HF suffix (under model.layers.{i}.) for tensors copied unchanged
-LAYER_COPIES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -58,66 +54,140 @@ def split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Te
     return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
 
 
-def fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def fuse_fc1(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
     return torch.cat([gate, up], dim=0)
 
 
-def split_fc1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_fc1(w: torch.Tensor, cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up = torch.chunk(w, 2, dim=0)
     return gate, up
 
 
+def _one(t: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
+    return t
+
+
+def _unpack(t: torch.Tensor, cfg: ModelConfig | None = None) -> tuple[torch.Tensor]:
+    return (t,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One native tensor made of ``hf`` tensors (suffixes under ``model.layers.{i}.`` for layer rules):
+    ``fuse(*hf_tensors, cfg)`` builds it, ``split(native, cfg)`` gives the HF tensors back in ``hf`` order."""
+
+    hf: tuple[str, ...]
+    fuse: Callable[..., torch.Tensor] = _one
+    split: Callable[..., tuple[torch.Tensor, ...]] = _unpack
+
+
+# native suffix under decoder.layers.{i}. -> its rule, in the model's parameter order
+LAYER_MAP: dict[str, Rule] = {
+    "input_layernorm.weight": Rule(("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": Rule(
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), fuse_qkv, split_qkv),
+    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": Rule(("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": Rule(("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), fuse_fc1, split_fc1),
+    "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",)),
+}
+# native key outside the layers -> its rule (full HF keys); a tied model's head is the embedding
+TOP_MAP: dict[str, Rule] = {
+    "embedding.word_embeddings.weight": Rule(("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": Rule(("model.norm.weight",)),
+    "output_layer.weight": Rule(("lm_head.weight",)),
+}
+# tensors copied unchanged (native suffix -> HF suffix), and adapted native modules -> their HF modules (LoRA/PEFT)
+LAYER_COPIES = {n: r.hf[0] for n, r in LAYER_MAP.items() if len(r.hf) == 1}
+HF_MODULES = {n.removesuffix(".weight"): tuple(h.removesuffix(".weight") for h in r.hf)
+              for n, r in LAYER_MAP.items() if n.endswith(("linear_qkv.weight", "linear_proj.weight",
+                                                          "linear_fc1.weight", "linear_fc2.weight"))}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def rule_of(key: str, cfg: ModelConfig) -> tuple[tuple[str, ...], Rule]:
+    """(full HF keys, rule) of native ``key``; KeyError for a key the model does not have."""
+    m = _LAYER_RE.match(key)
+    if m:
+        rule = LAYER_MAP[m[2]]
+        return tuple(f"model.layers.{m[1]}.{h}" for h in rule.hf), rule
+    if key == "output_layer.weight" and cfg.tie_word_embeddings:
+        key = "embedding.word_embeddings.weight"
+    rule = TOP_MAP[key]
+    return rule.hf, rule
+
+
+def native_tensor(key: str, get: Getter, cfg: ModelConfig) -> torch.Tensor:
+    """Native ``key`` built from HF tensors read through ``get``."""
+    hf_keys, rule = rule_of(key, cfg)
+    return rule.fuse(*(get(k) for k in hf_keys), cfg)
+
+
+def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
+                    shard: Callable[[torch.Tensor], torch.Tensor] = _one) -> list[tuple[str, int, int]]:
+    """The rows of native ``key`` (cut by ``shard``, e.g. one TP rank's piece) as runs ``(hf_key, start, stop)`` of
+    HF rows, in order: the rule run on row numbers instead of weights, so the layout is never written twice."""
+    hf_keys, rule = rule_of(key, cfg)
+    bases, base = [], 0
+    for k in hf_keys:
+        bases.append(base)
+        base += hf_rows(k)
+    ids = rule.fuse(*(torch.arange(b, b + hf_rows(k), dtype=torch.int64).unsqueeze(1)
+                      for b, k in zip(bases, hf_keys)), cfg)
+    ids = shard(ids).reshape(-1)
+    runs: list[tuple[str, int, int]] = []
+    if ids.numel() == 0:
+        return runs
+    tensor = torch.zeros_like(ids)  # which HF tensor each row comes from
+    for b in bases[1:]:
+        tensor += ids >= b
+    cut = (ids[1:] - ids[:-1] != 1) | (tensor[1:] != tensor[:-1])
+    breaks = (torch.nonzero(cut).reshape(-1) + 1).tolist()
+    for lo, hi in zip([0] + breaks, breaks + [ids.numel()]):
+        j = int(tensor[lo])
+        runs.append((hf_keys[j], int(ids[lo]) - bases[j], int(ids[hi - 1]) + 1 - bases[j]))
+    return runs
+
+
 def native_keys(cfg: ModelConfig) -> list[str]:
-    """Every native key of the full model, in order."""
+    """Every native key of the full model, in the model's parameter order."""
     keys = ["embedding.word_embeddings.weight"]
     for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        keys += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
-        keys += [p + s for s in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
-                                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight")]
-        keys += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        keys += [f"decoder.layers.{i}.{s}" for s in LAYER_MAP]
     keys.append("decoder.final_layernorm.weight")
     if not cfg.tie_word_embeddings:
         keys.append("output_layer.weight")
     return keys
 
 
+def _part_keys(cfg: ModelConfig, layers: Iterable[int] | None, embedding: bool, head: bool) -> list[str]:
+    keys = ["embedding.word_embeddings.weight"] if embedding else []
+    for i in range(cfg.num_layers) if layers is None else layers:
+        keys += [f"decoder.layers.{i}.{s}" for s in LAYER_MAP]
+    if head:
+        keys.append("decoder.final_layernorm.weight")
+        if not cfg.tie_word_embeddings:
+            keys.append("output_layer.weight")
+    return keys
+
+
 def native_from_hf(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None,
                    embedding: bool = True, head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (native key, tensor) for the chosen parts of the model, reading HF tensors through ``get``."""
-    if embedding:
-        yield "embedding.word_embeddings.weight", get("model.embed_tokens.weight")
-    for i in range(cfg.num_layers) if layers is None else layers:
-        n, f = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for ns, hs in LAYER_COPIES.items():
-            yield n + ns, get(f + hs)
-        yield n + "self_attention.linear_qkv.weight", fuse_qkv(
-            get(f + "self_attn.q_proj.weight"), get(f + "self_attn.k_proj.weight"), get(f + "self_attn.v_proj.weight"), cfg
-        )
-        yield n + "mlp.linear_fc1.weight", fuse_fc1(get(f + "mlp.gate_proj.weight"), get(f + "mlp.up_proj.weight"))
-    if head:
-        yield "decoder.final_layernorm.weight", get("model.norm.weight")
-        if not cfg.tie_word_embeddings:
-            yield "output_layer.weight", get("lm_head.weight")
+    for key in _part_keys(cfg, layers, embedding, head):
+        yield key, native_tensor(key, get, cfg)
 
 
 def hf_from_native(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None,
                    embedding: bool = True, head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF key, tensor), reading native tensors through ``get``. Tied models get no ``lm_head.weight``."""
-    if embedding:
-        yield "model.embed_tokens.weight", get("embedding.word_embeddings.weight")
-    for i in range(cfg.num_layers) if layers is None else layers:
-        n, f = f"decoder.layers.{i}.", f"model.layers.{i}."
-        q, k, v = split_qkv(get(n + "self_attention.linear_qkv.weight"), cfg)
-        yield f + "self_attn.q_proj.weight", q
-        yield f + "self_attn.k_proj.weight", k
-        yield f + "self_attn.v_proj.weight", v
-        gate, up = split_fc1(get(n + "mlp.linear_fc1.weight"))
-        yield f + "mlp.gate_proj.weight", gate
-        yield f + "mlp.up_proj.weight", up
-        for ns, hs in LAYER_COPIES.items():
-            yield f + hs, get(n + ns)
-    if head:
-        yield "model.norm.weight", get("decoder.final_layernorm.weight")
-        if not cfg.tie_word_embeddings:
-            yield "lm_head.weight", get("output_layer.weight")
+    def order(item: tuple[int, str]) -> tuple[int, int]:
+        # Per layer the fused tensors first (the order our HF files have always had): q k v gate up, then copies.
+        m = _LAYER_RE.match(item[1])
+        return (int(m[1]), len(LAYER_MAP[m[2]].hf) == 1) if m else (-1 if item[0] == 0 else 1 << 30, 0)
+
+    for _, key in sorted(enumerate(_part_keys(cfg, layers, embedding, head)), key=order):
+        hf_keys, rule = rule_of(key, cfg)
+        yield from zip(hf_keys, rule.split(get(key), cfg))

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.hf_mapping import HF_MODULES
+
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-HF_TO_MEGATRON = {
-    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
-}
+# q_proj -> linear_qkv, ..., from the one HF <-> native key map
+HF_TO_MEGATRON = {hf.rsplit(".", 1)[1]: native.rsplit(".", 1)[1] for native, hfs in HF_MODULES.items() for hf in hfs}
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # shard B on dim 0 under TP
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # shard A on dim 1 under TP
 

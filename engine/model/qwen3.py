@@ -16,6 +16,7 @@ State-dict keys are the native keys of ``engine.model.hf_mapping``; the model ho
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -131,22 +132,27 @@ class Embedding(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Iterable[int] | None = None, final_norm: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in range(cfg.num_layers)})
-        self.final_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        chosen = range(cfg.num_layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in chosen})
+        self.final_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.norm_epsilon) if final_norm else None
 
 
 class Qwen3Model(nn.Module):
-    """Qwen3 causal LM. ``forward`` returns logits (B, T, V), or final-norm hidden states with ``return_hidden``."""
+    """Qwen3 causal LM. ``forward`` returns logits (B, T, V), or final-norm hidden states with ``return_hidden``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``layers`` / ``embedding`` / ``head`` build only a part (a pipeline stage: global layer keys kept); build under
+    ``torch.device("meta")`` to allocate nothing, then ``to_empty`` + ``init_weights`` or a loader."""
+
+    def __init__(self, cfg: ModelConfig, layers: Iterable[int] | None = None, embedding: bool = True,
+                 head: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embedding: Embedding | None = Embedding(cfg)
-        self.decoder = Decoder(cfg)
+        self.embedding: Embedding | None = Embedding(cfg) if embedding else None
+        self.decoder = Decoder(cfg, layers, final_norm=head)
         self.output_layer: nn.Linear | None = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings or not head else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     def output_weight(self) -> torch.Tensor:
@@ -200,23 +206,31 @@ class Qwen3Model(nn.Module):
         """Megatron init: every matrix ~ N(0, std) (the MoE router and stacked experts too); the two
         residual-output matrices (``linear_proj``, ``linear_fc2``, expert ``linear_fc2``) ~ N(0, std / sqrt(2 *
         num_layers)) (``scaled_init_method_normal``); norms = 1."""
-        std = self.cfg.init_method_std
-        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         generators: dict[torch.device, torch.Generator] = {}
         for name, param in self.named_parameters():
             if ".lora_" in name:
                 continue  # adapters have their own init (B = 0 keeps the converted model equal to the base)
-            if param.dim() == 1:
+            std = init_std(name, param.dim(), self.cfg)
+            if std is None:
                 nn.init.ones_(param)
                 continue
             gen = generators.get(param.device)
             if gen is None and seed is not None:
                 gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-            scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-            nn.init.normal_(param, 0.0, out_std if scaled else std, generator=gen)
+            nn.init.normal_(param, 0.0, std, generator=gen)
         for module in self.modules():
             if hasattr(module, "reset_lora_parameters"):
                 module.reset_lora_parameters()
+
+
+def init_std(name: str, ndim: int, cfg: ModelConfig) -> float | None:
+    """The std of parameter ``name``'s normal init (Megatron's rule, see ``init_weights``); None for a norm (ones).
+    ``engine.checkpoint.sources.SeededInit`` draws the same numbers for a rank's shard of a meta-built model."""
+    if ndim == 1:
+        return None
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    return cfg.init_method_std
 
 
 def default_position_ids(

@@ -2,8 +2,9 @@
 
 - Split: stage s holds global layers by an even split or an explicit ``num_layer_list``; with virtual stages
   (``num_layers_per_virtual_pipeline_stage`` = Lv) rank p holds the chunks v = 0.. of stage index v·PP + p, i.e.
-  global layers [(v·PP + p)·Lv, (v·PP + p + 1)·Lv) — Megatron's interleaved layout. A stage is a copy of the model
-  with the other layers deleted; layers stay keyed by their global index, so state-dict keys stay native.
+  global layers [(v·PP + p)·Lv, (v·PP + p + 1)·Lv) — Megatron's interleaved layout. A stage is a model part
+  holding only its own layers (modules taken from the meta-built model, never copied); layers stay keyed by their
+  global index, so state-dict keys stay native.
 - The embedding lives on the first stage, the final norm and the head on the last. A tied model's last stage gets
   its own ``output_layer`` initialised from the embedding (Megatron's ``setup_embeddings_and_output_layer``); both
   copies get the all-reduced sum of their gradients before the optimizer step (Megatron's embedding group), so
@@ -18,7 +19,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -34,7 +34,6 @@ from engine.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
 
 WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
-TIED_COPY_ATTR = "_llmjobs_tied_copy"  # marks a last stage's copy of a tied embedding (excluded from norms / DCP)
 
 
 def stage_layers(
@@ -60,26 +59,28 @@ def stage_layers(
 
 
 def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
-    """A copy of ``model`` keeping only ``layers`` (and the embedding / final norm + head where they belong)."""
-    part = copy.deepcopy(model)
-    keep = {str(i) for i in layers}
-    for key in list(part.decoder.layers.keys()):
-        if key not in keep:
-            del part.decoder.layers[key]
-    if not first:
-        part.embedding = None
-    if not last:
-        part.decoder.final_layernorm = None
-        part.output_layer = None
-    elif part.output_layer is None and not first:
-        # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
-        weight = model.embedding.word_embeddings.weight
-        part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                      dtype=weight.dtype)
-        with torch.no_grad():
-            part.output_layer.weight.copy_(weight)
-        part.output_layer.weight.requires_grad_(weight.requires_grad)
-        setattr(part.output_layer, TIED_COPY_ATTR, True)  # on the module: TP/FSDP replace the Parameter
+    """A model part holding ``model``'s own ``layers`` (and the embedding / final norm + head where they belong).
+
+    Nothing is copied: the part takes the modules themselves (``model`` is a shell afterwards, normally a meta-built
+    one), so splitting never holds the model twice."""
+    with torch.device("meta"):
+        part = type(model)(model.cfg, layers=(), embedding=False, head=False)
+    for i in layers:
+        part.decoder.layers[str(i)] = model.decoder.layers[str(i)]
+    if first:
+        part.embedding = model.embedding
+    if last:
+        part.decoder.final_layernorm = model.decoder.final_layernorm
+        part.output_layer = model.output_layer
+        if part.output_layer is None and not first:
+            # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
+            weight = model.embedding.word_embeddings.weight
+            part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                          dtype=weight.dtype)
+            if weight.device.type != "meta":
+                with torch.no_grad():
+                    part.output_layer.weight.copy_(weight)
+            part.output_layer.weight.requires_grad_(weight.requires_grad)
     return part
 
 
@@ -184,9 +185,11 @@ def build_pipeline(
     parallelize_part: Callable[[nn.Module], nn.Module] = lambda part: part,
     tp_mesh: DeviceMesh | None = None,
     sequence_parallel: bool = False,
+    device: torch.device | None = None,
 ) -> Pipeline:
     """Split ``model`` for this PP rank, parallelize each part (TP/AC/FSDP via ``parallelize_part``), build the
-    schedule. ``model`` is the full model with its initial weights (each rank keeps only its parts)."""
+    schedule. ``model`` is the whole model, normally built on the meta device (each rank keeps only its parts, to be
+    ``to_empty``'d and filled afterwards); ``device`` is where the stages will run (default: the parameters')."""
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     layout = stage_layers(model.cfg.num_layers, pp, num_layer_list, layers_per_virtual_stage)
     n_stages = len(layout)
@@ -200,7 +203,7 @@ def build_pipeline(
     parts = [parallelize_part(p) for p in parts]
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
-    device = _local(next(iter(parts[0].parameters()))).device
+    device = device or _local(next(iter(parts[0].parameters()))).device
     last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
     norm: dict[str, Any] = {"tokens": 1.0}  # set by every step before the schedule runs
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None)
@@ -448,7 +451,7 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
 
 def build_pipeline_model(
     model: nn.Module, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
-    parallelize_part: Callable[[nn.Module], nn.Module],
+    parallelize_part: Callable[[nn.Module], nn.Module], device: torch.device | None = None,
 ) -> PipelineModel:
     """This rank's stages of ``model`` (split by the spec's PP flags), parallelized and scheduled."""
     dp = mesh["dp"].size()
@@ -456,5 +459,6 @@ def build_pipeline_model(
         model, mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
         num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
+        device=device,
     )
     return PipelineModel(pipe, pipeline_width(seq_length, spec.micro_batch_size, bool(spec.padding_free)))

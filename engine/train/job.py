@@ -1,7 +1,8 @@
 """The ``train`` job: ``run(spec, run) -> (outputs, summary)``, on one process or under torchrun with data parallel.
 
 Order of work: check every input (data files, checkpoint format and shape, batch arithmetic) before touching a
-device -> start the process group and the dp×pp×tp mesh -> build the model, load weights, LoRA, ``parallelize`` ->
+device -> start the process group and the dp×pp×tp mesh -> build this rank's part on the meta device (PP split, LoRA,
+TP, recompute, FSDP), materialise it and read only its own slices of ``load`` (``model_setup.build_rank_model``) ->
 optimizer, LR schedule, loss scaler -> resume from ``<save>/train_state`` if an earlier attempt left a checkpoint ->
 iterate -> final checkpoint in the seed's Megatron layout (+ HF on request).
 
@@ -27,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import dcp
+from engine.checkpoint.sources import SeededInit, WeightSource
 from engine.model.config import ModelConfig
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
-from engine.parallel.parallelize import compute_dtype, parallelize
-from engine.parallel.pipeline_parallel import build_pipeline_model, check_parallel_layout
+from engine.parallel.parallelize import compute_dtype
+from engine.parallel.pipeline_parallel import check_parallel_layout
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
@@ -39,8 +41,8 @@ from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
-from engine.train.model_setup import (LoadedWeights, check_against_checkpoint, check_model_kind, config_from_flags,
-                                      open_load)
+from engine.train.model_setup import (LoadedWeights, build_rank_model, check_against_checkpoint, check_model_kind,
+                                      config_from_flags, open_load, rank_view)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import make_runner
@@ -83,7 +85,7 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
     check_model_kind(spec)
     if spec.load is None:
         return config_from_flags(spec, _tokenizer_vocab(spec)), None
-    loaded = open_load(spec.load)
+    loaded = open_load(spec.load, rank_view(spec))
     check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
     if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
         raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "
@@ -155,26 +157,18 @@ class Trainer:
     # -- setup
 
     def _build_model(self) -> torch.nn.Module:
-        from engine.model.qwen3 import Qwen3Model
-
-        model = Qwen3Model(self.plan.cfg)
-        loaded, resuming = self.plan.loaded, self.plan.resume_from is not None
-        if loaded is not None and loaded.get is not None and not (resuming and not self.lora):
-            keys = list(model.state_dict())
-            model.load_state_dict({k: loaded.get(k).float() for k in keys}, strict=True)
+        """This rank's part, meta-built and parallelized, filled with its slices of ``load`` or of the seeded initial
+        weights; weights a DCP checkpoint restores next (``_restore``) are left unfilled."""
+        spec, plan = self.spec, self.plan
+        loaded, resuming = plan.loaded, plan.resume_from is not None
+        if resuming and not self.lora or loaded is not None and loaded.format == "native":
+            base: WeightSource | None = None  # every weight comes from the training checkpoint in _restore
+        elif loaded is not None:
+            base = loaded.source
         else:
-            model.init_weights(self.spec.seed)  # overwritten below when weights come from a DCP checkpoint
-        if self.plan.dims.pp == 1:
-            model.to(self.device.torch_device)
-        if self.lora:
-            from engine.model.lora import apply_lora
-
-            apply_lora(model, self.spec.lora_r, self.spec.lora_alpha, self.spec.lora_dropout,
-                       self.spec.lora_target_modules, seed=self.spec.seed)
-        if self.plan.dims.pp > 1:  # split on the host, then each stage part goes to the device and is parallelized
-            return build_pipeline_model(model, self.mesh, self.spec, self.plan.global_batch_size, self.plan.seq_length,
-                                        lambda part: parallelize(part.to(self.device.torch_device), self.mesh, self.spec))
-        return parallelize(model, self.mesh, self.spec)
+            base = SeededInit(plan.cfg, spec.seed)
+        return build_rank_model(plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length,
+                                self.device.torch_device, base)
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan

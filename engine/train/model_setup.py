@@ -5,6 +5,9 @@ or one of its ``iter_*``), an HF directory (config.json + safetensors) or a Mega
 ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``), by the rule conversion uses
 (``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly
 must agree with it (Megatron's ``check_checkpoint_args``), else the run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
+
+``build_rank_model`` builds what one rank trains: its part on the ``meta`` device (PP split -> TP -> activation
+checkpointing -> FSDP), ``to_empty`` on the device, then only its own slices filled (``engine.checkpoint.sharded``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import os
 from typing import Any, Callable, Literal
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
+from engine.checkpoint.sources import WeightSource
 from engine.model.config import ModelConfig
 from engine.runfiles import BadInput
 
@@ -49,15 +54,50 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
 
 @dataclasses.dataclass
 class LoadedWeights:
-    """What ``load`` holds: its format, model shape and (for HF/mcore) a ``get(native_key)`` for the weights."""
+    """What ``load`` holds: its format, model shape and (for HF/mcore) the reader every rank takes its slices from."""
 
     format: Format
     config: ModelConfig
-    get: Callable[[str], torch.Tensor] | None  # None for native: loaded collectively through DCP
+    source: WeightSource | None  # None for native: loaded collectively through DCP's sharded planner
     meta: dict[str, Any] | None = None  # native only: meta.json
 
 
-def open_load(path: str) -> LoadedWeights:
+def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
+    """The native keys PP rank ``pp_rank`` holds under the spec's pipeline layout, in model order (every key when
+    the layout is invalid: ``check_parallel_layout`` names that error later)."""
+    from engine.model.hf_mapping import LAYER_MAP
+    from engine.parallel.pipeline_parallel import stage_layers
+
+    pp = spec.pipeline_model_parallel_size
+    try:
+        layout = stage_layers(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
+    except ValueError:
+        layout, pp, pp_rank = [list(range(cfg.num_layers))], 1, 0
+    keys: list[str] = []
+    for stage in range(pp_rank, len(layout), pp):
+        if stage == 0:
+            keys.append("embedding.word_embeddings.weight")
+        keys += [f"decoder.layers.{i}.{suffix}" for i in layout[stage] for suffix in LAYER_MAP]
+        if stage == len(layout) - 1:
+            keys.append("decoder.final_layernorm.weight")
+            if not cfg.tie_word_embeddings or stage != 0:
+                keys.append("output_layer.weight")
+    return keys
+
+
+def rank_view(spec: Any) -> Any:
+    """This process's ``megatron.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
+    from engine.checkpoint.megatron import RankView
+
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    rank = int(os.environ.get("RANK", "0"))
+    pp_rank = (rank // tp) % pp
+    return RankView(tp, rank % tp, pp, pp_rank, lambda cfg: rank_keys(cfg, spec, pp_rank))
+
+
+def open_load(path: str, view: Any = None) -> LoadedWeights:
+    """Open ``load`` without reading tensor data (headers and pickles only); an mcore checkpoint opens only the
+    rank files ``view`` (``rank_view``) needs."""
     fmt = detect_format(path)
     if fmt == "native":
         meta = dcp.read_meta(path)
@@ -66,14 +106,14 @@ def open_load(path: str) -> LoadedWeights:
         from engine.checkpoint.hf import HFCheckpoint
 
         ckpt = HFCheckpoint(path)
-        return LoadedWeights("hf", ckpt.config, ckpt.get_native)
-    from engine.checkpoint.megatron import load_mcore
+        return LoadedWeights("hf", ckpt.config, ckpt)
+    from engine.checkpoint.megatron import MegatronCheckpoint
 
     try:
-        cfg, get = load_mcore(path)
+        mcore = MegatronCheckpoint(path, view=view)
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise BadInput(f"load: {path} is not a readable Megatron checkpoint ({err})", "load") from err
-    return LoadedWeights("mcore", cfg, get)
+    return LoadedWeights("mcore", mcore.config, mcore)
 
 
 def _megatron_ffn(spec: Any) -> int:
@@ -141,3 +181,35 @@ def check_model_kind(spec: Any) -> None:
     if "num_query_groups" in explicit and not spec.group_query_attention and spec.num_query_groups != spec.num_attention_heads:
         raise BadInput("num_query_groups: set group_query_attention too (Megatron ignores the groups without it)",
                        "num_query_groups")
+
+
+def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
+                     device: torch.device, base: WeightSource | None) -> torch.nn.Module:
+    """This rank's model: built on meta, split/sharded, materialised on ``device``, filled from ``base`` (None: left
+    empty for a DCP restore) and, for LoRA (``spec.lora_r``), adapters seeded as ``apply_lora(seed=spec.seed)``
+    would on the full model. Returns the module (a ``PipelineModel`` under PP)."""
+    from engine.checkpoint.sharded import fill_parts
+    from engine.checkpoint.sources import SeededLoraInit
+    from engine.model.qwen3 import Qwen3Model
+    from engine.parallel.parallelize import parallelize
+    from engine.parallel.pipeline_parallel import build_pipeline_model
+
+    with torch.device("meta"):
+        model: torch.nn.Module = Qwen3Model(cfg)
+    adapted: list[str] = []
+    if spec.lora_r is not None:
+        from engine.model.lora import apply_lora
+
+        adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
+    if mesh["pp"].size() > 1:
+        model = build_pipeline_model(model, mesh, spec, global_batch_size, seq_length,
+                                     lambda part: parallelize(part, mesh, spec), device=device)
+        parts = list(model.pipeline.parts)
+    else:
+        model = parallelize(model, mesh, spec)
+        parts = [model]
+    for part in parts:
+        part.to_empty(device=device)
+    lora = SeededLoraInit(cfg, adapted, spec.lora_r, spec.seed) if adapted else None
+    fill_parts(parts, base, lora)
+    return model

@@ -16,7 +16,6 @@ from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.mesh import ParallelDims
 from engine.parallel.pipeline_parallel import (
-    TIED_COPY_ATTR,
     build_stage_module,
     check_parallel_layout,
     dcp_state_view,
@@ -87,12 +86,12 @@ def test_stack_micro_batches_pads_to_one_width() -> None:
         stack_micro_batches([a], width=4)
 
 
-def test_tied_last_stage_gets_a_marked_copy_and_checkpoints_skip_it() -> None:
+def test_tied_last_stage_gets_a_copy_and_checkpoints_skip_it() -> None:
     model = Qwen3Model(preset("qwen3-tiny-tied").replace(vocab_size=64))
     model.init_weights(0)
     last = build_stage_module(model, [1], first=False, last=True)
     assert last.embedding is None and list(last.decoder.layers) == ["1"]
-    assert getattr(last.output_layer, TIED_COPY_ATTR)
+    assert last.output_layer is not None and last.cfg.tie_word_embeddings  # the structure marks the copy
     assert torch.equal(last.output_layer.weight, model.embedding.word_embeddings.weight)
     state = {"model": {"output_layer.weight": torch.ones(1), "decoder.layers.1.x": torch.zeros(1)},
              "optim": {"state": {"output_layer.weight": {"exp_avg": torch.ones(1)}},
@@ -148,7 +147,7 @@ def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp:
         for p in model.parameters():
             p.normal_()
     adapters = lora_state_dict(model)
-    spec = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layer_list=None,
+    spec = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layer_list=None, seq_length=16,
                                  num_layers_per_virtual_pipeline_stage=None, lora_r=4, lora_alpha=8.0,
                                  lora_target_modules=[], load=None)
     it_dir = _write_lora(adapters, cfg, tmp_path, 7, spec, torch.float32)

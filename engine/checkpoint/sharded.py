@@ -1,0 +1,74 @@
+"""Fill a meta-built, parallelized model (or pipeline parts) from weight sources, each rank reading its own slice.
+
+The model was built on the ``meta`` device, split into this rank's pipeline stages, sharded by TP and FSDP, then
+``to_empty``'d on the device: every parameter is this rank's local piece. For each one the native key (the name,
+``checkpoint_wrapper`` prefixes aside) and the TP rank pick the piece a source must read
+(``WeightSource.get_native_shard``: the rows of the rank's TP shard, straight from the file), and FSDP's dim-0
+chunk of that piece is what the rank keeps. So a rank reads its TP shard of its stage's tensors, one tensor at a
+time, and holds nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from engine.checkpoint.sources import WeightSource
+
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def native_name(name: str) -> str:
+    """A parameter's native key: activation-checkpoint wrappers and ``torch.compile`` prefixes removed."""
+    return name.replace(_WRAPPED, "").replace("_orig_mod.", "")
+
+
+def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
+    """The rows of the TP-local tensor this rank keeps under FSDP (``torch.chunk`` on dim 0 over the dp mesh)."""
+    if not isinstance(param, DTensor) or "dp" not in (param.device_mesh.mesh_dim_names or ()):
+        return 0, rows
+    dim = param.device_mesh.mesh_dim_names.index("dp")
+    placement = param.placements[dim]
+    if not (placement.is_shard() or isinstance(placement, _StridedShard)):  # FSDP over a TP dim-0 shard: strided
+        return 0, rows
+    size, rank = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
+    step = -(-rows // size)
+    start = min(rank * step, rows)
+    return start, min(start + step, rows)
+
+
+def _tp(param: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+        return 1, 0
+    dim = param.device_mesh.mesh_dim_names.index("tp")
+    return param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
+
+
+@torch.no_grad()
+def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
+    """Copy this rank's piece of native ``key`` from ``source`` into ``param`` (cast to its dtype)."""
+    tp, tp_rank = _tp(param)
+    piece = source.get_native_shard(key, tp, tp_rank)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    start, stop = _dp_rows(param, piece.shape[0] if piece.dim() else 1)
+    piece = piece[start:stop]
+    if tuple(piece.shape) != tuple(local.shape):
+        raise ValueError(f"{key}: the source gives a piece of shape {tuple(piece.shape)} for a local parameter of "
+                         f"shape {tuple(local.shape)} (TP rank {tp_rank} of {tp}, rows {start}:{stop}, "
+                         f"placements {getattr(param, 'placements', None)})")
+    local.copy_(piece)
+
+
+def fill_parts(parts: Iterable[nn.Module], base: WeightSource | None, lora: WeightSource | None = None) -> None:
+    """Fill every parameter of ``parts`` (in order): adapters from ``lora``, the rest from ``base``; a None source
+    leaves its parameters as they are (a checkpoint restore writes them next)."""
+    for part in parts:
+        for name, param in part.named_parameters():
+            key = native_name(name)
+            source = lora if (".lora_A." in key or ".lora_B." in key) else base
+            if source is not None:
+                fill_parameter(param, key, source)

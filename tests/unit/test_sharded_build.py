@@ -1,0 +1,102 @@
+"""Seeded initial weights served one TP piece at a time equal ``init_weights`` / ``apply_lora`` on the full model,
+and one process's meta-built, filled model equals the full build (init, HF, mcore; tied and untied; LoRA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint import sources
+from engine.checkpoint.hf import HFCheckpoint, save_hf
+from engine.checkpoint.layout import shard, split_rule
+from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.sources import SeededInit, SeededLoraInit
+from engine.model.config import ModelConfig
+from engine.model.lora import apply_lora
+from engine.model.qwen3 import Qwen3Model
+from engine.parallel.device import Device
+from engine.parallel.mesh import ParallelDims, build_mesh
+from engine.parallel.parallelize import parallelize
+from engine.spec import TrainSpec
+from engine.train.model_setup import build_rank_model, open_load
+
+
+def _cfg(tied: bool) -> ModelConfig:
+    # odd sizes on purpose: rows * cols not a multiple of 16, chunks that end mid-way
+    return ModelConfig(num_layers=3, hidden_size=24, ffn_hidden_size=40, num_attention_heads=4, num_query_groups=2,
+                       kv_channels=6, vocab_size=68, tie_word_embeddings=tied)
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 64, 48])
+@pytest.mark.parametrize("tied", [True, False])
+def test_seeded_pieces_equal_the_full_init(tied: bool, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sources, "_CHUNK_ELEMS", chunk)
+    cfg = _cfg(tied)
+    model = Qwen3Model(cfg)
+    model.init_weights(3)
+    modules = apply_lora(model, 4, 8.0, seed=5)
+    full = model.state_dict()
+    for tp in (1, 2):
+        base, lora = SeededInit(cfg, 3), SeededLoraInit(cfg, modules, 4, 5)
+        for rank in range(tp):
+            for key, value in full.items():
+                got = (lora if ".lora_" in key else base).get_native_shard(key, tp, rank)
+                assert torch.equal(got, shard(value, split_rule(key), tp, rank)), (key, tp, rank)
+    assert not torch.equal(SeededInit(cfg, 4).get_native(modules[0] + ".weight"),
+                           full[modules[0] + ".weight"])  # another seed, other numbers
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _spec(lora: bool) -> TrainSpec:
+    extra = {"lora_r": 4, "lora_alpha": 8.0} if lora else {}
+    return TrainSpec.model_validate({"kind": "train", "data_path": ["unused"], "train_iters": 1, "lr": 1e-3,
+                                     "seq_length": 16, "micro_batch_size": 1, "seed": 9, **extra})
+
+
+@pytest.mark.parametrize("src", ["init", "hf", "mcore"])
+@pytest.mark.parametrize("tied,lora", [(True, False), (False, True)])
+def test_one_process_build_equals_full_build(one_rank_group: None, tmp_path: Path, src: str, tied: bool,
+                                             lora: bool) -> None:
+    cfg, spec = _cfg(tied), _spec(lora)
+    mesh = build_mesh(Device("cpu"), ParallelDims())
+    old = Qwen3Model(cfg)
+    if src == "init":
+        old.init_weights(spec.seed)
+        base = SeededInit(cfg, spec.seed)
+    else:
+        written = Qwen3Model(cfg)
+        written.init_weights(1)
+        (save_hf if src == "hf" else save_mcore)(written.state_dict(), cfg, tmp_path / src)
+        base = open_load(str(tmp_path / src)).source
+        assert isinstance(base, sources.WeightSource)
+        old.load_state_dict({k: base.get_native(k).float() for k in old.state_dict()})
+    if lora:
+        apply_lora(old, 4, 8.0, seed=spec.seed)
+    old = parallelize(old, mesh, spec)
+    new = build_rank_model(cfg, mesh, spec, 1, 16, torch.device("cpu"), base)
+    new_params, old_params = dict(new.named_parameters()), dict(old.named_parameters())
+    assert new_params.keys() == old_params.keys()
+    for name, p in new_params.items():
+        assert p.device.type == "cpu" and torch.equal(p, old_params[name]), name
+        assert p.requires_grad == old_params[name].requires_grad, name
+
+
+def test_hf_pieces_come_from_the_one_key_map(tmp_path: Path) -> None:
+    """The HF reader's TP pieces (row runs derived from the key map) equal the full native tensor cut by TP."""
+    cfg = _cfg(False).replace(num_query_groups=2, vocab_size=68)
+    model = Qwen3Model(cfg)
+    model.init_weights(2)
+    save_hf(model.state_dict(), cfg, tmp_path)
+    ckpt = HFCheckpoint(tmp_path)
+    for key, value in model.state_dict().items():
+        for rank in range(2):
+            assert torch.equal(ckpt.get_native_shard(key, 2, rank), shard(value, split_rule(key), 2, rank)), key
