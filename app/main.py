@@ -24,6 +24,7 @@ from app.limits import BodyLimitMiddleware
 from app.security_headers import SecurityHeadersMiddleware
 from core import secrets_box
 from core.db import upgrade_head
+from core.dispatch import Dispatcher
 from core.reconciler import reconcile_once
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
@@ -59,20 +60,22 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     settings = settings or get_settings()
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.ensure_dirs()
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
         task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
         sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (core.webhooks)
+        dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
         yield
-        for background in (task, sender):
+        for background in (task, sender, dispatching):
             if background is not None:
                 background.cancel()
 
     app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
+    app.state.dispatcher = Dispatcher(settings)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(30.0, gt=0, description="The reconciler re-sends a queued job's message after this.")
     reconcile_interval_s: float = Field(5.0, gt=0)
+    dispatch_min_interval_s: float = Field(0.2, ge=0, description="The API's scheduling pass for new submissions "
+                                                                  "runs at most this often (submissions coalesce).")
     heartbeat_interval_s: float = Field(5.0, gt=0)
     host_stale_after_s: float = Field(30.0, gt=0, description="A host without a heartbeat for this long counts as down.")
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
