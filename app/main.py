@@ -25,6 +25,7 @@ from app.security_headers import SecurityHeadersMiddleware
 from core import secrets_box
 from core.db import upgrade_head
 from core.dispatch import Dispatcher
+from core.leadership import Leadership, run_when_leader
 from core.reconciler import reconcile_once
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
@@ -32,15 +33,6 @@ from engine.spec import JobSpec
 
 log = logging.getLogger(__name__)
 UI_DIR = Path(__file__).parent / "ui"
-
-
-async def reconcile_forever(settings: Settings) -> None:
-    while True:
-        try:
-            await anyio.to_thread.run_sync(reconcile_once, settings)
-        except Exception as err:  # noqa: BLE001 - keep reconciling after a database blip
-            log.warning("reconcile failed: %s", err)
-        await asyncio.sleep(settings.reconcile_interval_s)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -64,13 +56,16 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         settings.ensure_dirs()
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
-        task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
-        sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (core.webhooks)
+        leader = Leadership(settings.database_url)  # one replica runs the singleton loops (core.leadership)
+        task = asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s,
+                                                   lambda: reconcile_once(settings), "reconcile")) if reconcile else None
+        sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
         dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
         yield
         for background in (task, sender, dispatching):
             if background is not None:
                 background.cancel()
+        await anyio.to_thread.run_sync(leader.release)
 
     app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
