@@ -74,6 +74,13 @@ def test_submission_returns_before_scheduling_and_the_loop_dispatches(tmp_path: 
         job = client.post("/v1/jobs", json=body, headers=auth(make_token(settings, "t"))).json()
         assert job["state"] == "queued"
         deadline = time.monotonic() + 10  # woken by the submission, long before reconcile_interval_s
-        while _job(settings, job["id"]).dispatched_at is None and time.monotonic() < deadline:
+        while _sent(settings) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert _job(settings, job["id"]).dispatched_at is not None and _broker_messages(settings) == 1
+
+
+def _sent(settings: Settings) -> int:
+    try:
+        return _broker_messages(settings)
+    except sa.exc.OperationalError:  # kombu creates its tables with the first message
+        return 0
