@@ -14,18 +14,21 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import health, hosts, jobs, observe, webhooks
+from app.api import health, hosts, jobs, observe, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.request_metrics import RequestMetricsMiddleware
 from app.security_headers import SecurityHeadersMiddleware
 from core import secrets_box
 from core.db import upgrade_head
 from core.dispatch import Dispatcher
 from core.leadership import Leadership, run_when_leader
+from core.metrics_registry import ServiceMetrics
 from core.reconciler import reconcile_once
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
@@ -61,7 +64,11 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
                                                    lambda: reconcile_once(settings), "reconcile")) if reconcile else None
         sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
         dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
+        listener = start_http_server(settings.metrics_listen_port, settings.metrics_listen_host,
+                                     registry=app.state.metrics.registry) if settings.metrics_listen_port else None
         yield
+        if listener is not None:
+            listener[0].shutdown()
         for background in (task, sender, dispatching):
             if background is not None:
                 background.cancel()
@@ -71,11 +78,13 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
     app.state.dispatcher = Dispatcher(settings)
+    app.state.metrics = ServiceMetrics(settings.database_url)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer gets the headers
-    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
+    app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
+    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

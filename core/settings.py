@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
     metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
     metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
+    metrics_listen_port: int = Field(0, ge=0, le=65535, description="If set, /metrics is also served without a token "
+                                                                    "on this port of metrics_listen_host; 0 = only "
+                                                                    "GET /metrics with an admin token.")
+    metrics_listen_host: str = Field("127.0.0.1", description="Address of the metrics_listen_port listener.")
     webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
 
     @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", mode="before")
