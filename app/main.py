@@ -22,6 +22,7 @@ from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.request_ids import RequestIdMiddleware
 from app.request_metrics import RequestMetricsMiddleware
 from app.security_headers import SecurityHeadersMiddleware
 from core import secrets_box
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
+    app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
     for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router):
         app.include_router(router)

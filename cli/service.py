@@ -63,9 +63,11 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
     import uvicorn
 
     from app.main import create_app
+    from core import structured_logs
 
+    structured_logs.configure(settings.log_level, settings.log_format == "json")
     uvicorn.run(create_app(settings, migrate=False), host=host or settings.host, port=port or settings.port,
-                log_level="info", timeout_graceful_shutdown=3)
+                log_config=None, timeout_graceful_shutdown=3)  # uvicorn's loggers go through ours
 
 
 def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int | None, typer.Option()] = None) -> None:
@@ -92,6 +94,7 @@ def worker(
             os.environ[f"LLMJOBS_{key}"] = value
     settings = load_settings()
     prepare(settings)
+    from core import structured_logs
     from core.messaging import host_queue
     from core.scheduler import schedule
     from core.states import HostState
@@ -104,6 +107,7 @@ def worker(
         inventory = discover(device_type, configured)
     except (ValueError, RuntimeError) as err:
         raise typer.BadParameter(str(err), param_hint="--device-type/--devices") from err
+    structured_logs.configure(settings.log_level, settings.log_format == "json")
     name = settings.worker_name
     queues = [settings.queue_for(inventory.device_type), host_queue(name)]
     register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),

@@ -68,15 +68,15 @@ def dispatch_new(settings: Settings) -> int:
     except Exception as err:  # noqa: BLE001 - the messages below still wake the workers' schedulers
         log.warning("scheduling pass failed (will be retried): %s", err)
     with session_scope(settings.database_url) as session:
-        fresh = list(session.execute(select(Job.id, Job.queue).where(
+        fresh = list(session.execute(select(Job.id, Job.queue, Job.request_id).where(
             Job.state.in_([s.value for s in WAITING]), Job.kind != "pipeline", Job.dispatched_at.is_(None))
             .order_by(Job.created_at)).tuples())
     sent = 0
-    for job_id, queue in fresh:
+    for job_id, queue, request_id in fresh:
         if not _mark(settings, job_id, sent=True):
             continue  # another replica took it
         try:
-            send_schedule(settings, job_id, queue)
+            send_schedule(settings, job_id, queue, request_id)
             sent += 1
         except Exception as err:  # noqa: BLE001 - released: the next pass or the reconciler sends it
             log.warning("dispatch of %s failed (will be retried): %s", job_id, err)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
     metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
     metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
+    log_format: Literal["json", "text"] = Field("json", description="Service log lines: JSON objects (with "
+                                                                     "request_id and job_id) or plain text.")
+    log_level: str = Field("INFO", description="Root log level of the API and worker processes.")
     metrics_listen_port: int = Field(0, ge=0, le=65535, description="If set, /metrics is also served without a token "
                                                                     "on this port of metrics_listen_host; 0 = only "
                                                                     "GET /metrics with an admin token.")
