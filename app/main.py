@@ -31,6 +31,7 @@ from core.dispatch import Dispatcher
 from core.leadership import Leadership, run_when_leader
 from core.metrics_registry import ServiceMetrics
 from core.reconciler import reconcile_once
+from core.retention import collect
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
 from engine.spec import JobSpec
@@ -64,13 +65,15 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         task = asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s,
                                                    lambda: reconcile_once(settings), "reconcile")) if reconcile else None
         sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
+        gc = asyncio.create_task(run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings),
+                                                 "retention pass")) if reconcile else None  # core.retention
         dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
         listener = start_http_server(settings.metrics_listen_port, settings.metrics_listen_host,
                                      registry=app.state.metrics.registry) if settings.metrics_listen_port else None
         yield
         if listener is not None:
             listener[0].shutdown()
-        for background in (task, sender, dispatching):
+        for background in (task, sender, gc, dispatching):
             if background is not None:
                 background.cancel()
         await anyio.to_thread.run_sync(leader.release)

@@ -77,6 +77,18 @@ def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int 
     _uvicorn(settings, host, port)
 
 
+def gc() -> None:
+    """Apply the retention settings once (LLMJOBS_RETENTION_*: metric points, log lines, events and run directories
+    of finished jobs; LLMJOBS_METRIC_DOWNSAMPLE_ABOVE) and print what was removed as JSON."""
+    import json
+
+    from core.retention import collect
+
+    settings = load_settings()
+    prepare(settings)
+    typer.echo(json.dumps(collect(settings).as_dict()))
+
+
 def worker(
     host: Annotated[str | None, typer.Option("--host", help="this host's name (default: hostname)")] = None,
     device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",

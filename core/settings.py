@@ -73,6 +73,15 @@ class Settings(BaseSettings):
     metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
     metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
     metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
+    retention_metric_points_days: float = Field(0, ge=0, description="Days a finished job keeps its metric points; "
+                                                                      "0 = forever.")
+    retention_log_lines_days: float = Field(0, ge=0, description="Days a finished job keeps its log lines; 0 = forever.")
+    retention_events_days: float = Field(0, ge=0, description="Days a finished job keeps its events; 0 = forever.")
+    retention_run_dirs_days: float = Field(0, ge=0, description="Days a finished job's run directory is kept; "
+                                                                  "0 = forever.")
+    metric_downsample_above: int = Field(0, ge=0, description="A finished job's metric series (name, rank) with more "
+                                                              "points than this is thinned to about this many; 0 = never.")
+    retention_interval_s: float = Field(3600.0, gt=0, description="How often the leading API replica applies retention.")
     log_format: Literal["json", "text"] = Field("json", description="Service log lines: JSON objects (with "
                                                                      "request_id and job_id) or plain text.")
     log_level: str = Field("INFO", description="Root log level of the API and worker processes.")
