@@ -150,7 +150,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
     jobs = list(session.scalars(select(Job).where(waiting)
                                 .order_by(Job.priority.desc(), Job.created_at, Job.id)))
-    usage, hosts, blocked = team_usage(session), {}, {}  # type: ignore[var-annotated]
+    usage, hosts, blocked = team_usage(session), {}, {}
     ahead: dict[str, int] = {}  # waiting jobs queued before this one for a blocked device type (counted, never named)
     grants = []
     for job in jobs:
