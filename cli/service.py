@@ -107,7 +107,7 @@ def worker(
     settings = load_settings()
     prepare(settings)
     from core import structured_logs
-    from core.messaging import host_queue
+    from core.messaging import declare_queues, host_queue
     from core.scheduler import schedule
     from core.states import HostState
     from worker.devices import discover, host_address
@@ -122,6 +122,7 @@ def worker(
     structured_logs.configure(settings.log_level, settings.log_format == "json")
     name = settings.worker_name
     queues = [settings.queue_for(inventory.device_type), host_queue(name)]
+    declare_queues(settings, queues)  # before consuming: survives another worker creating them at the same moment
     register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
                   queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address))
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices

@@ -12,6 +12,8 @@ The worker registers the task bodies under these names (``worker.tasks``); every
 
 from __future__ import annotations
 
+import random
+import time
 from functools import lru_cache
 
 from celery import Celery
@@ -54,6 +56,24 @@ def get_celery(broker_url: str) -> Celery:
         broker_transport_options=transport_options(broker_url),
     )
     return app
+
+
+def declare_queues(settings: Settings, names: list[str], attempts: int = 20) -> None:
+    """Create ``names`` on the broker before a worker consumes them. Kombu's SQLAlchemy transport creates its tables
+    and queue rows with a check-then-insert that only an in-process lock guards, so two workers starting together
+    on the embedded broker race on ``kombu_queue.name`` UNIQUE (or on CREATE TABLE) and the loser dies at start;
+    here the loser retries with a fresh connection and finds the row the winner made."""
+    app = get_celery(settings.broker_url)
+    for name in names:
+        for attempt in range(attempts):
+            try:
+                with app.connection_for_write() as connection:
+                    connection.default_channel.queue_declare(queue=name)
+                break
+            except Exception:  # noqa: BLE001 - IntegrityError/OperationalError of the race: try again
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1) + random.random() * 0.05)
 
 
 def _headers(request_id: str | None) -> dict[str, str] | None:
