@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import ApiError, error_body, validation_errors
@@ -42,6 +43,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "error")
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database_away(request: Request, exc: DBAPIError) -> JSONResponse:
+        # The database is down, restarting or unreachable: a retryable 503, not a 500 (the pool reconnects by itself).
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(exc.orig).__name__)
+        return JSONResponse(error_body("database_unavailable", "the database is not answering; retry shortly"),
+                            status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

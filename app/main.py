@@ -14,32 +14,30 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import health, hosts, jobs, observe, webhooks
+from app.api import health, hosts, jobs, observe, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.request_ids import RequestIdMiddleware
+from app.request_metrics import RequestMetricsMiddleware
 from app.security_headers import SecurityHeadersMiddleware
 from core import secrets_box
 from core.db import upgrade_head
+from core.dispatch import Dispatcher
+from core.leadership import Leadership, run_when_leader
+from core.metrics_registry import ServiceMetrics
 from core.reconciler import reconcile_once
+from core.retention import collect
 from core.settings import Settings, get_settings
 from core.webhooks import send_forever
 from engine.spec import JobSpec
 
 log = logging.getLogger(__name__)
 UI_DIR = Path(__file__).parent / "ui"
-
-
-async def reconcile_forever(settings: Settings) -> None:
-    while True:
-        try:
-            await anyio.to_thread.run_sync(reconcile_once, settings)
-        except Exception as err:  # noqa: BLE001 - keep reconciling after a database blip
-            log.warning("reconcile failed: %s", err)
-        await asyncio.sleep(settings.reconcile_interval_s)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -59,25 +57,39 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     settings = settings or get_settings()
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.ensure_dirs()
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
-        task = asyncio.create_task(reconcile_forever(settings)) if reconcile else None
-        sender = asyncio.create_task(send_forever(settings)) if reconcile else None  # webhooks (core.webhooks)
+        leader = Leadership(settings.database_url)  # one replica runs the singleton loops (core.leadership)
+        task = asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s,
+                                                   lambda: reconcile_once(settings), "reconcile")) if reconcile else None
+        sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
+        gc = asyncio.create_task(run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings),
+                                                 "retention pass")) if reconcile else None  # core.retention
+        dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
+        listener = start_http_server(settings.metrics_listen_port, settings.metrics_listen_host,
+                                     registry=app.state.metrics.registry) if settings.metrics_listen_port else None
         yield
-        for background in (task, sender):
+        if listener is not None:
+            listener[0].shutdown()
+        for background in (task, sender, gc, dispatching):
             if background is not None:
                 background.cancel()
+        await anyio.to_thread.run_sync(leader.release)
 
     app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
     app.state.settings = settings
+    app.state.dispatcher = Dispatcher(settings)
+    app.state.metrics = ServiceMetrics(settings.database_url)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer gets the headers
-    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
+    app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
+    app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
+    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

@@ -15,6 +15,7 @@ cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Qwen3 fine-t
 cli.command()(service.serve)
 cli.command()(service.api)
 cli.command()(service.worker)
+cli.command()(service.gc)
 cli.command()(local.run)
 cli.command()(remote.submit)
 cli.command("list")(remote.list_)

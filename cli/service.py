@@ -63,9 +63,11 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
     import uvicorn
 
     from app.main import create_app
+    from core import structured_logs
 
+    structured_logs.configure(settings.log_level, settings.log_format == "json")
     uvicorn.run(create_app(settings, migrate=False), host=host or settings.host, port=port or settings.port,
-                log_level="info", timeout_graceful_shutdown=3)
+                log_config=None, timeout_graceful_shutdown=3)  # uvicorn's loggers go through ours
 
 
 def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int | None, typer.Option()] = None) -> None:
@@ -73,6 +75,18 @@ def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int 
     settings = load_settings()
     prepare(settings)
     _uvicorn(settings, host, port)
+
+
+def gc() -> None:
+    """Apply the retention settings once (LLMJOBS_RETENTION_*: metric points, log lines, events and run directories
+    of finished jobs; LLMJOBS_METRIC_DOWNSAMPLE_ABOVE) and print what was removed as JSON."""
+    import json
+
+    from core.retention import collect
+
+    settings = load_settings()
+    prepare(settings)
+    typer.echo(json.dumps(collect(settings).as_dict()))
 
 
 def worker(
@@ -92,7 +106,8 @@ def worker(
             os.environ[f"LLMJOBS_{key}"] = value
     settings = load_settings()
     prepare(settings)
-    from core.messaging import host_queue
+    from core import structured_logs
+    from core.messaging import declare_queues, host_queue
     from core.scheduler import schedule
     from core.states import HostState
     from worker.devices import device_memory_bytes, discover, host_address
@@ -104,8 +119,10 @@ def worker(
         inventory = discover(device_type, configured)
     except (ValueError, RuntimeError) as err:
         raise typer.BadParameter(str(err), param_hint="--device-type/--devices") from err
+    structured_logs.configure(settings.log_level, settings.log_format == "json")
     name = settings.worker_name
     queues = [settings.queue_for(inventory.device_type), host_queue(name)]
+    declare_queues(settings, queues)  # before consuming: survives another worker creating them at the same moment
     register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
                   queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address),
                   device_memory=device_memory_bytes(inventory.device_type))

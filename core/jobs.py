@@ -23,6 +23,7 @@ from core.models import Event, Job, new_id, utcnow
 from core.pages import fetch_page
 from core.settings import Settings
 from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
+from core.structured_logs import current_request_id
 from engine.spec import JobBase, spec_to_json
 
 
@@ -57,7 +58,8 @@ def create_job(
               idempotency_key=idempotency_key, body_hash=digest,
               queue=settings.queue_for(spec.resources.device_type), run_dir=str(settings.runs_path / job_id),
               max_restarts=settings.default_max_restarts if spec.max_restarts is None else spec.max_restarts,
-              state=JobState.queued.value, pending_reason="waiting for the message to reach a worker")
+              state=JobState.queued.value, pending_reason="waiting for the message to reach a worker",
+              request_id=current_request_id())
     session.add(job)
     try:
         session.flush()  # the row first: events reference it

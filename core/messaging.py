@@ -12,11 +12,14 @@ The worker registers the task bodies under these names (``worker.tasks``); every
 
 from __future__ import annotations
 
+import random
+import time
 from functools import lru_cache
 
 from celery import Celery
 
 from core.settings import Settings
+from core.structured_logs import HEADER
 
 SCHEDULE_TASK = "llmjobs.schedule"
 RUN_NODE_TASK = "llmjobs.run_node"
@@ -55,12 +58,35 @@ def get_celery(broker_url: str) -> Celery:
     return app
 
 
-def send_schedule(settings: Settings, job_id: str, queue: str) -> None:
+def declare_queues(settings: Settings, names: list[str], attempts: int = 20) -> None:
+    """Create ``names`` on the broker before a worker consumes them. Kombu's SQLAlchemy transport creates its tables
+    and queue rows with a check-then-insert that only an in-process lock guards, so two workers starting together
+    on the embedded broker race on ``kombu_queue.name`` UNIQUE (or on CREATE TABLE) and the loser dies at start;
+    here the loser retries with a fresh connection and finds the row the winner made."""
+    app = get_celery(settings.broker_url)
+    for name in names:
+        for attempt in range(attempts):
+            try:
+                with app.connection_for_write() as connection:
+                    connection.default_channel.queue_declare(queue=name)
+                break
+            except Exception:  # noqa: BLE001 - IntegrityError/OperationalError of the race: try again
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1) + random.random() * 0.05)
+
+
+def _headers(request_id: str | None) -> dict[str, str] | None:
+    return {HEADER: request_id} if request_id else None  # the submitting request's id (core.structured_logs)
+
+
+def send_schedule(settings: Settings, job_id: str, queue: str, request_id: str | None = None) -> None:
     """"Job X waits": wake a worker of ``queue`` to run a scheduling pass. Send only after the job row committed."""
-    get_celery(settings.broker_url).send_task(SCHEDULE_TASK, args=[job_id], queue=queue)
+    get_celery(settings.broker_url).send_task(SCHEDULE_TASK, args=[job_id], queue=queue, headers=_headers(request_id))
 
 
-def send_run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> None:
+def send_run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str,
+                  request_id: str | None = None) -> None:
     """Tell ``host`` to run one node of a granted attempt. Send only after the grant committed."""
     get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[job_id, attempt, node_rank],
-                                              queue=host_queue(host))
+                                              queue=host_queue(host), headers=_headers(request_id))

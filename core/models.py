@@ -97,6 +97,7 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
+    request_id: Mapped[str | None] = mapped_column(String(64))  # the submitting request's (core.structured_logs)
 
 
 class Attempt(Base):

@@ -48,6 +48,7 @@ class Grant:
     job_id: str
     attempt: int
     hosts: list[str] = field(default_factory=list)
+    request_id: str | None = None
 
 
 def lock(session: Session) -> None:
@@ -137,7 +138,7 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
     where = ", ".join(f"{h.name} {job.spec['resources']['device_type']} {d}" for h, d in placement)
     add_event(session, job.id, "state", f"starting attempt {attempt} on {where}", attempt=attempt,
               data={"state": "starting", "nodes": [{"host": h.name, "devices": d} for h, d in placement]})
-    return Grant(job.id, attempt, [h.name for h, _ in placement])
+    return Grant(job.id, attempt, [h.name for h, _ in placement], job.request_id)
 
 
 def behind_reason(count: int, kind: str) -> str:
@@ -182,7 +183,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
 
 def send_node_messages(settings: Settings, grant_: Grant) -> None:
     for rank, host in enumerate(grant_.hosts):
-        send_run_node(settings, grant_.job_id, grant_.attempt, rank, host)
+        send_run_node(settings, grant_.job_id, grant_.attempt, rank, host, grant_.request_id)
 
 
 def schedule(settings: Settings) -> list[Grant]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(30.0, gt=0, description="The reconciler re-sends a queued job's message after this.")
     reconcile_interval_s: float = Field(5.0, gt=0)
+    dispatch_min_interval_s: float = Field(0.2, ge=0, description="The API's scheduling pass for new submissions "
+                                                                  "runs at most this often (submissions coalesce).")
     heartbeat_interval_s: float = Field(5.0, gt=0)
     host_stale_after_s: float = Field(30.0, gt=0, description="A host without a heartbeat for this long counts as down.")
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
@@ -71,6 +73,22 @@ class Settings(BaseSettings):
     metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
     metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
     metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
+    retention_metric_points_days: float = Field(0, ge=0, description="Days a finished job keeps its metric points; "
+                                                                      "0 = forever.")
+    retention_log_lines_days: float = Field(0, ge=0, description="Days a finished job keeps its log lines; 0 = forever.")
+    retention_events_days: float = Field(0, ge=0, description="Days a finished job keeps its events; 0 = forever.")
+    retention_run_dirs_days: float = Field(0, ge=0, description="Days a finished job's run directory is kept; "
+                                                                  "0 = forever.")
+    metric_downsample_above: int = Field(0, ge=0, description="A finished job's metric series (name, rank) with more "
+                                                              "points than this is thinned to about this many; 0 = never.")
+    retention_interval_s: float = Field(3600.0, gt=0, description="How often the leading API replica applies retention.")
+    log_format: Literal["json", "text"] = Field("json", description="Service log lines: JSON objects (with "
+                                                                     "request_id and job_id) or plain text.")
+    log_level: str = Field("INFO", description="Root log level of the API and worker processes.")
+    metrics_listen_port: int = Field(0, ge=0, le=65535, description="If set, /metrics is also served without a token "
+                                                                    "on this port of metrics_listen_host; 0 = only "
+                                                                    "GET /metrics with an admin token.")
+    metrics_listen_host: str = Field("127.0.0.1", description="Address of the metrics_listen_port listener.")
     webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
 
     @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", mode="before")

@@ -15,7 +15,6 @@ computed by the reference library (``standardwebhooks``) that receivers verify w
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal, get_args
 
-import anyio
 import httpx
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -37,6 +35,7 @@ from standardwebhooks.webhooks import Webhook as StandardWebhook
 
 from core import net_guard, secrets_box
 from core.db import session_scope
+from core.leadership import Leadership, run_when_leader
 from core.models import Event, Job, Webhook, WebhookAttempt, WebhookDelivery, utcnow
 from core.pages import fetch_page
 from core.settings import Settings
@@ -330,12 +329,11 @@ def deliveries_page(session: Session, webhook_id: str, *, job_id: str | None,
     return list(zip(rows, attempts, strict=True)), has_more
 
 
-async def send_forever(settings: Settings) -> None:
-    """The API lifespan's task: a sender pass every ``webhook_poll_s``, run in a thread."""
+async def send_forever(settings: Settings, leader: Leadership | None = None) -> None:
+    """The API lifespan's task: a sender pass every ``webhook_poll_s``, run in a thread, in the leading replica."""
     sender = Sender(settings)
     try:
-        while True:
-            await anyio.to_thread.run_sync(sender.tick)
-            await asyncio.sleep(settings.webhook_poll_s)
+        await run_when_leader(leader or Leadership(settings.database_url), settings.webhook_poll_s, sender.tick,
+                              "webhook pass")
     finally:
         sender.close()

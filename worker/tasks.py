@@ -6,25 +6,41 @@ queued before an upgrade still run.
 
 from __future__ import annotations
 
+import logging
+
 from core.messaging import LEGACY_TASK_NAMES, RUN_NODE_TASK, SCHEDULE_TASK, get_celery
 from core.scheduler import schedule
 from core.settings import get_settings
+from core.structured_logs import HEADER, bound
 from worker.node import run_node as run_node_on_host
 
+log = logging.getLogger(__name__)
 celery_app = get_celery(get_settings().broker_url)
+
+
+def message_request_id() -> str | None:
+    """The submitting request's id from the message being handled (``core.messaging`` puts it in a header)."""
+    task = celery_app.current_task
+    if task is None:
+        return None
+    # A worker merges message headers into the request; an eager apply() keeps them under "headers".
+    return task.request.get(HEADER) or (task.request.get("headers") or {}).get(HEADER)
 
 
 def schedule_for(job_id: str) -> str:
     """"Job X waits": run a scheduling pass here, which leases devices for it (on any host) if they are free and
     sends each node's ``run_node`` message to its host's queue. A duplicate or stale message does nothing more."""
-    granted = schedule(get_settings())
-    return "scheduled" if any(g.job_id == job_id for g in granted) else "waiting"
+    with bound(request_id=message_request_id(), job_id=job_id):
+        granted = schedule(get_settings())
+        return "scheduled" if any(g.job_id == job_id for g in granted) else "waiting"
 
 
 def run_node(job_id: str, attempt: int, node_rank: int) -> str:
     """Run node ``node_rank`` of attempt ``attempt`` on this host; a redelivered message finds it claimed and returns."""
     settings = get_settings()
-    return run_node_on_host(settings, job_id, attempt, node_rank, host=settings.worker_name)
+    with bound(request_id=message_request_id(), job_id=job_id):
+        log.info("node %s of attempt %s: message received", node_rank, attempt)
+        return run_node_on_host(settings, job_id, attempt, node_rank, host=settings.worker_name)
 
 
 BODIES = {SCHEDULE_TASK: schedule_for, RUN_NODE_TASK: run_node}

@@ -14,7 +14,6 @@ from app.input_guard import check_metadata
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
 from core import jobs as service
 from core import pipelines
-from core.dispatch import dispatch
 from core.errors import ApiError
 from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
@@ -49,7 +48,9 @@ async def create_job(
     spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
     check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
-    if not created:
+    if created:
+        request.app.state.dispatcher.wake()  # scheduling runs in its own loop (core.dispatch), not in this request
+    else:
         response.headers["Idempotent-Replayed"] = "true"
     return job
 
@@ -61,9 +62,6 @@ def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw:
     check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
     check_memory_fits(session, spec)  # 422 when a rank would not fit any registered device (engine.plan)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
-    if created:
-        dispatch(settings, job.id, job.queue)  # after the commit: a worker never sees a job that isn't there
-        session.refresh(job)
     return JobPublic.from_row(job), created
 
 

@@ -5,6 +5,7 @@ their jobs, cancels of never-launched nodes, start deadlines, and no double gran
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -140,7 +141,12 @@ def test_never_fits_is_refused_and_hosts_show_holders(settings: Settings) -> Non
             r = client.post("/v1/jobs", json={**body, "resources": resources}, headers=auth(token))
             assert r.status_code == 422 and r.json()["field"] == field and text in r.json()["message"], r.json()
         ok = client.post("/v1/jobs", json={**body, "resources": {"nproc_per_node": 3}}, headers=auth(token)).json()
-        assert ok["state"] == "starting"  # scheduled at submission: h1 has 3 free
+        assert ok["state"] == "queued"  # the request only commits; the API's dispatcher loop schedules it
+        deadline = time.monotonic() + 10
+        while ok["state"] == "queued" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ok = client.get(f"/v1/jobs/{ok['id']}", headers=auth(token)).json()
+        assert ok["state"] == "starting"  # h1 has 3 free
         hosts = {h["name"]: h for h in client.get("/v1/hosts", headers=auth(token)).json()["data"]}
         assert hosts["h1"]["health"] == "up" and hosts["h1"]["free"] == 1
         assert [d["job_id"] for d in hosts["h1"]["devices"]] == [ok["id"]] * 3 + [None]

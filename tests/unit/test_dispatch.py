@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
+from fastapi.testclient import TestClient
 from sqlalchemy import update
 
+from app.main import create_app
 from core.db import session_scope
+from core.dispatch import dispatch_new
 from core.models import Job, utcnow
 from core.reconciler import reconcile_once
 from core.settings import Settings
-from core_support import isolated_settings, make_job
+from core_support import auth, isolated_settings, make_job, make_token
 
 
 def _broker_messages(settings: Settings) -> int:
@@ -51,3 +55,32 @@ def test_start_deadline_fails_a_waiting_job(tmp_path: Path) -> None:
     job = _job(settings, job_id)
     assert (job.state, job.error_code) == ("failed", "start_deadline_exceeded")
     assert "start_deadline_s=5" in (job.error_message or "")
+
+
+def test_dispatch_new_sends_each_new_job_once(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path)
+    first, second = make_job(settings), make_job(settings)
+    assert dispatch_new(settings) == 2  # no host: both wait, each gets its "job X waits" message
+    assert _broker_messages(settings) == 2
+    assert all(_job(settings, j).dispatched_at is not None for j in (first, second))
+    assert dispatch_new(settings) == 0  # already dispatched: a second pass (or replica) sends nothing
+
+
+def test_submission_returns_before_scheduling_and_the_loop_dispatches(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path, reconcile_interval_s=60)
+    (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+    with TestClient(create_app(settings, reconcile=False)) as client:
+        job = client.post("/v1/jobs", json=body, headers=auth(make_token(settings, "t"))).json()
+        assert job["state"] == "queued"
+        deadline = time.monotonic() + 10  # woken by the submission, long before reconcile_interval_s
+        while _sent(settings) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert _job(settings, job["id"]).dispatched_at is not None and _broker_messages(settings) == 1
+
+
+def _sent(settings: Settings) -> int:
+    try:
+        return _broker_messages(settings)
+    except sa.exc.OperationalError:  # kombu creates its tables with the first message
+        return 0

@@ -1,0 +1,30 @@
+"""Give every request an id (the caller's ``X-Request-ID`` if sane, else a new one), bind it to the request's log
+records (``core.structured_logs``) and echo it in the answer; a job submitted by the request keeps it."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from core.structured_logs import accept_request_id, bound
+
+HEADER = b"x-request-id"
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(HEADER)
+        request_id = accept_request_id(given.decode("latin-1") if given else None)
+
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (HEADER, request_id.encode())]
+            await send(message)
+
+        with bound(request_id=request_id):
+            await self.app(scope, receive, tagged)

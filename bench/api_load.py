@@ -1,0 +1,169 @@
+"""API latency under load: GET job and POST job against /healthz, measured in the same run on PostgreSQL.
+
+Starts ``llmjobs api`` (uvicorn, one process, its reconciler, webhook sender and dispatcher loops running) on a
+loopback port against a fresh schema in the local PostgreSQL (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
+test``; the schema is dropped afterwards), then runs ``--clients`` concurrent clients for ``--seconds`` (or until
+``--max-requests``), each cycling through ``GET /healthz``, ``GET /v1/jobs/{id}`` and ``POST /v1/jobs``. The first
+``--warmup`` seconds are not counted. The baseline is /healthz: the same server, event loop, thread pool and client
+doing no database work, so the ratios say what a job read or a submission adds under the same load.
+
+Prints a human line per route and, last, one JSON object
+``{"bench": "api_load", "get_p99_ratio": ..., "post_p99_ratio": ..., "errors": ...}``; targets: get ≤ 2, post ≤ 4.
+Usage: ``python bench/api_load.py [--clients 50] [--seconds 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cli.env import prepare  # noqa: E402
+from core.auth import create_token  # noqa: E402
+from core.db import session_scope  # noqa: E402
+from core.settings import Settings  # noqa: E402
+
+ROUTES = ("healthz", "get", "post")
+SPEC = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "out/x"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def schema_url(server_url: str, schema: str) -> str:
+    return f"{server_url}?options=-csearch_path%3D{schema}"
+
+
+def start_api(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "cli.main", "api", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the API did not start: {log.read_text()[-2000:]}")
+
+
+async def client_loop(client: httpx.AsyncClient, job_id: str, start: float, args: argparse.Namespace,
+                      shift: int, lat: dict[str, list[float]], errors: list[str], budget: list[int]) -> None:
+    i = shift
+    while time.monotonic() - start < args.warmup + args.seconds and budget[0] > 0:
+        route = ROUTES[i % len(ROUTES)]
+        i += 1
+        budget[0] -= 1
+        began = time.monotonic()
+        try:
+            if route == "healthz":
+                response = await client.get("/healthz")
+            elif route == "get":
+                response = await client.get(f"/v1/jobs/{job_id}")
+            else:
+                response = await client.post("/v1/jobs", json={**SPEC, "name": f"load-{i}"})
+            ok = response.status_code in (200, 201)
+        except httpx.HTTPError as err:
+            ok, response = False, None
+            errors.append(f"{route}: {type(err).__name__}")
+        took = time.monotonic() - began
+        if not ok and response is not None:
+            errors.append(f"{route}: {response.status_code} {response.text[:200]}")
+        if ok and began - start >= args.warmup:
+            lat[route].append(took * 1000)
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1] if len(values) > 1 else float("nan")
+
+
+async def load(base: str, token: str, job_id: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], list[str]]:
+    lat: dict[str, list[float]] = {r: [] for r in ROUTES}
+    errors: list[str] = []
+    budget = [args.max_requests]
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits,
+                                 timeout=30, trust_env=False) as client:
+        start = time.monotonic()
+        await asyncio.gather(*(client_loop(client, job_id, start, args, k, lat, errors, budget)
+                               for k in range(args.clients)))
+    return lat, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--max-requests", type=int, default=100_000)
+    parser.add_argument("--postgres", default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL",
+                                                             "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    args = parser.parse_args()
+    schema = f"bench_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    proc = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="llmjobs-load-") as tmp:
+            env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
+                   "LLMJOBS_VAR_DIR": tmp, "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            settings = Settings(var_dir=Path(tmp), database_url=env["LLMJOBS_DATABASE_URL"], broker_url="",
+                                redis_url=None, data_roots=[], runs_dir=None)
+            prepare(settings)
+            (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+            with session_scope(settings.database_url) as session:
+                token = create_token(session, team="load")
+            port = free_port()
+            proc = start_api(env, port, Path(tmp) / "api.log")
+            base = f"http://127.0.0.1:{port}"
+            first = httpx.post(f"{base}/v1/jobs", json=SPEC, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+            first.raise_for_status()
+            lat, errors = asyncio.run(load(base, token, first.json()["id"], args))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=20)
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+    figures: dict[str, Any] = {"bench": "api_load", "clients": args.clients, "seconds": args.seconds}
+    for route in ROUTES:
+        p50, p99 = pct(lat[route], 0.5), pct(lat[route], 0.99)
+        figures[f"{route}_p50_ms"], figures[f"{route}_p99_ms"] = round(p50, 1), round(p99, 1)
+        figures[f"{route}_per_s"] = round(len(lat[route]) / args.seconds, 1)
+        print(f"{route:8s} n={len(lat[route]):6d}  p50 {p50:8.1f} ms  p99 {p99:8.1f} ms  {len(lat[route]) / args.seconds:7.1f}/s")
+    base_p99 = figures["healthz_p99_ms"]
+    figures["get_p99_ratio"] = round(figures["get_p99_ms"] / base_p99, 2)
+    figures["post_p99_ratio"] = round(figures["post_p99_ms"] / base_p99, 2)
+    figures["requests_per_s"] = round(sum(len(v) for v in lat.values()) / args.seconds, 1)
+    figures["errors"] = len(errors)
+    figures["targets_met"] = figures["get_p99_ratio"] <= 2 and figures["post_p99_ratio"] <= 4 and not errors
+    for line in sorted(set(errors))[:5]:
+        print("error:", line)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Outages: the API on a private PostgreSQL that is stopped mid-run answers 503 with the error shape, /readyz says
+so, and both recover without a restart once the database is back; nothing committed before is lost. Two workers
+starting at the same moment on the embedded broker both come up."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app.main import create_app
+from core.db import session_scope
+from core.models import Host
+from core_support import auth, isolated_settings, make_token
+from outage_support import private_postgres
+from sched_support import start_worker, stop_worker
+
+pytestmark = pytest.mark.slow
+BODY = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+
+
+@pytest.mark.postgres
+def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path) -> None:
+    with private_postgres() as pg:
+        settings = isolated_settings(tmp_path, pg.url, reconcile_interval_s=1)
+        (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+        headers = auth(make_token(settings, "t"))
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            before = client.post("/v1/jobs", json=BODY, headers=headers)
+            assert before.status_code == 201
+            pg.stop()
+            for path in (f"/v1/jobs/{before.json()['id']}", "/v1/jobs"):
+                away = client.get(path, headers=headers)
+                assert away.status_code == 503, away.text
+                assert away.json()["code"] == "database_unavailable" and set(away.json()) >= {"code", "message", "field"}
+                assert away.headers["retry-after"]
+            assert client.post("/v1/jobs", json=BODY, headers=headers).status_code == 503
+            ready = client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
+            assert client.get("/healthz").status_code == 200  # the process itself is fine
+            pg.start()
+            deadline = time.monotonic() + 20
+            while client.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            again = client.get(f"/v1/jobs/{before.json()['id']}", headers=headers)
+            assert again.status_code == 200 and again.json()["id"] == before.json()["id"]
+            assert client.post("/v1/jobs", json=BODY, headers=headers).status_code == 201
+            listed = client.get("/v1/jobs", headers=headers).json()["data"]
+            assert len(listed) == 2  # the job from before the outage and the one after
+
+
+def _declare(broker_url: str, var: str, barrier: Any, names: list[str]) -> None:
+    from core.messaging import declare_queues
+    from core.settings import Settings
+
+    settings = Settings(var_dir=Path(var), broker_url=broker_url, database_url="", redis_url=None, data_roots=[],
+                        runs_dir=None)
+    barrier.wait()
+    declare_queues(settings, names)
+
+
+def test_processes_declaring_the_same_queues_at_once_all_succeed(tmp_path: Path) -> None:
+    broker = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(4)
+    procs = [context.Process(target=_declare, args=(broker, str(tmp_path), barrier, ["llmjobs.cpu", f"host.h{i}"]))
+             for i in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    engine = sa.create_engine(broker.removeprefix("sqla+"))
+    with engine.connect() as connection:
+        names = sorted(connection.execute(sa.text("SELECT name FROM kombu_queue")).scalars())
+    engine.dispose()
+    assert names == ["host.h0", "host.h1", "host.h2", "host.h3", "llmjobs.cpu"]
+
+
+def test_two_workers_starting_together_on_the_embedded_broker_both_come_up(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path, heartbeat_interval_s=1)
+    workers = [start_worker(settings, f"w{i}", 1, tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert all(w.poll() is None for w in workers), [(tmp_path / f"w{i}.log").read_text()[-2000:] for i in range(2)]
+            if all("ready" in (tmp_path / f"w{i}.log").read_text() for i in range(2)):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("workers not ready: " + (tmp_path / "w0.log").read_text()[-2000:])
+        with session_scope(settings.database_url) as session:
+            assert sorted(h.name for h in session.scalars(select(Host))) == ["w0", "w1"]
+    finally:
+        for worker in workers:
+            stop_worker(worker)

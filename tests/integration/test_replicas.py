@@ -1,0 +1,153 @@
+"""Two API replicas on one PostgreSQL, two workers: SIGKILL the replica that leads mid-run. The other takes the
+singleton loops over within seconds; every job finishes once (one attempt, one node), every webhook message id
+reaches the receiver once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from core.db import session_scope
+from core.models import Job, JobNode, WebhookDelivery
+from core.settings import Settings
+from core_support import auth, fresh_postgres_database, isolated_settings, make_token
+from sched_support import start_worker, stop_worker, worker_env
+from service_support import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+JOBS = 12
+LOOPS = {"LLMJOBS_RECONCILE_INTERVAL_S": "1", "LLMJOBS_WEBHOOK_POLL_S": "0.3", "LLMJOBS_WEBHOOK_SETTLE_S": "0.5",
+         "LLMJOBS_WEBHOOK_BACKOFF_S": "0.5", "LLMJOBS_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1"}
+
+
+@pytest.fixture
+def settings(tmp_path: Path, postgres_url: str) -> Iterator[Settings]:
+    with fresh_postgres_database(postgres_url) as url:
+        yield isolated_settings(tmp_path, url, heartbeat_interval_s=1.0, ingest_interval_s=0.3)
+
+
+@pytest.fixture
+def received() -> Iterator[tuple[str, Counter[str]]]:
+    ids: Counter[str] = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["content-length"]))
+            ids[self.headers["webhook-id"]] += 1
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", ids
+    server.shutdown()
+    server.server_close()
+
+
+def start_api(settings: Settings, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "api", "--port", str(port)],
+                                env={**worker_env(settings), **LOOPS}, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise AssertionError(log.read_text()[-3000:])
+
+
+def leader_pid(settings: Settings) -> int | None:
+    """The OS pid of the replica that leads (its session's application_name is llmjobs-leader:<host>:<pid>)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(settings.database_url)
+    with engine.connect() as connection:
+        names = list(connection.scalars(text("SELECT application_name FROM pg_stat_activity WHERE "
+                                             "application_name LIKE 'llmjobs-leader:%' AND datname = current_database()")))
+    engine.dispose()
+    return int(names[0].rsplit(":", 1)[1]) if names else None
+
+
+def wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"not {what} after {timeout}s")
+
+
+def terminal(settings: Settings) -> list[Job]:
+    with session_scope(settings.database_url) as session:
+        return list(session.scalars(select(Job).where(Job.state.in_(["succeeded", "failed", "cancelled"]))))
+
+
+def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Settings, tmp_path: Path,
+                                                                 received: tuple[str, Counter[str]],
+                                                                 qwen_tokenizer_dir: Path) -> None:
+    hook_url, ids = received
+    data = settings.data_roots[0]
+    shutil.copytree(qwen_tokenizer_dir, data / "tok")
+    (data / "in.jsonl").write_text("".join(f'{{"text": "line {i} of the replica test"}}\n' for i in range(20)))
+    headers = auth(make_token(settings, "t"))
+    replicas = [start_api(settings, tmp_path / f"api{i}.log") for i in range(2)]
+    workers = [start_worker(settings, f"h{i}", 2, tmp_path / f"h{i}.log") for i in range(2)]
+    try:
+        hook = httpx.post(f"{replicas[0][1]}/v1/webhooks", json={"url": hook_url}, headers=headers, timeout=30)
+        assert hook.status_code == 201, hook.text
+        for n in range(JOBS):  # alternate replicas: jobs committed by the one about to die must still run
+            body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok",
+                    "output_prefix": f"out/{n}/d", "name": f"job-{n}"}
+            r = httpx.post(f"{replicas[n % 2][1]}/v1/jobs", json=body, headers=headers, timeout=30)
+            assert r.status_code == 201, r.text
+        first = wait(lambda: leader_pid(settings), 30, "led by a replica")
+        victim = next(proc for proc, _ in replicas if proc.pid == first)
+        wait(lambda: len(terminal(settings)) >= 3, 240, "a few jobs done")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        killed_at = time.monotonic()
+        second = wait(lambda: (pid := leader_pid(settings)) not in (None, first) and pid, 20, "led by the survivor")
+        takeover_s = time.monotonic() - killed_at
+        wait(lambda: len(terminal(settings)) == JOBS, 300, "every job finished")
+        wait(lambda: sum(ids.values()) >= JOBS, 60, "every webhook sent")
+        time.sleep(3)  # a duplicate would arrive within a few sender ticks
+    finally:
+        for proc, _ in replicas:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        for worker in workers:
+            stop_worker(worker)
+    assert second and takeover_s < 10, takeover_s
+    jobs = terminal(settings)
+    assert [j.state for j in jobs] == ["succeeded"] * JOBS, [(j.name, j.state, j.error_message) for j in jobs]
+    assert all(j.attempt_count == 1 for j in jobs)  # none dispatched twice
+    with session_scope(settings.database_url) as session:
+        nodes = session.scalar(select(func.count()).select_from(JobNode))
+        delivered = set(session.scalars(select(WebhookDelivery.id).where(WebhookDelivery.state == "delivered")))
+        deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery))
+    assert nodes == JOBS
+    assert deliveries == JOBS and len(delivered) == JOBS  # one job.succeeded message per job
+    assert set(ids) == delivered and set(ids.values()) == {1}, ids  # each message id POSTed once
