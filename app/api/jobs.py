@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
+from core import admission, pipelines
 from core import jobs as service
-from core import pipelines
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.pubsub import notify
@@ -30,6 +30,7 @@ SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
 def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
+    admission.check_fields(raw)  # unknown kind or field: "did you mean", before the schema's bare error
     return parse_spec(raw, data_roots=data_roots)
 
 
@@ -55,6 +56,8 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+    admission.check_admissible(spec, settings)  # what the engine would refuse before its first step (reads files)
+    admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
