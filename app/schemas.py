@@ -53,12 +53,16 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     heartbeat_at: datetime | None
     steps: list[PipelineStepPublic] | None = Field(None, description="pipelines: their steps, in order (GET one job)")
+    trained_tokens: int | None = Field(None, description="train jobs: real (non-padding) tokens trained on so far, "
+                                                         "from the per-iteration tokens metric")
+    estimated_finish: datetime | None = Field(None, description="train jobs: when the last iteration should end, "
+                                                                "extrapolated from the iterations done since start")
 
     @classmethod
     def from_row(cls, job: Any) -> JobPublic:
         error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
         fields = {name: getattr(job, name) for name in cls.model_fields
-                  if name not in {"object", "metadata", "error", "steps"}}
+                  if name not in {"object", "metadata", "error", "steps", "trained_tokens", "estimated_finish"}}
         return cls(**fields, metadata=job.meta or {}, error=error)
 
 
@@ -102,7 +106,10 @@ class MetricsPage(BaseModel):
     object: Literal["list"] = "list"
     data: list[MetricPointPublic]
     has_more: bool
-    next_since_step: int | None = Field(description="pass as since_step for the next page")
+    next_since_step: int | None = Field(description="pass as since_step for the next page (older clients; a step "
+                                                    "larger than limit loses rows: use next_cursor)")
+    next_cursor: str | None = Field(None, description="pass as after for the next page: it starts right after the "
+                                                      "last point of this one, so no row is skipped whatever limit")
 
 
 class LogLinePublic(_FromRow):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -12,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobPublic, ListPage, PipelineStepPublic
-from core import admission, pipelines
+from core import admission, pipelines, records
 from core import jobs as service
 from core.dispatch import dispatch
 from core.errors import ApiError
@@ -83,7 +84,7 @@ def list_jobs(
     metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
     rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
                                        metadata=metadata, parent_id=parent_id, after=after, limit=limit)
-    return ListPage[JobPublic].of([JobPublic.from_row(j) for j in rows], has_more)
+    return ListPage[JobPublic].of(with_progress(session, [JobPublic.from_row(j) for j in rows]), has_more)
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
@@ -92,8 +93,29 @@ def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPub
     return _public(session, service.get_visible_job(session, job_id, principal))
 
 
+def with_progress(session: Session, jobs: list[JobPublic]) -> list[JobPublic]:
+    """``trained_tokens`` and ``estimated_finish`` of the train jobs among ``jobs`` (one query for all)."""
+    progress = records.train_progress(session, [j.id for j in jobs if j.kind == "train"])
+    for job in jobs:
+        if job.id not in progress:
+            continue
+        tokens, step, last = progress[job.id]
+        job.trained_tokens = tokens
+        iters = job.spec.get("train_iters")
+        if job.finished_at is not None:
+            job.estimated_finish = job.finished_at
+        elif job.started_at is not None and isinstance(iters, int) and step > 0:
+            start, last = _utc(job.started_at), _utc(last)
+            job.estimated_finish = start + (last - start) * (iters / step)
+    return jobs
+
+
+def _utc(when: datetime) -> datetime:
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
 def _public(session: Session, job: Any) -> JobPublic:
-    public = JobPublic.from_row(job)
+    public = with_progress(session, [JobPublic.from_row(job)])[0]
     if job.kind == "pipeline":
         steps = pipelines.step_views(session, job)
         public.steps = [PipelineStepPublic(**step) for step in steps]

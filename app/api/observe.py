@@ -24,10 +24,13 @@ def list_events(
     job_id: str, session: SessionDep, principal: PrincipalDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="last_id of the previous page")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    type: Annotated[str | None, Query(max_length=200, description="only these event types, comma-separated, e.g. "
+                                                                  "state,checkpoint")] = None,
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
-    rows, has_more = records.events_page(session, job_id, after=after, limit=limit)
+    types = [t.strip() for t in type.split(",") if t.strip()] if type else None
+    rows, has_more = records.events_page(session, job_id, after=after, limit=limit, types=types)
     return ListPage[EventPublic].of([EventPublic.model_validate(r) for r in rows], has_more)
 
 
@@ -37,13 +40,27 @@ def list_metrics(
     since_step: Annotated[int, Query(ge=-1, le=INT32_MAX, description="only steps after this one")] = -1,
     names: Annotated[str | None, Query(description="comma-separated metric names, e.g. lm_loss,grad_norm")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    after: Annotated[str | None, Query(max_length=50, description="next_cursor of the previous page")] = None,
 ) -> MetricsPage:
-    """Metric points by step (job-wide values have rank null, per-rank values carry their rank)."""
+    """Metric points by step (job-wide values have rank null, per-rank values carry their rank). Page with
+    ``after=<next_cursor>``: no point is skipped or repeated, whatever the limit."""
     get_visible_job(session, job_id, principal)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit)
+    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit,
+                                          after=_metric_cursor(after))
     data = [MetricPointPublic.model_validate(r) for r in rows]
-    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None)
+    cursor = f"{rows[-1].step}:{rows[-1].id}" if rows else after
+    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None,
+                       next_cursor=cursor)
+
+
+def _metric_cursor(after: str | None) -> tuple[int, int] | None:
+    if after is None:
+        return None
+    step, _, point_id = after.partition(":")
+    if not (step.isdigit() and point_id.isdigit()) or int(step) > INT32_MAX or int(point_id) > INT64_MAX:
+        raise ApiError(400, "invalid_cursor", f"after: {after!r} is not a next_cursor of this endpoint", "after")
+    return int(step), int(point_id)
 
 
 @router.get("/logs", response_model=LogsPage, responses=ERRORS)
