@@ -22,6 +22,9 @@ cli.command()(remote.status)
 cli.command()(remote.logs)
 cli.command()(remote.metrics)
 cli.command()(remote.cancel)
+cli.command()(remote.events)
+cli.command()(remote.artifacts)
+cli.command()(remote.wait)
 cli.add_typer(token_cli, name="token")
 
 
