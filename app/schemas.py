@@ -66,6 +66,14 @@ class JobPublic(BaseModel):
         return cls(**fields, metadata=job.meta or {}, error=error)
 
 
+class JobDeleted(BaseModel):
+    object: Literal["job.deleted"] = "job.deleted"
+    id: str
+    deleted: bool
+    removed: list[str] = Field(description="the run directories (and with outputs=true the output files and "
+                                           "directories) removed from disk")
+
+
 class ListPage(BaseModel, Generic[T]):
     """A cursor page, as OpenAI's lists: pass ``last_id`` as ``after`` for the next page."""
 

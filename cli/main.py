@@ -25,6 +25,7 @@ cli.command()(remote.cancel)
 cli.command()(remote.events)
 cli.command()(remote.artifacts)
 cli.command()(remote.wait)
+cli.command()(remote.delete)
 cli.add_typer(token_cli, name="token")
 
 

@@ -117,6 +117,13 @@ def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give u
 OUTCOMES = {"succeeded": 0, "failed": 1, "cancelled": 3}
 
 
+def delete(job_id: str, outputs: Annotated[bool, typer.Option(help="also remove the files its artifacts list")] = False,
+           ) -> None:
+    """Delete a finished job: records and run directory (with --outputs, its output files too)."""
+    answer = _client_call("DELETE", f"/v1/jobs/{job_id}", params={"outputs": str(outputs).lower()})
+    typer.echo(f"{job_id} deleted" + "".join(f"\n  removed {p}" for p in answer["removed"]))
+
+
 def _age(created: str) -> str:
     seconds = (datetime.now(timezone.utc) - _parse_time(created)).total_seconds()
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):

@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
-from app.schemas import JobPublic, ListPage, PipelineStepPublic
-from core import admission, pipelines, records
+from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
+from core import admission, job_delete, pipelines, records
 from core import jobs as service
 from core.dispatch import dispatch
 from core.errors import ApiError
@@ -131,3 +131,15 @@ def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settin
     job = pipelines.cancel(session, settings, job) if job.kind == "pipeline" else service.request_cancel(session, job)
     notify(settings.redis_url, job_id, state=1)
     return _public(session, job)
+
+
+@router.delete("/{job_id}", response_model=JobDeleted,
+               responses={**ERRORS, 409: {"description": "The job (or a step of the pipeline) has not ended"}})
+def delete_job(
+    job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    outputs: Annotated[bool, Query(description="also remove the files and directories its artifacts list (inside the "
+                                               "data roots); default: only its records and run directory")] = False,
+) -> JobDeleted:
+    """Delete a finished job: its records, events, metrics and logs, its run directory (a pipeline: its steps too)."""
+    job = service.get_visible_job(session, job_id, principal)
+    return JobDeleted(**job_delete.delete_job(session, settings, job, outputs=outputs))

@@ -19,7 +19,7 @@ from cli.client import Client
 from cli.main import cli
 from core.db import session_scope
 from core.jobs import transition
-from core.models import LogLine, MetricPoint
+from core.models import Artifact, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token
@@ -103,3 +103,29 @@ def test_a_401_names_llmjobs_token(settings: Settings, monkeypatch: pytest.Monke
         monkeypatch.setattr(remote, "Client", lambda: Client(http=http))
         code, out = run("list")
     assert code == 1 and "LLMJOBS_TOKEN" in out and "401" in out
+
+
+def test_delete_a_finished_job_not_a_running_one(api: TestClient, settings: Settings) -> None:
+    job_id = finished_job(settings)
+    run_dir = settings.runs_path / job_id
+    (run_dir / "logs").mkdir(parents=True)
+    output = settings.data_roots[0] / "out" / "model"
+    output.mkdir(parents=True)
+    (output / "w.bin").write_bytes(b"1")
+    outside = settings.var_dir / "keep.txt"
+    outside.write_text("x")
+    with session_scope(settings.database_url) as session:
+        session.execute(insert(Artifact), [{"job_id": job_id, "name": "checkpoint", "path": str(output),
+                                            "files": [str(output / "w.bin"), str(outside)], "size_bytes": 1}])
+        session.commit()
+    running = make_job(settings, team="alpha")
+    with session_scope(settings.database_url) as session:
+        assert _start(session, running)
+    refused = api.delete(f"/v1/jobs/{running}")
+    assert refused.status_code == 409 and refused.json()["code"] == "job_active"
+    code, out = run("delete", job_id, "--outputs")
+    assert code == 0 and f"removed {output}" in out, out
+    assert not run_dir.exists() and not output.exists() and outside.exists()  # never outside the roots
+    assert api.get(f"/v1/jobs/{job_id}").status_code == 404
+    assert api.get(f"/v1/jobs/{job_id}/events").status_code == 404
+    assert api.get(f"/v1/jobs/{running}").status_code == 200
