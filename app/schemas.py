@@ -141,6 +141,7 @@ class ArtifactPublic(_FromRow):
     size_bytes: int | None
     files: list[str]
     created_at: datetime
+    download_url: str | None = Field(None, description="GET it for the file, or a tar of the directory/file set")
 
 
 class Health(BaseModel):

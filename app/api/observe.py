@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse
@@ -13,6 +14,7 @@ from app.input_guard import INT32_MAX, INT64_MAX
 from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
 from app.stream import Cursor, job_stream
 from core import records
+from core.downloads import is_real
 from core.errors import ApiError
 from core.jobs import get_visible_job
 
@@ -83,10 +85,14 @@ def list_logs(
 
 @router.get("/artifacts", response_model=ListPage[ArtifactPublic], responses=ERRORS)
 def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[ArtifactPublic]:
-    """The outputs the job wrote (result.json ``outputs``), with their files and sizes."""
+    """The files and directories the job wrote (result.json ``outputs`` that are paths), with sizes and a download
+    URL each."""
     get_visible_job(session, job_id, principal)
-    rows = records.artifacts(session, job_id)
-    return ListPage[ArtifactPublic](data=[ArtifactPublic.model_validate(r) for r in rows], has_more=False)
+    rows = [r for r in records.artifacts(session, job_id) if is_real(r)]
+    data = [ArtifactPublic.model_validate(r) for r in rows]
+    for item in data:
+        item.download_url = f"/v1/jobs/{job_id}/artifacts/{quote(item.name, safe='')}/download"
+    return ListPage[ArtifactPublic](data=data, has_more=False)
 
 
 @router.get("/stream", responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
