@@ -36,6 +36,21 @@ class Client:
             raise _error(response)
         return response.json()
 
+    def download(self, path: str, dest: str, params: dict[str, Any] | None = None) -> int:
+        """Stream a download into the file ``dest``; returns the bytes written."""
+        written = 0
+        try:
+            with self.http.stream("GET", path, params=params, timeout=None) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error(response)
+                with open(dest, "wb") as out:
+                    for chunk in response.iter_bytes():
+                        written += out.write(chunk)
+        except httpx.HTTPError as err:
+            raise ClientError(f"cannot reach {self.url}: {err}") from err
+        return written
+
     def stream(self, job_id: str, last_event_id: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event name, data) of the job's SSE stream until it ends (parsed by httpx-sse)."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}

@@ -26,6 +26,7 @@ cli.command()(remote.events)
 cli.command()(remote.artifacts)
 cli.command()(remote.wait)
 cli.command()(remote.delete)
+cli.command()(remote.download)
 cli.add_typer(token_cli, name="token")
 
 

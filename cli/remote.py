@@ -100,6 +100,26 @@ def artifacts(job_id: str) -> None:
                                          for a in page["data"]])
 
 
+def download(
+    job_id: str, name: str,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="default: the file's name, or <name>.tar")] = None,
+    file: Annotated[str | None, typer.Option(help="one file of a directory artifact")] = None,
+) -> None:
+    """Download an artifact: a file as it is, a directory as a tar archive."""
+    artifact = next((a for a in _client_call("GET", f"/v1/jobs/{job_id}/artifacts")["data"] if a["name"] == name), None)
+    if artifact is None:
+        typer.echo(f"error: job {job_id} has no artifact {name!r} (see llmjobs artifacts {job_id})", err=True)
+        raise typer.Exit(1)
+    source = Path(file or artifact["path"])
+    dest = output or Path(source.name if file or Path(artifact["path"]).suffix else f"{source.name}.tar")
+    try:
+        size = Client().download(artifact["download_url"], str(dest), params={"file": file} if file else None)
+    except ClientError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from err
+    typer.echo(f"{dest} ({size:,} bytes)")
+
+
 def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None) -> None:
     """Wait for a job to end; the exit code is its outcome: 0 succeeded, 1 failed, 3 cancelled, 4 timed out."""
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -77,3 +77,26 @@ def test_downloads(settings: Settings, job: str) -> None:
             assert refused.status_code == 404 and "no" != refused.text, (url, refused.text)
         other = make_token(settings, "beta")
         assert api.get(listed["log"]["download_url"], headers=auth(other)).status_code == 404
+
+
+def test_cli_artifacts_and_download(settings: Settings, job: str, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from app.main import create_app
+    from cli import remote
+    from cli.client import Client
+    from cli.main import cli
+
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as http:
+        monkeypatch.setattr(remote, "Client", lambda: Client(http=http))
+        runner = CliRunner()
+        listed = runner.invoke(cli, ["artifacts", job]).output
+        assert listed.split()[:3] == ["NAME", "PATH", "BYTES"] and "checkpoint_iteration" not in listed
+        out = runner.invoke(cli, ["download", job, "model", "-o", str(tmp_path / "m.tar")])
+        assert out.exit_code == 0, out.output
+        with tarfile.open(tmp_path / "m.tar") as tar:
+            assert "hf/config.json" in tar.getnames()
+        out = runner.invoke(cli, ["download", job, "log", "-o", str(tmp_path / "c.json")])
+        assert out.exit_code == 0 and (tmp_path / "c.json").read_text() == '{"a": 1}'
+        assert runner.invoke(cli, ["download", job, "nope"]).exit_code == 1
