@@ -144,6 +144,21 @@ class ArtifactPublic(_FromRow):
     download_url: str | None = Field(None, description="GET it for the file, or a tar of the directory/file set")
 
 
+class CheckpointPublic(BaseModel):
+    object: Literal["checkpoint"] = "checkpoint"
+    iteration: int
+    format: Literal["training_state", "mcore"] = Field(description="training_state: <save>/train_state/iter_* (DCP, "
+                                                                   "resumable); mcore: the final Megatron export")
+    model_path: str
+    optimizer_path: str | None = Field(description="where the optimizer state is, if it was saved")
+    lora: bool = Field(description="adapters only: evaluate or convert it together with the base model")
+    needs_base_model: bool
+    evaluable: bool
+    convertible: bool
+    metrics: dict[str, float | None] = Field(description="lm_loss, val_lm_loss, grad_norm at this iteration")
+    reference: dict[str, Any] = Field(description="{job, iteration}: this checkpoint by reference")
+
+
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)

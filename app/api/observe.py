@@ -11,9 +11,18 @@ from sse_starlette import EventSourceResponse
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
 from app.input_guard import INT32_MAX, INT64_MAX
-from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
+from app.schemas import (
+    ArtifactPublic,
+    CheckpointPublic,
+    EventPublic,
+    ListPage,
+    LogLinePublic,
+    LogsPage,
+    MetricPointPublic,
+    MetricsPage,
+)
 from app.stream import Cursor, job_stream
-from core import records
+from core import checkpoints, records
 from core.downloads import is_real
 from core.errors import ApiError
 from core.jobs import get_visible_job
@@ -109,3 +118,12 @@ def stream_job(
     except ValueError as err:
         raise ApiError(400, "bad_request", f"Last-Event-ID: {err}", "Last-Event-ID") from err
     return EventSourceResponse(job_stream(settings, job_id, cursor), ping=15)
+
+
+@router.get("/checkpoints", response_model=ListPage[CheckpointPublic], responses=ERRORS)
+def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[CheckpointPublic]:
+    """A train job's checkpoints (periodic training states and the final export), oldest first, with the loss at
+    each iteration; an eval or convert job may name one by path or as ``reference``."""
+    job = get_visible_job(session, job_id, principal)
+    data = [CheckpointPublic(**c) for c in checkpoints.list_checkpoints(session, job)]
+    return ListPage[CheckpointPublic](data=data, has_more=False)
