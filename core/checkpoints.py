@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.auth import Principal, load_visible
+from core.errors import ApiError
 from core.models import Job, MetricPoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -77,3 +79,45 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
         item["needs_base_model"] = item["lora"]
         item["reference"] = {"job": job.id, "iteration": item["iteration"]}
     return items
+
+
+# spec field -> the kinds whose field may name a checkpoint by reference
+REFERENCE_FIELDS = {"load": ("eval",), "load_dir": ("convert",)}
+
+
+def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, Any]:
+    matches = [c for c in items if c["iteration"] == iteration]
+    if not matches:
+        have = ", ".join(str(c["iteration"]) for c in items) or "none"
+        raise ApiError(422, "validation_error", f"{field}.iteration: the job has no checkpoint at iteration "
+                                                f"{iteration!r} (it has: {have})", f"{field}.iteration")
+    return matches[-1]  # the final export over a training state of the same iteration
+
+
+def expand_references(session: Session, principal: Principal, raw: Any, where: str = "") -> Any:
+    """``{"job": ID, "iteration": N}`` in an eval's ``load`` or a convert's ``load_dir`` replaced by that checkpoint's
+    path (a LoRA checkpoint becomes ``lora_load`` over the training job's own ``load``); pipelines: every step."""
+    if not isinstance(raw, dict):
+        return raw
+    if raw.get("kind") == "pipeline" and isinstance(raw.get("steps"), list):
+        steps = [{**s, "spec": expand_references(session, principal, s["spec"], f"{where}steps.{i}.spec.")}
+                 if isinstance(s, dict) and "spec" in s else s for i, s in enumerate(raw["steps"])]
+        return {**raw, "steps": steps}
+    out = dict(raw)
+    for name, kinds in REFERENCE_FIELDS.items():
+        ref = raw.get(name)
+        if raw.get("kind") not in kinds or not isinstance(ref, dict):
+            continue
+        field = f"{where}{name}"
+        if set(ref) != {"job", "iteration"} or not isinstance(ref["job"], str):
+            raise ApiError(422, "validation_error", f"{field}: a path, or {{\"job\": ID, \"iteration\": N}}", field)
+        job = load_visible(session, Job, ref["job"], principal, "job")
+        chosen = _pick(list_checkpoints(session, job), ref["iteration"], field)
+        out[name] = chosen["model_path"]
+        if chosen["lora"]:
+            base = (job.spec or {}).get("load")
+            if not base:
+                raise ApiError(422, "validation_error", f"{field}: the checkpoint holds LoRA adapters and its job "
+                                                        "has no base model (load)", field)
+            out[name], out["lora_load"] = base, chosen["model_path"]
+    return out

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
-from core import admission, job_delete, pipelines, records
+from core import admission, checkpoints, job_delete, pipelines, records
 from core import jobs as service
 from core.dispatch import dispatch
 from core.errors import ApiError
@@ -48,6 +48,7 @@ async def create_job(
         raw = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
+    raw = await run_in_threadpool(checkpoints.expand_references, session, principal, raw)  # {"job", "iteration"}
     spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
     check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)

@@ -42,6 +42,23 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
         data = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
         other = api.get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(make_token(settings, "beta")))
+        (settings.data_roots[0] / "tok").mkdir()
+        (settings.data_roots[0] / "test.jsonl").write_text("{}\n")
+        evaluate = {"kind": "eval", "load": {"job": job_id, "iteration": 20}, "tokenizer_name_or_path": "tok",
+                    "eval_data_path": "test.jsonl"}
+        accepted = api.post("/v1/jobs", json=evaluate)
+        assert accepted.status_code == 201, accepted.text
+        assert accepted.json()["spec"]["load"] == str(save)  # the final export
+        convert = {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "save_dir": "out/hf",
+                   "load_dir": {"job": job_id, "iteration": 10}}
+        accepted = api.post("/v1/jobs", json=convert)
+        assert accepted.status_code == 201, accepted.text
+        assert accepted.json()["spec"]["load_dir"] == str(save / "train_state" / "iter_0000010")
+        missing = api.post("/v1/jobs", json={**evaluate, "load": {"job": job_id, "iteration": 99}})
+        assert missing.status_code == 422 and missing.json()["field"] == "load.iteration", missing.text
+        assert "10, 20" in missing.json()["message"]
+        hidden = api.post("/v1/jobs", json=evaluate, headers=auth(make_token(settings, "beta")))
+        assert hidden.status_code == 404  # another team's job reads as unknown
     assert [(c["iteration"], c["format"]) for c in data] == [(10, "training_state"), (20, "training_state"),
                                                              (20, "mcore")]
     assert data[0]["metrics"] == {"lm_loss": 2.5, "val_lm_loss": 2.7} and data[2]["metrics"] == {"lm_loss": 1.5}
