@@ -15,6 +15,18 @@ class _FromRow(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class ErrorItem(BaseModel):
+    code: str = Field(description="machine-readable reason, e.g. validation_error, missing, extra_forbidden")
+    message: str = Field(description="what is wrong, starting with the field's name when there is one")
+    field: str | None = Field(description="the offending field (dotted path), header or query parameter")
+
+
+class ErrorBody(ErrorItem):
+    """Every error answer of the API (4xx and 5xx)."""
+
+    errors: list[ErrorItem] | None = Field(None, description="422: every problem found (the first is repeated above)")
+
+
 class JobError(BaseModel):
     code: str
     message: str | None = None
