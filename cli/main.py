@@ -27,6 +27,7 @@ cli.command()(remote.artifacts)
 cli.command()(remote.wait)
 cli.command()(remote.delete)
 cli.command()(remote.download)
+cli.command()(remote.checkpoints)
 cli.add_typer(token_cli, name="token")
 
 

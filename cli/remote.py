@@ -120,6 +120,18 @@ def download(
     typer.echo(f"{dest} ({size:,} bytes)")
 
 
+def checkpoints(job_id: str) -> None:
+    """A train job's checkpoints: iteration, format, loss at that iteration, path."""
+    page = _client_call("GET", f"/v1/jobs/{job_id}/checkpoints")
+    _table(["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"],
+           [[c["iteration"], c["format"], _number(c["metrics"].get("lm_loss")), _number(c["metrics"].get("val_lm_loss")),
+             "yes" if c["lora"] else "no", c["model_path"]] for c in page["data"]])
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None) -> None:
     """Wait for a job to end; the exit code is its outcome: 0 succeeded, 1 failed, 3 cancelled, 4 timed out."""
     deadline = None if timeout is None else time.monotonic() + timeout

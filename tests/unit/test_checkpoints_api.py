@@ -59,6 +59,20 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
         assert "10, 20" in missing.json()["message"]
         hidden = api.post("/v1/jobs", json=evaluate, headers=auth(make_token(settings, "beta")))
         assert hidden.status_code == 404  # another team's job reads as unknown
+        from typer.testing import CliRunner
+
+        from cli import remote
+        from cli.client import Client
+        from cli.main import cli
+
+        remote_client = remote.Client
+        remote.Client = lambda: Client(http=api)  # type: ignore[assignment,misc]
+        try:
+            table = CliRunner().invoke(cli, ["checkpoints", job_id]).output.splitlines()
+        finally:
+            remote.Client = remote_client  # type: ignore[misc]
+        assert table[0].split() == ["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"]
+        assert table[1].split()[:4] == ["10", "training_state", "2.5000", "2.7000"]
     assert [(c["iteration"], c["format"]) for c in data] == [(10, "training_state"), (20, "training_state"),
                                                              (20, "mcore")]
     assert data[0]["metrics"] == {"lm_loss": 2.5, "val_lm_loss": 2.7} and data[2]["metrics"] == {"lm_loss": 1.5}
