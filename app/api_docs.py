@@ -12,6 +12,8 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from app.schemas import ErrorBody
+
 ASSETS = Path(fastapi_offline.__file__).parent / "static"
 
 _SWAGGER = """<!doctype html>
@@ -51,11 +53,35 @@ def document_refusals(schema: dict[str, Any]) -> dict[str, Any]:
         spec = components.get(ref.rsplit("/", 1)[-1], {})
         if "kind" in spec.get("properties", {}) and "kind" not in spec.setdefault("required", []):
             spec["required"].insert(0, "kind")
-    for operations in schema.get("paths", {}).values():
+    components["ErrorBody"] = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(components["ErrorBody"].pop("$defs", {}))
+    for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's {detail: [...]}: never what we answer
+        components.pop(name, None)
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             if isinstance(operation, dict) and "responses" in operation:
-                operation["responses"].setdefault("400", {"description": BAD_REQUEST})
+                responses = operation["responses"]
+                responses.setdefault("400", {"description": BAD_REQUEST})
+                if path.startswith("/v1/"):
+                    responses.setdefault("401", {"description": "No token, or a revoked or unknown one"})
+                for code, response in responses.items():
+                    if code[0] in "45":
+                        response["content"] = error
+                        if code == "422":
+                            response["description"] = "Validation error; field names the offending field"
+    _document_metadata_filter(schema)
     return schema
+
+
+def _document_metadata_filter(schema: dict[str, Any]) -> None:
+    """``metadata[key]=value`` filters of GET /v1/jobs (read from the raw query string, so FastAPI cannot see them)."""
+    operation = schema.get("paths", {}).get("/v1/jobs", {}).get("get")
+    if operation is not None:
+        operation.setdefault("parameters", []).append({
+            "name": "metadata", "in": "query", "required": False, "style": "deepObject", "explode": True,
+            "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+            "description": "metadata[key]=value: only jobs whose metadata has key equal to value (several: all)"})
 
 
 BAD_REQUEST = ("Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "

@@ -29,7 +29,10 @@ def validation_response(errors: Iterable[Mapping[str, Any]], status: int = 422) 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, exc.field), status_code=exc.status)
+        body = error_body(exc.code, exc.message, exc.field)
+        if exc.status == 422:  # every 422 has the same shape, with the one error as its list
+            body["errors"] = [error_body(exc.code, exc.message, exc.field)]
+        return JSONResponse(body, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

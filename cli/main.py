@@ -23,6 +23,12 @@ cli.command()(remote.status)
 cli.command()(remote.logs)
 cli.command()(remote.metrics)
 cli.command()(remote.cancel)
+cli.command()(remote.events)
+cli.command()(remote.artifacts)
+cli.command()(remote.wait)
+cli.command()(remote.delete)
+cli.command()(remote.download)
+cli.command()(remote.checkpoints)
 cli.add_typer(token_cli, name="token")
 
 

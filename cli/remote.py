@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,32 +41,163 @@ def submit(
 
 
 def list_(
-    state: Annotated[str | None, typer.Option()] = None, kind: Annotated[str | None, typer.Option()] = None,
+    state: Annotated[str | None, typer.Option(help="one state or several, comma-separated")] = None,
+    kind: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option()] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="the API's page as JSON")] = False,
 ) -> None:
-    """Your team's jobs, newest first."""
+    """Your team's jobs, newest first, as a table."""
     params = {k: v for k, v in {"state": state, "kind": kind, "limit": limit}.items() if v is not None}
     page = _client_call("GET", "/v1/jobs", params=params)
-    for job in page["data"]:
-        typer.echo(f"{job['id']}  {job['kind']:<10} {job['state']:<10} {job['created_at']}  {job['name'] or ''}")
+    if as_json:
+        _echo_json(page)
+        return
+    rows = [[j["id"], j["name"] or "-", j["state"], j["kind"], _age(j["created_at"]), _progress(j)] for j in page["data"]]
+    _table(["ID", "NAME", "STATE", "KIND", "AGE", "PROGRESS"], rows)
 
 
-def status(job_id: str) -> None:
-    """One job as JSON."""
-    _echo_json(_client_call("GET", f"/v1/jobs/{job_id}"))
+def status(job_id: str, as_json: Annotated[bool, typer.Option("--json", help="the job as JSON")] = False) -> None:
+    """One job: state, times, progress, error or result."""
+    job = _client_call("GET", f"/v1/jobs/{job_id}")
+    if as_json:
+        _echo_json(job)
+        return
+    lines = [("job", f"{job['id']}  {job['name'] or ''}".rstrip()), ("kind", job["kind"]), ("state", job["state"]),
+             ("created", f"{job['created_at']} ({_age(job['created_at'])} ago)"), ("started", job["started_at"]),
+             ("finished", job["finished_at"]), ("waiting", job["pending_reason"]), ("progress", _progress(job)),
+             ("estimated finish", job.get("estimated_finish")), ("attempts", job["attempt_count"])]
+    for step in job.get("steps") or []:
+        lines.append((f"step {step.get('name')}", f"{step.get('state')} {step.get('job_id') or ''}".rstrip()))
+    if job["error"]:
+        lines.append(("error", f"{job['error']['code']}: {job['error']['message']}"))
+    if job["result"]:
+        lines.append(("outputs", json.dumps(job["result"].get("outputs", {}), ensure_ascii=False)))
+        lines.append(("summary", json.dumps(job["result"].get("summary", {}), ensure_ascii=False)))
+    for key, value in lines:
+        if value not in (None, "", "-"):
+            typer.echo(f"{key + ':':<18}{value}")
+
+
+def events(
+    job_id: str, type: Annotated[str | None, typer.Option("--type", help="only these types, comma-separated")] = None,
+) -> None:
+    """A job's events, oldest first: time, type, message."""
+    after = 0
+    while True:
+        page = _client_call("GET", f"/v1/jobs/{job_id}/events",
+                            params={"after": after, "limit": 1000, **({"type": type} if type else {})})
+        for e in page["data"]:
+            typer.echo(f"{e['time']}  {e['type']:<11} {e['message']}")
+        if not page["has_more"]:
+            return
+        after = page["last_id"]
+
+
+def artifacts(job_id: str) -> None:
+    """What a job wrote: name, path, size."""
+    page = _client_call("GET", f"/v1/jobs/{job_id}/artifacts")
+    _table(["NAME", "PATH", "BYTES"], [[a["name"], a["path"], a["size_bytes"]]
+                                         for a in page["data"]])
+
+
+def download(
+    job_id: str, name: str,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="default: the file's name, or <name>.tar")] = None,
+    file: Annotated[str | None, typer.Option(help="one file of a directory artifact")] = None,
+) -> None:
+    """Download an artifact: a file as it is, a directory as a tar archive."""
+    artifact = next((a for a in _client_call("GET", f"/v1/jobs/{job_id}/artifacts")["data"] if a["name"] == name), None)
+    if artifact is None:
+        typer.echo(f"error: job {job_id} has no artifact {name!r} (see llmjobs artifacts {job_id})", err=True)
+        raise typer.Exit(1)
+    source = Path(file or artifact["path"])
+    dest = output or Path(source.name if file or Path(artifact["path"]).suffix else f"{source.name}.tar")
+    try:
+        size = Client().download(artifact["download_url"], str(dest), params={"file": file} if file else None)
+    except ClientError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from err
+    typer.echo(f"{dest} ({size:,} bytes)")
+
+
+def checkpoints(job_id: str) -> None:
+    """A train job's checkpoints: iteration, format, loss at that iteration, path."""
+    page = _client_call("GET", f"/v1/jobs/{job_id}/checkpoints")
+    _table(["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"],
+           [[c["iteration"], c["format"], _number(c["metrics"].get("lm_loss")), _number(c["metrics"].get("val_lm_loss")),
+             "yes" if c["lora"] else "no", c["model_path"]] for c in page["data"]])
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None) -> None:
+    """Wait for a job to end; the exit code is its outcome: 0 succeeded, 1 failed, 3 cancelled, 4 timed out."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        job = _client_call("GET", f"/v1/jobs/{job_id}")
+        if job["state"] in OUTCOMES:
+            typer.echo(f"{job_id} {job['state']}", err=True)
+            raise typer.Exit(OUTCOMES[job["state"]])
+        if deadline is not None and time.monotonic() > deadline:
+            typer.echo(f"{job_id} still {job['state']} after {timeout}s", err=True)
+            raise typer.Exit(4)
+        time.sleep(1.0)
+
+
+OUTCOMES = {"succeeded": 0, "failed": 1, "cancelled": 3}
+
+
+def delete(job_id: str, outputs: Annotated[bool, typer.Option(help="also remove the files its artifacts list")] = False,
+           ) -> None:
+    """Delete a finished job: records and run directory (with --outputs, its output files too)."""
+    answer = _client_call("DELETE", f"/v1/jobs/{job_id}", params={"outputs": str(outputs).lower()})
+    typer.echo(f"{job_id} deleted" + "".join(f"\n  removed {p}" for p in answer["removed"]))
+
+
+def _age(created: str) -> str:
+    seconds = (datetime.now(timezone.utc) - _parse_time(created)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(int(seconds), 0)}s"
+
+
+def _parse_time(value: str) -> datetime:
+    when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def _progress(job: dict[str, Any]) -> str:
+    if job.get("steps"):
+        done = sum(1 for s in job["steps"] if s.get("state") == "succeeded")
+        return f"{done}/{len(job['steps'])} steps"
+    if job.get("trained_tokens") is not None:
+        return f"{job['trained_tokens']:,} tokens"
+    return "-"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header, *[["-" if c is None else str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def logs(
     job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
-    rank: Annotated[int | None, typer.Option(help="a rank's own log instead of the launcher's")] = None,
+    rank: Annotated[int | None, typer.Option(help="this rank's log (default 0)")] = None,
+    all_ranks: Annotated[bool, typer.Option("--all", help="the launcher's stream: every rank's output")] = False,
 ) -> None:
-    """A job's log lines (with -f: until the job ends)."""
+    """A job's log lines, rank 0's by default (with -f: until the job ends)."""
+    stream = "launcher" if all_ranks else f"rank{rank or 0}"
     if follow:
-        _follow(job_id, only_logs=True)
+        _follow(job_id, only_logs=True, stream=stream)
         return
     offset = 0
     while True:
-        params: dict[str, Any] = {"offset": offset, "limit": 5000, **({"rank": rank} if rank is not None else {})}
+        params: dict[str, Any] = {"offset": offset, "limit": 5000, "stream": stream}
         page = _client_call("GET", f"/v1/jobs/{job_id}/logs", params=params)
         for line in page["data"]:
             typer.echo(line["text"])
@@ -74,16 +207,16 @@ def logs(
 
 
 def metrics(job_id: str, names: Annotated[str | None, typer.Option(help="comma-separated")] = None) -> None:
-    """A job's metric points, one line per point."""
-    since = -1
+    """A job's metric points, one line per point (paged by next_cursor: no point lost)."""
+    cursor: dict[str, str] = {}
     while True:
         page = _client_call("GET", f"/v1/jobs/{job_id}/metrics",
-                            params={"since_step": since, "limit": 10000, **({"names": names} if names else {})})
+                            params={"limit": 10000, **cursor, **({"names": names} if names else {})})
         for p in page["data"]:
             typer.echo(f"{p['step']}\t{p['name']}\t{p['value']}" + (f"\trank{p['rank']}" if p["rank"] is not None else ""))
         if not page["has_more"]:
             return
-        since = page["next_since_step"]
+        cursor = {"after": page["next_cursor"]}
 
 
 def cancel(job_id: str) -> None:
@@ -92,11 +225,14 @@ def cancel(job_id: str) -> None:
     typer.echo(f"{job['id']} {job['state']}")
 
 
-def _follow(job_id: str, only_logs: bool = False) -> None:
+def _follow(job_id: str, only_logs: bool = False, stream: str = "rank0") -> None:
+    """Print the job's SSE stream until it ends: log lines of one ``stream`` only (the launcher's repeats every
+    rank's, so showing both printed each line twice)."""
     try:
         for event, data in Client().stream(job_id):
             if event == "log":
-                typer.echo(data["text"])
+                if data.get("stream") == stream:
+                    typer.echo(data["text"])
             elif only_logs:
                 continue
             elif event in ("state", "event"):

@@ -21,6 +21,14 @@ def error_body(code: str, message: str, field: str | None = None, **extra: Any) 
     return {"code": code, "message": message, "field": field, **extra}
 
 
+def _bare(message: str) -> str:
+    """pydantic's "Value error, " / "Assertion failed, " prefixes say nothing to a user."""
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
 def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     if parts and parts[0] in SPEC_CLASSES:  # the discriminated union adds the kind as the first element
@@ -39,6 +47,8 @@ def validation_errors(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
             field = f"{field}.{named}" if field and not named.startswith(field) else named
             message = f"{named}: {match.group(2)}"
         elif field:
-            message = f"{field}: {message}"
+            message = f"{field}: {_bare(message)}"
+        else:
+            message = _bare(message)
         out.append(error_body(err.get("type", "invalid"), message, field))
     return out

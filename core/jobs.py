@@ -142,7 +142,12 @@ def list_jobs(
     if not principal.admin:
         query = query.where(Job.team == principal.team)
     if state:
-        query = query.where(Job.state.in_(state.split(",")))
+        states = [s.strip() for s in state.split(",")]
+        unknown = [s for s in states if s not in {v.value for v in JobState}]
+        if unknown:  # like an unknown kind: a typo must not read as "no such jobs"
+            raise ApiError(422, "validation_error", f"state: unknown state {unknown[0]!r}; use one or several "
+                           f"(comma-separated) of {', '.join(v.value for v in JobState)}", "state")
+        query = query.where(Job.state.in_(states))
     if kind:
         query = query.where(Job.kind == kind)
     if name:

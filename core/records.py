@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import datetime
+
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from core.models import Artifact, Event, Job, LogLine, MetricPoint
 from core.pages import fetch_page
 
 
-def events_page(session: Session, job_id: str, *, after: int, limit: int) -> tuple[list[Event], bool]:
-    """Events after id ``after``, oldest first."""
-    query = select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id)
-    return fetch_page(session, query, limit)
+def events_page(session: Session, job_id: str, *, after: int, limit: int,
+                types: list[str] | None = None) -> tuple[list[Event], bool]:
+    """Events after id ``after``, oldest first; only those of ``types`` when given."""
+    query = select(Event).where(Event.job_id == job_id, Event.id > after)
+    if types:
+        query = query.where(Event.type.in_(types))
+    return fetch_page(session, query.order_by(Event.id), limit)
 
 
-def metrics_page(session: Session, job_id: str, *, since_step: int, names: list[str] | None,
-                 limit: int) -> tuple[list[MetricPoint], bool]:
-    """Points of steps after ``since_step``, by step; a page never ends inside a step (unless one step fills it)."""
+def metrics_page(session: Session, job_id: str, *, since_step: int, names: list[str] | None, limit: int,
+                 after: tuple[int, int] | None = None) -> tuple[list[MetricPoint], bool]:
+    """Points in (step, id) order. With ``after`` = the (step, id) of the previous page's last point, the next page
+    starts right after it: no row is skipped or repeated whatever the limit. Without it, points of steps after
+    ``since_step``, a page never ending inside a step unless one step fills it (kept for older clients)."""
     query = select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step > since_step)
+    if after is not None:
+        step, point_id = after
+        query = query.where(or_(MetricPoint.step > step, and_(MetricPoint.step == step, MetricPoint.id > point_id)))
     if names:
         query = query.where(MetricPoint.name.in_(names))
     rows, has_more = fetch_page(session, query.order_by(MetricPoint.step, MetricPoint.id), limit)
-    if has_more and rows[0].step != rows[-1].step:
+    if after is None and has_more and rows[0].step != rows[-1].step:
         rows = [r for r in rows if r.step != rows[-1].step]
     return rows, has_more
 
@@ -56,3 +66,17 @@ def metric_points_after(session: Session, job_id: str, after: int, limit: int) -
 def log_lines_after(session: Session, job_id: str, after: int, limit: int) -> list[LogLine]:
     return list(session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after)
                                 .order_by(LogLine.id).limit(limit)))
+
+
+def train_progress(session: Session, job_ids: list[str]) -> dict[str, tuple[int, int, datetime]]:
+    """``job_id -> (trained tokens, last step, time of that step)`` from the engine's per-iteration ``tokens`` metric
+    (real, non-padding tokens of the global batch). A step logged again by a resumed attempt counts once."""
+    if not job_ids:
+        return {}
+    per_step = (select(MetricPoint.job_id, MetricPoint.step, func.max(MetricPoint.value).label("tokens"),
+                       func.max(MetricPoint.time).label("time"))
+                .where(MetricPoint.job_id.in_(job_ids), MetricPoint.name == "tokens", MetricPoint.rank.is_(None))
+                .group_by(MetricPoint.job_id, MetricPoint.step).subquery())
+    query = (select(per_step.c.job_id, func.sum(per_step.c.tokens), func.max(per_step.c.step), func.max(per_step.c.time))
+             .group_by(per_step.c.job_id))
+    return {job_id: (int(tokens or 0), int(step), when) for job_id, tokens, step, when in session.execute(query)}

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +90,14 @@ class Settings(BaseSettings):
                                                                     "GET /metrics with an admin token.")
     metrics_listen_host: str = Field("127.0.0.1", description="Address of the metrics_listen_port listener.")
     webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
+    max_train_iters: int = Field(1_000_000, ge=0, description="Train specs asking more iterations are refused at "
+                                                             "submission; 0 = no ceiling.")
+    max_train_tokens: int = Field(10**13, ge=0, description="Train specs whose train_iters × global_batch_size × "
+                                                           "seq_length is larger are refused; 0 = no ceiling.")
+    default_run_deadline_s: int = Field(0, ge=0, description="run_deadline_s given to a job whose spec sets none; "
+                                                            "0 = none.")
+    team_run_deadlines: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'.")
 
     @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", mode="before")
     @classmethod
@@ -98,13 +106,13 @@ class Settings(BaseSettings):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
-    @field_validator("team_device_limits", mode="before")
+    @field_validator("team_device_limits", "team_run_deadlines", mode="before")
     @classmethod
-    def _split_limits(cls, value: Any) -> Any:
+    def _split_limits(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
             if any(len(p) != 2 for p in pairs):
-                raise ValueError("team_device_limits: expected 'team=N,team=N'")
+                raise ValueError(f"{info.field_name}: expected 'team=N,team=N'")
             return {k.strip(): int(v) for k, v in pairs}
         return value
 
@@ -120,6 +128,10 @@ class Settings(BaseSettings):
     def device_limit(self, team: str) -> int:
         """Devices ``team`` may hold at once (0 = unlimited)."""
         return self.team_device_limits.get(team, self.team_device_limit)
+
+    def run_deadline_for(self, team: str) -> int:
+        """Default run deadline of ``team``'s jobs in seconds (0 = none)."""
+        return self.team_run_deadlines.get(team, self.default_run_deadline_s)
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -11,9 +12,9 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
-from app.schemas import JobPublic, ListPage, PipelineStepPublic
+from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
+from core import admission, checkpoints, job_delete, pipelines, records
 from core import jobs as service
-from core import pipelines
 from core.errors import ApiError
 from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
@@ -29,6 +30,7 @@ SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
 def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
+    admission.check_fields(raw)  # unknown kind or field: "did you mean", before the schema's bare error
     return parse_spec(raw, data_roots=data_roots)
 
 
@@ -45,6 +47,7 @@ async def create_job(
         raw = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
+    raw = await run_in_threadpool(checkpoints.expand_references, session, principal, raw)  # {"job", "iteration"}
     spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
     check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
@@ -56,6 +59,8 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+    admission.check_admissible(spec, settings)  # what the engine would refuse before its first step (reads files)
+    admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
@@ -79,7 +84,7 @@ def list_jobs(
     metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
     rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
                                        metadata=metadata, parent_id=parent_id, after=after, limit=limit)
-    return ListPage[JobPublic].of([JobPublic.from_row(j) for j in rows], has_more)
+    return ListPage[JobPublic].of(with_progress(session, [JobPublic.from_row(j) for j in rows]), has_more)
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
@@ -88,8 +93,29 @@ def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPub
     return _public(session, service.get_visible_job(session, job_id, principal))
 
 
+def with_progress(session: Session, jobs: list[JobPublic]) -> list[JobPublic]:
+    """``trained_tokens`` and ``estimated_finish`` of the train jobs among ``jobs`` (one query for all)."""
+    progress = records.train_progress(session, [j.id for j in jobs if j.kind == "train"])
+    for job in jobs:
+        if job.id not in progress:
+            continue
+        tokens, step, last = progress[job.id]
+        job.trained_tokens = tokens
+        iters = job.spec.get("train_iters")
+        if job.finished_at is not None:
+            job.estimated_finish = job.finished_at
+        elif job.started_at is not None and isinstance(iters, int) and step > 0:
+            start, last = _utc(job.started_at), _utc(last)
+            job.estimated_finish = start + (last - start) * (iters / step)
+    return jobs
+
+
+def _utc(when: datetime) -> datetime:
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
 def _public(session: Session, job: Any) -> JobPublic:
-    public = JobPublic.from_row(job)
+    public = with_progress(session, [JobPublic.from_row(job)])[0]
     if job.kind == "pipeline":
         steps = pipelines.step_views(session, job)
         public.steps = [PipelineStepPublic(**step) for step in steps]
@@ -105,3 +131,15 @@ def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settin
     job = pipelines.cancel(session, settings, job) if job.kind == "pipeline" else service.request_cancel(session, job)
     notify(settings.redis_url, job_id, state=1)
     return _public(session, job)
+
+
+@router.delete("/{job_id}", response_model=JobDeleted,
+               responses={**ERRORS, 409: {"description": "The job (or a step of the pipeline) has not ended"}})
+def delete_job(
+    job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    outputs: Annotated[bool, Query(description="also remove the files and directories its artifacts list (inside the "
+                                               "data roots); default: only its records and run directory")] = False,
+) -> JobDeleted:
+    """Delete a finished job: its records, events, metrics and logs, its run directory (a pipeline: its steps too)."""
+    job = service.get_visible_job(session, job_id, principal)
+    return JobDeleted(**job_delete.delete_job(session, settings, job, outputs=outputs))

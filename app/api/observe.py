@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse
@@ -10,9 +11,19 @@ from sse_starlette import EventSourceResponse
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
 from app.input_guard import INT32_MAX, INT64_MAX
-from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
+from app.schemas import (
+    ArtifactPublic,
+    CheckpointPublic,
+    EventPublic,
+    ListPage,
+    LogLinePublic,
+    LogsPage,
+    MetricPointPublic,
+    MetricsPage,
+)
 from app.stream import Cursor, job_stream
-from core import records
+from core import checkpoints, records
+from core.downloads import is_real
 from core.errors import ApiError
 from core.jobs import get_visible_job
 
@@ -24,10 +35,13 @@ def list_events(
     job_id: str, session: SessionDep, principal: PrincipalDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="last_id of the previous page")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    type: Annotated[str | None, Query(max_length=200, description="only these event types, comma-separated, e.g. "
+                                                                  "state,checkpoint")] = None,
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
-    rows, has_more = records.events_page(session, job_id, after=after, limit=limit)
+    types = [t.strip() for t in type.split(",") if t.strip()] if type else None
+    rows, has_more = records.events_page(session, job_id, after=after, limit=limit, types=types)
     return ListPage[EventPublic].of([EventPublic.model_validate(r) for r in rows], has_more)
 
 
@@ -37,13 +51,27 @@ def list_metrics(
     since_step: Annotated[int, Query(ge=-1, le=INT32_MAX, description="only steps after this one")] = -1,
     names: Annotated[str | None, Query(description="comma-separated metric names, e.g. lm_loss,grad_norm")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    after: Annotated[str | None, Query(max_length=50, description="next_cursor of the previous page")] = None,
 ) -> MetricsPage:
-    """Metric points by step (job-wide values have rank null, per-rank values carry their rank)."""
+    """Metric points by step (job-wide values have rank null, per-rank values carry their rank). Page with
+    ``after=<next_cursor>``: no point is skipped or repeated, whatever the limit."""
     get_visible_job(session, job_id, principal)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit)
+    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit,
+                                          after=_metric_cursor(after))
     data = [MetricPointPublic.model_validate(r) for r in rows]
-    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None)
+    cursor = f"{rows[-1].step}:{rows[-1].id}" if rows else after
+    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None,
+                       next_cursor=cursor)
+
+
+def _metric_cursor(after: str | None) -> tuple[int, int] | None:
+    if after is None:
+        return None
+    step, _, point_id = after.partition(":")
+    if not (step.isdigit() and point_id.isdigit()) or int(step) > INT32_MAX or int(point_id) > INT64_MAX:
+        raise ApiError(400, "invalid_cursor", f"after: {after!r} is not a next_cursor of this endpoint", "after")
+    return int(step), int(point_id)
 
 
 @router.get("/logs", response_model=LogsPage, responses=ERRORS)
@@ -66,10 +94,14 @@ def list_logs(
 
 @router.get("/artifacts", response_model=ListPage[ArtifactPublic], responses=ERRORS)
 def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[ArtifactPublic]:
-    """The outputs the job wrote (result.json ``outputs``), with their files and sizes."""
+    """The files and directories the job wrote (result.json ``outputs`` that are paths), with sizes and a download
+    URL each."""
     get_visible_job(session, job_id, principal)
-    rows = records.artifacts(session, job_id)
-    return ListPage[ArtifactPublic](data=[ArtifactPublic.model_validate(r) for r in rows], has_more=False)
+    rows = [r for r in records.artifacts(session, job_id) if is_real(r)]
+    data = [ArtifactPublic.model_validate(r) for r in rows]
+    for item in data:
+        item.download_url = f"/v1/jobs/{job_id}/artifacts/{quote(item.name, safe='')}/download"
+    return ListPage[ArtifactPublic](data=data, has_more=False)
 
 
 @router.get("/stream", responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
@@ -86,3 +118,12 @@ def stream_job(
     except ValueError as err:
         raise ApiError(400, "bad_request", f"Last-Event-ID: {err}", "Last-Event-ID") from err
     return EventSourceResponse(job_stream(settings, job_id, cursor), ping=15)
+
+
+@router.get("/checkpoints", response_model=ListPage[CheckpointPublic], responses=ERRORS)
+def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep) -> ListPage[CheckpointPublic]:
+    """A train job's checkpoints (periodic training states and the final export), oldest first, with the loss at
+    each iteration; an eval or convert job may name one by path or as ``reference``."""
+    job = get_visible_job(session, job_id, principal)
+    data = [CheckpointPublic(**c) for c in checkpoints.list_checkpoints(session, job)]
+    return ListPage[CheckpointPublic](data=data, has_more=False)

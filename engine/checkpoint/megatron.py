@@ -406,12 +406,13 @@ class MegatronCheckpoint:
                 self.side = lora
         self.lora_alpha = lora_alpha if lora_alpha is not None else _first_attr(arg_sources, "lora_alpha")
         self.lora_r = lora_r if lora_r is not None else _first_attr(arg_sources, "lora_r")
+        opened = self.base.models[self.base.first]  # the one file read so far: enough to tell an adapters-only save
+        names = [k for t in opened.values() for k in t if not k.endswith("_extra_state")]
+        if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
+            raise BadInput(f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
+                           "--load-dir and the adapter as --lora-load", field="load_dir")
         for key in (EMBEDDING, FINAL_NORM):
             if key not in self.base.where:
-                names = [k for c in self.base.models.values() for t in c.values() for k in t if not k.endswith("_extra_state")]
-                if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
-                    raise BadInput(f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
-                                   "--load-dir and the adapter as --lora-load", field="load_dir")
                 raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
         self.config = self._infer_config(dict(hf_config or {}))
         self._validate()

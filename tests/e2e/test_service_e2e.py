@@ -177,7 +177,8 @@ def test_cli_client_commands(service: Service, tmp_path: Path) -> None:
     job_id = submitted.stdout.split()[0]
     assert f"{job_id} succeeded" in submitted.stderr
     assert job_id in _cli(service, "list", "--state", "succeeded").stdout
-    assert json.loads(_cli(service, "status", job_id).stdout)["state"] == "succeeded"
+    assert json.loads(_cli(service, "status", job_id, "--json").stdout)["state"] == "succeeded"
+    assert "succeeded" in _cli(service, "status", job_id).stdout
     assert "preprocess summary" in _cli(service, "logs", job_id).stdout
     assert _cli(service, "metrics", job_id).returncode == 0
     cancel = _cli(service, "cancel", job_id)

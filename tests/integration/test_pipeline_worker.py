@@ -99,8 +99,10 @@ def test_continue_skips_only_the_steps_that_need_a_failed_one(settings: Settings
                                                               api: tuple[TestClient, dict[str, str]]) -> None:
     client, headers = api
     data = tiny_data(settings)
+    for suffix in (".bin", ".idx"):  # passes admission (the files exist), fails in the engine (not a dataset)
+        (settings.data_roots[0] / "tiny" / f"corrupt_text_document{suffix}").write_bytes(b"not an index")
     steps = [
-        {"name": "broken", "spec": train_spec("tiny/missing", save="tiny/broken", max_restarts=0)},
+        {"name": "broken", "spec": train_spec("tiny/corrupt", save="tiny/broken", max_restarts=0)},
         {"name": "fine", "spec": train_spec(data, train_iters=2, save="tiny/fine")},
         {"name": "needs_broken", "spec": train_spec(data, load="${steps.broken.outputs.checkpoint}")},
     ]

@@ -34,6 +34,7 @@ def pg_database(postgres_url: str) -> Iterator[str]:
 def settings(tmp_path: Path, pg_database: str) -> Settings:
     settings = isolated_settings(tmp_path, database_url=pg_database)
     (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+    (settings.data_roots[0] / "tok").mkdir()  # admission: the tokenizer directory must exist
     return settings
 
 
@@ -45,7 +46,7 @@ def test_migrations_match_models_on_postgres(settings: Settings) -> None:
 def test_api_on_postgres(settings: Settings) -> None:
     team = f"team-{uuid.uuid4().hex[:6]}"
     token = make_token(settings, team)
-    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     with TestClient(create_app(settings, reconcile=False)) as client:
         ids = [client.post("/v1/jobs", json={**body, "metadata": {"exp": str(i % 2)}}, headers=auth(token)).json()["id"]
                for i in range(3)]

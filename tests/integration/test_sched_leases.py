@@ -132,7 +132,8 @@ def test_never_fits_is_refused_and_hosts_show_holders(settings: Settings) -> Non
     add_host(settings, "h1", 4)
     add_host(settings, "h2", 2)
     (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+    (settings.data_roots[0] / "tok").mkdir()  # admission: the tokenizer directory must exist
+    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     token, other = make_token(settings, "t"), make_token(settings, "other")
     with TestClient(create_app(settings, reconcile=False)) as client:
         for resources, field, text in [({"nproc_per_node": 8}, "resources.nproc_per_node", "largest cpu host has 4"),

@@ -22,7 +22,10 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return isolated_settings(tmp_path, webhook_settle_s=0, webhook_backoff_s=0.1)
+    settings = isolated_settings(tmp_path, webhook_settle_s=0, webhook_backoff_s=0.1)
+    (settings.data_roots[0] / "in.jsonl").write_text('{"text": "hi"}\n')  # inputs must exist at submission
+    (settings.data_roots[0] / "tok").mkdir()
+    return settings
 
 
 @pytest.fixture

@@ -36,7 +36,10 @@ def database_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
 
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str | None) -> Settings:
-    return isolated_settings(tmp_path, database_url=database_url)
+    settings = isolated_settings(tmp_path, database_url=database_url)
+    (settings.data_roots[0] / "in.jsonl").write_text('{"text": "hi"}\n')  # inputs must exist at submission
+    (settings.data_roots[0] / "tok").mkdir()
+    return settings
 
 
 @pytest.fixture

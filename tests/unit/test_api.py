@@ -111,12 +111,12 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
 @pytest.mark.parametrize(("body", "field", "text"), [
     (spec(input="../etc/passwd"), "input", "'..'"),
     (spec(input="/etc/passwd"), "input", "outside the data roots"),
-    (spec(bogus=1), "bogus", "Extra inputs"),
+    (spec(bogus=1), "bogus", "unknown field"),
     (spec(workers=0), "workers", "greater than or equal to 1"),
     (spec(resources={"nproc_per_node": 0}), "resources.nproc_per_node", "greater than or equal to 1"),
     ({"kind": "train", "data_path": "d", "train_iters": 1, "lr": 0.1, "global_batch_size": 3, "micro_batch_size": 2},
      "global_batch_size", "not divisible by micro_batch_size"),
-    ({"kind": "nope"}, None, "kind"),
+    ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, pipeline"),
     ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
 ])
 def test_validation_errors_name_the_field(client: TestClient, token: str, body: Any, field: str | None, text: str) -> None:

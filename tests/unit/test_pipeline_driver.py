@@ -25,7 +25,9 @@ def settings(tmp_path: Path) -> Settings:
     data = settings.data_roots[0]
     (data / "in.jsonl").write_text('{"text": "hi"}\n')
     (data / "tok").mkdir()
-    (data / "hf").mkdir()
+    (data / "hf").mkdir()  # what admission reads of an HF model: config.json beside safetensors
+    (data / "hf" / "config.json").write_text('{"num_attention_heads": 4, "num_hidden_layers": 2}')
+    (data / "hf" / "model.safetensors").write_bytes(b"")
     return settings
 
 
@@ -37,7 +39,7 @@ def steps() -> list[dict[str, Any]]:
                                   "load_dir": "hf", "save_dir": "mg"}},
         {"name": "train", "spec": {"kind": "train", "data_path": "${steps.prep.outputs.data_path}",
                                    "load": "${steps.tomg.outputs.checkpoint}", "save": "ckpt", "train_iters": 2,
-                                   "lr": 1e-4}},
+                                   "lr": 1e-4, "seq_length": 32}},
         {"name": "tohf", "spec": {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf",
                                   "load_dir": "${steps.train.outputs.checkpoint}", "save_dir": "final"}},
     ]

@@ -1,0 +1,298 @@
+"""Admission: refuse at submission what the engine would refuse before its first step (422 naming the field).
+
+Two passes around the schema (``engine.spec``): ``check_fields`` reads the raw body first, so an unknown field or kind
+gets a "did you mean" instead of pydantic's bare ``extra_forbidden``; ``check_admissible`` reads the parsed spec and
+the file system: required fields by kind, inputs that must exist, the parallel layout against a checkpoint's shape,
+and the ceilings in settings (``max_train_iters``, ``max_train_tokens``; a team's default ``run_deadline_s``).
+
+Checkpoint directories are recognised here by their marker files (config.json, Megatron's tracker / ``iter_*``,
+DCP's ``.metadata``), the rule of ``engine.checkpoint.load.detect_format`` without its torch import: the API process
+never imports torch. The engine still checks everything again when it runs (a file may vanish meanwhile).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from core.errors import ApiError
+from core.settings import Settings
+from engine.data.indexed import instruction_prefix
+from engine.flags import IGNORED_FLAGS
+from engine.spec import (
+    REFERENCE_PLACEHOLDER_DIR,
+    SPEC_CLASSES,
+    STEP_KINDS,
+    ConvertSpec,
+    EvalSpec,
+    JobBase,
+    PipelineSpec,
+    PreprocessSpec,
+    Resources,
+    TrainSpec,
+    parse_spec,
+    substitute_references,
+)
+
+# Common spellings from other trainers (transformers, OpenAI fine-tuning) -> this API's MindSpeed names.
+SYNONYMS: dict[str, str] = {
+    "learning_rate": "lr", "max_steps": "train_iters", "iters": "train_iters", "steps": "train_iters",
+    "batch_size": "global_batch_size", "max_seq_length": "seq_length", "max_length": "seq_length",
+    "model": "load", "model_path": "load", "model_name_or_path": "load", "tokenizer": "tokenizer_name_or_path",
+    "tokenizer_path": "tokenizer_name_or_path", "data": "data_path", "dataset": "data_path",
+    "output_dir": "save", "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+    "warmup_steps": "lr_warmup_iters", "lora_rank": "lora_r", "seed_value": "seed",
+}
+CHECKPOINT_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata", "meta.json", "release")
+
+
+def _refuse(field: str, message: str) -> ApiError:
+    return ApiError(422, "validation_error", f"{field}: {message}", field)
+
+
+# ---------------------------------------------------------------- unknown fields and kinds
+
+
+def suggest(name: str, known: Iterable[str]) -> str | None:
+    """The known field ``name`` was probably meant as: MindSpeed's flag spelling, a synonym, or the closest name."""
+    options = set(known)
+    flag = name.lstrip("-").replace("-", "_").lower()
+    if flag in options:
+        return flag
+    if SYNONYMS.get(flag) in options:
+        return SYNONYMS[flag]
+    close = difflib.get_close_matches(flag, sorted(options), n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
+def _unknown_field(name: str, known: Iterable[str], where: str) -> ApiError:
+    field = f"{where}{name}"
+    if name.lstrip("-") in IGNORED_FLAGS or name.lstrip("-").replace("_", "-") in IGNORED_FLAGS:
+        return _refuse(field, "a MindSpeed flag with no effect in this engine (the device layer chooses kernels); "
+                              "remove it")
+    guess = suggest(name, known)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    return _refuse(field, f"unknown field{hint}")
+
+
+def check_fields(raw: Any, where: str = "") -> None:
+    """422 for an unknown ``kind`` (listing the kinds) or an unknown field (with the closest known one)."""
+    if not isinstance(raw, dict):
+        return  # the schema answers non-objects
+    kind = raw.get("kind")
+    allowed = STEP_KINDS if where else tuple(SPEC_CLASSES)  # pipelines do not nest
+    if kind not in allowed:
+        kinds = ", ".join(allowed) + (" (pipelines do not nest)" if where else "")
+        guess = suggest(str(kind), allowed) if isinstance(kind, str) else None
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        what = "is required" if kind is None else f"{kind!r} is not a job kind"
+        raise _refuse(f"{where}kind", f"{what}; use one of {kinds}{hint}")
+    known = SPEC_CLASSES[kind].model_fields
+    for name in raw:
+        if name not in known:
+            raise _unknown_field(name, known, where)
+    if isinstance(raw.get("resources"), dict):
+        for name in raw["resources"]:
+            if name not in Resources.model_fields:
+                raise _unknown_field(name, Resources.model_fields, f"{where}resources.")
+    if kind == "pipeline" and isinstance(raw.get("steps"), list):
+        for i, step in enumerate(raw["steps"]):
+            if isinstance(step, dict) and isinstance(step.get("spec"), dict):
+                check_fields(step["spec"], f"{where}steps.{i}.spec.")
+
+
+# ---------------------------------------------------------------- inputs on disk
+
+
+class _Inputs:
+    """Answers "does this input exist?", excepting paths a pipeline's earlier step will write."""
+
+    def __init__(self, where: str, produced: Iterable[str] = ()):
+        self.where, self.produced = where, tuple(produced)
+
+    def pending(self, path: str) -> bool:
+        return f"/{REFERENCE_PLACEHOLDER_DIR}/" in path or any(path.startswith(p) for p in self.produced)
+
+    def field(self, name: str) -> str:
+        return f"{self.where}{name}"
+
+    def file_or_dir(self, name: str, path: str | None) -> None:
+        if path is not None and not self.pending(path) and not Path(path).exists():
+            raise _refuse(self.field(name), f"{path} does not exist")
+
+    def directory(self, name: str, path: str | None, what: str) -> None:
+        if path is None or self.pending(path):
+            return
+        if not Path(path).is_dir():
+            raise _refuse(self.field(name), f"{path} is not a directory ({what})")
+
+    def file(self, name: str, path: str | None) -> None:
+        if path is None or self.pending(path):
+            return
+        if not Path(path).is_file():
+            raise _refuse(self.field(name), f"{path} is not a file" if Path(path).exists() else f"{path} does not exist")
+
+    def data_prefixes(self, name: str, prefixes: list[str]) -> None:
+        """Every prefix has a .bin and .idx, as instruction data, plain or as ``<prefix>_text_document``."""
+        for prefix in prefixes:
+            if self.pending(prefix):
+                continue
+            try:
+                float(prefix)
+            except ValueError:
+                pass
+            else:
+                raise _refuse(self.field(name), f"blending weights ({prefix!r}) are not supported; give prefixes only")
+            candidates = [instruction_prefix(prefix, "input_ids"), prefix, prefix + "_text_document"]
+            if not any(Path(c + ".bin").is_file() and Path(c + ".idx").is_file() for c in candidates):
+                looked = ", ".join(c + ".bin/.idx" for c in candidates)
+                raise _refuse(self.field(name), f"no indexed dataset for prefix {prefix!r} (looked for {looked}); "
+                                                "preprocess the data first")
+
+    def checkpoint(self, name: str, path: str | None) -> dict[str, Any] | None:
+        """A model directory that some loader can read; returns its HF config.json when it has one."""
+        if path is None or self.pending(path):
+            return None
+        p = Path(path)
+        if not p.is_dir():
+            raise _refuse(self.field(name), f"{path} is not a directory (a model or checkpoint directory)")
+        if (p / "config.json").is_file():
+            try:
+                config = json.loads((p / "config.json").read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise _refuse(self.field(name), f"{p / 'config.json'} is not readable JSON ({err})") from None
+            if not isinstance(config, dict):
+                raise _refuse(self.field(name), f"{p / 'config.json'} is not a JSON object")
+            return config
+        names = {e.name for e in p.iterdir()}
+        if not any(m in names for m in CHECKPOINT_MARKERS) and not any(
+                n.startswith(("iter_", "mp_rank_")) for n in names):
+            raise _refuse(self.field(name), f"{path} holds no model: neither an HF model (config.json), a Megatron "
+                                            "checkpoint (latest_checkpointed_iteration.txt, iter_*) nor a training "
+                                            "checkpoint (.metadata)")
+        return None
+
+
+# ---------------------------------------------------------------- checks by kind
+
+
+def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
+    """TP must divide the checkpoint's heads and KV heads, PP its layers (the spec's own flags are checked by the
+    schema)."""
+    if not config:
+        return
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    layers = config.get("num_hidden_layers")
+    if isinstance(heads, int) and heads % tp:
+        raise _refuse(f"{where}tensor_model_parallel_size", f"TP {tp} does not divide the model's {heads} heads")
+    if isinstance(groups, int) and groups % tp:
+        raise _refuse(f"{where}tensor_model_parallel_size", f"TP {tp} does not divide the model's {groups} KV heads")
+    if isinstance(layers, int) and spec.num_layer_list is None and layers % pp:
+        raise _refuse(f"{where}pipeline_model_parallel_size",
+                      f"PP {pp} does not divide the model's {layers} layers; give num_layer_list")
+
+
+def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
+    where = inputs.where
+    if spec.seq_length is None:
+        raise _refuse(f"{where}seq_length", "required for training (the longest sample, in tokens)")
+    if spec.lr_decay_style == "WSD":
+        raise _refuse(f"{where}lr_decay_style", "WSD is not supported; use constant, linear, cosine or "
+                                                "inverse-square-root")
+    if spec.load is None:
+        for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(spec, flag) is None:
+                raise _refuse(f"{where}{flag}", "required when no checkpoint is loaded (give load, or the model shape)")
+        if spec.padded_vocab_size is None and spec.tokenizer_name_or_path is None:
+            raise _refuse(f"{where}padded_vocab_size", "required without load and without tokenizer_name_or_path "
+                                                       "(a vocab source)")
+    inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
+    inputs.data_prefixes("data_path", spec.data_path)
+    _check_layout(spec, inputs.checkpoint("load", spec.load), where)
+    if settings.max_train_iters and spec.train_iters > settings.max_train_iters:
+        raise _refuse(f"{where}train_iters", f"{spec.train_iters} is over this service's ceiling of "
+                                             f"{settings.max_train_iters} iterations (max_train_iters)")
+    tokens = spec.train_iters * (spec.global_batch_size or spec.micro_batch_size * spec.data_parallel_size) * \
+        spec.seq_length
+    if settings.max_train_tokens and tokens > settings.max_train_tokens:
+        raise _refuse(f"{where}train_iters", f"train_iters × global_batch_size × seq_length = {tokens} tokens, over "
+                                             f"this service's ceiling of {settings.max_train_tokens} "
+                                             "(max_train_tokens)")
+
+
+def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
+    config = inputs.checkpoint("load", spec.load)
+    inputs.file_or_dir("lora_load", spec.lora_load)
+    inputs.file("eval_data_path", spec.eval_data_path)
+    if spec.tokenizer_name_or_path is not None:
+        inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
+    elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
+        raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
+    _check_layout(spec, config, inputs.where)
+
+
+def _check_convert(spec: ConvertSpec, inputs: _Inputs) -> None:
+    config = inputs.checkpoint("load_dir", spec.load_dir)
+    if not inputs.pending(spec.load_dir):
+        is_hf = config is not None and any(
+            n.suffix == ".safetensors" or n.name == "model.safetensors.index.json" for n in Path(spec.load_dir).iterdir())
+        if spec.load_model_type == "hf" and not is_hf:
+            raise _refuse(inputs.field("load_model_type"), f"hf, but {spec.load_dir} is not an HF model directory "
+                                                           "(config.json + *.safetensors)")
+        if spec.load_model_type == "mg" and is_hf:
+            raise _refuse(inputs.field("load_model_type"), f"mg, but {spec.load_dir} is an HF model directory")
+    inputs.file_or_dir("lora_load", spec.lora_load)
+    inputs.file_or_dir("tokenizer_model", spec.tokenizer_model)
+    inputs.directory("hf_cfg_dir", spec.hf_cfg_dir, "an HF model directory")
+
+
+def _check_preprocess(spec: PreprocessSpec, inputs: _Inputs) -> None:
+    inputs.file_or_dir("input", spec.input)
+    inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
+
+
+def _check_one(spec: JobBase, inputs: _Inputs, settings: Settings) -> None:
+    if isinstance(spec, TrainSpec):
+        _check_train(spec, inputs, settings)
+    elif isinstance(spec, EvalSpec):
+        _check_eval(spec, inputs)
+    elif isinstance(spec, ConvertSpec):
+        _check_convert(spec, inputs)
+    elif isinstance(spec, PreprocessSpec):
+        _check_preprocess(spec, inputs)
+
+
+def _outputs(spec: JobBase) -> list[str]:
+    """What a step writes, so later steps may name it literally as well as by reference."""
+    names = ("output_prefix", "save_dir", "save")
+    return [value for value in (getattr(spec, n, None) for n in names) if isinstance(value, str)]
+
+
+def _check_pipeline(spec: PipelineSpec, settings: Settings) -> None:
+    roots = [str(r) for r in settings.data_roots]
+    base = Path(roots[0])
+    produced: list[str] = []
+    for i, step in enumerate(spec.steps):
+        placeheld = substitute_references(step.spec, lambda ref, key: str(base / REFERENCE_PLACEHOLDER_DIR / ref / key))
+        child = parse_spec(placeheld, data_roots=roots)  # valid: the pipeline's own validator parsed it already
+        _check_one(child, _Inputs(f"steps.{i}.spec.", produced), settings)
+        produced.extend(_outputs(child))
+
+
+def check_admissible(spec: JobBase, settings: Settings) -> None:
+    """422 naming the field for a spec the engine would refuse before its first step (pipelines: every step)."""
+    if isinstance(spec, PipelineSpec):
+        _check_pipeline(spec, settings)
+    else:
+        _check_one(spec, _Inputs(""), settings)
+
+
+def apply_team_defaults(spec: JobBase, settings: Settings, team: str) -> None:
+    """A team's default run deadline on a spec that sets none (stored with the spec, so the worker enforces it)."""
+    deadline = settings.run_deadline_for(team)
+    if spec.run_deadline_s is None and deadline and not isinstance(spec, PipelineSpec):
+        spec.run_deadline_s = float(deadline)  # assignment marks the field set, so spec_to_json keeps it

@@ -1,0 +1,123 @@
+"""A train job's checkpoints as objects: what its ``save`` directory holds, with the step metrics at each iteration.
+
+Read from disk each time (the directory is the truth: retention may have removed old ones): the periodic training
+checkpoints ``<save>/train_state/iter_*`` (DCP: model, optimizer unless ``no_save_optim``, RNG; resumable) and the
+final export ``<save>/iter_*`` named by ``<save>/latest_checkpointed_iteration.txt`` (Megatron mcore, or LoRA
+adapters). Both load in eval (``load``) and convert (``load_dir``); LoRA-only ones need their base model as well.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.auth import Principal, load_visible
+from core.errors import ApiError
+from core.models import Job, MetricPoint
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_METRICS = ("lm_loss", "val_lm_loss", "grad_norm")
+
+
+def save_dir(job: Job) -> Path:
+    spec = job.spec or {}
+    return Path(spec.get("save") or Path(job.run_dir) / "checkpoints")
+
+
+def _iteration(name: str) -> int | None:
+    digits = name.removeprefix("iter_")
+    return int(digits) if name.startswith("iter_") and digits.isdigit() else None
+
+
+def _training_states(save: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted((save / "train_state").glob("iter_*")):
+        iteration = _iteration(path.name)
+        if iteration is None or not (path / "meta.json").is_file():
+            continue  # an unfinished save (iter_*.tmp) is not a checkpoint
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        lora = bool(meta.get("trainable_only"))
+        found.append({"iteration": iteration, "format": "training_state", "model_path": str(path),
+                      "optimizer_path": str(path) if meta.get("has_optimizer") else None, "lora": lora})
+    return found
+
+
+def _final(save: Path) -> list[dict[str, Any]]:
+    try:
+        text = (save / TRACKER).read_text().strip()
+    except OSError:
+        return []
+    if not text.isdigit() or not (save / f"iter_{int(text):07d}").is_dir():
+        return []
+    lora = any((save / f"iter_{int(text):07d}").rglob("*lora*"))
+    return [{"iteration": int(text), "format": "mcore", "model_path": str(save), "optimizer_path": None, "lora": lora}]
+
+
+def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
+    """Newest last; each with the job's step metrics at its iteration and how to refer to it."""
+    if job.kind != "train":
+        return []
+    save = save_dir(job)
+    items = sorted(_training_states(save) + _final(save), key=lambda c: (c["iteration"], c["format"] == "mcore"))
+    iterations = sorted({c["iteration"] for c in items})
+    query = select(MetricPoint.step, MetricPoint.name, MetricPoint.value).where(
+        MetricPoint.job_id == job.id, MetricPoint.step.in_(iterations), MetricPoint.name.in_(STEP_METRICS),
+        MetricPoint.rank.is_(None))
+    metrics: dict[int, dict[str, float | None]] = {}
+    for step, name, value in session.execute(query).all() if iterations else []:
+        metrics.setdefault(step, {})[name] = value
+    for item in items:
+        item["metrics"] = metrics.get(item["iteration"], {})
+        item["evaluable"] = item["convertible"] = True
+        item["needs_base_model"] = item["lora"]
+        item["reference"] = {"job": job.id, "iteration": item["iteration"]}
+    return items
+
+
+# spec field -> the kinds whose field may name a checkpoint by reference
+REFERENCE_FIELDS = {"load": ("eval",), "load_dir": ("convert",)}
+
+
+def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, Any]:
+    matches = [c for c in items if c["iteration"] == iteration]
+    if not matches:
+        have = ", ".join(str(c["iteration"]) for c in items) or "none"
+        raise ApiError(422, "validation_error", f"{field}.iteration: the job has no checkpoint at iteration "
+                                                f"{iteration!r} (it has: {have})", f"{field}.iteration")
+    return matches[-1]  # the final export over a training state of the same iteration
+
+
+def expand_references(session: Session, principal: Principal, raw: Any, where: str = "") -> Any:
+    """``{"job": ID, "iteration": N}`` in an eval's ``load`` or a convert's ``load_dir`` replaced by that checkpoint's
+    path (a LoRA checkpoint becomes ``lora_load`` over the training job's own ``load``); pipelines: every step."""
+    if not isinstance(raw, dict):
+        return raw
+    if raw.get("kind") == "pipeline" and isinstance(raw.get("steps"), list):
+        steps = [{**s, "spec": expand_references(session, principal, s["spec"], f"{where}steps.{i}.spec.")}
+                 if isinstance(s, dict) and "spec" in s else s for i, s in enumerate(raw["steps"])]
+        return {**raw, "steps": steps}
+    out = dict(raw)
+    for name, kinds in REFERENCE_FIELDS.items():
+        ref = raw.get(name)
+        if raw.get("kind") not in kinds or not isinstance(ref, dict):
+            continue
+        field = f"{where}{name}"
+        if set(ref) != {"job", "iteration"} or not isinstance(ref["job"], str):
+            raise ApiError(422, "validation_error", f"{field}: a path, or {{\"job\": ID, \"iteration\": N}}", field)
+        job = load_visible(session, Job, ref["job"], principal, "job")
+        chosen = _pick(list_checkpoints(session, job), ref["iteration"], field)
+        out[name] = chosen["model_path"]
+        if chosen["lora"]:
+            base = (job.spec or {}).get("load")
+            if not base:
+                raise ApiError(422, "validation_error", f"{field}: the checkpoint holds LoRA adapters and its job "
+                                                        "has no base model (load)", field)
+            out[name], out["lora_load"] = base, chosen["model_path"]
+    return out

@@ -1,0 +1,150 @@
+"""Admission: what the engine would refuse before its first step is a 422 naming the field at submission."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from core.admission import suggest
+from core.settings import Settings
+from core_support import auth, isolated_settings
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    settings = isolated_settings(tmp_path, max_train_iters=10_000, max_train_tokens=10**9,
+                                 default_run_deadline_s=3600, team_run_deadlines="beta=60")
+    data = settings.data_roots[0]
+    (data / "in.jsonl").write_text('{"text": "hi"}\n')
+    (data / "tok").mkdir()
+    (data / "tok" / "tokenizer.json").write_text("{}")
+    for suffix in (".bin", ".idx"):
+        (data / f"ds_packed_input_ids_document{suffix}").write_bytes(b"")
+    (data / "hf").mkdir()
+    (data / "hf" / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2,
+                                                         "num_hidden_layers": 3}))
+    (data / "hf" / "model.safetensors").write_bytes(b"")
+    (data / "broken").mkdir()
+    (data / "broken" / "config.json").write_text("{not json")
+    (data / "empty").mkdir()
+    return settings
+
+
+def train(**extra: Any) -> dict[str, Any]:
+    return {"kind": "train", "data_path": "ds", "load": "hf", "train_iters": 10, "lr": 1e-4, "seq_length": 64,
+            **extra}
+
+
+def refused(client: TestClient, token: str, body: dict[str, Any]) -> dict[str, Any]:
+    answer = client.post("/v1/jobs", json=body, headers=auth(token))
+    assert answer.status_code == 422, answer.text
+    error = answer.json()
+    assert error["code"] == "validation_error" and error["errors"][0]["field"] == error["field"]
+    assert "Value error" not in error["message"]
+    return error
+
+
+def test_a_good_train_spec_is_accepted_with_the_default_deadline(client: TestClient, token: str) -> None:
+    answer = client.post("/v1/jobs", json=train(), headers=auth(token))
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["spec"]["run_deadline_s"] == 3600
+
+
+def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
+        client: TestClient, settings: Settings) -> None:
+    from core_support import make_token
+
+    beta = make_token(settings, "beta")
+    assert client.post("/v1/jobs", json=train(), headers=auth(beta)).json()["spec"]["run_deadline_s"] == 60
+    own = client.post("/v1/jobs", json=train(run_deadline_s=5), headers=auth(beta)).json()
+    assert own["spec"]["run_deadline_s"] == 5
+
+
+@pytest.mark.parametrize(("body", "field", "text"), [
+    ({**train(), "seq_length": None}, "seq_length", "required for training"),
+    (train(load=None), "num_layers", "required when no checkpoint is loaded"),
+    (train(load=None, num_layers=2, hidden_size=64, num_attention_heads=4), "padded_vocab_size", "vocab source"),
+    (train(data_path="nothing"), "data_path", "no indexed dataset for prefix"),
+    (train(tokenizer_name_or_path="missing"), "tokenizer_name_or_path", "is not a directory"),
+    (train(load="empty"), "load", "holds no model"),
+    (train(load="broken"), "load", "not readable JSON"),
+    (train(load="missing"), "load", "is not a directory"),
+    (train(tensor_model_parallel_size=4, resources={"nproc_per_node": 4}), "tensor_model_parallel_size", "6 heads"),
+    (train(tensor_model_parallel_size=3, resources={"nproc_per_node": 3}), "tensor_model_parallel_size", "2 KV heads"),
+    (train(pipeline_model_parallel_size=2, resources={"nproc_per_node": 2}), "pipeline_model_parallel_size",
+     "3 layers"),
+    (train(train_iters=10**14), "train_iters", "max_train_iters"),
+    (train(train_iters=10_000, seq_length=100_000, global_batch_size=8), "train_iters", "max_train_tokens"),
+    (train(lr_decay_style="WSD"), "lr_decay_style", "not supported"),
+    ({"kind": "preprocess", "input": "nope.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o/x"},
+     "input", "does not exist"),
+    ({"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "nope", "output_prefix": "o/x"},
+     "tokenizer_name_or_path", "is not a directory"),
+    ({"kind": "eval", "load": "hf", "eval_data_path": "nope.jsonl", "tokenizer_name_or_path": "tok"},
+     "eval_data_path", "does not exist"),
+    ({"kind": "eval", "load": "hf", "eval_data_path": "in.jsonl"}, "tokenizer_name_or_path", "holds no tokenizer"),
+    ({"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "load_dir": "hf", "save_dir": "o"},
+     "load_model_type", "is an HF model directory"),
+    ({"kind": "convert", "load_model_type": "hf", "save_model_type": "mg", "load_dir": "nope", "save_dir": "o"},
+     "load_dir", "is not a directory"),
+])
+def test_refused_before_any_worker(client: TestClient, token: str, body: dict[str, Any], field: str,
+                                   text: str) -> None:
+    error = refused(client, token, {k: v for k, v in body.items() if v is not None})
+    assert error["field"] == field and text in error["message"], error
+    assert client.get("/v1/jobs", headers=auth(token)).json()["data"] == []
+
+
+@pytest.mark.parametrize(("name", "meant"), [("train-iters", "train_iters"), ("--train-iters", "train_iters"),
+                                             ("learning_rate", "lr"), ("seq_lenght", "seq_length"),
+                                             ("tensor-model-parallel-size", "tensor_model_parallel_size")])
+def test_unknown_fields_say_what_was_meant(client: TestClient, token: str, name: str, meant: str) -> None:
+    error = refused(client, token, {**train(), name: 1})
+    assert error["field"] == name and f"did you mean {meant!r}" in error["message"], error
+
+
+def test_unknown_resources_field_and_ignored_mindspeed_flag(client: TestClient, token: str) -> None:
+    error = refused(client, token, train(resources={"nproc-per-node": 1}))
+    assert error["field"] == "resources.nproc-per-node" and "'nproc_per_node'" in error["message"]
+    error = refused(client, token, {**train(), "use-flash-attn": True})
+    assert "no effect in this engine" in error["message"]
+
+
+def test_a_kind_typo_lists_the_kinds(client: TestClient, token: str) -> None:
+    error = refused(client, token, {**train(), "kind": "trian"})
+    assert error["field"] == "kind" and "did you mean 'train'" in error["message"]
+    assert "preprocess, convert, train, eval, pipeline" in error["message"]
+
+
+def test_an_unknown_state_filter_is_refused_like_an_unknown_kind(client: TestClient, token: str) -> None:
+    for query, field in [("state=runing", "state"), ("kind=trian", "kind")]:
+        answer = client.get(f"/v1/jobs?{query}", headers=auth(token))
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["field"] in (field, f"query.{field}")
+    assert client.get("/v1/jobs?state=running,queued", headers=auth(token)).status_code == 200
+
+
+def test_pipeline_steps_may_use_what_earlier_steps_write(client: TestClient, token: str) -> None:
+    steps = [
+        {"name": "prep", "spec": {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok",
+                                  "output_prefix": "new/intent", "handler_name": "", "seq_length": 64}},
+        {"name": "lit", "spec": train(data_path="new/intent", save="new/ckpt")},
+        {"name": "ref", "spec": train(data_path="${steps.prep.outputs.data_path}",
+                                      load="${steps.lit.outputs.checkpoint}")},
+    ]
+    answer = client.post("/v1/jobs", json={"kind": "pipeline", "steps": steps}, headers=auth(token))
+    assert answer.status_code == 201, answer.text
+    steps[1]["spec"]["data_path"] = "elsewhere/x"
+    error = refused(client, token, {"kind": "pipeline", "steps": steps})
+    assert error["field"] == "steps.1.spec.data_path", error
+    steps[1]["spec"]["learning_rate"] = 1
+    error = refused(client, token, {"kind": "pipeline", "steps": steps})
+    assert error["field"] == "steps.1.spec.learning_rate" and "did you mean 'lr'" in error["message"]
+
+
+def test_suggest_gives_nothing_for_nonsense() -> None:
+    assert suggest("zzzzqqq", ["lr", "train_iters"]) is None

@@ -1,0 +1,81 @@
+"""GET /v1/jobs/{id}/checkpoints: a train job's save directory as checkpoint objects with the loss at each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert, update
+
+from core.db import session_scope
+from core.models import Job, MetricPoint
+from core.settings import Settings
+from core_support import auth, isolated_settings, make_job, make_token
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return isolated_settings(tmp_path)
+
+
+def test_checkpoints_of_a_train_job(settings: Settings) -> None:
+    from app.main import create_app
+
+    save = settings.data_roots[0] / "ckpt"
+    for it, optimizer in ((10, True), (20, False)):
+        state = save / "train_state" / f"iter_{it:07d}"
+        state.mkdir(parents=True)
+        (state / "meta.json").write_text(json.dumps({"iteration": it, "has_optimizer": optimizer}))
+    (save / "train_state" / "iter_0000030.tmp").mkdir()  # an unfinished save
+    (save / "iter_0000020" / "mp_rank_00").mkdir(parents=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("20")
+    job_id = make_job(settings, team="alpha")
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec={"kind": "train", "save": str(save)}))
+        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": s, "name": n, "value": v, "rank": r}
+                                              for s, n, v, r in [(10, "lm_loss", 2.5, None), (10, "val_lm_loss", 2.7, None),
+                                                                 (20, "lm_loss", 1.5, None), (20, "lm_loss", 9.0, 0),
+                                                                 (15, "lm_loss", 2.0, None)]])
+        session.commit()
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
+        data = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
+        other = api.get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(make_token(settings, "beta")))
+        (settings.data_roots[0] / "tok").mkdir()
+        (settings.data_roots[0] / "test.jsonl").write_text("{}\n")
+        evaluate = {"kind": "eval", "load": {"job": job_id, "iteration": 20}, "tokenizer_name_or_path": "tok",
+                    "eval_data_path": "test.jsonl"}
+        accepted = api.post("/v1/jobs", json=evaluate)
+        assert accepted.status_code == 201, accepted.text
+        assert accepted.json()["spec"]["load"] == str(save)  # the final export
+        convert = {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "save_dir": "out/hf",
+                   "load_dir": {"job": job_id, "iteration": 10}}
+        accepted = api.post("/v1/jobs", json=convert)
+        assert accepted.status_code == 201, accepted.text
+        assert accepted.json()["spec"]["load_dir"] == str(save / "train_state" / "iter_0000010")
+        missing = api.post("/v1/jobs", json={**evaluate, "load": {"job": job_id, "iteration": 99}})
+        assert missing.status_code == 422 and missing.json()["field"] == "load.iteration", missing.text
+        assert "10, 20" in missing.json()["message"]
+        hidden = api.post("/v1/jobs", json=evaluate, headers=auth(make_token(settings, "beta")))
+        assert hidden.status_code == 404  # another team's job reads as unknown
+        from typer.testing import CliRunner
+
+        from cli import remote
+        from cli.client import Client
+        from cli.main import cli
+
+        remote_client = remote.Client
+        remote.Client = lambda: Client(http=api)  # type: ignore[assignment,misc]
+        try:
+            table = CliRunner().invoke(cli, ["checkpoints", job_id]).output.splitlines()
+        finally:
+            remote.Client = remote_client  # type: ignore[misc]
+        assert table[0].split() == ["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"]
+        assert table[1].split()[:4] == ["10", "training_state", "2.5000", "2.7000"]
+    assert [(c["iteration"], c["format"]) for c in data] == [(10, "training_state"), (20, "training_state"),
+                                                             (20, "mcore")]
+    assert data[0]["metrics"] == {"lm_loss": 2.5, "val_lm_loss": 2.7} and data[2]["metrics"] == {"lm_loss": 1.5}
+    assert data[0]["optimizer_path"] == data[0]["model_path"] and data[1]["optimizer_path"] is None
+    assert data[2]["model_path"] == str(save) and data[2]["reference"] == {"job": job_id, "iteration": 20}
+    assert other.status_code == 404
