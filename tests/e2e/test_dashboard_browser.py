@@ -107,6 +107,66 @@ def _blue_pixels(page: Any, chart: str) -> int:
     }""", chart)
 
 
+def _set_range(page: Any, selector: str, value: float) -> None:
+    page.eval_on_selector(selector, """(el, v) => { el.value = String(v); el.dispatchEvent(new Event("input"));
+        el.dispatchEvent(new Event("change")); }""", value)
+
+
+def _chart_controls(page: Any, train_id: str) -> None:
+    """Smoothing adds a faint raw twin per line, log y and the x axis go into the URL, a zoom survives a redraw,
+    a hidden series stays hidden, a chart's CSV export holds exactly its points, empty/constant charts are folded."""
+    loss = '.chart[data-chart="Loss"]'
+    series = int(page.get_attribute(loss, "data-lines"))
+    _set_range(page, "#smooth", 0.6)
+    page.wait_for_selector(f'{loss}[data-lines="{2 * series}"]')
+    assert "smooth=0.6" in page.url
+    page.check(f"{loss} input.log-y")
+    page.wait_for_selector(f'{loss}[data-log-y="true"]')
+    assert "logy=Loss" in page.url
+    page.select_option("#x-axis", "relative")
+    page.wait_for_selector(f'{loss}[data-x-axis="relative"]')
+    assert page.is_disabled('#x-axis option[value="tokens"]') is False  # the train job reports `tokens`
+    # Zoom to steps 2..5 (as a drag does), then a redraw as a live update would: the zoom stays.
+    over = page.locator('.chart[data-chart="Grad norm"] .u-over')
+    over.scroll_into_view_if_needed()
+    box = over.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + 20)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
+    page.mouse.up()
+    page.wait_for_function("document.querySelector('.chart[data-chart=\"Grad norm\"]').dataset.zoom !== ''")
+    zoom = page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom")
+    page.select_option("#x-axis", "step")
+    page.wait_for_selector(f'{loss}[data-x-axis="step"]')
+    assert page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom") == zoom
+    lo, hi = (float(v) for v in zoom.split(","))
+    with page.expect_download() as download:
+        page.click('.chart[data-chart="Grad norm"] button.export-csv')
+    rows = Path(download.value.path()).read_text().splitlines()
+    assert rows[0] == "series,run,step,x,value,smoothed"
+    steps = [int(r.split(",")[2]) for r in rows[1:]]
+    assert steps == [s for s in range(1, 7) if lo <= s <= hi] and steps, (zoom, rows)
+    page.dblclick('.chart[data-chart="Grad norm"] .u-over')
+    page.wait_for_function("document.querySelector('.chart[data-chart=\"Grad norm\"]').dataset.zoom === ''")
+    # Hiding a line in the legend hides its raw twin too and survives a rebuild (smoothing off again).
+    page.click(f"{loss} .u-legend tr.u-series:nth-child(2)")
+    page.wait_for_selector(f'{loss}[data-hidden="lm_loss"]')
+    with page.expect_download() as download:
+        page.click(f"{loss} button.export-json")
+    assert json.loads(Path(download.value.path()).read_text())["series"] == []
+    _set_range(page, "#smooth", 0)
+    page.wait_for_selector(f'{loss}[data-lines="{series}"]')
+    assert page.locator(f"{loss} .u-legend tr.u-series.u-off").count() == 1
+    page.click(f"{loss} .u-legend tr.u-series:nth-child(2)")
+    # mfu has no value on CPU, global_batch_size is constant: folded into one line, not charted.
+    page.click("details.more summary")
+    folded = page.inner_text("#flat-charts")
+    assert "mfu: no value" in folded and "global_batch_size: constant 4" in folded
+    assert page.locator('.chart[data-chart="mfu"]').count() == 0
+    page.uncheck(f"{loss} input.log-y")
+    page.wait_for_selector(f'{loss}[data-log-y="false"]')
+
+
 def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F811
     started = time.monotonic()
     # Sign in: an unknown token is refused, the admin token is kept in localStorage.
@@ -172,6 +232,7 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
         assert int(page.get_attribute(f'.chart[data-chart="{chart}"]', "data-points")) >= 6, chart
     assert _blue_pixels(page, "Loss") > 50
     assert "6 / 6 iterations" in page.inner_text("#progress")
+    _chart_controls(page, train_id)
     page.screenshot(path=str(SCREENSHOT), full_page=True)
 
     # The page's stream client (fetch + Authorization header, no token in the URL) resumes after an id exactly, and

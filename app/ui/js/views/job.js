@@ -9,7 +9,7 @@ import {JobStream} from "../sse.js";
 import {MetricStore} from "../series.js";
 import {MetricsPanel} from "./metrics_panel.js";
 import {ArtifactsPanel, EventsPanel, LogsPanel} from "./panels.js";
-import {errorBox, every, keyValues, stateBadge} from "./widgets.js";
+import {errorBox, every, keyValues, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
 
 const TABS = ["metrics", "logs", "events", "artifacts", "spec"];
 export const DRAFT_KEY = "llmjobs.draft";
@@ -17,7 +17,9 @@ export const DRAFT_KEY = "llmjobs.draft";
 export function renderJob(root, {params: [jobId], query}) {
   const ui = {tab: TABS.includes(query.get("tab")) ? query.get("tab") : "metrics", stream: query.get("stream") || ""};
   const store = new MetricStore();
-  const metrics = new MetricsPanel(store);
+  const chartView = viewFromQuery(query);
+  chartView.changed = () => saveQuery();
+  const metrics = new MetricsPanel(store, chartView);
   const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); });
   const events = new EventsPanel();
   const artifacts = new ArtifactsPanel(jobId);
@@ -33,7 +35,7 @@ export function renderJob(root, {params: [jobId], query}) {
   const tabBody = h("div", {class: "tab-body"}, Object.values(panels));
   root.append(h("section", {class: "card"}, head, overview), h("section", {class: "card"}, h("div", {class: "tab-row"}, tabBar, live), tabBody));
 
-  function saveQuery() { setQuery({tab: ui.tab === "metrics" ? "" : ui.tab, stream: ui.stream}); }
+  function saveQuery() { setQuery({tab: ui.tab === "metrics" ? "" : ui.tab, stream: ui.stream, ...viewToQuery(metrics.view)}); }
 
   function showTab(tab) {
     ui.tab = tab;
@@ -172,7 +174,7 @@ export function renderJob(root, {params: [jobId], query}) {
     const newLogs = [], newEvents = [];
     let stateChanged = false, ended = false;
     for (const m of messages) {
-      if (m.event === "metric") store.add(m.data.step, m.data.rank, m.data.metrics);
+      if (m.event === "metric") store.add(m.data.step, m.data.rank, m.data.metrics, m.data.time);
       else if (m.event === "log") newLogs.push(m.data);
       else if (m.event === "event" || m.event === "state") {
         newEvents.push(m.data);

@@ -1,9 +1,12 @@
 // The job's live metric charts: loss, grad-norm, learning rate, tokens/s and memory first, every other numeric
-// metric under "More metrics". Fed by the SSE stream through a MetricStore; redrawn at most once per frame.
+// metric under "More metrics"; charts with no finite point or one constant value are folded into one line instead.
+// Smoothing and the x axis apply to every chart (as TensorBoard's sidebar); log y is per chart. Fed by the SSE
+// stream through a MetricStore; redrawn at most once per frame.
 
 import {h, fill} from "../dom.js";
 import {LiveChart} from "../chart.js";
 import {num} from "../format.js";
+import {X_MODES, flatness, xModeAvailable} from "../transform.js";
 
 const MAIN = [
   {title: "Loss", match: (n) => /loss/.test(n) && !/scale|tokens/.test(n)},
@@ -14,17 +17,42 @@ const MAIN = [
 ];
 const NOT_CHARTED = new Set(["iteration"]);  // the step axis itself
 
+/** The chart controls of a page: smoothing slider and x axis select, bound to view = {smooth, xMode, logY}. */
+export function viewControls(view, onChange, store = null, {axes = true} = {}) {
+  const value = h("output", {id: "smooth-value", for: "smooth"}, view.smooth.toFixed(2));
+  const slider = h("input", {type: "range", id: "smooth", min: 0, max: 0.99, step: 0.01, value: String(view.smooth),
+    "aria-label": "Smoothing (exponential moving average weight)"});
+  slider.addEventListener("input", () => { value.textContent = Number(slider.value).toFixed(2); });
+  slider.addEventListener("change", () => { view.smooth = Number(slider.value); onChange(true); });
+  const axis = h("select", {id: "x-axis", "aria-label": "X axis"},
+    Object.entries(X_MODES).map(([k, label]) => h("option", {value: k}, label)));
+  axis.value = view.xMode;
+  axis.addEventListener("change", () => { view.xMode = axis.value; onChange(true); });
+  const el = h("div", {class: "toolbar chart-controls"},
+    h("label", {class: "inline", for: "smooth"}, "Smoothing ", slider, value),
+    axes ? h("label", {class: "inline", for: "x-axis"}, "X axis ", axis) : null);
+  const refresh = () => {
+    if (!store) return;
+    for (const option of axis.options) option.disabled = !xModeAvailable(option.value, store);
+  };
+  return {el, refresh};
+}
+
 export class MetricsPanel {
-  constructor(store) {
+  /** view: {smooth, xMode, logY: Set of chart titles, changed()} kept in the page's URL by its owner. */
+  constructor(store, view) {
     this.store = store;
+    this.view = {...view, store, changed: () => view.changed?.(this.view)};
     this.charts = new Map();  // title -> LiveChart
+    this.controls = viewControls(this.view, () => this.rebuild(), store);
     this.latest = h("div", {class: "latest"});
     this.main = h("div", {class: "charts"});
     this.more = h("div", {class: "charts"});
     this.moreBox = h("details", {class: "more", hidden: true}, h("summary", {}, "More metrics"), this.more);
+    this.flat = h("p", {class: "muted small flat-charts", id: "flat-charts", hidden: true});
     this.empty = h("p", {class: "muted"}, "No metrics yet. Training and evaluation jobs report a point per logged step; ",
       "preprocess and convert jobs report progress events instead.");
-    this.el = h("div", {class: "metrics-panel"}, this.empty, this.latest, this.main, this.moreBox);
+    this.el = h("div", {class: "metrics-panel"}, this.empty, this.controls.el, this.latest, this.main, this.moreBox, this.flat);
     this.frame = 0;
     this.visible = false;
     this.moreBox.addEventListener("toggle", () => this.update());
@@ -33,6 +61,12 @@ export class MetricsPanel {
   setVisible(visible) {
     this.visible = visible;
     if (visible) this.update();
+  }
+
+  /** A control changed: every chart rebuilds (series count, scales) and the URL follows. */
+  rebuild() {
+    this.view.changed();
+    this.charts.forEach((c) => c.build());
   }
 
   /** Called after every batch of stream messages. */
@@ -59,14 +93,28 @@ export class MetricsPanel {
 
   update() {
     const {main, more} = this.groups();
+    const folded = [];
+    const keep = (g) => {
+      const flat = flatness(g.series);
+      if (!flat) return true;
+      folded.push(`${g.title}: ${flat.kind === "empty" ? "no value" : `constant ${num(flat.value)}`}`);
+      this.charts.get(g.title)?.destroy();
+      this.charts.delete(g.title);
+      return false;
+    };
+    const shownMain = main.filter(keep), shownMore = more.filter(keep);
     this.empty.hidden = main.length + more.length > 0;
-    this.moreBox.hidden = more.length === 0;
-    this.moreBox.querySelector("summary").textContent = `More metrics (${more.length})`;
-    const wanted = this.moreBox.open ? [...main, ...more] : main;
+    this.controls.el.hidden = !this.empty.hidden;
+    this.controls.refresh();
+    this.moreBox.hidden = shownMore.length === 0;
+    this.moreBox.querySelector("summary").textContent = `More metrics (${shownMore.length})`;
+    this.flat.hidden = !folded.length;
+    this.flat.textContent = `Not charted (empty or constant): ${folded.join("; ")}`;
+    const wanted = this.moreBox.open ? [...shownMain, ...shownMore] : shownMain;
     for (const g of wanted) {
       const chart = this.charts.get(g.title);
       if (chart) { chart.setSeries(g.series); chart.invalidate(); }
-      else this.charts.set(g.title, new LiveChart(g.parent, g.title, g.series));
+      else this.charts.set(g.title, new LiveChart(g.parent, g.title, g.series, {view: this.view}));
     }
     this.renderLatest(main);
   }
