@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer gets the headers
-    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router):
+    for router in (health.router, jobs.router, observe.router, observe.latest_router, hosts.router, webhooks.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

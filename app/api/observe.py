@@ -10,13 +10,24 @@ from sse_starlette import EventSourceResponse
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
 from app.input_guard import INT32_MAX, INT64_MAX
-from app.schemas import ArtifactPublic, EventPublic, ListPage, LogLinePublic, LogsPage, MetricPointPublic, MetricsPage
+from app.schemas import (
+    ArtifactPublic,
+    EventPublic,
+    JobLatest,
+    JobLatestList,
+    ListPage,
+    LogLinePublic,
+    LogsPage,
+    MetricPointPublic,
+    MetricsPage,
+)
 from app.stream import Cursor, job_stream
 from core import records
 from core.errors import ApiError
 from core.jobs import get_visible_job
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
+latest_router = APIRouter(prefix="/v1", tags=["observe"])
 
 
 @router.get("/events", response_model=ListPage[EventPublic], responses=ERRORS)
@@ -24,10 +35,12 @@ def list_events(
     job_id: str, session: SessionDep, principal: PrincipalDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="last_id of the previous page")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    type: Annotated[str | None, Query(max_length=200, description="comma-separated event types, e.g. checkpoint,error")] = None,
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
-    rows, has_more = records.events_page(session, job_id, after=after, limit=limit)
+    types = [t.strip() for t in type.split(",") if t.strip()] if type else None
+    rows, has_more = records.events_page(session, job_id, after=after, limit=limit, types=types)
     return ListPage[EventPublic].of([EventPublic.model_validate(r) for r in rows], has_more)
 
 
@@ -53,13 +66,14 @@ def list_logs(
     stream: Annotated[str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")] = None,
     offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="first line number to return")] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    q: Annotated[str | None, Query(max_length=200, description="only lines containing this text (any case)")] = None,
 ) -> LogsPage:
-    """Log lines of one stream, from line ``offset`` on."""
+    """Log lines of one stream, from line ``offset`` on; with ``q``, the lines that contain it (search)."""
     get_visible_job(session, job_id, principal)
     if rank is not None and stream is not None:
         raise ApiError(400, "bad_request", "rank: give rank or stream, not both", "rank")
     name = f"rank{rank}" if rank is not None else (stream or "launcher")
-    rows, has_more = records.logs_page(session, job_id, stream=name, offset=offset, limit=limit)
+    rows, has_more = records.logs_page(session, job_id, stream=name, offset=offset, limit=limit, q=q)
     data = [LogLinePublic.model_validate(r) for r in rows]
     return LogsPage(data=data, has_more=has_more, next_offset=data[-1].seq + 1 if data else offset)
 
@@ -86,3 +100,30 @@ def stream_job(
     except ValueError as err:
         raise ApiError(400, "bad_request", f"Last-Event-ID: {err}", "Last-Event-ID") from err
     return EventSourceResponse(job_stream(settings, job_id, cursor), ping=15)
+
+
+@latest_router.get("/metrics/latest", response_model=JobLatestList, responses=ERRORS)
+def latest_metrics(
+    session: SessionDep, principal: PrincipalDep,
+    ids: Annotated[str, Query(max_length=200 * 37, description="comma-separated job ids (at most 200)")],
+    names: Annotated[str, Query(max_length=1000, description="comma-separated metric names, e.g. lm_loss,loss")] = "lm_loss",
+    devices: Annotated[bool, Query(description="also each device's newest telemetry (the hosts page)")] = False,
+) -> JobLatestList:
+    """Per job: its last step, the last job-wide value of each named metric and its last progress event (the job
+    list's progress and latest-loss columns). Jobs you cannot see are left out, as unknown ones are."""
+    wanted_ids = [i.strip() for i in ids.split(",") if i.strip()]
+    wanted = [n.strip() for n in names.split(",") if n.strip()][:20]
+    if len(wanted_ids) > 200:
+        raise ApiError(400, "bad_request", "ids: at most 200 job ids", "ids")
+    out = []
+    for job_id in dict.fromkeys(wanted_ids):
+        try:
+            get_visible_job(session, job_id, principal)
+        except ApiError:
+            continue
+        values = records.latest_values(session, job_id, wanted)
+        out.append(JobLatest(job_id=job_id, step=records.last_step(session, job_id),
+                             values={k: v for k, (_, v) in values.items()}, value_steps={k: s for k, (s, _) in values.items()},
+                             progress=records.last_event_data(session, job_id, "progress"),
+                             devices=records.latest_device_values(session, job_id) if devices else None))
+    return JobLatestList(data=out)
