@@ -14,6 +14,9 @@ import {smoothed, toCsv, visiblePoints, xAxis} from "./transform.js";
 
 export const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f", "#475569", "#b45309"];
 
+// Series after the first are dashed and thinner, so a line drawn over an equal one leaves it visible.
+const DASHES = [undefined, [6, 4], [2, 4], [8, 4, 2, 4]];
+
 // Steps are integers: tick every 1, 2, 5, 10, 20, 50, ... steps, never at 1.5.
 const STEP_INCRS = Array.from({length: 24}, (_, i) => [1, 2, 5][i % 3] * 10 ** Math.floor(i / 3));
 
@@ -91,11 +94,12 @@ export class LiveChart {
     const out = [];
     this.series.forEach((s, i) => {
       const color = s.color || COLORS[i % COLORS.length];
+      const dash = DASHES[i % DASHES.length];  // equal series (allocated = reserved memory) stay told apart
       if (this.smoothing) {
-        out.push({source: s, smooth: true, label: s.label, stroke: color, width: 1.8});
+        out.push({source: s, smooth: true, label: s.label, stroke: color, width: 1.8, dash});
         out.push({source: s, smooth: false, label: `${s.label} (raw)`, stroke: `${color}40`, width: 1});
       } else {
-        out.push({source: s, smooth: false, label: s.label, stroke: color, width: 1.5});
+        out.push({source: s, smooth: false, label: s.label, stroke: color, width: i ? 1.5 : 2.5, dash});
       }
     });
     return out;
@@ -119,7 +123,7 @@ export class LiveChart {
       series: [
         {label: ax.label, value: xValue},
         ...this.drawn.map((line) => ({
-          label: line.label, stroke: line.stroke, width: line.width, spanGaps: true,
+          label: line.label, stroke: line.stroke, width: line.width, dash: line.dash, spanGaps: true,
           show: !this.hidden.has(line.source.label), value: (u, v) => num(v),
         })),
       ],

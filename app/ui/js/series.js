@@ -14,7 +14,11 @@ export class Series {
   }
 
   get key() { return seriesKey(this.name, this.rank); }
-  get label() { return this.display || (this.rank === null ? this.name : `${this.name} r${this.rank}`); }
+  get label() {
+    if (this.display) return this.display;
+    if (this.rank === null) return this.name;
+    return this.name.startsWith("sys_") ? `${this.name.slice(4)} dev${this.rank}` : `${this.name} r${this.rank}`;
+  }
 
   /** Append (step, value). A step at or before the last one means the job restarted from a checkpoint: the newer
    * attempt replaces the points from that step on (as TensorBoard purges orphaned steps). */

@@ -53,7 +53,10 @@ function reference(mode, store) {
     return {xs: tok.x, vs: cum, n: tok.n};
   }
   let best = null;
-  for (const s of store.series.values()) if (s.n > (best?.n || 0) && Number.isFinite(s.t[0])) best = s;
+  for (const s of store.series.values()) {
+    if (s.name.startsWith("sys_")) continue;  // device telemetry counts seconds, not training steps
+    if (s.n > (best?.n || 0) && Number.isFinite(s.t[0])) best = s;
+  }
   if (!best) return null;
   const vs = new Float64Array(best.n);
   let prev = -Infinity;

@@ -8,10 +8,11 @@ import {setQuery, go} from "../router.js";
 import {JobStream} from "../sse.js";
 import {MetricStore} from "../series.js";
 import {MetricsPanel} from "./metrics_panel.js";
-import {ArtifactsPanel, EventsPanel, LogsPanel} from "./panels.js";
+import {ArtifactsPanel, CheckpointsPanel, EventsPanel, LogsPanel} from "./panels.js";
+import {renderSpec} from "./spec_panel.js";
 import {errorBox, every, keyValues, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
 
-const TABS = ["metrics", "logs", "events", "artifacts", "spec"];
+const TABS = ["metrics", "logs", "events", "checkpoints", "artifacts", "spec"];
 export const DRAFT_KEY = "llmjobs.draft";
 
 export function renderJob(root, {params: [jobId], query}) {
@@ -20,10 +21,13 @@ export function renderJob(root, {params: [jobId], query}) {
   const chartView = viewFromQuery(query);
   chartView.changed = () => saveQuery();
   const metrics = new MetricsPanel(store, chartView);
-  const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); });
+  const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); }, jobId);
   const events = new EventsPanel();
+  const openDraft = (spec) => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(spec, null, 2)); go("#/submit"); };
+  const checkpoints = new CheckpointsPanel(store, openDraft);
   const artifacts = new ArtifactsPanel(jobId);
-  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, artifacts: artifacts.el, spec: h("div")};
+  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, checkpoints: checkpoints.el, artifacts: artifacts.el,
+    spec: h("div")};
   let job = null;
   let progress = null;  // the last progress event's data {done, total, unit}
   let stopped = false;
@@ -31,7 +35,8 @@ export function renderJob(root, {params: [jobId], query}) {
   const head = h("div", {class: "job-head"});
   const overview = h("div", {class: "overview"});
   const live = h("span", {class: "live", id: "stream-status"});
-  const tabBar = h("nav", {class: "tabs"}, TABS.map((t) => h("button", {dataset: {tab: t}, onclick: () => showTab(t)}, t)));
+  const tabBar = h("nav", {class: "tabs", "aria-label": "Job sections"},
+    TABS.map((t) => h("button", {type: "button", dataset: {tab: t}, onclick: () => showTab(t)}, t)));
   const tabBody = h("div", {class: "tab-body"}, Object.values(panels));
   root.append(h("section", {class: "card"}, head, overview), h("section", {class: "card"}, h("div", {class: "tab-row"}, tabBar, live), tabBody));
 
@@ -40,11 +45,15 @@ export function renderJob(root, {params: [jobId], query}) {
   function showTab(tab) {
     ui.tab = tab;
     saveQuery();
-    tabBar.querySelectorAll("button").forEach((b) => b.classList.toggle("active", b.dataset.tab === tab));
+    tabBar.querySelectorAll("button").forEach((b) => {
+      b.classList.toggle("active", b.dataset.tab === tab);
+      b.setAttribute("aria-current", b.dataset.tab === tab ? "page" : "false");
+    });
     for (const [name, el] of Object.entries(panels)) el.hidden = name !== tab;
     metrics.setVisible(tab === "metrics");
     if (tab === "artifacts") artifacts.load();
     if (tab === "logs") logs.scroll();
+    if (tab === "checkpoints" && job) checkpoints.render(job);
   }
 
   async function refresh() {
@@ -57,9 +66,8 @@ export function renderJob(root, {params: [jobId], query}) {
     renderHead();
     renderOverview();
     if (job.kind === "pipeline") metrics.empty.textContent = "A pipeline's metrics, logs and artifacts belong to its steps' jobs (linked above).";
-    fill(panels.spec, h("div", {class: "toolbar"},
-      h("button", {onclick: () => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(job.spec, null, 2)); go("#/submit"); }}, "Edit & resubmit")),
-    h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2)));
+    renderSpec(panels.spec, job, h("button", {onclick: () => openDraft(job.spec)}, "Edit & resubmit"));
+    checkpoints.render(job);
   }
 
   let armedUntil = 0;  // two clicks within 4 s cancel, so a stray click never cancels a day of training
@@ -183,7 +191,11 @@ export function renderJob(root, {params: [jobId], query}) {
       } else if (m.event === "end") ended = true;
     }
     if (newLogs.length) logs.add(newLogs);
-    if (newEvents.length) events.add(newEvents);
+    if (newEvents.length) {
+      events.add(newEvents);
+      checkpoints.add(newEvents);
+      if (job && newEvents.some((e) => e.type === "checkpoint")) checkpoints.render(job);
+    }
     metrics.changed();
     if (job && (messages.some((m) => m.event === "metric") || newEvents.length)) {
       const bar = progressBar(), old = overview.querySelector("#progress");

@@ -15,7 +15,15 @@ const MAIN = [
   {title: "Tokens/s", match: (n) => n === "tokens_per_s"},
   {title: "Memory (MB)", match: (n) => n.startsWith("mem_")},
 ];
-const NOT_CHARTED = new Set(["iteration"]);  // the step axis itself
+// Device telemetry (worker/telemetry.py): its step is seconds since the node started, so these charts keep the
+// step axis whatever the x-axis control says.
+const DEVICES = [
+  {title: "Device utilisation (%)", match: (n) => n === "sys_util_pct"},
+  {title: "Device memory (MB)", match: (n) => n === "sys_mem_used_mb" || n === "sys_mem_total_mb"},
+  {title: "Device temperature (°C)", match: (n) => n === "sys_temp_c"},
+  {title: "Device power (W)", match: (n) => n === "sys_power_w"},
+];
+const NOT_CHARTED = new Set(["iteration", "sys_device_id"]);  // the step axis itself; the device's id on its host
 
 /** The chart controls of a page: smoothing slider and x axis select, bound to view = {smooth, xMode, logY}. */
 export function viewControls(view, onChange, store = null, {axes = true} = {}) {
@@ -50,9 +58,14 @@ export class MetricsPanel {
     this.more = h("div", {class: "charts"});
     this.moreBox = h("details", {class: "more", hidden: true}, h("summary", {}, "More metrics"), this.more);
     this.flat = h("p", {class: "muted small flat-charts", id: "flat-charts", hidden: true});
+    this.deviceView = {...this.view, xMode: "step"};
+    this.devices = h("div", {class: "charts", id: "device-charts"});
+    this.devicesBox = h("section", {class: "devices-box", hidden: true, "aria-label": "Device telemetry"},
+      h("h3", {}, "Devices ", h("span", {class: "muted small"}, "(sampled by the worker; x: seconds since the node started)")), this.devices);
     this.empty = h("p", {class: "muted"}, "No metrics yet. Training and evaluation jobs report a point per logged step; ",
       "preprocess and convert jobs report progress events instead.");
-    this.el = h("div", {class: "metrics-panel"}, this.empty, this.controls.el, this.latest, this.main, this.moreBox, this.flat);
+    this.el = h("div", {class: "metrics-panel"}, this.empty, this.controls.el, this.latest, this.main, this.devicesBox, this.moreBox,
+      this.flat);
     this.frame = 0;
     this.visible = false;
     this.moreBox.addEventListener("toggle", () => this.update());
@@ -66,6 +79,7 @@ export class MetricsPanel {
   /** A control changed: every chart rebuilds (series count, scales) and the URL follows. */
   rebuild() {
     this.view.changed();
+    this.deviceView.smooth = this.view.smooth;
     this.charts.forEach((c) => c.build());
   }
 
@@ -79,6 +93,11 @@ export class MetricsPanel {
     const all = [...this.store.series.values()].filter((s) => !NOT_CHARTED.has(s.name));
     const byRank = (a, b) => (a.name === b.name ? (a.rank ?? -1) - (b.rank ?? -1) : a.name.localeCompare(b.name));
     const used = new Set();
+    const devices = DEVICES.map((g) => {
+      const series = all.filter((s) => g.match(s.name)).sort(byRank);
+      series.forEach((s) => used.add(s));
+      return {title: g.title, series, parent: this.devices, view: this.deviceView};
+    }).filter((g) => g.series.length);
     const main = MAIN.map((g) => {
       const series = all.filter((s) => g.match(s.name)).sort(byRank);
       series.forEach((s) => used.add(s));
@@ -88,11 +107,11 @@ export class MetricsPanel {
     for (const s of all) if (!used.has(s)) rest.set(s.name, [...(rest.get(s.name) || []), s]);
     const more = [...rest.entries()].sort(([a], [b]) => a.localeCompare(b))
       .map(([name, series]) => ({title: name, series: series.sort(byRank), parent: this.more}));
-    return {main, more};
+    return {main, more, devices};
   }
 
   update() {
-    const {main, more} = this.groups();
+    const {main, more, devices} = this.groups();
     const folded = [];
     const keep = (g) => {
       const flat = flatness(g.series);
@@ -103,33 +122,44 @@ export class MetricsPanel {
       return false;
     };
     const shownMain = main.filter(keep), shownMore = more.filter(keep);
-    this.empty.hidden = main.length + more.length > 0;
+    this.devicesBox.hidden = !devices.length;
+    this.empty.hidden = main.length + more.length + devices.length > 0;
     this.controls.el.hidden = !this.empty.hidden;
     this.controls.refresh();
     this.moreBox.hidden = shownMore.length === 0;
     this.moreBox.querySelector("summary").textContent = `More metrics (${shownMore.length})`;
     this.flat.hidden = !folded.length;
     this.flat.textContent = `Not charted (empty or constant): ${folded.join("; ")}`;
-    const wanted = this.moreBox.open ? [...shownMain, ...shownMore] : shownMain;
+    const wanted = [...shownMain, ...devices, ...(this.moreBox.open ? shownMore : [])];
     for (const g of wanted) {
       const chart = this.charts.get(g.title);
       if (chart) { chart.setSeries(g.series); chart.invalidate(); }
-      else this.charts.set(g.title, new LiveChart(g.parent, g.title, g.series, {view: this.view}));
+      else this.charts.set(g.title, new LiveChart(g.parent, g.title, g.series, {view: g.view || this.view}));
     }
+    this.keepOrder(wanted);
     this.renderLatest(main);
+  }
+
+  /** Charts in their group order (loss first), whatever order their first points arrived in. */
+  keepOrder(groups) {
+    for (const parent of [this.main, this.devices, this.more]) {
+      const want = groups.filter((g) => g.parent === parent).map((g) => this.charts.get(g.title).el);
+      if (want.some((el, i) => parent.children[i] !== el)) parent.append(...want);
+    }
   }
 
   renderLatest(main) {
     const cells = main.flatMap((g) => g.series.filter((s) => s.rank === null || s.rank === 0).slice(0, 3))
       .filter((s) => s.n)
       .map((s) => h("div", {class: "stat"}, h("span", {class: "muted"}, s.label), h("b", {}, num(s.last()))));
-    const steps = [...this.store.series.values()].reduce((m, s) => (s.n ? Math.max(m, s.x[s.n - 1]) : m), -Infinity);
-    fill(this.latest, steps > -Infinity ? h("div", {class: "stat"}, h("span", {class: "muted"}, "step"), h("b", {}, num(steps))) : null, cells);
+    const step = this.lastStep();
+    fill(this.latest, step !== null ? h("div", {class: "stat"}, h("span", {class: "muted"}, "step"), h("b", {}, num(step))) : null, cells);
   }
 
+  /** The last training step (device telemetry counts seconds, not steps). */
   lastStep() {
     let step = null;
-    for (const s of this.store.series.values()) if (s.n) step = Math.max(step ?? -Infinity, s.x[s.n - 1]);
+    for (const s of this.store.series.values()) if (s.n && !s.name.startsWith("sys_")) step = Math.max(step ?? -Infinity, s.x[s.n - 1]);
     return step;
   }
 
