@@ -43,6 +43,23 @@ def test_ema_is_tensorboards_debiased_average_and_skips_gaps() -> None:
     assert got["w0"] == [4, 2, None, 8, 1]
 
 
+def test_live_smoothing_extends_the_cached_average_exactly() -> None:
+    got = _run("""
+        const s = new Series("loss", null);
+        const value = (i) => 5 * Math.exp(-i / 50) + Math.sin(i) + (i % 17 === 0 ? NaN : 0);
+        for (let i = 1; i <= 200; i++) s.push(i, value(i));
+        const first = T.smoothed(s, 0.9);
+        for (let i = 201; i <= 250; i++) { s.push(i, value(i)); T.smoothed(s, 0.9); }  // one point at a time, live
+        const live = T.smoothed(s, 0.9), full = T.ema(s, 0.9);
+        s.push(150, 1);  // a restart from step 150 cuts the series: the average starts over
+        const cut = T.smoothed(s, 0.9);
+        const same = (a, b, n) => Array.from({length: n}, (_, i) => Number.isNaN(a[i]) ? Number.isNaN(b[i]) : Math.abs(a[i] - b[i]) < 1e-12).every(Boolean);
+        console.log(JSON.stringify({sameObject: first === live, n: live.n, equal: same(live.y, full, 250),
+                                    cutN: cut.n, cutEqual: same(cut.y, T.ema(s, 0.9), cut.n)}));
+    """)
+    assert got == {"sameObject": True, "n": 250, "equal": True, "cutN": 150, "cutEqual": True}  # 250: within capacity
+
+
 def test_x_axes_map_steps_to_time_and_tokens_and_back() -> None:
     got = _run("""
         const store = new MetricStore();

@@ -8,26 +8,44 @@ export const X_MODES = {
 };
 
 /** TensorBoard's smoothing: an EMA debiased by 1 - w^k so the first points are not pulled towards zero.
- * NaN/null points stay gaps and do not enter the average. Returns a Float64Array of length s.n. */
-export function ema(s, weight) {
-  const out = new Float64Array(s.n);
-  let last = 0, k = 0;
-  for (let i = 0; i < s.n; i++) {
+ * NaN/null points stay gaps and do not enter the average. Fills out[from:s.n) continuing from `state`
+ * ({last, k, power}, updated in place) and returns out. */
+function emaInto(s, weight, out, from, state) {
+  let {last, k, power} = state;
+  for (let i = from; i < s.n; i++) {
     const v = s.y[i];
     if (!Number.isFinite(v)) { out[i] = NaN; continue; }
     last = last * weight + (1 - weight) * v;
     k += 1;
-    out[i] = weight >= 1 ? v : last / (1 - weight ** k);
+    power *= weight;  // weight ** k without a pow per point
+    out[i] = weight >= 1 ? v : last / (1 - power);
   }
+  Object.assign(state, {last, k, power});
   return out;
 }
 
-/** A series' smoothed twin, recomputed only when the series grew or the weight changed. */
+/** The smoothed values of a whole series (a Float64Array of length s.n). */
+export function ema(s, weight) {
+  return emaInto(s, weight, new Float64Array(s.n), 0, {last: 0, k: 0, power: 1});
+}
+
+/** A series' smoothed twin. A live series only grows, so new points extend the cached average (O(new points));
+ * a restart cut, a new weight or reallocated arrays start it over. */
 export function smoothed(s, weight) {
   const c = s.smoothCache;
-  if (c && c.weight === weight && c.n === s.n && c.x === s.x && c.cuts === s.cuts) return c.view;
-  const view = {x: s.x, y: ema(s, weight), n: s.n, t: s.t};
-  s.smoothCache = {weight, n: s.n, x: s.x, cuts: s.cuts, view};
+  if (c && c.weight === weight && c.x === s.x && c.cuts === s.cuts && c.n <= s.n) {
+    if (c.n < s.n) {
+      emaInto(s, weight, c.out, c.n, c.state);
+      c.n = s.n;
+      c.view.n = s.n;
+    }
+    return c.view;
+  }
+  const out = new Float64Array(s.x.length);  // the series' capacity: appends fit until it reallocates
+  const state = {last: 0, k: 0, power: 1};
+  emaInto(s, weight, out, 0, state);
+  const view = {x: s.x, y: out, n: s.n, t: s.t};
+  s.smoothCache = {weight, n: s.n, x: s.x, cuts: s.cuts, out, state, view};
   return view;
 }
 
