@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
-    for router in (health.router, jobs.router, observe.router, hosts.router, webhooks.router, prometheus.router,
+    for router in (health.router, jobs.router, observe.router, observe.latest_router, hosts.router, webhooks.router, prometheus.router,
                    downloads.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -174,3 +174,18 @@ class CheckpointPublic(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+class JobLatest(BaseModel):
+    job_id: str
+    step: int | None = Field(description="the last step with any metric point (null before the first)")
+    values: dict[str, float | None] = Field(description="the last job-wide value of each asked metric that has one")
+    value_steps: dict[str, int] = Field(description="the step of each value")
+    progress: dict[str, Any] | None = Field(description="the data of the job's last progress event")
+    devices: dict[int, dict[str, float | None]] | None = Field(
+        None, description="with devices=true: each device's newest telemetry (sys_* metrics) by device index")
+
+
+class JobLatestList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobLatest]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
@@ -37,11 +38,14 @@ def metrics_page(session: Session, job_id: str, *, since_step: int, names: list[
     return rows, has_more
 
 
-def logs_page(session: Session, job_id: str, *, stream: str, offset: int, limit: int) -> tuple[list[LogLine], bool]:
-    """Lines of one stream from line number ``offset`` on."""
-    query = (select(LogLine).where(LogLine.job_id == job_id, LogLine.stream == stream, LogLine.seq >= offset)
-             .order_by(LogLine.seq))
-    return fetch_page(session, query, limit)
+def logs_page(session: Session, job_id: str, *, stream: str, offset: int, limit: int,
+              q: str | None = None) -> tuple[list[LogLine], bool]:
+    """Lines of one stream from line number ``offset`` on; with ``q`` only those containing it (any case, taken
+    literally: % and _ are not wildcards)."""
+    query = select(LogLine).where(LogLine.job_id == job_id, LogLine.stream == stream, LogLine.seq >= offset)
+    if q:
+        query = query.where(LogLine.text.icontains(q, autoescape=True))
+    return fetch_page(session, query.order_by(LogLine.seq), limit)
 
 
 def artifacts(session: Session, job_id: str) -> list[Artifact]:
@@ -80,3 +84,41 @@ def train_progress(session: Session, job_ids: list[str]) -> dict[str, tuple[int,
     query = (select(per_step.c.job_id, func.sum(per_step.c.tokens), func.max(per_step.c.step), func.max(per_step.c.time))
              .group_by(per_step.c.job_id))
     return {job_id: (int(tokens or 0), int(step), when) for job_id, tokens, step, when in session.execute(query)}
+
+
+def latest_values(session: Session, job_id: str, names: list[str]) -> dict[str, tuple[int, float | None]]:
+    """The last job-wide point of each named metric: name -> (step, value). One indexed backward scan per name, so
+    a long run costs no more than a short one (the job list asks this for every row it shows)."""
+    out: dict[str, tuple[int, float | None]] = {}
+    for name in names:
+        row = session.execute(select(MetricPoint.step, MetricPoint.value)
+                              .where(MetricPoint.job_id == job_id, MetricPoint.name == name, MetricPoint.rank.is_(None))
+                              .order_by(MetricPoint.step.desc(), MetricPoint.id.desc()).limit(1)).first()
+        if row is not None:
+            out[name] = (row.step, row.value)
+    return out
+
+
+def last_step(session: Session, job_id: str) -> int | None:
+    return session.scalar(select(MetricPoint.step).where(MetricPoint.job_id == job_id)
+                          .order_by(MetricPoint.step.desc()).limit(1))
+
+
+def last_event_data(session: Session, job_id: str, type_: str) -> dict[str, Any] | None:
+    """The data of the job's newest event of one type (e.g. the last ``progress``)."""
+    return session.scalar(select(Event.data).where(Event.job_id == job_id, Event.type == type_)
+                          .order_by(Event.id.desc()).limit(1))
+
+
+def latest_device_values(session: Session, job_id: str, scan: int = 400) -> dict[int, dict[str, float | None]]:
+    """Each device's newest telemetry (``sys_*`` points, keyed by their device index), from the job's last ``scan``
+    such points: the worker writes one line per device every few seconds, so that covers the last sample."""
+    rows = session.execute(select(MetricPoint.rank, MetricPoint.name, MetricPoint.value)
+                           .where(MetricPoint.job_id == job_id, MetricPoint.rank.is_not(None),
+                                  MetricPoint.name.startswith("sys_"))
+                           .order_by(MetricPoint.id.desc()).limit(scan)).all()
+    out: dict[int, dict[str, float | None]] = {}
+    for rank, name, value in rows:
+        if rank is not None:  # always, by the query; says so to the type checker
+            out.setdefault(rank, {}).setdefault(name, value)  # newest first: the first seen wins
+    return out

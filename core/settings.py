@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(5.0, gt=0)
     host_stale_after_s: float = Field(30.0, gt=0, description="A host without a heartbeat for this long counts as down.")
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
+    telemetry_interval_s: float = Field(5.0, ge=0, description="How often workers sample a running job's devices "
+                                                               "(utilisation, memory, temperature, power); 0 = off.")
     stream_poll_s: float = Field(1.0, gt=0, description="SSE re-check interval (a fallback when Redis pushes).")
     queue_prefix: str = Field("llmjobs", description="Jobs go to <prefix>.<device_type>; hosts also read host.<name>.")
     worker_name: str = Field(default_factory=socket.gethostname)

@@ -23,6 +23,7 @@ from core.pubsub import notify
 MAX_BYTES_PER_POLL = 4 << 20  # bounds one transaction; the rest comes next poll
 MAX_LINE_CHARS = 16_000
 LEVELS = {"error": "error", "warning": "warn"}
+TELEMETRY_GLOB = "telemetry-node*.jsonl"  # written by worker.telemetry, in metrics.jsonl's shape
 
 
 class FileTail:
@@ -108,6 +109,8 @@ class RunIngestor:
             self._tails[name] = self._tail_from_end(self.run_dir / name)
         for path in sorted((self.run_dir / "logs").glob("*.log")):
             self._tails[f"logs/{path.name}"] = self._tail_from_end(path)
+        for path in sorted(self.run_dir.glob(TELEMETRY_GLOB)):
+            self._tails[path.name] = self._tail_from_end(path)
 
     @staticmethod
     def _tail_from_end(path: Path) -> FileTail:
@@ -116,6 +119,8 @@ class RunIngestor:
     def _discover_logs(self) -> None:
         for path in sorted((self.run_dir / "logs").glob("*.log")):
             self._tails.setdefault(f"logs/{path.name}", FileTail(path))  # a file created during this attempt
+        for path in sorted(self.run_dir.glob(TELEMETRY_GLOB)):
+            self._tails.setdefault(path.name, FileTail(path))  # the worker's device samples (worker.telemetry)
 
     def _next_seq(self, session: Any, stream: str) -> int:
         if stream not in self._log_seq:
@@ -142,6 +147,9 @@ class RunIngestor:
         reads = {key: tail.read_lines(final) for key, tail in self._tails.items()}
         events = _json_lines(reads["events.jsonl"][0])
         metrics = metric_rows(self.job_id, _json_lines(reads["metrics.jsonl"][0]))
+        for key, (lines, _) in reads.items():
+            if key.startswith("telemetry"):
+                metrics += metric_rows(self.job_id, _json_lines(lines))
         try:
             with session_scope(self.database_url) as session:
                 logs = [{"job_id": self.job_id, "stream": key[5:-4][:32], "seq": self._next_seq(session, key[5:-4]),

@@ -35,6 +35,7 @@ from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
 from worker.leases import NODE_ENV, node_token, release_node, running_here
 from worker.supervisor import Supervised
+from worker.telemetry import start_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -212,12 +213,17 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
         return launch_failed(settings, work, err)
+    telemetry = None
     try:
+        telemetry = start_telemetry(work.run_dir, work.node_rank, work.spec["resources"]["device_type"], work.devices,
+                                    proc.pid, settings.telemetry_interval_s)
         mark_running(settings, work, proc.pid, plan.argv, host)
         notify(settings.redis_url, job_id, state=1)
         advance_parent(settings, job_id)  # a pipeline runs once its step does
         code, stop = watch_node(settings, work, proc, ingestor)
     finally:
+        if telemetry is not None:
+            telemetry.stop()
         if proc.poll() is None:  # an exception above: never leave the engine running unsupervised
             proc.terminate(settings.cancel_grace_s)
     if ingestor is not None:

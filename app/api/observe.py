@@ -15,6 +15,8 @@ from app.schemas import (
     ArtifactPublic,
     CheckpointPublic,
     EventPublic,
+    JobLatest,
+    JobLatestList,
     ListPage,
     LogLinePublic,
     LogsPage,
@@ -28,6 +30,7 @@ from core.errors import ApiError
 from core.jobs import get_visible_job
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
+latest_router = APIRouter(prefix="/v1", tags=["observe"])
 
 
 @router.get("/events", response_model=ListPage[EventPublic], responses=ERRORS)
@@ -81,13 +84,14 @@ def list_logs(
     stream: Annotated[str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")] = None,
     offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="first line number to return")] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    q: Annotated[str | None, Query(max_length=200, description="only lines containing this text (any case)")] = None,
 ) -> LogsPage:
-    """Log lines of one stream, from line ``offset`` on."""
+    """Log lines of one stream, from line ``offset`` on; with ``q``, the lines that contain it (search)."""
     get_visible_job(session, job_id, principal)
     if rank is not None and stream is not None:
         raise ApiError(400, "bad_request", "rank: give rank or stream, not both", "rank")
     name = f"rank{rank}" if rank is not None else (stream or "launcher")
-    rows, has_more = records.logs_page(session, job_id, stream=name, offset=offset, limit=limit)
+    rows, has_more = records.logs_page(session, job_id, stream=name, offset=offset, limit=limit, q=q)
     data = [LogLinePublic.model_validate(r) for r in rows]
     return LogsPage(data=data, has_more=has_more, next_offset=data[-1].seq + 1 if data else offset)
 
@@ -127,3 +131,30 @@ def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep) 
     job = get_visible_job(session, job_id, principal)
     data = [CheckpointPublic(**c) for c in checkpoints.list_checkpoints(session, job)]
     return ListPage[CheckpointPublic](data=data, has_more=False)
+
+
+@latest_router.get("/metrics/latest", response_model=JobLatestList, responses=ERRORS)
+def latest_metrics(
+    session: SessionDep, principal: PrincipalDep,
+    ids: Annotated[str, Query(max_length=200 * 37, description="comma-separated job ids (at most 200)")],
+    names: Annotated[str, Query(max_length=1000, description="comma-separated metric names, e.g. lm_loss,loss")] = "lm_loss",
+    devices: Annotated[bool, Query(description="also each device's newest telemetry (the hosts page)")] = False,
+) -> JobLatestList:
+    """Per job: its last step, the last job-wide value of each named metric and its last progress event (the job
+    list's progress and latest-loss columns). Jobs you cannot see are left out, as unknown ones are."""
+    wanted_ids = [i.strip() for i in ids.split(",") if i.strip()]
+    wanted = [n.strip() for n in names.split(",") if n.strip()][:20]
+    if len(wanted_ids) > 200:
+        raise ApiError(400, "bad_request", "ids: at most 200 job ids", "ids")
+    out = []
+    for job_id in dict.fromkeys(wanted_ids):
+        try:
+            get_visible_job(session, job_id, principal)
+        except ApiError:
+            continue
+        values = records.latest_values(session, job_id, wanted)
+        out.append(JobLatest(job_id=job_id, step=records.last_step(session, job_id),
+                             values={k: v for k, (_, v) in values.items()}, value_steps={k: s for k, (s, _) in values.items()},
+                             progress=records.last_event_data(session, job_id, "progress"),
+                             devices=records.latest_device_values(session, job_id) if devices else None))
+    return JobLatestList(data=out)

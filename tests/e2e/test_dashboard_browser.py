@@ -24,6 +24,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOT = Path("/tmp/llmjobs-dashboard.png")
+# Screenshots at a phone's and a laptop's width (the test prints where); LLMJOBS_TEST_ARTIFACTS moves them.
+ARTIFACTS = Path(os.environ.get("LLMJOBS_TEST_ARTIFACTS", "/tmp/llmjobs-dashboard-artifacts"))
+AXE = Path(__file__).parent / "vendor" / "axe.min.js"  # axe-core (MPL-2.0), test-only
 JOB_TIMEOUT_MS = 150_000
 # A real model shape with Qwen3's vocabulary (the demo data is tokenized with the real Qwen3 tokenizer), tiny widths.
 TINY_TRAIN: dict[str, Any] = {
@@ -107,6 +110,191 @@ def _blue_pixels(page: Any, chart: str) -> int:
     }""", chart)
 
 
+def _set_range(page: Any, selector: str, value: float) -> None:
+    page.eval_on_selector(selector, """(el, v) => { el.value = String(v); el.dispatchEvent(new Event("input"));
+        el.dispatchEvent(new Event("change")); }""", value)
+
+
+def _chart_controls(page: Any, train_id: str) -> None:
+    """Smoothing adds a faint raw twin per line, log y and the x axis go into the URL, a zoom survives a redraw,
+    a hidden series stays hidden, a chart's CSV export holds exactly its points, empty/constant charts are folded."""
+    loss = '.chart[data-chart="Loss"]'
+    series = int(page.get_attribute(loss, "data-lines"))
+    _set_range(page, "#smooth", 0.6)
+    page.wait_for_selector(f'{loss}[data-lines="{2 * series}"]')
+    assert "smooth=0.6" in page.url
+    page.check(f"{loss} input.log-y")
+    page.wait_for_selector(f'{loss}[data-log-y="true"]')
+    assert "logy=Loss" in page.url
+    page.select_option("#x-axis", "relative")
+    page.wait_for_selector(f'{loss}[data-x-axis="relative"]')
+    assert page.is_disabled('#x-axis option[value="tokens"]') is False  # the train job reports `tokens`
+    # Zoom to steps 2..5 (as a drag does), then a redraw as a live update would: the zoom stays.
+    over = page.locator('.chart[data-chart="Grad norm"] .u-over')
+    over.scroll_into_view_if_needed()
+    box = over.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + 20)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
+    page.mouse.up()
+    page.wait_for_function("document.querySelector('.chart[data-chart=\"Grad norm\"]').dataset.zoom !== ''")
+    zoom = page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom")
+    page.select_option("#x-axis", "step")
+    page.wait_for_selector(f'{loss}[data-x-axis="step"]')
+    assert page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom") == zoom
+    lo, hi = (float(v) for v in zoom.split(","))
+    with page.expect_download() as download:
+        page.click('.chart[data-chart="Grad norm"] button.export-csv')
+    rows = Path(download.value.path()).read_text().splitlines()
+    assert rows[0] == "series,run,step,x,value,smoothed"
+    steps = [int(r.split(",")[2]) for r in rows[1:]]
+    assert steps == [s for s in range(1, 7) if lo <= s <= hi] and steps, (zoom, rows)
+    page.dblclick('.chart[data-chart="Grad norm"] .u-over')
+    page.wait_for_function("document.querySelector('.chart[data-chart=\"Grad norm\"]').dataset.zoom === ''")
+    # Hiding a line in the legend hides its raw twin too and survives a rebuild (smoothing off again).
+    page.click(f"{loss} .u-legend tr.u-series:nth-child(2)")
+    page.wait_for_selector(f'{loss}[data-hidden="lm_loss"]')
+    with page.expect_download() as download:
+        page.click(f"{loss} button.export-json")
+    assert json.loads(Path(download.value.path()).read_text())["series"] == []
+    _set_range(page, "#smooth", 0)
+    page.wait_for_selector(f'{loss}[data-lines="{series}"]')
+    assert page.locator(f"{loss} .u-legend tr.u-series.u-off").count() == 1
+    page.click(f"{loss} .u-legend tr.u-series:nth-child(2)")
+    # mfu has no value on CPU, global_batch_size is constant: folded into one line, not charted.
+    page.click("details.more summary")
+    folded = page.inner_text("#flat-charts")
+    assert "mfu: no value" in folded and "global_batch_size: constant 4" in folded
+    assert page.locator('.chart[data-chart="mfu"]').count() == 0
+    page.uncheck(f"{loss} input.log-y")
+    page.wait_for_selector(f'{loss}[data-log-y="false"]')
+
+
+def _job_panels(page: Any, train_id: str) -> None:
+    """Device telemetry charts, events filtered by type, server-side log search, first error, the checkpoints panel
+    with an action that pre-fills the submit form, and the effective configuration."""
+    for chart in ("Device utilisation (%)", "Device memory (MB)"):  # the worker's CPU sampler, every 5 s
+        assert int(page.get_attribute(f'#device-charts .chart[data-chart="{chart}"]', "data-points")) >= 1, chart
+    page.focus('button[data-tab="events"]')
+    page.keyboard.press("Enter")  # tabs are buttons: the keyboard opens them
+    page.wait_for_selector('#event-types label[data-type="checkpoint"]')
+    assert not page.is_checked('#event-types label[data-type="progress"] input')  # progress folded by default
+    assert page.locator('table.events tr[data-type="progress"]:not([hidden])').count() == 0
+    assert page.locator('table.events tr[data-type="checkpoint"]:not([hidden])').count() == 2  # iterations 3 and 6
+    page.check('#event-types label[data-type="progress"] input')
+    assert page.locator('table.events tr[data-type="progress"]:not([hidden])').count() >= 6
+    page.uncheck('#event-types label[data-type="checkpoint"] input')
+    assert page.locator('table.events tr[data-type="checkpoint"]:not([hidden])').count() == 0
+
+    page.click('button[data-tab="logs"]')
+    page.wait_for_function("document.querySelector('pre.log').textContent.includes('iteration 6/')")
+    page.fill("#log-search", "ITERATION 4/")  # any case, searched by the server
+    page.press("#log-search", "Enter")
+    page.wait_for_selector("#log-hits li")
+    assert page.locator("#log-hits li").count() == 1 and "iteration 4/" in page.inner_text("#log-hits li")
+    page.click("#log-hits li button")
+    assert "iteration 4/" in page.inner_text("#log-mark")
+    page.click("#log-first-error")
+    page.wait_for_selector("#no-error")  # a clean run has none
+
+    page.click('button[data-tab="checkpoints"]')
+    page.wait_for_selector('#checkpoints tr[data-iteration="6"]')
+    assert page.locator("#checkpoints tbody tr").evaluate_all("rows => rows.map((r) => r.dataset.iteration)") == ["3", "6"]
+    loss6 = page.inner_text('#checkpoints tr[data-iteration="6"] td:nth-child(2)')
+    assert loss6 != "—"
+    page.click('#checkpoints tr[data-iteration="3"] button[data-action="evaluate"]')
+    page.wait_for_url(re.compile(r"#/submit"))
+    draft = json.loads(page.input_value("#spec"))
+    assert draft["kind"] == "eval" and draft["load"].endswith("-ckpt") and draft["metadata"]["from_iteration"] == 3
+    assert draft["hidden_size"] == TINY_TRAIN["hidden_size"]
+
+    page.goto(page.url.split("#")[0] + f"#/jobs/{train_id}?tab=spec")
+    page.wait_for_selector('#spec-effective tr[data-field="lr"]')
+    assert page.get_attribute('#spec-effective tr[data-field="lr"]', "data-source") == "set"
+    assert page.get_attribute('#spec-effective tr[data-field="rotary_base"]', "data-source") == "default"
+    assert page.inner_text('#spec-effective tr[data-field="rotary_base"] td') == "10000"
+
+
+def _compare_runs(page: Any, service: Service, train_id: str, train_b: str, name: str) -> None:  # noqa: F811
+    """The list filtered by metadata with its progress / latest loss / metadata columns, sorted by loss; the two
+    runs compared on one chart whose plotted series are read back against the API; the link reopens the same."""
+    with service.client() as client:
+        deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
+        while client.get(f"/v1/jobs/{train_b}").json()["state"] != "succeeded":
+            assert time.monotonic() < deadline, "the second run did not finish"
+            time.sleep(1)
+        losses = {job: [p["value"] for p in client.get(f"/v1/jobs/{job}/metrics", params={"names": "lm_loss"}).json()["data"]]
+                  for job in (train_id, train_b)}
+    page.goto(f"{service.url}/#/jobs?meta=sweep={name}&cols=sweep")
+    page.wait_for_selector(f'tr[data-job="{train_b}"] td[data-loss]')
+    page.wait_for_selector(f'tr[data-job="{train_id}"] td[data-loss]')
+    assert page.locator("tr[data-job]").count() == 2
+    assert page.inner_text(f'tr[data-job="{train_id}"] td[data-col="meta:sweep"]') == name
+    assert page.get_attribute(f'tr[data-job="{train_id}"] td[data-progress]', "data-progress") == "100"
+    for job in (train_id, train_b):
+        assert float(page.get_attribute(f'tr[data-job="{job}"] td[data-loss]', "data-loss")) == pytest.approx(losses[job][-1])
+    page.click('th[data-col="loss"] button')
+    assert "sort=loss" in page.url
+    order = page.locator("tr[data-job]").evaluate_all("rows => rows.map((r) => r.dataset.job)")
+    assert order == sorted((train_id, train_b), key=lambda j: losses[j][-1])
+    for job in (train_id, train_b):
+        page.check(f'tr[data-job="{job}"] input.select-job')
+    page.click("#compare-selected")
+    page.wait_for_url(re.compile(r"#/compare\?ids="))
+    for attempt in range(2):  # the page, then the same link reloaded
+        page.wait_for_selector('.compare-chart .chart[data-chart="lm_loss"][data-lines="2"]')
+        plotted = page.evaluate("""() => { const c = document.querySelector(".compare-chart .chart").chart;
+            return {labels: c.u.series.map((s) => s.label), data: c.u.data.map((a) => Array.from(a))}; }""")
+        assert plotted["data"][0] == [1, 2, 3, 4, 5, 6]
+        by_label = dict(zip(plotted["labels"][1:], plotted["data"][1:]))
+        for job, label_start in ((train_id, f"{name}-train "), (train_b, f"{name}-train-b ")):
+            label = next(lbl for lbl in by_label if lbl.startswith(label_start))
+            assert "lr=" in label  # the legend names the differing spec field
+            assert by_label[label] == pytest.approx(losses[job])
+        assert page.locator('#compare-diff tr[data-field="lr"]').count() == 1
+        best = min((train_id, train_b), key=lambda j: min(losses[j]))
+        assert page.locator("#compare-best tr.best").get_attribute("data-job") == best
+        if attempt == 0:
+            page.reload()
+    page.goto(f"{service.url}/#/compare?meta=sweep={name}")
+    page.wait_for_selector('.compare-chart .chart[data-lines="2"]')
+
+
+def _axe_violations(page: Any) -> list[dict[str, Any]]:
+    """axe-core's WCAG 2 A/AA violations on the page as it is now."""
+    page.add_script_tag(path=str(AXE))
+    return page.evaluate("""async () => (await axe.run(document, {runOnly: ["wcag2a", "wcag2aa"]})).violations
+        .map((v) => ({id: v.id, impact: v.impact, nodes: v.nodes.slice(0, 3).map((n) => n.html.slice(0, 160))}))""")
+
+
+def _screens_and_audit(page: Any, service: Service, train_id: str, train_b: str) -> None:  # noqa: F811
+    """Every view audited by axe-core; the job page and the comparison shot at 420 and 1440 px, neither scrolling
+    sideways (wide tables and charts scroll inside their own boxes)."""
+    views = [(f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'), (f"#/jobs/{train_id}?tab=logs", "pre.log"),
+             (f"#/jobs/{train_id}?tab=events", "#event-types label"), (f"#/jobs/{train_id}?tab=checkpoints", "#checkpoints"),
+             (f"#/jobs/{train_id}?tab=spec", "#spec-effective"), (f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart"),
+             ("#/jobs?cols=sweep", "tr[data-job]"), ("#/hosts", "tr[data-host]"), ("#/submit", ".reference dt")]
+    for route, ready in views:
+        page.goto(f"{service.url}/{route}")
+        page.wait_for_selector(ready)
+        assert _axe_violations(page) == [], route
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shots = []
+    for width in (420, 1440):
+        page.set_viewport_size({"width": width, "height": 900})
+        for label, route, ready in (("job", f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
+                                    ("compare", f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart")):
+            page.goto(f"{service.url}/{route}")
+            page.wait_for_selector(ready)
+            page.wait_for_timeout(300)  # the charts' first frame
+            assert page.evaluate("document.documentElement.scrollWidth") <= width, (label, width)
+            path = ARTIFACTS / f"dashboard-{label}-{width}px.png"
+            page.screenshot(path=str(path), full_page=True)
+            shots.append(str(path))
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    print("dashboard screenshots:", " ".join(shots))
+
+
 def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F811
     started = time.monotonic()
     # Sign in: an unknown token is refused, the admin token is kept in localStorage.
@@ -148,7 +336,13 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     # A real short train job on the form job's output (over HTTP), watched live on its page.
     with service.client() as client:
         data_path = client.get(f"/v1/jobs/{pre_id}").json()["result"]["outputs"]["data_path"]
-        created = client.post("/v1/jobs", json={**TINY_TRAIN, "name": f"{name}-train", "data_path": [data_path]})
+        # A second run of the same sweep (another lr) to compare with; it runs first on the one CPU slot.
+        sweep = {"data_path": [data_path], "metadata": {"sweep": name}}
+        other = client.post("/v1/jobs", json={**TINY_TRAIN, **sweep, "name": f"{name}-train-b", "lr": 1e-3})
+        assert other.status_code == 201, other.text
+        train_b = other.json()["id"]
+        created = client.post("/v1/jobs", json={**TINY_TRAIN, **sweep, "name": f"{name}-train", "save": f"demo/out/{name}-ckpt",
+                                                "save_interval": 3})
         assert created.status_code == 201, created.text
         train_id = created.json()["id"]
 
@@ -161,6 +355,9 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     assert page.locator(f'tr[data-job="{pre_id}"]').count() == 1 and "state=succeeded" in page.url
     page.goto(f"{service.url}/#/hosts")
     page.wait_for_selector('tr[data-host="e2e-host"] .badge.health-up')
+    # While the two train jobs run one after the other, the held device shows its newest telemetry (5 s samples).
+    stats = page.wait_for_selector('tr[data-host="e2e-host"] .device-stats', timeout=JOB_TIMEOUT_MS).inner_text()
+    assert re.fullmatch(r"\d+% · \d+\.\d/\d+ GB", stats), stats
 
     page.goto(f"{service.url}/#/jobs/{train_id}")
     _wait_state(page, "succeeded")
@@ -172,6 +369,12 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
         assert int(page.get_attribute(f'.chart[data-chart="{chart}"]', "data-points")) >= 6, chart
     assert _blue_pixels(page, "Loss") > 50
     assert "6 / 6 iterations" in page.inner_text("#progress")
+    _chart_controls(page, train_id)
+    _job_panels(page, train_id)
+    _compare_runs(page, service, train_id, train_b, name)
+    _screens_and_audit(page, service, train_id, train_b)
+    page.goto(f"{service.url}/#/jobs/{train_id}")
+    page.wait_for_selector('.chart[data-chart="Loss"]')
     page.screenshot(path=str(SCREENSHOT), full_page=True)
 
     # The page's stream client (fetch + Authorization header, no token in the URL) resumes after an id exactly, and
@@ -252,11 +455,13 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     page.click("#page-older")
     page.wait_for_selector(f'tr[data-job="{train_id}"]')
     page.click("#page-older")
+    page.wait_for_selector(f'tr[data-job="{train_b}"]')
+    page.click("#page-older")
     page.wait_for_selector(f'tr[data-job="{pre_id}"]')
     assert page.is_disabled("#page-older")
     page.click("#page-newer")
-    page.wait_for_selector(f'tr[data-job="{train_id}"]')
-    assert time.monotonic() - started < 150
+    page.wait_for_selector(f'tr[data-job="{train_b}"]')
+    assert time.monotonic() - started < 450
 
 
 def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, service: Service) -> None:  # noqa: F811
@@ -311,3 +516,36 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
     # Zoomed to 600 steps on an 800-pixel chart: every point, the spike included (plus one neighbour each side).
     assert result["zoomLen"] == 603 and result["zoomHasSpike"]
     assert result["medianMs"] < 250, result
+
+    # The compare chart's worst case: 5 runs x 100,000 points, raw and smoothed (TensorBoard's EMA, raw line kept),
+    # a full redraw and a live one (one new point per run, so the EMA is recomputed). Printed, not asserted.
+    redraw = page.evaluate("""async () => {
+        const {Series} = await import("/ui/js/series.js");
+        const {LiveChart, plainView} = await import("/ui/js/chart.js");
+        const runs = [];
+        for (let r = 0; r < 5; r++) {
+            const s = new Series("lm_loss", null);
+            s.display = `run ${r}`;
+            for (let i = 1; i <= 100000; i++) s.push(i, (10 + r) * Math.exp(-i / 30000) + 0.3 * Math.sin(i * (r + 1)));
+            runs.push(s);
+        }
+        const host = document.createElement("div");
+        host.style.width = "1200px";
+        document.body.append(host);
+        const median = (fn) => { const t = []; for (let k = 0; k < 9; k++) { const a = performance.now(); fn(); t.push(performance.now() - a); }
+                                 return t.sort((a, b) => a - b)[4]; };
+        const view = plainView();
+        const chart = new LiveChart(host, "compare bench", runs, {view, height: 320});
+        const raw = median(() => chart.draw());
+        view.smooth = 0.6;
+        chart.build();
+        const smooth = median(() => chart.draw());
+        let step = 100000;
+        const live = median(() => { step += 1; runs.forEach((s) => s.push(step, 1)); chart.draw(); });
+        return {raw, smooth, live, drawn: Number(chart.el.dataset.drawn), lines: Number(chart.el.dataset.lines),
+                columns: Math.round(chart.u.bbox.width / devicePixelRatio)};
+    }""")
+    print(f"redraw of 5 runs x 100,000 points ({redraw['columns']} px): median {redraw['raw']:.1f} ms raw, "
+          f"{redraw['smooth']:.1f} ms smoothed ({redraw['lines']} lines, {redraw['drawn']} x positions drawn), "
+          f"{redraw['live']:.1f} ms per live update with smoothing")
+    assert redraw["lines"] == 10 and redraw["drawn"] <= 2 * (redraw["columns"] + 2)

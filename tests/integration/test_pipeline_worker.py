@@ -61,7 +61,8 @@ def tiny_data(settings: Settings) -> str:
 
 def metric_count(settings: Settings, job_id: str) -> int:
     with session_scope(settings.database_url) as session:
-        return session.scalar(select(func.count()).where(MetricPoint.job_id == job_id)) or 0
+        return session.scalar(select(func.count()).where(  # the engine's points, not the worker's sys_* telemetry
+            MetricPoint.job_id == job_id, MetricPoint.name.not_like("sys\\_%", escape="\\"))) or 0
 
 
 def children(settings: Settings, pipeline_id: str) -> list[Job]:

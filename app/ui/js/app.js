@@ -9,6 +9,7 @@ import {renderJobs} from "./views/jobs.js";
 import {renderJob} from "./views/job.js";
 import {renderSubmit} from "./views/submit.js";
 import {renderHosts} from "./views/hosts.js";
+import {renderCompare} from "./views/compare.js";
 
 const ROUTES = [
   [/^\/login$/, renderLogin, "login"],
@@ -16,6 +17,7 @@ const ROUTES = [
   [/^\/jobs\/([^/]+)$/, renderJob, "jobs"],
   [/^\/submit$/, renderSubmit, "submit"],
   [/^\/hosts$/, renderHosts, "hosts"],
+  [/^\/compare$/, renderCompare, "compare"],
 ];
 
 let cleanup = null;

@@ -8,20 +8,26 @@ import {setQuery, go} from "../router.js";
 import {JobStream} from "../sse.js";
 import {MetricStore} from "../series.js";
 import {MetricsPanel} from "./metrics_panel.js";
-import {ArtifactsPanel, EventsPanel, LogsPanel} from "./panels.js";
-import {errorBox, every, keyValues, stateBadge} from "./widgets.js";
+import {ArtifactsPanel, CheckpointsPanel, EventsPanel, LogsPanel} from "./panels.js";
+import {renderSpec} from "./spec_panel.js";
+import {errorBox, every, keyValues, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
 
-const TABS = ["metrics", "logs", "events", "artifacts", "spec"];
+const TABS = ["metrics", "logs", "events", "checkpoints", "artifacts", "spec"];
 export const DRAFT_KEY = "llmjobs.draft";
 
 export function renderJob(root, {params: [jobId], query}) {
   const ui = {tab: TABS.includes(query.get("tab")) ? query.get("tab") : "metrics", stream: query.get("stream") || ""};
   const store = new MetricStore();
-  const metrics = new MetricsPanel(store);
-  const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); });
+  const chartView = viewFromQuery(query);
+  chartView.changed = () => saveQuery();
+  const metrics = new MetricsPanel(store, chartView);
+  const logs = new LogsPanel(ui.stream, (s) => { ui.stream = s; saveQuery(); }, jobId);
   const events = new EventsPanel();
+  const openDraft = (spec) => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(spec, null, 2)); go("#/submit"); };
+  const checkpoints = new CheckpointsPanel(store, openDraft);
   const artifacts = new ArtifactsPanel(jobId);
-  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, artifacts: artifacts.el, spec: h("div")};
+  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, checkpoints: checkpoints.el, artifacts: artifacts.el,
+    spec: h("div")};
   let job = null;
   let progress = null;  // the last progress event's data {done, total, unit}
   let stopped = false;
@@ -29,20 +35,25 @@ export function renderJob(root, {params: [jobId], query}) {
   const head = h("div", {class: "job-head"});
   const overview = h("div", {class: "overview"});
   const live = h("span", {class: "live", id: "stream-status"});
-  const tabBar = h("nav", {class: "tabs"}, TABS.map((t) => h("button", {dataset: {tab: t}, onclick: () => showTab(t)}, t)));
+  const tabBar = h("nav", {class: "tabs", "aria-label": "Job sections"},
+    TABS.map((t) => h("button", {type: "button", dataset: {tab: t}, onclick: () => showTab(t)}, t)));
   const tabBody = h("div", {class: "tab-body"}, Object.values(panels));
   root.append(h("section", {class: "card"}, head, overview), h("section", {class: "card"}, h("div", {class: "tab-row"}, tabBar, live), tabBody));
 
-  function saveQuery() { setQuery({tab: ui.tab === "metrics" ? "" : ui.tab, stream: ui.stream}); }
+  function saveQuery() { setQuery({tab: ui.tab === "metrics" ? "" : ui.tab, stream: ui.stream, ...viewToQuery(metrics.view)}); }
 
   function showTab(tab) {
     ui.tab = tab;
     saveQuery();
-    tabBar.querySelectorAll("button").forEach((b) => b.classList.toggle("active", b.dataset.tab === tab));
+    tabBar.querySelectorAll("button").forEach((b) => {
+      b.classList.toggle("active", b.dataset.tab === tab);
+      b.setAttribute("aria-current", b.dataset.tab === tab ? "page" : "false");
+    });
     for (const [name, el] of Object.entries(panels)) el.hidden = name !== tab;
     metrics.setVisible(tab === "metrics");
     if (tab === "artifacts") artifacts.load();
     if (tab === "logs") logs.scroll();
+    if (tab === "checkpoints" && job) checkpoints.render(job);
   }
 
   async function refresh() {
@@ -55,9 +66,8 @@ export function renderJob(root, {params: [jobId], query}) {
     renderHead();
     renderOverview();
     if (job.kind === "pipeline") metrics.empty.textContent = "A pipeline's metrics, logs and artifacts belong to its steps' jobs (linked above).";
-    fill(panels.spec, h("div", {class: "toolbar"},
-      h("button", {onclick: () => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(job.spec, null, 2)); go("#/submit"); }}, "Edit & resubmit")),
-    h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2)));
+    renderSpec(panels.spec, job, h("button", {onclick: () => openDraft(job.spec)}, "Edit & resubmit"));
+    checkpoints.render(job);
   }
 
   let armedUntil = 0;  // two clicks within 4 s cancel, so a stray click never cancels a day of training
@@ -172,7 +182,7 @@ export function renderJob(root, {params: [jobId], query}) {
     const newLogs = [], newEvents = [];
     let stateChanged = false, ended = false;
     for (const m of messages) {
-      if (m.event === "metric") store.add(m.data.step, m.data.rank, m.data.metrics);
+      if (m.event === "metric") store.add(m.data.step, m.data.rank, m.data.metrics, m.data.time);
       else if (m.event === "log") newLogs.push(m.data);
       else if (m.event === "event" || m.event === "state") {
         newEvents.push(m.data);
@@ -181,7 +191,11 @@ export function renderJob(root, {params: [jobId], query}) {
       } else if (m.event === "end") ended = true;
     }
     if (newLogs.length) logs.add(newLogs);
-    if (newEvents.length) events.add(newEvents);
+    if (newEvents.length) {
+      events.add(newEvents);
+      checkpoints.add(newEvents);
+      if (job && newEvents.some((e) => e.type === "checkpoint")) checkpoints.render(job);
+    }
     metrics.changed();
     if (job && (messages.some((m) => m.event === "metric") || newEvents.length)) {
       const bar = progressBar(), old = overview.querySelector("#progress");

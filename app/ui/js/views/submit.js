@@ -36,13 +36,13 @@ TEMPLATES["pipeline: preprocess, then train on its output"] = {
 export function renderSubmit(root) {
   const draft = sessionStorage.getItem(DRAFT_KEY);
   sessionStorage.removeItem(DRAFT_KEY);
-  const editor = h("textarea", {id: "spec", spellcheck: false, wrap: "off", autocomplete: "off"});
+  const editor = h("textarea", {id: "spec", spellcheck: false, wrap: "off", autocomplete: "off", "aria-label": "Job spec (JSON)"});
   editor.value = draft || JSON.stringify(Object.values(TEMPLATES)[0], null, 2);
   const backdrop = h("div", {class: "backdrop", "aria-hidden": "true"});
   const errors = h("div", {class: "errors", id: "submit-errors", role: "alert"});
   const reference = h("div", {class: "reference"});
-  const key = h("input", {id: "idempotency-key", placeholder: "optional Idempotency-Key", autocomplete: "off"});
-  const template = h("select", {id: "template", onchange: async () => {
+  const key = h("input", {id: "idempotency-key", placeholder: "optional Idempotency-Key", autocomplete: "off", "aria-label": "Idempotency-Key (optional)"});
+  const template = h("select", {id: "template", "aria-label": "Template", onchange: async () => {
     if (!template.value) return;
     const spec = structuredClone(TEMPLATES[template.value]);
     template.value = "";

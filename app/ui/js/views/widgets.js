@@ -27,3 +27,14 @@ export function every(ms, fn) {
 export function keyValues(obj, format = (v) => v, cls = "") {
   return h("dl", {class: `kv ${cls}`}, Object.entries(obj).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, format(v, k))]));
 }
+
+/** Chart controls from the URL: ?smooth=0.6&x=relative&logy=Loss,Grad%20norm (a shared link shows the same view). */
+export function viewFromQuery(query) {
+  const smooth = Math.min(0.99, Math.max(0, Number(query.get("smooth")) || 0));
+  const xMode = ["step", "wall", "relative", "tokens"].includes(query.get("x")) ? query.get("x") : "step";
+  return {smooth, xMode, logY: new Set((query.get("logy") || "").split(",").filter(Boolean))};
+}
+
+export function viewToQuery(view) {
+  return {smooth: view.smooth || "", x: view.xMode === "step" ? "" : view.xMode, logy: [...view.logY].join(",")};
+}

@@ -1,0 +1,102 @@
+"""The dashboard's pure chart maths run in node (no browser): TensorBoard's debiased EMA, the x axis mappings
+(wall / relative time, consumed tokens) and their inverses, empty/constant chart detection, export of the points in
+view. Skipped where node is absent; the browser test covers the same modules in chromium."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+UI_JS = Path(__file__).resolve().parents[2] / "app" / "ui" / "js"
+NODE = shutil.which("node")
+
+
+def _run(script: str) -> dict:
+    if NODE is None:
+        pytest.skip("node is not installed")
+    prelude = (f'import * as T from "{(UI_JS / "transform.js").as_uri()}";\n'
+               f'import {{Series, MetricStore}} from "{(UI_JS / "series.js").as_uri()}";\n')
+    out = subprocess.run([NODE, "--input-type=module", "-e", prelude + script], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_ema_is_tensorboards_debiased_average_and_skips_gaps() -> None:
+    got = _run("""
+        const s = new Series("loss", null);
+        [4, 2, NaN, 8, 1].forEach((v, i) => s.push(i + 1, v));
+        console.log(JSON.stringify({w6: Array.from(T.ema(s, 0.6)).map((v) => Number.isNaN(v) ? null : v),
+                                    w0: Array.from(T.ema(s, 0)).map((v) => Number.isNaN(v) ? null : v)}));
+    """)
+    w, values, expected, last, k = 0.6, [4, 2, None, 8, 1], [], 0.0, 0
+    for v in values:
+        if v is None:
+            expected.append(None)
+            continue
+        last, k = last * w + (1 - w) * v, k + 1
+        expected.append(last / (1 - w**k))
+    assert got["w6"] == pytest.approx(expected) and got["w6"][0] == pytest.approx(4.0)
+    assert got["w0"] == [4, 2, None, 8, 1]
+
+
+def test_live_smoothing_extends_the_cached_average_exactly() -> None:
+    got = _run("""
+        const s = new Series("loss", null);
+        const value = (i) => 5 * Math.exp(-i / 50) + Math.sin(i) + (i % 17 === 0 ? NaN : 0);
+        for (let i = 1; i <= 200; i++) s.push(i, value(i));
+        const first = T.smoothed(s, 0.9);
+        for (let i = 201; i <= 250; i++) { s.push(i, value(i)); T.smoothed(s, 0.9); }  // one point at a time, live
+        const live = T.smoothed(s, 0.9), full = T.ema(s, 0.9);
+        s.push(150, 1);  // a restart from step 150 cuts the series: the average starts over
+        const cut = T.smoothed(s, 0.9);
+        const same = (a, b, n) => Array.from({length: n}, (_, i) => Number.isNaN(a[i]) ? Number.isNaN(b[i]) : Math.abs(a[i] - b[i]) < 1e-12).every(Boolean);
+        console.log(JSON.stringify({sameObject: first === live, n: live.n, equal: same(live.y, full, 250),
+                                    cutN: cut.n, cutEqual: same(cut.y, T.ema(s, 0.9), cut.n)}));
+    """)
+    assert got == {"sameObject": True, "n": 250, "equal": True, "cutN": 150, "cutEqual": True}  # 250: within capacity
+
+
+def test_x_axes_map_steps_to_time_and_tokens_and_back() -> None:
+    got = _run("""
+        const store = new MetricStore();
+        const t0 = Date.parse("2026-01-01T00:00:00Z");
+        for (let step = 1; step <= 4; step++)
+            store.add(step, null, {lm_loss: 5 - step, tokens: 100 * step}, new Date(t0 + 2000 * step).toISOString().replace("Z", ""));
+        const rel = T.xAxis("relative", store), tok = T.xAxis("tokens", store), wall = T.xAxis("wall", store);
+        const none = T.xAxis("tokens", new MetricStore());
+        console.log(JSON.stringify({
+            rel: [1, 2, 4, 2.5].map(rel.toX), relBack: rel.toStep(3), tok: [1, 2, 3, 4].map(tok.toX), tokBack: tok.toStep(600),
+            wall: wall.toX(1), wallTime: wall.time, fallback: none.mode,
+            available: ["step", "wall", "tokens"].map((m) => T.xModeAvailable(m, new MetricStore())),
+        }));
+    """)
+    assert got["rel"] == [0, 2, 6, 3]  # seconds since the first point; a step between points interpolates
+    assert got["relBack"] == 2.5
+    assert got["tok"] == [100, 300, 600, 1000]  # cumulative `tokens`
+    assert got["tokBack"] == 3
+    assert got["wall"] == 1767225602 and got["wallTime"] is True  # a time without offset is UTC
+    assert got["fallback"] == "step" and got["available"] == [True, False, False]
+
+
+def test_flat_charts_detected_and_export_covers_the_zoomed_range() -> None:
+    got = _run("""
+        const mk = (name, values) => { const s = new Series(name, null); values.forEach((v, i) => s.push(i + 1, v)); return s; };
+        const flat = [T.flatness([mk("mfu", [null, null])]), T.flatness([mk("gbs", [4, 4, 4])]), T.flatness([mk("l", [3, 2])])];
+        const loss = mk("lm_loss", [5, 4, 3, 2, 1]);
+        const grown = mk("x", [1, 1]); T.flatness([grown]); grown.push(3, 7);
+        const axis = T.xAxis("step", new MetricStore());
+        const data = {x_axis: "step", smoothing: 0.5,
+                      series: T.visiblePoints([{series: loss, label: "lm_loss, run a", run: "a"}], 2, 4, axis, 0.5)};
+        console.log(JSON.stringify({flat, grown: T.flatness([grown]), data, csv: T.toCsv(data)}));
+    """)
+    assert got["flat"] == [{"kind": "empty"}, {"kind": "constant", "value": 4}, None]
+    assert got["grown"] is None  # the cached extent follows new points
+    points = got["data"]["series"][0]["points"]
+    assert [p[:3] for p in points] == [[2, 2, 4], [3, 3, 3], [4, 4, 2]]
+    assert points[0][3] == pytest.approx((0.25 * 5 + 0.5 * 4) / 0.75)  # the smoothed value rides along
+    lines = got["csv"].splitlines()
+    assert lines[0] == "series,run,step,x,value,smoothed" and lines[1].startswith('"lm_loss, run a",a,2,2,4,')
