@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from core.errors import ApiError
 from core.models import Artifact
 
@@ -26,6 +29,14 @@ class Download:
     file: Path | None
     members: list[tuple[Path, str]]
     archive_name: str
+
+
+def job_artifact(session: Session, job_id: str, name: str) -> Artifact:
+    """The job's artifact called ``name``, or 404 naming it."""
+    artifact = session.scalar(select(Artifact).where(Artifact.job_id == job_id, Artifact.name == name))
+    if artifact is None:
+        raise ApiError(404, "not_found", f"job {job_id} has no artifact {name!r}", "name")
+    return artifact
 
 
 def is_real(artifact: Artifact) -> bool:

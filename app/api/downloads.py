@@ -7,14 +7,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, StreamingResponse
-from sqlalchemy import select
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
 from core import downloads
-from core.errors import ApiError
 from core.jobs import get_visible_job
-from core.models import Artifact
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
 
@@ -30,9 +27,7 @@ def download_artifact(
 ) -> Any:
     """Download an output of the job: a file as it is, a directory (e.g. an exported HF model) as a tar stream."""
     job = get_visible_job(session, job_id, principal)
-    artifact = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == name))
-    if artifact is None:
-        raise ApiError(404, "not_found", f"job {job_id} has no artifact {name!r}", "name")
+    artifact = downloads.job_artifact(session, job.id, name)
     roots = [*settings.data_roots, Path(job.run_dir).resolve()]
     found = downloads.locate(artifact, roots, file)
     if found.file is not None:

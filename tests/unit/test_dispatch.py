@@ -69,7 +69,8 @@ def test_dispatch_new_sends_each_new_job_once(tmp_path: Path) -> None:
 def test_submission_returns_before_scheduling_and_the_loop_dispatches(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, reconcile_interval_s=60)
     (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+    (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
+    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     with TestClient(create_app(settings, reconcile=False)) as client:
         job = client.post("/v1/jobs", json=body, headers=auth(make_token(settings, "t"))).json()
         assert job["state"] == "queued"

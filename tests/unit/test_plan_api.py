@@ -16,7 +16,10 @@ from core_support import auth, isolated_settings
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return isolated_settings(tmp_path)
+    settings = isolated_settings(tmp_path)
+    for suffix in (".bin", ".idx"):  # the data_path prefix "d" exists (admission checks inputs before the planner)
+        (settings.data_roots[0] / f"d{suffix}").write_bytes(b"")
+    return settings
 
 
 def register(settings: Settings, memory_gib: float | None) -> None:

@@ -31,7 +31,8 @@ def broker_headers(broker_url: str) -> list[dict[str, str]]:
 def test_request_id_reaches_the_job_and_its_message(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, reconcile_interval_s=600, dispatch_min_interval_s=600)
     (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+    (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
+    body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     token = make_token(settings, "t")
     with TestClient(create_app(settings, reconcile=False)) as client:
         given = client.post("/v1/jobs", json=body, headers={**auth(token), "X-Request-ID": "trace-42"})
