@@ -22,7 +22,7 @@ from outage_support import private_postgres
 from sched_support import start_worker, stop_worker
 
 pytestmark = pytest.mark.slow
-BODY = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "o"}
+BODY = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
 
 
 @pytest.mark.postgres
@@ -30,6 +30,7 @@ def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path)
     with private_postgres() as pg:
         settings = isolated_settings(tmp_path, pg.url, reconcile_interval_s=1)
         (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+        (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
         headers = auth(make_token(settings, "t"))
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             before = client.post("/v1/jobs", json=BODY, headers=headers)
