@@ -46,12 +46,15 @@ class _Source:
 
     def __init__(self, prefix: str, seq_length: int):
         self.window_start: np.ndarray | None = None
-        if _exists(instruction_prefix(prefix, "input_ids")):
-            self.instruction: InstructionDataset | None = InstructionDataset(prefix)
-            self.text: IndexedDataset | None = None
-            return
-        text = prefix if _exists(prefix) else prefix + "_text_document"
-        self.instruction, self.text = None, IndexedDataset(text)
+        try:  # a file that is not a Megatron index is the user's input, not a crash to retry
+            if _exists(instruction_prefix(prefix, "input_ids")):
+                self.instruction: InstructionDataset | None = InstructionDataset(prefix)
+                self.text: IndexedDataset | None = None
+                return
+            text = prefix if _exists(prefix) else prefix + "_text_document"
+            self.instruction, self.text = None, IndexedDataset(text)
+        except ValueError as err:
+            raise BadInput(f"data_path: {err}", "data_path") from err
         self.step = max(1, seq_length - 1)
         self.seq_length = seq_length
         lengths = self.text.sequence_lengths
