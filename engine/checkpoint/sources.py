@@ -7,6 +7,9 @@ name file byte ranges for conversion's copy path also implement ``ByteRanges`` (
 Training, eval and ``convert`` read through these; ``engine.checkpoint.sharded`` fills a meta-built, parallelized
 model from one.
 
+``TensorDict`` serves small in-memory tensors (LoRA adapters, the base overrides an adapter checkpoint carries) over
+an optional fallback source.
+
 ``SeededInit`` / ``SeededLoraInit`` are weight sources too: the values ``Qwen3Model.init_weights(seed)`` and
 ``apply_lora(seed=...)`` give the *full* model, served one TP piece at a time. Both walk one CPU generator over the
 full model's parameters in order (as the full build does), so a rank skips what it does not hold by drawing and
@@ -177,3 +180,24 @@ class SeededLoraInit:
 
     def lora_modules(self) -> list[str]:
         return list(self.modules)
+
+
+class TensorDict:
+    """Native tensors held in memory (adapters: small), cut per TP rank like a checkpoint's, over ``fallback`` for
+    every key they lack (None: a missing key is a KeyError)."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], fallback: WeightSource | None = None):
+        self.config, self.tensors, self.fallback = config, tensors, fallback
+
+    def get_native(self, key: str) -> torch.Tensor:
+        return self.get_native_shard(key, 1, 0)
+
+    def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        if key in self.tensors:
+            return shard(self.tensors[key], split_rule(key), tp, rank)
+        if self.fallback is None:
+            raise KeyError(key)
+        return self.fallback.get_native_shard(key, tp, rank)
+
+    def lora_modules(self) -> list[str]:
+        return sorted({key.split(".lora_")[0] for key in self.tensors if ".lora_" in key})

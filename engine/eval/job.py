@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import TestLine, TestSet, read_test_set
@@ -34,7 +35,6 @@ from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
-from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.runfiles import BadInput, RunDir
 
 log = logging.getLogger(__name__)
@@ -122,24 +122,19 @@ def _check_layout(spec: Any, run: RunDir) -> None:
         run.event("warning", message, field=field)
 
 
-def _shard(model: torch.nn.Module, spec: Any, device: Device) -> tuple[int, int]:
-    """Apply TP over a dp×tp mesh when asked; returns (dp rank, dp size), the split of the test set.
-
-    PP ranks are not pipeline stages here (see ``_check_layout``): they count as data-parallel ranks."""
+def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
+    """(TP mesh or None, dp rank, dp size): the dp×tp mesh of a generate-mode run with TP > 1; the dp split is the
+    test set's. PP ranks are not pipeline stages here (see ``_check_layout``): they count as data-parallel ranks."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     tp = spec.tensor_model_parallel_size
-    if tp == 1:
-        return rank, world
+    if tp == 1 or spec.eval_mode == "loss":
+        return None, rank, world
     if world % tp:
         raise BadInput(f"tensor_model_parallel_size: TP {tp} must divide the world size {world}",
                        field="tensor_model_parallel_size")
     mesh = build_mesh(device, ParallelDims(dp=world // tp, pp=1, tp=tp))
-    try:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False)  # decoding needs no SP
-    except ValueError as err:
-        raise BadInput(str(err), field="tensor_model_parallel_size") from err
-    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
 def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
@@ -147,14 +142,13 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     torch.manual_seed(spec.seed)
     _check_layout(spec, run)
     tokenizer = _tokenizer(spec)
-    # Checkpoints are read before the process group exists: each rank reads the whole model on its own.
-    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer))
     device = init_distributed(spec.resources.device_type)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model.to(device.torch_device)
+    tp_mesh, dp_rank, dp_size = _mesh(spec, device)
+    # built on meta and filled on the device: under TP each rank reads only its own pieces
+    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), tp_mesh=tp_mesh, device=device.torch_device)
     if spec.eval_mode == "loss":
         return run_loss_eval(spec, run, model, tokenizer, device, info)
-    dp_rank, dp_size = _shard(model, spec, device)
     testset = read_test_set(spec.eval_data_path, tokenizer, template=(spec.prompt_type or "qwen3"),
                             enable_thinking=spec.enable_thinking, map_keys=spec.map_keys,
                             limit=spec.eval_data_size, max_prompt_tokens=spec.seq_length,

@@ -19,19 +19,22 @@ The model is built on the ``meta`` device and filled in the dtype it runs in fro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any, Mapping
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
 from engine.checkpoint.sharded import fill_parts
-from engine.checkpoint.sources import WeightSource
+from engine.checkpoint.sources import TensorDict, WeightSource
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
+from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.runfiles import BadInput
-from engine.train.model_setup import check_against_checkpoint, check_model_kind, config_from_flags
+from engine.train.model_setup import check_against_checkpoint, check_model_kind
 
 log = logging.getLogger(__name__)
 
@@ -100,42 +103,26 @@ def split_adapters(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return base, lora
 
 
-def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Copy ``state`` into ``model``; every key must exist with its shape and every model tensor must be given."""
-    own = model.state_dict()
-    state = {k: v for k, v in state.items() if not k.endswith(_SKIP_SUFFIXES)}
-    if "output_layer.weight" in state and "output_layer.weight" not in own:
-        state.pop("output_layer.weight")  # a tied model's last pipeline stage keeps a copy (megatron-interop.md §2)
-    unexpected = sorted(set(state) - set(own))
-    missing = sorted(set(own) - set(state))
-    wrong = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own
-             if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
-    problems = []
-    if wrong:
-        problems.append(f"{len(wrong)} tensor(s) with another shape: " + ", ".join(wrong[:5]))
-    if missing:
-        problems.append(f"{len(missing)} missing: " + ", ".join(missing[:5]))
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:5]))
-    if problems:
-        raise BadInput(f"load: checkpoint {source} does not fit the model: " + "; ".join(problems), field="load")
-    model.load_state_dict(state, strict=True)
+@dataclasses.dataclass
+class Adapters:
+    """An adapter checkpoint checked against the spec: base overrides, LoRA tensors and the LoRA settings."""
+
+    base: dict[str, torch.Tensor]
+    lora: dict[str, torch.Tensor]
+    r: int
+    alpha: float
+    targets: list[str]
+
+    def facts(self) -> dict[str, Any]:
+        return {"lora_r": self.r, "lora_alpha": self.alpha, "lora_targets": self.targets, "lora_tensors": len(self.lora)}
 
 
-def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str, torch.Tensor],
-                   recorded: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Wrap the targeted modules with LoRA (unmerged) and load the adapter weights; returns what was applied."""
-    from engine.model.lora import apply_lora
-
+def check_adapters(spec: Any, adapter_state: Mapping[str, torch.Tensor],
+                   recorded: Mapping[str, Any] | None = None) -> Adapters:
+    """The adapters of ``lora_load`` with their rank, alpha and targets, checked against the spec's LoRA flags."""
     base, lora = split_adapters(adapter_state)
     if not lora:
         raise BadInput(f"lora_load: {spec.lora_load} holds no LoRA tensors (no *.lora_A.weight keys)", field="lora_load")
-    if base:
-        own = model.state_dict()
-        stray = sorted(set(base) - set(own))
-        if stray:
-            raise BadInput(f"lora_load: unexpected tensors {stray[:5]}", field="lora_load")
-        model.load_state_dict(base, strict=False)
     ranks = sorted({t.shape[0] for k, t in lora.items() if k.endswith("lora_A.weight")})
     if len(ranks) != 1:
         raise BadInput(f"lora_load: adapters have mixed ranks {ranks}", field="lora_load")
@@ -150,13 +137,23 @@ def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str
     targets = sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in lora})  # <module>.lora_A.weight
     if spec.lora_target_modules and set(spec.lora_target_modules) != set(targets):
         log.warning("lora_target_modules %s differ from the adapters found %s; using the adapters", spec.lora_target_modules, targets)
-    apply_lora(model, r=r, alpha=alpha, dropout=0.0, targets=targets)
+    return Adapters(base, lora, r, float(alpha), targets)
+
+
+def wrap_adapters(model: torch.nn.Module, adapters: Adapters) -> None:
+    """Wrap the targeted modules of ``model`` (on meta or not) with unmerged LoRA; refuse adapter or override
+    tensors that do not fit it."""
+    from engine.model.lora import apply_lora
+
+    stray = sorted(set(adapters.base) - set(model.state_dict()))
+    if stray:
+        raise BadInput(f"lora_load: unexpected tensors {stray[:5]}", field="lora_load")
+    apply_lora(model, r=adapters.r, alpha=adapters.alpha, dropout=0.0, targets=adapters.targets)
     own = model.state_dict()
-    wrong = [k for k in lora if k not in own or tuple(own[k].shape) != tuple(lora[k].shape)]
+    wrong = [k for k in adapters.lora if k not in own or tuple(own[k].shape) != tuple(adapters.lora[k].shape)]
     if wrong:
-        raise BadInput(f"lora_load: adapter tensors do not fit the model (r={r}): {wrong[:5]}", field="lora_load")
-    model.load_state_dict(lora, strict=False)
-    return {"lora_r": r, "lora_alpha": alpha, "lora_targets": targets, "lora_tensors": len(lora)}
+        raise BadInput(f"lora_load: adapter tensors do not fit the model (r={adapters.r}): {wrong[:5]}",
+                       field="lora_load")
 
 
 def peft_source(base: WeightSource, spec: Any, dtype: torch.dtype) -> PeftOverlay:
@@ -181,29 +178,43 @@ def open_source(path: str, field: str = "load") -> WeightSource:
         raise BadInput(f"{field}: {err}", field=field) from err
 
 
-def build_model(spec: Any, vocab_hint: int | None = None) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
-    """The eval model on the host, in eval mode and in the dtype it runs in, plus facts for the summary.
+def build_model(spec: Any, vocab_hint: int | None = None, tp_mesh: DeviceMesh | None = None,
+                device: torch.device | str = "cpu") -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
+    """The eval model, in eval mode and in the dtype it runs in, plus facts for the summary.
 
-    Built on the meta device, materialised in the run's dtype and filled tensor by tensor from the checkpoint's
-    reader (each weight cast as it arrives): a bf16 model is never built in fp32 first."""
+    Built on the meta device (LoRA adapters wrapped there, then sharded over ``tp_mesh`` when given), materialised
+    on ``device`` in the run's dtype and filled tensor by tensor from the checkpoint's reader, each rank reading
+    only its TP pieces: a bf16 model is never built in fp32 first, and no rank holds a tensor it does not own."""
     check_model_kind(spec)
-    source = open_source(spec.load)
+    source: WeightSource = open_source(spec.load)
     cfg = source.config
     check_against_checkpoint(spec, cfg, spec.load)
     dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
     info: dict[str, Any] = {}
+    adapters: Adapters | None = None
     if spec.lora_load and is_peft_adapter(spec.lora_load):
-        source = peft_source(source, spec, dtype)
-        info.update(source.facts)
+        overlay = peft_source(source, spec, dtype)
+        info.update(overlay.facts)
+        source = overlay
+    elif spec.lora_load:
+        adapters = check_adapters(spec, *read_adapters(spec))
+        info.update(adapters.facts())
     with torch.device("meta"):
         model = Qwen3Model(cfg)
-    model = model.to(dtype).to_empty(device="cpu")
+    info["num_params"] = sum(p.numel() for p in model.parameters())
+    lora: WeightSource | None = None
+    if adapters is not None:
+        wrap_adapters(model, adapters)
+        source = TensorDict(cfg, adapters.base, fallback=source)
+        lora = TensorDict(cfg, adapters.lora)
+    if tp_mesh is not None:
+        try:
+            apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)  # decoding needs no SP
+        except ValueError as err:
+            raise BadInput(str(err), field="tensor_model_parallel_size") from err
+    model = model.to(dtype).to_empty(device=device)
     try:
-        fill_parts([model], source)
+        fill_parts([model], source, lora)
     except (KeyError, ValueError) as err:
         raise BadInput(f"load: checkpoint {spec.load} does not fit the model: {err}", field="load") from err
-    info["num_params"] = sum(p.numel() for p in model.parameters())
-    if spec.lora_load and not is_peft_adapter(spec.lora_load):
-        adapter_state, recorded = read_adapters(spec)
-        info.update(apply_adapters(model, spec, adapter_state, recorded))
-    return model.to(dtype=dtype).eval(), cfg, info
+    return model.eval(), cfg, info
