@@ -335,9 +335,9 @@ class staging:
 
     LAST = ("model.safetensors.index.json", "config.json", "latest_checkpointed_iteration.txt")
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, name: str | None = None):
         self.out = out
-        self.tmp = out / f".staging-{os.getpid()}"
+        self.tmp = out / (name or f".staging-{os.getpid()}")  # a fixed name when several processes write into it
 
     def __enter__(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)

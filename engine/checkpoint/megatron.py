@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from engine.checkpoint.hf import as_getter, staging
-from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
+from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, Chunk, check_tp, chunk_keys, layer_of, merge,
                                       native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
@@ -172,6 +172,23 @@ def _default_writers(files: int) -> int:
     return max(1, min(files, os.cpu_count() or 1, 4))
 
 
+def rank_file_plan(cfg: ModelConfig, chunks: list[Chunk], tp: int, pp: int, dtype: torch.dtype,
+                   args: argparse.Namespace, iteration: int) -> tuple[dict[str, Any], list[tuple[LazyTensor, str]]]:
+    """One rank file of a Megatron checkpoint before any tensor: its pickled object (``args``, version, iteration
+    and ``model``/``model{v}`` dicts of placeholders) and, in file order, (placeholder, native key) for each tensor
+    (the rank's TP piece of it, ``layout.split_rule``)."""
+    full_shapes = native_shapes(cfg)
+    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    plan: list[tuple[LazyTensor, str]] = []
+    for chunk in chunks:
+        tensors = state["model" if len(chunks) == 1 else f"model{chunk.index}"] = {}
+        for local, native in chunk_keys(cfg, chunk, pp):
+            shape = shard_shape(full_shapes[native], split_rule(native), tp)
+            tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
+            plan.append((tensors[local], native))
+    return state, plan
+
+
 def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
                iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
                vpp_layers: int | None = None, dtype: torch.dtype | None = None,
@@ -196,18 +213,10 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers,
                               hf_config=getattr(source, "hf_config", None), seq_length=seq_length)
     out = Path(out_dir)
-    full_shapes = native_shapes(cfg)
     count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
 
     def write_rank(it_dir: Path, p: int, t: int) -> Path:
-        state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-        plan: list[tuple[LazyTensor, str]] = []
-        for chunk in stages[p]:
-            tensors = state["model" if len(stages[p]) == 1 else f"model{chunk.index}"] = {}
-            for local, native in chunk_keys(cfg, chunk, pp):
-                shape = shard_shape(full_shapes[native], split_rule(native), tp)
-                tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
-                plan.append((tensors[local], native))
+        state, plan = rank_file_plan(cfg, stages[p], tp, pp, dtype, args, iteration)
         rank_dir = it_dir / rank_dir_name(t, p, pp)
         rank_dir.mkdir(parents=True)
         # The pickle goes first from shapes; each shard is then written while the next one is cut.

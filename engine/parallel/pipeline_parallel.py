@@ -371,25 +371,6 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a pipeline rank runs through engine.train.step_runner.PipelineRunner, not forward()")
 
 
-def pipeline_full_state_dict(model: PipelineModel, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
-    """The whole native state dict on global rank 0's CPU (empty elsewhere); collective over every rank.
-
-    Each PP rank gathers its parts over TP/DP (``full_tensor``), then rank (dp 0, tp 0) of each stage sends
-    them to global rank 0. A tied model's last-stage copy is dropped (the embedding is the native tensor)."""
-    local = {}
-    for key, value in model.state_dict().items():
-        if key == "output_layer.weight" and _has_copy(model.pipeline.parts[-1]):
-            continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        local[key] = full.detach().cpu()
-    sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local if sender else {}, gathered, dst=0)
-    if dist.get_rank() != 0:
-        return {}
-    return {k: v for part in gathered for k, v in part.items()}
-
-
 def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tensor, ...]:
     """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0.
 

@@ -1,16 +1,19 @@
-"""The final checkpoint of a run, in the seed's Megatron layout (and HF on request).
+"""The final checkpoint of a run, in the seed's Megatron layout (and HF on request), written where the weights are.
 
-Full fine-tuning / pretraining: ``<save>/iter_XXXXXXX/mp_rank_00[_000]/model_optim_rng.pt`` +
-``<save>/latest_checkpointed_iteration.txt`` through ``engine.checkpoint.megatron.save_mcore`` (weights in the
-training dtype, ``args`` as MindSpeed's converters write them), so ``convert``/``eval`` and MindSpeed read it.
+Full fine-tuning / pretraining: ``<save>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` +
+``<save>/latest_checkpointed_iteration.txt`` (weights in the training dtype, ``args`` as MindSpeed's converters
+write them), so ``convert``/``eval`` and MindSpeed read it. Each (TP, PP) rank of data-parallel rank 0 writes its
+own rank file, as Megatron does: its stage's tensors one at a time (gathered over DP/TP for that one tensor only,
+``full_tensor``), cut to its TP piece (``layout.split_rule``), streamed into the file. No rank ever holds more of the
+model than its own part plus one tensor; the files are staged and published by rank 0 with the tracker last.
 
-LoRA: the same layout holding the adapters only, under MindSpeed's PEFT key names
+LoRA: the same layout holding the adapters only (small: gathered on rank 0), under MindSpeed's PEFT key names
 (``...linear_qkv.lora_A.default.weight``), with ``args.lora_r``/``lora_alpha``/``lora_target_modules`` and
 ``args.lora_base`` = the ``load`` path. To merge, give the base checkpoint as ``load_dir`` and this directory as
 ``lora_load`` to a ``convert`` job (MindSpeed's ``--load`` + ``--lora-load``): W + alpha/r · B @ A per module.
-``save_hf`` writes the merged full model as HF safetensors under ``<save>/hf``.
 
-The full state dict is gathered on rank 0 only (``StepRunner.full_state_dict``); other ranks wait.
+``save_hf`` writes the (merged) full model as HF safetensors under ``<save>/hf`` by the conversion's own streaming
+path, from the files just written (and, for LoRA, the base it was trained on): one tensor in memory at a time.
 """
 
 from __future__ import annotations
@@ -22,28 +25,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from engine.checkpoint.hf import save_hf
-from engine.checkpoint.layout import pipeline_chunks, rank_dir_name, shard, split_rule
-from engine.checkpoint.megatron import (
-    MODEL_FILE,
-    TRACKER,
-    build_args,
-    iteration_dir_name,
-    save_mcore,
-)
+from engine.checkpoint.hf import save_hf, staging
+from engine.checkpoint.layout import OUTPUT, pipeline_chunks, rank_dir_name, shard, split_rule
+from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, rank_file_plan
+from engine.checkpoint.sharded import native_name
+from engine.checkpoint.torchfile import TorchFileWriter
 from engine.model.config import ModelConfig
-from engine.model.lora import merge_lora, to_mindspeed_keys
+from engine.model.lora import to_mindspeed_keys
 from engine.train.step_runner import StepRunner
-
-
-def merged_weights(state: dict[str, torch.Tensor], alpha: float, r: int) -> dict[str, torch.Tensor]:
-    """Base weights with every adapter folded in (fp32 merge), adapter keys dropped."""
-    out = {k: v for k, v in state.items() if ".lora_A." not in k and ".lora_B." not in k}
-    for key in [k for k in state if k.endswith(".lora_A.weight")]:
-        module = key[: -len(".lora_A.weight")]
-        out[module + ".weight"] = merge_lora(state[module + ".weight"], state[key], state[module + ".lora_B.weight"], alpha, r)
-    return out
 
 
 def lora_rank_states(adapters: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
@@ -92,24 +85,92 @@ def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, it
     return it_dir
 
 
-def export_final(runner: StepRunner, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
+def _stage_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's model tensors (local pieces: DTensors under TP/FSDP) under native keys."""
+    return {native_name(k): v for k, v in module.state_dict().items()}
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective over the tensor's mesh when it is a DTensor)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _write_own_rank_file(module: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, it_dir: Path,
+                         iteration: int, dtype: torch.dtype) -> None:
+    """This rank's ``mp_rank_TT[_PPP]`` file (written by DP rank 0; the other DP ranks take part in the gathers).
+    Every rank of a stage walks the same keys in the same order, so each ``full_tensor`` meets its peers."""
+    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    t, p = mesh["tp"].get_local_rank(), mesh["pp"].get_local_rank()
+    writes = mesh["dp"].get_local_rank() == 0
+    chunks = pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)[p]
+    args = build_args(cfg, tp, pp, dtype, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage,
+                      seq_length=spec.seq_length)
+    state, plan = rank_file_plan(cfg, chunks, tp, pp, dtype, args, iteration)
+    tensors = _stage_tensors(module)
+
+    def piece(native: str) -> torch.Tensor:
+        # a tied model's last stage holds the embedding's copy as its head (layout.chunk_keys)
+        value = tensors[native] if native in tensors else tensors[OUTPUT]
+        return shard(_full(value), split_rule(native), tp, t).to(dtype).contiguous()
+
+    if not writes:
+        for _, native in plan:
+            piece(native)
+        return
+    rank_dir = it_dir / rank_dir_name(t, p, pp)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
+        for lazy, native in plan:
+            writer.write(lazy, piece(native))
+
+
+def _gather_adapters(module: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """Every LoRA adapter of the model, whole, on global rank 0 (empty elsewhere); collective."""
+    mine = {k: _full(v).detach().cpu() for k, v in _stage_tensors(module).items() if ".lora_A." in k or ".lora_B." in k}
+    sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if sender else {}, gathered, dst=0)
+    return {k: v for part in gathered or [] for k, v in part.items()}
+
+
+def _save_hf(cfg: ModelConfig, spec: Any, save: Path, dtype: torch.dtype) -> None:
+    """``<save>/hf`` from the checkpoint just written (merged onto its base for LoRA), streamed as ``convert`` does."""
+    from engine.checkpoint.load import open_checkpoint
+    from engine.checkpoint.lora_merge import LoraOverlay
+    from engine.checkpoint.megatron import MegatronCheckpoint
+    from engine.checkpoint.sources import SeededInit
+
+    source: Any
+    if spec.lora_r is None:
+        source = MegatronCheckpoint(save)
+    else:  # the base never changed: it is what was loaded (or the seeded init of a LoRA run from scratch)
+        base = open_checkpoint(spec.load)[1] if spec.load else SeededInit(cfg, spec.seed)
+        source = LoraOverlay(base, save, spec.lora_alpha, spec.lora_r)
+    save_hf(source, cfg, save / "hf", dtype=dtype)
+
+
+def export_final(runner: StepRunner, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
                  dtype: torch.dtype) -> dict[str, str]:
     """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
-    state = runner.full_state_dict()  # the whole model on rank 0 (each pipeline stage gathers and sends its own)
     outputs = {"checkpoint": str(save), "checkpoint_iteration": str(iteration),
                "checkpoint_dir": str(save / iteration_dir_name(iteration))}
-    if dist.get_rank() == 0:
-        lora = spec.lora_r is not None
-        if lora:
-            _write_lora(state, cfg, save, iteration, spec, dtype)
-        else:
-            save_mcore(state, cfg, save, tp=spec.tensor_model_parallel_size, pp=spec.pipeline_model_parallel_size,
-                       iteration=iteration, dtype=dtype, num_layer_list=spec.num_layer_list,
-                       vpp_layers=spec.num_layers_per_virtual_pipeline_stage, seq_length=spec.seq_length)
-        if spec.save_hf:
-            weights = merged_weights(state, spec.lora_alpha, spec.lora_r) if lora else state
-            save_hf(weights, cfg, save / "hf", dtype=dtype)
+    rank0 = dist.get_rank() == 0
+    if spec.lora_r is not None:
+        adapters = _gather_adapters(runner.module, mesh)
+        if rank0:
+            _write_lora(adapters, cfg, save, iteration, spec, dtype)
+    else:
+        stage = staging(save, name=".staging-export")
+        tmp = stage.__enter__() if rank0 else stage.tmp
+        dist.barrier()  # the staging directory exists
+        _write_own_rank_file(runner.module, mesh, cfg, spec, tmp / iteration_dir_name(iteration), iteration, dtype)
+        dist.barrier()  # every rank file is complete
+        if rank0:
+            (tmp / TRACKER).write_text(str(iteration))
+            stage.__exit__(None, None, None)  # publish: the iteration directory, then the tracker
     if spec.save_hf:
+        if rank0:
+            _save_hf(cfg, spec, save, dtype)
         outputs["hf"] = str(save / "hf")
     dist.barrier()
     return outputs

@@ -262,7 +262,7 @@ class Trainer:
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
-        outputs = export_final(self.runner, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
+        outputs = export_final(self.runner, self.mesh, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir
         summary = {

@@ -7,8 +7,8 @@
 Both offer: ``forward_backward`` over the step's micro-batches (each micro-batch's summed token loss divided by the
 step's global token count, times the loss scale, before backward), ``forward_only`` (validation), ``grad_norm`` (the
 global L2 norm over every rank), ``reduce`` (the step's losses summed over DP and present on every PP rank), and the
-checkpoint view: ``module`` (this rank's parameters under native FQNs, for the optimizer and DCP) and
-``full_state_dict`` (the whole model on rank 0, for the final export).
+checkpoint view: ``module`` (this rank's parameters under native FQNs, for the optimizer, DCP and the final export,
+which each rank writes from its own part: ``engine.train.export``).
 
 Losses travel as ``Losses``: the summed token loss plus extra named terms (e.g. a MoE load-balancing loss). A
 micro-batch loss function (``MicroBatchLoss``) may return extra terms: they are added to the objective as they are
@@ -24,10 +24,6 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.model.loss import chunked_cross_entropy
@@ -36,7 +32,6 @@ from engine.parallel.pipeline_parallel import (
     WIDTH_BUCKET,
     PipelineModel,
     norm_parameters,
-    pipeline_full_state_dict,
     pipeline_grad_norm,
     stack_micro_batches,
 )
@@ -99,8 +94,6 @@ class StepRunner(Protocol):
 
     def reduce(self, losses: Losses) -> Losses: ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-
 
 def lm_loss(vocab_parallel: bool, chunk_size: int) -> MicroBatchLoss:
     """The language-model loss of one micro-batch: summed token CE (fp32), never materialising (tokens × vocab)."""
@@ -159,11 +152,6 @@ class ModuleRunner:
         dist.all_reduce(values, group=self.dp_group)
         return losses.unstacked(values)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on rank 0's CPU (empty elsewhere); collective."""
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return cast(dict[str, torch.Tensor], state)
-
 
 class PipelineRunner:
     """Pipeline execution: the schedule runs every micro-batch through this rank's stages; the loss exists on the
@@ -202,9 +190,6 @@ class PipelineRunner:
         dist.all_reduce(values, group=self.dp_group)
         dist.all_reduce(values, group=self.pipeline.pp_mesh.get_group())  # only the last stage's are non-zero
         return losses.unstacked(values)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return pipeline_full_state_dict(self.module, self.mesh)
 
 
 def make_runner(module: nn.Module, mesh: DeviceMesh, device: torch.device, chunk_size: int) -> StepRunner:
