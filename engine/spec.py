@@ -479,7 +479,9 @@ class ConvertSpec(JobBase):
     target_pipeline_parallel_size: int = Field(1, ge=1, description="--target-pipeline-parallel-size: PP degree of a Megatron output.")
     num_layer_list: IntList | None = Field(None, description="--num-layer-list: layers per pipeline stage of the output, e.g. '10,8,8,10' (default: even split).")
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage of the output.")
-    load_dir: DataPath = Field(..., description="HF model directory, or Megatron checkpoint root (tracker + iter_*).")
+    load_dir: DataPath = Field(..., description=(
+        "HF model directory, or Megatron checkpoint root (tracker + iter_*); over the API also a train job's "
+        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
     save_dir: OutputPath = Field(..., description=(
         "Output directory. For hf output into an existing HF model directory (config.json present) the model "
         "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
@@ -519,7 +521,9 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
 
     kind: Literal["eval"] = Field("eval", description="Job kind \"eval\" (the discriminator).")
-    load: DataPath = Field(..., description="--load: the model: a Megatron checkpoint root or an HF model directory.")
+    load: DataPath = Field(..., description=(
+        "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
+        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
     lora_load: DataPath | None = Field(None, description=(
         "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."))
     no_load_optim: bool = Field(False, description="--no-load-optim: do not read optimizer state (evaluation never needs it).")
