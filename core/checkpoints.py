@@ -94,6 +94,21 @@ def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, 
     return matches[-1]  # the final export over a training state of the same iteration
 
 
+def _referenced_job(session: Session, principal: Principal, job_id: str, field: str) -> Job:
+    """The train job a reference names, by the same visibility rule as GET /v1/jobs/{id}; a job that does not exist
+    or that another team owns reads the same (no existence leak), as a 422 on the body's field."""
+    try:
+        job = load_visible(session, Job, job_id, principal, "job")
+    except ApiError as err:
+        if err.status != 404:
+            raise
+        raise ApiError(422, "validation_error", f"{field}: no job {job_id}", field) from err
+    if job.kind != "train":
+        raise ApiError(422, "validation_error", f"{field}: job {job_id} is a {job.kind} job; checkpoints come from "
+                                                "train jobs", field)
+    return job
+
+
 def expand_references(session: Session, principal: Principal, raw: Any, where: str = "") -> Any:
     """``{"job": ID, "iteration": N}`` in an eval's ``load`` or a convert's ``load_dir`` replaced by that checkpoint's
     path (a LoRA checkpoint becomes ``lora_load`` over the training job's own ``load``); pipelines: every step."""
@@ -109,10 +124,12 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
         if raw.get("kind") not in kinds or not isinstance(ref, dict):
             continue
         field = f"{where}{name}"
-        if set(ref) != {"job", "iteration"} or not isinstance(ref["job"], str):
+        iteration = ref.get("iteration")
+        if (set(ref) != {"job", "iteration"} or not isinstance(ref["job"], str) or not isinstance(iteration, int)
+                or isinstance(iteration, bool)):
             raise ApiError(422, "validation_error", f"{field}: a path, or {{\"job\": ID, \"iteration\": N}}", field)
-        job = load_visible(session, Job, ref["job"], principal, "job")
-        chosen = _pick(list_checkpoints(session, job), ref["iteration"], field)
+        job = _referenced_job(session, principal, ref["job"], f"{field}.job")
+        chosen = _pick(list_checkpoints(session, job), iteration, field)
         out[name] = chosen["model_path"]
         if chosen["lora"]:
             base = (job.spec or {}).get("load")

@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.checkpoint.retention import metric_name
+
 # ---------------------------------------------------------------- field types
 
 
@@ -136,6 +138,8 @@ DataPathList = Annotated[list[str], BeforeValidator(_split_list), AfterValidator
 JsonObject = Annotated[dict[str, Any], BeforeValidator(_json_object)]
 TriState = Annotated[Literal["true", "false", "none"], BeforeValidator(_tristate)]
 DeviceType = Literal["cpu", "cuda", "npu"]
+BestBy = Annotated[Literal["lm_loss", "val_lm_loss"], BeforeValidator(metric_name)]
+"""A loss metric a checkpoint is ranked by (lower is better); MindSpeed's spellings ("lm loss", "val_loss") accepted."""
 
 
 class _Strict(BaseModel):
@@ -386,6 +390,14 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     load: DataPath | None = Field(None, description="--load: checkpoint to start from: a Megatron checkpoint root (tracker + iter_*) or an HF model directory.")
     save: OutputPath | None = Field(None, description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.")
     save_interval: int | None = Field(None, ge=1, description="--save-interval: iterations between checkpoints (default: only at the end).")
+    keep_last_n: int | None = Field(None, ge=1, description=(
+        "Retention of the training checkpoints saved every save_interval (model and optimizer state together, "
+        "under <save>/train_state): keep the newest n, deleting older ones once a new one is complete (default: "
+        "keep all). The final export is never deleted."))
+    keep_best_by: BestBy | None = Field(None, description=(
+        "With keep_last_n, also keep the checkpoint with the lowest value of this metric at its iteration: lm_loss "
+        "(\"lm loss\", \"loss\") or val_lm_loss (\"val_loss\"; needs validation at the saved iterations: save_interval a "
+        "multiple of eval_interval, eval_iters > 0)."))
     no_load_optim: bool = Field(False, description="--no-load-optim: do not restore optimizer state from load.")
     no_load_rng: bool = Field(False, description="--no-load-rng: do not restore RNG state from load.")
     exit_on_missing_checkpoint: bool = Field(False, description="--exit-on-missing-checkpoint: fail when load holds no checkpoint instead of starting fresh.")
@@ -439,6 +451,20 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     )
     cross_entropy_chunk_size: int = Field(1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss.")
 
+    @model_validator(mode="after")
+    def _check_retention(self) -> "TrainSpec":
+        if self.keep_best_by is not None and self.keep_last_n is None:
+            raise ValueError("keep_best_by: needs keep_last_n (without it every checkpoint is kept anyway)")
+        if self.keep_last_n is not None and self.save_interval is None:
+            raise ValueError("keep_last_n: applies to the checkpoints saved every save_interval iterations; set save_interval")
+        if self.keep_best_by == "val_lm_loss" and self.save_interval is not None:
+            if self.eval_iters == 0:
+                raise ValueError("keep_best_by: val_lm_loss needs validation (eval_iters > 0)")
+            if self.save_interval % self.eval_interval:
+                raise ValueError(f"keep_best_by: val_lm_loss is measured every eval_interval ({self.eval_interval}) "
+                                 f"iterations; make save_interval ({self.save_interval}) a multiple of it")
+        return self
+
 
 class ConvertSpec(JobBase):
     """``convert_ckpt.py``: HF <-> Megatron mcore, re-sharding, LoRA merge, adapter export."""
@@ -453,7 +479,9 @@ class ConvertSpec(JobBase):
     target_pipeline_parallel_size: int = Field(1, ge=1, description="--target-pipeline-parallel-size: PP degree of a Megatron output.")
     num_layer_list: IntList | None = Field(None, description="--num-layer-list: layers per pipeline stage of the output, e.g. '10,8,8,10' (default: even split).")
     num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage of the output.")
-    load_dir: DataPath = Field(..., description="HF model directory, or Megatron checkpoint root (tracker + iter_*).")
+    load_dir: DataPath = Field(..., description=(
+        "HF model directory, or Megatron checkpoint root (tracker + iter_*); over the API also a train job's "
+        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
     save_dir: OutputPath = Field(..., description=(
         "Output directory. For hf output into an existing HF model directory (config.json present) the model "
         "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
@@ -493,7 +521,9 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
 
     kind: Literal["eval"] = Field("eval", description="Job kind \"eval\" (the discriminator).")
-    load: DataPath = Field(..., description="--load: the model: a Megatron checkpoint root or an HF model directory.")
+    load: DataPath = Field(..., description=(
+        "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
+        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
     lora_load: DataPath | None = Field(None, description=(
         "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."))
     no_load_optim: bool = Field(False, description="--no-load-optim: do not read optimizer state (evaluation never needs it).")

@@ -10,7 +10,9 @@ Layout under a ``save`` directory::
 
 Atomic: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it and only then rewrites the
 tracker (temp file + rename). A crash mid-save leaves a ``.tmp`` directory that is ignored and removed on the next
-save, and the tracker still names the previous complete checkpoint. DCP reshards on load (FSDP2 dp2 -> one process
+save, and the tracker still names the previous complete checkpoint. Retention (``prune``, after a save is complete
+and the tracker names it) renames a doomed ``iter_*`` to ``.trash`` before removing it, so a crash mid-delete leaves
+no half checkpoint that looks complete; the next save removes the leftover. DCP reshards on load (FSDP2 dp2 -> one process
 and back, torch-distributed-on-gloo.md §e), so a re-queued job may come back on a different number of ranks.
 
 LoRA runs save only trainable (adapter) parameters; the frozen base is re-read from ``load`` on resume.
@@ -44,6 +46,7 @@ from engine.parallel.pipeline_parallel import dcp_state_view
 STATE_DIR = "train_state"
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
+TRASH = ".trash"
 
 
 def iter_name(iteration: int) -> str:
@@ -118,7 +121,7 @@ def save(
     tmp = root / (iter_name(iteration) + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
-        for stale in root.glob("iter_*.tmp"):
+        for stale in (*root.glob("iter_*.tmp"), *root.glob("iter_*" + TRASH)):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -142,6 +145,43 @@ def save(
         os.replace(tracker_tmp, root / TRACKER)
     dist.barrier()
     return final
+
+
+def complete_checkpoints(save_dir: str | os.PathLike[str]) -> dict[int, Path]:
+    """iteration -> directory of every complete checkpoint under ``save_dir`` (unfinished and doomed ones left out)."""
+    found = {}
+    for path in state_root(save_dir).glob("iter_*"):
+        digits = path.name.removeprefix("iter_")
+        if digits.isdigit() and (path / META).is_file():
+            found[int(digits)] = path
+    return found
+
+
+def prune(save_dir: str | os.PathLike[str], just_saved: int, keep_last_n: int | None,
+          keep_best_by: str | None = None) -> list[int]:
+    """Delete the checkpoints retention does not keep (``engine.checkpoint.retention``); returns their iterations.
+
+    Rank 0 only, after ``save`` of ``just_saved`` returned (complete, tracker updated). ``keep_best_by`` is read from
+    each checkpoint's meta.json ``metrics`` (written by the trainer at save time)."""
+    from engine.checkpoint.retention import to_delete
+
+    found = complete_checkpoints(save_dir)
+    values: dict[int, float | None] = {}
+    for iteration, path in found.items():
+        values[iteration] = None
+        if keep_best_by:
+            try:
+                value = json.loads((path / META).read_text()).get("metrics", {}).get(keep_best_by)
+            except (OSError, ValueError, AttributeError):
+                value = None
+            values[iteration] = float(value) if isinstance(value, (int, float)) else None
+    doomed = to_delete(values, just_saved, keep_last_n, keep_best=bool(keep_best_by))
+    for iteration in doomed:
+        trash = found[iteration].with_name(found[iteration].name + TRASH)
+        shutil.rmtree(trash, ignore_errors=True)  # a leftover of a crash mid-delete
+        os.replace(found[iteration], trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
 
 
 def load(

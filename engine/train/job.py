@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 import time
@@ -145,6 +146,7 @@ class Trainer:
         self.lora = spec.lora_r is not None
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
+        self.step_metrics: dict[int, dict[str, float]] = {}  # iteration -> lm_loss / val_lm_loss, for checkpoints
         self.mesh = build_mesh(device, plan.dims)
         _seed_everything(spec.seed)
         self.model = self._build_model()
@@ -220,11 +222,21 @@ class Trainer:
             "load": spec.load,
             "global_batch_size": self.plan.global_batch_size,
             "world_size": self.plan.dims.world_size,
+            "metrics": self.step_metrics.pop(iteration, {}),  # what keep_best_by compares
         }
         optimizer = None if spec.no_save_optim else self.optimizer
         path = dcp.save(self.plan.save, iteration, self.runner.module, optimizer, meta, trainable_only=self.lora,
                         save_rng=not spec.no_save_rng)
         self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
+        if spec.keep_last_n is not None and dist.get_rank() == 0:  # after the save is complete and tracked
+            removed = dcp.prune(self.plan.save, iteration, spec.keep_last_n, spec.keep_best_by)
+            if removed:
+                log.info("retention: removed training checkpoints at iterations %s", removed)
+
+    def _note_step(self, iteration: int, name: str, value: float) -> None:
+        """Remember a finite step metric for the checkpoint of this iteration (saved iterations only)."""
+        if self.spec.save_interval and iteration % self.spec.save_interval == 0 and math.isfinite(value):
+            self.step_metrics.setdefault(iteration, {})[name] = value
 
     def _validate(self, valid: TrainData, iteration: int, metrics: MetricsLogger) -> None:
         """Loss over the validation share: the same first ``eval_iters`` global batches each time (fewer when the
@@ -238,7 +250,8 @@ class Trainer:
                 total += eval_step(self.runner, self._batches(valid, j))
         self.runner.module.train()
         loss_sum, tokens = total.tolist()
-        metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
+        row = metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
+        self._note_step(iteration, "val_lm_loss", row["val_lm_loss"])
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
@@ -255,6 +268,9 @@ class Trainer:
                                 global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad)
             record.elapsed_s = time.perf_counter() - started  # Megatron's iteration time includes getting the batch
             metrics.record(record)
+            if spec.save_interval and iteration % spec.save_interval == 0:  # one host sync per checkpoint
+                labelled = float(record.counts[0])
+                self._note_step(iteration, "lm_loss", float(record.loss_sum) / labelled if labelled else math.nan)
             if iteration % spec.log_interval == 0:
                 self.run.progress(iteration, spec.train_iters, "iterations")
             if valid is not None and (iteration % spec.eval_interval == 0 or iteration == spec.train_iters):

@@ -58,7 +58,19 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
         assert missing.status_code == 422 and missing.json()["field"] == "load.iteration", missing.text
         assert "10, 20" in missing.json()["message"]
         hidden = api.post("/v1/jobs", json=evaluate, headers=auth(make_token(settings, "beta")))
-        assert hidden.status_code == 404  # another team's job reads as unknown
+        unknown = api.post("/v1/jobs", json={**evaluate, "load": {"job": "job_nope", "iteration": 20}})
+        for answer in (hidden, unknown):  # another team's job reads as unknown: the same 422 on the field
+            assert answer.status_code == 422 and answer.json()["field"] == "load.job", answer.text
+        assert hidden.json()["message"] == f"load.job: no job {job_id}"
+        eval_job = make_job(settings, team="alpha")
+        not_train = api.post("/v1/jobs", json={**convert, "load_dir": {"job": eval_job, "iteration": 1}})
+        assert not_train.status_code == 422 and not_train.json()["field"] == "load_dir.job", not_train.text
+        for bad in ({"job": job_id}, {"job": job_id, "iteration": "20"}, {"job": job_id, "iteration": True}):
+            shape = api.post("/v1/jobs", json={**evaluate, "load": bad})
+            assert shape.status_code == 422 and shape.json()["field"] == "load", shape.text
+        in_pipeline = api.post("/v1/jobs", json={"kind": "pipeline", "steps": [
+            {"name": "ev", "spec": {**evaluate, "load": {"job": job_id, "iteration": 7}}}]})
+        assert in_pipeline.status_code == 422 and in_pipeline.json()["field"] == "steps.0.spec.load.iteration"
         from typer.testing import CliRunner
 
         from cli import remote
