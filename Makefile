@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: setup
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow and not e2e"
