@@ -62,6 +62,8 @@ def checked_path(path: str) -> str:
     for part in parts:
         if part in ("", ".", ".."):
             raise refuse(f"{path[:80]!r} has an empty, '.' or '..' part; paths may not leave the upload area")
+        if len(part.encode("utf-8", "surrogatepass")) > 255:
+            raise refuse(f"{part[:40]!r}...: a name is at most 255 bytes")
         if part.startswith(_PART_PREFIX):
             raise refuse(f"names starting with {_PART_PREFIX!r} are reserved")
     return "/".join(parts)
