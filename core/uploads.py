@@ -126,6 +126,12 @@ class Upload:
             os.link(self.part, self.target)  # fails if the file appeared meanwhile: never replaced silently
         except FileExistsError as err:
             raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it", "path") from err
+        except OSError:  # a filesystem without hard links: check, then move (a narrow race instead of none)
+            if self.target.exists():
+                raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it",
+                               "path") from None
+            os.replace(self.part, self.target)
+            return False
         os.unlink(self.part)
         return False
 

@@ -30,8 +30,9 @@ def spec_request(spec: Mapping[str, Any] | str | bytes, idempotency_key: str | N
     return {"content": content, "headers": headers}
 
 
-def job_filters(state: str | None, kind: str | None, name: str | None, parent_id: str | None,
-                metadata: Mapping[str, str] | None) -> dict[str, Any]:
+def job_filters(
+    state: str | None, kind: str | None, name: str | None, parent_id: str | None, metadata: Mapping[str, str] | None
+) -> dict[str, Any]:
     params: dict[str, Any] = {"state": state, "kind": kind, "name": name, "parent_id": parent_id}
     params.update({f"metadata[{k}]": v for k, v in (metadata or {}).items()})
     return {k: v for k, v in params.items() if v is not None}

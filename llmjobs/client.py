@@ -39,8 +39,14 @@ class Client:
     """``Client(url=None, token=None)``: ``url`` defaults to ``LLMJOBS_URL`` (else http://127.0.0.1:8000), ``token``
     to ``LLMJOBS_TOKEN``. ``http``: an ``httpx.Client`` to use instead (its base URL and headers are kept)."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
-                 http: httpx.Client | None = None):
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        http: httpx.Client | None = None,
+    ):
         self.url = c.base_url(url)
         self.http = http or httpx.Client(base_url=self.url, headers=c.auth_headers(token), timeout=timeout)
 
@@ -68,22 +74,41 @@ class Client:
         """Submit a spec (a mapping, or JSON text); a replay with the same ``idempotency_key`` returns the same job."""
         return cast(Job, self.request("POST", "/v1/jobs", **c.spec_request(spec, idempotency_key)))
 
-    def jobs_page(self, *, state: str | None = None, kind: str | None = None, name: str | None = None,
-                  parent_id: str | None = None, metadata: Mapping[str, str] | None = None, after: str | None = None,
-                  limit: int = 20) -> Page:
+    def jobs_page(
+        self,
+        *,
+        state: str | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+        parent_id: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        after: str | None = None,
+        limit: int = 20,
+    ) -> Page:
         """One page of the team's jobs, newest first."""
-        params = {**c.job_filters(state, kind, name, parent_id, metadata), "limit": limit,
-                  **({"after": after} if after else {})}
+        params = {
+            **c.job_filters(state, kind, name, parent_id, metadata),
+            "limit": limit,
+            **({"after": after} if after else {}),
+        }
         return cast(Page, self.request("GET", "/v1/jobs", params=params))
 
-    def list_jobs(self, *, state: str | None = None, kind: str | None = None, name: str | None = None,
-                  parent_id: str | None = None, metadata: Mapping[str, str] | None = None,
-                  page_size: int = 100) -> Iterator[Job]:
+    def list_jobs(
+        self,
+        *,
+        state: str | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+        parent_id: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        page_size: int = 100,
+    ) -> Iterator[Job]:
         """Every matching job, newest first, fetched page by page as the iteration goes."""
         after: str | None = None
         while True:
-            page = self.jobs_page(state=state, kind=kind, name=name, parent_id=parent_id, metadata=metadata,
-                                  after=after, limit=page_size)
+            page = self.jobs_page(
+                state=state, kind=kind, name=name, parent_id=parent_id, metadata=metadata, after=after, limit=page_size
+            )
             yield from page["data"]
             if not page["has_more"] or page["last_id"] is None:
                 return
@@ -111,22 +136,38 @@ class Client:
             time.sleep(poll_interval)
 
     # what a job records
-    def events(self, job_id: str, *, types: str | None = None, after: int = 0, page_size: int = 1000) -> Iterator[Event]:
+    def events(
+        self, job_id: str, *, types: str | None = None, after: int = 0, page_size: int = 1000
+    ) -> Iterator[Event]:
         """The job's events, oldest first (``types``: comma-separated, e.g. "state,checkpoint")."""
         while True:
-            page = self.request("GET", c.job_path(job_id, "/events"),
-                                params={"after": after, "limit": page_size, **({"type": types} if types else {})})
+            page = self.request(
+                "GET",
+                c.job_path(job_id, "/events"),
+                params={"after": after, "limit": page_size, **({"type": types} if types else {})},
+            )
             yield from page["data"]
             if not page["has_more"]:
                 return
             after = page["last_id"]
 
-    def logs(self, job_id: str, *, stream: str | None = None, rank: int | None = None, q: str | None = None,
-             offset: int = 0, page_size: int = 5000) -> Iterator[LogLine]:
+    def logs(
+        self,
+        job_id: str,
+        *,
+        stream: str | None = None,
+        rank: int | None = None,
+        q: str | None = None,
+        offset: int = 0,
+        page_size: int = 5000,
+    ) -> Iterator[LogLine]:
         """Log lines of one stream (default the launcher's: every rank; ``rank=0`` or ``stream="rank0"``: one)."""
         while True:
-            page = self.request("GET", c.job_path(job_id, "/logs"),
-                                params={"offset": offset, "limit": page_size, **c.log_params(stream, rank, q)})
+            page = self.request(
+                "GET",
+                c.job_path(job_id, "/logs"),
+                params={"offset": offset, "limit": page_size, **c.log_params(stream, rank, q)},
+            )
             yield from page["data"]
             offset = page["next_offset"]
             if not page["has_more"]:
@@ -136,23 +177,28 @@ class Client:
         """Every metric point by step (``names``: comma-separated), paged by ``next_cursor``: none lost."""
         cursor: dict[str, str] = {}
         while True:
-            page = self.request("GET", c.job_path(job_id, "/metrics"),
-                                params={"limit": page_size, **cursor, **({"names": names} if names else {})})
+            page = self.request(
+                "GET",
+                c.job_path(job_id, "/metrics"),
+                params={"limit": page_size, **cursor, **({"names": names} if names else {})},
+            )
             yield from page["data"]
             if not page["has_more"]:
                 return
             cursor = {"after": page["next_cursor"]}
 
-    def stream(self, job_id: str, *, last_event_id: str | None = None,
-               retries: int = len(c.RETRY_DELAYS_S)) -> Iterator[StreamMessage]:
+    def stream(
+        self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
+    ) -> Iterator[StreamMessage]:
         """The job's live Server-Sent Events until its ``end`` message; after a dropped connection it reconnects
         (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or repeated."""
         failures = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
             try:
-                with connect_sse(self.http, "GET", c.job_path(job_id, "/stream"), headers=headers,
-                                 timeout=None) as source:
+                with connect_sse(
+                    self.http, "GET", c.job_path(job_id, "/stream"), headers=headers, timeout=None
+                ) as source:
                     if source.response.status_code >= 400:
                         source.response.read()
                         raise error_from(source.response)
@@ -187,8 +233,9 @@ class Client:
         the bytes written. A failed download leaves no partial file."""
         written = 0
         try:
-            with self.http.stream("GET", c.download_path(job_id, name), params={"file": file} if file else None,
-                                  timeout=None) as response:
+            with self.http.stream(
+                "GET", c.download_path(job_id, name), params={"file": file} if file else None, timeout=None
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise error_from(response)
@@ -206,13 +253,21 @@ class Client:
         in a spec) and ``sha256``. ``Conflict`` if it exists and not ``overwrite``."""
         size = os.path.getsize(local)
         with open(local, "rb") as body:
-            return cast(File, self.request("PUT", c.file_path(path), content=body, timeout=None,
-                                           params={"overwrite": str(overwrite).lower()},
-                                           headers={"Content-Type": "application/octet-stream",
-                                                    "Content-Length": str(size)}))
+            return cast(
+                File,
+                self.request(
+                    "PUT",
+                    c.file_path(path),
+                    content=body,
+                    timeout=None,
+                    params={"overwrite": str(overwrite).lower()},
+                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                ),
+            )
 
-    def upload_dir(self, local_dir: str | os.PathLike[str], path: str | None = None, *,
-                   overwrite: bool = False) -> list[File]:
+    def upload_dir(
+        self, local_dir: str | os.PathLike[str], path: str | None = None, *, overwrite: bool = False
+    ) -> list[File]:
         """Upload every file under ``local_dir`` (e.g. a small HF model directory) below ``path``, one by one."""
         return [self.upload(file, c.join(path, rel), overwrite=overwrite) for file, rel in c.tree(Path(local_dir))]
 
@@ -220,10 +275,13 @@ class Client:
         """The team's uploaded files, by path."""
         after: str | None = None
         while True:
-            params = {"limit": page_size, **({"prefix": prefix} if prefix else {}), **({"after": after} if after else {})}
+            params = {
+                "limit": page_size,
+                **({"prefix": prefix} if prefix else {}),
+                **({"after": after} if after else {}),
+            }
             page = self.request("GET", "/v1/files", params=params)
             yield from page["data"]
             if not page["has_more"]:
                 return
             after = page["last_id"]
-

@@ -16,8 +16,15 @@ TOKEN_HINT = " — set LLMJOBS_TOKEN to a valid API token (an admin makes one wi
 class LlmjobsError(Exception):
     """An error answer of the API (``status``, ``code``, ``message``, ``field``, ``errors``), or no answer at all."""
 
-    def __init__(self, message: str, status: int | None = None, code: str | None = None, field: str | None = None,
-                 errors: list[dict[str, Any]] | None = None, text: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        code: str | None = None,
+        field: str | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        text: str | None = None,
+    ):
         super().__init__(text or message)
         self.message, self.status, self.code, self.field, self.errors = message, status, code, field, errors or []
 
@@ -66,8 +73,15 @@ class WaitTimeout(LlmjobsError, TimeoutError):
         self.job = job
 
 
-_BY_STATUS: dict[int, type[LlmjobsError]] = {400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,
-                                             409: Conflict, 413: PayloadTooLarge, 422: ValidationError}
+_BY_STATUS: dict[int, type[LlmjobsError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: ValidationError,
+}
 
 
 def error_from(response: httpx.Response) -> LlmjobsError:
