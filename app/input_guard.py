@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, error_body
+from app.limits import is_upload
 from core.settings import Settings
 
 INT64_MAX = 2**63 - 1
@@ -147,7 +148,7 @@ class InputGuardMiddleware:
             return
         try:
             check_url_parts(scope)
-            if scope.get("method") not in _BODY_METHODS:
+            if scope.get("method") not in _BODY_METHODS or is_upload(scope):  # an upload is a file, not JSON
                 await self.app(scope, receive, send)
                 return
             body, more = b"", True

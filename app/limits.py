@@ -1,4 +1,6 @@
-"""Refuse request bodies over ``max_body_bytes`` with 413, whether or not the client sent Content-Length."""
+"""Refuse request bodies over ``max_body_bytes`` with 413, whether or not the client sent Content-Length.
+
+File uploads (``PUT /v1/files/{path}``, streamed to disk by ``app.api.files``) have their own, larger limit."""
 
 from __future__ import annotations
 
@@ -17,18 +19,27 @@ class BodyTooLarge(ApiError):
         super().__init__(413, "payload_too_large", f"request body is larger than {max_bytes} bytes")
 
 
+UPLOAD_PREFIX = "/v1/files/"
+
+
+def is_upload(scope: Scope) -> bool:
+    """A file upload: its body is streamed to disk by the route, never read whole by a middleware."""
+    return scope.get("method") == "PUT" and str(scope.get("path", "")).startswith(UPLOAD_PREFIX)
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, upload_max_bytes: int | None = None):
+        self.app, self.default_max, self.upload_max = app, max_bytes, upload_max_bytes or max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.upload_max if is_upload(scope) else self.default_max
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send)
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await self._refuse(send, max_bytes)
             return
         seen = 0
         started = False
@@ -38,8 +49,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -51,10 +62,10 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, max_bytes)
 
-    async def _refuse(self, send: Send) -> None:
-        body: dict[str, Any] = error_body("payload_too_large", f"request body is larger than {self.max_bytes} bytes")
+    async def _refuse(self, send: Send, max_bytes: int) -> None:
+        body: dict[str, Any] = error_body("payload_too_large", f"request body is larger than {max_bytes} bytes")
         raw = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})

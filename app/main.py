@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import downloads, health, hosts, jobs, observe, prometheus, webhooks
+from app.api import downloads, files, health, hosts, jobs, observe, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
@@ -85,12 +85,12 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.state.metrics = ServiceMetrics(settings.database_url)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_max_bytes=settings.upload_max_bytes)
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
     for router in (health.router, jobs.router, observe.router, observe.latest_router, hosts.router, webhooks.router, prometheus.router,
-                   downloads.router):
+                   downloads.router, files.router):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

@@ -189,3 +189,12 @@ class JobLatest(BaseModel):
 class JobLatestList(BaseModel):
     object: Literal["list"] = "list"
     data: list[JobLatest]
+
+
+class FilePublic(BaseModel):
+    object: Literal["file"] = "file"
+    path: str = Field(description="relative to your team's upload area (what PUT /v1/files/{path} named)")
+    server_path: str = Field(description="the file on the server, inside the data roots: name it in a job spec")
+    size_bytes: int
+    modified_at: datetime
+    sha256: str | None = Field(None, description="the upload's SHA-256 (hex), in the answer to the upload itself")

@@ -29,6 +29,8 @@ cli.command()(remote.wait)
 cli.command()(remote.delete)
 cli.command()(remote.download)
 cli.command()(remote.checkpoints)
+cli.command()(remote.upload)
+cli.command()(remote.files)
 cli.add_typer(token_cli, name="token")
 
 

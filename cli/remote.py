@@ -1,27 +1,30 @@
-"""Remote client commands: talk to a running API at LLMJOBS_URL with LLMJOBS_TOKEN."""
+"""Remote client commands: talk to a running API at LLMJOBS_URL with LLMJOBS_TOKEN, through the SDK (``llmjobs``)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from cli.client import Client, ClientError
+from llmjobs import Client, LlmjobsError, WaitTimeout
 
 
 def _echo_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))
 
 
-def _client_call(method: str, path: str, **kwargs: Any) -> Any:
+@contextmanager
+def _api_errors() -> Iterator[None]:
+    """An API error (or no answer) ends the command with exit code 1 and the API's code, message and field."""
     try:
-        return Client().request(method, path, **kwargs)
-    except ClientError as err:
+        yield
+    except LlmjobsError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from err
 
@@ -33,8 +36,8 @@ def submit(
 ) -> None:
     """Submit a job spec to the server."""
     text = sys.stdin.read() if str(spec_file) == "-" else spec_file.read_text()
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    job = _client_call("POST", "/v1/jobs", content=text, headers={**headers, "Content-Type": "application/json"})
+    with _api_errors():
+        job = Client().create_job(text, idempotency_key=idempotency_key)
     typer.echo(f"{job['id']} {job['state']}")
     if follow:
         _follow(job["id"])
@@ -47,8 +50,8 @@ def list_(
     as_json: Annotated[bool, typer.Option("--json", help="the API's page as JSON")] = False,
 ) -> None:
     """Your team's jobs, newest first, as a table."""
-    params = {k: v for k, v in {"state": state, "kind": kind, "limit": limit}.items() if v is not None}
-    page = _client_call("GET", "/v1/jobs", params=params)
+    with _api_errors():
+        page = Client().jobs_page(state=state, kind=kind, limit=limit)
     if as_json:
         _echo_json(page)
         return
@@ -58,7 +61,8 @@ def list_(
 
 def status(job_id: str, as_json: Annotated[bool, typer.Option("--json", help="the job as JSON")] = False) -> None:
     """One job: state, times, progress, error or result."""
-    job = _client_call("GET", f"/v1/jobs/{job_id}")
+    with _api_errors():
+        job: Any = Client().get_job(job_id)
     if as_json:
         _echo_json(job)
         return
@@ -82,22 +86,16 @@ def events(
     job_id: str, type: Annotated[str | None, typer.Option("--type", help="only these types, comma-separated")] = None,
 ) -> None:
     """A job's events, oldest first: time, type, message."""
-    after = 0
-    while True:
-        page = _client_call("GET", f"/v1/jobs/{job_id}/events",
-                            params={"after": after, "limit": 1000, **({"type": type} if type else {})})
-        for e in page["data"]:
+    with _api_errors():
+        for e in Client().events(job_id, types=type):
             typer.echo(f"{e['time']}  {e['type']:<11} {e['message']}")
-        if not page["has_more"]:
-            return
-        after = page["last_id"]
 
 
 def artifacts(job_id: str) -> None:
     """What a job wrote: name, path, size."""
-    page = _client_call("GET", f"/v1/jobs/{job_id}/artifacts")
-    _table(["NAME", "PATH", "BYTES"], [[a["name"], a["path"], a["size_bytes"]]
-                                         for a in page["data"]])
+    with _api_errors():
+        found = Client().artifacts(job_id)
+    _table(["NAME", "PATH", "BYTES"], [[a["name"], a["path"], a["size_bytes"]] for a in found])
 
 
 def download(
@@ -106,26 +104,26 @@ def download(
     file: Annotated[str | None, typer.Option(help="one file of a directory artifact")] = None,
 ) -> None:
     """Download an artifact: a file as it is, a directory as a tar archive."""
-    artifact = next((a for a in _client_call("GET", f"/v1/jobs/{job_id}/artifacts")["data"] if a["name"] == name), None)
+    client = Client()
+    with _api_errors():
+        artifact = next((a for a in client.artifacts(job_id) if a["name"] == name), None)
     if artifact is None:
         typer.echo(f"error: job {job_id} has no artifact {name!r} (see llmjobs artifacts {job_id})", err=True)
         raise typer.Exit(1)
     source = Path(file or artifact["path"])
     dest = output or Path(source.name if file or Path(artifact["path"]).suffix else f"{source.name}.tar")
-    try:
-        size = Client().download(artifact["download_url"], str(dest), params={"file": file} if file else None)
-    except ClientError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(1) from err
+    with _api_errors():
+        size = client.download(job_id, name, dest, file=file)
     typer.echo(f"{dest} ({size:,} bytes)")
 
 
 def checkpoints(job_id: str) -> None:
     """A train job's checkpoints: iteration, format, loss at that iteration, path."""
-    page = _client_call("GET", f"/v1/jobs/{job_id}/checkpoints")
+    with _api_errors():
+        found = Client().checkpoints(job_id)
     _table(["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"],
            [[c["iteration"], c["format"], _number(c["metrics"].get("lm_loss")), _number(c["metrics"].get("val_lm_loss")),
-             "yes" if c["lora"] else "no", c["model_path"]] for c in page["data"]])
+             "yes" if c["lora"] else "no", c["model_path"]] for c in found])
 
 
 def _number(value: float | None) -> str:
@@ -134,16 +132,14 @@ def _number(value: float | None) -> str:
 
 def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None) -> None:
     """Wait for a job to end; the exit code is its outcome: 0 succeeded, 1 failed, 3 cancelled, 4 timed out."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        job = _client_call("GET", f"/v1/jobs/{job_id}")
-        if job["state"] in OUTCOMES:
-            typer.echo(f"{job_id} {job['state']}", err=True)
-            raise typer.Exit(OUTCOMES[job["state"]])
-        if deadline is not None and time.monotonic() > deadline:
-            typer.echo(f"{job_id} still {job['state']} after {timeout}s", err=True)
-            raise typer.Exit(4)
-        time.sleep(1.0)
+    with _api_errors():
+        try:
+            job = Client().wait(job_id, timeout=timeout)
+        except WaitTimeout as err:  # "<id> still <state> after <timeout>s"
+            typer.echo(str(err), err=True)
+            raise typer.Exit(4) from err
+    typer.echo(f"{job_id} {job['state']}", err=True)
+    raise typer.Exit(OUTCOMES[job["state"]])
 
 
 OUTCOMES = {"succeeded": 0, "failed": 1, "cancelled": 3}
@@ -152,7 +148,8 @@ OUTCOMES = {"succeeded": 0, "failed": 1, "cancelled": 3}
 def delete(job_id: str, outputs: Annotated[bool, typer.Option(help="also remove the files its artifacts list")] = False,
            ) -> None:
     """Delete a finished job: records and run directory (with --outputs, its output files too)."""
-    answer = _client_call("DELETE", f"/v1/jobs/{job_id}", params={"outputs": str(outputs).lower()})
+    with _api_errors():
+        answer = Client().delete_job(job_id, outputs=outputs)
     typer.echo(f"{job_id} deleted" + "".join(f"\n  removed {p}" for p in answer["removed"]))
 
 
@@ -195,41 +192,32 @@ def logs(
     if follow:
         _follow(job_id, only_logs=True, stream=stream)
         return
-    offset = 0
-    while True:
-        params: dict[str, Any] = {"offset": offset, "limit": 5000, "stream": stream}
-        page = _client_call("GET", f"/v1/jobs/{job_id}/logs", params=params)
-        for line in page["data"]:
+    with _api_errors():
+        for line in Client().logs(job_id, stream=stream):
             typer.echo(line["text"])
-        offset = page["next_offset"]
-        if not page["has_more"]:
-            return
 
 
 def metrics(job_id: str, names: Annotated[str | None, typer.Option(help="comma-separated")] = None) -> None:
     """A job's metric points, one line per point (paged by next_cursor: no point lost)."""
-    cursor: dict[str, str] = {}
-    while True:
-        page = _client_call("GET", f"/v1/jobs/{job_id}/metrics",
-                            params={"limit": 10000, **cursor, **({"names": names} if names else {})})
-        for p in page["data"]:
+    with _api_errors():
+        for p in Client().metrics(job_id, names=names):
             typer.echo(f"{p['step']}\t{p['name']}\t{p['value']}" + (f"\trank{p['rank']}" if p["rank"] is not None else ""))
-        if not page["has_more"]:
-            return
-        cursor = {"after": page["next_cursor"]}
 
 
 def cancel(job_id: str) -> None:
     """Cancel a job."""
-    job = _client_call("POST", f"/v1/jobs/{job_id}/cancel")
+    with _api_errors():
+        job = Client().cancel_job(job_id)
     typer.echo(f"{job['id']} {job['state']}")
 
 
 def _follow(job_id: str, only_logs: bool = False, stream: str = "rank0") -> None:
     """Print the job's SSE stream until it ends: log lines of one ``stream`` only (the launcher's repeats every
     rank's, so showing both printed each line twice)."""
-    try:
-        for event, data in Client().stream(job_id):
+    client = Client()
+    with _api_errors():
+        for message in client.stream(job_id):
+            event, data = message.event, message.data
             if event == "log":
                 if data.get("stream") == stream:
                     typer.echo(data["text"])
@@ -239,11 +227,32 @@ def _follow(job_id: str, only_logs: bool = False, stream: str = "rank0") -> None
                 typer.echo(f"[{event}] {data['type']}: {data['message']}", err=True)
             elif event == "metric":
                 typer.echo(f"[metric] step {data['step']}: {data['metrics']}", err=True)
-    except ClientError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(1) from err
-    job = _client_call("GET", f"/v1/jobs/{job_id}")
+        job = client.get_job(job_id)
     typer.echo(f"{job_id} {job['state']}", err=True)
     if job["state"] != "succeeded":
         raise typer.Exit(1)
 
+
+def upload(
+    local: Annotated[Path, typer.Argument(help="a file, or a directory (every file under it, e.g. a small HF model)")],
+    dest: Annotated[str | None, typer.Argument(help="path in your team's upload area (default: the local name)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace files that exist (default: refused)")] = False,
+) -> None:
+    """Upload a file or a directory into your team's upload area; prints the server path to name in a spec."""
+    if not local.exists():
+        typer.echo(f"error: {local} does not exist", err=True)
+        raise typer.Exit(1)
+    client = Client()
+    with _api_errors():
+        done = ([client.upload(local, dest or local.name, overwrite=overwrite)] if local.is_file()
+                else client.upload_dir(local, dest or local.resolve().name, overwrite=overwrite))
+    for f in done:
+        typer.echo(f"{f['server_path']}  {f['size_bytes']:,} bytes  sha256 {f['sha256']}")
+
+
+def files(prefix: Annotated[str | None, typer.Option(help="only under this directory")] = None) -> None:
+    """Your team's uploaded files: path, size, time, server path."""
+    with _api_errors():
+        found = list(Client().files(prefix=prefix))
+    _table(["PATH", "BYTES", "MODIFIED", "SERVER_PATH"],
+           [[f["path"], f["size_bytes"], f["modified_at"], f["server_path"]] for f in found])

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies are refused with 413.")
+    upload_max_bytes: int = Field(10 * 2**30, ge=1, description="Larger file uploads (PUT /v1/files/{path}) are "
+                                                                "refused with 413.")
     default_max_restarts: int = Field(2, ge=0, description="Retries after a retryable failure when a spec sets none.")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(30.0, gt=0, description="The reconciler re-sends a queued job's message after this.")

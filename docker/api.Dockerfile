@@ -20,6 +20,7 @@ COPY app ./app
 COPY core ./core
 COPY worker ./worker
 COPY cli ./cli
+COPY llmjobs ./llmjobs
 COPY engine ./engine
 COPY migrations ./migrations
 # Editable install: the migrations are found next to the sources (core.db uses <repo>/migrations).

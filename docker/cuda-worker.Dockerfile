@@ -21,6 +21,7 @@ COPY app ./app
 COPY core ./core
 COPY worker ./worker
 COPY cli ./cli
+COPY llmjobs ./llmjobs
 COPY engine ./engine
 COPY migrations ./migrations
 RUN pip install --no-cache-dir -e ".[postgres,redis]"

@@ -3,6 +3,7 @@ the README's demo job end to end over HTTP and SSE, idempotent replay, and a can
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -183,6 +184,12 @@ def test_cli_client_commands(service: Service, tmp_path: Path) -> None:
     assert _cli(service, "metrics", job_id).returncode == 0
     cancel = _cli(service, "cancel", job_id)
     assert cancel.returncode == 1 and "job_finished" in cancel.stderr
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(3_000_000))  # over max_body_bytes: uploads stream past the body limit
+    uploaded = _cli(service, "upload", str(blob), "e2e/blob.bin")
+    assert uploaded.returncode == 0, uploaded.stderr
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() in uploaded.stdout
+    assert Path(uploaded.stdout.split()[0]).read_bytes() == blob.read_bytes()
     token = _cli(service, "token", "create", "--team", "cli-team").stdout.strip()
     with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"}) as other:
         assert other.get(f"/v1/jobs/{job_id}").status_code == 404  # another team's job

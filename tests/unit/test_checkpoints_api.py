@@ -74,8 +74,8 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
         from typer.testing import CliRunner
 
         from cli import remote
-        from cli.client import Client
         from cli.main import cli
+        from llmjobs import Client
 
         remote_client = remote.Client
         remote.Client = lambda: Client(http=api)  # type: ignore[assignment,misc]

@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 
 from app.main import create_app
 from cli import remote
-from cli.client import Client
 from cli.main import cli
 from core.db import session_scope
 from core.jobs import transition
@@ -23,6 +22,7 @@ from core.models import Artifact, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token
+from llmjobs import Client
 
 
 @pytest.fixture

@@ -85,8 +85,8 @@ def test_cli_artifacts_and_download(settings: Settings, job: str, tmp_path: Path
 
     from app.main import create_app
     from cli import remote
-    from cli.client import Client
     from cli.main import cli
+    from llmjobs import Client
 
     with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as http:
         monkeypatch.setattr(remote, "Client", lambda: Client(http=http))

@@ -1,0 +1,72 @@
+"""File uploads into the caller team's area of the data roots (``core.uploads``), and the listing of that area.
+
+``PUT /v1/files/{path}`` takes the raw bytes as the body and streams them to disk in 1 MiB writes (the body-limit
+and input-guard middlewares let it through unread, under ``upload_max_bytes``), so a model shard never sits in
+memory. The answer carries the server path to name in a spec and the SHA-256 of what arrived.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.api.deps import PrincipalDep, SettingsDep
+from app.schemas import FilePublic, ListPage
+from core import uploads
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+FLUSH = 1 << 20
+ERRORS: dict[int | str, dict[str, str]] = {401: {"description": "No or bad token"}}
+UPLOAD_BODY = {"requestBody": {"required": True, "description": "the file's bytes, as they are",
+                               "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                   "format": "binary"}}}}}
+
+
+@router.put("/{path:path}", status_code=201, response_model=FilePublic, openapi_extra=UPLOAD_BODY, responses={
+    **ERRORS, 200: {"description": "An existing file replaced (overwrite=true)", "model": FilePublic},
+    409: {"description": "The file exists (and overwrite is false), or a part of the path is a file or directory"},
+    413: {"description": "Larger than the server's upload_max_bytes"},
+    422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"}})
+async def upload_file(
+    path: str, request: Request, response: Response, principal: PrincipalDep, settings: SettingsDep,
+    overwrite: Annotated[bool, Query(description="replace the file if it exists (default: 409)")] = False,
+) -> FilePublic:
+    """Upload one file to ``<data root>/uploads/<team>/<path>`` (directories are created). The body is the file."""
+    target = await run_in_threadpool(uploads.destination, settings, principal.team, path, overwrite)
+    upload = await run_in_threadpool(uploads.Upload, settings, target, settings.upload_max_bytes)
+    try:
+        pending = bytearray()
+        async for chunk in request.stream():
+            pending += chunk
+            if len(pending) >= FLUSH:
+                await run_in_threadpool(upload.write, bytes(pending))
+                pending.clear()
+        await run_in_threadpool(upload.write, bytes(pending))
+        replaced = await run_in_threadpool(upload.commit, overwrite)
+    except BaseException:
+        await run_in_threadpool(upload.discard)
+        raise
+    if replaced:
+        response.status_code = 200
+    stat = target.stat()
+    return FilePublic(path=target.relative_to(uploads.team_area(settings, principal.team)).as_posix(),
+                      server_path=str(target), size_bytes=upload.size, sha256=upload.digest.hexdigest(),
+                      modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc))
+
+
+@router.get("", response_model=ListPage[FilePublic], responses=ERRORS)
+def list_files(
+    principal: PrincipalDep, settings: SettingsDep,
+    prefix: Annotated[str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="only under this directory")] = None,
+    after: Annotated[str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="last_id of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> ListPage[FilePublic]:
+    """Your team's uploaded files, by path (the id of each is its path)."""
+    found = [f for f in uploads.list_files(settings, principal.team, prefix) if after is None or f.path > after]
+    data = [FilePublic(path=f.path, server_path=f.server_path, size_bytes=f.size_bytes, modified_at=f.modified_at)
+            for f in found[:limit]]
+    return ListPage[FilePublic].of(data, len(found) > limit, key=lambda f: f.path)
+

@@ -1,0 +1,160 @@
+"""Files a team uploads over HTTP: each team's own area ``<first data root>/uploads/<team>/`` and the path rules.
+
+A job can only read inside the data roots, so an upload lands there, under the caller's team, and its server path
+is what a spec then names (``input``, ``data_path``, ``tokenizer``, ``load``). The destination is a relative path
+checked word by word: no absolute path, ``..``, ``.``, empty part, backslash or control character, and no part of
+it may be an existing symbolic link (a link could point out of the area). The bytes go to a hidden temporary file
+next to the destination, opened with ``O_EXCL | O_NOFOLLOW``, and are moved into place only once complete (a cut
+upload leaves nothing behind): ``os.link`` when an existing file must not be replaced (atomic refusal),
+``os.replace`` when ``overwrite`` was asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import BinaryIO
+
+from core.errors import ApiError
+from core.settings import Settings
+
+UPLOADS = "uploads"
+MAX_PATH_CHARS = 1024
+MAX_PARTS = 32
+_TEAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_PART_PREFIX = ".upload-"
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    path: str  # relative to the team's area
+    server_path: str  # absolute, as a job spec names it
+    size_bytes: int
+    modified_at: datetime
+
+
+def team_area(settings: Settings, team: str) -> Path:
+    """``<first data root>/uploads/<team>`` (not created here)."""
+    if not _TEAM.match(team):
+        raise ApiError(400, "bad_request", f"team {team!r} cannot own an upload area (letters, digits, . _ - only)")
+    return settings.data_roots[0] / UPLOADS / team
+
+
+def checked_path(path: str) -> str:
+    """``path`` as a clean relative path, or 422 naming ``path`` with the reason."""
+    def refuse(why: str) -> ApiError:
+        return ApiError(422, "validation_error", f"path: {why}", "path")
+
+    if not path or len(path) > MAX_PATH_CHARS:
+        raise refuse(f"give a relative file path of 1 to {MAX_PATH_CHARS} characters")
+    if path.startswith("/"):
+        raise refuse(f"{path[:80]!r} is absolute; give a path relative to your team's upload area")
+    if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise refuse("backslashes and control characters are not allowed")
+    parts = path.split("/")
+    if len(parts) > MAX_PARTS:
+        raise refuse(f"at most {MAX_PARTS} directory levels")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise refuse(f"{path[:80]!r} has an empty, '.' or '..' part; paths may not leave the upload area")
+        if len(part.encode("utf-8", "surrogatepass")) > 255:
+            raise refuse(f"{part[:40]!r}...: a name is at most 255 bytes")
+        if part.startswith(_PART_PREFIX):
+            raise refuse(f"names starting with {_PART_PREFIX!r} are reserved")
+    return "/".join(parts)
+
+
+def destination(settings: Settings, team: str, path: str, overwrite: bool) -> Path:
+    """Where ``path`` goes for ``team``, refused when a part of it is a link, a file stands where a directory must,
+    or the file exists and ``overwrite`` is false (409)."""
+    base = team_area(settings, team)
+    target = base.joinpath(*checked_path(path).split("/"))
+    current = settings.data_roots[0]
+    for part in (UPLOADS, team, *target.relative_to(base).parts):
+        current = current / part
+        if current.is_symlink():
+            raise ApiError(422, "validation_error", f"path: {current.name!r} is a symbolic link; uploads never follow "
+                                                    "links", "path")
+        if current != target and current.exists() and not current.is_dir():
+            raise ApiError(409, "conflict", f"path: {current.name!r} is a file, not a directory", "path")
+    if target.is_dir():
+        raise ApiError(409, "conflict", f"path: {path} is a directory", "path")
+    if target.exists() and not overwrite:
+        raise ApiError(409, "conflict", f"path: {path} exists; pass overwrite=true to replace it", "path")
+    return target
+
+
+class Upload:
+    """One upload in progress: ``write`` chunks, then ``commit`` (or ``discard`` on any failure)."""
+
+    def __init__(self, settings: Settings, target: Path, max_bytes: int):
+        self.target, self.max_bytes = target, max_bytes
+        self.base = settings.data_roots[0].resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        parent = target.parent.resolve()  # a link raced in after ``destination`` looked: refuse
+        if self.base not in parent.parents:
+            raise ApiError(422, "validation_error", "path: resolves outside the upload area", "path")
+        self.part = target.parent / f"{_PART_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        self.out: BinaryIO = os.fdopen(fd, "wb")
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise ApiError(413, "payload_too_large", f"the upload is larger than {self.max_bytes} bytes "
+                                                     "(setting upload_max_bytes)")
+        self.digest.update(chunk)
+        self.out.write(chunk)
+
+    def commit(self, overwrite: bool) -> bool:
+        """Move the complete file into place; whether it replaced an existing one."""
+        self.out.close()
+        existed = self.target.exists()
+        if overwrite:
+            if self.target.is_dir():
+                raise ApiError(409, "conflict", f"path: {self.target.name} is a directory", "path")
+            os.replace(self.part, self.target)
+            return existed
+        try:
+            os.link(self.part, self.target)  # fails if the file appeared meanwhile: never replaced silently
+        except FileExistsError as err:
+            raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it", "path") from err
+        except OSError:  # a filesystem without hard links: check, then move (a narrow race instead of none)
+            if self.target.exists():
+                raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it",
+                               "path") from None
+            os.replace(self.part, self.target)
+            return False
+        os.unlink(self.part)
+        return False
+
+    def discard(self) -> None:
+        self.out.close()
+        self.part.unlink(missing_ok=True)
+
+
+def list_files(settings: Settings, team: str, prefix: str | None = None) -> list[StoredFile]:
+    """The team's uploaded files (links and unfinished uploads left out), sorted by path."""
+    base = team_area(settings, team)
+    root = base.joinpath(*checked_path(prefix).split("/")) if prefix else base
+    if root.is_symlink() or not root.is_dir():
+        return []
+    found = []
+    for directory, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = [d for d in dirs if not (Path(directory) / d).is_symlink()]
+        for name in files:
+            file = Path(directory) / name
+            if name.startswith(_PART_PREFIX) or file.is_symlink() or not file.is_file():
+                continue
+            stat = file.stat()
+            found.append(StoredFile(path=file.relative_to(base).as_posix(), server_path=str(file),
+                                    size_bytes=stat.st_size,
+                                    modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc)))
+    return sorted(found, key=lambda f: f.path)

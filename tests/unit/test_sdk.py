@@ -1,0 +1,220 @@
+"""The Python SDK (``llmjobs``) against the real app in-process: jobs round trip, auto-paging lists that lose and
+repeat nothing, typed errors with code and field, the SSE stream resumed after a dropped connection, downloads and
+uploads, and the async client."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import insert
+
+from app.main import create_app
+from core.db import session_scope
+from core.jobs import transition
+from core.models import Artifact, LogLine, MetricPoint
+from core.settings import Settings
+from core.states import JobState
+from core_support import auth, isolated_settings, make_job, make_token
+from llmjobs import (
+    ApiConnectionError,
+    AsyncClient,
+    Client,
+    Conflict,
+    NotFound,
+    StreamMessage,
+    Unauthorized,
+    ValidationError,
+    WaitTimeout,
+)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return isolated_settings(tmp_path / "var")
+
+
+@pytest.fixture
+def app(settings: Settings) -> FastAPI:
+    return create_app(settings, reconcile=False)
+
+
+@pytest.fixture
+def token(settings: Settings) -> str:
+    return make_token(settings, "alpha")
+
+
+@pytest.fixture
+def client(app: FastAPI, token: str) -> Iterator[Client]:
+    with TestClient(app, headers=auth(token)) as http:
+        yield Client(http=http)
+
+
+def finished_job(settings: Settings) -> str:
+    """A succeeded job with 3 steps x 7 metrics, two log streams and one file artifact."""
+    job_id = make_job(settings, team="alpha", name="done")
+    output = settings.data_roots[0] / "out.bin"
+    output.write_bytes(bytes(range(256)) * 40)
+    with session_scope(settings.database_url) as session:
+        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": s, "name": f"m{i}", "value": float(s * 10 + i),
+                                               "rank": None} for s in (1, 2, 3) for i in range(7)])
+        session.execute(insert(LogLine), [{"job_id": job_id, "stream": st, "seq": i, "text": f"{st} {i}"}
+                                          for st in ("launcher", "rank0") for i in range(5)])
+        session.execute(insert(Artifact), [{"job_id": job_id, "name": "out", "path": str(output), "files": [],
+                                            "size_bytes": output.stat().st_size}])
+        session.commit()
+        for state in (JobState.starting, JobState.running):
+            assert transition(session, job_id, state)
+        assert transition(session, job_id, JobState.succeeded, result={"kind": "preprocess", "outputs": {}, "summary": {}})
+    return job_id
+
+
+def test_jobs_round_trip_with_uploaded_inputs(client: Client, settings: Settings, tmp_path: Path) -> None:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    uploaded = client.upload(data, "demo/in.jsonl")
+    assert uploaded["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    assert [f["path"] for f in client.upload_dir(tokenizer, "demo/tok")] == ["demo/tok/tokenizer_config.json"]
+    assert [f["path"] for f in client.files(prefix="demo", page_size=1)] == ["demo/in.jsonl",
+                                                                              "demo/tok/tokenizer_config.json"]
+    tok_dir = str(Path(uploaded["server_path"]).parent / "tok")
+    spec = {"kind": "preprocess", "input": uploaded["server_path"], "tokenizer_name_or_path": tok_dir,
+            "output_prefix": "out/x"}
+    ids = [client.create_job({**spec, "name": f"j{i}"})["id"] for i in range(5)]
+    replay = client.create_job(json.dumps(spec), idempotency_key="k1")
+    assert client.create_job(spec, idempotency_key="k1")["id"] == replay["id"]
+    ids.append(replay["id"])
+    listed = [j["id"] for j in client.list_jobs(page_size=2)]
+    assert listed == ids[::-1]  # newest first, every page followed, none twice
+    assert [j["name"] for j in client.list_jobs(name="j3")] == ["j3"]
+    assert client.get_job(ids[0])["state"] == "queued"
+    assert client.cancel_job(ids[0])["state"] == "cancelled"  # a queued job is cancelled at once
+    assert client.wait(ids[0], timeout=5)["state"] == "cancelled"
+    with pytest.raises(WaitTimeout) as waited:
+        client.wait(ids[1], timeout=0.2, poll_interval=0.1)
+    assert waited.value.job["state"] == "queued"
+    with pytest.raises(Conflict) as conflict:
+        client.delete_job(ids[1])  # still queued
+    assert conflict.value.status == 409 and conflict.value.code
+    assert client.delete_job(ids[0])["deleted"] is True
+    with pytest.raises(NotFound) as missing:
+        client.get_job(ids[0])
+    assert missing.value.code == "not_found" and missing.value.status == 404
+
+
+def test_typed_errors_carry_code_and_field(client: Client, app: FastAPI) -> None:
+    with pytest.raises(ValidationError) as invalid:
+        client.create_job({"kind": "preprocess", "input": "x", "tokenizer_name_or_path": "t", "output_prefix": "o",
+                           "train_iterz": 3})
+    assert invalid.value.status == 422 and invalid.value.field == "train_iterz" and invalid.value.errors
+    with pytest.raises(ValidationError) as kind:
+        client.jobs_page(state="runing")
+    assert kind.value.field == "state"
+    with TestClient(app, headers=auth("llmj_wrong")) as http, pytest.raises(Unauthorized) as denied:
+        Client(http=http).get_job("x")
+    assert denied.value.code == "unauthorized" and "LLMJOBS_TOKEN" in str(denied.value)
+    with pytest.raises(ApiConnectionError):
+        Client("http://127.0.0.1:9", token="t").get_job("x")
+
+
+def test_feeds_page_without_loss(client: Client, settings: Settings, tmp_path: Path) -> None:
+    job_id = finished_job(settings)
+    points = list(client.metrics(job_id, page_size=5))
+    assert [(p["step"], p["name"]) for p in points] == [(s, f"m{i}") for s in (1, 2, 3) for i in range(7)]
+    assert [p["step"] for p in client.metrics(job_id, names="m0,m6", page_size=1)] == [1, 1, 2, 2, 3, 3]
+    assert [line["text"] for line in client.logs(job_id, rank=0, page_size=2)] == [f"rank0 {i}" for i in range(5)]
+    assert [line["text"] for line in client.logs(job_id, page_size=3)] == [f"launcher {i}" for i in range(5)]
+    assert [e["message"].split()[-1] for e in client.events(job_id, types="state", page_size=1)][-1] == "succeeded"
+    assert [a["name"] for a in client.artifacts(job_id)] == ["out"]
+    dest = tmp_path / "out.bin"
+    assert client.download(job_id, "out", dest) == 256 * 40
+    assert dest.read_bytes() == (settings.data_roots[0] / "out.bin").read_bytes()
+    with pytest.raises(NotFound):
+        client.download(job_id, "nope", tmp_path / "nope.bin")
+    assert not (tmp_path / "nope.bin").exists()
+    assert client.checkpoints(job_id) == []
+
+
+class DropOnce(httpx.AsyncBaseTransport):
+    """Delegates to the app; the first /stream answer breaks after its first message (a dropped connection)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner, self.dropped, self.resumed_with = inner, False, []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/stream"):
+            return response
+        self.resumed_with.append(request.headers.get("Last-Event-ID"))
+        if self.dropped:
+            return response
+        self.dropped = True
+        first = (await response.aread()).split(b"\r\n\r\n")[0] + b"\r\n\r\n"
+        return httpx.Response(response.status_code, headers=response.headers, stream=_Broken(first))
+
+
+class _Broken(httpx.AsyncByteStream):
+    def __init__(self, first: bytes):
+        self.first = first
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.first
+        raise httpx.ReadError("connection dropped")
+
+
+def test_stream_resumes_after_a_dropped_connection(client: Client, settings: Settings, app: FastAPI,
+                                                  token: str) -> None:
+    job_id = finished_job(settings)
+    whole = list(client.stream(job_id))
+    assert whole[-1].event == "end" and {m.event for m in whole} >= {"state", "metric", "log"}
+    assert list(client.stream(job_id, last_event_id=whole[2].id)) == whole[3:]
+    dropping = DropOnce(httpx.ASGITransport(app=app))
+
+    async def follow() -> list[StreamMessage]:
+        async with AsyncClient(http=httpx.AsyncClient(transport=dropping, base_url="http://test",
+                                                      headers=auth(token))) as flaky:
+            return [m async for m in flaky.stream(job_id)]
+
+    assert asyncio.run(follow()) == whole  # nothing lost, nothing repeated
+    assert dropping.resumed_with == [None, whole[0].id]
+
+
+def test_async_client(app: FastAPI, settings: Settings, token: str, tmp_path: Path) -> None:
+    job_id = finished_job(settings)
+    local = tmp_path / "a.txt"
+    local.write_bytes(b"async bytes" * 1000)
+
+    async def scenario() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient(http=httpx.AsyncClient(transport=transport, base_url="http://test",
+                                                      headers=auth(token))) as client:
+            uploaded = await client.upload(local, "async/a.txt")
+            with pytest.raises(Conflict):
+                await client.upload(local, "async/a.txt")
+            return {
+                "sha": uploaded["sha256"],
+                "jobs": [j["id"] async for j in client.list_jobs(page_size=1)],
+                "job": (await client.wait(job_id))["state"],
+                "metrics": len([p async for p in client.metrics(job_id, page_size=4)]),
+                "logs": [line["text"] async for line in client.logs(job_id, stream="rank0", page_size=2)],
+                "stream": [m.event async for m in client.stream(job_id)][-1],
+                "bytes": await client.download(job_id, "out", tmp_path / "out.bin"),
+                "files": [f["path"] async for f in client.files()],
+            }
+
+    with TestClient(app):  # runs the app's lifespan
+        got = asyncio.run(scenario())
+    assert got == {"sha": hashlib.sha256(local.read_bytes()).hexdigest(), "jobs": [job_id], "job": "succeeded",
+                   "metrics": 21, "logs": [f"rank0 {i}" for i in range(5)], "stream": "end", "bytes": 256 * 40,
+                   "files": ["async/a.txt"]}
