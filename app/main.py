@@ -63,7 +63,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
         leader = Leadership(settings.database_url)  # one replica runs the singleton loops (core.leadership)
         task = asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s,
-                                                   lambda: reconcile_once(settings), "reconcile")) if reconcile else None
+                                                   lambda: reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s),
+                                                   "reconcile")) if reconcile else None
         sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
         gc = asyncio.create_task(run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings),
                                                  "retention pass")) if reconcile else None  # core.retention

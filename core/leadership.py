@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ class Leadership:
         self.postgres = make_url(database_url).get_backend_name() == "postgresql"
         self._conn: Connection | None = None
         self._mutex = threading.Lock()
+        self._since: float | None = None  # monotonic time this process took the lock (PostgreSQL)
 
     def is_leader(self) -> bool:
         if not self.postgres:
@@ -60,6 +62,16 @@ class Leadership:
             if self._conn is None:
                 self._try_take()
             return self._conn is not None
+
+    def led_for(self) -> float:
+        """Seconds this process has led without a break (0 when it does not lead; unbounded on SQLite, which has
+        one process and no lock to lose). The reconciler judges hosts by their heartbeats only after it has led
+        for ``host_stale_after_s``: a new leader, or one back from a database outage, first lets every live host
+        beat again (during the outage none could), instead of taking them all for dead."""
+        if not self.postgres:
+            return float("inf")
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _alive(self) -> bool:
         assert self._conn is not None
@@ -86,12 +98,12 @@ class Leadership:
             return
         conn.detach()  # the lock lives as long as this session: never hand it back to the pool
         conn.execute(text("SELECT set_config('application_name', :name, false)"), {"name": leader_name()})
-        self._conn = conn
+        self._conn, self._since = conn, time.monotonic()
         log.info("leadership: this process now runs the singleton loops")
 
     def _drop(self, why: str) -> None:
         log.warning("leadership: stepping down (%s)", why)
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._since = self._conn, None, None
         try:
             if conn is not None:
                 conn.invalidate()
@@ -102,7 +114,7 @@ class Leadership:
     def release(self) -> None:
         """Give the lock up (on shutdown) so another replica leads at once."""
         with self._mutex:
-            conn, self._conn = self._conn, None
+            conn, self._conn, self._since = self._conn, None, None
         if conn is not None:
             try:
                 conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self.key})

@@ -6,7 +6,8 @@ children in the database and does the one next thing: create and dispatch the ne
 pipeline's own state to follow its children, or finish it. It is idempotent and safe to run concurrently: a child's
 Idempotency-Key is ``pipeline:<pipeline id>:<step>``, so two drivers can never create a step twice. Workers call
 ``advance_parent`` when a job ends; the API's reconciler calls ``advance_all`` as a safety net (lost hosts, start
-deadlines, cancels settled elsewhere).
+deadlines, cancels settled elsewhere). A submission (``submit``, inside the request) creates the first step's child
+but leaves its dispatch to the API's ``Dispatcher`` loop, as for a single job: no scheduling pass in the request.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict
     return body
 
 
-def _create_child(settings: Settings, session: Session, parent: Job, spec: PipelineSpec, decision: Decision) -> Job:
+def _create_child(settings: Settings, session: Session, parent: Job, spec: PipelineSpec, decision: Decision,
+                  dispatch_now: bool) -> Job:
     body = child_body(parent, spec, decision.index, decision.outputs)
     try:
         child_spec = parse_spec(body, data_roots=[str(r) for r in settings.data_roots])
@@ -181,7 +183,8 @@ def _create_child(settings: Settings, session: Session, parent: Job, spec: Pipel
                                                       f"{child.id}", data={"step": spec.steps[decision.index].name,
                                                                            "job_id": child.id})
         session.commit()
-        dispatch(settings, child.id, child.queue)
+        if dispatch_now:  # else the caller wakes a Dispatcher, whose dispatch_new sends it (never dispatched yet)
+            dispatch(settings, child.id, child.queue)
     return child
 
 
@@ -210,8 +213,9 @@ def _finish(settings: Settings, session: Session, parent: Job, decision: Decisio
                        message=decision.error or f"all {len(decision.views)} steps succeeded", **values)
 
 
-def advance(settings: Settings, pipeline_id: str) -> str:
-    """Do the next thing for one pipeline; returns its state afterwards."""
+def advance(settings: Settings, pipeline_id: str, dispatch_now: bool = True) -> str:
+    """Do the next thing for one pipeline; returns its state afterwards. ``dispatch_now=False`` creates a step's
+    child without a scheduling pass (the request path: the API's Dispatcher, woken by it, dispatches the child)."""
     with session_scope(settings.database_url) as session:
         parent = session.get(Job, pipeline_id)
         if parent is None or parent.kind != "pipeline":
@@ -224,7 +228,7 @@ def advance(settings: Settings, pipeline_id: str) -> str:
         decision = decide(spec, children, stopping)
         try:
             if decision.action == "create":
-                child = _create_child(settings, session, parent, spec, decision)
+                child = _create_child(settings, session, parent, spec, decision, dispatch_now)
                 session.expire_all()
                 if (fresh := session.get(Job, pipeline_id)) is not None and fresh.state in ("cancelling", "cancelled"):
                     service.request_cancel(session, child)  # a cancel raced with this step's creation
@@ -276,11 +280,12 @@ def check_steps_fit(session: Session, settings: Settings, team: str, spec: Pipel
 
 def submit(session: Session, settings: Settings, team: str, spec: PipelineSpec, raw: Any,
            key: str | None) -> tuple[Job, bool]:
-    """Create the pipeline row and its first step (an Idempotency-Key replay returns the first pipeline)."""
+    """Create the pipeline row and its first step, committed but not scheduled: the caller wakes the Dispatcher, as
+    for a single job (an Idempotency-Key replay returns the first pipeline)."""
     check_steps_fit(session, settings, team, spec)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     if created:
-        advance(settings, job.id)
+        advance(settings, job.id, dispatch_now=False)
         session.expire_all()
         job = session.get(Job, job.id) or job
     return job, created

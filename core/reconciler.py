@@ -17,10 +17,11 @@ from core.settings import Settings
 from core.states import WAITING, JobState
 
 
-def reconcile_once(settings: Settings) -> int:
+def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
     """Recover (dead hosts, lost nodes, cancels), schedule (which also writes pending reasons), enforce start
-    deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent."""
-    recover(settings)
+    deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent. ``judge_hosts=False``:
+    no host is marked down by its heartbeat age in this pass (see ``core.leadership.Leadership.led_for``)."""
+    recover(settings, judge_hosts)
     advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)
     schedule(settings)
     now = utcnow()

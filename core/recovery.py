@@ -122,9 +122,10 @@ def resend_lost_messages(settings: Settings) -> int:
     return len(nodes)
 
 
-def recover(settings: Settings) -> None:
-    """One recovery pass (the reconciler calls it before scheduling)."""
-    for job_id, attempt, message in mark_dead_hosts(settings):
+def recover(settings: Settings, judge_hosts: bool = True) -> None:
+    """One recovery pass (the reconciler calls it before scheduling). ``judge_hosts=False`` leaves hosts alone
+    whatever their heartbeats say (a reconciler that has not watched them for host_stale_after_s yet)."""
+    for job_id, attempt, message in mark_dead_hosts(settings) if judge_hosts else []:
         end_attempt(settings, job_id, attempt, retryable=True, error_code="node_lost", message=message)
     with session_scope(settings.database_url) as session:
         cancelling = list(session.scalars(select(Job.id).where(Job.state == JobState.cancelling.value)))

@@ -5,6 +5,10 @@ launch (torchrun with --nnodes/--node-rank/rendezvous for multi-node jobs, exact
 running (the job becomes running when every node is) -> watch (ingest on node 0, heartbeat, stop on cancel, on a
 run deadline, or when another node failed the attempt) -> record the exit -> settle the job -> release the leases
 once the processes are gone -> a scheduling pass for whoever waits for these devices.
+
+A database outage does not stop the engine: while the database is away the watch goes on (the run deadline still
+holds; a cancel is seen once it answers again), the ingestor leaves its lines in the run files (worker.ingest), and
+once the engine has exited its outcome is recorded when the database answers again (``until_stored``).
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.db import session_scope
 from core.jobs import transition
@@ -38,6 +44,8 @@ from worker.supervisor import Supervised
 from worker.telemetry import start_telemetry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+DATABASE_AWAY = (OperationalError, InterfaceError)  # down, restarting or unreachable: retry, never fail the job
 
 
 @dataclass
@@ -123,26 +131,55 @@ def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: R
     """Until the engine exits or must stop; returns (exit code, stop reason or None)."""
     deadline = work.spec.get("run_deadline_s")
     started = last_beat = time.monotonic()
+    away_since: float | None = None
     while (code := proc.poll()) is None:
         if ingestor is not None:
             try:
                 ingestor.poll()
             except Exception as err:  # noqa: BLE001 - offsets did not move; the next poll retries
-                log.warning("ingest of %s failed, will retry: %s", work.job_id, err)
+                if ingestor.away_since is None or not isinstance(err, DATABASE_AWAY):
+                    log.warning("ingest of %s failed, will retry: %s", work.job_id, err)
         now = time.monotonic()
-        beat = now - last_beat >= settings.heartbeat_interval_s
-        last_beat = now if beat else last_beat
-        state, attempt = _job_view(settings, work, beat)
+        beat = away_since is not None or now - last_beat >= settings.heartbeat_interval_s  # beat at once when back
+        try:
+            state, attempt = _job_view(settings, work, beat)
+            if state == JobState.starting.value and beat:
+                promote_if_all_running(settings, work)
+        except DATABASE_AWAY as err:
+            if away_since is None:
+                away_since = now
+                log.warning("job %s: the database is away (%s); the engine keeps running", work.job_id,
+                            type(err.orig).__name__)
+            state, attempt = JobState.running.value, work.attempt  # as far as this node knows
+        else:
+            if away_since is not None:
+                log.warning("job %s: the database answers again after %.1f s", work.job_id, now - away_since)
+                away_since = None
+            last_beat = now if beat else last_beat
         if state == JobState.cancelling.value:
             return proc.terminate(settings.cancel_grace_s), "cancelled"
         if attempt != work.attempt or state not in RUNNING:
             return proc.terminate(settings.cancel_grace_s), "superseded"  # another node failed the attempt
-        if state == JobState.starting.value and beat:
-            promote_if_all_running(settings, work)
         if deadline and now - started > deadline:
             return proc.terminate(settings.cancel_grace_s), "run_deadline"
         time.sleep(settings.ingest_interval_s)
     return code, None
+
+
+def until_stored(what: str, step: Callable[[], T], max_delay_s: float = 10.0) -> T:
+    """Run ``step`` (a database write after the engine exited) until the database takes it: the outcome of a job
+    that ran through an outage is recorded once the database is back, not lost with the task. Backs off to
+    ``max_delay_s``; any other error propagates. Each step is a compare-and-set or idempotent, so a retry after a
+    commit whose answer was lost changes nothing."""
+    delay, since = 0.5, time.monotonic()
+    while True:
+        try:
+            return step()
+        except DATABASE_AWAY as err:
+            log.warning("%s: the database is away (%s, %.0f s so far); retrying in %.1f s", what,
+                        type(err.orig).__name__, time.monotonic() - since, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
 
 
 def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None) -> None:
@@ -227,12 +264,16 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         if proc.poll() is None:  # an exception above: never leave the engine running unsupervised
             proc.terminate(settings.cancel_grace_s)
     if ingestor is not None:
-        ingestor.poll(final=True)
-    record_exit(settings, work, code, stop)
-    outcome = settle(settings, work, code, stop, ingestor.last_error if ingestor else None)
-    settle_cancel(settings, job_id)  # a cancel that raced with the exit
-    release_node(settings, work.node_id)
+        until_stored(f"job {job_id}: final ingest", lambda: ingestor.poll(final=True))
+    until_stored(f"job {job_id}: exit record", lambda: record_exit(settings, work, code, stop))
+    outcome = until_stored(f"job {job_id}: outcome",
+                           lambda: settle(settings, work, code, stop, ingestor.last_error if ingestor else None))
+    until_stored(f"job {job_id}: cancel check", lambda: settle_cancel(settings, job_id))  # a cancel that raced the exit
+    until_stored(f"job {job_id}: lease release", lambda: release_node(settings, work.node_id))
     notify(settings.redis_url, job_id, state=1)
     advance_parent(settings, job_id)  # the next step of its pipeline, if it is one
-    schedule(settings)  # the freed devices may let a waiting job start
+    try:
+        schedule(settings)  # the freed devices may let a waiting job start
+    except DATABASE_AWAY as err:  # the reconciler and the host heartbeat schedule again
+        log.warning("scheduling pass after job %s failed: %s", job_id, err)
     return outcome

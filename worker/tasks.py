@@ -12,10 +12,12 @@ from core.messaging import LEGACY_TASK_NAMES, RUN_NODE_TASK, SCHEDULE_TASK, get_
 from core.scheduler import schedule
 from core.settings import get_settings
 from core.structured_logs import HEADER, bound
+from worker import broker_compat
 from worker.node import run_node as run_node_on_host
 
 log = logging.getLogger(__name__)
 celery_app = get_celery(get_settings().broker_url)
+broker_compat.install()  # a lost Redis connection must not end the worker (see worker.broker_compat)
 
 
 def message_request_id() -> str | None:

@@ -1,13 +1,17 @@
-"""A private PostgreSQL for outage tests (Debian's binaries: initdb in a temp dir, a random loopback port), which a
-test may stop and start again; the server runs as the ``postgres`` user when the tests run as root."""
+"""A private PostgreSQL and a private Redis for outage tests, each on a random loopback port, which a test may stop
+and start again. PostgreSQL: Debian's binaries, initdb in a temp dir, run as the ``postgres`` user when the tests run
+as root. Redis: ``redis-server`` without persistence, so a restart also loses every message it held (the worst
+case for a broker)."""
 
 from __future__ import annotations
 
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,4 +68,57 @@ def private_postgres() -> Iterator[PrivatePostgres]:
     finally:
         subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(server.data), "-m", "immediate", "stop"]),
                        capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class PrivateRedis:
+    binary: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                          "--appendonly", "no", "--dir", str(self.log.parent)],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"redis-server did not start: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+
+@contextmanager
+def private_redis() -> Iterator[PrivateRedis]:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not os.path.exists(binary):
+        import pytest
+
+        pytest.skip("no redis-server binary (Debian: apt-get install redis-server)")
+    root = Path(tempfile.mkdtemp(prefix="llmjobs-redis-"))
+    server = PrivateRedis(binary, free_port(), root / "server.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.proc.kill()
+            server.proc.wait()
         shutil.rmtree(root, ignore_errors=True)

@@ -42,6 +42,7 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 def test_one_leader_and_takeover_when_its_session_dies(pg_url: str) -> None:
     first, second = Leadership(pg_url), Leadership(pg_url)
     assert first.is_leader() and not second.is_leader() and first.is_leader()
+    assert first.led_for() > 0 and second.led_for() == 0  # how long it has led: the reconciler's host grace
     [backend] = leader_backends(pg_url)
     admin = sa.create_engine(pg_url)
     with admin.connect() as connection:  # what the server does when the leader process is SIGKILLed
@@ -50,10 +51,12 @@ def test_one_leader_and_takeover_when_its_session_dies(pg_url: str) -> None:
     # pg_terminate_backend only signals the backend; the lock is freed when it has exited, a moment later
     assert eventually(second.is_leader)
     assert not first.is_leader()  # it notices its session is gone and does not take the lock back
+    assert first.led_for() == 0 and second.led_for() < 10  # the new leader's count starts at its takeover
     second.release()
     assert first.is_leader()
     first.release()
 
 
 def test_sqlite_is_always_its_own_leader(tmp_path: Path) -> None:
-    assert Leadership(f"sqlite:///{tmp_path / 'x.db'}").is_leader()
+    leader = Leadership(f"sqlite:///{tmp_path / 'x.db'}")
+    assert leader.is_leader() and leader.led_for() == float("inf")

@@ -1,10 +1,12 @@
 """Outages: the API on a private PostgreSQL that is stopped mid-run answers 503 with the error shape, /readyz says
-so, and both recover without a restart once the database is back; nothing committed before is lost. Two workers
-starting at the same moment on the embedded broker both come up."""
+so, and both recover without a restart once the database is back; nothing committed before is lost. A worker's
+watch over a running engine keeps it running through the outage and its ingestor catches up (every metric point and
+log line once). Two workers starting at the same moment on the embedded broker both come up."""
 
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,15 @@ from sqlalchemy import select
 
 from app.main import create_app
 from core.db import session_scope
-from core.models import Host
-from core_support import auth, isolated_settings, make_token
+from core.jobs import transition
+from core.models import Host, LogLine, MetricPoint
+from core.states import JobState
+from core_support import auth, isolated_settings, make_job, make_token
+from engine.runfiles import RunDir
 from outage_support import private_postgres
 from sched_support import start_worker, stop_worker
+from worker.ingest import RunIngestor
+from worker.node import NodeWork, until_stored, watch_node
 
 pytestmark = pytest.mark.slow
 BODY = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
@@ -54,6 +61,66 @@ def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path)
             assert client.post("/v1/jobs", json=BODY, headers=headers).status_code == 201
             listed = client.get("/v1/jobs", headers=headers).json()["data"]
             assert len(listed) == 2  # the job from before the outage and the one after
+
+
+class _Engine:
+    """Stands in for the engine process under watch_node: writes a metric point and a log line every 20 ms until
+    told to exit (then exits 0)."""
+
+    def __init__(self, run: RunDir):
+        self.run, self.step, self.terminated = run, 0, False
+        self.exit = threading.Event()
+
+    def poll(self) -> int | None:
+        self.run.metric(self.step, {"lm_loss": 1.0 / (self.step + 1)})
+        with open(self.run.path / "logs" / "rank0.log", "a") as f:
+            f.write(f"step {self.step}\n")
+        self.step += 1
+        return 0 if self.exit.is_set() else None
+
+    def terminate(self, grace_s: float) -> int:
+        self.terminated = True
+        return -15
+
+
+def _stored(settings: Any, job_id: str) -> tuple[list[int], list[int]]:
+    with session_scope(settings.database_url) as session:
+        steps = list(session.scalars(select(MetricPoint.step).where(MetricPoint.job_id == job_id)
+                                     .order_by(MetricPoint.step)))
+        seqs = list(session.scalars(select(LogLine.seq).where(LogLine.job_id == job_id).order_by(LogLine.seq)))
+    return steps, seqs
+
+
+@pytest.mark.postgres
+def test_a_running_job_survives_the_outage_and_its_ingest_catches_up(tmp_path: Path) -> None:
+    with private_postgres() as pg:
+        settings = isolated_settings(tmp_path, pg.url, ingest_interval_s=0.05, heartbeat_interval_s=0.5)
+        job_id = make_job(settings)
+        with session_scope(settings.database_url) as session:
+            assert transition(session, job_id, JobState.starting, attempt_count=1)
+            assert transition(session, job_id, JobState.running)
+        run = RunDir(tmp_path / "run")
+        work = NodeWork(0, job_id, 1, 0, 1, {}, run.path, [], "127.0.0.1", 0)
+        ingestor, engine = RunIngestor(settings.database_url, job_id, run.path, 1), _Engine(run)
+        outcome: list[tuple[int, str | None]] = []
+        watch = threading.Thread(target=lambda: outcome.append(watch_node(settings, work, engine, ingestor)))  # type: ignore[arg-type]
+        watch.start()
+        deadline = time.monotonic() + 20
+        while len(_stored(settings, job_id)[0]) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pg.stop()
+        time.sleep(1.5)  # the engine writes on; nothing can be stored
+        assert ingestor.away_since is not None and watch.is_alive()
+        pg.start()
+        deadline = time.monotonic() + 20
+        while ingestor.away_since is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.exit.set()
+        watch.join(20)
+        assert outcome == [(0, None)] and not engine.terminated  # the job kept running through the outage
+        until_stored("final ingest", lambda: ingestor.poll(final=True))
+        steps, seqs = _stored(settings, job_id)
+        assert steps == list(range(engine.step)) and seqs == list(range(engine.step))  # each once, none lost
 
 
 def _declare(broker_url: str, var: str, barrier: Any, names: list[str]) -> None:

@@ -85,3 +85,23 @@ def _sent(settings: Settings) -> int:
         return _broker_messages(settings)
     except sa.exc.OperationalError:  # kombu creates its tables with the first message
         return 0
+
+
+def test_a_reconciler_that_has_not_watched_the_hosts_long_enough_marks_none_down(tmp_path: Path) -> None:
+    """After a database outage (or on taking the lead) every heartbeat looks old; hosts are judged only once the
+    leader has led for host_stale_after_s (Leadership.led_for), which on SQLite is always."""
+    from core.leadership import Leadership
+    from core.models import Host
+    from worker.hosts import register_host
+
+    settings = isolated_settings(tmp_path, host_stale_after_s=5)
+    register_host(settings, name="h", device_type="cpu", devices=1, queues=["host.h"])
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Host).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+    reconcile_once(settings, judge_hosts=False)
+    with session_scope(settings.database_url) as session:
+        assert session.scalars(sa.select(Host.state)).one() == "up"
+    reconcile_once(settings)
+    with session_scope(settings.database_url) as session:
+        assert session.scalars(sa.select(Host.state)).one() == "down"
+    assert Leadership(settings.database_url).led_for() == float("inf")

@@ -3,6 +3,8 @@ step order, reference resolution, fail_fast vs continue, cancel, 422s naming the
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +69,37 @@ def get(client: TestClient, token: str, job_id: str) -> dict[str, Any]:
     return client.get(f"/v1/jobs/{job_id}", headers=auth(token)).json()
 
 
+def wait_for(read: Callable[[], Any], good: Callable[[Any], bool], timeout_s: float = 10) -> Any:
+    """Poll ``read`` until ``good`` (the Dispatcher's pass runs beside the request); the last value either way."""
+    deadline = time.monotonic() + timeout_s
+    while not good(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def test_submission_leaves_scheduling_to_the_dispatcher(client: TestClient, token: str, settings: Settings,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """POST commits the pipeline and its first step's child and returns; no scheduling pass runs in the request
+    (core.pipelines.dispatch is not called): the API's Dispatcher loop, woken by the submission, dispatches it."""
+    in_request: list[str] = []
+    monkeypatch.setattr(pipelines, "dispatch", lambda _s, job_id, _q: in_request.append(job_id))
+    pipeline = submit(client, token)
+    child_id = pipeline["steps"][0]["job_id"]
+    assert pipeline["pending_reason"] == "step prep: waiting for the message to reach a worker"
+
+    def dispatched() -> bool:
+        with session_scope(settings.database_url) as session:
+            child = session.get(Job, child_id)
+            return child is not None and child.dispatched_at is not None
+    assert wait_for(dispatched, bool) and in_request == []
+    assert get(client, token, child_id)["pending_reason"].startswith("no live worker serves cpu devices")
+
+
 def test_steps_run_in_order_with_references_resolved(client: TestClient, token: str, settings: Settings) -> None:
     pipeline = submit(client, token)
     assert [s["state"] for s in pipeline["steps"]] == ["queued", "pending", "pending", "pending"]
-    assert pipeline["pending_reason"].startswith("step prep: no live worker serves cpu devices")
+    assert wait_for(lambda: get(client, token, pipeline["id"])["pending_reason"],
+                    lambda reason: reason.startswith("step prep: no live worker serves cpu devices"))
     data = settings.data_roots[0]
     outputs = {"prep": {"data_path": str(data / "out/x_packed"), "files": "a"}, "tomg": {"checkpoint": str(data / "mg")},
                "train": {"checkpoint": str(data / "ckpt")}, "tohf": {"checkpoint": str(data / "final/mg2hf")}}
@@ -151,8 +180,9 @@ def test_the_scheduler_never_runs_the_pipeline_row(client: TestClient, token: st
 
     pipeline = submit(client, token)
     register_host(settings, name="h", device_type="cpu", devices=4, queues=["host.h"])
-    granted = {g.job_id for g in schedule(settings)}
-    assert pipeline["id"] not in granted and pipeline["steps"][0]["job_id"] in granted
+    granted = {g.job_id for g in schedule(settings)}  # the Dispatcher's own pass may have granted the step already
+    assert pipeline["id"] not in granted
+    assert get(client, token, pipeline["steps"][0]["job_id"])["state"] == "starting"
 
 
 @pytest.mark.parametrize(("index", "field", "value", "text"), [
