@@ -56,40 +56,71 @@ function merge(series, spans) {
   return out;
 }
 
+/** Per series and column: the index range [lo, hi) of its points in that column, found by binary search on the
+ * sorted steps (about W log N reads), then one tight pass over the values alone for the min and max. No closure or
+ * property read in the inner loop: 5 runs x 100k points decimate in a few ms. */
 function bucketed(series, spans, xMin, xMax, buckets) {
   // Slots: 0 = the point before the range, 1..buckets = the columns, buckets + 1 = the point after.
   const slots = buckets + 2;
   const width = (xMax - xMin) / buckets;
-  const slotOf = (x) => (x < xMin ? 0 : x > xMax ? slots - 1 : 1 + Math.min(buckets - 1, Math.floor((x - xMin) / width)));
   const first = new Float64Array(slots).fill(Infinity);
   const last = new Float64Array(slots).fill(-Infinity);
-  const perSeries = series.map((s, i) => {
-    const min = new Float64Array(slots).fill(Infinity), max = new Float64Array(slots).fill(-Infinity);
-    const minAt = new Float64Array(slots), maxAt = new Float64Array(slots);
-    for (let j = spans[i][0]; j < spans[i][1]; j++) {
-      const x = s.x[j], y = s.y[j], b = slotOf(x);
-      if (x < first[b]) first[b] = x;
-      if (x > last[b]) last[b] = x;
-      if (!Number.isFinite(y)) continue;
-      if (y < min[b]) { min[b] = y; minAt[b] = x; }
-      if (y > max[b]) { max[b] = y; maxAt[b] = x; }
-    }
-    return {min, max, minAt, maxAt};
-  });
-  const xs = [];
-  const ys = series.map(() => []);
+  const perSeries = series.map((s, i) => scan(s.x, s.y, spans[i][0], spans[i][1], xMin, xMax, width, buckets, first, last));
+  let count = 0;
+  for (let b = 0; b < slots; b++) if (first[b] !== Infinity) count += last[b] > first[b] ? 2 : 1;
+  const xs = new Array(count);
+  const ys = series.map(() => new Array(count));
+  let k = 0;
   for (let b = 0; b < slots; b++) {
     if (first[b] === Infinity) continue;
     const two = last[b] > first[b];
-    xs.push(first[b]);
-    if (two) xs.push(last[b]);
-    perSeries.forEach(({min, max, minAt, maxAt}, i) => {
-      if (min[b] === Infinity) { ys[i].push(null); if (two) ys[i].push(null); return; }
-      const minFirst = minAt[b] <= maxAt[b];
-      const a = minFirst ? min[b] : max[b], z = minFirst ? max[b] : min[b];
-      ys[i].push(a);
-      if (two) ys[i].push(z);
-    });
+    xs[k] = first[b];
+    if (two) xs[k + 1] = last[b];
+    for (let i = 0; i < perSeries.length; i++) {
+      const {min, max, minFirst} = perSeries[i], out = ys[i];
+      if (min[b] === Infinity) { out[k] = null; if (two) out[k + 1] = null; continue; }
+      out[k] = minFirst[b] ? min[b] : max[b];
+      if (two) out[k + 1] = minFirst[b] ? max[b] : min[b];
+    }
+    k += two ? 2 : 1;
   }
   return [xs, ...ys];
+}
+
+/** One series' finite min and max per slot (and which came first), widening first/last to its steps per slot. */
+function scan(x, y, lo, hi, xMin, xMax, width, buckets, first, last) {
+  const slots = buckets + 2;
+  const min = new Float64Array(slots).fill(Infinity), max = new Float64Array(slots).fill(-Infinity);
+  const minFirst = new Uint8Array(slots);
+  let j = lo;
+  for (let b = 0; b < slots && j < hi; b++) {
+    // The end of slot b: the first index past its steps (slot 0 ends at xMin, the last slot at the span's end).
+    const end = b === slots - 1 ? hi
+      : b === 0 ? boundAt(x, j, hi, xMin, false)
+        : b === buckets ? boundAt(x, j, hi, xMax, true)
+          : boundAt(x, j, hi, xMin + b * width, false);
+    if (end === j) continue;
+    if (x[j] < first[b]) first[b] = x[j];
+    if (x[end - 1] > last[b]) last[b] = x[end - 1];
+    let mn = Infinity, mx = -Infinity, mnAt = 0, mxAt = 0;
+    for (let i = j; i < end; i++) {
+      const v = y[i];  // NaN fails both comparisons: gaps never count
+      if (v < mn && v !== -Infinity) { mn = v; mnAt = i; }
+      if (v > mx && v !== Infinity) { mx = v; mxAt = i; }
+    }
+    min[b] = mn;
+    max[b] = mx;
+    minFirst[b] = mnAt <= mxAt ? 1 : 0;
+    j = end;
+  }
+  return {min, max, minFirst};
+}
+
+/** First index i in [lo, hi) with x[i] >= value (or > value when inclusive), else hi. */
+function boundAt(x, lo, hi, value, inclusive) {
+  while (lo < hi) {
+    const mid = (lo + hi) >>> 1;
+    if (inclusive ? x[mid] <= value : x[mid] < value) lo = mid + 1; else hi = mid;
+  }
+  return lo;
 }
