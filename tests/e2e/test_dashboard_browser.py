@@ -556,3 +556,83 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
           f"{redraw['live']:.1f} ms per live update with smoothing")
     assert redraw["lines"] == 10 and redraw["drawn"] <= 2 * (redraw["columns"] + 2)
     assert redraw["painted"] >= 45  # every timed draw was painted inside its measurement (15 + 1 build + 15 + 15)
+
+
+def _fake_runs(page: Any) -> tuple[str, str, dict[str, Any]]:
+    """Two runs served by the browser's router (no real job: seconds, not minutes): run A is still running, 10 s a
+    step from 12:00:00, run B finished, 20 s a step an hour later; both report lm_loss and tokens (1000 a step).
+    Returns their ids and the live state the test changes (A's points and state)."""
+    run_a, run_b = str(uuid.uuid4()), str(uuid.uuid4())
+    state: dict[str, Any] = {run_a: {"state": "running", "steps": 3, "t0": 0, "dt": 10, "lr": 1e-3},
+                             run_b: {"state": "succeeded", "steps": 4, "t0": 3600, "dt": 20, "lr": 3e-3}}
+
+    def points(job: str) -> list[dict[str, Any]]:
+        run, rows = state[job], []
+        for step in range(1, run["steps"] + 1):
+            seconds = run["t0"] + run["dt"] * (step - 1)
+            time_ = f"2026-01-01T12:{seconds // 60 % 60:02d}:{seconds % 60:02d}+00:00".replace("T12", f"T{12 + seconds // 3600}")
+            for k, (name, value) in enumerate((("lm_loss", 10.0 / step + run["lr"]), ("tokens", 1000.0))):
+                rows.append({"id": step * 10 + k, "step": step, "rank": None, "name": name, "value": value, "time": time_})
+        return rows
+
+    def handle(route: Any) -> None:
+        url = route.request.url
+        job = next(j for j in state if j in url)
+        if "/metrics" not in url:
+            run = state[job]
+            body = {"id": job, "name": f"run-{job[:4]}", "state": run["state"], "kind": "train",
+                    "spec": {"kind": "train", "lr": run["lr"]}, "metadata": {}}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+            return
+        after = re.search(r"after=(\d+)%3A(\d+)", url)
+        cursor = (int(after.group(1)), int(after.group(2))) if after else (-1, -1)
+        rows = [p for p in points(job) if (p["step"], p["id"]) > cursor]
+        last = f"{rows[-1]['step']}:{rows[-1]['id']}" if rows else (after and f"{after.group(1)}:{after.group(2)}")
+        body = {"data": rows, "has_more": False, "next_since_step": rows[-1]["step"] if rows else None, "next_cursor": last}
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    for job in state:
+        page.route(re.compile(rf".*/v1/jobs/{job}(/metrics.*)?$"), handle)
+    return run_a, run_b, state
+
+
+def _plotted(page: Any) -> dict[str, Any]:
+    return page.evaluate("""() => { const c = document.querySelector(".compare-chart .chart").chart;
+        return {axis: c.el.dataset.xAxis, labels: c.u.series.map((s) => s.label), data: c.u.data.map((a) => Array.from(a))}; }""")
+
+
+def test_compare_follows_running_runs_on_every_x_axis(page: Any, service: Service) -> None:  # noqa: F811
+    """The compare page polls a run that is still running (its new points join the chart, its state badge follows,
+    polling stops when it ends) and plots each run on its own relative time, wall time or consumed tokens."""
+    run_a, run_b, state = _fake_runs(page)
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(f"{service.url}/#/compare?ids={run_a},{run_b}&x=relative")
+    page.wait_for_selector('.compare-chart .chart[data-chart="lm_loss"][data-x-axis="relative"]')
+    assert page.locator("#compare-status [data-live]").get_attribute("data-live") == "1"
+    plotted = _plotted(page)
+    # Each run from its own start: A every 10 s, B every 20 s; one aligned x array, gaps where a run has no point.
+    assert plotted["data"][0] == [0, 10, 20, 40, 60]
+    assert plotted["data"][1] == pytest.approx([10.001, 5.001, 10 / 3 + 0.001, None, None])
+    assert plotted["data"][2] == pytest.approx([10.003, None, 5.003, 10 / 3 + 0.003, 2.503])
+
+    # A reports two more steps and finishes: the next poll (3 s) brings them, the same chart redraws.
+    state[run_a].update(steps=5, state="succeeded")
+    page.wait_for_function("""() => document.querySelector(".compare-chart .chart").chart.u.data[0].includes(30)""",
+                           timeout=15_000)
+    page.wait_for_selector('#compare-status [data-live="0"]')
+    assert page.locator(f'#compare-best tr[data-job="{run_a}"] .badge').get_attribute("data-state") == "succeeded"
+    plotted = _plotted(page)
+    assert plotted["data"][0] == [0, 10, 20, 30, 40, 60]
+    assert plotted["data"][1][3:5] == pytest.approx([2.501, 2.001])
+
+    # Consumed tokens (each run's own cumulative sum) and wall time; the choice goes into the URL.
+    page.select_option("#x-axis", "tokens")
+    page.wait_for_selector('.compare-chart .chart[data-x-axis="tokens"]')
+    assert "x=tokens" in page.url
+    assert _plotted(page)["data"][0] == [1000, 2000, 3000, 4000, 5000]
+    page.select_option("#x-axis", "wall")
+    page.wait_for_selector('.compare-chart .chart[data-x-axis="wall"]')
+    xs = _plotted(page)["data"][0]
+    start = 1767268800  # 2026-01-01T12:00:00Z
+    assert xs[0] == start and xs[-1] == start + 3600 + 60 and len(xs) == 9

@@ -49,12 +49,14 @@ function download(name, text, type) {
 }
 
 export class LiveChart {
-  /** parent: element to append to; title: text; series: [Series] (series.js); view: shared controls (plainView). */
-  constructor(parent, title, series, {height = 200, view = plainView()} = {}) {
+  /** parent: element to append to; title: text; series: [Series] (series.js); view: shared controls (plainView);
+   * axis: () => an xAxis (transform.js) when the series' x already is the axis (the compare page maps each run). */
+  constructor(parent, title, series, {height = 200, view = plainView(), axis = null} = {}) {
     this.title = title;
     this.series = series;
     this.height = height;
     this.view = view;
+    this.axisOf = axis;
     this.zoom = null;  // [min, max] steps while zoomed in, else the full range follows the data
     this.hidden = new Set();  // labels of the series hidden from the legend
     this.frame = 0;
@@ -88,7 +90,7 @@ export class LiveChart {
     this.build();
   }
 
-  axis() { return xAxis(this.view.xMode, this.view.store); }
+  axis() { return this.axisOf ? this.axisOf() : xAxis(this.view.xMode, this.view.store); }
 
   /** The uPlot series: per series its smoothed line and, faint, its raw line; or the raw line alone. */
   lines() {
@@ -156,12 +158,15 @@ export class LiveChart {
     this.el.dataset.hidden = [...this.hidden].join(",");
   }
 
-  /** Same series list (by key) -> keep the chart; otherwise rebuild it with the new legend. */
+  /** Same series list (by key) -> keep the chart and redraw with these series (they may be new objects);
+   * otherwise rebuild it with the new legend. */
   setSeries(series) {
     const keys = (list) => list.map((s) => `${s.key}:${s.label}`).join("|");
-    if (keys(series) === keys(this.series)) return;
+    const same = keys(series) === keys(this.series);
     this.series = series;
-    this.build();
+    if (!same) { this.build(); return; }
+    this.drawn = this.lines();
+    this.invalidate();
   }
 
   onSelect(u) {
