@@ -169,7 +169,7 @@ def list_jobs(
     after: str | None = None, limit: int = 20, sort: str | None = None,
 ) -> tuple[list[Job], bool]:
     """Newest first unless ``sort`` says otherwise (SORTS); ``after`` is the last id of the previous page."""
-    key, descending = parse_sort(sort)
+    by, descending = parse_sort(sort)
     query = select(Job)
     if not principal.admin:
         query = query.where(Job.team == principal.team)
@@ -192,9 +192,9 @@ def list_jobs(
         anchor = session.get(Job, after)
         if anchor is None or not principal.sees(anchor.team):  # another team's id reads as unknown
             raise ApiError(400, "invalid_cursor", f"after: no job {after}", "after")
-        query = query.where(_past(key, descending, anchor))
-    column = SORTS[key]
+        query = query.where(_past(by, descending, anchor))
+    column = SORTS[by]
     order = [column.desc(), Job.id.desc()] if descending else [column.asc(), Job.id.asc()]
-    if key in NULLABLE_SORTS:
+    if by in NULLABLE_SORTS:
         order.insert(0, column.is_(None))  # false first: blanks last (portable, unlike NULLS LAST)
     return fetch_page(session, query.order_by(*order), limit)
