@@ -636,3 +636,32 @@ def test_compare_follows_running_runs_on_every_x_axis(page: Any, service: Servic
     xs = _plotted(page)["data"][0]
     start = 1767268800  # 2026-01-01T12:00:00Z
     assert xs[0] == start and xs[-1] == start + 3600 + 60 and len(xs) == 9
+
+
+def test_job_list_sorts_on_the_server_across_pages(page: Any, service: Service) -> None:  # noqa: F811
+    """A click on a column the API sorts by (name) orders every page, not just the one shown: one job a page, the
+    pager walks a, b, c; the order is in the URL; a second click reverses it."""
+    tag = f"sort-{uuid.uuid4().hex[:6]}"
+    body, _ = readme_example()
+    with service.client() as client:
+        for suffix in ("c", "a", "b"):  # created in another order than their names'
+            created = client.post("/v1/jobs", json={**body, "name": f"{tag}-{suffix}", "metadata": {"sortcheck": tag},
+                                                    "output_prefix": f"demo/out/{tag}-{suffix}"})
+            assert created.status_code == 201, created.text
+            client.post(f"/v1/jobs/{created.json()['id']}/cancel")  # they need not run
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(f"{service.url}/#/jobs?meta=sortcheck={tag}&limit=1&refresh=off")
+    page.wait_for_selector(f'tr[data-job] >> text="{tag}-b"')  # newest first by default
+    page.click('th[data-col="name"] button')
+    page.wait_for_selector(f'tr[data-job] >> text="{tag}-a"')
+    assert "sort=name" in page.url and page.inner_text("#page-older") == "Next ›"
+    for suffix in ("b", "c"):
+        page.click("#page-older")
+        page.wait_for_selector(f'tr[data-job] >> text="{tag}-{suffix}"')
+    assert page.is_disabled("#page-older") and "after=" in page.url
+    page.click('th[data-col="name"] button')  # descending, from the first page again
+    page.wait_for_selector('th[data-col="name"][aria-sort="descending"]')
+    page.wait_for_selector("#page-older:not([disabled])")
+    assert page.inner_text("tr[data-job] td a") == f"{tag}-c"
+    assert "sort=-name" in page.url and "after=" not in page.url
