@@ -665,3 +665,41 @@ def test_job_list_sorts_on_the_server_across_pages(page: Any, service: Service) 
     page.wait_for_selector("#page-older:not([disabled])")
     assert page.inner_text("tr[data-job] td a") == f"{tag}-c"
     assert "sort=-name" in page.url and "after=" not in page.url
+
+
+def test_spec_tab_marks_values_read_from_the_checkpoint(page: Any, service: Service) -> None:  # noqa: F811
+    """The Spec tab of a job that loads a checkpoint: the values the engine recorded from it (its `config` event)
+    are marked "from the checkpoint" with their value, distinct from what the user set and from schema defaults
+    (rotary_base: the checkpoint's 1000000, not the default 10000); before the run read them, they say so."""
+    job_id = str(uuid.uuid4())
+    values = {"num_layers": 28, "hidden_size": 1024, "rotary_base": 1e6, "padded_vocab_size": 151936}
+    recorded: list[dict[str, Any]] = [{"id": 7, "attempt": 1, "time": "2026-01-01T12:00:00Z", "type": "config", "level": "info",
+                                       "message": "model shape from the checkpoint", "data": {
+                                           "source": "checkpoint", "load": "/data/qwen3-0.6b", "format": "hf", "values": values}}]
+    page.route(re.compile(rf".*/v1/jobs/{job_id}/events\?.*type=config.*"), lambda route: route.fulfill(
+        status=200, content_type="application/json", body=json.dumps({"data": recorded, "has_more": False})))
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    render = """async ([jobId]) => {
+        const {renderSpec} = await import("/ui/js/views/spec_panel.js");
+        const el = document.createElement("div");
+        document.body.append(el);
+        await renderSpec(el, {id: jobId, kind: "train", spec: {kind: "train", load: "/data/qwen3-0.6b", lr: 1e-4, num_layers: 28}}, null);
+        const rows = {};
+        for (const tr of el.querySelectorAll("#spec-effective tr[data-field]"))
+            rows[tr.dataset.field] = {source: tr.dataset.source, value: tr.querySelector("td").textContent,
+                                      title: tr.querySelectorAll("td")[1].title};
+        el.remove();
+        return {rows, note: el.querySelector(".toolbar").textContent};
+    }"""
+    got = page.evaluate(render, [job_id])
+    rows = got["rows"]
+    assert rows["lr"]["source"] == "set" and rows["num_layers"]["source"] == "set"  # set by the user, even if equal
+    assert rows["hidden_size"] == {"source": "checkpoint", "value": "1024", "title": "/data/qwen3-0.6b (hf)"}
+    assert rows["rotary_base"]["source"] == "checkpoint" and rows["rotary_base"]["value"] == "1000000"
+    assert rows["norm_epsilon"]["source"] == "default"  # not recorded: the schema's default
+    assert "read from the checkpoint /data/qwen3-0.6b (hf)" in got["note"]
+    recorded.clear()  # the job has not started: nothing recorded yet
+    rows = page.evaluate(render, [job_id])["rows"]
+    assert rows["hidden_size"]["source"] == "checkpoint-unread" and rows["hidden_size"]["value"] == "—"
+    assert rows["rotary_base"]["source"] == "default"
