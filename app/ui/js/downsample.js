@@ -56,17 +56,25 @@ function merge(series, spans) {
   return out;
 }
 
-/** Per series and column: the index range [lo, hi) of its points in that column, found by binary search on the
- * sorted steps (about W log N reads), then its min and max from the cached block summaries it spans plus the few
- * points at its edges (summary below). No closure or property read in the inner loops. */
+/** Per series and column: the index range of its points in that column (edges below; shared by the series with the
+ * same steps, as a smoothed line and its raw twin), then its min and max from the cached block summaries it spans
+ * plus the few points at its edges (summary below). No closure or property read in the inner loops. */
 function bucketed(series, spans, xMin, xMax, buckets) {
   // Slots: 0 = the point before the range, 1..buckets = the columns, buckets + 1 = the point after.
   const slots = buckets + 2;
   const width = (xMax - xMin) / buckets;
   const first = new Float64Array(slots).fill(Infinity);
   const last = new Float64Array(slots).fill(-Infinity);
-  const perSeries = series.map((s, i) => scan(s.x, s.y, summary(s), spans[i][0], spans[i][1], xMin, xMax, width, buckets,
-    first, last));
+  const shared = new Map();  // x array -> {lo, hi, ends}
+  const perSeries = series.map((s, i) => {
+    const [lo, hi] = spans[i];
+    let e = shared.get(s.x);
+    if (!e || e.lo !== lo || e.hi !== hi) {
+      e = {lo, hi, ends: edges(s.x, lo, hi, xMin, xMax, width, buckets)};
+      shared.set(s.x, e);
+    }
+    return scan(s.x, s.y, summary(s), lo, e.ends, buckets, first, last);
+  });
   let count = 0;
   for (let b = 0; b < slots; b++) if (first[b] !== Infinity) count += last[b] > first[b] ? 2 : 1;
   const xs = new Array(count);
@@ -115,19 +123,29 @@ function summary(s) {
   return c;
 }
 
+/** ends[b]: the first index in [lo, hi) past slot b's steps (slot 0 ends at xMin, the last slot at hi). */
+function edges(x, lo, hi, xMin, xMax, width, buckets) {
+  const slots = buckets + 2, ends = new Int32Array(slots);
+  let j = lo;
+  for (let b = 0; b < slots; b++) {
+    j = b === slots - 1 ? hi
+      : b === 0 ? seek(x, j, hi, BEFORE_MIN, xMin, xMin, width)
+        : b === buckets ? seek(x, j, hi, UP_TO_MAX, xMax, xMin, width)
+          : seek(x, j, hi, IN_COLUMN_BEFORE, b, xMin, width);
+    ends[b] = j;
+  }
+  return ends;
+}
+
 /** One series' finite min and max per slot (and which came first), widening first/last to its steps per slot. */
-function scan(x, y, blocks, lo, hi, xMin, xMax, width, buckets, first, last) {
+function scan(x, y, blocks, lo, ends, buckets, first, last) {
   const slots = buckets + 2;
   const bMin = blocks.min, bMax = blocks.max, bMinAt = blocks.minAt, bMaxAt = blocks.maxAt;
   const min = new Float64Array(slots).fill(Infinity), max = new Float64Array(slots).fill(-Infinity);
   const minFirst = new Uint8Array(slots);
   let j = lo;
-  for (let b = 0; b < slots && j < hi; b++) {
-    // The end of slot b: the first index past its steps (slot 0 ends at xMin, the last slot at the span's end).
-    const end = b === slots - 1 ? hi
-      : b === 0 ? seek(x, j, hi, BEFORE_MIN, xMin, xMin, width)
-        : b === buckets ? seek(x, j, hi, UP_TO_MAX, xMax, xMin, width)
-          : seek(x, j, hi, IN_COLUMN_BEFORE, b, xMin, width);
+  for (let b = 0; b < slots; b++) {
+    const end = ends[b];
     if (end === j) continue;
     if (x[j] < first[b]) first[b] = x[j];
     if (x[end - 1] > last[b]) last[b] = x[end - 1];
