@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -132,12 +132,44 @@ def get_visible_job(session: Session, job_id: str, principal: Principal) -> Job:
     return load_visible(session, Job, job_id, principal, "job")
 
 
+# The columns a job list sorts by (?sort=name, ?sort=-finished_at); blanks (no name, not started yet) come last
+# in either direction. The job id breaks ties, so (value, id) orders every row and the cursor stays one id.
+SORTS: dict[str, Any] = {
+    "created_at": Job.created_at, "updated_at": Job.updated_at, "started_at": Job.started_at,
+    "finished_at": Job.finished_at, "name": Job.name, "state": Job.state, "kind": Job.kind, "priority": Job.priority,
+    "host": Job.host, "attempt_count": Job.attempt_count,
+}
+NULLABLE_SORTS = {"started_at", "finished_at", "name", "host"}
+DEFAULT_SORT = "-created_at"
+
+
+def parse_sort(sort: str | None) -> tuple[str, bool]:
+    """``name`` or ``-name`` -> (column key, descending); 422 naming the choices for anything else."""
+    sort = (sort or DEFAULT_SORT).strip()
+    key = sort.removeprefix("-")
+    if key not in SORTS:
+        raise ApiError(422, "validation_error", f"sort: unknown field {key!r}; use one of {', '.join(SORTS)} "
+                       "(prefix - for descending)", "sort")
+    return key, sort.startswith("-")
+
+
+def _past(key: str, descending: bool, anchor: Job) -> ColumnElement[bool]:
+    """The rows after ``anchor`` in the (blanks last, value, id) order of ``key``."""
+    column, value = SORTS[key], getattr(anchor, key)
+    later_id = Job.id < anchor.id if descending else Job.id > anchor.id
+    if value is None:  # the anchor is a blank: only the blanks after it
+        return and_(column.is_(None), later_id)
+    later = or_(column < value if descending else column > value, and_(column == value, later_id))
+    return or_(later, column.is_(None)) if key in NULLABLE_SORTS else later
+
+
 def list_jobs(
     session: Session, *, principal: Principal, state: str | None = None, kind: str | None = None,
     name: str | None = None, metadata: dict[str, str] | None = None, parent_id: str | None = None,
-    after: str | None = None, limit: int = 20,
+    after: str | None = None, limit: int = 20, sort: str | None = None,
 ) -> tuple[list[Job], bool]:
-    """Newest first; ``after`` is the last id of the previous page."""
+    """Newest first unless ``sort`` says otherwise (SORTS); ``after`` is the last id of the previous page."""
+    by, descending = parse_sort(sort)
     query = select(Job)
     if not principal.admin:
         query = query.where(Job.team == principal.team)
@@ -160,6 +192,9 @@ def list_jobs(
         anchor = session.get(Job, after)
         if anchor is None or not principal.sees(anchor.team):  # another team's id reads as unknown
             raise ApiError(400, "invalid_cursor", f"after: no job {after}", "after")
-        query = query.where(or_(Job.created_at < anchor.created_at,
-                                and_(Job.created_at == anchor.created_at, Job.id < anchor.id)))
-    return fetch_page(session, query.order_by(Job.created_at.desc(), Job.id.desc()), limit)
+        query = query.where(_past(by, descending, anchor))
+    column = SORTS[by]
+    order = [column.desc(), Job.id.desc()] if descending else [column.asc(), Job.id.asc()]
+    if by in NULLABLE_SORTS:
+        order.insert(0, column.is_(None))  # false first: blanks last (portable, unlike NULLS LAST)
+    return fetch_page(session, query.order_by(*order), limit)

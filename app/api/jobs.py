@@ -79,11 +79,15 @@ def list_jobs(
     parent_id: str | None = None,
     after: Annotated[str | None, Query(description="last_id of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
+    sort: Annotated[str | None, Query(max_length=20, description=(
+        f"one of {', '.join(service.SORTS)}; prefix - for descending (default {service.DEFAULT_SORT}); "
+        "blanks last either way; paging with after= follows the same order"))] = None,
 ) -> ListPage[JobPublic]:
-    """List your team's jobs, newest first. Filter metadata with metadata[key]=value."""
+    """List your team's jobs, newest first (or by ``sort``). Filter metadata with metadata[key]=value."""
     metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
     rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
-                                       metadata=metadata, parent_id=parent_id, after=after, limit=limit)
+                                       metadata=metadata, parent_id=parent_id, after=after, limit=limit,
+                                       sort=sort)
     return ListPage[JobPublic].of(with_progress(session, [JobPublic.from_row(j) for j in rows]), has_more)
 
 

@@ -41,7 +41,7 @@ def list_events(
     type: Annotated[str | None, Query(max_length=200, description="only these event types, comma-separated, e.g. "
                                                                   "state,checkpoint")] = None,
 ) -> ListPage[EventPublic]:
-    """State changes and engine events (started, progress, checkpoint, warning, error, finished), oldest first."""
+    """State changes and engine events (started, progress, checkpoint, config, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
     types = [t.strip() for t in type.split(",") if t.strip()] if type else None
     rows, has_more = records.events_page(session, job_id, after=after, limit=limit, types=types)

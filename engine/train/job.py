@@ -42,8 +42,16 @@ from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
-from engine.train.model_setup import (LoadedWeights, build_rank_model, check_against_checkpoint, check_model_kind,
-                                      config_from_flags, open_load, rank_view)
+from engine.train.model_setup import (
+    LoadedWeights,
+    build_rank_model,
+    check_against_checkpoint,
+    check_model_kind,
+    checkpoint_flags,
+    config_from_flags,
+    open_load,
+    rank_view,
+)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import make_runner
@@ -118,6 +126,9 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
     check_parallel_layout(spec, cfg, dims, gbs)
+    if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
+        run.event("config", f"model shape from the checkpoint {spec.load} ({loaded.format})", source="checkpoint",
+                  load=spec.load, format=loaded.format, values=checkpoint_flags(cfg, spec))
     _warn_unsupported(spec, run)
     save = Path(spec.save) if spec.save else run.path / "checkpoints"
     return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))

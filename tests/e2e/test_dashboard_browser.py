@@ -518,7 +518,8 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
     assert result["medianMs"] < 250, result
 
     # The compare chart's worst case: 5 runs x 100,000 points, raw and smoothed (TensorBoard's EMA, raw line kept),
-    # a full redraw and a live one (one new point per run, so the EMA is recomputed). Printed, not asserted.
+    # a full redraw and a live one (one new point per run, so the EMA is extended). Each time runs from draw() to
+    # uPlot's paint (a microtask after setData). Printed, not asserted as a timing.
     redraw = page.evaluate("""async () => {
         const {Series} = await import("/ui/js/series.js");
         const {LiveChart, plainView} = await import("/ui/js/chart.js");
@@ -532,20 +533,175 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
         const host = document.createElement("div");
         host.style.width = "1200px";
         document.body.append(host);
-        const median = (fn) => { const t = []; for (let k = 0; k < 9; k++) { const a = performance.now(); fn(); t.push(performance.now() - a); }
-                                 return t.sort((a, b) => a - b)[4]; };
+        const median = async (fn) => {
+            const t = [];
+            for (let k = 0; k < 15; k++) { const a = performance.now(); fn(); await Promise.resolve(); t.push(performance.now() - a); }
+            t.sort((a, b) => a - b);
+            return [t[7], t[0]];  // median, and the fastest (the least disturbed by other processes)
+        };
         const view = plainView();
         const chart = new LiveChart(host, "compare bench", runs, {view, height: 320});
-        const raw = median(() => chart.draw());
+        await Promise.resolve();
+        const paints = chart.paints;
+        const raw = await median(() => chart.draw());
         view.smooth = 0.6;
         chart.build();
-        const smooth = median(() => chart.draw());
+        const smooth = await median(() => chart.draw());
         let step = 100000;
-        const live = median(() => { step += 1; runs.forEach((s) => s.push(step, 1)); chart.draw(); });
-        return {raw, smooth, live, drawn: Number(chart.el.dataset.drawn), lines: Number(chart.el.dataset.lines),
-                columns: Math.round(chart.u.bbox.width / devicePixelRatio)};
+        const live = await median(() => { step += 1; runs.forEach((s) => s.push(step, 1)); chart.draw(); });
+        return {raw, smooth, live, painted: chart.paints - paints, drawn: Number(chart.el.dataset.drawn),
+                lines: Number(chart.el.dataset.lines), columns: Math.round(chart.u.bbox.width / devicePixelRatio)};
     }""")
-    print(f"redraw of 5 runs x 100,000 points ({redraw['columns']} px): median {redraw['raw']:.1f} ms raw, "
-          f"{redraw['smooth']:.1f} ms smoothed ({redraw['lines']} lines, {redraw['drawn']} x positions drawn), "
-          f"{redraw['live']:.1f} ms per live update with smoothing")
+    print(f"redraw of 5 runs x 100,000 points ({redraw['columns']} px, draw() to paint; median / fastest of 15): "
+          f"{redraw['raw'][0]:.1f} / {redraw['raw'][1]:.1f} ms raw, {redraw['smooth'][0]:.1f} / {redraw['smooth'][1]:.1f} ms "
+          f"smoothed ({redraw['lines']} lines, {redraw['drawn']} x positions drawn), {redraw['live'][0]:.1f} / "
+          f"{redraw['live'][1]:.1f} ms per live update with smoothing")
     assert redraw["lines"] == 10 and redraw["drawn"] <= 2 * (redraw["columns"] + 2)
+    assert redraw["painted"] >= 45  # every timed draw was painted inside its measurement (15 + 1 build + 15 + 15)
+
+
+def _fake_runs(page: Any) -> tuple[str, str, dict[str, Any]]:
+    """Two runs served by the browser's router (no real job: seconds, not minutes): run A is still running, 10 s a
+    step from 12:00:00, run B finished, 20 s a step an hour later; both report lm_loss and tokens (1000 a step).
+    Returns their ids and the live state the test changes (A's points and state)."""
+    run_a, run_b = str(uuid.uuid4()), str(uuid.uuid4())
+    state: dict[str, Any] = {run_a: {"state": "running", "steps": 3, "t0": 0, "dt": 10, "lr": 1e-3},
+                             run_b: {"state": "succeeded", "steps": 4, "t0": 3600, "dt": 20, "lr": 3e-3}}
+
+    def points(job: str) -> list[dict[str, Any]]:
+        run, rows = state[job], []
+        for step in range(1, run["steps"] + 1):
+            seconds = run["t0"] + run["dt"] * (step - 1)
+            time_ = f"2026-01-01T12:{seconds // 60 % 60:02d}:{seconds % 60:02d}+00:00".replace("T12", f"T{12 + seconds // 3600}")
+            for k, (name, value) in enumerate((("lm_loss", 10.0 / step + run["lr"]), ("tokens", 1000.0))):
+                rows.append({"id": step * 10 + k, "step": step, "rank": None, "name": name, "value": value, "time": time_})
+        return rows
+
+    def handle(route: Any) -> None:
+        url = route.request.url
+        job = next(j for j in state if j in url)
+        if "/metrics" not in url:
+            run = state[job]
+            body = {"id": job, "name": f"run-{job[:4]}", "state": run["state"], "kind": "train",
+                    "spec": {"kind": "train", "lr": run["lr"]}, "metadata": {}}
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+            return
+        after = re.search(r"after=(\d+)%3A(\d+)", url)
+        cursor = (int(after.group(1)), int(after.group(2))) if after else (-1, -1)
+        rows = [p for p in points(job) if (p["step"], p["id"]) > cursor]
+        last = f"{rows[-1]['step']}:{rows[-1]['id']}" if rows else (after and f"{after.group(1)}:{after.group(2)}")
+        body = {"data": rows, "has_more": False, "next_since_step": rows[-1]["step"] if rows else None, "next_cursor": last}
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    for job in state:
+        page.route(re.compile(rf".*/v1/jobs/{job}(/metrics.*)?$"), handle)
+    return run_a, run_b, state
+
+
+def _plotted(page: Any) -> dict[str, Any]:
+    return page.evaluate("""() => { const c = document.querySelector(".compare-chart .chart").chart;
+        return {axis: c.el.dataset.xAxis, labels: c.u.series.map((s) => s.label), data: c.u.data.map((a) => Array.from(a))}; }""")
+
+
+def test_compare_follows_running_runs_on_every_x_axis(page: Any, service: Service) -> None:  # noqa: F811
+    """The compare page polls a run that is still running (its new points join the chart, its state badge follows,
+    polling stops when it ends) and plots each run on its own relative time, wall time or consumed tokens."""
+    run_a, run_b, state = _fake_runs(page)
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(f"{service.url}/#/compare?ids={run_a},{run_b}&x=relative")
+    page.wait_for_selector('.compare-chart .chart[data-chart="lm_loss"][data-x-axis="relative"]')
+    assert page.locator("#compare-status [data-live]").get_attribute("data-live") == "1"
+    plotted = _plotted(page)
+    # Each run from its own start: A every 10 s, B every 20 s; one aligned x array, gaps where a run has no point.
+    assert plotted["data"][0] == [0, 10, 20, 40, 60]
+    assert plotted["data"][1] == pytest.approx([10.001, 5.001, 10 / 3 + 0.001, None, None])
+    assert plotted["data"][2] == pytest.approx([10.003, None, 5.003, 10 / 3 + 0.003, 2.503])
+
+    # A reports two more steps and finishes: the next poll (3 s) brings them, the same chart redraws.
+    state[run_a].update(steps=5, state="succeeded")
+    page.wait_for_function("""() => document.querySelector(".compare-chart .chart").chart.u.data[0].includes(30)""",
+                           timeout=15_000)
+    page.wait_for_selector('#compare-status [data-live="0"]')
+    assert page.locator(f'#compare-best tr[data-job="{run_a}"] .badge').get_attribute("data-state") == "succeeded"
+    plotted = _plotted(page)
+    assert plotted["data"][0] == [0, 10, 20, 30, 40, 60]
+    assert plotted["data"][1][3:5] == pytest.approx([2.501, 2.001])
+
+    # Consumed tokens (each run's own cumulative sum) and wall time; the choice goes into the URL.
+    page.select_option("#x-axis", "tokens")
+    page.wait_for_selector('.compare-chart .chart[data-x-axis="tokens"]')
+    assert "x=tokens" in page.url
+    assert _plotted(page)["data"][0] == [1000, 2000, 3000, 4000, 5000]
+    page.select_option("#x-axis", "wall")
+    page.wait_for_selector('.compare-chart .chart[data-x-axis="wall"]')
+    xs = _plotted(page)["data"][0]
+    start = 1767268800  # 2026-01-01T12:00:00Z
+    assert xs[0] == start and xs[-1] == start + 3600 + 60 and len(xs) == 9
+
+
+def test_job_list_sorts_on_the_server_across_pages(page: Any, service: Service) -> None:  # noqa: F811
+    """A click on a column the API sorts by (name) orders every page, not just the one shown: one job a page, the
+    pager walks a, b, c; the order is in the URL; a second click reverses it."""
+    tag = f"sort-{uuid.uuid4().hex[:6]}"
+    body, _ = readme_example()
+    with service.client() as client:
+        for suffix in ("c", "a", "b"):  # created in another order than their names'
+            created = client.post("/v1/jobs", json={**body, "name": f"{tag}-{suffix}", "metadata": {"sortcheck": tag},
+                                                    "output_prefix": f"demo/out/{tag}-{suffix}"})
+            assert created.status_code == 201, created.text
+            client.post(f"/v1/jobs/{created.json()['id']}/cancel")  # they need not run
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(f"{service.url}/#/jobs?meta=sortcheck={tag}&limit=1&refresh=off")
+    page.wait_for_selector(f'tr[data-job] >> text="{tag}-b"')  # newest first by default
+    page.click('th[data-col="name"] button')
+    page.wait_for_selector(f'tr[data-job] >> text="{tag}-a"')
+    assert "sort=name" in page.url and page.inner_text("#page-older") == "Next ›"
+    for suffix in ("b", "c"):
+        page.click("#page-older")
+        page.wait_for_selector(f'tr[data-job] >> text="{tag}-{suffix}"')
+    assert page.is_disabled("#page-older") and "after=" in page.url
+    page.click('th[data-col="name"] button')  # descending, from the first page again
+    page.wait_for_selector('th[data-col="name"][aria-sort="descending"]')
+    page.wait_for_selector("#page-older:not([disabled])")
+    assert page.inner_text("tr[data-job] td a") == f"{tag}-c"
+    assert "sort=-name" in page.url and "after=" not in page.url
+
+
+def test_spec_tab_marks_values_read_from_the_checkpoint(page: Any, service: Service) -> None:  # noqa: F811
+    """The Spec tab of a job that loads a checkpoint: the values the engine recorded from it (its `config` event)
+    are marked "from the checkpoint" with their value, distinct from what the user set and from schema defaults
+    (rotary_base: the checkpoint's 1000000, not the default 10000); before the run read them, they say so."""
+    job_id = str(uuid.uuid4())
+    values = {"num_layers": 28, "hidden_size": 1024, "rotary_base": 1e6, "padded_vocab_size": 151936}
+    recorded: list[dict[str, Any]] = [{"id": 7, "attempt": 1, "time": "2026-01-01T12:00:00Z", "type": "config", "level": "info",
+                                       "message": "model shape from the checkpoint", "data": {
+                                           "source": "checkpoint", "load": "/data/qwen3-0.6b", "format": "hf", "values": values}}]
+    page.route(re.compile(rf".*/v1/jobs/{job_id}/events\?.*type=config.*"), lambda route: route.fulfill(
+        status=200, content_type="application/json", body=json.dumps({"data": recorded, "has_more": False})))
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    render = """async ([jobId]) => {
+        const {renderSpec} = await import("/ui/js/views/spec_panel.js");
+        const el = document.createElement("div");
+        document.body.append(el);
+        await renderSpec(el, {id: jobId, kind: "train", spec: {kind: "train", load: "/data/qwen3-0.6b", lr: 1e-4, num_layers: 28}}, null);
+        const rows = {};
+        for (const tr of el.querySelectorAll("#spec-effective tr[data-field]"))
+            rows[tr.dataset.field] = {source: tr.dataset.source, value: tr.querySelector("td").textContent,
+                                      title: tr.querySelectorAll("td")[1].title};
+        el.remove();
+        return {rows, note: el.querySelector(".toolbar").textContent};
+    }"""
+    got = page.evaluate(render, [job_id])
+    rows = got["rows"]
+    assert rows["lr"]["source"] == "set" and rows["num_layers"]["source"] == "set"  # set by the user, even if equal
+    assert rows["hidden_size"] == {"source": "checkpoint", "value": "1024", "title": "/data/qwen3-0.6b (hf)"}
+    assert rows["rotary_base"]["source"] == "checkpoint" and rows["rotary_base"]["value"] == "1000000"
+    assert rows["norm_epsilon"]["source"] == "default"  # not recorded: the schema's default
+    assert "read from the checkpoint /data/qwen3-0.6b (hf)" in got["note"]
+    recorded.clear()  # the job has not started: nothing recorded yet
+    rows = page.evaluate(render, [job_id])["rows"]
+    assert rows["hidden_size"]["source"] == "checkpoint-unread" and rows["hidden_size"]["value"] == "—"
+    assert rows["rotary_base"]["source"] == "default"

@@ -103,6 +103,20 @@ def test_checkpoint_shape_mismatch_is_bad_input_before_work(data: str, hf_dir: P
         job.plan_run(spec, RunDir(tmp_path / "run"))
 
 
+def test_shape_taken_from_the_checkpoint_is_recorded(data: str, hf_dir: Path, tmp_path: Path):
+    """The Spec tab's "from the checkpoint" values: one `config` event with the spec flags the checkpoint sets,
+    rotary_base and norm_epsilon included (the schema's defaults would be wrong for a Qwen3 checkpoint)."""
+    raw = {k: v for k, v in tiny_spec(data, load=str(hf_dir), finetune=True).items() if k not in TINY_SHAPE}
+    job.plan_run(parse_spec({**raw, "num_layers": 2}), RunDir(tmp_path / "run"))
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    config = [e for e in events if e["type"] == "config"]
+    assert len(config) == 1 and config[0]["data"]["source"] == "checkpoint" and config[0]["data"]["format"] == "hf"
+    assert config[0]["data"]["values"] == {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "kv_channels": 16,
+        "padded_vocab_size": 512, "norm_epsilon": 1e-6, "rotary_base": 1e6, "untie_embeddings_and_output_weights": True,
+        "group_query_attention": True, "num_query_groups": 2, "max_position_embeddings": 256}
+
+
 def test_global_batch_must_divide_by_micro_batch_times_dp(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     spec = parse_spec(tiny_spec(data, micro_batch_size=2, global_batch_size=6))
     monkeypatch.setenv("WORLD_SIZE", "2")  # the spec's resources say 1; torchrun says 2

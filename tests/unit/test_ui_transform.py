@@ -100,3 +100,20 @@ def test_flat_charts_detected_and_export_covers_the_zoomed_range() -> None:
     assert points[0][3] == pytest.approx((0.25 * 5 + 0.5 * 4) / 0.75)  # the smoothed value rides along
     lines = got["csv"].splitlines()
     assert lines[0] == "series,run,step,x,value,smoothed" and lines[1].startswith('"lm_loss, run a",a,2,2,4,')
+
+
+def test_a_series_re_indexed_on_an_axis_keeps_its_values_and_rises_strictly() -> None:
+    """The compare page's per-run axis: x = the run's own relative time (two points in one second nudged apart so
+    decimation sees a strictly rising x), y and times shared, the step axis the series itself."""
+    got = _run("""
+        const store = new MetricStore();
+        [[1, "2026-01-01T00:00:00Z"], [2, "2026-01-01T00:00:10Z"], [3, "2026-01-01T00:00:10Z"], [4, "2026-01-01T00:00:30Z"]]
+            .forEach(([step, t]) => store.add(step, null, {loss: 10 - step}, t));
+        const s = store.series.get("loss");
+        const on = T.onAxis(s, T.xAxis("relative", store));
+        console.log(JSON.stringify({x: Array.from(on.x), y: Array.from(on.y), n: on.n, label: on.label,
+                                    same: T.onAxis(s, T.xAxis("step", store)) === s, source: Array.from(s.x.subarray(0, s.n))}));
+    """)
+    assert got["x"][:2] == [0, 10] and 10 < got["x"][2] < 10.001 and got["x"][3] == 30
+    assert got["y"] == [9, 8, 7, 6] and got["n"] == 4 and got["label"] == "loss"
+    assert got["same"] and got["source"] == [1, 2, 3, 4]

@@ -49,15 +49,18 @@ function download(name, text, type) {
 }
 
 export class LiveChart {
-  /** parent: element to append to; title: text; series: [Series] (series.js); view: shared controls (plainView). */
-  constructor(parent, title, series, {height = 200, view = plainView()} = {}) {
+  /** parent: element to append to; title: text; series: [Series] (series.js); view: shared controls (plainView);
+   * axis: () => an xAxis (transform.js) when the series' x already is the axis (the compare page maps each run). */
+  constructor(parent, title, series, {height = 200, view = plainView(), axis = null} = {}) {
     this.title = title;
     this.series = series;
     this.height = height;
     this.view = view;
+    this.axisOf = axis;
     this.zoom = null;  // [min, max] steps while zoomed in, else the full range follows the data
     this.hidden = new Set();  // labels of the series hidden from the legend
     this.frame = 0;
+    this.paints = 0;  // uPlot paints so far (the browser test waits for one)
     const slug = title.replace(/[^A-Za-z0-9]+/g, "-").toLowerCase();
     this.logBox = h("input", {type: "checkbox", class: "log-y", id: `logy-${slug}-${Math.random().toString(36).slice(2, 7)}`,
       checked: view.logY.has(title), onchange: () => this.setLogY(this.logBox.checked)});
@@ -87,7 +90,7 @@ export class LiveChart {
     this.build();
   }
 
-  axis() { return xAxis(this.view.xMode, this.view.store); }
+  axis() { return this.axisOf ? this.axisOf() : xAxis(this.view.xMode, this.view.store); }
 
   /** The uPlot series: per series its smoothed line and, faint, its raw line; or the raw line alone. */
   lines() {
@@ -130,7 +133,8 @@ export class LiveChart {
       axes: [{...xAxisOpts, label: ax.mode === "step" ? undefined : ax.label, labelSize: ax.mode === "step" ? 0 : 18},
         {size: axisWidth, values: (u, ticks) => ticks.map(tick)}],
       cursor: {drag: {x: true, y: false, setScale: false}},
-      hooks: {setSelect: [(u) => this.onSelect(u)], setSeries: [(u, i, opts) => this.onToggle(u, i, opts)]},
+      hooks: {setSelect: [(u) => this.onSelect(u)], setSeries: [(u, i, opts) => this.onToggle(u, i, opts)],
+        draw: [() => this.onPainted()]},
     };
     this.u = new uPlot(opts, [[], ...this.drawn.map(() => [])], this.plot);
     this.u.over.addEventListener("dblclick", () => { this.zoom = null; this.invalidate(); });
@@ -154,12 +158,15 @@ export class LiveChart {
     this.el.dataset.hidden = [...this.hidden].join(",");
   }
 
-  /** Same series list (by key) -> keep the chart; otherwise rebuild it with the new legend. */
+  /** Same series list (by key) -> keep the chart and redraw with these series (they may be new objects);
+   * otherwise rebuild it with the new legend. */
   setSeries(series) {
     const keys = (list) => list.map((s) => `${s.key}:${s.label}`).join("|");
-    if (keys(series) === keys(this.series)) return;
+    const same = keys(series) === keys(this.series);
     this.series = series;
-    this.build();
+    if (!same) { this.build(); return; }
+    this.drawn = this.lines();
+    this.invalidate();
   }
 
   onSelect(u) {
@@ -193,7 +200,7 @@ export class LiveChart {
   }
 
   draw() {
-    const started = performance.now();
+    this.started = performance.now();
     const ax = this.axisNow;
     const range = this.zoom || this.fullRange();
     const columns = Math.max(50, Math.round(this.u.bbox.width / (window.devicePixelRatio || 1)));
@@ -205,8 +212,13 @@ export class LiveChart {
     // Exposed for the browser test and for anyone curious in devtools.
     this.el.dataset.points = String(this.series.reduce((acc, s) => acc + s.n, 0));
     this.el.dataset.drawn = String(data[0].length);
-    this.el.dataset.drawMs = (performance.now() - started).toFixed(1);
     this.el.dataset.zoom = this.zoom ? this.zoom.map((v) => v.toFixed(2)).join(",") : "";
+  }
+
+  /** uPlot painted (in a microtask after setData): the redraw's time from draw() to pixels, for the curious. */
+  onPainted() {
+    this.paints = (this.paints || 0) + 1;
+    if (this.started) this.el.dataset.drawMs = (performance.now() - this.started).toFixed(1);
   }
 
   /** What the chart shows, undecimated: the visible step range of every shown series (smoothed values too). */

@@ -94,6 +94,29 @@ export function xAxis(mode, store) {
   };
 }
 
+/** A series re-indexed on an axis (for charts of several runs, each with its own step -> x map): x = axis.toX(step),
+ * nudged to stay strictly increasing (two points in one second, a plateau of tokens), y and times shared. The
+ * copy is a snapshot: a live page makes a new one when points arrive. */
+export function onAxis(s, axis) {
+  if (axis.mode === "step") return s;
+  const copy = Object.create(Object.getPrototypeOf(s));
+  Object.assign(copy, s, {smoothCache: null, extentCache: null, x: new Float64Array(s.n), y: s.y.subarray(0, s.n),
+    t: s.t.subarray(0, s.n)});
+  let prev = -Infinity;
+  for (let i = 0; i < s.n; i++) {
+    let v = axis.toX(s.x[i]);
+    if (!(v > prev)) v = prev + Math.max(1e-9, Math.abs(prev) * 1e-12);
+    copy.x[i] = v;
+    prev = v;
+  }
+  return copy;
+}
+
+/** The identity axis of series already on `mode`'s units (onAxis): labels and tick formats of that mode. */
+export function identityAxis(mode) {
+  return {mode, label: X_MODES[mode], time: mode === "wall", toX: (x) => x, toStep: (x) => x};
+}
+
 /** Does the store have what the mode needs (times, or a `tokens` series)? */
 export function xModeAvailable(mode, store) {
   return mode === "step" || reference(mode, store) !== null;

@@ -1,33 +1,44 @@
 // Compare runs: several jobs' metric on one chart (one colour per run, the legend naming each run and the spec
 // fields in which it differs), a table of each run's best and last value, and the diff of their specs. The runs come
-// from ?ids=a,b or from a metadata filter ?meta=key=value (the newest `limit` jobs carrying it); the metric, smoothing
-// and log scale are in the URL too, so the link is the comparison.
+// from ?ids=a,b or from a metadata filter ?meta=key=value (the newest `limit` jobs carrying it); the metric, smoothing,
+// x axis and log scale are in the URL too, so the link is the comparison.
+//
+// Live: while a compared run is not finished, the page polls its state and its new points (cursor paging: none
+// skipped or repeated) every few seconds. The x axis is per run (each run's own wall time, time since its own start,
+// its own consumed tokens), so each run's series is re-indexed on it before the runs share one chart.
 
-import {api} from "../api.js";
+import {api, TERMINAL} from "../api.js";
 import {h, fill} from "../dom.js";
 import {LiveChart, COLORS} from "../chart.js";
 import {num} from "../format.js";
 import {setQuery} from "../router.js";
 import {MetricStore} from "../series.js";
+import {identityAxis, onAxis, xAxis, xModeAvailable} from "../transform.js";
 import {viewControls} from "./metrics_panel.js";
-import {errorBox, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
+import {errorBox, every, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
 
 const PAGE = 10000;  // metric rows per request (the API's maximum)
 const MAX_PAGES = 200;  // 2M rows a run at most; the status line says when a run was cut there
+export const POLL_MS = 3000;  // how often running runs are asked for new points
 
-/** Every metric point of one job, paged by step, into a MetricStore. */
-async function loadMetrics(jobId) {
-  const store = new MetricStore();
-  let since = -1, cut = false;
+/** The metric points of one job after `feed.cursor` into `feed.store` (a new feed: all of them); `feed.cursor` moves
+ * to the last point read. Returns how many points arrived. */
+async function loadMetrics(jobId, feed) {
+  let added = 0;
   for (let page = 0; ; page++) {
-    if (page === MAX_PAGES) { cut = true; break; }
-    const got = await api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics`, {params: {since_step: since, limit: PAGE}});
-    for (const p of got.data) store.add(p.step, p.rank, {[p.name]: p.value}, p.time);
-    if (!got.has_more || got.next_since_step === null) break;
-    since = got.next_since_step;
+    if (feed.pages === MAX_PAGES) { feed.cut = true; break; }
+    const params = {limit: PAGE, ...(feed.cursor ? {after: feed.cursor} : {})};
+    const got = await api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics`, {params});
+    for (const p of got.data) feed.store.add(p.step, p.rank, {[p.name]: p.value}, p.time);
+    added += got.data.length;
+    feed.pages += 1;
+    feed.cursor = got.next_cursor || feed.cursor;
+    if (!got.has_more) break;
   }
-  return {store, cut};
+  return added;
 }
+
+function newFeed() { return {store: new MetricStore(), cursor: null, pages: 0, cut: false}; }
 
 /** metadata "key=value" -> {"metadata[key]": value}. */
 export function metaParams(meta) {
@@ -61,7 +72,7 @@ export function renderCompare(root, {query}) {
   const ids = (query.get("ids") || "").split(",").map((s) => s.trim()).filter(Boolean);
   const meta = query.get("meta") || "";
   const limit = Math.min(20, Math.max(1, Number(query.get("limit")) || 5));
-  const view = {...viewFromQuery(query), xMode: "step", store: null};
+  const view = {...viewFromQuery(query), store: null};
   let metric = query.get("metric") || "";
   let runs = [];  // [{job, store, color, label}]
   let chart = null;
@@ -72,7 +83,8 @@ export function renderCompare(root, {query}) {
   const status = h("div", {class: "status", id: "compare-status"}, "loading…");
   const metricSel = h("select", {id: "compare-metric", "aria-label": "Metric"});
   metricSel.addEventListener("change", () => { metric = metricSel.value; save(); draw(); });
-  const controls = viewControls(view, () => { save(); chart?.build(); }, null, {axes: false});
+  const controls = viewControls(view, () => { save(); draw(); }, null,
+    {available: (mode) => runs.length > 0 && runs.every((r) => xModeAvailable(mode, r.store))});
   const chartBox = h("div", {class: "charts compare-chart"});
   const bestBox = h("div", {class: "compare-best"});
   const diffBox = h("div", {class: "compare-diff"});
@@ -81,23 +93,81 @@ export function renderCompare(root, {query}) {
       h("div", {class: "filters"}, h("label", {class: "inline", for: "compare-metric"}, "Metric ", metricSel), controls.el)),
     status, chartBox, h("div", {class: "compare-tables"}, bestBox, diffBox)));
 
-  function seriesFor(run) {
+  /** The x axis every run has (step when one run lacks the wall times or the `tokens` series the mode needs). */
+  const xMode = () => (runs.length && runs.every((r) => xModeAvailable(view.xMode, r.store)) ? view.xMode : "step");
+
+  function seriesFor(run, mode) {
     const all = [...run.store.series.values()].filter((s) => s.name === metric);
     const s = all.find((x) => x.rank === null) || all.sort((a, b) => a.rank - b.rank)[0];
     if (!s) return null;
     s.display = run.label;
     s.color = run.color;
     s.run = run.job.id;
-    return s;
+    return onAxis(s, xAxis(mode, run.store));
   }
 
+  const allSeries = (mode) => runs.map((run) => seriesFor(run, mode)).filter(Boolean);
+
+  /** A new chart (metric, axis or a control changed). */
   function draw() {
-    const series = runs.map(seriesFor).filter(Boolean);
+    const mode = xMode();
+    const series = allSeries(mode);
     chart?.destroy();
-    chart = series.length ? new LiveChart(chartBox, metric, series, {view, height: 320}) : null;
+    chart = series.length ? new LiveChart(chartBox, metric, series, {view, height: 320, axis: () => identityAxis(mode)}) : null;
     if (!series.length) fill(chartBox, h("p", {class: "muted"}, `No run reports ${metric || "any metric"}.`));
+    if (chart) chart.el.dataset.xAxis = mode;
+    controls.refresh();
     renderBest();
   }
+
+  /** New points arrived: the same chart (zoom, hidden series kept) redraws, or a new one when the runs' series
+   * changed (a run reported the metric for the first time). */
+  function update() {
+    const mode = xMode();
+    const series = allSeries(mode);
+    if (!chart || mode !== chart.el.dataset.xAxis) { draw(); return; }
+    chart.setSeries(series);
+    controls.refresh();
+    renderBest();
+  }
+
+  function renderStatus() {
+    const cut = runs.filter((r) => r.feed.cut).map((r) => r.job.name || r.job.id);
+    const live = runs.filter((r) => !TERMINAL.has(r.job.state)).length;
+    fill(status, h("span", {class: "muted", dataset: {live: String(live)}}, `${runs.length} runs`,
+      live ? ` (${live} still running: updated every ${POLL_MS / 1000} s)` : "",
+      cut.length ? ` (only the first ${MAX_PAGES * PAGE} points of ${cut.join(", ")})` : ""));
+  }
+
+  function setMetricOptions() {
+    const names = [...new Set(runs.flatMap((r) => r.store.names()))].filter((n) => n !== "iteration").sort();
+    if (!names.includes(metric)) metric = ["lm_loss", "loss", ...names].find((n) => names.includes(n)) || "";
+    if ([...metricSel.options].map((o) => o.value).join() !== names.join()) {
+      fill(metricSel, names.map((n) => h("option", {value: n}, n)));
+    }
+    metricSel.value = metric;
+  }
+
+  /** One poll: the state and new points of every run not finished yet. */
+  async function poll() {
+    const open = runs.filter((r) => !TERMINAL.has(r.job.state));
+    if (!open.length) { stopPoll?.(); return; }
+    let changed = false;
+    for (const run of open) {
+      const job = await api(`/v1/jobs/${encodeURIComponent(run.job.id)}`);
+      // Read the points after the state: a run seen finished has all its points in this read.
+      const added = await loadMetrics(run.job.id, run.feed);
+      if (!alive) return;
+      changed = changed || added > 0 || job.state !== run.job.state;
+      run.job = job;
+    }
+    if (!changed) return;
+    const before = metric;
+    setMetricOptions();
+    if (metric !== before) { save(); draw(); } else update();
+    renderStatus();
+  }
+  let stopPoll = null;
 
   function renderBest() {
     const rows = runs.map((run) => {
@@ -130,25 +200,23 @@ export function renderCompare(root, {query}) {
     try {
       jobs = await loadJobs(ids, meta, limit);
       if (!jobs.length) { fill(status, h("p", {class: "muted"}, "Pick runs in the ", h("a", {href: "#/jobs"}, "job list"), " (tick them, then Compare), or give ?meta=key=value.")); return; }
-      const loaded = await Promise.all(jobs.map((j) => loadMetrics(j.id)));
+      const feeds = jobs.map(newFeed);
+      await Promise.all(jobs.map((j, i) => loadMetrics(j.id, feeds[i])));
       if (!alive) return;
       const fields = differingFields(jobs);
       runs = jobs.map((job, i) => ({
-        job, store: loaded[i].store, cut: loaded[i].cut, color: COLORS[i % COLORS.length],
+        job, feed: feeds[i], store: feeds[i].store, color: COLORS[i % COLORS.length],
         label: [job.name || job.id.slice(0, 8), ...fields.filter((f) => !PATHS.test(f)).slice(0, 3).map((f) => `${f}=${short(job.spec?.[f])}`)].join(" "),
       }));
-      const names = [...new Set(runs.flatMap((r) => r.store.names()))].filter((n) => n !== "iteration").sort();
-      if (!names.includes(metric)) metric = ["lm_loss", "loss", ...names].find((n) => names.includes(n)) || "";
-      fill(metricSel, names.map((n) => h("option", {value: n}, n)));
-      metricSel.value = metric;
+      setMetricOptions();
       save();
-      const cut = runs.filter((r) => r.cut).map((r) => r.job.name || r.job.id);
-      fill(status, h("span", {class: "muted"}, `${runs.length} runs`, cut.length ? ` (only the first ${MAX_PAGES * PAGE} points of ${cut.join(", ")})` : ""));
+      renderStatus();
       renderDiff(fields);
       draw();
+      if (runs.some((r) => !TERMINAL.has(r.job.state))) stopPoll = every(POLL_MS, poll);
     } catch (err) {
       fill(status, errorBox(err));
     }
   })();
-  return () => { alive = false; chart?.destroy(); };
+  return () => { alive = false; stopPoll?.(); chart?.destroy(); };
 }

@@ -1,6 +1,8 @@
 // Job list: state / kind / exact-name / metadata filters, cursor paging, auto-refresh; columns for progress, the
-// latest loss, chosen metadata keys and the run time; sorting (within the page shown); tick jobs to compare them.
-// Filters, columns, sort, the page and its size (?limit=, default 25) live in the URL.
+// latest loss, chosen metadata keys and the run time; sorting; tick jobs to compare them. Columns the API sorts by
+// (GET /v1/jobs?sort=) sort every page on the server, so paging follows the order; the others (progress, loss,
+// metadata, run time) sort the page shown. Filters, columns, sort, the page and its size (?limit=, default 25) live
+// in the URL.
 
 import {api, KINDS, STATES} from "../api.js";
 import {h, fill} from "../dom.js";
@@ -12,6 +14,14 @@ import {every, errorBox, stateBadge} from "./widgets.js";
 const ACTIVE = "queued,starting,running,retrying,cancelling";
 const PAGE = 25;
 const LOSSES = ["lm_loss", "loss"];  // the "latest loss" column: the first of these a job reports
+// Column -> the API's sort key (core.jobs.SORTS).
+const SERVER_SORT = {name: "name", kind: "kind", state: "state", created: "created_at", host: "host", attempts: "attempt_count"};
+
+/** "-created" -> "-created_at" for the API; "" for a sort done in the page (or none). */
+export function serverSort(sort) {
+  const key = SERVER_SORT[sort.replace(/^-/, "")];
+  return key ? `${sort.startsWith("-") ? "-" : ""}${key}` : "";
+}
 
 /** Fraction done (0..1) or null: a train job's last step over train_iters, else its last progress event. */
 export function progressOf(job, latest) {
@@ -70,6 +80,7 @@ export function renderJobs(root, {query}) {
   function update(change) {
     Object.assign(f, change, {after: "", trail: []});  // a new filter starts at the first page
     save();
+    render();  // the header (sort arrows) at once; the rows when the page arrives
     load();
   }
 
@@ -87,7 +98,7 @@ export function renderJobs(root, {query}) {
   ];
 
   function sorted() {
-    if (!f.sort) return rows;
+    if (!f.sort || serverSort(f.sort)) return rows;  // the server's order
     const desc = f.sort.startsWith("-"), key = f.sort.replace(/^-/, "");
     const col = columns().find((c) => c.key === key);
     if (!col) return rows;
@@ -103,7 +114,10 @@ export function renderJobs(root, {query}) {
   }
 
   function sortBy(key) {
-    f.sort = f.sort === key ? `-${key}` : f.sort === `-${key}` ? "" : key;
+    const before = serverSort(f.sort);
+    const sort = f.sort === key ? `-${key}` : f.sort === `-${key}` ? "" : key;
+    if (before || serverSort(sort)) { update({sort}); return; }  // a new server order starts at the first page
+    f.sort = sort;
     save();
     render();
   }
@@ -160,7 +174,8 @@ export function renderJobs(root, {query}) {
   async function load() {
     let page, latest = {data: []};
     try {
-      page = await api("/v1/jobs", {params: {state: f.state, kind: f.kind, name: f.name, ...metaParams(f.meta), after: f.after, limit: f.limit}});
+      page = await api("/v1/jobs", {params: {state: f.state, kind: f.kind, name: f.name, ...metaParams(f.meta), after: f.after,
+        limit: f.limit, sort: serverSort(f.sort)}});
       if (page.data.length) latest = await api("/v1/metrics/latest", {params: {ids: page.data.map((j) => j.id).join(","), names: LOSSES.join(",")}});
     } catch (err) {
       fill(status, errorBox(err));
@@ -168,12 +183,16 @@ export function renderJobs(root, {query}) {
     }
     const byId = new Map(latest.data.map((l) => [l.job_id, l]));
     rows = page.data.map((job) => ({job, latest: byId.get(job.id) || null}));
-    fill(status, h("span", {class: "muted"}, `updated ${new Date().toLocaleTimeString("sv-SE")}`, f.sort ? " · sorted within this page" : ""));
+    fill(status, h("span", {class: "muted"}, `updated ${new Date().toLocaleTimeString("sv-SE")}`, f.sort && !serverSort(f.sort) ? " · sorted within this page" : ""));
     render();
+    const byTime = ["", "-created_at"].includes(serverSort(f.sort));  // newest first, unless the server sorts otherwise
     fill(pager,
-      h("button", {id: "page-first", disabled: !f.after, onclick: () => { Object.assign(f, {after: "", trail: []}); save(); load(); }}, "« Newest"),
-      h("button", {id: "page-newer", disabled: !f.after, onclick: () => { f.after = f.trail.pop() || ""; save(); load(); }}, "‹ Newer"),
-      h("button", {id: "page-older", disabled: !page.has_more, onclick: () => { f.trail.push(f.after); f.after = page.last_id; save(); load(); }}, "Older ›"));
+      h("button", {id: "page-first", disabled: !f.after, onclick: () => { Object.assign(f, {after: "", trail: []}); save(); load(); }},
+        byTime ? "« Newest" : "« First"),
+      h("button", {id: "page-newer", disabled: !f.after, onclick: () => { f.after = f.trail.pop() || ""; save(); load(); }},
+        byTime ? "‹ Newer" : "‹ Previous"),
+      h("button", {id: "page-older", disabled: !page.has_more, onclick: () => { f.trail.push(f.after); f.after = page.last_id; save(); load(); }},
+        byTime ? "Older ›" : "Next ›"));
   }
 
   save();

@@ -25,8 +25,9 @@ const DEVICES = [
 ];
 const NOT_CHARTED = new Set(["iteration", "sys_device_id"]);  // the step axis itself; the device's id on its host
 
-/** The chart controls of a page: smoothing slider and x axis select, bound to view = {smooth, xMode, logY}. */
-export function viewControls(view, onChange, store = null, {axes = true} = {}) {
+/** The chart controls of a page: smoothing slider and x axis select, bound to view = {smooth, xMode, logY}.
+ * An axis option is disabled while `available(mode)` (default: the store has what the mode needs) says no. */
+export function viewControls(view, onChange, store = null, {axes = true, available = null} = {}) {
   const value = h("output", {id: "smooth-value", for: "smooth"}, view.smooth.toFixed(2));
   const slider = h("input", {type: "range", id: "smooth", min: 0, max: 0.99, step: 0.01, value: String(view.smooth),
     "aria-label": "Smoothing (exponential moving average weight)"});
@@ -40,8 +41,8 @@ export function viewControls(view, onChange, store = null, {axes = true} = {}) {
     h("label", {class: "inline", for: "smooth"}, "Smoothing ", slider, value),
     axes ? h("label", {class: "inline", for: "x-axis"}, "X axis ", axis) : null);
   const refresh = () => {
-    if (!store) return;
-    for (const option of axis.options) option.disabled = !xModeAvailable(option.value, store);
+    if (!store && !available) return;
+    for (const option of axis.options) option.disabled = !(available ? available(option.value) : xModeAvailable(option.value, store));
   };
   return {el, refresh};
 }
