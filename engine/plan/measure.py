@@ -1,6 +1,8 @@
 """Measured memory and reads of one training run, per rank: the other side of the planner's predictions.
 
-``python -m engine.plan.measure SPEC.json RUN_DIR`` (one process, or under torchrun). Each rank starts the process
+``python -m engine.plan.measure SPEC.json RUN_DIR [built]`` (one process, or under torchrun); with ``built`` the
+run stops once every rank has built and loaded its model (start-up alone: on a CPU without bf16 instructions a
+real-size bf16 iteration takes hours). Each rank starts the process
 group, warms up torch and gloo (one step of a small model, an all-reduce) so their fixed costs land in the baseline,
 takes the baseline RSS and I/O counters, resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` 5), runs the
 trainer's own entry point (``engine.train.job.run``) and writes ``RUN_DIR/measure_rank{R}.json``: baseline RSS (the
@@ -20,6 +22,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,23 @@ def warm_up() -> None:
     torch.optim.AdamW(model.parameters(), foreach=True).step()
 
 
-def main(spec_path: str, run_dir: str) -> None:
+def _build_only(spec: Any, run_dir: Any) -> None:
+    """Plan, start the process group and build this rank's trainer (model built and loaded), then stop."""
+    import torch.distributed as dist
+
+    from engine.parallel.device import init_distributed
+    from engine.parallel.mesh import ensure_process_group
+    from engine.train.job import Trainer, plan_run
+
+    plan = plan_run(spec, run_dir)
+    device = init_distributed(spec.resources.device_type)
+    ensure_process_group(device)
+    Trainer(spec, run_dir, plan, device)
+    dist.barrier()
+    (run_dir.path / "built.json").write_text(json.dumps({"time": time.time()}))
+
+
+def main(spec_path: str, run_dir: str, until: str = "done") -> None:
     import torch
     import torch.distributed as dist
 
@@ -78,7 +97,10 @@ def main(spec_path: str, run_dir: str) -> None:
              **{f"{k}_before": v for k, v in io_before.items()}}
     (Path(run_dir) / f"measure_rank{rank}.start.json").write_text(json.dumps(start))  # lets a watcher read /proc live
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    run(spec, RunDir(Path(run_dir), rank))
+    if until == "built":
+        _build_only(spec, RunDir(Path(run_dir), rank))
+    else:
+        run(spec, RunDir(Path(run_dir), rank))
     peak, io_after = status_bytes("VmHWM"), io_counters()
     out: dict[str, Any] = {"rank": rank, "baseline_bytes": baseline, "peak_bytes": peak,
                            "growth_bytes": peak - baseline,
@@ -93,4 +115,4 @@ def main(spec_path: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
