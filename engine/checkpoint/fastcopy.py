@@ -16,7 +16,8 @@ reading the bytes again for the CRC.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -47,10 +48,10 @@ class InMemory:
         sizes = [p.shape[1] * p.element_size() for p in self.parts]
         rows = self.parts[0].shape[0]
         for first in range(0, rows, 1024):
-            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes))
+            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes, strict=True))
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "InMemory":
+    def of(cls, tensor: torch.Tensor) -> InMemory:
         """A whole tensor as one row."""
         return cls([tensor.detach().reshape(1, -1)])
 
@@ -165,7 +166,7 @@ class RowPlan:
             return []
         breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).reshape(-1) + 1).tolist()
         out: list[Piece] = []
-        for lo, hi in zip([0] + breaks, breaks + [ids.numel()]):
+        for lo, hi in zip([0] + breaks, breaks + [ids.numel()], strict=True):
             first, last = int(ids[lo]), int(ids[hi - 1]) + 1
             out += self._run(first, last)
         return coalesce(out)

@@ -16,8 +16,10 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -285,11 +287,11 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
             rows = RowPlan(source.row_source)  # same bytes out as in: copy them
             pieces = ((k, rows.segments(ids)) for k, ids in hf_from_native(rows.get, cfg))
             stream: Iterator[Any] = _reported(pieces, len(entries), progress)
-            for name, plan in zip(names, shards):
+            for name, plan in zip(names, shards, strict=True):
                 copy_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         else:
             stream = _reported(hf_from_native(get, cfg), len(entries), progress)
-            for name, plan in zip(names, shards):
+            for name, plan in zip(names, shards, strict=True):
                 write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         elem = torch.empty((), dtype=dtype).element_size()
         index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
@@ -345,7 +347,8 @@ class staging:
         self.tmp.mkdir()
         return self.tmp
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return

@@ -23,8 +23,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -60,7 +61,7 @@ def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
             raise BadInput(f"LoRA on {path} has no Hugging Face counterpart", field="save_lora_to_hf")
         a, b = get(path + ".lora_A.weight"), get(path + ".lora_B.weight")
         pieces = LAYER_MAP[rest + ".weight"].split(b, cfg)  # B's rows split like the weight's; A is shared
-        for hf_module, piece in zip(_HF_MODULES[rest], pieces):
+        for hf_module, piece in zip(_HF_MODULES[rest], pieces, strict=True):
             prefix = f"{PEFT_PREFIX}{layer}.{hf_module}"
             yield prefix + ".lora_A.weight", a.contiguous().clone()
             yield prefix + ".lora_B.weight", piece.contiguous().clone()

@@ -22,16 +22,30 @@ import os
 import re
 import threading
 import zipfile
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
-from engine.checkpoint.hf import as_getter, staging
-from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, check_tp, chunk_keys, layer_of, merge,
-                                      native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
+from engine.checkpoint.hf import as_getter, staging
+from engine.checkpoint.layout import (
+    EMBEDDING,
+    FINAL_NORM,
+    OUTPUT,
+    check_tp,
+    chunk_keys,
+    layer_of,
+    merge,
+    native_shapes,
+    pipeline_chunks,
+    rank_dir_name,
+    shard,
+    shard_shape,
+    split_rule,
+)
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
@@ -249,7 +263,7 @@ class _LazyModels(dict):
         value = self[rank] = _chunks(load_rank_file(self.files[rank], lazy=True), self.files[rank])
         return value
 
-    def load_all(self) -> "_LazyModels":
+    def load_all(self) -> _LazyModels:
         for rank in self.files:
             self[rank]  # noqa: B018 - opens it
         return self
@@ -301,7 +315,7 @@ class RankFiles:
             return False
         self.layer_at = []
         self.where = {}
-        for chunks in zip(*stages):  # chunk v of every stage comes before chunk v+1
+        for chunks in zip(*stages, strict=True):  # chunk v of every stage comes before chunk v+1
             for chunk in chunks:
                 name = "model" if len(stages[chunk.stage]) == 1 else f"model{chunk.index}"
                 self.layer_at += [(chunk.stage, name, i) for i in range(len(chunk.layers))]
@@ -488,9 +502,8 @@ class MegatronCheckpoint:
         full = native_shapes(cfg.replace(vocab_size=self._padded_rows()))
         keys, tp_ranks = self._read_keys()
         for key in keys:
-            if key == OUTPUT and cfg.tie_word_embeddings:
-                if OUTPUT not in self.base.where:
-                    continue  # read from the embedding
+            if key == OUTPUT and cfg.tie_word_embeddings and OUTPUT not in self.base.where:
+                continue  # read from the embedding
             want = shard_shape(full[key if key in full else EMBEDDING], split_rule(key), self.tp)
             try:
                 p: int | None = self.base.local(key)[0]

@@ -42,7 +42,7 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) 
 class TensorRef:
     """A tensor stored contiguously at ``offset`` of an open file; read on demand."""
 
-    def __init__(self, file: "_File", name: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, file: _File, name: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
         self.file, self.name, self.offset, self.shape, self.dtype = file, name, offset, tuple(shape), dtype
         self.row_bytes = int(torch.Size(self.shape[1:]).numel()) * dtype.itemsize
 

@@ -71,7 +71,7 @@ def _draw_into(out: torch.Tensor | None, shape: tuple[int, ...], key: str, tp: i
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * cols < 16:
         starts.pop()  # a tail under 16 numbers would take another path: draw it with the chunk before
-    bounds = list(zip(starts, starts[1:] + [rows]))
+    bounds = list(zip(starts, starts[1:] + [rows], strict=True))
     rule = split_rule(key)
     ids = None if rule == "dim1" or out is None else _tp_rows(rows, key, tp, rank)
     width = cols // tp if rule == "dim1" else cols

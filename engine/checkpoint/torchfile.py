@@ -13,6 +13,7 @@ building the next tensor overlaps writing this one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
@@ -22,12 +23,17 @@ import struct
 import sys
 import threading
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.checkpoint.fastcopy import Piece, read_chunks, size_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 ALIGNMENT = 64
 _STORAGE_TYPES = {torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage", torch.float32: "FloatStorage",
@@ -169,15 +175,14 @@ class TorchFileWriter:
         self._record(".data/serialization_id", str(random.randrange(10**19, 10**20)).encode())
         self.zip.close()
 
-    def __enter__(self) -> "TorchFileWriter":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return
-        try:
+        with contextlib.suppress(BaseException):  # the producer's own error is the one to report
             self.writer.close()
-        except BaseException:  # noqa: BLE001 - the producer's own error is the one to report
-            pass
         self.zip.close()

@@ -21,8 +21,9 @@ import os
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -192,7 +193,7 @@ class _Sink:
     def _buffer(self, result: ChunkResult) -> None:
         ids, labels = result.fields["input_ids"], result.fields["labels"]
         ends = np.cumsum(result.lengths["input_ids"])
-        for start, end in zip(np.concatenate(([0], ends[:-1])), ends):
+        for start, end in zip(np.concatenate(([0], ends[:-1])), ends, strict=True):
             self.window.append((ids[start:end], labels[start:end]))
         if len(self.window) >= PACK_WINDOW:
             self.flush()

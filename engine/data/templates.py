@@ -61,7 +61,8 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from typing import Any, Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -335,7 +336,7 @@ def _tokenize_unique(tokenizer: Any, texts: Iterable[str]) -> dict[str, list[int
     """One batched fast-tokenizer call over the distinct pieces (system prompts repeat across a dataset)."""
     unique = list(dict.fromkeys(texts))
     encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
-    return dict(zip(unique, encoded))
+    return dict(zip(unique, encoded, strict=True))
 
 
 # ---------------------------------------------------------------- hf (the tokenizer's chat template)
@@ -372,7 +373,7 @@ def _hf_render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
 
 
-_TURN_END: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_TURN_END: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _hf_turn_end(tokenizer: Any) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ class DecodeOptions:
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     pad_id: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     use_cache: bool = True
     tp_size: int = 1  # the model's tensor-parallel size: a TP rank holds num_query_groups / TP whole KV groups
 

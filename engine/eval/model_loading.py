@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from engine.checkpoint.sources import WeightSource
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import BadInput
-from engine.train.model_setup import check_against_checkpoint, check_model_kind, config_from_flags
+from engine.train.model_setup import check_against_checkpoint, check_model_kind
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], sour
         problems.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:5]))
     if problems:
         raise BadInput(f"load: checkpoint {source} does not fit the model: " + "; ".join(problems), field="load")
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=False)
 
 
 def apply_adapters(model: torch.nn.Module, spec: Any, adapter_state: Mapping[str, torch.Tensor],

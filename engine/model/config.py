@@ -102,7 +102,7 @@ class ModelConfig:
         return layers + h + (emb if include_embedding else 0)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         heads = hf["num_attention_heads"]
         return cls(
             num_layers=hf["num_hidden_layers"],
@@ -121,7 +121,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file}: no config.json in the HF model directory")
@@ -174,7 +174,7 @@ class ModelConfig:
             "router_aux_loss_coef": self.moe_aux_loss_coeff,
         }
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -31,7 +31,7 @@ Merging per shard is then exact: W_k + s·B_k A (column) and W_k + s·B A_k (row
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

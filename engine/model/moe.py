@@ -109,7 +109,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, b
         raise ValueError(f"expert matmul backend: unknown {backend!r} (grouped_mm, loop)")
     sizes = counts.tolist()
     # unbind once: indexing weight[e] per expert would give each its own weight-sized zero gradient in backward
-    parts = [chunk @ w.t() for chunk, w, n in zip(torch.split(x, sizes), weight.unbind(0), sizes) if n]
+    parts = [chunk @ w.t() for chunk, w, n in zip(torch.split(x, sizes), weight.unbind(0), sizes, strict=True) if n]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 

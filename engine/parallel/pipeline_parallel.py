@@ -20,7 +20,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def stage_layers(
             raise ValueError(f"{what}: {num_layers} layers cannot be split into stages of {per} layers over PP={pp}")
         counts = [per] * (num_layers // per)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
 def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
@@ -210,7 +211,7 @@ def build_pipeline(
 
     def make_schedule() -> Any:
         stages = [PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
-                  for part, s in zip(parts, stage_ids)]
+                  for part, s in zip(parts, stage_ids, strict=True)]
         if n_stages == pp:
             return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -333,7 +334,7 @@ def dcp_state_view(
             names = any(isinstance(o, str) for o in original)
             if names or not isinstance(loaded, list) or len(loaded) != len(original):
                 return original  # FQN lists (param_groups' "params") name this rank's parameters, not the saver's
-            return [merge(o, l) for o, l in zip(original, loaded)]
+            return [merge(o, l) for o, l in zip(original, loaded, strict=True)]
         if isinstance(original, (torch.Tensor, str)):
             return original  # tensors were loaded in place (or restored); FQN strings keep this rank's names
         return loaded

@@ -13,7 +13,7 @@ trainer gathers those hidden states without a device->host sync (boolean masking
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_index.numel())
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 

@@ -41,8 +41,15 @@ from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
-from engine.train.model_setup import (LoadedWeights, build_rank_model, check_against_checkpoint, check_model_kind,
-                                      config_from_flags, open_load, rank_view)
+from engine.train.model_setup import (
+    LoadedWeights,
+    build_rank_model,
+    check_against_checkpoint,
+    check_model_kind,
+    config_from_flags,
+    open_load,
+    rank_view,
+)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import make_runner

@@ -8,7 +8,8 @@ after ``hysteresis`` overflowing iterations, double it after ``loss_scale_window
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
