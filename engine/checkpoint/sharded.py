@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from engine.checkpoint.sources import WeightSource
+from engine.torch_compat import StridedShard
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -33,7 +33,7 @@ def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
         return 0, rows
     dim = param.device_mesh.mesh_dim_names.index("dp")
     placement = param.placements[dim]
-    if not (placement.is_shard() or isinstance(placement, _StridedShard)):  # FSDP over a TP dim-0 shard: strided
+    if not (placement.is_shard() or isinstance(placement, StridedShard)):  # FSDP over a TP dim-0 shard: strided
         return 0, rows
     size, rank = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
     step = -(-rows // size)

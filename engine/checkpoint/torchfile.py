@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.checkpoint.fastcopy import Piece, read_chunks, size_of
+from engine.torch_compat import rebuild_tensor_v2
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -93,7 +94,7 @@ class LazyTensor:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         stride = torch.empty(self.shape, device="meta").stride()
-        return (torch._utils._rebuild_tensor_v2,
+        return (rebuild_tensor_v2,
                 (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
 
 

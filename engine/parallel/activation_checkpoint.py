@@ -15,8 +15,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from engine.torch_compat import checkpoint_wrapper
 
 # Outputs of these ops are kept in selective mode; everything else is recomputed.
 _SAVE_OPS = {

@@ -46,9 +46,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from engine.model.config import ModelConfig
+from engine.torch_compat import StridedShard, colwise_prepare_output_fn
 
 IGNORE_INDEX = -100
 
@@ -111,9 +112,9 @@ class ColumnParallel(ColwiseParallel):
     @staticmethod
     def _local_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
         # A strided output (fc1: locally [gate_k | up_k]) is exactly what the MLP's chunk(2) needs: no redistribute.
-        if use_local_output and any(isinstance(p, _StridedShard) for p in outputs.placements):
+        if use_local_output and any(isinstance(p, StridedShard) for p in outputs.placements):
             return outputs.to_local()
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return colwise_prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class RowParallel(RowwiseParallel):
@@ -176,7 +177,7 @@ def _distribute_strided(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTens
     n, k = mesh.size(), mesh.get_local_rank()
     halves = full.chunk(2, dim=dim)
     local = torch.cat([h.chunk(n, dim=dim)[k] for h in halves], dim=dim).contiguous()
-    placements = [_StridedShard(dim, split_factor=2)]
+    placements = [StridedShard(dim, split_factor=2)]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
@@ -339,8 +340,8 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
     def convert(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: convert(v) for k, v in value.items()}
-        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
-            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+        if isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
             copy = value.detach().redistribute(placements=plain)
             pairs.append((value, copy))
             return copy
