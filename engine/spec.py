@@ -12,6 +12,7 @@ This module must not import torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -542,6 +543,10 @@ _ANY_REFERENCE = re.compile(r"\$\{[^}]*\}?")
 REFERENCE_PLACEHOLDER_DIR = ".pipeline-refs"
 
 
+def _placeholder_path(base: Path, ref: str, key: str) -> str:
+    return str(base / REFERENCE_PLACEHOLDER_DIR / ref / key)
+
+
 def find_references(value: Any, where: str = "") -> list[tuple[str, str, str]]:
     """``(field, step, output key)`` for every ``${steps.<step>.outputs.<key>}`` in a step spec (strings anywhere)."""
     if isinstance(value, dict):
@@ -626,7 +631,7 @@ class PipelineSpec(JobBase):
                     raise ValueError(f"{field}: refers to step {ref!r}, which does not run before step {step.name!r}")
             base = Path(roots[0]) if roots else Path("/")
             placeheld = substitute_references(
-                step.spec, lambda ref, key, base=base: str(base / REFERENCE_PLACEHOLDER_DIR / ref / key))
+                step.spec, functools.partial(_placeholder_path, base))
             try:
                 parse_spec(placeheld, data_roots=roots)
             except ValidationError as err:

@@ -41,7 +41,7 @@ class InMemory:
 
     def chunks(self) -> Iterator[memoryview | bytes]:
         """The bytes in file order: a single part as it is, several parts row-interleaved 1,024 rows at a time."""
-        views = [memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in self.parts]
+        views = [p.reshape(-1).view(torch.uint8).numpy().data for p in self.parts]
         if len(views) == 1:
             yield views[0]
             return
@@ -131,7 +131,7 @@ class MergedRows:
         if self.rule == "dim1":  # each row is every rank's part of it: one range per row per rank, too many to
             # copy one by one, so these few tensors are glued in memory and written from there
             return [InMemory([ref.read_rows(start, stop) for ref in self.refs])]
-        out = []
+        out: list[Piece] = []
         if self.rule == "dim0":
             parts = [(t * self.local, (t + 1) * self.local, 0) for t in range(self.tp)]
         else:  # glu: rank t holds [gate_t; up_t]

@@ -209,6 +209,7 @@ class LoraOverlay:
             return weight
         a = shard(self.lora.full(a_key), split_rule(a_key), tp, rank)
         b = shard(self.lora.full(b_key), split_rule(b_key), tp, rank)
+        assert self.lora_alpha is not None and self.lora_r is not None  # __init__ refuses adapters without them
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.rounding)
 
     def lora_modules(self) -> list[str]:

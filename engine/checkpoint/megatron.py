@@ -49,6 +49,7 @@ from engine.checkpoint.layout import (
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
+from engine.dtypes import DTYPE_NAMES
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys
@@ -136,7 +137,7 @@ def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer
     training length when known (a trainer save), else MindSpeed's converter value ``CONVERT_SEQ_LENGTH``, never
     ``max_position_embeddings``."""
     hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    dtype_name = DTYPE_NAMES[dtype]
     return argparse.Namespace(**{
         **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1,
@@ -297,6 +298,8 @@ class RankFiles:
         self.opened.append(files[first])
         self.models[first] = _chunks(raw, files[first])
         self.args = raw.get("args")
+        self.layer_at: list[tuple[int, str, int]] = []  # (stage, chunk name, local index) of every global layer
+        self.where: dict[str, tuple[int, str]] = {}  # (stage, chunk name) of the embedding, final norm, head
         if not self._locate_from_args():
             self._locate()
 
@@ -332,11 +335,11 @@ class RankFiles:
         """Map global layers and the embedding/head to (stage, chunk name, local index)."""
         names = sorted(self.models[(0, 0)], key=lambda n: int(n[5:] or 0))
         counts = {(p, n): _layer_count(self.models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
-        self.layer_at: list[tuple[int, str, int]] = []
+        self.layer_at = []
         for n in names:  # with VPP chunk v of every stage comes before chunk v+1
             for p in range(self.pp):
                 self.layer_at += [(p, n, i) for i in range(counts[(p, n)])]
-        self.where: dict[str, tuple[int, str]] = {}
+        self.where = {}
         for p in range(self.pp):
             for n in names:
                 for key in (EMBEDDING, FINAL_NORM, OUTPUT):
@@ -510,13 +513,13 @@ class MegatronCheckpoint:
             except KeyError:
                 p = None
             for t in tp_ranks:
+                where = self.base.rank_file(t, p) if p is not None else self.iter_dir
                 try:
                     got = self.base.raw(key, t)
                 except KeyError:
-                    where = self.base.rank_file(t, p) if p is not None else self.iter_dir
                     raise BadInput(f"{where}: tensor {key} (global name) is missing", field="load_dir") from None
                 if tuple(got.shape) != want:
-                    raise BadInput(f"{self.base.rank_file(t, p)}: tensor {self.base.local(key)[2]} has shape "
+                    raise BadInput(f"{where}: tensor {self.base.local(key)[2]} has shape "
                                    f"{list(got.shape)}, expected {list(want)}", field="load_dir")
 
     def _padded_rows(self) -> int:

@@ -155,6 +155,7 @@ class SafeFileSystemReader(FileSystemReader):
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

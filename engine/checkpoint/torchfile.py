@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
@@ -92,7 +92,7 @@ class LazyTensor:
         self.shape, self.dtype = tuple(shape), dtype
         self.storage = _Storage(key, dtype, int(torch.Size(shape).numel()))
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         stride = torch.empty(self.shape, device="meta").stride()
         return (rebuild_tensor_v2,
                 (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
@@ -127,7 +127,9 @@ class TorchFileWriter:
         info.file_size = size
         zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
         # local header (30) + name + our padding field (4 + pad) [+ zip64 sizes (20)], then the data
-        start = self.zip.fp.tell() + 30 + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
+        fp = self.zip.fp
+        assert fp is not None  # open for writing until close()
+        start = fp.tell() + 30 + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
         pad = -start % ALIGNMENT
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorch's writer
         return info, zip64

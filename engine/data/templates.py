@@ -66,7 +66,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from engine.constants import IGNORE_INDEX
+
 TEMPLATES = ("qwen3", "qwen", "hf")
 ThinkingMode = Literal["true", "false", "none"]
 
@@ -492,7 +493,8 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: 
     """Prompt ids for generating the next assistant turn (a trailing assistant turn is dropped first)."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)
     msgs = list(messages)
-    if msgs and _ROLE_ALIASES.get(msgs[-1].get("role"), msgs[-1].get("role")) in _RESPONSE_ROLES:
+    role = str(msgs[-1].get("role")) if msgs else ""
+    if msgs and _ROLE_ALIASES.get(role, role) in _RESPONSE_ROLES:
         msgs = msgs[:-1]
     checked = check_conversation(msgs, need_response=False)  # alternation => it now ends with a user/observation turn
     if name == "hf":

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.eval.sampling import SamplingParams, next_tokens
+from engine.model.qwen3 import Qwen3Model
 
 
 @dataclasses.dataclass
@@ -89,7 +91,7 @@ class _Stepper:
     def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
         last = hidden[:, -1]  # (B, H)
-        weight = self.model.output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
+        weight = cast(Qwen3Model, self.model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
         if not isinstance(weight, DTensor):
             return _head(last, weight)
         # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the

@@ -29,6 +29,7 @@ import torch
 from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
 from engine.checkpoint.sharded import fill_parts
 from engine.checkpoint.sources import WeightSource
+from engine.dtypes import DTYPES
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.runfiles import BadInput
@@ -36,7 +37,6 @@ from engine.train.model_setup import check_against_checkpoint, check_model_kind
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 # Megatron's local linear layers save an ``_extra_state`` entry (None) next to their weights; nothing to load.
 _SKIP_SUFFIXES = ("._extra_state",)

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+
 QWEN3_VOCAB = 151936
 
 
@@ -134,8 +136,8 @@ class ModelConfig:
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            "bos_token_id": QWEN3_ENDOFTEXT_ID,
+            "eos_token_id": QWEN3_IM_END_ID,
             "head_dim": self.kv_channels,
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,

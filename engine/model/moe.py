@@ -163,12 +163,12 @@ class AuxLossScaler(torch.autograd.Function):
     ``aux`` (already multiplied by its coefficient and scale) joins the loss without being added to it."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(aux)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (aux,) = ctx.saved_tensors
         return grad, torch.ones_like(aux)
 

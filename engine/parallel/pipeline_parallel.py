@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
-from engine.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from engine.constants import IGNORE_INDEX, PAD_ID
+from engine.model.loss import chunked_cross_entropy
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from engine.model.qwen3 import Qwen3Model
 
 WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
 
@@ -59,7 +63,7 @@ def stage_layers(
     return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
-def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
+def build_stage_module(model: Qwen3Model, layers: Sequence[int], first: bool, last: bool) -> Qwen3Model:
     """A model part holding ``model``'s own ``layers`` (and the embedding / final norm + head where they belong).
 
     Nothing is copied: the part takes the modules themselves (``model`` is a shell afterwards, normally a meta-built
@@ -106,7 +110,7 @@ def sequence_shard(local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int) -> DT
     """This TP rank's (B, T_k, H) sequence shard as the ``Shard(1)`` DTensor of the (B, seq_len, H) activation; the
     global shape is given explicitly because T need not divide evenly by TP (packed rows)."""
     b, _, h = local.shape
-    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=(b, seq_len, h),
+    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=torch.Size((b, seq_len, h)),
                               stride=(seq_len * h, h, 1))
 
 
@@ -118,7 +122,7 @@ class Pipeline:
     schedule is built per micro-batch shape (``make_schedule``) and kept: with variable sequence lengths the
     trainer pads each step to a bucketed width, so only a few shapes ever occur."""
 
-    parts: list[nn.Module]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
+    parts: list[Qwen3Model]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
     make_schedule: Callable[[], Any]
     is_first: bool
     is_last: bool
@@ -156,14 +160,16 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
+def make_loss_fn(last_part: Qwen3Model | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
                  sequence_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward)."""
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert last_part is not None  # the schedule calls loss_fn on the last stage only
         weight = last_part.output_weight()
         if isinstance(weight, DTensor):
             if sequence_parallel:
+                assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
                 hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
@@ -177,7 +183,7 @@ def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: Dev
 
 
 def build_pipeline(
-    model: nn.Module,
+    model: Qwen3Model,
     pp_mesh: DeviceMesh,
     n_microbatches: int,
     *,
@@ -201,7 +207,7 @@ def build_pipeline(
         )
     stage_ids = list(range(rank, n_stages, pp))
     parts = [build_stage_module(model, layout[s], s == 0, s == n_stages - 1) for s in stage_ids]
-    parts = [parallelize_part(p) for p in parts]
+    parts = [cast("Qwen3Model", parallelize_part(p)) for p in parts]  # FSDP/TP keep the class (a subclass)
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
     device = device or _local(next(iter(parts[0].parameters()))).device
@@ -214,7 +220,8 @@ def build_pipeline(
                   for part, s in zip(parts, stage_ids, strict=True)]
         if n_stages == pp:
             return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        # torch annotates the stages as an (invariant) list of its private base class; PipelineStage is one
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)  # type: ignore[arg-type]
 
     return Pipeline(parts, make_schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh, norm)
 
@@ -223,11 +230,11 @@ def build_pipeline(
 
 
 def _tied_weights(pipe: Pipeline) -> list[torch.Tensor]:
-    out = []
+    out: list[torch.Tensor] = []
     for part in pipe.parts:
         if part.embedding is not None and part.cfg.tie_word_embeddings:
             out.append(part.embedding.word_embeddings.weight)
-        if _has_copy(part):
+        if part.output_layer is not None and _has_copy(part):
             out.append(part.output_layer.weight)
     return out
 
@@ -320,8 +327,8 @@ def dcp_state_view(
             kept = {k: v for k, v in obj.items() if not (mode == "save" and is_copy(k))}
             return {(k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k): rename(v) for k, v in kept.items()}
         if isinstance(obj, list):
-            kept = [v for v in obj if not (mode == "save" and is_copy(v))]
-            return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept]
+            kept_items = [v for v in obj if not (mode == "save" and is_copy(v))]
+            return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept_items]
         return obj
 
     view, restore = dcp_view(rename(state))
@@ -384,9 +391,9 @@ def pipeline_full_state_dict(model: PipelineModel, mesh: DeviceMesh) -> dict[str
         full = value.full_tensor() if isinstance(value, DTensor) else value
         local[key] = full.detach().cpu()
     sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local if sender else {}, gathered, dst=0)
-    if dist.get_rank() != 0:
+    if gathered is None:  # not rank 0
         return {}
     return {k: v for part in gathered for k, v in part.items()}
 
@@ -403,7 +410,7 @@ def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tenso
         if t > width:
             raise ValueError(f"seq_length: a micro-batch has {t} tokens per row, more than the pipeline width {width}")
         extra = width - t
-        ids.append(F.pad(mb.input_ids, (0, extra), value=0))
+        ids.append(F.pad(mb.input_ids, (0, extra), value=PAD_ID))
         labels.append(F.pad(mb.labels, (0, extra), value=IGNORE_INDEX))
         pos.append(torch.cat([mb.position_ids, mb.position_ids[:, -1:] + torch.arange(1, extra + 1)], dim=1))
         if packed:
@@ -457,7 +464,7 @@ def build_pipeline_model(
     """This rank's stages of ``model`` (split by the spec's PP flags), parallelized and scheduled."""
     dp = mesh["dp"].size()
     pipe = build_pipeline(
-        model, mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
+        cast("Qwen3Model", model), mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
         num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
         device=device,

@@ -26,7 +26,7 @@ from engine.spec import first_error
 _TORCHRUN_VALUE_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
                          "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
                          "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
-_PLACEHOLDERS = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
+_PLACEHOLDERS: dict[str, dict[str, Any]] = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
                  "eval": {"load": "unused-by-plan", "eval_data_path": "unused-by-plan"}}
 
 
