@@ -34,22 +34,11 @@ from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
-from engine.model.lora import merge_lora
+from engine.model.lora import merge_lora_rounded
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
-MERGE_ROUNDINGS = ("fp32", "mindspeed")
 _HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map
-
-
-def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
-                       rounding: str = "fp32") -> torch.Tensor:
-    """``weight + alpha/r · b @ a`` in the base dtype with ``rounding`` (see the module docstring)."""
-    if rounding == "mindspeed":  # base + (alpha / r) * matmul(B.float(), A.float()).to(base.dtype), literally
-        return weight + (alpha / r) * torch.matmul(b.float(), a.float()).to(weight.dtype)
-    if rounding != "fp32":
-        raise ValueError(f"lora_merge_rounding: {rounding!r} is not one of {', '.join(MERGE_ROUNDINGS)}")
-    return merge_lora(weight, a, b, alpha, r)
 
 
 def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],

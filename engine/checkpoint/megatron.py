@@ -52,7 +52,7 @@ from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.dtypes import DTYPE_NAMES
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
-from engine.model.lora import from_mindspeed_keys
+from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
 from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class MegatronCheckpoint:
     ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
     """
 
-    merge_rounding = "fp32"  # lora_merge.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
+    merge_rounding = "fp32"  # engine.model.lora.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
 
     def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
                  lora_alpha: float | None = None, lora_r: int | None = None,
@@ -579,8 +579,6 @@ class MegatronCheckpoint:
         if self.lora_alpha is None or self.lora_r is None:
             raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
-        from engine.checkpoint.lora_merge import merge_lora_rounded
-
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.merge_rounding)
 
     def can_copy(self, dtype: torch.dtype) -> bool:
