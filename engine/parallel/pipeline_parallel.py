@@ -79,6 +79,7 @@ def build_stage_module(model: Qwen3Model, layers: Sequence[int], first: bool, la
         part.output_layer = model.output_layer
         if part.output_layer is None and not first:
             # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
+            assert model.embedding is not None  # the whole model holds the embedding
             weight = model.embedding.word_embeddings.weight
             part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                                           dtype=weight.dtype)
@@ -250,7 +251,7 @@ def sync_tied_grads(pipe: Pipeline) -> None:
     if len(tied) > 1:
         raise RuntimeError("tied embedding: a rank holds both the embedding and its copy; use PP > 1 stages")
     ref = tied[0] if tied else None
-    if ref is not None and isinstance(ref.grad, DTensor) and ref.grad.placements != ref.placements:
+    if isinstance(ref, DTensor) and isinstance(ref.grad, DTensor) and ref.grad.placements != ref.placements:
         # PyTorch's vocab-parallel embedding backward yields a replicated (full) gradient: take this rank's rows.
         ref.grad = ref.grad.redistribute(placements=ref.placements)
     shape = _local_embedding_shape(pipe, ref)
@@ -287,7 +288,7 @@ def _has_copy(part: nn.Module) -> bool:
 def norm_parameters(parts: Sequence[nn.Module]) -> list[nn.Parameter]:
     """Trainable parameters that count in the global grad norm: all but a tied embedding's last-stage copy
     (Megatron counts the shared embedding once)."""
-    skip = {id(part.output_layer.weight) for part in parts if _has_copy(part)}
+    skip = {id(cast(nn.Linear, part.output_layer).weight) for part in parts if _has_copy(part)}
     return [p for part in parts for p in part.parameters() if p.requires_grad and id(p) not in skip]
 
 
@@ -370,7 +371,7 @@ class PipelineModel(nn.Module):
         self.embedding = next((p.embedding for p in parts if p.embedding is not None), None)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict({k: v for p in parts for k, v in p.decoder.layers.items()})
-        self.decoder.final_layernorm = parts[-1].decoder.final_layernorm
+        self.decoder.register_module("final_layernorm", parts[-1].decoder.final_layernorm)
         self.output_layer = parts[-1].output_layer
         object.__setattr__(self, "pipeline", pipe)
         self.width = width  # the widest micro-batch a step can have; steps pad to a multiple of WIDTH_BUCKET
@@ -398,7 +399,9 @@ def pipeline_full_state_dict(model: PipelineModel, mesh: DeviceMesh) -> dict[str
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tensor, ...]:
+def stack_micro_batches(
+    batches: Sequence[Any], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0.
 
     Padding: token 0, label -100, positions continuing, and (when any micro-batch is packed) the row's last

@@ -171,7 +171,7 @@ class VocabParallelEmbedding(ParallelStyle):
             out = out.redistribute(placements=[style.output_layout])
             return out.to_local() if style.use_local_output else out
 
-        module.forward = forward  # type: ignore[method-assign]  # this instance's forward, on purpose
+        module.forward = forward  # type: ignore[method-assign, assignment]  # this instance's forward, on purpose
         return module
 
 

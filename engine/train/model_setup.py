@@ -205,7 +205,7 @@ def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch
     if mesh["pp"].size() > 1:
         model = build_pipeline_model(model, mesh, spec, global_batch_size, seq_length,
                                      lambda part: parallelize(part, mesh, spec), device=device)
-        parts = list(model.pipeline.parts)
+        parts: list[torch.nn.Module] = list(model.pipeline.parts)
     else:
         model = parallelize(model, mesh, spec)
         parts = [model]
