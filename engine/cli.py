@@ -7,12 +7,14 @@ otherwise abort at interpreter exit now and then (``shared/docs/torch-distribute
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
 
@@ -42,10 +44,8 @@ def _finish(code: int) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # exiting anyway
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -13,8 +13,9 @@ import logging
 import os
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from engine.spec import SPEC_CLASSES, JobBase, parse_spec
 

@@ -12,11 +12,13 @@ This module must not import torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -232,7 +234,7 @@ class ModelArgs(_Strict):
     seed: int = Field(1234, description="--seed: random seed for initialisation, dropout and data shuffling.")
 
     @model_validator(mode="after")
-    def _check_shape(self) -> "ModelArgs":
+    def _check_shape(self) -> ModelArgs:
         if self.bf16 and self.fp16:
             raise ValueError("bf16: choose at most one of bf16 and fp16")
         self._check_moe()
@@ -264,7 +266,7 @@ class ParallelArgs(_Strict):
     global_batch_size: int | None = Field(None, ge=1, description="Default micro_batch_size × DP.")
 
     @model_validator(mode="after")
-    def _check_layout(self) -> "ParallelArgs":
+    def _check_layout(self) -> ParallelArgs:
         world = self.resources.world_size if isinstance(self, JobBase) else 1
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.expert_model_parallel_size > 1:
@@ -355,7 +357,7 @@ class PreprocessSpec(JobBase):
         return value
 
     @model_validator(mode="after")
-    def _check_preprocess(self) -> "PreprocessSpec":
+    def _check_preprocess(self) -> PreprocessSpec:
         from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
         from engine.data.templates import TEMPLATES
 
@@ -452,7 +454,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     cross_entropy_chunk_size: int = Field(1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss.")
 
     @model_validator(mode="after")
-    def _check_retention(self) -> "TrainSpec":
+    def _check_retention(self) -> TrainSpec:
         if self.keep_best_by is not None and self.keep_last_n is None:
             raise ValueError("keep_best_by: needs keep_last_n (without it every checkpoint is kept anyway)")
         if self.keep_last_n is not None and self.save_interval is None:
@@ -502,7 +504,7 @@ class ConvertSpec(JobBase):
         "for bf16 weights 10-20 % of merged values differ from fp32 by one rounding step)."))
 
     @model_validator(mode="after")
-    def _check_convert(self) -> "ConvertSpec":
+    def _check_convert(self) -> ConvertSpec:
         pp = self.target_pipeline_parallel_size
         if self.num_layer_list is not None and len(self.num_layer_list) != pp:
             raise ValueError(f"num_layer_list: has {len(self.num_layer_list)} stages but target PP is {pp}")
@@ -552,7 +554,7 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     top_confusions: int = Field(10, ge=0, le=1000, description="How many of the most frequent (reference, answer) errors result.json lists.")
 
     @model_validator(mode="after")
-    def _check_eval(self) -> "EvalSpec":
+    def _check_eval(self) -> EvalSpec:
         from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
 
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
@@ -569,6 +571,10 @@ STEP_KINDS = ("preprocess", "convert", "train", "eval")
 REFERENCE = re.compile(r"\$\{steps\.([A-Za-z][A-Za-z0-9_-]{0,63})\.outputs\.([A-Za-z0-9_-]+)\}")
 _ANY_REFERENCE = re.compile(r"\$\{[^}]*\}?")
 REFERENCE_PLACEHOLDER_DIR = ".pipeline-refs"
+
+
+def _placeholder_path(base: Path, ref: str, key: str) -> str:
+    return str(base / REFERENCE_PLACEHOLDER_DIR / ref / key)
 
 
 def find_references(value: Any, where: str = "") -> list[tuple[str, str, str]]:
@@ -597,7 +603,7 @@ def substitute_references(value: Any, resolve: Callable[[str, str], str]) -> Any
 
 
 # "field: message" raised by a validator, behind pydantic's "Value error, " prefix: the one parser of that shape.
-FIELD_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.S)
+FIELD_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.DOTALL)
 
 
 def first_error(err: ValidationError, prefix: str) -> str:
@@ -637,7 +643,7 @@ class PipelineSpec(JobBase):
         "later steps still run unless they refer to a step that did not succeed (those are skipped).")
 
     @model_validator(mode="after")
-    def _check_steps(self, info: ValidationInfo) -> "PipelineSpec":
+    def _check_steps(self, info: ValidationInfo) -> PipelineSpec:
         roots = (info.context or {}).get("data_roots") if info.context else None
         names = [s.name for s in self.steps]
         earlier: list[str] = []
@@ -655,7 +661,7 @@ class PipelineSpec(JobBase):
                     raise ValueError(f"{field}: refers to step {ref!r}, which does not run before step {step.name!r}")
             base = Path(roots[0]) if roots else Path("/")
             placeheld = substitute_references(
-                step.spec, lambda ref, key: str(base / REFERENCE_PLACEHOLDER_DIR / ref / key))
+                step.spec, functools.partial(_placeholder_path, base))
             try:
                 parse_spec(placeheld, data_roots=roots)
             except ValidationError as err:
@@ -665,7 +671,7 @@ class PipelineSpec(JobBase):
 
 
 JobSpec = Annotated[
-    Union[PreprocessSpec, ConvertSpec, TrainSpec, EvalSpec, PipelineSpec], Field(discriminator="kind")
+    PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | PipelineSpec, Field(discriminator="kind")
 ]
 SPEC_CLASSES: dict[str, type[JobBase]] = {
     "preprocess": PreprocessSpec,

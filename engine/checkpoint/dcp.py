@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -218,26 +220,42 @@ def _saved_keys(ckpt: Path) -> set[str]:
     return set(SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
 
 
+def read_saved(ckpt: Path, keys: set[str]) -> dict[str, Any]:
+    """The saved entries ``keys`` (DCP's flattened names, e.g. ``model.embedding.word_embeddings.weight``) read
+    whole into this one process, keyed as asked.
+
+    DCP's public ``load`` into CPU tensors sized from the checkpoint's ``.metadata``, with ``no_dist=True``: no
+    collective runs even when a process group is up, so any rank may call it alone. ``.metadata`` and non-tensor
+    items go through the allow-list (``SafeFileSystemReader`` / ``SafeLoadPlanner``).
+    """
+    reader = SafeFileSystemReader(str(ckpt))
+    saved = reader.read_metadata().state_dict_metadata
+    state: dict[str, Any] = {}
+    for key in keys:
+        item = saved[key]
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(
+            item, TensorStorageMetadata) else None  # a non-tensor item is replaced by its unpickled value
+    with warnings.catch_warnings():  # the single-process load is asked for, not assumed as the warning says
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return state
+
+
 def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(meta.json, full native model state dict) read in this one process, for converters and evaluation.
 
-    Call it outside a multi-rank group (``_load_state_dict_from_keys`` coordinates through the default group when
-    there is one). LoRA checkpoints return adapter tensors only; meta["lora"] tells how to merge them.
+    LoRA checkpoints return adapter tensors only; meta["lora"] tells how to merge them.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     ckpt = resolve(path)
     meta = json.loads((ckpt / META).read_text())
-    keys = {k for k in _saved_keys(ckpt) if k.startswith("model.")}
-    loaded = _load_state_dict_from_keys(keys, storage_reader=SafeFileSystemReader(str(ckpt)))
-    model = loaded["model"] if "model" in loaded else {k[len("model."):]: v for k, v in loaded.items()}
-    return meta, model
+    loaded = read_saved(ckpt, {k for k in _saved_keys(ckpt) if k.startswith("model.")})
+    return meta, {k[len("model."):]: v for k, v in loaded.items()}
 
 
 class DcpWeights:
     """A training checkpoint as a ``WeightSource`` (``engine.checkpoint.sources``), read in this one process one
     tensor at a time: DCP's planner reads only the saved chunks of the asked key (for converters and evaluation;
-    training restores through ``load``, sharded by the rank's own DTensors). Call outside a multi-rank group."""
+    training restores through ``load``, sharded by the rank's own DTensors)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         from engine.model.config import ModelConfig
@@ -249,12 +267,10 @@ class DcpWeights:
         self.config = ModelConfig(**self.meta["model_config"])
 
     def get_native(self, key: str) -> torch.Tensor:
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
         if key == _COPY_KEY and self.config.tie_word_embeddings:
             key = _NATIVE_KEY
-        loaded = _load_state_dict_from_keys({f"model.{key}"}, checkpoint_id=str(self.path))
-        return loaded["model"][key] if "model" in loaded else loaded[f"model.{key}"]
+        tensor: torch.Tensor = read_saved(self.path, {f"model.{key}"})[f"model.{key}"]
+        return tensor
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         from engine.checkpoint.layout import shard, split_rule

@@ -16,7 +16,8 @@ reading the bytes again for the CRC.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -40,17 +41,17 @@ class InMemory:
 
     def chunks(self) -> Iterator[memoryview | bytes]:
         """The bytes in file order: a single part as it is, several parts row-interleaved 1,024 rows at a time."""
-        views = [memoryview(p.reshape(-1).view(torch.uint8).numpy()) for p in self.parts]
+        views = [p.reshape(-1).view(torch.uint8).numpy().data for p in self.parts]
         if len(views) == 1:
             yield views[0]
             return
         sizes = [p.shape[1] * p.element_size() for p in self.parts]
         rows = self.parts[0].shape[0]
         for first in range(0, rows, 1024):
-            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes))
+            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes, strict=True))
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "InMemory":
+    def of(cls, tensor: torch.Tensor) -> InMemory:
         """A whole tensor as one row."""
         return cls([tensor.detach().reshape(1, -1)])
 
@@ -130,7 +131,7 @@ class MergedRows:
         if self.rule == "dim1":  # each row is every rank's part of it: one range per row per rank, too many to
             # copy one by one, so these few tensors are glued in memory and written from there
             return [InMemory([ref.read_rows(start, stop) for ref in self.refs])]
-        out = []
+        out: list[Piece] = []
         if self.rule == "dim0":
             parts = [(t * self.local, (t + 1) * self.local, 0) for t in range(self.tp)]
         else:  # glu: rank t holds [gate_t; up_t]
@@ -165,7 +166,7 @@ class RowPlan:
             return []
         breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).reshape(-1) + 1).tolist()
         out: list[Piece] = []
-        for lo, hi in zip([0] + breaks, breaks + [ids.numel()]):
+        for lo, hi in zip([0] + breaks, breaks + [ids.numel()], strict=True):
             first, last = int(ids[lo]), int(ids[hi - 1]) + 1
             out += self._run(first, last)
         return coalesce(out)

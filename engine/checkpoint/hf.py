@@ -16,8 +16,10 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, cast
 
 import torch
 
@@ -25,6 +27,8 @@ from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_s
 from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
+from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from engine.dtypes import HF_DTYPE_NAMES, SAFETENSORS_NAMES
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import hf_from_native, native_keys, native_row_runs, rule_of
 from engine.runfiles import BadInput
@@ -32,17 +36,14 @@ from engine.runfiles import BadInput
 Getter = Callable[[str], torch.Tensor]
 Progress = Callable[[int, int], None]
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-             torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DEFAULT_SHARD_BYTES = 5_000_000_000  # transformers' "5GB": the seed's 8 GB Qwen3-4B became 2 files
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 # Qwen3's published generation_config.json, used when the source has none.
-QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
-                    "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+QWEN3_GENERATION = {"bos_token_id": QWEN3_ENDOFTEXT_ID, "do_sample": True,
+                    "eos_token_id": [QWEN3_IM_END_ID, QWEN3_ENDOFTEXT_ID], "pad_token_id": QWEN3_ENDOFTEXT_ID,
+                    "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
 
 # ---------------------------------------------------------------- reading
@@ -134,7 +135,7 @@ class HFCheckpoint:
             at += stop - start
         return out
 
-    def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Segment] | None:
+    def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
         rearrangement of rows in ``dtype``; None when it needs computing (a cast, or a column slice)."""
         if self._column_source(key, tp) is not None:
@@ -201,7 +202,8 @@ def _header(plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> byte
     offset, size = 0, torch.empty((), dtype=dtype).element_size()
     for name, shape in plan:
         nbytes = size * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
@@ -282,20 +284,20 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with staging(out) as tmp:
         if getattr(source, "can_copy", lambda dtype: False)(dtype):
-            rows = RowPlan(source.row_source)  # same bytes out as in: copy them
+            rows = RowPlan(cast(Any, source).row_source)  # same bytes out as in: copy them
             pieces = ((k, rows.segments(ids)) for k, ids in hf_from_native(rows.get, cfg))
             stream: Iterator[Any] = _reported(pieces, len(entries), progress)
-            for name, plan in zip(names, shards):
+            for name, plan in zip(names, shards, strict=True):
                 copy_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         else:
             stream = _reported(hf_from_native(get, cfg), len(entries), progress)
-            for name, plan in zip(names, shards):
+            for name, plan in zip(names, shards, strict=True):
                 write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         elem = torch.empty((), dtype=dtype).element_size()
         index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
                  "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan}}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config = {**(hf_config or {}), **cfg.to_hf(_HF_DTYPE_NAMES[dtype])}
+        config = {**(hf_config or {}), **cfg.to_hf(HF_DTYPE_NAMES[dtype])}
         config.pop("dtype", None)  # transformers 5 spelling; one dtype key only
         (tmp / "generation_config.json").write_text(json.dumps(generation_config or QWEN3_GENERATION, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -345,7 +347,8 @@ class staging:
         self.tmp.mkdir()
         return self.tmp
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return

@@ -19,11 +19,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.checkpoint.hf import DTYPES, HFCheckpoint, as_getter, copy_tokenizer, save_hf
+from engine.checkpoint.hf import HFCheckpoint, as_getter, copy_tokenizer, save_hf
 from engine.checkpoint.layout import FINAL_NORM, check_tp, pipeline_chunks
 from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.dtypes import DTYPES
 from engine.model.config import ModelConfig
 from engine.model.lora import resolve_targets
 from engine.runfiles import BadInput, RunDir
@@ -36,7 +37,8 @@ class _Progress:
     """tqdm bar on stderr plus at most one ``progress`` event per second in the run directory."""
 
     def __init__(self, run: RunDir, unit: str):
-        self.run, self.unit, self.bar, self.last = run, unit, None, 0.0
+        self.run, self.unit, self.last = run, unit, 0.0
+        self.bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
@@ -94,7 +96,7 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
         return _with_lora(spec, open_checkpoint(spec.load_dir)[1], run)
     if spec.lora_load and is_peft_adapter(spec.lora_load):
         ckpt = MegatronCheckpoint(spec.load_dir, hf_config=_hf_reference(spec))
-        return ckpt.config, _peft_overlay(spec, ckpt)
+        return ckpt.config, _peft_overlay(spec, ckpt, spec.lora_load)
     ckpt = MegatronCheckpoint(spec.load_dir, lora_dir=spec.lora_load, lora_alpha=spec.lora_alpha, lora_r=spec.lora_r,
                               hf_config=_hf_reference(spec))
     ckpt.merge_rounding = spec.lora_merge_rounding
@@ -107,14 +109,14 @@ def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, 
     if not spec.lora_load:
         return base.config, base
     if is_peft_adapter(spec.lora_load):
-        return base.config, _peft_overlay(spec, base)
+        return base.config, _peft_overlay(spec, base, spec.lora_load)
     source = LoraOverlay(base, spec.lora_load, spec.lora_alpha, spec.lora_r, spec.lora_merge_rounding)
     _check_lora(spec, source, run)
     return source.config, source
 
 
-def _peft_overlay(spec: ConvertSpec, base: Any) -> PeftOverlay:
-    overlay = PeftOverlay(base, spec.lora_load, spec.lora_alpha)
+def _peft_overlay(spec: ConvertSpec, base: Any, lora_load: str) -> PeftOverlay:
+    overlay = PeftOverlay(base, lora_load, spec.lora_alpha)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
         raise BadInput(f"lora_r: {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
                        field="lora_r")

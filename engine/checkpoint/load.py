@@ -59,11 +59,11 @@ def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[
     """(config, reader implementing ``sources.WeightSource``) without reading any tensor data yet."""
     fmt = detect_format(path)
     if fmt == "hf":
-        ckpt = HFCheckpoint(path)
-        return ckpt.config, ckpt
+        hf = HFCheckpoint(path)
+        return hf.config, hf
     if fmt == "mcore":
-        ckpt = MegatronCheckpoint(path, **mcore_kwargs)
-        return ckpt.config, ckpt
+        mcore = MegatronCheckpoint(path, **mcore_kwargs)
+        return mcore.config, mcore
     source = _open_native(path)
     return source.config, source
 

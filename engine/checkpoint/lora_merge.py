@@ -23,8 +23,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,22 +34,11 @@ from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
-from engine.model.lora import merge_lora
+from engine.model.lora import merge_lora_rounded
 from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
-MERGE_ROUNDINGS = ("fp32", "mindspeed")
 _HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map
-
-
-def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
-                       rounding: str = "fp32") -> torch.Tensor:
-    """``weight + alpha/r · b @ a`` in the base dtype with ``rounding`` (see the module docstring)."""
-    if rounding == "mindspeed":  # base + (alpha / r) * matmul(B.float(), A.float()).to(base.dtype), literally
-        return weight + (alpha / r) * torch.matmul(b.float(), a.float()).to(weight.dtype)
-    if rounding != "fp32":
-        raise ValueError(f"lora_merge_rounding: {rounding!r} is not one of {', '.join(MERGE_ROUNDINGS)}")
-    return merge_lora(weight, a, b, alpha, r)
 
 
 def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
@@ -60,7 +50,7 @@ def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
             raise BadInput(f"LoRA on {path} has no Hugging Face counterpart", field="save_lora_to_hf")
         a, b = get(path + ".lora_A.weight"), get(path + ".lora_B.weight")
         pieces = LAYER_MAP[rest + ".weight"].split(b, cfg)  # B's rows split like the weight's; A is shared
-        for hf_module, piece in zip(_HF_MODULES[rest], pieces):
+        for hf_module, piece in zip(_HF_MODULES[rest], pieces, strict=True):
             prefix = f"{PEFT_PREFIX}{layer}.{hf_module}"
             yield prefix + ".lora_A.weight", a.contiguous().clone()
             yield prefix + ".lora_B.weight", piece.contiguous().clone()
@@ -208,6 +198,7 @@ class LoraOverlay:
             return weight
         a = shard(self.lora.full(a_key), split_rule(a_key), tp, rank)
         b = shard(self.lora.full(b_key), split_rule(b_key), tp, rank)
+        assert self.lora_alpha is not None and self.lora_r is not None  # __init__ refuses adapters without them
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.rounding)
 
     def lora_modules(self) -> list[str]:

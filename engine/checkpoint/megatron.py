@@ -22,22 +22,38 @@ import os
 import re
 import threading
 import zipfile
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
-from engine.checkpoint.hf import as_getter, staging
-from engine.checkpoint.layout import (EMBEDDING, FINAL_NORM, OUTPUT, Chunk, check_tp, chunk_keys, layer_of, merge,
-                                      native_shapes, pipeline_chunks, rank_dir_name, shard, shard_shape, split_rule)
 from engine.checkpoint.fastcopy import MergedRows
+from engine.checkpoint.hf import as_getter, staging
+from engine.checkpoint.layout import (
+    EMBEDDING,
+    FINAL_NORM,
+    OUTPUT,
+    Chunk,
+    check_tp,
+    chunk_keys,
+    layer_of,
+    merge,
+    native_shapes,
+    pipeline_chunks,
+    rank_dir_name,
+    shard,
+    shard_shape,
+    split_rule,
+)
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
+from engine.dtypes import DTYPE_NAMES
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
-from engine.model.lora import from_mindspeed_keys
+from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
 from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
@@ -122,7 +138,7 @@ def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer
     training length when known (a trainer save), else MindSpeed's converter value ``CONVERT_SEQ_LENGTH``, never
     ``max_position_embeddings``."""
     hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    dtype_name = DTYPE_NAMES[dtype]
     return argparse.Namespace(**{
         **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1,
@@ -258,7 +274,7 @@ class _LazyModels(dict):
         value = self[rank] = _chunks(load_rank_file(self.files[rank], lazy=True), self.files[rank])
         return value
 
-    def load_all(self) -> "_LazyModels":
+    def load_all(self) -> _LazyModels:
         for rank in self.files:
             self[rank]  # noqa: B018 - opens it
         return self
@@ -292,6 +308,8 @@ class RankFiles:
         self.opened.append(files[first])
         self.models[first] = _chunks(raw, files[first])
         self.args = raw.get("args")
+        self.layer_at: list[tuple[int, str, int]] = []  # (stage, chunk name, local index) of every global layer
+        self.where: dict[str, tuple[int, str]] = {}  # (stage, chunk name) of the embedding, final norm, head
         if not self._locate_from_args():
             self._locate()
 
@@ -310,7 +328,7 @@ class RankFiles:
             return False
         self.layer_at = []
         self.where = {}
-        for chunks in zip(*stages):  # chunk v of every stage comes before chunk v+1
+        for chunks in zip(*stages, strict=True):  # chunk v of every stage comes before chunk v+1
             for chunk in chunks:
                 name = "model" if len(stages[chunk.stage]) == 1 else f"model{chunk.index}"
                 self.layer_at += [(chunk.stage, name, i) for i in range(len(chunk.layers))]
@@ -327,11 +345,11 @@ class RankFiles:
         """Map global layers and the embedding/head to (stage, chunk name, local index)."""
         names = sorted(self.models[(0, 0)], key=lambda n: int(n[5:] or 0))
         counts = {(p, n): _layer_count(self.models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
-        self.layer_at: list[tuple[int, str, int]] = []
+        self.layer_at = []
         for n in names:  # with VPP chunk v of every stage comes before chunk v+1
             for p in range(self.pp):
                 self.layer_at += [(p, n, i) for i in range(counts[(p, n)])]
-        self.where: dict[str, tuple[int, str]] = {}
+        self.where = {}
         for p in range(self.pp):
             for n in names:
                 for key in (EMBEDDING, FINAL_NORM, OUTPUT):
@@ -392,7 +410,7 @@ class MegatronCheckpoint:
     ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
     """
 
-    merge_rounding = "fp32"  # lora_merge.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
+    merge_rounding = "fp32"  # engine.model.lora.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
 
     def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
                  lora_alpha: float | None = None, lora_r: int | None = None,
@@ -497,22 +515,21 @@ class MegatronCheckpoint:
         full = native_shapes(cfg.replace(vocab_size=self._padded_rows()))
         keys, tp_ranks = self._read_keys()
         for key in keys:
-            if key == OUTPUT and cfg.tie_word_embeddings:
-                if OUTPUT not in self.base.where:
-                    continue  # read from the embedding
+            if key == OUTPUT and cfg.tie_word_embeddings and OUTPUT not in self.base.where:
+                continue  # read from the embedding
             want = shard_shape(full[key if key in full else EMBEDDING], split_rule(key), self.tp)
             try:
                 p: int | None = self.base.local(key)[0]
             except KeyError:
                 p = None
             for t in tp_ranks:
+                where = self.base.rank_file(t, p) if p is not None else self.iter_dir
                 try:
                     got = self.base.raw(key, t)
                 except KeyError:
-                    where = self.base.rank_file(t, p) if p is not None else self.iter_dir
                     raise BadInput(f"{where}: tensor {key} (global name) is missing", field="load_dir") from None
                 if tuple(got.shape) != want:
-                    raise BadInput(f"{self.base.rank_file(t, p)}: tensor {self.base.local(key)[2]} has shape "
+                    raise BadInput(f"{where}: tensor {self.base.local(key)[2]} has shape "
                                    f"{list(got.shape)}, expected {list(want)}", field="load_dir")
 
     def _padded_rows(self) -> int:
@@ -572,8 +589,6 @@ class MegatronCheckpoint:
         if self.lora_alpha is None or self.lora_r is None:
             raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
                            field="lora_r")
-        from engine.checkpoint.lora_merge import merge_lora_rounded
-
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.merge_rounding)
 
     def can_copy(self, dtype: torch.dtype) -> bool:

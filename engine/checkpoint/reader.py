@@ -21,15 +21,12 @@ from typing import Any
 import torch
 
 from engine.checkpoint.safe_pickle import SafeUnpickler
+from engine.dtypes import SAFETENSORS_DTYPES
 from engine.runfiles import BadInput
-
-ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
 
 
 def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) -> torch.Tensor:
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    view = out.reshape(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(b"")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -42,7 +39,7 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) 
 class TensorRef:
     """A tensor stored contiguously at ``offset`` of an open file; read on demand."""
 
-    def __init__(self, file: "_File", name: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, file: _File, name: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
         self.file, self.name, self.offset, self.shape, self.dtype = file, name, offset, tuple(shape), dtype
         self.row_bytes = int(torch.Size(self.shape[1:]).numel()) * dtype.itemsize
 
@@ -72,7 +69,7 @@ class TensorRef:
         elem = torch.empty((), dtype=self.dtype).element_size()
         out = torch.empty((rows, stop - start), dtype=self.dtype)
         seg, gap = (stop - start) * elem, (cols - (stop - start)) * elem
-        dest = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        dest = out.reshape(-1).view(torch.uint8).numpy().data
         scratch = memoryview(bytearray(gap))
         for first in range(0, rows, 512):  # IOV_MAX is 1024 buffers
             last = min(first + 512, rows)
@@ -127,9 +124,10 @@ class SafetensorsFile(_File):
             if 8 + n + end > self.size:
                 raise BadInput(f"{self.path}: tensor {name} ends at byte {8 + n + end} but the file has "
                                f"{self.size} bytes (truncated?)", field="load_dir")
-            if meta["dtype"] not in ST_DTYPES:
+            if meta["dtype"] not in SAFETENSORS_DTYPES:
                 raise BadInput(f"{self.path}: tensor {name} has unsupported dtype {meta['dtype']}", field="load_dir")
-            self.tensors[name] = TensorRef(self, name, 8 + n + start, tuple(meta["shape"]), ST_DTYPES[meta["dtype"]])
+            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+            self.tensors[name] = TensorRef(self, name, 8 + n + start, tuple(meta["shape"]), dtype)
 
 
 class _StorageRef:
@@ -190,7 +188,7 @@ class TorchZipFile(_File):
         return obj
 
     def _tensor(self, name: str, storage: _StorageRef, offset: int, shape: tuple[int, ...],
-                stride: tuple[int, ...]) -> TensorRef:
+                stride: tuple[int, ...]) -> TensorRef | MemoryRef:
         if storage.key not in self._offsets:
             raise BadInput(f"{self.path}: tensor {name} has no data record (truncated?)", field="load_dir")
         contiguous = torch.empty(shape, device="meta").stride()

@@ -19,11 +19,11 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from engine.runfiles import BadInput
+from engine.torch_compat import LegacyStorage, set_element
 
 # Plain constructors and torch's own tensor rebuilders: they build data and call nothing named by the file.
 _PLAIN: dict[str, set[str]] = {
@@ -92,7 +92,7 @@ def allowed_global(module: str, name: str, path: object = "", field: str | None 
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return obj
         if name.endswith("Storage") and isinstance(obj, type) and issubclass(
-                obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage, torch.storage._LegacyStorage)):
+                obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage)):
             return obj
     where = f"{path}: " if path else ""
     raise BadInput(f"{where}refusing to unpickle {module}.{name}: not a class a Megatron/MindSpeed or DCP "
@@ -155,6 +155,7 @@ class SafeFileSystemReader(FileSystemReader):
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from engine.checkpoint.sources import WeightSource
+from engine.torch_compat import StridedShard
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -29,11 +29,12 @@ def native_name(name: str) -> str:
 
 def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
     """The rows of the TP-local tensor this rank keeps under FSDP (``torch.chunk`` on dim 0 over the dp mesh)."""
-    if not isinstance(param, DTensor) or "dp" not in (param.device_mesh.mesh_dim_names or ()):
+    names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+    if not isinstance(param, DTensor) or names is None or "dp" not in names:
         return 0, rows
-    dim = param.device_mesh.mesh_dim_names.index("dp")
+    dim = names.index("dp")
     placement = param.placements[dim]
-    if not (placement.is_shard() or isinstance(placement, _StridedShard)):  # FSDP over a TP dim-0 shard: strided
+    if not (placement.is_shard() or isinstance(placement, StridedShard)):  # FSDP over a TP dim-0 shard: strided
         return 0, rows
     size, rank = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
     step = -(-rows // size)
@@ -42,9 +43,10 @@ def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
 
 
 def _tp(param: torch.Tensor) -> tuple[int, int]:
-    if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+    names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+    if not isinstance(param, DTensor) or names is None or "tp" not in names:
         return 1, 0
-    dim = param.device_mesh.mesh_dim_names.index("tp")
+    dim = names.index("tp")
     return param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
 
 

@@ -65,7 +65,7 @@ def _tp_rows(rows: int, key: str, tp: int, rank: int) -> torch.Tensor:
 
 
 def _draw_into(out: torch.Tensor | None, shape: tuple[int, ...], key: str, tp: int, rank: int,
-               draw: Callable[[torch.Tensor], None]) -> None:
+               draw: Callable[[torch.Tensor], object]) -> None:
     """Draw the full tensor of ``shape`` chunk by chunk with ``draw`` (in place); keep TP rank ``rank``'s part in
     ``out`` (None: draw and drop). Chunks are whole rows of a multiple of 16 numbers: ``normal_`` then draws the
     very same sequence as on the whole tensor (it fills and transforms in blocks of 16, the tail last)."""
@@ -74,7 +74,7 @@ def _draw_into(out: torch.Tensor | None, shape: tuple[int, ...], key: str, tp: i
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * cols < 16:
         starts.pop()  # a tail under 16 numbers would take another path: draw it with the chunk before
-    bounds = list(zip(starts, starts[1:] + [rows]))
+    bounds = list(zip(starts, starts[1:] + [rows], strict=True))
     rule = split_rule(key)
     ids = None if rule == "dim1" or out is None else _tp_rows(rows, key, tp, rank)
     width = cols // tp if rule == "dim1" else cols
@@ -136,7 +136,7 @@ class SeededInit:
         self.next = index + 1
         return out
 
-    def _normal(self, std: float) -> Callable[[torch.Tensor], None]:
+    def _normal(self, std: float) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: torch.nn.init.normal_(t, 0.0, std, generator=self.gen)
 
     def lora_modules(self) -> list[str]:

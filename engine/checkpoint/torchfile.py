@@ -13,6 +13,7 @@ building the next tensor overlaps writing this one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
@@ -22,12 +23,18 @@ import struct
 import sys
 import threading
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
 from engine.checkpoint.fastcopy import Piece, read_chunks, size_of
+from engine.torch_compat import rebuild_tensor_v2
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 ALIGNMENT = 64
 _STORAGE_TYPES = {torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage", torch.float32: "FloatStorage",
@@ -85,9 +92,9 @@ class LazyTensor:
         self.shape, self.dtype = tuple(shape), dtype
         self.storage = _Storage(key, dtype, int(torch.Size(shape).numel()))
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         stride = torch.empty(self.shape, device="meta").stride()
-        return (torch._utils._rebuild_tensor_v2,
+        return (rebuild_tensor_v2,
                 (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
 
 
@@ -120,7 +127,9 @@ class TorchFileWriter:
         info.file_size = size
         zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
         # local header (30) + name + our padding field (4 + pad) [+ zip64 sizes (20)], then the data
-        start = self.zip.fp.tell() + 30 + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
+        fp = self.zip.fp
+        assert fp is not None  # open for writing until close()
+        start = fp.tell() + 30 + len(info.filename.encode()) + 4 + (20 if zip64 else 0)
         pad = -start % ALIGNMENT
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as PyTorch's writer
         return info, zip64
@@ -169,15 +178,14 @@ class TorchFileWriter:
         self._record(".data/serialization_id", str(random.randrange(10**19, 10**20)).encode())
         self.zip.close()
 
-    def __enter__(self) -> "TorchFileWriter":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return
-        try:
+        with contextlib.suppress(BaseException):  # the producer's own error is the one to report
             self.writer.close()
-        except BaseException:  # noqa: BLE001 - the producer's own error is the one to report
-            pass
         self.zip.close()

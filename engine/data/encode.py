@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.constants import IGNORE_INDEX
 from engine.data.formats import Converter, FormatError, text_fields
 from engine.data.readers import RecordError, parse_record
 from engine.data.templates import (
-    IGNORE_INDEX,
     IM_END,
     ConversationError,
     encode_conversations,

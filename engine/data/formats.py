@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record, unit
 from engine.data.templates import ConversationError, check_conversation

@@ -30,9 +30,9 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -73,9 +73,10 @@ class IndexedDatasetWriter:
         if dtype not in DTYPE_CODES:
             raise ValueError(f"dtype {dtype} has no Megatron dtype code")
         self.prefix, self.dtype = str(prefix), np.dtype(dtype)
-        self._bin = open(self.prefix + ".bin", "wb")
-        self._lengths = open(self.prefix + ".lengths.tmp", "wb")
-        self._docs = open(self.prefix + ".docs.tmp", "wb")
+        # Open for the writer's whole life; finalize() closes them.
+        self._bin = open(self.prefix + ".bin", "wb")  # noqa: SIM115
+        self._lengths = open(self.prefix + ".lengths.tmp", "wb")  # noqa: SIM115
+        self._docs = open(self.prefix + ".docs.tmp", "wb")  # noqa: SIM115
         self.sequences = 0
         self.tokens = 0
         self._docs.write(np.zeros(1, np.int64).tobytes())

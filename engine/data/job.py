@@ -21,17 +21,18 @@ import os
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
+from engine.constants import IGNORE_INDEX
 from engine.data.encode import PAIRWISE_FIELDS, ChunkResult, EncodeConfig, encode_chunk, init_worker
 from engine.data.formats import PAIRWISE_HANDLERS, Converter, handler_format, where
 from engine.data.indexed import INSTRUCTION_FIELDS, IndexedDatasetWriter, boundaries_prefix, instruction_prefix
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
-from engine.data.templates import IGNORE_INDEX
 from engine.data.tokenizer import load_tokenizer
 from engine.runfiles import BadInput, RunDir
 from engine.spec import PreprocessSpec
@@ -192,7 +193,7 @@ class _Sink:
     def _buffer(self, result: ChunkResult) -> None:
         ids, labels = result.fields["input_ids"], result.fields["labels"]
         ends = np.cumsum(result.lengths["input_ids"])
-        for start, end in zip(np.concatenate(([0], ends[:-1])), ends):
+        for start, end in zip(np.concatenate(([0], ends[:-1])), ends, strict=True):
             self.window.append((ids[start:end], labels[start:end]))
         if len(self.window) >= PACK_WINDOW:
             self.flush()

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from engine.runfiles import BadInput
 
@@ -68,8 +69,7 @@ def parse_record(payload: str | dict[str, Any]) -> dict[str, Any]:
 
 def _iter_lines(file: Path) -> Iterator[tuple[int, str]]:
     with open(file, encoding="utf-8", errors="strict") as f:
-        for number, line in enumerate(f, 1):
-            yield number, line
+        yield from enumerate(f, 1)
 
 
 def _json_is_array(file: Path) -> bool:

@@ -13,7 +13,7 @@ run would be, and what a global batch contains does not depend on the DP size.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

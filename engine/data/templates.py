@@ -61,11 +61,13 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from typing import Any, Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from engine.constants import IGNORE_INDEX
+
 TEMPLATES = ("qwen3", "qwen", "hf")
 ThinkingMode = Literal["true", "false", "none"]
 
@@ -335,7 +337,7 @@ def _tokenize_unique(tokenizer: Any, texts: Iterable[str]) -> dict[str, list[int
     """One batched fast-tokenizer call over the distinct pieces (system prompts repeat across a dataset)."""
     unique = list(dict.fromkeys(texts))
     encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
-    return dict(zip(unique, encoded))
+    return dict(zip(unique, encoded, strict=True))
 
 
 # ---------------------------------------------------------------- hf (the tokenizer's chat template)
@@ -372,7 +374,7 @@ def _hf_render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
 
 
-_TURN_END: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_TURN_END: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _hf_turn_end(tokenizer: Any) -> str:
@@ -491,7 +493,8 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: 
     """Prompt ids for generating the next assistant turn (a trailing assistant turn is dropped first)."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)
     msgs = list(messages)
-    if msgs and _ROLE_ALIASES.get(msgs[-1].get("role"), msgs[-1].get("role")) in _RESPONSE_ROLES:
+    role = str(msgs[-1].get("role")) if msgs else ""
+    if msgs and _ROLE_ALIASES.get(role, role) in _RESPONSE_ROLES:
         msgs = msgs[:-1]
     checked = check_conversation(msgs, need_response=False)  # alternation => it now ends with a user/observation turn
     if name == "hf":

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from engine.data.formats import Converter, FormatError
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.eval.sampling import SamplingParams, next_tokens
+from engine.model.qwen3 import Qwen3Model
 
 
 @dataclasses.dataclass
@@ -35,7 +37,7 @@ class DecodeOptions:
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     pad_id: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     use_cache: bool = True
     tp_size: int = 1  # the model's tensor-parallel size: a TP rank holds num_query_groups / TP whole KV groups
 
@@ -89,7 +91,7 @@ class _Stepper:
     def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
         last = hidden[:, -1]  # (B, H)
-        weight = self.model.output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
+        weight = cast(Qwen3Model, self.model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
         if not isinstance(weight, DTensor):
             return _head(last, weight)
         # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the

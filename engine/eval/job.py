@@ -79,7 +79,7 @@ def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: Decod
     for step, (indices, gen) in enumerate(generate(model, cfg, prompts, opts, batch_size)):
         device.synchronize()
         produced += gen.num_generated
-        for i, tokens, reason in zip(indices, gen.tokens, gen.finish_reasons):
+        for i, tokens, reason in zip(indices, gen.tokens, gen.finish_reasons, strict=True):
             records.append({"index": i, "tokens": tokens, "finish_reason": reason})
         done += len(indices)
         elapsed = time.perf_counter() - start
@@ -93,8 +93,7 @@ def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
     target = run.path / PREDICTIONS
     tmp = target.with_name(f".{PREDICTIONS}.tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     os.replace(tmp, target)
     return target
 

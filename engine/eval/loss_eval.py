@@ -14,18 +14,21 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.constants import IGNORE_INDEX
 from engine.data.formats import Converter, FormatError
 from engine.data.indexed import InstructionDataset, instruction_prefix
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record
-from engine.data.templates import IGNORE_INDEX, ConversationError, encode_conversation
+from engine.data.templates import ConversationError, encode_conversation
 from engine.model.loss import chunked_cross_entropy
+from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.runfiles import BadInput, RunDir
 
@@ -94,7 +97,7 @@ def _batch(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torc
 def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> tuple[float, int]:
     hidden = model(batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"],
                    return_hidden=True)
-    loss_sum, tokens = chunked_cross_entropy(hidden, model.output_weight(), batch["targets"], chunk_size)
+    loss_sum, tokens = chunked_cross_entropy(hidden, cast(Qwen3Model, model).output_weight(), batch["targets"], chunk_size)
     return float(loss_sum), int(tokens)
 
 

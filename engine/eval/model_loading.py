@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
 from engine.checkpoint.sharded import fill_parts
 from engine.checkpoint.sources import TensorDict, WeightSource
+from engine.dtypes import DTYPES
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import apply_tensor_parallel
@@ -38,7 +40,6 @@ from engine.train.model_setup import check_against_checkpoint, check_model_kind
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 # Megatron's local linear layers save an ``_extra_state`` entry (None) next to their weights; nothing to load.
 _SKIP_SUFFIXES = ("._extra_state",)

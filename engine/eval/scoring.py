@@ -9,7 +9,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 NormRule = Literal["trim", "case"]
 NORM_RULES: tuple[str, ...] = ("trim", "case")

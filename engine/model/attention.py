@@ -144,10 +144,12 @@ def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     from torch.nn.attention.varlen import varlen_attn  # present: attention_kernel checked
 
     b, nh, t, d = q.shape
+    assert plan.cu_seqlens is not None  # attention_plan sets it for the varlen kernels
     out = varlen_attn(
         _to_tnd(q), _to_tnd(k), _to_tnd(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
         scale=d ** -0.5, window_size=(-1, 0), enable_gqa=k.shape[1] != nh,  # (-1, 0) = causal
     )  # (B*T, nh, d)
+    assert isinstance(out, torch.Tensor)  # return_aux=False: the output alone
     return out.view(b, t, nh, d)
 
 

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+
 QWEN3_VOCAB = 151936
 
 
@@ -102,7 +104,7 @@ class ModelConfig:
         return layers + h + (emb if include_embedding else 0)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         heads = hf["num_attention_heads"]
         return cls(
             num_layers=hf["num_hidden_layers"],
@@ -121,7 +123,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file}: no config.json in the HF model directory")
@@ -134,8 +136,8 @@ class ModelConfig:
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            "bos_token_id": QWEN3_ENDOFTEXT_ID,
+            "eos_token_id": QWEN3_IM_END_ID,
             "head_dim": self.kv_channels,
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
@@ -174,7 +176,7 @@ class ModelConfig:
             "router_aux_loss_coef": self.moe_aux_loss_coeff,
         }
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

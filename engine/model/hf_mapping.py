@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -135,7 +135,7 @@ def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
         bases.append(base)
         base += hf_rows(k)
     ids = rule.fuse(*(torch.arange(b, b + hf_rows(k), dtype=torch.int64).unsqueeze(1)
-                      for b, k in zip(bases, hf_keys)), cfg)
+                      for b, k in zip(bases, hf_keys, strict=True)), cfg)
     ids = shard(ids).reshape(-1)
     runs: list[tuple[str, int, int]] = []
     if ids.numel() == 0:
@@ -145,7 +145,7 @@ def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
         tensor += ids >= b
     cut = (ids[1:] - ids[:-1] != 1) | (tensor[1:] != tensor[:-1])
     breaks = (torch.nonzero(cut).reshape(-1) + 1).tolist()
-    for lo, hi in zip([0] + breaks, breaks + [ids.numel()]):
+    for lo, hi in zip([0] + breaks, breaks + [ids.numel()], strict=True):
         j = int(tensor[lo])
         runs.append((hf_keys[j], int(ids[lo]) - bases[j], int(ids[hi - 1]) + 1 - bases[j]))
     return runs
@@ -190,4 +190,4 @@ def hf_from_native(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None =
 
     for _, key in sorted(enumerate(_part_keys(cfg, layers, embedding, head)), key=order):
         hf_keys, rule = rule_of(key, cfg)
-        yield from zip(hf_keys, rule.split(get(key), cfg))
+        yield from zip(hf_keys, rule.split(get(key), cfg), strict=True)

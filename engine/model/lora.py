@@ -31,7 +31,7 @@ Merging per shard is then exact: W_k + s·B_k A (column) and W_k + s·B A_k (row
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -151,9 +151,23 @@ def merge_lora(
 ) -> torch.Tensor:
     """W + (alpha/r) · B @ A computed in fp32, returned in ``out_dtype`` (default the base dtype): one rounding.
 
-    MindSpeed rounds the product to the base dtype before adding (``lora_merge.merge_lora_rounded`` "mindspeed")."""
+    MindSpeed rounds the product to the base dtype before adding (``merge_lora_rounded`` "mindspeed")."""
     merged = base_weight.float() + (alpha / r) * (lora_b.float() @ lora_a.float())
     return merged.to(out_dtype or base_weight.dtype)
+
+
+MERGE_ROUNDINGS = ("fp32", "mindspeed")
+
+
+def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
+                       rounding: str = "fp32") -> torch.Tensor:
+    """``weight + alpha/r · b @ a`` in the base dtype with ``rounding``: "fp32" (``merge_lora``, one rounding) or
+    MindSpeed's "mindspeed" (see ``engine.checkpoint.lora_merge``'s module docstring)."""
+    if rounding == "mindspeed":  # base + (alpha / r) * matmul(B.float(), A.float()).to(base.dtype), literally
+        return weight + (alpha / r) * torch.matmul(b.float(), a.float()).to(weight.dtype)
+    if rounding != "fp32":
+        raise ValueError(f"lora_merge_rounding: {rounding!r} is not one of {', '.join(MERGE_ROUNDINGS)}")
+    return merge_lora(weight, a, b, alpha, r)
 
 
 @torch.no_grad()

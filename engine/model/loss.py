@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
+from engine.constants import IGNORE_INDEX
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_i CE(h_i @ W^T, y_i) over the given rows, gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight):
         loss, gh, gw = _chunked_loss_and_grads(
             hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight
         )
@@ -30,7 +30,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):  # type: ignore[override]
+    def backward(ctx, grad_loss):
         gh, gw = ctx.saved_tensors
         d_hidden = gh * grad_loss.to(gh.dtype) if ctx.has[0] else None
         d_weight = (gw * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None

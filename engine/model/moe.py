@@ -14,7 +14,7 @@ Experts are stacked so that one grouped matmul runs all of them, and so that exp
 expert count is read from the weight shapes: an EP shard holding E/EP experts runs unchanged on its tokens.
 
 Computation: the (token, choice) pairs are sorted by expert once, each expert's rows are contiguous, and ONE grouped
-matmul per projection runs every local expert (``torch._grouped_mm`` where this torch build and device have it for
+matmul per projection runs every local expert (``torch.nn.functional.grouped_mm`` where this torch build and device have it for
 the dtype; padded ``bmm`` on accelerators without it; on CPU one matmul per non-empty expert, which measured fastest
 there — never a loop over all experts). The routing weight scales each row before ``linear_fc2``; outputs return
 to (token, choice) order and are summed over the k choices without atomics (deterministic).
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.torch_compat import in_backward
 
 
 class StackedWeight(nn.Module):
@@ -59,19 +60,19 @@ class Router(nn.Module):
 
 @functools.cache
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here (it is missing or dtype-limited on some builds and devices); probed
+    """Whether ``torch.nn.functional.grouped_mm`` runs here (it is missing or dtype-limited on some builds and devices); probed
     once per (device type, dtype) on the three products forward and backward use, without autograd (so a probe
     inside an activation-checkpointed forward saves nothing)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(F, "grouped_mm"):
         return False
     try:
         with torch.no_grad():
             x = torch.ones(4, 16, device=device_type, dtype=dtype)
             w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
             offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # forward: rows @ w_e^T
-            dx = torch._grouped_mm(y, w, offs=offs)  # grad of the rows
-            dw = torch._grouped_mm(y.t(), x, offs=offs)  # grad of the stacked weights (E, out, in)
+            y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)  # forward: rows @ w_e^T
+            dx = F.grouped_mm(y, w, offs=offs)  # grad of the rows
+            dw = F.grouped_mm(y.t(), x, offs=offs)  # grad of the stacked weights (E, out, in)
             return bool(torch.isfinite(dx).all() and torch.isfinite(dw).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
@@ -80,7 +81,7 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 def grouped_backend(x: torch.Tensor, *dims: int) -> str:
     """The expert-matmul backend for rows like ``x`` (``dims``: the matmul widths).
 
-    Accelerators: "grouped_mm" where this torch build runs ``torch._grouped_mm`` for the dtype (rows 16-byte
+    Accelerators: "grouped_mm" where this torch build runs ``torch.nn.functional.grouped_mm`` for the dtype (rows 16-byte
     aligned: one kernel, no host sync), else "padded" (one ``bmm`` pair over experts padded to the busiest one, or
     the loop when padding would more than double the rows). CPU: "loop" over the non-empty experts — CPU's
     grouped_mm loops internally too, and the plain loop measured fastest there (bench/moe_step.py:
@@ -104,12 +105,12 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, b
     """
     if backend == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
     if backend != "loop":
         raise ValueError(f"expert matmul backend: unknown {backend!r} (grouped_mm, loop)")
     sizes = counts.tolist()
     # unbind once: indexing weight[e] per expert would give each its own weight-sized zero gradient in backward
-    parts = [chunk @ w.t() for chunk, w, n in zip(torch.split(x, sizes), weight.unbind(0), sizes) if n]
+    parts = [chunk @ w.t() for chunk, w, n in zip(torch.split(x, sizes), weight.unbind(0), sizes, strict=True) if n]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
@@ -162,12 +163,12 @@ class AuxLossScaler(torch.autograd.Function):
     ``aux`` (already multiplied by its coefficient and scale) joins the loss without being added to it."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(aux)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (aux,) = ctx.saved_tensors
         return grad, torch.ones_like(aux)
 
@@ -275,7 +276,7 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _record(self, probs: torch.Tensor, tokens: torch.Tensor, balance: torch.Tensor, keep: torch.Tensor | None,
                 n: int) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return  # activation-checkpoint recompute inside backward: this forward was counted already
         if self.stats is None:
             z = torch.zeros((), device=probs.device)

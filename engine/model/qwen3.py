@@ -219,8 +219,9 @@ class Qwen3Model(nn.Module):
                 gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
             nn.init.normal_(param, 0.0, std, generator=gen)
         for module in self.modules():
-            if hasattr(module, "reset_lora_parameters"):
-                module.reset_lora_parameters()
+            reset = getattr(module, "reset_lora_parameters", None)
+            if callable(reset):
+                reset()
 
 
 def init_std(name: str, ndim: int, cfg: ModelConfig) -> float | None:

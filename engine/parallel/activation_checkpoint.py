@@ -12,11 +12,16 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from engine.torch_compat import checkpoint_wrapper
+
+if TYPE_CHECKING:
+    from engine.model.qwen3 import Qwen3Model
 
 # Outputs of these ops are kept in selective mode; everything else is recomputed.
 _SAVE_OPS = {
@@ -41,7 +46,7 @@ def apply_ac(
     model: nn.Module, granularity: str, method: str | None = None, recompute_num_layers: int | None = None
 ) -> list[int]:
     """Wrap ``model.decoder.layers`` in place; returns the indices (in layer order) that recompute."""
-    layers: nn.ModuleDict = model.decoder.layers  # type: ignore[assignment]
+    layers = cast("Qwen3Model", model).decoder.layers
     keys = list(layers.keys())
     chosen = _layers_to_wrap(len(keys), method if granularity == "full" else None, recompute_num_layers)
     for i in chosen:

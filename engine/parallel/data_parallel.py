@@ -12,10 +12,15 @@ Both shard optimizer state; plain replicated DDP would only add memory on every 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from engine.model.qwen3 import Qwen3Model
 
 
 def apply_fsdp(
@@ -29,7 +34,7 @@ def apply_fsdp(
     Parameters keep their storage dtype (``engine.parallel.precision``: fp32 trainable, a frozen base possibly in
     ``param_dtype`` already); compute sees ``param_dtype`` copies; gradients are reduced and kept in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layers = list(model.decoder.layers.values())
+    layers = list(cast("Qwen3Model", model).decoder.layers.values())
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
         last = i == len(layers) - 1

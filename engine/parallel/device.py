@@ -199,6 +199,6 @@ def init_distributed(
     if device_type == "npu":
         _set_hccl_timeouts(hccl_connect_timeout_s, hccl_exec_timeout_s)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        kwargs = {"device_id": device.torch_device} if device_type != "cpu" else {}
-        dist.init_process_group(backend=device.backend, timeout=timeout, **kwargs)
+        device_id = device.torch_device if device_type != "cpu" else None
+        dist.init_process_group(backend=device.backend, timeout=timeout, device_id=device_id)
     return device

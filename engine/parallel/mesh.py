@@ -29,7 +29,7 @@ class ParallelDims:
         return self.dp * self.pp * self.tp
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> ParallelDims:
         if world_size % (tp * pp):
             raise ValueError(f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size {world_size}")
         return cls(dp=world_size // (tp * pp), pp=pp, tp=tp)

@@ -20,7 +20,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
-from engine.model.loss import IGNORE_INDEX, chunked_cross_entropy
+from engine.constants import IGNORE_INDEX, PAD_ID
+from engine.model.loss import chunked_cross_entropy
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from engine.model.qwen3 import Qwen3Model
 
 WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
 
@@ -55,10 +60,10 @@ def stage_layers(
             raise ValueError(f"{what}: {num_layers} layers cannot be split into stages of {per} layers over PP={pp}")
         counts = [per] * (num_layers // per)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
-def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
+def build_stage_module(model: Qwen3Model, layers: Sequence[int], first: bool, last: bool) -> Qwen3Model:
     """A model part holding ``model``'s own ``layers`` (and the embedding / final norm + head where they belong).
 
     Nothing is copied: the part takes the modules themselves (``model`` is a shell afterwards, normally a meta-built
@@ -74,6 +79,7 @@ def build_stage_module(model: nn.Module, layers: Sequence[int], first: bool, las
         part.output_layer = model.output_layer
         if part.output_layer is None and not first:
             # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
+            assert model.embedding is not None  # the whole model holds the embedding
             weight = model.embedding.word_embeddings.weight
             part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
                                           dtype=weight.dtype)
@@ -105,7 +111,7 @@ def sequence_shard(local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int) -> DT
     """This TP rank's (B, T_k, H) sequence shard as the ``Shard(1)`` DTensor of the (B, seq_len, H) activation; the
     global shape is given explicitly because T need not divide evenly by TP (packed rows)."""
     b, _, h = local.shape
-    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=(b, seq_len, h),
+    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=torch.Size((b, seq_len, h)),
                               stride=(seq_len * h, h, 1))
 
 
@@ -117,7 +123,7 @@ class Pipeline:
     schedule is built per micro-batch shape (``make_schedule``) and kept: with variable sequence lengths the
     trainer pads each step to a bucketed width, so only a few shapes ever occur."""
 
-    parts: list[nn.Module]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
+    parts: list[Qwen3Model]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
     make_schedule: Callable[[], Any]
     is_first: bool
     is_last: bool
@@ -155,14 +161,16 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
+def make_loss_fn(last_part: Qwen3Model | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
                  sequence_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward)."""
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert last_part is not None  # the schedule calls loss_fn on the last stage only
         weight = last_part.output_weight()
         if isinstance(weight, DTensor):
             if sequence_parallel:
+                assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
                 hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
@@ -176,7 +184,7 @@ def make_loss_fn(last_part: nn.Module | None, norm: dict[str, Any], tp_mesh: Dev
 
 
 def build_pipeline(
-    model: nn.Module,
+    model: Qwen3Model,
     pp_mesh: DeviceMesh,
     n_microbatches: int,
     *,
@@ -200,7 +208,7 @@ def build_pipeline(
         )
     stage_ids = list(range(rank, n_stages, pp))
     parts = [build_stage_module(model, layout[s], s == 0, s == n_stages - 1) for s in stage_ids]
-    parts = [parallelize_part(p) for p in parts]
+    parts = [cast("Qwen3Model", parallelize_part(p)) for p in parts]  # FSDP/TP keep the class (a subclass)
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
     device = device or _local(next(iter(parts[0].parameters()))).device
@@ -210,10 +218,11 @@ def build_pipeline(
 
     def make_schedule() -> Any:
         stages = [PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
-                  for part, s in zip(parts, stage_ids)]
+                  for part, s in zip(parts, stage_ids, strict=True)]
         if n_stages == pp:
             return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        # torch annotates the stages as an (invariant) list of its private base class; PipelineStage is one
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)  # type: ignore[arg-type]
 
     return Pipeline(parts, make_schedule, 0 in stage_ids, n_stages - 1 in stage_ids, pp_mesh, norm)
 
@@ -222,11 +231,11 @@ def build_pipeline(
 
 
 def _tied_weights(pipe: Pipeline) -> list[torch.Tensor]:
-    out = []
+    out: list[torch.Tensor] = []
     for part in pipe.parts:
         if part.embedding is not None and part.cfg.tie_word_embeddings:
             out.append(part.embedding.word_embeddings.weight)
-        if _has_copy(part):
+        if part.output_layer is not None and _has_copy(part):
             out.append(part.output_layer.weight)
     return out
 
@@ -242,7 +251,7 @@ def sync_tied_grads(pipe: Pipeline) -> None:
     if len(tied) > 1:
         raise RuntimeError("tied embedding: a rank holds both the embedding and its copy; use PP > 1 stages")
     ref = tied[0] if tied else None
-    if ref is not None and isinstance(ref.grad, DTensor) and ref.grad.placements != ref.placements:
+    if isinstance(ref, DTensor) and isinstance(ref.grad, DTensor) and ref.grad.placements != ref.placements:
         # PyTorch's vocab-parallel embedding backward yields a replicated (full) gradient: take this rank's rows.
         ref.grad = ref.grad.redistribute(placements=ref.placements)
     shape = _local_embedding_shape(pipe, ref)
@@ -279,7 +288,7 @@ def _has_copy(part: nn.Module) -> bool:
 def norm_parameters(parts: Sequence[nn.Module]) -> list[nn.Parameter]:
     """Trainable parameters that count in the global grad norm: all but a tied embedding's last-stage copy
     (Megatron counts the shared embedding once)."""
-    skip = {id(part.output_layer.weight) for part in parts if _has_copy(part)}
+    skip = {id(cast(nn.Linear, part.output_layer).weight) for part in parts if _has_copy(part)}
     return [p for part in parts for p in part.parameters() if p.requires_grad and id(p) not in skip]
 
 
@@ -319,8 +328,8 @@ def dcp_state_view(
             kept = {k: v for k, v in obj.items() if not (mode == "save" and is_copy(k))}
             return {(k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k): rename(v) for k, v in kept.items()}
         if isinstance(obj, list):
-            kept = [v for v in obj if not (mode == "save" and is_copy(v))]
-            return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept]
+            kept_items = [v for v in obj if not (mode == "save" and is_copy(v))]
+            return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept_items]
         return obj
 
     view, restore = dcp_view(rename(state))
@@ -333,7 +342,7 @@ def dcp_state_view(
             names = any(isinstance(o, str) for o in original)
             if names or not isinstance(loaded, list) or len(loaded) != len(original):
                 return original  # FQN lists (param_groups' "params") name this rank's parameters, not the saver's
-            return [merge(o, l) for o, l in zip(original, loaded)]
+            return [merge(o, l) for o, l in zip(original, loaded, strict=True)]
         if isinstance(original, (torch.Tensor, str)):
             return original  # tensors were loaded in place (or restored); FQN strings keep this rank's names
         return loaded
@@ -362,7 +371,7 @@ class PipelineModel(nn.Module):
         self.embedding = next((p.embedding for p in parts if p.embedding is not None), None)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict({k: v for p in parts for k, v in p.decoder.layers.items()})
-        self.decoder.final_layernorm = parts[-1].decoder.final_layernorm
+        self.decoder.register_module("final_layernorm", parts[-1].decoder.final_layernorm)
         self.output_layer = parts[-1].output_layer
         object.__setattr__(self, "pipeline", pipe)
         self.width = width  # the widest micro-batch a step can have; steps pad to a multiple of WIDTH_BUCKET
@@ -371,7 +380,9 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a pipeline rank runs through engine.train.step_runner.PipelineRunner, not forward()")
 
 
-def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tensor, ...]:
+def stack_micro_batches(
+    batches: Sequence[Any], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0.
 
     Padding: token 0, label -100, positions continuing, and (when any micro-batch is packed) the row's last
@@ -383,7 +394,7 @@ def stack_micro_batches(batches: Sequence[Any], width: int) -> tuple[torch.Tenso
         if t > width:
             raise ValueError(f"seq_length: a micro-batch has {t} tokens per row, more than the pipeline width {width}")
         extra = width - t
-        ids.append(F.pad(mb.input_ids, (0, extra), value=0))
+        ids.append(F.pad(mb.input_ids, (0, extra), value=PAD_ID))
         labels.append(F.pad(mb.labels, (0, extra), value=IGNORE_INDEX))
         pos.append(torch.cat([mb.position_ids, mb.position_ids[:, -1:] + torch.arange(1, extra + 1)], dim=1))
         if packed:
@@ -437,7 +448,7 @@ def build_pipeline_model(
     """This rank's stages of ``model`` (split by the spec's PP flags), parallelized and scheduled."""
     dp = mesh["dp"].size()
     pipe = build_pipeline(
-        model, mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
+        cast("Qwen3Model", model), mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
         num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
         device=device,

@@ -29,13 +29,14 @@ where the primitive is missing or wasteful:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -45,11 +46,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from engine.constants import IGNORE_INDEX
 from engine.model.config import ModelConfig
+from engine.torch_compat import StridedShard, colwise_prepare_output_fn
 
-IGNORE_INDEX = -100
+if TYPE_CHECKING:
+    from engine.model.qwen3 import Qwen3Model
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
@@ -68,10 +72,11 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
 def _place(param: torch.Tensor, mesh: DeviceMesh, placement: Placement | str) -> DTensor:
     if placement == "gate_up":
         return _distribute_strided(param.detach(), mesh, dim=0)
+    assert not isinstance(placement, str), placement
     return distribute_tensor(param.detach(), mesh, [placement], src_data_rank=0)
 
 
-def _partition_by_submodule(placements: dict[str, Placement | str]) -> Callable[[str, nn.Module, DeviceMesh], None]:
+def _partition_by_submodule(placements: Mapping[str, Placement | str]) -> Callable[[str, nn.Module, DeviceMesh], None]:
     """partition_fn for ``distribute_module``: the base Linear (name "") and LoRA's ``lora_A`` / ``lora_B``
     sub-Linears each get their own placement (MindSpeed ``lora_moe.py`` sharding of adapters)."""
 
@@ -110,9 +115,9 @@ class ColumnParallel(ColwiseParallel):
     @staticmethod
     def _local_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
         # A strided output (fc1: locally [gate_k | up_k]) is exactly what the MLP's chunk(2) needs: no redistribute.
-        if use_local_output and any(isinstance(p, _StridedShard) for p in outputs.placements):
+        if use_local_output and any(isinstance(p, StridedShard) for p in outputs.placements):
             return outputs.to_local()
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return colwise_prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class RowParallel(RowwiseParallel):
@@ -158,7 +163,7 @@ class VocabParallelEmbedding(ParallelStyle):
         style = self
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
-            local = module.weight.to_local()  # (V/TP, H); its gradient stays this rank's rows
+            local = cast(DTensor, module.weight).to_local()  # (V/TP, H); its gradient stays this rank's rows
             offset = ids - device_mesh.get_local_rank() * local.shape[0]
             outside = (offset < 0) | (offset >= local.shape[0])
             out = F.embedding(offset.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -166,7 +171,7 @@ class VocabParallelEmbedding(ParallelStyle):
             out = out.redistribute(placements=[style.output_layout])
             return out.to_local() if style.use_local_output else out
 
-        module.forward = forward
+        module.forward = forward  # type: ignore[method-assign, assignment]  # this instance's forward, on purpose
         return module
 
 
@@ -175,7 +180,7 @@ def _distribute_strided(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTens
     n, k = mesh.size(), mesh.get_local_rank()
     halves = full.chunk(2, dim=dim)
     local = torch.cat([h.chunk(n, dim=dim)[k] for h in halves], dim=dim).contiguous()
-    placements = [_StridedShard(dim, split_factor=2)]
+    placements = [StridedShard(dim, split_factor=2)]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
@@ -196,7 +201,8 @@ class _Replicated(ParallelStyle):
         def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return out.to_local() if isinstance(out, DTensor) else out
 
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
+        # torch annotates output_fn as returning None, but distribute_module returns its result from a forward hook
+        return distribute_module(module, device_mesh, partition, inputs, outputs)  # type: ignore[arg-type]
 
 
 def _is_plain(x: Any) -> bool:
@@ -242,10 +248,11 @@ def top_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
     """Shard ``model`` (a whole ``Qwen3Model`` or a pipeline stage of it) over the 1-D ``tp_mesh`` in place."""
-    check_tensor_parallel(model.cfg, tp_mesh.size())
+    qwen = cast("Qwen3Model", model)
+    check_tensor_parallel(qwen.cfg, tp_mesh.size())
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
-    for layer in model.decoder.layers.values():
+    for layer in qwen.decoder.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
     # SequenceParallel re-creates parameters with requires_grad=True (measured trap): restore the frozen set.
     for name, p in model.named_parameters():
@@ -300,6 +307,7 @@ def vocab_parallel_cross_entropy(
     a time, and only labelled rows reach the head: ``rows`` (flat positions with a label, e.g. the batch's
     host-computed ``loss_index``) or, if not given, found here (one host sync). ``loss_sum`` is identical on every
     TP rank."""
+    weight = cast(DTensor, weight)
     mesh = weight.device_mesh
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()])
@@ -338,9 +346,9 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
     def convert(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: convert(v) for k, v in value.items()}
-        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
-            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
-            copy = value.detach().redistribute(placements=plain)
+        if isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
+            copy = cast(DTensor, value.detach()).redistribute(placements=plain)
             pairs.append((value, copy))
             return copy
         return value

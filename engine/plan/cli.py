@@ -26,7 +26,7 @@ from engine.spec import first_error
 _TORCHRUN_VALUE_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
                          "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
                          "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
-_PLACEHOLDERS = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
+_PLACEHOLDERS: dict[str, dict[str, Any]] = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
                  "eval": {"load": "unused-by-plan", "eval_data_path": "unused-by-plan"}}
 
 
@@ -90,7 +90,7 @@ def table(plan: MemoryPlan) -> str:
                      f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm),
                      _mib(r.optimizer_step), _mib(r.total_bytes)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     cfg, lay = plan.cfg, plan.layout
     lines.insert(0, f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
                     f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "

@@ -82,7 +82,7 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
     import torch.distributed as dist
 
     from engine.runfiles import RunDir
-    from engine.spec import load_spec_file
+    from engine.spec import TrainSpec, load_spec_file
     from engine.train.job import run
 
     rank = int(os.environ.get("RANK", "0"))
@@ -91,6 +91,8 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
         dist.all_reduce(torch.ones(1024))
     warm_up()
     spec = load_spec_file(spec_path)
+    if not isinstance(spec, TrainSpec):
+        raise TypeError(f"{spec_path}: measuring needs a train spec, not {type(spec).__name__}")
     gc.collect()
     baseline, io_before = status_bytes("VmRSS"), io_counters()
     start = {"rank": rank, "pid": os.getpid(), "baseline_bytes": baseline,

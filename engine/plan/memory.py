@@ -135,7 +135,7 @@ def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
         per = lay.layers_per_virtual_stage or cfg.num_layers // lay.pp
         counts = [per] * (cfg.num_layers // per)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> int:

@@ -17,6 +17,7 @@ import json
 import pickle
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def _mcore_args(root: Path) -> argparse.Namespace | None:
 
 
 def _from_mcore_args(args: argparse.Namespace) -> ModelConfig | None:
-    get = vars(args).get
+    get: Callable[[str], Any] = vars(args).get
     if not all(get(k) for k in ("num_layers", "hidden_size", "num_attention_heads")):
         return None
     heads = get("num_attention_heads")

@@ -13,13 +13,12 @@ trainer gathers those hidden states without a device->host sync (boolean masking
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-PAD_ID = 0  # never attended to (right padding, causal mask) and never in the loss
+from engine.constants import IGNORE_INDEX, PAD_ID
 
 
 @dataclasses.dataclass
@@ -49,15 +48,15 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_index.numel())
 
-    def to(self, device: torch.device) -> "MicroBatch":
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+    def to(self, device: torch.device) -> MicroBatch:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
         return dataclasses.replace(
             self,
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
-            segment_ids=move(self.segment_ids),
+            segment_ids=None if self.segment_ids is None else move(self.segment_ids),
             labels=move(self.labels),
             loss_index=move(self.loss_index),
             loss_labels=move(self.loss_labels),

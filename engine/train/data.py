@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -78,7 +78,7 @@ class _Source:
             return [Sample(ids, ids)]
         row = self.instruction[i]  # type: ignore[index]
         starts = np.concatenate(([0], row.boundaries[:-1]))
-        return [Sample(row.input_ids[s:e], row.labels[s:e]) for s, e in zip(starts, row.boundaries)]
+        return [Sample(row.input_ids[s:e], row.labels[s:e]) for s, e in zip(starts, row.boundaries, strict=True)]
 
 
 def check_data_paths(paths: Sequence[str]) -> None:
@@ -122,7 +122,7 @@ class TrainData:
         self.order = DistributedSampler(self.num_samples, micro_batch_size=1, seed=self.seed)
 
     @classmethod
-    def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int) -> "TrainData":
+    def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int) -> TrainData:
         """The training share (samples of at most ``seq_length`` tokens; see ``_Source``)."""
         check_data_paths(paths)
         sources = [_Source(p, seq_length) for p in paths]
@@ -132,7 +132,7 @@ class TrainData:
             raise BadInput(f"data_path: {total} samples and split {split!r} leave no training sample", "data_path")
         return cls(sources, n, seed)
 
-    def validation(self, split: str) -> "TrainData | None":
+    def validation(self, split: str) -> TrainData | None:
         """The validation share that follows the training one (same datasets); None when the split leaves none."""
         total = sum(len(s) for s in self.sources)
         train, valid = split_counts(total, split)

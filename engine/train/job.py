@@ -191,6 +191,7 @@ class Trainer:
             log.info("resumed from %s at iteration %d", plan.resume_from, self.state.iteration)
             return str(plan.resume_from)
         if plan.loaded is not None and plan.loaded.format == "native":
+            assert spec.load is not None and plan.loaded.meta is not None  # a native load always has both
             keep_going = not spec.finetune
             optimizer = self.optimizer if keep_going and not spec.no_load_optim else None
             meta = dcp.load(spec.load, self.model, optimizer, trainable_only=bool(plan.loaded.meta.get("trainable_only")),

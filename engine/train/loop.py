@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from engine.torch_compat import foreach_mul_
 from engine.train.batches import MicroBatch
 from engine.train.metrics import StepRecord
 from engine.train.optim import LossScaler, clip_grads
@@ -63,7 +64,7 @@ def train_step(
     denominator = counts[0].clamp(min=1.0)
     losses = runner.forward_backward(batches, denominator, scaler.scale)
     if scaler.scale != 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
+        foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
     grad_norm = runner.grad_norm()
     skipped = not bool(torch.isfinite(grad_norm))  # the one host sync of the step
     if not skipped:

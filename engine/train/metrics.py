@@ -95,8 +95,8 @@ class MetricsLogger:
             numbers.append(flat[:len(part)])
             flat = flat[len(part):]
         memory = self._gather_memory()
-        rows = [{**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:]))} for r, n in zip(recs, numbers)]
-        for rec, row in zip(recs, rows):
+        rows = [{**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:], strict=True))} for r, n in zip(recs, numbers, strict=True)]
+        for rec, row in zip(recs, rows, strict=True):
             self.run.metric(rec.iteration, row, rank_metrics=memory)
             self._tensorboard(rec, row)
         self.last = rows[-1]
@@ -117,7 +117,7 @@ class MetricsLogger:
         tokens_per_s = real_tokens / seconds
         self.tokens_per_s.append(tokens_per_s)
         mean_len = sum_sq_len / max(real_tokens, 1)  # attention term of packed samples: sum L^2 / sum L
-        flops = flops_per_token(self.cfg, int(round(mean_len)), causal=False, lora=self.lora) * real_tokens
+        flops = flops_per_token(self.cfg, round(mean_len), causal=False, lora=self.lora) * real_tokens
         tflops = flops / seconds / self.world / 1e12
         return {
             "iteration": rec.iteration,
@@ -144,7 +144,7 @@ class MetricsLogger:
         mine = torch.tensor([stats[n] for n in names], dtype=torch.float64, device=self.device.torch_device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine)
-        return {r: dict(zip(names, t.cpu().tolist())) for r, t in enumerate(every)}
+        return {r: dict(zip(names, t.cpu().tolist(), strict=True)) for r, t in enumerate(every)}
 
     def _tensorboard(self, rec: StepRecord, row: dict[str, Any]) -> None:
         if self.tb is None:

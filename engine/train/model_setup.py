@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -220,7 +221,7 @@ def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch
     if mesh["pp"].size() > 1:
         model = build_pipeline_model(model, mesh, spec, global_batch_size, seq_length,
                                      lambda part: parallelize(part, mesh, spec), device=device)
-        parts = list(model.pipeline.parts)
+        parts: list[torch.nn.Module] = list(model.pipeline.parts)
     else:
         model = parallelize(model, mesh, spec)
         parts = [model]

@@ -8,7 +8,8 @@ after ``hysteresis`` overflowing iterations, double it after ``loss_scale_window
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Trainable parameters split into decayed (matrices) and not decayed (biases, norms)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -177,7 +177,9 @@ class PipelineRunner:
         """The sum over micro-batches of (token loss / normaliser): the last stage's, zeros elsewhere."""
         longest = max(mb.input_ids.shape[1] for mb in batches)
         width = min(self.module.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few shapes -> few schedules
-        ids, labels, pos, seg = (None if t is None else t.to(self.device) for t in stack_micro_batches(batches, width))
+        ids, labels, pos, seg = stack_micro_batches(batches, width)
+        ids, labels, pos = ids.to(self.device), labels.to(self.device), pos.to(self.device)
+        seg = None if seg is None else seg.to(self.device)
         out = self.pipeline.step(ids, labels, pos, seg, normaliser, train=train)
         return out.to(self.device, torch.float32)
 

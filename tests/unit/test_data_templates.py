@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
+from engine.constants import IGNORE_INDEX
 from engine.data.templates import (
     EMPTY_THOUGHT,
-    IGNORE_INDEX,
     ConversationError,
     encode_conversation,
     encode_conversations,

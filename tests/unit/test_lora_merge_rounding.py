@@ -15,8 +15,8 @@ import torch
 from convert_tiny import read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
-from engine.checkpoint.lora_merge import merge_lora_rounded
 from engine.checkpoint.megatron import save_mcore
+from engine.model.lora import merge_lora_rounded
 from engine.runfiles import RunDir
 from engine.spec import ConvertSpec
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine.constants import IGNORE_INDEX  # noqa: E402
 from engine.model.config import preset  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
 from engine.parallel.activation_checkpoint import apply_ac  # noqa: E402
-from engine.train.batches import IGNORE_INDEX, Sample, collate, pack, pad  # noqa: E402
+from engine.train.batches import Sample, collate, pack, pad  # noqa: E402
 from engine.train.data import TrainData, rank_micro_batches  # noqa: E402
 from engine.train.step_runner import micro_batch_loss  # noqa: E402
 from train_support import write_instruction_data  # noqa: E402

@@ -1,0 +1,13 @@
+"""Token and label constants every engine stage shares, defined once so data, training, evaluation and conversion
+cannot drift apart. Torch-free: the data pipeline and the planner import it without loading torch (torch dtype
+names live in ``engine.dtypes``).
+"""
+
+from __future__ import annotations
+
+IGNORE_INDEX = -100  # label of a token not in the loss (torch's cross_entropy default ignore_index)
+PAD_ID = 0  # input id of right padding: never attended to (causal mask) and never in the loss
+
+# Qwen3 tokenizer ids written into the config.json / generation_config.json we export.
+QWEN3_ENDOFTEXT_ID = 151643  # <|endoftext|>: bos, pad
+QWEN3_IM_END_ID = 151645  # <|im_end|>: end of a chat turn
