@@ -117,7 +117,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_method_std=hf.get("initializer_range", 0.02),
-            **_moe_from_hf(hf),
+            **moe_from_hf(hf),
         )
 
     @classmethod
@@ -178,7 +178,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig MoE fields from a Qwen3-MoE ``config.json`` (empty for a dense one)."""
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes num_local_experts
     if not experts:
