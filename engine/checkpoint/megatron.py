@@ -35,7 +35,7 @@ from engine.checkpoint.fastcopy import MergedRows
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
-from engine.model.config import ModelConfig, moe_from_hf
+from engine.model.config import ModelConfig, moe_from_args
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys
 from engine.runfiles import BadInput
@@ -429,7 +429,7 @@ class MegatronCheckpoint:
             d = shape(pre + "self_attention.q_layernorm.weight")[0]
             heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
             groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
-            moe = _moe_fields(a, len(self.base.layer_at))
+            moe = moe_from_args(a, len(self.base.layer_at))
             freq = moe.get("moe_layer_freq")
             if moe and (freq == 1 or isinstance(freq, tuple) and freq[layer]):  # the probed layer is MoE
                 ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] // 2)
@@ -645,19 +645,6 @@ def _chunks(raw: Mapping[str, Any], path: Path) -> dict[str, dict[str, torch.Ten
     if not names:
         raise BadInput(f"{path}: no 'model' entry (keys: {', '.join(map(str, raw))})", field="load_dir")
     return {n: from_mindspeed_keys({k: v for k, v in raw[n].items() if hasattr(v, "read_rows")}) for n in names}
-
-
-def _moe_fields(args: Any, num_layers: int) -> dict[str, Any]:
-    """ModelConfig MoE fields from a checkpoint's args (ours carry the HF MoE attributes, ``build_args``), or
-    Megatron's own ``num_experts``/``moe_router_topk``/``moe_ffn_hidden_size``/``moe_layer_freq``; {} when dense."""
-    a = dict(getattr(args, "__dict__", None) or {})  # a checkpoint may carry no args at all
-    if not (a.get("num_experts") or a.get("num_local_experts")):
-        return {}
-    hf = {"num_hidden_layers": num_layers, **a}
-    hf.setdefault("num_experts_per_tok", a.get("moe_router_topk"))
-    hf.setdefault("moe_intermediate_size", a.get("moe_ffn_hidden_size"))
-    hf.setdefault("router_aux_loss_coef", a.get("moe_aux_loss_coeff") or 0.0)
-    return moe_from_hf(hf)
 
 
 def _layer_count(tensors: Mapping[str, torch.Tensor]) -> int:

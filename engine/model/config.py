@@ -196,6 +196,22 @@ def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
+    """ModelConfig MoE fields from a Megatron checkpoint's ``args`` (ours carry the HF MoE attributes,
+    ``engine.checkpoint.megatron.build_args``; Megatron's own ``num_experts``/``moe_router_topk``/
+    ``moe_ffn_hidden_size``/``moe_aux_loss_coeff`` are read too); {} for a dense model or no args."""
+    a = dict(getattr(args, "__dict__", None) or {})
+    if not (a.get("num_experts") or a.get("num_local_experts")):
+        return {}
+    hf = {"num_hidden_layers": num_layers, **a}
+    for hf_name, megatron_name in (("num_experts_per_tok", "moe_router_topk"),
+                                   ("moe_intermediate_size", "moe_ffn_hidden_size"),
+                                   ("router_aux_loss_coef", "moe_aux_loss_coeff")):
+        if hf.get(hf_name) is None and a.get(megatron_name) is not None:
+            hf[hf_name] = a[megatron_name]
+    return moe_from_hf(hf)
+
+
 def moe_fields_from_flags(spec: Any, base: ModelConfig | None = None) -> dict[str, Any]:
     """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.spec.ModelArgs``), to pass to
     ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
