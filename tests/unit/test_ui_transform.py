@@ -100,3 +100,17 @@ def test_flat_charts_detected_and_export_covers_the_zoomed_range() -> None:
     assert points[0][3] == pytest.approx((0.25 * 5 + 0.5 * 4) / 0.75)  # the smoothed value rides along
     lines = got["csv"].splitlines()
     assert lines[0] == "series,run,step,x,value,smoothed" and lines[1].startswith('"lm_loss, run a",a,2,2,4,')
+
+
+def test_moe_metrics_chart_next_to_the_loss() -> None:
+    """An MoE run's load_balancing_loss shares the Loss chart; per-layer expert imbalance shares one chart."""
+    got = _run(f"""
+        const {{MAIN}} = await import("{(UI_JS / "chart_groups.js").as_uri()}");
+        const names = ["lm_loss", "val_lm_loss", "load_balancing_loss", "loss_scale", "expert_load_imbalance_max",
+                       "expert_load_imbalance_layer_3", "grad_norm", "dropped_token_fraction"];
+        console.log(JSON.stringify(Object.fromEntries(names.map((n) => [n, (MAIN.find((g) => g.match(n)) || {{}}).title ?? null]))));
+    """)
+    assert got == {"lm_loss": "Loss", "val_lm_loss": "Loss", "load_balancing_loss": "Loss", "loss_scale": None,
+                   "expert_load_imbalance_max": "Expert load imbalance",
+                   "expert_load_imbalance_layer_3": "Expert load imbalance", "grad_norm": "Grad norm",
+                   "dropped_token_fraction": None}
