@@ -86,6 +86,13 @@ def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: py
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)
     assert hf.config.num_experts_per_tok == 2 and hf.config.mlp_only_layers == [1]
+    # the final mcore export reads back with the same shape and weights (what convert / eval load)
+    from engine.train.model_setup import open_load
+
+    mcore = open_load(outputs["checkpoint"])
+    assert mcore.format == "mcore" and mcore.config == cfg
+    state = ours.state_dict()
+    assert all(torch.equal(mcore.source.get_native(k), state[k]) for k in state)  # type: ignore[union-attr]
 
 
 def _hf_moe_dir(path: Path) -> Path:
