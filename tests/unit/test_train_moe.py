@@ -191,3 +191,17 @@ def test_moe_hf_mcore_hf_round_trip_is_exact(tmp_path: Path) -> None:
     assert set(back.keys()) == set(names)
     assert all(torch.equal(back.get(k), original.get(k)) for k in names)
     assert Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").config.num_experts == 4
+
+
+@pytest.mark.slow
+def test_moe_data_parallel_equals_one_process(data: str, tmp_path: Path) -> None:
+    """DP 2 (FSDP shards the stacked experts on dim 0; router figures summed over DP) = one process, step for step."""
+    from train_support import run_train
+
+    spec = tiny_spec(data, **MOE_FLAGS, train_iters=2)
+    run_train(spec, tmp_path / "one", 1)
+    run_train({**spec, "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
+    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    for a, b in zip(one, two):
+        for key in ("lm_loss", "grad_norm", "load_balancing_loss", "expert_load_imbalance_layer_0"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
