@@ -59,13 +59,13 @@ def train_step(
     clip_grad: float,
     router: RouterTracker | None = None,
 ) -> StepRecord:
-    """``router``: the model's MoE layers (their aux loss weighs per token as the LM loss; figures reported)."""
+    """``router``: the model's MoE layers (their aux loss is weighted per routed token; figures reported)."""
     start = time.perf_counter()
     params = [p for p in runner.module.parameters() if p.requires_grad]
     counts = _global_counts(batches, runner)
     denominator = counts[0].clamp(min=1.0)
-    if router:
-        router.set_token_weight(scaler.scale / denominator)
+    if router:  # per routed token 1 / (global real tokens): the objective is lm_loss + coeff × sum_layers balance
+        router.set_token_weight(scaler.scale / counts[1].clamp(min=1.0))
     losses = runner.forward_backward(batches, denominator, scaler.scale)
     if scaler.scale != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)

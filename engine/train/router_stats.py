@@ -3,11 +3,13 @@
 The load-balancing loss reaches the gradient inside the model (``engine.model.moe``: each MoE layer attaches
 ``coeff × switch loss`` to its output with Megatron's ``MoEAuxLossAutoScaler``), so it is differentiated wherever the
 LM loss is — under activation recompute too — and the LM loss the runner returns stays the LM loss. The trainer only
-sets how much one routed token's aux loss weighs (``loss_scale / global labelled tokens``, as the LM loss per token)
-and reports, per step: ``load_balancing_loss`` (Megatron's logged value: the switch loss without its coefficient,
-mean over MoE layers and micro-batches, 1.0 when perfectly balanced), ``expert_load_imbalance_max`` and
-``expert_load_imbalance_layer_<i>`` (max / mean tokens per expert of MoE layer i over the global batch, 1.0 = even)
-and ``dropped_token_fraction`` (capacity dropping). The per-layer counts are summed over DP ranks with one small
+sets how much one routed token's aux loss weighs: ``loss_scale / global real tokens``, so each micro-batch's aux loss
+counts in proportion to its tokens and the step differentiates ``lm_loss + coeff × sum over MoE layers of the
+(token-weighted mean) switch loss`` (transformers' ``loss + router_aux_loss_coef × aux_loss`` shape), whatever the
+share of labelled tokens or the micro-batch split. It reports, per step: ``load_balancing_loss`` (Megatron's logged
+value: the switch loss without its coefficient, mean over MoE layers and micro-batches, 1.0 when perfectly
+balanced), ``expert_load_imbalance_max`` and ``expert_load_imbalance_layer_<i>`` (max / mean tokens per expert of MoE
+layer i over the global batch, 1.0 = even) and ``dropped_token_fraction`` (capacity dropping). The per-layer counts are summed over DP ranks with one small
 all-reduce per step; the numbers are read on the host only at the metrics flush.
 """
 

@@ -205,3 +205,33 @@ def test_moe_data_parallel_equals_one_process(data: str, tmp_path: Path) -> None
     for a, b in zip(one, two):
         for key in ("lm_loss", "grad_norm", "load_balancing_loss", "expert_load_imbalance_layer_0"):
             assert b[key] == pytest.approx(a[key], rel=1e-4), key
+
+
+def test_moe_step_gradient_is_lm_loss_plus_coeff_times_balance(data: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1's gradient norm = that of lm_loss + coeff × sum over MoE layers of the switch loss, computed here from
+    the router logits (one packed micro-batch; the model's own aux attachment switched off)."""
+    from engine.model.moe import switch_balance_loss
+
+    spec = tiny_spec(data, **{**MOE_FLAGS, "moe_aux_loss_coeff": 0.5}, train_iters=1, micro_batch_size=2,
+                     global_batch_size=2)
+    _, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
+    (mb,) = first
+    cfg = job.plan_run(parse_spec(spec), RunDir(tmp_path / "plan")).cfg
+    ref = Qwen3Model(cfg.replace(moe_aux_loss_coeff=0.0))
+    ref.init_weights(spec["seed"])
+    logits: list[torch.Tensor] = []
+    for layer in ref.decoder.layers.values():
+        if hasattr(layer.mlp, "router"):
+            layer.mlp.router.register_forward_hook(lambda m, args, out: logits.append(out))
+    ref.train()
+    objective = micro_batch_loss(ref, mb, 1024) / mb.num_loss_tokens
+    for z in logits:
+        probs = torch.softmax(z.float(), dim=-1)
+        top = torch.topk(probs, cfg.moe_router_topk, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(top, minlength=cfg.num_experts or 0).float()
+        objective = objective + 0.5 * switch_balance_loss(probs.sum(0), counts, z.shape[0], cfg.moe_router_topk)
+    assert len(logits) == 1 and logits[0].shape[0] == mb.num_tokens  # packed: every routed token is real
+    objective.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters()))
+    assert metric_rows(tmp_path / "run")[0]["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
