@@ -117,12 +117,15 @@ class MergedRows:
         self.refs, self.rule, self.tp = refs, rule, len(refs)
         first = refs[0]
         self.flat = len(first.shape) <= 1  # a norm vector: one "row" holding all of it
-        self.local = 1 if self.flat else first.shape[0]
+        # stacked MoE experts (E, rows, H), never TP-split: rows are the (expert, row) pairs, in order
+        self.shape = tuple(first.shape[:-1]) if len(first.shape) > 2 else None
+        self.per_row = first.shape[1] if self.shape else 1  # storage rows of dim 0 per row here
+        self.local = 1 if self.flat else first.shape[0] * self.per_row
         whole = self.local * (self.tp if rule in ("dim0", "glu") and not self.flat else 1)
         self.rows = whole if rows is None else min(rows, whole)
 
     def _piece(self, ref: Any, start: int, stop: int) -> Segment:
-        size = ref.nbytes if self.flat else ref.row_bytes
+        size = ref.nbytes if self.flat else ref.row_bytes // self.per_row
         return (ref.file.fd, ref.offset + start * size, (stop - start) * size)
 
     def segments(self, start: int, stop: int) -> list[Piece]:
@@ -158,7 +161,9 @@ class RowPlan:
         base = self.next
         self.bases.append((base, src))
         self.next += src.rows
-        return torch.arange(base, base + src.rows, dtype=torch.int64).unsqueeze(1)
+        ids = torch.arange(base, base + src.rows, dtype=torch.int64).unsqueeze(1)
+        shape = getattr(src, "shape", None)  # stacked experts: (E, rows, 1), as the mapping splits them
+        return ids.view(*shape, 1) if shape else ids
 
     def segments(self, rows: torch.Tensor) -> list[Piece]:
         ids = rows.reshape(-1)

@@ -65,7 +65,8 @@ class HFCheckpoint:
         self._handles: dict[str, SafetensorsFile] = {}
         self._files = self._weight_map()
         self._refs: dict[str, TensorRef] = {}
-        self._plans: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # layer 0's row runs
+        self._plans: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # one layer's row runs
+        self._shapes = native_shapes(self.config)
         self._check()
 
     def _weight_map(self) -> dict[str, str]:
@@ -133,7 +134,8 @@ class HFCheckpoint:
         for hf_key, start, stop in runs:
             self._ref(hf_key).read_rows(start, stop, out[at:at + stop - start])
             at += stop - start
-        return out
+        shape = self._shapes.get(key)
+        return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
@@ -162,15 +164,17 @@ class HFCheckpoint:
         if parsed is None:
             return native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
                                    lambda ids: shard(ids, split_rule(key), tp, rank))
-        # Every layer has the same rows: plan layer 0's once per (tensor, TP rank), rename for layer i.
+        # Every layer with this tensor has the same rows: plan the first one's once per (tensor, TP rank), rename
+        # for layer i.
         layer, suffix = parsed
         cached = self._plans.get((suffix, tp, rank))
         if cached is None:
-            cached = self._plans[(suffix, tp, rank)] = self._runs(f"decoder.layers.0.{suffix}", tp, rank) \
-                if layer != 0 else native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
-                                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+            planned = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
+                                      lambda ids: shard(ids, split_rule(key), tp, rank))
+            cached = self._plans[(suffix, tp, rank)] = [
+                (hf_key.removeprefix(f"model.layers.{layer}."), a, b) for hf_key, a, b in planned]
         prefix = f"model.layers.{layer}."
-        return [(prefix + hf_key.removeprefix("model.layers.0."), a, b) for hf_key, a, b in cached]
+        return [(prefix + hf_key, a, b) for hf_key, a, b in cached]
 
     def _segment(self, hf_key: str, start: int, stop: int) -> Segment:
         ref = self._ref(hf_key)

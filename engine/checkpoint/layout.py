@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import native_keys
+from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, layer_rules, native_keys
 
 Rule = Literal["rep", "dim0", "dim1", "glu"]
 
@@ -45,6 +45,8 @@ def split_rule(key: str) -> Rule:
         if ab == "A":
             return "rep" if column else "dim1"
         return ("glu" if module.endswith("linear_fc1") else "dim0") if column else "rep"
+    if ".mlp.experts." in key or key.endswith(".mlp.router.weight"):
+        return "rep"  # MoE router and stacked experts: not TP-split here (an MoE model trains with TP 1)
     if key in (EMBEDDING, OUTPUT) or key.endswith("linear_qkv.weight"):
         return "dim0"
     if key.endswith("linear_fc1.weight"):
@@ -91,6 +93,9 @@ def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc1.weight": (2 * cfg.ffn_hidden_size, h),
         "mlp.linear_fc2.weight": (h, cfg.ffn_hidden_size),
     }
+    if cfg.is_moe:
+        e, f = cfg.num_experts or 0, cfg.expert_ffn_hidden_size
+        per_layer.update({ROUTER: (e, h), EXPERT_FC1: (e, 2 * f, h), EXPERT_FC2: (e, h, f)})
     shapes: dict[str, tuple[int, ...]] = {}
     for key in native_keys(cfg):
         m = _LAYER_RE.match(key)
@@ -112,7 +117,9 @@ def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError naming the first quantity ``tp`` does not divide."""
+    """Raise ValueError naming the first quantity ``tp`` does not divide (or an MoE model cut by TP)."""
+    if cfg.is_moe and tp > 1:
+        raise ValueError(f"target TP {tp}: MoE checkpoints are written with TP 1 (experts are not TP-split here)")
     for name, value in (
         ("num_query_groups (KV heads)", cfg.num_query_groups),
         ("num_attention_heads", cfg.num_attention_heads),
@@ -169,9 +176,8 @@ def chunk_keys(cfg: ModelConfig, chunk: Chunk, pp: int) -> list[tuple[str, str]]
     pairs: list[tuple[str, str]] = []
     if chunk.first:
         pairs.append((EMBEDDING, EMBEDDING))
-    suffixes = [k.split(".", 3)[3] for k in native_keys(cfg.replace(num_layers=1)) if k.startswith("decoder.layers.0.")]
     for local, layer in enumerate(chunk.layers):
-        pairs += [(f"decoder.layers.{local}.{s}", f"decoder.layers.{layer}.{s}") for s in suffixes]
+        pairs += [(f"decoder.layers.{local}.{s}", f"decoder.layers.{layer}.{s}") for s in layer_rules(cfg, layer)]
     if chunk.last:
         pairs.append((FINAL_NORM, FINAL_NORM))
         if not cfg.tie_word_embeddings:

@@ -51,7 +51,7 @@ from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_me
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.dtypes import DTYPE_NAMES
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, moe_from_args
 from engine.model.hf_mapping import native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
 from engine.runfiles import BadInput
@@ -456,7 +456,12 @@ class MegatronCheckpoint:
             d = shape(pre + "self_attention.q_layernorm.weight")[0]
             heads = shape(pre + "self_attention.linear_proj.weight")[1] * tp // d
             groups = (shape(pre + "self_attention.linear_qkv.weight")[0] * tp // d - heads) // 2
-            ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
+            moe = moe_from_args(a, len(self.base.layer_at))
+            freq = moe.get("moe_layer_freq")
+            if moe and (freq == 1 or isinstance(freq, tuple) and freq[layer]):  # the probed layer is MoE
+                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] // 2)
+            else:
+                ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
             raise BadInput(f"{self.base.rank_file(t, self.base.layer_at[layer][0])}: tensor {err.args[0]} is "
                            f"missing: not a Qwen3 "
@@ -481,6 +486,7 @@ class MegatronCheckpoint:
             rotary_base=float(pick("rotary_base", 1e6)),
             max_position_embeddings=int(pick("max_position_embeddings", 40960)),
             init_method_std=float(pick("init_method_std", 0.02)),
+            **moe,
         )
         for field in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(a, field, None) not in (None, getattr(cfg, field)):

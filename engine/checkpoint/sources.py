@@ -162,21 +162,23 @@ class SeededLoraInit:
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         module, _, which = key.removesuffix(".weight").rpartition(".lora_")
-        out_rows, in_cols = self.shapes[module + ".weight"]
+        *experts, out_rows, _ = self.shapes[module + ".weight"]  # stacked MoE experts: one adapter per expert
         if which == "B":
-            full = torch.zeros(out_rows, self.r)
+            full = torch.zeros(*experts, out_rows, self.r)
             return shard(full, split_rule(key), tp, rank)
         index = self.modules.index(module)
         if index < self.next:
             self._restart()
         for skipped in self.modules[self.next:index]:
-            self._uniform(self.shapes[skipped + ".weight"][1])
+            self._uniform(self.shapes[skipped + ".weight"])
         self.next = index + 1
-        return shard(self._uniform(in_cols), split_rule(key), tp, rank).contiguous()
+        return shard(self._uniform(self.shapes[module + ".weight"]), split_rule(key), tp, rank).contiguous()
 
-    def _uniform(self, in_features: int) -> torch.Tensor:
+    def _uniform(self, weight_shape: tuple[int, ...]) -> torch.Tensor:
+        """A of a weight of ``weight_shape`` ((out, in), or (E, out, in) for stacked experts: drawn in one go)."""
+        *experts, _, in_features = weight_shape
         bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default (kaiming-uniform, a=sqrt(5)), as PEFT
-        return torch.empty(self.r, in_features).uniform_(-bound, bound, generator=self.gen)
+        return torch.empty(*experts, self.r, in_features).uniform_(-bound, bound, generator=self.gen)
 
     def lora_modules(self) -> list[str]:
         return list(self.modules)

@@ -119,7 +119,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_method_std=hf.get("initializer_range", 0.02),
-            **_moe_from_hf(hf),
+            **moe_from_hf(hf),
         )
 
     @classmethod
@@ -180,7 +180,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig MoE fields from a Qwen3-MoE ``config.json`` (empty for a dense one)."""
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes num_local_experts
     if not experts:
@@ -196,6 +196,22 @@ def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
     }
+
+
+def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
+    """ModelConfig MoE fields from a Megatron checkpoint's ``args`` (ours carry the HF MoE attributes,
+    ``engine.checkpoint.megatron.build_args``; Megatron's own ``num_experts``/``moe_router_topk``/
+    ``moe_ffn_hidden_size``/``moe_aux_loss_coeff`` are read too); {} for a dense model or no args."""
+    a = dict(getattr(args, "__dict__", None) or {})
+    if not (a.get("num_experts") or a.get("num_local_experts")):
+        return {}
+    hf = {"num_hidden_layers": num_layers, **a}
+    for hf_name, megatron_name in (("num_experts_per_tok", "moe_router_topk"),
+                                   ("moe_intermediate_size", "moe_ffn_hidden_size"),
+                                   ("router_aux_loss_coef", "moe_aux_loss_coeff")):
+        if hf.get(hf_name) is None and a.get(megatron_name) is not None:
+            hf[hf_name] = a[megatron_name]
+    return moe_from_hf(hf)
 
 
 def moe_fields_from_flags(spec: Any, base: ModelConfig | None = None) -> dict[str, Any]:

@@ -15,6 +15,15 @@ Native state-dict keys are exactly Megatron-Core's local-spec keys for TP=1, PP=
     decoder.final_layernorm.weight                        <- model.norm.weight
     output_layer.weight                                   <- lm_head.weight (absent when embeddings are tied)
 
+MoE layers (Qwen3-MoE; ``cfg.is_moe_layer(i)``) have, instead of the dense ``mlp.linear_fc1/fc2``:
+
+    decoder.layers.{i}.mlp.router.weight              (E, H)       <- model.layers.{i}.mlp.gate.weight
+    decoder.layers.{i}.mlp.experts.linear_fc1.weight  (E, 2F, H)   <- stack_e [experts.{e}.gate_proj; .up_proj]
+    decoder.layers.{i}.mlp.experts.linear_fc2.weight  (E, H, F)    <- stack_e experts.{e}.down_proj
+
+(the published checkpoints' per-expert names, which transformers also writes; ``MOE_LAYER_MAP``, whose rules depend
+on the expert count).
+
 This module is the ONE place the rules are written: ``LAYER_MAP`` / ``TOP_MAP`` say which HF tensors make each native
 tensor and how (``fuse_qkv``: per-KV-group interleave; ``fuse_fc1``: ``[gate; up]``), and everything else derives
 from them: the tensor path (``native_tensor``, ``native_from_hf``, ``hf_from_native``), the row plans of the
@@ -26,6 +35,7 @@ row numbers for native -> HF) and LoRA's module correspondence (``HF_MODULES``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -93,6 +103,63 @@ LAYER_MAP: dict[str, Rule] = {
     "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), fuse_fc1, split_fc1),
     "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",)),
 }
+
+
+def _fuse_experts_fc1(*parts: torch.Tensor | ModelConfig) -> torch.Tensor:
+    """(gate_0, up_0, gate_1, up_1, ..., cfg) -> (E, 2F, H): per expert ``[gate; up]``, stacked."""
+    t = [p for p in parts if isinstance(p, torch.Tensor)]
+    return torch.stack([torch.cat(t[i:i + 2]) for i in range(0, len(t), 2)])
+
+
+def _split_experts_fc1(w: torch.Tensor, cfg: ModelConfig | None = None) -> tuple[torch.Tensor, ...]:
+    return tuple(half for e in w.unbind(0) for half in e.chunk(2))
+
+
+def _stack(*parts: torch.Tensor | ModelConfig) -> torch.Tensor:
+    return torch.stack([p for p in parts if isinstance(p, torch.Tensor)])
+
+
+def _unstack(w: torch.Tensor, cfg: ModelConfig | None = None) -> tuple[torch.Tensor, ...]:
+    return tuple(w.unbind(0))
+
+
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+ROUTER, EXPERT_FC1, EXPERT_FC2 = "mlp.router.weight", "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"
+
+
+def expert_hf(e: int, proj: str) -> str:
+    """HF suffix (under ``model.layers.{i}.``) of expert ``e``'s ``proj`` (gate_proj, up_proj, down_proj)."""
+    return f"mlp.experts.{e}.{proj}.weight"
+
+
+@functools.cache
+def moe_layer_map(num_experts: int) -> dict[str, Rule]:
+    """The rules of an MoE layer's MLP tensors (native suffix -> rule), in the model's parameter order."""
+    return {
+        ROUTER: Rule(("mlp.gate.weight",)),
+        EXPERT_FC1: Rule(tuple(expert_hf(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj")),
+                         _fuse_experts_fc1, _split_experts_fc1),
+        EXPERT_FC2: Rule(tuple(expert_hf(e, "down_proj") for e in range(num_experts)), _stack, _unstack),
+    }
+
+
+def layer_rules(cfg: ModelConfig, layer: int) -> dict[str, Rule]:
+    """Native suffix -> rule of every tensor of decoder layer ``layer``, in the model's parameter order."""
+    if not cfg.is_moe_layer(layer):
+        return LAYER_MAP
+    rules = {k: r for k, r in LAYER_MAP.items() if k not in DENSE_MLP}
+    return {**rules, **moe_layer_map(cfg.num_experts or 0)}
+
+
+def layer_rule(suffix: str, cfg: ModelConfig) -> Rule:
+    """The rule of a layer tensor by its suffix (KeyError for a suffix no layer has)."""
+    if suffix in LAYER_MAP:
+        return LAYER_MAP[suffix]
+    if cfg.is_moe:
+        return moe_layer_map(cfg.num_experts or 0)[suffix]
+    raise KeyError(suffix)
+
+
 # native key outside the layers -> its rule (full HF keys); a tied model's head is the embedding
 TOP_MAP: dict[str, Rule] = {
     "embedding.word_embeddings.weight": Rule(("model.embed_tokens.weight",)),
@@ -111,7 +178,7 @@ def rule_of(key: str, cfg: ModelConfig) -> tuple[tuple[str, ...], Rule]:
     """(full HF keys, rule) of native ``key``; KeyError for a key the model does not have."""
     m = _LAYER_RE.match(key)
     if m:
-        rule = LAYER_MAP[m[2]]
+        rule = layer_rule(m[2], cfg)
         return tuple(f"model.layers.{m[1]}.{h}" for h in rule.hf), rule
     if key == "output_layer.weight" and cfg.tie_word_embeddings:
         key = "embedding.word_embeddings.weight"
@@ -153,19 +220,13 @@ def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
 
 def native_keys(cfg: ModelConfig) -> list[str]:
     """Every native key of the full model, in the model's parameter order."""
-    keys = ["embedding.word_embeddings.weight"]
-    for i in range(cfg.num_layers):
-        keys += [f"decoder.layers.{i}.{s}" for s in LAYER_MAP]
-    keys.append("decoder.final_layernorm.weight")
-    if not cfg.tie_word_embeddings:
-        keys.append("output_layer.weight")
-    return keys
+    return _part_keys(cfg, None, embedding=True, head=True)
 
 
 def _part_keys(cfg: ModelConfig, layers: Iterable[int] | None, embedding: bool, head: bool) -> list[str]:
     keys = ["embedding.word_embeddings.weight"] if embedding else []
     for i in range(cfg.num_layers) if layers is None else layers:
-        keys += [f"decoder.layers.{i}.{s}" for s in LAYER_MAP]
+        keys += [f"decoder.layers.{i}.{s}" for s in layer_rules(cfg, i)]
     if head:
         keys.append("decoder.final_layernorm.weight")
         if not cfg.tie_word_embeddings:
@@ -186,7 +247,7 @@ def hf_from_native(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None =
     def order(item: tuple[int, str]) -> tuple[int, int]:
         # Per layer the fused tensors first (the order our HF files have always had): q k v gate up, then copies.
         m = _LAYER_RE.match(item[1])
-        return (int(m[1]), len(LAYER_MAP[m[2]].hf) == 1) if m else (-1 if item[0] == 0 else 1 << 30, 0)
+        return (int(m[1]), len(layer_rule(m[2], cfg).hf) == 1) if m else (-1 if item[0] == 0 else 1 << 30, 0)
 
     for _, key in sorted(enumerate(_part_keys(cfg, layers, embedding, head)), key=order):
         hf_keys, rule = rule_of(key, cfg)

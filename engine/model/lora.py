@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.hf_mapping import HF_MODULES
+from engine.model.moe import StackedWeight, expert_matmul
 
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # q_proj -> linear_qkv, ..., from the one HF <-> native key map
@@ -96,6 +97,35 @@ class LoRALinear(nn.Linear):
         return base + (self.lora_B(self.lora_A(a_in)) * self.scaling).to(base.dtype)
 
 
+class LoRAStacked(nn.Module):
+    """Stacked expert weights (``engine.model.moe.StackedWeight``, (E, out, in)) plus one low-rank update per
+    expert, as PEFT puts one adapter on each expert's Linear: lora_A (E, r, in), lora_B (E, out, r)."""
+
+    def __init__(self, base: StackedWeight, r: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.weight = base.weight  # shared: base keys and optimizer refs hold
+        e, out, inn = base.weight.shape
+        self.in_features, self.r, self.alpha, self.scaling = inn, r, alpha, alpha / r
+        self.lora_A = StackedWeight(e, r, inn).to(device=base.weight.device, dtype=torch.float32)
+        self.lora_B = StackedWeight(e, out, r).to(device=base.weight.device, dtype=torch.float32)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Every expert's A as ``nn.Linear``'s default (kaiming-uniform, a=sqrt(5)), drawn in one go; B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B.weight.zero_()
+
+    def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+        base = expert_matmul(x, self.weight, counts, backend)
+        a_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        low = expert_matmul(expert_matmul(a_in, self.lora_A.weight, counts, backend), self.lora_B.weight, counts,
+                            backend)
+        return base + (low * self.scaling).to(base.dtype)
+
+
 def apply_lora(
     model: nn.Module,
     r: int,
@@ -113,8 +143,9 @@ def apply_lora(
     wrapped = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in wanted and type(module) is nn.Linear:
-            lora = LoRALinear(module, r, alpha, dropout)
+        if leaf in wanted and type(module) in (nn.Linear, StackedWeight):
+            lora: LoRALinear | LoRAStacked = (LoRALinear(module, r, alpha, dropout) if type(module) is nn.Linear
+                                              else LoRAStacked(module, r, alpha, dropout))
             if gen is not None and module.weight.device.type == "cpu":
                 lora.reset_lora_parameters(gen)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model

@@ -48,6 +48,10 @@ class StackedWeight(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, out_features, in_features))
 
+    def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+        """Expert-sorted rows (M, in) -> (M, out), row r through its expert's matrix (``expert_matmul``)."""
+        return expert_matmul(x, self.weight, counts, backend)
+
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -148,14 +152,18 @@ class GroupedExperts(nn.Module):
         """x (M, H) expert-sorted rows, counts (E,), row_weight (M, 1): the routing weight of each row, applied
         before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale)."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        backend = self.backend or grouped_backend(x, w1.shape[-1], w1.shape[-2], w2.shape[-1])
+        dims = [w1.shape[-1], w1.shape[-2], w2.shape[-1]]
+        adapted = hasattr(self.linear_fc1, "lora_A") or hasattr(self.linear_fc2, "lora_A")
+        if adapted:  # LoRA (engine.model.lora.LoRAStacked): the adapters' widths are matmul widths too
+            dims.append(getattr(self.linear_fc1, "r", None) or self.linear_fc2.r)  # type: ignore[arg-type]
+        backend = self.backend or grouped_backend(x, *dims)
         if backend == "padded":
-            fits = int(counts.max()) * counts.shape[0] <= 2 * max(x.shape[0], 1)
-            dims = (w1.shape[-1], w1.shape[-2], w2.shape[-1])
+            fits = int(counts.max()) * counts.shape[0] <= 2 * max(x.shape[0], 1) and not adapted
             backend = "bmm" if fits else "grouped_mm" if _grouped_mm_fits(x, *dims) else "loop"
         if backend == "bmm":
             return padded_mlp(x, w1, w2, counts, row_weight)
-        return expert_matmul(_swiglu(expert_matmul(x, w1, counts, backend), row_weight), w2, counts, backend)
+        h = _swiglu(self.linear_fc1.project(x, counts, backend), row_weight)
+        return self.linear_fc2.project(h, counts, backend)
 
 
 class AuxLossScaler(torch.autograd.Function):

@@ -66,12 +66,13 @@ def peak_bf16_tflops(device_name: str) -> float | None:
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False, lora: bool = False) -> float:
     """Training FLOPs per token (forward + backward, recompute not counted), torchtitan's convention.
 
-    6·N + 12·L·heads·head_dim·S, with N = parameters without the input embedding (a tied embedding is kept, because
+    6·N + 12·L·heads·head_dim·S, with N = parameters without the input embedding (MoE: the active ones, top-k
+    experts and the router) (a tied embedding is kept, because
     the output matmul uses it) — torchtitan ``get_dense_model_nparams_and_flops``. ``causal=True`` halves the
     attention term as Megatron main does. ``lora=True`` counts 4·N: no weight gradients for frozen matmuls
     (anchors-engine.md §2, LoRA 4B). For packed batches pass the mean of L_i² / L_i over samples as ``seq_len``.
     """
-    n = cfg.num_params(include_embedding=True)
+    n = cfg.num_params(include_embedding=True, active=True)  # MoE: the top-k experts a token runs through
     if not cfg.tie_word_embeddings:
         n -= cfg.vocab_size * cfg.hidden_size
     attn = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * seq_len

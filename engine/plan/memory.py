@@ -27,6 +27,10 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
 - ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
   activations are gone by then, so the peak is the larger of the two phases on top of the persistent state.
 
+MoE (Qwen3-MoE): a rank holds every expert and the router of its MoE layers (experts shard over DP with FSDP like
+any weight; TP does not split them), and its activations count the top-k expert rows per token; FLOPs use the
+active parameters (``ModelConfig.num_params(active=True)``, ``engine.parallel.device.flops_per_token``).
+
 Everything is per rank; TP divides attention heads, KV groups, FFN width and vocabulary.
 """
 
@@ -138,27 +142,38 @@ def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
     return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
-def layer_params(cfg: ModelConfig, tp: int) -> int:
+def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None) -> int:
+    """Parameters of decoder layer ``layer`` on one TP rank (None: the largest layer). An MoE layer holds its
+    router and every expert (experts are not TP-split: an MoE model trains with TP 1)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attn = h * cfg.qkv_rows // tp + cfg.num_attention_heads * d * h // tp + 2 * d
+    moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
+    if moe:
+        e = cfg.num_experts or 0
+        return attn + e * h + e * 3 * h * cfg.expert_ffn_hidden_size + 2 * h
     return attn + 3 * h * cfg.ffn_hidden_size // tp + 2 * h
 
 
-def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...]) -> int:
-    """Adapter parameters of one layer on one TP rank: column-parallel targets shard B, row-parallel shard A."""
+def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...], layer: int | None = None) -> int:
+    """Adapter parameters of one layer on one TP rank: column-parallel targets shard B, row-parallel shard A. In an
+    MoE layer ``linear_fc1``/``linear_fc2`` adapt every expert (one adapter pair each)."""
     h, f, ad = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads * cfg.kv_channels
-    shapes = {"linear_qkv": (h, cfg.qkv_rows, "col"), "linear_fc1": (h, 2 * f, "col"),
-              "linear_proj": (ad, h, "row"), "linear_fc2": (f, h, "row")}
+    moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
+    copies = (cfg.num_experts or 0) if moe else 1
+    if moe:
+        f = cfg.expert_ffn_hidden_size
+    shapes = {"linear_qkv": (h, cfg.qkv_rows, "col", 1), "linear_fc1": (h, 2 * f, "col", copies),
+              "linear_proj": (ad, h, "row", 1), "linear_fc2": (f, h, "row", copies)}
     total = 0
     for name in targets:
-        fan_in, fan_out, kind = shapes[name]
-        total += r * fan_in + r * fan_out // tp if kind == "col" else r * fan_in // tp + r * fan_out
+        fan_in, fan_out, kind, n = shapes[name]
+        total += n * (r * fan_in + r * fan_out // tp if kind == "col" else r * fan_in // tp + r * fan_out)
     return total
 
 
 def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool) -> tuple[int, int]:
     """(all parameters, trainable parameters) of one rank."""
-    base = len(layers) * layer_params(cfg, lay.tp)
+    base = sum(layer_params(cfg, lay.tp, i) for i in layers)
     vocab_rows = cfg.vocab_size * cfg.hidden_size // lay.tp
     if first:
         base += vocab_rows
@@ -168,7 +183,7 @@ def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, 
             base += vocab_rows  # untied head, or a tied model's copy on the last stage (Megatron's rule)
     if lay.lora_r is None:
         return base, base
-    adapters = len(layers) * lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
+    adapters = sum(lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets, i) for i in layers)
     return base + adapters, adapters
 
 
@@ -189,6 +204,11 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     else:  # flash/varlen kernels: q, k, v, output, lse, proj input
         attn = 3 * e * a * d + 2 * e * g * d + 4 * a
     mlp = 4 * e * f  # fc1 output (gate|up), silu(gate), product
+    if cfg.moe_layers:  # the largest layer: an MoE one (engine.model.moe), per token and each of its k choices
+        topk, fe, ne = cfg.moe_router_topk, cfg.expert_ffn_hidden_size, cfg.num_experts or 0
+        router = e * ne + 4 * ne  # logits, fp32 probabilities
+        # gathered input rows, fc1 output, silu(gate), product, routing-weighted rows, fc2 output, scattered back
+        mlp = max(mlp, router + topk * e * (h + 2 * fe + fe + 2 * fe + h + h))
     return tokens * (2 * norm + q + k + attn + mlp)
 
 
@@ -196,7 +216,10 @@ def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Selective recompute keeps the layer input and every matmul output (``engine.parallel.activation_checkpoint``)."""
     e, tp = lay.compute_bytes, lay.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
-    return tokens * e * (h + cfg.qkv_rows // tp + h + 2 * f + h)
+    mlp = 2 * f + h
+    if cfg.moe_layers:  # router logits, and per choice the expert fc1 and fc2 outputs
+        mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * (2 * cfg.expert_ffn_hidden_size + h))
+    return tokens * e * (h + cfg.qkv_rows // tp + h + mlp)
 
 
 def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: int) -> int:

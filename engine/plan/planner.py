@@ -39,6 +39,8 @@ class MemoryPlan:
             "fits": None if self.device_memory_bytes is None else self.peak.total_bytes <= self.device_memory_bytes,
             "model_source": self.source,
             "model": dataclasses.asdict(self.cfg),
+            "num_params": self.cfg.num_params(),
+            "active_params": self.cfg.num_params(active=True),
             "layout": {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
                        "virtual_chunks": (len(self.ranks[0].layers) // max(1, lay.layers_per_virtual_stage or 0))
                        if lay.layers_per_virtual_stage else 1,

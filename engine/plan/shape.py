@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.model.config import ModelConfig, preset
+from engine.model.config import ModelConfig, moe_fields_from_flags, moe_from_args, preset
 
 _RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
 
@@ -56,6 +56,7 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelCon
         vocab_size=vocab,
         max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
         tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
+        **moe_fields_from_flags(spec),
     )
 
 
@@ -122,6 +123,7 @@ def _from_mcore_args(args: argparse.Namespace) -> ModelConfig | None:
         num_query_groups=(get("num_query_groups") or 1) if get("group_query_attention") else heads,
         kv_channels=get("kv_channels") or get("hidden_size") // heads, vocab_size=vocab,
         tie_word_embeddings=not get("untie_embeddings_and_output_weights"),
+        **moe_from_args(args, get("num_layers")),
     )
 
 

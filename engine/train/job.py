@@ -47,12 +47,15 @@ from engine.train.model_setup import (
     build_rank_model,
     check_against_checkpoint,
     check_model_kind,
+    check_moe_layout,
     checkpoint_flags,
     config_from_flags,
     open_load,
     rank_view,
+    with_moe_flags,
 )
 from engine.train.optim import LossScaler, build_optimizer
+from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import make_runner
 
@@ -99,7 +102,7 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
     if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
         raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "
                        "or merge the run's final checkpoint with a convert job first", "load")
-    return loaded.config, loaded
+    return with_moe_flags(spec, loaded.config), loaded
 
 
 def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
@@ -125,6 +128,7 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
+    check_moe_layout(spec, cfg)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
         run.event("config", f"model shape from the checkpoint {spec.load} ({loaded.format})", source="checkpoint",
@@ -162,6 +166,7 @@ class Trainer:
         _seed_everything(spec.seed)
         self.model = self._build_model()
         self.runner = make_runner(self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size)
+        self.router = RouterTracker(self.model, self.runner.dp_group)
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = Scheduler(self.optimizer, schedule_from_spec(spec))
         self.scaler = LossScaler(spec)
@@ -261,6 +266,7 @@ class Trainer:
             for j in range(1, batches + 1):
                 total += eval_step(self.runner, self._batches(valid, j))
         self.runner.module.train()
+        self.router.discard()  # validation forwards are not a training step's routing
         loss_sum, tokens = total.tolist()
         row = metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
         self._note_step(iteration, "val_lm_loss", row["val_lm_loss"])
@@ -270,14 +276,15 @@ class Trainer:
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
-                                spec.log_interval, spec.tensorboard_dir, self.lora)
+                                spec.log_interval, spec.tensorboard_dir, self.lora, list(self.router.layers))
         start = self.state.iteration
         self.runner.module.train()
         for iteration in range(start + 1, spec.train_iters + 1):
             started = time.perf_counter()
             batches = self._batches(data, iteration)
             record = train_step(self.runner, self.optimizer, self.scheduler, self.scaler, batches, self.state,
-                                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad)
+                                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad,
+                                router=self.router)
             record.elapsed_s = time.perf_counter() - started  # Megatron's iteration time includes getting the batch
             metrics.record(record)
             if spec.save_interval and iteration % spec.save_interval == 0:  # one host sync per checkpoint

@@ -22,6 +22,7 @@ from engine.torch_compat import foreach_mul_
 from engine.train.batches import MicroBatch
 from engine.train.metrics import StepRecord
 from engine.train.optim import LossScaler, clip_grads
+from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler
 from engine.train.step_runner import StepRunner
 
@@ -57,11 +58,15 @@ def train_step(
     *,
     global_batch_size: int,
     clip_grad: float,
+    router: RouterTracker | None = None,
 ) -> StepRecord:
+    """``router``: the model's MoE layers (their aux loss is weighted per routed token; figures reported)."""
     start = time.perf_counter()
     params = [p for p in runner.module.parameters() if p.requires_grad]
     counts = _global_counts(batches, runner)
     denominator = counts[0].clamp(min=1.0)
+    if router:  # per routed token 1 / (global real tokens): the objective is lm_loss + coeff × sum_layers balance
+        router.set_token_weight(scaler.scale / counts[1].clamp(min=1.0))
     losses = runner.forward_backward(batches, denominator, scaler.scale)
     if scaler.scale != 1.0:
         foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
@@ -88,6 +93,7 @@ def train_step(
         elapsed_s=time.perf_counter() - start,
         consumed_samples=state.consumed_samples,
         extra_losses=losses.extra,
+        router=router.step_figures() if router else None,
     )
 
 

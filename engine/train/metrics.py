@@ -28,6 +28,7 @@ import torch.distributed as dist
 from engine.model.config import ModelConfig
 from engine.parallel.device import Device, flops_per_token
 from engine.runfiles import RunDir
+from engine.train.router_stats import router_summary
 
 log = logging.getLogger("engine.train")
 
@@ -46,6 +47,7 @@ class StepRecord:
     elapsed_s: float
     consumed_samples: int
     extra_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # named terms (global sums)
+    router: torch.Tensor | None = None  # MoE: ``RouterTracker.step_figures`` (global sums per MoE layer)
 
 
 class MetricsLogger:
@@ -59,8 +61,10 @@ class MetricsLogger:
         log_interval: int,
         tensorboard_dir: str | None,
         lora: bool,
+        moe_layers: list[int] | None = None,
     ):
         self.run, self.cfg, self.device = run, cfg, device
+        self.moe_layers = moe_layers or []
         self.train_iters, self.gbs, self.log_interval = train_iters, global_batch_size, log_interval
         self.lora = lora
         self.world = dist.get_world_size()
@@ -88,14 +92,22 @@ class MetricsLogger:
         recs, self.pending = self.pending, []
         # One host sync for the whole interval.
         parts = [torch.cat([r.loss_sum.double()[None], r.counts.double(), r.grad_norm.double()[None],
-                            *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses))]) for r in recs]
+                            *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses)),
+                            *([] if r.router is None else [r.router.double().flatten()])]) for r in recs]
         flat = torch.cat(parts).cpu().tolist()
         numbers = []
         for part in parts:
             numbers.append(flat[:len(part)])
             flat = flat[len(part):]
         memory = self._gather_memory()
-        rows = [{**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:], strict=True))} for r, n in zip(recs, numbers, strict=True)]
+        rows = []
+        for r, n in zip(recs, numbers, strict=True):
+            extra = 5 + len(r.extra_losses)
+            row = {**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:extra], strict=True))}
+            if r.router is not None:
+                width = r.router.shape[1]
+                row.update(router_summary(self.moe_layers, [n[i:i + width] for i in range(extra, len(n), width)]))
+            rows.append(row)
         for rec, row in zip(recs, rows, strict=True):
             self.run.metric(rec.iteration, row, rank_metrics=memory)
             self._tensorboard(rec, row)
@@ -150,7 +162,7 @@ class MetricsLogger:
         if self.tb is None:
             return
         # Megatron's TensorBoard tags, plus our throughput figures.
-        tags = {"lm loss": "lm_loss", "learning-rate": "lr", "grad-norm": "grad_norm", "loss-scale": "loss_scale",
+        tags = {"lm loss": "lm_loss", "load_balancing_loss": "load_balancing_loss", "learning-rate": "lr", "grad-norm": "grad_norm", "loss-scale": "loss_scale",
                 "iteration-time": "iteration_time_ms", "tokens-per-second": "tokens_per_s", "tflops": "tflops"}
         for tag, key in tags.items():
             if isinstance(row.get(key), (int, float)) and math.isfinite(row[key]):

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, moe_fields_from_flags
 from engine.runfiles import BadInput
 
 Format = Literal["native", "hf", "mcore"]
@@ -38,6 +38,10 @@ _SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "norm_epsilon": ("norm_epsilon", float),
     "rotary_base": ("rotary_base", float),
     "untie_embeddings_and_output_weights": ("tie_word_embeddings", lambda untie: not untie),
+    "num_experts": ("num_experts", int),
+    "moe_router_topk": ("moe_router_topk", int),
+    "moe_ffn_hidden_size": ("expert_ffn_hidden_size", int),
+    "moe_intermediate_size": ("expert_ffn_hidden_size", int),
 }
 
 
@@ -66,7 +70,7 @@ class LoadedWeights:
 def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
     """The native keys PP rank ``pp_rank`` holds under the spec's pipeline layout, in model order (every key when
     the layout is invalid: ``check_parallel_layout`` names that error later)."""
-    from engine.model.hf_mapping import LAYER_MAP
+    from engine.model.hf_mapping import layer_rules
     from engine.parallel.pipeline_parallel import stage_layers
 
     pp = spec.pipeline_model_parallel_size
@@ -78,7 +82,7 @@ def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
     for stage in range(pp_rank, len(layout), pp):
         if stage == 0:
             keys.append("embedding.word_embeddings.weight")
-        keys += [f"decoder.layers.{i}.{suffix}" for i in layout[stage] for suffix in LAYER_MAP]
+        keys += [f"decoder.layers.{i}.{suffix}" for i in layout[stage] for suffix in layer_rules(cfg, i)]
         if stage == len(layout) - 1:
             keys.append("decoder.final_layernorm.weight")
             if not cfg.tie_word_embeddings or stage != 0:
@@ -152,7 +156,25 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
         max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
         tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
         init_method_std=spec.init_method_std,
+        **moe_fields_from_flags(spec),
     )
+
+
+def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
+    """A loaded model's shape with the spec's MoE training knobs (aux-loss weight, balancing type, capacity)."""
+    fields = moe_fields_from_flags(spec, cfg)
+    return cfg.replace(**fields) if fields else cfg
+
+
+def check_moe_layout(spec: Any, cfg: ModelConfig) -> None:
+    """An MoE model trains with TP 1 and PP 1 for now: its stacked experts have no TP rule and the router figures
+    are gathered over DP only. Expert parallelism is refused by the spec (``expert_model_parallel_size``)."""
+    if not cfg.is_moe:
+        return
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(spec, flag) > 1:
+            raise BadInput(f"{flag}: {getattr(spec, flag)} is not available for an MoE model (num_experts "
+                           f"{cfg.num_experts}) yet; use 1 (the experts shard over data parallel, FSDP)", flag)
 
 
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:

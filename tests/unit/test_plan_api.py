@@ -55,3 +55,17 @@ def test_weights_alone_too_big_names_the_parallel_sizes(client: TestClient, toke
 def test_hosts_without_registered_memory_are_not_checked(client: TestClient, token: str, settings: Settings) -> None:
     register(settings, None)
     assert client.post("/v1/jobs", json=qwen3_4b(), headers=auth(token)).status_code == 201
+
+
+def test_qwen3_235b_a22b_on_small_devices_is_refused(client: TestClient, token: str, settings: Settings) -> None:
+    """An MoE spec is sized with every expert: 235B-A22B on 8 × 64 GiB does not fit (weights and optimizer alone)."""
+    register(settings, 64)
+    spec = qwen3_4b(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=8, num_layers=94,
+                    hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64, num_query_groups=4,
+                    untie_embeddings_and_output_weights=True, num_experts=128, moe_router_topk=8,
+                    moe_ffn_hidden_size=1536, resources={"device_type": "npu", "nproc_per_node": 8})
+    response = client.post("/v1/jobs", json=spec, headers=auth(token))
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["code"] == "does_not_fit" and body["field"] == "resources"
+    assert "weights and optimizer state alone" in body["message"]

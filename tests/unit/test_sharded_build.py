@@ -1,5 +1,6 @@
 """Seeded initial weights served one TP piece at a time equal ``init_weights`` / ``apply_lora`` on the full model,
-and one process's meta-built, filled model equals the full build (init, HF, mcore; tied and untied; LoRA)."""
+and one process's meta-built, filled model equals the full build (init, HF, mcore; tied and untied; LoRA; MoE
+router and stacked experts, LoRA on the experts included)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,18 @@ from engine.spec import TrainSpec
 from engine.train.model_setup import build_rank_model, open_load
 
 
-def _cfg(tied: bool) -> ModelConfig:
-    # odd sizes on purpose: rows * cols not a multiple of 16, chunks that end mid-way
+def _cfg(tied: bool, moe: bool = False) -> ModelConfig:
+    # odd sizes on purpose: rows * cols not a multiple of 16, chunks that end mid-way; MoE: layer 1 dense
+    experts = {"num_experts": 5, "moe_router_topk": 2, "moe_ffn_hidden_size": 10, "moe_layer_freq": (1, 0, 1)}
     return ModelConfig(num_layers=3, hidden_size=24, ffn_hidden_size=40, num_attention_heads=4, num_query_groups=2,
-                       kv_channels=6, vocab_size=68, tie_word_embeddings=tied)
+                       kv_channels=6, vocab_size=68, tie_word_embeddings=tied, **(experts if moe else {}))
 
 
 @pytest.mark.parametrize("chunk", [1 << 22, 64, 48])
-@pytest.mark.parametrize("tied", [True, False])
-def test_seeded_pieces_equal_the_full_init(tied: bool, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tied,moe", [(True, False), (False, False), (False, True)])
+def test_seeded_pieces_equal_the_full_init(tied: bool, moe: bool, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sources, "_CHUNK_ELEMS", chunk)
-    cfg = _cfg(tied)
+    cfg = _cfg(tied, moe)
     model = Qwen3Model(cfg)
     model.init_weights(3)
     modules = apply_lora(model, 4, 8.0, seed=5)
@@ -63,10 +65,11 @@ def _spec(lora: bool) -> TrainSpec:
 
 
 @pytest.mark.parametrize("src", ["init", "hf", "mcore"])
-@pytest.mark.parametrize("tied,lora", [(True, False), (False, True)])
+@pytest.mark.parametrize("tied,lora,moe", [(True, False, False), (False, True, False), (False, False, True),
+                                           (False, True, True)])
 def test_one_process_build_equals_full_build(one_rank_group: None, tmp_path: Path, src: str, tied: bool,
-                                             lora: bool) -> None:
-    cfg, spec = _cfg(tied), _spec(lora)
+                                             lora: bool, moe: bool) -> None:
+    cfg, spec = _cfg(tied, moe), _spec(lora)
     mesh = build_mesh(Device("cpu"), ParallelDims())
     old = Qwen3Model(cfg)
     if src == "init":

@@ -117,3 +117,17 @@ def test_a_series_re_indexed_on_an_axis_keeps_its_values_and_rises_strictly() ->
     assert got["x"][:2] == [0, 10] and 10 < got["x"][2] < 10.001 and got["x"][3] == 30
     assert got["y"] == [9, 8, 7, 6] and got["n"] == 4 and got["label"] == "loss"
     assert got["same"] and got["source"] == [1, 2, 3, 4]
+
+
+def test_moe_metrics_chart_next_to_the_loss() -> None:
+    """An MoE run's load_balancing_loss shares the Loss chart; per-layer expert imbalance shares one chart."""
+    got = _run(f"""
+        const {{MAIN}} = await import("{(UI_JS / "chart_groups.js").as_uri()}");
+        const names = ["lm_loss", "val_lm_loss", "load_balancing_loss", "loss_scale", "expert_load_imbalance_max",
+                       "expert_load_imbalance_layer_3", "grad_norm", "dropped_token_fraction"];
+        console.log(JSON.stringify(Object.fromEntries(names.map((n) => [n, (MAIN.find((g) => g.match(n)) || {{}}).title ?? null]))));
+    """)
+    assert got == {"lm_loss": "Loss", "val_lm_loss": "Loss", "load_balancing_loss": "Loss", "loss_scale": None,
+                   "expert_load_imbalance_max": "Expert load imbalance",
+                   "expert_load_imbalance_layer_3": "Expert load imbalance", "grad_norm": "Grad norm",
+                   "dropped_token_fraction": None}

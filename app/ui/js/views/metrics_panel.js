@@ -1,4 +1,5 @@
-// The job's live metric charts: loss, grad-norm, learning rate, tokens/s and memory first, every other numeric
+// The job's live metric charts: loss (with an MoE run's load-balancing loss), expert load imbalance, grad-norm,
+// learning rate, tokens/s and memory first, every other numeric
 // metric under "More metrics"; charts with no finite point or one constant value are folded into one line instead.
 // Smoothing and the x axis apply to every chart (as TensorBoard's sidebar); log y is per chart. Fed by the SSE
 // stream through a MetricStore; redrawn at most once per frame.
@@ -7,22 +8,8 @@ import {h, fill} from "../dom.js";
 import {LiveChart} from "../chart.js";
 import {num} from "../format.js";
 import {X_MODES, flatness, xModeAvailable} from "../transform.js";
+import {DEVICES, MAIN} from "../chart_groups.js";
 
-const MAIN = [
-  {title: "Loss", match: (n) => /loss/.test(n) && !/scale|tokens/.test(n)},
-  {title: "Grad norm", match: (n) => n === "grad_norm"},
-  {title: "Learning rate", match: (n) => n === "lr"},
-  {title: "Tokens/s", match: (n) => n === "tokens_per_s"},
-  {title: "Memory (MB)", match: (n) => n.startsWith("mem_")},
-];
-// Device telemetry (worker/telemetry.py): its step is seconds since the node started, so these charts keep the
-// step axis whatever the x-axis control says.
-const DEVICES = [
-  {title: "Device utilisation (%)", match: (n) => n === "sys_util_pct"},
-  {title: "Device memory (MB)", match: (n) => n === "sys_mem_used_mb" || n === "sys_mem_total_mb"},
-  {title: "Device temperature (°C)", match: (n) => n === "sys_temp_c"},
-  {title: "Device power (W)", match: (n) => n === "sys_power_w"},
-];
 const NOT_CHARTED = new Set(["iteration", "sys_device_id"]);  // the step axis itself; the device's id on its host
 
 /** The chart controls of a page: smoothing slider and x axis select, bound to view = {smooth, xMode, logY}.

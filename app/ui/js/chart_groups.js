@@ -1,0 +1,21 @@
+// Which metric names share a chart on the job page, in display order (pure data: node tests it without a DOM).
+// A metric no group matches gets its own chart under "More metrics".
+
+export const MAIN = [
+  // lm_loss, val_lm_loss and an MoE run's load_balancing_loss (the switch loss, 1.0 when balanced) side by side
+  {title: "Loss", match: (n) => /loss/.test(n) && !/scale|tokens/.test(n)},
+  // MoE: max/mean tokens per expert, one series per MoE layer and the worst of them (engine/train/router_stats.py)
+  {title: "Expert load imbalance", match: (n) => n.startsWith("expert_load_imbalance")},
+  {title: "Grad norm", match: (n) => n === "grad_norm"},
+  {title: "Learning rate", match: (n) => n === "lr"},
+  {title: "Tokens/s", match: (n) => n === "tokens_per_s"},
+  {title: "Memory (MB)", match: (n) => n.startsWith("mem_")},
+];
+// Device telemetry (worker/telemetry.py): its step is seconds since the node started, so these charts keep the
+// step axis whatever the x-axis control says.
+export const DEVICES = [
+  {title: "Device utilisation (%)", match: (n) => n === "sys_util_pct"},
+  {title: "Device memory (MB)", match: (n) => n === "sys_mem_used_mb" || n === "sys_mem_total_mb"},
+  {title: "Device temperature (°C)", match: (n) => n === "sys_temp_c"},
+  {title: "Device power (W)", match: (n) => n === "sys_power_w"},
+];

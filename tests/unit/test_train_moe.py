@@ -1,0 +1,237 @@
+"""A tiny Qwen3-MoE trains as a job in one process: full fine-tune from flags and LoRA (attention and experts) from
+an HF Qwen3-MoE directory written by transformers; step 1's loss and load-balancing loss equal the model's own on
+the same batches; the loss falls; router metrics are reported; the HF export loads back in transformers with equal
+logits; TP/PP/EP refusals name their field."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.moe import router_metrics  # noqa: E402
+from engine.model.qwen3 import Qwen3Model  # noqa: E402
+from engine.runfiles import BadInput, RunDir  # noqa: E402
+from engine.spec import parse_spec  # noqa: E402
+from engine.train import job  # noqa: E402
+from engine.train.step_runner import micro_batch_loss  # noqa: E402
+from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
+
+MOE_FLAGS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [1, 0],
+             "moe_aux_loss_coeff": 0.01, "norm_topk_prob": True}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_instruction_data(tmp_path_factory.mktemp("data") / "sft", n=24)
+
+
+def _train_capturing(spec: dict, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list]:
+    """Run the job; returns (outputs, step 1's micro-batches)."""
+    first: list = []
+    real = job.train_step
+
+    def capture(runner, optimizer, scheduler, scaler, batches, state, **kw):  # noqa: ANN001, ANN202
+        if not first:
+            first.extend(batches)
+        return real(runner, optimizer, scheduler, scaler, batches, state, **kw)
+
+    monkeypatch.setattr(job, "train_step", capture)
+    outputs, _ = job.run(parse_spec(spec), RunDir(run_dir))
+    return outputs, first
+
+
+def _reference(model: Qwen3Model, batches: list) -> tuple[float, float]:
+    """(lm loss, load_balancing_loss) of ``batches`` computed by the model directly."""
+    model.train()
+    with torch.no_grad():
+        loss = sum(float(micro_batch_loss(model, mb, 1024)) for mb in batches)
+    tokens = sum(mb.num_loss_tokens for mb in batches)
+    metrics = router_metrics(model)
+    assert metrics is not None
+    return loss / tokens, float(metrics.summary()["load_balancing_loss"])
+
+
+def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = tiny_spec(data, **MOE_FLAGS, train_iters=6, save=str(tmp_path / "save"),
+                     save_hf=True)
+    outputs, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
+    rows = metric_rows(tmp_path / "run")
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.3
+    for row in rows:
+        assert 1.0 <= row["load_balancing_loss"] < 4.0  # switch loss: 1 when balanced, E at worst
+        assert row["expert_load_imbalance_max"] == row["expert_load_imbalance_layer_0"] >= 1.0
+        assert "expert_load_imbalance_layer_1" not in row  # the dense layer
+        assert row["dropped_token_fraction"] == 0.0
+    cfg = job.plan_run(parse_spec(spec), RunDir(tmp_path / "plan")).cfg
+    assert cfg.num_experts == 4 and cfg.moe_layer_freq == (1, 0) and cfg.moe_aux_loss_coeff == 0.01
+    ref = Qwen3Model(cfg)
+    ref.init_weights(spec["seed"])  # the full build the sharded seeded init reproduces
+    loss, balance = _reference(ref, first)
+    assert rows[0]["lm_loss"] == pytest.approx(loss, rel=1e-6)
+    assert rows[0]["load_balancing_loss"] == pytest.approx(balance, rel=1e-6)
+    # the final HF export loads in transformers with our logits
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(outputs["hf"]).eval()
+    from engine.checkpoint.hf import HFCheckpoint
+
+    ours = Qwen3Model(cfg)
+    ours.load_state_dict(HFCheckpoint(outputs["hf"]).native_state_dict())
+    ids = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)
+    assert hf.config.num_experts_per_tok == 2 and hf.config.mlp_only_layers == [1]
+    # the final mcore export reads back with the same shape and weights (what convert / eval load)
+    from engine.train.model_setup import open_load
+
+    mcore = open_load(outputs["checkpoint"])
+    assert mcore.format == "mcore" and mcore.config == cfg
+    state = ours.state_dict()
+    assert all(torch.equal(mcore.source.get_native(k), state[k]) for k in state)  # type: ignore[union-attr]
+
+
+def _hf_moe_dir(path: Path) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, mlp_only_layers=[], norm_topk_prob=True,
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None, max_position_embeddings=256)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _drop_shape(spec: dict) -> dict:
+    """The shape comes from the checkpoint."""
+    for key in TINY_SHAPE:
+        spec.pop(key, None)
+    return spec
+
+
+def test_moe_lora_from_hf_checkpoint(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf_dir = _hf_moe_dir(tmp_path / "hf")
+    spec = tiny_spec(data, load=str(hf_dir), finetune=True, lora_r=4, lora_alpha=8, lr=3e-2, train_iters=5,
+                     global_batch_size=4, save=str(tmp_path / "save"), save_hf=True, moe_aux_loss_coeff=0.01)
+    _drop_shape(spec)
+    outputs, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
+    rows = metric_rows(tmp_path / "run")
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+    assert {"expert_load_imbalance_layer_0", "expert_load_imbalance_layer_1"} <= rows[0].keys()
+    # step 1 = the HF model's loss (LoRA B = 0), the balancing loss its router's
+    plan = job.plan_run(parse_spec(spec), RunDir(tmp_path / "plan"))
+    assert plan.loaded is not None and plan.loaded.format == "hf" and plan.cfg.moe_aux_loss_coeff == 0.01
+    ref = Qwen3Model(plan.cfg)
+    ref.load_state_dict(plan.loaded.source.native_state_dict())  # type: ignore[union-attr]
+    loss, balance = _reference(ref, first)
+    assert rows[0]["lm_loss"] == pytest.approx(loss, rel=1e-6)
+    assert rows[0]["load_balancing_loss"] == pytest.approx(balance, rel=1e-6)
+    # adapters on attention and on every expert (stacked), nothing else saved
+    state = torch.load(tmp_path / "save" / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    keys = set(state["model"])
+    assert "decoder.layers.0.mlp.experts.linear_fc1.lora_A.default.weight" in keys
+    assert state["model"]["decoder.layers.1.mlp.experts.linear_fc2.lora_B.default.weight"].shape == (4, 32, 4)
+    assert "decoder.layers.0.self_attention.linear_qkv.lora_A.default.weight" in keys
+    assert all(".lora_" in k for k in keys)
+    # the merged HF export loads in transformers and differs from the base (the adapters trained)
+    from transformers import Qwen3MoeForCausalLM
+
+    merged = Qwen3MoeForCausalLM.from_pretrained(outputs["hf"]).eval()
+    base = Qwen3MoeForCausalLM.from_pretrained(hf_dir).eval()
+    ids = torch.randint(0, 512, (1, 10))
+    with torch.no_grad():
+        assert not torch.allclose(merged(ids).logits, base(ids).logits)
+
+
+@pytest.mark.parametrize("flag", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+def test_moe_model_parallel_refused(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    spec = tiny_spec(data, **MOE_FLAGS, **{flag: 2}, global_batch_size=2, micro_batch_size=1,
+                     resources={"nproc_per_node": 2})
+    with pytest.raises(BadInput, match="MoE model") as err:
+        job.plan_run(parse_spec(spec), RunDir(tmp_path / "run"))
+    assert err.value.field == flag
+
+
+def test_expert_parallel_refused_at_parse(data: str) -> None:
+    with pytest.raises(ValueError, match="expert_model_parallel_size"):
+        parse_spec(tiny_spec(data, **MOE_FLAGS, expert_model_parallel_size=2))
+
+
+def test_moe_shape_flag_disagreeing_with_checkpoint(data: str, tmp_path: Path) -> None:
+    hf_dir = _hf_moe_dir(tmp_path / "hf")
+    spec = _drop_shape(tiny_spec(data, load=str(hf_dir), num_experts=8))
+    with pytest.raises(BadInput, match="num_experts") as err:
+        job.plan_run(parse_spec(spec), RunDir(tmp_path / "run"))
+    assert err.value.field == "num_experts"
+    assert ModelConfig.from_hf_dir(hf_dir).num_experts == 4
+
+
+def test_moe_hf_mcore_hf_round_trip_is_exact(tmp_path: Path) -> None:
+    """transformers' Qwen3-MoE files -> our mcore layout (byte-range copies) -> HF (the row-copy path): every
+    tensor back bit for bit, and transformers loads the result."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from engine.checkpoint.hf import HFCheckpoint, save_hf
+    from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+
+    src = _hf_moe_dir(tmp_path / "hf")
+    ckpt = HFCheckpoint(src)
+    save_mcore(ckpt, ckpt.config, tmp_path / "mg")
+    mcore = MegatronCheckpoint(tmp_path / "mg")
+    assert mcore.config == ckpt.config and mcore.can_copy(torch.float32)
+    save_hf(mcore, mcore.config, tmp_path / "back")
+    back, original = HFCheckpoint(tmp_path / "back"), ckpt
+    names = original.keys()  # a checkpoint object, not a dict
+    assert set(back.keys()) == set(names)
+    assert all(torch.equal(back.get(k), original.get(k)) for k in names)
+    assert Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").config.num_experts == 4
+
+
+@pytest.mark.slow
+def test_moe_data_parallel_equals_one_process(data: str, tmp_path: Path) -> None:
+    """DP 2 (FSDP shards the stacked experts on dim 0; router figures summed over DP) = one process, step for step."""
+    from train_support import run_train
+
+    spec = tiny_spec(data, **MOE_FLAGS, train_iters=2)
+    run_train(spec, tmp_path / "one", 1)
+    run_train({**spec, "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
+    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    for a, b in zip(one, two):
+        for key in ("lm_loss", "grad_norm", "load_balancing_loss", "expert_load_imbalance_layer_0"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
+
+
+def test_moe_step_gradient_is_lm_loss_plus_coeff_times_balance(data: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1's gradient norm = that of lm_loss + coeff × sum over MoE layers of the switch loss, computed here from
+    the router logits (one packed micro-batch; the model's own aux attachment switched off)."""
+    from engine.model.moe import switch_balance_loss
+
+    spec = tiny_spec(data, **{**MOE_FLAGS, "moe_aux_loss_coeff": 0.5}, train_iters=1, micro_batch_size=2,
+                     global_batch_size=2)
+    _, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
+    (mb,) = first
+    cfg = job.plan_run(parse_spec(spec), RunDir(tmp_path / "plan")).cfg
+    ref = Qwen3Model(cfg.replace(moe_aux_loss_coeff=0.0))
+    ref.init_weights(spec["seed"])
+    logits: list[torch.Tensor] = []
+    for layer in ref.decoder.layers.values():
+        if hasattr(layer.mlp, "router"):
+            layer.mlp.router.register_forward_hook(lambda m, args, out: logits.append(out))
+    ref.train()
+    objective = micro_batch_loss(ref, mb, 1024) / mb.num_loss_tokens
+    for z in logits:
+        probs = torch.softmax(z.float(), dim=-1)
+        top = torch.topk(probs, cfg.moe_router_topk, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(top, minlength=cfg.num_experts or 0).float()
+        objective = objective + 0.5 * switch_balance_loss(probs.sum(0), counts, z.shape[0], cfg.moe_router_topk)
+    assert len(logits) == 1 and logits[0].shape[0] == mb.num_tokens  # packed: every routed token is real
+    objective.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters()))
+    assert metric_rows(tmp_path / "run")[0]["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
