@@ -197,14 +197,13 @@ def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
     """The spec's flags as the checkpoint's shape sets them (the inverse of ``_SHAPE_FLAGS``, GQA and MoE too), for
     the fields ``spec`` has. The run records them (a ``config`` event) so the Spec tab shows the values taken from
     the checkpoint, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
-    flags: dict[str, Any] = {flag: getattr(cfg, field) for flag, (field, _) in _SHAPE_FLAGS.items()}
+    moe_only = {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_intermediate_size"}
+    flags: dict[str, Any] = {flag: getattr(cfg, field) for flag, (field, _) in _SHAPE_FLAGS.items()
+                             if cfg.is_moe or flag not in moe_only}  # a dense checkpoint sets no MoE flag
     flags["untie_embeddings_and_output_weights"] = not cfg.tie_word_embeddings
     flags["group_query_attention"] = cfg.num_query_groups != cfg.num_attention_heads
     flags["num_query_groups"] = cfg.num_query_groups
     flags["max_position_embeddings"] = cfg.max_position_embeddings
-    if cfg.is_moe:
-        flags.update(num_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
-                     moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
     fields = type(spec).model_fields
     return {flag: value for flag, value in flags.items() if flag in fields}
 
