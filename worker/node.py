@@ -22,6 +22,7 @@ from core.db import session_scope
 from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
 from core.nodes import move_nodes
+from core.paths import team_areas
 from core.pipelines import advance_parent
 from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
@@ -52,6 +53,7 @@ class NodeWork:
     devices: list[int]
     master_addr: str
     master_port: int
+    team: str = ""
 
 
 def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> NodeWork | None:
@@ -68,7 +70,7 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
         node = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
                                                      JobNode.node_rank == node_rank)).one()
         return NodeWork(node.id, job_id, attempt, node_rank, int(job.spec["resources"]["nnodes"]), job.spec,
-                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port)
+                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port, job.team)
 
 
 def node_plan(work: NodeWork) -> LaunchPlan:
@@ -210,6 +212,7 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url) \
             if work.node_rank == 0 else None
         plan = node_plan(work)
+        plan.env.update(team_areas(settings, work.team).env())  # the engine re-checks every path inside them
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
         return launch_failed(settings, work, err)
