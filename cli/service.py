@@ -92,6 +92,23 @@ def gc() -> None:
     typer.echo(json.dumps(collect(settings).as_dict()))
 
 
+def reseal() -> None:
+    """Re-encrypt every stored webhook secret under the newest of LLMJOBS_SECRET_KEYS (after putting a new key first),
+    so an old key can be dropped; prints how many. Run where the database is reachable."""
+    from core.db import session_scope
+    from core.webhooks import reseal_secrets
+
+    settings = load_settings()
+    prepare(settings)
+    try:
+        with session_scope(settings.database_url) as session:
+            count = reseal_secrets(session, settings)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"re-encrypted {count} webhook secret(s) under the newest key")
+
+
 def worker(
     host: Annotated[str | None, typer.Option("--host", help="this host's name (default: hostname)")] = None,
     device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",
