@@ -73,7 +73,9 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
                         Path(job.run_dir), list(node.devices), node.master_addr, node.master_port, job.team)
 
 
-def node_plan(work: NodeWork) -> LaunchPlan:
+def node_plan(work: NodeWork, settings: Settings | None = None) -> LaunchPlan:
+    """The engine's command line and environment for this node; with ``settings``, the job's team areas too (the
+    engine re-checks every path inside them right before opening it, ``engine.guard``)."""
     spec = parse_spec(work.spec)
     rdzv = Rendezvous(work.master_addr, work.master_port, work.node_rank) if work.nnodes > 1 else None
     devices = work.devices if spec.resources.device_type != "cpu" else None
@@ -81,6 +83,8 @@ def node_plan(work: NodeWork) -> LaunchPlan:
     plan.env[NODE_ENV] = node_token(work.job_id, work.attempt, work.node_rank)  # how leases.py finds them all
     plan.env["LLMJOBS_NODE_RANK"] = str(work.node_rank)
     plan.env["LLMJOBS_DEVICES"] = ",".join(str(d) for d in work.devices)  # on CPU: the leased slots
+    if settings is not None:
+        plan.env.update(team_areas(settings, work.team).env())
     return plan
 
 
@@ -211,8 +215,7 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         write_spec(work.run_dir, work.spec)
         ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url) \
             if work.node_rank == 0 else None
-        plan = node_plan(work)
-        plan.env.update(team_areas(settings, work.team).env())  # the engine re-checks every path inside them
+        plan = node_plan(work, settings)
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
         return launch_failed(settings, work, err)
