@@ -66,8 +66,12 @@ def team_areas(settings: Settings, team: str) -> Areas:
 
 
 def ensure_team_areas(settings: Settings, team: str) -> Areas:
-    """``team_areas``, with each team area created (mode 0770) so the team's jobs and uploads can write there."""
+    """``team_areas``, with each team area created (mode 0770) so the team's jobs and uploads can write there (a root
+    this process may not write to is left as it is: its paths then simply do not exist yet)."""
     areas = team_areas(settings, team)
     for area in areas.write:
-        area.mkdir(mode=0o770, parents=True, exist_ok=True)
+        try:
+            area.mkdir(mode=0o770, parents=True, exist_ok=True)
+        except OSError:
+            pass
     return areas
