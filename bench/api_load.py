@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cli.env import prepare  # noqa: E402
 from core.auth import create_token  # noqa: E402
+from core.paths import ensure_team_areas  # noqa: E402
 from core.db import session_scope  # noqa: E402
 from core.settings import Settings  # noqa: E402
 
@@ -132,7 +133,8 @@ def main() -> None:
             settings = Settings(var_dir=Path(tmp), database_url=env["LLMJOBS_DATABASE_URL"], broker_url="",
                                 redis_url=None, data_roots=[], runs_dir=None)
             prepare(settings)
-            (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
+            area = ensure_team_areas(settings, "load").write[0]  # relative spec paths start in the team's area
+            (area / "in.jsonl").write_text("{}\n")
             with session_scope(settings.database_url) as session:
                 token = create_token(session, team="load")
             port = free_port()

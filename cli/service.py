@@ -11,6 +11,8 @@ import typer
 
 from cli.env import load_settings, prepare
 
+SERVE_TEAM = "default"  # the team of the admin token `serve` makes; the demo lives in its data area
+
 
 def admin_token(settings: Any) -> str:
     """The embedded setup's admin token: kept in <var_dir>/admin_token (mode 0600), its hash in the database."""
@@ -21,7 +23,7 @@ def admin_token(settings: Any) -> str:
     with session_scope(settings.database_url) as session:
         if path.exists() and authenticate(session, path.read_text().strip()):
             return path.read_text().strip()
-        token = create_token(session, team="default", name="admin (llmjobs serve)", admin=True)
+        token = create_token(session, team=SERVE_TEAM, name="admin (llmjobs serve)", admin=True)
     path.write_text(token + "\n")
     path.chmod(0o600)
     return token
@@ -34,11 +36,12 @@ def serve(
 ) -> None:
     """API + one local worker on the embedded defaults (what `make run` starts)."""
     from cli.demo import prepare_demo
+    from core.paths import ensure_team_areas
     from worker.supervisor import preexec_die_with_parent
 
     settings = load_settings()
     prepare(settings)
-    demo = prepare_demo(settings.data_roots[0])
+    demo = prepare_demo(ensure_team_areas(settings, SERVE_TEAM).write[0])  # relative spec paths start there
     token = admin_token(settings)
     child = None
     if worker:
@@ -87,6 +90,23 @@ def gc() -> None:
     settings = load_settings()
     prepare(settings)
     typer.echo(json.dumps(collect(settings).as_dict()))
+
+
+def reseal() -> None:
+    """Re-encrypt every stored webhook secret under the newest of LLMJOBS_SECRET_KEYS (after putting a new key first),
+    so an old key can be dropped; prints how many. Run where the database is reachable."""
+    from core.db import session_scope
+    from core.webhooks import reseal_secrets
+
+    settings = load_settings()
+    prepare(settings)
+    try:
+        with session_scope(settings.database_url) as session:
+            count = reseal_secrets(session, settings)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"re-encrypted {count} webhook secret(s) under the newest key")
 
 
 def worker(

@@ -23,8 +23,11 @@ def token_create(
 
     settings = load_settings()
     prepare(settings)
-    with session_scope(settings.database_url) as session:
-        typer.echo(create_token(session, team=team, name=name, admin=admin))
+    try:
+        with session_scope(settings.database_url) as session:
+            typer.echo(create_token(session, team=team, name=name, admin=admin))
+    except ValueError as err:  # a team name that cannot name the team's data directory
+        raise typer.BadParameter(str(err), param_hint="--team") from None
 
 
 @token_cli.command("list")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ApiError
+from core.paths import team_areas
 from core.settings import Settings
 from engine.data.indexed import instruction_prefix
 from engine.flags import IGNORED_FLAGS
@@ -272,21 +273,22 @@ def _outputs(spec: JobBase) -> list[str]:
     return [value for value in (getattr(spec, n, None) for n in names) if isinstance(value, str)]
 
 
-def _check_pipeline(spec: PipelineSpec, settings: Settings) -> None:
-    roots = [str(r) for r in settings.data_roots]
-    base = Path(roots[0])
+def _check_pipeline(spec: PipelineSpec, settings: Settings, team: str) -> None:
+    areas = team_areas(settings, team)
+    base = areas.write[0]  # the base of the placeholders, as in the spec's own validator
     produced: list[str] = []
     for i, step in enumerate(spec.steps):
         placeheld = substitute_references(step.spec, lambda ref, key: str(base / REFERENCE_PLACEHOLDER_DIR / ref / key))
-        child = parse_spec(placeheld, data_roots=roots)  # valid: the pipeline's own validator parsed it already
+        child = parse_spec(placeheld, **areas.context())  # valid: the pipeline's own validator parsed it already
         _check_one(child, _Inputs(f"steps.{i}.spec.", produced), settings)
         produced.extend(_outputs(child))
 
 
-def check_admissible(spec: JobBase, settings: Settings) -> None:
-    """422 naming the field for a spec the engine would refuse before its first step (pipelines: every step)."""
+def check_admissible(spec: JobBase, settings: Settings, team: str) -> None:
+    """422 naming the field for a spec ``team``'s job would have refused by the engine before its first step
+    (pipelines: every step)."""
     if isinstance(spec, PipelineSpec):
-        _check_pipeline(spec, settings)
+        _check_pipeline(spec, settings, team)
     else:
         _check_one(spec, _Inputs(""), settings)
 

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import ApiError
 from core.models import ApiToken, utcnow
+from core.paths import check_team_name
 
 TOKEN_PREFIX = "llmj_"
 
@@ -47,7 +48,9 @@ def hash_token(token: str) -> str:
 
 
 def create_token(session: Session, *, team: str, name: str | None = None, admin: bool = False) -> str:
-    """Store a new token's hash and return the token itself (shown once)."""
+    """Store a new token's hash and return the token itself (shown once); ValueError for a team name that cannot name
+    the team's data directory (``core.paths``)."""
+    check_team_name(team)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(token_hash=hash_token(token), prefix=token[:len(TOKEN_PREFIX) + 7], team=team, name=name,
                          admin=admin))

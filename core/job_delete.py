@@ -1,8 +1,8 @@
 """Deleting a finished job: its rows (events, metrics, logs, artifacts, a pipeline's steps: the foreign keys cascade),
 its run directory, and with ``outputs`` the files and directories its artifacts list.
 
-Only what lies strictly inside the configured roots is removed (run directories below ``runs_dir``, outputs below a
-data root), so a row naming another path can never make the service delete it.
+Only what lies strictly inside the configured roots is removed (run directories below ``runs_dir``, outputs below the
+job's team's data areas), so a row naming another path can never make the service delete it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import ApiError
 from core.models import Artifact, Job
+from core.paths import team_areas
 from core.settings import Settings
 from core.states import JobState
 
@@ -60,5 +61,9 @@ def delete_job(session: Session, settings: Settings, job: Job, outputs: bool = F
     session.execute(delete(Job).where(Job.id == job.id))
     session.commit()
     removed = [p for p in (_remove(p, [settings.runs_path]) for p in paths) if p]
-    removed += [p for p in (_remove(p, list(settings.data_roots)) for p in output_paths) if p]
+    try:  # outputs are removed only inside the job's own team's areas, where it could write them (core.paths)
+        areas = team_areas(settings, job.team).write
+    except ValueError:  # a team name from before names were checked: no area, nothing removed
+        areas = []
+    removed += [p for p in (_remove(p, areas) for p in output_paths) if p]
     return {"id": job.id, "object": "job.deleted", "deleted": True, "removed": removed}

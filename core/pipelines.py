@@ -26,6 +26,7 @@ from core.db import session_scope
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.models import Job
+from core.paths import team_areas
 from core.pubsub import notify
 from core.scheduler import check_fits
 from core.settings import Settings
@@ -172,7 +173,7 @@ def _create_child(settings: Settings, session: Session, parent: Job, spec: Pipel
                   dispatch_now: bool) -> Job:
     body = child_body(parent, spec, decision.index, decision.outputs)
     try:
-        child_spec = parse_spec(body, data_roots=[str(r) for r in settings.data_roots])
+        child_spec = parse_spec(body, **team_areas(settings, parent.team).context())
     except ValidationError as err:
         raise StepError(first_error(err, f"steps.{decision.index}.spec")) from None
     key = f"pipeline:{parent.id}:{spec.steps[decision.index].name}"

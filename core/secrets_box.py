@@ -3,7 +3,7 @@
 Webhook secrets cannot be hashed like API tokens: the sender needs them to sign every message. They are sealed with
 ``cryptography``'s Fernet (AES-128-CBC + HMAC-SHA256, authenticated) under ``MultiFernet``: the first of
 ``secret_keys`` encrypts, every listed key decrypts, so a key is rotated by putting a new one first; an old key may be dropped once every
-value sealed under it has been re-sealed (``reseal``). Without configured keys the
+value sealed under it has been re-sealed (``reseal``; ``llmjobs reseal`` does it for every stored secret). Without configured keys the
 embedded setup generates one into ``<var_dir>/secret.key`` (mode 0600) on first use; deployments with several API
 hosts must set ``LLMJOBS_SECRET_KEYS`` on all of them.
 """
@@ -66,5 +66,8 @@ def unseal(key_list: list[str], stored: str) -> str:
 
 
 def reseal(key_list: list[str], stored: str) -> str:
-    """The same secret under the newest key (for rotation)."""
-    return PREFIX + _box(key_list).rotate(stored.removeprefix(PREFIX).encode()).decode()
+    """The same secret under the newest key (for rotation); ``ValueError`` when no key in force opens it."""
+    try:
+        return PREFIX + _box(key_list).rotate(stored.removeprefix(PREFIX).encode()).decode()
+    except InvalidToken as err:
+        raise ValueError("stored secret does not open with any of secret_keys") from err

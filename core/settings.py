@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Comma-separated directories every job path must stay inside; default <var_dir>/data."
     )
+    shared_data_areas: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Comma-separated directories every team may read but not write (inputs "
+                                          "only); a relative one names that directory in each data root (e.g. "
+                                          "'shared'). Each team otherwise reads and writes only <root>/teams/<team>/.")
     runs_dir: Path | None = Field(None, description="Run directories (<runs_dir>/<job_id>); default <var_dir>/runs.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -103,7 +107,7 @@ class Settings(BaseSettings):
     team_run_deadlines: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'.")
 
-    @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", mode="before")
+    @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", "shared_data_areas", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):

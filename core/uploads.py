@@ -1,6 +1,7 @@
-"""Files a team uploads over HTTP: each team's own area ``<first data root>/uploads/<team>/`` and the path rules.
+"""Files a team uploads over HTTP: ``uploads/`` inside the team's data area of the first data root
+(``core.paths.team_area``: ``<root>/teams/<team>/uploads/``), and the path rules.
 
-A job can only read inside the data roots, so an upload lands there, under the caller's team, and its server path
+A job can only read inside its team's areas, so an upload lands there, and its server path
 is what a spec then names (``input``, ``data_path``, ``tokenizer``, ``load``). The destination is a relative path
 checked word by word: no absolute path, ``..``, ``.``, empty part, backslash or control character, and no part of
 it may be an existing symbolic link (a link could point out of the area). The bytes go to a hidden temporary file
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from core.errors import ApiError
+from core.paths import team_area
 from core.settings import Settings
 
 UPLOADS = "uploads"
 MAX_PATH_CHARS = 1024
 MAX_PARTS = 32
-_TEAM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PART_PREFIX = ".upload-"
 
 
@@ -38,11 +38,12 @@ class StoredFile:
     modified_at: datetime
 
 
-def team_area(settings: Settings, team: str) -> Path:
-    """``<first data root>/uploads/<team>`` (not created here)."""
-    if not _TEAM.match(team):
-        raise ApiError(400, "bad_request", f"team {team!r} cannot own an upload area (letters, digits, . _ - only)")
-    return settings.data_roots[0] / UPLOADS / team
+def upload_area(settings: Settings, team: str) -> Path:
+    """``<team's area in the first data root>/uploads`` (not created here)."""
+    try:
+        return team_area(settings, team) / UPLOADS
+    except ValueError as err:
+        raise ApiError(400, "bad_request", str(err)) from err
 
 
 def checked_path(path: str) -> str:
@@ -72,10 +73,11 @@ def checked_path(path: str) -> str:
 def destination(settings: Settings, team: str, path: str, overwrite: bool) -> Path:
     """Where ``path`` goes for ``team``, refused when a part of it is a link, a file stands where a directory must,
     or the file exists and ``overwrite`` is false (409)."""
-    base = team_area(settings, team)
+    base = upload_area(settings, team)
     target = base.joinpath(*checked_path(path).split("/"))
-    current = settings.data_roots[0]
-    for part in (UPLOADS, team, *target.relative_to(base).parts):
+    root = settings.data_roots[0].resolve()
+    current = root
+    for part in target.relative_to(root).parts:
         current = current / part
         if current.is_symlink():
             raise ApiError(422, "validation_error", f"path: {current.name!r} is a symbolic link; uploads never follow "
@@ -142,7 +144,7 @@ class Upload:
 
 def list_files(settings: Settings, team: str, prefix: str | None = None) -> list[StoredFile]:
     """The team's uploaded files (links and unfinished uploads left out), sorted by path."""
-    base = team_area(settings, team)
+    base = upload_area(settings, team)
     root = base.joinpath(*checked_path(prefix).split("/")) if prefix else base
     if root.is_symlink() or not root.is_dir():
         return []

@@ -304,6 +304,29 @@ def create_webhook(session: Session, team: str, url: str, events: list[str], sec
     return hook, secret
 
 
+def reseal_secrets(session: Session, settings: Settings) -> int:
+    """Re-encrypt every stored webhook secret under the newest of ``secret_keys`` (after a key was put first), so
+    older keys can be dropped; a secret still in clear is sealed. All or nothing: ValueError naming the webhooks no
+    key in force opens, and nothing is changed. Returns how many were re-encrypted."""
+    key_list = secrets_box.keys(settings)
+    hooks = list(session.scalars(select(Webhook).order_by(Webhook.id)))
+    resealed: dict[str, str] = {}
+    unopened: list[str] = []
+    for hook in hooks:
+        try:
+            resealed[hook.id] = (secrets_box.reseal(key_list, hook.secret) if secrets_box.is_sealed(hook.secret)
+                                 else secrets_box.seal(key_list, hook.secret))
+        except ValueError:
+            unopened.append(hook.id)
+    if unopened:
+        raise ValueError(f"{len(unopened)} webhook secret(s) open with none of secret_keys (webhooks "
+                         f"{', '.join(unopened[:10])}); put back the key they were sealed with")
+    for hook in hooks:
+        hook.secret = resealed[hook.id]
+    session.commit()
+    return len(hooks)
+
+
 def team_webhooks(session: Session, team: str) -> list[Webhook]:
     """A team's endpoints, oldest first."""
     return list(session.scalars(select(Webhook).where(Webhook.team == team).order_by(Webhook.created_at, Webhook.id)))

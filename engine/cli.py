@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from engine.guard import check_spec
 from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
 
 log = logging.getLogger("engine")
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         run.event("warning", "ignored flags: " + " ".join(ignored), ignored=ignored)
     run.event("started", f"{kind} started", kind=kind)
     try:
+        check_spec(spec)  # the job's data areas, when a worker gave them (engine.guard)
         outputs, summary = _runner(kind)(spec, run)
     except BadInput as err:
         log.error("%s", err)

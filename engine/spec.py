@@ -5,8 +5,10 @@ Field names are MindSpeed-LLM's command-line flags in snake_case (``--tensor-mod
 knows MindSpeed knows this API and ``python -m engine <kind>`` maps flag for flag (see ``engine.flags``).
 The only nested objects are ``resources`` and ``metadata`` (and a pipeline's ``steps``).
 
-Path fields are checked against the configured data roots when the spec is validated with
-``context={"data_roots": [...]}`` (the API does this); the engine, run standalone, trusts its user.
+Path fields are checked against the caller's data areas when the spec is validated with
+``context={"data_roots": [...], "read_roots": [...]}`` (the API does this with the team's areas, ``core.paths``):
+outputs only inside ``data_roots``, inputs also inside ``read_roots``. The engine, run standalone, trusts its user;
+run by a worker it re-checks every path right before opening it (``engine.guard``).
 This module must not import torch.
 """
 
@@ -38,11 +40,13 @@ from engine.checkpoint.retention import metric_name
 # ---------------------------------------------------------------- field types
 
 
-def _resolve_in_roots(value: str | None, info: ValidationInfo) -> str | None:
-    """Resolve ``value`` and refuse it unless it stays inside one of the context's data roots."""
+def _resolve_in_roots(value: str | None, info: ValidationInfo, *, output: bool = False) -> str | None:
+    """Resolve ``value`` and refuse it unless it stays inside one of the context's data roots (the caller's areas;
+    an input may also be inside ``read_roots``, the shared read-only areas). Relative paths start at the first root."""
     if value is None or not info.context or info.context.get("data_roots") is None:
         return value
     roots = [Path(r).resolve() for r in info.context["data_roots"]]
+    readable = [] if output else [Path(r).resolve() for r in info.context.get("read_roots") or ()]
     if not roots:
         raise ValueError("no data roots are configured, so no path is allowed")
     raw = Path(value)
@@ -50,13 +54,25 @@ def _resolve_in_roots(value: str | None, info: ValidationInfo) -> str | None:
         raise ValueError(f"path {value!r} must not contain '..'")
     candidate = raw if raw.is_absolute() else roots[0] / raw
     resolved = candidate.resolve()  # follows symlinks, so a link pointing outside is caught below
-    if not any(resolved == r or r in resolved.parents for r in roots):
-        raise ValueError(f"path {value!r} resolves outside the data roots ({', '.join(map(str, roots))})")
+    if not within(resolved, [*roots, *readable]):
+        where = ", ".join(map(str, roots)) + (f"; or, to read, {', '.join(map(str, readable))}" if readable else "")
+        what = "an output" if output else "a path"
+        raise ValueError(f"{what} {value!r} resolves outside your data area ({where})")
     return str(resolved)
 
 
+def within(path: Path, roots: list[Path]) -> bool:
+    """Whether ``path`` (resolved) is one of ``roots`` or below one."""
+    return any(path == r or r in path.parents for r in roots)
+
+
 DataPath = Annotated[str, AfterValidator(_resolve_in_roots)]
-"""A filesystem path a job reads or writes; must resolve inside the data roots when submitted over the API."""
+"""A filesystem path a job reads; must resolve inside the caller's areas (or a shared read-only one) when submitted
+over the API."""
+
+
+def _resolve_output(value: str | None, info: ValidationInfo) -> str | None:
+    return _resolve_in_roots(value, info, output=True)
 
 
 def _output_below_root(value: str | None, info: ValidationInfo) -> str | None:
@@ -65,12 +81,12 @@ def _output_below_root(value: str | None, info: ValidationInfo) -> str | None:
     if value is None or not info.context or info.context.get("data_roots") is None:
         return value
     if any(Path(value) == Path(r).resolve() for r in info.context["data_roots"]):
-        raise ValueError(f"path {value!r} is a data root itself; name a file or directory inside it")
+        raise ValueError(f"path {value!r} is your data area itself; name a file or directory inside it")
     return value
 
 
-OutputPath = Annotated[str, AfterValidator(_resolve_in_roots), AfterValidator(_output_below_root)]
-"""A path a job writes: a ``DataPath`` strictly below a data root."""
+OutputPath = Annotated[str, AfterValidator(_resolve_output), AfterValidator(_output_below_root)]
+"""A path a job writes: strictly below one of the caller's own areas (never a shared read-only one)."""
 
 
 def _split_list(value: Any) -> Any:
@@ -645,6 +661,7 @@ class PipelineSpec(JobBase):
     @model_validator(mode="after")
     def _check_steps(self, info: ValidationInfo) -> PipelineSpec:
         roots = (info.context or {}).get("data_roots") if info.context else None
+        read_roots = (info.context or {}).get("read_roots") if info.context else None
         names = [s.name for s in self.steps]
         earlier: list[str] = []
         for i, step in enumerate(self.steps):
@@ -663,7 +680,7 @@ class PipelineSpec(JobBase):
             placeheld = substitute_references(
                 step.spec, functools.partial(_placeholder_path, base))
             try:
-                parse_spec(placeheld, data_roots=roots)
+                parse_spec(placeheld, data_roots=roots, read_roots=read_roots)
             except ValidationError as err:
                 raise ValueError(first_error(err, where)) from None
             earlier.append(step.name)
@@ -693,9 +710,11 @@ def spec_to_json(spec: JobBase) -> dict[str, Any]:
     return data
 
 
-def parse_spec(data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None) -> JobBase:
-    """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them."""
-    context = {"data_roots": data_roots} if data_roots is not None else None
+def parse_spec(data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None,
+               read_roots: list[str] | None = None) -> JobBase:
+    """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them (inputs may also
+    resolve inside ``read_roots``); relative paths start at the first of ``data_roots``."""
+    context = {"data_roots": data_roots, "read_roots": read_roots or []} if data_roots is not None else None
     if isinstance(data, (str, bytes)):
         return _adapter.validate_json(data, context=context)
     return _adapter.validate_python(data, context=context)

@@ -94,3 +94,10 @@ def race_claims(settings: Settings, job_id: str, workers: int) -> list[str]:
     for t in threads:
         t.join()
     return wins
+
+
+def team_dir(settings: Settings, team: str) -> Path:
+    """``team``'s data area in the first data root (created): relative spec paths of its jobs start here."""
+    from core.paths import ensure_team_areas
+
+    return ensure_team_areas(settings, team).write[0]

@@ -28,6 +28,7 @@ from core.db import session_scope
 from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
 from core.nodes import move_nodes
+from core.paths import team_areas
 from core.pipelines import advance_parent
 from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
@@ -60,6 +61,7 @@ class NodeWork:
     devices: list[int]
     master_addr: str
     master_port: int
+    team: str = ""
 
 
 def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> NodeWork | None:
@@ -76,10 +78,12 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
         node = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
                                                      JobNode.node_rank == node_rank)).one()
         return NodeWork(node.id, job_id, attempt, node_rank, int(job.spec["resources"]["nnodes"]), job.spec,
-                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port)
+                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port, job.team)
 
 
-def node_plan(work: NodeWork) -> LaunchPlan:
+def node_plan(work: NodeWork, settings: Settings | None = None) -> LaunchPlan:
+    """The engine's command line and environment for this node; with ``settings``, the job's team areas too (the
+    engine re-checks every path inside them right before opening it, ``engine.guard``)."""
     spec = parse_spec(work.spec)
     rdzv = Rendezvous(work.master_addr, work.master_port, work.node_rank) if work.nnodes > 1 else None
     devices = work.devices if spec.resources.device_type != "cpu" else None
@@ -87,6 +91,8 @@ def node_plan(work: NodeWork) -> LaunchPlan:
     plan.env[NODE_ENV] = node_token(work.job_id, work.attempt, work.node_rank)  # how leases.py finds them all
     plan.env["LLMJOBS_NODE_RANK"] = str(work.node_rank)
     plan.env["LLMJOBS_DEVICES"] = ",".join(str(d) for d in work.devices)  # on CPU: the leased slots
+    if settings is not None:
+        plan.env.update(team_areas(settings, work.team).env())
     return plan
 
 
@@ -246,7 +252,7 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         write_spec(work.run_dir, work.spec)
         ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url) \
             if work.node_rank == 0 else None
-        plan = node_plan(work)
+        plan = node_plan(work, settings)
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
         return launch_failed(settings, work, err)

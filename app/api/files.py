@@ -52,7 +52,7 @@ async def upload_file(
     if replaced:
         response.status_code = 200
     stat = target.stat()
-    return FilePublic(path=target.relative_to(uploads.team_area(settings, principal.team)).as_posix(),
+    return FilePublic(path=target.relative_to(uploads.upload_area(settings, principal.team)).as_posix(),
                       server_path=str(target), size_bytes=upload.size, sha256=upload.digest.hexdigest(),
                       modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc))
 

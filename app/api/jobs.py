@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
-from core import admission, checkpoints, job_delete, pipelines, records
+from core import admission, checkpoints, job_delete, paths, pipelines, records
 from core import jobs as service
 from core.errors import ApiError
 from core.pubsub import notify
@@ -27,11 +27,12 @@ ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token
 SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}}
 
 
-def parse_request_spec(raw: Any, data_roots: list[str]) -> JobBase:
+def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
+    """The spec of a request body, every path resolved inside the caller's areas (``core.paths``)."""
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
     admission.check_fields(raw)  # unknown kind or field: "did you mean", before the schema's bare error
-    return parse_spec(raw, data_roots=data_roots)
+    return parse_spec(raw, **areas.context())
 
 
 @router.post("", status_code=201, response_model=JobPublic, openapi_extra=SPEC_BODY,
@@ -48,7 +49,11 @@ async def create_job(
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
     raw = await run_in_threadpool(checkpoints.expand_references, session, principal, raw)  # {"job", "iteration"}
-    spec = parse_request_spec(raw, [str(r) for r in settings.data_roots])
+    try:
+        areas = paths.ensure_team_areas(settings, principal.team)
+    except ValueError as err:  # a team name that cannot name a directory (tokens made before names were checked)
+        raise ApiError(403, "forbidden", f"{err}; ask an admin for a token of a valid team", None) from None
+    spec = parse_request_spec(raw, areas)
     check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
     if created:
@@ -59,7 +64,7 @@ async def create_job(
 
 
 def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
-    admission.check_admissible(spec, settings)  # what the engine would refuse before its first step (reads files)
+    admission.check_admissible(spec, settings, team)  # what the engine would refuse before its first step (reads files)
     admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)

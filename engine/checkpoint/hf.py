@@ -328,7 +328,9 @@ def copy_tokenizer(src: str | os.PathLike[str], out_dir: str | os.PathLike[str])
     copied = []
     for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():
-            shutil.copy2(src_dir / name, Path(out_dir) / name)
+            tmp = Path(out_dir) / f".{name}.tmp{os.getpid()}"
+            shutil.copy2(src_dir / name, tmp)
+            os.replace(tmp, Path(out_dir) / name)  # a symlink planted at the name is replaced, never written through
             copied.append(name)
     return copied
 

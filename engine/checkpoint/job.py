@@ -27,6 +27,7 @@ from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.dtypes import DTYPES
 from engine.model.config import ModelConfig
 from engine.model.lora import resolve_targets
+from engine.guard import check_output
 from engine.runfiles import BadInput, RunDir
 from engine.spec import ConvertSpec
 
@@ -198,6 +199,7 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
     cfg, source = _open_source(spec, run)
     dtype = DTYPES[spec.params_dtype] if spec.params_dtype else as_getter(source)(FINAL_NORM).dtype
     progress = _Progress(run, "tensors")
+    check_output("save_dir", spec.save_dir)  # right before writing (engine.guard)
     try:
         if spec.save_lora_to_hf:
             out, files = _to_adapter(spec, cfg, source, dtype)

@@ -74,7 +74,9 @@ def save_peft_adapter(modules: list[str], get: Callable[[str], torch.Tensor], cf
         "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
         "use_rslora": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
     }
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp = out / ".adapter_config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / "adapter_config.json")  # a symlink planted at the name is replaced, never written through
     return out
 
 

@@ -34,6 +34,7 @@ from engine.data.indexed import INSTRUCTION_FIELDS, IndexedDatasetWriter, bounda
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
 from engine.data.tokenizer import load_tokenizer
+from engine.guard import check_output
 from engine.runfiles import BadInput, RunDir
 from engine.spec import PreprocessSpec
 
@@ -102,7 +103,7 @@ class _Outputs:
     """Indexed-dataset writers under a hidden temporary directory; ``commit`` renames them into place."""
 
     def __init__(self, output_prefix: str, names: list[str], stale: list[str]):
-        final = Path(output_prefix)
+        final = check_output("output_prefix", output_prefix)  # right before writing (engine.guard)
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_partials(final)
         self.tmp = final.parent / f".{final.name}.partial-{os.getpid()}"

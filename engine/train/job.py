@@ -35,6 +35,7 @@ from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
+from engine.guard import check_output
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
@@ -242,6 +243,8 @@ class Trainer:
             "metrics": self.step_metrics.pop(iteration, {}),  # what keep_best_by compares
         }
         optimizer = None if spec.no_save_optim else self.optimizer
+        if spec.save:
+            check_output("save", spec.save)  # right before writing (engine.guard)
         path = dcp.save(self.plan.save, iteration, self.runner.module, optimizer, meta, trainable_only=self.lora,
                         save_rng=not spec.no_save_rng)
         self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
@@ -297,6 +300,8 @@ class Trainer:
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
         metrics.close()
+        if spec.save:
+            check_output("save", spec.save)
         outputs = export_final(self.runner, self.mesh, plan.cfg, spec, plan.save, self.state.iteration, self.dtype)
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir

@@ -95,7 +95,7 @@ def pipeline_body() -> dict[str, Any]:
 def test_five_step_pipeline_end_to_end(service: tuple[str, str, Path], qwen_tokenizer_dir: Path,
                                        receiver: tuple[str, list[tuple[dict[str, str], bytes]]]) -> None:
     url, token, var = service
-    pipe = var / "data" / "pipe"
+    pipe = var / "data" / "teams" / "default" / "pipe"  # the serve admin token's team area
     shutil.copytree(qwen_tokenizer_dir, pipe / "tok")
     write_jsonl(pipe / "train.jsonl", intent_samples(32, seed=1))
     write_jsonl(pipe / "test.jsonl", intent_samples(8, seed=2))

@@ -114,7 +114,7 @@ def _job_processes(job_id: str) -> list[psutil.Process]:
 
 
 def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
-    big = service.var / "data" / "demo" / "big_train.jsonl"
+    big = service.var / "data" / "teams" / "default" / "demo" / "big_train.jsonl"
     write_jsonl(big, intent_samples(300_000))  # minutes of tokenizing: it is still at work when cancelled
     body, _ = readme_example()
     body = {**body, "input": "demo/big_train.jsonl", "output_prefix": "demo/out/big", "workers": 2, "log_interval": 2000}
@@ -147,7 +147,7 @@ def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
 
 
 def test_bad_input_fails_once_with_message_and_log_tail(service: Service) -> None:
-    broken = service.var / "data" / "demo" / "broken.jsonl"
+    broken = service.var / "data" / "teams" / "default" / "demo" / "broken.jsonl"
     write_jsonl(broken, intent_samples(5))
     with open(broken, "a") as f:
         f.write("{this is not json\n")

@@ -22,6 +22,7 @@ import train_support
 from core.db import session_scope
 from core.jobs import create_job
 from core.models import Event, Job, LogLine
+from core.paths import team_areas
 from core.reconciler import reconcile_once
 from core.settings import Settings
 from core.states import JobState
@@ -43,7 +44,7 @@ def train_spec(data: str, **overrides: Any) -> dict[str, Any]:
 
 def submit(settings: Settings, raw: dict[str, Any], team: str = "t") -> str:
     with session_scope(settings.database_url) as session:
-        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw, [str(r) for r in settings.data_roots]),
+        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw, **team_areas(settings, team).context()),
                             raw=raw)
         return job.id
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from cli.demo import prepare_demo
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token, team_dir
 from sched_support import log_text, start_worker, stop_worker, wait_terminal
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -27,7 +27,7 @@ def example(name: str) -> dict[str, Any]:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path)
-    prepare_demo(settings.data_roots[0])
+    prepare_demo(team_dir(settings, "demo"))
     return settings
 
 
@@ -38,12 +38,12 @@ def api(settings: Settings) -> Iterator[tuple[TestClient, dict[str, str]]]:
 
 
 def test_the_demo_has_a_test_split_and_a_tiny_model(settings: Settings) -> None:
-    demo = settings.data_roots[0] / "demo"
+    demo = team_dir(settings, "demo") / "demo"
     assert len((demo / "intent_test.jsonl").read_text().splitlines()) == 40
     config = json.loads((demo / "qwen3-tiny" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 151936
     assert (demo / "qwen3-tiny" / "tokenizer.json").is_file()
-    assert prepare_demo(settings.data_roots[0]) == demo  # a second start changes nothing
+    assert prepare_demo(team_dir(settings, "demo")) == demo  # a second start changes nothing
 
 
 def test_examples_needing_only_the_demo_are_accepted(api: tuple[TestClient, dict[str, str]]) -> None:

@@ -21,7 +21,7 @@ from core.db import session_scope
 from core.jobs import transition
 from core.models import Host, LogLine, MetricPoint
 from core.states import JobState
-from core_support import auth, isolated_settings, make_job, make_token
+from core_support import auth, isolated_settings, make_job, make_token, team_dir
 from engine.runfiles import RunDir
 from outage_support import private_postgres
 from sched_support import start_worker, stop_worker
@@ -36,8 +36,8 @@ BODY = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "to
 def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path) -> None:
     with private_postgres() as pg:
         settings = isolated_settings(tmp_path, pg.url, reconcile_interval_s=1)
-        (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-        (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
+        (team_dir(settings, "t") / "in.jsonl").write_text("{}\n")
+        (team_dir(settings, "t") / "tok").mkdir()  # admission wants a tokenizer directory
         headers = auth(make_token(settings, "t"))
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             before = client.post("/v1/jobs", json=BODY, headers=headers)

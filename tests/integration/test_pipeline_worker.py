@@ -17,7 +17,7 @@ from app.main import create_app
 from core.db import session_scope
 from core.models import Job, MetricPoint
 from core.settings import Settings
-from core_support import auth, fresh_postgres_database, isolated_settings, make_token
+from core_support import auth, fresh_postgres_database, isolated_settings, make_token, team_dir
 from sched_support import (
     job_processes,
     job_row,
@@ -55,8 +55,8 @@ def submit(client: TestClient, headers: dict[str, str], steps: list[dict[str, An
 
 
 def tiny_data(settings: Settings) -> str:
-    (settings.data_roots[0] / "tiny").mkdir(parents=True, exist_ok=True)
-    return write_tiny_data(settings.data_roots[0] / "tiny" / "d")
+    (team_dir(settings, "t") / "tiny").mkdir(parents=True, exist_ok=True)
+    return write_tiny_data(team_dir(settings, "t") / "tiny" / "d")
 
 
 def metric_count(settings: Settings, job_id: str) -> int:
@@ -101,7 +101,7 @@ def test_continue_skips_only_the_steps_that_need_a_failed_one(settings: Settings
     client, headers = api
     data = tiny_data(settings)
     for suffix in (".bin", ".idx"):  # passes admission (the files exist), fails in the engine (not a dataset)
-        (settings.data_roots[0] / "tiny" / f"corrupt_text_document{suffix}").write_bytes(b"not an index")
+        (team_dir(settings, "t") / "tiny" / f"corrupt_text_document{suffix}").write_bytes(b"not an index")
     steps = [
         {"name": "broken", "spec": train_spec("tiny/corrupt", save="tiny/broken", max_restarts=0)},
         {"name": "fine", "spec": train_spec(data, train_iters=2, save="tiny/fine")},
@@ -115,4 +115,4 @@ def test_continue_skips_only_the_steps_that_need_a_failed_one(settings: Settings
     assert broken.error_code == "bad_input" and broken.attempt_count == 1  # a user error is never retried
     assert done.state == "failed" and done.error_message == "steps failed: broken; skipped: needs_broken"
     assert metric_count(settings, view["steps"][1]["job_id"]) > 0
-    assert done.result["outputs"]["fine.checkpoint"] == str(settings.data_roots[0] / "tiny" / "fine")
+    assert done.result["outputs"]["fine.checkpoint"] == str(team_dir(settings, "t") / "tiny" / "fine")

@@ -17,7 +17,7 @@ from app.main import create_app
 from core.db import get_engine, session_scope
 from core.models import Base, Job, MetricPoint
 from core.settings import Settings
-from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims, team_dir
 from engine.runfiles import RunDir
 from worker.ingest import RunIngestor
 
@@ -33,8 +33,6 @@ def pg_database(postgres_url: str) -> Iterator[str]:
 @pytest.fixture
 def settings(tmp_path: Path, pg_database: str) -> Settings:
     settings = isolated_settings(tmp_path, database_url=pg_database)
-    (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    (settings.data_roots[0] / "tok").mkdir()  # admission: the tokenizer directory must exist
     return settings
 
 
@@ -46,6 +44,8 @@ def test_migrations_match_models_on_postgres(settings: Settings) -> None:
 def test_api_on_postgres(settings: Settings) -> None:
     team = f"team-{uuid.uuid4().hex[:6]}"
     token = make_token(settings, team)
+    (team_dir(settings, team) / "in.jsonl").write_text("{}\n")
+    (team_dir(settings, team) / "tok").mkdir()  # admission: the tokenizer directory must exist
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     with TestClient(create_app(settings, reconcile=False)) as client:
         ids = [client.post("/v1/jobs", json={**body, "metadata": {"exp": str(i % 2)}}, headers=auth(token)).json()["id"]

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from core.db import session_scope
 from core.models import Event, JobNode, Lease
-from core_support import isolated_settings
+from core_support import isolated_settings, team_dir
 from sched_support import (
     checkpoints,
     job_processes,
@@ -41,8 +41,8 @@ def _rank(job_id: str, local_rank: str) -> psutil.Process:
 
 def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
-    data = write_tiny_data(settings.data_roots[0] / "tiny")
-    spec = train_spec(data, train_iters=100, save_interval=10, save=str(settings.data_roots[0] / "ckpt"),
+    data = write_tiny_data(team_dir(settings, "t") / "tiny")
+    spec = train_spec(data, train_iters=100, save_interval=10, save=str(team_dir(settings, "t") / "ckpt"),
                       max_restarts=1, resources={"nproc_per_node": 2})
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
@@ -66,7 +66,7 @@ def test_two_of_three_run_at_once_and_deadlines_free_their_slots(tmp_path: Path)
     """3 jobs of 2 CPU slots on a 4-slot host: 2 run at once, the third waits with a reason; each run deadline stops
     its job, and the devices it frees (once its processes are gone) start the third."""
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3, cancel_grace_s=2)
-    data = write_tiny_data(settings.data_roots[0] / "tiny")
+    data = write_tiny_data(team_dir(settings, "t") / "tiny")
     spec = train_spec(data, train_iters=100000, run_deadline_s=6, max_restarts=3, resources={"nproc_per_node": 2})
     worker = start_worker(settings, "h1", 4, tmp_path / "h1.log")
     try:

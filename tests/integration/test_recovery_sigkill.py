@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from core.db import session_scope
 from core.messaging import send_run_node
 from core.models import Attempt, Event, JobNode, Lease
-from core_support import isolated_settings
+from core_support import isolated_settings, team_dir
 from sched_support import (
     checkpoints,
     job_processes,
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.slow
 
 def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
-    data = write_tiny_data(settings.data_roots[0] / "tiny")
-    spec = train_spec(data, train_iters=120, save_interval=10, save=str(settings.data_roots[0] / "ckpt"),
+    data = write_tiny_data(team_dir(settings, "t") / "tiny")
+    spec = train_spec(data, train_iters=120, save_interval=10, save=str(team_dir(settings, "t") / "ckpt"),
                       max_restarts=2, resources={"nproc_per_node": 2})
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
@@ -71,7 +71,7 @@ def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> No
 
 def test_redelivered_message_does_not_start_a_second_run(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
-    data = write_tiny_data(settings.data_roots[0] / "tiny")
+    data = write_tiny_data(team_dir(settings, "t") / "tiny")
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
         with reconciler(settings):

@@ -24,9 +24,10 @@ from core.db import session_scope
 from core.dispatch import dispatch
 from core.jobs import create_job, transition
 from core.models import Host, Job, LogLine
+from core.paths import team_areas
 from core.pubsub import notify
 from core.states import JobState
-from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, team_dir
 from engine.spec import parse_spec
 
 pytestmark = pytest.mark.redis
@@ -80,10 +81,10 @@ def test_worker_runs_a_job_with_postgres_and_redis_broker(production_env: dict[s
     settings = isolated_settings(Path(production_env["LLMJOBS_VAR_DIR"]), production_env["LLMJOBS_DATABASE_URL"],
                                  broker_url=production_env["LLMJOBS_BROKER_URL"], redis_url=production_env["LLMJOBS_REDIS_URL"],
                                  queue_prefix=production_env["LLMJOBS_QUEUE_PREFIX"])
-    prepare_demo(settings.data_roots[0])
+    prepare_demo(team_dir(settings, "prod"))
     raw = demo_spec()
     with session_scope(settings.database_url) as session:
-        job, _ = create_job(session, settings=settings, team="prod", spec=parse_spec(raw, [str(settings.data_roots[0])]), raw=raw)
+        job, _ = create_job(session, settings=settings, team="prod", spec=parse_spec(raw, **team_areas(settings, "prod").context()), raw=raw)
     assert dispatch(settings, job.id, job.queue)  # the message waits in Redis until a worker starts
     worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--host", "pg-redis-host", "--concurrency", "1"],
                               env={**os.environ, **production_env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 from core.db import session_scope
 from core.models import Job, JobNode, WebhookDelivery
 from core.settings import Settings
-from core_support import auth, fresh_postgres_database, isolated_settings, make_token
+from core_support import auth, fresh_postgres_database, isolated_settings, make_token, team_dir
 from sched_support import start_worker, stop_worker, worker_env
 from service_support import free_port
 
@@ -108,7 +108,7 @@ def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Setting
                                                                  received: tuple[str, Counter[str]],
                                                                  qwen_tokenizer_dir: Path) -> None:
     hook_url, ids = received
-    data = settings.data_roots[0]
+    data = team_dir(settings, "t")
     shutil.copytree(qwen_tokenizer_dir, data / "tok")
     (data / "in.jsonl").write_text("".join(f'{{"text": "line {i} of the replica test"}}\n' for i in range(20)))
     headers = auth(make_token(settings, "t"))

@@ -23,7 +23,7 @@ from core.reconciler import reconcile_once
 from core.recovery import recover
 from core.scheduler import schedule
 from core.settings import Settings
-from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token
+from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, team_dir
 from worker.leases import release_node
 from worker.node import claim_node
 
@@ -131,8 +131,8 @@ def test_team_limit(tmp_path: Path, db_url: str | None) -> None:
 def test_never_fits_is_refused_and_hosts_show_holders(settings: Settings) -> None:
     add_host(settings, "h1", 4)
     add_host(settings, "h2", 2)
-    (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    (settings.data_roots[0] / "tok").mkdir()  # admission: the tokenizer directory must exist
+    (team_dir(settings, "t") / "in.jsonl").write_text("{}\n")
+    (team_dir(settings, "t") / "tok").mkdir()  # admission: the tokenizer directory must exist
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     token, other = make_token(settings, "t"), make_token(settings, "other")
     with TestClient(create_app(settings, reconcile=False)) as client:

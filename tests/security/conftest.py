@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from security_support import Receiver, serve_receiver
+from security_support import Receiver, give_inputs, serve_receiver
 
 from app.main import create_app
 from core.settings import Settings
@@ -23,8 +23,8 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path, webhook_settle_s=0, webhook_backoff_s=0.1)
-    (settings.data_roots[0] / "in.jsonl").write_text('{"text": "hi"}\n')  # inputs must exist at submission
-    (settings.data_roots[0] / "tok").mkdir()
+    for team in ("alpha", "beta"):
+        give_inputs(settings, team)
     return settings
 
 

@@ -1,4 +1,4 @@
-"""Helpers of the security suite: a loopback HTTP receiver and a finished job."""
+"""Helpers of the security suite: a loopback HTTP receiver, a finished job, a team's inputs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from core.db import session_scope
 from core.jobs import transition
 from core.settings import Settings
 from core.states import JobState
-from core_support import make_job
+from core_support import make_job, team_dir
 
 
 @dataclass
@@ -57,3 +58,11 @@ def finish_job(settings: Settings, team: str) -> str:
         transition(session, job_id, JobState.running)
         transition(session, job_id, JobState.succeeded, result={"outputs": {}})
     return job_id
+
+
+def give_inputs(settings: Settings, team: str) -> Path:
+    """``in.jsonl`` and a ``tok`` directory in ``team``'s data area (inputs must exist at submission); returns it."""
+    area = team_dir(settings, team)
+    (area / "in.jsonl").write_text('{"text": "hi"}\n')
+    (area / "tok").mkdir(exist_ok=True)
+    return area

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from security_support import give_inputs
 
 from app.main import create_app
 from core.settings import Settings
@@ -37,8 +38,6 @@ def database_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str | None) -> Settings:
     settings = isolated_settings(tmp_path, database_url=database_url)
-    (settings.data_roots[0] / "in.jsonl").write_text('{"text": "hi"}\n')  # inputs must exist at submission
-    (settings.data_roots[0] / "tok").mkdir()
     return settings
 
 
@@ -51,6 +50,7 @@ def client(settings: Settings) -> Iterator[TestClient]:
 @pytest.fixture
 def team(settings: Settings) -> tuple[str, str]:
     name = f"t{uuid.uuid4().hex[:8]}"
+    give_inputs(settings, name)
     return name, make_token(settings, name)
 
 

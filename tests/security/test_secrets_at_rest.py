@@ -9,6 +9,7 @@ import hmac
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from cryptography.fernet import Fernet
 from fastapi.testclient import TestClient
@@ -97,3 +98,26 @@ def test_api_tokens_stay_hashed(tmp_path: Path) -> None:
         rows = session.scalars(sa.select(ApiToken)).all()
     assert [r.token_hash for r in rows] == [hashlib.sha256(token.encode()).hexdigest()]
     assert all(token not in str(value) for r in rows for value in vars(r).values())
+
+
+def test_llmjobs_reseal_moves_every_secret_to_the_newest_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import cli
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    settings = isolated_settings(tmp_path, webhook_allowed_hosts=["127.0.0.1"], secret_keys=[old])
+    secrets = [_register(settings, f"http://127.0.0.1:9/hook{i}")["secret"] for i in range(2)]
+    for key, value in {"VAR_DIR": str(settings.var_dir), "DATABASE_URL": settings.database_url,
+                       "SECRET_KEYS": f"{new},{old}"}.items():
+        monkeypatch.setenv(f"LLMJOBS_{key}", value)
+    result = CliRunner().invoke(cli, ["reseal"])
+    assert result.exit_code == 0 and "re-encrypted 2 webhook secret(s)" in result.output, result.output
+    with session_scope(settings.database_url) as session:
+        stored = list(session.scalars(sa.select(Webhook.secret).order_by(Webhook.url)))
+    assert [secrets_box.unseal([new], s) for s in stored] == secrets  # the old key may now be dropped
+    monkeypatch.setenv("LLMJOBS_SECRET_KEYS", Fernet.generate_key().decode())  # a key list that opens nothing
+    refused = CliRunner().invoke(cli, ["reseal"])
+    assert refused.exit_code == 1 and "open with none of secret_keys" in refused.output
+    with session_scope(settings.database_url) as session:  # all or nothing: unchanged
+        assert list(session.scalars(sa.select(Webhook.secret).order_by(Webhook.url))) == stored

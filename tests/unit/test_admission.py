@@ -11,14 +11,19 @@ from fastapi.testclient import TestClient
 
 from core.admission import suggest
 from core.settings import Settings
-from core_support import auth, isolated_settings
+from core_support import auth, isolated_settings, team_dir
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path, max_train_iters=10_000, max_train_tokens=10**9,
                                  default_run_deadline_s=3600, team_run_deadlines="beta=60")
-    data = settings.data_roots[0]
+    for team in ("alpha", "beta"):
+        _inputs(team_dir(settings, team))
+    return settings
+
+
+def _inputs(data: Path) -> None:
     (data / "in.jsonl").write_text('{"text": "hi"}\n')
     (data / "tok").mkdir()
     (data / "tok" / "tokenizer.json").write_text("{}")
@@ -31,7 +36,6 @@ def settings(tmp_path: Path) -> Settings:
     (data / "broken").mkdir()
     (data / "broken" / "config.json").write_text("{not json")
     (data / "empty").mkdir()
-    return settings
 
 
 def train(**extra: Any) -> dict[str, Any]:

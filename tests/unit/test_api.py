@@ -16,15 +16,16 @@ from core.jobs import transition
 from core.models import ApiToken, Event, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
-from core_support import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token, team_dir
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path, max_body_bytes=4096)
-    data = settings.data_roots[0]
-    (data / "in.jsonl").write_text('{"text": "hi"}\n')
-    (data / "tok").mkdir()
+    for team in ("alpha", "beta", "ops"):
+        data = team_dir(settings, team)
+        (data / "in.jsonl").write_text('{"text": "hi"}\n')
+        (data / "tok").mkdir()
     return settings
 
 
@@ -54,7 +55,7 @@ def test_submit_resolves_paths_and_queues(client: TestClient, token: str, settin
     assert response.status_code == 201, response.text
     job = response.json()
     assert job["state"] == "queued" and job["kind"] == "preprocess" and job["team"] == "alpha"
-    assert job["spec"]["input"] == str(settings.data_roots[0] / "in.jsonl")
+    assert job["spec"]["input"] == str(team_dir(settings, "alpha") / "in.jsonl")
     assert job["run_dir"] == str(settings.runs_path / job["id"])
     assert job["pending_reason"]
 
@@ -110,7 +111,7 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
 
 @pytest.mark.parametrize(("body", "field", "text"), [
     (spec(input="../etc/passwd"), "input", "'..'"),
-    (spec(input="/etc/passwd"), "input", "outside the data roots"),
+    (spec(input="/etc/passwd"), "input", "outside your data area"),
     (spec(bogus=1), "bogus", "unknown field"),
     (spec(workers=0), "workers", "greater than or equal to 1"),
     (spec(resources={"nproc_per_node": 0}), "resources.nproc_per_node", "greater than or equal to 1"),
@@ -132,7 +133,7 @@ def test_validation_errors_name_the_field(client: TestClient, token: str, body: 
 def test_symlink_escape_is_refused(client: TestClient, token: str, settings: Settings, tmp_path: Path) -> None:
     outside = tmp_path / "secret.jsonl"
     outside.write_text("{}\n")
-    (settings.data_roots[0] / "link.jsonl").symlink_to(outside)
+    (team_dir(settings, "alpha") / "link.jsonl").symlink_to(outside)
     response = submit(client, token, spec(input="link.jsonl"))
     assert response.status_code == 422
     assert response.json()["field"] == "input"

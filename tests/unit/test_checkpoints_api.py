@@ -12,7 +12,7 @@ from sqlalchemy import insert, update
 from core.db import session_scope
 from core.models import Job, MetricPoint
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_job, make_token
+from core_support import auth, isolated_settings, make_job, make_token, team_dir
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def settings(tmp_path: Path) -> Settings:
 def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     from app.main import create_app
 
-    save = settings.data_roots[0] / "ckpt"
+    save = team_dir(settings, "alpha") / "ckpt"
     for it, optimizer in ((10, True), (20, False)):
         state = save / "train_state" / f"iter_{it:07d}"
         state.mkdir(parents=True)
@@ -42,8 +42,8 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
         data = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
         other = api.get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(make_token(settings, "beta")))
-        (settings.data_roots[0] / "tok").mkdir()
-        (settings.data_roots[0] / "test.jsonl").write_text("{}\n")
+        (team_dir(settings, "alpha") / "tok").mkdir()
+        (team_dir(settings, "alpha") / "test.jsonl").write_text("{}\n")
         evaluate = {"kind": "eval", "load": {"job": job_id, "iteration": 20}, "tokenizer_name_or_path": "tok",
                     "eval_data_path": "test.jsonl"}
         accepted = api.post("/v1/jobs", json=evaluate)

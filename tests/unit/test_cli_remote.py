@@ -21,7 +21,7 @@ from core.jobs import transition
 from core.models import Artifact, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
-from core_support import auth, isolated_settings, make_job, make_token
+from core_support import auth, isolated_settings, make_job, make_token, team_dir
 from llmjobs import Client
 
 
@@ -109,7 +109,7 @@ def test_delete_a_finished_job_not_a_running_one(api: TestClient, settings: Sett
     job_id = finished_job(settings)
     run_dir = settings.runs_path / job_id
     (run_dir / "logs").mkdir(parents=True)
-    output = settings.data_roots[0] / "out" / "model"
+    output = team_dir(settings, "alpha") / "out" / "model"
     output.mkdir(parents=True)
     (output / "w.bin").write_bytes(b"1")
     outside = settings.var_dir / "keep.txt"

@@ -16,7 +16,7 @@ from core.dispatch import dispatch_new
 from core.models import Job, utcnow
 from core.reconciler import reconcile_once
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_job, make_token
+from core_support import auth, isolated_settings, make_job, make_token, team_dir
 
 
 def _broker_messages(settings: Settings) -> int:
@@ -68,8 +68,8 @@ def test_dispatch_new_sends_each_new_job_once(tmp_path: Path) -> None:
 
 def test_submission_returns_before_scheduling_and_the_loop_dispatches(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, reconcile_interval_s=60)
-    (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
+    (team_dir(settings, "t") / "in.jsonl").write_text("{}\n")
+    (team_dir(settings, "t") / "tok").mkdir()  # admission wants a tokenizer directory
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     with TestClient(create_app(settings, reconcile=False)) as client:
         job = client.post("/v1/jobs", json=body, headers=auth(make_token(settings, "t"))).json()

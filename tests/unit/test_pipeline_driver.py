@@ -18,13 +18,13 @@ from core.models import Job
 from core.recovery import recover
 from core.settings import Settings
 from core.states import JobState
-from core_support import auth, isolated_settings
+from core_support import auth, isolated_settings, team_dir
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path)
-    data = settings.data_roots[0]
+    data = team_dir(settings, "alpha")
     (data / "in.jsonl").write_text('{"text": "hi"}\n')
     (data / "tok").mkdir()
     (data / "hf").mkdir()  # what admission reads of an HF model: config.json beside safetensors
@@ -100,7 +100,7 @@ def test_steps_run_in_order_with_references_resolved(client: TestClient, token: 
     assert [s["state"] for s in pipeline["steps"]] == ["queued", "pending", "pending", "pending"]
     assert wait_for(lambda: get(client, token, pipeline["id"])["pending_reason"],
                     lambda reason: reason.startswith("step prep: no live worker serves cpu devices"))
-    data = settings.data_roots[0]
+    data = team_dir(settings, "alpha")
     outputs = {"prep": {"data_path": str(data / "out/x_packed"), "files": "a"}, "tomg": {"checkpoint": str(data / "mg")},
                "train": {"checkpoint": str(data / "ckpt")}, "tohf": {"checkpoint": str(data / "final/mg2hf")}}
     for index, name in enumerate(outputs):

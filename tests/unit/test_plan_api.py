@@ -11,14 +11,14 @@ from fastapi.testclient import TestClient
 from core.db import session_scope
 from core.models import Host
 from core.settings import Settings
-from core_support import auth, isolated_settings
+from core_support import auth, isolated_settings, team_dir
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     settings = isolated_settings(tmp_path)
     for suffix in (".bin", ".idx"):  # the data_path prefix "d" exists (admission checks inputs before the planner)
-        (settings.data_roots[0] / f"d{suffix}").write_bytes(b"")
+        (team_dir(settings, "alpha") / f"d{suffix}").write_bytes(b"")
     return settings
 
 

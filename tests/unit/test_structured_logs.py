@@ -17,7 +17,7 @@ from core.db import session_scope
 from core.dispatch import dispatch_new
 from core.models import Job
 from core.structured_logs import HEADER, bound, json_handler
-from core_support import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token, team_dir
 
 
 def broker_headers(broker_url: str) -> list[dict[str, str]]:
@@ -30,8 +30,8 @@ def broker_headers(broker_url: str) -> list[dict[str, str]]:
 
 def test_request_id_reaches_the_job_and_its_message(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, reconcile_interval_s=600, dispatch_min_interval_s=600)
-    (settings.data_roots[0] / "in.jsonl").write_text("{}\n")
-    (settings.data_roots[0] / "tok").mkdir()  # admission wants a tokenizer directory
+    (team_dir(settings, "t") / "in.jsonl").write_text("{}\n")
+    (team_dir(settings, "t") / "tok").mkdir()  # admission wants a tokenizer directory
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     token = make_token(settings, "t")
     with TestClient(create_app(settings, reconcile=False)) as client:

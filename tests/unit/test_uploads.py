@@ -17,7 +17,7 @@ from app.main import create_app
 from cli import remote
 from cli.main import cli
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token, team_dir
 from llmjobs import Client
 
 LIMIT = 3_000_000  # above max_body_bytes (1 MB): uploads have their own limit
@@ -35,7 +35,7 @@ def api(settings: Settings) -> Iterator[TestClient]:
 
 
 def area(settings: Settings, team: str = "alpha") -> Path:
-    return settings.data_roots[0] / "uploads" / team
+    return team_dir(settings, team) / "uploads"
 
 
 def leftovers(settings: Settings) -> list[str]:
