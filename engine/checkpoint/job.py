@@ -25,9 +25,9 @@ from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.dtypes import DTYPES
+from engine.guard import check_output
 from engine.model.config import ModelConfig
 from engine.model.lora import resolve_targets
-from engine.guard import check_output
 from engine.runfiles import BadInput, RunDir
 from engine.spec import ConvertSpec
 

@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import SeededInit, WeightSource
+from engine.guard import check_output
 from engine.model.config import ModelConfig
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
-from engine.guard import check_output
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate
