@@ -162,8 +162,9 @@ class Pipeline:
 
 
 def make_loss_fn(last_part: Qwen3Model | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
-                 sequence_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward)."""
+                 sequence_parallel: bool, chunk_size: int = 1024) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward), the head
+    applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP)."""
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert last_part is not None  # the schedule calls loss_fn on the last stage only
@@ -172,12 +173,12 @@ def make_loss_fn(last_part: Qwen3Model | None, norm: dict[str, Any], tp_mesh: De
             if sequence_parallel:
                 assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
                 hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
-            loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels)
+            loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels, chunk_size)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
             flat = labels.reshape(-1)
             rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
             h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-            loss_sum, _ = chunked_cross_entropy(h, weight, flat.index_select(0, rows))
+            loss_sum, _ = chunked_cross_entropy(h, weight, flat.index_select(0, rows), chunk_size)
         return loss_sum / norm["tokens"]
 
     return loss_fn
@@ -194,6 +195,7 @@ def build_pipeline(
     tp_mesh: DeviceMesh | None = None,
     sequence_parallel: bool = False,
     device: torch.device | None = None,
+    loss_chunk_size: int = 1024,
 ) -> Pipeline:
     """Split ``model`` for this PP rank, parallelize each part (TP/AC/FSDP via ``parallelize_part``), build the
     schedule. ``model`` is the whole model, normally built on the meta device (each rank keeps only its parts, to be
@@ -214,7 +216,7 @@ def build_pipeline(
     device = device or _local(next(iter(parts[0].parameters()))).device
     last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
     norm: dict[str, Any] = {"tokens": 1.0}  # set by every step before the schedule runs
-    loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None)
+    loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None, loss_chunk_size)
 
     def make_schedule() -> Any:
         stages = [PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
@@ -451,6 +453,6 @@ def build_pipeline_model(
         cast("Qwen3Model", model), mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
         num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
-        device=device,
+        device=device, loss_chunk_size=getattr(spec, "cross_entropy_chunk_size", 1024),
     )
     return PipelineModel(pipe, pipeline_width(seq_length, spec.micro_batch_size, bool(spec.padding_free)))
