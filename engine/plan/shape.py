@@ -6,8 +6,8 @@ containers and ``argparse.Namespace``), else a named preset, else the spec's Meg
 The checkpoint's shape wins over shape flags: the trainer refuses a disagreement before any work
 (``engine.train.model_setup.check_against_checkpoint``).
 
-``config_from_flags`` mirrors ``engine.train.model_setup.config_from_flags``, which imports torch and so cannot be
-called from the API; the trainer may switch to this one.
+``config_from_flags`` is the one rule for a model built from flags: the trainer calls it too
+(``engine.train.model_setup.config_from_flags`` turns ``ShapeUnknown`` into its ``BadInput``).
 """
 
 from __future__ import annotations
@@ -27,22 +27,27 @@ _RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
 
 
 class ShapeUnknown(ValueError):
-    """The model shape cannot be told from the spec (field named in the message)."""
+    """The model shape cannot be told from the spec; ``field`` names the flag that is missing."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
 
 
 def _megatron_ffn(hidden: int, swiglu: bool) -> int:
+    """Megatron's default FFN width: 4h, or for SwiGLU 2/3 of it rounded down to a multiple of 64."""
     return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
 
 
 def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelConfig:
-    """A model's shape from the spec's Megatron flags (the trainer's rule for a run without ``load``)."""
+    """A from-scratch model's shape from the spec's Megatron flags, with Megatron's defaults."""
     for flag in ("num_layers", "hidden_size", "num_attention_heads"):
         if getattr(spec, flag, None) is None:
-            raise ShapeUnknown(f"{flag}: needed to size the model (no readable checkpoint in load, no preset)")
+            raise ShapeUnknown(flag, "required when no checkpoint is loaded (load is not set)")
     vocab = spec.padded_vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
-            raise ShapeUnknown("padded_vocab_size: needed to size the model without a readable checkpoint")
+            raise ShapeUnknown("padded_vocab_size", "required without load and without tokenizer_name_or_path")
         multiple = spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size
         vocab = -(-tokenizer_vocab // multiple) * multiple
     heads = spec.num_attention_heads
@@ -54,8 +59,11 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelCon
         num_query_groups=(spec.num_query_groups or 1) if spec.group_query_attention else heads,
         kv_channels=spec.kv_channels or spec.hidden_size // heads,
         vocab_size=vocab,
+        norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base,
         max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
         tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
+        init_method_std=spec.init_method_std,
         **moe_fields_from_flags(spec),
     )
 

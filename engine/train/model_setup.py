@@ -121,43 +121,16 @@ def open_load(path: str, view: Any = None) -> LoadedWeights:
     return LoadedWeights("mcore", mcore.config, mcore)
 
 
-def _megatron_ffn(spec: Any) -> int:
-    """Megatron's default FFN width: 4h, or for SwiGLU 2/3 of it rounded down to a multiple of 64."""
-    if spec.swiglu:
-        return int((4 * spec.hidden_size * 2 / 3) / 64) * 64
-    return 4 * spec.hidden_size
-
-
-def _pad_vocab(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
-
-
 def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
-    """A from-scratch model's shape from the spec's Megatron flags."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(spec, flag) is None:
-            raise BadInput(f"{flag}: required when no checkpoint is loaded (load is not set)", flag)
-    vocab = spec.padded_vocab_size
-    if vocab is None:
-        if tokenizer_vocab is None:
-            raise BadInput("padded_vocab_size: required without load and without tokenizer_name_or_path", "padded_vocab_size")
-        vocab = _pad_vocab(tokenizer_vocab, spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size)
-    heads = spec.num_attention_heads
-    return ModelConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size or _megatron_ffn(spec),
-        num_attention_heads=heads,
-        num_query_groups=(spec.num_query_groups or 1) if spec.group_query_attention else heads,
-        kv_channels=spec.kv_channels or spec.hidden_size // heads,
-        vocab_size=vocab,
-        norm_epsilon=spec.norm_epsilon,
-        rotary_base=spec.rotary_base,
-        max_position_embeddings=spec.max_position_embeddings or spec.seq_length or 4096,
-        tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
-        init_method_std=spec.init_method_std,
-        **moe_fields_from_flags(spec),
-    )
+    """A from-scratch model's shape from the spec's Megatron flags (``engine.plan.shape.config_from_flags``, the one
+    rule the API's planner uses too); a missing flag is a BadInput naming it."""
+    from engine.plan.shape import ShapeUnknown
+    from engine.plan.shape import config_from_flags as from_flags
+
+    try:
+        return from_flags(spec, tokenizer_vocab)
+    except ShapeUnknown as err:
+        raise BadInput(str(err), err.field) from err
 
 
 def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:

@@ -42,8 +42,10 @@ def test_published_moe_sizes() -> None:
 def test_flags_give_the_moe_shape_and_every_expert_is_held() -> None:
     plan = plan_spec(parse_spec(moe_spec()))
     cfg = plan.cfg
+    # the spec's flags as the trainer reads them (norm epsilon and RoPE base from the flags: no memory effect)
     assert cfg == preset("qwen3-235b-a22b").replace(max_position_embeddings=cfg.max_position_embeddings,
-                                                    init_method_std=cfg.init_method_std)
+                                                    init_method_std=cfg.init_method_std,
+                                                    norm_epsilon=cfg.norm_epsilon, rotary_base=cfg.rotary_base)
     # DP 8, TP 1, PP 1: every rank holds the whole model's parameters (FSDP shards the fp32 state over DP)
     assert plan.ranks[0].num_params == cfg.num_params()
     assert plan.ranks[0].main_params == cfg.num_params() * 4 // 8
