@@ -3,8 +3,9 @@ records (``core.structured_logs``) and echo it in the answer; a job submitted by
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.asgi_headers import adding_headers
 from core.structured_logs import accept_request_id, bound
 
 HEADER = b"x-request-id"
@@ -20,11 +21,5 @@ class RequestIdMiddleware:
             return
         given = dict(scope.get("headers") or []).get(HEADER)
         request_id = accept_request_id(given.decode("latin-1") if given else None)
-
-        async def tagged(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (HEADER, request_id.encode())]
-            await send(message)
-
         with bound(request_id=request_id):
-            await self.app(scope, receive, tagged)
+            await self.app(scope, receive, adding_headers(send, {HEADER: request_id.encode()}))

@@ -9,7 +9,9 @@ A pure ASGI middleware, outermost, so error answers of the other middlewares (41
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.asgi_headers import adding_headers
 
 _BASE = ("default-src 'self'; script-src 'self'; img-src 'self' data:; font-src 'self'; connect-src 'self'; "
          "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
@@ -37,12 +39,4 @@ class SecurityHeadersMiddleware:
             await self.app(scope, receive, send)
             return
         extra = {b"content-security-policy": csp_for(scope.get("path", "")).encode(), **HEADERS}
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                present = {name.lower() for name, _ in message.get("headers", [])}
-                message["headers"] = [*message.get("headers", []),
-                                      *((k, v) for k, v in extra.items() if k not in present)]
-            await send(message)
-
-        await self.app(scope, receive, with_headers)
+        await self.app(scope, receive, adding_headers(send, extra))
