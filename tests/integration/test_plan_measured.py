@@ -1,9 +1,8 @@
 """The planner's predicted peak per rank against the measured peak RSS growth of tiny CPU runs (issue 12 check a).
 
 Layouts: 1 process, DP2, TP2, PP2, TP2×PP2, full and LoRA; each rank within ±15 %. The measured side is the
-trainer as it is: the PP layouts, whose ranks still build and deep-copy the whole fp32 model before splitting, are
-marked xfail (non-strict) until sharded construction lands.
-``python -m pytest tests/integration/test_plan_measured.py -s -rxX`` prints the table either way.
+trainer as it is, from the process group to the final export (each rank writes its own rank file).
+``python -m pytest tests/integration/test_plan_measured.py -s`` prints the table.
 """
 
 from __future__ import annotations
@@ -91,15 +90,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_full_length_data(tmp_path_factory.mktemp("plan-data") / "d", n=64)
 
 
-# Today's trainer builds the whole fp32 model on every rank and deep-copies it under PP before splitting: PP ranks
-# measure up to 4x what the sharded design the planner predicts needs. Remove once sharded construction lands.
-TODAY_OVER = {"pp2", "tp2pp2", "pp2-lora"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason="PP ranks build and copy the whole model", strict=False))
-    if n in TODAY_OVER else n for n in LAYOUTS])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_peak_within_15_percent(name: str, data: str, tmp_path: Path) -> None:
     spec = layout_spec(data, name)
     predicted = [r.total_bytes for r in plan_spec(parse_spec(spec)).ranks]
