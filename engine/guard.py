@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.runfiles import BadInput
-from engine.spec import JobBase, _resolve_in_roots, _resolve_list_in_roots, _resolve_output, within
+from engine.spec import JobBase, _is_number, _resolve_in_roots, _resolve_list_in_roots, _resolve_output, within
 
 WRITE_ENV = "LLMJOBS_DATA_AREAS"
 READ_ENV = "LLMJOBS_READ_AREAS"
@@ -63,14 +63,6 @@ def path_fields(spec: JobBase) -> list[tuple[str, str, bool]]:
             if not (isinstance(path, str) and _is_number(path)):
                 rows.append((name, str(path), kind == "output"))
     return rows
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
 
 
 def check_path(field: str, path: str | os.PathLike[str], *, output: bool) -> Path:
