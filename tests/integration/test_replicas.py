@@ -1,6 +1,7 @@
 """Two API replicas on one PostgreSQL, two workers: SIGKILL the replica that leads mid-run. The other takes the
 singleton loops over within seconds; every job finishes once (one attempt, one node), every webhook message id
-reaches the receiver once."""
+reaches the receiver, once — or twice for the one message the leader may have POSTed and not yet recorded when it
+died (webhooks are at-least-once; the message id is what receivers de-duplicate on)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,12 @@ def wait(pred: Any, timeout: float, what: str) -> Any:
     raise AssertionError(f"not {what} after {timeout}s")
 
 
+def delivered_count(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return session.scalar(select(func.count()).select_from(WebhookDelivery)
+                              .where(WebhookDelivery.state == "delivered")) or 0
+
+
 def terminal(settings: Settings) -> list[Job]:
     with session_scope(settings.database_url) as session:
         return list(session.scalars(select(Job).where(Job.state.in_(["succeeded", "failed", "cancelled"]))))
@@ -132,7 +139,10 @@ def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Setting
         takeover_s = time.monotonic() - killed_at
         wait(lambda: len(terminal(settings)) == JOBS, 300, "every job finished")
         wait(lambda: sum(ids.values()) >= JOBS, 60, "every webhook sent")
-        time.sleep(3)  # a duplicate would arrive within a few sender ticks
+        # A message the killed leader POSTed but had not yet recorded stays claimed for webhook_timeout_s + 30 s,
+        # then the survivor sends it again (at-least-once, same message id: receivers de-duplicate on webhook-id).
+        wait(lambda: delivered_count(settings) == JOBS, settings.webhook_timeout_s + 60, "every delivery recorded")
+        time.sleep(3)  # a further duplicate would arrive within a few sender ticks
     finally:
         for proc, _ in replicas:
             if proc.poll() is None:
@@ -150,4 +160,6 @@ def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Setting
         deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery))
     assert nodes == JOBS
     assert deliveries == JOBS and len(delivered) == JOBS  # one job.succeeded message per job
-    assert set(ids) == delivered and set(ids.values()) == {1}, ids  # each message id POSTed once
+    assert set(ids) == delivered, ids  # every message reached the receiver, under its one id
+    # each POSTed once, except at most the one in flight when the leader died (POSTed, not yet recorded)
+    assert sum(ids.values()) - len(ids) <= 1 and max(ids.values()) <= 2, ids
