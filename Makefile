@@ -25,11 +25,11 @@ chromium:
 run: setup
 	$(VENV)/bin/llmjobs serve
 
-# The gate: ruff (style and bugs), mypy (types) and import-linter (the layering: cli -> app | worker -> core -> engine,
-# no import cycle). What each covers is configured in pyproject.toml. `ruff format --check` joins once the tree is
-# formatted.
+# The gate: ruff (style and bugs), ruff format (layout), mypy (types) and import-linter (the layering: cli -> app |
+# worker -> core -> engine, no import cycle). What each covers is configured in pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

@@ -94,11 +94,20 @@ def _document_metadata_filter(schema: dict[str, Any]) -> None:
     """``metadata[key]=value`` filters of GET /v1/jobs (read from the raw query string, so FastAPI cannot see them)."""
     operation = schema.get("paths", {}).get("/v1/jobs", {}).get("get")
     if operation is not None:
-        operation.setdefault("parameters", []).append({
-            "name": "metadata", "in": "query", "required": False, "style": "deepObject", "explode": True,
-            "schema": {"type": "object", "additionalProperties": {"type": "string"}},
-            "description": "metadata[key]=value: only jobs whose metadata has key equal to value (several: all)"})
+        operation.setdefault("parameters", []).append(
+            {
+                "name": "metadata",
+                "in": "query",
+                "required": False,
+                "style": "deepObject",
+                "explode": True,
+                "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+                "description": "metadata[key]=value: only jobs whose metadata has key equal to value (several: all)",
+            }
+        )
 
 
-BAD_REQUEST = ("Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "
-               "levels; a NUL in the path or query")
+BAD_REQUEST = (
+    "Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "
+    "levels; a NUL in the path or query"
+)

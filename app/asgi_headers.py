@@ -15,8 +15,10 @@ def adding_headers(send: Send, headers: Mapping[bytes, bytes]) -> Send:
     async def wrapped(message: Message) -> None:
         if message["type"] == "http.response.start":
             present = {name.lower() for name, _ in message.get("headers", [])}
-            message["headers"] = [*message.get("headers", []),
-                                  *((k, v) for k, v in headers.items() if k not in present)]
+            message["headers"] = [
+                *message.get("headers", []),
+                *((k, v) for k, v in headers.items() if k not in present),
+            ]
         await send(message)
 
     return wrapped

@@ -16,14 +16,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from core.errors import ApiError, error_body, validation_errors
 
 log = logging.getLogger(__name__)
-_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-               409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error"}
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+}
 
 
 def validation_response(errors: Iterable[Mapping[str, Any]], status: int = 422) -> JSONResponse:
     items = validation_errors(errors)
     first = items[0] if items else error_body("invalid", "invalid request")
-    return JSONResponse(error_body("validation_error", first["message"], first["field"], errors=items), status_code=status)
+    return JSONResponse(
+        error_body("validation_error", first["message"], first["field"], errors=items), status_code=status
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -45,19 +56,25 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "error")
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
     async def _database_away(request: Request, exc: DBAPIError) -> JSONResponse:
         # The database is down, restarting or unreachable: a retryable 503, not a 500 (the pool reconnects by itself).
         log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(exc.orig).__name__)
-        return JSONResponse(error_body("database_unavailable", "the database is not answering; retry shortly"),
-                            status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(
+            error_body("database_unavailable", "the database is not answering; retry shortly"),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # The details (SQL, paths) go to the server log, not to the client.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body("internal_error", f"internal error ({type(exc).__name__}); see the server log"),
-                            status_code=500)
+        return JSONResponse(
+            error_body("internal_error", f"internal error ({type(exc).__name__}); see the server log"), status_code=500
+        )

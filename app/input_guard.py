@@ -102,8 +102,9 @@ def check_url_parts(scope: Scope) -> None:
     query = scope.get("query_string", b"").decode("latin-1")
     for key, value in parse_qsl(query, keep_blank_values=True):
         if "\x00" in key or "\x00" in value:
-            raise Refused(400, "bad_request", f"{key.replace(chr(0), '')}: contains a NUL character",
-                          key.replace("\x00", ""))
+            raise Refused(
+                400, "bad_request", f"{key.replace(chr(0), '')}: contains a NUL character", key.replace("\x00", "")
+            )
 
 
 def _metadata_of(raw: Any) -> list[tuple[str, Any]]:
@@ -125,15 +126,27 @@ def check_metadata(raw: Any, settings: Settings) -> None:
         total = 0
         for key, value in meta.items():
             if len(key) > settings.metadata_max_key_length:
-                raise ApiError(422, "validation_error", f"{where}: key {key[:40]!r}... is longer than "
-                               f"{settings.metadata_max_key_length} characters", where)
+                raise ApiError(
+                    422,
+                    "validation_error",
+                    f"{where}: key {key[:40]!r}... is longer than {settings.metadata_max_key_length} characters",
+                    where,
+                )
             if isinstance(value, str) and len(value) > settings.metadata_max_value_length:
-                raise ApiError(422, "validation_error", f"{where}.{key}: longer than "
-                               f"{settings.metadata_max_value_length} characters", f"{where}.{key}")
+                raise ApiError(
+                    422,
+                    "validation_error",
+                    f"{where}.{key}: longer than {settings.metadata_max_value_length} characters",
+                    f"{where}.{key}",
+                )
             total += len(key.encode()) + len(str(value).encode())
         if total > settings.metadata_max_bytes:
-            raise ApiError(422, "validation_error", f"{where}: {total} bytes of keys and values, more than "
-                           f"{settings.metadata_max_bytes}", where)
+            raise ApiError(
+                422,
+                "validation_error",
+                f"{where}: {total} bytes of keys and values, more than {settings.metadata_max_bytes}",
+                where,
+            )
 
 
 class InputGuardMiddleware:
@@ -177,6 +190,11 @@ class InputGuardMiddleware:
 
 async def _answer(send: Send, err: ApiError) -> None:
     raw = json.dumps(error_body(err.code, err.message, err.field)).encode()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": raw})

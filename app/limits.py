@@ -67,6 +67,11 @@ class BodyLimitMiddleware:
     async def _refuse(self, send: Send, max_bytes: int) -> None:
         body: dict[str, Any] = error_body("payload_too_large", f"request body is larger than {max_bytes} bytes")
         raw = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": raw})

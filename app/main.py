@@ -62,15 +62,34 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
         leader = Leadership(settings.database_url)  # one replica runs the singleton loops (core.leadership)
-        task = asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s,
-                                                   lambda: reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s),
-                                                   "reconcile")) if reconcile else None
+        task = (
+            asyncio.create_task(
+                run_when_leader(
+                    leader,
+                    settings.reconcile_interval_s,
+                    lambda: reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s),
+                    "reconcile",
+                )
+            )
+            if reconcile
+            else None
+        )
         sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
-        gc = asyncio.create_task(run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings),
-                                                 "retention pass")) if reconcile else None  # core.retention
+        gc = (
+            asyncio.create_task(
+                run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings), "retention pass")
+            )
+            if reconcile
+            else None
+        )  # core.retention
         dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
-        listener = start_http_server(settings.metrics_listen_port, settings.metrics_listen_host,
-                                     registry=app.state.metrics.registry) if settings.metrics_listen_port else None
+        listener = (
+            start_http_server(
+                settings.metrics_listen_port, settings.metrics_listen_host, registry=app.state.metrics.registry
+            )
+            if settings.metrics_listen_port
+            else None
+        )
         yield
         if listener is not None:
             listener[0].shutdown()
@@ -79,19 +98,36 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
                 background.cancel()
         await anyio.to_thread.run_sync(leader.release)
 
-    app = FastAPI(title="llmjobs", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.")
+    app = FastAPI(
+        title="llmjobs",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        description="Submit, watch and cancel Qwen3 preprocess / train / convert / eval jobs.",
+    )
     app.state.settings = settings
     app.state.dispatcher = Dispatcher(settings)
     app.state.metrics = ServiceMetrics(settings.database_url)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_max_bytes=settings.upload_max_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_max_bytes=settings.upload_max_bytes
+    )
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
-    for router in (health.router, jobs.router, observe.router, observe.latest_router, hosts.router, webhooks.router, prometheus.router,
-                   downloads.router, files.router):
+    for router in (
+        health.router,
+        jobs.router,
+        observe.router,
+        observe.latest_router,
+        hosts.router,
+        webhooks.router,
+        prometheus.router,
+        downloads.router,
+        files.router,
+    ):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     install_docs(app)  # /docs and /redoc from local files (app.api_docs)

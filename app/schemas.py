@@ -65,16 +65,27 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     heartbeat_at: datetime | None
     steps: list[PipelineStepPublic] | None = Field(None, description="pipelines: their steps, in order (GET one job)")
-    trained_tokens: int | None = Field(None, description="train jobs: real (non-padding) tokens trained on so far, "
-                                                         "from the per-iteration tokens metric")
-    estimated_finish: datetime | None = Field(None, description="train jobs: when the last iteration should end, "
-                                                                "extrapolated from the iterations done since start")
+    trained_tokens: int | None = Field(
+        None,
+        description="train jobs: real (non-padding) tokens trained on so far, from the per-iteration tokens metric",
+    )
+    estimated_finish: datetime | None = Field(
+        None,
+        description="train jobs: when the last iteration should end, extrapolated from the iterations done since start",
+    )
 
     @classmethod
     def from_row(cls, job: Any) -> JobPublic:
-        error = JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail) if job.error_code else None
-        fields = {name: getattr(job, name) for name in cls.model_fields
-                  if name not in {"object", "metadata", "error", "steps", "trained_tokens", "estimated_finish"}}
+        error = (
+            JobError(code=job.error_code, message=job.error_message, log_tail=job.error_log_tail)
+            if job.error_code
+            else None
+        )
+        fields = {
+            name: getattr(job, name)
+            for name in cls.model_fields
+            if name not in {"object", "metadata", "error", "steps", "trained_tokens", "estimated_finish"}
+        }
         return cls(**fields, metadata=job.meta or {}, error=error)
 
 
@@ -82,8 +93,9 @@ class JobDeleted(BaseModel):
     object: Literal["job.deleted"] = "job.deleted"
     id: str
     deleted: bool
-    removed: list[str] = Field(description="the run directories (and with outputs=true the output files and "
-                                           "directories) removed from disk")
+    removed: list[str] = Field(
+        description="the run directories (and with outputs=true the output files and directories) removed from disk"
+    )
 
 
 class ListPage(BaseModel, Generic[T]):
@@ -96,11 +108,19 @@ class ListPage(BaseModel, Generic[T]):
     last_id: str | int | None = None
 
     @classmethod
-    def of(cls, data: list[T], has_more: bool = False,
-           key: Callable[[T], str | int] = lambda item: item.id) -> ListPage[T]:  # type: ignore[attr-defined]
+    def of(
+        cls,
+        data: list[T],
+        has_more: bool = False,
+        key: Callable[[T], str | int] = lambda item: item.id,  # type: ignore[attr-defined]
+    ) -> ListPage[T]:
         """The page of ``data``, its first and last ids read with ``key``."""
-        return cls(data=data, has_more=has_more, first_id=key(data[0]) if data else None,
-                   last_id=key(data[-1]) if data else None)
+        return cls(
+            data=data,
+            has_more=has_more,
+            first_id=key(data[0]) if data else None,
+            last_id=key(data[-1]) if data else None,
+        )
 
 
 class EventPublic(_FromRow):
@@ -126,10 +146,15 @@ class MetricsPage(BaseModel):
     object: Literal["list"] = "list"
     data: list[MetricPointPublic]
     has_more: bool
-    next_since_step: int | None = Field(description="pass as since_step for the next page (older clients; a step "
-                                                    "larger than limit loses rows: use next_cursor)")
-    next_cursor: str | None = Field(None, description="pass as after for the next page: it starts right after the "
-                                                      "last point of this one, so no row is skipped whatever limit")
+    next_since_step: int | None = Field(
+        description="pass as since_step for the next page (older clients; a step "
+        "larger than limit loses rows: use next_cursor)"
+    )
+    next_cursor: str | None = Field(
+        None,
+        description="pass as after for the next page: it starts right after the "
+        "last point of this one, so no row is skipped whatever limit",
+    )
 
 
 class LogLinePublic(_FromRow):
@@ -159,8 +184,9 @@ class ArtifactPublic(_FromRow):
 class CheckpointPublic(BaseModel):
     object: Literal["checkpoint"] = "checkpoint"
     iteration: int
-    format: Literal["training_state", "mcore"] = Field(description="training_state: <save>/train_state/iter_* (DCP, "
-                                                                   "resumable); mcore: the final Megatron export")
+    format: Literal["training_state", "mcore"] = Field(
+        description="training_state: <save>/train_state/iter_* (DCP, resumable); mcore: the final Megatron export"
+    )
     model_path: str
     optimizer_path: str | None = Field(description="where the optimizer state is, if it was saved")
     lora: bool = Field(description="adapters only: evaluate or convert it together with the base model")
@@ -183,7 +209,8 @@ class JobLatest(BaseModel):
     value_steps: dict[str, int] = Field(description="the step of each value")
     progress: dict[str, Any] | None = Field(description="the data of the job's last progress event")
     devices: dict[int, dict[str, float | None]] | None = Field(
-        None, description="with devices=true: each device's newest telemetry (sys_* metrics) by device index")
+        None, description="with devices=true: each device's newest telemetry (sys_* metrics) by device index"
+    )
 
 
 class JobLatestList(BaseModel):

@@ -13,8 +13,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.asgi_headers import adding_headers
 
-_BASE = ("default-src 'self'; script-src 'self'; img-src 'self' data:; font-src 'self'; connect-src 'self'; "
-         "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+_BASE = (
+    "default-src 'self'; script-src 'self'; img-src 'self' data:; font-src 'self'; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
 STRICT_CSP = f"{_BASE}; style-src 'self'"
 DOCS_CSP = f"{_BASE}; style-src 'self' 'unsafe-inline'; worker-src 'self' blob:"
 DOCS_PATHS = ("/redoc",)

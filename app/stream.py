@@ -58,8 +58,11 @@ def fetch(settings: Settings, job_id: str, cursor: Cursor) -> tuple[list[dict[st
     with session_scope(settings.database_url) as session:
         # Read the state first: if it is terminal now, every row the worker wrote is already committed.
         terminal = JobState(records.job_state(session, job_id)).is_terminal()
-        feeds = [_events(session, job_id, cursor.event), _metrics(session, job_id, cursor.metric),
-                 _logs(session, job_id, cursor.log)]
+        feeds = [
+            _events(session, job_id, cursor.event),
+            _metrics(session, job_id, cursor.metric),
+            _logs(session, job_id, cursor.log),
+        ]
     messages = []
     # Interleave the three feeds by time; each keeps its id order, so every message's cursor stays exact.
     for _when, feed, row_id, name, payload in heapq.merge(*feeds, key=lambda item: item[0]):
@@ -73,22 +76,44 @@ Item = tuple[datetime, str, int, str, dict[str, Any]]  # (time, cursor field, ro
 
 def _events(session: Session, job_id: str, after: int) -> list[Item]:
     rows = records.events_after(session, job_id, after, BATCH)
-    return [(e.time, "event", e.id, "state" if e.type == "state" else "event",
-             {"id": e.id, "type": e.type, "level": e.level, "message": e.message, "data": e.data, "time": _iso(e.time)})
-            for e in rows]
+    return [
+        (
+            e.time,
+            "event",
+            e.id,
+            "state" if e.type == "state" else "event",
+            {"id": e.id, "type": e.type, "level": e.level, "message": e.message, "data": e.data, "time": _iso(e.time)},
+        )
+        for e in rows
+    ]
 
 
 def _metrics(session: Session, job_id: str, after: int) -> list[Item]:
     points = records.metric_points_after(session, job_id, after, BATCH * 4)
-    return [(g[0].time, "metric", g[-1].id, "metric", {"step": g[0].step, "rank": g[0].rank, "time": _iso(g[0].time),
-                                                      "metrics": {p.name: p.value for p in g}})
-            for g in _group_points(points)]
+    return [
+        (
+            g[0].time,
+            "metric",
+            g[-1].id,
+            "metric",
+            {"step": g[0].step, "rank": g[0].rank, "time": _iso(g[0].time), "metrics": {p.name: p.value for p in g}},
+        )
+        for g in _group_points(points)
+    ]
 
 
 def _logs(session: Session, job_id: str, after: int) -> list[Item]:
     rows = records.log_lines_after(session, job_id, after, BATCH * 4)
-    return [(line.time, "log", line.id, "log", {"stream": line.stream, "seq": line.seq, "text": line.text,
-                                                "time": _iso(line.time)}) for line in rows]
+    return [
+        (
+            line.time,
+            "log",
+            line.id,
+            "log",
+            {"stream": line.stream, "seq": line.seq, "text": line.text, "time": _iso(line.time)},
+        )
+        for line in rows
+    ]
 
 
 def _group_points(points: list[MetricPoint]) -> list[list[MetricPoint]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data.job import run  # noqa: E402
+from engine.preprocess import run  # noqa: E402
 from engine.data.templates import chatml_segments, check_conversation  # noqa: E402
 from engine.data.tokenizer import load_tokenizer  # noqa: E402
 from engine.runfiles import RunDir  # noqa: E402

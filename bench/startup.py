@@ -2,7 +2,7 @@
 
 The checkpoint (random values, written tensor by tensor through ``engine.checkpoint.hf.save_hf``, never whole in
 memory) is generated once under ``--work-dir`` and its pages are dropped from the page cache before the run. The run
-is ``engine.plan.measure`` under torchrun (2 ranks): a LoRA fine-tune (r 16, bf16, distributed optimizer, MBS 1,
+is ``engine.train.measure`` under torchrun (2 ranks): a LoRA fine-tune (r 16, bf16, distributed optimizer, MBS 1,
 GBS 2, short sequences), one iteration. Per rank:
 
 - ``startup_rss_ratio``: (peak RSS - the rank's RSS before the job, i.e. interpreter + torch + process group) / the
@@ -117,7 +117,7 @@ def run(spec: dict[str, Any], run_dir: Path, built_only: bool) -> tuple[list[dic
     (run_dir / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "engine.plan.measure", str(run_dir / "spec.json"), str(run_dir), *(["built"] if built_only else [])]
+           "engine.train.measure", str(run_dir / "spec.json"), str(run_dir), *(["built"] if built_only else [])]
     started = time.time()
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     total = time.time() - started

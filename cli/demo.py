@@ -27,8 +27,16 @@ INTENTS: dict[str, list[str]] = {
     "导航_路线规划": ["去机场怎么走", "导航到最近的加油站", "回家的路堵不堵", "带我去天安门"],
     "设备控制_打开空调": ["把空调打开", "空调调到二十六度", "太热了开一下空调", "打开卧室的空调"],
 }
-DEMO_SPEC_MAP_KEYS = {"messages": "messages", "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                                         "assistant_tag": "assistant", "system_tag": "system"}}
+DEMO_SPEC_MAP_KEYS = {
+    "messages": "messages",
+    "tags": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "system_tag": "system",
+    },
+}
 
 
 def tokenizer_source() -> Path:
@@ -45,9 +53,15 @@ def intent_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
     for i in range(count):
         label = labels[i % len(labels)]
         utterance = rng.choice(INTENTS[label])
-        samples.append({"messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": PROMPT.format(utterance=utterance)},
-                                     {"role": "assistant", "content": label}]})
+        samples.append(
+            {
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": PROMPT.format(utterance=utterance)},
+                    {"role": "assistant", "content": label},
+                ]
+            }
+        )
     return samples
 
 
@@ -96,9 +110,17 @@ def write_tiny_model(out: Path, tokenizer: Path, seed: int = 0) -> Path:
 def demo_spec() -> dict[str, object]:
     """The README's example job: paths are relative to the first data root."""
     return {
-        "kind": "preprocess", "name": "demo-preprocess",
-        "input": "demo/intent_train.jsonl", "tokenizer_name_or_path": "demo/qwen3-tokenizer",
-        "output_prefix": "demo/out/intent", "handler_name": "SharegptStyleInstructionHandler",
-        "tokenizer_type": "PretrainedFromHF", "prompt_type": "qwen3", "enable_thinking": True,
-        "workers": 1, "log_interval": 50, "map_keys": DEMO_SPEC_MAP_KEYS, "metadata": {"example": "readme"},
+        "kind": "preprocess",
+        "name": "demo-preprocess",
+        "input": "demo/intent_train.jsonl",
+        "tokenizer_name_or_path": "demo/qwen3-tokenizer",
+        "output_prefix": "demo/out/intent",
+        "handler_name": "SharegptStyleInstructionHandler",
+        "tokenizer_type": "PretrainedFromHF",
+        "prompt_type": "qwen3",
+        "enable_thinking": True,
+        "workers": 1,
+        "log_interval": 50,
+        "map_keys": DEMO_SPEC_MAP_KEYS,
+        "metadata": {"example": "readme"},
     }

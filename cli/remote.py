@@ -55,7 +55,9 @@ def list_(
     if as_json:
         _echo_json(page)
         return
-    rows = [[j["id"], j["name"] or "-", j["state"], j["kind"], _age(j["created_at"]), _progress(j)] for j in page["data"]]
+    rows = [
+        [j["id"], j["name"] or "-", j["state"], j["kind"], _age(j["created_at"]), _progress(j)] for j in page["data"]
+    ]
     _table(["ID", "NAME", "STATE", "KIND", "AGE", "PROGRESS"], rows)
 
 
@@ -66,10 +68,18 @@ def status(job_id: str, as_json: Annotated[bool, typer.Option("--json", help="th
     if as_json:
         _echo_json(job)
         return
-    lines = [("job", f"{job['id']}  {job['name'] or ''}".rstrip()), ("kind", job["kind"]), ("state", job["state"]),
-             ("created", f"{job['created_at']} ({_age(job['created_at'])} ago)"), ("started", job["started_at"]),
-             ("finished", job["finished_at"]), ("waiting", job["pending_reason"]), ("progress", _progress(job)),
-             ("estimated finish", job.get("estimated_finish")), ("attempts", job["attempt_count"])]
+    lines = [
+        ("job", f"{job['id']}  {job['name'] or ''}".rstrip()),
+        ("kind", job["kind"]),
+        ("state", job["state"]),
+        ("created", f"{job['created_at']} ({_age(job['created_at'])} ago)"),
+        ("started", job["started_at"]),
+        ("finished", job["finished_at"]),
+        ("waiting", job["pending_reason"]),
+        ("progress", _progress(job)),
+        ("estimated finish", job.get("estimated_finish")),
+        ("attempts", job["attempt_count"]),
+    ]
     for step in job.get("steps") or []:
         lines.append((f"step {step.get('name')}", f"{step.get('state')} {step.get('job_id') or ''}".rstrip()))
     if job["error"]:
@@ -83,7 +93,8 @@ def status(job_id: str, as_json: Annotated[bool, typer.Option("--json", help="th
 
 
 def events(
-    job_id: str, type: Annotated[str | None, typer.Option("--type", help="only these types, comma-separated")] = None,
+    job_id: str,
+    type: Annotated[str | None, typer.Option("--type", help="only these types, comma-separated")] = None,
 ) -> None:
     """A job's events, oldest first: time, type, message."""
     with _api_errors():
@@ -99,8 +110,11 @@ def artifacts(job_id: str) -> None:
 
 
 def download(
-    job_id: str, name: str,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="default: the file's name, or <name>.tar")] = None,
+    job_id: str,
+    name: str,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="default: the file's name, or <name>.tar")
+    ] = None,
     file: Annotated[str | None, typer.Option(help="one file of a directory artifact")] = None,
 ) -> None:
     """Download an artifact: a file as it is, a directory as a tar archive."""
@@ -121,16 +135,29 @@ def checkpoints(job_id: str) -> None:
     """A train job's checkpoints: iteration, format, loss at that iteration, path."""
     with _api_errors():
         found = Client().checkpoints(job_id)
-    _table(["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"],
-           [[c["iteration"], c["format"], _number(c["metrics"].get("lm_loss")), _number(c["metrics"].get("val_lm_loss")),
-             "yes" if c["lora"] else "no", c["model_path"]] for c in found])
+    _table(
+        ["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"],
+        [
+            [
+                c["iteration"],
+                c["format"],
+                _number(c["metrics"].get("lm_loss")),
+                _number(c["metrics"].get("val_lm_loss")),
+                "yes" if c["lora"] else "no",
+                c["model_path"],
+            ]
+            for c in found
+        ],
+    )
 
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None) -> None:
+def wait(
+    job_id: str, timeout: Annotated[float | None, typer.Option(help="give up after this many seconds")] = None
+) -> None:
     """Wait for a job to end; the exit code is its outcome: 0 succeeded, 1 failed, 3 cancelled, 4 timed out."""
     with _api_errors():
         try:
@@ -145,8 +172,10 @@ def wait(job_id: str, timeout: Annotated[float | None, typer.Option(help="give u
 OUTCOMES = {"succeeded": 0, "failed": 1, "cancelled": 3}
 
 
-def delete(job_id: str, outputs: Annotated[bool, typer.Option(help="also remove the files its artifacts list")] = False,
-           ) -> None:
+def delete(
+    job_id: str,
+    outputs: Annotated[bool, typer.Option(help="also remove the files its artifacts list")] = False,
+) -> None:
     """Delete a finished job: records and run directory (with --outputs, its output files too)."""
     with _api_errors():
         answer = Client().delete_job(job_id, outputs=outputs)
@@ -183,7 +212,8 @@ def _table(header: list[str], rows: list[list[Any]]) -> None:
 
 
 def logs(
-    job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+    job_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
     rank: Annotated[int | None, typer.Option(help="this rank's log (default 0)")] = None,
     all_ranks: Annotated[bool, typer.Option("--all", help="the launcher's stream: every rank's output")] = False,
 ) -> None:
@@ -201,7 +231,9 @@ def metrics(job_id: str, names: Annotated[str | None, typer.Option(help="comma-s
     """A job's metric points, one line per point (paged by next_cursor: no point lost)."""
     with _api_errors():
         for p in Client().metrics(job_id, names=names):
-            typer.echo(f"{p['step']}\t{p['name']}\t{p['value']}" + (f"\trank{p['rank']}" if p["rank"] is not None else ""))
+            typer.echo(
+                f"{p['step']}\t{p['name']}\t{p['value']}" + (f"\trank{p['rank']}" if p["rank"] is not None else "")
+            )
 
 
 def cancel(job_id: str) -> None:
@@ -235,7 +267,9 @@ def _follow(job_id: str, only_logs: bool = False, stream: str = "rank0") -> None
 
 def upload(
     local: Annotated[Path, typer.Argument(help="a file, or a directory (every file under it, e.g. a small HF model)")],
-    dest: Annotated[str | None, typer.Argument(help="path in your team's upload area (default: the local name)")] = None,
+    dest: Annotated[
+        str | None, typer.Argument(help="path in your team's upload area (default: the local name)")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace files that exist (default: refused)")] = False,
 ) -> None:
     """Upload a file or a directory into your team's upload area; prints the server path to name in a spec."""
@@ -244,8 +278,11 @@ def upload(
         raise typer.Exit(1)
     client = Client()
     with _api_errors():
-        done = ([client.upload(local, dest or local.name, overwrite=overwrite)] if local.is_file()
-                else client.upload_dir(local, dest or local.resolve().name, overwrite=overwrite))
+        done = (
+            [client.upload(local, dest or local.name, overwrite=overwrite)]
+            if local.is_file()
+            else client.upload_dir(local, dest or local.resolve().name, overwrite=overwrite)
+        )
     for f in done:
         typer.echo(f"{f['server_path']}  {f['size_bytes']:,} bytes  sha256 {f['sha256']}")
 
@@ -254,5 +291,7 @@ def files(prefix: Annotated[str | None, typer.Option(help="only under this direc
     """Your team's uploaded files: path, size, time, server path."""
     with _api_errors():
         found = list(Client().files(prefix=prefix))
-    _table(["PATH", "BYTES", "MODIFIED", "SERVER_PATH"],
-           [[f["path"], f["size_bytes"], f["modified_at"], f["server_path"]] for f in found])
+    _table(
+        ["PATH", "BYTES", "MODIFIED", "SERVER_PATH"],
+        [[f["path"], f["size_bytes"], f["modified_at"], f["server_path"]] for f in found],
+    )

@@ -45,12 +45,25 @@ def serve(
     token = admin_token(settings)
     child = None
     if worker:
-        argv = [sys.executable, "-m", "cli.main", "worker", "--host", settings.worker_name,
-                "--device-type", settings.worker_device_type, "--devices", str(settings.worker_devices)]
+        argv = [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "worker",
+            "--host",
+            settings.worker_name,
+            "--device-type",
+            settings.worker_device_type,
+            "--devices",
+            str(settings.worker_devices),
+        ]
         child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - only prctl, no lock
     url = f"http://{host or settings.host}:{port or settings.port}"
-    typer.echo(f"llmjobs API:  {url}   (docs {url}/docs)\nadmin token:  {token}\n"
-               f"demo data:    {demo}\ntry:          export LLMJOBS_URL={url} LLMJOBS_TOKEN={token}", err=True)
+    typer.echo(
+        f"llmjobs API:  {url}   (docs {url}/docs)\nadmin token:  {token}\n"
+        f"demo data:    {demo}\ntry:          export LLMJOBS_URL={url} LLMJOBS_TOKEN={token}",
+        err=True,
+    )
     try:
         _uvicorn(settings, host, port)
     finally:
@@ -69,8 +82,13 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
     from core import structured_logs
 
     structured_logs.configure(settings.log_level, settings.log_format == "json")
-    uvicorn.run(create_app(settings, migrate=False), host=host or settings.host, port=port or settings.port,
-                log_config=None, timeout_graceful_shutdown=3)  # uvicorn's loggers go through ours
+    uvicorn.run(
+        create_app(settings, migrate=False),
+        host=host or settings.host,
+        port=port or settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=3,
+    )  # uvicorn's loggers go through ours
 
 
 def api(host: Annotated[str | None, typer.Option()] = None, port: Annotated[int | None, typer.Option()] = None) -> None:
@@ -112,15 +130,22 @@ def reseal() -> None:
 def worker(
     host: Annotated[str | None, typer.Option("--host", help="this host's name (default: hostname)")] = None,
     device_type: Annotated[str, typer.Option(help="cpu, cuda, npu or auto (npu, then cuda, then cpu)")] = "cpu",
-    devices: Annotated[int | None, typer.Option(help="devices (CPU: slots) on this host; default: discovered "
-                                                        "through torch_npu / torch.cuda, 1 slot on CPU")] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(
+            help="devices (CPU: slots) on this host; default: discovered through torch_npu / torch.cuda, 1 slot on CPU"
+        ),
+    ] = None,
     concurrency: Annotated[int | None, typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
 ) -> None:
     """A Celery worker for one host: registers its devices, heart-beats, runs the job nodes leased to it."""
     if device_type not in ("cpu", "cuda", "npu", "auto"):
         raise typer.BadParameter("choose cpu, cuda, npu or auto", param_hint="--device-type")
-    configured = devices if devices is not None else (
-        int(os.environ["LLMJOBS_WORKER_DEVICES"]) if os.environ.get("LLMJOBS_WORKER_DEVICES") else None)
+    configured = (
+        devices
+        if devices is not None
+        else (int(os.environ["LLMJOBS_WORKER_DEVICES"]) if os.environ.get("LLMJOBS_WORKER_DEVICES") else None)
+    )
     for key, value in (("WORKER_NAME", host), ("WORKER_CONCURRENCY", str(concurrency) if concurrency else None)):
         if value is not None:
             os.environ[f"LLMJOBS_{key}"] = value
@@ -143,20 +168,39 @@ def worker(
     name = settings.worker_name
     queues = [settings.queue_for(inventory.device_type), host_queue(name)]
     declare_queues(settings, queues)  # before consuming: survives another worker creating them at the same moment
-    register_host(settings, name=name, device_type=inventory.device_type, devices=len(inventory.device_ids),
-                  queues=queues, device_ids=inventory.device_ids, address=host_address(settings.worker_address),
-                  device_memory=device_memory_bytes(inventory.device_type))
+    register_host(
+        settings,
+        name=name,
+        device_type=inventory.device_type,
+        devices=len(inventory.device_ids),
+        queues=queues,
+        device_ids=inventory.device_ids,
+        address=host_address(settings.worker_address),
+        device_memory=device_memory_bytes(inventory.device_type),
+    )
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
     schedule(settings)
     beat = HostHeartbeat(settings, name, on_beat=lambda: (sweep_host(settings, name), schedule(settings)))
     beat.start()
     threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
     try:
-        celery_app.worker_main([
-            "worker", "-Q", ",".join(queues), "-n", f"{name}@%h", "--pool", "threads",
-            "-c", str(threads), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-        ])
+        celery_app.worker_main(
+            [
+                "worker",
+                "-Q",
+                ",".join(queues),
+                "-n",
+                f"{name}@%h",
+                "--pool",
+                "threads",
+                "-c",
+                str(threads),
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
     finally:
         beat.stop()
         set_host_state(settings, name, HostState.down)
-

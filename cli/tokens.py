@@ -40,13 +40,17 @@ def token_list(team: Annotated[str | None, typer.Option(help="only this team's t
     prepare(settings)
     with session_scope(settings.database_url) as session:
         for t in list_tokens(session, team):
-            typer.echo(f"{t.id}\t{t.prefix}\t{t.team}\t{t.name or '-'}\t{'admin' if t.admin else '-'}\t"
-                       f"created {t.created_at:%Y-%m-%d %H:%M}\t"
-                       f"{'revoked ' + format(t.revoked_at, '%Y-%m-%d %H:%M') if t.revoked_at else 'active'}")
+            typer.echo(
+                f"{t.id}\t{t.prefix}\t{t.team}\t{t.name or '-'}\t{'admin' if t.admin else '-'}\t"
+                f"created {t.created_at:%Y-%m-%d %H:%M}\t"
+                f"{'revoked ' + format(t.revoked_at, '%Y-%m-%d %H:%M') if t.revoked_at else 'active'}"
+            )
 
 
 @token_cli.command("revoke")
-def token_revoke(ref: Annotated[str, typer.Argument(help="token id (from `token list`), its prefix, or the token")]) -> None:
+def token_revoke(
+    ref: Annotated[str, typer.Argument(help="token id (from `token list`), its prefix, or the token")],
+) -> None:
     """Revoke an API token: requests with it are refused (401) from now on."""
     from core.auth import revoke_token
     from core.db import session_scope

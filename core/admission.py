@@ -40,12 +40,26 @@ from engine.spec import (
 
 # Common spellings from other trainers (transformers, OpenAI fine-tuning) -> this API's MindSpeed names.
 SYNONYMS: dict[str, str] = {
-    "learning_rate": "lr", "max_steps": "train_iters", "iters": "train_iters", "steps": "train_iters",
-    "batch_size": "global_batch_size", "max_seq_length": "seq_length", "max_length": "seq_length",
-    "model": "load", "model_path": "load", "model_name_or_path": "load", "tokenizer": "tokenizer_name_or_path",
-    "tokenizer_path": "tokenizer_name_or_path", "data": "data_path", "dataset": "data_path",
-    "output_dir": "save", "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-    "warmup_steps": "lr_warmup_iters", "lora_rank": "lora_r", "seed_value": "seed",
+    "learning_rate": "lr",
+    "max_steps": "train_iters",
+    "iters": "train_iters",
+    "steps": "train_iters",
+    "batch_size": "global_batch_size",
+    "max_seq_length": "seq_length",
+    "max_length": "seq_length",
+    "model": "load",
+    "model_path": "load",
+    "model_name_or_path": "load",
+    "tokenizer": "tokenizer_name_or_path",
+    "tokenizer_path": "tokenizer_name_or_path",
+    "data": "data_path",
+    "dataset": "data_path",
+    "output_dir": "save",
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "warmup_steps": "lr_warmup_iters",
+    "lora_rank": "lora_r",
+    "seed_value": "seed",
 }
 CHECKPOINT_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata", "meta.json", "release")
 
@@ -72,8 +86,9 @@ def suggest(name: str, known: Iterable[str]) -> str | None:
 def _unknown_field(name: str, known: Iterable[str], where: str) -> ApiError:
     field = f"{where}{name}"
     if name.lstrip("-") in IGNORED_FLAGS or name.lstrip("-").replace("_", "-") in IGNORED_FLAGS:
-        return _refuse(field, "a MindSpeed flag with no effect in this engine (the device layer chooses kernels); "
-                              "remove it")
+        return _refuse(
+            field, "a MindSpeed flag with no effect in this engine (the device layer chooses kernels); remove it"
+        )
     guess = suggest(name, known)
     hint = f"; did you mean {guess!r}?" if guess else ""
     return _refuse(field, f"unknown field{hint}")
@@ -134,7 +149,9 @@ class _Inputs:
         if path is None or self.pending(path):
             return
         if not Path(path).is_file():
-            raise _refuse(self.field(name), f"{path} is not a file" if Path(path).exists() else f"{path} does not exist")
+            raise _refuse(
+                self.field(name), f"{path} is not a file" if Path(path).exists() else f"{path} does not exist"
+            )
 
     def data_prefixes(self, name: str, prefixes: list[str]) -> None:
         """Every prefix has a .bin and .idx, as instruction data, plain or as ``<prefix>_text_document``."""
@@ -150,8 +167,10 @@ class _Inputs:
             candidates = [instruction_prefix(prefix, "input_ids"), prefix, prefix + "_text_document"]
             if not any(Path(c + ".bin").is_file() and Path(c + ".idx").is_file() for c in candidates):
                 looked = ", ".join(c + ".bin/.idx" for c in candidates)
-                raise _refuse(self.field(name), f"no indexed dataset for prefix {prefix!r} (looked for {looked}); "
-                                                "preprocess the data first")
+                raise _refuse(
+                    self.field(name),
+                    f"no indexed dataset for prefix {prefix!r} (looked for {looked}); preprocess the data first",
+                )
 
     def checkpoint(self, name: str, path: str | None) -> dict[str, Any] | None:
         """A model directory that some loader can read; returns its HF config.json when it has one."""
@@ -170,10 +189,14 @@ class _Inputs:
             return config
         names = {e.name for e in p.iterdir()}
         if not any(m in names for m in CHECKPOINT_MARKERS) and not any(
-                n.startswith(("iter_", "mp_rank_")) for n in names):
-            raise _refuse(self.field(name), f"{path} holds no model: neither an HF model (config.json), a Megatron "
-                                            "checkpoint (latest_checkpointed_iteration.txt, iter_*) nor a training "
-                                            "checkpoint (.metadata)")
+            n.startswith(("iter_", "mp_rank_")) for n in names
+        ):
+            raise _refuse(
+                self.field(name),
+                f"{path} holds no model: neither an HF model (config.json), a Megatron "
+                "checkpoint (latest_checkpointed_iteration.txt, iter_*) nor a training "
+                "checkpoint (.metadata)",
+            )
         return None
 
 
@@ -193,8 +216,10 @@ def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, whe
     if isinstance(groups, int) and groups % tp:
         raise _refuse(f"{where}tensor_model_parallel_size", f"TP {tp} does not divide the model's {groups} KV heads")
     if isinstance(layers, int) and spec.num_layer_list is None and layers % pp:
-        raise _refuse(f"{where}pipeline_model_parallel_size",
-                      f"PP {pp} does not divide the model's {layers} layers; give num_layer_list")
+        raise _refuse(
+            f"{where}pipeline_model_parallel_size",
+            f"PP {pp} does not divide the model's {layers} layers; give num_layer_list",
+        )
 
 
 def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
@@ -202,27 +227,36 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
     if spec.seq_length is None:
         raise _refuse(f"{where}seq_length", "required for training (the longest sample, in tokens)")
     if spec.lr_decay_style == "WSD":
-        raise _refuse(f"{where}lr_decay_style", "WSD is not supported; use constant, linear, cosine or "
-                                                "inverse-square-root")
+        raise _refuse(
+            f"{where}lr_decay_style", "WSD is not supported; use constant, linear, cosine or inverse-square-root"
+        )
     if spec.load is None:
         for flag in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(spec, flag) is None:
                 raise _refuse(f"{where}{flag}", "required when no checkpoint is loaded (give load, or the model shape)")
         if spec.padded_vocab_size is None and spec.tokenizer_name_or_path is None:
-            raise _refuse(f"{where}padded_vocab_size", "required without load and without tokenizer_name_or_path "
-                                                       "(a vocab source)")
+            raise _refuse(
+                f"{where}padded_vocab_size", "required without load and without tokenizer_name_or_path (a vocab source)"
+            )
     inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
     inputs.data_prefixes("data_path", spec.data_path)
     _check_layout(spec, inputs.checkpoint("load", spec.load), where)
     if settings.max_train_iters and spec.train_iters > settings.max_train_iters:
-        raise _refuse(f"{where}train_iters", f"{spec.train_iters} is over this service's ceiling of "
-                                             f"{settings.max_train_iters} iterations (max_train_iters)")
-    tokens = spec.train_iters * (spec.global_batch_size or spec.micro_batch_size * spec.data_parallel_size) * \
-        spec.seq_length
+        raise _refuse(
+            f"{where}train_iters",
+            f"{spec.train_iters} is over this service's ceiling of "
+            f"{settings.max_train_iters} iterations (max_train_iters)",
+        )
+    tokens = (
+        spec.train_iters * (spec.global_batch_size or spec.micro_batch_size * spec.data_parallel_size) * spec.seq_length
+    )
     if settings.max_train_tokens and tokens > settings.max_train_tokens:
-        raise _refuse(f"{where}train_iters", f"train_iters × global_batch_size × seq_length = {tokens} tokens, over "
-                                             f"this service's ceiling of {settings.max_train_tokens} "
-                                             "(max_train_tokens)")
+        raise _refuse(
+            f"{where}train_iters",
+            f"train_iters × global_batch_size × seq_length = {tokens} tokens, over "
+            f"this service's ceiling of {settings.max_train_tokens} "
+            "(max_train_tokens)",
+        )
 
 
 def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
@@ -240,10 +274,14 @@ def _check_convert(spec: ConvertSpec, inputs: _Inputs) -> None:
     config = inputs.checkpoint("load_dir", spec.load_dir)
     if not inputs.pending(spec.load_dir):
         is_hf = config is not None and any(
-            n.suffix == ".safetensors" or n.name == "model.safetensors.index.json" for n in Path(spec.load_dir).iterdir())
+            n.suffix == ".safetensors" or n.name == "model.safetensors.index.json"
+            for n in Path(spec.load_dir).iterdir()
+        )
         if spec.load_model_type == "hf" and not is_hf:
-            raise _refuse(inputs.field("load_model_type"), f"hf, but {spec.load_dir} is not an HF model directory "
-                                                           "(config.json + *.safetensors)")
+            raise _refuse(
+                inputs.field("load_model_type"),
+                f"hf, but {spec.load_dir} is not an HF model directory (config.json + *.safetensors)",
+            )
         if spec.load_model_type == "mg" and is_hf:
             raise _refuse(inputs.field("load_model_type"), f"mg, but {spec.load_dir} is an HF model directory")
     inputs.file_or_dir("lora_load", spec.lora_load)

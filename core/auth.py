@@ -52,14 +52,17 @@ def create_token(session: Session, *, team: str, name: str | None = None, admin:
     the team's data directory (``core.paths``)."""
     check_team_name(team)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(token_hash=hash_token(token), prefix=token[:len(TOKEN_PREFIX) + 7], team=team, name=name,
-                         admin=admin))
+    session.add(
+        ApiToken(token_hash=hash_token(token), prefix=token[: len(TOKEN_PREFIX) + 7], team=team, name=name, admin=admin)
+    )
     session.flush()
     return token
 
 
 def authenticate(session: Session, token: str) -> Principal | None:
-    row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None)))
+    row = session.scalar(
+        select(ApiToken).where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
+    )
     if row is None:
         return None
     return Principal(team=row.team, admin=row.admin, token_id=row.id)

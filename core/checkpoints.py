@@ -44,8 +44,15 @@ def _training_states(save: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         lora = bool(meta.get("trainable_only"))
-        found.append({"iteration": iteration, "format": "training_state", "model_path": str(path),
-                      "optimizer_path": str(path) if meta.get("has_optimizer") else None, "lora": lora})
+        found.append(
+            {
+                "iteration": iteration,
+                "format": "training_state",
+                "model_path": str(path),
+                "optimizer_path": str(path) if meta.get("has_optimizer") else None,
+                "lora": lora,
+            }
+        )
     return found
 
 
@@ -68,8 +75,11 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
     items = sorted(_training_states(save) + _final(save), key=lambda c: (c["iteration"], c["format"] == "mcore"))
     iterations = sorted({c["iteration"] for c in items})
     query = select(MetricPoint.step, MetricPoint.name, MetricPoint.value).where(
-        MetricPoint.job_id == job.id, MetricPoint.step.in_(iterations), MetricPoint.name.in_(STEP_METRICS),
-        MetricPoint.rank.is_(None))
+        MetricPoint.job_id == job.id,
+        MetricPoint.step.in_(iterations),
+        MetricPoint.name.in_(STEP_METRICS),
+        MetricPoint.rank.is_(None),
+    )
     metrics: dict[int, dict[str, float | None]] = {}
     for step, name, value in session.execute(query).all() if iterations else []:
         metrics.setdefault(step, {})[name] = value
@@ -89,8 +99,12 @@ def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, 
     matches = [c for c in items if c["iteration"] == iteration]
     if not matches:
         have = ", ".join(str(c["iteration"]) for c in items) or "none"
-        raise ApiError(422, "validation_error", f"{field}.iteration: the job has no checkpoint at iteration "
-                                                f"{iteration!r} (it has: {have})", f"{field}.iteration")
+        raise ApiError(
+            422,
+            "validation_error",
+            f"{field}.iteration: the job has no checkpoint at iteration {iteration!r} (it has: {have})",
+            f"{field}.iteration",
+        )
     return matches[-1]  # the final export over a training state of the same iteration
 
 
@@ -104,8 +118,12 @@ def _referenced_job(session: Session, principal: Principal, job_id: str, field: 
             raise
         raise ApiError(422, "validation_error", f"{field}: no job {job_id}", field) from err
     if job.kind != "train":
-        raise ApiError(422, "validation_error", f"{field}: job {job_id} is a {job.kind} job; checkpoints come from "
-                                                "train jobs", field)
+        raise ApiError(
+            422,
+            "validation_error",
+            f"{field}: job {job_id} is a {job.kind} job; checkpoints come from train jobs",
+            field,
+        )
     return job
 
 
@@ -115,8 +133,12 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
     if not isinstance(raw, dict):
         return raw
     if raw.get("kind") == "pipeline" and isinstance(raw.get("steps"), list):
-        steps = [{**s, "spec": expand_references(session, principal, s["spec"], f"{where}steps.{i}.spec.")}
-                 if isinstance(s, dict) and "spec" in s else s for i, s in enumerate(raw["steps"])]
+        steps = [
+            {**s, "spec": expand_references(session, principal, s["spec"], f"{where}steps.{i}.spec.")}
+            if isinstance(s, dict) and "spec" in s
+            else s
+            for i, s in enumerate(raw["steps"])
+        ]
         return {**raw, "steps": steps}
     out = dict(raw)
     for name, kinds in REFERENCE_FIELDS.items():
@@ -125,16 +147,24 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
             continue
         field = f"{where}{name}"
         iteration = ref.get("iteration")
-        if (set(ref) != {"job", "iteration"} or not isinstance(ref["job"], str) or not isinstance(iteration, int)
-                or isinstance(iteration, bool)):
-            raise ApiError(422, "validation_error", f"{field}: a path, or {{\"job\": ID, \"iteration\": N}}", field)
+        if (
+            set(ref) != {"job", "iteration"}
+            or not isinstance(ref["job"], str)
+            or not isinstance(iteration, int)
+            or isinstance(iteration, bool)
+        ):
+            raise ApiError(422, "validation_error", f'{field}: a path, or {{"job": ID, "iteration": N}}', field)
         job = _referenced_job(session, principal, ref["job"], f"{field}.job")
         chosen = _pick(list_checkpoints(session, job), iteration, field)
         out[name] = chosen["model_path"]
         if chosen["lora"]:
             base = (job.spec or {}).get("load")
             if not base:
-                raise ApiError(422, "validation_error", f"{field}: the checkpoint holds LoRA adapters and its job "
-                                                        "has no base model (load)", field)
+                raise ApiError(
+                    422,
+                    "validation_error",
+                    f"{field}: the checkpoint holds LoRA adapters and its job has no base model (load)",
+                    field,
+                )
             out[name], out["lora_load"] = base, chosen["model_path"]
     return out

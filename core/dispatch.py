@@ -30,9 +30,12 @@ def _mark(settings: Settings, job_id: str, sent: bool) -> bool:
     """Claim (sent=True: dispatched_at NULL -> now) or release (sent=False: back to NULL) a job's message."""
     with session_scope(settings.database_url) as session:
         where = Job.dispatched_at.is_(None) if sent else Job.dispatched_at.is_not(None)
-        moved = session.execute(update(Job).where(Job.id == job_id, where)
-                                .values(dispatched_at=utcnow() if sent else None)
-                                .execution_options(synchronize_session=False))
+        moved = session.execute(
+            update(Job)
+            .where(Job.id == job_id, where)
+            .values(dispatched_at=utcnow() if sent else None)
+            .execution_options(synchronize_session=False)
+        )
         return moved.rowcount == 1  # type: ignore[attr-defined]
 
 
@@ -68,9 +71,13 @@ def dispatch_new(settings: Settings) -> int:
     except Exception as err:  # noqa: BLE001 - the messages below still wake the workers' schedulers
         log.warning("scheduling pass failed (will be retried): %s", err)
     with session_scope(settings.database_url) as session:
-        fresh = list(session.execute(select(Job.id, Job.queue, Job.request_id).where(
-            Job.state.in_([s.value for s in WAITING]), Job.kind != "pipeline", Job.dispatched_at.is_(None))
-            .order_by(Job.created_at)).tuples())
+        fresh = list(
+            session.execute(
+                select(Job.id, Job.queue, Job.request_id)
+                .where(Job.state.in_([s.value for s in WAITING]), Job.kind != "pipeline", Job.dispatched_at.is_(None))
+                .order_by(Job.created_at)
+            ).tuples()
+        )
     sent = 0
     for job_id, queue, request_id in fresh:
         if not _mark(settings, job_id, sent=True):

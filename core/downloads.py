@@ -65,7 +65,9 @@ def locate(artifact: Artifact, roots: list[Path], member: str | None = None) -> 
         else:  # a prefix artifact (Megatron's <prefix>_*.bin/.idx): its files by name
             named = [Path(f) for f in artifact.files if Path(f).name == member]
             if not named:
-                raise ApiError(404, "not_found", f"file: {member!r} is not a file of artifact {artifact.name!r}", "file")
+                raise ApiError(
+                    404, "not_found", f"file: {member!r} is not a file of artifact {artifact.name!r}", "file"
+                )
             target = _allowed(named[0], roots)
         if not target.is_file():
             raise ApiError(404, "not_found", f"file: {member!r} is not a file of artifact {artifact.name!r}", "file")

@@ -25,7 +25,7 @@ def _bare(message: str) -> str:
     """pydantic's "Value error, " / "Assertion failed, " prefixes say nothing to a user."""
     for prefix in ("Value error, ", "Assertion failed, "):
         if message.startswith(prefix):
-            return message[len(prefix):]
+            return message[len(prefix) :]
     return message
 
 

@@ -49,8 +49,12 @@ def delete_job(session: Session, settings: Settings, job: Job, outputs: bool = F
     family = [job, *session.scalars(select(Job).where(Job.parent_id == job.id))]
     active = [j for j in family if not JobState(j.state).is_terminal()]
     if active:
-        raise ApiError(409, "job_active", f"job {active[0].id} is {active[0].state}; cancel it and wait for it to end "
-                                          "before deleting", None)
+        raise ApiError(
+            409,
+            "job_active",
+            f"job {active[0].id} is {active[0].state}; cancel it and wait for it to end before deleting",
+            None,
+        )
     ids = [j.id for j in family]
     paths = [j.run_dir for j in family]
     output_paths: list[str] = []

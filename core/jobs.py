@@ -38,14 +38,24 @@ def _find_by_key(session: Session, team: str, key: str) -> Job | None:
 
 def _replay(existing: Job, digest: str) -> Job:
     if existing.body_hash != digest:
-        raise ApiError(409, "idempotency_conflict", "Idempotency-Key was already used with a different request body",
-                       "Idempotency-Key")
+        raise ApiError(
+            409,
+            "idempotency_conflict",
+            "Idempotency-Key was already used with a different request body",
+            "Idempotency-Key",
+        )
     return existing
 
 
 def create_job(
-    session: Session, *, settings: Settings, team: str, spec: JobBase, raw: Any,
-    idempotency_key: str | None = None, parent_id: str | None = None,
+    session: Session,
+    *,
+    settings: Settings,
+    team: str,
+    spec: JobBase,
+    raw: Any,
+    idempotency_key: str | None = None,
+    parent_id: str | None = None,
 ) -> tuple[Job, bool]:
     """Insert a queued job and commit. Returns ``(job, created)``; a replayed Idempotency-Key returns the first job."""
     digest = body_hash(raw)
@@ -53,13 +63,24 @@ def create_job(
         return _replay(existing, digest), False
     job_id = new_id()
     body = spec_to_json(spec)
-    job = Job(id=job_id, team=team, kind=body["kind"], name=spec.name, spec=body,
-              meta=dict(spec.metadata), priority=spec.priority, parent_id=parent_id,
-              idempotency_key=idempotency_key, body_hash=digest,
-              queue=settings.queue_for(spec.resources.device_type), run_dir=str(settings.runs_path / job_id),
-              max_restarts=settings.default_max_restarts if spec.max_restarts is None else spec.max_restarts,
-              state=JobState.queued.value, pending_reason="waiting for the message to reach a worker",
-              request_id=current_request_id())
+    job = Job(
+        id=job_id,
+        team=team,
+        kind=body["kind"],
+        name=spec.name,
+        spec=body,
+        meta=dict(spec.metadata),
+        priority=spec.priority,
+        parent_id=parent_id,
+        idempotency_key=idempotency_key,
+        body_hash=digest,
+        queue=settings.queue_for(spec.resources.device_type),
+        run_dir=str(settings.runs_path / job_id),
+        max_restarts=settings.default_max_restarts if spec.max_restarts is None else spec.max_restarts,
+        state=JobState.queued.value,
+        pending_reason="waiting for the message to reach a worker",
+        request_id=current_request_id(),
+    )
     session.add(job)
     try:
         session.flush()  # the row first: events reference it
@@ -74,14 +95,39 @@ def create_job(
     return job, True
 
 
-def add_event(session: Session, job_id: str, type: str, message: str = "", *, level: str = "info",
-              data: dict[str, Any] | None = None, attempt: int | None = None, time: datetime | None = None) -> None:
-    session.add(Event(job_id=job_id, type=type, message=message, level=level, data=data or {}, attempt=attempt,
-                      time=time or utcnow()))
+def add_event(
+    session: Session,
+    job_id: str,
+    type: str,
+    message: str = "",
+    *,
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+    attempt: int | None = None,
+    time: datetime | None = None,
+) -> None:
+    session.add(
+        Event(
+            job_id=job_id,
+            type=type,
+            message=message,
+            level=level,
+            data=data or {},
+            attempt=attempt,
+            time=time or utcnow(),
+        )
+    )
 
 
-def transition(session: Session, job_id: str, target: JobState, *, only_from: Iterable[JobState] | None = None,
-               message: str = "", **values: Any) -> bool:
+def transition(
+    session: Session,
+    job_id: str,
+    target: JobState,
+    *,
+    only_from: Iterable[JobState] | None = None,
+    message: str = "",
+    **values: Any,
+) -> bool:
     """Compare-and-set ``job.state`` to ``target``; returns False (and changes nothing) if another writer won.
 
     Commits on success, so the broker message or signal that follows never sees an uncommitted state.
@@ -96,13 +142,23 @@ def transition(session: Session, job_id: str, target: JobState, *, only_from: It
         values.setdefault("pending_reason", None)
     if target in (JobState.starting, JobState.running):
         values.setdefault("pending_reason", None)
-    stmt = (update(Job).where(Job.id == job_id, Job.state.in_([s.value for s in sources]))
-            .values(state=target.value, **values).execution_options(synchronize_session=False))
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_([s.value for s in sources]))
+        .values(state=target.value, **values)
+        .execution_options(synchronize_session=False)
+    )
     if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()
         return False
-    add_event(session, job_id, "state", message or target.value, data={"state": target.value},
-              level="error" if target is JobState.failed else "info")
+    add_event(
+        session,
+        job_id,
+        "state",
+        message or target.value,
+        data={"state": target.value},
+        level="error" if target is JobState.failed else "info",
+    )
     session.commit()
     return True
 
@@ -122,7 +178,10 @@ def request_cancel(session: Session, job: Job) -> Job:
     session.expire_all()
     fresh = session.get(Job, job.id)
     assert fresh is not None
-    if fresh.state not in (JobState.cancelled.value, JobState.cancelling.value) and not JobState(fresh.state).is_terminal():
+    if (
+        fresh.state not in (JobState.cancelled.value, JobState.cancelling.value)
+        and not JobState(fresh.state).is_terminal()
+    ):
         return request_cancel(session, fresh)
     return fresh
 
@@ -135,9 +194,16 @@ def get_visible_job(session: Session, job_id: str, principal: Principal) -> Job:
 # The columns a job list sorts by (?sort=name, ?sort=-finished_at); blanks (no name, not started yet) come last
 # in either direction. The job id breaks ties, so (value, id) orders every row and the cursor stays one id.
 SORTS: dict[str, Any] = {
-    "created_at": Job.created_at, "updated_at": Job.updated_at, "started_at": Job.started_at,
-    "finished_at": Job.finished_at, "name": Job.name, "state": Job.state, "kind": Job.kind, "priority": Job.priority,
-    "host": Job.host, "attempt_count": Job.attempt_count,
+    "created_at": Job.created_at,
+    "updated_at": Job.updated_at,
+    "started_at": Job.started_at,
+    "finished_at": Job.finished_at,
+    "name": Job.name,
+    "state": Job.state,
+    "kind": Job.kind,
+    "priority": Job.priority,
+    "host": Job.host,
+    "attempt_count": Job.attempt_count,
 }
 NULLABLE_SORTS = {"started_at", "finished_at", "name", "host"}
 DEFAULT_SORT = "-created_at"
@@ -148,8 +214,12 @@ def parse_sort(sort: str | None) -> tuple[str, bool]:
     sort = (sort or DEFAULT_SORT).strip()
     key = sort.removeprefix("-")
     if key not in SORTS:
-        raise ApiError(422, "validation_error", f"sort: unknown field {key!r}; use one of {', '.join(SORTS)} "
-                       "(prefix - for descending)", "sort")
+        raise ApiError(
+            422,
+            "validation_error",
+            f"sort: unknown field {key!r}; use one of {', '.join(SORTS)} (prefix - for descending)",
+            "sort",
+        )
     return key, sort.startswith("-")
 
 
@@ -164,9 +234,17 @@ def _past(key: str, descending: bool, anchor: Job) -> ColumnElement[bool]:
 
 
 def list_jobs(
-    session: Session, *, principal: Principal, state: str | None = None, kind: str | None = None,
-    name: str | None = None, metadata: dict[str, str] | None = None, parent_id: str | None = None,
-    after: str | None = None, limit: int = 20, sort: str | None = None,
+    session: Session,
+    *,
+    principal: Principal,
+    state: str | None = None,
+    kind: str | None = None,
+    name: str | None = None,
+    metadata: dict[str, str] | None = None,
+    parent_id: str | None = None,
+    after: str | None = None,
+    limit: int = 20,
+    sort: str | None = None,
 ) -> tuple[list[Job], bool]:
     """Newest first unless ``sort`` says otherwise (SORTS); ``after`` is the last id of the previous page."""
     by, descending = parse_sort(sort)
@@ -177,8 +255,13 @@ def list_jobs(
         states = [s.strip() for s in state.split(",")]
         unknown = [s for s in states if s not in {v.value for v in JobState}]
         if unknown:  # like an unknown kind: a typo must not read as "no such jobs"
-            raise ApiError(422, "validation_error", f"state: unknown state {unknown[0]!r}; use one or several "
-                           f"(comma-separated) of {', '.join(v.value for v in JobState)}", "state")
+            raise ApiError(
+                422,
+                "validation_error",
+                f"state: unknown state {unknown[0]!r}; use one or several "
+                f"(comma-separated) of {', '.join(v.value for v in JobState)}",
+                "state",
+            )
         query = query.where(Job.state.in_(states))
     if kind:
         query = query.where(Job.kind == kind)

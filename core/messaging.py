@@ -81,12 +81,14 @@ def _headers(request_id: str | None) -> dict[str, str] | None:
 
 
 def send_schedule(settings: Settings, job_id: str, queue: str, request_id: str | None = None) -> None:
-    """"Job X waits": wake a worker of ``queue`` to run a scheduling pass. Send only after the job row committed."""
+    """ "Job X waits": wake a worker of ``queue`` to run a scheduling pass. Send only after the job row committed."""
     get_celery(settings.broker_url).send_task(SCHEDULE_TASK, args=[job_id], queue=queue, headers=_headers(request_id))
 
 
-def send_run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str,
-                  request_id: str | None = None) -> None:
+def send_run_node(
+    settings: Settings, job_id: str, attempt: int, node_rank: int, host: str, request_id: str | None = None
+) -> None:
     """Tell ``host`` to run one node of a granted attempt. Send only after the grant committed."""
-    get_celery(settings.broker_url).send_task(RUN_NODE_TASK, args=[job_id, attempt, node_rank],
-                                              queue=host_queue(host), headers=_headers(request_id))
+    get_celery(settings.broker_url).send_task(
+        RUN_NODE_TASK, args=[job_id, attempt, node_rank], queue=host_queue(host), headers=_headers(request_id)
+    )

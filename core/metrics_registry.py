@@ -46,35 +46,57 @@ class ServiceCollector(Collector):
     def _collect(self) -> Iterator[GaugeMetricFamily]:
         now = utcnow()
         jobs = GaugeMetricFamily("llmjobs_jobs", "Jobs by state and kind.", labels=["state", "kind"])
-        oldest = GaugeMetricFamily("llmjobs_queue_oldest_wait_seconds",
-                                   "How long the oldest waiting (queued or retrying) job of a queue has waited.",
-                                   labels=["queue"])
+        oldest = GaugeMetricFamily(
+            "llmjobs_queue_oldest_wait_seconds",
+            "How long the oldest waiting (queued or retrying) job of a queue has waited.",
+            labels=["queue"],
+        )
         leases = GaugeMetricFamily("llmjobs_device_leases", "Devices leased to jobs, per host.", labels=["host"])
-        devices = GaugeMetricFamily("llmjobs_host_devices", "Devices a registered host offers.", labels=["host", "device_type"])
-        heartbeat = GaugeMetricFamily("llmjobs_host_heartbeat_age_seconds", "Seconds since a host's worker last "
-                                      "heart-beat.", labels=["host"])
-        lag = GaugeMetricFamily("llmjobs_ingest_lag_seconds", "For running jobs, the largest delay between the engine "
-                                "writing a metric point and its worker storing it (at the last ingest).")
+        devices = GaugeMetricFamily(
+            "llmjobs_host_devices", "Devices a registered host offers.", labels=["host", "device_type"]
+        )
+        heartbeat = GaugeMetricFamily(
+            "llmjobs_host_heartbeat_age_seconds", "Seconds since a host's worker last heart-beat.", labels=["host"]
+        )
+        lag = GaugeMetricFamily(
+            "llmjobs_ingest_lag_seconds",
+            "For running jobs, the largest delay between the engine "
+            "writing a metric point and its worker storing it (at the last ingest).",
+        )
         hooks = GaugeMetricFamily("llmjobs_webhook_deliveries", "Webhook messages by delivery state.", labels=["state"])
         with session_scope(self.database_url) as session:
-            for state, kind, count in session.execute(select(Job.state, Job.kind, func.count()).group_by(Job.state, Job.kind)):
+            for state, kind, count in session.execute(
+                select(Job.state, Job.kind, func.count()).group_by(Job.state, Job.kind)
+            ):
                 jobs.add_metric([state, kind], count)
             waiting = Job.state.in_([s.value for s in WAITING])
-            for queue, first in session.execute(select(Job.queue, func.min(Job.created_at)).where(waiting)
-                                                .group_by(Job.queue)):
+            for queue, first in session.execute(
+                select(Job.queue, func.min(Job.created_at)).where(waiting).group_by(Job.queue)
+            ):
                 oldest.add_metric([queue], _age(now, first))
             held = dict(session.execute(select(Lease.host, func.count()).group_by(Lease.host)).tuples().all())
             for host in session.scalars(select(Host).order_by(Host.name)):
                 leases.add_metric([host.name], held.get(host.name, 0))
                 devices.add_metric([host.name, host.device_type], len(host.device_ids or range(host.devices)))
                 heartbeat.add_metric([host.name], _age(now, host.heartbeat_at))
-            newest = (select(MetricPoint.job_id, func.max(MetricPoint.time).label("newest"))
-                      .group_by(MetricPoint.job_id).subquery())
-            rows = session.execute(select(Job.heartbeat_at, newest.c.newest).join(newest, newest.c.job_id == Job.id)
-                                   .where(Job.state == JobState.running.value)).tuples().all()
+            newest = (
+                select(MetricPoint.job_id, func.max(MetricPoint.time).label("newest"))
+                .group_by(MetricPoint.job_id)
+                .subquery()
+            )
+            rows = (
+                session.execute(
+                    select(Job.heartbeat_at, newest.c.newest)
+                    .join(newest, newest.c.job_id == Job.id)
+                    .where(Job.state == JobState.running.value)
+                )
+                .tuples()
+                .all()
+            )
             lag.add_metric([], max((_age(stored, written) for stored, written in rows if stored), default=0.0))
-            for state, count in session.execute(select(WebhookDelivery.state, func.count())
-                                                .group_by(WebhookDelivery.state)):
+            for state, count in session.execute(
+                select(WebhookDelivery.state, func.count()).group_by(WebhookDelivery.state)
+            ):
                 hooks.add_metric([state], count)
         yield from (jobs, oldest, leases, devices, heartbeat, lag, hooks)
 
@@ -84,9 +106,13 @@ class ServiceMetrics:
 
     def __init__(self, database_url: str):
         self.registry = CollectorRegistry()
-        self.requests = Histogram("llmjobs_http_request_duration_seconds", "HTTP request latency by route template.",
-                                  labelnames=["method", "route", "status"], buckets=LATENCY_BUCKETS,
-                                  registry=self.registry)
+        self.requests = Histogram(
+            "llmjobs_http_request_duration_seconds",
+            "HTTP request latency by route template.",
+            labelnames=["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(ServiceCollector(database_url))
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:

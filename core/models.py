@@ -133,7 +133,10 @@ class Event(Base):
 
 class MetricPoint(Base):
     __tablename__ = "metric_points"
-    __table_args__ = (Index("ix_metric_points_job_step", "job_id", "step", "id"), Index("ix_metric_points_job_id", "job_id", "id"))
+    __table_args__ = (
+        Index("ix_metric_points_job_step", "job_id", "step", "id"),
+        Index("ix_metric_points_job_id", "job_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -206,7 +209,10 @@ class Lease(Base):
     """One device of one host held by one node of one job attempt. Rows exist only while held."""
 
     __tablename__ = "leases"
-    __table_args__ = (UniqueConstraint("host", "device", name="uq_leases_host_device"), Index("ix_leases_job", "job_id"))
+    __table_args__ = (
+        UniqueConstraint("host", "device", name="uq_leases_host_device"),
+        Index("ix_leases_job", "job_id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     host: Mapped[str] = mapped_column(String(255))
@@ -226,8 +232,10 @@ class JobNode(Base):
     """
 
     __tablename__ = "job_nodes"
-    __table_args__ = (UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_attempt_rank"),
-                      Index("ix_job_nodes_host_state", "host", "state"))
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_attempt_rank"),
+        Index("ix_job_nodes_host_state", "host", "state"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -268,7 +276,9 @@ class Webhook(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     team: Mapped[str] = mapped_column(String(64))
     url: Mapped[str] = mapped_column(Text)
-    secret: Mapped[str] = mapped_column(String(512))  # whsec_<base64> sealed by app.secrets_box (the sender signs with it)
+    secret: Mapped[str] = mapped_column(
+        String(512)
+    )  # whsec_<base64> sealed by app.secrets_box (the sender signs with it)
     events: Mapped[list[str]] = mapped_column(JSON)
     description: Mapped[str | None] = mapped_column(String(200))
     cursor: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -280,9 +290,11 @@ class WebhookDelivery(Base):
     """One message (one event for one webhook); its id is the ``webhook-id`` header, the same on every retry."""
 
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
-                      Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),
-                      Index("ix_webhook_deliveries_webhook", "webhook_id", "created_at"))
+    __table_args__ = (
+        UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
+        Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),
+        Index("ix_webhook_deliveries_webhook", "webhook_id", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))

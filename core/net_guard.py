@@ -84,8 +84,10 @@ def _checked(url: str, settings: Settings) -> tuple[httpx.URL, IP]:
     addresses = _resolve(host, port)
     for ip in addresses:
         if not _public(ip) and not _admin_allows(host, ip, settings):
-            raise Blocked(f"url: {host[:100]} is a private, loopback, link-local or reserved address; internal "
-                          "receivers must be listed by an admin in webhook_allowed_hosts")
+            raise Blocked(
+                f"url: {host[:100]} is a private, loopback, link-local or reserved address; internal "
+                "receivers must be listed by an admin in webhook_allowed_hosts"
+            )
     if parsed.scheme != "https" and not all(_admin_allows(host, ip, settings) for ip in addresses):
         raise Blocked("url: must be https:// (plain http only for receivers an admin lists in webhook_allowed_hosts)")
     return parsed, addresses[0]

@@ -23,8 +23,10 @@ TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 def check_team_name(team: str) -> str:
     """``team`` if it can name a directory (letters, digits, ``._-``, not starting with a dot); ValueError else."""
     if not TEAM_NAME.fullmatch(team):
-        raise ValueError(f"team name {team!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                         "or digit (it names the team's data directory)")
+        raise ValueError(
+            f"team name {team!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (it names the team's data directory)"
+        )
     return team
 
 

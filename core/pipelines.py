@@ -42,7 +42,9 @@ from engine.spec import (
 )
 
 log = logging.getLogger(__name__)
-STEP_LABEL = "pipeline_step"  # metadata label every child carries: GET /v1/jobs?parent_id=P&metadata[pipeline_step]=train
+STEP_LABEL = (
+    "pipeline_step"  # metadata label every child carries: GET /v1/jobs?parent_id=P&metadata[pipeline_step]=train
+)
 FAILED = (JobState.failed.value, JobState.cancelled.value)
 
 
@@ -99,8 +101,14 @@ def decide(spec: PipelineSpec, children: Mapping[str, Any], stopping: bool = Fal
             missing = sorted({ref for _, ref, _ in find_references(step.spec) if ref not in done})
             if missing:
                 skipped.append(step.name)
-                views.append(StepView(step.name, kind, "skipped", reason=f"needs the outputs of {', '.join(missing)}, "
-                                                                       f"which did not succeed"))
+                views.append(
+                    StepView(
+                        step.name,
+                        kind,
+                        "skipped",
+                        reason=f"needs the outputs of {', '.join(missing)}, which did not succeed",
+                    )
+                )
                 continue
             if stopping:
                 decision = Decision("finish", state=JobState.cancelled, error="the pipeline was cancelled")
@@ -116,8 +124,11 @@ def decide(spec: PipelineSpec, children: Mapping[str, Any], stopping: bool = Fal
             failed.append(step.name)
             if spec.on_failure == "fail_fast" or stopping:
                 state = JobState.cancelled if stopping else JobState.failed
-                decision = Decision("finish", state=state, error=f"step {step.name} {child.state}: "
-                                                                 f"{child.error_message or child.error_code or ''}".strip())
+                decision = Decision(
+                    "finish",
+                    state=state,
+                    error=f"step {step.name} {child.state}: {child.error_message or child.error_code or ''}".strip(),
+                )
         else:
             decision = Decision("wait")
     if decision is None:
@@ -158,8 +169,10 @@ def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict
 
     def resolve(ref: str, key: str) -> str:
         if key not in done[ref]:
-            raise StepError(f"steps.{index}.spec: step {ref} has no output {key!r} "
-                            f"(its outputs: {', '.join(sorted(done[ref])) or 'none'})")
+            raise StepError(
+                f"steps.{index}.spec: step {ref} has no output {key!r} "
+                f"(its outputs: {', '.join(sorted(done[ref])) or 'none'})"
+            )
         return done[ref][key]
 
     body = substitute_references(step.spec, resolve)
@@ -169,20 +182,32 @@ def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict
     return body
 
 
-def _create_child(settings: Settings, session: Session, parent: Job, spec: PipelineSpec, decision: Decision,
-                  dispatch_now: bool) -> Job:
+def _create_child(
+    settings: Settings, session: Session, parent: Job, spec: PipelineSpec, decision: Decision, dispatch_now: bool
+) -> Job:
     body = child_body(parent, spec, decision.index, decision.outputs)
     try:
         child_spec = parse_spec(body, **team_areas(settings, parent.team).context())
     except ValidationError as err:
         raise StepError(first_error(err, f"steps.{decision.index}.spec")) from None
     key = f"pipeline:{parent.id}:{spec.steps[decision.index].name}"
-    child, created = service.create_job(session, settings=settings, team=parent.team, spec=child_spec, raw=body,
-                                        idempotency_key=key, parent_id=parent.id)
+    child, created = service.create_job(
+        session,
+        settings=settings,
+        team=parent.team,
+        spec=child_spec,
+        raw=body,
+        idempotency_key=key,
+        parent_id=parent.id,
+    )
     if created:
-        service.add_event(session, parent.id, "step", f"step {spec.steps[decision.index].name} submitted as job "
-                                                      f"{child.id}", data={"step": spec.steps[decision.index].name,
-                                                                           "job_id": child.id})
+        service.add_event(
+            session,
+            parent.id,
+            "step",
+            f"step {spec.steps[decision.index].name} submitted as job {child.id}",
+            data={"step": spec.steps[decision.index].name, "job_id": child.id},
+        )
         session.commit()
         if dispatch_now:  # else the caller wakes a Dispatcher, whose dispatch_new sends it (never dispatched yet)
             dispatch(settings, child.id, child.queue)
@@ -193,7 +218,9 @@ def _follow_children(session: Session, parent: Job, children: dict[str, Job]) ->
     """queued -> starting -> running once a child has started (a pipeline runs as soon as one of its steps does)."""
     started = any(c.state not in (JobState.queued.value,) for c in children.values())
     if parent.state == JobState.queued.value and started:
-        service.transition(session, parent.id, JobState.starting, only_from=[JobState.queued], message="first step started")
+        service.transition(
+            session, parent.id, JobState.starting, only_from=[JobState.queued], message="first step started"
+        )
     if parent.state in (JobState.queued.value, JobState.starting.value) and started:
         service.transition(session, parent.id, JobState.running, only_from=[JobState.starting], message="running steps")
 
@@ -204,14 +231,23 @@ def _finish(settings: Settings, session: Session, parent: Job, decision: Decisio
         for step_state, source in ((JobState.starting, JobState.queued), (JobState.running, JobState.starting)):
             service.transition(session, parent.id, step_state, only_from=[source], message="steps ran")
     outputs = {f"{name}.{key}": value for name, out in decision.outputs.items() for key, value in out.items()}
-    result = {"kind": "pipeline", "outputs": outputs,
-              "summary": {"steps": [v.public() for v in decision.views], "succeeded": len(decision.outputs)}}
+    result = {
+        "kind": "pipeline",
+        "outputs": outputs,
+        "summary": {"steps": [v.public() for v in decision.views], "succeeded": len(decision.outputs)},
+    }
     values: dict[str, Any] = {"result": result}
     if state is JobState.failed:
         values.update(error_code="step_failed", error_message=decision.error)
     only_from = [JobState.cancelling] if state is JobState.cancelled and parent.state == "cancelling" else None
-    service.transition(session, parent.id, state, only_from=only_from,
-                       message=decision.error or f"all {len(decision.views)} steps succeeded", **values)
+    service.transition(
+        session,
+        parent.id,
+        state,
+        only_from=only_from,
+        message=decision.error or f"all {len(decision.views)} steps succeeded",
+        **values,
+    )
 
 
 def advance(settings: Settings, pipeline_id: str, dispatch_now: bool = True) -> str:
@@ -237,8 +273,9 @@ def advance(settings: Settings, pipeline_id: str, dispatch_now: bool = True) -> 
                 _finish(settings, session, parent, decision)
             _follow_children(session, parent, children)
         except StepError as err:
-            service.transition(session, parent.id, JobState.failed, error_code="step_invalid", error_message=str(err),
-                               message=str(err))
+            service.transition(
+                session, parent.id, JobState.failed, error_code="step_invalid", error_message=str(err), message=str(err)
+            )
         session.expire_all()
         state = session.scalar(select(Job.state).where(Job.id == pipeline_id)) or "missing"
     notify(settings.redis_url, pipeline_id, state=1)
@@ -259,8 +296,9 @@ def advance_parent(settings: Settings, job_id: str) -> None:
 def advance_all(settings: Settings) -> int:
     """One pass over every unfinished pipeline (the reconciler's safety net). Returns how many it looked at."""
     with session_scope(settings.database_url) as session:
-        ids = list(session.scalars(select(Job.id).where(Job.kind == "pipeline",
-                                                        Job.state.notin_([s.value for s in TERMINAL]))))
+        ids = list(
+            session.scalars(select(Job.id).where(Job.kind == "pipeline", Job.state.notin_([s.value for s in TERMINAL])))
+        )
     for pipeline_id in ids:
         try:
             advance(settings, pipeline_id)
@@ -279,8 +317,9 @@ def check_steps_fit(session: Session, settings: Settings, team: str, spec: Pipel
             raise ApiError(err.status, err.code, f"steps.{index}.spec.{err.message}", field_name) from None
 
 
-def submit(session: Session, settings: Settings, team: str, spec: PipelineSpec, raw: Any,
-           key: str | None) -> tuple[Job, bool]:
+def submit(
+    session: Session, settings: Settings, team: str, spec: PipelineSpec, raw: Any, key: str | None
+) -> tuple[Job, bool]:
     """Create the pipeline row and its first step, committed but not scheduled: the caller wakes the Dispatcher, as
     for a single job (an Idempotency-Key replay returns the first pipeline)."""
     check_steps_fit(session, settings, team, spec)

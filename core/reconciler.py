@@ -40,9 +40,16 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
                 to_send.append((job.id, job.queue))
     for job in expired:
         with session_scope(settings.database_url) as session:
-            transition(session, job.id, JobState.failed, only_from=WAITING, error_code="start_deadline_exceeded",
-                       error_message=f"not started within start_deadline_s={job.spec['start_deadline_s']}: "
-                                     f"{job.pending_reason}", message="start deadline exceeded")
+            transition(
+                session,
+                job.id,
+                JobState.failed,
+                only_from=WAITING,
+                error_code="start_deadline_exceeded",
+                error_message=f"not started within start_deadline_s={job.spec['start_deadline_s']}: "
+                f"{job.pending_reason}",
+                message="start deadline exceeded",
+            )
     sent = 0
     for job_id, queue in to_send:
         sent += dispatch(settings, job_id, queue)

@@ -12,8 +12,9 @@ from core.models import Artifact, Event, Job, LogLine, MetricPoint
 from core.pages import fetch_page
 
 
-def events_page(session: Session, job_id: str, *, after: int, limit: int,
-                types: list[str] | None = None) -> tuple[list[Event], bool]:
+def events_page(
+    session: Session, job_id: str, *, after: int, limit: int, types: list[str] | None = None
+) -> tuple[list[Event], bool]:
     """Events after id ``after``, oldest first; only those of ``types`` when given."""
     query = select(Event).where(Event.job_id == job_id, Event.id > after)
     if types:
@@ -21,8 +22,15 @@ def events_page(session: Session, job_id: str, *, after: int, limit: int,
     return fetch_page(session, query.order_by(Event.id), limit)
 
 
-def metrics_page(session: Session, job_id: str, *, since_step: int, names: list[str] | None, limit: int,
-                 after: tuple[int, int] | None = None) -> tuple[list[MetricPoint], bool]:
+def metrics_page(
+    session: Session,
+    job_id: str,
+    *,
+    since_step: int,
+    names: list[str] | None,
+    limit: int,
+    after: tuple[int, int] | None = None,
+) -> tuple[list[MetricPoint], bool]:
     """Points in (step, id) order. With ``after`` = the (step, id) of the previous page's last point, the next page
     starts right after it: no row is skipped or repeated whatever the limit. Without it, points of steps after
     ``since_step``, a page never ending inside a step unless one step fills it (kept for older clients)."""
@@ -38,8 +46,9 @@ def metrics_page(session: Session, job_id: str, *, since_step: int, names: list[
     return rows, has_more
 
 
-def logs_page(session: Session, job_id: str, *, stream: str, offset: int, limit: int,
-              q: str | None = None) -> tuple[list[LogLine], bool]:
+def logs_page(
+    session: Session, job_id: str, *, stream: str, offset: int, limit: int, q: str | None = None
+) -> tuple[list[LogLine], bool]:
     """Lines of one stream from line number ``offset`` on; with ``q`` only those containing it (any case, taken
     literally: % and _ are not wildcards)."""
     query = select(LogLine).where(LogLine.job_id == job_id, LogLine.stream == stream, LogLine.seq >= offset)
@@ -58,18 +67,28 @@ def job_state(session: Session, job_id: str) -> str | None:
 
 def events_after(session: Session, job_id: str, after: int, limit: int) -> list[Event]:
     """Rows with an id above ``after`` in id order (the live stream's feeds read these three)."""
-    return list(session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after)
-                                .order_by(Event.id).limit(limit)))
+    return list(
+        session.scalars(select(Event).where(Event.job_id == job_id, Event.id > after).order_by(Event.id).limit(limit))
+    )
 
 
 def metric_points_after(session: Session, job_id: str, after: int, limit: int) -> list[MetricPoint]:
-    return list(session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.id > after)
-                                .order_by(MetricPoint.id).limit(limit)))
+    return list(
+        session.scalars(
+            select(MetricPoint)
+            .where(MetricPoint.job_id == job_id, MetricPoint.id > after)
+            .order_by(MetricPoint.id)
+            .limit(limit)
+        )
+    )
 
 
 def log_lines_after(session: Session, job_id: str, after: int, limit: int) -> list[LogLine]:
-    return list(session.scalars(select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after)
-                                .order_by(LogLine.id).limit(limit)))
+    return list(
+        session.scalars(
+            select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after).order_by(LogLine.id).limit(limit)
+        )
+    )
 
 
 def train_progress(session: Session, job_ids: list[str]) -> dict[str, tuple[int, int, datetime]]:
@@ -77,12 +96,20 @@ def train_progress(session: Session, job_ids: list[str]) -> dict[str, tuple[int,
     (real, non-padding tokens of the global batch). A step logged again by a resumed attempt counts once."""
     if not job_ids:
         return {}
-    per_step = (select(MetricPoint.job_id, MetricPoint.step, func.max(MetricPoint.value).label("tokens"),
-                       func.max(MetricPoint.time).label("time"))
-                .where(MetricPoint.job_id.in_(job_ids), MetricPoint.name == "tokens", MetricPoint.rank.is_(None))
-                .group_by(MetricPoint.job_id, MetricPoint.step).subquery())
-    query = (select(per_step.c.job_id, func.sum(per_step.c.tokens), func.max(per_step.c.step), func.max(per_step.c.time))
-             .group_by(per_step.c.job_id))
+    per_step = (
+        select(
+            MetricPoint.job_id,
+            MetricPoint.step,
+            func.max(MetricPoint.value).label("tokens"),
+            func.max(MetricPoint.time).label("time"),
+        )
+        .where(MetricPoint.job_id.in_(job_ids), MetricPoint.name == "tokens", MetricPoint.rank.is_(None))
+        .group_by(MetricPoint.job_id, MetricPoint.step)
+        .subquery()
+    )
+    query = select(
+        per_step.c.job_id, func.sum(per_step.c.tokens), func.max(per_step.c.step), func.max(per_step.c.time)
+    ).group_by(per_step.c.job_id)
     return {job_id: (int(tokens or 0), int(step), when) for job_id, tokens, step, when in session.execute(query)}
 
 
@@ -91,32 +118,39 @@ def latest_values(session: Session, job_id: str, names: list[str]) -> dict[str, 
     a long run costs no more than a short one (the job list asks this for every row it shows)."""
     out: dict[str, tuple[int, float | None]] = {}
     for name in names:
-        row = session.execute(select(MetricPoint.step, MetricPoint.value)
-                              .where(MetricPoint.job_id == job_id, MetricPoint.name == name, MetricPoint.rank.is_(None))
-                              .order_by(MetricPoint.step.desc(), MetricPoint.id.desc()).limit(1)).first()
+        row = session.execute(
+            select(MetricPoint.step, MetricPoint.value)
+            .where(MetricPoint.job_id == job_id, MetricPoint.name == name, MetricPoint.rank.is_(None))
+            .order_by(MetricPoint.step.desc(), MetricPoint.id.desc())
+            .limit(1)
+        ).first()
         if row is not None:
             out[name] = (row.step, row.value)
     return out
 
 
 def last_step(session: Session, job_id: str) -> int | None:
-    return session.scalar(select(MetricPoint.step).where(MetricPoint.job_id == job_id)
-                          .order_by(MetricPoint.step.desc()).limit(1))
+    return session.scalar(
+        select(MetricPoint.step).where(MetricPoint.job_id == job_id).order_by(MetricPoint.step.desc()).limit(1)
+    )
 
 
 def last_event_data(session: Session, job_id: str, type_: str) -> dict[str, Any] | None:
     """The data of the job's newest event of one type (e.g. the last ``progress``)."""
-    return session.scalar(select(Event.data).where(Event.job_id == job_id, Event.type == type_)
-                          .order_by(Event.id.desc()).limit(1))
+    return session.scalar(
+        select(Event.data).where(Event.job_id == job_id, Event.type == type_).order_by(Event.id.desc()).limit(1)
+    )
 
 
 def latest_device_values(session: Session, job_id: str, scan: int = 400) -> dict[int, dict[str, float | None]]:
     """Each device's newest telemetry (``sys_*`` points, keyed by their device index), from the job's last ``scan``
     such points: the worker writes one line per device every few seconds, so that covers the last sample."""
-    rows = session.execute(select(MetricPoint.rank, MetricPoint.name, MetricPoint.value)
-                           .where(MetricPoint.job_id == job_id, MetricPoint.rank.is_not(None),
-                                  MetricPoint.name.startswith("sys_"))
-                           .order_by(MetricPoint.id.desc()).limit(scan)).all()
+    rows = session.execute(
+        select(MetricPoint.rank, MetricPoint.name, MetricPoint.value)
+        .where(MetricPoint.job_id == job_id, MetricPoint.rank.is_not(None), MetricPoint.name.startswith("sys_"))
+        .order_by(MetricPoint.id.desc())
+        .limit(scan)
+    ).all()
     out: dict[int, dict[str, float | None]] = {}
     for rank, name, value in rows:
         if rank is not None:  # always, by the query; says so to the type checker

@@ -32,33 +32,66 @@ def is_retryable(settings: Settings, code: int | None) -> bool:
 
 def drop_unlaunched(session: Session, job_id: str, attempt: int) -> None:
     """Nodes of the attempt that never launched have no process: mark them dropped and free their devices now."""
-    ranks = list(session.scalars(select(JobNode.node_rank).where(
-        JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.state == NodeState.assigned.value)))
+    ranks = list(
+        session.scalars(
+            select(JobNode.node_rank).where(
+                JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.state == NodeState.assigned.value
+            )
+        )
+    )
     if not ranks:
         return
     now = utcnow()
-    move_nodes(session, NodeState.dropped, JobNode.job_id == job_id, JobNode.attempt == attempt,
-               JobNode.node_rank.in_(ranks), finished_at=now, released_at=now)
-    session.query(Lease).filter(Lease.job_id == job_id, Lease.attempt == attempt,
-                                Lease.node_rank.in_(ranks)).delete(synchronize_session=False)
+    move_nodes(
+        session,
+        NodeState.dropped,
+        JobNode.job_id == job_id,
+        JobNode.attempt == attempt,
+        JobNode.node_rank.in_(ranks),
+        finished_at=now,
+        released_at=now,
+    )
+    session.query(Lease).filter(Lease.job_id == job_id, Lease.attempt == attempt, Lease.node_rank.in_(ranks)).delete(
+        synchronize_session=False
+    )
     session.commit()
 
 
-def end_attempt(settings: Settings, job_id: str, attempt: int, *, retryable: bool, error_code: str, message: str,
-                log_tail: str | None = None) -> str:
+def end_attempt(
+    settings: Settings,
+    job_id: str,
+    attempt: int,
+    *,
+    retryable: bool,
+    error_code: str,
+    message: str,
+    log_tail: str | None = None,
+) -> str:
     """The attempt failed: retrying (if retryable and restarts are left) or failed. 'superseded' if already decided."""
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
         if job is None or job.attempt_count != attempt or JobState(job.state) not in RUNNING:
             return "superseded"
         if retryable and attempt <= job.max_restarts:
-            ok = transition(session, job_id, JobState.retrying, only_from=RUNNING,
-                            message=f"retrying: {message} ({attempt} of {job.max_restarts + 1} attempts used)")
+            ok = transition(
+                session,
+                job_id,
+                JobState.retrying,
+                only_from=RUNNING,
+                message=f"retrying: {message} ({attempt} of {job.max_restarts + 1} attempts used)",
+            )
             outcome = "retrying"
         else:
-            ok = transition(session, job_id, JobState.failed, only_from=RUNNING,
-                            error_code="retries_exhausted" if retryable else error_code,
-                            error_message=message, error_log_tail=log_tail, message=message)
+            ok = transition(
+                session,
+                job_id,
+                JobState.failed,
+                only_from=RUNNING,
+                error_code="retries_exhausted" if retryable else error_code,
+                error_message=message,
+                error_log_tail=log_tail,
+                message=message,
+            )
             outcome = "failed"
         if ok:
             drop_unlaunched(session, job_id, attempt)
@@ -72,19 +105,30 @@ def settle_cancel(settings: Settings, job_id: str) -> bool:
         if job is None or job.state != JobState.cancelling.value or job.kind == "pipeline":  # settled by its steps
             return False
         drop_unlaunched(session, job_id, job.attempt_count)
-        busy = session.scalar(select(JobNode.id).where(JobNode.job_id == job_id,
-                                                       JobNode.state.in_([s.value for s in NODE_STARTED])).limit(1))
+        busy = session.scalar(
+            select(JobNode.id)
+            .where(JobNode.job_id == job_id, JobNode.state.in_([s.value for s in NODE_STARTED]))
+            .limit(1)
+        )
         if busy is not None:
             return False
-        return transition(session, job_id, JobState.cancelled, only_from=[JobState.cancelling],
-                          message="cancelled; every node has stopped")
+        return transition(
+            session,
+            job_id,
+            JobState.cancelled,
+            only_from=[JobState.cancelling],
+            message="cancelled; every node has stopped",
+        )
 
 
 def mark_host_down(session: Session, host: Host) -> bool:
     """up -> down, unless a heartbeat arrived since ``host`` was read (compare-and-set on state and heartbeat)."""
-    moved = session.execute(update(Host).where(Host.name == host.name, Host.state.in_(sources(HostState.down)),
-                                               Host.heartbeat_at == host.heartbeat_at)
-                            .values(state=HostState.down.value).execution_options(synchronize_session=False))
+    moved = session.execute(
+        update(Host)
+        .where(Host.name == host.name, Host.state.in_(sources(HostState.down)), Host.heartbeat_at == host.heartbeat_at)
+        .values(state=HostState.down.value)
+        .execution_options(synchronize_session=False)
+    )
     return moved.rowcount == 1  # type: ignore[attr-defined]
 
 
@@ -111,7 +155,11 @@ def resend_lost_messages(settings: Settings) -> int:
     """Nodes still 'assigned' after redispatch_after_s on a live host: their message was lost; send it again."""
     stale = utcnow() - timedelta(seconds=settings.redispatch_after_s)
     with session_scope(settings.database_url) as session:
-        nodes = list(session.scalars(select(JobNode).where(JobNode.state == NodeState.assigned.value, JobNode.heartbeat_at < stale)))
+        nodes = list(
+            session.scalars(
+                select(JobNode).where(JobNode.state == NodeState.assigned.value, JobNode.heartbeat_at < stale)
+            )
+        )
         for node in nodes:
             node.heartbeat_at = utcnow()  # for an assigned node: when its message was last sent
     for node in nodes:

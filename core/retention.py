@@ -45,15 +45,21 @@ class Collected:
 
 
 def finished_before(session: Session, cutoff: datetime) -> list[str]:
-    return list(session.scalars(select(Job.id).where(Job.state.in_([s.value for s in TERMINAL]),
-                                                     Job.finished_at.is_not(None), Job.finished_at < cutoff)))
+    return list(
+        session.scalars(
+            select(Job.id).where(
+                Job.state.in_([s.value for s in TERMINAL]), Job.finished_at.is_not(None), Job.finished_at < cutoff
+            )
+        )
+    )
 
 
-def _delete_for(session: Session, model: type[MetricPoint | LogLine | Event], job_ids: list[str],
-                extra: object = None) -> int:
+def _delete_for(
+    session: Session, model: type[MetricPoint | LogLine | Event], job_ids: list[str], extra: object = None
+) -> int:
     removed = 0
     for start in range(0, len(job_ids), BATCH):
-        stmt = delete(model).where(model.job_id.in_(job_ids[start:start + BATCH]))
+        stmt = delete(model).where(model.job_id.in_(job_ids[start : start + BATCH]))
         if extra is not None:
             stmt = stmt.where(extra)  # type: ignore[arg-type]
         removed += session.execute(stmt.execution_options(synchronize_session=False)).rowcount  # type: ignore[attr-defined]
@@ -72,8 +78,9 @@ def _prune_rows(settings: Settings, now: datetime, out: Collected) -> None:
             out.log_lines = _delete_for(session, LogLine, finished_before(session, cutoff))
         if cutoff := _cutoff(now, settings.retention_events_days):
             fanned = session.scalar(select(func.min(Webhook.cursor)).where(Webhook.disabled_at.is_(None)))
-            out.events = _delete_for(session, Event, finished_before(session, cutoff),
-                                     Event.id <= fanned if fanned is not None else None)
+            out.events = _delete_for(
+                session, Event, finished_before(session, cutoff), Event.id <= fanned if fanned is not None else None
+            )
 
 
 def _remove_run_dirs(settings: Settings, now: datetime, out: Collected) -> None:
@@ -107,21 +114,32 @@ def downsample(settings: Settings) -> int:
     removed = 0
     with session_scope(settings.database_url) as session:
         finished = select(Job.id).where(Job.state.in_([s.value for s in TERMINAL]))
-        series = list(session.execute(
-            select(MetricPoint.job_id, MetricPoint.name, MetricPoint.rank).where(MetricPoint.job_id.in_(finished))
-            .group_by(MetricPoint.job_id, MetricPoint.name, MetricPoint.rank)
-            .having(func.count() > target)).tuples())
+        series = list(
+            session.execute(
+                select(MetricPoint.job_id, MetricPoint.name, MetricPoint.rank)
+                .where(MetricPoint.job_id.in_(finished))
+                .group_by(MetricPoint.job_id, MetricPoint.name, MetricPoint.rank)
+                .having(func.count() > target)
+            ).tuples()
+        )
     for job_id, name, rank in series:
         with session_scope(settings.database_url) as session:
             same_rank = MetricPoint.rank.is_(None) if rank is None else MetricPoint.rank == rank
-            ids = list(session.scalars(select(MetricPoint.id).where(MetricPoint.job_id == job_id,
-                                                                     MetricPoint.name == name, same_rank)
-                                       .order_by(MetricPoint.step, MetricPoint.id)))
+            ids = list(
+                session.scalars(
+                    select(MetricPoint.id)
+                    .where(MetricPoint.job_id == job_id, MetricPoint.name == name, same_rank)
+                    .order_by(MetricPoint.step, MetricPoint.id)
+                )
+            )
             keep = keep_indices(len(ids), target)
             drop = [point for i, point in enumerate(ids) if i not in keep]
             for start in range(0, len(drop), BATCH):
-                session.execute(delete(MetricPoint).where(MetricPoint.id.in_(drop[start:start + BATCH]))
-                                .execution_options(synchronize_session=False))
+                session.execute(
+                    delete(MetricPoint)
+                    .where(MetricPoint.id.in_(drop[start : start + BATCH]))
+                    .execution_options(synchronize_session=False)
+                )
             removed += len(drop)
     return removed
 

@@ -53,8 +53,12 @@ class Grant:
 
 def lock(session: Session) -> None:
     """Serialise with every other scheduler until this transaction ends (see the module docstring)."""
-    session.execute(update(SchedulerLock).where(SchedulerLock.id == 1)
-                    .values(generation=SchedulerLock.generation + 1).execution_options(synchronize_session=False))
+    session.execute(
+        update(SchedulerLock)
+        .where(SchedulerLock.id == 1)
+        .values(generation=SchedulerLock.generation + 1)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def host_ids(host: Host) -> list[int]:
@@ -62,7 +66,9 @@ def host_ids(host: Host) -> list[int]:
 
 
 def is_live(host: Host, settings: Settings) -> bool:
-    return host.state == HostState.up.value and host.heartbeat_at > utcnow() - timedelta(seconds=settings.host_stale_after_s)
+    return host.state == HostState.up.value and host.heartbeat_at > utcnow() - timedelta(
+        seconds=settings.host_stale_after_s
+    )
 
 
 def live_hosts(session: Session, settings: Settings, device_type: str) -> list[HostView]:
@@ -73,8 +79,14 @@ def live_hosts(session: Session, settings: Settings, device_type: str) -> list[H
     for host in session.scalars(select(Host).where(Host.device_type == device_type).order_by(Host.name)):
         if is_live(host, settings):
             ids = host_ids(host)
-            views.append(HostView(host.name, host.address or "127.0.0.1",
-                                  [d for d in ids if d not in held.get(host.name, set())], len(ids)))
+            views.append(
+                HostView(
+                    host.name,
+                    host.address or "127.0.0.1",
+                    [d for d in ids if d not in held.get(host.name, set())],
+                    len(ids),
+                )
+            )
     return views
 
 
@@ -83,7 +95,7 @@ def place(res: Resources, hosts: list[HostView]) -> list[tuple[HostView, list[in
     fitting = sorted((h for h in hosts if len(h.free) >= res.nproc_per_node), key=lambda h: (len(h.free), h.name))
     if len(fitting) < res.nnodes:
         return None
-    return [(h, h.free[:res.nproc_per_node]) for h in fitting[:res.nnodes]]
+    return [(h, h.free[: res.nproc_per_node]) for h in fitting[: res.nnodes]]
 
 
 def team_usage(session: Session) -> dict[str, int]:
@@ -98,19 +110,28 @@ def _free_summary(hosts: list[HostView], limit: int = 5) -> str:
 def waiting_reason(res: Resources, hosts: list[HostView], settings: Settings) -> str:
     kind = res.device_type
     if not hosts:
-        return (f"no live worker serves {kind} devices (start one: llmjobs worker --device-type {kind}); hosts count as "
-                f"live for {settings.host_stale_after_s:.0f}s after a heartbeat")
+        return (
+            f"no live worker serves {kind} devices (start one: llmjobs worker --device-type {kind}); hosts count as "
+            f"live for {settings.host_stale_after_s:.0f}s after a heartbeat"
+        )
     if res.nnodes == 1:
         return f"waiting for {res.nproc_per_node} free {kind} devices on one host; {_free_summary(hosts)}"
     enough = sum(len(h.free) >= res.nproc_per_node for h in hosts)
-    return (f"waiting for {res.nnodes} hosts with {res.nproc_per_node} free {kind} devices each ({enough} have enough); "
-            f"{_free_summary(hosts)}")
+    return (
+        f"waiting for {res.nnodes} hosts with {res.nproc_per_node} free {kind} devices each ({enough} have enough); "
+        f"{_free_summary(hosts)}"
+    )
 
 
 def choose_port(session: Session, settings: Settings, master: str, job_id: str, attempt: int) -> int:
     """A rendezvous port on node 0's host that no active job there uses; spread by job so retries rarely reuse one."""
-    used = set(session.scalars(select(JobNode.master_port).where(
-        JobNode.host == master, JobNode.node_rank == 0, JobNode.state.in_([s.value for s in NODE_ACTIVE]))))
+    used = set(
+        session.scalars(
+            select(JobNode.master_port).where(
+                JobNode.host == master, JobNode.node_rank == 0, JobNode.state.in_([s.value for s in NODE_ACTIVE])
+            )
+        )
+    )
     start = zlib.crc32(f"{job_id}:{attempt}".encode()) % settings.rdzv_port_count
     for i in range(settings.rdzv_port_count):
         port = settings.rdzv_port_base + (start + i) % settings.rdzv_port_count
@@ -123,34 +144,65 @@ def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[
     """Lease the devices and move the job to ``starting``, inside the caller's locked transaction."""
     attempt, now = job.attempt_count + 1, utcnow()
     master = placement[0][0]
-    started = session.execute(update(Job).where(Job.id == job.id, Job.state.in_(sources(JobState.starting))).values(
-        state=JobState.starting.value, attempt_count=attempt, host=master.name, pending_reason=None, updated_at=now,
-        heartbeat_at=now, dispatched_at=now).execution_options(synchronize_session=False))
+    started = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state.in_(sources(JobState.starting)))
+        .values(
+            state=JobState.starting.value,
+            attempt_count=attempt,
+            host=master.name,
+            pending_reason=None,
+            updated_at=now,
+            heartbeat_at=now,
+            dispatched_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
     if started.rowcount != 1:  # type: ignore[attr-defined]  # cancelled meanwhile
         return None
     port = choose_port(session, settings, master.name, job.id, attempt)
     for rank, (host, devices) in enumerate(placement):
-        session.add_all(Lease(host=host.name, device=d, job_id=job.id, team=job.team, attempt=attempt, node_rank=rank)
-                        for d in devices)
-        session.add(JobNode(job_id=job.id, attempt=attempt, node_rank=rank, host=host.name, devices=devices,
-                            master_addr=master.address, master_port=port, state=NodeState.assigned.value, heartbeat_at=now))
+        session.add_all(
+            Lease(host=host.name, device=d, job_id=job.id, team=job.team, attempt=attempt, node_rank=rank)
+            for d in devices
+        )
+        session.add(
+            JobNode(
+                job_id=job.id,
+                attempt=attempt,
+                node_rank=rank,
+                host=host.name,
+                devices=devices,
+                master_addr=master.address,
+                master_port=port,
+                state=NodeState.assigned.value,
+                heartbeat_at=now,
+            )
+        )
         host.free = [d for d in host.free if d not in devices]
     where = ", ".join(f"{h.name} {job.spec['resources']['device_type']} {d}" for h, d in placement)
-    add_event(session, job.id, "state", f"starting attempt {attempt} on {where}", attempt=attempt,
-              data={"state": "starting", "nodes": [{"host": h.name, "devices": d} for h, d in placement]})
+    add_event(
+        session,
+        job.id,
+        "state",
+        f"starting attempt {attempt} on {where}",
+        attempt=attempt,
+        data={"state": "starting", "nodes": [{"host": h.name, "devices": d} for h, d in placement]},
+    )
     return Grant(job.id, attempt, [h.name for h, _ in placement], job.request_id)
 
 
 def behind_reason(count: int, kind: str) -> str:
     """Why a job waits behind others: how many, not whose (their ids may be other teams')."""
-    return f"waiting behind {count} job{'s' if count != 1 else ''} (higher priority or queued earlier) for {kind} devices"
+    return (
+        f"waiting behind {count} job{'s' if count != 1 else ''} (higher priority or queued earlier) for {kind} devices"
+    )
 
 
 def _pass(session: Session, settings: Settings) -> list[Grant]:
     lock(session)
     waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
-    jobs = list(session.scalars(select(Job).where(waiting)
-                                .order_by(Job.priority.desc(), Job.created_at, Job.id)))
+    jobs = list(session.scalars(select(Job).where(waiting).order_by(Job.priority.desc(), Job.created_at, Job.id)))
     usage = team_usage(session)
     hosts: dict[str, list[HostView]] = {}
     blocked: dict[str, str] = {}
@@ -176,8 +228,12 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
         else:
             continue
         if reason != job.pending_reason:
-            session.execute(update(Job).where(Job.id == job.id, Job.state == job.state).values(pending_reason=reason)
-                            .execution_options(synchronize_session=False))
+            session.execute(
+                update(Job)
+                .where(Job.id == job.id, Job.state == job.state)
+                .values(pending_reason=reason)
+                .execution_options(synchronize_session=False)
+            )
     return grants
 
 
@@ -203,8 +259,12 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
     is still starting, so the job is accepted and waits with a pending reason."""
     limit = settings.device_limit(team)
     if limit and res.world_size > limit:
-        raise ApiError(422, "unschedulable", f"resources: the job needs {res.world_size} devices but team {team} may "
-                                             f"hold at most {limit}", "resources")
+        raise ApiError(
+            422,
+            "unschedulable",
+            f"resources: the job needs {res.world_size} devices but team {team} may hold at most {limit}",
+            "resources",
+        )
     hosts = list(session.scalars(select(Host)))
     if not hosts:
         return
@@ -212,17 +272,29 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
     sizes = sorted((len(host_ids(h)) for h in hosts if h.device_type == kind), reverse=True)
     if not sizes:
         kinds = sorted({h.device_type for h in hosts})
-        raise ApiError(422, "unschedulable", f"resources.device_type: no {kind} host is registered (hosts have: "
-                                             f"{', '.join(kinds)})", "resources.device_type")
+        raise ApiError(
+            422,
+            "unschedulable",
+            f"resources.device_type: no {kind} host is registered (hosts have: {', '.join(kinds)})",
+            "resources.device_type",
+        )
     if sizes[0] < res.nproc_per_node:
-        raise ApiError(422, "unschedulable", f"resources.nproc_per_node: {res.nproc_per_node} {kind} devices per node "
-                                             f"requested, but the largest {kind} host has {sizes[0]}",
-                       "resources.nproc_per_node")
+        raise ApiError(
+            422,
+            "unschedulable",
+            f"resources.nproc_per_node: {res.nproc_per_node} {kind} devices per node "
+            f"requested, but the largest {kind} host has {sizes[0]}",
+            "resources.nproc_per_node",
+        )
     enough = sum(s >= res.nproc_per_node for s in sizes)
     if enough < res.nnodes:
-        raise ApiError(422, "unschedulable", f"resources.nnodes: {res.nnodes} nodes of {res.nproc_per_node} {kind} "
-                                             f"devices requested, but only {enough} {kind} hosts have that many",
-                       "resources.nnodes")
+        raise ApiError(
+            422,
+            "unschedulable",
+            f"resources.nnodes: {res.nnodes} nodes of {res.nproc_per_node} {kind} "
+            f"devices requested, but only {enough} {kind} hosts have that many",
+            "resources.nnodes",
+        )
 
 
 def check_memory_fits(session: Session, spec: JobBase) -> None:

@@ -25,29 +25,44 @@ class Settings(BaseSettings):
     broker_url: str = Field("", description="Celery broker; default sqla+sqlite:///<var_dir>/broker.db.")
     redis_url: str | None = Field(None, description="Optional Redis for pub/sub, so SSE streams are pushed.")
     data_roots: Annotated[list[Path], NoDecode] = Field(
-        default_factory=list, description="Comma-separated directories every job path must stay inside; default <var_dir>/data."
+        default_factory=list,
+        description="Comma-separated directories every job path must stay inside; default <var_dir>/data.",
     )
     shared_data_areas: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Comma-separated directories every team may read but not write (inputs "
-                                          "only); a relative one names that directory in each data root (e.g. "
-                                          "'shared'). Each team otherwise reads and writes only <root>/teams/<team>/.")
+        default_factory=list,
+        description="Comma-separated directories every team may read but not write (inputs "
+        "only); a relative one names that directory in each data root (e.g. "
+        "'shared'). Each team otherwise reads and writes only <root>/teams/<team>/.",
+    )
     runs_dir: Path | None = Field(None, description="Run directories (<runs_dir>/<job_id>); default <var_dir>/runs.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies are refused with 413.")
-    upload_max_bytes: int = Field(10 * 2**30, ge=1, description="Larger file uploads (PUT /v1/files/{path}) are "
-                                                                "refused with 413.")
+    upload_max_bytes: int = Field(
+        10 * 2**30, ge=1, description="Larger file uploads (PUT /v1/files/{path}) are refused with 413."
+    )
     default_max_restarts: int = Field(2, ge=0, description="Retries after a retryable failure when a spec sets none.")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
-    redispatch_after_s: float = Field(30.0, gt=0, description="The reconciler re-sends a queued job's message after this.")
+    redispatch_after_s: float = Field(
+        30.0, gt=0, description="The reconciler re-sends a queued job's message after this."
+    )
     reconcile_interval_s: float = Field(5.0, gt=0)
-    dispatch_min_interval_s: float = Field(0.2, ge=0, description="The API's scheduling pass for new submissions "
-                                                                  "runs at most this often (submissions coalesce).")
+    dispatch_min_interval_s: float = Field(
+        0.2,
+        ge=0,
+        description="The API's scheduling pass for new submissions runs at most this often (submissions coalesce).",
+    )
     heartbeat_interval_s: float = Field(5.0, gt=0)
-    host_stale_after_s: float = Field(30.0, gt=0, description="A host without a heartbeat for this long counts as down.")
+    host_stale_after_s: float = Field(
+        30.0, gt=0, description="A host without a heartbeat for this long counts as down."
+    )
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
-    telemetry_interval_s: float = Field(5.0, ge=0, description="How often workers sample a running job's devices "
-                                                               "(utilisation, memory, temperature, power); 0 = off.")
+    telemetry_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="How often workers sample a running job's devices "
+        "(utilisation, memory, temperature, power); 0 = off.",
+    )
     stream_poll_s: float = Field(1.0, gt=0, description="SSE re-check interval (a fallback when Redis pushes).")
     queue_prefix: str = Field("llmjobs", description="Jobs go to <prefix>.<device_type>; hosts also read host.<name>.")
     worker_name: str = Field(default_factory=socket.gethostname)
@@ -57,55 +72,88 @@ class Settings(BaseSettings):
     worker_address: str = Field("", description="Address other nodes use to reach this host; default: auto-detected.")
     team_device_limit: int = Field(0, ge=0, description="Devices one team may hold at once; 0 = no limit.")
     team_device_limits: Annotated[dict[str, int], NoDecode] = Field(
-        default_factory=dict, description="Per-team overrides of team_device_limit, e.g. 'research=16,ops=4'.")
+        default_factory=dict, description="Per-team overrides of team_device_limit, e.g. 'research=16,ops=4'."
+    )
     retry_exit_codes: Annotated[list[int], NoDecode] = Field(
-        default_factory=lambda: [75, 1], description="Engine exit codes retried up to max_restarts (2 = bad input is never "
-                                                     "retried); a rank killed by a signal or a lost node always is.")
+        default_factory=lambda: [75, 1],
+        description="Engine exit codes retried up to max_restarts (2 = bad input is never "
+        "retried); a rank killed by a signal or a lost node always is.",
+    )
     rdzv_port_base: int = Field(29500, ge=1024, le=65000, description="Multi-node rendezvous ports start here ...")
     rdzv_port_count: int = Field(500, ge=1, description="... and the scheduler picks one of this many per job.")
     webhook_poll_s: float = Field(1.0, gt=0, description="How often the API's webhook sender looks for new events.")
     webhook_timeout_s: float = Field(10.0, gt=0, description="One webhook POST may take this long.")
     webhook_max_attempts: int = Field(8, ge=1, description="POSTs of one webhook message before it is given up.")
     webhook_backoff_s: float = Field(5.0, gt=0, description="Retry n waits webhook_backoff_s * 2**(n-1), at most 1 h.")
-    webhook_settle_s: float = Field(2.0, ge=0, description="Events are sent once they are this old (longer than any "
-                                                           "open transaction), so none is skipped.")
+    webhook_settle_s: float = Field(
+        2.0,
+        ge=0,
+        description="Events are sent once they are this old (longer than any open transaction), so none is skipped.",
+    )
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Admin's comma-separated host names, addresses or networks (CIDR) that "
-                                          "webhooks may reach although not public (and over plain http).")
+        default_factory=list,
+        description="Admin's comma-separated host names, addresses or networks (CIDR) that "
+        "webhooks may reach although not public (and over plain http).",
+    )
     webhook_max_url_length: int = Field(2048, ge=64, description="Longer webhook URLs are refused.")
     secret_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Comma-separated Fernet keys for secrets stored encrypted (webhook secrets), "
-                                          "newest first: the first encrypts, all decrypt. Default: one generated into "
-                                          "<var_dir>/secret.key.")
+        default_factory=list,
+        description="Comma-separated Fernet keys for secrets stored encrypted (webhook secrets), "
+        "newest first: the first encrypts, all decrypt. Default: one generated into "
+        "<var_dir>/secret.key.",
+    )
     metadata_max_keys: int = Field(16, ge=0, description="Keys a job's metadata may have.")
     metadata_max_key_length: int = Field(64, ge=1, description="Characters of one metadata key.")
     metadata_max_value_length: int = Field(512, ge=1, description="Characters of one metadata value.")
     metadata_max_bytes: int = Field(8192, ge=1, description="UTF-8 bytes of a job's metadata keys and values together.")
-    retention_metric_points_days: float = Field(0, ge=0, description="Days a finished job keeps its metric points; "
-                                                                      "0 = forever.")
-    retention_log_lines_days: float = Field(0, ge=0, description="Days a finished job keeps its log lines; 0 = forever.")
+    retention_metric_points_days: float = Field(
+        0, ge=0, description="Days a finished job keeps its metric points; 0 = forever."
+    )
+    retention_log_lines_days: float = Field(
+        0, ge=0, description="Days a finished job keeps its log lines; 0 = forever."
+    )
     retention_events_days: float = Field(0, ge=0, description="Days a finished job keeps its events; 0 = forever.")
-    retention_run_dirs_days: float = Field(0, ge=0, description="Days a finished job's run directory is kept; "
-                                                                  "0 = forever.")
-    metric_downsample_above: int = Field(0, ge=0, description="A finished job's metric series (name, rank) with more "
-                                                              "points than this is thinned to about this many; 0 = never.")
-    retention_interval_s: float = Field(3600.0, gt=0, description="How often the leading API replica applies retention.")
-    log_format: Literal["json", "text"] = Field("json", description="Service log lines: JSON objects (with "
-                                                                     "request_id and job_id) or plain text.")
+    retention_run_dirs_days: float = Field(
+        0, ge=0, description="Days a finished job's run directory is kept; 0 = forever."
+    )
+    metric_downsample_above: int = Field(
+        0,
+        ge=0,
+        description="A finished job's metric series (name, rank) with more "
+        "points than this is thinned to about this many; 0 = never.",
+    )
+    retention_interval_s: float = Field(
+        3600.0, gt=0, description="How often the leading API replica applies retention."
+    )
+    log_format: Literal["json", "text"] = Field(
+        "json", description="Service log lines: JSON objects (with request_id and job_id) or plain text."
+    )
     log_level: str = Field("INFO", description="Root log level of the API and worker processes.")
-    metrics_listen_port: int = Field(0, ge=0, le=65535, description="If set, /metrics is also served without a token "
-                                                                    "on this port of metrics_listen_host; 0 = only "
-                                                                    "GET /metrics with an admin token.")
+    metrics_listen_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="If set, /metrics is also served without a token "
+        "on this port of metrics_listen_host; 0 = only "
+        "GET /metrics with an admin token.",
+    )
     metrics_listen_host: str = Field("127.0.0.1", description="Address of the metrics_listen_port listener.")
     webhook_max_per_team: int = Field(20, ge=1, description="Enabled webhooks one team may have.")
-    max_train_iters: int = Field(1_000_000, ge=0, description="Train specs asking more iterations are refused at "
-                                                             "submission; 0 = no ceiling.")
-    max_train_tokens: int = Field(10**13, ge=0, description="Train specs whose train_iters × global_batch_size × "
-                                                           "seq_length is larger are refused; 0 = no ceiling.")
-    default_run_deadline_s: int = Field(0, ge=0, description="run_deadline_s given to a job whose spec sets none; "
-                                                            "0 = none.")
+    max_train_iters: int = Field(
+        1_000_000, ge=0, description="Train specs asking more iterations are refused at submission; 0 = no ceiling."
+    )
+    max_train_tokens: int = Field(
+        10**13,
+        ge=0,
+        description="Train specs whose train_iters × global_batch_size × "
+        "seq_length is larger are refused; 0 = no ceiling.",
+    )
+    default_run_deadline_s: int = Field(
+        0, ge=0, description="run_deadline_s given to a job whose spec sets none; 0 = none."
+    )
     team_run_deadlines: Annotated[dict[str, int], NoDecode] = Field(
-        default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'.")
+        default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'."
+    )
 
     @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", "shared_data_areas", mode="before")
     @classmethod

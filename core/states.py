@@ -106,8 +106,12 @@ DELIVERY_ALLOWED_FROM: dict[DeliveryState, frozenset[DeliveryState]] = {
 }
 
 S = TypeVar("S", JobState, NodeState, HostState, DeliveryState)
-_TABLES: Mapping[type[Enum], Mapping] = {JobState: ALLOWED_FROM, NodeState: NODE_ALLOWED_FROM,
-                                          HostState: HOST_ALLOWED_FROM, DeliveryState: DELIVERY_ALLOWED_FROM}
+_TABLES: Mapping[type[Enum], Mapping] = {
+    JobState: ALLOWED_FROM,
+    NodeState: NODE_ALLOWED_FROM,
+    HostState: HOST_ALLOWED_FROM,
+    DeliveryState: DELIVERY_ALLOWED_FROM,
+}
 
 
 def allowed_from(target: S) -> frozenset[S]:

@@ -58,8 +58,9 @@ class ContextFilter(logging.Filter):
 
 def json_handler(stream: object = None) -> logging.Handler:
     handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
-    handler.setFormatter(JsonFormatter(FIELDS, rename_fields={"asctime": "time", "levelname": "level",
-                                                              "name": "logger"}))
+    handler.setFormatter(
+        JsonFormatter(FIELDS, rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
+    )
     handler.addFilter(ContextFilter())
     return handler
 
@@ -73,8 +74,11 @@ def configure(level: str = "INFO", json_lines: bool = True) -> None:
         root.addHandler(json_handler())
     else:
         plain = logging.StreamHandler()
-        plain.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s "
-                                             "[request_id=%(request_id)s job_id=%(job_id)s]"))
+        plain.setFormatter(
+            logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s [request_id=%(request_id)s job_id=%(job_id)s]"
+            )
+        )
         plain.addFilter(ContextFilter())
         root.addHandler(plain)
     root.setLevel(level)

@@ -48,6 +48,7 @@ def upload_area(settings: Settings, team: str) -> Path:
 
 def checked_path(path: str) -> str:
     """``path`` as a clean relative path, or 422 naming ``path`` with the reason."""
+
     def refuse(why: str) -> ApiError:
         return ApiError(422, "validation_error", f"path: {why}", "path")
 
@@ -80,8 +81,12 @@ def destination(settings: Settings, team: str, path: str, overwrite: bool) -> Pa
     for part in target.relative_to(root).parts:
         current = current / part
         if current.is_symlink():
-            raise ApiError(422, "validation_error", f"path: {current.name!r} is a symbolic link; uploads never follow "
-                                                    "links", "path")
+            raise ApiError(
+                422,
+                "validation_error",
+                f"path: {current.name!r} is a symbolic link; uploads never follow links",
+                "path",
+            )
         if current != target and current.exists() and not current.is_dir():
             raise ApiError(409, "conflict", f"path: {current.name!r} is a file, not a directory", "path")
     if target.is_dir():
@@ -110,8 +115,9 @@ class Upload:
     def write(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.max_bytes:
-            raise ApiError(413, "payload_too_large", f"the upload is larger than {self.max_bytes} bytes "
-                                                     "(setting upload_max_bytes)")
+            raise ApiError(
+                413, "payload_too_large", f"the upload is larger than {self.max_bytes} bytes (setting upload_max_bytes)"
+            )
         self.digest.update(chunk)
         self.out.write(chunk)
 
@@ -130,8 +136,9 @@ class Upload:
             raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it", "path") from err
         except OSError:  # a filesystem without hard links: check, then move (a narrow race instead of none)
             if self.target.exists():
-                raise ApiError(409, "conflict", "path: the file exists; pass overwrite=true to replace it",
-                               "path") from None
+                raise ApiError(
+                    409, "conflict", "path: the file exists; pass overwrite=true to replace it", "path"
+                ) from None
             os.replace(self.part, self.target)
             return False
         os.unlink(self.part)
@@ -156,7 +163,12 @@ def list_files(settings: Settings, team: str, prefix: str | None = None) -> list
             if name.startswith(_PART_PREFIX) or file.is_symlink() or not file.is_file():
                 continue
             stat = file.stat()
-            found.append(StoredFile(path=file.relative_to(base).as_posix(), server_path=str(file),
-                                    size_bytes=stat.st_size,
-                                    modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc)))
+            found.append(
+                StoredFile(
+                    path=file.relative_to(base).as_posix(),
+                    server_path=str(file),
+                    size_bytes=stat.st_size,
+                    modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
+                )
+            )
     return sorted(found, key=lambda f: f.path)

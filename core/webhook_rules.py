@@ -17,8 +17,16 @@ def check_registration(session: Session, settings: Settings, team: str, url: str
         net_guard.check_url(url, settings)
     except net_guard.Blocked as err:
         raise ApiError(422, "validation_error", str(err), "url") from err
-    count = session.scalar(select(func.count()).select_from(Webhook)
-                           .where(Webhook.team == team, Webhook.disabled_at.is_(None))) or 0
+    count = (
+        session.scalar(
+            select(func.count()).select_from(Webhook).where(Webhook.team == team, Webhook.disabled_at.is_(None))
+        )
+        or 0
+    )
     if count >= settings.webhook_max_per_team:
-        raise ApiError(409, "too_many_webhooks", f"the team has {count} enabled webhooks, the most allowed "
-                       f"(webhook_max_per_team); disable one first", "url")
+        raise ApiError(
+            409,
+            "too_many_webhooks",
+            f"the team has {count} enabled webhooks, the most allowed (webhook_max_per_team); disable one first",
+            "url",
+        )

@@ -77,8 +77,13 @@ def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
 
 
 def headers(secret: str, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
-    return {"content-type": "application/json", "user-agent": USER_AGENT, "webhook-id": msg_id,
-            "webhook-timestamp": str(timestamp), "webhook-signature": sign(secret, msg_id, timestamp, body)}
+    return {
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": sign(secret, msg_id, timestamp, body),
+    }
 
 
 # ---------------------------------------------------------------- events -> deliveries
@@ -94,18 +99,32 @@ def event_type(event: Event) -> str | None:
 
 def payload(msg_type: str, event: Event, job: Job) -> dict[str, Any]:
     """OpenAI's shape: {object, id, type, created_at, data}; data carries the job's essentials."""
-    data: dict[str, Any] = {"id": job.id, "object": "job", "kind": job.kind, "name": job.name, "state": job.state,
-                            "parent_id": job.parent_id, "metadata": job.meta or {}}
+    data: dict[str, Any] = {
+        "id": job.id,
+        "object": "job",
+        "kind": job.kind,
+        "name": job.name,
+        "state": job.state,
+        "parent_id": job.parent_id,
+        "metadata": job.meta or {},
+    }
     if msg_type == "job.checkpoint":
-        data.update(state="running", checkpoint={k: v for k, v in (event.data or {}).items() if k in ("iteration", "path")})
+        data.update(
+            state="running", checkpoint={k: v for k, v in (event.data or {}).items() if k in ("iteration", "path")}
+        )
     else:
         data["state"] = msg_type.removeprefix("job.")
         if msg_type == "job.failed":
             data["error"] = {"code": job.error_code, "message": job.error_message}
         if msg_type == "job.succeeded":
             data["outputs"] = (job.result or {}).get("outputs") or {}
-    return {"object": "event", "id": f"evt_{event.id}", "type": msg_type, "created_at": int(event.time.timestamp()),
-            "data": data}
+    return {
+        "object": "event",
+        "id": f"evt_{event.id}",
+        "type": msg_type,
+        "created_at": int(event.time.timestamp()),
+        "data": data,
+    }
 
 
 class Watermark:
@@ -131,13 +150,24 @@ class Watermark:
 def _fan_out_one(session: Session, hook: Webhook, top: int, now: datetime) -> int:
     if top <= hook.cursor:
         return 0
-    rows = list(session.execute(
-        select(Event, Job).join(Job, Job.id == Event.job_id)
-        .where(Event.id > hook.cursor, Event.id <= top, Event.type.in_(("state", "checkpoint")), Job.team == hook.team)
-        .order_by(Event.id).limit(FAN_OUT_BATCH)).tuples())
+    rows = list(
+        session.execute(
+            select(Event, Job)
+            .join(Job, Job.id == Event.job_id)
+            .where(
+                Event.id > hook.cursor, Event.id <= top, Event.type.in_(("state", "checkpoint")), Job.team == hook.team
+            )
+            .order_by(Event.id)
+            .limit(FAN_OUT_BATCH)
+        ).tuples()
+    )
     cursor = rows[-1][0].id if len(rows) == FAN_OUT_BATCH else top
-    moved = session.execute(update(Webhook).where(Webhook.id == hook.id, Webhook.cursor == hook.cursor)
-                            .values(cursor=cursor).execution_options(synchronize_session=False))
+    moved = session.execute(
+        update(Webhook)
+        .where(Webhook.id == hook.id, Webhook.cursor == hook.cursor)
+        .values(cursor=cursor)
+        .execution_options(synchronize_session=False)
+    )
     if moved.rowcount != 1:  # type: ignore[attr-defined]  # another sender took this batch
         session.rollback()
         return 0
@@ -146,9 +176,19 @@ def _fan_out_one(session: Session, hook: Webhook, top: int, now: datetime) -> in
         msg_type = event_type(event)
         if msg_type is None or msg_type not in hook.events:
             continue
-        session.add(WebhookDelivery(id=f"msg_{uuid.uuid4().hex}", webhook_id=hook.id, event_id=event.id, job_id=job.id,
-                                    type=msg_type, payload=payload(msg_type, event, job), state=DeliveryState.pending.value,
-                                    next_attempt_at=now, created_at=now))
+        session.add(
+            WebhookDelivery(
+                id=f"msg_{uuid.uuid4().hex}",
+                webhook_id=hook.id,
+                event_id=event.id,
+                job_id=job.id,
+                type=msg_type,
+                payload=payload(msg_type, event, job),
+                state=DeliveryState.pending.value,
+                next_attempt_at=now,
+                created_at=now,
+            )
+        )
         made += 1
     try:
         session.commit()
@@ -188,15 +228,29 @@ def claim_due(settings: Settings, limit: int = SEND_BATCH) -> list[Outgoing]:
     hold = now + timedelta(seconds=settings.webhook_timeout_s + 30)
     out, key_list = [], secrets_box.keys(settings)
     with session_scope(settings.database_url) as session:
-        due = session.execute(select(WebhookDelivery, Webhook).join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
-                              .where(WebhookDelivery.state == DeliveryState.pending.value, WebhookDelivery.next_attempt_at <= now,
-                                     Webhook.disabled_at.is_(None))
-                              .order_by(WebhookDelivery.next_attempt_at).limit(limit)).tuples()
+        due = session.execute(
+            select(WebhookDelivery, Webhook)
+            .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+            .where(
+                WebhookDelivery.state == DeliveryState.pending.value,
+                WebhookDelivery.next_attempt_at <= now,
+                Webhook.disabled_at.is_(None),
+            )
+            .order_by(WebhookDelivery.next_attempt_at)
+            .limit(limit)
+        ).tuples()
         for delivery, hook in list(due):
-            took = session.execute(update(WebhookDelivery).where(
-                WebhookDelivery.id == delivery.id, WebhookDelivery.state == DeliveryState.pending.value,
-                WebhookDelivery.attempts == delivery.attempts, WebhookDelivery.next_attempt_at <= now)
-                .values(next_attempt_at=hold).execution_options(synchronize_session=False))
+            took = session.execute(
+                update(WebhookDelivery)
+                .where(
+                    WebhookDelivery.id == delivery.id,
+                    WebhookDelivery.state == DeliveryState.pending.value,
+                    WebhookDelivery.attempts == delivery.attempts,
+                    WebhookDelivery.next_attempt_at <= now,
+                )
+                .values(next_attempt_at=hold)
+                .execution_options(synchronize_session=False)
+            )
             if took.rowcount == 1:  # type: ignore[attr-defined]
                 body = json.dumps(delivery.payload, separators=(",", ":")).encode()
                 secret = secrets_box.unseal(key_list, hook.secret)
@@ -212,9 +266,15 @@ def post(settings: Settings, item: Outgoing) -> tuple[int | None, str | None, st
     try:
         target = net_guard.pin(item.url, settings)
         with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False) as client:
-            response = client.post(target.url, content=item.body, extensions={"sni_hostname": target.host},
-                                   headers={**headers(item.secret, item.delivery_id, int(time.time()), item.body),
-                                            "host": target.host_header})
+            response = client.post(
+                target.url,
+                content=item.body,
+                extensions={"sni_hostname": target.host},
+                headers={
+                    **headers(item.secret, item.delivery_id, int(time.time()), item.body),
+                    "host": target.host_header,
+                },
+            )
         return response.status_code, None, response.text[:500], (time.monotonic() - started) * 1000
     except net_guard.Blocked as err:
         log.warning("webhook %s not sent: %s", item.delivery_id, err)
@@ -233,8 +293,9 @@ def backoff_s(settings: Settings, attempts: int) -> float:
     return min(settings.webhook_backoff_s * 2 ** (attempts - 1), MAX_BACKOFF_S)
 
 
-def record(settings: Settings, item: Outgoing, status: int | None, error: str | None, answer: str | None,
-           ms: float) -> str:
+def record(
+    settings: Settings, item: Outgoing, status: int | None, error: str | None, answer: str | None, ms: float
+) -> str:
     """Store the attempt and decide: delivered (2xx), failed (attempts used up) or pending again later."""
     now, ok = utcnow(), status is not None and 200 <= status < 300
     values: dict[str, Any]
@@ -246,13 +307,27 @@ def record(settings: Settings, item: Outgoing, status: int | None, error: str | 
         state = DeliveryState.pending
         values = {"next_attempt_at": now + timedelta(seconds=backoff_s(settings, item.number))}
     with session_scope(settings.database_url) as session:
-        session.add(WebhookAttempt(delivery_id=item.delivery_id, number=item.number, time=now, status_code=status,
-                                   error=error, response_body=answer, duration_ms=round(ms, 1)))
+        session.add(
+            WebhookAttempt(
+                delivery_id=item.delivery_id,
+                number=item.number,
+                time=now,
+                status_code=status,
+                error=error,
+                response_body=answer,
+                duration_ms=round(ms, 1),
+            )
+        )
         # Compare-and-set: only the sender that claimed this attempt (attempts still one less) records it.
-        session.execute(update(WebhookDelivery).where(
-            WebhookDelivery.id == item.delivery_id, WebhookDelivery.state.in_(sources(state)),
-            WebhookDelivery.attempts == item.number - 1).values(
-            state=state.value, attempts=item.number, last_status=status, **values))
+        session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == item.delivery_id,
+                WebhookDelivery.state.in_(sources(state)),
+                WebhookDelivery.attempts == item.number - 1,
+            )
+            .values(state=state.value, attempts=item.number, last_status=status, **values)
+        )
     return state.value
 
 
@@ -291,14 +366,27 @@ class Sender:
 # ---------------------------------------------------------------- registrations
 
 
-def create_webhook(session: Session, team: str, url: str, events: list[str], secret: str | None,
-                   description: str | None, *, settings: Settings) -> tuple[Webhook, str]:
+def create_webhook(
+    session: Session,
+    team: str,
+    url: str,
+    events: list[str],
+    secret: str | None,
+    description: str | None,
+    *,
+    settings: Settings,
+) -> tuple[Webhook, str]:
     """A new endpoint and its secret in clear (stored sealed, ``core.secrets_box``); it gets the events after this
     moment (its cursor starts at the newest event)."""
     secret = secret or new_secret()
-    hook = Webhook(team=team, url=url, events=list(dict.fromkeys(events)),
-                   secret=secrets_box.seal(secrets_box.keys(settings), secret),
-                   description=description, cursor=session.scalar(select(func.max(Event.id))) or 0)
+    hook = Webhook(
+        team=team,
+        url=url,
+        events=list(dict.fromkeys(events)),
+        secret=secrets_box.seal(secrets_box.keys(settings), secret),
+        description=description,
+        cursor=session.scalar(select(func.max(Event.id))) or 0,
+    )
     session.add(hook)
     session.commit()
     return hook, secret
@@ -314,13 +402,18 @@ def reseal_secrets(session: Session, settings: Settings) -> int:
     unopened: list[str] = []
     for hook in hooks:
         try:
-            resealed[hook.id] = (secrets_box.reseal(key_list, hook.secret) if secrets_box.is_sealed(hook.secret)
-                                 else secrets_box.seal(key_list, hook.secret))
+            resealed[hook.id] = (
+                secrets_box.reseal(key_list, hook.secret)
+                if secrets_box.is_sealed(hook.secret)
+                else secrets_box.seal(key_list, hook.secret)
+            )
         except ValueError:
             unopened.append(hook.id)
     if unopened:
-        raise ValueError(f"{len(unopened)} webhook secret(s) open with none of secret_keys (webhooks "
-                         f"{', '.join(unopened[:10])}); put back the key they were sealed with")
+        raise ValueError(
+            f"{len(unopened)} webhook secret(s) open with none of secret_keys (webhooks "
+            f"{', '.join(unopened[:10])}); put back the key they were sealed with"
+        )
     for hook in hooks:
         hook.secret = resealed[hook.id]
     session.commit()
@@ -340,15 +433,22 @@ def disable_webhook(session: Session, hook: Webhook) -> Webhook:
     return hook
 
 
-def deliveries_page(session: Session, webhook_id: str, *, job_id: str | None,
-                    limit: int) -> tuple[list[tuple[WebhookDelivery, list[WebhookAttempt]]], bool]:
+def deliveries_page(
+    session: Session, webhook_id: str, *, job_id: str | None, limit: int
+) -> tuple[list[tuple[WebhookDelivery, list[WebhookAttempt]]], bool]:
     """An endpoint's deliveries, newest first, each with its attempts in order."""
     query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
     if job_id:
         query = query.where(WebhookDelivery.job_id == job_id)
     rows, has_more = fetch_page(session, query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id), limit)
-    attempts = [list(session.scalars(select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id)
-                                     .order_by(WebhookAttempt.number))) for row in rows]
+    attempts = [
+        list(
+            session.scalars(
+                select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id).order_by(WebhookAttempt.number)
+            )
+        )
+        for row in rows
+    ]
     return list(zip(rows, attempts, strict=True)), has_more
 
 
@@ -356,7 +456,8 @@ async def send_forever(settings: Settings, leader: Leadership | None = None) -> 
     """The API lifespan's task: a sender pass every ``webhook_poll_s``, run in a thread, in the leading replica."""
     sender = Sender(settings)
     try:
-        await run_when_leader(leader or Leadership(settings.database_url), settings.webhook_poll_s, sender.tick,
-                              "webhook pass")
+        await run_when_leader(
+            leader or Leadership(settings.database_url), settings.webhook_poll_s, sender.tick, "webhook pass"
+        )
     finally:
         sender.close()

@@ -22,7 +22,7 @@ from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunD
 log = logging.getLogger("engine")
 
 RUNNERS: dict[str, str] = {
-    "preprocess": "engine.data.job:run",
+    "preprocess": "engine.preprocess:run",
     "train": "engine.train.job:run",
     "convert": "engine.checkpoint.job:run",
     "eval": "engine.eval.job:run",

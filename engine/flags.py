@@ -81,8 +81,12 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     # ``--spec`` is both ours (one JSON file) and MindSpeed's layer spec (``module.path name``, ignored here).
-    parser.add_argument("--spec", dest="_spec", nargs="+", metavar="SPEC_JSON", help="job spec file; flags override its fields")
-    parser.add_argument("--run-dir", dest="_run_dir", default=".", help="where run files go (default: the current directory)")
+    parser.add_argument(
+        "--spec", dest="_spec", nargs="+", metavar="SPEC_JSON", help="job spec file; flags override its fields"
+    )
+    parser.add_argument(
+        "--run-dir", dest="_run_dir", default=".", help="where run files go (default: the current directory)"
+    )
     parser.add_argument("--nproc-per-node", dest="_nproc", type=int, help="resources.nproc_per_node (launcher hint)")
     for name, field in cls.model_fields.items():
         if name in _NOT_FLAGS:
@@ -120,7 +124,11 @@ def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[
     ns = parser.parse_args(list(argv))
     data: dict[str, Any] = {}
     ignored = []
-    spec_file = ns._spec[0] if ns._spec and len(ns._spec) == 1 and (ns._spec[0].endswith(".json") or Path(ns._spec[0]).is_file()) else None
+    spec_file = (
+        ns._spec[0]
+        if ns._spec and len(ns._spec) == 1 and (ns._spec[0].endswith(".json") or Path(ns._spec[0]).is_file())
+        else None
+    )
     if ns._spec and spec_file is None:
         ignored.append("--spec " + " ".join(ns._spec))
     if spec_file:

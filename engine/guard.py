@@ -76,8 +76,11 @@ def check_path(field: str, path: str | os.PathLike[str], *, output: bool) -> Pat
     allowed = write if output else [*write, *read]
     if not within(resolved, [a.resolve() for a in allowed]):
         what = "output" if output else "input"
-        raise BadInput(f"{field}: {path} resolves to {resolved}, outside this job's data area (a symlink leaving "
-                       f"the area?); the {what} was refused", field=field)
+        raise BadInput(
+            f"{field}: {path} resolves to {resolved}, outside this job's data area (a symlink leaving "
+            f"the area?); the {what} was refused",
+            field=field,
+        )
     return resolved
 
 

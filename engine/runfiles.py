@@ -79,9 +79,17 @@ class RunDir:
         self._append("events.jsonl", {"time": time.time(), "type": type, "message": message, "data": data})
 
     def progress(self, done: int, total: int | None, unit: str, message: str = "") -> None:
-        self.event("progress", message or f"{done}/{total if total is not None else '?'} {unit}", done=done, total=total, unit=unit)
+        self.event(
+            "progress",
+            message or f"{done}/{total if total is not None else '?'} {unit}",
+            done=done,
+            total=total,
+            unit=unit,
+        )
 
-    def metric(self, step: int, metrics: dict[str, float], rank_metrics: dict[int, dict[str, float]] | None = None) -> None:
+    def metric(
+        self, step: int, metrics: dict[str, float], rank_metrics: dict[int, dict[str, float]] | None = None
+    ) -> None:
         record: dict[str, Any] = {"time": time.time(), "step": step, "metrics": metrics}
         if rank_metrics:
             record["rank_metrics"] = {str(r): m for r, m in rank_metrics.items()}

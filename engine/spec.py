@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.checkpoint.retention import metric_name
+from engine.retention import metric_name
 
 # ---------------------------------------------------------------- field types
 
@@ -167,9 +167,13 @@ class _Strict(BaseModel):
 class Resources(_Strict):
     """What the job asks of the cluster: ``nnodes × nproc_per_node`` devices of one type."""
 
-    device_type: DeviceType = Field("cpu", description="Accelerator type the job runs on: cpu (gloo), cuda (nccl) or npu (hccl, Ascend).")
+    device_type: DeviceType = Field(
+        "cpu", description="Accelerator type the job runs on: cpu (gloo), cuda (nccl) or npu (hccl, Ascend)."
+    )
     nnodes: int = Field(1, ge=1, le=1024, description="Hosts the job spans (torchrun --nnodes); one node per host.")
-    nproc_per_node: int = Field(1, ge=1, le=64, description="Devices (processes) per host (torchrun --nproc-per-node); CPU: process slots.")
+    nproc_per_node: int = Field(
+        1, ge=1, le=64, description="Devices (processes) per host (torchrun --nproc-per-node); CPU: process slots."
+    )
 
     @property
     def world_size(self) -> int:
@@ -180,12 +184,21 @@ class JobBase(_Strict):
     """Fields every job has, whatever its kind."""
 
     name: str | None = Field(None, max_length=200, description="Free-form job name, filterable in GET /v1/jobs.")
-    resources: Resources = Field(default_factory=Resources, description="Devices the job asks for: resources.nnodes × resources.nproc_per_node of resources.device_type.")
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="Devices the job asks for: resources.nnodes × resources.nproc_per_node of resources.device_type.",
+    )
     metadata: dict[str, str] = Field(default_factory=dict, description="String labels, filterable in GET /v1/jobs.")
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first; FIFO within a priority.")
-    max_restarts: int | None = Field(None, ge=0, le=100, description="Retries after a retryable failure; None = server default.")
-    start_deadline_s: float | None = Field(None, gt=0, description="Fail the job if it has not started within this many seconds.")
-    run_deadline_s: float | None = Field(None, gt=0, description="Cancel the job if it runs longer than this many seconds.")
+    max_restarts: int | None = Field(
+        None, ge=0, le=100, description="Retries after a retryable failure; None = server default."
+    )
+    start_deadline_s: float | None = Field(
+        None, gt=0, description="Fail the job if it has not started within this many seconds."
+    )
+    run_deadline_s: float | None = Field(
+        None, gt=0, description="Cancel the job if it runs longer than this many seconds."
+    )
 
 
 # ---------------------------------------------------------------- shared flag groups
@@ -194,58 +207,145 @@ class JobBase(_Strict):
 class ModelArgs(_Strict):
     """Model-shape flags (Megatron/MindSpeed ``GPT_ARGS``). Unset shape fields come from the checkpoint's config.json."""
 
-    use_mcore_models: bool = Field(False, description="--use-mcore-models: Megatron-Core model layout (the layout this engine always uses; accepted for script parity).")
-    num_layers: int | None = Field(None, ge=1, description="--num-layers: transformer layers. Default: from the checkpoint's config.json.")
-    hidden_size: int | None = Field(None, ge=1, description="--hidden-size: model width. Default: from the checkpoint's config.json.")
-    ffn_hidden_size: int | None = Field(None, ge=1, description="--ffn-hidden-size: MLP inner width. Default: from the checkpoint's config.json.")
-    num_attention_heads: int | None = Field(None, ge=1, description="--num-attention-heads: query heads. Default: from the checkpoint's config.json.")
-    group_query_attention: bool = Field(False, description="--group-query-attention: KV heads shared by groups of query heads (Qwen3: on).")
+    use_mcore_models: bool = Field(
+        False,
+        description="--use-mcore-models: Megatron-Core model layout (the layout this engine always uses; accepted for script parity).",
+    )
+    num_layers: int | None = Field(
+        None, ge=1, description="--num-layers: transformer layers. Default: from the checkpoint's config.json."
+    )
+    hidden_size: int | None = Field(
+        None, ge=1, description="--hidden-size: model width. Default: from the checkpoint's config.json."
+    )
+    ffn_hidden_size: int | None = Field(
+        None, ge=1, description="--ffn-hidden-size: MLP inner width. Default: from the checkpoint's config.json."
+    )
+    num_attention_heads: int | None = Field(
+        None, ge=1, description="--num-attention-heads: query heads. Default: from the checkpoint's config.json."
+    )
+    group_query_attention: bool = Field(
+        False, description="--group-query-attention: KV heads shared by groups of query heads (Qwen3: on)."
+    )
     num_query_groups: int | None = Field(None, ge=1, description="KV heads; Megatron's default is 1 when GQA is on.")
     kv_channels: int | None = Field(None, ge=1, description="Head dim; default hidden_size / num_attention_heads.")
     qk_layernorm: bool = Field(False, description="--qk-layernorm: RMSNorm on per-head queries and keys (Qwen3: on).")
-    max_position_embeddings: int | None = Field(None, ge=1, description="--max-position-embeddings: longest position the RoPE tables cover, in tokens. Default: from the checkpoint.")
+    max_position_embeddings: int | None = Field(
+        None,
+        ge=1,
+        description="--max-position-embeddings: longest position the RoPE tables cover, in tokens. Default: from the checkpoint.",
+    )
     seq_length: int | None = Field(None, ge=1, description="--seq-length: tokens per training/eval sample row.")
-    padded_vocab_size: int | None = Field(None, ge=1, description="--padded-vocab-size: embedding rows. Default: from the checkpoint (else the tokenizer's vocab padded).")
-    make_vocab_size_divisible_by: int = Field(128, ge=1, description="--make-vocab-size-divisible-by: pad the vocab to a multiple of this (× TP) when it is derived.")
+    padded_vocab_size: int | None = Field(
+        None,
+        ge=1,
+        description="--padded-vocab-size: embedding rows. Default: from the checkpoint (else the tokenizer's vocab padded).",
+    )
+    make_vocab_size_divisible_by: int = Field(
+        128,
+        ge=1,
+        description="--make-vocab-size-divisible-by: pad the vocab to a multiple of this (× TP) when it is derived.",
+    )
     rotary_base: float = Field(10000.0, gt=0, description="--rotary-base: RoPE theta (Qwen3: 1000000).")
     norm_epsilon: float = Field(1e-5, gt=0, description="--norm-epsilon: epsilon of RMSNorm/LayerNorm (Qwen3: 1e-6).")
-    untie_embeddings_and_output_weights: bool = Field(False, description="--untie-embeddings-and-output-weights: separate output projection (Qwen3 ≥ 4B: on).")
+    untie_embeddings_and_output_weights: bool = Field(
+        False, description="--untie-embeddings-and-output-weights: separate output projection (Qwen3 ≥ 4B: on)."
+    )
     swiglu: bool = Field(False, description="--swiglu: SwiGLU MLP (gate and up fused in linear_fc1; Qwen3: on).")
     disable_bias_linear: bool = Field(False, description="--disable-bias-linear: no bias in linear layers (Qwen3: on).")
-    normalization: Literal["RMSNorm", "LayerNorm"] = Field("LayerNorm", description="--normalization: RMSNorm (Qwen3) or LayerNorm (Megatron's default).")
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = Field("learned_absolute", description="--position-embedding-type: rope (Qwen3), learned_absolute (Megatron's default) or none.")
-    use_rotary_position_embeddings: bool = Field(False, description="--use-rotary-position-embeddings: older alias of position_embedding_type=rope.")
-    hidden_dropout: float = Field(0.1, ge=0, le=1, description="--hidden-dropout: accepted for script parity; the Qwen3 model here has no dropout (a value > 0 is ignored with a warning).")
-    attention_dropout: float = Field(0.1, ge=0, le=1, description="--attention-dropout: accepted for script parity; the Qwen3 model here has no dropout (a value > 0 is ignored with a warning).")
-    init_method_std: float = Field(0.02, gt=0, description="--init-method-std: std of the normal init of new weights (pretraining from scratch).")
-    attention_softmax_in_fp32: bool = Field(False, description="--attention-softmax-in-fp32: attention softmax in fp32 under bf16/fp16 (accepted for script parity).")
+    normalization: Literal["RMSNorm", "LayerNorm"] = Field(
+        "LayerNorm", description="--normalization: RMSNorm (Qwen3) or LayerNorm (Megatron's default)."
+    )
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = Field(
+        "learned_absolute",
+        description="--position-embedding-type: rope (Qwen3), learned_absolute (Megatron's default) or none.",
+    )
+    use_rotary_position_embeddings: bool = Field(
+        False, description="--use-rotary-position-embeddings: older alias of position_embedding_type=rope."
+    )
+    hidden_dropout: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="--hidden-dropout: accepted for script parity; the Qwen3 model here has no dropout (a value > 0 is ignored with a warning).",
+    )
+    attention_dropout: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="--attention-dropout: accepted for script parity; the Qwen3 model here has no dropout (a value > 0 is ignored with a warning).",
+    )
+    init_method_std: float = Field(
+        0.02, gt=0, description="--init-method-std: std of the normal init of new weights (pretraining from scratch)."
+    )
+    attention_softmax_in_fp32: bool = Field(
+        False,
+        description="--attention-softmax-in-fp32: attention softmax in fp32 under bf16/fp16 (accepted for script parity).",
+    )
     norm_topk_prob: bool = Field(
-        False, description="MoE: renormalise the top-k routing weights to sum to 1 (Qwen3-MoE: on).")
+        False, description="MoE: renormalise the top-k routing weights to sum to 1 (Qwen3-MoE: on)."
+    )
     num_experts: int | None = Field(
-        None, ge=1, description="MoE: routed experts per MoE layer; unset = a dense model (or the checkpoint's).")
+        None, ge=1, description="MoE: routed experts per MoE layer; unset = a dense model (or the checkpoint's)."
+    )
     moe_router_topk: int = Field(2, ge=1, description="MoE: experts each token is routed to (Qwen3-MoE: 8).")
     moe_ffn_hidden_size: int | None = Field(
-        None, ge=1, description="MoE: FFN width of one expert; default ffn_hidden_size.")
+        None, ge=1, description="MoE: FFN width of one expert; default ffn_hidden_size."
+    )
     moe_intermediate_size: int | None = Field(None, ge=1, description="MindSpeed's name for moe_ffn_hidden_size.")
-    moe_layer_freq: LayerFreq = Field(1, description=(
-        "MoE: an int k (layers with index % k == 0 are MoE) or one 0/1 per layer like [1,0,1] (0 = dense MLP)."))
-    moe_grouped_gemm: bool = Field(False, description=(
-        "Accepted for MindSpeed scripts: local experts always run as grouped matmuls (torch._grouped_mm where the "
-        "device has it)."))
-    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field("allgather", description=(
-        "MoE token dispatch across expert-parallel ranks; no effect while expert_model_parallel_size is 1."))
-    moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field("aux_loss", description=(
-        "aux_loss: Megatron's switch load-balancing loss weighted by moe_aux_loss_coeff; none: no balancing loss."))
-    moe_aux_loss_coeff: float | None = Field(None, ge=0, description=(
-        "Weight of the load-balancing loss per MoE layer; unset = the checkpoint's router_aux_loss_coef "
-        "(0 without one)."))
-    moe_expert_capacity_factor: float | None = Field(None, gt=0, description=(
-        "MoE: unset = dropless; else each expert takes at most ceil(tokens × topk / experts × factor) tokens per "
-        "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy)."))
-    tokenizer_type: str | None = Field(None, description="--tokenizer-type: PretrainedFromHF (a Hugging Face tokenizer directory) is the one supported.")
-    tokenizer_name_or_path: DataPath | None = Field(None, description="--tokenizer-name-or-path: local Hugging Face tokenizer directory (inside the data roots).")
-    tokenizer_not_use_fast: bool = Field(False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one.")
-    bf16: bool = Field(False, description="--bf16: bfloat16 parameters and compute, fp32 master weights in the optimizer.")
+    moe_layer_freq: LayerFreq = Field(
+        1,
+        description=(
+            "MoE: an int k (layers with index % k == 0 are MoE) or one 0/1 per layer like [1,0,1] (0 = dense MLP)."
+        ),
+    )
+    moe_grouped_gemm: bool = Field(
+        False,
+        description=(
+            "Accepted for MindSpeed scripts: local experts always run as grouped matmuls (torch._grouped_mm where the "
+            "device has it)."
+        ),
+    )
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field(
+        "allgather",
+        description=(
+            "MoE token dispatch across expert-parallel ranks; no effect while expert_model_parallel_size is 1."
+        ),
+    )
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
+        "aux_loss",
+        description=(
+            "aux_loss: Megatron's switch load-balancing loss weighted by moe_aux_loss_coeff; none: no balancing loss."
+        ),
+    )
+    moe_aux_loss_coeff: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Weight of the load-balancing loss per MoE layer; unset = the checkpoint's router_aux_loss_coef "
+            "(0 without one)."
+        ),
+    )
+    moe_expert_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "MoE: unset = dropless; else each expert takes at most ceil(tokens × topk / experts × factor) tokens per "
+            "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy)."
+        ),
+    )
+    tokenizer_type: str | None = Field(
+        None,
+        description="--tokenizer-type: PretrainedFromHF (a Hugging Face tokenizer directory) is the one supported.",
+    )
+    tokenizer_name_or_path: DataPath | None = Field(
+        None, description="--tokenizer-name-or-path: local Hugging Face tokenizer directory (inside the data roots)."
+    )
+    tokenizer_not_use_fast: bool = Field(
+        False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one."
+    )
+    bf16: bool = Field(
+        False, description="--bf16: bfloat16 parameters and compute, fp32 master weights in the optimizer."
+    )
     fp16: bool = Field(False, description="--fp16: float16 compute with dynamic loss scaling (see initial_loss_scale).")
     seed: int = Field(1234, description="--seed: random seed for initialisation, dropout and data shuffling.")
 
@@ -270,15 +370,29 @@ class ModelArgs(_Strict):
 class ParallelArgs(_Strict):
     """Parallel layout flags; DP = world size / (TP × PP)."""
 
-    tensor_model_parallel_size: int = Field(1, ge=1, description="--tensor-model-parallel-size: TP degree, devices that split each layer's matrices.")
-    pipeline_model_parallel_size: int = Field(1, ge=1, description="--pipeline-model-parallel-size: PP degree, stages the layers are split into.")
-    expert_model_parallel_size: int = Field(1, ge=1, description=(
-        "MoE: ranks the experts of each MoE layer are split over. Only 1 is available so far."))
-    sequence_parallel: bool = Field(False, description="--sequence-parallel: with TP > 1, shard norms and dropout activations along the sequence.")
+    tensor_model_parallel_size: int = Field(
+        1, ge=1, description="--tensor-model-parallel-size: TP degree, devices that split each layer's matrices."
+    )
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="--pipeline-model-parallel-size: PP degree, stages the layers are split into."
+    )
+    expert_model_parallel_size: int = Field(
+        1, ge=1, description=("MoE: ranks the experts of each MoE layer are split over. Only 1 is available so far.")
+    )
+    sequence_parallel: bool = Field(
+        False, description="--sequence-parallel: with TP > 1, shard norms and dropout activations along the sequence."
+    )
     num_layer_list: IntList | None = Field(None, description="Layers per pipeline stage, e.g. '10,8,8,10'.")
-    num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage (interleaved 1F1B).")
-    use_distributed_optimizer: bool = Field(False, description="--use-distributed-optimizer: on, parameters are resharded after forward (ZeRO-3, least memory); off, they stay gathered until backward (ZeRO-2). Optimizer state is sharded over data-parallel ranks either way.")
-    micro_batch_size: int = Field(1, ge=1, description="--micro-batch-size: samples per device per forward/backward pass.")
+    num_layers_per_virtual_pipeline_stage: int | None = Field(
+        None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage (interleaved 1F1B)."
+    )
+    use_distributed_optimizer: bool = Field(
+        False,
+        description="--use-distributed-optimizer: on, parameters are resharded after forward (ZeRO-3, least memory); off, they stay gathered until backward (ZeRO-2). Optimizer state is sharded over data-parallel ranks either way.",
+    )
+    micro_batch_size: int = Field(
+        1, ge=1, description="--micro-batch-size: samples per device per forward/backward pass."
+    )
     global_batch_size: int | None = Field(None, ge=1, description="Default micro_batch_size × DP.")
 
     @model_validator(mode="after")
@@ -327,14 +441,23 @@ class ParallelArgs(_Strict):
 
 
 class PreprocessSpec(JobBase):
-    """``preprocess_data.py``: raw instruction/pretraining data -> Megatron indexed datasets (``engine.data.job``)."""
+    """``preprocess_data.py``: raw instruction/pretraining data -> Megatron indexed datasets (``engine.preprocess``)."""
 
-    kind: Literal["preprocess"] = Field("preprocess", description="Job kind \"preprocess\" (the discriminator).")
-    input: DataPath = Field(..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files (one format).")
+    kind: Literal["preprocess"] = Field("preprocess", description='Job kind "preprocess" (the discriminator).')
+    input: DataPath = Field(
+        ..., description="A file or a directory of .jsonl/.json/.parquet/.csv/.txt/.arrow files (one format)."
+    )
     tokenizer_name_or_path: DataPath = Field(..., description="Local directory of a Hugging Face tokenizer.")
-    output_prefix: OutputPath = Field(..., description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.")
-    tokenizer_type: Literal["PretrainedFromHF"] = Field("PretrainedFromHF", description="--tokenizer-type: PretrainedFromHF, the one supported.")
-    tokenizer_not_use_fast: bool = Field(False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one.")
+    output_prefix: OutputPath = Field(
+        ...,
+        description="Instruction data: <prefix>_packed_{input_ids,attention_mask,labels}_document; text: <prefix>_<key>_document.",
+    )
+    tokenizer_type: Literal["PretrainedFromHF"] = Field(
+        "PretrainedFromHF", description="--tokenizer-type: PretrainedFromHF, the one supported."
+    )
+    tokenizer_not_use_fast: bool = Field(
+        False, description="--tokenizer-not-use-fast: use the slow Python tokenizer instead of tokenizers' Rust one."
+    )
     handler_name: str = Field(
         "",
         description="SharegptStyleInstructionHandler (ShareGPT/OpenAI messages), AlpacaStyleInstructionHandler, "
@@ -342,25 +465,45 @@ class PreprocessSpec(JobBase):
         "pairs: <prefix>_packed_{chosen,rejected}_{input_ids,labels}_document); empty or GeneralPretrainHandler = "
         "pretraining text.",
     )
-    prompt_type: str | None = Field(None, description="Chat template for instruction data: qwen3, qwen (MindSpeed's older qwen: default system prompt, no thinking rules) or hf (the tokenizer's own).")
-    enable_thinking: TriState = Field("none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning).")
-    map_keys: JsonObject | None = Field(None, description='Column and role-tag mapping, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.')
+    prompt_type: str | None = Field(
+        None,
+        description="Chat template for instruction data: qwen3, qwen (MindSpeed's older qwen: default system prompt, no thinking rules) or hf (the tokenizer's own).",
+    )
+    enable_thinking: TriState = Field(
+        "none", description="qwen3 empty-thought rule: true, false or none (MindSpeed's meaning)."
+    )
+    map_keys: JsonObject | None = Field(
+        None, description='Column and role-tag mapping, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.'
+    )
     json_keys: StrList = Field(default_factory=lambda: ["text"], description="Pretraining: the text column(s).")
     workers: int = Field(1, ge=1, le=256, description="Tokenizing processes.")
     log_interval: int = Field(100, ge=1, description="Samples between progress reports.")
-    seq_length: int | None = Field(None, ge=2, description="Instruction samples are cut to fit seq_length - 1 tokens (see overlong_policy); pack bins.")
+    seq_length: int | None = Field(
+        None,
+        ge=2,
+        description="Instruction samples are cut to fit seq_length - 1 tokens (see overlong_policy); pack bins.",
+    )
     pack: bool = Field(False, description="Pack samples into seq_length rows (needs seq_length).")
     neat_pack: bool = Field(False, description="With pack: attention_mask holds 1-based sub-sample ids, 0 on padding.")
-    append_eod: bool = Field(False, description=(
-        "Append an end-of-document token to every sample: pretraining documents get the tokenizer's eos; instruction "
-        "samples a trained <|im_end|> (qwen/qwen3) or the tokenizer's eos (hf), as MindSpeed does."))
-    skip_bad_samples: bool = Field(False, description="Count and skip malformed records instead of failing on the first.")
+    append_eod: bool = Field(
+        False,
+        description=(
+            "Append an end-of-document token to every sample: pretraining documents get the tokenizer's eos; instruction "
+            "samples a trained <|im_end|> (qwen/qwen3) or the tokenizer's eos (hf), as MindSpeed does."
+        ),
+    )
+    skip_bad_samples: bool = Field(
+        False, description="Count and skip malformed records instead of failing on the first."
+    )
     overlong_policy: Literal["truncate", "truncate_head", "drop"] = Field(
-        "truncate", description=(
+        "truncate",
+        description=(
             "Instruction samples over seq_length - 1 tokens: truncate = MindSpeed's rule (each prompt/answer pair cut "
             "in proportion until the sample fits; qwen keeps MindSpeed's older rule, whose cut samples reach "
             "seq_length and are dropped); truncate_head = keep the first tokens; drop = leave the sample out. "
-            "Whatever the policy, a sample of seq_length tokens or more after append_eod is dropped (MindSpeed's check)."))
+            "Whatever the policy, a sample of seq_length tokens or more after append_eod is dropped (MindSpeed's check)."
+        ),
+    )
 
     @field_validator("handler_name")
     @classmethod
@@ -369,7 +512,9 @@ class PreprocessSpec(JobBase):
         from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
 
         if value not in HANDLERS:
-            raise ValueError(f"handler_name: {value!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
+            raise ValueError(
+                f"handler_name: {value!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}"
+            )
         return value
 
     @model_validator(mode="after")
@@ -400,124 +545,267 @@ class PreprocessSpec(JobBase):
 class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     """``pretrain_gpt.py`` / ``posttrain_gpt.py`` under torchrun: pretraining, full and LoRA fine-tuning."""
 
-    kind: Literal["train"] = Field("train", description="Job kind \"train\" (the discriminator).")
+    kind: Literal["train"] = Field("train", description='Job kind "train" (the discriminator).')
     data_path: DataPathList = Field(..., description="Indexed dataset prefix(es), as produced by preprocess.")
-    split: str = Field("969, 30, 1", description=(
-        "train,valid,test weights over the samples in dataset order (Megatron's): training uses the leading "
-        "share, validation the next one; the test share is not used."))
-    load: DataPath | None = Field(None, description="--load: checkpoint to start from: a Megatron checkpoint root (tracker + iter_*) or an HF model directory.")
-    save: OutputPath | None = Field(None, description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.")
-    save_interval: int | None = Field(None, ge=1, description="--save-interval: iterations between checkpoints (default: only at the end).")
-    keep_last_n: int | None = Field(None, ge=1, description=(
-        "Retention of the training checkpoints saved every save_interval (model and optimizer state together, "
-        "under <save>/train_state): keep the newest n, deleting older ones once a new one is complete (default: "
-        "keep all). The final export is never deleted."))
-    keep_best_by: BestBy | None = Field(None, description=(
-        "With keep_last_n, also keep the checkpoint with the lowest value of this metric at its iteration: lm_loss "
-        "(\"lm loss\", \"loss\") or val_lm_loss (\"val_loss\"; needs validation at the saved iterations: save_interval a "
-        "multiple of eval_interval, eval_iters > 0)."))
+    split: str = Field(
+        "969, 30, 1",
+        description=(
+            "train,valid,test weights over the samples in dataset order (Megatron's): training uses the leading "
+            "share, validation the next one; the test share is not used."
+        ),
+    )
+    load: DataPath | None = Field(
+        None,
+        description="--load: checkpoint to start from: a Megatron checkpoint root (tracker + iter_*) or an HF model directory.",
+    )
+    save: OutputPath | None = Field(
+        None,
+        description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.",
+    )
+    save_interval: int | None = Field(
+        None, ge=1, description="--save-interval: iterations between checkpoints (default: only at the end)."
+    )
+    keep_last_n: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Retention of the training checkpoints saved every save_interval (model and optimizer state together, "
+            "under <save>/train_state): keep the newest n, deleting older ones once a new one is complete (default: "
+            "keep all). The final export is never deleted."
+        ),
+    )
+    keep_best_by: BestBy | None = Field(
+        None,
+        description=(
+            "With keep_last_n, also keep the checkpoint with the lowest value of this metric at its iteration: lm_loss "
+            '("lm loss", "loss") or val_lm_loss ("val_loss"; needs validation at the saved iterations: save_interval a '
+            "multiple of eval_interval, eval_iters > 0)."
+        ),
+    )
     no_load_optim: bool = Field(False, description="--no-load-optim: do not restore optimizer state from load.")
     no_load_rng: bool = Field(False, description="--no-load-rng: do not restore RNG state from load.")
-    exit_on_missing_checkpoint: bool = Field(False, description="--exit-on-missing-checkpoint: fail when load holds no checkpoint instead of starting fresh.")
-    train_iters: int = Field(..., ge=1, description="--train-iters: optimizer steps (each of global_batch_size samples).")
+    exit_on_missing_checkpoint: bool = Field(
+        False, description="--exit-on-missing-checkpoint: fail when load holds no checkpoint instead of starting fresh."
+    )
+    train_iters: int = Field(
+        ..., ge=1, description="--train-iters: optimizer steps (each of global_batch_size samples)."
+    )
     lr: float = Field(..., ge=0, description="--lr: peak learning rate, reached after warmup.")
     min_lr: float = Field(0.0, ge=0, description="--min-lr: learning rate floor of the decay.")
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = Field("linear", description="--lr-decay-style: constant, linear, cosine, inverse-square-root or WSD, from lr down to min_lr.")
-    lr_decay_iters: int | None = Field(None, ge=1, description="--lr-decay-iters: iterations the decay spans (default: train_iters).")
-    lr_warmup_fraction: float | None = Field(None, ge=0, le=1, description="--lr-warmup-fraction: warmup as a fraction of lr_decay_iters (overrides lr_warmup_iters).")
-    lr_warmup_iters: int = Field(0, ge=0, description="--lr-warmup-iters: iterations of linear warmup from lr_warmup_init to lr.")
-    weight_decay: float = Field(0.01, ge=0, description="--weight-decay: AdamW decoupled weight decay on matrices (biases and norm weights are not decayed).")
-    clip_grad: float = Field(1.0, ge=0, description="--clip-grad: clip the global gradient L2 norm to this (0: no clipping).")
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = Field(
+        "linear",
+        description="--lr-decay-style: constant, linear, cosine, inverse-square-root or WSD, from lr down to min_lr.",
+    )
+    lr_decay_iters: int | None = Field(
+        None, ge=1, description="--lr-decay-iters: iterations the decay spans (default: train_iters)."
+    )
+    lr_warmup_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="--lr-warmup-fraction: warmup as a fraction of lr_decay_iters (overrides lr_warmup_iters).",
+    )
+    lr_warmup_iters: int = Field(
+        0, ge=0, description="--lr-warmup-iters: iterations of linear warmup from lr_warmup_init to lr."
+    )
+    weight_decay: float = Field(
+        0.01,
+        ge=0,
+        description="--weight-decay: AdamW decoupled weight decay on matrices (biases and norm weights are not decayed).",
+    )
+    clip_grad: float = Field(
+        1.0, ge=0, description="--clip-grad: clip the global gradient L2 norm to this (0: no clipping)."
+    )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="--adam-beta1: AdamW first-moment decay.")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="--adam-beta2: AdamW second-moment decay (MindSpeed's Qwen3 scripts: 0.95).")
+    adam_beta2: float = Field(
+        0.999, ge=0, lt=1, description="--adam-beta2: AdamW second-moment decay (MindSpeed's Qwen3 scripts: 0.95)."
+    )
     adam_eps: float = Field(1e-8, gt=0, description="--adam-eps: AdamW epsilon.")
-    initial_loss_scale: float = Field(2.0**32, gt=0, description="--initial-loss-scale: starting dynamic loss scale under fp16.")
-    min_loss_scale: float = Field(1.0, gt=0, description="--min-loss-scale: floor of the dynamic loss scale under fp16.")
-    loss_scale: float | None = Field(None, gt=0, description="--loss-scale: a fixed loss scale under fp16 (default: dynamic).")
-    loss_scale_window: int = Field(1000, ge=1, description="--loss-scale-window: overflow-free iterations before the dynamic scale doubles.")
+    initial_loss_scale: float = Field(
+        2.0**32, gt=0, description="--initial-loss-scale: starting dynamic loss scale under fp16."
+    )
+    min_loss_scale: float = Field(
+        1.0, gt=0, description="--min-loss-scale: floor of the dynamic loss scale under fp16."
+    )
+    loss_scale: float | None = Field(
+        None, gt=0, description="--loss-scale: a fixed loss scale under fp16 (default: dynamic)."
+    )
+    loss_scale_window: int = Field(
+        1000, ge=1, description="--loss-scale-window: overflow-free iterations before the dynamic scale doubles."
+    )
     hysteresis: int = Field(2, ge=1, description="--hysteresis: overflows tolerated before the dynamic scale halves.")
-    recompute_granularity: Literal["full", "selective"] | None = Field(None, description="--recompute-granularity: activation recomputation, full (whole layers) or selective (attention core).")
-    recompute_method: Literal["uniform", "block"] | None = Field(None, description="--recompute-method: with full recomputation, uniform or block over the layers.")
-    recompute_num_layers: int | None = Field(None, ge=1, description="--recompute-num-layers: layers per recomputation group (uniform) or recomputed per stage (block).")
-    log_interval: int = Field(100, ge=1, description="--log-interval: iterations between metric lines (metrics.jsonl, TensorBoard, the log).")
-    eval_interval: int = Field(1000, ge=1, description=(
-        "Score the validation share every this many iterations (and after the last one)."))
-    eval_iters: int = Field(100, ge=0, description=(
-        "Global batches per validation pass (the same ones each pass; fewer when the validation share is smaller). "
-        "0 turns validation off. Reported as val_lm_loss / val_lm_ppl metrics and Megatron's validation log line."))
-    tensorboard_dir: OutputPath | None = Field(None, description="--tensorboard-dir: write TensorBoard event files here as well.")
-    finetune: bool = Field(False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load.")
-    stage: Literal["sft"] | None = Field(None, description="--stage: sft for supervised fine-tuning on instruction data.")
-    is_instruction_dataset: bool = Field(False, description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from the loss).")
-    variable_seq_lengths: bool = Field(False, description="--variable-seq-lengths: pad each micro-batch to its longest sample, not to seq_length.")
-    prompt_type: str | None = Field(None, description="--prompt-type: the chat template the data was preprocessed with (qwen3, qwen, hf); recorded for the run.")
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        None,
+        description="--recompute-granularity: activation recomputation, full (whole layers) or selective (attention core).",
+    )
+    recompute_method: Literal["uniform", "block"] | None = Field(
+        None, description="--recompute-method: with full recomputation, uniform or block over the layers."
+    )
+    recompute_num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="--recompute-num-layers: layers per recomputation group (uniform) or recomputed per stage (block).",
+    )
+    log_interval: int = Field(
+        100, ge=1, description="--log-interval: iterations between metric lines (metrics.jsonl, TensorBoard, the log)."
+    )
+    eval_interval: int = Field(
+        1000, ge=1, description=("Score the validation share every this many iterations (and after the last one).")
+    )
+    eval_iters: int = Field(
+        100,
+        ge=0,
+        description=(
+            "Global batches per validation pass (the same ones each pass; fewer when the validation share is smaller). "
+            "0 turns validation off. Reported as val_lm_loss / val_lm_ppl metrics and Megatron's validation log line."
+        ),
+    )
+    tensorboard_dir: OutputPath | None = Field(
+        None, description="--tensorboard-dir: write TensorBoard event files here as well."
+    )
+    finetune: bool = Field(
+        False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load."
+    )
+    stage: Literal["sft"] | None = Field(
+        None, description="--stage: sft for supervised fine-tuning on instruction data."
+    )
+    is_instruction_dataset: bool = Field(
+        False,
+        description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from the loss).",
+    )
+    variable_seq_lengths: bool = Field(
+        False, description="--variable-seq-lengths: pad each micro-batch to its longest sample, not to seq_length."
+    )
+    prompt_type: str | None = Field(
+        None,
+        description="--prompt-type: the chat template the data was preprocessed with (qwen3, qwen, hf); recorded for the run.",
+    )
     lora_r: int | None = Field(None, ge=1, description="LoRA rank; setting it selects LoRA fine-tuning.")
-    lora_alpha: float = Field(32, gt=0, description="--lora-alpha: LoRA scale numerator; the update is scaled by lora_alpha / lora_r.")
+    lora_alpha: float = Field(
+        32, gt=0, description="--lora-alpha: LoRA scale numerator; the update is scaled by lora_alpha / lora_r."
+    )
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="--lora-dropout: dropout probability on the LoRA input.")
-    lora_target_modules: StrList = Field(default_factory=list, description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj linear_fc1 linear_fc2.")
-    lora_fusion: bool = Field(False, description="--lora-fusion: a MindSpeed speed option; accepted for script parity, no effect here.")
+    lora_target_modules: StrList = Field(
+        default_factory=list,
+        description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj linear_fc1 linear_fc2.",
+    )
+    lora_fusion: bool = Field(
+        False, description="--lora-fusion: a MindSpeed speed option; accepted for script parity, no effect here."
+    )
     save_hf: bool = Field(False, description="Also export the final weights as HF safetensors under <save>/hf.")
-    no_save_optim: bool = Field(False, description="Training checkpoints hold no optimizer state (a resume restarts Adam).")
+    no_save_optim: bool = Field(
+        False, description="Training checkpoints hold no optimizer state (a resume restarts Adam)."
+    )
     no_save_rng: bool = Field(False, description="Training checkpoints hold no RNG state.")
     lr_warmup_init: float = Field(0.0, ge=0, description="LR at the start of warmup (Megatron).")
     recompute_activations: bool = Field(False, description="Megatron alias of recompute_granularity=selective.")
-    use_checkpoint_args: bool = Field(False, description="Take the model shape from the checkpoint (always done for unset shape flags).")
+    use_checkpoint_args: bool = Field(
+        False, description="Take the model shape from the checkpoint (always done for unset shape flags)."
+    )
     padding_free: bool = Field(
         True,
         description="Engine extension: pack each micro-batch's samples into one row (segment ids, restarted positions), "
         "no padding; false pads each sample to the micro-batch's longest (variable_seq_lengths) or to seq_length.",
     )
-    cross_entropy_chunk_size: int = Field(1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss.")
+    cross_entropy_chunk_size: int = Field(
+        1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss."
+    )
 
     @model_validator(mode="after")
     def _check_retention(self) -> TrainSpec:
         if self.keep_best_by is not None and self.keep_last_n is None:
             raise ValueError("keep_best_by: needs keep_last_n (without it every checkpoint is kept anyway)")
         if self.keep_last_n is not None and self.save_interval is None:
-            raise ValueError("keep_last_n: applies to the checkpoints saved every save_interval iterations; set save_interval")
+            raise ValueError(
+                "keep_last_n: applies to the checkpoints saved every save_interval iterations; set save_interval"
+            )
         if self.keep_best_by == "val_lm_loss" and self.save_interval is not None:
             if self.eval_iters == 0:
                 raise ValueError("keep_best_by: val_lm_loss needs validation (eval_iters > 0)")
             if self.save_interval % self.eval_interval:
-                raise ValueError(f"keep_best_by: val_lm_loss is measured every eval_interval ({self.eval_interval}) "
-                                 f"iterations; make save_interval ({self.save_interval}) a multiple of it")
+                raise ValueError(
+                    f"keep_best_by: val_lm_loss is measured every eval_interval ({self.eval_interval}) "
+                    f"iterations; make save_interval ({self.save_interval}) a multiple of it"
+                )
         return self
 
 
 class ConvertSpec(JobBase):
     """``convert_ckpt.py``: HF <-> Megatron mcore, re-sharding, LoRA merge, adapter export."""
 
-    kind: Literal["convert"] = Field("convert", description="Job kind \"convert\" (the discriminator).")
-    use_mcore_models: bool = Field(False, description="--use-mcore-models: Megatron-Core checkpoint layout (always written; accepted for script parity).")
+    kind: Literal["convert"] = Field("convert", description='Job kind "convert" (the discriminator).')
+    use_mcore_models: bool = Field(
+        False,
+        description="--use-mcore-models: Megatron-Core checkpoint layout (always written; accepted for script parity).",
+    )
     model_type: Literal["GPT"] = Field("GPT", description="--model-type: GPT, the one supported.")
     model_type_hf: Literal["qwen3"] = Field("qwen3", description="--model-type-hf: Hugging Face model family; qwen3.")
-    load_model_type: Literal["hf", "mg"] = Field(..., description="--load-model-type: the input, hf (Hugging Face safetensors) or mg (Megatron mcore checkpoint).")
+    load_model_type: Literal["hf", "mg"] = Field(
+        ...,
+        description="--load-model-type: the input, hf (Hugging Face safetensors) or mg (Megatron mcore checkpoint).",
+    )
     save_model_type: Literal["hf", "mg"] = Field(..., description="--save-model-type: the output, hf or mg.")
-    target_tensor_parallel_size: int = Field(1, ge=1, description="--target-tensor-parallel-size: TP degree of a Megatron output.")
-    target_pipeline_parallel_size: int = Field(1, ge=1, description="--target-pipeline-parallel-size: PP degree of a Megatron output.")
-    num_layer_list: IntList | None = Field(None, description="--num-layer-list: layers per pipeline stage of the output, e.g. '10,8,8,10' (default: even split).")
-    num_layers_per_virtual_pipeline_stage: int | None = Field(None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage of the output.")
-    load_dir: DataPath = Field(..., description=(
-        "HF model directory, or Megatron checkpoint root (tracker + iter_*); over the API also a train job's "
-        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
-    save_dir: OutputPath = Field(..., description=(
-        "Output directory. For hf output into an existing HF model directory (config.json present) the model "
-        "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."))
-    tokenizer_model: DataPath | None = Field(None, description="Tokenizer file or directory; its files are copied into HF output.")
-    hf_cfg_dir: DataPath | None = Field(None, description="HF directory whose config/tokenizer/generation files seed HF output.")
-    params_dtype: Literal["fp16", "bf16", "fp32"] | None = Field(None, description=(
-        "Output dtype. Default: the source's dtype (MindSpeed v1 defaults to fp16, which loses bf16 range)."))
-    lora_load: DataPath | None = Field(None, description=(
-        "LoRA adapters merged onto load_dir: a Megatron LoRA checkpoint (MindSpeed's or ours) or a Hugging Face PEFT "
-        "adapter directory (adapter_config.json + adapter_model.safetensors)."))
+    target_tensor_parallel_size: int = Field(
+        1, ge=1, description="--target-tensor-parallel-size: TP degree of a Megatron output."
+    )
+    target_pipeline_parallel_size: int = Field(
+        1, ge=1, description="--target-pipeline-parallel-size: PP degree of a Megatron output."
+    )
+    num_layer_list: IntList | None = Field(
+        None,
+        description="--num-layer-list: layers per pipeline stage of the output, e.g. '10,8,8,10' (default: even split).",
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = Field(
+        None, ge=1, description="--num-layers-per-virtual-pipeline-stage: layers per virtual stage of the output."
+    )
+    load_dir: DataPath = Field(
+        ...,
+        description=(
+            "HF model directory, or Megatron checkpoint root (tracker + iter_*); over the API also a train job's "
+            'checkpoint by reference, {"job": ID, "iteration": N} (see GET /v1/jobs/{id}/checkpoints).'
+        ),
+    )
+    save_dir: OutputPath = Field(
+        ...,
+        description=(
+            "Output directory. For hf output into an existing HF model directory (config.json present) the model "
+            "goes to <save_dir>/mg2hf/, as MindSpeed's convert_ckpt.py does."
+        ),
+    )
+    tokenizer_model: DataPath | None = Field(
+        None, description="Tokenizer file or directory; its files are copied into HF output."
+    )
+    hf_cfg_dir: DataPath | None = Field(
+        None, description="HF directory whose config/tokenizer/generation files seed HF output."
+    )
+    params_dtype: Literal["fp16", "bf16", "fp32"] | None = Field(
+        None,
+        description=(
+            "Output dtype. Default: the source's dtype (MindSpeed v1 defaults to fp16, which loses bf16 range)."
+        ),
+    )
+    lora_load: DataPath | None = Field(
+        None,
+        description=(
+            "LoRA adapters merged onto load_dir: a Megatron LoRA checkpoint (MindSpeed's or ours) or a Hugging Face PEFT "
+            "adapter directory (adapter_config.json + adapter_model.safetensors)."
+        ),
+    )
     lora_r: int | None = Field(None, ge=1, description="LoRA rank for merging (default: the checkpoint's args.lora_r).")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
-    lora_target_modules: StrList = Field(default_factory=list, description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj (default: the checkpoint's).")
+    lora_target_modules: StrList = Field(
+        default_factory=list,
+        description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj (default: the checkpoint's).",
+    )
     save_lora_to_hf: bool = Field(False, description="Export only the LoRA adapters as a PEFT directory.")
-    lora_merge_rounding: Literal["fp32", "mindspeed"] = Field("fp32", description=(
-        "LoRA merge arithmetic: fp32 = W + alpha/r · B @ A added in fp32 and rounded once (more accurate); "
-        "mindspeed = MindSpeed's exact rounding (the product cast to the weight dtype before scaling and adding; "
-        "for bf16 weights 10-20 % of merged values differ from fp32 by one rounding step)."))
+    lora_merge_rounding: Literal["fp32", "mindspeed"] = Field(
+        "fp32",
+        description=(
+            "LoRA merge arithmetic: fp32 = W + alpha/r · B @ A added in fp32 and rounded once (more accurate); "
+            "mindspeed = MindSpeed's exact rounding (the product cast to the weight dtype before scaling and adding; "
+            "for bf16 weights 10-20 % of merged values differ from fp32 by one rounding step)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_convert(self) -> ConvertSpec:
@@ -538,36 +826,80 @@ class ConvertSpec(JobBase):
 class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
 
-    kind: Literal["eval"] = Field("eval", description="Job kind \"eval\" (the discriminator).")
-    load: DataPath = Field(..., description=(
-        "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
-        "checkpoint by reference, {\"job\": ID, \"iteration\": N} (see GET /v1/jobs/{id}/checkpoints)."))
-    lora_load: DataPath | None = Field(None, description=(
-        "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."))
-    no_load_optim: bool = Field(False, description="--no-load-optim: do not read optimizer state (evaluation never needs it).")
+    kind: Literal["eval"] = Field("eval", description='Job kind "eval" (the discriminator).')
+    load: DataPath = Field(
+        ...,
+        description=(
+            "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
+            'checkpoint by reference, {"job": ID, "iteration": N} (see GET /v1/jobs/{id}/checkpoints).'
+        ),
+    )
+    lora_load: DataPath | None = Field(
+        None,
+        description=(
+            "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."
+        ),
+    )
+    no_load_optim: bool = Field(
+        False, description="--no-load-optim: do not read optimizer state (evaluation never needs it)."
+    )
     no_load_rng: bool = Field(False, description="--no-load-rng: do not read RNG state.")
-    exit_on_missing_checkpoint: bool = Field(False, description="--exit-on-missing-checkpoint: fail when load holds no checkpoint.")
-    eval_data_path: DataPath = Field(..., description="Test set: a JSONL file of conversations (the last assistant turn is the reference answer).")
-    eval_data_size: int | None = Field(None, ge=1, description="Evaluate only the first this many test lines (default: all).")
+    exit_on_missing_checkpoint: bool = Field(
+        False, description="--exit-on-missing-checkpoint: fail when load holds no checkpoint."
+    )
+    eval_data_path: DataPath = Field(
+        ..., description="Test set: a JSONL file of conversations (the last assistant turn is the reference answer)."
+    )
+    eval_data_size: int | None = Field(
+        None, ge=1, description="Evaluate only the first this many test lines (default: all)."
+    )
     max_new_tokens: int = Field(128, ge=1, description="--max-new-tokens: tokens generated per prompt at most.")
     temperature: float = Field(1.0, ge=0, description="--temperature: sampling temperature (below 1e-3: greedy).")
     top_p: float = Field(0.0, ge=0, le=1, description="--top-p: nucleus sampling probability mass (0: off).")
     top_k: int = Field(0, ge=0, description="--top-k: sample among the k most likely tokens (0: off).")
-    prompt_type: str | None = Field(None, description=(
-        "Chat template for prompts, as in preprocess: qwen3 (the default), qwen (MindSpeed's older qwen template) or hf "
-        "(the tokenizer's own)."))
-    enable_thinking: TriState = Field("none", description="qwen3 template's thinking switch for prompts: true, false or none (MindSpeed's meaning).")
-    map_keys: JsonObject | None = Field(None, description="Column and role-tag mapping of the test set, e.g. {\"messages\":\"messages\",\"tags\":{\"role_tag\":\"role\",...}}.")
-    lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset).")
-    lora_alpha: float | None = Field(None, gt=0, description="--lora-alpha: LoRA scale numerator (read from the checkpoint when unset).")
-    lora_target_modules: StrList = Field(default_factory=list, description="--lora-target-modules: modules the adapters wrap (read from the checkpoint when unset).")
-    greedy: bool = Field(False, description="Argmax decoding whatever the temperature (temperature below 1e-3 is greedy too).")
-    eval_mode: Literal["generate", "loss"] = Field("generate", description="generate: answers and accuracy; loss: loss and perplexity.")
-    eval_batch_size: int | None = Field(None, ge=1, description="Prompts decoded together (left-padded); default micro_batch_size.")
+    prompt_type: str | None = Field(
+        None,
+        description=(
+            "Chat template for prompts, as in preprocess: qwen3 (the default), qwen (MindSpeed's older qwen template) or hf "
+            "(the tokenizer's own)."
+        ),
+    )
+    enable_thinking: TriState = Field(
+        "none", description="qwen3 template's thinking switch for prompts: true, false or none (MindSpeed's meaning)."
+    )
+    map_keys: JsonObject | None = Field(
+        None,
+        description='Column and role-tag mapping of the test set, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.',
+    )
+    lora_r: int | None = Field(
+        None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset)."
+    )
+    lora_alpha: float | None = Field(
+        None, gt=0, description="--lora-alpha: LoRA scale numerator (read from the checkpoint when unset)."
+    )
+    lora_target_modules: StrList = Field(
+        default_factory=list,
+        description="--lora-target-modules: modules the adapters wrap (read from the checkpoint when unset).",
+    )
+    greedy: bool = Field(
+        False, description="Argmax decoding whatever the temperature (temperature below 1e-3 is greedy too)."
+    )
+    eval_mode: Literal["generate", "loss"] = Field(
+        "generate", description="generate: answers and accuracy; loss: loss and perplexity."
+    )
+    eval_batch_size: int | None = Field(
+        None, ge=1, description="Prompts decoded together (left-padded); default micro_batch_size."
+    )
     no_kv_cache: bool = Field(False, description="Recompute the whole sequence at every step (for checking the cache).")
-    answer_normalization: StrList = Field(default_factory=lambda: ["trim"], description="Applied to answer and reference before exact match: trim, case.")
-    bad_line_policy: Literal["skip", "error"] = Field("skip", description="Test lines without an assistant answer: skip and report them, or fail.")
-    top_confusions: int = Field(10, ge=0, le=1000, description="How many of the most frequent (reference, answer) errors result.json lists.")
+    answer_normalization: StrList = Field(
+        default_factory=lambda: ["trim"], description="Applied to answer and reference before exact match: trim, case."
+    )
+    bad_line_policy: Literal["skip", "error"] = Field(
+        "skip", description="Test lines without an assistant answer: skip and report them, or fail."
+    )
+    top_confusions: int = Field(
+        10, ge=0, le=1000, description="How many of the most frequent (reference, answer) errors result.json lists."
+    )
 
     @model_validator(mode="after")
     def _check_eval(self) -> EvalSpec:
@@ -638,7 +970,11 @@ def first_error(err: ValidationError, prefix: str) -> str:
 class PipelineStep(_Strict):
     """One step of a pipeline; ``${steps.<name>.outputs.<key>}`` in its spec refers to an earlier step's outputs."""
 
-    name: str = Field(..., pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$", description="Step name, unique in the pipeline; referenced as ${steps.<name>.outputs.<key>}.")
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$",
+        description="Step name, unique in the pipeline; referenced as ${steps.<name>.outputs.<key>}.",
+    )
     spec: dict[str, Any] = Field(..., description="A preprocess, convert, train or eval spec.")
 
 
@@ -652,11 +988,18 @@ class PipelineSpec(JobBase):
     ``resources`` are unused (each step asks for its own).
     """
 
-    kind: Literal["pipeline"] = Field("pipeline", description="Job kind \"pipeline\" (the discriminator).")
-    steps: list[PipelineStep] = Field(..., min_length=1, max_length=32, description="The steps, run in order, each a preprocess, convert, train or eval spec (1 to 32).")
+    kind: Literal["pipeline"] = Field("pipeline", description='Job kind "pipeline" (the discriminator).')
+    steps: list[PipelineStep] = Field(
+        ...,
+        min_length=1,
+        max_length=32,
+        description="The steps, run in order, each a preprocess, convert, train or eval spec (1 to 32).",
+    )
     on_failure: Literal["fail_fast", "continue"] = Field(
-        "fail_fast", description="fail_fast: the first failed step fails the pipeline and nothing more runs; continue: "
-        "later steps still run unless they refer to a step that did not succeed (those are skipped).")
+        "fail_fast",
+        description="fail_fast: the first failed step fails the pipeline and nothing more runs; continue: "
+        "later steps still run unless they refer to a step that did not succeed (those are skipped).",
+    )
 
     @model_validator(mode="after")
     def _check_steps(self, info: ValidationInfo) -> PipelineSpec:
@@ -669,16 +1012,17 @@ class PipelineSpec(JobBase):
             if step.name in earlier:
                 raise ValueError(f"steps.{i}.name: {step.name!r} is already the name of an earlier step")
             if step.spec.get("kind") not in STEP_KINDS:
-                raise ValueError(f"{where}.kind: must be one of {', '.join(STEP_KINDS)} (pipelines do not nest), "
-                                 f"not {step.spec.get('kind')!r}")
+                raise ValueError(
+                    f"{where}.kind: must be one of {', '.join(STEP_KINDS)} (pipelines do not nest), "
+                    f"not {step.spec.get('kind')!r}"
+                )
             for field, ref, _key in find_references(step.spec, where):
                 if ref not in names:
                     raise ValueError(f"{field}: refers to unknown step {ref!r} (steps: {', '.join(names)})")
                 if ref not in earlier:
                     raise ValueError(f"{field}: refers to step {ref!r}, which does not run before step {step.name!r}")
             base = Path(roots[0]) if roots else Path("/")
-            placeheld = substitute_references(
-                step.spec, functools.partial(_placeholder_path, base))
+            placeheld = substitute_references(step.spec, functools.partial(_placeholder_path, base))
             try:
                 parse_spec(placeheld, data_roots=roots, read_roots=read_roots)
             except ValidationError as err:
@@ -687,9 +1031,7 @@ class PipelineSpec(JobBase):
         return self
 
 
-JobSpec = Annotated[
-    PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | PipelineSpec, Field(discriminator="kind")
-]
+JobSpec = Annotated[PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | PipelineSpec, Field(discriminator="kind")]
 SPEC_CLASSES: dict[str, type[JobBase]] = {
     "preprocess": PreprocessSpec,
     "convert": ConvertSpec,
@@ -710,8 +1052,9 @@ def spec_to_json(spec: JobBase) -> dict[str, Any]:
     return data
 
 
-def parse_spec(data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None,
-               read_roots: list[str] | None = None) -> JobBase:
+def parse_spec(
+    data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None, read_roots: list[str] | None = None
+) -> JobBase:
     """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them (inputs may also
     resolve inside ``read_roots``); relative paths start at the first of ``data_roots``."""
     context = {"data_roots": data_roots, "read_roots": read_roots or []} if data_roots is not None else None

@@ -15,10 +15,21 @@ def tiny_hf(path: Path, tied: bool, dtype: torch.dtype = torch.float32, layers: 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=tied,
-                         max_position_embeddings=256, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():

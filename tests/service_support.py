@@ -47,8 +47,9 @@ def serve(var: Path, **settings: str) -> Iterator[Service]:
     env.update(LLMJOBS_VAR_DIR=str(var), LLMJOBS_PORT=str(free_port()), **settings)
     log = var / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_serve_command(), env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            _serve_command(), env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{env['LLMJOBS_PORT']}"
     try:
         _wait_ready(url, var, proc, log)

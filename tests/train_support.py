@@ -14,8 +14,14 @@ import numpy as np
 from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
 
 TINY_SHAPE: dict[str, Any] = {
-    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-    "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 512,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "padded_vocab_size": 512,
 }
 
 
@@ -24,7 +30,9 @@ def write_instruction_data(prefix: Path, n: int = 48, vocab: int = 512, seed: in
     the loss falls within a few iterations."""
     rng = np.random.default_rng(seed)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")}
+    writers = {
+        f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in ("input_ids", "attention_mask", "labels")
+    }
     for _ in range(n):
         length = int(rng.integers(8, 40))
         ids = rng.integers(1, vocab, length)
@@ -42,9 +50,19 @@ def write_instruction_data(prefix: Path, n: int = 48, vocab: int = 512, seed: in
 
 def tiny_spec(data: str, **overrides: Any) -> dict[str, Any]:
     spec = {
-        "kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 1e-2, "min_lr": 0.0,
-        "lr_warmup_iters": 1, "seq_length": 64, "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1,
-        "seed": 7, **TINY_SHAPE,
+        "kind": "train",
+        "data_path": [data],
+        "split": "100,0,0",
+        "train_iters": 4,
+        "lr": 1e-2,
+        "min_lr": 0.0,
+        "lr_warmup_iters": 1,
+        "seq_length": 64,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "log_interval": 1,
+        "seed": 7,
+        **TINY_SHAPE,
     }
     spec.update(overrides)
     return spec
@@ -58,9 +76,25 @@ def run_train(spec: dict[str, Any], run_dir: Path, nproc: int) -> None:
     """``python -m engine train`` on ``spec`` in a fresh process (under torchrun when ``nproc`` > 1)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec))
-    launcher = [sys.executable, "-m", "engine"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
-    proc = subprocess.run([*launcher, "train", "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)],
-                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+    launcher = (
+        [sys.executable, "-m", "engine"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "engine",
+        ]
+    )
+    proc = subprocess.run(
+        [*launcher, "train", "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -30,8 +30,12 @@ def _guard(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         except AttributeError as err:
             if "'NoneType'" not in str(err):
                 raise  # not the dropped connection: a real bug
-            log.warning("broker connection lost: %s on the old channel skipped (%s); Redis restores unacknowledged "
-                        "messages after the visibility timeout", name, err)
+            log.warning(
+                "broker connection lost: %s on the old channel skipped (%s); Redis restores unacknowledged "
+                "messages after the visibility timeout",
+                name,
+                err,
+            )
             return None
 
     guarded._llmjobs_guarded = True  # type: ignore[attr-defined]

@@ -59,11 +59,14 @@ def _visible_ids(device_type: str, env: Mapping[str, str]) -> list[int] | None:
     try:
         return [int(v) for v in raw.split(",") if v.strip()]
     except ValueError as err:
-        raise ValueError(f"{VISIBLE_DEVICES_VAR[device_type]}: expected comma-separated device ids, got {raw!r}") from err
+        raise ValueError(
+            f"{VISIBLE_DEVICES_VAR[device_type]}: expected comma-separated device ids, got {raw!r}"
+        ) from err
 
 
-def discover(device_type: str = "auto", configured: int | None = None,
-             env: Mapping[str, str] | None = None) -> Inventory:
+def discover(
+    device_type: str = "auto", configured: int | None = None, env: Mapping[str, str] | None = None
+) -> Inventory:
     """The host's devices. ``device_type`` "auto" picks npu, then cuda, then cpu; ``configured`` overrides the count."""
     env = os.environ if env is None else env
     if device_type == "auto":
@@ -82,8 +85,10 @@ def discover(device_type: str = "auto", configured: int | None = None,
     count = _count(device_type)
     if count == 0:
         lib = "torch_npu" if device_type == "npu" else "torch.cuda"
-        raise RuntimeError(f"--device-type {device_type}: {lib} finds no device on this host; pass --devices N to "
-                           "configure them or choose another device type")
+        raise RuntimeError(
+            f"--device-type {device_type}: {lib} finds no device on this host; pass --devices N to "
+            "configure them or choose another device type"
+        )
     return Inventory(device_type, list(range(count)), "torch_npu" if device_type == "npu" else "torch.cuda")
 
 

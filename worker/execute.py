@@ -40,8 +40,15 @@ def record_artifacts(settings: Settings, job_id: str, outputs: dict[str, str]) -
         session.execute(delete(Artifact).where(Artifact.job_id == job_id))
         for name, value in outputs.items():
             files = _artifact_files(Path(value))
-            session.add(Artifact(job_id=job_id, name=name, path=value, files=[str(f) for f in files[:1000]],
-                                 size_bytes=sum(f.stat().st_size for f in files) if files else None))
+            session.add(
+                Artifact(
+                    job_id=job_id,
+                    name=name,
+                    path=value,
+                    files=[str(f) for f in files[:1000]],
+                    size_bytes=sum(f.stat().st_size for f in files) if files else None,
+                )
+            )
 
 
 def _artifact_files(path: Path) -> list[Path]:

@@ -17,9 +17,17 @@ from engine.plan.planner import DEVICE_MEMORY_KEY
 log = logging.getLogger(__name__)
 
 
-def register_host(settings: Settings, *, name: str, device_type: str, devices: int, queues: list[str],
-                  device_ids: list[int] | None = None, address: str | None = None,
-                  device_memory: int | None = None) -> None:
+def register_host(
+    settings: Settings,
+    *,
+    name: str,
+    device_type: str,
+    devices: int,
+    queues: list[str],
+    device_ids: list[int] | None = None,
+    address: str | None = None,
+    device_memory: int | None = None,
+) -> None:
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name) or Host(name=name)
         host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)

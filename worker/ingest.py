@@ -92,9 +92,18 @@ def _json_lines(lines: list[str]) -> list[dict[str, Any]]:
 
 
 def event_rows(job_id: str, attempt: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"job_id": job_id, "attempt": attempt, "time": _time(r.get("time")), "type": str(r.get("type", "message"))[:32],
-             "level": LEVELS.get(str(r.get("type")), "info"), "message": str(r.get("message", "")),
-             "data": r.get("data") if isinstance(r.get("data"), dict) else {}} for r in records]
+    return [
+        {
+            "job_id": job_id,
+            "attempt": attempt,
+            "time": _time(r.get("time")),
+            "type": str(r.get("type", "message"))[:32],
+            "level": LEVELS.get(str(r.get("type")), "info"),
+            "message": str(r.get("message", "")),
+            "data": r.get("data") if isinstance(r.get("data"), dict) else {},
+        }
+        for r in records
+    ]
 
 
 def metric_rows(job_id: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -104,8 +113,17 @@ def metric_rows(job_id: str, records: list[dict[str, Any]]) -> list[dict[str, An
         groups: list[tuple[int | None, Any]] = [(None, r.get("metrics") or {})]
         groups += [(int(rank), values) for rank, values in (r.get("rank_metrics") or {}).items()]
         for rank, values in groups:
-            rows += [{"job_id": job_id, "step": step, "name": str(name)[:128], "value": _number(value), "rank": rank,
-                      "time": when} for name, value in values.items()]
+            rows += [
+                {
+                    "job_id": job_id,
+                    "step": step,
+                    "name": str(name)[:128],
+                    "value": _number(value),
+                    "rank": rank,
+                    "time": when,
+                }
+                for name, value in values.items()
+            ]
     return rows
 
 
@@ -131,7 +149,9 @@ class DatabaseSink:
 
     def _next_seq(self, session: Any, stream: str) -> int:
         if stream not in self._log_seq:
-            last = session.scalar(select(func.max(LogLine.seq)).where(LogLine.job_id == self.job_id, LogLine.stream == stream))
+            last = session.scalar(
+                select(func.max(LogLine.seq)).where(LogLine.job_id == self.job_id, LogLine.stream == stream)
+            )
             self._log_seq[stream] = -1 if last is None else last
         self._log_seq[stream] += 1
         return self._log_seq[stream]
@@ -139,8 +159,16 @@ class DatabaseSink:
     def __call__(self, batch: Batch) -> None:
         try:
             with session_scope(self.database_url) as session:
-                logs = [{"job_id": self.job_id, "stream": stream, "seq": self._next_seq(session, stream),
-                         "text": text, "time": utcnow()} for stream, text in batch.logs]
+                logs = [
+                    {
+                        "job_id": self.job_id,
+                        "stream": stream,
+                        "seq": self._next_seq(session, stream),
+                        "text": text,
+                        "time": utcnow(),
+                    }
+                    for stream, text in batch.logs
+                ]
                 for model, rows in ((Event, batch.events), (MetricPoint, batch.metrics), (LogLine, logs)):
                     if rows:
                         session.execute(insert(model), rows)
@@ -210,8 +238,12 @@ class RunIngestor:
         for key, (lines, _) in reads.items():
             if key.startswith("telemetry"):
                 metrics += metric_rows(self.job_id, _json_lines(lines))
-        logs = [(key[5:-4][:32], line[:MAX_LINE_CHARS]) for key, (lines, _) in reads.items() if key.startswith("logs/")
-                for line in lines]
+        logs = [
+            (key[5:-4][:32], line[:MAX_LINE_CHARS])
+            for key, (lines, _) in reads.items()
+            if key.startswith("logs/")
+            for line in lines
+        ]
         batch = Batch(event_rows(self.job_id, self.attempt, events), metrics, logs)
         if batch.events or batch.metrics or batch.logs:
             try:
@@ -219,12 +251,17 @@ class RunIngestor:
             except Exception:
                 if self.away_since is None:
                     self.away_since = time.monotonic()
-                    log.warning("job %s: cannot store run files (the database is away?); they stay on disk until "
-                                "it answers", self.job_id)
+                    log.warning(
+                        "job %s: cannot store run files (the database is away?); they stay on disk until it answers",
+                        self.job_id,
+                    )
                 raise
             if self.away_since is not None:
-                log.warning("job %s: storing run files again after %.1f s; catching up", self.job_id,
-                            time.monotonic() - self.away_since)
+                log.warning(
+                    "job %s: storing run files again after %.1f s; catching up",
+                    self.job_id,
+                    time.monotonic() - self.away_since,
+                )
                 self.away_since = None
         for key, (_, offset) in reads.items():
             self._tails[key].offset = offset

@@ -35,8 +35,13 @@ def engine_args(kind: str, run_dir: Path) -> list[str]:
 
 
 def build_launch(
-    spec: JobBase, run_dir: Path, *, job_id: str = "", python: str = sys.executable,
-    base_env: Mapping[str, str] | None = None, devices: Sequence[int] | None = None,
+    spec: JobBase,
+    run_dir: Path,
+    *,
+    job_id: str = "",
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    devices: Sequence[int] | None = None,
     rendezvous: Rendezvous | None = None,
 ) -> LaunchPlan:
     """``python -m engine <kind>``, or ``torchrun`` when the spec asks for more than one process."""
@@ -50,15 +55,32 @@ def build_launch(
             argv += ["--standalone", "--nnodes", "1"]
         else:
             rdzv = rendezvous or Rendezvous()
-            argv += ["--nnodes", str(res.nnodes), "--node-rank", str(rdzv.node_rank), "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"{rdzv.master_addr}:{rdzv.master_port}", "--rdzv-id", job_id or "llmjobs"]
+            argv += [
+                "--nnodes",
+                str(res.nnodes),
+                "--node-rank",
+                str(rdzv.node_rank),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{rdzv.master_addr}:{rdzv.master_port}",
+                "--rdzv-id",
+                job_id or "llmjobs",
+            ]
         argv += engine_args(kind, run_dir)
-    return LaunchPlan(argv=argv, env=build_env(spec, job_id=job_id, run_dir=run_dir, base_env=base_env, devices=devices),
-                      cwd=run_dir)
+    return LaunchPlan(
+        argv=argv, env=build_env(spec, job_id=job_id, run_dir=run_dir, base_env=base_env, devices=devices), cwd=run_dir
+    )
 
 
-def build_env(spec: JobBase, *, job_id: str, run_dir: Path, base_env: Mapping[str, str] | None = None,
-              devices: Sequence[int] | None = None) -> dict[str, str]:
+def build_env(
+    spec: JobBase,
+    *,
+    job_id: str,
+    run_dir: Path,
+    base_env: Mapping[str, str] | None = None,
+    devices: Sequence[int] | None = None,
+) -> dict[str, str]:
     env = dict(os.environ if base_env is None else base_env)
     env["PYTHONUNBUFFERED"] = "1"  # log lines reach launcher.log (and the database) as they are written
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)

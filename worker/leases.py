@@ -84,8 +84,11 @@ def release_node(settings: Settings, node_id: int) -> bool:
             node.reason = f"processes {survivors} survive SIGKILL; devices {node.devices} stay leased"
             log.error("node %s of job %s: %s", node.node_rank, node.job_id, node.reason)
             return False
-        session.execute(delete(Lease).where(Lease.job_id == node.job_id, Lease.attempt == node.attempt,
-                                            Lease.node_rank == node.node_rank))
+        session.execute(
+            delete(Lease).where(
+                Lease.job_id == node.job_id, Lease.attempt == node.attempt, Lease.node_rank == node.node_rank
+            )
+        )
         node.released_at = utcnow()
     return True
 
@@ -111,6 +114,7 @@ def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> 
 def _mark_lost(settings: Settings, node: JobNode) -> None:
     message = f"node {node.node_rank} lost: the worker on {node.host} (pid {node.worker_pid}) died while running it"
     with session_scope(settings.database_url) as session:
-        move_nodes(session, NodeState.lost, JobNode.id == node.id, only_from=NODE_STARTED, finished_at=utcnow(),
-                   reason=message)
+        move_nodes(
+            session, NodeState.lost, JobNode.id == node.id, only_from=NODE_STARTED, finished_at=utcnow(), reason=message
+        )
     end_attempt(settings, node.job_id, node.attempt, retryable=True, error_code="node_lost", message=message)

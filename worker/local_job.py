@@ -20,7 +20,9 @@ INTERRUPTED = 130
 
 
 def _format_metrics(record: dict[str, Any]) -> str:
-    values = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in (record.get("metrics") or {}).items())
+    values = " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in (record.get("metrics") or {}).items()
+    )
     return f"step {record.get('step')}: {values}"
 
 
@@ -32,7 +34,9 @@ def _echo_new(tails: dict[str, FileTail], out: TextIO, final: bool = False) -> N
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            text = _format_metrics(record) if name == "metrics" else f"[{record.get('type')}] {record.get('message', '')}"
+            text = (
+                _format_metrics(record) if name == "metrics" else f"[{record.get('type')}] {record.get('message', '')}"
+            )
             print(text, file=out, flush=True)
 
 

@@ -70,15 +70,35 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
         job = session.get(Job, job_id)
         if job is None or job.attempt_count != attempt or job.state not in RUNNING:
             return None
-        claimed = move_nodes(session, NodeState.launching, JobNode.job_id == job_id, JobNode.attempt == attempt,
-                             JobNode.node_rank == node_rank, JobNode.host == host, worker_pid=os.getpid(),
-                             started_at=utcnow(), heartbeat_at=utcnow())
+        claimed = move_nodes(
+            session,
+            NodeState.launching,
+            JobNode.job_id == job_id,
+            JobNode.attempt == attempt,
+            JobNode.node_rank == node_rank,
+            JobNode.host == host,
+            worker_pid=os.getpid(),
+            started_at=utcnow(),
+            heartbeat_at=utcnow(),
+        )
         if claimed != 1:
             return None
-        node = session.scalars(select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt,
-                                                     JobNode.node_rank == node_rank)).one()
-        return NodeWork(node.id, job_id, attempt, node_rank, int(job.spec["resources"]["nnodes"]), job.spec,
-                        Path(job.run_dir), list(node.devices), node.master_addr, node.master_port, job.team)
+        node = session.scalars(
+            select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank == node_rank)
+        ).one()
+        return NodeWork(
+            node.id,
+            job_id,
+            attempt,
+            node_rank,
+            int(job.spec["resources"]["nnodes"]),
+            job.spec,
+            Path(job.run_dir),
+            list(node.devices),
+            node.master_addr,
+            node.master_port,
+            job.team,
+        )
 
 
 def node_plan(work: NodeWork, settings: Settings | None = None) -> LaunchPlan:
@@ -112,28 +132,39 @@ def mark_running(settings: Settings, work: NodeWork, pid: int, argv: list[str], 
 def promote_if_all_running(settings: Settings, work: NodeWork) -> bool:
     """starting -> running once every node of the attempt runs (a gang is running only as a whole)."""
     with session_scope(settings.database_url) as session:
-        states = list(session.scalars(select(JobNode.state).where(JobNode.job_id == work.job_id,
-                                                                  JobNode.attempt == work.attempt)))
+        states = list(
+            session.scalars(select(JobNode.state).where(JobNode.job_id == work.job_id, JobNode.attempt == work.attempt))
+        )
         if len(states) != work.nnodes or any(s != NodeState.running.value for s in states):
             return False
         job = session.get(Job, work.job_id)
         if job is None or job.attempt_count != work.attempt:
             return False
-        return transition(session, work.job_id, JobState.running, only_from=[JobState.starting],
-                          message=f"running on {work.nnodes} node(s)")
+        return transition(
+            session,
+            work.job_id,
+            JobState.running,
+            only_from=[JobState.starting],
+            message=f"running on {work.nnodes} node(s)",
+        )
 
 
 def _job_view(settings: Settings, work: NodeWork, beat: bool) -> tuple[str, int]:
     with session_scope(settings.database_url) as session:
         if beat:
             session.execute(update(JobNode).where(JobNode.id == work.node_id).values(heartbeat_at=utcnow()))
-            session.execute(update(Job).where(Job.id == work.job_id, Job.attempt_count == work.attempt)
-                            .values(heartbeat_at=utcnow()))
+            session.execute(
+                update(Job)
+                .where(Job.id == work.job_id, Job.attempt_count == work.attempt)
+                .values(heartbeat_at=utcnow())
+            )
         state, attempt = session.execute(select(Job.state, Job.attempt_count).where(Job.id == work.job_id)).one()
     return state, attempt
 
 
-def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: RunIngestor | None) -> tuple[int, str | None]:
+def watch_node(
+    settings: Settings, work: NodeWork, proc: Supervised, ingestor: RunIngestor | None
+) -> tuple[int, str | None]:
     """Until the engine exits or must stop; returns (exit code, stop reason or None)."""
     deadline = work.spec.get("run_deadline_s")
     started = last_beat = time.monotonic()
@@ -154,8 +185,9 @@ def watch_node(settings: Settings, work: NodeWork, proc: Supervised, ingestor: R
         except DATABASE_AWAY as err:
             if away_since is None:
                 away_since = now
-                log.warning("job %s: the database is away (%s); the engine keeps running", work.job_id,
-                            type(err.orig).__name__)
+                log.warning(
+                    "job %s: the database is away (%s); the engine keeps running", work.job_id, type(err.orig).__name__
+                )
             state, attempt = JobState.running.value, work.attempt  # as far as this node knows
         else:
             if away_since is not None:
@@ -182,19 +214,28 @@ def until_stored(what: str, step: Callable[[], T], max_delay_s: float = 10.0) ->
         try:
             return step()
         except DATABASE_AWAY as err:
-            log.warning("%s: the database is away (%s, %.0f s so far); retrying in %.1f s", what,
-                        type(err.orig).__name__, time.monotonic() - since, delay)
+            log.warning(
+                "%s: the database is away (%s, %.0f s so far); retrying in %.1f s",
+                what,
+                type(err.orig).__name__,
+                time.monotonic() - since,
+                delay,
+            )
             time.sleep(delay)
             delay = min(delay * 2, max_delay_s)
 
 
 def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None) -> None:
     with session_scope(settings.database_url) as session:
-        move_nodes(session, NodeState.exited, JobNode.id == work.node_id, exit_code=code, finished_at=utcnow(),
-                   reason=stop)
+        move_nodes(
+            session, NodeState.exited, JobNode.id == work.node_id, exit_code=code, finished_at=utcnow(), reason=stop
+        )
         if work.node_rank == 0:
-            session.execute(update(Attempt).where(Attempt.job_id == work.job_id, Attempt.number == work.attempt)
-                            .values(exit_code=code, finished_at=utcnow(), outcome=stop or ("ok" if code == 0 else "error")))
+            session.execute(
+                update(Attempt)
+                .where(Attempt.job_id == work.job_id, Attempt.number == work.attempt)
+                .values(exit_code=code, finished_at=utcnow(), outcome=stop or ("ok" if code == 0 else "error"))
+            )
 
 
 def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, error: dict[str, Any] | None) -> str:
@@ -205,29 +246,62 @@ def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, erro
     message = str((error or {}).get("message") or f"node {work.node_rank} exited with code {code}")
     tail = log_tail(work.run_dir)
     if stop == "run_deadline":
-        return end_attempt(settings, work.job_id, work.attempt, retryable=False, error_code="run_deadline_exceeded",
-                           message=f"run deadline of {work.spec.get('run_deadline_s')}s exceeded", log_tail=tail)
+        return end_attempt(
+            settings,
+            work.job_id,
+            work.attempt,
+            retryable=False,
+            error_code="run_deadline_exceeded",
+            message=f"run deadline of {work.spec.get('run_deadline_s')}s exceeded",
+            log_tail=tail,
+        )
     if code != 0:
         name = "bad_input" if code == EXIT_BAD_INPUT else ("killed" if code < 0 else "engine_error")
-        return end_attempt(settings, work.job_id, work.attempt, retryable=is_retryable(settings, code), error_code=name,
-                           message=message, log_tail=tail)
+        return end_attempt(
+            settings,
+            work.job_id,
+            work.attempt,
+            retryable=is_retryable(settings, code),
+            error_code=name,
+            message=message,
+            log_tail=tail,
+        )
     return succeed_if_all_done(settings, work)
 
 
 def succeed_if_all_done(settings: Settings, work: NodeWork) -> str:
     with session_scope(settings.database_url) as session:
-        codes = list(session.scalars(select(JobNode.exit_code).where(
-            JobNode.job_id == work.job_id, JobNode.attempt == work.attempt, JobNode.state == NodeState.exited.value)))
+        codes = list(
+            session.scalars(
+                select(JobNode.exit_code).where(
+                    JobNode.job_id == work.job_id,
+                    JobNode.attempt == work.attempt,
+                    JobNode.state == NodeState.exited.value,
+                )
+            )
+        )
         if len(codes) < work.nnodes or any(c != 0 for c in codes):
             return "waiting for the other nodes"
         result = read_result(work.run_dir)
         if result is None:
-            return end_attempt(settings, work.job_id, work.attempt, retryable=False, error_code="no_result",
-                               message="the engine exited 0 without writing result.json", log_tail=log_tail(work.run_dir))
+            return end_attempt(
+                settings,
+                work.job_id,
+                work.attempt,
+                retryable=False,
+                error_code="no_result",
+                message="the engine exited 0 without writing result.json",
+                log_tail=log_tail(work.run_dir),
+            )
         record_artifacts(settings, work.job_id, result.get("outputs") or {})
-        ok = transition(session, work.job_id, JobState.succeeded, only_from=[JobState.starting, JobState.running,
-                                                                            JobState.cancelling],
-                        result=result, message=f"{result.get('kind', 'job')} succeeded")
+        ok = transition(
+            session,
+            work.job_id,
+            JobState.succeeded,
+            only_from=[JobState.starting, JobState.running, JobState.cancelling],
+            result=result,
+            message=f"{result.get('kind', 'job')} succeeded",
+        )
     return "succeeded" if ok else "superseded"
 
 
@@ -235,8 +309,14 @@ def launch_failed(settings: Settings, work: NodeWork, err: Exception) -> str:
     log.exception("node %s of job %s failed to launch", work.node_rank, work.job_id)
     record_exit(settings, work, -1, "launch_failed")
     release_node(settings, work.node_id)
-    return end_attempt(settings, work.job_id, work.attempt, retryable=True, error_code="launch_failed",
-                       message=f"node {work.node_rank} could not launch: {err}")
+    return end_attempt(
+        settings,
+        work.job_id,
+        work.attempt,
+        retryable=True,
+        error_code="launch_failed",
+        message=f"node {work.node_rank} could not launch: {err}",
+    )
 
 
 def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> str:
@@ -250,16 +330,25 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
     job_id = work.job_id
     try:
         write_spec(work.run_dir, work.spec)
-        ingestor = RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url) \
-            if work.node_rank == 0 else None
+        ingestor = (
+            RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url)
+            if work.node_rank == 0
+            else None
+        )
         plan = node_plan(work, settings)
         proc = Supervised(plan, _log_path(work))
     except Exception as err:  # noqa: BLE001 - a node that cannot start fails the attempt, and so stops the others
         return launch_failed(settings, work, err)
     telemetry = None
     try:
-        telemetry = start_telemetry(work.run_dir, work.node_rank, work.spec["resources"]["device_type"], work.devices,
-                                    proc.pid, settings.telemetry_interval_s)
+        telemetry = start_telemetry(
+            work.run_dir,
+            work.node_rank,
+            work.spec["resources"]["device_type"],
+            work.devices,
+            proc.pid,
+            settings.telemetry_interval_s,
+        )
         mark_running(settings, work, proc.pid, plan.argv, host)
         notify(settings.redis_url, job_id, state=1)
         advance_parent(settings, job_id)  # a pipeline runs once its step does
@@ -272,8 +361,9 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
     if ingestor is not None:
         until_stored(f"job {job_id}: final ingest", lambda: ingestor.poll(final=True))
     until_stored(f"job {job_id}: exit record", lambda: record_exit(settings, work, code, stop))
-    outcome = until_stored(f"job {job_id}: outcome",
-                           lambda: settle(settings, work, code, stop, ingestor.last_error if ingestor else None))
+    outcome = until_stored(
+        f"job {job_id}: outcome", lambda: settle(settings, work, code, stop, ingestor.last_error if ingestor else None)
+    )
     until_stored(f"job {job_id}: cancel check", lambda: settle_cancel(settings, job_id))  # a cancel that raced the exit
     until_stored(f"job {job_id}: lease release", lambda: release_node(settings, work.node_id))
     notify(settings.redis_url, job_id, state=1)

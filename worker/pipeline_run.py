@@ -35,7 +35,9 @@ class StepRun:
     pending_reason: str | None = None
 
 
-def run_step(spec: PipelineSpec, index: int, body: dict[str, Any], run_dir: Path, runs_root: Path, out: TextIO) -> StepRun:
+def run_step(
+    spec: PipelineSpec, index: int, body: dict[str, Any], run_dir: Path, runs_root: Path, out: TextIO
+) -> StepRun:
     name = spec.steps[index].name
     spec_file = run_dir / f"{name}.spec.json"
     spec_file.write_text(json.dumps(body, indent=2))
@@ -66,8 +68,11 @@ def run_pipeline(spec: PipelineSpec, run_dir: Path, runs_root: Path, out: TextIO
             print("pipeline cancelled", file=out, flush=True)
             return INTERRUPTED
     outputs = {f"{name}.{key}": value for name, out_ in decision.outputs.items() for key, value in out_.items()}
-    result = {"kind": "pipeline", "outputs": outputs, "summary": {"steps": [v.public() for v in decision.views],
-                                                                   "error": decision.error}}
+    result = {
+        "kind": "pipeline",
+        "outputs": outputs,
+        "summary": {"steps": [v.public() for v in decision.views], "error": decision.error},
+    }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2, ensure_ascii=False), flush=True)
     return 0 if decision.state is JobState.succeeded else 1

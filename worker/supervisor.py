@@ -44,8 +44,14 @@ class Supervised:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until wait() closes it
         self.proc = subprocess.Popen(
-            plan.argv, env=plan.env, cwd=plan.cwd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509 - only prctl, no lock
+            plan.argv,
+            env=plan.env,
+            cwd=plan.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509 - only prctl, no lock
         )
         self.pid = self.proc.pid
         self._seen: dict[int, psutil.Process] = {}

@@ -30,7 +30,7 @@ def message_request_id() -> str | None:
 
 
 def schedule_for(job_id: str) -> str:
-    """"Job X waits": run a scheduling pass here, which leases devices for it (on any host) if they are free and
+    """ "Job X waits": run a scheduling pass here, which leases devices for it (on any host) if they are free and
     sends each node's ``run_node`` message to its host's queue. A duplicate or stale message does nothing more."""
     with bound(request_id=message_request_id(), job_id=job_id):
         granted = schedule(get_settings())

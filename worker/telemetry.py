@@ -118,8 +118,12 @@ class NvmlSampler:
 
 
 _NPU_FIELDS = {
-    "Aicore Usage Rate(%)": "sys_util_pct", "Temperature(C)": "sys_temp_c", "Power Dissipation(W)": "sys_power_w",
-    "NPU Real-time Power(W)": "sys_power_w", "HBM Capacity(MB)": "sys_mem_total_mb", "HBM Usage Rate(%)": "hbm_pct",
+    "Aicore Usage Rate(%)": "sys_util_pct",
+    "Temperature(C)": "sys_temp_c",
+    "Power Dissipation(W)": "sys_power_w",
+    "NPU Real-time Power(W)": "sys_power_w",
+    "HBM Capacity(MB)": "sys_mem_total_mb",
+    "HBM Usage Rate(%)": "hbm_pct",
 }
 
 
@@ -148,8 +152,13 @@ class NpuSmiSampler:
         row: dict[str, float] = {}
         for kind in ("common", "usages", "power"):
             try:
-                out = subprocess.run([self.npu_smi, "info", "-t", kind, "-i", str(device)], capture_output=True,
-                                     text=True, timeout=10, check=False).stdout
+                out = subprocess.run(
+                    [self.npu_smi, "info", "-t", kind, "-i", str(device)],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=False,
+                ).stdout
             except (OSError, subprocess.TimeoutExpired):
                 continue
             row.update(parse_npu_smi(out))
@@ -195,9 +204,17 @@ class TelemetryRecorder:
         sample = self.sampler.sample()
         if not sample:
             return 0
-        rows = {str(self.first_index + i): {**values, "sys_device_id": float(self.device_ids[i])}
-                for i, values in sample.items() if values and i < len(self.device_ids)}
-        record = {"time": time.time(), "step": int(time.monotonic() - self.started), "metrics": {}, "rank_metrics": rows}
+        rows = {
+            str(self.first_index + i): {**values, "sys_device_id": float(self.device_ids[i])}
+            for i, values in sample.items()
+            if values and i < len(self.device_ids)
+        }
+        record = {
+            "time": time.time(),
+            "step": int(time.monotonic() - self.started),
+            "metrics": {},
+            "rank_metrics": rows,
+        }
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         return len(rows)
@@ -214,8 +231,9 @@ class TelemetryRecorder:
         self._thread.join(timeout=15)
 
 
-def start_telemetry(run_dir: Path, node_rank: int, device_type: str, device_ids: list[int], root_pid: int,
-                    interval_s: float) -> TelemetryRecorder | None:
+def start_telemetry(
+    run_dir: Path, node_rank: int, device_type: str, device_ids: list[int], root_pid: int, interval_s: float
+) -> TelemetryRecorder | None:
     """Start sampling this node's devices (None when telemetry is off or unavailable here)."""
     if interval_s <= 0:
         return None

@@ -16,14 +16,30 @@ from core.jobs import get_visible_job
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["observe"])
 
 
-@router.get("/artifacts/{name}/download", responses={
-    **ERRORS, 200: {"description": "the file (Range requests answered with 206), or an uncompressed tar of a "
-                                   "directory or file set", "content": {"application/octet-stream": {},
-                                                                        "application/x-tar": {}}}})
+@router.get(
+    "/artifacts/{name}/download",
+    responses={
+        **ERRORS,
+        200: {
+            "description": "the file (Range requests answered with 206), or an uncompressed tar of a "
+            "directory or file set",
+            "content": {"application/octet-stream": {}, "application/x-tar": {}},
+        },
+    },
+)
 def download_artifact(
-    job_id: str, name: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
-    file: Annotated[str | None, Query(max_length=4096, description="one file of a directory artifact (path relative "
-                                                                   "to it) or of a prefix artifact (its name)")] = None,
+    job_id: str,
+    name: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    file: Annotated[
+        str | None,
+        Query(
+            max_length=4096,
+            description="one file of a directory artifact (path relative to it) or of a prefix artifact (its name)",
+        ),
+    ] = None,
 ) -> Any:
     """Download an output of the job: a file as it is, a directory (e.g. an exported HF model) as a tar stream."""
     job = get_visible_job(session, job_id, principal)
@@ -32,5 +48,8 @@ def download_artifact(
     found = downloads.locate(artifact, roots, file)
     if found.file is not None:
         return FileResponse(found.file, filename=found.file.name, media_type="application/octet-stream")
-    return StreamingResponse(downloads.tar_stream(found.members), media_type="application/x-tar",
-                             headers={"Content-Disposition": f'attachment; filename="{found.archive_name}"'})
+    return StreamingResponse(
+        downloads.tar_stream(found.members),
+        media_type="application/x-tar",
+        headers={"Content-Disposition": f'attachment; filename="{found.archive_name}"'},
+    )

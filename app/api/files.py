@@ -20,18 +20,34 @@ from core import uploads
 router = APIRouter(prefix="/v1/files", tags=["files"])
 FLUSH = 1 << 20
 ERRORS: dict[int | str, dict[str, str]] = {401: {"description": "No or bad token"}}
-UPLOAD_BODY = {"requestBody": {"required": True, "description": "the file's bytes, as they are",
-                               "content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                                   "format": "binary"}}}}}
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "the file's bytes, as they are",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 
-@router.put("/{path:path}", status_code=201, response_model=FilePublic, openapi_extra=UPLOAD_BODY, responses={
-    **ERRORS, 200: {"description": "An existing file replaced (overwrite=true)", "model": FilePublic},
-    409: {"description": "The file exists (and overwrite is false), or a part of the path is a file or directory"},
-    413: {"description": "Larger than the server's upload_max_bytes"},
-    422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"}})
+@router.put(
+    "/{path:path}",
+    status_code=201,
+    response_model=FilePublic,
+    openapi_extra=UPLOAD_BODY,
+    responses={
+        **ERRORS,
+        200: {"description": "An existing file replaced (overwrite=true)", "model": FilePublic},
+        409: {"description": "The file exists (and overwrite is false), or a part of the path is a file or directory"},
+        413: {"description": "Larger than the server's upload_max_bytes"},
+        422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"},
+    },
+)
 async def upload_file(
-    path: str, request: Request, response: Response, principal: PrincipalDep, settings: SettingsDep,
+    path: str,
+    request: Request,
+    response: Response,
+    principal: PrincipalDep,
+    settings: SettingsDep,
     overwrite: Annotated[bool, Query(description="replace the file if it exists (default: 409)")] = False,
 ) -> FilePublic:
     """Upload one file to ``<data root>/uploads/<team>/<path>`` (directories are created). The body is the file."""
@@ -52,21 +68,31 @@ async def upload_file(
     if replaced:
         response.status_code = 200
     stat = target.stat()
-    return FilePublic(path=target.relative_to(uploads.upload_area(settings, principal.team)).as_posix(),
-                      server_path=str(target), size_bytes=upload.size, sha256=upload.digest.hexdigest(),
-                      modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc))
+    return FilePublic(
+        path=target.relative_to(uploads.upload_area(settings, principal.team)).as_posix(),
+        server_path=str(target),
+        size_bytes=upload.size,
+        sha256=upload.digest.hexdigest(),
+        modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
+    )
 
 
 @router.get("", response_model=ListPage[FilePublic], responses=ERRORS)
 def list_files(
-    principal: PrincipalDep, settings: SettingsDep,
-    prefix: Annotated[str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="only under this directory")] = None,
-    after: Annotated[str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="last_id of the previous page")] = None,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    prefix: Annotated[
+        str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="only under this directory")
+    ] = None,
+    after: Annotated[
+        str | None, Query(max_length=uploads.MAX_PATH_CHARS, description="last_id of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> ListPage[FilePublic]:
     """Your team's uploaded files, by path (the id of each is its path)."""
     found = [f for f in uploads.list_files(settings, principal.team, prefix) if after is None or f.path > after]
-    data = [FilePublic(path=f.path, server_path=f.server_path, size_bytes=f.size_bytes, modified_at=f.modified_at)
-            for f in found[:limit]]
+    data = [
+        FilePublic(path=f.path, server_path=f.server_path, size_bytes=f.size_bytes, modified_at=f.modified_at)
+        for f in found[:limit]
+    ]
     return ListPage[FilePublic].of(data, len(found) > limit, key=lambda f: f.path)
-

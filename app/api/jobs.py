@@ -24,7 +24,12 @@ from engine.spec import JobBase, PipelineSpec, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
-SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}}
+SPEC_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+    }
+}
 
 
 def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
@@ -35,12 +40,24 @@ def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
     return parse_spec(raw, **areas.context())
 
 
-@router.post("", status_code=201, response_model=JobPublic, openapi_extra=SPEC_BODY,
-             responses={**ERRORS, 409: {"description": "Idempotency-Key reused with another body"},
-                        413: {"description": "Body too large"},
-                        422: {"description": "Invalid spec, or resources no registered host could ever provide"}})
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobPublic,
+    openapi_extra=SPEC_BODY,
+    responses={
+        **ERRORS,
+        409: {"description": "Idempotency-Key reused with another body"},
+        413: {"description": "Body too large"},
+        422: {"description": "Invalid spec, or resources no registered host could ever provide"},
+    },
+)
 async def create_job(
-    request: Request, response: Response, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobPublic:
     """Submit a job. With an Idempotency-Key, a replay of the same body returns the same job."""
@@ -63,7 +80,9 @@ async def create_job(
     return job
 
 
-def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None) -> tuple[JobPublic, bool]:
+def _submit(
+    session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None
+) -> tuple[JobPublic, bool]:
     admission.check_admissible(spec, settings, team)  # what the engine would refuse before its first step (reads files)
     admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
@@ -77,22 +96,44 @@ def _submit(session: Session, settings: Settings, team: str, spec: JobBase, raw:
 
 @router.get("", response_model=ListPage[JobPublic], responses=ERRORS)
 def list_jobs(
-    request: Request, session: SessionDep, principal: PrincipalDep,
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
     state: Annotated[str | None, Query(description="one state, or several comma-separated")] = None,
     kind: Annotated[Literal["preprocess", "convert", "train", "eval", "pipeline"] | None, Query()] = None,
     name: str | None = None,
     parent_id: str | None = None,
     after: Annotated[str | None, Query(description="last_id of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
-    sort: Annotated[str | None, Query(max_length=20, description=(
-        f"one of {', '.join(service.SORTS)}; prefix - for descending (default {service.DEFAULT_SORT}); "
-        "blanks last either way; paging with after= follows the same order"))] = None,
+    sort: Annotated[
+        str | None,
+        Query(
+            max_length=20,
+            description=(
+                f"one of {', '.join(service.SORTS)}; prefix - for descending (default {service.DEFAULT_SORT}); "
+                "blanks last either way; paging with after= follows the same order"
+            ),
+        ),
+    ] = None,
 ) -> ListPage[JobPublic]:
     """List your team's jobs, newest first (or by ``sort``). Filter metadata with metadata[key]=value."""
-    metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
-    rows, has_more = service.list_jobs(session, principal=principal, state=state, kind=kind, name=name,
-                                       metadata=metadata, parent_id=parent_id, after=after, limit=limit,
-                                       sort=sort)
+    metadata = {
+        k[len("metadata[") : -1]: v
+        for k, v in request.query_params.items()
+        if k.startswith("metadata[") and k.endswith("]")
+    }
+    rows, has_more = service.list_jobs(
+        session,
+        principal=principal,
+        state=state,
+        kind=kind,
+        name=name,
+        metadata=metadata,
+        parent_id=parent_id,
+        after=after,
+        limit=limit,
+        sort=sort,
+    )
     return ListPage[JobPublic].of(with_progress(session, [JobPublic.from_row(j) for j in rows]), has_more)
 
 
@@ -132,8 +173,12 @@ def _public(session: Session, job: Any) -> JobPublic:
     return public
 
 
-@router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
-             responses={**ERRORS, 409: {"description": "The job already finished"}})
+@router.post(
+    "/{job_id}/cancel",
+    status_code=202,
+    response_model=JobPublic,
+    responses={**ERRORS, 409: {"description": "The job already finished"}},
+)
 def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> JobPublic:
     """Cancel a job: at once if it has not started, else the worker stops its processes (SIGTERM, then SIGKILL)."""
     job = service.get_visible_job(session, job_id, principal)
@@ -142,12 +187,23 @@ def cancel_job(job_id: str, session: SessionDep, principal: PrincipalDep, settin
     return _public(session, job)
 
 
-@router.delete("/{job_id}", response_model=JobDeleted,
-               responses={**ERRORS, 409: {"description": "The job (or a step of the pipeline) has not ended"}})
+@router.delete(
+    "/{job_id}",
+    response_model=JobDeleted,
+    responses={**ERRORS, 409: {"description": "The job (or a step of the pipeline) has not ended"}},
+)
 def delete_job(
-    job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
-    outputs: Annotated[bool, Query(description="also remove the files and directories its artifacts list (inside the "
-                                               "data roots); default: only its records and run directory")] = False,
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    outputs: Annotated[
+        bool,
+        Query(
+            description="also remove the files and directories its artifacts list (inside the "
+            "data roots); default: only its records and run directory"
+        ),
+    ] = False,
 ) -> JobDeleted:
     """Delete a finished job: its records, events, metrics and logs, its run directory (a pipeline: its steps too)."""
     job = service.get_visible_job(session, job_id, principal)

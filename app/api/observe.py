@@ -35,11 +35,14 @@ latest_router = APIRouter(prefix="/v1", tags=["observe"])
 
 @router.get("/events", response_model=ListPage[EventPublic], responses=ERRORS)
 def list_events(
-    job_id: str, session: SessionDep, principal: PrincipalDep,
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="last_id of the previous page")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    type: Annotated[str | None, Query(max_length=200, description="only these event types, comma-separated, e.g. "
-                                                                  "state,checkpoint")] = None,
+    type: Annotated[
+        str | None, Query(max_length=200, description="only these event types, comma-separated, e.g. state,checkpoint")
+    ] = None,
 ) -> ListPage[EventPublic]:
     """State changes and engine events (started, progress, checkpoint, config, warning, error, finished), oldest first."""
     get_visible_job(session, job_id, principal)
@@ -50,7 +53,9 @@ def list_events(
 
 @router.get("/metrics", response_model=MetricsPage, responses=ERRORS)
 def list_metrics(
-    job_id: str, session: SessionDep, principal: PrincipalDep,
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
     since_step: Annotated[int, Query(ge=-1, le=INT32_MAX, description="only steps after this one")] = -1,
     names: Annotated[str | None, Query(description="comma-separated metric names, e.g. lm_loss,grad_norm")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
@@ -60,12 +65,14 @@ def list_metrics(
     ``after=<next_cursor>``: no point is skipped or repeated, whatever the limit."""
     get_visible_job(session, job_id, principal)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    rows, has_more = records.metrics_page(session, job_id, since_step=since_step, names=wanted, limit=limit,
-                                          after=_metric_cursor(after))
+    rows, has_more = records.metrics_page(
+        session, job_id, since_step=since_step, names=wanted, limit=limit, after=_metric_cursor(after)
+    )
     data = [MetricPointPublic.model_validate(r) for r in rows]
     cursor = f"{rows[-1].step}:{rows[-1].id}" if rows else after
-    return MetricsPage(data=data, has_more=has_more, next_since_step=data[-1].step if data else None,
-                       next_cursor=cursor)
+    return MetricsPage(
+        data=data, has_more=has_more, next_since_step=data[-1].step if data else None, next_cursor=cursor
+    )
 
 
 def _metric_cursor(after: str | None) -> tuple[int, int] | None:
@@ -79,9 +86,13 @@ def _metric_cursor(after: str | None) -> tuple[int, int] | None:
 
 @router.get("/logs", response_model=LogsPage, responses=ERRORS)
 def list_logs(
-    job_id: str, session: SessionDep, principal: PrincipalDep,
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
     rank: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="a rank's own log (logs/rank{R}.log)")] = None,
-    stream: Annotated[str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")] = None,
+    stream: Annotated[
+        str | None, Query(max_length=32, description="'launcher' (default: every rank's output) or 'rank0', ...")
+    ] = None,
     offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="first line number to return")] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     q: Annotated[str | None, Query(max_length=200, description="only lines containing this text (any case)")] = None,
@@ -108,10 +119,18 @@ def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) ->
     return ListPage[ArtifactPublic](data=data, has_more=False)
 
 
-@router.get("/stream", responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
-                                                   "description": "SSE: state, event, metric, log, end"}})
+@router.get(
+    "/stream",
+    responses={
+        **ERRORS,
+        200: {"content": {"text/event-stream": {}}, "description": "SSE: state, event, metric, log, end"},
+    },
+)
 def stream_job(
-    job_id: str, session: SessionDep, principal: PrincipalDep, settings: SettingsDep,
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
     last_event_id: Annotated[str | None, Header()] = None,
     after: Annotated[str | None, Query(description="a Last-Event-ID, for clients that cannot send the header")] = None,
 ) -> Any:
@@ -135,9 +154,12 @@ def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep) 
 
 @latest_router.get("/metrics/latest", response_model=JobLatestList, responses=ERRORS)
 def latest_metrics(
-    session: SessionDep, principal: PrincipalDep,
+    session: SessionDep,
+    principal: PrincipalDep,
     ids: Annotated[str, Query(max_length=200 * 37, description="comma-separated job ids (at most 200)")],
-    names: Annotated[str, Query(max_length=1000, description="comma-separated metric names, e.g. lm_loss,loss")] = "lm_loss",
+    names: Annotated[
+        str, Query(max_length=1000, description="comma-separated metric names, e.g. lm_loss,loss")
+    ] = "lm_loss",
     devices: Annotated[bool, Query(description="also each device's newest telemetry (the hosts page)")] = False,
 ) -> JobLatestList:
     """Per job: its last step, the last job-wide value of each named metric and its last progress event (the job
@@ -153,8 +175,14 @@ def latest_metrics(
         except ApiError:
             continue
         values = records.latest_values(session, job_id, wanted)
-        out.append(JobLatest(job_id=job_id, step=records.last_step(session, job_id),
-                             values={k: v for k, (_, v) in values.items()}, value_steps={k: s for k, (s, _) in values.items()},
-                             progress=records.last_event_data(session, job_id, "progress"),
-                             devices=records.latest_device_values(session, job_id) if devices else None))
+        out.append(
+            JobLatest(
+                job_id=job_id,
+                step=records.last_step(session, job_id),
+                values={k: v for k, (_, v) in values.items()},
+                value_steps={k: s for k, (s, _) in values.items()},
+                progress=records.last_event_data(session, job_id, "progress"),
+                devices=records.latest_device_values(session, job_id) if devices else None,
+            )
+        )
     return JobLatestList(data=out)

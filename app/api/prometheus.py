@@ -13,8 +13,11 @@ from core.metrics_registry import CONTENT_TYPE
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/metrics", response_class=Response, responses={401: {"description": "No or bad token"},
-                                                             403: {"description": "Not an admin token"}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={401: {"description": "No or bad token"}, 403: {"description": "Not an admin token"}},
+)
 async def prometheus_metrics(request: Request, principal: PrincipalDep) -> Response:
     """Operational metrics in Prometheus' text format: request latency, jobs by state, queue wait, leases, ingest
     lag, webhook deliveries, host heartbeats."""

@@ -25,17 +25,22 @@ from core.webhooks import (
 )
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
-ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"},
-                                           404: {"description": "No such webhook"},
-                                           409: {"description": "The team has webhook_max_per_team webhooks"}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No or bad token"},
+    404: {"description": "No such webhook"},
+    409: {"description": "The team has webhook_max_per_team webhooks"},
+}
 
 
 class WebhookCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: AnyHttpUrl = Field(description="http(s) endpoint that receives a POST per event")
-    events: list[EventType] = Field(default_factory=lambda: list(TERMINAL_EVENTS), min_length=1,
-                                    description="which events to send; default: the three terminal states")
+    events: list[EventType] = Field(
+        default_factory=lambda: list(TERMINAL_EVENTS),
+        min_length=1,
+        description="which events to send; default: the three terminal states",
+    )
     secret: str | None = Field(None, description="whsec_<base64 of 24-64 bytes>; generated when omitted")
     description: str | None = Field(None, max_length=200)
 
@@ -56,7 +61,9 @@ class WebhookPublic(BaseModel):
     url: str
     events: list[str]
     description: str | None
-    secret: str | None = Field(None, description="only in the answer to POST /v1/webhooks: keep it to verify signatures")
+    secret: str | None = Field(
+        None, description="only in the answer to POST /v1/webhooks: keep it to verify signatures"
+    )
     created_at: datetime
     disabled_at: datetime | None
 
@@ -104,8 +111,9 @@ def register(body: WebhookCreate, session: SessionDep, principal: PrincipalDep, 
 
     ``url`` must be https and resolve to a public address (internal receivers: an admin lists them in settings)."""
     check_registration(session, settings, principal.team, str(body.url))
-    hook, secret = create_webhook(session, principal.team, str(body.url), list(body.events), body.secret,
-                                  body.description, settings=settings)
+    hook, secret = create_webhook(
+        session, principal.team, str(body.url), list(body.events), body.secret, body.description, settings=settings
+    )
     public = _public(hook)
     public.secret = secret
     return public
@@ -130,7 +138,9 @@ def disable(webhook_id: str, session: SessionDep, principal: PrincipalDep) -> We
 
 @router.get("/{webhook_id}/deliveries", response_model=ListPage[DeliveryPublic], responses=ERRORS)
 def deliveries(
-    webhook_id: str, session: SessionDep, principal: PrincipalDep,
+    webhook_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
     job_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> ListPage[DeliveryPublic]:
@@ -139,7 +149,12 @@ def deliveries(
     rows, has_more = deliveries_page(session, webhook_id, job_id=job_id, limit=limit)
     data = []
     for row, attempts in rows:
-        data.append(DeliveryPublic.model_validate({**{k: getattr(row, k) for k in DeliveryPublic.model_fields
-                                                      if k not in ("object", "attempt_log")},
-                                                   "attempt_log": [AttemptPublic.model_validate(a) for a in attempts]}))
+        data.append(
+            DeliveryPublic.model_validate(
+                {
+                    **{k: getattr(row, k) for k in DeliveryPublic.model_fields if k not in ("object", "attempt_log")},
+                    "attempt_log": [AttemptPublic.model_validate(a) for a in attempts],
+                }
+            )
+        )
     return ListPage[DeliveryPublic].of(data, has_more)

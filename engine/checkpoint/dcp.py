@@ -90,7 +90,11 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -159,13 +163,14 @@ def complete_checkpoints(save_dir: str | os.PathLike[str]) -> dict[int, Path]:
     return found
 
 
-def prune(save_dir: str | os.PathLike[str], just_saved: int, keep_last_n: int | None,
-          keep_best_by: str | None = None) -> list[int]:
-    """Delete the checkpoints retention does not keep (``engine.checkpoint.retention``); returns their iterations.
+def prune(
+    save_dir: str | os.PathLike[str], just_saved: int, keep_last_n: int | None, keep_best_by: str | None = None
+) -> list[int]:
+    """Delete the checkpoints retention does not keep (``engine.retention``); returns their iterations.
 
     Rank 0 only, after ``save`` of ``just_saved`` returned (complete, tracker updated). ``keep_best_by`` is read from
     each checkpoint's meta.json ``metrics`` (written by the trainer at save time)."""
-    from engine.checkpoint.retention import to_delete
+    from engine.retention import to_delete
 
     found = complete_checkpoints(save_dir)
     values: dict[int, float | None] = {}
@@ -233,8 +238,9 @@ def read_saved(ckpt: Path, keys: set[str]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key in keys:
         item = saved[key]
-        state[key] = torch.empty(item.size, dtype=item.properties.dtype) if isinstance(
-            item, TensorStorageMetadata) else None  # a non-tensor item is replaced by its unpickled value
+        state[key] = (
+            torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        )  # a non-tensor item is replaced by its unpickled value
     with warnings.catch_warnings():  # the single-process load is asked for, not assumed as the warning says
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
@@ -249,7 +255,7 @@ def load_model_weights(path: str | os.PathLike[str]) -> tuple[dict[str, Any], di
     ckpt = resolve(path)
     meta = json.loads((ckpt / META).read_text())
     loaded = read_saved(ckpt, {k for k in _saved_keys(ckpt) if k.startswith("model.")})
-    return meta, {k[len("model."):]: v for k, v in loaded.items()}
+    return meta, {k[len("model.") :]: v for k, v in loaded.items()}
 
 
 class DcpWeights:
@@ -278,7 +284,7 @@ class DcpWeights:
         return shard(self.get_native(key), split_rule(key), tp, rank)
 
     def lora_modules(self) -> list[str]:
-        keys = (k[len("model."):] for k in _saved_keys(self.path) if k.startswith("model.") and ".lora_A." in k)
+        keys = (k[len("model.") :] for k in _saved_keys(self.path) if k.startswith("model.") and ".lora_A." in k)
         return sorted({k.rsplit(".lora_A.", 1)[0] for k in keys})
 
 

@@ -48,7 +48,11 @@ class InMemory:
         sizes = [p.shape[1] * p.element_size() for p in self.parts]
         rows = self.parts[0].shape[0]
         for first in range(0, rows, 1024):
-            yield b"".join(v[r * n:(r + 1) * n] for r in range(first, min(first + 1024, rows)) for v, n in zip(views, sizes, strict=True))
+            yield b"".join(
+                v[r * n : (r + 1) * n]
+                for r in range(first, min(first + 1024, rows))
+                for v, n in zip(views, sizes, strict=True)
+            )
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> InMemory:
@@ -92,7 +96,7 @@ def read_chunks(segments: Iterable[Piece], chunk: int = CHUNK) -> Iterator[memor
         fd, off, n = seg
         done = 0
         while done < n:
-            k = os.preadv(fd, [buf[:min(chunk, n - done)]], off + done)
+            k = os.preadv(fd, [buf[: min(chunk, n - done)]], off + done)
             if k <= 0:
                 raise OSError(f"short read at byte {off + done}: the source file changed or was cut short")
             yield buf[:k]

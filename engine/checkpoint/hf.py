@@ -38,12 +38,26 @@ Progress = Callable[[int, int], None]
 
 DEFAULT_SHARD_BYTES = 5_000_000_000  # transformers' "5GB": the seed's 8 GB Qwen3-4B became 2 files
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 # Qwen3's published generation_config.json, used when the source has none.
-QWEN3_GENERATION = {"bos_token_id": QWEN3_ENDOFTEXT_ID, "do_sample": True,
-                    "eos_token_id": [QWEN3_IM_END_ID, QWEN3_ENDOFTEXT_ID], "pad_token_id": QWEN3_ENDOFTEXT_ID,
-                    "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+QWEN3_GENERATION = {
+    "bos_token_id": QWEN3_ENDOFTEXT_ID,
+    "do_sample": True,
+    "eos_token_id": [QWEN3_IM_END_ID, QWEN3_ENDOFTEXT_ID],
+    "pad_token_id": QWEN3_ENDOFTEXT_ID,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
 
 
 # ---------------------------------------------------------------- reading
@@ -78,7 +92,9 @@ class HFCheckpoint:
                 raise BadInput(f"{index}: not a safetensors index ({err})", field="load_dir") from err
         files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
-            raise BadInput(f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)", field="load_dir")
+            raise BadInput(
+                f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)", field="load_dir"
+            )
         return {key: name for name in files for key in self._open(name).tensors}
 
     def _open(self, name: str) -> SafetensorsFile:
@@ -99,7 +115,9 @@ class HFCheckpoint:
             if self._refs[key].shape != shape:
                 raise BadInput(
                     f"{self.path / self._files[key]}: tensor {key} has shape {list(self._refs[key].shape)}, "
-                    f"config.json implies {list(shape)}", field="load_dir")
+                    f"config.json implies {list(shape)}",
+                    field="load_dir",
+                )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -132,7 +150,7 @@ class HFCheckpoint:
         out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
         at = 0
         for hf_key, start, stop in runs:
-            self._ref(hf_key).read_rows(start, stop, out[at:at + stop - start])
+            self._ref(hf_key).read_rows(start, stop, out[at : at + stop - start])
             at += stop - start
         shape = self._shapes.get(key)
         return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
@@ -162,17 +180,20 @@ class HFCheckpoint:
             raise KeyError(key) from None
         parsed = layer_of(key)
         if parsed is None:
-            return native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
-                                   lambda ids: shard(ids, split_rule(key), tp, rank))
+            return native_row_runs(
+                key, self.config, lambda k: self._ref(k).shape[0], lambda ids: shard(ids, split_rule(key), tp, rank)
+            )
         # Every layer with this tensor has the same rows: plan the first one's once per (tensor, TP rank), rename
         # for layer i.
         layer, suffix = parsed
         cached = self._plans.get((suffix, tp, rank))
         if cached is None:
-            planned = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0],
-                                      lambda ids: shard(ids, split_rule(key), tp, rank))
+            planned = native_row_runs(
+                key, self.config, lambda k: self._ref(k).shape[0], lambda ids: shard(ids, split_rule(key), tp, rank)
+            )
             cached = self._plans[(suffix, tp, rank)] = [
-                (hf_key.removeprefix(f"model.layers.{layer}."), a, b) for hf_key, a, b in planned]
+                (hf_key.removeprefix(f"model.layers.{layer}."), a, b) for hf_key, a, b in planned
+            ]
         prefix = f"model.layers.{layer}."
         return [(prefix + hf_key, a, b) for hf_key, a, b in cached]
 
@@ -206,16 +227,20 @@ def _header(plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> byte
     offset, size = 0, torch.empty((), dtype=dtype).element_size()
     for name, shape in plan:
         nbytes = size * int(torch.Size(shape).numel())
-        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                      plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+def write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, torch.Tensor]], plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype
+) -> None:
     """Write one safetensors file whose header is ``plan``, consuming ``tensors`` in the same order."""
     with open(path, "wb") as f:
         f.write(_header(plan, dtype))
@@ -229,8 +254,9 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
             writer.close()
 
 
-def copy_safetensors(path: Path, segments: Iterable[tuple[str, list[Piece]]],
-                     plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+def copy_safetensors(
+    path: Path, segments: Iterable[tuple[str, list[Piece]]], plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype
+) -> None:
     """Like ``write_safetensors``, but each tensor's bytes are copied from file segments (``fastcopy``)."""
     head = _header(plan, dtype)
     size = torch.empty((), dtype=dtype).element_size()
@@ -247,8 +273,9 @@ def copy_safetensors(path: Path, segments: Iterable[tuple[str, list[Piece]]],
         os.close(fd)
 
 
-def plan_shards(entries: list[tuple[str, tuple[int, ...]]], elem_bytes: int,
-                max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+def plan_shards(
+    entries: list[tuple[str, tuple[int, ...]]], elem_bytes: int, max_shard_bytes: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Greedy split in order, as transformers does: start a new shard when the next tensor would overflow."""
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
@@ -271,10 +298,16 @@ def as_getter(source: Mapping[str, torch.Tensor] | Getter | Any) -> Getter:
     return source
 
 
-def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig, out_dir: str | os.PathLike[str],
-            dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            hf_config: dict[str, Any] | None = None, generation_config: dict[str, Any] | None = None,
-            progress: Progress | None = None) -> list[Path]:
+def save_hf(
+    source: Mapping[str, torch.Tensor] | Getter | Any,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    hf_config: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> list[Path]:
     """Write ``cfg``'s model as an HF directory into ``out_dir`` (staged in a temp dir, published at the end).
 
     ``source`` gives native tensors (dict, ``get(key)`` callable, or an object with ``get_native``); ``dtype``
@@ -298,8 +331,10 @@ def save_hf(source: Mapping[str, torch.Tensor] | Getter | Any, cfg: ModelConfig,
             for name, plan in zip(names, shards, strict=True):
                 write_safetensors(tmp / name, _counted(stream, len(plan)), plan, dtype)
         elem = torch.empty((), dtype=dtype).element_size()
-        index = {"metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
-                 "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan}}
+        index = {
+            "metadata": {"total_size": sum(elem * int(torch.Size(s).numel()) for _, s in entries)},
+            "weight_map": {k: names[i] for i, plan in enumerate(shards) for k, _ in plan},
+        }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = {**(hf_config or {}), **cfg.to_hf(HF_DTYPE_NAMES[dtype])}
         config.pop("dtype", None)  # transformers 5 spelling; one dtype key only
@@ -353,8 +388,9 @@ class staging:
         self.tmp.mkdir()
         return self.tmp
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return

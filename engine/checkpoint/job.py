@@ -89,17 +89,26 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
     fmt = detect_format(spec.load_dir)
     if spec.load_model_type == "hf":
         if fmt != "hf":
-            raise BadInput(f"{spec.load_dir}: load_model_type is hf but this is a {fmt} checkpoint", field="load_model_type")
+            raise BadInput(
+                f"{spec.load_dir}: load_model_type is hf but this is a {fmt} checkpoint", field="load_model_type"
+            )
         return _with_lora(spec, HFCheckpoint(spec.load_dir), run)
     if fmt == "hf":
-        raise BadInput(f"{spec.load_dir}: load_model_type is mg but this is an HF model directory", field="load_model_type")
+        raise BadInput(
+            f"{spec.load_dir}: load_model_type is mg but this is an HF model directory", field="load_model_type"
+        )
     if fmt == "native":
         return _with_lora(spec, open_checkpoint(spec.load_dir)[1], run)
     if spec.lora_load and is_peft_adapter(spec.lora_load):
         ckpt = MegatronCheckpoint(spec.load_dir, hf_config=_hf_reference(spec))
         return ckpt.config, _peft_overlay(spec, ckpt, spec.lora_load)
-    ckpt = MegatronCheckpoint(spec.load_dir, lora_dir=spec.lora_load, lora_alpha=spec.lora_alpha, lora_r=spec.lora_r,
-                              hf_config=_hf_reference(spec))
+    ckpt = MegatronCheckpoint(
+        spec.load_dir,
+        lora_dir=spec.lora_load,
+        lora_alpha=spec.lora_alpha,
+        lora_r=spec.lora_r,
+        hf_config=_hf_reference(spec),
+    )
     ckpt.merge_rounding = spec.lora_merge_rounding
     _check_lora(spec, ckpt, run)
     return ckpt.config, ckpt
@@ -119,8 +128,10 @@ def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, 
 def _peft_overlay(spec: ConvertSpec, base: Any, lora_load: str) -> PeftOverlay:
     overlay = PeftOverlay(base, lora_load, spec.lora_alpha)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
-        raise BadInput(f"lora_r: {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
-                       field="lora_r")
+        raise BadInput(
+            f"lora_r: {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
+            field="lora_r",
+        )
     return overlay
 
 
@@ -137,11 +148,16 @@ def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
             raise BadInput(f"lora_target_modules: {err}", field="lora_target_modules") from err
         stray = sorted({m.rsplit(".", 1)[1] for m in modules} - targets)
         if stray:
-            raise BadInput(f"lora_target_modules: the checkpoint has adapters on {', '.join(stray)}, "
-                           f"not among {', '.join(sorted(targets))}", field="lora_target_modules")
+            raise BadInput(
+                f"lora_target_modules: the checkpoint has adapters on {', '.join(stray)}, "
+                f"not among {', '.join(sorted(targets))}",
+                field="lora_target_modules",
+            )
 
 
-def _to_mcore(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress) -> tuple[Path, list[Path]]:
+def _to_mcore(
+    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
+) -> tuple[Path, list[Path]]:
     tp, pp = spec.target_tensor_parallel_size, spec.target_pipeline_parallel_size
     try:
         check_tp(cfg, tp)
@@ -151,12 +167,23 @@ def _to_mcore(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, prog
         pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
     except ValueError as err:
         raise BadInput(f"num_layer_list: {err}", field="num_layer_list") from err
-    files = save_mcore(source, cfg, spec.save_dir, tp=tp, pp=pp, num_layer_list=spec.num_layer_list,
-                       vpp_layers=spec.num_layers_per_virtual_pipeline_stage, dtype=dtype, progress=progress)
+    files = save_mcore(
+        source,
+        cfg,
+        spec.save_dir,
+        tp=tp,
+        pp=pp,
+        num_layer_list=spec.num_layer_list,
+        vpp_layers=spec.num_layers_per_virtual_pipeline_stage,
+        dtype=dtype,
+        progress=progress,
+    )
     return Path(spec.save_dir), files
 
 
-def _to_hf(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress) -> tuple[Path, list[Path]]:
+def _to_hf(
+    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
+) -> tuple[Path, list[Path]]:
     out, reference = _hf_target(spec)
     if spec.load_model_type == "hf" and reference is None:
         reference = Path(spec.load_dir)
@@ -175,10 +202,20 @@ def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any) ->
     r = spec.lora_r or source.lora_r
     alpha = spec.lora_alpha or source.lora_alpha
     if r is None or alpha is None:
-        raise BadInput("lora_r: the checkpoint args do not say the LoRA rank/alpha; give lora_r and lora_alpha", field="lora_r")
+        raise BadInput(
+            "lora_r: the checkpoint args do not say the LoRA rank/alpha; give lora_r and lora_alpha", field="lora_r"
+        )
     out, reference = _hf_target(spec)
-    path = save_peft_adapter(source.lora_modules(), source.lora_tensor, cfg, out, r=r, alpha=alpha, dtype=dtype,
-                             base_model_name_or_path=str(reference) if reference else None)
+    path = save_peft_adapter(
+        source.lora_modules(),
+        source.lora_tensor,
+        cfg,
+        out,
+        r=r,
+        alpha=alpha,
+        dtype=dtype,
+        base_model_name_or_path=str(reference) if reference else None,
+    )
     return path, [path / "adapter_model.safetensors"]
 
 
@@ -213,13 +250,22 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
     sizes = [f.stat().st_size for f in files]
     summary = {
         "direction": f"{spec.load_model_type}->{'peft' if spec.save_lora_to_hf else spec.save_model_type}",
-        "num_layers": cfg.num_layers, "tied": cfg.tie_word_embeddings, "dtype": str(dtype).removeprefix("torch."),
+        "num_layers": cfg.num_layers,
+        "tied": cfg.tie_word_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
         "tensor_parallel": spec.target_tensor_parallel_size if spec.save_model_type == "mg" else 1,
         "pipeline_parallel": spec.target_pipeline_parallel_size if spec.save_model_type == "mg" else 1,
-        "files": len(files), "bytes": sum(sizes), "largest_file_bytes": max(sizes, default=0),
-        "lora_merged": bool(getattr(source, "lora_merged", False)
-                            or (hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf)),
-        "seconds": round(seconds, 3), "peak_rss_mb": round(_peak_rss_bytes() / 2**20, 1),
+        "files": len(files),
+        "bytes": sum(sizes),
+        "largest_file_bytes": max(sizes, default=0),
+        "lora_merged": bool(
+            getattr(source, "lora_merged", False)
+            or (hasattr(source, "lora_modules") and source.lora_modules() and not spec.save_lora_to_hf)
+        ),
+        "seconds": round(seconds, 3),
+        "peak_rss_mb": round(_peak_rss_bytes() / 2**20, 1),
     }
-    log.info("converted %s -> %s in %.1fs (%d files, %.1f MB)", spec.load_dir, out, seconds, len(files), sum(sizes) / 1e6)
+    log.info(
+        "converted %s -> %s in %.1fs (%d files, %.1f MB)", spec.load_dir, out, seconds, len(files), sum(sizes) / 1e6
+    )
     return {"checkpoint": str(out.resolve())}, summary

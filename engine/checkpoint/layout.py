@@ -141,8 +141,9 @@ class Chunk:
     last: bool  # holds the final norm and the output layer
 
 
-def pipeline_chunks(num_layers: int, pp: int, num_layer_list: list[int] | None = None,
-                    vpp_layers: int | None = None) -> list[list[Chunk]]:
+def pipeline_chunks(
+    num_layers: int, pp: int, num_layer_list: list[int] | None = None, vpp_layers: int | None = None
+) -> list[list[Chunk]]:
     """Per stage, its model chunks. Raises ValueError when the layers cannot be divided as asked."""
     if num_layer_list:
         if len(num_layer_list) != pp or sum(num_layer_list) != num_layers or min(num_layer_list) < 0:
@@ -150,8 +151,10 @@ def pipeline_chunks(num_layers: int, pp: int, num_layer_list: list[int] | None =
         if vpp_layers:
             raise ValueError("num_layer_list and num_layers_per_virtual_pipeline_stage cannot be combined")
         starts = [sum(num_layer_list[:p]) for p in range(pp)]
-        return [[Chunk(p, 0, tuple(range(starts[p], starts[p] + num_layer_list[p])), p == 0, p == pp - 1)]
-                for p in range(pp)]
+        return [
+            [Chunk(p, 0, tuple(range(starts[p], starts[p] + num_layer_list[p])), p == 0, p == pp - 1)]
+            for p in range(pp)
+        ]
     if num_layers % pp:
         raise ValueError(f"{num_layers} layers are not divisible by PP {pp}; give num_layer_list")
     if not vpp_layers:
@@ -161,8 +164,16 @@ def pipeline_chunks(num_layers: int, pp: int, num_layer_list: list[int] | None =
         raise ValueError(f"{num_layers} layers are not divisible by PP {pp} × {vpp_layers} layers per virtual stage")
     nv = num_layers // (pp * vpp_layers)
     return [
-        [Chunk(p, v, tuple(range((v * pp + p) * vpp_layers, (v * pp + p + 1) * vpp_layers)),
-               p == 0 and v == 0, p == pp - 1 and v == nv - 1) for v in range(nv)]
+        [
+            Chunk(
+                p,
+                v,
+                tuple(range((v * pp + p) * vpp_layers, (v * pp + p + 1) * vpp_layers)),
+                p == 0 and v == 0,
+                p == pp - 1 and v == nv - 1,
+            )
+            for v in range(nv)
+        ]
         for p in range(pp)
     ]
 

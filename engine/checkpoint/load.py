@@ -40,8 +40,11 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "mcore"
     if _dcp_inside(p):
         return "native"
-    raise BadInput(f"{p}: neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
-                   f"({TRACKER}, iter_*/mp_rank_*) nor a training checkpoint (.metadata)", field="load_dir")
+    raise BadInput(
+        f"{p}: neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
+        f"({TRACKER}, iter_*/mp_rank_*) nor a training checkpoint (.metadata)",
+        field="load_dir",
+    )
 
 
 def _dcp_inside(p: Path) -> bool:
@@ -78,13 +81,17 @@ def _open_native(path: str | os.PathLike[str]) -> Any:
     try:
         dcp = importlib.import_module("engine.checkpoint.dcp")
     except ModuleNotFoundError:
-        raise BadInput(f"{path}: a training (DCP) checkpoint, but engine.checkpoint.dcp is not available",
-                       field="load_dir") from None
+        raise BadInput(
+            f"{path}: a training (DCP) checkpoint, but engine.checkpoint.dcp is not available", field="load_dir"
+        ) from None
     try:
         source = dcp.DcpWeights(path)
     except ValueError as err:
         raise BadInput(str(err), field="load_dir") from err
     if source.meta.get("lora"):
-        raise BadInput(f"{path}: a LoRA training state holds adapters only; convert the run's final checkpoint "
-                       f"(<save>/iter_*) with lora_load, or give the base as load_dir", field="load_dir")
+        raise BadInput(
+            f"{path}: a LoRA training state holds adapters only; convert the run's final checkpoint "
+            f"(<save>/iter_*) with lora_load, or give the base as load_dir",
+            field="load_dir",
+        )
     return source

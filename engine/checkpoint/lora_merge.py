@@ -41,8 +41,9 @@ PEFT_PREFIX = "base_model.model.model.layers."
 _HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map
 
 
-def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
-                 cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def peft_tensors(
+    modules: list[str], get: Callable[[str], torch.Tensor], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT key, tensor) for every adapted native module path (``decoder.layers.{L}.<module>``)."""
     for path in modules:
         _, _, layer, rest = path.split(".", 3)
@@ -56,23 +57,39 @@ def peft_tensors(modules: list[str], get: Callable[[str], torch.Tensor],
             yield prefix + ".lora_B.weight", piece.contiguous().clone()
 
 
-def save_peft_adapter(modules: list[str], get: Callable[[str], torch.Tensor], cfg: ModelConfig,
-                      out_dir: str | os.PathLike[str], r: int, alpha: float, dtype: torch.dtype | None = None,
-                      base_model_name_or_path: str | None = None) -> Path:
+def save_peft_adapter(
+    modules: list[str],
+    get: Callable[[str], torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    r: int,
+    alpha: float,
+    dtype: torch.dtype | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``out_dir``; returns the directory."""
     if not modules:
         raise BadInput("the checkpoint holds no LoRA adapters (lora_A/lora_B keys) to export", field="save_lora_to_hf")
     tensors = {k: (t.to(dtype) if dtype else t) for k, t in peft_tensors(modules, get, cfg)}
-    targets = sorted({k[len(PEFT_PREFIX):].split(".", 1)[1].rsplit(".lora_", 1)[0].split(".")[-1] for k in tensors})
+    targets = sorted({k[len(PEFT_PREFIX) :].split(".", 1)[1].rsplit(".lora_", 1)[0].split(".")[-1] for k in tensors})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".adapter_model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "adapter_model.safetensors")
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
-        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "use_rslora": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path,
     }
     tmp = out / ".adapter_config.json.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
@@ -96,14 +113,21 @@ def _peft_settings(path: Path, field: str, alpha: float | None) -> tuple[dict[st
         config = json.loads((path / PEFT_CONFIG).read_text())
     except ValueError as err:
         raise BadInput(f"{field}: {path / PEFT_CONFIG} is not JSON ({err})", field=field) from err
-    refused = {"peft_type": config.get("peft_type", "LORA") != "LORA", "use_dora": bool(config.get("use_dora")),
-               "fan_in_fan_out": bool(config.get("fan_in_fan_out")), "bias": config.get("bias", "none") != "none",
-               "modules_to_save": bool(config.get("modules_to_save")), "rank_pattern": bool(config.get("rank_pattern")),
-               "alpha_pattern": bool(config.get("alpha_pattern"))}
+    refused = {
+        "peft_type": config.get("peft_type", "LORA") != "LORA",
+        "use_dora": bool(config.get("use_dora")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "bias": config.get("bias", "none") != "none",
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+    }
     bad = [f"{k}={config.get(k)!r}" for k, flag in refused.items() if flag]
     if bad:
-        raise BadInput(f"{field}: {path / PEFT_CONFIG}: only plain LoRA adapters can be merged here ({', '.join(bad)})",
-                       field=field)
+        raise BadInput(
+            f"{field}: {path / PEFT_CONFIG}: only plain LoRA adapters can be merged here ({', '.join(bad)})",
+            field=field,
+        )
     r = int(config["r"])
     alpha = float(config["lora_alpha"]) if alpha is None else alpha
     return {**config, "lora_alpha": alpha}, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
@@ -113,8 +137,13 @@ class PeftDeltas:
     """Native weight key -> fp32 delta of a PEFT adapter, computed when asked: one module's delta at a time (a
     delta is as large as its weight, so holding them all would cost a full-size copy of every adapted matrix)."""
 
-    def __init__(self, modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]], shapes: dict[str, Any],
-                 scale: float, cfg: ModelConfig):
+    def __init__(
+        self,
+        modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        shapes: dict[str, Any],
+        scale: float,
+        cfg: ModelConfig,
+    ):
         self.modules, self.shapes, self.scale, self.cfg = modules, shapes, scale, cfg
 
     def keys(self) -> list[str]:
@@ -125,27 +154,36 @@ class PeftDeltas:
         if pieces is None:
             return None
         native = key.split(".", 3)[3].removesuffix(".weight")
-        parts = [self.scale * (pieces[hf][1] @ pieces[hf][0]) if hf in pieces else torch.zeros(self.shapes[key][hf])
-                 for hf in _HF_MODULES[native]]
+        parts = [
+            self.scale * (pieces[hf][1] @ pieces[hf][0]) if hf in pieces else torch.zeros(self.shapes[key][hf])
+            for hf in _HF_MODULES[native]
+        ]
         return LAYER_MAP[native + ".weight"].fuse(*parts, self.cfg)
 
 
-def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None,
-                field: str = "lora_load") -> tuple[dict[str, Any], PeftDeltas]:
+def peft_deltas(
+    path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | None = None, field: str = "lora_load"
+) -> tuple[dict[str, Any], PeftDeltas]:
     """(facts for the summary, the deltas) of the PEFT adapter directory ``path``, every tensor checked up front."""
     path = Path(path)
     config, scale = _peft_settings(path, field, alpha)
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
-        raise BadInput(f"{field}: {weights} is missing (adapter_model.bin is not read: save with safetensors)", field=field)
+        raise BadInput(
+            f"{field}: {weights} is missing (adapter_model.bin is not read: save with safetensors)", field=field
+        )
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights)).items():
         m = _PEFT_KEY.match(key)
         if not m or m[2] not in _NATIVE_OF:
-            raise BadInput(f"{field}: {weights}: tensor {key} is not a LoRA adapter of a Qwen3 attention/MLP projection",
-                           field=field)
+            raise BadInput(
+                f"{field}: {weights}: tensor {key} is not a LoRA adapter of a Qwen3 attention/MLP projection",
+                field=field,
+            )
         if int(m[1]) >= cfg.num_layers:
-            raise BadInput(f"{field}: {weights}: tensor {key} is for layer {m[1]}; the model has {cfg.num_layers}", field=field)
+            raise BadInput(
+                f"{field}: {weights}: tensor {key} is for layer {m[1]}; the model has {cfg.num_layers}", field=field
+            )
         pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = tensor.float()
     hf_shapes = expected_hf_shapes(cfg)
     modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -156,14 +194,25 @@ def peft_deltas(path: str | os.PathLike[str], cfg: ModelConfig, alpha: float | N
         a, b = ab["A"], ab["B"]
         want = hf_shapes[f"model.layers.{layer}.{hf_module}.weight"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != want:
-            raise BadInput(f"{field}: {weights}: layer {layer} {hf_module} adapter is B {tuple(b.shape)} @ A "
-                           f"{tuple(a.shape)}; the model's weight is {want}", field=field)
+            raise BadInput(
+                f"{field}: {weights}: layer {layer} {hf_module} adapter is B {tuple(b.shape)} @ A "
+                f"{tuple(a.shape)}; the model's weight is {want}",
+                field=field,
+            )
         key = f"decoder.layers.{layer}.{_NATIVE_OF[hf_module]}.weight"
         modules.setdefault(key, {})[hf_module] = (a, b)
         shapes[key] = {hf: hf_shapes[f"model.layers.{layer}.{hf}.weight"] for hf in _HF_MODULES[_NATIVE_OF[hf_module]]}
     targets = sorted({hf.rsplit(".", 1)[1] for _, hf in pairs})
-    return ({"lora_format": "peft", "lora_r": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
-             "lora_targets": targets, "lora_merged": True}, PeftDeltas(modules, shapes, scale, cfg))
+    return (
+        {
+            "lora_format": "peft",
+            "lora_r": int(config["r"]),
+            "lora_alpha": float(config["lora_alpha"]),
+            "lora_targets": targets,
+            "lora_merged": True,
+        },
+        PeftDeltas(modules, shapes, scale, cfg),
+    )
 
 
 class LoraOverlay:
@@ -173,8 +222,14 @@ class LoraOverlay:
     every adapted weight becomes W + alpha/r · B @ A, cut per target TP shard like MindSpeed's merge.
     """
 
-    def __init__(self, base: Any, lora_dir: str | os.PathLike[str], lora_alpha: float | None, lora_r: int | None,
-                 rounding: str = "fp32"):
+    def __init__(
+        self,
+        base: Any,
+        lora_dir: str | os.PathLike[str],
+        lora_alpha: float | None,
+        lora_r: int | None,
+        rounding: str = "fp32",
+    ):
         from engine.checkpoint.megatron import RankFiles
 
         self.base, self.config, self.rounding = base, base.config, rounding
@@ -217,8 +272,14 @@ class PeftOverlay:
 
     lora_merged = True
 
-    def __init__(self, base: Any, adapter_dir: str | os.PathLike[str], lora_alpha: float | None,
-                 dtype: torch.dtype | None = None, field: str = "lora_load"):
+    def __init__(
+        self,
+        base: Any,
+        adapter_dir: str | os.PathLike[str],
+        lora_alpha: float | None,
+        dtype: torch.dtype | None = None,
+        field: str = "lora_load",
+    ):
         self.base, self.config, self.dtype = base, base.config, dtype  # dtype: of merged tensors (default: base's)
         self.facts, self.deltas = peft_deltas(adapter_dir, base.config, alpha=lora_alpha, field=field)
 

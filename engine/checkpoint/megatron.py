@@ -83,20 +83,27 @@ def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str
     iters = sorted(p for p in root.glob("iter_[0-9]*") if p.is_dir())
     if not tracker.is_file():
         if not iters:
-            raise BadInput(f"{root}: no {TRACKER} and no iter_*/ directory: not a Megatron checkpoint", field="load_dir")
+            raise BadInput(
+                f"{root}: no {TRACKER} and no iter_*/ directory: not a Megatron checkpoint", field="load_dir"
+            )
         log.warning("%s: no %s; using the newest directory %s", root, TRACKER, iters[-1].name)
         return iters[-1], int(iters[-1].name[5:])
     text = tracker.read_text().strip()
     if text == "release":
         if not (root / "release").is_dir():
             found = f" but the checkpoint has {', '.join(p.name for p in iters)}" if iters else ""
-            raise BadInput(f"{tracker}: says 'release'{found}; an iteration number is needed (e.g. "
-                           f"{int(iters[-1].name[5:]) if iters else 1})", field="load_dir")
+            raise BadInput(
+                f"{tracker}: says 'release'{found}; an iteration number is needed (e.g. "
+                f"{int(iters[-1].name[5:]) if iters else 1})",
+                field="load_dir",
+            )
         return root / "release", "release"
     try:
         iteration = int(text)
     except ValueError:
-        raise BadInput(f"{tracker}: must hold an iteration number or 'release', found {text[:40]!r}", field="load_dir") from None
+        raise BadInput(
+            f"{tracker}: must hold an iteration number or 'release', found {text[:40]!r}", field="load_dir"
+        ) from None
     if iteration <= 0:
         raise BadInput(f"{tracker}: iteration must be positive, found {iteration}", field="load_dir")
     path = root / iteration_dir_name(iteration)
@@ -114,12 +121,20 @@ def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
         obj = TorchZipFile(path).obj
     else:
         raw = load_torch_file(path)
-        obj = {k: ({n: MemoryRef(t) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
-                   if isinstance(v, dict) else v) for k, v in raw.items()}
+        obj = {
+            k: (
+                {n: MemoryRef(t) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+                if isinstance(v, dict)
+                else v
+            )
+            for k, v in raw.items()
+        }
     if lazy:
         return obj
-    return {k: ({n: t.read() if hasattr(t, "read_rows") else t for n, t in v.items()} if isinstance(v, dict) else v)
-            for k, v in obj.items()}
+    return {
+        k: ({n: t.read() if hasattr(t, "read_rows") else t for n, t in v.items()} if isinstance(v, dict) else v)
+        for k, v in obj.items()
+    }
 
 
 # ---------------------------------------------------------------- writing
@@ -128,9 +143,16 @@ def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
 CONVERT_SEQ_LENGTH = 4096  # what MindSpeed's converter writes for qwen3 (configs/checkpoint/model_cfg.json)
 
 
-def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer_list: list[int] | None = None,
-               vpp_layers: int | None = None, hf_config: Mapping[str, Any] | None = None,
-               seq_length: int | None = None) -> argparse.Namespace:
+def build_args(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    num_layer_list: list[int] | None = None,
+    vpp_layers: int | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+    seq_length: int | None = None,
+) -> argparse.Namespace:
     """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3).
 
     ``hf_config``: the source's config.json, whose plain attributes are carried as they are (MindSpeed v2's
@@ -139,28 +161,54 @@ def build_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, num_layer
     ``max_position_embeddings``."""
     hf = {k: v for k, v in (hf_config or cfg.to_hf()).items() if isinstance(v, (int, float, str, bool, list))}
     dtype_name = DTYPE_NAMES[dtype]
-    return argparse.Namespace(**{
-        **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1,
-        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
-        # Never False here: with --use-checkpoint-args it would silently turn GQA off (gotcha 3).
-        "group_query_attention": True, "num_query_groups": cfg.num_query_groups, "kv_channels": cfg.kv_channels,
-        "qk_layernorm": True, "qkv_type": "unpack", "add_qkv_bias": False, "add_bias_linear": False,
-        "swiglu": True, "normalization": "RMSNorm", "norm_epsilon": cfg.norm_epsilon,
-        "position_embedding_type": "rope", "use_rotary_position_embeddings": True, "rotary_base": cfg.rotary_base,
-        # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
-        "add_position_embedding": True,
-        "max_position_embeddings": cfg.max_position_embeddings, "seq_length": seq_length or CONVERT_SEQ_LENGTH,
-        "padded_vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": 1,
-        "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
-        "num_layer_list": ",".join(map(str, num_layer_list)) if num_layer_list else None,  # MindSpeed: a str flag
-        "num_layers_per_virtual_pipeline_stage": vpp_layers, "init_method_std": cfg.init_method_std,
-        "params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
-        "tokenizer_type": "PretrainedFromHF", "model_type_hf": "qwen3", "use_mcore_models": True,
-        "transformer_impl": "local", "consumed_train_samples": 0, "consumed_valid_samples": 0,
-        "skipped_train_samples": 0, "params_dtype_name": dtype_name,
-    })
+    return argparse.Namespace(
+        **{
+            **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "expert_model_parallel_size": 1,
+            "num_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "ffn_hidden_size": cfg.ffn_hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_query_groups,
+            # Never False here: with --use-checkpoint-args it would silently turn GQA off (gotcha 3).
+            "group_query_attention": True,
+            "num_query_groups": cfg.num_query_groups,
+            "kv_channels": cfg.kv_channels,
+            "qk_layernorm": True,
+            "qkv_type": "unpack",
+            "add_qkv_bias": False,
+            "add_bias_linear": False,
+            "swiglu": True,
+            "normalization": "RMSNorm",
+            "norm_epsilon": cfg.norm_epsilon,
+            "position_embedding_type": "rope",
+            "use_rotary_position_embeddings": True,
+            "rotary_base": cfg.rotary_base,
+            # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
+            "add_position_embedding": True,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "seq_length": seq_length or CONVERT_SEQ_LENGTH,
+            "padded_vocab_size": cfg.vocab_size,
+            "make_vocab_size_divisible_by": 1,
+            "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
+            "num_layer_list": ",".join(map(str, num_layer_list)) if num_layer_list else None,  # MindSpeed: a str flag
+            "num_layers_per_virtual_pipeline_stage": vpp_layers,
+            "init_method_std": cfg.init_method_std,
+            "params_dtype": dtype,
+            "bf16": dtype == torch.bfloat16,
+            "fp16": dtype == torch.float16,
+            "tokenizer_type": "PretrainedFromHF",
+            "model_type_hf": "qwen3",
+            "use_mcore_models": True,
+            "transformer_impl": "local",
+            "consumed_train_samples": 0,
+            "consumed_valid_samples": 0,
+            "skipped_train_samples": 0,
+            "params_dtype_name": dtype_name,
+        }
+    )
 
 
 def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
@@ -188,8 +236,15 @@ def _default_writers(files: int) -> int:
     return max(1, min(files, os.cpu_count() or 1, 4))
 
 
-def rank_file_plan(cfg: ModelConfig, chunks: list[Chunk], tp: int, pp: int, dtype: torch.dtype,
-                   args: argparse.Namespace, iteration: int) -> tuple[dict[str, Any], list[tuple[LazyTensor, str]]]:
+def rank_file_plan(
+    cfg: ModelConfig,
+    chunks: list[Chunk],
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+    iteration: int,
+) -> tuple[dict[str, Any], list[tuple[LazyTensor, str]]]:
     """One rank file of a Megatron checkpoint before any tensor: its pickled object (``args``, version, iteration
     and ``model``/``model{v}`` dicts of placeholders) and, in file order, (placeholder, native key) for each tensor
     (the rank's TP piece of it, ``layout.split_rule``)."""
@@ -205,11 +260,21 @@ def rank_file_plan(cfg: ModelConfig, chunks: list[Chunk], tp: int, pp: int, dtyp
     return state, plan
 
 
-def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], tp: int = 1, pp: int = 1,
-               iteration: int = 1, args: argparse.Namespace | None = None, num_layer_list: list[int] | None = None,
-               vpp_layers: int | None = None, dtype: torch.dtype | None = None,
-               progress: Progress | None = None, writers: int | None = None,
-               seq_length: int | None = None) -> list[Path]:
+def save_mcore(
+    source: Any,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike[str],
+    tp: int = 1,
+    pp: int = 1,
+    iteration: int = 1,
+    args: argparse.Namespace | None = None,
+    num_layer_list: list[int] | None = None,
+    vpp_layers: int | None = None,
+    dtype: torch.dtype | None = None,
+    progress: Progress | None = None,
+    writers: int | None = None,
+    seq_length: int | None = None,
+) -> list[Path]:
     """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
 
     Without ``args``, ``build_args`` makes them, with ``seq_length`` and the source's config.json (``hf_config``
@@ -226,8 +291,16 @@ def save_mcore(source: Any, cfg: ModelConfig, out_dir: str | os.PathLike[str], t
     get_shard = _shard_getter(source)
     segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
-    args = args or build_args(cfg, tp, pp, dtype, num_layer_list, vpp_layers,
-                              hf_config=getattr(source, "hf_config", None), seq_length=seq_length)
+    args = args or build_args(
+        cfg,
+        tp,
+        pp,
+        dtype,
+        num_layer_list,
+        vpp_layers,
+        hf_config=getattr(source, "hf_config", None),
+        seq_length=seq_length,
+    )
     out = Path(out_dir)
     count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
 
@@ -394,7 +467,7 @@ class RankFiles:
             prefix = f"decoder.layers.{i}."
             for key in self.models[(0, p)][n]:
                 if key.startswith(prefix) and key.endswith(".lora_A.weight"):
-                    found.append(f"decoder.layers.{layer}." + key[len(prefix):].removesuffix(".lora_A.weight"))
+                    found.append(f"decoder.layers.{layer}." + key[len(prefix) :].removesuffix(".lora_A.weight"))
         return found
 
     def rank_file(self, t: int, p: int) -> Path:
@@ -412,13 +485,24 @@ class MegatronCheckpoint:
 
     merge_rounding = "fp32"  # engine.model.lora.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
 
-    def __init__(self, root: str | os.PathLike[str], lora_dir: str | os.PathLike[str] | None = None,
-                 lora_alpha: float | None = None, lora_r: int | None = None,
-                 hf_config: Mapping[str, Any] | None = None, view: RankView | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        lora_dir: str | os.PathLike[str] | None = None,
+        lora_alpha: float | None = None,
+        lora_r: int | None = None,
+        hf_config: Mapping[str, Any] | None = None,
+        view: RankView | None = None,
+    ):
         self.root = Path(root)
         self.view = view
         self.base = RankFiles(root, view)
-        self.iter_dir, self.iteration, self.tp, self.pp = self.base.iter_dir, self.base.iteration, self.base.tp, self.base.pp
+        self.iter_dir, self.iteration, self.tp, self.pp = (
+            self.base.iter_dir,
+            self.base.iteration,
+            self.base.tp,
+            self.base.pp,
+        )
         self.args = self.base.args
         self.side: RankFiles | None = None
         arg_sources = [self.args]
@@ -436,8 +520,11 @@ class MegatronCheckpoint:
         opened = self.base.models[self.base.first]  # the one file read so far: enough to tell an adapters-only save
         names = [k for t in opened.values() for k in t if not k.endswith("_extra_state")]
         if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
-            raise BadInput(f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
-                           "--load-dir and the adapter as --lora-load", field="load_dir")
+            raise BadInput(
+                f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
+                "--load-dir and the adapter as --lora-load",
+                field="load_dir",
+            )
         for key in (EMBEDDING, FINAL_NORM):
             if key not in self.base.where:
                 raise BadInput(f"{self.iter_dir}: no rank holds {key}", field="load_dir")
@@ -463,9 +550,12 @@ class MegatronCheckpoint:
             else:
                 ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
-            raise BadInput(f"{self.base.rank_file(t, self.base.layer_at[layer][0])}: tensor {err.args[0]} is "
-                           f"missing: not a Qwen3 "
-                           f"(local spec, qk-layernorm) checkpoint", field="load_dir") from None
+            raise BadInput(
+                f"{self.base.rank_file(t, self.base.layer_at[layer][0])}: tensor {err.args[0]} is "
+                f"missing: not a Qwen3 "
+                f"(local spec, qk-layernorm) checkpoint",
+                field="load_dir",
+            ) from None
         hidden = shape(pre + "input_layernorm.weight")[0]
         rows = self._padded_rows() // tp
         untie = getattr(a, "untie_embeddings_and_output_weights", None)
@@ -480,8 +570,14 @@ class MegatronCheckpoint:
         # args first (the run's own values), then config.json, then Qwen3's published values
         pick = lambda arg, default: getattr(a, arg, None) or (getattr(ref, arg) if ref else None) or default  # noqa: E731
         cfg = ModelConfig(
-            num_layers=len(self.base.layer_at), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-            num_query_groups=groups, kv_channels=d, vocab_size=vocab, tie_word_embeddings=bool(tied),
+            num_layers=len(self.base.layer_at),
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=d,
+            vocab_size=vocab,
+            tie_word_embeddings=bool(tied),
             norm_epsilon=float(pick("norm_epsilon", 1e-6)),
             rotary_base=float(pick("rotary_base", 1e6)),
             max_position_embeddings=int(pick("max_position_embeddings", 40960)),
@@ -490,14 +586,19 @@ class MegatronCheckpoint:
         )
         for field in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(a, field, None) not in (None, getattr(cfg, field)):
-                raise BadInput(f"{self.iter_dir}: args.{field} is {getattr(a, field)} but the tensors hold "
-                               f"{getattr(cfg, field)} (missing or mixed rank files?)", field="load_dir")
+                raise BadInput(
+                    f"{self.iter_dir}: args.{field} is {getattr(a, field)} but the tensors hold "
+                    f"{getattr(cfg, field)} (missing or mixed rank files?)",
+                    field="load_dir",
+                )
         return cfg
 
     def _output_is_embedding(self) -> bool:
         if OUTPUT not in self.base.where:
             return True  # PP=1 tied checkpoints carry no output layer
-        return all(torch.equal(self.base.raw(OUTPUT, t).read(), self.base.raw(EMBEDDING, t).read()) for t in range(self.tp))
+        return all(
+            torch.equal(self.base.raw(OUTPUT, t).read(), self.base.raw(EMBEDDING, t).read()) for t in range(self.tp)
+        )
 
     def _probe(self) -> tuple[int, int]:
         """(TP rank, global layer) whose tensors tell the shapes: the first layer of the file already open."""
@@ -535,8 +636,10 @@ class MegatronCheckpoint:
                 except KeyError:
                     raise BadInput(f"{where}: tensor {key} (global name) is missing", field="load_dir") from None
                 if tuple(got.shape) != want:
-                    raise BadInput(f"{where}: tensor {self.base.local(key)[2]} has shape "
-                                   f"{list(got.shape)}, expected {list(want)}", field="load_dir")
+                    raise BadInput(
+                        f"{where}: tensor {self.base.local(key)[2]} has shape {list(got.shape)}, expected {list(want)}",
+                        field="load_dir",
+                    )
 
     def _padded_rows(self) -> int:
         padded = getattr(self.args, "padded_vocab_size", None)
@@ -593,16 +696,21 @@ class MegatronCheckpoint:
         else:
             return weight
         if self.lora_alpha is None or self.lora_r is None:
-            raise BadInput(f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them",
-                           field="lora_r")
+            raise BadInput(
+                f"{self.iter_dir}: {key} has LoRA adapters; give lora_r and lora_alpha to merge them", field="lora_r"
+            )
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.merge_rounding)
 
     def can_copy(self, dtype: torch.dtype) -> bool:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
         if self.side is not None or self.lora_modules():
             return False
-        return all(isinstance(ref, TensorRef) and ref.dtype == dtype
-                   for chunks in self.base.models.values() for tensors in chunks.values() for ref in tensors.values())
+        return all(
+            isinstance(ref, TensorRef) and ref.dtype == dtype
+            for chunks in self.base.models.values()
+            for tensors in chunks.values()
+            for ref in tensors.values()
+        )
 
     def row_source(self, key: str) -> MergedRows:
         """Where the rows of native ``key`` lie in the rank files (for ``fastcopy.RowPlan``)."""
@@ -649,7 +757,9 @@ def _rank_files(iter_dir: Path) -> tuple[int, int, dict[tuple[int, int], Path]]:
         if not m:
             continue
         if m[3] is not None:
-            raise BadInput(f"{entry}: expert-parallel checkpoints are not supported (dense Qwen3 only)", field="load_dir")
+            raise BadInput(
+                f"{entry}: expert-parallel checkpoints are not supported (dense Qwen3 only)", field="load_dir"
+            )
         found[(int(m[1]), int(m[2] or 0))] = entry / MODEL_FILE
     if not found:
         raise BadInput(f"{iter_dir}: no mp_rank_* directories", field="load_dir")
@@ -658,8 +768,10 @@ def _rank_files(iter_dir: Path) -> tuple[int, int, dict[tuple[int, int], Path]]:
     for t in range(tp):
         for p in range(pp):
             if (t, p) not in found:
-                raise BadInput(f"{iter_dir / rank_dir_name(t, p, pp)}: missing (TP {tp} × PP {pp} ranks expected)",
-                               field="load_dir")
+                raise BadInput(
+                    f"{iter_dir / rank_dir_name(t, p, pp)}: missing (TP {tp} × PP {pp} ranks expected)",
+                    field="load_dir",
+                )
     return tp, pp, found
 
 

@@ -31,7 +31,9 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) 
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise BadInput(f"{path}: tensor {what} is cut short at byte {offset + done} (truncated file?)", field="load_dir")
+            raise BadInput(
+                f"{path}: tensor {what} is cut short at byte {offset + done} (truncated file?)", field="load_dir"
+            )
         done += n
     return out
 
@@ -61,7 +63,6 @@ class TensorRef:
             raise ValueError(f"{self.name}: cannot read rows {start}:{stop} into {tuple(out.shape)} {out.dtype}")
         return _pread_into(self.file.fd, out, self.offset + start * self.row_bytes, self.file.path, self.name)
 
-
     def read_cols(self, start: int, stop: int) -> torch.Tensor:
         """Columns ``start:stop`` of a 2-D tensor: one ``preadv`` per 512 rows scatters each row's wanted bytes
         into place and the rest into a scratch buffer, so no strided copy is made in user space."""
@@ -75,7 +76,7 @@ class TensorRef:
             last = min(first + 512, rows)
             iov = []
             for r in range(first, last):
-                iov.append(dest[r * seg:(r + 1) * seg])
+                iov.append(dest[r * seg : (r + 1) * seg])
                 if r < last - 1 and gap:
                     iov.append(scratch)
             offset = self.offset + first * cols * elem + start * elem
@@ -122,8 +123,11 @@ class SafetensorsFile(_File):
                 continue
             start, end = meta["data_offsets"]
             if 8 + n + end > self.size:
-                raise BadInput(f"{self.path}: tensor {name} ends at byte {8 + n + end} but the file has "
-                               f"{self.size} bytes (truncated?)", field="load_dir")
+                raise BadInput(
+                    f"{self.path}: tensor {name} ends at byte {8 + n + end} but the file has "
+                    f"{self.size} bytes (truncated?)",
+                    field="load_dir",
+                )
             if meta["dtype"] not in SAFETENSORS_DTYPES:
                 raise BadInput(f"{self.path}: tensor {name} has unsupported dtype {meta['dtype']}", field="load_dir")
             dtype = SAFETENSORS_DTYPES[meta["dtype"]]
@@ -167,8 +171,10 @@ class TorchZipFile(_File):
                 unpickler.path = self.path
                 raw = unpickler.load()
         except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError) as err:
-            raise BadInput(f"{self.path}: not a readable torch checkpoint, truncated? ({type(err).__name__}: {err})",
-                           field="load_dir") from err
+            raise BadInput(
+                f"{self.path}: not a readable torch checkpoint, truncated? ({type(err).__name__}: {err})",
+                field="load_dir",
+            ) from err
         self._offsets = {name[5:]: self._data_offset(info) for name, info in infos.items() if name.startswith("data/")}
         self._sizes = {name[5:]: info.file_size for name, info in infos.items() if name.startswith("data/")}
         self.obj = self._resolve(raw, "")
@@ -187,8 +193,9 @@ class TorchZipFile(_File):
             return [self._resolve(v, f"{path}[{i}]") for i, v in enumerate(obj)]
         return obj
 
-    def _tensor(self, name: str, storage: _StorageRef, offset: int, shape: tuple[int, ...],
-                stride: tuple[int, ...]) -> TensorRef | MemoryRef:
+    def _tensor(
+        self, name: str, storage: _StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]
+    ) -> TensorRef | MemoryRef:
         if storage.key not in self._offsets:
             raise BadInput(f"{self.path}: tensor {name} has no data record (truncated?)", field="load_dir")
         contiguous = torch.empty(shape, device="meta").stride()
@@ -231,10 +238,10 @@ def read_merged(refs: list[Any], rule: str) -> torch.Tensor:
     out = torch.empty((rows * len(refs), *first.shape[1:]), dtype=first.dtype)
     if rule == "dim0":
         for k, ref in enumerate(refs):
-            ref.read(out[k * rows:(k + 1) * rows])
+            ref.read(out[k * rows : (k + 1) * rows])
         return out
     half, total = rows // 2, rows * len(refs) // 2  # glu: rank k holds [gate_k; up_k]
     for k, ref in enumerate(refs):
-        ref.read_rows(0, half, out[k * half:(k + 1) * half])
-        ref.read_rows(half, rows, out[total + k * half:total + (k + 1) * half])
+        ref.read_rows(0, half, out[k * half : (k + 1) * half])
+        ref.read_rows(half, rows, out[total + k * half : total + (k + 1) * half])
     return out

@@ -27,8 +27,22 @@ from engine.torch_compat import LegacyStorage, set_element
 
 # Plain constructors and torch's own tensor rebuilders: they build data and call nothing named by the file.
 _PLAIN: dict[str, set[str]] = {
-    "builtins": {"set", "frozenset", "complex", "slice", "range", "bytearray", "bytes", "dict", "list", "tuple",
-                 "int", "float", "str", "bool"},
+    "builtins": {
+        "set",
+        "frozenset",
+        "complex",
+        "slice",
+        "range",
+        "bytearray",
+        "bytes",
+        "dict",
+        "list",
+        "tuple",
+        "int",
+        "float",
+        "str",
+        "bool",
+    },
     "collections": {"OrderedDict", "defaultdict", "deque"},
     "_codecs": {"encode"},
     "argparse": {"Namespace"},
@@ -43,9 +57,16 @@ _PLAIN: dict[str, set[str]] = {
     "numpy.core.multiarray": {"_reconstruct", "scalar"},
     "numpy._core.multiarray": {"_reconstruct", "scalar"},
     # torch.distributed.checkpoint's .metadata file
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
-                                              "BytesStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
 }
 
@@ -54,8 +75,14 @@ _PLAIN: dict[str, set[str]] = {
 # older homes of the same enums.
 _MEGATRON_ENUMS: dict[str, set[str]] = {
     "megatron.core.enums": {"ModelType", "Fp8Recipe", "Fp4Recipe"},
-    "megatron.core.transformer.enums": {"ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend",
-                                        "CudaGraphScope"},
+    "megatron.core.transformer.enums": {
+        "ModelType",
+        "LayerType",
+        "AttnType",
+        "AttnMaskType",
+        "AttnBackend",
+        "CudaGraphScope",
+    },
     "megatron.core.rerun_state_machine": {"RerunMode", "RerunState", "RerunDiagnostic", "RerunValidationStatus"},
     "megatron.legacy.model.enums": {"LayerType", "AttnType", "AttnMaskType"},
     "megatron.model.enums": {"LayerType", "AttnType", "AttnMaskType", "ModelType"},
@@ -77,7 +104,8 @@ class PickledEnum:
 
 _STANDINS: dict[tuple[str, str], type] = {
     (module, name): type(name, (PickledEnum,), {"__module__": module})
-    for module, names in _MEGATRON_ENUMS.items() for name in names
+    for module, names in _MEGATRON_ENUMS.items()
+    for name in names
 }
 
 
@@ -91,13 +119,19 @@ def allowed_global(module: str, name: str, path: object = "", field: str | None 
         obj = getattr(torch, name, None)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return obj
-        if name.endswith("Storage") and isinstance(obj, type) and issubclass(
-                obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage)):
+        if (
+            name.endswith("Storage")
+            and isinstance(obj, type)
+            and issubclass(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage))
+        ):
             return obj
     where = f"{path}: " if path else ""
-    raise BadInput(f"{where}refusing to unpickle {module}.{name}: not a class a Megatron/MindSpeed or DCP "
-                   "checkpoint holds (only tensors, containers, argparse.Namespace and Megatron's enums are "
-                   "loaded)", field=field)
+    raise BadInput(
+        f"{where}refusing to unpickle {module}.{name}: not a class a Megatron/MindSpeed or DCP "
+        "checkpoint holds (only tensors, containers, argparse.Namespace and Megatron's enums are "
+        "loaded)",
+        field=field,
+    )
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -128,10 +162,20 @@ def load_torch_file(path: str | os.PathLike[str] | IO[bytes], field: str | None 
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_pickle_module(name, field))
     except BadInput:
         raise
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError, KeyError, TypeError,
-            AttributeError, IndexError) as err:
-        raise BadInput(f"{name}: not a readable torch checkpoint, truncated? ({type(err).__name__}: {err})",
-                       field=field) from err
+    except (
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        IndexError,
+    ) as err:
+        raise BadInput(
+            f"{name}: not a readable torch checkpoint, truncated? ({type(err).__name__}: {err})", field=field
+        ) from err
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -147,8 +191,9 @@ class SafeFileSystemReader(FileSystemReader):
             except BadInput:
                 raise
             except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
-                raise BadInput(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})",
-                               field="load_dir") from err
+                raise BadInput(
+                    f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})", field="load_dir"
+                ) from err
         if not isinstance(metadata, Metadata):
             raise BadInput(f"{path}: not DCP checkpoint metadata ({type(metadata).__name__})", field="load_dir")
         if getattr(metadata, "storage_meta", None) is None:

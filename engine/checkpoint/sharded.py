@@ -59,9 +59,11 @@ def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
     start, stop = _dp_rows(param, piece.shape[0] if piece.dim() else 1)
     piece = piece[start:stop]
     if tuple(piece.shape) != tuple(local.shape):
-        raise ValueError(f"{key}: the source gives a piece of shape {tuple(piece.shape)} for a local parameter of "
-                         f"shape {tuple(local.shape)} (TP rank {tp_rank} of {tp}, rows {start}:{stop}, "
-                         f"placements {getattr(param, 'placements', None)})")
+        raise ValueError(
+            f"{key}: the source gives a piece of shape {tuple(piece.shape)} for a local parameter of "
+            f"shape {tuple(local.shape)} (TP rank {tp_rank} of {tp}, rows {start}:{stop}, "
+            f"placements {getattr(param, 'placements', None)})"
+        )
     local.copy_(piece)
 
 

@@ -64,8 +64,14 @@ def _tp_rows(rows: int, key: str, tp: int, rank: int) -> torch.Tensor:
     return shard(torch.arange(rows).unsqueeze(1), split_rule(key), tp, rank).reshape(-1)
 
 
-def _draw_into(out: torch.Tensor | None, shape: tuple[int, ...], key: str, tp: int, rank: int,
-               draw: Callable[[torch.Tensor], object]) -> None:
+def _draw_into(
+    out: torch.Tensor | None,
+    shape: tuple[int, ...],
+    key: str,
+    tp: int,
+    rank: int,
+    draw: Callable[[torch.Tensor], object],
+) -> None:
     """Draw the full tensor of ``shape`` chunk by chunk with ``draw`` (in place); keep TP rank ``rank``'s part in
     ``out`` (None: draw and drop). Chunks are whole rows of a multiple of 16 numbers: ``normal_`` then draws the
     very same sequence as on the whole tensor (it fills and transforms in blocks of 16, the tail last)."""
@@ -86,7 +92,7 @@ def _draw_into(out: torch.Tensor | None, shape: tuple[int, ...], key: str, tp: i
             continue
         flat = out.view(-1, width) if out.dim() > 1 else out.view(-1, 1)
         if ids is None:  # row-parallel: every row, this rank's columns
-            flat[a:b] = chunk[:, rank * width:(rank + 1) * width]
+            flat[a:b] = chunk[:, rank * width : (rank + 1) * width]
         else:
             mine = (ids >= a) & (ids < b)
             flat[mine] = chunk[ids[mine] - a]
@@ -127,7 +133,7 @@ class SeededInit:
         index = self.order.index(key)
         if index < self.next:
             self._restart()
-        for skipped in self.order[self.next:index]:
+        for skipped in self.order[self.next : index]:
             skip_std = init_std(skipped, len(self.shapes[skipped]), self.config)
             if skip_std is not None:
                 _draw_into(None, self.shapes[skipped], skipped, tp, rank, self._normal(skip_std))
@@ -169,7 +175,7 @@ class SeededLoraInit:
         index = self.modules.index(module)
         if index < self.next:
             self._restart()
-        for skipped in self.modules[self.next:index]:
+        for skipped in self.modules[self.next : index]:
             self._uniform(self.shapes[skipped + ".weight"])
         self.next = index + 1
         return shard(self._uniform(self.shapes[module + ".weight"]), split_rule(key), tp, rank).contiguous()

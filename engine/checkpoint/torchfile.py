@@ -37,9 +37,17 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 ALIGNMENT = 64
-_STORAGE_TYPES = {torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage", torch.float32: "FloatStorage",
-                  torch.float64: "DoubleStorage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-                  torch.uint8: "ByteStorage", torch.int8: "CharStorage", torch.bool: "BoolStorage"}
+_STORAGE_TYPES = {
+    torch.bfloat16: "BFloat16Storage",
+    torch.float16: "HalfStorage",
+    torch.float32: "FloatStorage",
+    torch.float64: "DoubleStorage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.uint8: "ByteStorage",
+    torch.int8: "CharStorage",
+    torch.bool: "BoolStorage",
+}
 _DONE = object()
 
 
@@ -94,8 +102,7 @@ class LazyTensor:
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         stride = torch.empty(self.shape, device="meta").stride()
-        return (rebuild_tensor_v2,
-                (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
+        return (rebuild_tensor_v2, (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
 
 
 class _Pickler(pickle.Pickler):
@@ -142,7 +149,9 @@ class TorchFileWriter:
     def write(self, lazy: LazyTensor, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` as the bytes of ``lazy`` (which must be the next pending placeholder)."""
         if tuple(tensor.shape) != lazy.shape or tensor.dtype != lazy.dtype:
-            raise RuntimeError(f"{self.path}: expected {lazy.shape} {lazy.dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+            raise RuntimeError(
+                f"{self.path}: expected {lazy.shape} {lazy.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+            )
         self._next(lazy)
         self.writer.put((lazy, tensor.detach().contiguous()))
 
@@ -181,8 +190,9 @@ class TorchFileWriter:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
             return

@@ -75,9 +75,13 @@ def _flatten(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lengths
 
 
-def _limit(config: EncodeConfig, ids: np.ndarray, labels: np.ndarray, eod: int | None, result: ChunkResult) -> tuple[np.ndarray, np.ndarray] | None:
+def _limit(
+    config: EncodeConfig, ids: np.ndarray, labels: np.ndarray, eod: int | None, result: ChunkResult
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Apply the over-long policy and ``append_eod``; None = drop (the reason is counted)."""
-    ids, labels, outcome = limit_sample(ids, labels, config.seq_length, config.overlong_policy, config.template or "", eod)
+    ids, labels, outcome = limit_sample(
+        ids, labels, config.seq_length, config.overlong_policy, config.template or "", eod
+    )
     if outcome == "too_long":
         result.dropped["too_long"] += 1
         return None
@@ -96,7 +100,9 @@ def instruction_eod(tokenizer: Any, template: str | None) -> int:
     return int(tokenizer.eos_token_id)
 
 
-def _encode_instruction(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:
+def _encode_instruction(
+    config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult
+) -> None:
     tokenizer = load_tokenizer(config.tokenizer_path, config.use_fast)
     converter = Converter(config.handler_name, config.map_keys)
     good: list[tuple[str, int, list[dict[str, str]]]] = []
@@ -133,16 +139,19 @@ def _encode_pairwise(config: EncodeConfig, records: list[tuple[str, int, dict[st
     kept: dict[str, list[np.ndarray]] = {key: [] for key in PAIRWISE_FIELDS}
     for file, number, record in records:
         try:
-            prompt_ids, chosen, rejected = encode_pair(tokenizer, *converter.pair(record), config.template or "",
-                                                       config.enable_thinking)
+            prompt_ids, chosen, rejected = encode_pair(
+                tokenizer, *converter.pair(record), config.template or "", config.enable_thinking
+            )
         except (FormatError, ConversationError) as err:
             result.errors.append((file, number, str(err)))
             continue
         masked = np.full(prompt_ids.size, IGNORE_INDEX, np.int32)
-        row = {"chosen_input_ids": np.concatenate([prompt_ids, chosen]),
-               "chosen_labels": np.concatenate([masked, chosen]),
-               "rejected_input_ids": np.concatenate([prompt_ids, rejected]),
-               "rejected_labels": np.concatenate([masked, rejected])}
+        row = {
+            "chosen_input_ids": np.concatenate([prompt_ids, chosen]),
+            "chosen_labels": np.concatenate([masked, chosen]),
+            "rejected_input_ids": np.concatenate([prompt_ids, rejected]),
+            "rejected_labels": np.concatenate([masked, rejected]),
+        }
         if config.seq_length is not None and max(a.size for a in row.values()) >= config.seq_length:
             result.dropped["too_long"] += 1
             continue
@@ -161,7 +170,10 @@ def _encode_text(config: EncodeConfig, records: list[tuple[str, int, dict[str, A
         except FormatError as err:
             result.errors.append((file, number, str(err)))
     eod = [tokenizer.eos_token_id] if config.append_eod else []
-    per_key = {key: tokenizer([t[k] for t in texts], add_special_tokens=False)["input_ids"] if texts else [] for k, key in enumerate(config.json_keys)}
+    per_key = {
+        key: tokenizer([t[k] for t in texts], add_special_tokens=False)["input_ids"] if texts else []
+        for k, key in enumerate(config.json_keys)
+    }
     keep = [i for i in range(len(texts)) if any(per_key[k][i] for k in config.json_keys)]
     result.dropped["empty_text"] += len(texts) - len(keep)
     for key in config.json_keys:

@@ -72,7 +72,13 @@ OPENAI_TAGS = {
 }
 _SHAREGPT_KEYS = {"messages", "system", "tools", "tags"}
 _ALPACA_KEYS = {"prompt", "query", "response", "system", "history"}
-_ROLE_OF_TAG = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "observation", "function_tag": "function", "system_tag": "system"}
+_ROLE_OF_TAG = {
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "observation",
+    "function_tag": "function",
+    "system_tag": "system",
+}
 
 
 class FormatError(ValueError):
@@ -91,7 +97,9 @@ def _check_map_keys(fmt: str, map_keys: dict[str, Any], pairwise: bool = False) 
     allowed = (_SHAREGPT_KEYS if fmt == "sharegpt" else _ALPACA_KEYS) | ({"chosen", "rejected"} if pairwise else set())
     unknown = sorted(set(map_keys) - allowed)
     if unknown:
-        raise ValueError(f"map_keys: unknown key(s) {', '.join(map(repr, unknown))} for {fmt}; allowed: {', '.join(sorted(allowed))}")
+        raise ValueError(
+            f"map_keys: unknown key(s) {', '.join(map(repr, unknown))} for {fmt}; allowed: {', '.join(sorted(allowed))}"
+        )
     tags = map_keys.get("tags", {})
     if not isinstance(tags, dict) or set(tags) - set(SHAREGPT_TAGS):
         raise ValueError(f"map_keys: tags must be an object with keys among {', '.join(SHAREGPT_TAGS)}")
@@ -117,8 +125,10 @@ class Converter:
             raise FormatError("a pairwise handler reads chosen/rejected pairs (Converter.pair), not conversations")
         if isinstance(record, dict) and "chosen" in record and "rejected" in record:
             pairwise = "SharegptStylePairwiseHandler" if self.format == "sharegpt" else "AlpacaStylePairwiseHandler"
-            raise FormatError(f"a pairwise (preference) record with chosen/rejected answers; preprocess it with "
-                              f"handler_name {pairwise}")
+            raise FormatError(
+                f"a pairwise (preference) record with chosen/rejected answers; preprocess it with "
+                f"handler_name {pairwise}"
+            )
         try:
             raw = self._sharegpt(record) if self.format == "sharegpt" else self._alpaca(record)
             return check_conversation(raw)
@@ -249,7 +259,9 @@ def where(file: str, number: int) -> str:
 
 
 def iter_conversations(
-    path: str | os.PathLike[str], map_keys: dict[str, Any] | None = None, handler_name: str = "SharegptStyleInstructionHandler"
+    path: str | os.PathLike[str],
+    map_keys: dict[str, Any] | None = None,
+    handler_name: str = "SharegptStyleInstructionHandler",
 ) -> Iterator[tuple[str, int, list[dict[str, str]]]]:
     """``(file, number, messages)`` for every record under ``path``; ``BadInput`` names the first bad record."""
     try:

@@ -151,7 +151,9 @@ class IndexedDataset:
             raise ValueError(f"{self.prefix}.idx: too short to be a Megatron index")
         magic, version, code, n_seq, n_doc = _HEADER.unpack(self._idx[: _HEADER.size].tobytes())
         if magic != MAGIC or version != VERSION or code not in CODE_DTYPES:
-            raise ValueError(f"{self.prefix}.idx: not a Megatron MMIDIDX v1 index (magic {magic!r}, version {version}, dtype {code})")
+            raise ValueError(
+                f"{self.prefix}.idx: not a Megatron MMIDIDX v1 index (magic {magic!r}, version {version}, dtype {code})"
+            )
         self.dtype = np.dtype(CODE_DTYPES[code])
         offset = _HEADER.size
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, n_seq, offset)

@@ -59,7 +59,9 @@ def pack_rows(
         ids = np.concatenate([p[0] for p in parts] + [np.full(pad, pad_id, np.int32)])
         labels = np.concatenate([p[1] for p in parts] + [np.full(pad, IGNORE_INDEX, np.int32)])
         if neat:
-            mask = np.concatenate([np.repeat(np.arange(1, len(parts) + 1, dtype=np.int32), lengths), np.zeros(pad, np.int32)])
+            mask = np.concatenate(
+                [np.repeat(np.arange(1, len(parts) + 1, dtype=np.int32), lengths), np.zeros(pad, np.int32)]
+            )
         else:
             mask = np.ones(seq_length, np.int32)
         rows.append(PackedRow(ids.astype(np.int32), labels.astype(np.int32), mask, np.cumsum(lengths, dtype=np.int32)))

@@ -45,7 +45,10 @@ def input_files(path: str | os.PathLike[str]) -> list[Path]:
         raise BadInput(f"input: directory {p} holds no {'/'.join(SUFFIXES)} file", field="input")
     kinds = {f.suffix.lower() for f in files}
     if len(kinds) > 1:
-        raise BadInput(f"input: directory {p} mixes formats ({', '.join(sorted(kinds))}); keep one format per directory", field="input")
+        raise BadInput(
+            f"input: directory {p} mixes formats ({', '.join(sorted(kinds))}); keep one format per directory",
+            field="input",
+        )
     return files
 
 

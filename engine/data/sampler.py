@@ -44,7 +44,11 @@ class DistributedSampler:
 
     def _epoch(self, epoch: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples) if self.shuffle else np.arange(self.num_samples)
+            order = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                if self.shuffle
+                else np.arange(self.num_samples)
+            )
             self._cached = (epoch, order)
         return self._cached[1]
 

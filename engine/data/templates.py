@@ -172,7 +172,7 @@ def _split_turns(
 ) -> tuple[str | None, str | None, list[tuple[dict[str, str], dict[str, str] | None]]]:
     """(system, tools JSON, [(prompt turn, response turn or None)])."""
     head = {m["role"]: m["content"] for m in messages[:2] if m["role"] in ("system", TOOLS_ROLE)}
-    body = messages[len(head):]
+    body = messages[len(head) :]
     pairs = [(body[i], body[i + 1] if i + 1 < len(body) else None) for i in range(0, len(body), 2)]
     return head.get("system"), head.get(TOOLS_ROLE), pairs
 
@@ -196,8 +196,13 @@ def _parse_calls(content: str) -> list[dict[str, Any]]:
         calls = calls if isinstance(calls, list) else [calls]
         if not all(isinstance(c, dict) and "name" in c and "arguments" in c for c in calls):
             raise ConversationError("function call must be JSON with name and arguments")
-        return [{"name": c["name"], "arguments": json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"]}
-                for c in calls]
+        return [
+            {
+                "name": c["name"],
+                "arguments": json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"],
+            }
+            for c in calls
+        ]
     except json.JSONDecodeError as err:
         raise ConversationError(f"function call content is not JSON: {err.msg}") from err
 
@@ -281,7 +286,9 @@ def _qwen_tool_text(tools: str) -> str:
     text = ""
     for fn in functions:
         params = fn.get("parameters") or {}
-        args = "".join(_qwen_param_line(n, p, params.get("required", [])) for n, p in params.get("properties", {}).items())
+        args = "".join(
+            _qwen_param_line(n, p, params.get("required", [])) for n, p in params.get("properties", {}).items()
+        )
         text += f"> Tool Name: {fn['name']}\nTool Description: {fn.get('description', '')}\nTool Args:\n{args}\n"
     names = ", ".join(fn["name"] for fn in functions)
     return _QWEN_TOOL_PROMPT.format(tool_text=text, tool_names=names, format_prompt=_QWEN_JSON_FORMAT)
@@ -293,8 +300,9 @@ def _qwen_action(content: str) -> str:
     except json.JSONDecodeError as err:
         raise ConversationError(f"function call content is not JSON: {err.msg}") from err
     if isinstance(call, list):
-        raise ConversationError("template qwen: one function call per turn (MindSpeed's qwen writes no parallel "
-                                "calls); use qwen3 or hf")
+        raise ConversationError(
+            "template qwen: one function call per turn (MindSpeed's qwen writes no parallel calls); use qwen3 or hf"
+        )
     if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
         raise ConversationError("function call must be JSON with name and arguments")
     return f"Action: {call['name']}\nAction Input: {json.dumps(call['arguments'], ensure_ascii=False)}"
@@ -317,7 +325,9 @@ def qwen_segments(messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
     return segments
 
 
-def _segments(name: str, messages: list[dict[str, str]], thinking: ThinkingMode, generation: bool = False) -> list[tuple[str, bool]]:
+def _segments(
+    name: str, messages: list[dict[str, str]], thinking: ThinkingMode, generation: bool = False
+) -> list[tuple[str, bool]]:
     if name == "qwen":
         return qwen_segments(messages)  # a trailing prompt turn already ends with the assistant header
     return chatml_segments(messages, reasoning=True, thinking=thinking, generation=generation)
@@ -358,7 +368,9 @@ def _hf_messages(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "content": m["content"]})
         elif m["role"] == "function":
             calls = _parse_calls(m["content"])
-            out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c} for c in calls]})
+            out.append(
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c} for c in calls]}
+            )
         else:
             out.append(dict(m))
     return out
@@ -381,7 +393,9 @@ def _hf_turn_end(tokenizer: Any) -> str:
     """The text the template writes after an assistant message (e.g. ``<|im_end|>\\n``), found with a sentinel."""
     if tokenizer not in _TURN_END:
         sentinel = "\x1fLLMJOBS\x1f"
-        text = _hf_render(tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": sentinel}], False)
+        text = _hf_render(
+            tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": sentinel}], False
+        )
         _TURN_END[tokenizer] = text.split(sentinel)[-1] or (tokenizer.eos_token or "")
     return _TURN_END[tokenizer]
 
@@ -397,7 +411,10 @@ def _hf_encode(tokenizer: Any, messages: list[dict[str, str]], thinking: Thinkin
             continue
         # The generation header with the thinking flag (qwen3 false: ends with the empty thought, which stays masked);
         # when the template renders this turn differently (e.g. no thought on earlier turns), the plain header.
-        heads = [_hf_render(tokenizer, hf_msgs[:i], True, **kwargs), _hf_render(tokenizer, hf_msgs[:i], True, **_hf_tools(messages))]
+        heads = [
+            _hf_render(tokenizer, hf_msgs[:i], True, **kwargs),
+            _hf_render(tokenizer, hf_msgs[:i], True, **_hf_tools(messages)),
+        ]
         start = max((len(h) for h in heads if text.startswith(h)), default=None)
         if start is None:
             raise ConversationError(f"template hf: cannot locate assistant turn {i} in the rendered text")
@@ -459,7 +476,11 @@ def _qwen3_oneturn(messages: list[dict[str, str]], thinking: ThinkingMode) -> li
 
 
 def encode_pair(
-    tokenizer: Any, prompt: Sequence[dict[str, Any]], chosen: dict[str, Any], rejected: dict[str, Any], template: str,
+    tokenizer: Any,
+    prompt: Sequence[dict[str, Any]],
+    chosen: dict[str, Any],
+    rejected: dict[str, Any],
+    template: str,
     enable_thinking: Any = "none",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt ids, chosen answer ids, rejected answer ids) of a preference pair, as MindSpeed's pairwise handlers
@@ -489,7 +510,9 @@ def encode_pair(
     return out[0][0], out[0][1], out[1][1]
 
 
-def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: Any = "none") -> list[int]:
+def encode_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: Any = "none"
+) -> list[int]:
     """Prompt ids for generating the next assistant turn (a trailing assistant turn is dropped first)."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)
     msgs = list(messages)

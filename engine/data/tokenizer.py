@@ -23,6 +23,10 @@ def load_tokenizer(path: str | os.PathLike[str], use_fast: bool = True) -> Any:
     if not directory.is_dir():
         raise BadInput(f"tokenizer_name_or_path: {str(path)!r} is not a directory", field="tokenizer_name_or_path")
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, use_fast=use_fast, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, use_fast=use_fast, trust_remote_code=False
+        )
     except Exception as err:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
-        raise BadInput(f"tokenizer_name_or_path: cannot load a tokenizer from {str(path)!r}: {err}", field="tokenizer_name_or_path") from err
+        raise BadInput(
+            f"tokenizer_name_or_path: cannot load a tokenizer from {str(path)!r}: {err}", field="tokenizer_name_or_path"
+        ) from err

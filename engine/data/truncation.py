@@ -72,7 +72,9 @@ def infer_max_len(source_len: int, target_len: int, max_len: int, reserved_label
     return max_len - min(max_target_len, target_len), max_target_len
 
 
-def truncate_pairs(ids: np.ndarray, labels: np.ndarray, seq_length: int, template: str) -> tuple[np.ndarray, np.ndarray]:
+def truncate_pairs(
+    ids: np.ndarray, labels: np.ndarray, seq_length: int, template: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Cut every (source, target) pair as MindSpeed's ``template`` does for ``--seq-length seq_length``."""
     older = template == "qwen"
     cutoff = seq_length if older else seq_length - 1

@@ -59,8 +59,14 @@ def _last_user(messages: Sequence[dict[str, Any]]) -> str:
     return next((m["content"] for m in reversed(messages) if m["role"] in ("user", "observation")), "")
 
 
-def _parse_line(payload: Any, converter: Converter, tokenizer: Any, template: str, enable_thinking: str,
-                max_prompt_tokens: int | None) -> tuple[str, str, list[int]]:
+def _parse_line(
+    payload: Any,
+    converter: Converter,
+    tokenizer: Any,
+    template: str,
+    enable_thinking: str,
+    max_prompt_tokens: int | None,
+) -> tuple[str, str, list[int]]:
     try:
         messages = converter.messages(parse_record(payload))
     except FormatError as err:
@@ -77,9 +83,17 @@ def _parse_line(payload: Any, converter: Converter, tokenizer: Any, template: st
     return _last_user(prompt_messages), reference, prompt_ids
 
 
-def read_test_set(path: str | os.PathLike[str], tokenizer: Any, *, template: str = "qwen3",
-                  enable_thinking: str = "none", map_keys: dict[str, Any] | None = None, limit: int | None = None,
-                  max_prompt_tokens: int | None = None, policy: BadLinePolicy = "skip") -> TestSet:
+def read_test_set(
+    path: str | os.PathLike[str],
+    tokenizer: Any,
+    *,
+    template: str = "qwen3",
+    enable_thinking: str = "none",
+    map_keys: dict[str, Any] | None = None,
+    limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    policy: BadLinePolicy = "skip",
+) -> TestSet:
     """Read up to ``limit`` lines (bad ones count towards it, as the seed's ``--eval-data-size`` counts lines)."""
     try:
         files = input_files(path)
@@ -95,11 +109,15 @@ def read_test_set(path: str | os.PathLike[str], tokenizer: Any, *, template: str
         if limit is not None and len(lines) + len(bad) >= limit:
             break
         try:
-            lines.append(TestLine(number, *_parse_line(payload, converter, tokenizer, template, enable_thinking,
-                                                       max_prompt_tokens)))
+            lines.append(
+                TestLine(
+                    number, *_parse_line(payload, converter, tokenizer, template, enable_thinking, max_prompt_tokens)
+                )
+            )
         except RecordError as err:
             if policy == "error":
-                raise BadInput(f"eval_data_path: {file}:{number}: {err} (bad_line_policy is error)",
-                               field="eval_data_path") from err
+                raise BadInput(
+                    f"eval_data_path: {file}:{number}: {err} (bad_line_policy is error)", field="eval_data_path"
+                ) from err
             bad.append(BadLine(number, str(err)))
     return TestSet(str(path), lines, bad)

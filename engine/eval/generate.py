@@ -54,8 +54,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         if prompt:
-            ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long, device=device)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+            mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
@@ -85,13 +85,16 @@ class _Stepper:
 
             device, dtype = _device_dtype(model)
             local_kv = cfg.num_query_groups // opts.tp_size
-            self.cache = KVCache(cfg, ids.shape[0], ids.shape[1] + opts.max_new_tokens, dtype, device,
-                                 num_kv_heads=local_kv)
+            self.cache = KVCache(
+                cfg, ids.shape[0], ids.shape[1] + opts.max_new_tokens, dtype, device, num_kv_heads=local_kv
+            )
 
     def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
         last = hidden[:, -1]  # (B, H)
-        weight = cast(Qwen3Model, self.model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
+        weight = cast(
+            Qwen3Model, self.model
+        ).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
         if not isinstance(weight, DTensor):
             return _head(last, weight)
         # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the
@@ -100,8 +103,9 @@ class _Stepper:
         return DTensor.from_local(local, weight.device_mesh, [Shard(-1)], run_check=False).full_tensor()
 
     def prefill(self) -> torch.Tensor:
-        hidden = self.model(self.ids, position_ids=self.pos, attention_mask=self.mask,
-                            kv_cache=self.cache, return_hidden=True)
+        hidden = self.model(
+            self.ids, position_ids=self.pos, attention_mask=self.mask, kv_cache=self.cache, return_hidden=True
+        )
         return self._last_logits(hidden)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -111,16 +115,22 @@ class _Stepper:
         self.pos = torch.cat([self.pos, new_pos], dim=1)
         self.ids = torch.cat([self.ids, token[:, None]], dim=1)
         if self.cache is not None:
-            hidden = self.model(token[:, None], position_ids=new_pos, attention_mask=self.mask,
-                                kv_cache=self.cache, return_hidden=True)
+            hidden = self.model(
+                token[:, None], position_ids=new_pos, attention_mask=self.mask, kv_cache=self.cache, return_hidden=True
+            )
         else:
             hidden = self.model(self.ids, position_ids=self.pos, attention_mask=self.mask, return_hidden=True)
         return self._last_logits(hidden)
 
 
 @torch.inference_mode()
-def generate_batch(model: torch.nn.Module, cfg, prompts: Sequence[Sequence[int]], opts: DecodeOptions,
-                   generator: torch.Generator | None = None) -> Generation:
+def generate_batch(
+    model: torch.nn.Module,
+    cfg,
+    prompts: Sequence[Sequence[int]],
+    opts: DecodeOptions,
+    generator: torch.Generator | None = None,
+) -> Generation:
     """Decode one batch; ``cfg`` is the model's ``ModelConfig`` (the KV cache is shaped from it)."""
     start = time.perf_counter()
     device, _ = _device_dtype(model)
@@ -156,8 +166,9 @@ def _collect(rows: list[list[int]], stop_ids: set[int], seconds: float) -> Gener
     return Generation(tokens, reasons, produced, seconds)
 
 
-def generate(model: torch.nn.Module, cfg, prompts: Sequence[Sequence[int]], opts: DecodeOptions,
-             batch_size: int) -> Iterator[tuple[list[int], Generation]]:
+def generate(
+    model: torch.nn.Module, cfg, prompts: Sequence[Sequence[int]], opts: DecodeOptions, batch_size: int
+) -> Iterator[tuple[list[int], Generation]]:
     """Decode all prompts ``batch_size`` at a time, yielding (prompt indices, generation) per batch.
 
     Prompts are grouped by length (longest first) so a batch wastes little on padding; the indices say which
@@ -169,5 +180,5 @@ def generate(model: torch.nn.Module, cfg, prompts: Sequence[Sequence[int]], opts
     generator = opts.sampling.generator(device)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     for first in range(0, len(order), batch_size):
-        indices = order[first:first + batch_size]
+        indices = order[first : first + batch_size]
         yield indices, generate_batch(model, cfg, [prompts[i] for i in indices], opts, generator)

@@ -46,8 +46,10 @@ MAX_REPORTED_BAD_LINES = 50
 def _tokenizer(spec: Any) -> Any:
     path = spec.tokenizer_name_or_path or spec.load
     if spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file():
-        raise BadInput("tokenizer_name_or_path: required (the checkpoint directory holds no tokenizer)",
-                       field="tokenizer_name_or_path")
+        raise BadInput(
+            "tokenizer_name_or_path: required (the checkpoint directory holds no tokenizer)",
+            field="tokenizer_name_or_path",
+        )
     return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
 
 
@@ -57,20 +59,40 @@ def _decode_options(spec: Any, tokenizer: Any, tp_size: int) -> DecodeOptions:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     temperature = 0.0 if spec.greedy else spec.temperature
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
-    return DecodeOptions(max_new_tokens=spec.max_new_tokens, stop_ids=tuple(sorted(stops)), pad_id=pad,
-                         sampling=sampling, use_cache=not spec.no_kv_cache, tp_size=tp_size)
+    return DecodeOptions(
+        max_new_tokens=spec.max_new_tokens,
+        stop_ids=tuple(sorted(stops)),
+        pad_id=pad,
+        sampling=sampling,
+        use_cache=not spec.no_kv_cache,
+        tp_size=tp_size,
+    )
 
 
 def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
     for bad in testset.bad[:MAX_REPORTED_BAD_LINES]:
-        run.event("warning", f"{testset.path}: line {bad.number} skipped: {bad.reason}", line=bad.number,
-                  reason=bad.reason, policy=policy)
+        run.event(
+            "warning",
+            f"{testset.path}: line {bad.number} skipped: {bad.reason}",
+            line=bad.number,
+            reason=bad.reason,
+            policy=policy,
+        )
     if testset.bad:
         log.warning("%d bad test line(s) skipped (bad_line_policy=%s)", len(testset.bad), policy)
 
 
-def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: DecodeOptions, batch_size: int,
-            run: RunDir, device: Device, total: int, world: int) -> tuple[list[dict[str, Any]], int, float]:
+def _decode(
+    model: torch.nn.Module,
+    cfg: Any,
+    lines: list[TestLine],
+    opts: DecodeOptions,
+    batch_size: int,
+    run: RunDir,
+    device: Device,
+    total: int,
+    world: int,
+) -> tuple[list[dict[str, Any]], int, float]:
     """Generate for this rank's lines: (records, tokens generated, seconds). Progress counts lines of all ranks,
     estimated from this rank's share (rank 0 writes the events; every DP rank holds about ``total / world``)."""
     prompts = [line.prompt_ids for line in lines]
@@ -83,8 +105,14 @@ def _decode(model: torch.nn.Module, cfg: Any, lines: list[TestLine], opts: Decod
             records.append({"index": i, "tokens": tokens, "finish_reason": reason})
         done += len(indices)
         elapsed = time.perf_counter() - start
-        run.metric(step, {"tokens_per_s": produced / max(elapsed, 1e-9), "batch_size": len(indices),
-                          "batch_tokens_per_s": gen.num_generated / max(gen.seconds, 1e-9)})
+        run.metric(
+            step,
+            {
+                "tokens_per_s": produced / max(elapsed, 1e-9),
+                "batch_size": len(indices),
+                "batch_tokens_per_s": gen.num_generated / max(gen.seconds, 1e-9),
+            },
+        )
         run.progress(min(done * world, total), total, "lines")
     return records, produced, time.perf_counter() - start
 
@@ -98,15 +126,26 @@ def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
     return target
 
 
-def _score(spec: Any, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Scoreboard]:
+def _score(
+    spec: Any, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], Scoreboard]:
     board = Scoreboard(spec.answer_normalization, top_confusions=spec.top_confusions)
     rows = []
     for rec in sorted(records, key=lambda r: lines[r["index"]].number):
         line = lines[rec["index"]]
         output = tokenizer.decode(rec["tokens"], skip_special_tokens=False)
         answer, correct = board.add(output, line.reference)
-        rows.append({"line": line.number, "input": line.input, "reference": line.reference, "output": output,
-                     "answer": answer, "correct": correct, "finish_reason": rec["finish_reason"]})
+        rows.append(
+            {
+                "line": line.number,
+                "input": line.input,
+                "reference": line.reference,
+                "output": output,
+                "answer": answer,
+                "correct": correct,
+                "finish_reason": rec["finish_reason"],
+            }
+        )
     return rows, board
 
 
@@ -115,8 +154,10 @@ def _check_layout(spec: Any, run: RunDir) -> None:
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     if pp > 1 or (tp > 1 and spec.eval_mode == "loss"):
         field = "pipeline_model_parallel_size" if pp > 1 else "tensor_model_parallel_size"
-        message = (f"{field}: eval does not shard the model yet (TP {tp}, PP {pp} asked, eval_mode "
-                   f"{spec.eval_mode}); every rank holds the whole model and decodes its share of the test set")
+        message = (
+            f"{field}: eval does not shard the model yet (TP {tp}, PP {pp} asked, eval_mode "
+            f"{spec.eval_mode}); every rank holds the whole model and decodes its share of the test set"
+        )
         log.warning(message)
         run.event("warning", message, field=field)
 
@@ -130,8 +171,10 @@ def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
     if tp == 1 or spec.eval_mode == "loss":
         return None, rank, world
     if world % tp:
-        raise BadInput(f"tensor_model_parallel_size: TP {tp} must divide the world size {world}",
-                       field="tensor_model_parallel_size")
+        raise BadInput(
+            f"tensor_model_parallel_size: TP {tp} must divide the world size {world}",
+            field="tensor_model_parallel_size",
+        )
     mesh = build_mesh(device, ParallelDims(dp=world // tp, pp=1, tp=tp))
     return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
@@ -148,22 +191,31 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), tp_mesh=tp_mesh, device=device.torch_device)
     if spec.eval_mode == "loss":
         return run_loss_eval(spec, run, model, tokenizer, device, info)
-    testset = read_test_set(spec.eval_data_path, tokenizer, template=(spec.prompt_type or "qwen3"),
-                            enable_thinking=spec.enable_thinking, map_keys=spec.map_keys,
-                            limit=spec.eval_data_size, max_prompt_tokens=spec.seq_length,
-                            policy=spec.bad_line_policy)
+    testset = read_test_set(
+        spec.eval_data_path,
+        tokenizer,
+        template=(spec.prompt_type or "qwen3"),
+        enable_thinking=spec.enable_thinking,
+        map_keys=spec.map_keys,
+        limit=spec.eval_data_size,
+        max_prompt_tokens=spec.seq_length,
+        policy=spec.bad_line_policy,
+    )
     _report_bad_lines(run, testset, spec.bad_line_policy)
     if not testset.lines:
-        raise BadInput(f"eval_data_path: no scorable line in {spec.eval_data_path} "
-                       f"({len(testset.bad)} bad line(s) skipped)", field="eval_data_path")
+        raise BadInput(
+            f"eval_data_path: no scorable line in {spec.eval_data_path} ({len(testset.bad)} bad line(s) skipped)",
+            field="eval_data_path",
+        )
     opts = _decode_options(spec, tokenizer, tp_size=world // dp_size)
     mine = testset.lines[dp_rank::dp_size]
-    records, produced, seconds = _decode(model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size,
-                                         run, device, len(testset.lines), dp_size)
+    records, produced, seconds = _decode(
+        model, cfg, mine, opts, spec.eval_batch_size or spec.micro_batch_size, run, device, len(testset.lines), dp_size
+    )
     for rec in records:  # indices into this rank's share -> indices into the whole test set
         rec["index"] = rec["index"] * dp_size + dp_rank
     # Every TP rank of a DP group decoded the same lines: keep one copy per DP rank (the first of its TP group).
-    gathered = gather_objects((records, produced, seconds))[::world // dp_size]
+    gathered = gather_objects((records, produced, seconds))[:: world // dp_size]
     if world > 1:
         run.progress(len(testset.lines), len(testset.lines), "lines")  # every rank is done now
     all_records = [r for part in gathered for r in part[0]]
@@ -183,13 +235,26 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
         "generated_tokens": tokens,
         "generation_seconds": wall,
         "tokens_per_s": tokens / max(wall, 1e-9),
-        "decoding": {"greedy": opts.sampling.greedy, "temperature": spec.temperature, "top_k": spec.top_k,
-                     "top_p": spec.top_p, "seed": spec.seed, "max_new_tokens": spec.max_new_tokens,
-                     "batch_size": spec.eval_batch_size or spec.micro_batch_size, "kv_cache": opts.use_cache},
+        "decoding": {
+            "greedy": opts.sampling.greedy,
+            "temperature": spec.temperature,
+            "top_k": spec.top_k,
+            "top_p": spec.top_p,
+            "seed": spec.seed,
+            "max_new_tokens": spec.max_new_tokens,
+            "batch_size": spec.eval_batch_size or spec.micro_batch_size,
+            "kv_cache": opts.use_cache,
+        },
         "world_size": world,
         "tensor_model_parallel_size": world // dp_size,
         "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, **info},
     }
-    log.info("accuracy %.4f (%d/%d), %d skipped, %.1f tokens/s", summary["accuracy"], summary["correct"],
-             summary["total"], summary["skipped"], summary["tokens_per_s"])
+    log.info(
+        "accuracy %.4f (%d/%d), %d skipped, %.1f tokens/s",
+        summary["accuracy"],
+        summary["correct"],
+        summary["total"],
+        summary["skipped"],
+        summary["tokens_per_s"],
+    )
     return outputs, summary

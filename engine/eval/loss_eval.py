@@ -95,9 +95,12 @@ def _batch(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torc
 
 @torch.inference_mode()
 def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> tuple[float, int]:
-    hidden = model(batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"],
-                   return_hidden=True)
-    loss_sum, tokens = chunked_cross_entropy(hidden, cast(Qwen3Model, model).output_weight(), batch["targets"], chunk_size)
+    hidden = model(
+        batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"], return_hidden=True
+    )
+    loss_sum, tokens = chunked_cross_entropy(
+        hidden, cast(Qwen3Model, model).output_weight(), batch["targets"], chunk_size
+    )
     return float(loss_sum), int(tokens)
 
 
@@ -107,8 +110,9 @@ def _rows(spec: Any, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]
     return _conversation_rows(spec, tokenizer, bad)
 
 
-def run_loss_eval(spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any, device: Device,
-                  info: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+def run_loss_eval(
+    spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any, device: Device, info: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, Any]]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_size = spec.eval_batch_size or spec.micro_batch_size
@@ -116,22 +120,33 @@ def run_loss_eval(spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any
     mine = [r for i, r in enumerate(_rows(spec, tokenizer, bad)) if i % world == rank]
     loss_sum, tokens, start = 0.0, 0, time.perf_counter()
     for step, first in enumerate(range(0, len(mine), batch_size)):
-        part_loss, part_tokens = _loss_of(model, _batch(mine[first:first + batch_size], pad, device.torch_device), 1024)
+        part_loss, part_tokens = _loss_of(
+            model, _batch(mine[first : first + batch_size], pad, device.torch_device), 1024
+        )
         loss_sum, tokens = loss_sum + part_loss, tokens + part_tokens
         run.metric(step, {"lm_loss": part_loss / max(part_tokens, 1)})
         run.progress(min(len(mine), first + batch_size) * world, len(mine) * world, "sequences")
     gathered = gather_objects((loss_sum, tokens, len(mine), time.perf_counter() - start))
     loss_sum, tokens = sum(g[0] for g in gathered), sum(g[1] for g in gathered)
     if tokens == 0:
-        raise BadInput(f"eval_data_path: {spec.eval_data_path} has no trained (labelled) token to evaluate",
-                       field="eval_data_path")
+        raise BadInput(
+            f"eval_data_path: {spec.eval_data_path} has no trained (labelled) token to evaluate", field="eval_data_path"
+        )
     for b in bad[:50]:
         run.event("warning", f"{spec.eval_data_path}: line {b['line']} skipped: {b['reason']}", **b)
     loss = loss_sum / tokens
     wall = max(g[3] for g in gathered)
-    summary = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens,
-               "sequences": sum(g[2] for g in gathered), "skipped": len(bad), "skipped_lines": bad[:50],
-               "tokens_per_s": tokens / max(wall, 1e-9), "world_size": world, "model": info}
+    summary = {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "tokens": tokens,
+        "sequences": sum(g[2] for g in gathered),
+        "skipped": len(bad),
+        "skipped_lines": bad[:50],
+        "tokens_per_s": tokens / max(wall, 1e-9),
+        "world_size": world,
+        "model": info,
+    }
     log.info("loss %.4f, perplexity %.3f over %d tokens", loss, summary["perplexity"], tokens)
     return ({"result": str(run.path / "result.json")} if run.is_writer else {}), summary
 

@@ -57,14 +57,20 @@ def _mcore_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
 
     if detect_format(spec.load) == "mcore":  # adapters sharded like their base: the reader glues TP/PP pieces
         ckpt = MegatronCheckpoint(spec.load, lora_dir=spec.lora_load)
-        state = {f"{m}.lora_{ab}.weight": ckpt.lora_tensor(f"{m}.lora_{ab}.weight")
-                 for m in ckpt.lora_modules() for ab in "AB"}
+        state = {
+            f"{m}.lora_{ab}.weight": ckpt.lora_tensor(f"{m}.lora_{ab}.weight")
+            for m in ckpt.lora_modules()
+            for ab in "AB"
+        }
         return state, {"alpha": ckpt.lora_alpha, "r": ckpt.lora_r}
     iter_dir, _ = resolve_iteration_dir(spec.lora_load)
     files = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))
     if len(files) != 1:
-        raise BadInput(f"lora_load: {iter_dir} is sharded ({len(files)} rank files); over a non-Megatron base only "
-                       "TP1/PP1 adapter checkpoints can be read", field="lora_load")
+        raise BadInput(
+            f"lora_load: {iter_dir} is sharded ({len(files)} rank files); over a non-Megatron base only "
+            "TP1/PP1 adapter checkpoints can be read",
+            field="lora_load",
+        )
     raw = load_rank_file(files[0])
     args = raw.get("args")
     state = from_mindspeed_keys({k: v for k, v in raw["model"].items() if isinstance(v, torch.Tensor)})
@@ -86,8 +92,11 @@ def read_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             return _mcore_adapters(spec)
     except BadInput as err:
         raise _refield(err, "lora_load") from err
-    raise BadInput(f"lora_load: {spec.lora_load} is an HF model directory, not a LoRA checkpoint (give the adapters "
-                   "saved by a LoRA training job, ours or MindSpeed's)", field="lora_load")
+    raise BadInput(
+        f"lora_load: {spec.lora_load} is an HF model directory, not a LoRA checkpoint (give the adapters "
+        "saved by a LoRA training job, ours or MindSpeed's)",
+        field="lora_load",
+    )
 
 
 def split_adapters(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -115,29 +124,42 @@ class Adapters:
     targets: list[str]
 
     def facts(self) -> dict[str, Any]:
-        return {"lora_r": self.r, "lora_alpha": self.alpha, "lora_targets": self.targets, "lora_tensors": len(self.lora)}
+        return {
+            "lora_r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_targets": self.targets,
+            "lora_tensors": len(self.lora),
+        }
 
 
-def check_adapters(spec: Any, adapter_state: Mapping[str, torch.Tensor],
-                   recorded: Mapping[str, Any] | None = None) -> Adapters:
+def check_adapters(
+    spec: Any, adapter_state: Mapping[str, torch.Tensor], recorded: Mapping[str, Any] | None = None
+) -> Adapters:
     """The adapters of ``lora_load`` with their rank, alpha and targets, checked against the spec's LoRA flags."""
     base, lora = split_adapters(adapter_state)
     if not lora:
-        raise BadInput(f"lora_load: {spec.lora_load} holds no LoRA tensors (no *.lora_A.weight keys)", field="lora_load")
+        raise BadInput(
+            f"lora_load: {spec.lora_load} holds no LoRA tensors (no *.lora_A.weight keys)", field="lora_load"
+        )
     ranks = sorted({t.shape[0] for k, t in lora.items() if k.endswith("lora_A.weight")})
     if len(ranks) != 1:
         raise BadInput(f"lora_load: adapters have mixed ranks {ranks}", field="lora_load")
     r = ranks[0]
     if spec.lora_r is not None and spec.lora_r != r:
-        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}",
-                       field="lora_r")
+        raise BadInput(
+            f"lora_r: --lora-r is {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}", field="lora_r"
+        )
     alpha = spec.lora_alpha if spec.lora_alpha is not None else (recorded or {}).get("alpha")
     if alpha is None:
         alpha = 32.0  # MindSpeed's default --lora-alpha
         log.warning("lora_alpha: not given and not recorded with the adapters; using MindSpeed's default 32")
     targets = sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in lora})  # <module>.lora_A.weight
     if spec.lora_target_modules and set(spec.lora_target_modules) != set(targets):
-        log.warning("lora_target_modules %s differ from the adapters found %s; using the adapters", spec.lora_target_modules, targets)
+        log.warning(
+            "lora_target_modules %s differ from the adapters found %s; using the adapters",
+            spec.lora_target_modules,
+            targets,
+        )
     return Adapters(base, lora, r, float(alpha), targets)
 
 
@@ -153,8 +175,9 @@ def wrap_adapters(model: torch.nn.Module, adapters: Adapters) -> None:
     own = model.state_dict()
     wrong = [k for k in adapters.lora if k not in own or tuple(own[k].shape) != tuple(adapters.lora[k].shape)]
     if wrong:
-        raise BadInput(f"lora_load: adapter tensors do not fit the model (r={adapters.r}): {wrong[:5]}",
-                       field="lora_load")
+        raise BadInput(
+            f"lora_load: adapter tensors do not fit the model (r={adapters.r}): {wrong[:5]}", field="lora_load"
+        )
 
 
 def peft_source(base: WeightSource, spec: Any, dtype: torch.dtype) -> PeftOverlay:
@@ -162,8 +185,10 @@ def peft_source(base: WeightSource, spec: Any, dtype: torch.dtype) -> PeftOverla
     fp32 as each weight is read, then cast to ``dtype``."""
     overlay = PeftOverlay(base, spec.lora_load, spec.lora_alpha, dtype=dtype)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
-        raise BadInput(f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank "
-                       f"{overlay.facts['lora_r']}", field="lora_r")
+        raise BadInput(
+            f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
+            field="lora_r",
+        )
     return overlay
 
 
@@ -179,8 +204,9 @@ def open_source(path: str, field: str = "load") -> WeightSource:
         raise BadInput(f"{field}: {err}", field=field) from err
 
 
-def build_model(spec: Any, vocab_hint: int | None = None, tp_mesh: DeviceMesh | None = None,
-                device: torch.device | str = "cpu") -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
+def build_model(
+    spec: Any, vocab_hint: int | None = None, tp_mesh: DeviceMesh | None = None, device: torch.device | str = "cpu"
+) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
     """The eval model, in eval mode and in the dtype it runs in, plus facts for the summary.
 
     Built on the meta device (LoRA adapters wrapped there, then sharded over ``tp_mesh`` when given), materialised

@@ -7,7 +7,7 @@ The caller builds one ``AttentionPlan`` per forward (``plan_attention``) and eve
   ``flash_attn_varlen_func`` when flash-attn is installed; otherwise SDPA with ONE boolean block mask
   (B, 1, T, T) built once per batch (1 byte per entry, shared by all layers and heads — never a float mask per head);
 - left padding and/or a KV cache: SDPA with a boolean (B, 1, T, T_kv) mask.
-The kernel choice comes from ``engine.parallel.device.attention_kernel``; head counts are read from tensor shapes, so
+The kernel choice comes from ``engine.model.kernels.attention_kernel``; head counts are read from tensor shapes, so
 a TP shard holding fewer heads works unchanged.
 """
 
@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.parallel.device import AttentionKernel, attention_kernel
+from engine.model.kernels import AttentionKernel, attention_kernel
 
 
 @dataclasses.dataclass
@@ -83,7 +83,12 @@ def plan_attention(
     """Choose kernel and masks once per forward."""
     if segment_ids is not None and (attention_mask is not None or past_len):
         raise ValueError("segment_ids: packed batches cannot be combined with attention_mask or a KV cache")
-    if segment_ids is None and attention_mask is None and not past_len and attention_kernel(device.type) == "npu_fusion":
+    if (
+        segment_ids is None
+        and attention_mask is None
+        and not past_len
+        and attention_kernel(device.type) == "npu_fusion"
+    ):
         # On NPU the fused kernel is also the fast path for plain causal rows: one sample per row.
         segment_ids = torch.zeros(batch, q_len, dtype=torch.long, device=device)
     if segment_ids is not None:
@@ -123,7 +128,13 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         gqa = False
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=plan.mask, is_causal=plan.is_causal, scale=q.shape[-1] ** -0.5, enable_gqa=gqa,
+        q,
+        k,
+        v,
+        attn_mask=plan.mask,
+        is_causal=plan.is_causal,
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=gqa,
     )  # (B, nh, T, d); SDPA's softmax accumulates in fp32 for bf16 inputs
     return out.transpose(1, 2)
 
@@ -146,8 +157,16 @@ def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
     b, nh, t, d = q.shape
     assert plan.cu_seqlens is not None  # attention_plan sets it for the varlen kernels
     out = varlen_attn(
-        _to_tnd(q), _to_tnd(k), _to_tnd(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
-        scale=d ** -0.5, window_size=(-1, 0), enable_gqa=k.shape[1] != nh,  # (-1, 0) = causal
+        _to_tnd(q),
+        _to_tnd(k),
+        _to_tnd(v),
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_seqlen,
+        plan.max_seqlen,
+        scale=d**-0.5,
+        window_size=(-1, 0),
+        enable_gqa=k.shape[1] != nh,  # (-1, 0) = causal
     )  # (B*T, nh, d)
     assert isinstance(out, torch.Tensor)  # return_aux=False: the output alone
     return out.view(b, t, nh, d)
@@ -158,8 +177,15 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
 
     b, nh, t, d = q.shape
     out = flash_attn_varlen_func(
-        _to_tnd(q), _to_tnd(k), _to_tnd(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
-        softmax_scale=d ** -0.5, causal=True,
+        _to_tnd(q),
+        _to_tnd(k),
+        _to_tnd(v),
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_seqlen,
+        plan.max_seqlen,
+        softmax_scale=d**-0.5,
+        causal=True,
     )  # (B*T, nh, d)
     return out.view(b, t, nh, d)
 
@@ -178,8 +204,16 @@ def _npu_fusion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Attenti
         _NPU_CAUSAL_MASK[q.device] = mask
     # the kernel takes cumulative lengths without the leading 0, as a host list
     out = torch_npu.npu_fusion_attention(
-        _to_tnd(q), _to_tnd(k), _to_tnd(v), nh, "TND", atten_mask=mask, scale=1.0 / math.sqrt(d),
-        actual_seq_qlen=plan.seq_ends, actual_seq_kvlen=plan.seq_ends, sparse_mode=3,
+        _to_tnd(q),
+        _to_tnd(k),
+        _to_tnd(v),
+        nh,
+        "TND",
+        atten_mask=mask,
+        scale=1.0 / math.sqrt(d),
+        actual_seq_qlen=plan.seq_ends,
+        actual_seq_kvlen=plan.seq_ends,
+        sparse_mode=3,
     )[0]  # (B*T, nh, d)
     return out.view(b, t, nh, d)
 

@@ -206,9 +206,11 @@ def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     if not (a.get("num_experts") or a.get("num_local_experts")):
         return {}
     hf = {"num_hidden_layers": num_layers, **a}
-    for hf_name, megatron_name in (("num_experts_per_tok", "moe_router_topk"),
-                                   ("moe_intermediate_size", "moe_ffn_hidden_size"),
-                                   ("router_aux_loss_coef", "moe_aux_loss_coeff")):
+    for hf_name, megatron_name in (
+        ("num_experts_per_tok", "moe_router_topk"),
+        ("moe_intermediate_size", "moe_ffn_hidden_size"),
+        ("router_aux_loss_coef", "moe_aux_loss_coeff"),
+    ):
         if hf.get(hf_name) is None and a.get(megatron_name) is not None:
             hf[hf_name] = a[megatron_name]
     return moe_from_hf(hf)
@@ -262,9 +264,22 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-tiny": _preset(2, 64, 128, 4, 2, False, kv_channels=16, max_position_embeddings=2048),
     "qwen3-tiny-tied": _preset(2, 64, 128, 4, 2, True, kv_channels=16, max_position_embeddings=2048),
     # MoE for tests: 8 experts, top-2, layer 1 of 3 dense (mlp_only_layers=[1]).
-    "qwen3-moe-tiny": _preset(3, 64, 128, 4, 2, False, kv_channels=16, max_position_embeddings=2048, num_experts=8,
-                              moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(1, 0, 1), norm_topk_prob=True,
-                              moe_aux_loss_coeff=0.001),
+    "qwen3-moe-tiny": _preset(
+        3,
+        64,
+        128,
+        4,
+        2,
+        False,
+        kv_channels=16,
+        max_position_embeddings=2048,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_layer_freq=(1, 0, 1),
+        norm_topk_prob=True,
+        moe_aux_loss_coeff=0.001,
+    ),
 }
 
 

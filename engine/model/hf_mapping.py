@@ -95,7 +95,8 @@ class Rule:
 LAYER_MAP: dict[str, Rule] = {
     "input_layernorm.weight": Rule(("input_layernorm.weight",)),
     "self_attention.linear_qkv.weight": Rule(
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), fuse_qkv, split_qkv),
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), fuse_qkv, split_qkv
+    ),
     "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": Rule(("self_attn.o_proj.weight",)),
@@ -108,7 +109,7 @@ LAYER_MAP: dict[str, Rule] = {
 def _fuse_experts_fc1(*parts: torch.Tensor | ModelConfig) -> torch.Tensor:
     """(gate_0, up_0, gate_1, up_1, ..., cfg) -> (E, 2F, H): per expert ``[gate; up]``, stacked."""
     t = [p for p in parts if isinstance(p, torch.Tensor)]
-    return torch.stack([torch.cat(t[i:i + 2]) for i in range(0, len(t), 2)])
+    return torch.stack([torch.cat(t[i : i + 2]) for i in range(0, len(t), 2)])
 
 
 def _split_experts_fc1(w: torch.Tensor, cfg: ModelConfig | None = None) -> tuple[torch.Tensor, ...]:
@@ -137,8 +138,11 @@ def moe_layer_map(num_experts: int) -> dict[str, Rule]:
     """The rules of an MoE layer's MLP tensors (native suffix -> rule), in the model's parameter order."""
     return {
         ROUTER: Rule(("mlp.gate.weight",)),
-        EXPERT_FC1: Rule(tuple(expert_hf(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj")),
-                         _fuse_experts_fc1, _split_experts_fc1),
+        EXPERT_FC1: Rule(
+            tuple(expert_hf(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj")),
+            _fuse_experts_fc1,
+            _split_experts_fc1,
+        ),
         EXPERT_FC2: Rule(tuple(expert_hf(e, "down_proj") for e in range(num_experts)), _stack, _unstack),
     }
 
@@ -168,9 +172,11 @@ TOP_MAP: dict[str, Rule] = {
 }
 # tensors copied unchanged (native suffix -> HF suffix), and adapted native modules -> their HF modules (LoRA/PEFT)
 LAYER_COPIES = {n: r.hf[0] for n, r in LAYER_MAP.items() if len(r.hf) == 1}
-HF_MODULES = {n.removesuffix(".weight"): tuple(h.removesuffix(".weight") for h in r.hf)
-              for n, r in LAYER_MAP.items() if n.endswith(("linear_qkv.weight", "linear_proj.weight",
-                                                          "linear_fc1.weight", "linear_fc2.weight"))}
+HF_MODULES = {
+    n.removesuffix(".weight"): tuple(h.removesuffix(".weight") for h in r.hf)
+    for n, r in LAYER_MAP.items()
+    if n.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight"))
+}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -192,8 +198,9 @@ def native_tensor(key: str, get: Getter, cfg: ModelConfig) -> torch.Tensor:
     return rule.fuse(*(get(k) for k in hf_keys), cfg)
 
 
-def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
-                    shard: Callable[[torch.Tensor], torch.Tensor] = _one) -> list[tuple[str, int, int]]:
+def native_row_runs(
+    key: str, cfg: ModelConfig, hf_rows: Callable[[str], int], shard: Callable[[torch.Tensor], torch.Tensor] = _one
+) -> list[tuple[str, int, int]]:
     """The rows of native ``key`` (cut by ``shard``, e.g. one TP rank's piece) as runs ``(hf_key, start, stop)`` of
     HF rows, in order: the rule run on row numbers instead of weights, so the layout is never written twice."""
     hf_keys, rule = rule_of(key, cfg)
@@ -201,8 +208,10 @@ def native_row_runs(key: str, cfg: ModelConfig, hf_rows: Callable[[str], int],
     for k in hf_keys:
         bases.append(base)
         base += hf_rows(k)
-    ids = rule.fuse(*(torch.arange(b, b + hf_rows(k), dtype=torch.int64).unsqueeze(1)
-                      for b, k in zip(bases, hf_keys, strict=True)), cfg)
+    ids = rule.fuse(
+        *(torch.arange(b, b + hf_rows(k), dtype=torch.int64).unsqueeze(1) for b, k in zip(bases, hf_keys, strict=True)),
+        cfg,
+    )
     ids = shard(ids).reshape(-1)
     runs: list[tuple[str, int, int]] = []
     if ids.numel() == 0:
@@ -234,16 +243,19 @@ def _part_keys(cfg: ModelConfig, layers: Iterable[int] | None, embedding: bool, 
     return keys
 
 
-def native_from_hf(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None,
-                   embedding: bool = True, head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def native_from_hf(
+    get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None, embedding: bool = True, head: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (native key, tensor) for the chosen parts of the model, reading HF tensors through ``get``."""
     for key in _part_keys(cfg, layers, embedding, head):
         yield key, native_tensor(key, get, cfg)
 
 
-def hf_from_native(get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None,
-                   embedding: bool = True, head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_from_native(
+    get: Getter, cfg: ModelConfig, layers: Iterable[int] | None = None, embedding: bool = True, head: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF key, tensor), reading native tensors through ``get``. Tied models get no ``lm_head.weight``."""
+
     def order(item: tuple[int, str]) -> tuple[int, int]:
         # Per layer the fused tensors first (the order our HF files have always had): q k v gate up, then copies.
         m = _LAYER_RE.match(item[1])

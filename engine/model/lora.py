@@ -55,8 +55,7 @@ def resolve_targets(targets: Iterable[str]) -> list[str]:
     unknown = [t for t in names if t not in MEGATRON_TARGETS and t not in HF_TO_MEGATRON]
     if unknown:
         raise ValueError(
-            f"lora_target_modules: unknown {unknown}; use {' '.join(MEGATRON_TARGETS)} or "
-            f"{' '.join(HF_TO_MEGATRON)}"
+            f"lora_target_modules: unknown {unknown}; use {' '.join(MEGATRON_TARGETS)} or {' '.join(HF_TO_MEGATRON)}"
         )
     chosen = {HF_TO_MEGATRON.get(t, t) for t in names}
     for fused in COLUMN_PARALLEL:
@@ -121,8 +120,9 @@ class LoRAStacked(nn.Module):
     def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
         base = expert_matmul(x, self.weight, counts, backend)
         a_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        low = expert_matmul(expert_matmul(a_in, self.lora_A.weight, counts, backend), self.lora_B.weight, counts,
-                            backend)
+        low = expert_matmul(
+            expert_matmul(a_in, self.lora_A.weight, counts, backend), self.lora_B.weight, counts, backend
+        )
         return base + (low * self.scaling).to(base.dtype)
 
 
@@ -144,8 +144,11 @@ def apply_lora(
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf in wanted and type(module) in (nn.Linear, StackedWeight):
-            lora: LoRALinear | LoRAStacked = (LoRALinear(module, r, alpha, dropout) if type(module) is nn.Linear
-                                              else LoRAStacked(module, r, alpha, dropout))
+            lora: LoRALinear | LoRAStacked = (
+                LoRALinear(module, r, alpha, dropout)
+                if type(module) is nn.Linear
+                else LoRAStacked(module, r, alpha, dropout)
+            )
             if gen is not None and module.weight.device.type == "cpu":
                 lora.reset_lora_parameters(gen)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -177,7 +180,11 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 
 def merge_lora(
-    base_weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, alpha: float, r: int,
+    base_weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    alpha: float,
+    r: int,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """W + (alpha/r) · B @ A computed in fp32, returned in ``out_dtype`` (default the base dtype): one rounding.
@@ -190,8 +197,9 @@ def merge_lora(
 MERGE_ROUNDINGS = ("fp32", "mindspeed")
 
 
-def merge_lora_rounded(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int,
-                       rounding: str = "fp32") -> torch.Tensor:
+def merge_lora_rounded(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int, rounding: str = "fp32"
+) -> torch.Tensor:
     """``weight + alpha/r · b @ a`` in the base dtype with ``rounding``: "fp32" (``merge_lora``, one rounding) or
     MindSpeed's "mindspeed" (see ``engine.checkpoint.lora_merge``'s module docstring)."""
     if rounding == "mindspeed":  # base + (alpha / r) * matmul(B.float(), A.float()).to(base.dtype), literally

@@ -38,16 +38,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 
 def _chunked_loss_and_grads(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, ignore_index: int,
-    want_gh: bool, want_gw: bool,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    ignore_index: int,
+    want_gh: bool,
+    want_gw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """hidden (N, H), weight (V, H), labels (N,) -> (loss sum fp32, dL/dhidden, dL/dweight in fp32)."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     gh = torch.empty_like(hidden) if want_gh else None
     gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_gw else None
     for start in range(0, hidden.shape[0], chunk_size):
-        h = hidden[start:start + chunk_size]  # (c, H)
-        y = labels[start:start + chunk_size]  # (c,)
+        h = hidden[start : start + chunk_size]  # (c, H)
+        y = labels[start : start + chunk_size]  # (c,)
         keep = (y != ignore_index)[:, None]  # (c, 1)
         y = y.masked_fill(~keep[:, 0], 0)  # any valid index; the row is zeroed below
         logits = (h @ weight.t()).float()  # (c, V): the only vocab-sized buffer, one chunk at a time
@@ -60,7 +65,7 @@ def _chunked_loss_and_grads(
         dlogits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
         dlogits = dlogits.mul_(keep).to(weight.dtype)
         if gh is not None:
-            gh[start:start + chunk_size] = dlogits @ weight  # (c, H)
+            gh[start : start + chunk_size] = dlogits @ weight  # (c, H)
         if gw is not None:
             gw += (dlogits.t() @ h).float()  # (V, H), accumulated in fp32
     return loss, gh, gw

@@ -123,8 +123,9 @@ def _swiglu(h: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up * row_weight
 
 
-def padded_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
-               row_weight: torch.Tensor) -> torch.Tensor:
+def padded_mlp(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor
+) -> torch.Tensor:
     """The whole expert MLP as two ``bmm`` over (E, busiest count, ·) blocks: rows are scattered into their
     expert's block once and gathered back once; padding rows are zero and stay zero (silu(0) * 0 = 0)."""
     e = counts.shape[0]
@@ -282,8 +283,9 @@ class MoELayer(nn.Module):
         return out
 
     @torch.no_grad()
-    def _record(self, probs: torch.Tensor, tokens: torch.Tensor, balance: torch.Tensor, keep: torch.Tensor | None,
-                n: int) -> None:
+    def _record(
+        self, probs: torch.Tensor, tokens: torch.Tensor, balance: torch.Tensor, keep: torch.Tensor | None, n: int
+    ) -> None:
         if in_backward():
             return  # activation-checkpoint recompute inside backward: this forward was counted already
         if self.stats is None:

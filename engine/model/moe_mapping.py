@@ -14,8 +14,15 @@ from __future__ import annotations
 
 from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, expert_hf, hf_from_native, native_from_hf
 
-__all__ = ["EXPERT_FC1", "EXPERT_FC2", "ROUTER", "hf_expert_keys", "hf_from_native", "moe_native_keys",
-           "native_from_hf"]
+__all__ = [
+    "EXPERT_FC1",
+    "EXPERT_FC2",
+    "ROUTER",
+    "hf_expert_keys",
+    "hf_from_native",
+    "moe_native_keys",
+    "native_from_hf",
+]
 
 
 def hf_expert_keys(layer: int, expert: int) -> tuple[str, str, str]:

@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
     """cos/sin tables (B, T, head_dim) for the given positions, computed in fp32."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (base ** exponent)  # (d/2,)
+    inv_freq = 1.0 / (base**exponent)  # (d/2,)
     freqs = position_ids[..., None].float() * inv_freq  # (B, T, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -145,8 +145,9 @@ class Qwen3Model(nn.Module):
     ``layers`` / ``embedding`` / ``head`` build only a part (a pipeline stage: global layer keys kept); build under
     ``torch.device("meta")`` to allocate nothing, then ``to_empty`` + ``init_weights`` or a loader."""
 
-    def __init__(self, cfg: ModelConfig, layers: Iterable[int] | None = None, embedding: bool = True,
-                 head: bool = True) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layers: Iterable[int] | None = None, embedding: bool = True, head: bool = True
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embedding: Embedding | None = Embedding(cfg) if embedding else None

@@ -1,8 +1,8 @@
 """Device layer: which accelerator, which collective backend, memory figures, peak FLOPS and the FLOPs formula.
 
 cpu -> gloo, cuda -> nccl, npu -> hccl. ``torch_npu`` is imported only when an NPU is asked for, so this module (and
-everything that imports it) loads on machines without it. Attention kernels are chosen here too
-(``attention_kernel``), so the model file stays free of device probing.
+everything that imports it) loads on machines without it. Which fused attention kernel a device offers is
+``engine.model.kernels`` (the model imports it; this package imports the model, never the reverse).
 
 Peak-FLOPS figures and the FLOPs-per-token formula come from ``shared/docs/anchors-engine.md`` §5.
 """
@@ -16,7 +16,6 @@ import importlib.util
 import os
 import re
 import resource
-import sys
 from types import ModuleType
 from typing import Literal
 
@@ -27,7 +26,6 @@ import torch.distributed as dist
 from engine.model.config import ModelConfig
 
 DeviceType = Literal["cpu", "cuda", "npu"]
-AttentionKernel = Literal["sdpa", "torch_varlen", "flash_varlen", "npu_fusion"]
 
 BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _MB = 1024 * 1024
@@ -143,30 +141,6 @@ class Device:
         acc = _accelerator(self.type)
         if acc is not None:
             acc.reset_peak_memory_stats(self.index)
-
-
-def attention_kernel(device_type: str) -> AttentionKernel:
-    """The fused attention used for packed (varlen) training batches on this device type.
-
-    npu: ``torch_npu.npu_fusion_attention`` (TND layout) when torch_npu is loaded — an NPU tensor implies it is.
-    cuda (Ampere or newer): torch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 inside torch),
-    else ``flash_attn.flash_attn_varlen_func`` when the flash-attn package is installed. Everything else, and every
-    batch with padding or a KV cache, goes through ``scaled_dot_product_attention`` (which itself picks the flash
-    kernel on CUDA for plain causal batches).
-    """
-    if device_type == "npu":
-        npu = sys.modules.get("torch_npu")
-        return "npu_fusion" if npu is not None and hasattr(npu, "npu_fusion_attention") else "sdpa"
-    if device_type != "cuda" or not _cuda_has_flash():
-        return "sdpa"
-    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
-        return "torch_varlen"
-    return "flash_varlen" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
-
-
-def _cuda_has_flash() -> bool:
-    # FlashAttention-2 kernels need compute capability 8.0 (A100) or newer
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 
 
 def _set_hccl_timeouts(connect_s: int | None, exec_s: int | None) -> None:

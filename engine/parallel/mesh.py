@@ -31,7 +31,9 @@ class ParallelDims:
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> ParallelDims:
         if world_size % (tp * pp):
-            raise ValueError(f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size {world_size}")
+            raise ValueError(
+                f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size {world_size}"
+            )
         return cls(dp=world_size // (tp * pp), pp=pp, tp=tp)
 
 

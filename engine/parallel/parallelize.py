@@ -35,7 +35,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
     granularity = recompute_granularity(spec)
     if granularity:
-        apply_ac(model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None))
+        apply_ac(
+            model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None)
+        )
     # compile: not applied yet (CPU CI); it would go here, per decoder layer, after AC and before FSDP.
     dtype = dtypes.compute
     dp = mesh["dp"]

@@ -81,8 +81,9 @@ def build_stage_module(model: Qwen3Model, layers: Sequence[int], first: bool, la
             # Tied model, head on another rank than the embedding: an own copy, kept in sync by its gradients.
             assert model.embedding is not None  # the whole model holds the embedding
             weight = model.embedding.word_embeddings.weight
-            part.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                          dtype=weight.dtype)
+            part.output_layer = nn.Linear(
+                weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype
+            )
             if weight.device.type != "meta":
                 with torch.no_grad():
                     part.output_layer.weight.copy_(weight)
@@ -111,8 +112,9 @@ def sequence_shard(local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int) -> DT
     """This TP rank's (B, T_k, H) sequence shard as the ``Shard(1)`` DTensor of the (B, seq_len, H) activation; the
     global shape is given explicitly because T need not divide evenly by TP (packed rows)."""
     b, _, h = local.shape
-    return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False, shape=torch.Size((b, seq_len, h)),
-                              stride=(seq_len * h, h, 1))
+    return DTensor.from_local(
+        local, tp_mesh, [Shard(1)], run_check=False, shape=torch.Size((b, seq_len, h)), stride=(seq_len * h, h, 1)
+    )
 
 
 @dataclasses.dataclass
@@ -135,8 +137,13 @@ class Pipeline:
         return [p for part in self.parts for p in part.parameters()]
 
     def step(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-        segment_ids: torch.Tensor | None, normaliser: float, train: bool = True,
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor | None,
+        normaliser: float,
+        train: bool = True,
     ) -> torch.Tensor:
         """Forward + backward of all micro-batches (stacked on dim 0); every micro-batch's summed token loss is
         divided by ``normaliser`` (the step's global token count) before backward. Returns the sum of those
@@ -161,8 +168,13 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def make_loss_fn(last_part: Qwen3Model | None, norm: dict[str, Any], tp_mesh: DeviceMesh | None,
-                 sequence_parallel: bool, chunk_size: int = 1024) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_loss_fn(
+    last_part: Qwen3Model | None,
+    norm: dict[str, Any],
+    tp_mesh: DeviceMesh | None,
+    sequence_parallel: bool,
+    chunk_size: int = 1024,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward), the head
     applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP)."""
 
@@ -219,8 +231,10 @@ def build_pipeline(
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None, loss_chunk_size)
 
     def make_schedule() -> Any:
-        stages = [PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
-                  for part, s in zip(parts, stage_ids, strict=True)]
+        stages = [
+            PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
+            for part, s in zip(parts, stage_ids, strict=True)
+        ]
         if n_stages == pp:
             return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
         # torch annotates the stages as an (invariant) list of its private base class; PipelineStage is one
@@ -275,7 +289,9 @@ def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[in
     """The local gradient shape of the tied weight (the same on its two holders); asked once, then cached."""
     if "shape" not in pipe._norm:
         shapes: list[Any] = [None] * pipe.pp_mesh.size()
-        dist.all_gather_object(shapes, None if ref is None else tuple(_local(ref).shape), group=pipe.pp_mesh.get_group())
+        dist.all_gather_object(
+            shapes, None if ref is None else tuple(_local(ref).shape), group=pipe.pp_mesh.get_group()
+        )
         pipe._norm["shape"] = next(s for s in shapes if s is not None)
     return pipe._norm["shape"]
 
@@ -338,8 +354,10 @@ def dcp_state_view(
 
     def merge(original: Any, loaded: Any) -> Any:
         if isinstance(original, dict):
-            return {k: merge(v, loaded[_NATIVE_KEY.join(k.split(_COPY_KEY)) if is_copy(k) else k])
-                    for k, v in original.items()}
+            return {
+                k: merge(v, loaded[_NATIVE_KEY.join(k.split(_COPY_KEY)) if is_copy(k) else k])
+                for k, v in original.items()
+            }
         if isinstance(original, list):
             names = any(isinstance(o, str) for o in original)
             if names or not isinstance(loaded, list) or len(loaded) != len(original):
@@ -425,8 +443,10 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
         raise BadInput(str(err), "tensor_model_parallel_size") from err
     vpp = spec.num_layers_per_virtual_pipeline_stage
     if vpp is not None and dims.pp == 1:
-        raise BadInput("num_layers_per_virtual_pipeline_stage: needs pipeline_model_parallel_size > 1",
-                       "num_layers_per_virtual_pipeline_stage")
+        raise BadInput(
+            "num_layers_per_virtual_pipeline_stage: needs pipeline_model_parallel_size > 1",
+            "num_layers_per_virtual_pipeline_stage",
+        )
     try:
         layout = stage_layers(cfg.num_layers, dims.pp, spec.num_layer_list, vpp)
     except ValueError as err:
@@ -436,23 +456,38 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
     if dims.pp > 1 and n_micro < dims.pp:
         raise BadInput(
             f"global_batch_size: 1F1B needs at least PP ({dims.pp}) micro-batches per step; global_batch_size / "
-            f"(micro_batch_size × DP) = {n_micro}", "global_batch_size")
+            f"(micro_batch_size × DP) = {n_micro}",
+            "global_batch_size",
+        )
     if len(layout) > dims.pp and n_micro % dims.pp:
         raise BadInput(
             f"global_batch_size: the interleaved schedule needs the number of micro-batches (global_batch_size / "
-            f"(micro_batch_size × DP) = {n_micro}) to be a multiple of PP ({dims.pp})", "global_batch_size")
+            f"(micro_batch_size × DP) = {n_micro}) to be a multiple of PP ({dims.pp})",
+            "global_batch_size",
+        )
 
 
 def build_pipeline_model(
-    model: nn.Module, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
-    parallelize_part: Callable[[nn.Module], nn.Module], device: torch.device | None = None,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    spec: Any,
+    global_batch_size: int,
+    seq_length: int,
+    parallelize_part: Callable[[nn.Module], nn.Module],
+    device: torch.device | None = None,
 ) -> PipelineModel:
     """This rank's stages of ``model`` (split by the spec's PP flags), parallelized and scheduled."""
     dp = mesh["dp"].size()
     pipe = build_pipeline(
-        cast("Qwen3Model", model), mesh["pp"], global_batch_size // (spec.micro_batch_size * dp),
-        num_layer_list=spec.num_layer_list, layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
-        parallelize_part=parallelize_part, tp_mesh=mesh["tp"], sequence_parallel=bool(spec.sequence_parallel),
-        device=device, loss_chunk_size=getattr(spec, "cross_entropy_chunk_size", 1024),
+        cast("Qwen3Model", model),
+        mesh["pp"],
+        global_batch_size // (spec.micro_batch_size * dp),
+        num_layer_list=spec.num_layer_list,
+        layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
+        parallelize_part=parallelize_part,
+        tp_mesh=mesh["tp"],
+        sequence_parallel=bool(spec.sequence_parallel),
+        device=device,
+        loss_chunk_size=getattr(spec, "cross_entropy_chunk_size", 1024),
     )
     return PipelineModel(pipe, pipeline_width(seq_length, spec.micro_batch_size, bool(spec.padding_free)))

@@ -43,8 +43,13 @@ def param_dtypes(spec: Any) -> ParamDtypes:
     """The run's dtypes from its ``bf16`` / ``fp16`` / ``lora_r`` flags."""
     compute = compute_dtype(spec)
     lora = getattr(spec, "lora_r", None) is not None
-    return ParamDtypes(compute=compute, trainable=torch.float32, frozen=compute, reduce=torch.float32,
-                       base=compute if lora else torch.float32)
+    return ParamDtypes(
+        compute=compute,
+        trainable=torch.float32,
+        frozen=compute,
+        reduce=torch.float32,
+        base=compute if lora else torch.float32,
+    )
 
 
 @torch.no_grad()

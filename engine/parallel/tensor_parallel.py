@@ -196,7 +196,9 @@ class _Replicated(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
 
         def inputs(mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if _is_plain(a) else a for a in args)
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False) if _is_plain(a) else a for a in args
+            )
 
         def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return out.to_local() if isinstance(out, DTensor) else out
@@ -297,7 +299,10 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 4096,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, num_tokens)`` of final hidden states against a vocab-sharded head, fp32, labels -100 ignored.

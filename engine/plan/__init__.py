@@ -9,15 +9,25 @@ train/eval job, from its spec alone. No torch import: the API runs it at submiss
 
 from engine.plan.memory import Layout, RankMemory, plan_ranks
 from engine.plan.planner import (
-           DoesNotFit,
-           MemoryPlan,
-           breakdown,
-           check_fits,
-           check_registered_memory,
-           plan_spec,
+    DoesNotFit,
+    MemoryPlan,
+    breakdown,
+    check_fits,
+    check_registered_memory,
+    plan_spec,
 )
 from engine.plan.shape import ShapeUnknown, model_config
 
-__all__ = ["DoesNotFit", "Layout", "MemoryPlan", "RankMemory", "ShapeUnknown", "breakdown", "check_fits",
-           "check_registered_memory",
-           "model_config", "plan_ranks", "plan_spec"]
+__all__ = [
+    "DoesNotFit",
+    "Layout",
+    "MemoryPlan",
+    "RankMemory",
+    "ShapeUnknown",
+    "breakdown",
+    "check_fits",
+    "check_registered_memory",
+    "model_config",
+    "plan_ranks",
+    "plan_spec",
+]

@@ -23,18 +23,34 @@ from engine.plan.memory import MIB
 from engine.plan.planner import MemoryPlan, plan_spec
 from engine.spec import first_error
 
-_TORCHRUN_VALUE_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
-                         "--master_addr", "--master-addr", "--master_port", "--master-port", "--rdzv_backend",
-                         "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id", "--rdzv-id"}
-_PLACEHOLDERS: dict[str, dict[str, Any]] = {"train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
-                 "eval": {"load": "unused-by-plan", "eval_data_path": "unused-by-plan"}}
+_TORCHRUN_VALUE_FLAGS = {
+    "--nproc_per_node",
+    "--nproc-per-node",
+    "--nnodes",
+    "--node_rank",
+    "--node-rank",
+    "--master_addr",
+    "--master-addr",
+    "--master_port",
+    "--master-port",
+    "--rdzv_backend",
+    "--rdzv-backend",
+    "--rdzv_endpoint",
+    "--rdzv-endpoint",
+    "--rdzv_id",
+    "--rdzv-id",
+}
+_PLACEHOLDERS: dict[str, dict[str, Any]] = {
+    "train": {"data_path": ["unused-by-plan"], "train_iters": 1, "lr": 0.0},
+    "eval": {"load": "unused-by-plan", "eval_data_path": "unused-by-plan"},
+}
 
 
 def split_torchrun(argv: list[str]) -> tuple[list[str], dict[str, Any], str | None]:
     """(engine flags, resources from torchrun's arguments, script name) of a pasted MindSpeed command line."""
     tokens = [t for t in argv if t not in ("torchrun", "\\")]
     script_at = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
-    launcher, flags = (tokens[:script_at], tokens[script_at + 1:]) if script_at is not None else ([], tokens)
+    launcher, flags = (tokens[:script_at], tokens[script_at + 1 :]) if script_at is not None else ([], tokens)
     resources: dict[str, Any] = {}
     rest: list[str] = []
     for source, keep in ((launcher, False), (flags, True)):
@@ -80,29 +96,62 @@ def _mib(n: int) -> str:
 
 
 def table(plan: MemoryPlan) -> str:
-    head = ["rank", "tp", "pp", "dp", "layers", "params", "main", "grads", "optim", "activ (mb)", "loss", "comm",
-            "opt step", "total MiB"]
+    head = [
+        "rank",
+        "tp",
+        "pp",
+        "dp",
+        "layers",
+        "params",
+        "main",
+        "grads",
+        "optim",
+        "activ (mb)",
+        "loss",
+        "comm",
+        "opt step",
+        "total MiB",
+    ]
     rows = [head]
     for r in plan.ranks:
         layers = f"{r.layers[0]}-{r.layers[-1]}" if r.layers else "-"
-        rows.append([str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank), layers, _mib(r.params),
-                     _mib(r.main_params), _mib(r.grads), _mib(r.optimizer),
-                     f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm),
-                     _mib(r.optimizer_step), _mib(r.total_bytes)])
+        rows.append(
+            [
+                str(r.rank),
+                str(r.tp_rank),
+                str(r.pp_rank),
+                str(r.dp_rank),
+                layers,
+                _mib(r.params),
+                _mib(r.main_params),
+                _mib(r.grads),
+                _mib(r.optimizer),
+                f"{_mib(r.activations)} ({r.micro_batches_in_flight})",
+                _mib(r.loss),
+                _mib(r.comm),
+                _mib(r.optimizer_step),
+                _mib(r.total_bytes),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     cfg, lay = plan.cfg, plan.layout
-    lines.insert(0, f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
-                    f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "
-                    f"{cfg.vocab_size}; TP {lay.tp} PP {lay.pp} DP {lay.dp}, MBS {lay.micro_batch_size} × "
-                    f"{lay.micro_batches} micro-batches, seq {lay.seq_length}, "
-                    f"{'bf16/fp16' if lay.compute_bytes == 2 else 'fp32'}"
-                    f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}")
+    lines.insert(
+        0,
+        f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
+        f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "
+        f"{cfg.vocab_size}; TP {lay.tp} PP {lay.pp} DP {lay.dp}, MBS {lay.micro_batch_size} × "
+        f"{lay.micro_batches} micro-batches, seq {lay.seq_length}, "
+        f"{'bf16/fp16' if lay.compute_bytes == 2 else 'fp32'}"
+        f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}",
+    )
     if plan.device_memory_bytes:
         worst = plan.peak
         verdict = "fits" if worst.total_bytes <= plan.device_memory_bytes else "DOES NOT FIT"
-        lines.append(f"device memory {_mib(plan.device_memory_bytes)} MiB: worst rank {worst.rank} "
-                     f"{_mib(worst.total_bytes)} MiB — {verdict}")
+        lines.append(
+            f"device memory {_mib(plan.device_memory_bytes)} MiB: worst rank {worst.rank} "
+            f"{_mib(worst.total_bytes)} MiB — {verdict}"
+        )
     return "\n".join(lines)
 
 

@@ -44,8 +44,15 @@ from engine.model.config import ModelConfig
 MIB = 2**20
 GIB = 2**30
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-HF_LORA_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-                 "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+HF_LORA_NAMES = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
 PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "comm")
 
 
@@ -118,9 +125,16 @@ class RankMemory:
         return self.persistent_bytes + max(self.activations + self.loss + self.comm, self.optimizer_step)
 
     def as_json(self) -> dict[str, Any]:
-        out = {"rank": self.rank, "total_bytes": self.total_bytes, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
-               "dp_rank": self.dp_rank, "layers": [self.layers[0], self.layers[-1]] if self.layers else [],
-               "num_params": self.num_params, "trainable_params": self.trainable_params}
+        out = {
+            "rank": self.rank,
+            "total_bytes": self.total_bytes,
+            "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "layers": [self.layers[0], self.layers[-1]] if self.layers else [],
+            "num_params": self.num_params,
+            "trainable_params": self.trainable_params,
+        }
         out.update({f"{p}_bytes": getattr(self, p) for p in PARTS})
         out["optimizer_step_bytes"] = self.optimizer_step
         out["persistent_bytes"] = self.persistent_bytes
@@ -162,8 +176,12 @@ def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...
     copies = (cfg.num_experts or 0) if moe else 1
     if moe:
         f = cfg.expert_ffn_hidden_size
-    shapes = {"linear_qkv": (h, cfg.qkv_rows, "col", 1), "linear_fc1": (h, 2 * f, "col", copies),
-              "linear_proj": (ad, h, "row", 1), "linear_fc2": (f, h, "row", copies)}
+    shapes = {
+        "linear_qkv": (h, cfg.qkv_rows, "col", 1),
+        "linear_fc1": (h, 2 * f, "col", copies),
+        "linear_proj": (ad, h, "row", 1),
+        "linear_fc2": (f, h, "row", copies),
+    }
     total = 0
     for name in targets:
         fan_in, fan_out, kind, n = shapes[name]
@@ -234,7 +252,7 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: i
     else:
         per_mb = layers * full
     rope = 2 * tokens * cfg.kv_channels * lay.compute_bytes
-    mask = lay.micro_batch_size * lay.seq_length ** 2 if lay.device_type == "cpu" else 0
+    mask = lay.micro_batch_size * lay.seq_length**2 if lay.device_type == "cpu" else 0
     return per_mb + rope + mask
 
 

@@ -41,13 +41,24 @@ class MemoryPlan:
             "model": dataclasses.asdict(self.cfg),
             "num_params": self.cfg.num_params(),
             "active_params": self.cfg.num_params(active=True),
-            "layout": {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-                       "virtual_chunks": (len(self.ranks[0].layers) // max(1, lay.layers_per_virtual_stage or 0))
-                       if lay.layers_per_virtual_stage else 1,
-                       "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
-                       "seq_length": lay.seq_length, "compute_bytes": lay.compute_bytes,
-                       "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
-                       "lora_r": lay.lora_r, "device_type": lay.device_type, "train": lay.train},
+            "layout": {
+                "world_size": lay.world_size,
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "dp": lay.dp,
+                "virtual_chunks": (len(self.ranks[0].layers) // max(1, lay.layers_per_virtual_stage or 0))
+                if lay.layers_per_virtual_stage
+                else 1,
+                "micro_batch_size": lay.micro_batch_size,
+                "micro_batches": lay.micro_batches,
+                "seq_length": lay.seq_length,
+                "compute_bytes": lay.compute_bytes,
+                "distributed_optimizer": lay.distributed_optimizer,
+                "recompute": lay.recompute,
+                "lora_r": lay.lora_r,
+                "device_type": lay.device_type,
+                "train": lay.train,
+            },
         }
 
 
@@ -76,19 +87,26 @@ def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
     seq = spec.seq_length or cfg.max_position_embeddings
     lora_r = spec.lora_r if train else None
     return Layout(
-        world_size=spec.resources.world_size, tp=spec.tensor_model_parallel_size,
-        pp=spec.pipeline_model_parallel_size, micro_batch_size=spec.micro_batch_size,
-        global_batch_size=spec.global_batch_size, seq_length=seq,
+        world_size=spec.resources.world_size,
+        tp=spec.tensor_model_parallel_size,
+        pp=spec.pipeline_model_parallel_size,
+        micro_batch_size=spec.micro_batch_size,
+        global_batch_size=spec.global_batch_size,
+        seq_length=seq,
         compute_bytes=2 if (spec.bf16 or spec.fp16) else 4,
-        distributed_optimizer=spec.use_distributed_optimizer, sequence_parallel=spec.sequence_parallel,
+        distributed_optimizer=spec.use_distributed_optimizer,
+        sequence_parallel=spec.sequence_parallel,
         num_layer_list=tuple(spec.num_layer_list) if spec.num_layer_list else None,
         layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         recompute=_recompute(spec) if train else None,
         recompute_method=getattr(spec, "recompute_method", None),
         recompute_num_layers=getattr(spec, "recompute_num_layers", None),
-        lora_r=lora_r, lora_targets=_lora_targets(list(spec.lora_target_modules)) if lora_r else LORA_TARGETS,
-        loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024), device_type=spec.resources.device_type,
-        train=train, eval_tokens=0 if train else seq + getattr(spec, "max_new_tokens", 0),
+        lora_r=lora_r,
+        lora_targets=_lora_targets(list(spec.lora_target_modules)) if lora_r else LORA_TARGETS,
+        loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024),
+        device_type=spec.resources.device_type,
+        train=train,
+        eval_tokens=0 if train else seq + getattr(spec, "max_new_tokens", 0),
     )
 
 
@@ -107,8 +125,16 @@ def _gib(n: int) -> str:
 
 def breakdown(r: RankMemory) -> str:
     """One line: the rank's parts, for error messages."""
-    parts = [("params", r.params), ("main params", r.main_params), ("grads", r.grads), ("optimizer", r.optimizer),
-             ("activations", r.activations), ("loss", r.loss), ("comm", r.comm), ("optimizer step", r.optimizer_step)]
+    parts = [
+        ("params", r.params),
+        ("main params", r.main_params),
+        ("grads", r.grads),
+        ("optimizer", r.optimizer),
+        ("activations", r.activations),
+        ("loss", r.loss),
+        ("comm", r.comm),
+        ("optimizer step", r.optimizer_step),
+    ]
     return ", ".join(f"{name} {_gib(v)}" for name, v in parts if v)
 
 
@@ -121,17 +147,21 @@ def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) ->
     lay = plan.layout
     if worst.persistent_bytes > device_memory_bytes:
         field = "resources" if lay.dp > 1 or lay.world_size == 1 else "pipeline_model_parallel_size"
-        advice = ("weights and optimizer state alone exceed the device: spread them over more devices "
-                  "(resources, tensor_model_parallel_size, pipeline_model_parallel_size"
-                  + ("" if lay.distributed_optimizer else ", use_distributed_optimizer") + ")")
+        advice = (
+            "weights and optimizer state alone exceed the device: spread them over more devices "
+            "(resources, tensor_model_parallel_size, pipeline_model_parallel_size"
+            + ("" if lay.distributed_optimizer else ", use_distributed_optimizer")
+            + ")"
+        )
     else:
         field = "micro_batch_size"
-        advice = ("activations overflow the device: lower micro_batch_size or seq_length, or set "
-                  "recompute_granularity")
-    message = (f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs "
-               f"{_gib(worst.total_bytes)} but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
-               f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
-               f"seq_length {lay.seq_length}); {advice}")
+        advice = "activations overflow the device: lower micro_batch_size or seq_length, or set recompute_granularity"
+    message = (
+        f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs "
+        f"{_gib(worst.total_bytes)} but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
+        f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
+        f"seq_length {lay.seq_length}); {advice}"
+    )
     raise DoesNotFit(field, message, plan)
 
 

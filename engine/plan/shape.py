@@ -125,11 +125,13 @@ def _from_mcore_args(args: argparse.Namespace) -> ModelConfig | None:
     if not vocab:
         return None
     return ModelConfig(
-        num_layers=get("num_layers"), hidden_size=get("hidden_size"),
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
         ffn_hidden_size=get("ffn_hidden_size") or _megatron_ffn(get("hidden_size"), bool(get("swiglu"))),
         num_attention_heads=heads,
         num_query_groups=(get("num_query_groups") or 1) if get("group_query_attention") else heads,
-        kv_channels=get("kv_channels") or get("hidden_size") // heads, vocab_size=vocab,
+        kv_channels=get("kv_channels") or get("hidden_size") // heads,
+        vocab_size=vocab,
         tie_word_embeddings=not get("untie_embeddings_and_output_weights"),
         **moe_from_args(args, get("num_layers")),
     )

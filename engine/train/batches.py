@@ -70,7 +70,9 @@ def shift(sample: Sample, seq_length: int) -> tuple[np.ndarray, np.ndarray]:
     return ids[:-1], labels[1:]
 
 
-def _finish(ids: np.ndarray, pos: np.ndarray, seg: np.ndarray | None, labels: np.ndarray, lens: list[int]) -> MicroBatch:
+def _finish(
+    ids: np.ndarray, pos: np.ndarray, seg: np.ndarray | None, labels: np.ndarray, lens: list[int]
+) -> MicroBatch:
     flat = labels.reshape(-1)
     index = np.flatnonzero(flat != IGNORE_INDEX)
     return MicroBatch(

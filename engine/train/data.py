@@ -74,7 +74,7 @@ class _Source:
             else:
                 doc = int(np.searchsorted(self.window_start, i, side="right")) - 1
                 first = (i - int(self.window_start[doc])) * self.step
-                ids = self.text[doc][first:first + self.seq_length]
+                ids = self.text[doc][first : first + self.seq_length]
             return [Sample(ids, ids)]
         row = self.instruction[i]  # type: ignore[index]
         starts = np.concatenate(([0], row.boundaries[:-1]))
@@ -89,7 +89,9 @@ def check_data_paths(paths: Sequence[str]) -> None:
         except ValueError:
             pass
         else:
-            raise BadInput(f"data_path: blending weights ({prefix!r}) are not supported; give prefixes only", "data_path")
+            raise BadInput(
+                f"data_path: blending weights ({prefix!r}) are not supported; give prefixes only", "data_path"
+            )
         candidates = [instruction_prefix(prefix, "input_ids"), prefix, prefix + "_text_document"]
         if not any(_exists(c) for c in candidates):
             looked = ", ".join(c + ".bin/.idx" for c in candidates)
@@ -101,7 +103,7 @@ def split_counts(total: int, split: str) -> tuple[int, int]:
     parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
     if not parts or sum(parts) <= 0 or parts[0] <= 0 or any(p < 0 for p in parts):
         raise BadInput(f"split: {split!r} leaves no training data", "split")
-    cumulative = [sum(parts[:i + 1]) / sum(parts) for i in range(min(len(parts), 2))]
+    cumulative = [sum(parts[: i + 1]) / sum(parts) for i in range(min(len(parts), 2))]
     train = int(total * cumulative[0])
     valid = int(total * cumulative[1]) - train if len(cumulative) > 1 else 0
     return train, valid

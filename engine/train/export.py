@@ -39,9 +39,14 @@ from engine.model.lora import to_mindspeed_keys
 from engine.train.step_runner import StepRunner
 
 
-def lora_rank_states(adapters: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
-                     num_layer_list: list[int] | None = None, vpp_layers: int | None = None
-                     ) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+def lora_rank_states(
+    adapters: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    num_layer_list: list[int] | None = None,
+    vpp_layers: int | None = None,
+) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """Full adapters cut as MindSpeed stores a LoRA run of this TP/PP: rank dir -> {"model" | "model{v}": tensors}.
 
     TP: ``split_rule`` (column targets: A replicated, B like the base rows incl. [gate_k; up_k]; row targets: A on
@@ -56,20 +61,26 @@ def lora_rank_states(adapters: dict[str, torch.Tensor], cfg: ModelConfig, tp: in
                     prefix = f"decoder.layers.{layer}."
                     for key in (k for k in adapters if k.startswith(prefix)):
                         piece = shard(adapters[key], split_rule(key), tp, t)
-                        local[f"decoder.layers.{i}." + key[len(prefix):]] = piece.contiguous().clone()
+                        local[f"decoder.layers.{i}." + key[len(prefix) :]] = piece.contiguous().clone()
                 models["model" if len(chunks) == 1 else f"model{chunk.index}"] = local
             out[rank_dir_name(t, p, pp)] = models
     return out
 
 
-def _write_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: Any,
-                dtype: torch.dtype) -> Path:
+def _write_lora(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: Any, dtype: torch.dtype
+) -> Path:
     adapters = {k: v.to(dtype) for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     layers, vpp = spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage
     args = build_args(cfg, tp, pp, dtype, layers, vpp, seq_length=spec.seq_length)
-    extra = {"lora_r": spec.lora_r, "lora_alpha": spec.lora_alpha, "lora_target_modules": list(spec.lora_target_modules),
-             "lora_base": spec.load, "iteration": iteration}
+    extra = {
+        "lora_r": spec.lora_r,
+        "lora_alpha": spec.lora_alpha,
+        "lora_target_modules": list(spec.lora_target_modules),
+        "lora_base": spec.load,
+        "iteration": iteration,
+    }
     args = argparse.Namespace(**{**vars(args), **extra})
     it_dir = save / iteration_dir_name(iteration)
     for name, models in lora_rank_states(adapters, cfg, tp, pp, layers, vpp).items():
@@ -95,16 +106,18 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _write_own_rank_file(module: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, it_dir: Path,
-                         iteration: int, dtype: torch.dtype) -> None:
+def _write_own_rank_file(
+    module: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, it_dir: Path, iteration: int, dtype: torch.dtype
+) -> None:
     """This rank's ``mp_rank_TT[_PPP]`` file (written by DP rank 0; the other DP ranks take part in the gathers).
     Every rank of a stage walks the same keys in the same order, so each ``full_tensor`` meets its peers."""
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     t, p = mesh["tp"].get_local_rank(), mesh["pp"].get_local_rank()
     writes = mesh["dp"].get_local_rank() == 0
     chunks = pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)[p]
-    args = build_args(cfg, tp, pp, dtype, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage,
-                      seq_length=spec.seq_length)
+    args = build_args(
+        cfg, tp, pp, dtype, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage, seq_length=spec.seq_length
+    )
     state, plan = rank_file_plan(cfg, chunks, tp, pp, dtype, args, iteration)
     tensors = _stage_tensors(module)
 
@@ -149,11 +162,15 @@ def _save_hf(cfg: ModelConfig, spec: Any, save: Path, dtype: torch.dtype) -> Non
     save_hf(source, cfg, save / "hf", dtype=dtype)
 
 
-def export_final(runner: StepRunner, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, save: Path, iteration: int,
-                 dtype: torch.dtype) -> dict[str, str]:
+def export_final(
+    runner: StepRunner, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, save: Path, iteration: int, dtype: torch.dtype
+) -> dict[str, str]:
     """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
-    outputs = {"checkpoint": str(save), "checkpoint_iteration": str(iteration),
-               "checkpoint_dir": str(save / iteration_dir_name(iteration))}
+    outputs = {
+        "checkpoint": str(save),
+        "checkpoint_iteration": str(iteration),
+        "checkpoint_dir": str(save / iteration_dir_name(iteration)),
+    }
     rank0 = dist.get_rank() == 0
     if spec.lora_r is not None:
         adapters = _gather_adapters(runner.module, mesh)

@@ -81,7 +81,8 @@ def _check_batch(spec: TrainSpec, dims: ParallelDims) -> int:
     if gbs % (spec.micro_batch_size * dims.dp):
         raise BadInput(
             f"global_batch_size: {gbs} is not divisible by micro_batch_size × DP ({spec.micro_batch_size} × {dims.dp}, "
-            f"DP = world size {dims.world_size} / (TP {dims.tp} × PP {dims.pp}))", "global_batch_size"
+            f"DP = world size {dims.world_size} / (TP {dims.tp} × PP {dims.pp}))",
+            "global_batch_size",
         )
     return gbs
 
@@ -101,8 +102,11 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
     loaded = open_load(spec.load, rank_view(spec))
     check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
     if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
-        raise BadInput(f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "
-                       "or merge the run's final checkpoint with a convert job first", "load")
+        raise BadInput(
+            f"load: {spec.load} holds LoRA adapters only; load their base model (the run's own load), "
+            "or merge the run's final checkpoint with a convert job first",
+            "load",
+        )
     return with_moe_flags(spec, loaded.config), loaded
 
 
@@ -118,8 +122,10 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     if spec.seq_length is None:
         raise BadInput("seq_length: required for training (the longest sample, in tokens)", "seq_length")
     if spec.lr_decay_style == "WSD":
-        raise BadInput("lr_decay_style: WSD is not supported; use constant, linear, cosine or inverse-square-root",
-                       "lr_decay_style")
+        raise BadInput(
+            "lr_decay_style: WSD is not supported; use constant, linear, cosine or inverse-square-root",
+            "lr_decay_style",
+        )
     if spec.lora_r is not None:
         from engine.model.lora import resolve_targets
 
@@ -132,8 +138,14 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     check_moe_layout(spec, cfg)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
-        run.event("config", f"model shape from the checkpoint {spec.load} ({loaded.format})", source="checkpoint",
-                  load=spec.load, format=loaded.format, values=checkpoint_flags(cfg, spec))
+        run.event(
+            "config",
+            f"model shape from the checkpoint {spec.load} ({loaded.format})",
+            source="checkpoint",
+            load=spec.load,
+            format=loaded.format,
+            values=checkpoint_flags(cfg, spec),
+        )
     _warn_unsupported(spec, run)
     save = Path(spec.save) if spec.save else run.path / "checkpoints"
     return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))
@@ -186,8 +198,9 @@ class Trainer:
             base = loaded.source
         else:
             base = SeededInit(plan.cfg, spec.seed)
-        return build_rank_model(plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length,
-                                self.device.torch_device, base)
+        return build_rank_model(
+            plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length, self.device.torch_device, base
+        )
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan
@@ -200,8 +213,13 @@ class Trainer:
             assert spec.load is not None and plan.loaded.meta is not None  # a native load always has both
             keep_going = not spec.finetune
             optimizer = self.optimizer if keep_going and not spec.no_load_optim else None
-            meta = dcp.load(spec.load, self.model, optimizer, trainable_only=bool(plan.loaded.meta.get("trainable_only")),
-                            load_rng=keep_going and not spec.no_load_rng)
+            meta = dcp.load(
+                spec.load,
+                self.model,
+                optimizer,
+                trainable_only=bool(plan.loaded.meta.get("trainable_only")),
+                load_rng=keep_going and not spec.no_load_rng,
+            )
             if keep_going:
                 self._restore_progress(meta)
         return None
@@ -217,8 +235,14 @@ class Trainer:
         from engine.train.data import rank_micro_batches
 
         spec = self.spec
-        groups = rank_micro_batches(data, iteration, self.plan.global_batch_size, spec.micro_batch_size,
-                                    self.plan.dims.dp, self.mesh["dp"].get_local_rank())
+        groups = rank_micro_batches(
+            data,
+            iteration,
+            self.plan.global_batch_size,
+            spec.micro_batch_size,
+            self.plan.dims.dp,
+            self.mesh["dp"].get_local_rank(),
+        )
         batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
@@ -236,7 +260,9 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict(),
             "model_config": dataclasses.asdict(self.plan.cfg),
             "trainable_only": self.lora,
-            "lora": {"r": spec.lora_r, "alpha": spec.lora_alpha, "targets": list(spec.lora_target_modules)} if self.lora else None,
+            "lora": {"r": spec.lora_r, "alpha": spec.lora_alpha, "targets": list(spec.lora_target_modules)}
+            if self.lora
+            else None,
             "load": spec.load,
             "global_batch_size": self.plan.global_batch_size,
             "world_size": self.plan.dims.world_size,
@@ -245,9 +271,18 @@ class Trainer:
         optimizer = None if spec.no_save_optim else self.optimizer
         if spec.save:
             check_output("save", spec.save)  # right before writing (engine.guard)
-        path = dcp.save(self.plan.save, iteration, self.runner.module, optimizer, meta, trainable_only=self.lora,
-                        save_rng=not spec.no_save_rng)
-        self.run.event("checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path))
+        path = dcp.save(
+            self.plan.save,
+            iteration,
+            self.runner.module,
+            optimizer,
+            meta,
+            trainable_only=self.lora,
+            save_rng=not spec.no_save_rng,
+        )
+        self.run.event(
+            "checkpoint", f"saved training checkpoint at iteration {iteration}", iteration=iteration, path=str(path)
+        )
         if spec.keep_last_n is not None and dist.get_rank() == 0:  # after the save is complete and tracked
             removed = dcp.prune(self.plan.save, iteration, spec.keep_last_n, spec.keep_best_by)
             if removed:
@@ -278,16 +313,33 @@ class Trainer:
         spec, plan = self.spec, self.plan
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
-        metrics = MetricsLogger(self.run, plan.cfg, self.device, spec.train_iters, plan.global_batch_size,
-                                spec.log_interval, spec.tensorboard_dir, self.lora, list(self.router.layers))
+        metrics = MetricsLogger(
+            self.run,
+            plan.cfg,
+            self.device,
+            spec.train_iters,
+            plan.global_batch_size,
+            spec.log_interval,
+            spec.tensorboard_dir,
+            self.lora,
+            list(self.router.layers),
+        )
         start = self.state.iteration
         self.runner.module.train()
         for iteration in range(start + 1, spec.train_iters + 1):
             started = time.perf_counter()
             batches = self._batches(data, iteration)
-            record = train_step(self.runner, self.optimizer, self.scheduler, self.scaler, batches, self.state,
-                                global_batch_size=plan.global_batch_size, clip_grad=spec.clip_grad,
-                                router=self.router)
+            record = train_step(
+                self.runner,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                batches,
+                self.state,
+                global_batch_size=plan.global_batch_size,
+                clip_grad=spec.clip_grad,
+                router=self.router,
+            )
             record.elapsed_s = time.perf_counter() - started  # Megatron's iteration time includes getting the batch
             metrics.record(record)
             if spec.save_interval and iteration % spec.save_interval == 0:  # one host sync per checkpoint
@@ -318,7 +370,6 @@ class Trainer:
             **metrics.summary(),
         }
         return outputs, summary
-
 
 
 def run(spec: TrainSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:

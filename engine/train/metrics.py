@@ -91,14 +91,23 @@ class MetricsLogger:
             return
         recs, self.pending = self.pending, []
         # One host sync for the whole interval.
-        parts = [torch.cat([r.loss_sum.double()[None], r.counts.double(), r.grad_norm.double()[None],
-                            *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses)),
-                            *([] if r.router is None else [r.router.double().flatten()])]) for r in recs]
+        parts = [
+            torch.cat(
+                [
+                    r.loss_sum.double()[None],
+                    r.counts.double(),
+                    r.grad_norm.double()[None],
+                    *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses)),
+                    *([] if r.router is None else [r.router.double().flatten()]),
+                ]
+            )
+            for r in recs
+        ]
         flat = torch.cat(parts).cpu().tolist()
         numbers = []
         for part in parts:
-            numbers.append(flat[:len(part)])
-            flat = flat[len(part):]
+            numbers.append(flat[: len(part)])
+            flat = flat[len(part) :]
         memory = self._gather_memory()
         rows = []
         for r, n in zip(recs, numbers, strict=True):
@@ -106,7 +115,7 @@ class MetricsLogger:
             row = {**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:extra], strict=True))}
             if r.router is not None:
                 width = r.router.shape[1]
-                row.update(router_summary(self.moe_layers, [n[i:i + width] for i in range(extra, len(n), width)]))
+                row.update(router_summary(self.moe_layers, [n[i : i + width] for i in range(extra, len(n), width)]))
             rows.append(row)
         for rec, row in zip(recs, rows, strict=True):
             self.run.metric(rec.iteration, row, rank_metrics=memory)
@@ -119,7 +128,13 @@ class MetricsLogger:
             log.info("%s", self.memory_line(recs[-1].iteration))
 
     def _metrics(
-        self, rec: StepRecord, loss_sum: float, loss_tokens: float, real_tokens: float, sum_sq_len: float, grad_norm: float
+        self,
+        rec: StepRecord,
+        loss_sum: float,
+        loss_tokens: float,
+        real_tokens: float,
+        sum_sq_len: float,
+        grad_norm: float,
     ) -> dict[str, Any]:
         loss = loss_sum / loss_tokens if loss_tokens else float("nan")
         nan = not math.isfinite(loss)
@@ -162,8 +177,16 @@ class MetricsLogger:
         if self.tb is None:
             return
         # Megatron's TensorBoard tags, plus our throughput figures.
-        tags = {"lm loss": "lm_loss", "load_balancing_loss": "load_balancing_loss", "learning-rate": "lr", "grad-norm": "grad_norm", "loss-scale": "loss_scale",
-                "iteration-time": "iteration_time_ms", "tokens-per-second": "tokens_per_s", "tflops": "tflops"}
+        tags = {
+            "lm loss": "lm_loss",
+            "load_balancing_loss": "load_balancing_loss",
+            "learning-rate": "lr",
+            "grad-norm": "grad_norm",
+            "loss-scale": "loss_scale",
+            "iteration-time": "iteration_time_ms",
+            "tokens-per-second": "tokens_per_s",
+            "tflops": "tflops",
+        }
         for tag, key in tags.items():
             if isinstance(row.get(key), (int, float)) and math.isfinite(row[key]):
                 self.tb.add_scalar(tag, row[key], rec.iteration)
@@ -208,8 +231,14 @@ class MetricsLogger:
             self.tb.add_scalar("lm loss validation ppl", ppl, iteration)
         if self.run.is_writer:
             bar = "-" * 100
-            log.info("%s\n validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E | \n%s",
-                     bar, iteration, loss, ppl, bar)
+            log.info(
+                "%s\n validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E | \n%s",
+                bar,
+                iteration,
+                loss,
+                ppl,
+                bar,
+            )
         return row
 
     def close(self) -> None:

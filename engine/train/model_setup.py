@@ -146,8 +146,11 @@ def check_moe_layout(spec: Any, cfg: ModelConfig) -> None:
         return
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(spec, flag) > 1:
-            raise BadInput(f"{flag}: {getattr(spec, flag)} is not available for an MoE model (num_experts "
-                           f"{cfg.num_experts}) yet; use 1 (the experts shard over data parallel, FSDP)", flag)
+            raise BadInput(
+                f"{flag}: {getattr(spec, flag)} is not available for an MoE model (num_experts "
+                f"{cfg.num_experts}) yet; use 1 (the experts shard over data parallel, FSDP)",
+                flag,
+            )
 
 
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
@@ -162,7 +165,8 @@ def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
         if not same:
             raise BadInput(
                 f"{flag}: the spec says {getattr(spec, flag)!r} but the checkpoint {source} has {field}={have!r}; "
-                "drop the flag to take the checkpoint's value, or load a matching checkpoint", flag
+                "drop the flag to take the checkpoint's value, or load a matching checkpoint",
+                flag,
             )
 
 
@@ -171,8 +175,9 @@ def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
     the fields ``spec`` has. The run records them (a ``config`` event) so the Spec tab shows the values taken from
     the checkpoint, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
     moe_only = {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_intermediate_size"}
-    flags: dict[str, Any] = {flag: getattr(cfg, field) for flag, (field, _) in _SHAPE_FLAGS.items()
-                             if cfg.is_moe or flag not in moe_only}  # a dense checkpoint sets no MoE flag
+    flags: dict[str, Any] = {
+        flag: getattr(cfg, field) for flag, (field, _) in _SHAPE_FLAGS.items() if cfg.is_moe or flag not in moe_only
+    }  # a dense checkpoint sets no MoE flag
     flags["untie_embeddings_and_output_weights"] = not cfg.tie_word_embeddings
     flags["group_query_attention"] = cfg.num_query_groups != cfg.num_attention_heads
     flags["num_query_groups"] = cfg.num_query_groups
@@ -187,15 +192,30 @@ def check_model_kind(spec: Any) -> None:
     if "normalization" in explicit and spec.normalization != "RMSNorm":
         raise BadInput(f"normalization: {spec.normalization} is not supported (Qwen3 uses RMSNorm)", "normalization")
     if "position_embedding_type" in explicit and spec.position_embedding_type != "rope":
-        raise BadInput(f"position_embedding_type: {spec.position_embedding_type} is not supported (rope only)",
-                       "position_embedding_type")
-    if "num_query_groups" in explicit and not spec.group_query_attention and spec.num_query_groups != spec.num_attention_heads:
-        raise BadInput("num_query_groups: set group_query_attention too (Megatron ignores the groups without it)",
-                       "num_query_groups")
+        raise BadInput(
+            f"position_embedding_type: {spec.position_embedding_type} is not supported (rope only)",
+            "position_embedding_type",
+        )
+    if (
+        "num_query_groups" in explicit
+        and not spec.group_query_attention
+        and spec.num_query_groups != spec.num_attention_heads
+    ):
+        raise BadInput(
+            "num_query_groups: set group_query_attention too (Megatron ignores the groups without it)",
+            "num_query_groups",
+        )
 
 
-def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch_size: int, seq_length: int,
-                     device: torch.device, base: WeightSource | None) -> torch.nn.Module:
+def build_rank_model(
+    cfg: ModelConfig,
+    mesh: DeviceMesh,
+    spec: Any,
+    global_batch_size: int,
+    seq_length: int,
+    device: torch.device,
+    base: WeightSource | None,
+) -> torch.nn.Module:
     """This rank's model: built on meta, split/sharded, materialised on ``device``, filled from ``base`` (None: left
     empty for a DCP restore) and, for LoRA (``spec.lora_r``), adapters seeded as ``apply_lora(seed=spec.seed)``
     would on the full model. Returns the module (a ``PipelineModel`` under PP)."""
@@ -213,8 +233,9 @@ def build_rank_model(cfg: ModelConfig, mesh: DeviceMesh, spec: Any, global_batch
 
         adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
     if mesh["pp"].size() > 1:
-        model = build_pipeline_model(model, mesh, spec, global_batch_size, seq_length,
-                                     lambda part: parallelize(part, mesh, spec), device=device)
+        model = build_pipeline_model(
+            model, mesh, spec, global_batch_size, seq_length, lambda part: parallelize(part, mesh, spec), device=device
+        )
         parts: list[torch.nn.Module] = list(model.pipeline.parts)
     else:
         model = parallelize(model, mesh, spec)

@@ -54,8 +54,13 @@ class RouterTracker:
             if s is None:
                 rows.append(torch.zeros(self.num_experts + 3, device=layer.router.weight.device))
                 continue
-            extra = torch.stack([s.balance_loss_sum.float(), s.dropped.float(),
-                                 torch.tensor(float(s.forwards), device=s.dropped.device)])
+            extra = torch.stack(
+                [
+                    s.balance_loss_sum.float(),
+                    s.dropped.float(),
+                    torch.tensor(float(s.forwards), device=s.dropped.device),
+                ]
+            )
             rows.append(torch.cat([s.tokens_per_expert.float(), extra]))
         self.discard()
         figures = torch.stack(rows).double()

@@ -75,8 +75,11 @@ class Scheduler(LambdaLR):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "last_epoch" not in state:  # written before LambdaLR: {"num_steps": N, "schedule": ...}
-            state = {"last_epoch": int(state["num_steps"]), "_step_count": int(state["num_steps"]) + 1,
-                     "lr_lambdas": [None] * len(self.lr_lambdas)}
+            state = {
+                "last_epoch": int(state["num_steps"]),
+                "_step_count": int(state["num_steps"]) + 1,
+                "lr_lambdas": [None] * len(self.lr_lambdas),
+            }
         super().load_state_dict({k: v for k, v in state.items() if k != "schedule"})
         # The optimizer's LR follows the restored step even when its own state was not loaded (no_load_optim).
         lr = self.schedule.lr_at(self.last_epoch)

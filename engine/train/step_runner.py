@@ -85,8 +85,9 @@ class StepRunner(Protocol):
     def dp_group(self) -> dist.ProcessGroup | None:
         """The ranks that share one step's micro-batches."""
 
-    def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor,
-                         loss_scale: float) -> Losses: ...
+    def forward_backward(
+        self, batches: Sequence[MicroBatch], denominator: torch.Tensor, loss_scale: float
+    ) -> Losses: ...
 
     def forward_only(self, batches: Sequence[MicroBatch]) -> Losses: ...
 
@@ -124,12 +125,12 @@ def _zeros(device: torch.device) -> Losses:
 class ModuleRunner:
     """Plain / FSDP2 / TP execution: micro-batches one after another through one module."""
 
-    def __init__(self, module: nn.Module, device: torch.device, dp_group: dist.ProcessGroup | None,
-                 loss_fn: MicroBatchLoss) -> None:
+    def __init__(
+        self, module: nn.Module, device: torch.device, dp_group: dist.ProcessGroup | None, loss_fn: MicroBatchLoss
+    ) -> None:
         self.module, self.device, self.dp_group, self.loss_fn = module, device, dp_group, loss_fn
 
-    def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor,
-                         loss_scale: float) -> Losses:
+    def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor, loss_scale: float) -> Losses:
         total = _zeros(self.device)
         weight = loss_scale / denominator
         for mb in batches:
@@ -165,8 +166,7 @@ class PipelineRunner:
         first = next(iter(self.pipeline.parts[0].parameters()))
         self.device = (first.to_local() if hasattr(first, "to_local") else first).device
 
-    def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor,
-                         loss_scale: float) -> Losses:
+    def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor, loss_scale: float) -> Losses:
         normaliser = float(denominator) / loss_scale
         return Losses(self._run(batches, normaliser, train=True) * normaliser)
 

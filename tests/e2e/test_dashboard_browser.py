@@ -21,8 +21,15 @@ from test_service_e2e import Service, readme_example, service  # noqa: F401 - th
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SCREENSHOT = Path("/tmp/llmjobs-dashboard.png")
 # Screenshots at a phone's and a laptop's width (the test prints where); LLMJOBS_TEST_ARTIFACTS moves them.
 ARTIFACTS = Path(os.environ.get("LLMJOBS_TEST_ARTIFACTS", "/tmp/llmjobs-dashboard-artifacts"))
@@ -30,11 +37,31 @@ AXE = Path(__file__).parent / "vendor" / "axe.min.js"  # axe-core (MPL-2.0), tes
 JOB_TIMEOUT_MS = 150_000
 # A real model shape with Qwen3's vocabulary (the demo data is tokenized with the real Qwen3 tokenizer), tiny widths.
 TINY_TRAIN: dict[str, Any] = {
-    "kind": "train", "split": "100,0,0", "train_iters": 6, "lr": 3e-3, "lr_warmup_iters": 2, "lr_decay_style": "cosine",
-    "seq_length": 128, "micro_batch_size": 2, "global_batch_size": 4, "log_interval": 1, "is_instruction_dataset": True,
-    "finetune": True, "stage": "sft", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-    "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "qk_layernorm": True,
-    "padded_vocab_size": 151936, "normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True,
+    "kind": "train",
+    "split": "100,0,0",
+    "train_iters": 6,
+    "lr": 3e-3,
+    "lr_warmup_iters": 2,
+    "lr_decay_style": "cosine",
+    "seq_length": 128,
+    "micro_batch_size": 2,
+    "global_batch_size": 4,
+    "log_interval": 1,
+    "is_instruction_dataset": True,
+    "finetune": True,
+    "stage": "sft",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "qk_layernorm": True,
+    "padded_vocab_size": 151936,
+    "normalization": "RMSNorm",
+    "position_embedding_type": "rope",
+    "swiglu": True,
     "disable_bias_linear": True,
 }
 
@@ -66,8 +93,14 @@ def _page(browser: Any, bypass_csp: bool) -> Iterator[Any]:
     errors: list[str] = []
     page.on("pageerror", lambda err: errors.append(str(err)))
     # Expected 401/422 answers show as "Failed to load resource"; anything else logged as an error is a bug.
-    page.on("console", lambda msg: errors.append(msg.text)
-            if msg.type == "error" and not msg.text.startswith("Failed to load resource") else None)
+    page.on(
+        "console",
+        lambda msg: (
+            errors.append(msg.text)
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
     page.set_default_timeout(20_000)
     yield page
     context.close()
@@ -100,19 +133,26 @@ def _wait_state(page: Any, state: str) -> None:
 
 def _blue_pixels(page: Any, chart: str) -> int:
     """Pixels of the chart's first series colour (#2563eb) on its canvas: > 0 when a line was drawn."""
-    return page.evaluate("""(title) => {
+    return page.evaluate(
+        """(title) => {
         const canvas = document.querySelector(`.chart[data-chart="${title}"] canvas`);
         const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
         let n = 0;
         for (let i = 0; i < data.length; i += 4)
             if (Math.abs(data[i] - 37) < 40 && Math.abs(data[i + 1] - 99) < 40 && data[i + 2] > 180) n++;
         return n;
-    }""", chart)
+    }""",
+        chart,
+    )
 
 
 def _set_range(page: Any, selector: str, value: float) -> None:
-    page.eval_on_selector(selector, """(el, v) => { el.value = String(v); el.dispatchEvent(new Event("input"));
-        el.dispatchEvent(new Event("change")); }""", value)
+    page.eval_on_selector(
+        selector,
+        """(el, v) => { el.value = String(v); el.dispatchEvent(new Event("input"));
+        el.dispatchEvent(new Event("change")); }""",
+        value,
+    )
 
 
 def _chart_controls(page: Any, train_id: str) -> None:
@@ -199,7 +239,10 @@ def _job_panels(page: Any, train_id: str) -> None:
 
     page.click('button[data-tab="checkpoints"]')
     page.wait_for_selector('#checkpoints tr[data-iteration="6"]')
-    assert page.locator("#checkpoints tbody tr").evaluate_all("rows => rows.map((r) => r.dataset.iteration)") == ["3", "6"]
+    assert page.locator("#checkpoints tbody tr").evaluate_all("rows => rows.map((r) => r.dataset.iteration)") == [
+        "3",
+        "6",
+    ]
     loss6 = page.inner_text('#checkpoints tr[data-iteration="6"] td:nth-child(2)')
     assert loss6 != "—"
     page.click('#checkpoints tr[data-iteration="3"] button[data-action="evaluate"]')
@@ -223,8 +266,10 @@ def _compare_runs(page: Any, service: Service, train_id: str, train_b: str, name
         while client.get(f"/v1/jobs/{train_b}").json()["state"] != "succeeded":
             assert time.monotonic() < deadline, "the second run did not finish"
             time.sleep(1)
-        losses = {job: [p["value"] for p in client.get(f"/v1/jobs/{job}/metrics", params={"names": "lm_loss"}).json()["data"]]
-                  for job in (train_id, train_b)}
+        losses = {
+            job: [p["value"] for p in client.get(f"/v1/jobs/{job}/metrics", params={"names": "lm_loss"}).json()["data"]]
+            for job in (train_id, train_b)
+        }
     page.goto(f"{service.url}/#/jobs?meta=sweep={name}&cols=sweep")
     page.wait_for_selector(f'tr[data-job="{train_b}"] td[data-loss]')
     page.wait_for_selector(f'tr[data-job="{train_id}"] td[data-loss]')
@@ -232,7 +277,9 @@ def _compare_runs(page: Any, service: Service, train_id: str, train_b: str, name
     assert page.inner_text(f'tr[data-job="{train_id}"] td[data-col="meta:sweep"]') == name
     assert page.get_attribute(f'tr[data-job="{train_id}"] td[data-progress]', "data-progress") == "100"
     for job in (train_id, train_b):
-        assert float(page.get_attribute(f'tr[data-job="{job}"] td[data-loss]', "data-loss")) == pytest.approx(losses[job][-1])
+        assert float(page.get_attribute(f'tr[data-job="{job}"] td[data-loss]', "data-loss")) == pytest.approx(
+            losses[job][-1]
+        )
     page.click('th[data-col="loss"] button')
     assert "sort=loss" in page.url
     order = page.locator("tr[data-job]").evaluate_all("rows => rows.map((r) => r.dataset.job)")
@@ -270,10 +317,17 @@ def _axe_violations(page: Any) -> list[dict[str, Any]]:
 def _screens_and_audit(page: Any, service: Service, train_id: str, train_b: str) -> None:  # noqa: F811
     """Every view audited by axe-core; the job page and the comparison shot at 420 and 1440 px, neither scrolling
     sideways (wide tables and charts scroll inside their own boxes)."""
-    views = [(f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'), (f"#/jobs/{train_id}?tab=logs", "pre.log"),
-             (f"#/jobs/{train_id}?tab=events", "#event-types label"), (f"#/jobs/{train_id}?tab=checkpoints", "#checkpoints"),
-             (f"#/jobs/{train_id}?tab=spec", "#spec-effective"), (f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart"),
-             ("#/jobs?cols=sweep", "tr[data-job]"), ("#/hosts", "tr[data-host]"), ("#/submit", ".reference dt")]
+    views = [
+        (f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
+        (f"#/jobs/{train_id}?tab=logs", "pre.log"),
+        (f"#/jobs/{train_id}?tab=events", "#event-types label"),
+        (f"#/jobs/{train_id}?tab=checkpoints", "#checkpoints"),
+        (f"#/jobs/{train_id}?tab=spec", "#spec-effective"),
+        (f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart"),
+        ("#/jobs?cols=sweep", "tr[data-job]"),
+        ("#/hosts", "tr[data-host]"),
+        ("#/submit", ".reference dt"),
+    ]
     for route, ready in views:
         page.goto(f"{service.url}/{route}")
         page.wait_for_selector(ready)
@@ -282,8 +336,10 @@ def _screens_and_audit(page: Any, service: Service, train_id: str, train_b: str)
     shots = []
     for width in (420, 1440):
         page.set_viewport_size({"width": width, "height": 900})
-        for label, route, ready in (("job", f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
-                                    ("compare", f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart")):
+        for label, route, ready in (
+            ("job", f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
+            ("compare", f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart"),
+        ):
             page.goto(f"{service.url}/{route}")
             page.wait_for_selector(ready)
             page.wait_for_timeout(300)  # the charts' first frame
@@ -341,8 +397,10 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
         other = client.post("/v1/jobs", json={**TINY_TRAIN, **sweep, "name": f"{name}-train-b", "lr": 1e-3})
         assert other.status_code == 201, other.text
         train_b = other.json()["id"]
-        created = client.post("/v1/jobs", json={**TINY_TRAIN, **sweep, "name": f"{name}-train", "save": f"demo/out/{name}-ckpt",
-                                                "save_interval": 3})
+        created = client.post(
+            "/v1/jobs",
+            json={**TINY_TRAIN, **sweep, "name": f"{name}-train", "save": f"demo/out/{name}-ckpt", "save_interval": 3},
+        )
         assert created.status_code == 201, created.text
         train_id = created.json()["id"]
 
@@ -379,7 +437,8 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
 
     # The page's stream client (fetch + Authorization header, no token in the URL) resumes after an id exactly, and
     # its parser gives the same messages whatever the chunking (here one character at a time).
-    resume = page.evaluate("""async ([jobId, token]) => {
+    resume = page.evaluate(
+        """async ([jobId, token]) => {
         const {JobStream, SseParser} = await import("/ui/js/sse.js");
         const url = `/v1/jobs/${jobId}/stream`;
         const collect = (last) => new Promise((resolve) => {
@@ -398,7 +457,9 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
             resumedExactly: JSON.stringify(rest.map(key).sort()) === JSON.stringify(all.slice(middle + 1).map(key).sort()),
             parsedAlike: JSON.stringify(split.filter((m) => m.event !== "end").map(key)) === JSON.stringify(all.map(key)),
         };
-    }""", [train_id, service.token])
+    }""",
+        [train_id, service.token],
+    )
     assert resume["metrics"] >= 6 and resume["resumedExactly"] and resume["parsedAlike"], resume
 
     # A connection that drops mid-stream (here: the first answer cut after half its messages, no "end"): the client
@@ -413,20 +474,25 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     def drop_first(route: Any) -> None:
         if not resumed_with and route.request.headers.get("last-event-id") is None:
             resumed_with.append(None)
-            route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body="\r\n\r\n".join(half) + "\r\n\r\n")
+            route.fulfill(
+                status=200, headers={"Content-Type": "text/event-stream"}, body="\r\n\r\n".join(half) + "\r\n\r\n"
+            )
         else:
             resumed_with.append(route.request.headers.get("last-event-id"))
             route.continue_()
 
     page.route(f"**/v1/jobs/{train_id}/stream", drop_first)
-    dropped = page.evaluate("""async ([jobId, token]) => {
+    dropped = page.evaluate(
+        """async ([jobId, token]) => {
         const {JobStream} = await import("/ui/js/sse.js");
         const got = await new Promise((resolve) => {
             const all = [];
             new JobStream(`/v1/jobs/${jobId}/stream`, token, {onBatch: (m) => all.push(...m), onStatus: (s) => s === "ended" && resolve(all)}).start();
         });
         return got.filter((m) => m.event !== "end").map((m) => JSON.stringify([m.event, m.data]));
-    }""", [train_id, service.token])
+    }""",
+        [train_id, service.token],
+    )
     page.unroute(f"**/v1/jobs/{train_id}/stream")
     assert resumed_with == [None, cut_id]
     assert len(dropped) == len(blocks) == len(set(dropped)) == resume["total"]
@@ -443,7 +509,9 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
 
     # Cancel from the page (two clicks).
     with service.client() as client:
-        cancel_id = client.post("/v1/jobs", json={**body, "name": f"{name}-cancel", "output_prefix": f"demo/out/{name}-c"}).json()["id"]
+        cancel_id = client.post(
+            "/v1/jobs", json={**body, "name": f"{name}-cancel", "output_prefix": f"demo/out/{name}-c"}
+        ).json()["id"]
     page.goto(f"{service.url}/#/jobs/{cancel_id}")
     page.click("#cancel")
     page.click("#cancel")
@@ -472,8 +540,12 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
     with service.client() as client:
         body, _ = readme_example()
         job_id = client.post("/v1/jobs", json={**body, "name": "csp", "output_prefix": "demo/out/csp"}).json()["id"]
-    for route, selector in ((f"#/jobs/{job_id}", ".job-head .badge"), ("#/jobs", f'tr[data-job="{job_id}"]'),
-                            ("#/submit", ".reference dt"), ("#/hosts", "tr[data-host]")):
+    for route, selector in (
+        (f"#/jobs/{job_id}", ".job-head .badge"),
+        ("#/jobs", f'tr[data-job="{job_id}"]'),
+        ("#/submit", ".reference dt"),
+        ("#/hosts", "tr[data-host]"),
+    ):
         page.goto(f"{service.url}/{route}")
         page.wait_for_selector(selector)
     result = page.evaluate("""async () => {
@@ -505,8 +577,10 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
             aligned: full.every((a) => a.length === full[0].length),
         };
     }""")
-    print(f"decimation of 3 series, {result['points']} points, {result['columns']} columns: "
-          f"{result['drawn']} drawn, median draw {result['medianMs']:.1f} ms")
+    print(
+        f"decimation of 3 series, {result['points']} points, {result['columns']} columns: "
+        f"{result['drawn']} drawn, median draw {result['medianMs']:.1f} ms"
+    )
     assert result["points"] == 100_000 * 2 + 66_667
     assert result["drawn"] <= 2 * (result["columns"] + 2)
     assert result["sorted"] and result["aligned"]
@@ -552,10 +626,12 @@ def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, ser
         return {raw, smooth, live, painted: chart.paints - paints, drawn: Number(chart.el.dataset.drawn),
                 lines: Number(chart.el.dataset.lines), columns: Math.round(chart.u.bbox.width / devicePixelRatio)};
     }""")
-    print(f"redraw of 5 runs x 100,000 points ({redraw['columns']} px, draw() to paint; median / fastest of 15): "
-          f"{redraw['raw'][0]:.1f} / {redraw['raw'][1]:.1f} ms raw, {redraw['smooth'][0]:.1f} / {redraw['smooth'][1]:.1f} ms "
-          f"smoothed ({redraw['lines']} lines, {redraw['drawn']} x positions drawn), {redraw['live'][0]:.1f} / "
-          f"{redraw['live'][1]:.1f} ms per live update with smoothing")
+    print(
+        f"redraw of 5 runs x 100,000 points ({redraw['columns']} px, draw() to paint; median / fastest of 15): "
+        f"{redraw['raw'][0]:.1f} / {redraw['raw'][1]:.1f} ms raw, {redraw['smooth'][0]:.1f} / {redraw['smooth'][1]:.1f} ms "
+        f"smoothed ({redraw['lines']} lines, {redraw['drawn']} x positions drawn), {redraw['live'][0]:.1f} / "
+        f"{redraw['live'][1]:.1f} ms per live update with smoothing"
+    )
     assert redraw["lines"] == 10 and redraw["drawn"] <= 2 * (redraw["columns"] + 2)
     assert redraw["painted"] >= 45  # every timed draw was painted inside its measurement (15 + 1 build + 15 + 15)
 
@@ -565,16 +641,22 @@ def _fake_runs(page: Any) -> tuple[str, str, dict[str, Any]]:
     step from 12:00:00, run B finished, 20 s a step an hour later; both report lm_loss and tokens (1000 a step).
     Returns their ids and the live state the test changes (A's points and state)."""
     run_a, run_b = str(uuid.uuid4()), str(uuid.uuid4())
-    state: dict[str, Any] = {run_a: {"state": "running", "steps": 3, "t0": 0, "dt": 10, "lr": 1e-3},
-                             run_b: {"state": "succeeded", "steps": 4, "t0": 3600, "dt": 20, "lr": 3e-3}}
+    state: dict[str, Any] = {
+        run_a: {"state": "running", "steps": 3, "t0": 0, "dt": 10, "lr": 1e-3},
+        run_b: {"state": "succeeded", "steps": 4, "t0": 3600, "dt": 20, "lr": 3e-3},
+    }
 
     def points(job: str) -> list[dict[str, Any]]:
         run, rows = state[job], []
         for step in range(1, run["steps"] + 1):
             seconds = run["t0"] + run["dt"] * (step - 1)
-            time_ = f"2026-01-01T12:{seconds // 60 % 60:02d}:{seconds % 60:02d}+00:00".replace("T12", f"T{12 + seconds // 3600}")
+            time_ = f"2026-01-01T12:{seconds // 60 % 60:02d}:{seconds % 60:02d}+00:00".replace(
+                "T12", f"T{12 + seconds // 3600}"
+            )
             for k, (name, value) in enumerate((("lm_loss", 10.0 / step + run["lr"]), ("tokens", 1000.0))):
-                rows.append({"id": step * 10 + k, "step": step, "rank": None, "name": name, "value": value, "time": time_})
+                rows.append(
+                    {"id": step * 10 + k, "step": step, "rank": None, "name": name, "value": value, "time": time_}
+                )
         return rows
 
     def handle(route: Any) -> None:
@@ -582,15 +664,26 @@ def _fake_runs(page: Any) -> tuple[str, str, dict[str, Any]]:
         job = next(j for j in state if j in url)
         if "/metrics" not in url:
             run = state[job]
-            body = {"id": job, "name": f"run-{job[:4]}", "state": run["state"], "kind": "train",
-                    "spec": {"kind": "train", "lr": run["lr"]}, "metadata": {}}
+            body = {
+                "id": job,
+                "name": f"run-{job[:4]}",
+                "state": run["state"],
+                "kind": "train",
+                "spec": {"kind": "train", "lr": run["lr"]},
+                "metadata": {},
+            }
             route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
             return
         after = re.search(r"after=(\d+)%3A(\d+)", url)
         cursor = (int(after.group(1)), int(after.group(2))) if after else (-1, -1)
         rows = [p for p in points(job) if (p["step"], p["id"]) > cursor]
         last = f"{rows[-1]['step']}:{rows[-1]['id']}" if rows else (after and f"{after.group(1)}:{after.group(2)}")
-        body = {"data": rows, "has_more": False, "next_since_step": rows[-1]["step"] if rows else None, "next_cursor": last}
+        body = {
+            "data": rows,
+            "has_more": False,
+            "next_since_step": rows[-1]["step"] if rows else None,
+            "next_cursor": last,
+        }
         route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
 
     for job in state:
@@ -620,8 +713,9 @@ def test_compare_follows_running_runs_on_every_x_axis(page: Any, service: Servic
 
     # A reports two more steps and finishes: the next poll (3 s) brings them, the same chart redraws.
     state[run_a].update(steps=5, state="succeeded")
-    page.wait_for_function("""() => document.querySelector(".compare-chart .chart").chart.u.data[0].includes(30)""",
-                           timeout=15_000)
+    page.wait_for_function(
+        """() => document.querySelector(".compare-chart .chart").chart.u.data[0].includes(30)""", timeout=15_000
+    )
     page.wait_for_selector('#compare-status [data-live="0"]')
     assert page.locator(f'#compare-best tr[data-job="{run_a}"] .badge').get_attribute("data-state") == "succeeded"
     plotted = _plotted(page)
@@ -647,8 +741,15 @@ def test_job_list_sorts_on_the_server_across_pages(page: Any, service: Service) 
     body, _ = readme_example()
     with service.client() as client:
         for suffix in ("c", "a", "b"):  # created in another order than their names'
-            created = client.post("/v1/jobs", json={**body, "name": f"{tag}-{suffix}", "metadata": {"sortcheck": tag},
-                                                    "output_prefix": f"demo/out/{tag}-{suffix}"})
+            created = client.post(
+                "/v1/jobs",
+                json={
+                    **body,
+                    "name": f"{tag}-{suffix}",
+                    "metadata": {"sortcheck": tag},
+                    "output_prefix": f"demo/out/{tag}-{suffix}",
+                },
+            )
             assert created.status_code == 201, created.text
             client.post(f"/v1/jobs/{created.json()['id']}/cancel")  # they need not run
     page.goto(service.url + "/")
@@ -675,11 +776,23 @@ def test_spec_tab_marks_values_read_from_the_checkpoint(page: Any, service: Serv
     (rotary_base: the checkpoint's 1000000, not the default 10000); before the run read them, they say so."""
     job_id = str(uuid.uuid4())
     values = {"num_layers": 28, "hidden_size": 1024, "rotary_base": 1e6, "padded_vocab_size": 151936}
-    recorded: list[dict[str, Any]] = [{"id": 7, "attempt": 1, "time": "2026-01-01T12:00:00Z", "type": "config", "level": "info",
-                                       "message": "model shape from the checkpoint", "data": {
-                                           "source": "checkpoint", "load": "/data/qwen3-0.6b", "format": "hf", "values": values}}]
-    page.route(re.compile(rf".*/v1/jobs/{job_id}/events\?.*type=config.*"), lambda route: route.fulfill(
-        status=200, content_type="application/json", body=json.dumps({"data": recorded, "has_more": False})))
+    recorded: list[dict[str, Any]] = [
+        {
+            "id": 7,
+            "attempt": 1,
+            "time": "2026-01-01T12:00:00Z",
+            "type": "config",
+            "level": "info",
+            "message": "model shape from the checkpoint",
+            "data": {"source": "checkpoint", "load": "/data/qwen3-0.6b", "format": "hf", "values": values},
+        }
+    ]
+    page.route(
+        re.compile(rf".*/v1/jobs/{job_id}/events\?.*type=config.*"),
+        lambda route: route.fulfill(
+            status=200, content_type="application/json", body=json.dumps({"data": recorded, "has_more": False})
+        ),
+    )
     page.goto(service.url + "/")
     page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
     render = """async ([jobId]) => {

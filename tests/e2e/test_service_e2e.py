@@ -28,8 +28,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    with serve(tmp_path_factory.mktemp("service-var"), LLMJOBS_CANCEL_GRACE_S="3", LLMJOBS_HEARTBEAT_INTERVAL_S="1",
-               LLMJOBS_WORKER_NAME="e2e-host") as svc:
+    with serve(
+        tmp_path_factory.mktemp("service-var"),
+        LLMJOBS_CANCEL_GRACE_S="3",
+        LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+        LLMJOBS_WORKER_NAME="e2e-host",
+    ) as svc:
         yield svc
 
 
@@ -42,11 +46,18 @@ def readme_example() -> tuple[dict[str, Any], str]:
     return json.loads(body.group(1)), key.group(1)
 
 
-def follow(service: Service, job_id: str, last_event_id: str | None = None, timeout: float = 240) -> list[dict[str, Any]]:
-    headers = {"Authorization": f"Bearer {service.token}", **({"Last-Event-ID": last_event_id} if last_event_id else {})}
+def follow(
+    service: Service, job_id: str, last_event_id: str | None = None, timeout: float = 240
+) -> list[dict[str, Any]]:
+    headers = {
+        "Authorization": f"Bearer {service.token}",
+        **({"Last-Event-ID": last_event_id} if last_event_id else {}),
+    }
     messages: list[dict[str, Any]] = []
-    with httpx.Client(timeout=httpx.Timeout(10, read=timeout)) as client, \
-            connect_sse(client, "GET", f"{service.url}/v1/jobs/{job_id}/stream", headers=headers) as source:
+    with (
+        httpx.Client(timeout=httpx.Timeout(10, read=timeout)) as client,
+        connect_sse(client, "GET", f"{service.url}/v1/jobs/{job_id}/stream", headers=headers) as source,
+    ):
         assert source.response.status_code == 200
         for sse in source.iter_sse():
             if sse.data:
@@ -81,8 +92,10 @@ def test_readme_demo_job_end_to_end(service: Service) -> None:
         events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
         assert [e["type"] for e in events if e["type"] != "state"] == event_types
         streams = {m["data"]["stream"] for m in messages if m["event"] == "log"}
-        api_logs = sum(len(client.get(f"/v1/jobs/{job_id}/logs", params={"stream": s, "limit": 5000}).json()["data"])
-                       for s in streams)
+        api_logs = sum(
+            len(client.get(f"/v1/jobs/{job_id}/logs", params={"stream": s, "limit": 5000}).json()["data"])
+            for s in streams
+        )
         assert api_logs == len(sse_logs)
 
         # Resume in the middle: exactly the messages after that id come again, none twice (the id is a cursor over
@@ -90,7 +103,7 @@ def test_readme_demo_job_end_to_end(service: Service) -> None:
         middle = len(messages) // 2
         resumed = follow(service, job_id, last_event_id=messages[middle]["id"])
         canon = sorted(json.dumps(m["data"], sort_keys=True) for m in resumed)
-        assert canon == sorted(json.dumps(m["data"], sort_keys=True) for m in messages[middle + 1:])
+        assert canon == sorted(json.dumps(m["data"], sort_keys=True) for m in messages[middle + 1 :])
         assert len(set(canon)) == len(canon)
 
         # Idempotent replay: same key and body -> same job; same key, other body -> 409.
@@ -117,7 +130,13 @@ def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
     big = service.var / "data" / "teams" / "default" / "demo" / "big_train.jsonl"
     write_jsonl(big, intent_samples(300_000))  # minutes of tokenizing: it is still at work when cancelled
     body, _ = readme_example()
-    body = {**body, "input": "demo/big_train.jsonl", "output_prefix": "demo/out/big", "workers": 2, "log_interval": 2000}
+    body = {
+        **body,
+        "input": "demo/big_train.jsonl",
+        "output_prefix": "demo/out/big",
+        "workers": 2,
+        "log_interval": 2000,
+    }
     with service.client() as client:
         job_id = client.post("/v1/jobs", json=body).json()["id"]
         deadline = time.monotonic() + 180
@@ -140,8 +159,11 @@ def test_cancel_leaves_no_process_of_the_job(service: Service) -> None:
             time.sleep(0.3)
         assert _job_processes(job_id) == []
         assert not [p.pid for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        states = [e["data"]["state"] for e in client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
-                  if e["type"] == "state"]
+        states = [
+            e["data"]["state"]
+            for e in client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+            if e["type"] == "state"
+        ]
         assert states[-2:] == ["cancelling", "cancelled"]
         assert client.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"  # idempotent
 
@@ -165,8 +187,14 @@ def test_bad_input_fails_once_with_message_and_log_tail(service: Service) -> Non
 def _cli(service: Service, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
     env.update(LLMJOBS_URL=service.url, LLMJOBS_TOKEN=service.token, LLMJOBS_VAR_DIR=str(service.var))
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_client_commands(service: Service, tmp_path: Path) -> None:
@@ -207,21 +235,40 @@ def test_llmjobs_run_in_the_foreground(tmp_path: Path, qwen_tokenizer_dir: Path)
     data.mkdir()
     write_jsonl(data / "train.jsonl", intent_samples(50))
     body, _ = readme_example()
-    spec = {**body, "input": str(data / "train.jsonl"), "tokenizer_name_or_path": str(qwen_tokenizer_dir),
-            "output_prefix": str(data / "out" / "fg")}
+    spec = {
+        **body,
+        "input": str(data / "train.jsonl"),
+        "tokenizer_name_or_path": str(qwen_tokenizer_dir),
+        "output_prefix": str(data / "out" / "fg"),
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
-    run = subprocess.run([sys.executable, "-m", "cli.main", "run", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")],
-                         env={**env, "LLMJOBS_VAR_DIR": str(tmp_path / "var")}, cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-m", "cli.main", "run", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")],
+        env={**env, "LLMJOBS_VAR_DIR": str(tmp_path / "var")},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["kind"] == "preprocess" and result["summary"]["samples_written"] == 50
     assert "[finished] preprocess succeeded" in run.stderr
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "result.json").read_text()) == result
-    assert (run_dir / "spec.json").exists() and (run_dir / "events.jsonl").exists() and (run_dir / "logs" / "rank0.log").exists()
+    assert (
+        (run_dir / "spec.json").exists()
+        and (run_dir / "events.jsonl").exists()
+        and (run_dir / "logs" / "rank0.log").exists()
+    )
     (tmp_path / "bad.json").write_text(json.dumps({**spec, "workers": 0}))
-    bad = subprocess.run([sys.executable, "-m", "cli.main", "run", str(tmp_path / "bad.json")], env=env, cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "cli.main", "run", str(tmp_path / "bad.json")],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "workers:" in bad.stderr

@@ -32,19 +32,42 @@ def main() -> int:
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(tp, pp)
     cfg = TransformerConfig(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"], ffn_hidden_size=shape["ffn_hidden_size"],
-        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape["num_query_groups"],
-        kv_channels=shape["kv_channels"], use_cpu_initialization=True, normalization="RMSNorm", qk_layernorm=True,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32, layernorm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        ffn_hidden_size=shape["ffn_hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_query_groups=shape["num_query_groups"],
+        kv_channels=shape["kv_channels"],
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        layernorm_epsilon=1e-6,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     model = GPTModel(
-        cfg, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), vocab_size=shape["vocab_size"],
-        max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=shape["tie_word_embeddings"], position_embedding_type="rope",
-        rotary_base=shape.get("rotary_base", 10000), parallel_output=False,
+        cfg,
+        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=shape["vocab_size"],
+        max_sequence_length=128,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape["tie_word_embeddings"],
+        position_embedding_type="rope",
+        rotary_base=shape.get("rotary_base", 10000),
+        parallel_output=False,
     )
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
@@ -56,10 +79,21 @@ def main() -> int:
     result = model.load_state_dict(ours, strict=False)
     bad_missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     ok = theirs == mine and not bad_missing and not result.unexpected_keys
-    print(json.dumps({"rank": dist.get_rank(), "dir": rank_dir, "ok": ok,
-                      "only_megatron": sorted(set(theirs) - set(mine)), "only_ours": sorted(set(mine) - set(theirs)),
-                      "shape_diff": {k: [theirs[k], mine[k]] for k in theirs.keys() & mine.keys() if theirs[k] != mine[k]},
-                      "missing": bad_missing, "unexpected": result.unexpected_keys}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": dist.get_rank(),
+                "dir": rank_dir,
+                "ok": ok,
+                "only_megatron": sorted(set(theirs) - set(mine)),
+                "only_ours": sorted(set(mine) - set(theirs)),
+                "shape_diff": {k: [theirs[k], mine[k]] for k in theirs.keys() & mine.keys() if theirs[k] != mine[k]},
+                "missing": bad_missing,
+                "unexpected": result.unexpected_keys,
+            }
+        ),
+        flush=True,
+    )
     if ok and len(sys.argv) > 5 and pp == 1:
         ok = _forward_matches(model, sys.argv[5])
     dist.barrier()

@@ -45,12 +45,20 @@ class PrivatePostgres:
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.data.parent} -c listen_addresses=127.0.0.1 -c fsync=off"
-        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.log),
-                                     "-w", "-t", "60", "start"]), check=True, capture_output=True)
+        subprocess.run(
+            _as_postgres(
+                [_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.log), "-w", "-t", "60", "start"]
+            ),
+            check=True,
+            capture_output=True,
+        )
 
     def stop(self) -> None:
-        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"]),
-                       check=True, capture_output=True)
+        subprocess.run(
+            _as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"]),
+            check=True,
+            capture_output=True,
+        )
 
 
 @contextmanager
@@ -60,14 +68,18 @@ def private_postgres() -> Iterator[PrivatePostgres]:
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
     server = PrivatePostgres(root / "data", free_port(), root / "server.log")
-    subprocess.run(_as_postgres([_bin("initdb"), "-D", str(server.data), "-A", "trust", "-U", "postgres",
-                                 "--no-sync"]), check=True, capture_output=True)
+    subprocess.run(
+        _as_postgres([_bin("initdb"), "-D", str(server.data), "-A", "trust", "-U", "postgres", "--no-sync"]),
+        check=True,
+        capture_output=True,
+    )
     server.start()
     try:
         yield server
     finally:
-        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(server.data), "-m", "immediate", "stop"]),
-                       capture_output=True)
+        subprocess.run(
+            _as_postgres([_bin("pg_ctl"), "-D", str(server.data), "-m", "immediate", "stop"]), capture_output=True
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -84,9 +96,23 @@ class PrivateRedis:
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                          "--appendonly", "no", "--dir", str(self.log.parent)],
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.log.parent),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:

@@ -41,9 +41,25 @@ SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, VOCAB = 34, 8, 2, 5, 256  # 33 tokens aft
 
 def parse(case: str) -> dict[str, Any]:
     name, _, rest = case.partition(":")
-    opts: dict[str, Any] = {"name": name, "tp": 1, "pp": 1, "dp": 1, "layers": 2, "sp": 1, "tied": 0, "lora": 0,
-                            "vpp": 0, "list": "", "save_at": 0, "load": "", "ckpt": "", "start": 0, "steps": STEPS,
-                            "ac": "", "scale": 1}
+    opts: dict[str, Any] = {
+        "name": name,
+        "tp": 1,
+        "pp": 1,
+        "dp": 1,
+        "layers": 2,
+        "sp": 1,
+        "tied": 0,
+        "lora": 0,
+        "vpp": 0,
+        "list": "",
+        "save_at": 0,
+        "load": "",
+        "ckpt": "",
+        "start": 0,
+        "steps": STEPS,
+        "ac": "",
+        "scale": 1,
+    }
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         opts[key] = value if key in ("list", "load", "ckpt", "ac") else int(value)
@@ -51,16 +67,28 @@ def parse(case: str) -> dict[str, Any]:
 
 
 def make_spec(opts: dict[str, Any], world: int) -> TrainSpec:
-    return TrainSpec.model_validate({
-        "kind": "train", "data_path": ["unused"], "train_iters": 100, "lr": 1e-3, "lr_decay_style": "constant",
-        "clip_grad": 0.5, "weight_decay": 0.01, "seq_length": SEQ, "micro_batch_size": MICRO_BATCH,
-        "global_batch_size": GLOBAL_BATCH, "tensor_model_parallel_size": opts["tp"],
-        "pipeline_model_parallel_size": opts["pp"], "sequence_parallel": bool(opts["sp"]),
-        "num_layer_list": [int(x) for x in opts["list"].split("-")] if opts["list"] else None,
-        "num_layers_per_virtual_pipeline_stage": opts["vpp"] or None,
-        "recompute_granularity": opts["ac"] or None, "padding_free": False,
-        "resources": {"nproc_per_node": world},
-    })
+    return TrainSpec.model_validate(
+        {
+            "kind": "train",
+            "data_path": ["unused"],
+            "train_iters": 100,
+            "lr": 1e-3,
+            "lr_decay_style": "constant",
+            "clip_grad": 0.5,
+            "weight_decay": 0.01,
+            "seq_length": SEQ,
+            "micro_batch_size": MICRO_BATCH,
+            "global_batch_size": GLOBAL_BATCH,
+            "tensor_model_parallel_size": opts["tp"],
+            "pipeline_model_parallel_size": opts["pp"],
+            "sequence_parallel": bool(opts["sp"]),
+            "num_layer_list": [int(x) for x in opts["list"].split("-")] if opts["list"] else None,
+            "num_layers_per_virtual_pipeline_stage": opts["vpp"] or None,
+            "recompute_granularity": opts["ac"] or None,
+            "padding_free": False,
+            "resources": {"nproc_per_node": world},
+        }
+    )
 
 
 def samples(step: int) -> list[Sample]:
@@ -80,14 +108,19 @@ def micro_batches(step: int, dp: int, dp_rank: int) -> list[MicroBatch]:
     """This DP rank's micro-batches in Megatron's order (micro-batch m takes samples m·mbs·DP + r·mbs ...)."""
     batch = samples(step)
     firsts = range(dp_rank * MICRO_BATCH, GLOBAL_BATCH, MICRO_BATCH * dp)
-    return [pad(batch[f:f + MICRO_BATCH], SEQ, to_longest=False) for f in firsts]
+    return [pad(batch[f : f + MICRO_BATCH], SEQ, to_longest=False) for f in firsts]
 
 
 def build_model(opts: dict[str, Any]) -> Qwen3Model:
     base = preset("qwen3-tiny-tied" if opts["tied"] else "qwen3-tiny")
     k = opts["scale"]  # widen hidden, FFN and head size k times (benchmarks)
-    cfg = base.replace(vocab_size=VOCAB, num_layers=opts["layers"], hidden_size=base.hidden_size * k,
-                       ffn_hidden_size=base.ffn_hidden_size * k, kv_channels=base.kv_channels * k)
+    cfg = base.replace(
+        vocab_size=VOCAB,
+        num_layers=opts["layers"],
+        hidden_size=base.hidden_size * k,
+        ffn_hidden_size=base.ffn_hidden_size * k,
+        kv_channels=base.kv_channels * k,
+    )
     model = Qwen3Model(cfg)
     model.init_weights(seed=0)
     if opts["lora"]:
@@ -100,8 +133,9 @@ def build_model(opts: dict[str, Any]) -> Qwen3Model:
     return model
 
 
-def train(runner: StepRunner, spec: TrainSpec, opts: dict[str, Any], dp: int,
-          dp_rank: int) -> list[tuple[float, float, float]]:
+def train(
+    runner: StepRunner, spec: TrainSpec, opts: dict[str, Any], dp: int, dp_rank: int
+) -> list[tuple[float, float, float]]:
     model = runner.module
     optimizer = build_optimizer(model, spec)
     scheduler, scaler, state = Scheduler(optimizer, schedule_from_spec(spec)), LossScaler(spec), TrainState()
@@ -111,8 +145,16 @@ def train(runner: StepRunner, spec: TrainSpec, opts: dict[str, Any], dp: int,
     out = []
     for step in range(opts["start"], opts["start"] + opts["steps"]):
         start = time.perf_counter()
-        rec = train_step(runner, optimizer, scheduler, scaler, micro_batches(step, dp, dp_rank), state,
-                         global_batch_size=GLOBAL_BATCH, clip_grad=spec.clip_grad)
+        rec = train_step(
+            runner,
+            optimizer,
+            scheduler,
+            scaler,
+            micro_batches(step, dp, dp_rank),
+            state,
+            global_batch_size=GLOBAL_BATCH,
+            clip_grad=spec.clip_grad,
+        )
         # (loss, grad norm, step seconds); the float() calls are the step's host syncs, so the time is complete
         out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm), time.perf_counter() - start))
         if opts["save_at"] and step + 1 == opts["save_at"]:

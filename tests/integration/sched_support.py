@@ -31,36 +31,61 @@ from engine.spec import parse_spec
 TINY_SHAPE: dict[str, Any] = {
     **train_support.TINY_SHAPE,
     # Qwen3's values, set explicitly as a MindSpeed user would (Megatron's defaults are LayerNorm / learned positions).
-    "normalization": "RMSNorm", "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "position_embedding_type": "rope",
 }
 write_tiny_data = train_support.write_instruction_data
 
 
 def train_spec(data: str, **overrides: Any) -> dict[str, Any]:
-    return {"kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 3e-3,
-            "lr_warmup_iters": 1, "seq_length": 64, "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1,
-            "seed": 7, **TINY_SHAPE, **overrides}
+    return {
+        "kind": "train",
+        "data_path": [data],
+        "split": "100,0,0",
+        "train_iters": 4,
+        "lr": 3e-3,
+        "lr_warmup_iters": 1,
+        "seq_length": 64,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "log_interval": 1,
+        "seed": 7,
+        **TINY_SHAPE,
+        **overrides,
+    }
 
 
 def submit(settings: Settings, raw: dict[str, Any], team: str = "t") -> str:
     with session_scope(settings.database_url) as session:
-        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw, **team_areas(settings, team).context()),
-                            raw=raw)
+        job, _ = create_job(
+            session, settings=settings, team=team, spec=parse_spec(raw, **team_areas(settings, team).context()), raw=raw
+        )
         return job.id
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
-    return {**os.environ, "LLMJOBS_VAR_DIR": str(settings.var_dir), "LLMJOBS_DATABASE_URL": settings.database_url,
-            "LLMJOBS_BROKER_URL": settings.broker_url, "LLMJOBS_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
-            "LLMJOBS_HOST_STALE_AFTER_S": str(settings.host_stale_after_s), "LLMJOBS_WORKER_ADDRESS": "127.0.0.1",
-            "LLMJOBS_INGEST_INTERVAL_S": str(settings.ingest_interval_s), "OMP_NUM_THREADS": "1",
-            "LLMJOBS_DATA_ROOTS": ",".join(str(r) for r in settings.data_roots)}
+    return {
+        **os.environ,
+        "LLMJOBS_VAR_DIR": str(settings.var_dir),
+        "LLMJOBS_DATABASE_URL": settings.database_url,
+        "LLMJOBS_BROKER_URL": settings.broker_url,
+        "LLMJOBS_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
+        "LLMJOBS_HOST_STALE_AFTER_S": str(settings.host_stale_after_s),
+        "LLMJOBS_WORKER_ADDRESS": "127.0.0.1",
+        "LLMJOBS_INGEST_INTERVAL_S": str(settings.ingest_interval_s),
+        "OMP_NUM_THREADS": "1",
+        "LLMJOBS_DATA_ROOTS": ",".join(str(r) for r in settings.data_roots),
+    }
 
 
 def start_worker(settings: Settings, host: str, devices: int, log: Path) -> subprocess.Popen[bytes]:
     out = open(log, "ab")
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--host", host, "--devices", str(devices)],
-                            env=worker_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "worker", "--host", host, "--devices", str(devices)],
+        env=worker_env(settings),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
@@ -102,8 +127,12 @@ def job_row(settings: Settings, job_id: str) -> Job:
 def checkpoints(settings: Settings, job_id: str) -> int:
     """How many checkpoint events the job has recorded."""
     with session_scope(settings.database_url) as session:
-        return int(session.scalar(select(func.count()).select_from(Event).where(
-            Event.job_id == job_id, Event.type == "checkpoint")) or 0)
+        return int(
+            session.scalar(
+                select(func.count()).select_from(Event).where(Event.job_id == job_id, Event.type == "checkpoint")
+            )
+            or 0
+        )
 
 
 def wait_for(settings: Settings, job_id: str, pred: Any, timeout: float, what: str) -> Job:
@@ -113,8 +142,10 @@ def wait_for(settings: Settings, job_id: str, pred: Any, timeout: float, what: s
         if pred(row):
             return row
         time.sleep(0.3)
-    raise AssertionError(f"job {job_id}: not {what} after {timeout}s (state {row.state}, {row.pending_reason})\n"
-                         + log_text(settings, job_id))
+    raise AssertionError(
+        f"job {job_id}: not {what} after {timeout}s (state {row.state}, {row.pending_reason})\n"
+        + log_text(settings, job_id)
+    )
 
 
 def wait_terminal(settings: Settings, job_id: str, timeout: float) -> Job:

@@ -40,8 +40,21 @@ SEQ, GLOBAL_BATCH, MICRO_BATCH, VOCAB, SEED = 34, 8, 2, 256, 11
 
 def parse(case: str) -> dict[str, Any]:
     name, _, rest = case.partition(":")
-    opts: dict[str, Any] = {"name": name, "tp": 1, "pp": 1, "dp": 1, "layers": 4, "tied": 0, "lora": 0, "vpp": 0,
-                            "src": "init", "ctp": 1, "cpp": 1, "ac": "", "bf16": 0}
+    opts: dict[str, Any] = {
+        "name": name,
+        "tp": 1,
+        "pp": 1,
+        "dp": 1,
+        "layers": 4,
+        "tied": 0,
+        "lora": 0,
+        "vpp": 0,
+        "src": "init",
+        "ctp": 1,
+        "cpp": 1,
+        "ac": "",
+        "bf16": 0,
+    }
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         opts[key] = value if key in ("src", "ac") else int(value)
@@ -50,18 +63,32 @@ def parse(case: str) -> dict[str, Any]:
 
 def make_spec(opts: dict[str, Any], world: int) -> TrainSpec:
     lora = {"lora_r": 4, "lora_alpha": 8.0} if opts["lora"] else {}
-    return TrainSpec.model_validate({
-        "kind": "train", "data_path": ["unused"], "train_iters": 1, "lr": 1e-3, "seq_length": SEQ, "seed": SEED,
-        "micro_batch_size": MICRO_BATCH, "global_batch_size": GLOBAL_BATCH, "bf16": bool(opts["bf16"]),
-        "tensor_model_parallel_size": opts["tp"], "pipeline_model_parallel_size": opts["pp"],
-        "sequence_parallel": opts["tp"] > 1, "num_layers_per_virtual_pipeline_stage": opts["vpp"] or None,
-        "recompute_granularity": opts["ac"] or None, "resources": {"nproc_per_node": world}, **lora,
-    })
+    return TrainSpec.model_validate(
+        {
+            "kind": "train",
+            "data_path": ["unused"],
+            "train_iters": 1,
+            "lr": 1e-3,
+            "seq_length": SEQ,
+            "seed": SEED,
+            "micro_batch_size": MICRO_BATCH,
+            "global_batch_size": GLOBAL_BATCH,
+            "bf16": bool(opts["bf16"]),
+            "tensor_model_parallel_size": opts["tp"],
+            "pipeline_model_parallel_size": opts["pp"],
+            "sequence_parallel": opts["tp"] > 1,
+            "num_layers_per_virtual_pipeline_stage": opts["vpp"] or None,
+            "recompute_granularity": opts["ac"] or None,
+            "resources": {"nproc_per_node": world},
+            **lora,
+        }
+    )
 
 
 def model_config(opts: dict[str, Any]) -> ModelConfig:
-    return preset("qwen3-tiny-tied" if opts["tied"] else "qwen3-tiny").replace(vocab_size=VOCAB,
-                                                                               num_layers=opts["layers"])
+    return preset("qwen3-tiny-tied" if opts["tied"] else "qwen3-tiny").replace(
+        vocab_size=VOCAB, num_layers=opts["layers"]
+    )
 
 
 def write_checkpoint(opts: dict[str, Any], cfg: ModelConfig, work: Path) -> str | None:
@@ -121,8 +148,11 @@ def compare(opts: dict[str, Any], work: Path) -> dict[str, Any]:
             bad.append(name)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (bad, len(new_params), opened))
-    return {"mismatches": sorted({n for names, _, _ in gathered for n in names}),
-            "params": [n for _, n, _ in gathered], "opened": [files for _, _, files in gathered]}
+    return {
+        "mismatches": sorted({n for names, _, _ in gathered for n in names}),
+        "params": [n for _, n, _ in gathered],
+        "opened": [files for _, _, files in gathered],
+    }
 
 
 def main() -> None:

@@ -36,9 +36,11 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _app).exclude(path_rege
 # submissions are fuzzed by test_submit_never_breaks below: real field names of each kind with arbitrary JSON values.
 reads = schema.exclude(method="POST", path="/v1/jobs")
 BOUNDED = dict(deadline=None, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                    max_leaves=6)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -64,8 +66,11 @@ def postgres_target(postgres_url: str, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _check_read(case: Any, target: Target) -> None:
-    response = case.call_and_validate(app=target.app, headers=auth(target.token),
-                                      checks=[not_a_server_error, response_schema_conformance, content_type_conformance])
+    response = case.call_and_validate(
+        app=target.app,
+        headers=auth(target.token),
+        checks=[not_a_server_error, response_schema_conformance, content_type_conformance],
+    )
     if response.status_code >= 400:
         body = response.json()
         assert {"code", "message", "field"} <= set(body), body

@@ -37,16 +37,25 @@ def _json_objects(text: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,tied", [(2, 2, False), (2, 2, True), (2, 1, True)], ids=["tp2pp2", "tp2pp2-tied", "tp2-tied-forward"])
+@pytest.mark.parametrize(
+    "tp,pp,tied", [(2, 2, False), (2, 2, True), (2, 1, True)], ids=["tp2pp2", "tp2pp2-tied", "tp2-tied-forward"]
+)
 def test_megatron_core_gptmodel_accepts_our_shards(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
     hf = tiny_hf(tmp_path / "hf", tied=tied)
     src = HFCheckpoint(hf)
     save_mcore(src, src.config, tmp_path / "mg", tp=tp, pp=pp)
     cfg = src.config
-    shape = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
-             "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_query_groups,
-             "kv_channels": cfg.kv_channels, "vocab_size": VOCAB, "tie_word_embeddings": tied,
-             "rotary_base": cfg.rotary_base}
+    shape = {
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_query_groups": cfg.num_query_groups,
+        "kv_channels": cfg.kv_channels,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": tied,
+        "rotary_base": cfg.rotary_base,
+    }
     argv = [str(tmp_path / "mg"), str(tp), str(pp), json.dumps(shape)]
     if pp == 1:
         ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -54,8 +63,22 @@ def test_megatron_core_gptmodel_accepts_our_shards(tmp_path: Path, tp: int, pp: 
         argv.append(str(tmp_path / "ref.pt"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp * pp), str(WORKER), *argv],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(tp * pp),
+            str(WORKER),
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     lines = _json_objects(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [r for r in lines if "ok" in r]

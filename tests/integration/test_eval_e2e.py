@@ -29,16 +29,25 @@ INTENTS = {
     "闹钟_设置": ["{time}叫我起床", "设置{time}的闹钟", "定个{time}的闹钟", "{time}提醒我起床"],
     "电话_拨打": ["打电话给{person}", "帮我呼叫{person}", "给{person}打个电话", "拨打{person}的号码"],
 }
-SLOTS = {"city": ["北京", "上海", "广州", "深圳", "杭州", "成都"], "singer": ["周杰伦", "王菲", "陈奕迅", "邓紫棋", "林俊杰"],
-         "time": ["早上七点", "六点半", "明早八点", "中午十二点"], "person": ["妈妈", "爸爸", "老板", "张三", "李四"]}
+SLOTS = {
+    "city": ["北京", "上海", "广州", "深圳", "杭州", "成都"],
+    "singer": ["周杰伦", "王菲", "陈奕迅", "邓紫棋", "林俊杰"],
+    "time": ["早上七点", "六点半", "明早八点", "中午十二点"],
+    "person": ["妈妈", "爸爸", "老板", "张三", "李四"],
+}
 
 
 def _line(rng: random.Random) -> dict:
     label = rng.choice(sorted(INTENTS))
     text = rng.choice(INTENTS[label]).format(**{k: rng.choice(v) for k, v in SLOTS.items()})
     user = f"请你判读用户的意图。交互历史：用户：{text}\n用户最后一句话所属的技能和意图是："
-    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user},
-                         {"role": "assistant", "content": label}]}
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": label},
+        ]
+    }
 
 
 def _write(path: Path, n: int, seed: int) -> Path:
@@ -55,9 +64,24 @@ def _job(kind: str, spec: dict, run_dir: Path) -> dict:
 
 
 def _eval(load: Path, tok: str, data: Path, run_dir: Path, *extra: str) -> dict:
-    argv = ["eval", "--load", str(load), "--tokenizer-name-or-path", tok, "--eval-data-path", str(data),
-            "--max-new-tokens", "8", "--temperature", "0.00001", "--eval-batch-size", "16", "--run-dir", str(run_dir),
-            *extra]
+    argv = [
+        "eval",
+        "--load",
+        str(load),
+        "--tokenizer-name-or-path",
+        tok,
+        "--eval-data-path",
+        str(data),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.00001",
+        "--eval-batch-size",
+        "16",
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
     assert main(argv) == EXIT_OK
     return json.loads((run_dir / "result.json").read_text())["summary"]
 
@@ -70,18 +94,53 @@ def trained(tmp_path_factory, qwen_tokenizer_dir: Path) -> dict:
     base = Qwen3Model(cfg)
     base.init_weights(seed=0)
     save_hf(base.state_dict(), cfg, root / "base", dtype=torch.float32)
-    data = _job("preprocess", {"input": str(_write(root / "train.jsonl", 256, seed=1)), "tokenizer_name_or_path": tok,
-                               "output_prefix": str(root / "data" / "intent"), "prompt_type": "qwen3",
-                               "handler_name": "SharegptStyleInstructionHandler", "enable_thinking": "none"},
-                root / "preprocess")["outputs"]["data_path"]
-    common = {"data_path": [data], "load": str(root / "base"), "finetune": True, "split": "100,0,0",
-              "seq_length": 128, "micro_batch_size": 16, "global_batch_size": 16, "lr_warmup_iters": 5,
-              "lr_decay_style": "cosine", "weight_decay": 0.0, "log_interval": 50, "seed": 3,
-              "tokenizer_name_or_path": tok}
-    full = _job("train", {**common, "train_iters": 100, "lr": 5e-3, "min_lr": 5e-4, "save": str(root / "full")},
-                root / "train_full")["outputs"]["checkpoint"]
-    lora = _job("train", {**common, "load": full, "train_iters": 10, "lr": 1e-2, "min_lr": 1e-3, "save": str(root / "lora"),
-                          "lora_r": 8, "lora_alpha": 16, "save_hf": True}, root / "train_lora")["outputs"]
+    data = _job(
+        "preprocess",
+        {
+            "input": str(_write(root / "train.jsonl", 256, seed=1)),
+            "tokenizer_name_or_path": tok,
+            "output_prefix": str(root / "data" / "intent"),
+            "prompt_type": "qwen3",
+            "handler_name": "SharegptStyleInstructionHandler",
+            "enable_thinking": "none",
+        },
+        root / "preprocess",
+    )["outputs"]["data_path"]
+    common = {
+        "data_path": [data],
+        "load": str(root / "base"),
+        "finetune": True,
+        "split": "100,0,0",
+        "seq_length": 128,
+        "micro_batch_size": 16,
+        "global_batch_size": 16,
+        "lr_warmup_iters": 5,
+        "lr_decay_style": "cosine",
+        "weight_decay": 0.0,
+        "log_interval": 50,
+        "seed": 3,
+        "tokenizer_name_or_path": tok,
+    }
+    full = _job(
+        "train",
+        {**common, "train_iters": 100, "lr": 5e-3, "min_lr": 5e-4, "save": str(root / "full")},
+        root / "train_full",
+    )["outputs"]["checkpoint"]
+    lora = _job(
+        "train",
+        {
+            **common,
+            "load": full,
+            "train_iters": 10,
+            "lr": 1e-2,
+            "min_lr": 1e-3,
+            "save": str(root / "lora"),
+            "lora_r": 8,
+            "lora_alpha": 16,
+            "save_hf": True,
+        },
+        root / "train_lora",
+    )["outputs"]
     return {"root": root, "tok": tok, "test": _write(root / "test.jsonl", 48, seed=2), "full": Path(full), "lora": lora}
 
 

@@ -19,8 +19,16 @@ from engine.model.config import preset
 from engine.runfiles import EXIT_BAD_INPUT, EXIT_OK
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-QUESTIONS = ["广州塔为什么也叫小蛮腰", "play jazz", "明天北京天气怎么样？请告诉我", "turn off the lights in the kitchen",
-             "hi", "设置一个早上七点的闹钟", "what's 2+2", "给妈妈打电话"]
+QUESTIONS = [
+    "广州塔为什么也叫小蛮腰",
+    "play jazz",
+    "明天北京天气怎么样？请告诉我",
+    "turn off the lights in the kitchen",
+    "hi",
+    "设置一个早上七点的闹钟",
+    "what's 2+2",
+    "给妈妈打电话",
+]
 MAX_NEW = 4
 N_RIGHT = 5  # the first N_RIGHT lines get the model's own greedy answer as reference
 
@@ -42,22 +50,49 @@ def setup(tmp_path_factory, qwen_tokenizer_dir: Path) -> dict:
     for q in QUESTIONS:  # transformers' greedy answer to the prompt the eval job will render
         prompt = encode_prompt(tok, _conv(q, None)["messages"], "qwen3", "none")
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=[151645, 151643], pad_token_id=151643)
-        answers.append(tok.decode(out[0, len(prompt):], skip_special_tokens=True))
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=[151645, 151643],
+                pad_token_id=151643,
+            )
+        answers.append(tok.decode(out[0, len(prompt) :], skip_special_tokens=True))
     lines = [_conv(q, a if i < N_RIGHT else f"WRONG_{i}") for i, (q, a) in enumerate(zip(QUESTIONS, answers))]
     text = [json.dumps(x, ensure_ascii=False) for x in lines]
     text.insert(3, json.dumps(_conv("no answer here", None), ensure_ascii=False))  # line 4: no assistant answer
     text.insert(6, "{not json")  # line 7
     (root / "test.jsonl").write_text("\n".join(text) + "\n")
-    return {"root": root, "hf": root / "hf", "data": root / "test.jsonl", "tok": str(qwen_tokenizer_dir),
-            "answers": answers, "hf_model": hf, "tokenizer": tok}
+    return {
+        "root": root,
+        "hf": root / "hf",
+        "data": root / "test.jsonl",
+        "tok": str(qwen_tokenizer_dir),
+        "answers": answers,
+        "hf_model": hf,
+        "tokenizer": tok,
+    }
 
 
 def _eval(setup: dict, run_dir: Path, *extra: str) -> int:
-    return main(["eval", "--load", str(setup["hf"]), "--tokenizer-name-or-path", setup["tok"],
-                 "--eval-data-path", str(setup["data"]), "--max-new-tokens", str(MAX_NEW),
-                 "--temperature", "0.00001", "--run-dir", str(run_dir), *extra])
+    return main(
+        [
+            "eval",
+            "--load",
+            str(setup["hf"]),
+            "--tokenizer-name-or-path",
+            setup["tok"],
+            "--eval-data-path",
+            str(setup["data"]),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--temperature",
+            "0.00001",
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ]
+    )
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -132,7 +167,9 @@ def test_loss_mode_matches_transformers(setup, tmp_path: Path) -> None:
             continue
         ids, labels = encode_conversation(setup["tokenizer"], msgs, "qwen3", "none")
         with torch.no_grad():
-            loss = setup["hf_model"](input_ids=torch.tensor(ids[None]).long(), labels=torch.tensor(labels[None]).long()).loss
+            loss = setup["hf_model"](
+                input_ids=torch.tensor(ids[None]).long(), labels=torch.tensor(labels[None]).long()
+            ).loss
         n = int((labels[1:] != -100).sum())
         total, count = total + float(loss) * n, count + n
     assert s["tokens"] == count and s["skipped"] == 2
@@ -144,14 +181,31 @@ def test_loss_mode_on_an_indexed_dataset_equals_the_jsonl(setup, tmp_path: Path,
     """Packed rows too: attention stays inside each sub-sample and no token predicts the next sub-sample's first."""
     good = [x for x in setup["data"].read_text().splitlines() if x.startswith("{") and '"assistant"' in x]
     (tmp_path / "good.jsonl").write_text("\n".join(good) + "\n")
-    prep = {"kind": "preprocess", "input": str(tmp_path / "good.jsonl"), "tokenizer_name_or_path": setup["tok"],
-            "output_prefix": str(tmp_path / "idx" / "test"), "prompt_type": "qwen3",
-            "handler_name": "SharegptStyleInstructionHandler", **({"pack": True, "seq_length": 256} if pack else {})}
+    prep = {
+        "kind": "preprocess",
+        "input": str(tmp_path / "good.jsonl"),
+        "tokenizer_name_or_path": setup["tok"],
+        "output_prefix": str(tmp_path / "idx" / "test"),
+        "prompt_type": "qwen3",
+        "handler_name": "SharegptStyleInstructionHandler",
+        **({"pack": True, "seq_length": 256} if pack else {}),
+    }
     (tmp_path / "prep.json").write_text(json.dumps(prep))
     assert main(["preprocess", "--spec", str(tmp_path / "prep.json"), "--run-dir", str(tmp_path / "prep")]) == EXIT_OK
-    base = ["eval", "--load", str(setup["hf"]), "--tokenizer-name-or-path", setup["tok"], "--eval-mode", "loss",
-            "--eval-batch-size", "3"]
-    assert main([*base, "--eval-data-path", str(tmp_path / "idx" / "test"), "--run-dir", str(tmp_path / "a")]) == EXIT_OK
+    base = [
+        "eval",
+        "--load",
+        str(setup["hf"]),
+        "--tokenizer-name-or-path",
+        setup["tok"],
+        "--eval-mode",
+        "loss",
+        "--eval-batch-size",
+        "3",
+    ]
+    assert (
+        main([*base, "--eval-data-path", str(tmp_path / "idx" / "test"), "--run-dir", str(tmp_path / "a")]) == EXIT_OK
+    )
     assert main([*base, "--eval-data-path", str(tmp_path / "good.jsonl"), "--run-dir", str(tmp_path / "b")]) == EXIT_OK
     a, b = (json.loads((tmp_path / d / "result.json").read_text())["summary"] for d in "ab")
     assert b["sequences"] == len(good) and a["tokens"] == b["tokens"]
@@ -163,23 +217,83 @@ def test_seed_command_line(setup, tmp_path: Path) -> None:
     """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through ``python -m engine``."""
     cfg = preset("qwen3-tiny")
     argv = [
-        "--use-mcore-models", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-        "--load", str(setup["hf"]), "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec",
-        "--kv-channels", str(cfg.kv_channels), "--qk-layernorm", "--num-layers", str(cfg.num_layers),
-        "--hidden-size", str(cfg.hidden_size), "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
-        "--num-attention-heads", str(cfg.num_attention_heads), "--ffn-hidden-size", str(cfg.ffn_hidden_size),
-        "--max-position-embeddings", str(cfg.max_position_embeddings), "--seq-length", "800",
-        "--make-vocab-size-divisible-by", "1", "--padded-vocab-size", "151936", "--rotary-base", "1000000",
-        "--micro-batch-size", "1", "--disable-bias-linear", "--swiglu", "--tokenizer-type", "PretrainedFromHF",
-        "--tokenizer-name-or-path", setup["tok"], "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-        "--norm-epsilon", "1e-6", "--hidden-dropout", "0", "--attention-dropout", "0", "--max-new-tokens", str(MAX_NEW),
-        "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32", "--exit-on-missing-checkpoint",
-        "--no-masked-softmax-fusion", "--group-query-attention", "--num-query-groups", str(cfg.num_query_groups),
-        "--seed", "42", "--eval-data-path", str(setup["data"]), "--eval-data-size", "1000", "--temperature", "0.00001",
+        "--use-mcore-models",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--load",
+        str(setup["hf"]),
+        "--spec",
+        "mindspeed_llm.tasks.models.spec.qwen3_spec",
+        "layer_spec",
+        "--kv-channels",
+        str(cfg.kv_channels),
+        "--qk-layernorm",
+        "--num-layers",
+        str(cfg.num_layers),
+        "--hidden-size",
+        str(cfg.hidden_size),
+        "--use-rotary-position-embeddings",
+        "--untie-embeddings-and-output-weights",
+        "--num-attention-heads",
+        str(cfg.num_attention_heads),
+        "--ffn-hidden-size",
+        str(cfg.ffn_hidden_size),
+        "--max-position-embeddings",
+        str(cfg.max_position_embeddings),
+        "--seq-length",
+        "800",
+        "--make-vocab-size-divisible-by",
+        "1",
+        "--padded-vocab-size",
+        "151936",
+        "--rotary-base",
+        "1000000",
+        "--micro-batch-size",
+        "1",
+        "--disable-bias-linear",
+        "--swiglu",
+        "--tokenizer-type",
+        "PretrainedFromHF",
+        "--tokenizer-name-or-path",
+        setup["tok"],
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--norm-epsilon",
+        "1e-6",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--no-gradient-accumulation-fusion",
+        "--attention-softmax-in-fp32",
+        "--exit-on-missing-checkpoint",
+        "--no-masked-softmax-fusion",
+        "--group-query-attention",
+        "--num-query-groups",
+        str(cfg.num_query_groups),
+        "--seed",
+        "42",
+        "--eval-data-path",
+        str(setup["data"]),
+        "--eval-data-size",
+        "1000",
+        "--temperature",
+        "0.00001",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "engine", "eval", *argv, "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "eval", *argv, "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "accuracy 0.6250 (5/8)" in proc.stderr
     s = json.loads((tmp_path / "result.json").read_text())["summary"]

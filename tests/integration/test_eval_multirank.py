@@ -23,9 +23,11 @@ pytestmark = pytest.mark.slow
 def _lines(n: int) -> str:
     out = []
     for i in range(n):
-        msgs = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "请你判读用户的意图。交互历史：用户：" + "播放音乐" * (1 + i % 4)},
-                {"role": "assistant", "content": "音乐_播放"}]
+        msgs = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "请你判读用户的意图。交互历史：用户：" + "播放音乐" * (1 + i % 4)},
+            {"role": "assistant", "content": "音乐_播放"},
+        ]
         out.append(json.dumps({"messages": msgs}, ensure_ascii=False))
     out.insert(2, json.dumps({"messages": msgs[:2]}, ensure_ascii=False))  # a bad line: no answer
     return "\n".join(out) + "\n"
@@ -45,16 +47,41 @@ def eval_args(tmp_path: Path, tokenizer: Path, model: str, seed: int, samples: i
     weights.init_weights(seed=seed)
     save_hf(weights.state_dict(), cfg, tmp_path / "hf", dtype=torch.float32)
     (tmp_path / "test.jsonl").write_text(_lines(samples))
-    return ["eval", "--load", str(tmp_path / "hf"), "--tokenizer-name-or-path", str(tokenizer),
-            "--eval-data-path", str(tmp_path / "test.jsonl"), "--max-new-tokens", str(new_tokens),
-            "--temperature", "0.00001", "--eval-batch-size", "2"]
+    return [
+        "eval",
+        "--load",
+        str(tmp_path / "hf"),
+        "--tokenizer-name-or-path",
+        str(tokenizer),
+        "--eval-data-path",
+        str(tmp_path / "test.jsonl"),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--temperature",
+        "0.00001",
+        "--eval-batch-size",
+        "2",
+    ]
 
 
 def test_two_ranks_split_the_test_set_and_match_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
     args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny-tied", seed=5, samples=7, new_tokens=3)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "engine", *args, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "engine",
+        *args,
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
     multi = _run(torchrun, tmp_path / "two")
     assert multi["summary"]["world_size"] == 2 and single["summary"]["world_size"] == 1
     assert multi["summary"]["total"] == single["summary"]["total"] == 7 and multi["summary"]["skipped"] == 1

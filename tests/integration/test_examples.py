@@ -57,8 +57,9 @@ def test_examples_needing_only_the_demo_are_accepted(api: tuple[TestClient, dict
 
 
 @pytest.mark.slow
-def test_every_example_succeeds_in_order(settings: Settings, tmp_path: Path,
-                                         api: tuple[TestClient, dict[str, str]]) -> None:
+def test_every_example_succeeds_in_order(
+    settings: Settings, tmp_path: Path, api: tuple[TestClient, dict[str, str]]
+) -> None:
     client, headers = api
     worker = start_worker(settings, "demo-host", 1, tmp_path / "worker.log")
     try:

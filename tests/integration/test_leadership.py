@@ -24,8 +24,13 @@ def pg_url(postgres_url: str) -> Iterator[str]:
 def leader_backends(url: str) -> list[int]:
     engine = sa.create_engine(url)
     with engine.connect() as connection:
-        pids = list(connection.scalars(sa.text(
-            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'llmjobs-leader:%' AND datname = current_database()")))
+        pids = list(
+            connection.scalars(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'llmjobs-leader:%' AND datname = current_database()"
+                )
+            )
+        )
     engine.dispose()
     return pids
 

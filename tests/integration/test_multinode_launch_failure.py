@@ -22,7 +22,9 @@ def test_one_node_failing_to_launch_stops_the_other(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=0.2, ingest_interval_s=0.1, cancel_grace_s=2)
     with session_scope(settings.database_url) as session:
         for name in ("h1", "h2"):
-            session.add(Host(name=name, device_type="cpu", devices=1, queue=f"host.{name}", address="127.0.0.1", info={}))
+            session.add(
+                Host(name=name, device_type="cpu", devices=1, queue=f"host.{name}", address="127.0.0.1", info={})
+            )
     job_id = make_job(settings, resources={"nnodes": 2}, max_restarts=0)
     assert [g.hosts for g in schedule(settings)] == [["h1", "h2"]]
     node0 = claim_node(settings, job_id, 1, 0, "h1")

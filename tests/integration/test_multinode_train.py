@@ -31,9 +31,13 @@ pytestmark = pytest.mark.slow
 
 def losses(settings: Settings, job_id: str) -> list[float]:
     with session_scope(settings.database_url) as session:
-        return list(session.scalars(select(MetricPoint.value).where(
-            MetricPoint.job_id == job_id, MetricPoint.name == "lm_loss", MetricPoint.rank.is_(None))
-            .order_by(MetricPoint.step)))  # type: ignore[arg-type]
+        return list(
+            session.scalars(
+                select(MetricPoint.value)
+                .where(MetricPoint.job_id == job_id, MetricPoint.name == "lm_loss", MetricPoint.rank.is_(None))
+                .order_by(MetricPoint.step)
+            )
+        )  # type: ignore[arg-type]
 
 
 def test_two_node_job_matches_one_node_run(tmp_path: Path) -> None:
@@ -52,13 +56,15 @@ def test_two_node_job_matches_one_node_run(tmp_path: Path) -> None:
             stop_worker(w)
     with session_scope(settings.database_url) as session:
         nodes = list(session.scalars(select(JobNode).where(JobNode.job_id == two).order_by(JobNode.node_rank)))
-        states = [e.data.get("state") for e in session.scalars(select(Event).where(Event.job_id == two, Event.type == "state")
-                                                              .order_by(Event.id))]
+        states = [
+            e.data.get("state")
+            for e in session.scalars(select(Event).where(Event.job_id == two, Event.type == "state").order_by(Event.id))
+        ]
         assert session.scalars(select(Lease)).all() == []  # every device given back
     assert sorted(n.host for n in nodes) == ["h1", "h2"] and [n.exit_code for n in nodes] == [0, 0]
     assert nodes[0].master_addr == nodes[1].master_addr == "127.0.0.1" and nodes[0].master_port == nodes[1].master_port
     assert states == ["queued", "starting", "running", "succeeded"]
-    launcher1 = (Path(job_row(settings, two).run_dir) / "logs" / "launcher-node1.log")
+    launcher1 = Path(job_row(settings, two).run_dir) / "logs" / "launcher-node1.log"
     assert launcher1.exists()
     ref, multi = losses(settings, one), losses(settings, two)
     assert len(ref) == len(multi) == 4

@@ -46,7 +46,11 @@ def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path)
             for path in (f"/v1/jobs/{before.json()['id']}", "/v1/jobs"):
                 away = client.get(path, headers=headers)
                 assert away.status_code == 503, away.text
-                assert away.json()["code"] == "database_unavailable" and set(away.json()) >= {"code", "message", "field"}
+                assert away.json()["code"] == "database_unavailable" and set(away.json()) >= {
+                    "code",
+                    "message",
+                    "field",
+                }
                 assert away.headers["retry-after"]
             assert client.post("/v1/jobs", json=BODY, headers=headers).status_code == 503
             ready = client.get("/readyz")
@@ -85,8 +89,9 @@ class _Engine:
 
 def _stored(settings: Any, job_id: str) -> tuple[list[int], list[int]]:
     with session_scope(settings.database_url) as session:
-        steps = list(session.scalars(select(MetricPoint.step).where(MetricPoint.job_id == job_id)
-                                     .order_by(MetricPoint.step)))
+        steps = list(
+            session.scalars(select(MetricPoint.step).where(MetricPoint.job_id == job_id).order_by(MetricPoint.step))
+        )
         seqs = list(session.scalars(select(LogLine.seq).where(LogLine.job_id == job_id).order_by(LogLine.seq)))
     return steps, seqs
 
@@ -127,8 +132,9 @@ def _declare(broker_url: str, var: str, barrier: Any, names: list[str]) -> None:
     from core.messaging import declare_queues
     from core.settings import Settings
 
-    settings = Settings(var_dir=Path(var), broker_url=broker_url, database_url="", redis_url=None, data_roots=[],
-                        runs_dir=None)
+    settings = Settings(
+        var_dir=Path(var), broker_url=broker_url, database_url="", redis_url=None, data_roots=[], runs_dir=None
+    )
     barrier.wait()
     declare_queues(settings, names)
 
@@ -137,8 +143,10 @@ def test_processes_declaring_the_same_queues_at_once_all_succeed(tmp_path: Path)
     broker = f"sqla+sqlite:///{tmp_path / 'broker.db'}"
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(4)
-    procs = [context.Process(target=_declare, args=(broker, str(tmp_path), barrier, ["llmjobs.cpu", f"host.h{i}"]))
-             for i in range(4)]
+    procs = [
+        context.Process(target=_declare, args=(broker, str(tmp_path), barrier, ["llmjobs.cpu", f"host.h{i}"]))
+        for i in range(4)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -157,7 +165,9 @@ def test_two_workers_starting_together_on_the_embedded_broker_both_come_up(tmp_p
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert all(w.poll() is None for w in workers), [(tmp_path / f"w{i}.log").read_text()[-2000:] for i in range(2)]
+            assert all(w.poll() is None for w in workers), [
+                (tmp_path / f"w{i}.log").read_text()[-2000:] for i in range(2)
+            ]
             if all("ready" in (tmp_path / f"w{i}.log").read_text() for i in range(2)):
                 break
             time.sleep(0.5)

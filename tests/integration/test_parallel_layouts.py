@@ -26,8 +26,16 @@ RTOL = 1e-5
 def launch(tmp_path: Path, nproc: int, *cases: str) -> dict:
     out = tmp_path / f"result-{nproc}-{abs(hash(cases))}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(out), *cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(out),
+        *cases,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -44,9 +52,16 @@ def assert_matches(result: dict, name: str) -> None:
 def test_two_process_layouts(tmp_path: Path) -> None:
     """TP=2 with and without sequence parallel, LoRA under TP=2 and under PP=2, PP=2 1F1B (tied embedding group),
     PP=2 interleaved (2 virtual stages per rank), PP=2 with an uneven layer list, TP=2 with full recompute."""
-    cases = ["tp2:tp=2", "tp2_nosp:tp=2,sp=0", "lora_tp2:tp=2,lora=1", "pp2_tied:pp=2,tied=1",
-             "pp2_interleaved:pp=2,layers=4,vpp=1", "pp2_uneven:pp=2,layers=4,list=1-3",
-             "lora_pp2:pp=2,lora=1,tied=1", "tp2_recompute:tp=2,ac=full"]
+    cases = [
+        "tp2:tp=2",
+        "tp2_nosp:tp=2,sp=0",
+        "lora_tp2:tp=2,lora=1",
+        "pp2_tied:pp=2,tied=1",
+        "pp2_interleaved:pp=2,layers=4,vpp=1",
+        "pp2_uneven:pp=2,layers=4,list=1-3",
+        "lora_pp2:pp=2,lora=1,tied=1",
+        "tp2_recompute:tp=2,ac=full",
+    ]
     result = launch(tmp_path, 2, *cases)
     for case in cases:
         assert_matches(result, case.split(":")[0])
@@ -57,13 +72,22 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     is the head), PP4 tied (middle stages join the embedding group's all-reduce). Then resume: the TP2×PP2 checkpoint under DP2 and TP1×PP1, the PP2×DP2 one under PP2 interleaved;
     their two next steps equal the uninterrupted runs."""
     ckpt, ckpt_pd = tmp_path / "ckpt_tp2pp2", tmp_path / "ckpt_pp2dp2"
-    result = launch(tmp_path, 4, f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}",
-                    f"pp2dp2:pp=2,dp=2,layers=4,tied=1,save_at=3,ckpt={ckpt_pd}", "tp2dp2:tp=2,dp=2,tied=1",
-                    "pp4_tied:pp=4,layers=4,tied=1")
+    result = launch(
+        tmp_path,
+        4,
+        f"tp2pp2:tp=2,pp=2,layers=4,tied=1,save_at=3,ckpt={ckpt}",
+        f"pp2dp2:pp=2,dp=2,layers=4,tied=1,save_at=3,ckpt={ckpt_pd}",
+        "tp2dp2:tp=2,dp=2,tied=1",
+        "pp4_tied:pp=4,layers=4,tied=1",
+    )
     for name in ("tp2pp2", "pp2dp2", "tp2dp2", "pp4_tied"):
         assert_matches(result, name)
-    two = launch(tmp_path, 2, f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2",
-                 f"vpp:pp=2,vpp=1,layers=4,tied=1,load={ckpt_pd},start=3,steps=2")
+    two = launch(
+        tmp_path,
+        2,
+        f"dp2:dp=2,layers=4,tied=1,load={ckpt},start=3,steps=2",
+        f"vpp:pp=2,vpp=1,layers=4,tied=1,load={ckpt_pd},start=3,steps=2",
+    )
     one = launch(tmp_path, 1, f"one:layers=4,tied=1,load={ckpt},start=3,steps=2")
     resumed = [(two["dp2"], "tp2pp2"), (one["one"], "tp2pp2"), (two["vpp"], "pp2dp2")]
     for run, saved_by in resumed:

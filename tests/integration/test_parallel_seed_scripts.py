@@ -23,9 +23,11 @@ ITERS = 3  # enough to see the layouts stay together after optimizer steps; each
 
 def _flags(tp: int, pp: int) -> str:
     flags = FULL.replace("--train-iters {iters}", f"--train-iters {ITERS}").replace(
-        "--save-interval {iters}", f"--save-interval {ITERS}")
+        "--save-interval {iters}", f"--save-interval {ITERS}"
+    )
     return flags.replace("--tensor-model-parallel-size 1", f"--tensor-model-parallel-size {tp}").replace(
-        "--pipeline-model-parallel-size 1", f"--pipeline-model-parallel-size {pp}")
+        "--pipeline-model-parallel-size 1", f"--pipeline-model-parallel-size {pp}"
+    )
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -39,8 +41,13 @@ def one_process(seed_assets: dict[str, Path]) -> list[dict]:  # noqa: F811
 
 
 @pytest.mark.parametrize(("tp", "pp", "nproc"), [(1, 2, 2), (2, 1, 2), (2, 2, 4)])
-def test_seed_full_sft_parallel(seed_assets: dict[str, Path], one_process: list[dict], tp: int, pp: int,  # noqa: F811
-                                nproc: int) -> None:
+def test_seed_full_sft_parallel(
+    seed_assets: dict[str, Path],  # noqa: F811
+    one_process: list[dict],
+    tp: int,
+    pp: int,
+    nproc: int,
+) -> None:
     save, run_dir = _run(_flags(tp, pp), seed_assets, f"par_tp{tp}pp{pp}", nproc)
     rows = _metrics(run_dir)
     assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1))
@@ -64,7 +71,8 @@ def test_seed_flags_interleaved_pipeline_from_scratch(seed_assets: dict[str, Pat
     flags = _flags(1, 1).replace("--load {load} ", "").replace("--num-layers 2 ", "--num-layers 4 ")
     _, ref_dir = _run(flags, seed_assets, "vpp_ref", 1)
     vpp = flags.replace("--pipeline-model-parallel-size 1", "--pipeline-model-parallel-size 2").replace(
-        "--num-layers 4 ", "--num-layers 4 --num-layers-per-virtual-pipeline-stage 1 ")
+        "--num-layers 4 ", "--num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
+    )
     save, run_dir = _run(vpp, seed_assets, "vpp", 2)
     for row, ref in zip(_metrics(run_dir), _metrics(ref_dir), strict=True):
         assert row["lm_loss"] == pytest.approx(ref["lm_loss"], rel=2e-3)

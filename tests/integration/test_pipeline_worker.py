@@ -61,8 +61,14 @@ def tiny_data(settings: Settings) -> str:
 
 def metric_count(settings: Settings, job_id: str) -> int:
     with session_scope(settings.database_url) as session:
-        return session.scalar(select(func.count()).where(  # the engine's points, not the worker's sys_* telemetry
-            MetricPoint.job_id == job_id, MetricPoint.name.not_like("sys\\_%", escape="\\"))) or 0
+        return (
+            session.scalar(
+                select(func.count()).where(  # the engine's points, not the worker's sys_* telemetry
+                    MetricPoint.job_id == job_id, MetricPoint.name.not_like("sys\\_%", escape="\\")
+                )
+            )
+            or 0
+        )
 
 
 def children(settings: Settings, pipeline_id: str) -> list[Job]:
@@ -70,8 +76,9 @@ def children(settings: Settings, pipeline_id: str) -> list[Job]:
         return list(session.scalars(select(Job).where(Job.parent_id == pipeline_id)))
 
 
-def test_cancel_stops_the_running_step_and_starts_nothing_after(settings: Settings,
-                                                                api: tuple[TestClient, dict[str, str]]) -> None:
+def test_cancel_stops_the_running_step_and_starts_nothing_after(
+    settings: Settings, api: tuple[TestClient, dict[str, str]]
+) -> None:
     client, headers = api
     data = tiny_data(settings)
     long = train_spec(data, train_iters=100_000, save="tiny/long")
@@ -96,8 +103,9 @@ def test_cancel_stops_the_running_step_and_starts_nothing_after(settings: Settin
     assert [s["state"] for s in view["steps"]] == ["cancelled", "skipped"]
 
 
-def test_continue_skips_only_the_steps_that_need_a_failed_one(settings: Settings,
-                                                              api: tuple[TestClient, dict[str, str]]) -> None:
+def test_continue_skips_only_the_steps_that_need_a_failed_one(
+    settings: Settings, api: tuple[TestClient, dict[str, str]]
+) -> None:
     client, headers = api
     data = tiny_data(settings)
     for suffix in (".bin", ".idx"):  # passes admission (the files exist), fails in the engine (not a dataset)

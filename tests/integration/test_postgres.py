@@ -48,12 +48,19 @@ def test_api_on_postgres(settings: Settings) -> None:
     (team_dir(settings, team) / "tok").mkdir()  # admission: the tokenizer directory must exist
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     with TestClient(create_app(settings, reconcile=False)) as client:
-        ids = [client.post("/v1/jobs", json={**body, "metadata": {"exp": str(i % 2)}}, headers=auth(token)).json()["id"]
-               for i in range(3)]
+        ids = [
+            client.post("/v1/jobs", json={**body, "metadata": {"exp": str(i % 2)}}, headers=auth(token)).json()["id"]
+            for i in range(3)
+        ]
         replay = client.post("/v1/jobs", json=body, headers={**auth(token), "Idempotency-Key": "same"})
         again = client.post("/v1/jobs", json=body, headers={**auth(token), "Idempotency-Key": "same"})
         assert replay.status_code == again.status_code == 201 and replay.json()["id"] == again.json()["id"]
-        assert client.post("/v1/jobs", json={**body, "name": "x"}, headers={**auth(token), "Idempotency-Key": "same"}).status_code == 409
+        assert (
+            client.post(
+                "/v1/jobs", json={**body, "name": "x"}, headers={**auth(token), "Idempotency-Key": "same"}
+            ).status_code
+            == 409
+        )
         odd = client.get("/v1/jobs", params={"metadata[exp]": "1"}, headers=auth(token)).json()["data"]
         assert [j["id"] for j in odd] == [ids[1]]
         page = client.get("/v1/jobs", params={"limit": 2}, headers=auth(token)).json()

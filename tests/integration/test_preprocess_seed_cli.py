@@ -27,20 +27,32 @@ with warnings.catch_warnings():
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SEED_MAP = '{"messages":"messages", "tags":{"role_tag": "role","content_tag": "content","user_tag": "user","assistant_tag": "assistant","system_tag": "system"}}'
-SEED_FILES = sorted(f"customed_packed_{f}_document.{s}" for f in ("attention_mask", "input_ids", "labels") for s in ("bin", "idx"))
+SEED_FILES = sorted(
+    f"customed_packed_{f}_document.{s}" for f in ("attention_mask", "input_ids", "labels") for s in ("bin", "idx")
+)
 
 
 def conversation(i: int) -> dict:
     history = "".join(f"用户：问题{j}的内容是什么\n" for j in range(1 + i % 9))
-    return {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": f"请你判读用户的意图。交互历史：{history}用户最后一句话所属的技能和意图是："},
-                         {"role": "assistant", "content": f"技能{i % 4}_意图{i % 3}"}]}
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"请你判读用户的意图。交互历史：{history}用户最后一句话所属的技能和意图是："},
+            {"role": "assistant", "content": f"技能{i % 4}_意图{i % 3}"},
+        ]
+    }
 
 
 def engine(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "engine", "preprocess", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "preprocess", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +66,28 @@ def dataset(tmp_path_factory):
 
 def seed_command(tok_dir: Path, out: str, workers: int) -> list[str]:
     # data_convert_qwen3_instruction_customed10k_qwen3.sh, with the paths changed
-    return ["--input", "datasets/customed_train_10k.jsonl", "--tokenizer-name-or-path", str(tok_dir),
-            "--output-prefix", f"{out}/finetune_dataset_customed10k_qwen3_think/customed",
-            "--handler-name", "SharegptStyleInstructionHandler", "--tokenizer-type", "PretrainedFromHF",
-            "--enable-thinking", "true", "--workers", str(workers), "--log-interval", "1000",
-            "--map-keys", SEED_MAP, "--prompt-type", "qwen3"]
+    return [
+        "--input",
+        "datasets/customed_train_10k.jsonl",
+        "--tokenizer-name-or-path",
+        str(tok_dir),
+        "--output-prefix",
+        f"{out}/finetune_dataset_customed10k_qwen3_think/customed",
+        "--handler-name",
+        "SharegptStyleInstructionHandler",
+        "--tokenizer-type",
+        "PretrainedFromHF",
+        "--enable-thinking",
+        "true",
+        "--workers",
+        str(workers),
+        "--log-interval",
+        "1000",
+        "--map-keys",
+        SEED_MAP,
+        "--prompt-type",
+        "qwen3",
+    ]
 
 
 def test_seed_command_line_produces_the_seed_files(dataset, qwen_tokenizer_dir):
@@ -67,7 +96,9 @@ def test_seed_command_line_produces_the_seed_files(dataset, qwen_tokenizer_dir):
     out = dataset / "out4" / "finetune_dataset_customed10k_qwen3_think"
     assert sorted(p.name for p in out.iterdir()) == SEED_FILES
     prefix = str(out / "customed")
-    ids, labels, mask = (MegatronIndexedDataset(instruction_prefix(prefix, f)) for f in ("input_ids", "labels", "attention_mask"))
+    ids, labels, mask = (
+        MegatronIndexedDataset(instruction_prefix(prefix, f)) for f in ("input_ids", "labels", "attention_mask")
+    )
     assert len(ids) == len(labels) == len(mask) == 1500
     assert ids.document_indices.tolist() == list(range(1501))
     tok = load_tokenizer(str(qwen_tokenizer_dir))
@@ -85,10 +116,22 @@ def test_seed_command_line_produces_the_seed_files(dataset, qwen_tokenizer_dir):
     assert any(e["type"] == "progress" and e["data"]["done"] == 1500 for e in events)
 
     # One process writes the same bytes as four, and the spec-file form runs the same job.
-    (dataset / "spec.json").write_text(json.dumps({
-        "kind": "preprocess", "input": "datasets/customed_train_10k.jsonl", "tokenizer_name_or_path": str(qwen_tokenizer_dir),
-        "output_prefix": "out1/customed", "handler_name": "SharegptStyleInstructionHandler", "enable_thinking": "true",
-        "map_keys": json.loads(SEED_MAP), "prompt_type": "qwen3", "workers": 1, "log_interval": 1000}))
+    (dataset / "spec.json").write_text(
+        json.dumps(
+            {
+                "kind": "preprocess",
+                "input": "datasets/customed_train_10k.jsonl",
+                "tokenizer_name_or_path": str(qwen_tokenizer_dir),
+                "output_prefix": "out1/customed",
+                "handler_name": "SharegptStyleInstructionHandler",
+                "enable_thinking": "true",
+                "map_keys": json.loads(SEED_MAP),
+                "prompt_type": "qwen3",
+                "workers": 1,
+                "log_interval": 1000,
+            }
+        )
+    )
     done = engine(["--spec", "spec.json", "--run-dir", "run1"], dataset)
     assert done.returncode == 0, done.stderr
     for name in SEED_FILES:

@@ -42,8 +42,14 @@ def _rank(job_id: str, local_rank: str) -> psutil.Process:
 def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
     data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    spec = train_spec(data, train_iters=100, save_interval=10, save=str(team_dir(settings, "t") / "ckpt"),
-                      max_restarts=1, resources={"nproc_per_node": 2})
+    spec = train_spec(
+        data,
+        train_iters=100,
+        save_interval=10,
+        save=str(team_dir(settings, "t") / "ckpt"),
+        max_restarts=1,
+        resources={"nproc_per_node": 2},
+    )
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
         with reconciler(settings):
@@ -72,8 +78,13 @@ def test_two_of_three_run_at_once_and_deadlines_free_their_slots(tmp_path: Path)
     try:
         with reconciler(settings):
             a, b, c = (submit(settings, spec) for _ in range(3))
-            wait_for(settings, b, lambda r: r.state == "running" and job_row(settings, a).state == "running", 120,
-                     "running together with the first")
+            wait_for(
+                settings,
+                b,
+                lambda r: r.state == "running" and job_row(settings, a).state == "running",
+                120,
+                "running together with the first",
+            )
             waiting = job_row(settings, c)
             rows = [wait_terminal(settings, j, 180) for j in (a, b, c)]
     finally:
@@ -81,7 +92,9 @@ def test_two_of_three_run_at_once_and_deadlines_free_their_slots(tmp_path: Path)
     assert waiting.state == "queued"
     assert waiting.pending_reason == "waiting for 2 free cpu devices on one host; host h1 has 0 free"
     for row in rows:
-        assert (row.state, row.error_code, row.attempt_count) == ("failed", "run_deadline_exceeded", 1), log_text(settings, row.id)
+        assert (row.state, row.error_code, row.attempt_count) == ("failed", "run_deadline_exceeded", 1), log_text(
+            settings, row.id
+        )
         assert job_processes(row.id) == []
     assert rows[2].started_at is not None and rows[2].started_at >= min(r.finished_at for r in rows[:2])  # type: ignore[type-var]
     with session_scope(settings.database_url) as session:

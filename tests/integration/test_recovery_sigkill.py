@@ -36,8 +36,14 @@ pytestmark = pytest.mark.slow
 def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
     data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    spec = train_spec(data, train_iters=120, save_interval=10, save=str(team_dir(settings, "t") / "ckpt"),
-                      max_restarts=2, resources={"nproc_per_node": 2})
+    spec = train_spec(
+        data,
+        train_iters=120,
+        save_interval=10,
+        save=str(team_dir(settings, "t") / "ckpt"),
+        max_restarts=2,
+        resources={"nproc_per_node": 2},
+    )
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
         with reconciler(settings):
@@ -51,8 +57,13 @@ def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> No
             while job_processes(job_id) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert job_processes(job_id) == [], "the engine outlived its SIGKILLed worker"
-            waiting = wait_for(settings, job_id, lambda r: r.state == "retrying" and r.pending_reason, 60,
-                               "re-queued after its host stopped heart-beating")
+            waiting = wait_for(
+                settings,
+                job_id,
+                lambda r: r.state == "retrying" and r.pending_reason,
+                60,
+                "re-queued after its host stopped heart-beating",
+            )
             worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")  # the host comes back
             row = wait_terminal(settings, job_id, 240)
     finally:
@@ -87,7 +98,8 @@ def test_redelivered_message_does_not_start_a_second_run(tmp_path: Path) -> None
     assert row.state == "succeeded" and row.attempt_count == 1, log_text(settings, job_id)
     with session_scope(settings.database_url) as session:
         assert session.scalar(select(func.count()).select_from(Attempt).where(Attempt.job_id == job_id)) == 1
-        started = session.scalar(select(func.count()).select_from(Event).where(Event.job_id == job_id,
-                                                                              Event.type == "started"))
+        started = session.scalar(
+            select(func.count()).select_from(Event).where(Event.job_id == job_id, Event.type == "started")
+        )
         assert started == 1
     assert "skipped" in (tmp_path / "h1.log").read_text()

@@ -29,8 +29,11 @@ def test_sweep_frees_orphans_and_spares_running_nodes(tmp_path: Path) -> None:
     for job_id in (orphan_job, kept_job):
         work = claim_node(settings, job_id, 1, 0, "h1")
         assert work is not None
-        plan = LaunchPlan(argv=[sys.executable, "-c", "import time; time.sleep(120)"],
-                          env={NODE_ENV: node_token(job_id, 1, 0)}, cwd=tmp_path)
+        plan = LaunchPlan(
+            argv=[sys.executable, "-c", "import time; time.sleep(120)"],
+            env={NODE_ENV: node_token(job_id, 1, 0)},
+            cwd=tmp_path,
+        )
         procs[job_id] = Supervised(plan, tmp_path / f"{job_id}.log")
         mark_running(settings, work, procs[job_id].pid, plan.argv, "h1")
 

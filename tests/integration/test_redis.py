@@ -70,24 +70,43 @@ def test_sse_is_pushed_through_redis(tmp_path: Path, redis_url: str) -> None:
 @pytest.fixture
 def production_env(tmp_path: Path, postgres_url: str, redis_url: str) -> Iterator[dict[str, str]]:
     with fresh_postgres_database(postgres_url) as database_url:
-        yield {"LLMJOBS_VAR_DIR": str(tmp_path / "var"), "LLMJOBS_DATABASE_URL": database_url,
-               "LLMJOBS_BROKER_URL": redis_url, "LLMJOBS_REDIS_URL": redis_url,
-               "LLMJOBS_QUEUE_PREFIX": f"test{uuid.uuid4().hex[:8]}", "LLMJOBS_HEARTBEAT_INTERVAL_S": "1"}
+        yield {
+            "LLMJOBS_VAR_DIR": str(tmp_path / "var"),
+            "LLMJOBS_DATABASE_URL": database_url,
+            "LLMJOBS_BROKER_URL": redis_url,
+            "LLMJOBS_REDIS_URL": redis_url,
+            "LLMJOBS_QUEUE_PREFIX": f"test{uuid.uuid4().hex[:8]}",
+            "LLMJOBS_HEARTBEAT_INTERVAL_S": "1",
+        }
 
 
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_worker_runs_a_job_with_postgres_and_redis_broker(production_env: dict[str, str]) -> None:
-    settings = isolated_settings(Path(production_env["LLMJOBS_VAR_DIR"]), production_env["LLMJOBS_DATABASE_URL"],
-                                 broker_url=production_env["LLMJOBS_BROKER_URL"], redis_url=production_env["LLMJOBS_REDIS_URL"],
-                                 queue_prefix=production_env["LLMJOBS_QUEUE_PREFIX"])
+    settings = isolated_settings(
+        Path(production_env["LLMJOBS_VAR_DIR"]),
+        production_env["LLMJOBS_DATABASE_URL"],
+        broker_url=production_env["LLMJOBS_BROKER_URL"],
+        redis_url=production_env["LLMJOBS_REDIS_URL"],
+        queue_prefix=production_env["LLMJOBS_QUEUE_PREFIX"],
+    )
     prepare_demo(team_dir(settings, "prod"))
     raw = demo_spec()
     with session_scope(settings.database_url) as session:
-        job, _ = create_job(session, settings=settings, team="prod", spec=parse_spec(raw, **team_areas(settings, "prod").context()), raw=raw)
+        job, _ = create_job(
+            session,
+            settings=settings,
+            team="prod",
+            spec=parse_spec(raw, **team_areas(settings, "prod").context()),
+            raw=raw,
+        )
     assert dispatch(settings, job.id, job.queue)  # the message waits in Redis until a worker starts
-    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--host", "pg-redis-host", "--concurrency", "1"],
-                              env={**os.environ, **production_env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "worker", "--host", "pg-redis-host", "--concurrency", "1"],
+        env={**os.environ, **production_env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         state = _wait_terminal(settings.database_url, job.id, timeout=150)
         with session_scope(settings.database_url) as session:

@@ -31,8 +31,13 @@ from service_support import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 JOBS = 12
-LOOPS = {"LLMJOBS_RECONCILE_INTERVAL_S": "1", "LLMJOBS_WEBHOOK_POLL_S": "0.3", "LLMJOBS_WEBHOOK_SETTLE_S": "0.5",
-         "LLMJOBS_WEBHOOK_BACKOFF_S": "0.5", "LLMJOBS_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1"}
+LOOPS = {
+    "LLMJOBS_RECONCILE_INTERVAL_S": "1",
+    "LLMJOBS_WEBHOOK_POLL_S": "0.3",
+    "LLMJOBS_WEBHOOK_SETTLE_S": "0.5",
+    "LLMJOBS_WEBHOOK_BACKOFF_S": "0.5",
+    "LLMJOBS_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
+}
 
 
 @pytest.fixture
@@ -65,8 +70,12 @@ def received() -> Iterator[tuple[str, Counter[str]]]:
 def start_api(settings: Settings, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "api", "--port", str(port)],
-                                env={**worker_env(settings), **LOOPS}, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "api", "--port", str(port)],
+            env={**worker_env(settings), **LOOPS},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -85,8 +94,14 @@ def leader_pid(settings: Settings) -> int | None:
 
     engine = create_engine(settings.database_url)
     with engine.connect() as connection:
-        names = list(connection.scalars(text("SELECT application_name FROM pg_stat_activity WHERE "
-                                             "application_name LIKE 'llmjobs-leader:%' AND datname = current_database()")))
+        names = list(
+            connection.scalars(
+                text(
+                    "SELECT application_name FROM pg_stat_activity WHERE "
+                    "application_name LIKE 'llmjobs-leader:%' AND datname = current_database()"
+                )
+            )
+        )
     engine.dispose()
     return int(names[0].rsplit(":", 1)[1]) if names else None
 
@@ -102,8 +117,12 @@ def wait(pred: Any, timeout: float, what: str) -> Any:
 
 def delivered_count(settings: Settings) -> int:
     with session_scope(settings.database_url) as session:
-        return session.scalar(select(func.count()).select_from(WebhookDelivery)
-                              .where(WebhookDelivery.state == "delivered")) or 0
+        return (
+            session.scalar(
+                select(func.count()).select_from(WebhookDelivery).where(WebhookDelivery.state == "delivered")
+            )
+            or 0
+        )
 
 
 def terminal(settings: Settings) -> list[Job]:
@@ -111,9 +130,9 @@ def terminal(settings: Settings) -> list[Job]:
         return list(session.scalars(select(Job).where(Job.state.in_(["succeeded", "failed", "cancelled"]))))
 
 
-def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Settings, tmp_path: Path,
-                                                                 received: tuple[str, Counter[str]],
-                                                                 qwen_tokenizer_dir: Path) -> None:
+def test_sigkilled_leader_replica_loses_and_duplicates_nothing(
+    settings: Settings, tmp_path: Path, received: tuple[str, Counter[str]], qwen_tokenizer_dir: Path
+) -> None:
     hook_url, ids = received
     data = team_dir(settings, "t")
     shutil.copytree(qwen_tokenizer_dir, data / "tok")
@@ -125,8 +144,13 @@ def test_sigkilled_leader_replica_loses_and_duplicates_nothing(settings: Setting
         hook = httpx.post(f"{replicas[0][1]}/v1/webhooks", json={"url": hook_url}, headers=headers, timeout=30)
         assert hook.status_code == 201, hook.text
         for n in range(JOBS):  # alternate replicas: jobs committed by the one about to die must still run
-            body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok",
-                    "output_prefix": f"out/{n}/d", "name": f"job-{n}"}
+            body = {
+                "kind": "preprocess",
+                "input": "in.jsonl",
+                "tokenizer_name_or_path": "tok",
+                "output_prefix": f"out/{n}/d",
+                "name": f"job-{n}",
+            }
             r = httpx.post(f"{replicas[n % 2][1]}/v1/jobs", json=body, headers=headers, timeout=30)
             assert r.status_code == 201, r.text
         first = wait(lambda: leader_pid(settings), 30, "led by a replica")

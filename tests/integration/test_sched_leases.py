@@ -48,8 +48,18 @@ def settings(tmp_path: Path, db_url: str | None) -> Settings:
 
 def add_host(settings: Settings, name: str, devices: int, device_type: str = "cpu", address: str = "127.0.0.1") -> None:
     with session_scope(settings.database_url) as session:
-        session.add(Host(name=name, device_type=device_type, devices=devices, device_ids=list(range(devices)),
-                         queue=f"host.{name}", address=address, state="up", info={}))
+        session.add(
+            Host(
+                name=name,
+                device_type=device_type,
+                devices=devices,
+                device_ids=list(range(devices)),
+                queue=f"host.{name}",
+                address=address,
+                state="up",
+                info={},
+            )
+        )
 
 
 def job(settings: Settings, nproc: int = 1, nnodes: int = 1, team: str = "t", **fields: Any) -> str:
@@ -63,7 +73,11 @@ def rows(settings: Settings, *ids: str) -> list[Job]:
 
 def nodes(settings: Settings, job_id: str) -> list[JobNode]:
     with session_scope(settings.database_url) as session:
-        return list(session.scalars(select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.attempt, JobNode.node_rank)))
+        return list(
+            session.scalars(
+                select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.attempt, JobNode.node_rank)
+            )
+        )
 
 
 def finish(settings: Settings, job_id: str) -> None:
@@ -111,7 +125,9 @@ def test_gang_is_all_or_nothing_across_hosts(settings: Settings) -> None:
     assert schedule(settings) == []
     with session_scope(settings.database_url) as session:
         assert session.scalars(select(Lease).where(Lease.job_id == gang)).all() == []  # no partial grant
-    assert "waiting for 2 hosts with 2 free cpu devices each (1 have enough)" in (rows(settings, gang)[0].pending_reason or "")
+    assert "waiting for 2 hosts with 2 free cpu devices each (1 have enough)" in (
+        rows(settings, gang)[0].pending_reason or ""
+    )
     finish(settings, blocker)
     assert [g.hosts for g in schedule(settings)] == [["h1", "h2"]]
     n0, n1 = nodes(settings, gang)
@@ -136,9 +152,11 @@ def test_never_fits_is_refused_and_hosts_show_holders(settings: Settings) -> Non
     body = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
     token, other = make_token(settings, "t"), make_token(settings, "other")
     with TestClient(create_app(settings, reconcile=False)) as client:
-        for resources, field, text in [({"nproc_per_node": 8}, "resources.nproc_per_node", "largest cpu host has 4"),
-                                       ({"nproc_per_node": 3, "nnodes": 2}, "resources.nnodes", "only 1 cpu hosts"),
-                                       ({"device_type": "npu"}, "resources.device_type", "no npu host is registered")]:
+        for resources, field, text in [
+            ({"nproc_per_node": 8}, "resources.nproc_per_node", "largest cpu host has 4"),
+            ({"nproc_per_node": 3, "nnodes": 2}, "resources.nnodes", "only 1 cpu hosts"),
+            ({"device_type": "npu"}, "resources.device_type", "no npu host is registered"),
+        ]:
             r = client.post("/v1/jobs", json={**body, "resources": resources}, headers=auth(token))
             assert r.status_code == 422 and r.json()["field"] == field and text in r.json()["message"], r.json()
         ok = client.post("/v1/jobs", json={**body, "resources": {"nproc_per_node": 3}}, headers=auth(token)).json()
@@ -152,7 +170,9 @@ def test_never_fits_is_refused_and_hosts_show_holders(settings: Settings) -> Non
         assert hosts["h1"]["health"] == "up" and hosts["h1"]["free"] == 1
         assert [d["job_id"] for d in hosts["h1"]["devices"]] == [ok["id"]] * 3 + [None]
         theirs = client.get("/v1/hosts", headers=auth(other)).json()["data"][0]
-        assert [d["held"] for d in theirs["devices"]] == [True, True, True, False] and theirs["devices"][0]["job_id"] is None
+        assert [d["held"] for d in theirs["devices"]] == [True, True, True, False] and theirs["devices"][0][
+            "job_id"
+        ] is None
 
 
 def test_concurrent_schedulers_never_double_grant(settings: Settings) -> None:

@@ -26,8 +26,17 @@ REPO = WORKER.parents[2]
 def launch(tmp_path: Path, nproc: int, *cases: str) -> dict:
     out = tmp_path / f"result-{nproc}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(out), str(tmp_path), *cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(out),
+        str(tmp_path),
+        *cases,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -41,17 +50,29 @@ def assert_equal(result: dict, cases: list[str]) -> None:
 
 
 def test_two_process_layouts(tmp_path: Path) -> None:
-    cases = ["dp2:dp=2", "tp2:tp=2", "pp2_tied:pp=2,tied=1", "pp2_interleaved:pp=2,vpp=1,tied=1",
-             "lora_tp2:tp=2,lora=1", "lora_pp2_hf:pp=2,lora=1,tied=1,src=hf", "hf_tp2:tp=2,src=hf",
-             "mcore_tp2:tp=2,src=mcore,ctp=2", "mcore_pp2_resliced:pp=2,src=mcore,ctp=2",
-             "bf16_dp2_recompute:dp=2,bf16=1,ac=full"]
+    cases = [
+        "dp2:dp=2",
+        "tp2:tp=2",
+        "pp2_tied:pp=2,tied=1",
+        "pp2_interleaved:pp=2,vpp=1,tied=1",
+        "lora_tp2:tp=2,lora=1",
+        "lora_pp2_hf:pp=2,lora=1,tied=1,src=hf",
+        "hf_tp2:tp=2,src=hf",
+        "mcore_tp2:tp=2,src=mcore,ctp=2",
+        "mcore_pp2_resliced:pp=2,src=mcore,ctp=2",
+        "bf16_dp2_recompute:dp=2,bf16=1,ac=full",
+    ]
     assert_equal(launch(tmp_path, 2, *cases), cases)
 
 
 def test_four_process_layouts(tmp_path: Path) -> None:
-    cases = ["tp2pp2_tied:tp=2,pp=2,tied=1", "tp2dp2_lora:tp=2,dp=2,tied=1,lora=1", "pp2dp2_vpp:pp=2,dp=2,vpp=1",
-             "mcore_tp2pp2_own:tp=2,pp=2,src=mcore,ctp=2,cpp=2,tied=1",
-             "mcore_tp2pp2_resliced:tp=2,pp=2,src=mcore,ctp=1,cpp=4"]
+    cases = [
+        "tp2pp2_tied:tp=2,pp=2,tied=1",
+        "tp2dp2_lora:tp=2,dp=2,tied=1,lora=1",
+        "pp2dp2_vpp:pp=2,dp=2,vpp=1",
+        "mcore_tp2pp2_own:tp=2,pp=2,src=mcore,ctp=2,cpp=2,tied=1",
+        "mcore_tp2pp2_resliced:tp=2,pp=2,src=mcore,ctp=1,cpp=4",
+    ]
     result = launch(tmp_path, 4, *cases)
     assert_equal(result, cases)
     # Same layout: each rank opened exactly its own file (ranks are tp-fastest: rank = pp_rank * 2 + tp_rank).

@@ -68,9 +68,18 @@ LORA = """
 """
 
 INTENTS = ["闲聊百科_知识查询", "天气_查询天气", "音乐_播放音乐", "导航_路线规划", "设备控制_打开空调", "闹钟_设置闹钟"]
-QUESTIONS = ["广州塔为什么也叫小蛮腰", "明天北京会下雨吗", "放一首周杰伦的歌", "去机场怎么走", "把空调打开", "明早七点叫我起床"]
-MAP_KEYS = ('{"messages":"messages", "tags":{"role_tag": "role","content_tag": "content","user_tag": "user",'
-            '"assistant_tag": "assistant","system_tag": "system"}}')
+QUESTIONS = [
+    "广州塔为什么也叫小蛮腰",
+    "明天北京会下雨吗",
+    "放一首周杰伦的歌",
+    "去机场怎么走",
+    "把空调打开",
+    "明早七点叫我起床",
+]
+MAP_KEYS = (
+    '{"messages":"messages", "tags":{"role_tag": "role","content_tag": "content","user_tag": "user",'
+    '"assistant_tag": "assistant","system_tag": "system"}}'
+)
 
 
 def _env() -> dict[str, str]:
@@ -84,16 +93,57 @@ def seed_assets(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Pa
     with raw.open("w", encoding="utf-8") as f:
         for i in range(64):
             k = (i * 7) % len(INTENTS)
-            f.write(json.dumps({"messages": [
-                {"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": f"请你判读用户的意图。...交互历史：用户：{QUESTIONS[k]}\n用户最后一句话所属的技能和意图是："},
-                {"role": "assistant", "content": INTENTS[k]}]}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "system", "content": "You are a helpful assistant."},
+                            {
+                                "role": "user",
+                                "content": f"请你判读用户的意图。...交互历史：用户：{QUESTIONS[k]}\n用户最后一句话所属的技能和意图是：",
+                            },
+                            {"role": "assistant", "content": INTENTS[k]},
+                        ]
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
     prefix = base / "finetune_dataset" / "customed"
-    subprocess.run([PY, "-m", "engine", "preprocess", "--input", str(raw), "--tokenizer-name-or-path",
-                    str(qwen_tokenizer_dir), "--output-prefix", str(prefix), "--handler-name",
-                    "SharegptStyleInstructionHandler", "--tokenizer-type", "PretrainedFromHF", "--enable-thinking", "true",
-                    "--workers", "1", "--log-interval", "1000", "--map-keys", MAP_KEYS, "--prompt-type", "qwen3",
-                    "--run-dir", str(base / "prep")], cwd=ROOT, env=_env(), check=True, capture_output=True)
+    subprocess.run(
+        [
+            PY,
+            "-m",
+            "engine",
+            "preprocess",
+            "--input",
+            str(raw),
+            "--tokenizer-name-or-path",
+            str(qwen_tokenizer_dir),
+            "--output-prefix",
+            str(prefix),
+            "--handler-name",
+            "SharegptStyleInstructionHandler",
+            "--tokenizer-type",
+            "PretrainedFromHF",
+            "--enable-thinking",
+            "true",
+            "--workers",
+            "1",
+            "--log-interval",
+            "1000",
+            "--map-keys",
+            MAP_KEYS,
+            "--prompt-type",
+            "qwen3",
+            "--run-dir",
+            str(base / "prep"),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        check=True,
+        capture_output=True,
+    )
     cfg = preset("qwen3-tiny-tied")  # tied like Qwen3-4B, the real vocabulary
     model = Qwen3Model(cfg)
     model.init_weights(0)
@@ -104,14 +154,29 @@ def seed_assets(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Pa
 
 def _run(flags: str, assets: dict[str, Path], name: str, nproc: int) -> tuple[Path, Path]:
     out = assets["base"] / f"{name}_{nproc}"
-    values = {"tok": assets["tok"], "data": assets["data"], "load": assets["load"], "save": out / "save",
-              "tb": out / "tb", "iters": TRAIN_ITERS}
+    values = {
+        "tok": assets["tok"],
+        "data": assets["data"],
+        "load": assets["load"],
+        "save": out / "save",
+        "tb": out / "tb",
+        "iters": TRAIN_ITERS,
+    }
     argv = shlex.split(flags.format(**values))
     run_dir = out / "run"
-    launcher = [PY, "-m", "engine"] if nproc == 1 else [
-        PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
-    proc = subprocess.run([*launcher, "train", *argv, "--run-dir", str(run_dir)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    launcher = (
+        [PY, "-m", "engine"]
+        if nproc == 1
+        else [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
+    )
+    proc = subprocess.run(
+        [*launcher, "train", *argv, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out / "save", run_dir
 
@@ -155,7 +220,9 @@ def test_seed_lora_flags(seed_assets: dict[str, Path], nproc: int):
     _check_run(save, run_dir, nproc)
     state = torch.load(save / f"iter_{TRAIN_ITERS:07d}" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert {k.rsplit(".lora_", 1)[0] for k in state["model"]} == {
-        f"decoder.layers.{i}.{m}" for i in range(2)
-        for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+        f"decoder.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    }
     assert state["args"].lora_r == 16 and state["args"].lora_alpha == 32
     assert any((save.parent / "tb").iterdir())

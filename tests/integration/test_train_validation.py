@@ -47,7 +47,9 @@ def _hf_loss(model_dir: Path, prefix: str, rows: range) -> float:
     return total / tokens
 
 
-def test_validation_share_is_scored_every_interval_and_at_the_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_validation_share_is_scored_every_interval_and_at_the_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     data = write_instruction_data(tmp_path / "data" / "sft")
     assert split_counts(48, "2,1,0") == (32, 16) and split_counts(48, "100,0,0") == (48, 0)
     assert split_counts(1000, "969, 30, 1") == (969, 30)  # Megatron's default split
@@ -68,7 +70,11 @@ def test_validation_share_is_scored_every_interval_and_at_the_end(tmp_path: Path
 def test_pipeline_and_tensor_parallel_validation_equal_one_process(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "data" / "sft")
     runs = {}
-    layouts = (("one", 1, {}), ("pp2", 2, {"pipeline_model_parallel_size": 2}), ("tp2", 2, {"tensor_model_parallel_size": 2}))
+    layouts = (
+        ("one", 1, {}),
+        ("pp2", 2, {"pipeline_model_parallel_size": 2}),
+        ("tp2", 2, {"tensor_model_parallel_size": 2}),
+    )
     for name, nproc, extra in layouts:
         run_dir = tmp_path / name
         run_train({**_spec(data, tmp_path / f"ckpt-{name}"), **extra}, run_dir, nproc)

@@ -62,8 +62,9 @@ def _poison(mg_dir: Path, tmp_path: Path, zip_format: bool) -> tuple[Path, Path]
 
 
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
-def test_poisoned_megatron_rank_file_is_refused_by_the_convert_job(mg_dir: Path, tmp_path: Path,
-                                                                  zip_format: bool) -> None:
+def test_poisoned_megatron_rank_file_is_refused_by_the_convert_job(
+    mg_dir: Path, tmp_path: Path, zip_format: bool
+) -> None:
     root, marker = _poison(mg_dir, tmp_path, zip_format)
     spec = ConvertSpec(load_model_type="mg", save_model_type="hf", load_dir=str(root), save_dir=str(tmp_path / "out"))
     with pytest.raises(BadInput, match=REFUSED) as err:
@@ -76,21 +77,43 @@ def test_real_megatron_args_still_load(tmp_path: Path) -> None:
     """What Megatron-LM's save_checkpoint writes: args with dtypes and Megatron-Core's enums, NumPy/torch RNG."""
     enums = pytest.importorskip("megatron.core.transformer.enums")
     core_enums = pytest.importorskip("megatron.core.enums")
-    args = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16, attention_backend=enums.AttnBackend.auto,
-                              model_type=core_enums.ModelType.encoder_or_decoder, data_path=["a", "b"])
-    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {"model-parallel-rng": torch.ones(3)}}]
+    args = argparse.Namespace(
+        num_layers=2,
+        params_dtype=torch.bfloat16,
+        attention_backend=enums.AttnBackend.auto,
+        model_type=core_enums.ModelType.encoder_or_decoder,
+        data_path=["a", "b"],
+    )
+    rng = [
+        {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {"model-parallel-rng": torch.ones(3)},
+        }
+    ]
     for zip_format in (True, False):
         path = tmp_path / f"model_optim_rng_{zip_format}.pt"
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 5, "rng_state": rng,
-                    "model": {"w": torch.arange(4.0)}}, path, _use_new_zipfile_serialization=zip_format)
+        torch.save(
+            {
+                "args": args,
+                "checkpoint_version": 3.0,
+                "iteration": 5,
+                "rng_state": rng,
+                "model": {"w": torch.arange(4.0)},
+            },
+            path,
+            _use_new_zipfile_serialization=zip_format,
+        )
         loaded = load_rank_file(path)
         assert loaded["args"].params_dtype == torch.bfloat16
         assert loaded["args"].attention_backend.value == enums.AttnBackend.auto.value
         assert loaded["args"].data_path == ["a", "b"]
         assert torch.equal(loaded["model"]["w"], torch.arange(4.0))
-    assert (load_torch_file(tmp_path / "model_optim_rng_False.pt")["rng_state"][0]["np_rng_state"][1]
-            == np.random.get_state()[1]).all()
+    assert (
+        load_torch_file(tmp_path / "model_optim_rng_False.pt")["rng_state"][0]["np_rng_state"][1]
+        == np.random.get_state()[1]
+    ).all()
 
 
 @pytest.fixture

@@ -13,8 +13,18 @@ from core_support import auth, make_job, make_token
 
 def _host(settings: Settings, devices: int) -> None:
     with session_scope(settings.database_url) as session:
-        session.add(Host(name="h1", device_type="cpu", devices=devices, device_ids=list(range(devices)),
-                         queue="host.h1", address="127.0.0.1", state="up", info={}))
+        session.add(
+            Host(
+                name="h1",
+                device_type="cpu",
+                devices=devices,
+                device_ids=list(range(devices)),
+                queue="host.h1",
+                address="127.0.0.1",
+                state="up",
+                info={},
+            )
+        )
 
 
 def test_pending_reason_counts_the_jobs_ahead_without_naming_them(client: TestClient, settings: Settings) -> None:
@@ -37,7 +47,9 @@ def test_after_another_teams_job_reads_like_an_unknown_id(client: TestClient, se
     unknown = client.get("/v1/jobs", params={"after": "job_does_not_exist"}, headers=auth(token))
     foreign = client.get("/v1/jobs", params={"after": theirs}, headers=auth(token))
     assert foreign.status_code == unknown.status_code == 400
-    assert foreign.json() == {**unknown.json(), "message": unknown.json()["message"].replace("job_does_not_exist",
-                                                                                             theirs)}
+    assert foreign.json() == {
+        **unknown.json(),
+        "message": unknown.json()["message"].replace("job_does_not_exist", theirs),
+    }
     admin = make_token(settings, "ops", admin=True)
     assert client.get("/v1/jobs", params={"after": theirs}, headers=auth(admin)).status_code == 200

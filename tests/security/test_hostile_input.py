@@ -74,11 +74,11 @@ HOSTILE_BODIES = {
     "surrogate in a metadata key": "{" + BASE + r', "metadata": {"\udfff": "v"}}',
     "surrogate in name": "{" + BASE + r', "name": "a\udfffb"}',
     "surrogate in a path": r'{"kind": "preprocess", "input": "in\udfff.jsonl", "tokenizer_name_or_path": "tok", '
-                           r'"output_prefix": "out/x"}',
+    r'"output_prefix": "out/x"}',
     "NUL in metadata": "{" + BASE + r', "metadata": {"k": "a\u0000b"}}',
     "NUL in name": "{" + BASE + r', "name": "a\u0000b"}',
     "NUL in a path": r'{"kind": "preprocess", "input": "in\u0000.jsonl", "tokenizer_name_or_path": "tok", '
-                     r'"output_prefix": "out/x"}',
+    r'"output_prefix": "out/x"}',
     "JSON nested 10,000 deep": "{" + BASE + ', "metadata": ' + "[" * 10_000 + "]" * 10_000 + "}",
     "a body nested 10,000 deep": "[" * 10_000 + "]" * 10_000,
     "integer of 5,000 digits": "{" + BASE + ', "priority": 1' + "0" * 5_000 + "}",
@@ -89,10 +89,12 @@ HOSTILE_BODIES = {
 
 
 @pytest.mark.parametrize("body", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
-def test_hostile_job_bodies_are_refused_and_nothing_is_stored(client: TestClient, settings: Settings,
-                                                              team: tuple[str, str], body: str) -> None:
-    answer = client.post("/v1/jobs", content=body.encode(), headers={**auth(team[1]),
-                                                                       "content-type": "application/json"})
+def test_hostile_job_bodies_are_refused_and_nothing_is_stored(
+    client: TestClient, settings: Settings, team: tuple[str, str], body: str
+) -> None:
+    answer = client.post(
+        "/v1/jobs", content=body.encode(), headers={**auth(team[1]), "content-type": "application/json"}
+    )
     _assert_refused(answer)
     _assert_nothing_stored(client, settings, team[1])
 
@@ -105,45 +107,67 @@ def test_hostile_webhook_description_is_refused(client: TestClient, team: tuple[
     assert client.get("/v1/webhooks", headers=auth(team[1])).json()["data"] == []
 
 
-@pytest.mark.parametrize("path", [
-    "/v1/jobs/job_%00x", "/v1/jobs/job_%00x/events", "/v1/webhooks/wh%00", "/v1/jobs?after=x%00",
-    "/v1/jobs?name=a%00", "/v1/jobs?state=queued%00", "/v1/jobs?metadata[k]=a%00", "/v1/jobs?parent_id=%00",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/jobs/job_%00x",
+        "/v1/jobs/job_%00x/events",
+        "/v1/webhooks/wh%00",
+        "/v1/jobs?after=x%00",
+        "/v1/jobs?name=a%00",
+        "/v1/jobs?state=queued%00",
+        "/v1/jobs?metadata[k]=a%00",
+        "/v1/jobs?parent_id=%00",
+    ],
+)
 def test_nul_in_a_path_id_or_query_is_refused(client: TestClient, team: tuple[str, str], path: str) -> None:
     _assert_refused(client.get(path, headers=auth(team[1])))
 
 
-@pytest.mark.parametrize(("query", "field"), [
-    ("events?after=9223372036854775808", "after"),
-    ("events?after=" + "9" * 40, "after"),
-    ("logs?offset=2147483648", "offset"),
-    ("logs?offset=9223372036854775808", "offset"),
-    ("logs?rank=2147483648", "rank"),
-    ("metrics?since_step=2147483648", "since_step"),
-    ("metrics?since_step=-9223372036854775809", "since_step"),
-    ("stream?after=9223372036854775808-0-0", "Last-Event-ID"),
-])
-def test_cursors_beyond_the_columns_are_refused(client: TestClient, settings: Settings, team: tuple[str, str],
-                                                query: str, field: str) -> None:
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("events?after=9223372036854775808", "after"),
+        ("events?after=" + "9" * 40, "after"),
+        ("logs?offset=2147483648", "offset"),
+        ("logs?offset=9223372036854775808", "offset"),
+        ("logs?rank=2147483648", "rank"),
+        ("metrics?since_step=2147483648", "since_step"),
+        ("metrics?since_step=-9223372036854775809", "since_step"),
+        ("stream?after=9223372036854775808-0-0", "Last-Event-ID"),
+    ],
+)
+def test_cursors_beyond_the_columns_are_refused(
+    client: TestClient, settings: Settings, team: tuple[str, str], query: str, field: str
+) -> None:
     job_id = make_job(settings, team=team[0])
     _assert_refused(client.get(f"/v1/jobs/{job_id}/{query}", headers=auth(team[1])), field)
 
 
 def _submit(client: TestClient, token: str, metadata: dict[str, str]) -> Any:
-    spec = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "out/x",
-            "metadata": metadata}
+    spec = {
+        "kind": "preprocess",
+        "input": "in.jsonl",
+        "tokenizer_name_or_path": "tok",
+        "output_prefix": "out/x",
+        "metadata": metadata,
+    }
     return client.post("/v1/jobs", json=spec, headers=auth(token))
 
 
-@pytest.mark.parametrize(("metadata", "field"), [
-    ({f"k{i}": "v" for i in range(17)}, "metadata"),
-    ({"k" * 65: "v"}, "metadata"),
-    ({"k": "v" * 513}, "metadata.k"),
-    ({"label": "x" * 900_000}, "metadata.label"),
-    ({f"key{i:02d}": "v" * 510 for i in range(16)}, "metadata"),  # each within limits, 8.2 KB together
-])
-def test_metadata_size_limits(client: TestClient, settings: Settings, team: tuple[str, str],
-                              metadata: dict[str, str], field: str) -> None:
+@pytest.mark.parametrize(
+    ("metadata", "field"),
+    [
+        ({f"k{i}": "v" for i in range(17)}, "metadata"),
+        ({"k" * 65: "v"}, "metadata"),
+        ({"k": "v" * 513}, "metadata.k"),
+        ({"label": "x" * 900_000}, "metadata.label"),
+        ({f"key{i:02d}": "v" * 510 for i in range(16)}, "metadata"),  # each within limits, 8.2 KB together
+    ],
+)
+def test_metadata_size_limits(
+    client: TestClient, settings: Settings, team: tuple[str, str], metadata: dict[str, str], field: str
+) -> None:
     _assert_refused(_submit(client, team[1], metadata), field)
     _assert_nothing_stored(client, settings, team[1])
 

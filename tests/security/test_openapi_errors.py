@@ -28,12 +28,21 @@ def test_real_error_bodies_match_the_declared_schemas(client: TestClient, settin
         ("/v1/jobs/{job_id}", "get", 404, lambda: client.get("/v1/jobs/nope", headers=auth(token))),
         ("/v1/jobs", "get", 422, lambda: client.get("/v1/jobs?limit=0", headers=auth(token))),
         ("/v1/jobs", "get", 422, lambda: client.get("/v1/jobs?state=runing", headers=auth(token))),
-        ("/v1/jobs", "post", 422, lambda: client.post("/v1/jobs", json={**spec, "learning_rate": 1}, headers=auth(token))),
+        (
+            "/v1/jobs",
+            "post",
+            422,
+            lambda: client.post("/v1/jobs", json={**spec, "learning_rate": 1}, headers=auth(token)),
+        ),
         ("/v1/jobs", "post", 400, lambda: client.post("/v1/jobs", content=b"{", headers=auth(token))),
         ("/v1/jobs", "post", 413, lambda: client.post("/v1/jobs", content=b"x" * 2_000_000, headers=auth(token))),
         ("/v1/jobs", "post", 409, lambda: client.post("/v1/jobs", json={**spec, "name": "other"}, headers=keyed)),
-        ("/v1/jobs/{job_id}/metrics", "get", 400,
-         lambda: client.get(f"/v1/jobs/{finished}/metrics?after=x", headers=auth(token))),
+        (
+            "/v1/jobs/{job_id}/metrics",
+            "get",
+            400,
+            lambda: client.get(f"/v1/jobs/{finished}/metrics?after=x", headers=auth(token)),
+        ),
     ]
     for path, method, status, call in cases:
         answer = call()

@@ -22,8 +22,18 @@ def _outputs(settings: Settings, values: list[str]) -> list[tuple[str, dict]]:
     cases = []
     for value in values:
         cases.append(("output_prefix", {**BASE, "output_prefix": value}))
-        cases.append(("save_dir", {"kind": "convert", "load_model_type": "hf", "save_model_type": "mg",
-                                   "load_dir": "hf", "save_dir": value}))
+        cases.append(
+            (
+                "save_dir",
+                {
+                    "kind": "convert",
+                    "load_model_type": "hf",
+                    "save_model_type": "mg",
+                    "load_dir": "hf",
+                    "save_dir": value,
+                },
+            )
+        )
         cases.append(("save", {"kind": "train", "data_path": "d", "train_iters": 1, "lr": 1e-3, "save": value}))
     return cases
 
@@ -59,15 +69,16 @@ def test_an_input_of_another_team_is_refused(client: TestClient, settings: Setti
 
 def test_a_symlink_out_of_the_area_is_refused_at_submission(client: TestClient, settings: Settings) -> None:
     (team_dir(settings, "alpha") / "peek").symlink_to(team_area(settings, "beta"))
-    answer = client.post("/v1/jobs", json={**BASE, "output_prefix": "peek/x"}, headers=auth(make_token(settings, "alpha")))
+    answer = client.post(
+        "/v1/jobs", json={**BASE, "output_prefix": "peek/x"}, headers=auth(make_token(settings, "alpha"))
+    )
     assert answer.status_code == 422 and answer.json()["field"] == "output_prefix", answer.text[:300]
 
 
 @pytest.mark.parametrize("value", ["out/x", "./out/x", "x", "{area}/out/x"])
 def test_outputs_inside_the_team_area_are_accepted(client: TestClient, settings: Settings, value: str) -> None:
     value = value.format(area=team_area(settings, "alpha"))
-    answer = client.post("/v1/jobs", json={**BASE, "output_prefix": value},
-                         headers=auth(make_token(settings, "alpha")))
+    answer = client.post("/v1/jobs", json={**BASE, "output_prefix": value}, headers=auth(make_token(settings, "alpha")))
     assert answer.status_code == 201, answer.text[:300]
     expected = team_area(settings, "alpha") / ("x" if value == "x" else "out/x")
     assert answer.json()["spec"]["output_prefix"] == str(expected)

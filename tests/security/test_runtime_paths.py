@@ -47,8 +47,9 @@ def _run_engine(settings: Settings, work: NodeWork, monkeypatch: pytest.MonkeyPa
     return code, next(e for e in events if e["type"] == "error")
 
 
-def test_an_output_swapped_for_a_symlink_is_refused_at_run_time(client: TestClient, settings: Settings,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_output_swapped_for_a_symlink_is_refused_at_run_time(
+    client: TestClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work, _ = _submitted(client, settings)
     env = node_plan(work, settings).env
     assert env[WRITE_ENV].split(":") == [str(team_area(settings, "alpha"))]
@@ -63,8 +64,9 @@ def test_an_output_swapped_for_a_symlink_is_refused_at_run_time(client: TestClie
     assert sorted(p.name for p in beta.iterdir()) == ["in.jsonl", "tok"]  # nothing written there
 
 
-def test_an_input_swapped_for_a_symlink_is_refused_at_run_time(client: TestClient, settings: Settings,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_input_swapped_for_a_symlink_is_refused_at_run_time(
+    client: TestClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work, _ = _submitted(client, settings)
     theirs = team_area(settings, "beta") / "in.jsonl"
     mine = team_area(settings, "alpha") / "in.jsonl"
@@ -74,8 +76,9 @@ def test_an_input_swapped_for_a_symlink_is_refused_at_run_time(client: TestClien
     assert code == 2 and error["data"] == {"code": "bad_input", "field": "input"}, error
 
 
-def test_a_symlink_inside_an_input_directory_is_refused(client: TestClient, settings: Settings,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_symlink_inside_an_input_directory_is_refused(
+    client: TestClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work, _ = _submitted(client, settings)
     shutil.rmtree(team_area(settings, "alpha") / "tok")
     (team_area(settings, "alpha") / "tok").mkdir()

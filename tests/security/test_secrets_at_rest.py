@@ -38,7 +38,10 @@ def _stored(settings: Settings) -> str:
 def _signed_with(secret: str, headers: dict[str, str], body: bytes) -> bool:
     key = base64.b64decode(secret.removeprefix("whsec_"))
     signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
-    return headers["webhook-signature"] == "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    return (
+        headers["webhook-signature"]
+        == "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    )
 
 
 def test_the_secret_is_sealed_in_the_database_and_still_signs(tmp_path: Path, receiver: Receiver) -> None:
@@ -77,9 +80,13 @@ def test_the_migration_seals_secrets_stored_in_clear(tmp_path: Path) -> None:
     engine = sa.create_engine(url)
     plain = "whsec_" + base64.b64encode(b"s" * 32).decode()
     with engine.begin() as connection:
-        connection.execute(sa.text("INSERT INTO webhooks (id, team, url, secret, events, cursor, created_at) VALUES "
-                                   "('w1', 'alpha', 'https://example.invalid/', :s, '[]', 0, :t)"),
-                           {"s": plain, "t": datetime.now(timezone.utc)})
+        connection.execute(
+            sa.text(
+                "INSERT INTO webhooks (id, team, url, secret, events, cursor, created_at) VALUES "
+                "('w1', 'alpha', 'https://example.invalid/', :s, '[]', 0, :t)"
+            ),
+            {"s": plain, "t": datetime.now(timezone.utc)},
+        )
     command.upgrade(config, "head")
     with engine.connect() as connection:
         stored = connection.execute(sa.text("SELECT secret FROM webhooks")).scalar_one()
@@ -108,8 +115,11 @@ def test_llmjobs_reseal_moves_every_secret_to_the_newest_key(tmp_path: Path, mon
     old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
     settings = isolated_settings(tmp_path, webhook_allowed_hosts=["127.0.0.1"], secret_keys=[old])
     secrets = [_register(settings, f"http://127.0.0.1:9/hook{i}")["secret"] for i in range(2)]
-    for key, value in {"VAR_DIR": str(settings.var_dir), "DATABASE_URL": settings.database_url,
-                       "SECRET_KEYS": f"{new},{old}"}.items():
+    for key, value in {
+        "VAR_DIR": str(settings.var_dir),
+        "DATABASE_URL": settings.database_url,
+        "SECRET_KEYS": f"{new},{old}",
+    }.items():
         monkeypatch.setenv(f"LLMJOBS_{key}", value)
     result = CliRunner().invoke(cli, ["reseal"])
     assert result.exit_code == 0 and "re-encrypted 2 webhook secret(s)" in result.output, result.output

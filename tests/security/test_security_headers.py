@@ -25,11 +25,20 @@ def _directives(csp: str) -> dict[str, list[str]]:
     return {d.split()[0]: d.split()[1:] for d in (p.strip() for p in csp.split(";")) if d}
 
 
-@pytest.mark.parametrize(("method", "path", "body"), [
-    ("GET", "/", None), ("GET", "/ui/js/app.js", None), ("GET", "/docs", None), ("GET", "/redoc", None),
-    ("GET", "/openapi.json", None), ("GET", "/v1/jobs", None), ("GET", "/nothing-here", None),
-    ("POST", "/v1/jobs", b"[" * 5000 + b"]" * 5000), ("POST", "/v1/jobs", b"x" * 2_000_000),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/", None),
+        ("GET", "/ui/js/app.js", None),
+        ("GET", "/docs", None),
+        ("GET", "/redoc", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/v1/jobs", None),
+        ("GET", "/nothing-here", None),
+        ("POST", "/v1/jobs", b"[" * 5000 + b"]" * 5000),
+        ("POST", "/v1/jobs", b"x" * 2_000_000),
+    ],
+)
 def test_every_answer_has_the_security_headers(client: TestClient, method: str, path: str, body: bytes | None) -> None:
     answer = client.request(method, path, content=body)
     csp = _directives(answer.headers["content-security-policy"])
@@ -75,8 +84,9 @@ def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, reconcile=False), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, reconcile=False), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -88,10 +98,13 @@ def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("path", "rendered"), [
-    ("/docs", ".opblock-tag-section"),  # Swagger UI drew the operations of /openapi.json
-    ("/redoc", "[data-section-id^='tag/']"),  # ReDoc drew its sections
-])
+@pytest.mark.parametrize(
+    ("path", "rendered"),
+    [
+        ("/docs", ".opblock-tag-section"),  # Swagger UI drew the operations of /openapi.json
+        ("/redoc", "[data-section-id^='tag/']"),  # ReDoc drew its sections
+    ],
+)
 def test_the_docs_work_offline_in_a_browser_under_the_csp(live_url: tuple[str, str], path: str, rendered: str) -> None:
     """Every request the page makes stays on the app's origin (one to elsewhere is recorded and aborted, so a
     regression fails here instead of waiting on a CDN), and the CSP has nothing to block."""
@@ -106,8 +119,9 @@ def test_the_docs_work_offline_in_a_browser_under_the_csp(live_url: tuple[str, s
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox"])
         page = browser.new_page()
         page.on("request", lambda request: requested.append(request.url))
-        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(origin + "/")
-                   else route.abort())
+        page.route(
+            "**/*", lambda route: route.continue_() if route.request.url.startswith(origin + "/") else route.abort()
+        )
         page.on("console", lambda msg: violations.append(msg.text) if "Content Security Policy" in msg.text else None)
         page.goto(origin + path)
         page.wait_for_selector(rendered, timeout=30_000)

@@ -25,8 +25,11 @@ HOSTILE = [
     "https://[::1]/",
     "https://[::ffff:127.0.0.1]/",  # loopback mapped into IPv6
     "https://0.0.0.0/",
-    "https://10.0.0.1/", "https://172.16.5.4/", "https://192.168.1.1/",
-    "https://224.0.0.1/", "https://240.0.0.1/",  # multicast, reserved
+    "https://10.0.0.1/",
+    "https://172.16.5.4/",
+    "https://192.168.1.1/",
+    "https://224.0.0.1/",
+    "https://240.0.0.1/",  # multicast, reserved
     "http://8.8.8.8/hook",  # public, but not https
     "https://8.8.8.8/" + "a" * 70_000,  # the 70 KB URL that stalled every team's deliveries
 ]
@@ -100,8 +103,9 @@ def _fake_dns(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list[str]]) ->
     monkeypatch.setattr(net_guard.socket, "getaddrinfo", getaddrinfo)
 
 
-def test_dns_rebinding_to_loopback_is_not_followed(client: TestClient, settings: Settings, receiver: Receiver,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dns_rebinding_to_loopback_is_not_followed(
+    client: TestClient, settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Public when registered, loopback when delivered: refused at delivery, the receiver never hears of it."""
     _fake_dns(monkeypatch, {"hooks.rebind.test": ["93.184.216.34", "127.0.0.1"]})
     token = make_token(settings, "alpha")
@@ -112,8 +116,9 @@ def test_dns_rebinding_to_loopback_is_not_followed(client: TestClient, settings:
     assert _deliveries(client, token)[0]["attempt_log"][0]["error"] == net_guard.BLOCKED_REASON
 
 
-def test_the_post_goes_to_the_checked_address_with_the_name_as_host(settings: Settings, receiver: Receiver,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_post_goes_to_the_checked_address_with_the_name_as_host(
+    settings: Settings, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from app.main import create_app
 
     _fake_dns(monkeypatch, {"hooks.internal.test": ["127.0.0.1"]})
@@ -123,7 +128,7 @@ def test_the_post_goes_to_the_checked_address_with_the_name_as_host(settings: Se
         assert _register(client, make_token(allowed, "alpha"), url).status_code == 201
     job_id = finish_job(allowed, "alpha")
     webhooks.run_once(allowed)
-    (headers, body), = receiver.seen
+    ((headers, body),) = receiver.seen
     assert headers["host"] == f"hooks.internal.test:{receiver.port}" and json.loads(body)["data"]["id"] == job_id
 
 

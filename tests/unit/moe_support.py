@@ -19,10 +19,23 @@ _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)
 def hf_config(**overrides: object) -> Qwen3MoeConfig:
     """3 layers (layer 1 dense), 8 experts top-2, GQA 4/2 heads with head_dim != hidden / heads."""
     kw: dict[str, object] = {
-        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
-        "num_experts_per_tok": 2, "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": True,
-        "rope_theta": 10000.0, "initializer_range": 0.1, "bos_token_id": None, "eos_token_id": None,
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.1,
+        "bos_token_id": None,
+        "eos_token_id": None,
         "pad_token_id": None,
     }
     kw.update(overrides)

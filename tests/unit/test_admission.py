@@ -16,8 +16,13 @@ from core_support import auth, isolated_settings, team_dir
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    settings = isolated_settings(tmp_path, max_train_iters=10_000, max_train_tokens=10**9,
-                                 default_run_deadline_s=3600, team_run_deadlines="beta=60")
+    settings = isolated_settings(
+        tmp_path,
+        max_train_iters=10_000,
+        max_train_tokens=10**9,
+        default_run_deadline_s=3600,
+        team_run_deadlines="beta=60",
+    )
     for team in ("alpha", "beta"):
         _inputs(team_dir(settings, team))
     return settings
@@ -30,8 +35,9 @@ def _inputs(data: Path) -> None:
     for suffix in (".bin", ".idx"):
         (data / f"ds_packed_input_ids_document{suffix}").write_bytes(b"")
     (data / "hf").mkdir()
-    (data / "hf" / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2,
-                                                         "num_hidden_layers": 3}))
+    (data / "hf" / "config.json").write_text(
+        json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2, "num_hidden_layers": 3})
+    )
     (data / "hf" / "model.safetensors").write_bytes(b"")
     (data / "broken").mkdir()
     (data / "broken" / "config.json").write_text("{not json")
@@ -39,8 +45,7 @@ def _inputs(data: Path) -> None:
 
 
 def train(**extra: Any) -> dict[str, Any]:
-    return {"kind": "train", "data_path": "ds", "load": "hf", "train_iters": 10, "lr": 1e-4, "seq_length": 64,
-            **extra}
+    return {"kind": "train", "data_path": "ds", "load": "hf", "train_iters": 10, "lr": 1e-4, "seq_length": 64, **extra}
 
 
 def refused(client: TestClient, token: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +64,8 @@ def test_a_good_train_spec_is_accepted_with_the_default_deadline(client: TestCli
 
 
 def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
-        client: TestClient, settings: Settings) -> None:
+    client: TestClient, settings: Settings
+) -> None:
     from core_support import make_token
 
     beta = make_token(settings, "beta")
@@ -68,44 +74,75 @@ def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
     assert own["spec"]["run_deadline_s"] == 5
 
 
-@pytest.mark.parametrize(("body", "field", "text"), [
-    ({**train(), "seq_length": None}, "seq_length", "required for training"),
-    (train(load=None), "num_layers", "required when no checkpoint is loaded"),
-    (train(load=None, num_layers=2, hidden_size=64, num_attention_heads=4), "padded_vocab_size", "vocab source"),
-    (train(data_path="nothing"), "data_path", "no indexed dataset for prefix"),
-    (train(tokenizer_name_or_path="missing"), "tokenizer_name_or_path", "is not a directory"),
-    (train(load="empty"), "load", "holds no model"),
-    (train(load="broken"), "load", "not readable JSON"),
-    (train(load="missing"), "load", "is not a directory"),
-    (train(tensor_model_parallel_size=4, resources={"nproc_per_node": 4}), "tensor_model_parallel_size", "6 heads"),
-    (train(tensor_model_parallel_size=3, resources={"nproc_per_node": 3}), "tensor_model_parallel_size", "2 KV heads"),
-    (train(pipeline_model_parallel_size=2, resources={"nproc_per_node": 2}), "pipeline_model_parallel_size",
-     "3 layers"),
-    (train(train_iters=10**14), "train_iters", "max_train_iters"),
-    (train(train_iters=10_000, seq_length=100_000, global_batch_size=8), "train_iters", "max_train_tokens"),
-    (train(lr_decay_style="WSD"), "lr_decay_style", "not supported"),
-    ({"kind": "preprocess", "input": "nope.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o/x"},
-     "input", "does not exist"),
-    ({"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "nope", "output_prefix": "o/x"},
-     "tokenizer_name_or_path", "is not a directory"),
-    ({"kind": "eval", "load": "hf", "eval_data_path": "nope.jsonl", "tokenizer_name_or_path": "tok"},
-     "eval_data_path", "does not exist"),
-    ({"kind": "eval", "load": "hf", "eval_data_path": "in.jsonl"}, "tokenizer_name_or_path", "holds no tokenizer"),
-    ({"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "load_dir": "hf", "save_dir": "o"},
-     "load_model_type", "is an HF model directory"),
-    ({"kind": "convert", "load_model_type": "hf", "save_model_type": "mg", "load_dir": "nope", "save_dir": "o"},
-     "load_dir", "is not a directory"),
-])
-def test_refused_before_any_worker(client: TestClient, token: str, body: dict[str, Any], field: str,
-                                   text: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "field", "text"),
+    [
+        ({**train(), "seq_length": None}, "seq_length", "required for training"),
+        (train(load=None), "num_layers", "required when no checkpoint is loaded"),
+        (train(load=None, num_layers=2, hidden_size=64, num_attention_heads=4), "padded_vocab_size", "vocab source"),
+        (train(data_path="nothing"), "data_path", "no indexed dataset for prefix"),
+        (train(tokenizer_name_or_path="missing"), "tokenizer_name_or_path", "is not a directory"),
+        (train(load="empty"), "load", "holds no model"),
+        (train(load="broken"), "load", "not readable JSON"),
+        (train(load="missing"), "load", "is not a directory"),
+        (train(tensor_model_parallel_size=4, resources={"nproc_per_node": 4}), "tensor_model_parallel_size", "6 heads"),
+        (
+            train(tensor_model_parallel_size=3, resources={"nproc_per_node": 3}),
+            "tensor_model_parallel_size",
+            "2 KV heads",
+        ),
+        (
+            train(pipeline_model_parallel_size=2, resources={"nproc_per_node": 2}),
+            "pipeline_model_parallel_size",
+            "3 layers",
+        ),
+        (train(train_iters=10**14), "train_iters", "max_train_iters"),
+        (train(train_iters=10_000, seq_length=100_000, global_batch_size=8), "train_iters", "max_train_tokens"),
+        (train(lr_decay_style="WSD"), "lr_decay_style", "not supported"),
+        (
+            {"kind": "preprocess", "input": "nope.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o/x"},
+            "input",
+            "does not exist",
+        ),
+        (
+            {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "nope", "output_prefix": "o/x"},
+            "tokenizer_name_or_path",
+            "is not a directory",
+        ),
+        (
+            {"kind": "eval", "load": "hf", "eval_data_path": "nope.jsonl", "tokenizer_name_or_path": "tok"},
+            "eval_data_path",
+            "does not exist",
+        ),
+        ({"kind": "eval", "load": "hf", "eval_data_path": "in.jsonl"}, "tokenizer_name_or_path", "holds no tokenizer"),
+        (
+            {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "load_dir": "hf", "save_dir": "o"},
+            "load_model_type",
+            "is an HF model directory",
+        ),
+        (
+            {"kind": "convert", "load_model_type": "hf", "save_model_type": "mg", "load_dir": "nope", "save_dir": "o"},
+            "load_dir",
+            "is not a directory",
+        ),
+    ],
+)
+def test_refused_before_any_worker(client: TestClient, token: str, body: dict[str, Any], field: str, text: str) -> None:
     error = refused(client, token, {k: v for k, v in body.items() if v is not None})
     assert error["field"] == field and text in error["message"], error
     assert client.get("/v1/jobs", headers=auth(token)).json()["data"] == []
 
 
-@pytest.mark.parametrize(("name", "meant"), [("train-iters", "train_iters"), ("--train-iters", "train_iters"),
-                                             ("learning_rate", "lr"), ("seq_lenght", "seq_length"),
-                                             ("tensor-model-parallel-size", "tensor_model_parallel_size")])
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("train-iters", "train_iters"),
+        ("--train-iters", "train_iters"),
+        ("learning_rate", "lr"),
+        ("seq_lenght", "seq_length"),
+        ("tensor-model-parallel-size", "tensor_model_parallel_size"),
+    ],
+)
 def test_unknown_fields_say_what_was_meant(client: TestClient, token: str, name: str, meant: str) -> None:
     error = refused(client, token, {**train(), name: 1})
     assert error["field"] == name and f"did you mean {meant!r}" in error["message"], error
@@ -134,11 +171,22 @@ def test_an_unknown_state_filter_is_refused_like_an_unknown_kind(client: TestCli
 
 def test_pipeline_steps_may_use_what_earlier_steps_write(client: TestClient, token: str) -> None:
     steps = [
-        {"name": "prep", "spec": {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok",
-                                  "output_prefix": "new/intent", "handler_name": "", "seq_length": 64}},
+        {
+            "name": "prep",
+            "spec": {
+                "kind": "preprocess",
+                "input": "in.jsonl",
+                "tokenizer_name_or_path": "tok",
+                "output_prefix": "new/intent",
+                "handler_name": "",
+                "seq_length": 64,
+            },
+        },
         {"name": "lit", "spec": train(data_path="new/intent", save="new/ckpt")},
-        {"name": "ref", "spec": train(data_path="${steps.prep.outputs.data_path}",
-                                      load="${steps.lit.outputs.checkpoint}")},
+        {
+            "name": "ref",
+            "spec": train(data_path="${steps.prep.outputs.data_path}", load="${steps.lit.outputs.checkpoint}"),
+        },
     ]
     answer = client.post("/v1/jobs", json={"kind": "pipeline", "steps": steps}, headers=auth(token))
     assert answer.status_code == 201, answer.text

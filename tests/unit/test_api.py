@@ -30,7 +30,13 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def spec(**extra: Any) -> dict[str, Any]:
-    return {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "out/x", **extra}
+    return {
+        "kind": "preprocess",
+        "input": "in.jsonl",
+        "tokenizer_name_or_path": "tok",
+        "output_prefix": "out/x",
+        **extra,
+    }
 
 
 def submit(client: TestClient, token: str, body: Any, **headers: str) -> Any:
@@ -43,7 +49,12 @@ def test_health_needs_no_token(client: TestClient) -> None:
 
 
 def test_no_token_is_401_everywhere(client: TestClient) -> None:
-    for method, path in [("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/x"), ("GET", "/v1/jobs/x/stream")]:
+    for method, path in [
+        ("GET", "/v1/jobs"),
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs/x"),
+        ("GET", "/v1/jobs/x/stream"),
+    ]:
         response = client.request(method, path)
         assert response.status_code == 401, path
         assert response.json()["code"] == "unauthorized"
@@ -88,7 +99,9 @@ def test_revoked_tokens_are_refused_at_once(client: TestClient, token: str, sett
         assert revoke_token(session, second[:12]) == 1  # the prefix `token list` prints
     response = client.get(f"/v1/jobs/{job_id}", headers=auth(second))
     assert response.status_code == 401 and response.json()["message"] == "invalid or revoked token"
-    assert client.get(f"/v1/jobs/{job_id}", headers=auth(token)).status_code == 200  # the team's other token still works
+    assert (
+        client.get(f"/v1/jobs/{job_id}", headers=auth(token)).status_code == 200
+    )  # the team's other token still works
     with session_scope(settings.database_url) as session:
         rows = {t.prefix: t for t in list_tokens(session, "alpha")}
         assert rows[second[:12]].revoked_at is not None and rows[token[:12]].revoked_at is None
@@ -109,18 +122,33 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
     assert len(client.get("/v1/jobs", headers=auth(token)).json()["data"]) == 1
 
 
-@pytest.mark.parametrize(("body", "field", "text"), [
-    (spec(input="../etc/passwd"), "input", "'..'"),
-    (spec(input="/etc/passwd"), "input", "outside your data area"),
-    (spec(bogus=1), "bogus", "unknown field"),
-    (spec(workers=0), "workers", "greater than or equal to 1"),
-    (spec(resources={"nproc_per_node": 0}), "resources.nproc_per_node", "greater than or equal to 1"),
-    ({"kind": "train", "data_path": "d", "train_iters": 1, "lr": 0.1, "global_batch_size": 3, "micro_batch_size": 2},
-     "global_batch_size", "not divisible by micro_batch_size"),
-    ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, pipeline"),
-    ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
-])
-def test_validation_errors_name_the_field(client: TestClient, token: str, body: Any, field: str | None, text: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "field", "text"),
+    [
+        (spec(input="../etc/passwd"), "input", "'..'"),
+        (spec(input="/etc/passwd"), "input", "outside your data area"),
+        (spec(bogus=1), "bogus", "unknown field"),
+        (spec(workers=0), "workers", "greater than or equal to 1"),
+        (spec(resources={"nproc_per_node": 0}), "resources.nproc_per_node", "greater than or equal to 1"),
+        (
+            {
+                "kind": "train",
+                "data_path": "d",
+                "train_iters": 1,
+                "lr": 0.1,
+                "global_batch_size": 3,
+                "micro_batch_size": 2,
+            },
+            "global_batch_size",
+            "not divisible by micro_batch_size",
+        ),
+        ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, pipeline"),
+        ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
+    ],
+)
+def test_validation_errors_name_the_field(
+    client: TestClient, token: str, body: Any, field: str | None, text: str
+) -> None:
     response = submit(client, token, body)
     assert response.status_code == 422, response.text
     error = response.json()
@@ -150,14 +178,19 @@ def test_malformed_json_and_big_body(client: TestClient, token: str) -> None:
 
 
 def test_list_pages_and_filters(client: TestClient, token: str, settings: Settings) -> None:
-    ids = [submit(client, token, spec(name=f"j{i}", metadata={"exp": "a" if i % 2 else "b"})).json()["id"] for i in range(5)]
+    ids = [
+        submit(client, token, spec(name=f"j{i}", metadata={"exp": "a" if i % 2 else "b"})).json()["id"]
+        for i in range(5)
+    ]
     page = client.get("/v1/jobs", params={"limit": 2}, headers=auth(token)).json()
     assert [j["id"] for j in page["data"]] == ids[::-1][:2] and page["has_more"]
     page2 = client.get("/v1/jobs", params={"limit": 2, "after": page["last_id"]}, headers=auth(token)).json()
     assert [j["id"] for j in page2["data"]] == ids[::-1][2:4]
     by_meta = client.get("/v1/jobs", params={"metadata[exp]": "a"}, headers=auth(token)).json()["data"]
     assert sorted(j["id"] for j in by_meta) == sorted([ids[1], ids[3]])
-    assert [j["name"] for j in client.get("/v1/jobs", params={"name": "j2"}, headers=auth(token)).json()["data"]] == ["j2"]
+    assert [j["name"] for j in client.get("/v1/jobs", params={"name": "j2"}, headers=auth(token)).json()["data"]] == [
+        "j2"
+    ]
     assert client.get("/v1/jobs", params={"state": "running"}, headers=auth(token)).json()["data"] == []
     assert client.get("/v1/jobs", params={"after": "missing"}, headers=auth(token)).json()["field"] == "after"
 
@@ -176,20 +209,35 @@ def _record_run(settings: Settings, job_id: str) -> None:
     with session_scope(settings.database_url) as session:
         assert transition(session, job_id, JobState.starting)
         assert transition(session, job_id, JobState.running)
-        session.execute(insert(MetricPoint), [
-            {"job_id": job_id, "step": s, "name": n, "value": v, "rank": r}
-            for s in (1, 2, 3) for n, v, r in (("lm_loss", 2.0 / s, None), ("mem_allocated_mb", 10.0, 0))])
-        session.execute(insert(LogLine), [{"job_id": job_id, "stream": st, "seq": i, "text": f"{st} {i}"}
-                                          for st in ("launcher", "rank0") for i in range(3)])
+        session.execute(
+            insert(MetricPoint),
+            [
+                {"job_id": job_id, "step": s, "name": n, "value": v, "rank": r}
+                for s in (1, 2, 3)
+                for n, v, r in (("lm_loss", 2.0 / s, None), ("mem_allocated_mb", 10.0, 0))
+            ],
+        )
+        session.execute(
+            insert(LogLine),
+            [
+                {"job_id": job_id, "stream": st, "seq": i, "text": f"{st} {i}"}
+                for st in ("launcher", "rank0")
+                for i in range(3)
+            ],
+        )
         session.execute(insert(Event), [{"job_id": job_id, "type": "progress", "message": "1/1", "data": {}}])
         session.commit()
-        assert transition(session, job_id, JobState.succeeded, result={"kind": "preprocess", "outputs": {}, "summary": {}})
+        assert transition(
+            session, job_id, JobState.succeeded, result={"kind": "preprocess", "outputs": {}, "summary": {}}
+        )
 
 
 def test_feeds_metrics_logs_and_sse_resume(client: TestClient, token: str, settings: Settings) -> None:
     job_id = submit(client, token, spec()).json()["id"]
     _record_run(settings, job_id)
-    metrics = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss", "since_step": 1}, headers=auth(token)).json()
+    metrics = client.get(
+        f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss", "since_step": 1}, headers=auth(token)
+    ).json()
     assert [(p["step"], p["value"]) for p in metrics["data"]] == [(2, 1.0), (3, 2.0 / 3)]
     paged = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 3}, headers=auth(token)).json()
     assert {p["step"] for p in paged["data"]} == {1} and paged["has_more"] and paged["next_since_step"] == 1
@@ -234,11 +282,25 @@ def test_stream_interleaves_feeds_by_time(client: TestClient, token: str, settin
     base = datetime(2030, 1, 1, tzinfo=timezone.utc)
     with session_scope(settings.database_url) as session:
         assert transition(session, job_id, JobState.cancelled)
-        session.execute(insert(Event), [{"job_id": job_id, "type": "warning", "message": m, "data": {},
-                                         "time": base + timedelta(seconds=s)} for m, s in (("first", 1), ("third", 3))])
-        session.execute(insert(LogLine), [{"job_id": job_id, "stream": "launcher", "seq": 0, "text": "second",
-                                           "time": base + timedelta(seconds=2)}])
-        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": 1, "name": "lm_loss", "value": 1.0,
-                                               "time": base + timedelta(seconds=4)}])
+        session.execute(
+            insert(Event),
+            [
+                {"job_id": job_id, "type": "warning", "message": m, "data": {}, "time": base + timedelta(seconds=s)}
+                for m, s in (("first", 1), ("third", 3))
+            ],
+        )
+        session.execute(
+            insert(LogLine),
+            [{"job_id": job_id, "stream": "launcher", "seq": 0, "text": "second", "time": base + timedelta(seconds=2)}],
+        )
+        session.execute(
+            insert(MetricPoint),
+            [{"job_id": job_id, "step": 1, "name": "lm_loss", "value": 1.0, "time": base + timedelta(seconds=4)}],
+        )
     messages = [m for m in _sse(client, job_id, token) if m["event"] in ("event", "log", "metric")]
-    assert [m["data"].get("message") or m["data"].get("text") or m["event"] for m in messages] == ["first", "second", "third", "metric"]
+    assert [m["data"].get("message") or m["data"].get("text") or m["event"] for m in messages] == [
+        "first",
+        "second",
+        "third",
+        "metric",
+    ]

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).parent))
 from core_support import auth, isolated_settings, make_token  # noqa: E402
 from engine.checkpoint import dcp  # noqa: E402
-from engine.checkpoint.retention import metric_name, to_delete  # noqa: E402
+from engine.retention import metric_name, to_delete  # noqa: E402
 from engine.spec import parse_spec  # noqa: E402
 
 
@@ -41,24 +41,38 @@ def test_keep_best_by_keeps_the_lowest_in_addition() -> None:
 
 def test_metric_spellings() -> None:
     assert [metric_name(v) for v in ("lm loss", "LM-Loss", "loss", "val_loss", "val lm loss", "validation loss")] == [
-        "lm_loss", "lm_loss", "lm_loss", "val_lm_loss", "val_lm_loss", "val_lm_loss"]
+        "lm_loss",
+        "lm_loss",
+        "lm_loss",
+        "val_lm_loss",
+        "val_lm_loss",
+        "val_lm_loss",
+    ]
 
 
 BASE: dict[str, Any] = {"kind": "train", "data_path": "ds", "train_iters": 10, "lr": 1e-4, "seq_length": 64}
 
 
-@pytest.mark.parametrize(("extra", "field", "words"), [
-    ({"keep_last_n": 0, "save_interval": 1}, "keep_last_n", "greater than or equal to 1"),
-    ({"keep_last_n": 2}, "keep_last_n", "set save_interval"),
-    ({"keep_best_by": "lm_loss", "save_interval": 1}, "keep_best_by", "needs keep_last_n"),
-    ({"keep_best_by": "accuracy", "keep_last_n": 1, "save_interval": 1}, "keep_best_by", "lm_loss"),
-    ({"keep_best_by": "val_loss", "keep_last_n": 1, "save_interval": 5, "eval_interval": 2}, "keep_best_by",
-     "multiple"),
-    ({"keep_best_by": "val_loss", "keep_last_n": 1, "save_interval": 4, "eval_interval": 2, "eval_iters": 0},
-     "keep_best_by", "eval_iters"),
-])
-def test_bad_retention_is_a_422_naming_the_field(tmp_path: Path, extra: dict[str, Any], field: str,
-                                                 words: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ({"keep_last_n": 0, "save_interval": 1}, "keep_last_n", "greater than or equal to 1"),
+        ({"keep_last_n": 2}, "keep_last_n", "set save_interval"),
+        ({"keep_best_by": "lm_loss", "save_interval": 1}, "keep_best_by", "needs keep_last_n"),
+        ({"keep_best_by": "accuracy", "keep_last_n": 1, "save_interval": 1}, "keep_best_by", "lm_loss"),
+        (
+            {"keep_best_by": "val_loss", "keep_last_n": 1, "save_interval": 5, "eval_interval": 2},
+            "keep_best_by",
+            "multiple",
+        ),
+        (
+            {"keep_best_by": "val_loss", "keep_last_n": 1, "save_interval": 4, "eval_interval": 2, "eval_iters": 0},
+            "keep_best_by",
+            "eval_iters",
+        ),
+    ],
+)
+def test_bad_retention_is_a_422_naming_the_field(tmp_path: Path, extra: dict[str, Any], field: str, words: str) -> None:
     from app.main import create_app
 
     settings = isolated_settings(tmp_path)
@@ -89,8 +103,13 @@ def test_prune_on_disk_leaves_unfinished_and_doomed_dirs_out(tmp_path: Path) -> 
     (root / dcp.TRACKER).write_text("40")
     assert sorted(dcp.complete_checkpoints(tmp_path)) == [10, 20, 30, 40]
     assert dcp.prune(tmp_path, 40, 1, "val_lm_loss") == [10, 30]
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005.trash", "iter_0000020", "iter_0000040",
-                                                      "iter_0000050.tmp", dcp.TRACKER]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000005.trash",
+        "iter_0000020",
+        "iter_0000040",
+        "iter_0000050.tmp",
+        dcp.TRACKER,
+    ]
     assert dcp.prune(tmp_path, 40, 1) == [20]
     assert dcp.latest(tmp_path) == root / "iter_0000040"
 
@@ -101,8 +120,15 @@ def test_training_keeps_the_last_two(tmp_path: Path) -> None:
     from train_support import tiny_spec, write_instruction_data
 
     data = write_instruction_data(tmp_path / "data" / "sft", n=16)
-    spec = tiny_spec(data, train_iters=3, save_interval=1, keep_last_n=2, keep_best_by="lm loss",
-                     save=str(tmp_path / "save"), eval_iters=0)
+    spec = tiny_spec(
+        data,
+        train_iters=3,
+        save_interval=1,
+        keep_last_n=2,
+        keep_best_by="lm loss",
+        save=str(tmp_path / "save"),
+        eval_iters=0,
+    )
     job.run(parse_spec(spec), RunDir(tmp_path / "run"))
     root = dcp.state_root(tmp_path / "save")
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000003", dcp.TRACKER]

@@ -33,24 +33,44 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     (save / "latest_checkpointed_iteration.txt").write_text("20")
     job_id = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
-        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec={"kind": "train", "save": str(save)}))
-        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": s, "name": n, "value": v, "rank": r}
-                                              for s, n, v, r in [(10, "lm_loss", 2.5, None), (10, "val_lm_loss", 2.7, None),
-                                                                 (20, "lm_loss", 1.5, None), (20, "lm_loss", 9.0, 0),
-                                                                 (15, "lm_loss", 2.0, None)]])
+        session.execute(
+            update(Job).where(Job.id == job_id).values(kind="train", spec={"kind": "train", "save": str(save)})
+        )
+        session.execute(
+            insert(MetricPoint),
+            [
+                {"job_id": job_id, "step": s, "name": n, "value": v, "rank": r}
+                for s, n, v, r in [
+                    (10, "lm_loss", 2.5, None),
+                    (10, "val_lm_loss", 2.7, None),
+                    (20, "lm_loss", 1.5, None),
+                    (20, "lm_loss", 9.0, 0),
+                    (15, "lm_loss", 2.0, None),
+                ]
+            ],
+        )
         session.commit()
     with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
         data = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
         other = api.get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(make_token(settings, "beta")))
         (team_dir(settings, "alpha") / "tok").mkdir()
         (team_dir(settings, "alpha") / "test.jsonl").write_text("{}\n")
-        evaluate = {"kind": "eval", "load": {"job": job_id, "iteration": 20}, "tokenizer_name_or_path": "tok",
-                    "eval_data_path": "test.jsonl"}
+        evaluate = {
+            "kind": "eval",
+            "load": {"job": job_id, "iteration": 20},
+            "tokenizer_name_or_path": "tok",
+            "eval_data_path": "test.jsonl",
+        }
         accepted = api.post("/v1/jobs", json=evaluate)
         assert accepted.status_code == 201, accepted.text
         assert accepted.json()["spec"]["load"] == str(save)  # the final export
-        convert = {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "save_dir": "out/hf",
-                   "load_dir": {"job": job_id, "iteration": 10}}
+        convert = {
+            "kind": "convert",
+            "load_model_type": "mg",
+            "save_model_type": "hf",
+            "save_dir": "out/hf",
+            "load_dir": {"job": job_id, "iteration": 10},
+        }
         accepted = api.post("/v1/jobs", json=convert)
         assert accepted.status_code == 201, accepted.text
         assert accepted.json()["spec"]["load_dir"] == str(save / "train_state" / "iter_0000010")
@@ -68,8 +88,13 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
         for bad in ({"job": job_id}, {"job": job_id, "iteration": "20"}, {"job": job_id, "iteration": True}):
             shape = api.post("/v1/jobs", json={**evaluate, "load": bad})
             assert shape.status_code == 422 and shape.json()["field"] == "load", shape.text
-        in_pipeline = api.post("/v1/jobs", json={"kind": "pipeline", "steps": [
-            {"name": "ev", "spec": {**evaluate, "load": {"job": job_id, "iteration": 7}}}]})
+        in_pipeline = api.post(
+            "/v1/jobs",
+            json={
+                "kind": "pipeline",
+                "steps": [{"name": "ev", "spec": {**evaluate, "load": {"job": job_id, "iteration": 7}}}],
+            },
+        )
         assert in_pipeline.status_code == 422 and in_pipeline.json()["field"] == "steps.0.spec.load.iteration"
         from typer.testing import CliRunner
 
@@ -85,8 +110,11 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
             remote.Client = remote_client  # type: ignore[misc]
         assert table[0].split() == ["ITERATION", "FORMAT", "LM_LOSS", "VAL_LM_LOSS", "LORA", "PATH"]
         assert table[1].split()[:4] == ["10", "training_state", "2.5000", "2.7000"]
-    assert [(c["iteration"], c["format"]) for c in data] == [(10, "training_state"), (20, "training_state"),
-                                                             (20, "mcore")]
+    assert [(c["iteration"], c["format"]) for c in data] == [
+        (10, "training_state"),
+        (20, "training_state"),
+        (20, "mcore"),
+    ]
     assert data[0]["metrics"] == {"lm_loss": 2.5, "val_lm_loss": 2.7} and data[2]["metrics"] == {"lm_loss": 1.5}
     assert data[0]["optimizer_path"] == data[0]["model_path"] and data[1]["optimizer_path"] is None
     assert data[2]["model_path"] == str(save) and data[2]["reference"] == {"job": job_id, "iteration": 20}

@@ -45,10 +45,22 @@ def run(*args: str) -> tuple[int, str]:
 def finished_job(settings: Settings, state: JobState = JobState.succeeded) -> str:
     job_id = make_job(settings, team="alpha", name="demo")
     with session_scope(settings.database_url) as session:
-        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": s, "name": f"m{i}", "value": float(s),
-                                               "rank": None} for s in (1, 2) for i in range(3)])
-        session.execute(insert(LogLine), [{"job_id": job_id, "stream": st, "seq": i, "text": f"{st} line {i}"}
-                                          for st in ("launcher", "rank0", "rank1") for i in range(2)])
+        session.execute(
+            insert(MetricPoint),
+            [
+                {"job_id": job_id, "step": s, "name": f"m{i}", "value": float(s), "rank": None}
+                for s in (1, 2)
+                for i in range(3)
+            ],
+        )
+        session.execute(
+            insert(LogLine),
+            [
+                {"job_id": job_id, "stream": st, "seq": i, "text": f"{st} line {i}"}
+                for st in ("launcher", "rank0", "rank1")
+                for i in range(2)
+            ],
+        )
         session.commit()
         result = {"kind": "preprocess", "outputs": {}, "summary": {}} if state is JobState.succeeded else None
         assert _start(session, job_id) and transition(session, job_id, state, result=result)
@@ -115,8 +127,18 @@ def test_delete_a_finished_job_not_a_running_one(api: TestClient, settings: Sett
     outside = settings.var_dir / "keep.txt"
     outside.write_text("x")
     with session_scope(settings.database_url) as session:
-        session.execute(insert(Artifact), [{"job_id": job_id, "name": "checkpoint", "path": str(output),
-                                            "files": [str(output / "w.bin"), str(outside)], "size_bytes": 1}])
+        session.execute(
+            insert(Artifact),
+            [
+                {
+                    "job_id": job_id,
+                    "name": "checkpoint",
+                    "path": str(output),
+                    "files": [str(output / "w.bin"), str(outside)],
+                    "size_bytes": 1,
+                }
+            ],
+        )
         session.commit()
     running = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:

@@ -73,8 +73,13 @@ def test_tp_must_divide_kv_groups_and_nothing_is_written(hf_dir: Path, tmp_path:
 
 def test_layer_list_must_cover_the_layers(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="num_layer_list"):
-        _convert(tmp_path, load_dir=str(hf_dir), save_dir=str(tmp_path / "out"),
-                 target_pipeline_parallel_size=2, num_layer_list="1,2")
+        _convert(
+            tmp_path,
+            load_dir=str(hf_dir),
+            save_dir=str(tmp_path / "out"),
+            target_pipeline_parallel_size=2,
+            num_layer_list="1,2",
+        )
 
 
 def test_release_tracker_where_an_iteration_is_needed(mg_dir: Path, tmp_path: Path) -> None:
@@ -102,7 +107,9 @@ def test_wrong_tensor_shape_in_a_rank_file(mg_dir: Path, tmp_path: Path) -> None
     state = torch.load(pt, weights_only=False)
     state["model"]["decoder.layers.1.mlp.linear_fc2.weight"] = torch.zeros(64, 7, dtype=torch.bfloat16)
     torch.save(state, pt)
-    with pytest.raises(BadInput, match=r"mp_rank_01_001/model_optim_rng.pt: tensor decoder\.layers\.1\.mlp\.linear_fc2"):
+    with pytest.raises(
+        BadInput, match=r"mp_rank_01_001/model_optim_rng.pt: tensor decoder\.layers\.1\.mlp\.linear_fc2"
+    ):
         MegatronCheckpoint(bad)
 
 

@@ -30,16 +30,24 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
     src = HFCheckpoint(hf_dir)
     save_mcore(src, src.config, tmp_path / "mg", tp=2, pp=2)
     assert _rank_files(tmp_path / "mg") == [
-        "iter_0000001/mp_rank_00_000/model_optim_rng.pt", "iter_0000001/mp_rank_00_001/model_optim_rng.pt",
-        "iter_0000001/mp_rank_01_000/model_optim_rng.pt", "iter_0000001/mp_rank_01_001/model_optim_rng.pt",
-        "latest_checkpointed_iteration.txt"]
+        "iter_0000001/mp_rank_00_000/model_optim_rng.pt",
+        "iter_0000001/mp_rank_00_001/model_optim_rng.pt",
+        "iter_0000001/mp_rank_01_000/model_optim_rng.pt",
+        "iter_0000001/mp_rank_01_001/model_optim_rng.pt",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "1"
     for pt in (tmp_path / "mg").rglob("model_optim_rng.pt"):  # records copied from file ranges carry correct CRCs
         assert zipfile.ZipFile(pt).testzip() is None
     rank = torch.load(tmp_path / "mg/iter_0000001/mp_rank_01_001/model_optim_rng.pt", weights_only=False)
     assert rank["checkpoint_version"] == 3.0 and rank["iteration"] == 1
     a = rank["args"]
-    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.num_layers, a.num_key_value_heads) == (2, 2, 4, 4)
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.num_layers, a.num_key_value_heads) == (
+        2,
+        2,
+        4,
+        4,
+    )
     assert a.group_query_attention and a.qk_layernorm and a.qkv_type == "unpack"
     assert a.untie_embeddings_and_output_weights is not src.config.tie_word_embeddings
     # tied + PP>1: the last stage carries a copy of its embedding shard (megatron-interop.md §2)
@@ -69,9 +77,15 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
     assert torch.equal(hf_logits(hf_dir, ids), hf_logits(tmp_path / "back", ids))
 
 
-@pytest.mark.parametrize("layout", [
-    {"tp": 4, "pp": 1}, {"tp": 1, "pp": 3, "num_layer_list": [1, 2, 1]}, {"tp": 2, "pp": 2, "vpp_layers": 1},
-], ids=["tp4", "layer-list", "vpp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tp": 4, "pp": 1},
+        {"tp": 1, "pp": 3, "num_layer_list": [1, 2, 1]},
+        {"tp": 2, "pp": 2, "vpp_layers": 1},
+    ],
+    ids=["tp4", "layer-list", "vpp"],
+)
 def test_mcore_resharding_keeps_every_tensor(hf_dir: Path, tmp_path: Path, layout: dict) -> None:
     src = HFCheckpoint(hf_dir)
     save_mcore(src, src.config, tmp_path / "a", tp=2, pp=2)
@@ -97,8 +111,10 @@ def test_dtype_cast_and_extra_state_tolerated(hf_dir: Path, tmp_path: Path) -> N
     torch.save(state, path)
     mg = MegatronCheckpoint(tmp_path / "mg")
     assert mg.get_native("decoder.final_layernorm.weight").dtype == torch.float32
-    assert torch.equal(mg.get_native("decoder.layers.1.mlp.linear_fc1.weight"),
-                       src.get_native("decoder.layers.1.mlp.linear_fc1.weight").float())
+    assert torch.equal(
+        mg.get_native("decoder.layers.1.mlp.linear_fc1.weight"),
+        src.get_native("decoder.layers.1.mlp.linear_fc1.weight").float(),
+    )
 
 
 def test_shard_rules_are_megatrons() -> None:
@@ -144,7 +160,10 @@ def test_megatron_padded_vocab_and_missing_args(hf_dir: Path, tmp_path: Path) ->
     full = src.get_native("embedding.word_embeddings.weight")
     head = full if src.config.tie_word_embeddings else src.get_native("output_layer.weight")
     zeros = torch.zeros(384 - full.shape[0], full.shape[1], dtype=full.dtype)  # 256 rows padded to 384
-    padded = {"embedding.word_embeddings.weight": torch.cat([full, zeros]), "output_layer.weight": torch.cat([head, zeros])}
+    padded = {
+        "embedding.word_embeddings.weight": torch.cat([full, zeros]),
+        "output_layer.weight": torch.cat([head, zeros]),
+    }
 
     def pad(pt: Path, state: dict) -> None:
         del state["args"]

@@ -16,8 +16,11 @@ from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.binary(min_size=0, max_size=5000), cuts=st.lists(st.integers(0, 5000), max_size=6),
-       chunk=st.sampled_from([1, 7, 64, 4096]))
+@given(
+    data=st.binary(min_size=0, max_size=5000),
+    cuts=st.lists(st.integers(0, 5000), max_size=6),
+    chunk=st.sampled_from([1, 7, 64, 4096]),
+)
 def test_copied_pieces_are_the_concatenated_bytes(tmp_path_factory, data: bytes, cuts: list[int], chunk: int) -> None:
     """File ranges (read ``chunk`` bytes at a time) then row-interleaved in-memory parts, copied to an offset."""
     tmp = tmp_path_factory.mktemp("copy")
@@ -28,7 +31,7 @@ def test_copied_pieces_are_the_concatenated_bytes(tmp_path_factory, data: bytes,
         segments = [(src, a, b - a) for a, b in itertools.pairwise(bounds)][::-1]  # ranges in any order
         rows = torch.arange(2400, dtype=torch.int16).reshape(1200, 2)  # > 1,024 rows: two batches
         pieces = [*segments, InMemory([rows[:, :1], rows[:, 1:]])]  # rows interleaved: the tensor's own byte order
-        expected = b"".join(data[a:a + n] for _, a, n in segments) + rows.numpy().tobytes()
+        expected = b"".join(data[a : a + n] for _, a, n in segments) + rows.numpy().tobytes()
         assert b"".join(bytes(c) for c in read_chunks(pieces, chunk=chunk)) == expected
         assert copy_segments(dst, 3, pieces) == len(expected)
         assert os.pread(dst, len(expected) + 10, 3) == expected

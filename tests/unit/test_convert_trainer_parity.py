@@ -63,9 +63,19 @@ def test_lora_adapters_on_an_hf_base(data: str, tmp_path: Path) -> None:
     save_hf(base.state_dict(), cfg, hf_base, dtype=torch.float32)
     save = tmp_path / "save"
     shape = {k: v for k, v in TINY_SHAPE.items() if k != "ffn_hidden_size"}
-    spec = tiny_spec(data, **shape, load=str(hf_base), finetune=True, lora_r=4, lora_alpha=8, lr=5e-2,
-                     lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], train_iters=2, save_interval=2,
-                     save=str(save))
+    spec = tiny_spec(
+        data,
+        **shape,
+        load=str(hf_base),
+        finetune=True,
+        lora_r=4,
+        lora_alpha=8,
+        lr=5e-2,
+        lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        train_iters=2,
+        save_interval=2,
+        save=str(save),
+    )
     train.run(parse_spec(spec), RunDir(tmp_path / "train"))
 
     model = Qwen3Model(cfg)

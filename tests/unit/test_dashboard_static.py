@@ -65,8 +65,18 @@ def test_index_loads_uplot_then_the_app_module(client: TestClient) -> None:
 def test_every_module_import_resolves(client: TestClient) -> None:
     modules = _reachable_modules(client, "/ui/js/app.js")
     # Every view, the chart stack and the stream client are reachable from the entry point.
-    for name in ("views/job.js", "views/jobs.js", "views/submit.js", "views/hosts.js", "views/login.js", "chart.js",
-                 "downsample.js", "series.js", "sse.js", "../vendor/uplot.js"):
+    for name in (
+        "views/job.js",
+        "views/jobs.js",
+        "views/submit.js",
+        "views/hosts.js",
+        "views/login.js",
+        "chart.js",
+        "downsample.js",
+        "series.js",
+        "sse.js",
+        "../vendor/uplot.js",
+    ):
         assert str(PurePosixPath("/ui/js") / name).replace("/js/../", "/") in modules, name
     on_disk = {f"/ui/{p.relative_to(UI_DIR).as_posix()}" for p in (UI_DIR / "js").rglob("*.js")}
     assert on_disk <= set(modules), f"modules nothing imports: {on_disk - set(modules)}"

@@ -12,9 +12,23 @@ from engine.data.formats import Converter, FormatError, iter_conversations
 from engine.data.readers import count_records, input_files, iter_raw
 from engine.runfiles import BadInput
 
-SEED_MAP = {"messages": "messages", "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                             "assistant_tag": "assistant", "system_tag": "system"}}
-OPENAI = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+SEED_MAP = {
+    "messages": "messages",
+    "tags": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "system_tag": "system",
+    },
+}
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+    ]
+}
 SHAREGPT = {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}], "system": "S"}
 ALPACA = {"instruction": "Do", "input": "this", "output": "done", "system": "S", "history": [["q0", "a0"]]}
 EXPECTED = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
@@ -83,12 +97,30 @@ def test_openai_records_are_recognised_without_map_keys():
 
 
 def test_map_keys_remap_columns_and_role_tags():
-    record = {"dialog": [{"speaker": "boss", "text": "Q"}, {"speaker": "bot", "text": "A"},
-                         {"speaker": "env", "text": "R"}, {"speaker": "bot", "text": "B"}]}
-    keys = {"messages": "dialog", "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "boss",
-                                           "assistant_tag": "bot", "observation_tag": "env"}}
+    record = {
+        "dialog": [
+            {"speaker": "boss", "text": "Q"},
+            {"speaker": "bot", "text": "A"},
+            {"speaker": "env", "text": "R"},
+            {"speaker": "bot", "text": "B"},
+        ]
+    }
+    keys = {
+        "messages": "dialog",
+        "tags": {
+            "role_tag": "speaker",
+            "content_tag": "text",
+            "user_tag": "boss",
+            "assistant_tag": "bot",
+            "observation_tag": "env",
+        },
+    }
     assert [m["role"] for m in Converter("SharegptStyleInstructionHandler", keys).messages(record)] == [
-        "user", "assistant", "observation", "assistant"]
+        "user",
+        "assistant",
+        "observation",
+        "assistant",
+    ]
 
 
 def test_alpaca_history_and_system_only_when_mapped():
@@ -103,7 +135,10 @@ def test_alpaca_history_and_system_only_when_mapped():
     [
         ({"messages": []}, "empty conversation"),
         ({"messages": [{"role": "user", "content": "Q"}]}, "must end with an assistant turn"),
-        ({"messages": [{"role": "user", "content": "Q"}, {"role": "bot", "content": "A"}]}, "turn 1: unknown role 'bot'"),
+        (
+            {"messages": [{"role": "user", "content": "Q"}, {"role": "bot", "content": "A"}]},
+            "turn 1: unknown role 'bot'",
+        ),
         ({"messages": [{"role": "user"}, {"role": "assistant", "content": "A"}]}, "turn 0: missing key 'content'"),
         ({"conversation": []}, "missing key 'messages'"),
         ({"messages": "hello"}, "must be a list"),

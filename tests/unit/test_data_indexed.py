@@ -126,7 +126,11 @@ def test_instruction_dataset_sample(tmp_path):
 def test_boundaries_from_side_file_or_neat_mask(tmp_path):
     side = _instruction(tmp_path, [[1, 2, 3, 4, 0, 0]], [[1] * 6], bounds=[[1, 4]])
     assert side[0].boundaries.tolist() == [1, 4]
-    neat = _instruction(tmp_path / "n", [[1, 2, 3, 4, 0, 0]], [[1, 2, 2, 2, 0, 0]]) if (tmp_path / "n").mkdir() is None else None
+    neat = (
+        _instruction(tmp_path / "n", [[1, 2, 3, 4, 0, 0]], [[1, 2, 2, 2, 0, 0]])
+        if (tmp_path / "n").mkdir() is None
+        else None
+    )
     assert neat[0].boundaries.tolist() == [1, 4]
 
 

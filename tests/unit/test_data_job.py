@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from engine.data.indexed import IndexedDataset, InstructionDataset, boundaries_prefix, instruction_prefix
-from engine.data.job import run
 from engine.data.templates import IGNORE_INDEX, encode_conversation
 from engine.data.tokenizer import load_tokenizer
 from engine.flags import spec_from_argv
+from engine.preprocess import run
 from engine.runfiles import BadInput, RunDir
 from engine.spec import PreprocessSpec
 
@@ -25,22 +25,38 @@ SEED_MAP = '{"messages":"messages", "tags":{"role_tag": "role","content_tag": "c
 
 def conversation(i: int) -> dict:
     question = "用户：" + "广州塔为什么也叫小蛮腰" * (1 + i % 7)
-    return {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": f"请你判读用户的意图。交互历史：{question}\n用户最后一句话所属的技能和意图是："},
-                         {"role": "assistant", "content": f"意图_{i % 5}"}]}
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": f"请你判读用户的意图。交互历史：{question}\n用户最后一句话所属的技能和意图是：",
+            },
+            {"role": "assistant", "content": f"意图_{i % 5}"},
+        ]
+    }
 
 
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(conversation(i), ensure_ascii=False) + "\n" for i in range(40)), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(conversation(i), ensure_ascii=False) + "\n" for i in range(40)), encoding="utf-8"
+    )
     return path
 
 
 def make_spec(tmp_path, data, tok_dir, **over) -> PreprocessSpec:
-    fields = dict(input=str(data), tokenizer_name_or_path=str(tok_dir), output_prefix=str(tmp_path / "out" / "customed"),
-                  handler_name="SharegptStyleInstructionHandler", prompt_type="qwen3", enable_thinking="true",
-                  map_keys=SEED_MAP, log_interval=10)
+    fields = dict(
+        input=str(data),
+        tokenizer_name_or_path=str(tok_dir),
+        output_prefix=str(tmp_path / "out" / "customed"),
+        handler_name="SharegptStyleInstructionHandler",
+        prompt_type="qwen3",
+        enable_thinking="true",
+        map_keys=SEED_MAP,
+        log_interval=10,
+    )
     return PreprocessSpec(**{**fields, **over})
 
 
@@ -50,9 +66,12 @@ def test_instruction_outputs_match_encode_conversation(tmp_path, data, qwen_toke
     prefix = str(tmp_path / "out" / "customed")
     assert outputs["data_path"] == prefix
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        f"customed_packed_{f}_document.{s}" for f in ("attention_mask", "input_ids", "labels") for s in ("bin", "idx"))
+        f"customed_packed_{f}_document.{s}" for f in ("attention_mask", "input_ids", "labels") for s in ("bin", "idx")
+    )
     tok = load_tokenizer(str(qwen_tokenizer_dir))
-    ids, labels, mask = (MegatronIndexedDataset(instruction_prefix(prefix, f)) for f in ("input_ids", "labels", "attention_mask"))
+    ids, labels, mask = (
+        MegatronIndexedDataset(instruction_prefix(prefix, f)) for f in ("input_ids", "labels", "attention_mask")
+    )
     assert len(ids) == len(labels) == len(mask) == 40
     for i in (0, 17, 39):
         want_ids, want_labels = encode_conversation(tok, conversation(i)["messages"], "qwen3", "true")
@@ -61,7 +80,9 @@ def test_instruction_outputs_match_encode_conversation(tmp_path, data, qwen_toke
     trained = sum(int((labels[i] != IGNORE_INDEX).sum()) for i in range(40))
     tokens = sum(len(ids[i]) for i in range(40))
     assert summary["samples_read"] == summary["samples_written"] == 40 and summary["samples_dropped"] == {}
-    assert summary["tokens"] == tokens and summary["masked_token_ratio"] == pytest.approx(1 - trained / tokens, abs=1e-6)
+    assert summary["tokens"] == tokens and summary["masked_token_ratio"] == pytest.approx(
+        1 - trained / tokens, abs=1e-6
+    )
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     progress = [e["data"] for e in events if e["type"] == "progress"]  # reported at chunk ends past each interval
     assert progress[-1] == {"done": 40, "total": 40, "unit": "samples"}
@@ -77,14 +98,19 @@ def test_packing_rows_are_seq_length_and_keep_samples(tmp_path, data, qwen_token
     assert all(len(MegatronIndexedDataset(instruction_prefix(prefix, "input_ids"))[i]) == 256 for i in range(len(ds)))
     assert len(ds) == summary["sequences"] < 40
     tok = load_tokenizer(str(qwen_tokenizer_dir))
-    expected = {tuple(encode_conversation(tok, conversation(i)["messages"], "qwen3", "true")[0].tolist()) for i in range(40)}
+    expected = {
+        tuple(encode_conversation(tok, conversation(i)["messages"], "qwen3", "true")[0].tolist()) for i in range(40)
+    }
     found = set()
     for row in (ds[i] for i in range(len(ds))):
         starts = np.concatenate(([0], row.boundaries[:-1]))
         found |= {tuple(row.input_ids[s:e].tolist()) for s, e in zip(starts, row.boundaries)}
-        assert (row.labels[row.boundaries[-1]:] == IGNORE_INDEX).all()
+        assert (row.labels[row.boundaries[-1] :] == IGNORE_INDEX).all()
         if neat:
-            assert row.attention_mask.max() == len(row.boundaries) and (row.attention_mask[row.boundaries[-1]:] == 0).all()
+            assert (
+                row.attention_mask.max() == len(row.boundaries)
+                and (row.attention_mask[row.boundaries[-1] :] == 0).all()
+            )
     assert found == expected
     assert summary["pad_tokens"] == 256 * len(ds) - summary["tokens"]
 
@@ -118,15 +144,19 @@ def test_skip_bad_samples_counts_them(tmp_path, data, qwen_tokenizer_dir):
         f.write(json.dumps({"messages": call}) + "\n")
     keys = json.loads(SEED_MAP)
     keys["tags"]["function_tag"] = "function_call"
-    _, summary = run(make_spec(tmp_path, data, qwen_tokenizer_dir, skip_bad_samples=True, map_keys=keys), RunDir(tmp_path / "run"))
+    _, summary = run(
+        make_spec(tmp_path, data, qwen_tokenizer_dir, skip_bad_samples=True, map_keys=keys), RunDir(tmp_path / "run")
+    )
     assert summary["bad_samples_skipped"] == 3 and summary["samples_written"] == 40
     assert summary["bad_sample_examples"][2].endswith("line 43: function call content is not JSON: Expecting value")
-    assert summary["bad_sample_examples"][0].endswith("line 41: malformed JSON: Expecting property name enclosed in double quotes at column 2")
+    assert summary["bad_sample_examples"][0].endswith(
+        "line 41: malformed JSON: Expecting property name enclosed in double quotes at column 2"
+    )
 
 
 def test_failed_rerun_keeps_no_half_written_dataset(tmp_path, data, qwen_tokenizer_dir, monkeypatch):
     run(make_spec(tmp_path, data, qwen_tokenizer_dir), RunDir(tmp_path / "run"))
-    from engine.data import job
+    from engine import preprocess as job
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -151,8 +181,12 @@ def test_pack_rerun_without_pack_removes_stale_boundaries(tmp_path, data, qwen_t
 def test_pretraining_text_document(tmp_path, qwen_tokenizer_dir):
     path = tmp_path / "corpus.txt"
     path.write_text("hello world\n\nsecond document\n")
-    spec = PreprocessSpec(input=str(path), tokenizer_name_or_path=str(qwen_tokenizer_dir),
-                          output_prefix=str(tmp_path / "out" / "corpus"), append_eod=True)
+    spec = PreprocessSpec(
+        input=str(path),
+        tokenizer_name_or_path=str(qwen_tokenizer_dir),
+        output_prefix=str(tmp_path / "out" / "corpus"),
+        append_eod=True,
+    )
     outputs, summary = run(spec, RunDir(tmp_path / "run"))
     assert outputs["data_path"] == str(tmp_path / "out" / "corpus_text_document")
     ds = MegatronIndexedDataset(outputs["data_path"])
@@ -162,16 +196,38 @@ def test_pretraining_text_document(tmp_path, qwen_tokenizer_dir):
 
 
 def test_mindspeed_flags_and_spec_file_build_the_same_spec(tmp_path, data, qwen_tokenizer_dir):
-    argv = ["--input", str(data), "--tokenizer-name-or-path", str(qwen_tokenizer_dir),
-            "--output-prefix", str(tmp_path / "customed"), "--handler-name", "SharegptStyleInstructionHandler",
-            "--tokenizer-type", "PretrainedFromHF", "--enable-thinking", "true", "--workers", "4",
-            "--log-interval", "1000", "--map-keys", SEED_MAP, "--prompt-type", "qwen3"]
+    argv = [
+        "--input",
+        str(data),
+        "--tokenizer-name-or-path",
+        str(qwen_tokenizer_dir),
+        "--output-prefix",
+        str(tmp_path / "customed"),
+        "--handler-name",
+        "SharegptStyleInstructionHandler",
+        "--tokenizer-type",
+        "PretrainedFromHF",
+        "--enable-thinking",
+        "true",
+        "--workers",
+        "4",
+        "--log-interval",
+        "1000",
+        "--map-keys",
+        SEED_MAP,
+        "--prompt-type",
+        "qwen3",
+    ]
     from_flags, _, ignored = spec_from_argv("preprocess", argv)
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(from_flags.model_dump_json())
     from_file, _, _ = spec_from_argv("preprocess", ["--spec", str(spec_file)])
     assert from_flags == from_file and ignored == []
-    assert from_flags.map_keys["tags"]["role_tag"] == "role" and from_flags.enable_thinking == "true" and from_flags.workers == 4
+    assert (
+        from_flags.map_keys["tags"]["role_tag"] == "role"
+        and from_flags.enable_thinking == "true"
+        and from_flags.workers == 4
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,8 +255,14 @@ def test_alpaca_parquet_directory_with_hf_template(tmp_path, qwen_tokenizer_dir)
     rows = [{"instruction": f"Classify {i}", "input": "text" if i % 2 else "", "output": f"label{i}"} for i in range(6)]
     pq.write_table(pa.Table.from_pylist(rows[:3]), src / "a.parquet")
     pq.write_table(pa.Table.from_pylist(rows[3:]), src / "b.parquet")
-    spec = PreprocessSpec(input=str(src), tokenizer_name_or_path=str(qwen_tokenizer_dir), output_prefix=str(tmp_path / "out" / "alp"),
-                          handler_name="AlpacaStyleInstructionHandler", prompt_type="hf", enable_thinking="false")
+    spec = PreprocessSpec(
+        input=str(src),
+        tokenizer_name_or_path=str(qwen_tokenizer_dir),
+        output_prefix=str(tmp_path / "out" / "alp"),
+        handler_name="AlpacaStyleInstructionHandler",
+        prompt_type="hf",
+        enable_thinking="false",
+    )
     _, summary = run(spec, RunDir(tmp_path / "run"))
     assert summary["samples_written"] == 6
     tok = load_tokenizer(str(qwen_tokenizer_dir))
@@ -208,7 +270,9 @@ def test_alpaca_parquet_directory_with_hf_template(tmp_path, qwen_tokenizer_dir)
     for i, row in enumerate(rows):
         user = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
-        assert ds[i].input_ids.tolist() == list(tok.apply_chat_template(messages, tokenize=True, enable_thinking=False)["input_ids"])
+        assert ds[i].input_ids.tolist() == list(
+            tok.apply_chat_template(messages, tokenize=True, enable_thinking=False)["input_ids"]
+        )
         assert tok.decode([t for t in ds[i].labels.tolist() if t != IGNORE_INDEX]) == f"label{i}<|im_end|>\n"
 
 

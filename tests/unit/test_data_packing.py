@@ -23,8 +23,10 @@ def test_knapsack_fills_bins_without_exceeding_capacity():
 
 @pytest.mark.parametrize("neat", [False, True])
 def test_rows_are_padded_and_keep_boundaries(neat):
-    samples = [(np.arange(1, 4, dtype=np.int32), np.asarray([-100, 2, 3], np.int32)),
-               (np.asarray([7, 8], np.int32), np.asarray([-100, 8], np.int32))]
+    samples = [
+        (np.arange(1, 4, dtype=np.int32), np.asarray([-100, 2, 3], np.int32)),
+        (np.asarray([7, 8], np.int32), np.asarray([-100, 8], np.int32)),
+    ]
     (row,) = pack_rows(samples, seq_length=8, pad_id=0, neat=neat)
     assert row.input_ids.tolist() == [1, 2, 3, 7, 8, 0, 0, 0]
     assert row.labels.tolist() == [-100, 2, 3, -100, 8, -100, -100, -100]

@@ -18,7 +18,6 @@ import pytest
 
 from engine.data.formats import iter_conversations
 from engine.data.indexed import InstructionDataset
-from engine.data.job import run
 from engine.data.templates import (
     IGNORE_INDEX,
     ConversationError,
@@ -27,6 +26,7 @@ from engine.data.templates import (
 )
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import read_test_set
+from engine.preprocess import run
 from engine.runfiles import RunDir
 from engine.spec import EvalSpec, PreprocessSpec
 
@@ -36,8 +36,8 @@ TOOL_TEXT = (
     "You have access to the following tools:\n> Tool Name: get_weather\nTool Description: Current weather for a city\n"
     "Tool Args:\n  - city (string, required): City name, e.g. 广州\n  - unit (string): , should be one of [celsius, "
     "fahrenheit]\n\nUse the following format if using a tool:\n```\nAction: tool name (one of [get_weather]).\n"
-    "Action Input: the input to the tool, in a JSON format representing the kwargs (e.g. ```{\"input\": \"hello "
-    "world\", \"num_beams\": 5}```).\n```\n"
+    'Action Input: the input to the tool, in a JSON format representing the kwargs (e.g. ```{"input": "hello '
+    'world", "num_beams": 5}```).\n```\n'
 )
 
 
@@ -46,15 +46,32 @@ def user(text: str, role: str = "user") -> str:
 
 
 EXPECTED = {
-    "alpaca_0": [(SYS, False), (user("Translate to French.\nGood morning"), False), ("Bonjour", True),
-                 ("<|im_end|>", True)],
-    "alpaca_1": [("<|im_start|>system\nAnswer briefly.<|im_end|>\n", False), (user("Hi"), False), ("Hello!", True),
-                 ("<|im_end|>", True), ("\n", False), (user("Name a prime."), False), ("7", True), ("<|im_end|>", True)],
-    "tools_0": [(f"<|im_start|>system\nYou are a helpful assistant.{TOOL_TEXT}<|im_end|>\n", False),
-                (user("What's the weather in Guangzhou?"), False),
-                ('Action: get_weather\nAction Input: {"city": "广州", "unit": "celsius"}', True), ("<|im_end|>", True),
-                ("\n", False), (user('{"temperature": 28, "sky": "cloudy"}', role="tool"), False),
-                ("It is 28 °C and cloudy in Guangzhou.", True), ("<|im_end|>", True)],
+    "alpaca_0": [
+        (SYS, False),
+        (user("Translate to French.\nGood morning"), False),
+        ("Bonjour", True),
+        ("<|im_end|>", True),
+    ],
+    "alpaca_1": [
+        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n", False),
+        (user("Hi"), False),
+        ("Hello!", True),
+        ("<|im_end|>", True),
+        ("\n", False),
+        (user("Name a prime."), False),
+        ("7", True),
+        ("<|im_end|>", True),
+    ],
+    "tools_0": [
+        (f"<|im_start|>system\nYou are a helpful assistant.{TOOL_TEXT}<|im_end|>\n", False),
+        (user("What's the weather in Guangzhou?"), False),
+        ('Action: get_weather\nAction Input: {"city": "广州", "unit": "celsius"}', True),
+        ("<|im_end|>", True),
+        ("\n", False),
+        (user('{"temperature": 28, "sky": "cloudy"}', role="tool"), False),
+        ("It is 28 °C and cloudy in Guangzhou.", True),
+        ("<|im_end|>", True),
+    ],
 }
 
 
@@ -79,7 +96,9 @@ def conversations(name: str, map_keys, handler: str) -> list[list[dict]]:
 
 @pytest.mark.parametrize("mode", ["true", "none"])
 def test_alpaca_rows_equal_mindspeed_qwen(tok, mode):
-    rows = conversations("alpaca_rows.jsonl", {"system": "system", "history": "history"}, "AlpacaStyleInstructionHandler")
+    rows = conversations(
+        "alpaca_rows.jsonl", {"system": "system", "history": "history"}, "AlpacaStyleInstructionHandler"
+    )
     for i, messages in enumerate(rows):
         ids, labels = encode_conversation(tok, messages, "qwen", mode)  # no thinking rules: mode changes nothing
         assert (ids.tolist(), labels.tolist()) == expected_ids(tok, EXPECTED[f"alpaca_{i}"])
@@ -100,9 +119,14 @@ def test_parallel_calls_are_refused_under_qwen(tok):
 def test_over_long_samples_under_qwen_are_cut_to_seq_length_then_dropped(tmp_path, qwen_tokenizer_dir):
     """MindSpeed's qwen uses the older infer_max_len with budget seq_length: a cut sample reaches seq_length and the
     writer drops it (pairs: sample 1 (107, 64) -> (41, 23) = 64; sample 2 (23, 3) + (64, 47) -> 26 + 38 = 64)."""
-    spec = PreprocessSpec(input=str(CORPUS / "long_samples.jsonl"), tokenizer_name_or_path=str(qwen_tokenizer_dir),
-                          output_prefix=str(tmp_path / "out" / "q"), handler_name="SharegptStyleInstructionHandler",
-                          prompt_type="qwen", seq_length=64)
+    spec = PreprocessSpec(
+        input=str(CORPUS / "long_samples.jsonl"),
+        tokenizer_name_or_path=str(qwen_tokenizer_dir),
+        output_prefix=str(tmp_path / "out" / "q"),
+        handler_name="SharegptStyleInstructionHandler",
+        prompt_type="qwen",
+        seq_length=64,
+    )
     _, summary = run(spec, RunDir(tmp_path / "run"))
     ds = InstructionDataset(tmp_path / "out" / "q")
     assert len(ds) == 1 and ds[0].input_ids.size == 23 and summary["samples_dropped"] == {"too_long": 2}
@@ -112,8 +136,10 @@ def test_generation_prompt_and_eval_use_the_qwen_template(tok, tmp_path):
     prompt = encode_prompt(tok, [{"role": "user", "content": "Hi"}], "qwen", "false")
     assert prompt == tok(SYS + user("Hi"), add_special_tokens=False)["input_ids"]
     path = tmp_path / "test.jsonl"
-    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]})
-                    + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}) + "\n",
+        encoding="utf-8",
+    )
     for template in ("qwen", "qwen3"):
         line = read_test_set(path, tok, template=template).lines[0]
         assert line.prompt_ids == encode_prompt(tok, [{"role": "user", "content": "Hi"}], template, "none")

@@ -15,7 +15,7 @@ from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run as convert
 from engine.checkpoint.megatron import save_mcore
-from engine.data.job import run as preprocess
+from engine.preprocess import run as preprocess
 from engine.runfiles import BadInput, RunDir
 from engine.spec import ConvertSpec, PreprocessSpec
 
@@ -35,8 +35,15 @@ def test_lora_only_checkpoint_as_base_names_load_dir_and_lora_load(tmp_path):
         "decoder.layers.0.mlp.linear_fc2._extra_state": None,
     }
     torch.save(state, path)
-    spec = ConvertSpec(load_model_type="mg", save_model_type="hf", load_dir=str(tmp_path / "lora"),
-                       save_dir=str(tmp_path / "out"), save_lora_to_hf=True, lora_r=2, lora_alpha=4)
+    spec = ConvertSpec(
+        load_model_type="mg",
+        save_model_type="hf",
+        load_dir=str(tmp_path / "lora"),
+        save_dir=str(tmp_path / "out"),
+        save_lora_to_hf=True,
+        lora_r=2,
+        lora_alpha=4,
+    )
     with pytest.raises(BadInput, match="give the base model as --load-dir and the adapter as --lora-load") as err:
         convert(spec, RunDir(tmp_path / "run"))
     assert err.value.field == "load_dir"
@@ -44,22 +51,37 @@ def test_lora_only_checkpoint_as_base_names_load_dir_and_lora_load(tmp_path):
 
 def test_unsupported_handler_is_a_short_field_error(tmp_path):
     with pytest.raises(ValidationError) as err:
-        PreprocessSpec(input=str(tmp_path), tokenizer_name_or_path=str(tmp_path), output_prefix=str(tmp_path / "o"),
-                       handler_name="MOSSInstructionHandler", prompt_type="qwen3", map_keys={"prompt": "q"},
-                       seq_length=64)
+        PreprocessSpec(
+            input=str(tmp_path),
+            tokenizer_name_or_path=str(tmp_path),
+            output_prefix=str(tmp_path / "o"),
+            handler_name="MOSSInstructionHandler",
+            prompt_type="qwen3",
+            map_keys={"prompt": "q"},
+            seq_length=64,
+        )
     text = str(err.value)
     assert "handler_name: 'MOSSInstructionHandler' is not supported; use one of SharegptStyleInstructionHandler" in text
     assert err.value.errors()[0]["loc"] == ("handler_name",)
     assert "map_keys" not in text and "tokenizer_name_or_path" not in text  # not the whole spec dumped
 
 
-@pytest.mark.parametrize(("name", "handler", "pairwise"), [
-    ("pairwise_sharegpt.jsonl", "SharegptStyleInstructionHandler", "SharegptStylePairwiseHandler"),
-    ("pairwise_alpaca.jsonl", "AlpacaStyleInstructionHandler", "AlpacaStylePairwiseHandler"),
-])
-def test_pairwise_rows_under_the_instruction_handler_name_the_pairwise_handler(tmp_path, qwen_tokenizer_dir, name,
-                                                                                handler, pairwise):
-    spec = PreprocessSpec(input=str(CORPUS / name), tokenizer_name_or_path=str(qwen_tokenizer_dir),
-                          output_prefix=str(tmp_path / "o"), handler_name=handler, prompt_type="qwen3")
+@pytest.mark.parametrize(
+    ("name", "handler", "pairwise"),
+    [
+        ("pairwise_sharegpt.jsonl", "SharegptStyleInstructionHandler", "SharegptStylePairwiseHandler"),
+        ("pairwise_alpaca.jsonl", "AlpacaStyleInstructionHandler", "AlpacaStylePairwiseHandler"),
+    ],
+)
+def test_pairwise_rows_under_the_instruction_handler_name_the_pairwise_handler(
+    tmp_path, qwen_tokenizer_dir, name, handler, pairwise
+):
+    spec = PreprocessSpec(
+        input=str(CORPUS / name),
+        tokenizer_name_or_path=str(qwen_tokenizer_dir),
+        output_prefix=str(tmp_path / "o"),
+        handler_name=handler,
+        prompt_type="qwen3",
+    )
     with pytest.raises(BadInput, match=f"line 1: a pairwise .* preprocess it with handler_name {pairwise}"):
         preprocess(spec, RunDir(tmp_path / "run"))

@@ -22,7 +22,10 @@ from engine.data.templates import (
 from engine.data.tokenizer import load_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-USER = {"role": "user", "content": "请你判读用户的意图。交互历史：用户：广州塔为什么也叫小蛮腰\n用户最后一句话所属的技能和意图是："}
+USER = {
+    "role": "user",
+    "content": "请你判读用户的意图。交互历史：用户：广州塔为什么也叫小蛮腰\n用户最后一句话所属的技能和意图是：",
+}
 ANSWER = {"role": "assistant", "content": "闲聊百科_知识查询"}
 REASONED = {"role": "assistant", "content": "<think>\nThe user asks about a landmark.\n</think>\n\n闲聊百科_知识查询"}
 
@@ -81,7 +84,10 @@ def test_false_strips_reasoning_and_masks_the_empty_thought(tok):
 def test_multi_turn_trains_every_assistant_turn(tok):
     conv = [SYSTEM, USER, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "again"}, ANSWER]
     ids, labels = encode_conversation(tok, conv, "qwen3", "true")
-    assert trained_text(tok, ids, labels) == EMPTY_THOUGHT + "A1<|im_end|>\n" + EMPTY_THOUGHT + "闲聊百科_知识查询<|im_end|>\n"
+    assert (
+        trained_text(tok, ids, labels)
+        == EMPTY_THOUGHT + "A1<|im_end|>\n" + EMPTY_THOUGHT + "闲聊百科_知识查询<|im_end|>\n"
+    )
     kept = np.flatnonzero(labels != IGNORE_INDEX)
     assert np.diff(kept).max() > 1, "the second user turn between the two answers is masked"
 
@@ -102,8 +108,10 @@ def test_true_keeps_reasoning_of_earlier_turns_unlike_hf(tok):
     ids, labels = encode_conversation(tok, conv, "qwen3", "true")
     reference = hf_text(tok, conv)
     assert "The user asks" not in reference  # HF strips reasoning before the last query
-    expected = reference.replace("<|im_start|>assistant\n闲聊百科_知识查询<|im_end|>\n<|im_start|>user\nagain",
-                                 "<|im_start|>assistant\n" + REASONED["content"] + "<|im_end|>\n<|im_start|>user\nagain")
+    expected = reference.replace(
+        "<|im_start|>assistant\n闲聊百科_知识查询<|im_end|>\n<|im_start|>user\nagain",
+        "<|im_start|>assistant\n" + REASONED["content"] + "<|im_end|>\n<|im_start|>user\nagain",
+    )
     assert ids.tolist() == tok(expected, add_special_tokens=False)["input_ids"]
     assert "The user asks" in trained_text(tok, ids, labels)
 
@@ -146,7 +154,10 @@ def test_prompt_of_training_sample_is_its_masked_prefix(tok):
 
 
 def test_tool_turns_render_like_qwen3(tok):
-    call = {"role": "function_call", "content": json.dumps({"name": "weather", "arguments": {"city": "广州"}}, ensure_ascii=False)}
+    call = {
+        "role": "function_call",
+        "content": json.dumps({"name": "weather", "arguments": {"city": "广州"}}, ensure_ascii=False),
+    }
     conv = [USER, call, {"role": "tool", "content": "sunny"}, ANSWER]
     ids, labels = encode_conversation(tok, conv, "qwen3", "true")
     text = tok.decode(ids.tolist())
@@ -172,7 +183,11 @@ def test_bad_conversations_name_the_problem(tok, conv, problem):
 
 
 def test_batch_equals_one_by_one(tok):
-    convs = [[SYSTEM, USER, ANSWER], [USER, REASONED], [SYSTEM, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]]
+    convs = [
+        [SYSTEM, USER, ANSWER],
+        [USER, REASONED],
+        [SYSTEM, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+    ]
     batch = encode_conversations(tok, convs, "qwen3", "none")
     for conv, (ids, labels) in zip(convs, batch):
         one = encode_conversation(tok, conv, "qwen3", "none")
@@ -193,9 +208,18 @@ def test_function_call_that_is_not_json_is_a_conversation_error(tok, template):
 
 def test_hf_tool_call_ids_equal_apply_chat_template(tok):
     call = {"name": "weather", "arguments": {"city": "广州"}}
-    conv = [USER, {"role": "function_call", "content": json.dumps(call, ensure_ascii=False)}, {"role": "tool", "content": "sunny"}, ANSWER]
+    conv = [
+        USER,
+        {"role": "function_call", "content": json.dumps(call, ensure_ascii=False)},
+        {"role": "tool", "content": "sunny"},
+        ANSWER,
+    ]
     ids, labels = encode_conversation(tok, conv, "hf", "none")
-    hf_conv = [USER, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
-               {"role": "tool", "content": "sunny"}, ANSWER]
+    hf_conv = [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "sunny"},
+        ANSWER,
+    ]
     assert ids.tolist() == hf_ids(tok, hf_conv)
     assert "weather" in trained_text(tok, ids, labels) and "sunny" not in trained_text(tok, ids, labels)

@@ -27,15 +27,21 @@ def user(q: str) -> str:
 
 # row -> mode -> list of (piece, trained)
 EXPECTED = {
-    0: {"true": [(user("Q1"), False), (EMPTY, True), ("<think>short</think>Answer.<|im_end|>\n", True)],
+    0: {
+        "true": [(user("Q1"), False), (EMPTY, True), ("<think>short</think>Answer.<|im_end|>\n", True)],
         "none": [(user("Q1"), False), (EMPTY, False), ("<think>short</think>Answer.<|im_end|>\n", True)],
-        "false": [(user("Q1"), False), (EMPTY, False), ("<think>short</think>Answer.<|im_end|>\n", True)]},
-    1: {"true": [(user("Q2"), False), ("<think>\nreason\n</think>\n\nAnswer.<|im_end|>\n", True)],
+        "false": [(user("Q1"), False), (EMPTY, False), ("<think>short</think>Answer.<|im_end|>\n", True)],
+    },
+    1: {
+        "true": [(user("Q2"), False), ("<think>\nreason\n</think>\n\nAnswer.<|im_end|>\n", True)],
         "none": [(user("Q2"), False), ("<think>\nreason\n</think>\n\nAnswer.<|im_end|>\n", True)],
-        "false": [(user("Q2"), False), (EMPTY, False), ("Answer.<|im_end|>\n", True)]},
-    2: {"true": [(user("Q3"), False), ("<think>\nhalf</think>Answer.<|im_end|>\n", True)],
+        "false": [(user("Q2"), False), (EMPTY, False), ("Answer.<|im_end|>\n", True)],
+    },
+    2: {
+        "true": [(user("Q3"), False), ("<think>\nhalf</think>Answer.<|im_end|>\n", True)],
         "none": [(user("Q3"), False), ("<think>\nhalf</think>Answer.<|im_end|>\n", True)],
-        "false": [(user("Q3"), False), ("<think>\nhalf</think>Answer.<|im_end|>\n", True)]},
+        "false": [(user("Q3"), False), ("<think>\nhalf</think>Answer.<|im_end|>\n", True)],
+    },
 }
 
 

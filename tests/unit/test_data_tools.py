@@ -27,27 +27,57 @@ from engine.data.tokenizer import load_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "tools_sharegpt.jsonl"
 MAP_KEYS = {"tools": "tools"}
-WEATHER = {"name": "get_weather", "description": "Current weather for a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "description": "City name, e.g. 广州"},
-                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city"]}}
-TIME = {"name": "get_time", "description": "Local time in a timezone",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}
-TOOLS = [[{"type": "function", "function": WEATHER}],
-         [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]]
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "City name, e.g. 广州"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city"],
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "Local time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+}
+TOOLS = [
+    [{"type": "function", "function": WEATHER}],
+    [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}],
+]
 HF_MESSAGES = [
-    [{"role": "user", "content": "What's the weather in Guangzhou?"},
-     {"role": "assistant", "content": "", "tool_calls": [
-         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "广州", "unit": "celsius"}}}]},
-     {"role": "tool", "content": '{"temperature": 28, "sky": "cloudy"}'},
-     {"role": "assistant", "content": "It is 28 °C and cloudy in Guangzhou."}],
-    [{"role": "system", "content": "You are a travel assistant."},
-     {"role": "user", "content": "Weather and local time in Tokyo?"},
-     {"role": "assistant", "content": "", "tool_calls": [
-         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Tokyo"}}},
-         {"type": "function", "function": {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}}]},
-     {"role": "tool", "content": '{"temperature": 18, "time": "21:05"}'},
-     {"role": "assistant", "content": "Tokyo: 18 °C, and it is 21:05 there."}],
+    [
+        {"role": "user", "content": "What's the weather in Guangzhou?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "广州", "unit": "celsius"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": '{"temperature": 28, "sky": "cloudy"}'},
+        {"role": "assistant", "content": "It is 28 °C and cloudy in Guangzhou."},
+    ],
+    [
+        {"role": "system", "content": "You are a travel assistant."},
+        {"role": "user", "content": "Weather and local time in Tokyo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Tokyo"}}},
+                {"type": "function", "function": {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}},
+            ],
+        },
+        {"role": "tool", "content": '{"temperature": 18, "time": "21:05"}'},
+        {"role": "assistant", "content": "Tokyo: 18 °C, and it is 21:05 there."},
+    ],
 ]
 
 
@@ -79,9 +109,9 @@ def test_hf_template_equals_transformers_with_tools(tok, corpus, row):
     assert ids.tolist() == expected
     assert len(expected) > 150  # the # Tools block is there (issue: 68 tokens without it, 201 with)
     trained = tok.decode(ids[labels != IGNORE_INDEX].tolist())
-    assert trained.startswith("<tool_call>\n{\"name\": \"get_weather\"") and trained.endswith("there.<|im_end|>\n"
-                                                                                                if row else
-                                                                                                "Guangzhou.<|im_end|>\n")
+    assert trained.startswith('<tool_call>\n{"name": "get_weather"') and trained.endswith(
+        "there.<|im_end|>\n" if row else "Guangzhou.<|im_end|>\n"
+    )
     assert "# Tools" not in trained
 
 
@@ -117,26 +147,57 @@ def test_qwen3_tools_without_system_start_the_system_turn(tok, corpus):
 
 def test_bad_tools_are_refused_with_the_reason(tok):
     with pytest.raises(ConversationError, match="tools: not valid JSON"):
-        encode_conversation(tok, [{"role": "tools", "content": "[{"}, {"role": "user", "content": "u"},
-                                  {"role": "assistant", "content": "a"}], "qwen3")
+        encode_conversation(
+            tok,
+            [
+                {"role": "tools", "content": "[{"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "qwen3",
+        )
     with pytest.raises(ConversationError, match="tools: entry 0"):
-        encode_conversation(tok, [{"role": "tools", "content": "[1]"}, {"role": "user", "content": "u"},
-                                  {"role": "assistant", "content": "a"}], "qwen3")
-    ids, _ = encode_conversation(tok, [{"role": "tools", "content": "[]"}, {"role": "user", "content": "u"},
-                                       {"role": "assistant", "content": "a"}], "qwen3")
+        encode_conversation(
+            tok,
+            [
+                {"role": "tools", "content": "[1]"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "qwen3",
+        )
+    ids, _ = encode_conversation(
+        tok,
+        [{"role": "tools", "content": "[]"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+        "qwen3",
+    )
     assert np.asarray(ids).size and "Tools" not in tok.decode(ids.tolist())  # an empty list means no tools
 
 
-OPENAI_MAP = {"messages": "messages", "tools": "tools", "tags": {
-    "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-    "observation_tag": "tool", "system_tag": "system"}}
+OPENAI_MAP = {
+    "messages": "messages",
+    "tools": "tools",
+    "tags": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "observation_tag": "tool",
+        "system_tag": "system",
+    },
+}
 
 
 @pytest.mark.parametrize("template", ["qwen3", "hf"])
 def test_openai_messages_with_tool_calls_encode_like_the_sharegpt_rows(tok, corpus, tmp_path, template):
     path = tmp_path / "openai.jsonl"
-    path.write_text("".join(json.dumps({"messages": m, "tools": json.dumps(t)}, ensure_ascii=False) + "\n"
-                            for m, t in zip(HF_MESSAGES, TOOLS)), encoding="utf-8")
+    path.write_text(
+        "".join(
+            json.dumps({"messages": m, "tools": json.dumps(t)}, ensure_ascii=False) + "\n"
+            for m, t in zip(HF_MESSAGES, TOOLS)
+        ),
+        encoding="utf-8",
+    )
     rows = [m for _, _, m in iter_conversations(path, OPENAI_MAP, "SharegptStyleInstructionHandler")]
     for row, messages in enumerate(rows):
         ids, labels = encode_conversation(tok, messages, template, "none")

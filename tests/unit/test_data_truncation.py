@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from engine.data.indexed import InstructionDataset
-from engine.data.job import run
 from engine.data.templates import IGNORE_INDEX
 from engine.data.truncation import infer_max_len, infer_seqlen, limit_sample, pairs_of
+from engine.preprocess import run
 from engine.runfiles import RunDir
 from engine.spec import PreprocessSpec
 
@@ -24,12 +24,15 @@ CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 IM_END = 151645
 
 
-@pytest.mark.parametrize(("source", "target", "cutoff", "expected"), [
-    (100, 10, 63, (53, 10)),   # short answer kept whole, prompt cut
-    (10, 100, 63, (10, 53)),   # short prompt kept whole, answer cut
-    (100, 65, 63, (39, 24)),   # both long: answer gets int(63 * 65 / 165) = 24
-    (16, 4, 63, (16, 4)),      # fits: unchanged
-])
+@pytest.mark.parametrize(
+    ("source", "target", "cutoff", "expected"),
+    [
+        (100, 10, 63, (53, 10)),  # short answer kept whole, prompt cut
+        (10, 100, 63, (10, 53)),  # short prompt kept whole, answer cut
+        (100, 65, 63, (39, 24)),  # both long: answer gets int(63 * 65 / 165) = 24
+        (16, 4, 63, (16, 4)),  # fits: unchanged
+    ],
+)
 def test_infer_seqlen_is_mindspeeds(source, target, cutoff, expected):
     assert infer_seqlen(source, target, cutoff) == expected
 
@@ -70,9 +73,14 @@ def test_append_eod_is_trained_and_can_push_a_cut_sample_out():
 
 
 def _spec(tmp_path, tok_dir, **over) -> PreprocessSpec:
-    fields = {"input": str(CORPUS / "long_samples.jsonl"), "tokenizer_name_or_path": str(tok_dir),
-              "output_prefix": str(tmp_path / "out" / "long"), "handler_name": "SharegptStyleInstructionHandler",
-              "prompt_type": "qwen3", "seq_length": 64}
+    fields = {
+        "input": str(CORPUS / "long_samples.jsonl"),
+        "tokenizer_name_or_path": str(tok_dir),
+        "output_prefix": str(tmp_path / "out" / "long"),
+        "handler_name": "SharegptStyleInstructionHandler",
+        "prompt_type": "qwen3",
+        "seq_length": 64,
+    }
     return PreprocessSpec(**{**fields, **over})
 
 
@@ -87,8 +95,10 @@ def test_corpus_pair_lengths_are_pinned(qwen_tokenizer_dir):
     from engine.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(qwen_tokenizer_dir))
-    found = [[(b - a, c - b) for a, b, c in pairs_of(encode_conversation(tok, m, "qwen3", "none")[1])]
-             for _, _, m in iter_conversations(CORPUS / "long_samples.jsonl")]
+    found = [
+        [(b - a, c - b) for a, b, c in pairs_of(encode_conversation(tok, m, "qwen3", "none")[1])]
+        for _, _, m in iter_conversations(CORPUS / "long_samples.jsonl")
+    ]
     assert found == [[(100, 65)], [(16, 4), (67, 48)], [(13, 4)]]
 
 

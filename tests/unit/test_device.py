@@ -11,6 +11,7 @@ import types
 import pytest
 import torch.distributed as dist
 
+from engine.model import kernels
 from engine.model.config import preset
 from engine.parallel import device as dev
 
@@ -19,7 +20,7 @@ def test_npu_needs_torch_npu_and_says_so(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # make the import fail even where it is installed
     with pytest.raises(RuntimeError, match="torch_npu is not installed"):
         dev.init_distributed("npu")
-    assert dev.attention_kernel("npu") == "sdpa"
+    assert kernels.attention_kernel("npu") == "sdpa"
 
 
 def test_unknown_device_type_is_refused() -> None:
@@ -28,19 +29,19 @@ def test_unknown_device_type_is_refused() -> None:
 
 
 def test_attention_kernel_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert dev.attention_kernel("cpu") == "sdpa"
-    assert dev.attention_kernel("cuda") == "sdpa"  # no CUDA device here
-    monkeypatch.setattr(dev, "_cuda_has_flash", lambda: True)  # as on an A100/H100
-    assert dev.attention_kernel("cuda") == "torch_varlen"  # this torch ships torch.nn.attention.varlen
+    assert kernels.attention_kernel("cpu") == "sdpa"
+    assert kernels.attention_kernel("cuda") == "sdpa"  # no CUDA device here
+    monkeypatch.setattr(kernels, "_cuda_has_flash", lambda: True)  # as on an A100/H100
+    assert kernels.attention_kernel("cuda") == "torch_varlen"  # this torch ships torch.nn.attention.varlen
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else None)
-    assert dev.attention_kernel("cuda") == "flash_varlen"  # an older torch with the flash-attn package
+    assert kernels.attention_kernel("cuda") == "flash_varlen"  # an older torch with the flash-attn package
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None)
-    assert dev.attention_kernel("cuda") == "sdpa"
+    assert kernels.attention_kernel("cuda") == "sdpa"
     # an NPU tensor means torch_npu is loaded; the kernel is used only if this torch_npu has it
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace())
-    assert dev.attention_kernel("npu") == "sdpa"
+    assert kernels.attention_kernel("npu") == "sdpa"
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=object()))
-    assert dev.attention_kernel("npu") == "npu_fusion"
+    assert kernels.attention_kernel("npu") == "npu_fusion"
 
 
 def test_cpu_device_and_memory_stats(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,11 +79,22 @@ def test_hccl_timeouts_from_spec_unless_env_set(monkeypatch: pytest.MonkeyPatch)
     assert os.environ["HCCL_CONNECT_TIMEOUT"] == "1200" and os.environ["HCCL_EXEC_TIMEOUT"] == "99"
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("Ascend910B2", 354.0), ("Ascend910B3", 295.0),
-    ("Ascend910_9392", 390.0), ("Ascend910B4", None), ("NVIDIA GeForce RTX 4090", None), ("cpu", None),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Ascend910B2", 354.0),
+        ("Ascend910B3", 295.0),
+        ("Ascend910_9392", 390.0),
+        ("Ascend910B4", None),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("cpu", None),
+    ],
+)
 def test_peak_table_never_guesses(name: str, tflops: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(dev.PEAK_ENV, raising=False)
     assert dev.peak_bf16_tflops(name) == tflops

@@ -37,8 +37,12 @@ def test_there_is_an_image_per_role() -> None:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_hadolint_finds_nothing(dockerfile: Path) -> None:
-    run = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -128,10 +132,17 @@ def test_what_the_images_copy_is_enough_to_migrate_and_start(tmp_path: Path) -> 
                 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(src, dst)
-    check = ("import app, app.main, core, cli.main, worker.node, worker.tasks, engine.cli; from core.db import upgrade_head; "
-             f"upgrade_head('sqlite:///{tmp_path}/db.sqlite'); print(app.__file__)")
-    run = subprocess.run([sys.executable, "-c", check], cwd=image, env={"PYTHONPATH": str(image), "PATH": "/usr/bin:/bin",
-                                                                         "LLMJOBS_VAR_DIR": str(tmp_path / "var")},
-                         capture_output=True, text=True, timeout=120)
+    check = (
+        "import app, app.main, core, cli.main, worker.node, worker.tasks, engine.cli; from core.db import upgrade_head; "
+        f"upgrade_head('sqlite:///{tmp_path}/db.sqlite'); print(app.__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", check],
+        cwd=image,
+        env={"PYTHONPATH": str(image), "PATH": "/usr/bin:/bin", "LLMJOBS_VAR_DIR": str(tmp_path / "var")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().startswith(str(image))

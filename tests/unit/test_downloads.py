@@ -35,12 +35,22 @@ def job(settings: Settings) -> str:
     secret = settings.var_dir / "secret.txt"
     secret.write_text("no")
     job_id = make_job(settings, team="alpha")
-    rows = [("model", data / "hf", []), ("log", data / "hf" / "config.json", []),
-            ("data_path", data / "ds", [data / "ds_text_document.bin", data / "ds_text_document.idx"]),
-            ("checkpoint_iteration", Path("200"), []), ("files", Path("a.bin,b.idx"), []), ("leak", secret, [])]
+    rows = [
+        ("model", data / "hf", []),
+        ("log", data / "hf" / "config.json", []),
+        ("data_path", data / "ds", [data / "ds_text_document.bin", data / "ds_text_document.idx"]),
+        ("checkpoint_iteration", Path("200"), []),
+        ("files", Path("a.bin,b.idx"), []),
+        ("leak", secret, []),
+    ]
     with session_scope(settings.database_url) as session:
-        session.execute(insert(Artifact), [{"job_id": job_id, "name": n, "path": str(p), "files": [str(f) for f in fs],
-                                            "size_bytes": 1} for n, p, fs in rows])
+        session.execute(
+            insert(Artifact),
+            [
+                {"job_id": job_id, "name": n, "path": str(p), "files": [str(f) for f in fs], "size_bytes": 1}
+                for n, p, fs in rows
+            ],
+        )
         session.commit()
         assert transition(session, job_id, JobState.cancelled)
     return job_id
@@ -55,8 +65,11 @@ def test_downloads(settings: Settings, job: str) -> None:
         assert set(listed) == {"model", "log", "data_path", "leak"}  # values are not artifacts
         whole = api.get(listed["log"]["download_url"])
         assert whole.status_code == 200 and whole.content == b'{"a": 1}'
-        part = api.get(f"/v1/jobs/{job}/artifacts/model/download", params={"file": "sub/w.safetensors"},
-                       headers={"Range": "bytes=10-19"})
+        part = api.get(
+            f"/v1/jobs/{job}/artifacts/model/download",
+            params={"file": "sub/w.safetensors"},
+            headers={"Range": "bytes=10-19"},
+        )
         assert part.status_code == 206 and part.content == bytes(range(10, 20))
         archive = api.get(listed["model"]["download_url"])
         assert archive.status_code == 200 and archive.headers["content-type"] == "application/x-tar"
@@ -69,18 +82,21 @@ def test_downloads(settings: Settings, job: str) -> None:
             assert sorted(tar.getnames()) == ["ds_text_document.bin", "ds_text_document.idx"]
         one = api.get(listed["data_path"]["download_url"], params={"file": "ds_text_document.idx"})
         assert one.content == b".idx" * 100
-        for url, params in [(listed["model"]["download_url"], {"file": "../../secret.txt"}),
-                            (listed["leak"]["download_url"], {}),
-                            (f"/v1/jobs/{job}/artifacts/checkpoint_iteration/download", {}),
-                            (f"/v1/jobs/{job}/artifacts/nope/download", {})]:
+        for url, params in [
+            (listed["model"]["download_url"], {"file": "../../secret.txt"}),
+            (listed["leak"]["download_url"], {}),
+            (f"/v1/jobs/{job}/artifacts/checkpoint_iteration/download", {}),
+            (f"/v1/jobs/{job}/artifacts/nope/download", {}),
+        ]:
             refused = api.get(url, params=params)
             assert refused.status_code == 404 and "no" != refused.text, (url, refused.text)
         other = make_token(settings, "beta")
         assert api.get(listed["log"]["download_url"], headers=auth(other)).status_code == 404
 
 
-def test_cli_artifacts_and_download(settings: Settings, job: str, tmp_path: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_artifacts_and_download(
+    settings: Settings, job: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from app.main import create_app

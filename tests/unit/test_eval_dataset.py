@@ -30,9 +30,14 @@ def _conv(user: str, answer: str | None = "天气_查询") -> dict:
     return {"messages": msgs + ([{"role": "assistant", "content": answer}] if answer is not None else [])}
 
 
-@pytest.mark.parametrize("thinking,suffix", [("none", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-                                             ("false", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-                                             ("true", "<|im_start|>assistant\n")])
+@pytest.mark.parametrize(
+    "thinking,suffix",
+    [
+        ("none", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        ("false", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        ("true", "<|im_start|>assistant\n"),
+    ],
+)
 def test_prompt_is_the_training_template_up_to_the_answer(tok, tmp_path: Path, thinking: str, suffix: str) -> None:
     data = _write(tmp_path / "t.jsonl", [_conv("明天北京天气怎么样")])
     line = read_test_set(data, tok, enable_thinking=thinking).lines[0]
@@ -45,16 +50,26 @@ def test_prompt_is_the_training_template_up_to_the_answer(tok, tmp_path: Path, t
 def test_sharegpt_layout_through_map_keys(tok, tmp_path: Path) -> None:
     rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "闲聊"}]}
     data = _write(tmp_path / "t.jsonl", [rec])
-    keys = {"messages": "conversations", "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human",
-                                                  "assistant_tag": "gpt"}}
+    keys = {
+        "messages": "conversations",
+        "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt"},
+    }
     assert read_test_set(data, tok, map_keys=keys).lines[0].reference == "闲聊"
 
 
 def test_bad_lines_are_skipped_with_reasons_and_count_towards_the_size_limit(tok, tmp_path: Path) -> None:
-    data = _write(tmp_path / "t.jsonl", [
-        _conv("ok"), _conv("no answer", None), "{broken", _conv("empty answer", "  "),
-        _conv("很长" * 400), _conv("ok again"), _conv("beyond the limit"),
-    ])
+    data = _write(
+        tmp_path / "t.jsonl",
+        [
+            _conv("ok"),
+            _conv("no answer", None),
+            "{broken",
+            _conv("empty answer", "  "),
+            _conv("很长" * 400),
+            _conv("ok again"),
+            _conv("beyond the limit"),
+        ],
+    )
     ts = read_test_set(data, tok, limit=6, max_prompt_tokens=200)
     assert [line.number for line in ts.lines] == [1, 6]
     reasons = {b.number: b.reason for b in ts.bad}

@@ -16,8 +16,13 @@ from engine.model.qwen3 import Qwen3Model
 
 PAD, IM_END = 151643, 151645
 CONVERSATIONS = [
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "请你判读用户的意图。交互历史：用户：广州塔为什么也叫小蛮腰\n用户最后一句话所属的技能和意图是："}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {
+            "role": "user",
+            "content": "请你判读用户的意图。交互历史：用户：广州塔为什么也叫小蛮腰\n用户最后一句话所属的技能和意图是：",
+        },
+    ],
     [{"role": "user", "content": "hi"}],
     [{"role": "user", "content": "Play some jazz in the kitchen, please."}],
 ]
@@ -38,18 +43,28 @@ def models() -> tuple[Qwen3ForCausalLM, Qwen3Model]:
 @pytest.fixture(scope="module")
 def prompts(qwen_tokenizer_dir: Path) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
-    return [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False) for c in CONVERSATIONS]
+    return [
+        tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False) for c in CONVERSATIONS
+    ]
 
 
-def _hf_generate(hf: Qwen3ForCausalLM, prompts: list[list[int]], max_new: int, stop: list[int],
-                 use_cache: bool = True) -> list[list[int]]:
+def _hf_generate(
+    hf: Qwen3ForCausalLM, prompts: list[list[int]], max_new: int, stop: list[int], use_cache: bool = True
+) -> list[list[int]]:
     """transformers' greedy output per prompt, cut before the first stop token."""
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=stop, pad_token_id=PAD, use_cache=use_cache)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=PAD,
+            use_cache=use_cache,
+        )
     rows = []
     for row in out[:, width:].tolist():
         cut = next((i for i, t in enumerate(row) if t in stop), len(row))
@@ -57,8 +72,9 @@ def _hf_generate(hf: Qwen3ForCausalLM, prompts: list[list[int]], max_new: int, s
     return rows
 
 
-def _ours(model: Qwen3Model, prompts: list[list[int]], max_new: int, stop: list[int], use_cache: bool,
-          batch_size: int) -> list[list[int]]:
+def _ours(
+    model: Qwen3Model, prompts: list[list[int]], max_new: int, stop: list[int], use_cache: bool, batch_size: int
+) -> list[list[int]]:
     opts = DecodeOptions(max_new_tokens=max_new, stop_ids=tuple(stop), pad_id=PAD, use_cache=use_cache)
     rows: list[list[int]] = [[] for _ in prompts]
     for indices, gen in generate(model, model.cfg, prompts, opts, batch_size):

@@ -83,8 +83,14 @@ def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool)
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
     # q and v only (PEFT's classic targets: k gets no delta), o and the MLP's gate/down
-    peft_model = _peft_adapter(hf_dir, tmp_path / "adapter", r=4, lora_alpha=8, use_rslora=rslora,
-                               target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    peft_model = _peft_adapter(
+        hf_dir,
+        tmp_path / "adapter",
+        r=4,
+        lora_alpha=8,
+        use_rslora=rslora,
+        target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+    )
     model, _, info = build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "adapter")))
     assert info["lora_format"] == "peft" and info["lora_merged"] and info["lora_r"] == 4
     assert info["lora_targets"] == ["down_proj", "gate_proj", "o_proj", "q_proj", "v_proj"]

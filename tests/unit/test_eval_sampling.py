@@ -13,16 +13,19 @@ def _logits(seed: int = 0, b: int = 4, v: int = 50) -> torch.Tensor:
     return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.00001),
-                                    SamplingParams(temperature=1.0, top_k=1)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.00001), SamplingParams(temperature=1.0, top_k=1)],
+)
 def test_greedy_is_argmax(params: SamplingParams) -> None:
     logits = _logits()
     assert params.greedy and params.generator() is None
     assert torch.equal(next_tokens(logits, params), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.0), (1.0, 5, 0.0), (0.7, 0, 0.9), (1.3, 10, 0.5),
-                                                     (1.0, 0, 0.05)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.7, 0, 0.0), (1.0, 5, 0.0), (0.7, 0, 0.9), (1.3, 10, 0.5), (1.0, 0, 0.05)]
+)
 def test_filters_match_transformers(temperature: float, top_k: int, top_p: float) -> None:
     logits = _logits(1)
     expected = TemperatureLogitsWarper(temperature)(None, logits.clone())

@@ -7,13 +7,16 @@ import pytest
 from engine.eval.scoring import Scoreboard, parse_answer, strip_thinking
 
 
-@pytest.mark.parametrize("raw,answer", [
-    ("<think>\n\n</think>\n\n闲聊百科_知识查询", "闲聊百科_知识查询"),
-    ("<think>\nthe user asks about weather\n</think>\n\n天气_查询 ", "天气_查询"),
-    ("  音乐_播放\n", "音乐_播放"),
-    ("<think>\nstill thinking when max_new_tokens ran out", ""),
-    ("a<think>x</think>b<think>y</think>", "ab"),
-])
+@pytest.mark.parametrize(
+    "raw,answer",
+    [
+        ("<think>\n\n</think>\n\n闲聊百科_知识查询", "闲聊百科_知识查询"),
+        ("<think>\nthe user asks about weather\n</think>\n\n天气_查询 ", "天气_查询"),
+        ("  音乐_播放\n", "音乐_播放"),
+        ("<think>\nstill thinking when max_new_tokens ran out", ""),
+        ("a<think>x</think>b<think>y</think>", "ab"),
+    ],
+)
 def test_strip_thinking(raw: str, answer: str) -> None:
     assert strip_thinking(raw) == answer
 
@@ -45,8 +48,10 @@ def test_known_answers_accuracy_per_label_and_confusion() -> None:
     assert s["per_label"]["B"] == {"total": 2, "correct": 1, "accuracy": 0.5}
     assert s["per_label"]["C"]["accuracy"] == 1.0
     assert list(s["per_label"]) == ["A", "B", "C"]  # most frequent label first
-    assert s["confusion"] == [{"reference": "A", "answer": "B", "count": 2},
-                              {"reference": "A", "answer": "C", "count": 1}]
+    assert s["confusion"] == [
+        {"reference": "A", "answer": "B", "count": 2},
+        {"reference": "A", "answer": "C", "count": 1},
+    ]
 
 
 def test_case_rule_makes_matching_case_insensitive() -> None:

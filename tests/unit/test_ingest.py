@@ -55,7 +55,10 @@ def test_ingest_all_files_and_never_twice(tmp_path: Path) -> None:
         points = session.scalars(select(MetricPoint)).all()
         assert [(p.step, p.name, p.value, p.rank) for p in points] == [(2, "lm_loss", 2.0, None)]
         logs = session.scalars(select(LogLine).order_by(LogLine.stream, LogLine.seq)).all()
-        assert [(line.stream, line.seq, line.text) for line in logs] == [("launcher", 0, "launcher line"), ("rank0", 0, "again")]
+        assert [(line.stream, line.seq, line.text) for line in logs] == [
+            ("launcher", 0, "launcher line"),
+            ("rank0", 0, "again"),
+        ]
 
 
 def test_nan_becomes_null(tmp_path: Path) -> None:

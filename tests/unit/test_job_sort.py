@@ -51,15 +51,29 @@ def _jobs(settings: Settings) -> list[dict[str, Any]]:
         row["id"] = make_job(settings, team="alpha", **({"name": row["name"]} if row["name"] else {}))
         started = base + timedelta(minutes=row["started"]) if row["started"] is not None else None
         with session_scope(settings.database_url) as session:
-            session.execute(update(Job).where(Job.id == row["id"]).values(
-                state=row["state"], host=row["host"], started_at=started, attempt_count=row["attempts"],
-                created_at=base + timedelta(hours=min(i, 5))))  # the last two share a created_at
+            session.execute(
+                update(Job)
+                .where(Job.id == row["id"])
+                .values(
+                    state=row["state"],
+                    host=row["host"],
+                    started_at=started,
+                    attempt_count=row["attempts"],
+                    created_at=base + timedelta(hours=min(i, 5)),
+                )
+            )  # the last two share a created_at
     return rows
 
 
 def _expected(rows: list[dict[str, Any]], sort: str) -> list[str]:
-    field = {"name": "name", "state": "state", "host": "host", "started_at": "started", "attempt_count": "attempts",
-             "created_at": "order"}[sort.lstrip("-")]
+    field = {
+        "name": "name",
+        "state": "state",
+        "host": "host",
+        "started_at": "started",
+        "attempt_count": "attempts",
+        "created_at": "order",
+    }[sort.lstrip("-")]
     for i, row in enumerate(rows):
         row["order"] = min(i, 5)
     desc = sort.startswith("-")
@@ -68,8 +82,10 @@ def _expected(rows: list[dict[str, Any]], sort: str) -> list[str]:
     return [r["id"] for r in present + blanks]
 
 
-@pytest.mark.parametrize("sort", ["name", "-name", "state", "-host", "started_at", "-started_at", "attempt_count",
-                                  "created_at", "-created_at"])
+@pytest.mark.parametrize(
+    "sort",
+    ["name", "-name", "state", "-host", "started_at", "-started_at", "attempt_count", "created_at", "-created_at"],
+)
 def test_every_sort_pages_exactly(seeded: Seeded, sort: str) -> None:
     client, token, rows = seeded
     whole = client.get("/v1/jobs", params={"sort": sort, "limit": 50}, headers=auth(token)).json()["data"]
@@ -77,8 +93,9 @@ def test_every_sort_pages_exactly(seeded: Seeded, sort: str) -> None:
     seen: list[str] = []
     after = None
     for _ in range(10):  # two a page: every boundary (a tie, the first blank) is crossed by a cursor
-        page = client.get("/v1/jobs", params={"sort": sort, "limit": 2, **({"after": after} if after else {})},
-                          headers=auth(token)).json()
+        page = client.get(
+            "/v1/jobs", params={"sort": sort, "limit": 2, **({"after": after} if after else {})}, headers=auth(token)
+        ).json()
         seen += [j["id"] for j in page["data"]]
         if not page["has_more"]:
             break

@@ -14,8 +14,9 @@ def _sql_imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy"):
-            found += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} {a.name}" for a in node.names
-                      if a.name in SQL_BUILDERS]
+            found += [
+                f"{path.relative_to(REPO_ROOT)}:{node.lineno} {a.name}" for a in node.names if a.name in SQL_BUILDERS
+            ]
     return found
 
 

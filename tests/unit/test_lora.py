@@ -72,8 +72,13 @@ def test_merged_weights_give_the_lora_model_logits() -> None:
     # the functional merge (what the converter uses) agrees with the merged module
     key = "decoder.layers.0.self_attention.linear_qkv"
     fresh = base_model()
-    w = merge_lora(fresh.state_dict()[key + ".weight"], adapters[key + ".lora_A.weight"],
-                   adapters[key + ".lora_B.weight"], alpha=16, r=4)
+    w = merge_lora(
+        fresh.state_dict()[key + ".weight"],
+        adapters[key + ".lora_A.weight"],
+        adapters[key + ".lora_B.weight"],
+        alpha=16,
+        r=4,
+    )
     torch.testing.assert_close(w, model.state_dict()[key + ".weight"])
 
 

@@ -79,9 +79,15 @@ def unified(tmp_path_factory):
 @pytest.mark.parametrize("rounding", ["fp32", "mindspeed"])
 def test_convert_applies_the_chosen_rounding(unified, rounding):
     root, a, b = unified
-    spec = ConvertSpec(load_model_type="mg", save_model_type="hf", load_dir=str(root / "lora"),
-                       save_dir=str(root / f"out-{rounding}"), lora_r=SCALE_R, lora_alpha=SCALE_ALPHA,
-                       **({} if rounding == "fp32" else {"lora_merge_rounding": rounding}))
+    spec = ConvertSpec(
+        load_model_type="mg",
+        save_model_type="hf",
+        load_dir=str(root / "lora"),
+        save_dir=str(root / f"out-{rounding}"),
+        lora_r=SCALE_R,
+        lora_alpha=SCALE_ALPHA,
+        **({} if rounding == "fp32" else {"lora_merge_rounding": rounding}),
+    )
     assert spec.lora_merge_rounding == rounding
     run(spec, RunDir(root / f"run-{rounding}"))
     base = read_hf(root / "hf")["model.layers.1.mlp.down_proj.weight"]

@@ -23,8 +23,10 @@ def settings(tmp_path: Path) -> Settings:
     return isolated_settings(tmp_path)
 
 
-POINTS = st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["lm_loss", "grad_norm", "mem"]),
-                            st.sampled_from([None, 0, 1, 2])), max_size=60)
+POINTS = st.lists(
+    st.tuples(st.integers(0, 6), st.sampled_from(["lm_loss", "grad_norm", "mem"]), st.sampled_from([None, 0, 1, 2])),
+    max_size=60,
+)
 
 
 def _store(settings: Settings, job_id: str, rows: list[dict[str, Any]]) -> None:
@@ -51,11 +53,18 @@ def _pages(client: TestClient, token: str, job_id: str, limit: int, **params: An
 
 @hsettings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(points=POINTS, limit=st.integers(1, 12), names=st.sampled_from([None, "lm_loss", "lm_loss,mem"]))
-def test_cursor_pages_return_every_point_once(client: TestClient, token: str, settings: Settings,
-                                              points: list[tuple[int, str, int | None]], limit: int,
-                                              names: str | None) -> None:
+def test_cursor_pages_return_every_point_once(
+    client: TestClient,
+    token: str,
+    settings: Settings,
+    points: list[tuple[int, str, int | None]],
+    limit: int,
+    names: str | None,
+) -> None:
     job_id = make_job(settings, team="alpha")
-    rows = [{"job_id": job_id, "step": s, "name": n, "rank": r, "value": float(i)} for i, (s, n, r) in enumerate(points)]
+    rows = [
+        {"job_id": job_id, "step": s, "name": n, "rank": r, "value": float(i)} for i, (s, n, r) in enumerate(points)
+    ]
     _store(settings, job_id, rows)  # inserted out of step order, as ingestion of several ranks does
     wanted = set(names.split(",")) if names else None
     expected = sorted((r["step"], r["value"]) for r in rows if wanted is None or r["name"] in wanted)
@@ -66,8 +75,11 @@ def test_cursor_pages_return_every_point_once(client: TestClient, token: str, se
 
 def test_one_step_larger_than_the_limit_is_not_cut(client: TestClient, token: str, settings: Settings) -> None:
     job_id = make_job(settings, team="alpha")
-    _store(settings, job_id, [{"job_id": job_id, "step": s, "name": f"m{i}", "rank": None, "value": 1.0}
-                              for s in (1, 2) for i in range(19)])
+    _store(
+        settings,
+        job_id,
+        [{"job_id": job_id, "step": s, "name": f"m{i}", "rank": None, "value": 1.0} for s in (1, 2) for i in range(19)],
+    )
     assert len(_pages(client, token, job_id, 5)) == 38
     bad = client.get(f"/v1/jobs/{job_id}/metrics", params={"after": "x:1"}, headers=auth(token))
     assert bad.status_code == 400 and bad.json()["field"] == "after"
@@ -76,8 +88,13 @@ def test_one_step_larger_than_the_limit_is_not_cut(client: TestClient, token: st
 def test_events_filter_by_type(client: TestClient, token: str, settings: Settings) -> None:
     job_id = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
-        session.execute(insert(Event), [{"job_id": job_id, "type": t, "message": t, "data": {}}
-                                        for t in ("progress", "checkpoint", "warning", "checkpoint")])
+        session.execute(
+            insert(Event),
+            [
+                {"job_id": job_id, "type": t, "message": t, "data": {}}
+                for t in ("progress", "checkpoint", "warning", "checkpoint")
+            ],
+        )
         session.commit()
     url = f"/v1/jobs/{job_id}/events"
     only = client.get(url, params={"type": "checkpoint"}, headers=auth(token)).json()["data"]
@@ -86,8 +103,9 @@ def test_events_filter_by_type(client: TestClient, token: str, settings: Setting
     assert [e["type"] for e in two] == ["state", "warning"]  # make_job's "queued" state event, then the warning
 
 
-def test_train_jobs_carry_trained_tokens_and_estimated_finish(client: TestClient, token: str,
-                                                              settings: Settings) -> None:
+def test_train_jobs_carry_trained_tokens_and_estimated_finish(
+    client: TestClient, token: str, settings: Settings
+) -> None:
     from datetime import datetime, timedelta, timezone
 
     from sqlalchemy import update
@@ -97,11 +115,23 @@ def test_train_jobs_carry_trained_tokens_and_estimated_finish(client: TestClient
     job_id = make_job(settings, team="alpha")
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     with session_scope(settings.database_url) as session:
-        session.execute(update(Job).where(Job.id == job_id).values(
-            kind="train", state="running", started_at=start, spec={"kind": "train", "train_iters": 10}))
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(kind="train", state="running", started_at=start, spec={"kind": "train", "train_iters": 10})
+        )
         session.commit()
-    rows = [{"job_id": job_id, "step": s, "name": "tokens", "rank": None, "value": 100.0 * s,
-             "time": start + timedelta(seconds=10 * s)} for s in (1, 2, 2, 3, 4)]  # step 2 twice: a resumed attempt
+    rows = [
+        {
+            "job_id": job_id,
+            "step": s,
+            "name": "tokens",
+            "rank": None,
+            "value": 100.0 * s,
+            "time": start + timedelta(seconds=10 * s),
+        }
+        for s in (1, 2, 2, 3, 4)
+    ]  # step 2 twice: a resumed attempt
     rows.append({"job_id": job_id, "step": 4, "name": "tokens", "rank": 0, "value": 9e9, "time": start})
     _store(settings, job_id, rows)
     job = client.get(f"/v1/jobs/{job_id}", headers=auth(token)).json()

@@ -50,7 +50,8 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
     for s, e in itertools.pairwise(bounds):
         qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # (n, len, d)
         out[s:e] = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1)
+            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True
+        ).transpose(0, 1)
     return out
 
 
@@ -102,8 +103,11 @@ def test_plain_batches_use_the_npu_kernel_as_one_sample_per_row(monkeypatch: pyt
     assert plan_attention(torch.device("cpu"), 1, past_len=4).kernel == "sdpa"  # decoding stays on SDPA
 
 
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=3).filter(
-    lambda rows: len({len(r) for r in rows}) == 1))
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=3).filter(
+        lambda rows: len({len(r) for r in rows}) == 1
+    )
+)
 @settings(max_examples=40, deadline=None)
 def test_block_mask_and_cu_seqlens_describe_the_same_samples(rows: list[list[int]]) -> None:
     seg = torch.tensor(rows)

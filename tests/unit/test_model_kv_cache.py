@@ -30,7 +30,7 @@ def test_incremental_decoding_matches_full_forward(model: Qwen3Model) -> None:
     full = model(ids)
     cache = KVCache(model.cfg, batch_size=1, max_len=16)
     steps = [model(ids[:, :5], kv_cache=cache)]  # prefill
-    steps += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(5, 10)]  # one token at a time
+    steps += [model(ids[:, t : t + 1], kv_cache=cache) for t in range(5, 10)]  # one token at a time
     steps.append(model(ids[:, 10:], kv_cache=cache))  # several new tokens on top of a cache
     assert cache.length == 12
     assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
@@ -44,16 +44,16 @@ def test_left_padded_batch_decodes_like_each_sample_alone(model: Qwen3Model) -> 
     ids = torch.zeros(3, width, dtype=torch.long)
     mask = torch.zeros(3, width, dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
     cache = KVCache(model.cfg, batch_size=3, max_len=width + 4)
     last = [model(ids, attention_mask=mask, kv_cache=cache)[:, -1]]
     for t in range(3):
         mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
-        last.append(model(new_tokens[:, t:t + 1], attention_mask=mask, kv_cache=cache)[:, -1])
+        last.append(model(new_tokens[:, t : t + 1], attention_mask=mask, kv_cache=cache)[:, -1])
     got = torch.stack(last, dim=1)  # (3, 4, V): logits after the prompt and after each forced token
     for row, p in enumerate(prompts):
-        alone = model(torch.cat([p, new_tokens[row, :3]])[None])[0, len(p) - 1:]
+        alone = model(torch.cat([p, new_tokens[row, :3]])[None])[0, len(p) - 1 :]
         assert (got[row] - alone).abs().max().item() <= 1e-5, row
 
 

@@ -60,8 +60,10 @@ def _largest_saved_and_allocated(fn) -> tuple[int, int]:
         saved.append(t.numel())
         return t
 
-    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
-          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         fn()
     biggest_alloc = max(e.self_cpu_memory_usage for e in prof.events())
     return max(saved, default=0), biggest_alloc

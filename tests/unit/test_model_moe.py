@@ -40,7 +40,9 @@ from tests.unit.moe_support import VOCAB, disk_getter, hf_pair
 def test_logits_match_transformers(overrides: dict) -> None:
     hf, ours = hf_pair(**overrides)
     step = overrides.get("decoder_sparse_step", 1)
-    expected_moe = [i for i in range(hf.config.num_hidden_layers) if i not in hf.config.mlp_only_layers and (i + 1) % step == 0]
+    expected_moe = [
+        i for i in range(hf.config.num_hidden_layers) if i not in hf.config.mlp_only_layers and (i + 1) % step == 0
+    ]
     assert list(moe_layers(ours)) == expected_moe and len(expected_moe) < hf.config.num_hidden_layers  # dense mixed in
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():
@@ -143,7 +145,9 @@ def test_aux_loss_value_and_gradient_follow_megatron() -> None:
     router = ours.decoder.layers["0"].mlp.router.weight.grad
     assert router is not None and router.abs().max() > 0
     summary = router_metrics(ours).summary()  # type: ignore[union-attr]
-    assert summary["load_balancing_loss"] == pytest.approx(float(sum(megatron).detach()) / coeff / len(megatron), rel=1e-5)
+    assert summary["load_balancing_loss"] == pytest.approx(
+        float(sum(megatron).detach()) / coeff / len(megatron), rel=1e-5
+    )
 
 
 def test_aux_loss_token_scale_weights_by_routed_tokens() -> None:
@@ -277,7 +281,9 @@ def test_init_weights_seeded_and_meta_device_build() -> None:
     assert fc2.shape == (8, 64, 32)
     assert abs(fc2.std().item() - 0.02 / (2 * cfg.num_layers) ** 0.5) < 0.001
     assert abs(model.decoder.layers["2"].mlp.router.weight.std().item() - 0.02) < 0.003
-    assert isinstance(model.decoder.layers["1"].mlp, torch.nn.Module) and not isinstance(model.decoder.layers["1"].mlp, MoELayer)
+    assert isinstance(model.decoder.layers["1"].mlp, torch.nn.Module) and not isinstance(
+        model.decoder.layers["1"].mlp, MoELayer
+    )
     out = model(torch.randint(0, 1024, (1, 5)))
     assert out.shape == (1, 5, 1024) and torch.isfinite(out).all()
 
@@ -302,7 +308,9 @@ def test_published_moe_presets() -> None:
     assert a3b.moe_layers == list(range(48)) and a3b.expert_ffn_hidden_size == 768
 
 
-@pytest.mark.parametrize("bad", [{"moe_router_topk": 9}, {"moe_layer_freq": (1, 0)}, {"moe_expert_capacity_factor": 0.0}])
+@pytest.mark.parametrize(
+    "bad", [{"moe_router_topk": 9}, {"moe_layer_freq": (1, 0)}, {"moe_expert_capacity_factor": 0.0}]
+)
 def test_bad_moe_config_names_the_field(bad: dict) -> None:
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):

@@ -30,8 +30,14 @@ def _hf_generate(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=[STOP], pad_token_id=PAD)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=[STOP],
+            pad_token_id=PAD,
+        )
     rows = []
     for row in out[:, width:].tolist():
         cut = next((i for i, t in enumerate(row) if t == STOP), len(row))

@@ -11,10 +11,27 @@ from engine.spec import parse_spec
 
 BASE = ["--data-path", "/d/x", "--train-iters", "2", "--lr", "1e-5"]
 MINDSPEED_MOE = [
-    "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768", "--moe-grouped-gemm",
-    "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "1", "--moe-layer-freq", "1",
-    "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001", "--norm-topk-prob",
-    "--moe-expert-capacity-factor", "1.25", "--moe-permutation-async-comm",
+    "--num-experts",
+    "128",
+    "--moe-router-topk",
+    "8",
+    "--moe-ffn-hidden-size",
+    "768",
+    "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--expert-model-parallel-size",
+    "1",
+    "--moe-layer-freq",
+    "1",
+    "--moe-router-load-balancing-type",
+    "aux_loss",
+    "--moe-aux-loss-coeff",
+    "0.001",
+    "--norm-topk-prob",
+    "--moe-expert-capacity-factor",
+    "1.25",
+    "--moe-permutation-async-comm",
 ]
 
 
@@ -34,7 +51,9 @@ def test_expert_parallelism_is_refused_naming_the_field() -> None:
     with pytest.raises(ValidationError, match="expert_model_parallel_size: 2 is not available yet"):
         parse_spec(_train(num_experts=8, expert_model_parallel_size=2, resources={"nproc_per_node": 2}))
     with pytest.raises(ValidationError, match="expert_model_parallel_size"):  # the command line: the same error
-        spec_from_argv("train", BASE + ["--num-experts", "8", "--expert-model-parallel-size", "2", "--nproc-per-node", "2"])
+        spec_from_argv(
+            "train", BASE + ["--num-experts", "8", "--expert-model-parallel-size", "2", "--nproc-per-node", "2"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -65,8 +84,17 @@ def test_bad_moe_fields_are_refused_naming_the_field(fields: dict, message: str)
 
 
 def test_config_from_flags_for_a_new_model() -> None:
-    spec = parse_spec(_train(num_layers=3, num_experts=8, moe_router_topk=2, moe_intermediate_size=32,
-                             moe_layer_freq="[1,0,1]", norm_topk_prob=True, moe_aux_loss_coeff=0.01))
+    spec = parse_spec(
+        _train(
+            num_layers=3,
+            num_experts=8,
+            moe_router_topk=2,
+            moe_intermediate_size=32,
+            moe_layer_freq="[1,0,1]",
+            norm_topk_prob=True,
+            moe_aux_loss_coeff=0.01,
+        )
+    )
     cfg = ModelConfig(3, 64, 128, 4, 2, 16, **moe_fields_from_flags(spec))
     assert cfg.moe_layers == [0, 2] and cfg.expert_ffn_hidden_size == 32 and cfg.norm_topk_prob
     assert cfg.moe_aux_loss_coeff == 0.01 and cfg.moe_expert_capacity_factor is None

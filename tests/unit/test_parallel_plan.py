@@ -35,11 +35,14 @@ def test_stage_layers_even_list_and_virtual() -> None:
     assert stage_layers(8, 2, layers_per_virtual_stage=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@pytest.mark.parametrize(("args", "field"), [
-    ((5, 2), "num_layers"),
-    ((4, 2, [1, 2]), "num_layer_list"),
-    ((6, 2, None, 4), "num_layers_per_virtual_pipeline_stage"),
-])
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ((5, 2), "num_layers"),
+        ((4, 2, [1, 2]), "num_layer_list"),
+        ((6, 2, None, 4), "num_layers_per_virtual_pipeline_stage"),
+    ],
+)
 def test_stage_layers_refuses_uneven_layouts(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         stage_layers(*args)
@@ -93,9 +96,13 @@ def test_tied_last_stage_gets_a_copy_and_checkpoints_skip_it() -> None:
     assert last.embedding is None and list(last.decoder.layers) == ["1"]
     assert last.output_layer is not None and last.cfg.tie_word_embeddings  # the structure marks the copy
     assert torch.equal(last.output_layer.weight, model.embedding.word_embeddings.weight)
-    state = {"model": {"output_layer.weight": torch.ones(1), "decoder.layers.1.x": torch.zeros(1)},
-             "optim": {"state": {"output_layer.weight": {"exp_avg": torch.ones(1)}},
-                       "param_groups": [{"lr": 0.1, "params": ["output_layer.weight", "decoder.layers.1.x"]}]}}
+    state = {
+        "model": {"output_layer.weight": torch.ones(1), "decoder.layers.1.x": torch.zeros(1)},
+        "optim": {
+            "state": {"output_layer.weight": {"exp_avg": torch.ones(1)}},
+            "param_groups": [{"lr": 0.1, "params": ["output_layer.weight", "decoder.layers.1.x"]}],
+        },
+    }
     saved, _ = dcp_state_view(state, last, "save")
     assert "output_layer.weight" not in saved["model"] and saved["optim"]["state"] == {}
     assert saved["optim"]["param_groups"][0]["params"] == ["decoder.layers.1.x"]
@@ -147,9 +154,17 @@ def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp:
         for p in model.parameters():
             p.normal_()
     adapters = lora_state_dict(model)
-    spec = types.SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layer_list=None, seq_length=16,
-                                 num_layers_per_virtual_pipeline_stage=None, lora_r=4, lora_alpha=8.0,
-                                 lora_target_modules=[], load=None)
+    spec = types.SimpleNamespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layer_list=None,
+        seq_length=16,
+        num_layers_per_virtual_pipeline_stage=None,
+        lora_r=4,
+        lora_alpha=8.0,
+        lora_target_modules=[],
+        load=None,
+    )
     it_dir = _write_lora(adapters, cfg, tmp_path, 7, spec, torch.float32)
     names = sorted(p.name for p in it_dir.iterdir())
     assert names == sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp))
@@ -165,8 +180,21 @@ def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp:
 def test_parallel_flags_under_torchrun_see_the_launcher_world(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.flags import spec_from_argv
 
-    argv = ["--data-path", "d", "--train-iters", "1", "--lr", "1e-4", "--tensor-model-parallel-size", "2",
-            "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--num-layer-list", "1,3"]
+    argv = [
+        "--data-path",
+        "d",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--num-layer-list",
+        "1,3",
+    ]
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     spec, _, _ = spec_from_argv("train", argv)

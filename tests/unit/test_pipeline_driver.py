@@ -35,21 +35,56 @@ def settings(tmp_path: Path) -> Settings:
 
 def steps() -> list[dict[str, Any]]:
     return [
-        {"name": "prep", "spec": {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok",
-                                  "output_prefix": "out/x"}},
-        {"name": "tomg", "spec": {"kind": "convert", "load_model_type": "hf", "save_model_type": "mg",
-                                  "load_dir": "hf", "save_dir": "mg"}},
-        {"name": "train", "spec": {"kind": "train", "data_path": "${steps.prep.outputs.data_path}",
-                                   "load": "${steps.tomg.outputs.checkpoint}", "save": "ckpt", "train_iters": 2,
-                                   "lr": 1e-4, "seq_length": 32}},
-        {"name": "tohf", "spec": {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf",
-                                  "load_dir": "${steps.train.outputs.checkpoint}", "save_dir": "final"}},
+        {
+            "name": "prep",
+            "spec": {
+                "kind": "preprocess",
+                "input": "in.jsonl",
+                "tokenizer_name_or_path": "tok",
+                "output_prefix": "out/x",
+            },
+        },
+        {
+            "name": "tomg",
+            "spec": {
+                "kind": "convert",
+                "load_model_type": "hf",
+                "save_model_type": "mg",
+                "load_dir": "hf",
+                "save_dir": "mg",
+            },
+        },
+        {
+            "name": "train",
+            "spec": {
+                "kind": "train",
+                "data_path": "${steps.prep.outputs.data_path}",
+                "load": "${steps.tomg.outputs.checkpoint}",
+                "save": "ckpt",
+                "train_iters": 2,
+                "lr": 1e-4,
+                "seq_length": 32,
+            },
+        },
+        {
+            "name": "tohf",
+            "spec": {
+                "kind": "convert",
+                "load_model_type": "mg",
+                "save_model_type": "hf",
+                "load_dir": "${steps.train.outputs.checkpoint}",
+                "save_dir": "final",
+            },
+        },
     ]
 
 
 def submit(client: TestClient, token: str, **extra: Any) -> dict[str, Any]:
-    response = client.post("/v1/jobs", json={"kind": "pipeline", "name": "p", "metadata": {"team_run": "7"},
-                                             "steps": steps(), **extra}, headers=auth(token))
+    response = client.post(
+        "/v1/jobs",
+        json={"kind": "pipeline", "name": "p", "metadata": {"team_run": "7"}, "steps": steps(), **extra},
+        headers=auth(token),
+    )
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -59,8 +94,11 @@ def finish_child(settings: Settings, job_id: str, state: JobState, outputs: dict
     with session_scope(settings.database_url) as session:
         assert transition(session, job_id, JobState.starting, attempt_count=1)
         assert transition(session, job_id, JobState.running)
-        values: dict[str, Any] = {"result": {"kind": "x", "outputs": outputs or {}, "summary": {}}} \
-            if state is JobState.succeeded else {"error_code": "engine_error", "error_message": "boom"}
+        values: dict[str, Any] = (
+            {"result": {"kind": "x", "outputs": outputs or {}, "summary": {}}}
+            if state is JobState.succeeded
+            else {"error_code": "engine_error", "error_message": "boom"}
+        )
         assert transition(session, job_id, state, **values)
     pipelines.advance_parent(settings, job_id)
 
@@ -77,8 +115,9 @@ def wait_for(read: Callable[[], Any], good: Callable[[Any], bool], timeout_s: fl
     return value
 
 
-def test_submission_leaves_scheduling_to_the_dispatcher(client: TestClient, token: str, settings: Settings,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submission_leaves_scheduling_to_the_dispatcher(
+    client: TestClient, token: str, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """POST commits the pipeline and its first step's child and returns; no scheduling pass runs in the request
     (core.pipelines.dispatch is not called): the API's Dispatcher loop, woken by the submission, dispatches it."""
     in_request: list[str] = []
@@ -91,6 +130,7 @@ def test_submission_leaves_scheduling_to_the_dispatcher(client: TestClient, toke
         with session_scope(settings.database_url) as session:
             child = session.get(Job, child_id)
             return child is not None and child.dispatched_at is not None
+
     assert wait_for(dispatched, bool) and in_request == []
     assert get(client, token, child_id)["pending_reason"].startswith("no live worker serves cpu devices")
 
@@ -98,11 +138,17 @@ def test_submission_leaves_scheduling_to_the_dispatcher(client: TestClient, toke
 def test_steps_run_in_order_with_references_resolved(client: TestClient, token: str, settings: Settings) -> None:
     pipeline = submit(client, token)
     assert [s["state"] for s in pipeline["steps"]] == ["queued", "pending", "pending", "pending"]
-    assert wait_for(lambda: get(client, token, pipeline["id"])["pending_reason"],
-                    lambda reason: reason.startswith("step prep: no live worker serves cpu devices"))
+    assert wait_for(
+        lambda: get(client, token, pipeline["id"])["pending_reason"],
+        lambda reason: reason.startswith("step prep: no live worker serves cpu devices"),
+    )
     data = team_dir(settings, "alpha")
-    outputs = {"prep": {"data_path": str(data / "out/x_packed"), "files": "a"}, "tomg": {"checkpoint": str(data / "mg")},
-               "train": {"checkpoint": str(data / "ckpt")}, "tohf": {"checkpoint": str(data / "final/mg2hf")}}
+    outputs = {
+        "prep": {"data_path": str(data / "out/x_packed"), "files": "a"},
+        "tomg": {"checkpoint": str(data / "mg")},
+        "train": {"checkpoint": str(data / "ckpt")},
+        "tohf": {"checkpoint": str(data / "final/mg2hf")},
+    }
     for index, name in enumerate(outputs):
         view = get(client, token, pipeline["id"])
         step = view["steps"][index]
@@ -118,8 +164,9 @@ def test_steps_run_in_order_with_references_resolved(client: TestClient, token: 
     done = get(client, token, pipeline["id"])
     assert done["state"] == "succeeded" and [s["state"] for s in done["steps"]] == ["succeeded"] * 4
     assert done["result"]["outputs"]["tohf.checkpoint"] == str(data / "final/mg2hf")
-    listed = client.get("/v1/jobs", params={"parent_id": pipeline["id"], "metadata[pipeline_step]": "train"},
-                        headers=auth(token)).json()["data"]
+    listed = client.get(
+        "/v1/jobs", params={"parent_id": pipeline["id"], "metadata[pipeline_step]": "train"}, headers=auth(token)
+    ).json()["data"]
     assert [j["name"] for j in listed] == ["train"]
 
 
@@ -132,7 +179,9 @@ def test_fail_fast_stops_at_the_first_failure(client: TestClient, token: str, se
     assert all(s["job_id"] is None for s in view["steps"][1:])
 
 
-def test_continue_runs_independent_steps_and_skips_dependents(client: TestClient, token: str, settings: Settings) -> None:
+def test_continue_runs_independent_steps_and_skips_dependents(
+    client: TestClient, token: str, settings: Settings
+) -> None:
     pipeline = submit(client, token, on_failure="continue")
     finish_child(settings, pipeline["steps"][0]["job_id"], JobState.failed)
     view = get(client, token, pipeline["id"])
@@ -185,15 +234,19 @@ def test_the_scheduler_never_runs_the_pipeline_row(client: TestClient, token: st
     assert get(client, token, pipeline["steps"][0]["job_id"])["state"] == "starting"
 
 
-@pytest.mark.parametrize(("index", "field", "value", "text"), [
-    (2, "steps.2.spec.load", "${steps.nope.outputs.checkpoint}", "unknown step 'nope'"),
-    (2, "steps.2.spec.data_path", "${steps.tohf.outputs.checkpoint}", "does not run before step 'train'"),
-    (2, "steps.2.spec.load", "${steps.train.outputs.checkpoint}", "does not run before step 'train'"),
-    (3, "steps.3.spec.load_dir", "${steps.train.output.checkpoint}", "malformed reference"),
-    (1, "steps.1.spec.save_dir", "../../etc", "must not contain '..'"),
-])
-def test_reference_errors_are_422_naming_the_field(client: TestClient, token: str, index: int, field: str, value: str,
-                                                   text: str) -> None:
+@pytest.mark.parametrize(
+    ("index", "field", "value", "text"),
+    [
+        (2, "steps.2.spec.load", "${steps.nope.outputs.checkpoint}", "unknown step 'nope'"),
+        (2, "steps.2.spec.data_path", "${steps.tohf.outputs.checkpoint}", "does not run before step 'train'"),
+        (2, "steps.2.spec.load", "${steps.train.outputs.checkpoint}", "does not run before step 'train'"),
+        (3, "steps.3.spec.load_dir", "${steps.train.output.checkpoint}", "malformed reference"),
+        (1, "steps.1.spec.save_dir", "../../etc", "must not contain '..'"),
+    ],
+)
+def test_reference_errors_are_422_naming_the_field(
+    client: TestClient, token: str, index: int, field: str, value: str, text: str
+) -> None:
     body = steps()
     body[index]["spec"][field.rsplit(".", 1)[1]] = value
     response = client.post("/v1/jobs", json={"kind": "pipeline", "steps": body}, headers=auth(token))
@@ -217,8 +270,9 @@ def test_nested_spec_errors_name_the_step_field(client: TestClient, token: str) 
 def test_missing_output_at_run_time_fails_the_pipeline(client: TestClient, token: str, settings: Settings) -> None:
     pipeline = submit(client, token)
     finish_child(settings, pipeline["steps"][0]["job_id"], JobState.succeeded, {"output_prefix": "/d"})
-    finish_child(settings, get(client, token, pipeline["id"])["steps"][1]["job_id"], JobState.succeeded,
-                 {"checkpoint": "/mg"})
+    finish_child(
+        settings, get(client, token, pipeline["id"])["steps"][1]["job_id"], JobState.succeeded, {"checkpoint": "/mg"}
+    )
     view = get(client, token, pipeline["id"])
     assert view["state"] == "failed" and view["error"]["code"] == "step_invalid"
     assert "step prep has no output 'data_path' (its outputs: output_prefix)" in view["error"]["message"]

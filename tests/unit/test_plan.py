@@ -17,16 +17,35 @@ from engine.plan.memory import MIB, in_flight
 from engine.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN3_4B = {"num_layers": 36, "hidden_size": 2560, "ffn_hidden_size": 9728, "num_attention_heads": 32,
-            "group_query_attention": True, "num_query_groups": 8, "kv_channels": 128, "padded_vocab_size": 151936}
+QWEN3_4B = {
+    "num_layers": 36,
+    "hidden_size": 2560,
+    "ffn_hidden_size": 9728,
+    "num_attention_heads": 32,
+    "group_query_attention": True,
+    "num_query_groups": 8,
+    "kv_channels": 128,
+    "padded_vocab_size": 151936,
+}
 
 
 def seed_full(**extra: Any) -> dict[str, Any]:
     """The seed's full-SFT line: TP1 PP2 on 2 devices, MBS 8, GBS 128, seq 800, bf16, distributed optimizer."""
-    return {"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-6, "bf16": True, "seq_length": 800,
-            "micro_batch_size": 8, "global_batch_size": 128, "pipeline_model_parallel_size": 2,
-            "use_distributed_optimizer": True, "resources": {"device_type": "npu", "nproc_per_node": 2},
-            **QWEN3_4B, **extra}
+    return {
+        "kind": "train",
+        "data_path": ["d"],
+        "train_iters": 1,
+        "lr": 1e-6,
+        "bf16": True,
+        "seq_length": 800,
+        "micro_batch_size": 8,
+        "global_batch_size": 128,
+        "pipeline_model_parallel_size": 2,
+        "use_distributed_optimizer": True,
+        "resources": {"device_type": "npu", "nproc_per_node": 2},
+        **QWEN3_4B,
+        **extra,
+    }
 
 
 def test_seed_weight_and_optimizer_matches_megatron() -> None:
@@ -41,8 +60,9 @@ def test_seed_weight_and_optimizer_matches_megatron() -> None:
 
 def test_distributed_optimizer_shards_fp32_state_over_dp() -> None:
     one = plan_spec(parse_spec(seed_full(resources={"device_type": "npu", "nproc_per_node": 2}))).ranks[0]
-    four = plan_spec(parse_spec(seed_full(global_batch_size=128,
-                                          resources={"device_type": "npu", "nproc_per_node": 8}))).ranks[0]
+    four = plan_spec(
+        parse_spec(seed_full(global_batch_size=128, resources={"device_type": "npu", "nproc_per_node": 8}))
+    ).ranks[0]
     assert four.params == one.params  # bf16 compute weights stay whole (gathered for the PP step)
     for part in ("main_params", "grads", "optimizer"):
         assert getattr(four, part) * 4 == pytest.approx(getattr(one, part), rel=1e-6)
@@ -71,8 +91,9 @@ def test_recompute_and_micro_batch_scale_activations() -> None:
 def test_interleaved_schedule_holds_megatron_warmup_chunks() -> None:
     lay = Layout(world_size=4, pp=4, micro_batch_size=1, global_batch_size=8, layers_per_virtual_stage=1)
     assert [in_flight(lay, p, chunks=2) for p in range(4)] == [11, 9, 7, 5]
-    ranks = plan_ranks(preset("qwen3-tiny"), Layout(world_size=2, pp=2, global_batch_size=4,
-                                                    layers_per_virtual_stage=1))
+    ranks = plan_ranks(
+        preset("qwen3-tiny"), Layout(world_size=2, pp=2, global_batch_size=4, layers_per_virtual_stage=1)
+    )
     assert [r.layers for r in ranks] == [[0], [1]]
 
 
@@ -89,32 +110,82 @@ def test_does_not_fit_names_the_field_and_gives_the_breakdown() -> None:
 
 
 def test_split_torchrun_takes_world_size_from_launcher() -> None:
-    flags, res, script = split_torchrun(["torchrun", "--nproc_per_node", "4", "--nnodes=2", "--master_port", "6000",
-                                         "posttrain_gpt.py", "--bf16", "--seq-length", "8"])
+    flags, res, script = split_torchrun(
+        [
+            "torchrun",
+            "--nproc_per_node",
+            "4",
+            "--nnodes=2",
+            "--master_port",
+            "6000",
+            "posttrain_gpt.py",
+            "--bf16",
+            "--seq-length",
+            "8",
+        ]
+    )
     assert res == {"nproc_per_node": 4, "nnodes": 2} and script == "posttrain_gpt.py"
     assert flags == ["--bf16", "--seq-length", "8"]
 
 
 def test_shape_from_hf_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(preset("qwen3-0.6b").to_hf()))
-    spec = parse_spec({"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64,
-                       "load": str(tmp_path)})
+    spec = parse_spec(
+        {"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64, "load": str(tmp_path)}
+    )
     plan = plan_spec(spec)
     assert plan.cfg == preset("qwen3-0.6b").replace(max_position_embeddings=plan.cfg.max_position_embeddings)
     assert plan.source.startswith("checkpoint")
 
 
 def test_cli_prints_table_and_json_last_line_without_torch() -> None:
-    code = ("import sys, runpy; sys.argv = ['engine', 'plan'] + sys.argv[1:]; "
-            "from engine.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'planner imported torch'; raise SystemExit(rc)")
-    line = ["torchrun", "--nproc_per_node", "2", "posttrain_gpt.py", "--num-layers", "36", "--hidden-size", "2560",
-            "--ffn-hidden-size", "9728", "--num-attention-heads", "32", "--group-query-attention",
-            "--num-query-groups", "8", "--kv-channels", "128", "--padded-vocab-size", "151936", "--bf16",
-            "--seq-length", "800", "--micro-batch-size", "8", "--global-batch-size", "128",
-            "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--data-path", "x"]
-    proc = subprocess.run([sys.executable, "-c", code, *line], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys, runpy; sys.argv = ['engine', 'plan'] + sys.argv[1:]; "
+        "from engine.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'planner imported torch'; raise SystemExit(rc)"
+    )
+    line = [
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "posttrain_gpt.py",
+        "--num-layers",
+        "36",
+        "--hidden-size",
+        "2560",
+        "--ffn-hidden-size",
+        "9728",
+        "--num-attention-heads",
+        "32",
+        "--group-query-attention",
+        "--num-query-groups",
+        "8",
+        "--kv-channels",
+        "128",
+        "--padded-vocab-size",
+        "151936",
+        "--bf16",
+        "--seq-length",
+        "800",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "128",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--data-path",
+        "x",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *line],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["rank"] for r in last["ranks"]] == [0, 1]
@@ -133,12 +204,28 @@ def test_shape_from_megatron_args_without_torch(tmp_path: Path) -> None:
     cfg = preset("qwen3-tiny")
     save_mcore(Qwen3Model(cfg).state_dict(), cfg, tmp_path / "mg", tp=1, pp=2, dtype=torch.bfloat16)
     got = config_from_checkpoint(tmp_path / "mg")
-    assert got is not None and got.replace(norm_epsilon=cfg.norm_epsilon, rotary_base=cfg.rotary_base,
-                                           max_position_embeddings=cfg.max_position_embeddings,
-                                           init_method_std=cfg.init_method_std) == cfg
-    spec = parse_spec({"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 0.1, "seq_length": 64,
-                       "load": str(tmp_path / "mg"), "pipeline_model_parallel_size": 2,
-                       "resources": {"nproc_per_node": 2}})
+    assert (
+        got is not None
+        and got.replace(
+            norm_epsilon=cfg.norm_epsilon,
+            rotary_base=cfg.rotary_base,
+            max_position_embeddings=cfg.max_position_embeddings,
+            init_method_std=cfg.init_method_std,
+        )
+        == cfg
+    )
+    spec = parse_spec(
+        {
+            "kind": "train",
+            "data_path": ["d"],
+            "train_iters": 1,
+            "lr": 0.1,
+            "seq_length": 64,
+            "load": str(tmp_path / "mg"),
+            "pipeline_model_parallel_size": 2,
+            "resources": {"nproc_per_node": 2},
+        }
+    )
     assert plan_spec(spec).source.startswith("checkpoint")
 
 
@@ -162,9 +249,20 @@ def test_unpickler_refuses_to_call_anything(tmp_path: Path) -> None:
 
 
 def test_eval_holds_weights_and_kv_cache_only() -> None:
-    spec = parse_spec({"kind": "eval", "load": "none", "eval_data_path": "x", "bf16": True, "seq_length": 1024,
-                       "max_new_tokens": 128, "micro_batch_size": 4, "pipeline_model_parallel_size": 2,
-                       "resources": {"nproc_per_node": 2}, **QWEN3_4B})
+    spec = parse_spec(
+        {
+            "kind": "eval",
+            "load": "none",
+            "eval_data_path": "x",
+            "bf16": True,
+            "seq_length": 1024,
+            "max_new_tokens": 128,
+            "micro_batch_size": 4,
+            "pipeline_model_parallel_size": 2,
+            "resources": {"nproc_per_node": 2},
+            **QWEN3_4B,
+        }
+    )
     ranks = plan_spec(spec).ranks
     assert ranks[0].grads == ranks[0].optimizer == ranks[0].main_params == ranks[0].optimizer_step == 0
     assert ranks[0].params == ranks[0].num_params * 2

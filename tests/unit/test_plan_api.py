@@ -29,11 +29,28 @@ def register(settings: Settings, memory_gib: float | None) -> None:
 
 
 def qwen3_4b(**extra: Any) -> dict[str, Any]:
-    return {"kind": "train", "data_path": ["d"], "train_iters": 10, "lr": 1e-6, "bf16": True, "seq_length": 800,
-            "micro_batch_size": 8, "global_batch_size": 128, "pipeline_model_parallel_size": 2,
-            "use_distributed_optimizer": True, "num_layers": 36, "hidden_size": 2560, "ffn_hidden_size": 9728,
-            "num_attention_heads": 32, "group_query_attention": True, "num_query_groups": 8, "kv_channels": 128,
-            "padded_vocab_size": 151936, "resources": {"device_type": "npu", "nproc_per_node": 2}, **extra}
+    return {
+        "kind": "train",
+        "data_path": ["d"],
+        "train_iters": 10,
+        "lr": 1e-6,
+        "bf16": True,
+        "seq_length": 800,
+        "micro_batch_size": 8,
+        "global_batch_size": 128,
+        "pipeline_model_parallel_size": 2,
+        "use_distributed_optimizer": True,
+        "num_layers": 36,
+        "hidden_size": 2560,
+        "ffn_hidden_size": 9728,
+        "num_attention_heads": 32,
+        "group_query_attention": True,
+        "num_query_groups": 8,
+        "kv_channels": 128,
+        "padded_vocab_size": 151936,
+        "resources": {"device_type": "npu", "nproc_per_node": 2},
+        **extra,
+    }
 
 
 def test_too_big_micro_batch_is_refused_with_breakdown(client: TestClient, token: str, settings: Settings) -> None:
@@ -60,10 +77,21 @@ def test_hosts_without_registered_memory_are_not_checked(client: TestClient, tok
 def test_qwen3_235b_a22b_on_small_devices_is_refused(client: TestClient, token: str, settings: Settings) -> None:
     """An MoE spec is sized with every expert: 235B-A22B on 8 × 64 GiB does not fit (weights and optimizer alone)."""
     register(settings, 64)
-    spec = qwen3_4b(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=8, num_layers=94,
-                    hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64, num_query_groups=4,
-                    untie_embeddings_and_output_weights=True, num_experts=128, moe_router_topk=8,
-                    moe_ffn_hidden_size=1536, resources={"device_type": "npu", "nproc_per_node": 8})
+    spec = qwen3_4b(
+        pipeline_model_parallel_size=1,
+        micro_batch_size=1,
+        global_batch_size=8,
+        num_layers=94,
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_attention_heads=64,
+        num_query_groups=4,
+        untie_embeddings_and_output_weights=True,
+        num_experts=128,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=1536,
+        resources={"device_type": "npu", "nproc_per_node": 8},
+    )
     response = client.post("/v1/jobs", json=spec, headers=auth(token))
     assert response.status_code == 422, response.text
     body = response.json()

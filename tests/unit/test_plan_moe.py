@@ -17,25 +17,49 @@ from engine.plan.shape import config_from_checkpoint
 from engine.spec import parse_spec
 
 # Qwen/Qwen3-235B-A22B config.json as Megatron flags
-QWEN3_235B = {"num_layers": 94, "hidden_size": 4096, "ffn_hidden_size": 12288, "num_attention_heads": 64,
-              "group_query_attention": True, "num_query_groups": 4, "kv_channels": 128, "padded_vocab_size": 151936,
-              "untie_embeddings_and_output_weights": True, "num_experts": 128, "moe_router_topk": 8,
-              "moe_ffn_hidden_size": 1536, "norm_topk_prob": True, "moe_aux_loss_coeff": 0.001}
+QWEN3_235B = {
+    "num_layers": 94,
+    "hidden_size": 4096,
+    "ffn_hidden_size": 12288,
+    "num_attention_heads": 64,
+    "group_query_attention": True,
+    "num_query_groups": 4,
+    "kv_channels": 128,
+    "padded_vocab_size": 151936,
+    "untie_embeddings_and_output_weights": True,
+    "num_experts": 128,
+    "moe_router_topk": 8,
+    "moe_ffn_hidden_size": 1536,
+    "norm_topk_prob": True,
+    "moe_aux_loss_coeff": 0.001,
+}
 
 
 def moe_spec(**extra: Any) -> dict[str, Any]:
-    return {"kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-6, "bf16": True, "seq_length": 4096,
-            "micro_batch_size": 1, "use_distributed_optimizer": True,
-            "resources": {"device_type": "npu", "nproc_per_node": 8}, **QWEN3_235B, **extra}
+    return {
+        "kind": "train",
+        "data_path": ["d"],
+        "train_iters": 1,
+        "lr": 1e-6,
+        "bf16": True,
+        "seq_length": 4096,
+        "micro_batch_size": 1,
+        "use_distributed_optimizer": True,
+        "resources": {"device_type": "npu", "nproc_per_node": 8},
+        **QWEN3_235B,
+        **extra,
+    }
 
 
 def test_published_moe_sizes() -> None:
     """Qwen3-30B-A3B: 30.5B total, 3.3B active; Qwen3-235B-A22B: 235B total, 22B active (their model cards)."""
     small, big = preset("qwen3-30b-a3b"), preset("qwen3-235b-a22b")
     assert small.num_params() == pytest.approx(30.5e9, rel=0.01) and small.num_params(active=True) == pytest.approx(
-        3.3e9, rel=0.03)
+        3.3e9, rel=0.03
+    )
     assert big.num_params() == pytest.approx(235e9, rel=0.01) and big.num_params(active=True) == pytest.approx(
-        22e9, rel=0.02)
+        22e9, rel=0.02
+    )
     assert {"qwen3-30b-a3b", "qwen3-235b-a22b"} <= PRESETS.keys()
 
 
@@ -43,9 +67,12 @@ def test_flags_give_the_moe_shape_and_every_expert_is_held() -> None:
     plan = plan_spec(parse_spec(moe_spec()))
     cfg = plan.cfg
     # the spec's flags as the trainer reads them (norm epsilon and RoPE base from the flags: no memory effect)
-    assert cfg == preset("qwen3-235b-a22b").replace(max_position_embeddings=cfg.max_position_embeddings,
-                                                    init_method_std=cfg.init_method_std,
-                                                    norm_epsilon=cfg.norm_epsilon, rotary_base=cfg.rotary_base)
+    assert cfg == preset("qwen3-235b-a22b").replace(
+        max_position_embeddings=cfg.max_position_embeddings,
+        init_method_std=cfg.init_method_std,
+        norm_epsilon=cfg.norm_epsilon,
+        rotary_base=cfg.rotary_base,
+    )
     # DP 8, TP 1, PP 1: every rank holds the whole model's parameters (FSDP shards the fp32 state over DP)
     assert plan.ranks[0].num_params == cfg.num_params()
     assert plan.ranks[0].main_params == cfg.num_params() * 4 // 8

@@ -32,7 +32,9 @@ def samples(text: str) -> dict[str, list[Sample]]:
 
 def value(found: dict[str, list[Sample]], name: str, **labels: str) -> float:
     family = name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
-    return sum(s.value for s in found[family] if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value for s in found[family] if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def seed_cluster(settings: Settings) -> str:
@@ -45,16 +47,36 @@ def seed_cluster(settings: Settings) -> str:
         job = session.get(Job, running)
         assert job is not None
         job.state, job.heartbeat_at = "running", now
-        session.add(Host(name="h1", device_type="cpu", devices=2, device_ids=[0, 1], queue="host.h1", state="up",
-                         info={}, heartbeat_at=now - timedelta(seconds=7)))
+        session.add(
+            Host(
+                name="h1",
+                device_type="cpu",
+                devices=2,
+                device_ids=[0, 1],
+                queue="host.h1",
+                state="up",
+                info={},
+                heartbeat_at=now - timedelta(seconds=7),
+            )
+        )
         session.add(Lease(host="h1", device=0, job_id=running, team="t", attempt=1, node_rank=0))
         session.add(MetricPoint(job_id=running, step=1, name="lm_loss", value=1.0, time=now - timedelta(seconds=4)))
         hook = Webhook(team="t", url="https://example.com/h", events=["job.succeeded"], secret="sealed", cursor=0)
         session.add(hook)
         session.flush()
         event = session.scalars(select(Event.id).where(Event.job_id == running)).first()
-        session.add(WebhookDelivery(id="msg_1", webhook_id=hook.id, event_id=event, job_id=running, type="job.succeeded",
-                                    payload={}, state="delivered", created_at=now))
+        session.add(
+            WebhookDelivery(
+                id="msg_1",
+                webhook_id=hook.id,
+                event_id=event,
+                job_id=running,
+                type="job.succeeded",
+                payload={},
+                state="delivered",
+                created_at=now,
+            )
+        )
     return running
 
 
@@ -76,7 +98,9 @@ def test_admin_scrape_parses_with_the_clients_parser(settings: Settings) -> None
     assert value(found, "llmjobs_jobs", state="queued", kind="preprocess") == 2
     assert value(found, "llmjobs_jobs", state="running", kind="preprocess") == 1
     assert 59 <= value(found, "llmjobs_queue_oldest_wait_seconds", queue="llmjobs.cpu") < 120
-    assert value(found, "llmjobs_device_leases", host="h1") == 1 and value(found, "llmjobs_host_devices", host="h1") == 2
+    assert (
+        value(found, "llmjobs_device_leases", host="h1") == 1 and value(found, "llmjobs_host_devices", host="h1") == 2
+    )
     assert 6 <= value(found, "llmjobs_host_heartbeat_age_seconds", host="h1") < 60
     assert 3.5 <= value(found, "llmjobs_ingest_lag_seconds") < 10
     assert value(found, "llmjobs_webhook_deliveries", state="delivered") == 1

@@ -62,14 +62,33 @@ def test_node_plan_exposes_exactly_the_leased_devices_and_the_rendezvous(tmp_pat
     from worker.leases import NODE_ENV
     from worker.node import NodeWork, node_plan
 
-    spec = {"kind": "preprocess", "input": "a", "tokenizer_name_or_path": "t", "output_prefix": "o",
-            "resources": {"device_type": "npu", "nnodes": 2, "nproc_per_node": 2}}
-    work = NodeWork(node_id=7, job_id="j1", attempt=3, node_rank=1, nnodes=2, spec=spec, run_dir=tmp_path,
-                    devices=[4, 6], master_addr="10.0.0.1", master_port=29611)
+    spec = {
+        "kind": "preprocess",
+        "input": "a",
+        "tokenizer_name_or_path": "t",
+        "output_prefix": "o",
+        "resources": {"device_type": "npu", "nnodes": 2, "nproc_per_node": 2},
+    }
+    work = NodeWork(
+        node_id=7,
+        job_id="j1",
+        attempt=3,
+        node_rank=1,
+        nnodes=2,
+        spec=spec,
+        run_dir=tmp_path,
+        devices=[4, 6],
+        master_addr="10.0.0.1",
+        master_port=29611,
+    )
     plan = node_plan(work)
     assert plan.env["ASCEND_RT_VISIBLE_DEVICES"] == "4,6"
     assert plan.env[NODE_ENV] == "j1:3:1"
     argv = " ".join(plan.argv)
-    assert "--nnodes 2 --node-rank 1" in argv and "--rdzv-endpoint 10.0.0.1:29611" in argv and "--nproc-per-node 2" in argv
+    assert (
+        "--nnodes 2 --node-rank 1" in argv and "--rdzv-endpoint 10.0.0.1:29611" in argv and "--nproc-per-node 2" in argv
+    )
     cpu = node_plan(NodeWork(7, "j1", 1, 0, 1, {**spec, "resources": {"nproc_per_node": 2}}, tmp_path, [2, 3], "h", 1))
-    assert cpu.env["LLMJOBS_DEVICES"] == "2,3" and "--standalone" in cpu.argv  # CPU: the leased slots, no device variable
+    assert (
+        cpu.env["LLMJOBS_DEVICES"] == "2,3" and "--standalone" in cpu.argv
+    )  # CPU: the leased slots, no device variable

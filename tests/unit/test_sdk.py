@@ -64,16 +64,32 @@ def finished_job(settings: Settings) -> str:
     output = settings.data_roots[0] / "out.bin"
     output.write_bytes(bytes(range(256)) * 40)
     with session_scope(settings.database_url) as session:
-        session.execute(insert(MetricPoint), [{"job_id": job_id, "step": s, "name": f"m{i}", "value": float(s * 10 + i),
-                                               "rank": None} for s in (1, 2, 3) for i in range(7)])
-        session.execute(insert(LogLine), [{"job_id": job_id, "stream": st, "seq": i, "text": f"{st} {i}"}
-                                          for st in ("launcher", "rank0") for i in range(5)])
-        session.execute(insert(Artifact), [{"job_id": job_id, "name": "out", "path": str(output), "files": [],
-                                            "size_bytes": output.stat().st_size}])
+        session.execute(
+            insert(MetricPoint),
+            [
+                {"job_id": job_id, "step": s, "name": f"m{i}", "value": float(s * 10 + i), "rank": None}
+                for s in (1, 2, 3)
+                for i in range(7)
+            ],
+        )
+        session.execute(
+            insert(LogLine),
+            [
+                {"job_id": job_id, "stream": st, "seq": i, "text": f"{st} {i}"}
+                for st in ("launcher", "rank0")
+                for i in range(5)
+            ],
+        )
+        session.execute(
+            insert(Artifact),
+            [{"job_id": job_id, "name": "out", "path": str(output), "files": [], "size_bytes": output.stat().st_size}],
+        )
         session.commit()
         for state in (JobState.starting, JobState.running):
             assert transition(session, job_id, state)
-        assert transition(session, job_id, JobState.succeeded, result={"kind": "preprocess", "outputs": {}, "summary": {}})
+        assert transition(
+            session, job_id, JobState.succeeded, result={"kind": "preprocess", "outputs": {}, "summary": {}}
+        )
     return job_id
 
 
@@ -86,11 +102,17 @@ def test_jobs_round_trip_with_uploaded_inputs(client: Client, settings: Settings
     tokenizer.mkdir()
     (tokenizer / "tokenizer_config.json").write_text("{}")
     assert [f["path"] for f in client.upload_dir(tokenizer, "demo/tok")] == ["demo/tok/tokenizer_config.json"]
-    assert [f["path"] for f in client.files(prefix="demo", page_size=1)] == ["demo/in.jsonl",
-                                                                              "demo/tok/tokenizer_config.json"]
+    assert [f["path"] for f in client.files(prefix="demo", page_size=1)] == [
+        "demo/in.jsonl",
+        "demo/tok/tokenizer_config.json",
+    ]
     tok_dir = str(Path(uploaded["server_path"]).parent / "tok")
-    spec = {"kind": "preprocess", "input": uploaded["server_path"], "tokenizer_name_or_path": tok_dir,
-            "output_prefix": "out/x"}
+    spec = {
+        "kind": "preprocess",
+        "input": uploaded["server_path"],
+        "tokenizer_name_or_path": tok_dir,
+        "output_prefix": "out/x",
+    }
     ids = [client.create_job({**spec, "name": f"j{i}"})["id"] for i in range(5)]
     replay = client.create_job(json.dumps(spec), idempotency_key="k1")
     assert client.create_job(spec, idempotency_key="k1")["id"] == replay["id"]
@@ -115,8 +137,9 @@ def test_jobs_round_trip_with_uploaded_inputs(client: Client, settings: Settings
 
 def test_typed_errors_carry_code_and_field(client: Client, app: FastAPI) -> None:
     with pytest.raises(ValidationError) as invalid:
-        client.create_job({"kind": "preprocess", "input": "x", "tokenizer_name_or_path": "t", "output_prefix": "o",
-                           "train_iterz": 3})
+        client.create_job(
+            {"kind": "preprocess", "input": "x", "tokenizer_name_or_path": "t", "output_prefix": "o", "train_iterz": 3}
+        )
     assert invalid.value.status == 422 and invalid.value.field == "train_iterz" and invalid.value.errors
     with pytest.raises(ValidationError) as kind:
         client.jobs_page(state="runing")
@@ -173,8 +196,9 @@ class _Broken(httpx.AsyncByteStream):
         raise httpx.ReadError("connection dropped")
 
 
-def test_stream_resumes_after_a_dropped_connection(client: Client, settings: Settings, app: FastAPI,
-                                                  token: str) -> None:
+def test_stream_resumes_after_a_dropped_connection(
+    client: Client, settings: Settings, app: FastAPI, token: str
+) -> None:
     job_id = finished_job(settings)
     whole = list(client.stream(job_id))
     assert whole[-1].event == "end" and {m.event for m in whole} >= {"state", "metric", "log"}
@@ -182,8 +206,9 @@ def test_stream_resumes_after_a_dropped_connection(client: Client, settings: Set
     dropping = DropOnce(httpx.ASGITransport(app=app))
 
     async def follow() -> list[StreamMessage]:
-        async with AsyncClient(http=httpx.AsyncClient(transport=dropping, base_url="http://test",
-                                                      headers=auth(token))) as flaky:
+        async with AsyncClient(
+            http=httpx.AsyncClient(transport=dropping, base_url="http://test", headers=auth(token))
+        ) as flaky:
             return [m async for m in flaky.stream(job_id)]
 
     assert asyncio.run(follow()) == whole  # nothing lost, nothing repeated
@@ -197,8 +222,9 @@ def test_async_client(app: FastAPI, settings: Settings, token: str, tmp_path: Pa
 
     async def scenario() -> dict[str, Any]:
         transport = httpx.ASGITransport(app=app)
-        async with AsyncClient(http=httpx.AsyncClient(transport=transport, base_url="http://test",
-                                                      headers=auth(token))) as client:
+        async with AsyncClient(
+            http=httpx.AsyncClient(transport=transport, base_url="http://test", headers=auth(token))
+        ) as client:
             uploaded = await client.upload(local, "async/a.txt")
             with pytest.raises(Conflict):
                 await client.upload(local, "async/a.txt")
@@ -215,6 +241,13 @@ def test_async_client(app: FastAPI, settings: Settings, token: str, tmp_path: Pa
 
     with TestClient(app):  # runs the app's lifespan
         got = asyncio.run(scenario())
-    assert got == {"sha": hashlib.sha256(local.read_bytes()).hexdigest(), "jobs": [job_id], "job": "succeeded",
-                   "metrics": 21, "logs": [f"rank0 {i}" for i in range(5)], "stream": "end", "bytes": 256 * 40,
-                   "files": ["async/a.txt"]}
+    assert got == {
+        "sha": hashlib.sha256(local.read_bytes()).hexdigest(),
+        "jobs": [job_id],
+        "job": "succeeded",
+        "metrics": 21,
+        "logs": [f"rank0 {i}" for i in range(5)],
+        "stream": "end",
+        "bytes": 256 * 40,
+        "files": ["async/a.txt"],
+    }

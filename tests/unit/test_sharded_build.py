@@ -28,8 +28,17 @@ from engine.train.model_setup import build_rank_model, open_load
 def _cfg(tied: bool, moe: bool = False) -> ModelConfig:
     # odd sizes on purpose: rows * cols not a multiple of 16, chunks that end mid-way; MoE: layer 1 dense
     experts = {"num_experts": 5, "moe_router_topk": 2, "moe_ffn_hidden_size": 10, "moe_layer_freq": (1, 0, 1)}
-    return ModelConfig(num_layers=3, hidden_size=24, ffn_hidden_size=40, num_attention_heads=4, num_query_groups=2,
-                       kv_channels=6, vocab_size=68, tie_word_embeddings=tied, **(experts if moe else {}))
+    return ModelConfig(
+        num_layers=3,
+        hidden_size=24,
+        ffn_hidden_size=40,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=6,
+        vocab_size=68,
+        tie_word_embeddings=tied,
+        **(experts if moe else {}),
+    )
 
 
 @pytest.mark.parametrize("chunk", [1 << 22, 64, 48])
@@ -47,8 +56,9 @@ def test_seeded_pieces_equal_the_full_init(tied: bool, moe: bool, chunk: int, mo
             for key, value in full.items():
                 got = (lora if ".lora_" in key else base).get_native_shard(key, tp, rank)
                 assert torch.equal(got, shard(value, split_rule(key), tp, rank)), (key, tp, rank)
-    assert not torch.equal(SeededInit(cfg, 4).get_native(modules[0] + ".weight"),
-                           full[modules[0] + ".weight"])  # another seed, other numbers
+    assert not torch.equal(
+        SeededInit(cfg, 4).get_native(modules[0] + ".weight"), full[modules[0] + ".weight"]
+    )  # another seed, other numbers
 
 
 @pytest.fixture
@@ -60,15 +70,27 @@ def one_rank_group():
 
 def _spec(lora: bool) -> TrainSpec:
     extra = {"lora_r": 4, "lora_alpha": 8.0} if lora else {}
-    return TrainSpec.model_validate({"kind": "train", "data_path": ["unused"], "train_iters": 1, "lr": 1e-3,
-                                     "seq_length": 16, "micro_batch_size": 1, "seed": 9, **extra})
+    return TrainSpec.model_validate(
+        {
+            "kind": "train",
+            "data_path": ["unused"],
+            "train_iters": 1,
+            "lr": 1e-3,
+            "seq_length": 16,
+            "micro_batch_size": 1,
+            "seed": 9,
+            **extra,
+        }
+    )
 
 
 @pytest.mark.parametrize("src", ["init", "hf", "mcore"])
-@pytest.mark.parametrize("tied,lora,moe", [(True, False, False), (False, True, False), (False, False, True),
-                                           (False, True, True)])
-def test_one_process_build_equals_full_build(one_rank_group: None, tmp_path: Path, src: str, tied: bool,
-                                             lora: bool, moe: bool) -> None:
+@pytest.mark.parametrize(
+    "tied,lora,moe", [(True, False, False), (False, True, False), (False, False, True), (False, True, True)]
+)
+def test_one_process_build_equals_full_build(
+    one_rank_group: None, tmp_path: Path, src: str, tied: bool, lora: bool, moe: bool
+) -> None:
     cfg, spec = _cfg(tied, moe), _spec(lora)
     mesh = build_mesh(Device("cpu"), ParallelDims())
     old = Qwen3Model(cfg)

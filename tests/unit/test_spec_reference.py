@@ -33,15 +33,22 @@ def _spec_models() -> list[type[BaseModel]]:
             continue
         seen.append(model)
         for field in model.model_fields.values():
-            todo += [a for a in (field.annotation, *get_args(field.annotation))
-                     if isinstance(a, type) and issubclass(a, BaseModel)]
+            todo += [
+                a
+                for a in (field.annotation, *get_args(field.annotation))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
     return seen
 
 
 def test_every_spec_field_has_a_description() -> None:
     """The README reference and the OpenAPI document show it: units, default, the MindSpeed flag mirrored."""
-    bare = [f"{m.__name__}.{name}" for m in _spec_models() for name, field in m.model_fields.items()
-            if not (field.description or "").strip()]
+    bare = [
+        f"{m.__name__}.{name}"
+        for m in _spec_models()
+        for name, field in m.model_fields.items()
+        if not (field.description or "").strip()
+    ]
     assert bare == [], f"spec fields without a description: {bare}"
 
 

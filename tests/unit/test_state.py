@@ -61,7 +61,9 @@ def test_no_state_machine_leaves_a_terminal_state(machine: type) -> None:
 def test_node_and_delivery_paths() -> None:
     launched = [NodeState.assigned, NodeState.launching, NodeState.running, NodeState.exited]
     assert all(can_transition(a, b) for a, b in itertools.pairwise(launched))
-    assert can_transition(NodeState.assigned, NodeState.dropped) and not can_transition(NodeState.running, NodeState.dropped)
+    assert can_transition(NodeState.assigned, NodeState.dropped) and not can_transition(
+        NodeState.running, NodeState.dropped
+    )
     assert can_transition(NodeState.running, NodeState.lost) and not can_transition(NodeState.exited, NodeState.lost)
     assert sources(NodeState.exited) == ["launching", "running"]
     assert sources(NodeState.lost, only_from=NODE_STARTED) == ["launching", "running"]

@@ -26,7 +26,9 @@ def _start(tmp_path: Path, code: str) -> Supervised:
     plan = LaunchPlan(argv=[sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     proc = Supervised(plan, tmp_path / "logs" / "launcher.log")
     deadline = time.monotonic() + 30
-    while (tmp_path / "logs" / "launcher.log").read_text().count(" up") < code.count("print(") and time.monotonic() < deadline:
+    while (tmp_path / "logs" / "launcher.log").read_text().count(" up") < code.count(
+        "print("
+    ) and time.monotonic() < deadline:
         proc.poll()
         time.sleep(0.05)
     proc.poll()
@@ -46,7 +48,10 @@ def test_cancel_kills_the_whole_tree(tmp_path: Path) -> None:
 
 
 def test_stubborn_process_gets_sigkill_after_grace(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('x up', flush=True); time.sleep(600)")
+    proc = _start(
+        tmp_path,
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('x up', flush=True); time.sleep(600)",
+    )
     started = time.monotonic()
     assert proc.terminate(grace_s=0.5) == -9
     assert 0.5 <= time.monotonic() - started < 10
@@ -54,7 +59,11 @@ def test_stubborn_process_gets_sigkill_after_grace(tmp_path: Path) -> None:
 
 
 def test_output_goes_to_the_log_file(tmp_path: Path) -> None:
-    proc = Supervised(LaunchPlan(argv=[sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
-                                 env={}, cwd=tmp_path), tmp_path / "logs" / "launcher.log")
+    proc = Supervised(
+        LaunchPlan(
+            argv=[sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], env={}, cwd=tmp_path
+        ),
+        tmp_path / "logs" / "launcher.log",
+    )
     assert proc.wait(30) == 0
     assert sorted((tmp_path / "logs" / "launcher.log").read_text().split()) == ["err", "out"]

@@ -35,8 +35,9 @@ for k in kids: k.wait()
 @pytest.fixture
 def launcher() -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
     yield proc
     os.killpg(proc.pid, 9)
@@ -50,7 +51,11 @@ def test_cpu_sampler_reports_each_rank_process(launcher: subprocess.Popen[str]) 
     while True:
         time.sleep(1.0)
         sample = sampler.sample()
-        if sample.get(0, {}).get("sys_mem_used_mb", 0) > 64 and sample[0]["sys_util_pct"] > 20 or time.monotonic() > deadline:
+        if (
+            sample.get(0, {}).get("sys_mem_used_mb", 0) > 64
+            and sample[0]["sys_util_pct"] > 20
+            or time.monotonic() > deadline
+        ):
             break
     assert set(sample) == {0, 1}  # the launcher itself is no rank
     assert sample[0]["sys_mem_used_mb"] > 64 and sample[0]["sys_util_pct"] > 20  # the spinning rank holding 64 MB
@@ -91,8 +96,9 @@ def test_samples_are_ingested_as_per_device_metrics(tmp_path: Path, launcher: su
     assert ingestor.poll(final=True)["metrics"] == 2 * 2 * 4
     with session_scope(settings.database_url) as session:
         points = session.scalars(select(MetricPoint).where(MetricPoint.job_id == job_id)).all()
-    assert {(p.name, p.rank) for p in points} == {(n, r) for n in ("sys_util_pct", "sys_mem_used_mb", "sys_mem_total_mb", "sys_device_id")
-                                                  for r in (2, 3)}
+    assert {(p.name, p.rank) for p in points} == {
+        (n, r) for n in ("sys_util_pct", "sys_mem_used_mb", "sys_mem_total_mb", "sys_device_id") for r in (2, 3)
+    }
 
 
 def test_recorder_thread_samples_until_stopped(tmp_path: Path, launcher: subprocess.Popen[str]) -> None:
@@ -121,8 +127,13 @@ NPU_SMI_TEXT = """
 
 
 def test_npu_smi_text_parsed() -> None:
-    assert parse_npu_smi(NPU_SMI_TEXT) == {"sys_util_pct": 87, "sys_temp_c": 52, "sys_mem_total_mb": 65536,
-                                           "sys_mem_used_mb": 16384, "sys_power_w": 210.5}
+    assert parse_npu_smi(NPU_SMI_TEXT) == {
+        "sys_util_pct": 87,
+        "sys_temp_c": 52,
+        "sys_mem_total_mb": 65536,
+        "sys_mem_used_mb": 16384,
+        "sys_power_w": 210.5,
+    }
     assert parse_npu_smi("Error: no such device") == {}
 
 

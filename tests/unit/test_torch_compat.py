@@ -10,8 +10,9 @@ import pytest
 from engine import torch_compat
 
 
-@pytest.mark.parametrize(("module", "path"), torch_compat.PRIVATE_NAMES,
-                         ids=[f"{m}.{p}" for m, p in torch_compat.PRIVATE_NAMES])
+@pytest.mark.parametrize(
+    ("module", "path"), torch_compat.PRIVATE_NAMES, ids=[f"{m}.{p}" for m, p in torch_compat.PRIVATE_NAMES]
+)
 def test_private_torch_name_exists(module: str, path: str) -> None:
     obj = importlib.import_module(module)
     for part in path.split("."):

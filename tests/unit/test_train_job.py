@@ -49,8 +49,19 @@ def test_resume_equals_uninterrupted_run(data: str, tmp_path: Path, monkeypatch:
     straight = metric_rows(tmp_path / "run_a")
     assert [r["iteration"] for r in straight] == [1, 2, 3, 4, 5, 6]
     assert straight[-1]["lm_loss"] < straight[0]["lm_loss"] - 0.5
-    for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "skipped_iterations", "nan_iterations", "consumed_samples",
-                "iteration_time_ms", "tokens_per_s", "tflops", "mfu"):
+    for key in (
+        "lm_loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "skipped_iterations",
+        "nan_iterations",
+        "consumed_samples",
+        "iteration_time_ms",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+    ):
         assert key in straight[0]
     assert outputs["checkpoint"] == str(tmp_path / "a")
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
@@ -81,10 +92,22 @@ def test_resume_equals_uninterrupted_run(data: str, tmp_path: Path, monkeypatch:
 
 def test_lora_bf16_from_hf_saves_adapters_only(data: str, hf_dir: Path, tmp_path: Path):
     shape = {k: v for k, v in TINY_SHAPE.items() if k not in ("ffn_hidden_size",)}  # flags may be partial
-    spec = tiny_spec(data, **shape, load=str(hf_dir), finetune=True, bf16=True, lora_r=4, lora_alpha=8,
-                     lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-                     lr=1e-2, train_iters=3, save=str(tmp_path / "save"), save_hf=True,
-                     tensorboard_dir=str(tmp_path / "tb"), recompute_granularity="full")
+    spec = tiny_spec(
+        data,
+        **shape,
+        load=str(hf_dir),
+        finetune=True,
+        bf16=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        lr=1e-2,
+        train_iters=3,
+        save=str(tmp_path / "save"),
+        save_hf=True,
+        tensorboard_dir=str(tmp_path / "tb"),
+        recompute_granularity="full",
+    )
     outputs, summary = _train(spec, tmp_path / "run")
     assert summary["load_format"] == "hf" and summary["lora"] is True
     state = torch.load(tmp_path / "save" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
@@ -112,9 +135,19 @@ def test_shape_taken_from_the_checkpoint_is_recorded(data: str, hf_dir: Path, tm
     config = [e for e in events if e["type"] == "config"]
     assert len(config) == 1 and config[0]["data"]["source"] == "checkpoint" and config[0]["data"]["format"] == "hf"
     assert config[0]["data"]["values"] == {
-        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "kv_channels": 16,
-        "padded_vocab_size": 512, "norm_epsilon": 1e-6, "rotary_base": 1e6, "untie_embeddings_and_output_weights": True,
-        "group_query_attention": True, "num_query_groups": 2, "max_position_embeddings": 256}
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 128,
+        "num_attention_heads": 4,
+        "kv_channels": 16,
+        "padded_vocab_size": 512,
+        "norm_epsilon": 1e-6,
+        "rotary_base": 1e6,
+        "untie_embeddings_and_output_weights": True,
+        "group_query_attention": True,
+        "num_query_groups": 2,
+        "max_position_embeddings": 256,
+    }
 
 
 def test_global_batch_must_divide_by_micro_batch_times_dp(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -128,9 +161,23 @@ def test_missing_data_files_exit_2_with_message(tmp_path: Path):
     spec = tiny_spec(str(tmp_path / "nowhere" / "sft"))
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "engine", "train", "--spec", str(tmp_path / "spec.json"),
-                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "train",
+            "--spec",
+            str(tmp_path / "spec.json"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     error = events[-1]
@@ -155,8 +202,9 @@ def test_fp16_overflow_skips_iterations_then_trains(data: str, tmp_path: Path):
 def test_finetune_from_own_training_state_resets_iteration(data: str, tmp_path: Path):
     first = tiny_spec(data, train_iters=2, save_interval=2, save=str(tmp_path / "a"))
     _train(first, tmp_path / "run_a")
-    second = tiny_spec(data, train_iters=2, load=str(tmp_path / "a" / "train_state"), finetune=True,
-                       save=str(tmp_path / "b"))
+    second = tiny_spec(
+        data, train_iters=2, load=str(tmp_path / "a" / "train_state"), finetune=True, save=str(tmp_path / "b")
+    )
     _, summary = _train(second, tmp_path / "run_b")
     assert summary["load_format"] == "native" and summary["start_iteration"] == 0
     before, after = metric_rows(tmp_path / "run_a"), metric_rows(tmp_path / "run_b")

@@ -21,8 +21,14 @@ from engine.train import job  # noqa: E402
 from engine.train.step_runner import micro_batch_loss  # noqa: E402
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
-MOE_FLAGS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [1, 0],
-             "moe_aux_loss_coeff": 0.01, "norm_topk_prob": True}
+MOE_FLAGS = {
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "moe_layer_freq": [1, 0],
+    "moe_aux_loss_coeff": 0.01,
+    "norm_topk_prob": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +63,7 @@ def _reference(model: Qwen3Model, batches: list) -> tuple[float, float]:
 
 
 def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = tiny_spec(data, **MOE_FLAGS, train_iters=6, save=str(tmp_path / "save"),
-                     save_hf=True)
+    spec = tiny_spec(data, **MOE_FLAGS, train_iters=6, save=str(tmp_path / "save"), save_hf=True)
     outputs, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
     rows = metric_rows(tmp_path / "run")
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.3
@@ -99,10 +104,24 @@ def _hf_moe_dir(path: Path) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, mlp_only_layers=[], norm_topk_prob=True,
-                            bos_token_id=None, eos_token_id=None, pad_token_id=None, max_position_embeddings=256)
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        max_position_embeddings=256,
+    )
     Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path
 
@@ -116,8 +135,19 @@ def _drop_shape(spec: dict) -> dict:
 
 def test_moe_lora_from_hf_checkpoint(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf_dir = _hf_moe_dir(tmp_path / "hf")
-    spec = tiny_spec(data, load=str(hf_dir), finetune=True, lora_r=4, lora_alpha=8, lr=3e-2, train_iters=5,
-                     global_batch_size=4, save=str(tmp_path / "save"), save_hf=True, moe_aux_loss_coeff=0.01)
+    spec = tiny_spec(
+        data,
+        load=str(hf_dir),
+        finetune=True,
+        lora_r=4,
+        lora_alpha=8,
+        lr=3e-2,
+        train_iters=5,
+        global_batch_size=4,
+        save=str(tmp_path / "save"),
+        save_hf=True,
+        moe_aux_loss_coeff=0.01,
+    )
     _drop_shape(spec)
     outputs, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
     rows = metric_rows(tmp_path / "run")
@@ -151,8 +181,9 @@ def test_moe_lora_from_hf_checkpoint(data: str, tmp_path: Path, monkeypatch: pyt
 @pytest.mark.parametrize("flag", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
 def test_moe_model_parallel_refused(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
-    spec = tiny_spec(data, **MOE_FLAGS, **{flag: 2}, global_batch_size=2, micro_batch_size=1,
-                     resources={"nproc_per_node": 2})
+    spec = tiny_spec(
+        data, **MOE_FLAGS, **{flag: 2}, global_batch_size=2, micro_batch_size=1, resources={"nproc_per_node": 2}
+    )
     with pytest.raises(BadInput, match="MoE model") as err:
         job.plan_run(parse_spec(spec), RunDir(tmp_path / "run"))
     assert err.value.field == flag
@@ -207,14 +238,16 @@ def test_moe_data_parallel_equals_one_process(data: str, tmp_path: Path) -> None
             assert b[key] == pytest.approx(a[key], rel=1e-4), key
 
 
-def test_moe_step_gradient_is_lm_loss_plus_coeff_times_balance(data: str, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_step_gradient_is_lm_loss_plus_coeff_times_balance(
+    data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Step 1's gradient norm = that of lm_loss + coeff × sum over MoE layers of the switch loss, computed here from
     the router logits (one packed micro-batch; the model's own aux attachment switched off)."""
     from engine.model.moe import switch_balance_loss
 
-    spec = tiny_spec(data, **{**MOE_FLAGS, "moe_aux_loss_coeff": 0.5}, train_iters=1, micro_batch_size=2,
-                     global_batch_size=2)
+    spec = tiny_spec(
+        data, **{**MOE_FLAGS, "moe_aux_loss_coeff": 0.5}, train_iters=1, micro_batch_size=2, global_batch_size=2
+    )
     _, first = _train_capturing(spec, tmp_path / "run", monkeypatch)
     (mb,) = first
     cfg = job.plan_run(parse_spec(spec), RunDir(tmp_path / "plan")).cfg

@@ -34,8 +34,11 @@ from train_support import metric_rows, tiny_spec, write_instruction_data  # noqa
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 MODES: dict[str, dict[str, Any]] = {
-    "fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True},
-    "lora_fp32": {"lora_r": 4}, "lora_bf16": {"bf16": True, "lora_r": 4},
+    "fp32": {},
+    "bf16": {"bf16": True},
+    "fp16": {"fp16": True},
+    "lora_fp32": {"lora_r": 4},
+    "lora_bf16": {"bf16": True, "lora_r": 4},
 }
 SEQ, VOCAB = 24, 256
 
@@ -48,10 +51,20 @@ def one_rank_group():
 
 
 def make_spec(**flags: Any) -> TrainSpec:
-    return TrainSpec.model_validate({
-        "kind": "train", "data_path": ["unused"], "train_iters": 10, "lr": 1e-3, "lr_decay_style": "constant",
-        "seq_length": SEQ, "micro_batch_size": 2, "global_batch_size": 4, "lora_alpha": 8, **flags,
-    })
+    return TrainSpec.model_validate(
+        {
+            "kind": "train",
+            "data_path": ["unused"],
+            "train_iters": 10,
+            "lr": 1e-3,
+            "lr_decay_style": "constant",
+            "seq_length": SEQ,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "lora_alpha": 8,
+            **flags,
+        }
+    )
 
 
 def build(spec: TrainSpec) -> ModuleRunner:
@@ -73,7 +86,7 @@ def batches(step: int) -> list[MicroBatch]:
         labels = ids.copy()
         labels[: 3 + i] = -100
         samples.append(Sample(ids, labels))
-    return [pad(samples[m:m + 2], SEQ, to_longest=False) for m in (0, 2)]
+    return [pad(samples[m : m + 2], SEQ, to_longest=False) for m in (0, 2)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +96,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def test_policy_table() -> None:
     got = {name: param_dtypes(make_spec(**flags)) for name, flags in MODES.items()}
     assert [(d.compute, d.trainable, d.frozen, d.reduce, d.base) for d in got.values()] == [
-        (FP32, FP32, FP32, FP32, FP32), (BF16, FP32, BF16, FP32, FP32), (FP16, FP32, FP16, FP32, FP32),
-        (FP32, FP32, FP32, FP32, FP32), (BF16, FP32, BF16, FP32, BF16)]
+        (FP32, FP32, FP32, FP32, FP32),
+        (BF16, FP32, BF16, FP32, FP32),
+        (FP16, FP32, FP16, FP32, FP32),
+        (FP32, FP32, FP32, FP32, FP32),
+        (BF16, FP32, BF16, FP32, BF16),
+    ]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -101,8 +118,11 @@ def test_storage_compute_grad_and_adam_dtypes(mode: str, one_rank_group: None) -
         return out
 
     runner.loss_fn = recording
-    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.add(mod.weight.dtype))
-             for m in runner.module.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: seen.add(mod.weight.dtype))
+        for m in runner.module.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     runner.forward_backward(batches(0), torch.tensor(40.0), 1.0)
     for h in hooks:
         h.remove()
@@ -130,8 +150,9 @@ def test_lora_bf16_base_is_stored_once_in_bf16(one_rank_group: None) -> None:
 
     numel, nbytes, fp32 = frozen_bytes(make_spec(**MODES["lora_bf16"]))
     assert nbytes == 2 * numel  # one bf16 copy, and its storage is the parameter's own (no fp32 behind it)
-    adapters = sum(p.numel() for n, p in build(make_spec(**MODES["lora_bf16"])).module.named_parameters()
-                   if ".lora_" in n)
+    adapters = sum(
+        p.numel() for n, p in build(make_spec(**MODES["lora_bf16"])).module.named_parameters() if ".lora_" in n
+    )
     assert fp32 == adapters  # the only fp32 tensors are the trainable adapters
     numel32, nbytes32, _ = frozen_bytes(make_spec(**MODES["lora_fp32"]))
     assert numel32 == numel and nbytes32 == 4 * numel
@@ -143,8 +164,7 @@ def _losses(spec: TrainSpec, steps: int = 3) -> list[tuple[float, float]]:
     scheduler, scaler, state = Scheduler(optimizer, schedule_from_spec(spec)), LossScaler(spec), TrainState()
     out = []
     for step in range(steps):
-        rec = train_step(runner, optimizer, scheduler, scaler, batches(step), state, global_batch_size=4,
-                         clip_grad=1.0)
+        rec = train_step(runner, optimizer, scheduler, scaler, batches(step), state, global_batch_size=4, clip_grad=1.0)
         out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm)))
     return out
 
@@ -165,10 +185,18 @@ def test_bf16_run_within_bf16_tolerance_of_fp32(lora: bool, one_rank_group: None
 # step runner and the precision policy); lora_bf16 is bit-identical too: its base was fp32 then cast to bf16 for
 # every forward, it is now stored in bf16.
 BEFORE = {
-    "fp32": [(5.277323628519918, 4.568602561950684), (5.3478424514549365, 4.981366157531738),
-             (4.826937993367513, 5.674468994140625), (4.488870431711008, 4.915365695953369)],
-    "lora_bf16": [(5.277130126953125, 0.5132442712783813), (5.347420512766078, 0.974142849445343),
-                  (5.212849299112956, 0.34937477111816406), (5.255282015413852, 0.42900925874710083)],
+    "fp32": [
+        (5.277323628519918, 4.568602561950684),
+        (5.3478424514549365, 4.981366157531738),
+        (4.826937993367513, 5.674468994140625),
+        (4.488870431711008, 4.915365695953369),
+    ],
+    "lora_bf16": [
+        (5.277130126953125, 0.5132442712783813),
+        (5.347420512766078, 0.974142849445343),
+        (5.212849299112956, 0.34937477111816406),
+        (5.255282015413852, 0.42900925874710083),
+    ],
 }
 
 

@@ -14,8 +14,16 @@ from engine.train.schedule import LRSchedule, Scheduler, schedule_from_spec
 
 
 def _spec(**kw):
-    base = dict(lr=1.25e-6, min_lr=1.25e-7, lr_decay_style="linear", lr_decay_iters=None, train_iters=390,
-                lr_warmup_fraction=None, lr_warmup_iters=0, lr_warmup_init=0.0)
+    base = dict(
+        lr=1.25e-6,
+        min_lr=1.25e-7,
+        lr_decay_style="linear",
+        lr_decay_iters=None,
+        train_iters=390,
+        lr_warmup_fraction=None,
+        lr_warmup_iters=0,
+        lr_warmup_init=0.0,
+    )
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -94,8 +102,9 @@ def test_no_weight_decay_on_norms():
 
 
 def test_dynamic_loss_scaler_hysteresis_and_growth():
-    spec = types.SimpleNamespace(fp16=True, loss_scale=None, initial_loss_scale=1024.0, min_loss_scale=1.0,
-                                 loss_scale_window=3, hysteresis=2)
+    spec = types.SimpleNamespace(
+        fp16=True, loss_scale=None, initial_loss_scale=1024.0, min_loss_scale=1.0, loss_scale_window=3, hysteresis=2
+    )
     scaler = LossScaler(spec)
     scaler.update(found_inf=True)
     assert scaler.scale == 1024.0  # first overflow is absorbed by hysteresis
@@ -104,7 +113,15 @@ def test_dynamic_loss_scaler_hysteresis_and_growth():
     for _ in range(3):
         scaler.update(found_inf=False)
     assert scaler.scale == 1024.0
-    bf16 = LossScaler(types.SimpleNamespace(fp16=False, loss_scale=None, initial_loss_scale=4096.0,
-                                            min_loss_scale=1.0, loss_scale_window=3, hysteresis=2))
+    bf16 = LossScaler(
+        types.SimpleNamespace(
+            fp16=False,
+            loss_scale=None,
+            initial_loss_scale=4096.0,
+            min_loss_scale=1.0,
+            loss_scale_window=3,
+            hysteresis=2,
+        )
+    )
     bf16.update(found_inf=True)
     assert bf16.scale == 1.0  # the seed's bf16 runs log "loss scale: 1.0"

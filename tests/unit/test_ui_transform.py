@@ -18,10 +18,13 @@ NODE = shutil.which("node")
 def _run(script: str) -> dict:
     if NODE is None:
         pytest.skip("node is not installed")
-    prelude = (f'import * as T from "{(UI_JS / "transform.js").as_uri()}";\n'
-               f'import {{Series, MetricStore}} from "{(UI_JS / "series.js").as_uri()}";\n')
-    out = subprocess.run([NODE, "--input-type=module", "-e", prelude + script], capture_output=True, text=True,
-                         timeout=60, check=True)
+    prelude = (
+        f'import * as T from "{(UI_JS / "transform.js").as_uri()}";\n'
+        f'import {{Series, MetricStore}} from "{(UI_JS / "series.js").as_uri()}";\n'
+    )
+    out = subprocess.run(
+        [NODE, "--input-type=module", "-e", prelude + script], capture_output=True, text=True, timeout=60, check=True
+    )
     return json.loads(out.stdout)
 
 
@@ -127,7 +130,13 @@ def test_moe_metrics_chart_next_to_the_loss() -> None:
                        "expert_load_imbalance_layer_3", "grad_norm", "dropped_token_fraction"];
         console.log(JSON.stringify(Object.fromEntries(names.map((n) => [n, (MAIN.find((g) => g.match(n)) || {{}}).title ?? null]))));
     """)
-    assert got == {"lm_loss": "Loss", "val_lm_loss": "Loss", "load_balancing_loss": "Loss", "loss_scale": None,
-                   "expert_load_imbalance_max": "Expert load imbalance",
-                   "expert_load_imbalance_layer_3": "Expert load imbalance", "grad_norm": "Grad norm",
-                   "dropped_token_fraction": None}
+    assert got == {
+        "lm_loss": "Loss",
+        "val_lm_loss": "Loss",
+        "load_balancing_loss": "Loss",
+        "loss_scale": None,
+        "expert_load_imbalance_max": "Expert load imbalance",
+        "expert_load_imbalance_layer_3": "Expert load imbalance",
+        "grad_norm": "Grad norm",
+        "dropped_token_fraction": None,
+    }

@@ -62,15 +62,18 @@ def test_upload_list_overwrite(api: TestClient, settings: Settings) -> None:
     page = api.get("/v1/files", params={"limit": 1}).json()
     assert page["has_more"] and page["last_id"] == "data/sub/a.txt"
     assert [f["path"] for f in api.get("/v1/files", params={"after": "data/sub/a.txt"}).json()["data"]] == [
-        "data/train.jsonl"]
+        "data/train.jsonl"
+    ]
     assert api.get("/v1/files", headers=auth(make_token(settings, "beta"))).json()["data"] == []
     assert api.put("/v1/files/data", content=b"x").status_code == 409  # a directory
     assert api.put("/v1/files/data/train.jsonl/x", content=b"x").status_code == 409  # a file as a directory
     assert api.put("/v1/files/x", content=b"x", headers={"Authorization": "Bearer llmj_wrong"}).status_code == 401
 
 
-@pytest.mark.parametrize("path", ["%2E%2E/escape.txt", "a/%2E%2E/%2E%2E/escape.txt", "%2Fetc/escape.txt", "a//b",
-                                  "a/%2E/b", "a%5Cb", ".upload-x"])
+@pytest.mark.parametrize(
+    "path",
+    ["%2E%2E/escape.txt", "a/%2E%2E/%2E%2E/escape.txt", "%2Fetc/escape.txt", "a//b", "a/%2E/b", "a%5Cb", ".upload-x"],
+)
 def test_paths_that_leave_the_area_are_refused(api: TestClient, settings: Settings, path: str) -> None:
     response = api.put(f"/v1/files/{path}", content=b"x")
     assert response.status_code == 422 and response.json()["field"] == "path", response.text
@@ -107,12 +110,14 @@ def test_openapi_declares_the_upload_errors(api: TestClient) -> None:
     operation = api.get("/openapi.json").json()["paths"]["/v1/files/{path}"]["put"]
     for code in ("400", "401", "409", "413", "422"):
         assert operation["responses"][code]["content"]["application/json"]["schema"] == {
-            "$ref": "#/components/schemas/ErrorBody"}, code
+            "$ref": "#/components/schemas/ErrorBody"
+        }, code
     assert "application/octet-stream" in operation["requestBody"]["content"]
 
 
-def test_cli_upload_and_files(api: TestClient, settings: Settings, tmp_path: Path,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_upload_and_files(
+    api: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(remote, "Client", lambda: Client(http=api))
     model = tmp_path / "tiny"
     (model / "sub").mkdir(parents=True)
@@ -127,10 +132,16 @@ def test_cli_upload_and_files(api: TestClient, settings: Settings, tmp_path: Pat
     result = CliRunner().invoke(cli, ["upload", str(model), "models/tiny"])
     assert result.exit_code == 0, result.output
     assert [line.split()[0] for line in result.output.splitlines()] == [
-        str(area(settings) / "models/tiny/config.json"), str(area(settings) / "models/tiny/sub/w.bin")]
+        str(area(settings) / "models/tiny/config.json"),
+        str(area(settings) / "models/tiny/sub/w.bin"),
+    ]
     refused = CliRunner().invoke(cli, ["upload", str(single)])
     assert refused.exit_code == 1 and "409" in refused.output and "overwrite" in refused.output
     assert CliRunner().invoke(cli, ["upload", str(single), "--overwrite"]).exit_code == 0
     listed = CliRunner().invoke(cli, ["files"])
     assert [line.split()[0] for line in listed.output.splitlines()] == [
-        "PATH", "demo.jsonl", "models/tiny/config.json", "models/tiny/sub/w.bin"]
+        "PATH",
+        "demo.jsonl",
+        "models/tiny/config.json",
+        "models/tiny/sub/w.bin",
+    ]

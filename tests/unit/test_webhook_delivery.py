@@ -63,8 +63,14 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return isolated_settings(tmp_path, webhook_backoff_s=0.2, webhook_max_attempts=3, webhook_poll_s=0.2,
-                             webhook_settle_s=0, webhook_allowed_hosts=["127.0.0.1"])  # the loopback receiver
+    return isolated_settings(
+        tmp_path,
+        webhook_backoff_s=0.2,
+        webhook_max_attempts=3,
+        webhook_poll_s=0.2,
+        webhook_settle_s=0,
+        webhook_allowed_hosts=["127.0.0.1"],
+    )  # the loopback receiver
 
 
 def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
@@ -89,7 +95,11 @@ def finish_job(settings: Settings, team: str, state: JobState = JobState.succeed
         if checkpoint:
             add_event(session, job_id, "checkpoint", "saved", data={"iteration": 5, "path": "/ckpt/iter_0000005"})
             session.commit()
-        values = {"result": {"outputs": {"data_path": "/d"}}} if state is JobState.succeeded else {"error_code": "engine_error"}
+        values = (
+            {"result": {"outputs": {"data_path": "/d"}}}
+            if state is JobState.succeeded
+            else {"error_code": "engine_error"}
+        )
         transition(session, job_id, state, **values)
     return job_id
 
@@ -171,11 +181,14 @@ def test_disabled_webhooks_send_nothing(client: TestClient, settings: Settings, 
     assert receiver.seen == []
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"url": "ftp://x/y"}, "url"),
-    ({"url": "http://x/y", "secret": "plain"}, "secret"),
-    ({"url": "http://x/y", "events": ["job.started"]}, "events.0"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"url": "ftp://x/y"}, "url"),
+        ({"url": "http://x/y", "secret": "plain"}, "secret"),
+        ({"url": "http://x/y", "events": ["job.started"]}, "events.0"),
+    ],
+)
 def test_bad_registrations_are_422(client: TestClient, settings: Settings, body: dict[str, Any], field: str) -> None:
     response = client.post("/v1/webhooks", json=body, headers=auth(make_token(settings, "alpha")))
     assert response.status_code == 422 and response.json()["field"] == field

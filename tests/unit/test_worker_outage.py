@@ -44,7 +44,8 @@ class FlakySink:
 
 
 def test_ingest_keeps_lines_in_the_run_files_while_the_sink_fails_and_catches_up(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(ingest, "MAX_BYTES_PER_POLL", 1024)  # ~10 metric lines a batch: the backlog spans many
     run = RunDir(tmp_path / "run")
     sink = FlakySink(outage=3)
@@ -81,8 +82,9 @@ def test_the_final_poll_stores_the_whole_backlog(tmp_path: Path, monkeypatch: py
     with pytest.raises(OperationalError):
         ingestor.poll(final=True)
     assert ingestor.poll(final=True)["metrics"] == 300
-    assert [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()] == \
-        [m["step"] for m in sink.metrics]
+    assert [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()] == [
+        m["step"] for m in sink.metrics
+    ]
 
 
 class FakeEngine:
@@ -114,6 +116,7 @@ def test_the_engine_keeps_running_while_the_database_is_away(tmp_path: Path, mon
         if len(calls) <= 5:
             raise away()
         return real(settings, work_, beat)
+
     monkeypatch.setattr(node, "_job_view", job_view)
     engine = FakeEngine(polls=10)
     assert node.watch_node(settings, work, engine, None) == (0, None)  # type: ignore[arg-type]
@@ -134,6 +137,7 @@ def test_the_outcome_is_stored_once_the_database_is_back(monkeypatch: pytest.Mon
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
     assert node.until_stored("job j: outcome", settle, max_delay_s=1.0) == "succeeded"
     assert slept == [0.5, 1.0, 1.0]
     with pytest.raises(ValueError):

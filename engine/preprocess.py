@@ -184,7 +184,9 @@ class _Sink:
             self.tokens += int(result.fields[f"{side}_input_ids"].size)
             self.trained += int((result.fields[f"{side}_labels"] != IGNORE_INDEX).sum())
 
-    def _write_instruction(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def _write_instruction(
+        self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None
+    ) -> None:
         self._writer("input_ids").add_documents(ids, lengths)
         self._writer("labels").add_documents(labels, lengths)
         self._writer("attention_mask").add_documents(np.ones_like(ids) if mask is None else mask, lengths)
@@ -212,7 +214,9 @@ class _Sink:
         self._write_instruction(ids, labels, lengths, mask)
         self.tokens -= ids.size - used
         self.pad_tokens += ids.size - used
-        self._writer("boundaries").add_documents(np.concatenate([r.boundaries for r in rows]), np.asarray([r.boundaries.size for r in rows], np.int64))
+        self._writer("boundaries").add_documents(
+            np.concatenate([r.boundaries for r in rows]), np.asarray([r.boundaries.size for r in rows], np.int64)
+        )
 
     def summary(self, seconds: float) -> dict[str, Any]:
         sequences = next(iter(self.outputs.writers.values())).sequences
@@ -225,7 +229,9 @@ class _Sink:
             "truncated": self.truncated,
             "tokens": self.tokens,
             "trained_tokens": self.trained if self.config.instruction else self.tokens,
-            "masked_token_ratio": round(1 - self.trained / self.tokens, 6) if self.config.instruction and self.tokens else 0.0,
+            "masked_token_ratio": round(1 - self.trained / self.tokens, 6)
+            if self.config.instruction and self.tokens
+            else 0.0,
             "sequences": sequences,
             "pad_tokens": self.pad_tokens,
             "seconds": round(seconds, 3),
@@ -272,17 +278,26 @@ def run(spec: PreprocessSpec, run: RunDir) -> tuple[dict[str, str], dict[str, An
     total = count_records(files)
     names, stale = _dataset_names(spec, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log.info("preprocess: %d file(s), ~%s records, handler %s, template %s, enable_thinking %s, %d worker(s)",
-             len(files), total if total is not None else "?", spec.handler_name or "GeneralPretrainHandler",
-             config.template, config.enable_thinking, spec.workers)
+    log.info(
+        "preprocess: %d file(s), ~%s records, handler %s, template %s, enable_thinking %s, %d worker(s)",
+        len(files),
+        total if total is not None else "?",
+        spec.handler_name or "GeneralPretrainHandler",
+        config.template,
+        config.enable_thinking,
+        spec.workers,
+    )
     outputs = _Outputs(str(spec.output_prefix), names, stale)
     sink = _Sink(spec, config, outputs, pad_id)
     started = time.monotonic()
     try:
         _process(spec, config, files, total, sink, run, started)
         if sink.written == 0:  # Megatron cannot even open an empty dataset; training would fail later and worse
-            raise BadInput(f"input: no sample left to write ({sink.read} read, dropped {dict(sink.dropped)}, "
-                           f"{sink.bad} bad skipped)", field="input")
+            raise BadInput(
+                f"input: no sample left to write ({sink.read} read, dropped {dict(sink.dropped)}, "
+                f"{sink.bad} bad skipped)",
+                field="input",
+            )
         written = outputs.commit()
     except BaseException:
         outputs.abort()
@@ -294,14 +309,24 @@ def run(spec: PreprocessSpec, run: RunDir) -> tuple[dict[str, str], dict[str, An
     return {"data_path": data_path, "output_prefix": prefix, "files": ",".join(written)}, summary
 
 
-def _process(spec: PreprocessSpec, config: EncodeConfig, files: list[Path], total: int | None, sink: _Sink, run: RunDir, started: float) -> None:
+def _process(
+    spec: PreprocessSpec,
+    config: EncodeConfig,
+    files: list[Path],
+    total: int | None,
+    sink: _Sink,
+    run: RunDir,
+    started: float,
+) -> None:
     from functools import partial
 
     from tqdm import tqdm
 
     next_report = spec.log_interval
     with tqdm(total=total, unit="samples", desc="preprocess", disable=None, dynamic_ncols=True) as bar:
-        for result in _map_ordered(partial(encode_chunk, config), _chunks(iter_raw(files), CHUNK_RECORDS), spec.workers):
+        for result in _map_ordered(
+            partial(encode_chunk, config), _chunks(iter_raw(files), CHUNK_RECORDS), spec.workers
+        ):
             sink.add(result)
             bar.update(result.read)
             if sink.read >= next_report:

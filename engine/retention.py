@@ -13,8 +13,13 @@ import math
 from collections.abc import Mapping
 
 # keep_best_by spellings users write (MindSpeed's log says "lm loss", validation "val loss") -> the metric name
-METRIC_ALIASES = {"loss": "lm_loss", "val_loss": "val_lm_loss", "validation_loss": "val_lm_loss",
-                  "valid_loss": "val_lm_loss", "lm_loss_validation": "val_lm_loss"}
+METRIC_ALIASES = {
+    "loss": "lm_loss",
+    "val_loss": "val_lm_loss",
+    "validation_loss": "val_lm_loss",
+    "valid_loss": "val_lm_loss",
+    "lm_loss_validation": "val_lm_loss",
+}
 BEST_BY_METRICS = ("lm_loss", "val_lm_loss")
 
 
@@ -26,8 +31,9 @@ def metric_name(value: object) -> object:
     return METRIC_ALIASES.get(key, key)
 
 
-def to_delete(saved: Mapping[int, float | None], just_saved: int, keep_last_n: int | None,
-              keep_best: bool = False) -> list[int]:
+def to_delete(
+    saved: Mapping[int, float | None], just_saved: int, keep_last_n: int | None, keep_best: bool = False
+) -> list[int]:
     """Iterations (ascending) to delete after ``just_saved`` was written completely.
 
     ``saved`` maps every complete checkpoint's iteration (``just_saved`` included) to its ``keep_best_by`` value,
@@ -37,10 +43,11 @@ def to_delete(saved: Mapping[int, float | None], just_saved: int, keep_last_n: i
     if keep_last_n < 1:
         raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}")
     older = sorted(i for i in saved if i < just_saved)
-    keep = {just_saved, *older[max(len(older) - (keep_last_n - 1), 0):]}
+    keep = {just_saved, *older[max(len(older) - (keep_last_n - 1), 0) :]}
     if keep_best:
-        scored = [(value, -i) for i in (*older, just_saved)
-                  if (value := saved.get(i)) is not None and math.isfinite(value)]
+        scored = [
+            (value, -i) for i in (*older, just_saved) if (value := saved.get(i)) is not None and math.isfinite(value)
+        ]
         if scored:
             keep.add(-min(scored)[1])
     return [i for i in older if i not in keep]

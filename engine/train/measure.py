@@ -1,6 +1,6 @@
 """Measured memory and reads of one training run, per rank: the other side of the planner's predictions.
 
-``python -m engine.plan.measure SPEC.json RUN_DIR [built]`` (one process, or under torchrun); with ``built`` the
+``python -m engine.train.measure SPEC.json RUN_DIR [built]`` (one process, or under torchrun); with ``built`` the
 run stops once every rank has built and loaded its model (start-up alone: on a CPU without bf16 instructions a
 real-size bf16 iteration takes hours). Each rank starts the process
 group, warms up torch and gloo (one step of a small model, an all-reduce) so their fixed costs land in the baseline,
@@ -95,8 +95,12 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
         raise TypeError(f"{spec_path}: measuring needs a train spec, not {type(spec).__name__}")
     gc.collect()
     baseline, io_before = status_bytes("VmRSS"), io_counters()
-    start = {"rank": rank, "pid": os.getpid(), "baseline_bytes": baseline,
-             **{f"{k}_before": v for k, v in io_before.items()}}
+    start = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "baseline_bytes": baseline,
+        **{f"{k}_before": v for k, v in io_before.items()},
+    }
     (Path(run_dir) / f"measure_rank{rank}.start.json").write_text(json.dumps(start))  # lets a watcher read /proc live
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     if until == "built":
@@ -104,10 +108,14 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
     else:
         run(spec, RunDir(Path(run_dir), rank))
     peak, io_after = status_bytes("VmHWM"), io_counters()
-    out: dict[str, Any] = {"rank": rank, "baseline_bytes": baseline, "peak_bytes": peak,
-                           "growth_bytes": peak - baseline,
-                           "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
-                           "rchar": io_after["rchar"] - io_before["rchar"]}
+    out: dict[str, Any] = {
+        "rank": rank,
+        "baseline_bytes": baseline,
+        "peak_bytes": peak,
+        "growth_bytes": peak - baseline,
+        "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
+        "rchar": io_after["rchar"] - io_before["rchar"],
+    }
     (Path(run_dir) / f"measure_rank{rank}.json").write_text(json.dumps(out))
     sys.stdout.flush()
     if dist.is_initialized():
