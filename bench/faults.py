@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
 from core.settings import Settings  # noqa: E402
-from core_support import isolated_settings  # noqa: E402
+from core_support import isolated_settings, team_dir  # noqa: E402
 from sched_support import (  # noqa: E402
     checkpoints,
     reconciler,
@@ -69,11 +69,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmjobs-faults-") as tmp:
         root = Path(tmp)
         settings = isolated_settings(root / "var", heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
-        data = write_tiny_data(settings.data_roots[0] / "tiny")
+        area = team_dir(settings, "t")  # the submitting team's data area (sched_support.submit submits as "t")
+        data = write_tiny_data(area / "tiny")
 
         def spec(name: str) -> dict[str, Any]:
             return train_spec(data, train_iters=args.iters, save_interval=args.save_interval, max_restarts=2,
-                              save=str(settings.data_roots[0] / name), resources={"nproc_per_node": 2})
+                              save=str(area / name), resources={"nproc_per_node": 2})
 
         with reconciler(settings):
             baseline = one_run(settings, spec("baseline"), root / "worker.log", kill=False)
