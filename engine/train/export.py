@@ -121,14 +121,16 @@ def _write_own_rank_file(
     state, plan = rank_file_plan(cfg, chunks, tp, pp, dtype, args, iteration)
     tensors = _stage_tensors(module)
 
-    def piece(native: str) -> torch.Tensor:
+    def full(native: str) -> torch.Tensor:
         # a tied model's last stage holds the embedding's copy as its head (layout.chunk_keys)
-        value = tensors[native] if native in tensors else tensors[OUTPUT]
-        return shard(_full(value), split_rule(native), tp, t).to(dtype).contiguous()
+        return _full(tensors[native] if native in tensors else tensors[OUTPUT])
 
-    if not writes:
+    def piece(native: str) -> torch.Tensor:
+        return shard(full(native), split_rule(native), tp, t).to(dtype).contiguous()
+
+    if not writes:  # take part in each gather, keep nothing
         for _, native in plan:
-            piece(native)
+            full(native)
         return
     rank_dir = it_dir / rank_dir_name(t, p, pp)
     rank_dir.mkdir(parents=True, exist_ok=True)
