@@ -46,11 +46,25 @@ def hf_config(layers: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=EXPERT_FFN,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=EXPERTS,
-        num_experts_per_tok=TOPK, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
-        max_position_embeddings=8192, initializer_range=0.02, output_router_logits=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=512,
+        moe_intermediate_size=EXPERT_FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        output_router_logits=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
 
 
@@ -60,11 +74,14 @@ def sync(device: torch.device) -> None:
 
 
 def best_time(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one run: on CPU the thread's own CPU time (one intra-op thread), so that time spent waiting for
+    a core on a shared machine is not counted; on an accelerator the wall time around a synchronize."""
+    clock = time.perf_counter if device.type != "cpu" else time.thread_time
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def interleaved(sides: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, float]:
@@ -121,7 +138,10 @@ def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     times = interleaved(sides, args.repeats, device)
     backends = {b: round(args.tokens / times[b], 1) for b in ("grouped_mm", "bmm", "loop")}
     result = {
-        "what": "moe_layer_fwd_bwd", "tokens": args.tokens, "backend": auto, "max_abs_diff_vs_hf": diff,
+        "what": "moe_layer_fwd_bwd",
+        "tokens": args.tokens,
+        "backend": auto,
+        "max_abs_diff_vs_hf": diff,
         "ours_tokens_per_s": round(args.tokens / times["ours"], 1),
         "hf_tokens_per_s": round(args.tokens / times["hf"], 1),
         "hf_grouped_mm_tokens_per_s": round(args.tokens / times["hf_grouped_mm"], 1),
@@ -159,8 +179,11 @@ def model_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     times = interleaved({"hf": hf_step, "ours": ours_step}, max(1, args.repeats // 2), device)
     tokens = 2 * seq
     return {
-        "what": "moe_model_step", "tokens": tokens, "layers": 2,
-        "ours_tokens_per_s": round(tokens / times["ours"], 1), "hf_tokens_per_s": round(tokens / times["hf"], 1),
+        "what": "moe_model_step",
+        "tokens": tokens,
+        "layers": 2,
+        "ours_tokens_per_s": round(tokens / times["ours"], 1),
+        "hf_tokens_per_s": round(tokens / times["hf"], 1),
         "tokens_per_s_ratio": round(times["hf"] / times["ours"], 3),
     }
 
@@ -196,15 +219,29 @@ def main() -> None:
     print(json.dumps(layer), flush=True)
     model = model_bench(args, device, dtype)
     print(json.dumps(model), flush=True)
-    print(json.dumps({
-        "bench": "moe_step", "device": device.type, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
-        "tokens": args.tokens, "experts": EXPERTS, "topk": TOPK, "hidden": HIDDEN, "expert_ffn": EXPERT_FFN,
-        "backend": layer["backend"],
-        "tokens_per_s_ratio": layer["tokens_per_s_ratio"], "vs_hf_grouped_mm_ratio": layer["vs_hf_grouped_mm_ratio"],
-        "ours_tokens_per_s": layer["ours_tokens_per_s"], "hf_tokens_per_s": layer["hf_tokens_per_s"],
-        "model_tokens_per_s_ratio": model["tokens_per_s_ratio"],
-        "model_ours_tokens_per_s": model["ours_tokens_per_s"], "model_hf_tokens_per_s": model["hf_tokens_per_s"],
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "moe_step",
+                "device": device.type,
+                "dtype": str(dtype).removeprefix("torch."),
+                "threads": args.threads,
+                "tokens": args.tokens,
+                "experts": EXPERTS,
+                "topk": TOPK,
+                "hidden": HIDDEN,
+                "expert_ffn": EXPERT_FFN,
+                "backend": layer["backend"],
+                "tokens_per_s_ratio": layer["tokens_per_s_ratio"],
+                "vs_hf_grouped_mm_ratio": layer["vs_hf_grouped_mm_ratio"],
+                "ours_tokens_per_s": layer["ours_tokens_per_s"],
+                "hf_tokens_per_s": layer["hf_tokens_per_s"],
+                "model_tokens_per_s_ratio": model["tokens_per_s_ratio"],
+                "model_ours_tokens_per_s": model["ours_tokens_per_s"],
+                "model_hf_tokens_per_s": model["hf_tokens_per_s"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.expert_loop import loop_expert_mlp
+from engine.model.token_permute import combine_rows, dispatch_rows
 from engine.torch_compat import in_backward
 
 
@@ -139,6 +141,12 @@ def padded_mlp(
     return torch.bmm(act, w2.transpose(-2, -1)).flatten(0, 1).index_select(0, slot)
 
 
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Whether these are ordinary local tensors (not DTensors or other subclasses, whose ops the fused loop's
+    ``out=`` slices would bypass)."""
+    return all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts over expert-sorted rows: fc2_e(silu(gate_e) * up_e) with ``linear_fc1`` = [gate; up]."""
 
@@ -163,6 +171,8 @@ class GroupedExperts(nn.Module):
             backend = "bmm" if fits else "grouped_mm" if _grouped_mm_fits(x, *dims) else "loop"
         if backend == "bmm":
             return padded_mlp(x, w1, w2, counts, row_weight)
+        if backend == "loop" and not adapted and _plain(w1, w2):
+            return loop_expert_mlp(x, w1, w2, counts, row_weight)
         h = _swiglu(self.linear_fc1.project(x, counts, backend), row_weight)
         return self.linear_fc2.project(h, counts, backend)
 
@@ -272,9 +282,8 @@ class MoELayer(nn.Module):
         counts = tokens_per_expert if keep is None else torch.bincount(expert, minlength=self.num_experts + 1)[:-1]
         if keep is not None:
             order = order[: int(counts.sum())]  # host sync only in the (non-default) token-dropping mode
-        y = self.experts(x.index_select(0, order // k), counts, weight.index_select(0, order)[:, None])  # (M, H)
-        y_pairs = y.new_zeros(n * k, shape[-1]).index_copy(0, order, y)  # back to (token, choice); dropped = 0
-        out = y_pairs.view(n, k, -1).sum(dim=1).view(shape)
+        y = self.experts(dispatch_rows(x, order, k), counts, weight.index_select(0, order)[:, None])  # (M, H)
+        out = combine_rows(y, order, n, k).view(shape)  # back to tokens, summed over the k choices; dropped = 0
         balance = switch_balance_loss(probs.sum(0), tokens_per_expert.to(probs.dtype), n, k)
         self._record(probs, tokens_per_expert, balance, keep, n)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
