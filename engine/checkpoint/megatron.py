@@ -458,7 +458,10 @@ class RankFiles:
         return tensors[local]
 
     def full(self, key: str) -> torch.Tensor:
-        return read_merged([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+        refs = [self.raw(key, t) for t in range(self.tp)]
+        if len(refs[0].shape) > 2:  # stacked experts, TP-cut per expert (layout.rule_dim): glued in memory
+            return merge([ref.read() for ref in refs], split_rule(key))
+        return read_merged(refs, split_rule(key))
 
     def lora_modules(self) -> list[str]:
         """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
@@ -705,6 +708,8 @@ class MegatronCheckpoint:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
         if self.side is not None or self.lora_modules():
             return False
+        if self.tp > 1 and self.config.is_moe:
+            return False  # stacked experts are TP-cut per expert, not in whole rows: glued in memory instead
         return all(
             isinstance(ref, TensorRef) and ref.dtype == dtype
             for chunks in self.base.models.values()

@@ -96,3 +96,27 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
         for (loss, norm, _), (ref_loss, ref_norm, _) in zip(run["parallel"], expected):
             assert loss == pytest.approx(ref_loss, rel=RTOL)
             assert norm == pytest.approx(ref_norm, rel=RTOL)
+
+
+def test_moe_two_process_layouts(tmp_path: Path) -> None:
+    """Qwen3-MoE (4 experts, top-2, aux loss 0.01): TP=2 with and without sequence parallel (experts cut per expert,
+    Megatron's expert TP = TP), LoRA on attention and every expert under TP=2, PP=2 with a dense layer among the MoE
+    ones (1F1B and interleaved): loss and grad norm equal one process, and so do the router figures (gathered over
+    the stages: load_balancing_loss, per-layer expert load imbalance, dropped fraction)."""
+    cases = [
+        "moe_tp2:tp=2,moe=1",
+        "moe_tp2_nosp:tp=2,sp=0,moe=1",
+        "moe_lora_tp2:tp=2,lora=1,moe=1",
+        "moe_pp2:pp=2,layers=4,moe=1",
+        "moe_pp2_vpp:pp=2,layers=4,vpp=1,moe=1",
+    ]
+    result = launch(tmp_path, 2, *cases)
+    for case in cases:
+        name = case.split(":")[0]
+        assert_matches(result, name)
+        par, ref = result[name]["parallel_router"], result[name]["reference_router"]
+        assert len(par) == len(ref) == 5
+        for step, (got, want) in enumerate(zip(par, ref)):
+            assert got.keys() == want.keys() and "load_balancing_loss" in want, name
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=RTOL), f"{name} step {step}: {key}"
