@@ -38,7 +38,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.tensor import DTensor, Partial
 
 from engine.model.config import ModelConfig

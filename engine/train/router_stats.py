@@ -12,6 +12,10 @@ balanced), ``expert_load_imbalance_max`` and ``expert_load_imbalance_layer_<i>``
 layer i over the global batch, 1.0 = even) and ``dropped_token_fraction`` (capacity dropping). The per-layer counts
 are summed over DP ranks and gathered over pipeline stages with one small all-reduce each per step; the numbers are
 read on the host only at the metrics flush.
+
+Padding tokens are routed like any token (Megatron does the same): they count in the figures and the aux loss. So a
+pipeline run, which pads packed rows (``padding_free``) or ``variable_seq_lengths`` micro-batches to a bucketed
+width, routes a few more padding tokens than one process would; samples padded to ``seq_length`` route the same.
 """
 
 from __future__ import annotations
