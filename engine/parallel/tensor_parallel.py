@@ -57,6 +57,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from engine.constants import IGNORE_INDEX
 from engine.model.config import ModelConfig
+from engine.model.moe import MoELayer
 from engine.torch_compat import StridedShard, colwise_prepare_output_fn
 
 if TYPE_CHECKING:
@@ -335,8 +336,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
     for layer in qwen.decoder.layers.values():
-        moe = not hasattr(layer.mlp, "linear_fc1")  # engine.model.moe.MoELayer: router + experts
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, moe))
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, isinstance(layer.mlp, MoELayer)))
     # SequenceParallel re-creates parameters with requires_grad=True (measured trap): restore the frozen set.
     for name, p in model.named_parameters():
         if name in frozen:
