@@ -549,7 +549,7 @@ class MegatronCheckpoint:
             moe = moe_from_args(a, len(self.base.layer_at))
             freq = moe.get("moe_layer_freq")
             if moe and (freq == 1 or isinstance(freq, tuple) and freq[layer]):  # the probed layer is MoE
-                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] // 2)
+                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] * tp // 2)
             else:
                 ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
