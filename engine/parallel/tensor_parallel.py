@@ -222,17 +222,20 @@ class _Replicated(ParallelStyle):
 class ExpertTensorParallel(ParallelStyle):
     """An MoE layer (``engine.model.moe.MoELayer``) under TP, Megatron's default (expert tensor parallel size = TP).
 
-    - Input: the tokens every rank routes (sequence parallel: the ``Shard(1)`` stream all-gathered first; its
-      backward takes this rank's chunk of a gradient that is whole and equal on every rank, see below).
+    - Input: the tokens every rank routes (with sequence parallelism the ``Shard(1)`` stream all-gathered first).
     - Router: replicated weight on replicated tokens (``_Replicated``); routing, the aux loss and the router figures
       are the one-process ones on every rank.
     - Experts: run on their local pieces (``moe.local_weight``): rank k computes every expert's ``[gate_k; up_k]``
-      and its slice of fc2, a partial sum of the output. The rows entering the experts and their routing weights
-      are used by each rank with its own slice only, so their gradients are partial sums: declared ``Partial`` at the
-      experts' input, DTensor all-reduces them in backward (Megatron's copy-to-TP-region). Every gradient upstream
-      is then whole and equal on every rank.
+      and its slice of fc2, a partial sum of the output.
     - Output: the partial sums reduced (all-reduce; reduce-scatter onto the sequence dim with sequence parallelism,
-      returned as the ``Shard(1)`` DTensor the residual stream is)."""
+      returned as the ``Shard(1)`` DTensor the residual stream is).
+
+    Backward: each rank's gradient of the expert rows is a partial sum (its own FFN slice), so the input's gradient
+    is declared ``Partial`` and reduced once per token (all-reduce, or reduce-scatter: Megatron's pair of
+    all-gather / reduce-scatter around the experts), not once per routed (token, expert) row. The router's gradient
+    is whole on every rank and joins that sum as one TP-th share per rank. The routing weights are applied to each
+    rank's slice, so their gradient (N × k numbers) is all-reduced where they enter the experts; the router's weight
+    gradient is then whole and equal on every rank, as its ``Replicate`` placement says."""
 
     def __init__(self, *, sequence_parallel: bool) -> None:
         super().__init__()
@@ -249,9 +252,11 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         router, experts = module.get_submodule("router"), module.get_submodule("experts")
+        share = 1.0 / device_mesh.size()
+        router.register_forward_pre_hook(lambda mod, args: (_ScaleGrad.apply(args[0], share),))  # before _Replicated's
         _Replicated()._apply(router, device_mesh)
         distribute_module(experts, device_mesh, self._partition, self._expert_inputs)  # type: ignore[arg-type]
-        module.register_forward_pre_hook(lambda mod, args: (self._gather(args[0]), *args[1:]))
+        module.register_forward_pre_hook(lambda mod, args: (self._gather(args[0], device_mesh), *args[1:]))
         module.register_forward_hook(lambda mod, args, out: self._reduce(out, device_mesh))
         return module
 
@@ -265,22 +270,33 @@ class ExpertTensorParallel(ParallelStyle):
     @staticmethod
     def _expert_inputs(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
         rows, counts, row_weight = args
+        # identity; the gradient (a partial sum over this rank's FFN slice) all-reduced over TP
+        whole = DTensor.from_local(row_weight, mesh, [Replicate()], run_check=False)
+        return rows, counts, whole.to_local(grad_placements=[Partial()])
 
-        def copy_to_tp(t: torch.Tensor) -> torch.Tensor:  # identity; gradient all-reduced over TP
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-        return copy_to_tp(rows), counts, copy_to_tp(row_weight)
-
-    def _gather(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not isinstance(hidden, DTensor):
-            return hidden  # without sequence parallelism every rank has every token already
-        return hidden.redistribute(placements=[Replicate()]).to_local()
+    def _gather(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(hidden, DTensor):  # without sequence parallelism every rank has every token already
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        return hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
 
     def _reduce(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         partial_sum = DTensor.from_local(out, mesh, [Partial()], run_check=False)
         if self.sequence_parallel:
             return partial_sum.redistribute(placements=[Shard(1)])
         return partial_sum.redistribute(placements=[Replicate()]).to_local()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (a rank's share of a whole gradient that a TP sum adds up)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _is_plain(x: Any) -> bool:
