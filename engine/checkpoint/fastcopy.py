@@ -121,7 +121,8 @@ class MergedRows:
         self.refs, self.rule, self.tp = refs, rule, len(refs)
         first = refs[0]
         self.flat = len(first.shape) <= 1  # a norm vector: one "row" holding all of it
-        # stacked MoE experts (E, rows, H), never TP-split: rows are the (expert, row) pairs, in order
+        # stacked MoE experts (E, rows, H) of a TP-1 checkpoint (TP cuts them per expert: those are glued in memory,
+        # see MegatronCheckpoint.can_copy): rows are the (expert, row) pairs, in order
         self.shape = tuple(first.shape[:-1]) if len(first.shape) > 2 else None
         self.per_row = first.shape[1] if self.shape else 1  # storage rows of dim 0 per row here
         self.local = 1 if self.flat else first.shape[0] * self.per_row

@@ -142,9 +142,10 @@ class HFCheckpoint:
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         """TP rank ``rank``'s piece of native ``key``, reading only its rows straight into place."""
         cols = self._column_source(key, tp)
-        if cols is not None:
-            width = cols.shape[1] // tp
-            return cols.read_cols(rank * width, (rank + 1) * width)
+        if cols is not None:  # row-parallel: columns of the one HF tensor, or of each expert's (stacked)
+            width = cols[0].shape[1] // tp
+            parts = [ref.read_cols(rank * width, (rank + 1) * width) for ref in cols]
+            return torch.stack(parts) if len(self._shapes.get(key, ())) > 2 else parts[0]
         runs = self._runs(key, tp, rank)
         first = self._ref(runs[0][0])
         out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
@@ -153,7 +154,7 @@ class HFCheckpoint:
             self._ref(hf_key).read_rows(start, stop, out[at : at + stop - start])
             at += stop - start
         shape = self._shapes.get(key)
-        return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
+        return out.view(shape[0], -1, shape[-1]) if shape is not None and len(shape) > 2 else out  # (E, rows, H)
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
@@ -165,12 +166,13 @@ class HFCheckpoint:
             return None
         return coalesce(self._segment(*run) for run in runs)
 
-    def _column_source(self, key: str, tp: int) -> TensorRef | None:
-        """The HF tensor a row-parallel (dim-1) shard is cut from, when ``tp`` cuts it; else None."""
+    def _column_source(self, key: str, tp: int) -> list[TensorRef] | None:
+        """The HF tensors (one; one per expert for stacked experts) a row-parallel (dim-1) shard is cut from, when
+        ``tp`` cuts it; else None."""
         if tp == 1 or split_rule(key) != "dim1":
             return None
-        (hf_key,), _ = rule_of(key, self.config)
-        return self._ref(hf_key)
+        hf_keys, _ = rule_of(key, self.config)
+        return [self._ref(hf_key) for hf_key in hf_keys]
 
     def _runs(self, key: str, tp: int, rank: int) -> list[tuple[str, int, int]]:
         """(HF key, first row, end row) runs of TP rank ``rank``'s rows of ``key``, from the one key map."""

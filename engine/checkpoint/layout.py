@@ -8,6 +8,9 @@ Facts from ``shared/docs/megatron-interop.md`` §2:
 - row-parallel weights (``linear_proj``, ``linear_fc2``) are chunked on dim 1; norms are replicated;
 - LoRA (MindSpeed ``lora_moe.py``): on column-parallel targets A is replicated and B is split like the base weight;
   on row-parallel targets A is split like the base weight (dim 1) and B is replicated;
+- MoE (Megatron's default, expert tensor parallel size = TP): the router is replicated; each expert's ``linear_fc1``
+  / ``linear_fc2`` is cut by the dense fc1 / fc2 rule, per expert. The rules name dims of one (out, in) matrix, so on
+  the stacked (E, out, in) experts they act on the last two dims (every TP rank holds every expert's slice);
 - PP stage p holds a contiguous run of layers renumbered from 0; with virtual pipeline chunk v of stage p holds
   layers starting at ``(v*PP + p) * Lv``; the embedding is on the first stage, the final norm and ``output_layer``
   on the last (a tied model gets a copy of the embedding there when PP > 1).
@@ -26,8 +29,8 @@ from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, layer_rules,
 
 Rule = Literal["rep", "dim0", "dim1", "glu"]
 
-_COLUMN = ("self_attention.linear_qkv", "mlp.linear_fc1")
-_ROW = ("self_attention.linear_proj", "mlp.linear_fc2")
+_COLUMN = ("linear_qkv", "linear_fc1")  # module basenames; experts' ``mlp.experts.linear_fc1`` is column-parallel too
+_ROW = ("linear_proj", "linear_fc2")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 
@@ -37,23 +40,35 @@ OUTPUT = "output_layer.weight"
 
 
 def split_rule(key: str) -> Rule:
-    """How the tensor ``key`` (any layer index, base or LoRA) is divided among TP ranks."""
+    """How the tensor ``key`` (any layer index, base or LoRA; dense or per-expert) is divided among TP ranks. The
+    rule names dims of one (out, in) matrix: on stacked experts (E, out, in) ``shard``/``merge`` apply it per expert."""
     lora = LORA_RE.match(key)
     if lora:
         module, ab = lora["module"], lora["ab"].upper()
-        column = module.endswith(_COLUMN)
+        column = _basename(module) in _COLUMN
         if ab == "A":
             return "rep" if column else "dim1"
-        return ("glu" if module.endswith("linear_fc1") else "dim0") if column else "rep"
-    if ".mlp.experts." in key or key.endswith(".mlp.router.weight"):
-        return "rep"  # MoE router and stacked experts: not TP-split here (an MoE model trains with TP 1)
-    if key in (EMBEDDING, OUTPUT) or key.endswith("linear_qkv.weight"):
+        return ("glu" if _basename(module) == "linear_fc1" else "dim0") if column else "rep"
+    if key in (EMBEDDING, OUTPUT):
         return "dim0"
-    if key.endswith("linear_fc1.weight"):
+    module = _basename(key.removesuffix(".weight"))
+    if module == "linear_qkv":
+        return "dim0"
+    if module == "linear_fc1":
         return "glu"
-    if key.endswith(tuple(m + ".weight" for m in _ROW)):
+    if module in _ROW:
         return "dim1"
-    return "rep"
+    return "rep"  # norms, the MoE router
+
+
+def _basename(module: str) -> str:
+    return module.rpartition(".")[2]
+
+
+def rule_dim(rule: Rule, ndim: int) -> int:
+    """The dim ``rule`` cuts in a tensor of ``ndim`` dims: the matrix's out (dim0, glu) or in (dim1) dim, counted
+    from the end so that stacked experts (E, out, in) are cut per expert."""
+    return max(ndim - 2, 0) if rule in ("dim0", "glu") else ndim - 1
 
 
 def shard(t: torch.Tensor, rule: Rule, tp: int, rank: int) -> torch.Tensor:
@@ -61,10 +76,10 @@ def shard(t: torch.Tensor, rule: Rule, tp: int, rank: int) -> torch.Tensor:
     which would otherwise write the whole underlying storage)."""
     if rule == "rep" or tp == 1:
         return t
+    dim = rule_dim(rule, t.dim())
     if rule == "glu":
-        gate, up = torch.chunk(t, 2, dim=0)
-        return torch.cat([torch.chunk(gate, tp, 0)[rank], torch.chunk(up, tp, 0)[rank]], dim=0)
-    dim = 0 if rule == "dim0" else 1
+        gate, up = torch.chunk(t, 2, dim=dim)
+        return torch.cat([torch.chunk(gate, tp, dim)[rank], torch.chunk(up, tp, dim)[rank]], dim=dim)
     if t.shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by TP {tp}")
     return torch.chunk(t, tp, dim)[rank]
@@ -74,10 +89,11 @@ def merge(shards: list[torch.Tensor], rule: Rule) -> torch.Tensor:
     """Inverse of ``shard``: the full tensor from every TP rank's piece, in rank order."""
     if rule == "rep" or len(shards) == 1:
         return shards[0]
+    dim = rule_dim(rule, shards[0].dim())
     if rule == "glu":
-        halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=0 if rule == "dim0" else 1)
+        halves = [torch.chunk(s, 2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
 
 
 def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -109,23 +125,24 @@ def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
-    if rule in ("dim0", "glu"):
-        return (shape[0] // tp, *shape[1:])
-    if rule == "dim1":
-        return (shape[0], shape[1] // tp)
-    return shape
+    if rule == "rep":
+        return shape
+    out = list(shape)
+    out[rule_dim(rule, len(shape))] //= tp
+    return tuple(out)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError naming the first quantity ``tp`` does not divide (or an MoE model cut by TP)."""
-    if cfg.is_moe and tp > 1:
-        raise ValueError(f"target TP {tp}: MoE checkpoints are written with TP 1 (experts are not TP-split here)")
-    for name, value in (
+    """Raise ValueError naming the first quantity ``tp`` does not divide."""
+    sizes = [
         ("num_query_groups (KV heads)", cfg.num_query_groups),
         ("num_attention_heads", cfg.num_attention_heads),
         ("ffn_hidden_size", cfg.ffn_hidden_size),
         ("vocab_size", cfg.vocab_size),
-    ):
+    ]
+    if cfg.is_moe:
+        sizes.append(("moe_ffn_hidden_size (each expert's FFN)", cfg.expert_ffn_hidden_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"target TP {tp} does not divide {name} = {value}")
 

@@ -458,7 +458,10 @@ class RankFiles:
         return tensors[local]
 
     def full(self, key: str) -> torch.Tensor:
-        return read_merged([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+        refs = [self.raw(key, t) for t in range(self.tp)]
+        if len(refs[0].shape) > 2:  # stacked experts, TP-cut per expert (layout.rule_dim): glued in memory
+            return merge([ref.read() for ref in refs], split_rule(key))
+        return read_merged(refs, split_rule(key))
 
     def lora_modules(self) -> list[str]:
         """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
@@ -546,7 +549,7 @@ class MegatronCheckpoint:
             moe = moe_from_args(a, len(self.base.layer_at))
             freq = moe.get("moe_layer_freq")
             if moe and (freq == 1 or isinstance(freq, tuple) and freq[layer]):  # the probed layer is MoE
-                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] // 2)
+                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] * tp // 2)
             else:
                 ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
@@ -705,6 +708,8 @@ class MegatronCheckpoint:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
         if self.side is not None or self.lora_modules():
             return False
+        if self.tp > 1 and self.config.is_moe:
+            return False  # stacked experts are TP-cut per expert, not in whole rows: glued in memory instead
         return all(
             isinstance(ref, TensorRef) and ref.dtype == dtype
             for chunks in self.base.models.values()

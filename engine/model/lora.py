@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.hf_mapping import HF_MODULES
-from engine.model.moe import StackedWeight, expert_matmul
+from engine.model.moe import StackedWeight, expert_matmul, local_weight
 
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # q_proj -> linear_qkv, ..., from the one HF <-> native key map
@@ -118,11 +118,10 @@ class LoRAStacked(nn.Module):
             self.lora_B.weight.zero_()
 
     def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
-        base = expert_matmul(x, self.weight, counts, backend)
-        a_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        low = expert_matmul(
-            expert_matmul(a_in, self.lora_A.weight, counts, backend), self.lora_B.weight, counts, backend
-        )
+        base = expert_matmul(x, local_weight(self.weight), counts, backend)
+        a, b = local_weight(self.lora_A.weight), local_weight(self.lora_B.weight)
+        a_in = self.lora_dropout(x).to(a.dtype)
+        low = expert_matmul(expert_matmul(a_in, a, counts, backend), b, counts, backend)
         return base + (low * self.scaling).to(base.dtype)
 
 

@@ -29,18 +29,35 @@ reporting (``router_metrics``); ``hf_load_balancing_loss`` gives transformers' (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from engine.model.config import ModelConfig
 from engine.model.expert_loop import loop_expert_mlp
 from engine.model.token_permute import combine_rows, dispatch_rows
 from engine.torch_compat import in_backward
+
+
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """An expert weight as the plain tensor the grouped matmuls take. Under tensor parallelism (applied from outside,
+    ``engine.parallel.tensor_parallel.ExpertTensorParallel``) the experts' parameters are DTensors and the layer
+    runs on their local pieces. A replicated one (LoRA's fc1 A and fc2 B) meets each rank's own slice of the
+    experts' activations, so each rank's gradient is a partial sum: declared ``Partial``, DTensor all-reduces it
+    before it reaches the parameter."""
+    if not isinstance(w, DTensor):
+        return w
+    if not all(p.is_replicate() for p in w.placements):
+        return w.to_local()
+    mine = DTensor.from_local(w.to_local(), w.device_mesh, w.placements, run_check=False)
+    return mine.to_local(grad_placements=[Partial()] * len(w.placements))
 
 
 class StackedWeight(nn.Module):
@@ -52,7 +69,7 @@ class StackedWeight(nn.Module):
 
     def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
         """Expert-sorted rows (M, in) -> (M, out), row r through its expert's matrix (``expert_matmul``)."""
-        return expert_matmul(x, self.weight, counts, backend)
+        return expert_matmul(x, local_weight(self.weight), counts, backend)
 
 
 class Router(nn.Module):
@@ -160,7 +177,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
         """x (M, H) expert-sorted rows, counts (E,), row_weight (M, 1): the routing weight of each row, applied
         before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale)."""
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        w1, w2 = local_weight(self.linear_fc1.weight), local_weight(self.linear_fc2.weight)
         dims = [w1.shape[-1], w1.shape[-2], w2.shape[-1]]
         adapted = hasattr(self.linear_fc1, "lora_A") or hasattr(self.linear_fc2, "lora_A")
         if adapted:  # LoRA (engine.model.lora.LoRAStacked): the adapters' widths are matmul widths too
@@ -256,6 +273,7 @@ class MoELayer(nn.Module):
         # None: weight 1, i.e. the plain sum ``lm_loss + coeff * sum_layers aux``.
         self.aux_loss_token_scale: torch.Tensor | float | None = None
         self.stats: RouterStats | None = None
+        self.record_stats = True  # False: forwards are not counted (``paused_router_stats``)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, H) -> (probs (N, E), top-k weights (N, k), top-k expert ids (N, k)); probabilities in fp32."""
@@ -295,7 +313,7 @@ class MoELayer(nn.Module):
     def _record(
         self, probs: torch.Tensor, tokens: torch.Tensor, balance: torch.Tensor, keep: torch.Tensor | None, n: int
     ) -> None:
-        if in_backward():
+        if in_backward() or not self.record_stats:
             return  # activation-checkpoint recompute inside backward: this forward was counted already
         if self.stats is None:
             z = torch.zeros((), device=probs.device)
@@ -317,6 +335,19 @@ def moe_layers(model: nn.Module) -> dict[int, MoELayer]:
             parts = name.split(".")
             found[int(parts[parts.index("layers") + 1]) if "layers" in parts else 0] = module
     return dict(sorted(found.items()))
+
+
+@contextlib.contextmanager
+def paused_router_stats(model: nn.Module) -> Iterator[None]:
+    """Forwards inside are not counted in the router figures (a pipeline stage's shape-inference forward)."""
+    layers = list(moe_layers(model).values())
+    for layer in layers:
+        layer.record_stats = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.record_stats = True
 
 
 def set_aux_loss_token_scale(model: nn.Module, scale: torch.Tensor | float | None) -> None:

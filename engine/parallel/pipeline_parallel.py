@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from engine.constants import IGNORE_INDEX, PAD_ID
 from engine.model.loss import chunked_cross_entropy
+from engine.model.moe import paused_router_stats
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
@@ -98,13 +100,18 @@ class StageModule(nn.Module):
         super().__init__()
         self.part = part
         self.sp_mesh = sequence_parallel_mesh
+        # The schedule's first forward of a stage is PipelineStage's shape inference (on the first micro-batch's
+        # shapes, empty tensors past the first stage), not a micro-batch: MoE router figures must not count it.
+        self.inferred = False
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.sp_mesh is not None and self.part.embedding is None:  # x: this rank's sequence shard
             x = sequence_shard(x, self.sp_mesh, position_ids.shape[1])
-        out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
+        with contextlib.nullcontext() if self.inferred else paused_router_stats(self.part):
+            self.inferred = True
+            out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
         return out.to_local() if isinstance(out, DTensor) else out
 
 

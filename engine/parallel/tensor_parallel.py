@@ -11,6 +11,13 @@ Layout (Megatron's per-rank layout, so mcore TP shards are this rank's local ten
   ``dcp_view`` presents such tensors to DCP as ``Shard(0)`` of the same global tensor (see there).
 - ``linear_proj`` / ``linear_fc2``: row-parallel (dim 1).
 - ``embedding.word_embeddings`` / ``output_layer``: vocab-parallel (dim 0); the loss is ``vocab_parallel_cross_entropy``.
+- MoE layers (``ExpertTensorParallel``; Megatron's default, expert tensor parallel size = TP): the router is
+  replicated and sees every token (with sequence parallelism the tokens are all-gathered before routing, as
+  Megatron does), so every rank routes identically; each expert's fc1 / fc2 is cut like the dense ones, per
+  expert: the stacked ``(E, 2F, H)`` fc1 is ``_StridedShard(1, split_factor=2)`` (rank k: every expert's
+  ``[gate_k; up_k]``), the ``(E, H, F)`` fc2 ``Shard(2)``. The partial outputs are summed over TP (all-reduce, or
+  reduce-scatter onto the sequence dim). LoRA on experts: fc1 A and fc2 B replicated, fc1 B and fc2 A cut like
+  their base (``engine.checkpoint.layout.split_rule``'s rules).
 - Norms: ``SequenceParallel`` when sequence parallelism is on (the residual stream is a DTensor sharded on the
   sequence dim between the TP regions), otherwise replicated DTensor parameters (``_Replicated``).
 - ``q_layernorm`` / ``k_layernorm`` act per head on head-sharded activations; every rank only sees its own heads,
@@ -50,6 +57,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from engine.constants import IGNORE_INDEX
 from engine.model.config import ModelConfig
+from engine.model.moe import MoELayer
 from engine.torch_compat import StridedShard, colwise_prepare_output_fn
 
 if TYPE_CHECKING:
@@ -64,6 +72,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         (cfg.ffn_hidden_size, "FFN size (ffn_hidden_size)"),
         (cfg.vocab_size, "vocabulary rows (padded_vocab_size)"),
     ]
+    if cfg.is_moe:
+        checks.append((cfg.expert_ffn_hidden_size, "expert FFN size (moe_ffn_hidden_size)"))
     for value, what in checks:
         if value % tp:
             raise ValueError(f"tensor_model_parallel_size: TP {tp} must divide the {value} {what}")
@@ -72,6 +82,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
 def _place(param: torch.Tensor, mesh: DeviceMesh, placement: Placement | str) -> DTensor:
     if placement == "gate_up":
         return _distribute_strided(param.detach(), mesh, dim=0)
+    if isinstance(placement, StridedShard):  # [gate; up] on another dim (stacked experts: dim 1)
+        return _distribute_strided(param.detach(), mesh, dim=placement.dim)
     assert not isinstance(placement, str), placement
     return distribute_tensor(param.detach(), mesh, [placement], src_data_rank=0)
 
@@ -207,6 +219,86 @@ class _Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)  # type: ignore[arg-type]
 
 
+class ExpertTensorParallel(ParallelStyle):
+    """An MoE layer (``engine.model.moe.MoELayer``) under TP, Megatron's default (expert tensor parallel size = TP).
+
+    - Input: the tokens every rank routes (with sequence parallelism the ``Shard(1)`` stream all-gathered first).
+    - Router: replicated weight on replicated tokens (``_Replicated``); routing, the aux loss and the router figures
+      are the one-process ones on every rank.
+    - Experts: run on their local pieces (``moe.local_weight``): rank k computes every expert's ``[gate_k; up_k]``
+      and its slice of fc2, a partial sum of the output.
+    - Output: the partial sums reduced (all-reduce; reduce-scatter onto the sequence dim with sequence parallelism,
+      returned as the ``Shard(1)`` DTensor the residual stream is).
+
+    Backward: each rank's gradient of the expert rows is a partial sum (its own FFN slice), so the input's gradient
+    is declared ``Partial`` and reduced once per token (all-reduce, or reduce-scatter: Megatron's pair of
+    all-gather / reduce-scatter around the experts), not once per routed (token, expert) row. The router's gradient
+    is whole on every rank and joins that sum as one TP-th share per rank. The routing weights are applied to each
+    rank's slice, so their gradient (N × k numbers) is all-reduced where they enter the experts; the router's weight
+    gradient is then whole and equal on every rank, as its ``Replicate`` placement says."""
+
+    def __init__(self, *, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        fc1_rows: Placement = StridedShard(1, split_factor=2)  # per expert [gate_k; up_k]
+        self.placements: dict[str, Placement] = {
+            "linear_fc1": fc1_rows,
+            "linear_fc1.lora_A": Replicate(),
+            "linear_fc1.lora_B": fc1_rows,
+            "linear_fc2": Shard(2),
+            "linear_fc2.lora_A": Shard(2),
+            "linear_fc2.lora_B": Replicate(),
+        }
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        router, experts = module.get_submodule("router"), module.get_submodule("experts")
+        share = 1.0 / device_mesh.size()
+        router.register_forward_pre_hook(lambda mod, args: (_ScaleGrad.apply(args[0], share),))  # before _Replicated's
+        _Replicated()._apply(router, device_mesh)
+        distribute_module(experts, device_mesh, self._partition, self._expert_inputs)  # type: ignore[arg-type]
+        module.register_forward_pre_hook(lambda mod, args: (self._gather(args[0], device_mesh), *args[1:]))
+        module.register_forward_hook(lambda mod, args, out: self._reduce(out, device_mesh))
+        return module
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name not in self.placements:
+            return
+        param = module.get_parameter("weight")
+        dparam = nn.Parameter(_place(param, mesh, self.placements[name]), requires_grad=param.requires_grad)
+        module.register_parameter("weight", dparam)
+
+    @staticmethod
+    def _expert_inputs(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        rows, counts, row_weight = args
+        # identity; the gradient (a partial sum over this rank's FFN slice) all-reduced over TP
+        whole = DTensor.from_local(row_weight, mesh, [Replicate()], run_check=False)
+        return rows, counts, whole.to_local(grad_placements=[Partial()])
+
+    def _gather(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(hidden, DTensor):  # without sequence parallelism every rank has every token already
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        return hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+    def _reduce(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        partial_sum = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        if self.sequence_parallel:
+            return partial_sum.redistribute(placements=[Shard(1)])
+        return partial_sum.redistribute(placements=[Replicate()]).to_local()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (a rank's share of a whole gradient that a TP sum adds up)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def _is_plain(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
@@ -217,10 +309,16 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel(use_local_output=False) if sequence_parallel else _Replicated()
 
 
-def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Plan for one decoder layer (module paths relative to the layer)."""
+def layer_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, ParallelStyle]:
+    """Plan for one decoder layer (module paths relative to the layer); ``moe``: its MLP is routed experts."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
+    mlp: dict[str, ParallelStyle] = {
+        "mlp.linear_fc1": ColumnParallel(gate_up=True, input_layouts=seq),
+        "mlp.linear_fc2": RowParallel(output_layouts=seq, use_local_output=not sp),
+    }
+    if moe:
+        mlp = {"mlp": ExpertTensorParallel(sequence_parallel=sp)}
     return {
         "input_layernorm": _norm_style(sp),
         "self_attention.linear_qkv": ColumnParallel(input_layouts=seq),
@@ -229,8 +327,7 @@ def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "self_attention.k_layernorm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attention.linear_proj": RowParallel(output_layouts=seq, use_local_output=not sp),
         "pre_mlp_layernorm": _norm_style(sp),
-        "mlp.linear_fc1": ColumnParallel(gate_up=True, input_layouts=seq),
-        "mlp.linear_fc2": RowParallel(output_layouts=seq, use_local_output=not sp),
+        **mlp,
     }
 
 
@@ -255,7 +352,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
     for layer in qwen.decoder.layers.values():
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, isinstance(layer.mlp, MoELayer)))
     # SequenceParallel re-creates parameters with requires_grad=True (measured trap): restore the frozen set.
     for name, p in model.named_parameters():
         if name in frozen:

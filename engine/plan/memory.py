@@ -27,8 +27,9 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
 - ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
   activations are gone by then, so the peak is the larger of the two phases on top of the persistent state.
 
-MoE (Qwen3-MoE): a rank holds every expert and the router of its MoE layers (experts shard over DP with FSDP like
-any weight; TP does not split them), and its activations count the top-k expert rows per token; FLOPs use the
+MoE (Qwen3-MoE): a rank holds the router and every expert of its stage's MoE layers, each expert's fc1/fc2 divided
+by TP like the dense MLP (Megatron's expert tensor parallel size = TP; experts shard over DP with FSDP like any
+weight), and its activations count the top-k expert rows per token (expert widths divided by TP); FLOPs use the
 active parameters (``ModelConfig.num_params(active=True)``, ``engine.parallel.device.flops_per_token``).
 
 Everything is per rank; TP divides attention heads, KV groups, FFN width and vocabulary.
@@ -158,13 +159,13 @@ def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
 
 def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None) -> int:
     """Parameters of decoder layer ``layer`` on one TP rank (None: the largest layer). An MoE layer holds its
-    router and every expert (experts are not TP-split: an MoE model trains with TP 1)."""
+    router (replicated) and every expert's TP slice (fc1 and fc2 cut per expert like the dense MLP)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attn = h * cfg.qkv_rows // tp + cfg.num_attention_heads * d * h // tp + 2 * d
     moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
     if moe:
         e = cfg.num_experts or 0
-        return attn + e * h + e * 3 * h * cfg.expert_ffn_hidden_size + 2 * h
+        return attn + e * h + e * 3 * h * cfg.expert_ffn_hidden_size // tp + 2 * h
     return attn + 3 * h * cfg.ffn_hidden_size // tp + 2 * h
 
 
@@ -223,7 +224,7 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
         attn = 3 * e * a * d + 2 * e * g * d + 4 * a
     mlp = 4 * e * f  # fc1 output (gate|up), silu(gate), product
     if cfg.moe_layers:  # the largest layer: an MoE one (engine.model.moe), per token and each of its k choices
-        topk, fe, ne = cfg.moe_router_topk, cfg.expert_ffn_hidden_size, cfg.num_experts or 0
+        topk, fe, ne = cfg.moe_router_topk, cfg.expert_ffn_hidden_size // tp, cfg.num_experts or 0
         router = e * ne + 4 * ne  # logits, fp32 probabilities
         # gathered input rows, fc1 output, silu(gate), product, routing-weighted rows, fc2 output, scattered back
         mlp = max(mlp, router + topk * e * (h + 2 * fe + fe + 2 * fe + h + h))
@@ -236,7 +237,7 @@ def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
     mlp = 2 * f + h
     if cfg.moe_layers:  # router logits, and per choice the expert fc1 and fc2 outputs
-        mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * (2 * cfg.expert_ffn_hidden_size + h))
+        mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * (2 * cfg.expert_ffn_hidden_size // tp + h))
     return tokens * e * (h + cfg.qkv_rows // tp + h + mlp)
 
 

@@ -48,7 +48,6 @@ from engine.train.model_setup import (
     build_rank_model,
     check_against_checkpoint,
     check_model_kind,
-    check_moe_layout,
     checkpoint_flags,
     config_from_flags,
     open_load,
@@ -135,7 +134,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
-    check_moe_layout(spec, cfg)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
         run.event(
@@ -179,7 +177,8 @@ class Trainer:
         _seed_everything(spec.seed)
         self.model = self._build_model()
         self.runner = make_runner(self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size)
-        self.router = RouterTracker(self.model, self.runner.dp_group)
+        pp = self.mesh["pp"]
+        self.router = RouterTracker(self.model, self.runner.dp_group, pp.get_group() if pp.size() > 1 else None)
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = Scheduler(self.optimizer, schedule_from_spec(spec))
         self.scaler = LossScaler(spec)

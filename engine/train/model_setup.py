@@ -139,20 +139,6 @@ def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(**fields) if fields else cfg
 
 
-def check_moe_layout(spec: Any, cfg: ModelConfig) -> None:
-    """An MoE model trains with TP 1 and PP 1 for now: its stacked experts have no TP rule and the router figures
-    are gathered over DP only. Expert parallelism is refused by the spec (``expert_model_parallel_size``)."""
-    if not cfg.is_moe:
-        return
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(spec, flag) > 1:
-            raise BadInput(
-                f"{flag}: {getattr(spec, flag)} is not available for an MoE model (num_experts "
-                f"{cfg.num_experts}) yet; use 1 (the experts shard over data parallel, FSDP)",
-                flag,
-            )
-
-
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
     """BadInput for the first explicitly set shape flag that disagrees with the checkpoint's shape."""
     explicit = spec.model_fields_set

@@ -9,8 +9,13 @@ counts in proportion to its tokens and the step differentiates ``lm_loss + coeff
 share of labelled tokens or the micro-batch split. It reports, per step: ``load_balancing_loss`` (Megatron's logged
 value: the switch loss without its coefficient, mean over MoE layers and micro-batches, 1.0 when perfectly
 balanced), ``expert_load_imbalance_max`` and ``expert_load_imbalance_layer_<i>`` (max / mean tokens per expert of MoE
-layer i over the global batch, 1.0 = even) and ``dropped_token_fraction`` (capacity dropping). The per-layer counts are summed over DP ranks with one small
-all-reduce per step; the numbers are read on the host only at the metrics flush.
+layer i over the global batch, 1.0 = even) and ``dropped_token_fraction`` (capacity dropping). The per-layer counts
+are summed over DP ranks and gathered over pipeline stages with one small all-reduce each per step; the numbers are
+read on the host only at the metrics flush.
+
+Padding tokens are routed like any token (Megatron does the same): they count in the figures and the aux loss. So a
+pipeline run, which pads packed rows (``padding_free``) or ``variable_seq_lengths`` micro-batches to a bucketed
+width, routes a few more padding tokens than one process would; samples padded to ``seq_length`` route the same.
 """
 
 from __future__ import annotations
@@ -23,49 +28,58 @@ from engine.model.moe import MoELayer, RouterMetrics, moe_layers
 
 
 class RouterTracker:
-    """The MoE layers of this rank's model (none: every method is a no-op)."""
+    """The MoE layers of the model this rank trains part of (a dense model: every method is a no-op).
 
-    def __init__(self, module: nn.Module, dp_group: dist.ProcessGroup | None) -> None:
-        self.layers: dict[int, MoELayer] = moe_layers(module)
-        self.dp_group = dp_group
-        self.num_experts = next(iter(self.layers.values())).num_experts if self.layers else 0
+    ``layers``: every MoE layer of the whole model (global indices); ``modules``: those this rank holds (a pipeline
+    stage holds some; a stage may hold none). Figures are summed over DP and gathered over pipeline stages (each
+    layer's row comes from the one stage holding it), so every rank reports the one-process figures. TP ranks route
+    the same tokens (``engine.parallel.tensor_parallel.ExpertTensorParallel``) and count the same: no TP reduction."""
+
+    def __init__(
+        self, module: nn.Module, dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.modules: dict[int, MoELayer] = moe_layers(module)
+        cfg = getattr(module, "cfg", None)
+        self.layers: list[int] = list(cfg.moe_layers) if cfg is not None else list(self.modules)
+        self.num_experts = int(cfg.num_experts or 0) if cfg is not None and self.layers else 0
+        self.dp_group, self.pp_group = dp_group, pp_group
+        first = next(iter(module.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
     def set_token_weight(self, weight: torch.Tensor | float) -> None:
-        """Weight of one routed token's aux loss in backward (the LM loss's per-token weight)."""
-        for layer in self.layers.values():
+        """Weight of one routed token's aux loss in backward (the LM loss's per-token weight): every micro-batch's
+        forward multiplies it by its own routed-token count, as the LM loss counts that micro-batch's tokens."""
+        for layer in self.modules.values():
             layer.aux_loss_token_scale = weight
 
     def discard(self) -> None:
         """Forget what forwards counted so far (validation passes)."""
-        for layer in self.layers.values():
+        for layer in self.modules.values():
             layer.stats = None
 
     def step_figures(self) -> torch.Tensor | None:
         """(layers, E + 3) global sums since the last call: tokens per expert, switch-loss sum, dropped assignments,
-        forwards; None without MoE layers. One all-reduce over DP; stays on the device."""
+        forwards; None without MoE layers. One all-reduce over DP (and one over PP); stays on the device."""
         if not self.layers:
             return None
-        rows = []
-        for layer in self.layers.values():
-            s = layer.stats
+        figures = torch.zeros(len(self.layers), self.num_experts + 3, dtype=torch.float64, device=self.device)
+        for row, index in enumerate(self.layers):
+            layer = self.modules.get(index)
+            s = layer.stats if layer is not None else None
             if s is None:
-                rows.append(torch.zeros(self.num_experts + 3, device=layer.router.weight.device))
-                continue
-            extra = torch.stack(
-                [
-                    s.balance_loss_sum.float(),
-                    s.dropped.float(),
-                    torch.tensor(float(s.forwards), device=s.dropped.device),
-                ]
-            )
-            rows.append(torch.cat([s.tokens_per_expert.float(), extra]))
+                continue  # another stage's layer, or no forward yet: zeros in the sum
+            figures[row, :-3] = s.tokens_per_expert
+            figures[row, -3] = s.balance_loss_sum
+            figures[row, -2] = s.dropped
+            figures[row, -1] = float(s.forwards)
         self.discard()
-        figures = torch.stack(rows).double()
         if dist.is_initialized():
             dist.all_reduce(figures, group=self.dp_group)
+            if self.pp_group is not None:
+                dist.all_reduce(figures, group=self.pp_group)
         return figures
 
 

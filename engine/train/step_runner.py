@@ -157,7 +157,9 @@ class ModuleRunner:
 class PipelineRunner:
     """Pipeline execution: the schedule runs every micro-batch through this rank's stages; the loss exists on the
     last stage (``make_loss_fn``, chunked as ``cross_entropy_chunk_size`` says) and is brought to every PP rank by
-    ``reduce``. Extra loss terms are not carried through the schedule (MoE, which has one, is refused under PP)."""
+    ``reduce``. Extra loss terms are not carried through the schedule; MoE's load-balancing loss needs none: each MoE
+    layer attaches its gradient in the stage's own graph (``engine.model.moe.AuxLossScaler``), weighted per micro-batch
+    by its routed tokens (``RouterTracker.set_token_weight``)."""
 
     def __init__(self, module: PipelineModel, mesh: DeviceMesh) -> None:
         self.module, self.mesh = module, mesh

@@ -4,7 +4,7 @@ on a one-rank group), then under each requested layout, both through the trainer
 grad norms of both to a JSON file.
 
 Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N tests/integration/parallel_worker.py OUT.json CASE..``
-with CASE = ``name:key=value,...`` (keys in ``parse``). Ends with os._exit (the gloo/DeviceMesh exit-crash trap,
+with CASE = ``name:key=value,...`` (keys in ``parse``; ``moe=1``: a Qwen3-MoE model, its router figures recorded too). Ends with os._exit (the gloo/DeviceMesh exit-crash trap,
 torch-distributed-on-gloo.md §f.1).
 """
 
@@ -33,6 +33,7 @@ from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, Sample, pad
 from engine.train.loop import TrainState, train_step
 from engine.train.optim import LossScaler, build_optimizer
+from engine.train.router_stats import RouterTracker, router_summary
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import ModuleRunner, StepRunner, lm_loss, make_runner
 
@@ -59,6 +60,7 @@ def parse(case: str) -> dict[str, Any]:
         "steps": STEPS,
         "ac": "",
         "scale": 1,
+        "moe": 0,
     }
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
@@ -121,6 +123,16 @@ def build_model(opts: dict[str, Any]) -> Qwen3Model:
         ffn_hidden_size=base.ffn_hidden_size * k,
         kv_channels=base.kv_channels * k,
     )
+    if opts["moe"]:  # 4 experts top-2 with the aux loss; with 4 layers layer 2 is dense (a PP2 stage mixes both)
+        freq = (1, 1, 0, 1) if opts["layers"] == 4 else 1
+        cfg = cfg.replace(
+            num_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_layer_freq=freq,
+            norm_topk_prob=True,
+            moe_aux_loss_coeff=0.01,
+        )
     model = Qwen3Model(cfg)
     model.init_weights(seed=0)
     if opts["lora"]:
@@ -134,8 +146,15 @@ def build_model(opts: dict[str, Any]) -> Qwen3Model:
 
 
 def train(
-    runner: StepRunner, spec: TrainSpec, opts: dict[str, Any], dp: int, dp_rank: int
+    runner: StepRunner,
+    spec: TrainSpec,
+    opts: dict[str, Any],
+    dp: int,
+    dp_rank: int,
+    router: RouterTracker | None = None,
+    router_rows: list[dict[str, float]] | None = None,
 ) -> list[tuple[float, float, float]]:
+    """``router``: the MoE layers' tracker; each step's router metrics are appended to ``router_rows``."""
     model = runner.module
     optimizer = build_optimizer(model, spec)
     scheduler, scaler, state = Scheduler(optimizer, schedule_from_spec(spec)), LossScaler(spec), TrainState()
@@ -154,7 +173,10 @@ def train(
             state,
             global_batch_size=GLOBAL_BATCH,
             clip_grad=spec.clip_grad,
+            router=router,
         )
+        if router and router_rows is not None and rec.router is not None:
+            router_rows.append(router_summary(router.layers, rec.router.tolist()))
         # (loss, grad norm, step seconds); the float() calls are the step's host syncs, so the time is complete
         out.append((float(rec.loss_sum / rec.counts[0]), float(rec.grad_norm), time.perf_counter() - start))
         if opts["save_at"] and step + 1 == opts["save_at"]:
@@ -162,7 +184,7 @@ def train(
     return out
 
 
-def parallel(opts: dict[str, Any]) -> list[tuple[float, float, float]]:
+def parallel(opts: dict[str, Any], router_rows: list[dict[str, float]]) -> list[tuple[float, float, float]]:
     spec = make_spec(opts, dist.get_world_size())
     mesh = build_mesh(Device("cpu"), ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"]))
     model = build_model(opts)
@@ -171,13 +193,18 @@ def parallel(opts: dict[str, Any]) -> list[tuple[float, float, float]]:
     else:
         model = parallelize(model, mesh, spec)
     runner = make_runner(model, mesh, torch.device("cpu"), chunk_size=64)
-    return train(runner, spec, opts, opts["dp"], mesh["dp"].get_local_rank())
+    pp_group = mesh["pp"].get_group() if opts["pp"] > 1 else None
+    router = RouterTracker(model, runner.dp_group, pp_group) if opts["moe"] else None
+    return train(runner, spec, opts, opts["dp"], mesh["dp"].get_local_rank(), router, router_rows)
 
 
-def reference(opts: dict[str, Any], own_group: Any) -> list[tuple[float, float, float]]:
+def reference(
+    opts: dict[str, Any], own_group: Any, router_rows: list[dict[str, float]]
+) -> list[tuple[float, float, float]]:
     spec = make_spec({**opts, "tp": 1, "pp": 1, "list": "", "vpp": 0}, 1)
     runner = ModuleRunner(build_model(opts), torch.device("cpu"), own_group, lm_loss(False, chunk_size=64))
-    return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0)
+    router = RouterTracker(runner.module, own_group) if opts["moe"] else None
+    return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0, router, router_rows)
 
 
 def main() -> None:
@@ -188,9 +215,12 @@ def main() -> None:
     results = {}
     for case in cases:
         opts = parse(case)
-        entry = {"parallel": parallel(opts)}
+        par_router: list[dict[str, float]] = []
+        entry: dict[str, Any] = {"parallel": parallel(opts, par_router), "parallel_router": par_router}
         if not opts["load"] and dist.get_rank() == 0:
-            entry["reference"] = reference(opts, own)
+            ref_router: list[dict[str, float]] = []
+            entry["reference"] = reference(opts, own, ref_router)
+            entry["reference_router"] = ref_router
         results[opts["name"]] = entry
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))

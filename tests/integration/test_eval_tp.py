@@ -1,6 +1,7 @@
 """``python -m engine eval`` under torchrun with ``--tensor-model-parallel-size 2`` (gloo): the model is sharded with
 the trainer's TP plan (vocab-parallel embedding and head, KV cache of the local KV groups), the head's logits are
-gathered across the TP group, and greedy predictions equal a one-process run."""
+gathered across the TP group, and greedy predictions equal a one-process run — for the dense and the MoE model
+(experts cut per expert: ``engine.parallel.tensor_parallel.ExpertTensorParallel``)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from test_eval_multirank import _run, eval_args
 pytestmark = pytest.mark.slow
 
 
-def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
-    # untied: the head is its own vocab-parallel output_layer
-    args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny", seed=7, samples=5, new_tokens=4)
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer_dir: Path, model: str) -> None:
+    # untied: the head is its own vocab-parallel output_layer; the MoE model's experts are cut per expert
+    args = eval_args(tmp_path, qwen_tokenizer_dir, model, seed=7, samples=5, new_tokens=4)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
     torchrun = [
         sys.executable,

@@ -96,3 +96,52 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
         for (loss, norm, _), (ref_loss, ref_norm, _) in zip(run["parallel"], expected):
             assert loss == pytest.approx(ref_loss, rel=RTOL)
             assert norm == pytest.approx(ref_norm, rel=RTOL)
+
+
+def assert_router_matches(result: dict, name: str) -> None:
+    par, ref = result[name]["parallel_router"], result[name]["reference_router"]
+    assert len(par) == len(ref) == 5
+    for step, (got, want) in enumerate(zip(par, ref)):
+        assert got.keys() == want.keys() and "load_balancing_loss" in want, name
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=RTOL), f"{name} step {step}: {key}"
+
+
+def test_moe_two_process_layouts(tmp_path: Path) -> None:
+    """Qwen3-MoE (4 experts, top-2, aux loss 0.01): TP=2 with and without sequence parallel (experts cut per expert,
+    Megatron's expert TP = TP), LoRA on attention and every expert under TP=2, PP=2 with a dense layer among the MoE
+    ones (1F1B and interleaved): loss and grad norm equal one process, and so do the router figures (gathered over
+    the stages: load_balancing_loss, per-layer expert load imbalance, dropped fraction)."""
+    cases = [
+        "moe_tp2:tp=2,moe=1",
+        "moe_tp2_nosp:tp=2,sp=0,moe=1",
+        "moe_lora_tp2:tp=2,lora=1,moe=1",
+        "moe_pp2:pp=2,layers=4,moe=1",
+        "moe_pp2_vpp:pp=2,layers=4,vpp=1,moe=1",
+    ]
+    result = launch(tmp_path, 2, *cases)
+    for case in cases:
+        assert_matches(result, case.split(":")[0])
+        assert_router_matches(result, case.split(":")[0])
+
+
+def test_moe_four_process_layouts_and_resume(tmp_path: Path) -> None:
+    """MoE TP2×PP2 (saves a checkpoint after step 3), TP2×DP2 (FSDP over the per-expert TP shards) and LoRA on the
+    experts under TP2×DP2 equal one process; the TP2×PP2 checkpoint resumes in one process with the same next steps."""
+    ckpt = tmp_path / "ckpt_moe"
+    result = launch(
+        tmp_path,
+        4,
+        f"moe_tp2pp2:tp=2,pp=2,layers=4,moe=1,save_at=3,ckpt={ckpt}",
+        "moe_tp2dp2:tp=2,dp=2,moe=1",
+        "moe_lora_tp2dp2:tp=2,dp=2,lora=1,moe=1",
+    )
+    for name in ("moe_tp2pp2", "moe_tp2dp2", "moe_lora_tp2dp2"):
+        assert_matches(result, name)
+        assert_router_matches(result, name)
+    one = launch(tmp_path, 1, f"one:layers=4,moe=1,load={ckpt},start=3,steps=2")
+    expected = result["moe_tp2pp2"]["parallel"][3:]
+    assert len(one["one"]["parallel"]) == len(expected) == 2
+    for (loss, norm, _), (ref_loss, ref_norm, _) in zip(one["one"]["parallel"], expected):
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+        assert norm == pytest.approx(ref_norm, rel=RTOL)

@@ -11,7 +11,7 @@ import torch
 
 from convert_tiny import hf_logits, read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint, save_hf
-from engine.checkpoint.layout import merge, pipeline_chunks, shard, split_rule
+from engine.checkpoint.layout import merge, pipeline_chunks, shard, shard_shape, split_rule
 from engine.checkpoint.load import detect_format, load_model_weights
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.model.hf_mapping import native_keys
@@ -128,6 +128,22 @@ def test_shard_rules_are_megatrons() -> None:
     assert split_rule("decoder.layers.3.mlp.linear_fc1.lora_B.default.weight") == "glu"
     assert split_rule("decoder.layers.3.mlp.linear_fc2.lora_A.weight") == "dim1"
     assert split_rule("decoder.layers.3.mlp.linear_fc2.lora_B.weight") == "rep"
+    # MoE (expert TP = TP): the router replicated, each expert cut by the dense rule, per expert (stacked dim 0 kept)
+    assert split_rule("decoder.layers.3.mlp.router.weight") == "rep"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc1.weight") == "glu"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc2.weight") == "dim1"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc1.lora_A.weight") == "rep"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc1.lora_B.weight") == "glu"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc2.lora_A.weight") == "dim1"
+    assert split_rule("decoder.layers.3.mlp.experts.linear_fc2.lora_B.weight") == "rep"
+    stacked = torch.stack([fc1, fc1 + 1000])  # (E=2, 2F, H)
+    assert torch.equal(
+        shard(stacked, "glu", 2, 1), torch.stack([shard(fc1, "glu", 2, 1), shard(fc1 + 1000, "glu", 2, 1)])
+    )
+    assert torch.equal(merge([shard(stacked, "glu", 2, r) for r in range(2)], "glu"), stacked)
+    fc2 = torch.arange(24.0).reshape(2, 3, 4)  # (E, H, F): each expert's columns
+    assert torch.equal(shard(fc2, "dim1", 2, 0), fc2[:, :, :2])
+    assert shard_shape((2, 3, 4), "dim1", 2) == (2, 3, 2) and shard_shape((2, 8, 3), "glu", 2) == (2, 4, 3)
     assert [c[0].layers for c in pipeline_chunks(8, 2, vpp_layers=2)] == [(0, 1), (2, 3)]
     assert [[c.layers for c in s] for s in pipeline_chunks(8, 2, vpp_layers=2)] == [[(0, 1), (4, 5)], [(2, 3), (6, 7)]]
     with pytest.raises(ValueError, match="num_layer_list"):

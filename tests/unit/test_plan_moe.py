@@ -113,3 +113,22 @@ def test_moe_shape_from_checkpoint_config_and_megatron_args(tmp_path: Path) -> N
     args = argparse.Namespace(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001)
     fields = moe_from_args(args, 48)  # Megatron's own flag names
     assert fields["num_experts"] == 128 and fields["moe_router_topk"] == 8 and fields["moe_ffn_hidden_size"] == 768
+
+
+def test_moe_experts_divide_by_tp_and_count_per_stage() -> None:
+    """TP 2: each rank holds half of every expert (and a whole router); PP 2: each stage counts its own layers'
+    experts (the 94 MoE layers split 47 / 47)."""
+    cfg = plan_spec(parse_spec(moe_spec())).cfg
+    h, f, e = 4096, 1536, 128
+    assert (
+        layer_params(cfg, 1, 0) - layer_params(cfg, 2, 0)
+        == e * 3 * h * f // 2 + (h * (64 + 8) * 128 + 64 * 128 * h) // 2
+    )
+    tp2 = plan_spec(parse_spec(moe_spec(tensor_model_parallel_size=2))).ranks[0]
+    tp1 = plan_spec(parse_spec(moe_spec())).ranks[0]
+    assert tp2.num_params < 0.51 * tp1.num_params
+    pp2 = plan_spec(parse_spec(moe_spec(pipeline_model_parallel_size=2))).ranks
+    stage_params = {r.num_params for r in pp2}
+    assert len(stage_params) == 2  # embedding on the first stage, head on the last
+    expected = sum(layer_params(cfg, 1, i) for i in range(47)) + 151936 * h
+    assert min(stage_params) == expected
