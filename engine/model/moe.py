@@ -36,6 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.model.config import ModelConfig
 from engine.torch_compat import in_backward
@@ -82,6 +83,12 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def local_experts(weight: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: under expert parallelism (``engine.parallel.expert_parallel``) a stacked weight
+    is a ``Shard(0)`` DTensor and its local rows are this rank's experts (differentiable); else the tensor itself."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 def grouped_backend(x: torch.Tensor, *dims: int) -> str:
     """The expert-matmul backend for rows like ``x`` (``dims``: the matmul widths).
 
@@ -107,6 +114,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, b
     ``grouped_mm``: one kernel over all experts (offsets stay on the device, no host sync). ``loop``: one matmul per
     non-empty expert (a host sync for the counts).
     """
+    weight = local_experts(weight)
     if backend == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
@@ -152,7 +160,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
         """x (M, H) expert-sorted rows, counts (E,), row_weight (M, 1): the routing weight of each row, applied
         before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale)."""
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        w1, w2 = local_experts(self.linear_fc1.weight), local_experts(self.linear_fc2.weight)
         dims = [w1.shape[-1], w1.shape[-2], w2.shape[-1]]
         adapted = hasattr(self.linear_fc1, "lora_A") or hasattr(self.linear_fc2, "lora_A")
         if adapted:  # LoRA (engine.model.lora.LoRAStacked): the adapters' widths are matmul widths too

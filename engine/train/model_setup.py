@@ -141,7 +141,7 @@ def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
 
 def check_moe_layout(spec: Any, cfg: ModelConfig) -> None:
     """An MoE model trains with TP 1 and PP 1 for now: its stacked experts have no TP rule and the router figures
-    are gathered over DP only. Expert parallelism is refused by the spec (``expert_model_parallel_size``)."""
+    are gathered over DP only. Expert parallelism: ``check_expert_layout``."""
     if not cfg.is_moe:
         return
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -151,6 +151,21 @@ def check_moe_layout(spec: Any, cfg: ModelConfig) -> None:
                 f"{cfg.num_experts}) yet; use 1 (the experts shard over data parallel, FSDP)",
                 flag,
             )
+
+
+def check_expert_layout(spec: Any, cfg: ModelConfig, dp: int) -> None:
+    """EP > 1 needs an MoE model whose expert count EP divides, and EP must divide DP (the spec checks what it
+    knows at submission; the expert count of a loaded checkpoint is known only here)."""
+    ep = spec.expert_model_parallel_size
+    if ep == 1:
+        return
+    flag = "expert_model_parallel_size"
+    if not cfg.is_moe:
+        raise BadInput(f"{flag}: {ep} needs an MoE model (num_experts); this model is dense", flag)
+    if (cfg.num_experts or 0) % ep:
+        raise BadInput(f"{flag}: EP {ep} does not divide num_experts {cfg.num_experts}", flag)
+    if dp % ep:
+        raise BadInput(f"{flag}: EP {ep} must divide the data-parallel size {dp}", flag)
 
 
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
