@@ -331,7 +331,8 @@ class ModelArgs(_Strict):
         gt=0,
         description=(
             "MoE: unset = dropless; else each expert takes at most ceil(tokens × topk / experts × factor) tokens per "
-            "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy)."
+            "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy); tokens counted per rank before "
+            "expert-parallel dispatch, as Megatron's router does."
         ),
     )
     tokenizer_type: str | None = Field(
