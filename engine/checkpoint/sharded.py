@@ -16,10 +16,9 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engine.checkpoint.sources import WeightSource, native_rows
-from engine.torch_compat import StridedShard
+from engine.torch_compat import StridedShard, compute_local_shape_and_global_offset
 
 _WRAPPED = "_checkpoint_wrapped_module."
 

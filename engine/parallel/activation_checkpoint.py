@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from engine.torch_compat import checkpoint_wrapper
+from engine.torch_compat import PROFILER_MARKER_OPS, checkpoint_wrapper
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -49,6 +49,11 @@ def apply_ac(
     layers = cast("Qwen3Model", model).decoder.layers
     keys = list(layers.keys())
     chosen = _layers_to_wrap(len(keys), method if granularity == "full" else None, recompute_num_layers)
+    if granularity == "selective":
+        # Profiler markers carry no data, but FSDP's hooks emit more of them in a recompute than in the forward when
+        # an FSDP group sits inside the checkpointed layer (expert parallelism's experts: its root pre-forward runs
+        # again), and selective checkpointing counts every op; its public ignore list takes them.
+        SAC_IGNORED_OPS.update(PROFILER_MARKER_OPS)
     for i in chosen:
         if granularity == "selective":
             context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.model.moe import GroupedExperts, moe_layers
+from engine.torch_compat import all_to_all_single_autograd, unflatten_mesh, wait_tensor
 
 EP_DIMS = ("edp", "ep")
 
@@ -38,7 +38,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     dp = mesh["dp"].size()
     if ep < 1 or dp % ep:
         raise ValueError(f"expert_model_parallel_size: EP {ep} must divide the data-parallel size {dp}")
-    return mesh["dp"]._unflatten(0, (dp // ep, ep), EP_DIMS)
+    return unflatten_mesh(mesh["dp"], (dp // ep, ep), EP_DIMS)
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ class AllToAllDispatch:
         sent = send_counts.sum(1).tolist()  # host sync: the splits are sizes
         received = recv_counts.sum(1).tolist()
         rows = torch.cat([x, row_weight.to(x.dtype)], dim=1)  # one exchange for the rows and their weights
-        rows = funcol.wait_tensor(funcol.all_to_all_single_autograd(rows, received, sent, self.group))
+        rows = wait_tensor(all_to_all_single_autograd(rows, received, sent, self.group))
         # received: blocks by (source, local expert); the grouped matmul wants them by (local expert, source)
         block = torch.arange(self.ep * self.num_local, device=x.device)
         block = torch.repeat_interleave(block, recv_counts.reshape(-1), output_size=rows.shape[0])
@@ -81,7 +81,7 @@ class AllToAllDispatch:
         """This rank's expert outputs -> the rows the calling rank sent, in its order."""
         ex = self.pending.pop()
         back = torch.empty_like(out).index_copy(0, ex.order, out)
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, ex.sent, ex.received, self.group))
+        return wait_tensor(all_to_all_single_autograd(back, ex.sent, ex.received, self.group))
 
 
 def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:

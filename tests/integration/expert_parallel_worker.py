@@ -1,6 +1,6 @@
 """torchrun worker for the expert-parallel layout test: every rank builds the tiny MoE model the trainer's way
-(``build_rank_model`` on meta, EP ``sys.argv[2]`` carved out of DP = world, seeded init) and checks, against the whole
-model built on the host:
+(``build_rank_model`` on meta, EP ``sys.argv[2]`` carved out of DP = world, seeded init, selective recompute) and
+checks, against the whole model built on the host:
 
 - the stacked experts are ``Shard(0)`` DTensors over ``ep`` (and FSDP over ``edp``), holding only this rank's rows,
   equal to the full model's; every other weight is FSDP-sharded over all of ``dp``;
@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engine.checkpoint.sharded import native_name
 from engine.checkpoint.sources import SeededInit
@@ -31,6 +30,7 @@ from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.spec import TrainSpec
+from engine.torch_compat import compute_local_shape_and_global_offset
 from engine.train.model_setup import build_rank_model
 
 SEQ, SEED, VOCAB = 24, 5, 256
@@ -52,6 +52,7 @@ def check(ep: int) -> tuple[list[str], int, list[int]]:
             "lr": 1e-3,
             "seq_length": SEQ,
             "expert_model_parallel_size": ep,
+            "recompute_granularity": "selective",  # the dispatch runs again in the backward's recompute
             "resources": {"nproc_per_node": world},
         }
     )
