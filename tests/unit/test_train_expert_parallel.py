@@ -1,7 +1,7 @@
 """Expert parallelism as a job: EP2 (two ranks, dp 2 = edp 1 × ep 2) equals one process step for step (loss, grad
 norm, router figures) over 5 fp32 steps, exports the same Megatron and HF files, resumes from its own checkpoint as
-if never stopped, and trains LoRA on the experts (adapters split with them) from an HF checkpoint each rank reads
-only its experts of."""
+if never stopped (on two ranks, and resharded onto one), and trains LoRA on the experts (adapters split with them)
+from an HF checkpoint each rank reads only its experts of."""
 
 from __future__ import annotations
 
@@ -72,6 +72,11 @@ def test_ep2_equals_one_process_exports_the_same_and_resumes(data: str, tmp_path
     shutil.copytree(tmp_path / "s2" / "train_state", resumed / "train_state")
     run_train({**spec, **EP2, "save": str(resumed), "save_hf": False}, tmp_path / "again", 2)
     _same_steps(two[3:], metric_rows(tmp_path / "again"), ROUTER_KEYS)
+    # and a re-queued job that got one process reshards it (DCP), continuing the one-process curve
+    single = tmp_path / "single"
+    shutil.copytree(tmp_path / "s2" / "train_state", single / "train_state")
+    run_train({**spec, "save": str(single), "save_hf": False}, tmp_path / "on_one", 1)
+    _same_steps(one[3:], metric_rows(tmp_path / "on_one"), ROUTER_KEYS)
 
 
 @pytest.mark.slow
