@@ -28,7 +28,9 @@ Pinned torch: 2.13 (pyproject). Each name, and why no public API does the job:
 - ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: which rows of a DTensor a rank holds
   under any placements (FSDP's strided shards of EP-sharded experts included), so it reads only those.
 - ``torch.ops.profiler._record_function_enter_new`` / ``_record_function_exit``: the profiler-marker ops that
-  selective activation checkpointing must ignore (``engine.parallel.activation_checkpoint``).
+  selective activation checkpointing must ignore, and ``torch.ops._c10d_functional.all_to_all_single``: the
+  expert-parallel exchange it keeps rather than sends again in the recompute
+  (``engine.parallel.activation_checkpoint``).
 
 Not here because a public API does it: the MoE expert matmul uses ``torch.nn.functional.grouped_mm`` (a thin public
 wrapper of ``torch._grouped_mm``); single-process DCP reads use ``torch.distributed.checkpoint.load(no_dist=True)``
@@ -70,7 +72,10 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch", "ops.profiler._record_function_enter_new.default"),
     ("torch", "ops.profiler._record_function_exit._RecordFunction"),
+    ("torch", "ops._c10d_functional.all_to_all_single.default"),
 )
+
+ALL_TO_ALL_OP = torch.ops._c10d_functional.all_to_all_single.default
 
 PROFILER_MARKER_OPS = (
     torch.ops.profiler._record_function_enter_new.default,
@@ -92,6 +97,7 @@ def in_backward() -> bool:
 
 
 __all__ = [
+    "ALL_TO_ALL_OP",
     "PRIVATE_NAMES",
     "PROFILER_MARKER_OPS",
     "LegacyStorage",

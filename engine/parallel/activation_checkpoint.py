@@ -5,8 +5,9 @@
   (Megatron's uniform groups ``recompute_num_layers`` layers per checkpoint; per-layer checkpoints store the same
   boundaries or fewer, so memory is the same or lower).
 - ``selective``: Megatron recomputes core attention only; here an op-level policy (torchtitan SelectiveAC style)
-  keeps every matmul output and recomputes the cheap rest (attention softmax, norms, RoPE, SwiGLU), which is the
-  same trade: save the FLOP-heavy results, recompute what is memory-heavy and cheap.
+  keeps every matmul output (and the expert-parallel all-to-all's) and recomputes the cheap rest (attention softmax,
+  norms, RoPE, SwiGLU), which is the same trade: save the FLOP-heavy results, recompute what is memory-heavy and
+  cheap.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from engine.torch_compat import PROFILER_MARKER_OPS, checkpoint_wrapper
+from engine.torch_compat import ALL_TO_ALL_OP, PROFILER_MARKER_OPS, checkpoint_wrapper
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -29,6 +30,7 @@ _SAVE_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
+    ALL_TO_ALL_OP,  # expert parallelism's token exchange: kept, not sent again in the recompute (torchtitan too)
 }
 
 
