@@ -90,7 +90,7 @@ def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for owner in list(experts.modules()):
         for name, param in list(owner.named_parameters(recurse=False)):
-            local = param.detach().chunk(ep, dim=0)[rank]
+            local = param.detach().chunk(ep, dim=0)[rank].clone()  # its own storage: the whole tensor can go
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(owner, name, nn.Parameter(dt, requires_grad=param.requires_grad))
     # LoRAStacked shares its base weight with the StackedWeight it replaced; that module is no longer in the tree.
