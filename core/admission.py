@@ -204,8 +204,8 @@ class _Inputs:
 
 
 def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
-    """TP must divide the checkpoint's heads and KV heads, PP its layers (the spec's own flags are checked by the
-    schema)."""
+    """TP must divide the checkpoint's heads and KV heads, PP its layers, EP its experts (the spec's own flags are
+    checked by the schema)."""
     if not config:
         return
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
@@ -220,6 +220,14 @@ def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, whe
             f"{where}pipeline_model_parallel_size",
             f"PP {pp} does not divide the model's {layers} layers; give num_layer_list",
         )
+    ep, experts = spec.expert_model_parallel_size, config.get("num_experts")
+    if ep > 1 and spec.kind == "train":  # an eval job runs every expert on each rank
+        if not isinstance(experts, int) or experts < 1:
+            raise _refuse(f"{where}expert_model_parallel_size", f"EP {ep} needs an MoE model; the checkpoint is dense")
+        if experts % ep:
+            raise _refuse(
+                f"{where}expert_model_parallel_size", f"EP {ep} does not divide the model's {experts} experts"
+            )
 
 
 def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:

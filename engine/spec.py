@@ -308,7 +308,8 @@ class ModelArgs(_Strict):
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field(
         "allgather",
         description=(
-            "MoE token dispatch across expert-parallel ranks; no effect while expert_model_parallel_size is 1."
+            "MoE token dispatch across expert-parallel ranks (no effect while expert_model_parallel_size is 1): both "
+            "run the same all-to-all exchange here (allgather is mapped onto it; the results are the same)."
         ),
     )
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = Field(
@@ -330,7 +331,8 @@ class ModelArgs(_Strict):
         gt=0,
         description=(
             "MoE: unset = dropless; else each expert takes at most ceil(tokens × topk / experts × factor) tokens per "
-            "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy)."
+            "micro-batch and drops the lowest-probability rest (Megatron's 'probs' policy); tokens counted per rank before "
+            "expert-parallel dispatch, as Megatron's router does."
         ),
     )
     tokenizer_type: str | None = Field(
@@ -377,7 +379,12 @@ class ParallelArgs(_Strict):
         1, ge=1, description="--pipeline-model-parallel-size: PP degree, stages the layers are split into."
     )
     expert_model_parallel_size: int = Field(
-        1, ge=1, description=("MoE: ranks the experts of each MoE layer are split over. Only 1 is available so far.")
+        1,
+        ge=1,
+        description=(
+            "--expert-model-parallel-size: MoE, ranks each MoE layer's experts are split over (num_experts / EP per "
+            "rank), carved out of data parallel: EP must divide num_experts and DP = world / (TP × PP)."
+        ),
     )
     sequence_parallel: bool = Field(
         False, description="--sequence-parallel: with TP > 1, shard norms and dropout activations along the sequence."
@@ -399,17 +406,13 @@ class ParallelArgs(_Strict):
     def _check_layout(self) -> ParallelArgs:
         world = self.resources.world_size if isinstance(self, JobBase) else 1
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if self.expert_model_parallel_size > 1:
-            raise ValueError(
-                f"expert_model_parallel_size: {self.expert_model_parallel_size} is not available yet (expert "
-                "parallelism is being built); use 1 (the experts then shard like every other weight, over DP)"
-            )
         if world % (tp * pp):
             raise ValueError(
                 f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size "
                 f"({world} = resources.nnodes × resources.nproc_per_node)"
             )
         dp = world // (tp * pp)
+        self._check_expert_layout(dp)
         heads = getattr(self, "num_attention_heads", None)
         groups = getattr(self, "num_query_groups", None) if getattr(self, "group_query_attention", False) else heads
         if heads is not None and heads % tp:
@@ -430,6 +433,25 @@ class ParallelArgs(_Strict):
                 f"({self.micro_batch_size} × {dp})"
             )
         return self
+
+    def _check_expert_layout(self, dp: int) -> None:
+        """EP is carved out of DP (Megatron: expert-data-parallel = DP / EP) and splits each layer's experts."""
+        ep = self.expert_model_parallel_size
+        if ep == 1:
+            return
+        if dp % ep:
+            raise ValueError(
+                f"expert_model_parallel_size: EP {ep} must divide the data-parallel size {dp} "
+                f"(world size / (TP {self.tensor_model_parallel_size} × PP {self.pipeline_model_parallel_size}))"
+            )
+        experts = getattr(self, "num_experts", None)
+        if experts is not None and experts % ep:
+            raise ValueError(f"expert_model_parallel_size: EP {ep} does not divide num_experts {experts}")
+        for other in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, other) > 1:  # MoE composes with each alone; EP with TP or PP is not built yet
+                raise ValueError(
+                    f"expert_model_parallel_size: EP {ep} with {other} {getattr(self, other)} is not available yet"
+                )
 
     @property
     def data_parallel_size(self) -> int:

@@ -146,7 +146,14 @@ class HFCheckpoint:
             width = cols[0].shape[1] // tp
             parts = [ref.read_cols(rank * width, (rank + 1) * width) for ref in cols]
             return torch.stack(parts) if len(self._shapes.get(key, ())) > 2 else parts[0]
-        runs = self._runs(key, tp, rank)
+        return self._read_runs(key, self._runs(key, tp, rank))
+
+    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of native ``key``'s dim 0 (for stacked experts: those experts), reading only them."""
+        rows = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0], lambda ids: ids[start:stop])
+        return self._read_runs(key, rows, stop - start)
+
+    def _read_runs(self, key: str, runs: list[tuple[str, int, int]], leading: int | None = None) -> torch.Tensor:
         first = self._ref(runs[0][0])
         out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
         at = 0
@@ -154,7 +161,9 @@ class HFCheckpoint:
             self._ref(hf_key).read_rows(start, stop, out[at : at + stop - start])
             at += stop - start
         shape = self._shapes.get(key)
-        return out.view(shape[0], -1, shape[-1]) if shape is not None and len(shape) > 2 else out  # (E, rows, H)
+        if shape is not None and len(shape) > 2:  # stacked experts: (E or this EP rank's experts, rows, H)
+            return out.view(leading if leading is not None else shape[0], -1, shape[-1])
+        return out
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain

@@ -675,6 +675,14 @@ class MegatronCheckpoint:
             full = full[: self.config.vocab_size]
         return full
 
+    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of native ``key``'s dim 0 (an expert-parallel rank's experts): read alone when the
+        file stores the tensor whole and unmerged (replicated over TP), else cut from the whole tensor."""
+        side = self.side is not None and self.side.has(key)
+        if split_rule(key) == "rep" and self.base.has(key) and not side and not self._adapted(key):
+            return self.base.raw(key, 0).read_rows(start, stop)
+        return self.get_native(key)[start:stop]
+
     def _adapted(self, key: str) -> bool:
         a_key = key.removesuffix(".weight") + ".lora_A.weight"
         return self.base.has(a_key) or (self.side is not None and self.side.has(a_key))

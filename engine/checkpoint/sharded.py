@@ -11,13 +11,14 @@ time, and holds nothing else.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engine.checkpoint.sources import WeightSource
-from engine.torch_compat import StridedShard
+from engine.checkpoint.sources import WeightSource, native_rows
+from engine.torch_compat import StridedShard, compute_local_shape_and_global_offset
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -50,9 +51,27 @@ def _tp(param: torch.Tensor) -> tuple[int, int]:
     return param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
 
 
+def _expert_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """Expert parallelism: the dim-0 rows (experts) of the whole tensor this rank holds — its EP rank's experts, cut
+    again by FSDP over ``edp`` (torch's own placement rule, strided shards included); None for other parameters."""
+    names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+    if not isinstance(param, DTensor) or names is None or "ep" not in names:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0], offset[0] + shape[0]
+
+
 @torch.no_grad()
 def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
     """Copy this rank's piece of native ``key`` from ``source`` into ``param`` (cast to its dtype)."""
+    experts = _expert_rows(param)
+    if experts is not None:  # read only this rank's experts
+        local = cast(DTensor, param).to_local()
+        piece = native_rows(source, key, *experts) if experts[1] > experts[0] else local
+        if tuple(piece.shape) != tuple(local.shape):
+            raise ValueError(f"{key}: experts {experts} have shape {tuple(piece.shape)}, the local part {local.shape}")
+        local.copy_(piece)
+        return
     tp, tp_rank = _tp(param)
     piece = source.get_native_shard(key, tp, tp_rank)
     local = param.to_local() if isinstance(param, DTensor) else param

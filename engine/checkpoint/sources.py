@@ -59,6 +59,21 @@ class ByteRanges(Protocol):
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Segment] | None: ...
 
 
+@runtime_checkable
+class RowRanges(Protocol):
+    """A source that reads a run of dim-0 rows of a native tensor alone (an expert-parallel rank's experts)."""
+
+    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+def native_rows(source: WeightSource, key: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of native ``key``'s dim 0: read alone where ``source`` can (HF files, the seeded init),
+    else cut from the whole tensor."""
+    if isinstance(source, RowRanges):
+        return source.get_native_rows(key, start, stop)
+    return source.get_native_shard(key, 1, 0)[start:stop]
+
+
 def _tp_rows(shape: tuple[int, ...], key: str, tp: int, rank: int) -> torch.Tensor:
     """Global row numbers (rows: every dim but the last, flattened) of TP rank ``rank``'s rows of ``key``, in local
     order (dim-0 / glu / replicated; per expert for stacked experts)."""
@@ -73,21 +88,29 @@ def _draw_into(
     tp: int,
     rank: int,
     draw: Callable[[torch.Tensor], object],
+    keep: torch.Tensor | None = None,
 ) -> None:
     """Draw the full tensor of ``shape`` chunk by chunk with ``draw`` (in place); keep TP rank ``rank``'s part in
-    ``out`` (None: draw and drop). Chunks are whole rows of a multiple of 16 numbers: ``normal_`` then draws the
-    very same sequence as on the whole tensor (it fills and transforms in blocks of 16, the tail last). A row is
-    the last dim (a 1-D tensor: one number per row), so a per-expert TP cut is a set of rows or of columns."""
-    cols = shape[-1] if len(shape) > 1 else 1
-    rows = int(torch.Size(shape).numel()) // max(cols, 1)
+    ``out`` (None: draw and drop), or the dim-0 rows ``keep`` (ascending; an expert-parallel rank's experts) when
+    given. Chunks are whole rows of a multiple of 16 numbers: ``normal_`` then draws the very same sequence as on
+    the whole tensor (it fills and transforms in blocks of 16, the tail last). Without ``keep`` a row is the last
+    dim (a 1-D tensor: one number per row), so a per-expert TP cut is a set of rows or of columns; with ``keep`` a
+    row is one dim-0 slice (one expert)."""
+    if keep is not None:
+        rows, cols = shape[0], int(torch.Size(shape[1:]).numel())
+    else:
+        cols = shape[-1] if len(shape) > 1 else 1
+        rows = int(torch.Size(shape).numel()) // max(cols, 1)
     step = max(16, (_CHUNK_ELEMS // max(cols, 1)) // 16 * 16)
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * cols < 16:
         starts.pop()  # a tail under 16 numbers would take another path: draw it with the chunk before
     bounds = list(zip(starts, starts[1:] + [rows], strict=True))
     rule = split_rule(key)
-    column_cut = rule == "dim1" and len(shape) > 1
-    ids = None if column_cut or out is None else _tp_rows(shape if len(shape) > 1 else (rows, 1), key, tp, rank)
+    column_cut = keep is None and rule == "dim1" and len(shape) > 1
+    ids = keep
+    if ids is None and not column_cut and out is not None:
+        ids = _tp_rows(shape if len(shape) > 1 else (rows, 1), key, tp, rank)
     width = cols // tp if column_cut else cols
     scratch = torch.empty(min(step + 16, rows) * cols) if len(bounds) > 1 else torch.empty(rows * cols)
     for a, b in bounds:
@@ -123,11 +146,20 @@ class SeededInit:
         return self.get_native_shard(key, 1, 0)
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
+        return self._draw(key, tp, rank, None)
+
+    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._draw(key, 1, 0, torch.arange(start, stop))
+
+    def _draw(self, key: str, tp: int, rank: int, keep: torch.Tensor | None) -> torch.Tensor:
+        """TP rank ``rank``'s piece of ``key``, or the dim-0 rows ``keep`` of the whole tensor."""
         if key == OUTPUT and self.config.tie_word_embeddings:
             key = EMBEDDING  # a pipeline last stage's copy of the tied embedding
         shape = self.shapes[key]
         std = init_std(key, len(shape), self.config)
         out_shape = shard_shape(shape, split_rule(key), tp)
+        if keep is not None:
+            out_shape = (keep.numel(), *shape[1:])
         if std is None:
             return torch.ones(out_shape)
         index = self.order.index(key)
@@ -138,7 +170,7 @@ class SeededInit:
             if skip_std is not None:
                 _draw_into(None, self.shapes[skipped], skipped, tp, rank, self._normal(skip_std))
         out = torch.empty(out_shape)
-        _draw_into(out, shape, key, tp, rank, self._normal(std))
+        _draw_into(out, shape, key, tp, rank, self._normal(std), keep)
         self.next = index + 1
         return out
 

@@ -48,8 +48,9 @@ from engine.torch_compat import in_backward
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
     """An expert weight as the plain tensor the grouped matmuls take. Under tensor parallelism (applied from outside,
-    ``engine.parallel.tensor_parallel.ExpertTensorParallel``) the experts' parameters are DTensors and the layer
-    runs on their local pieces. A replicated one (LoRA's fc1 A and fc2 B) meets each rank's own slice of the
+    ``engine.parallel.tensor_parallel.ExpertTensorParallel``) or expert parallelism (``engine.parallel.
+    expert_parallel``: a ``Shard(0)`` over ``ep``, the local rows being this rank's experts) the experts' parameters
+    are DTensors and the layer runs on their local pieces. A replicated one (LoRA's fc1 A and fc2 B) meets each rank's own slice of the
     experts' activations, so each rank's gradient is a partial sum: declared ``Partial``, DTensor all-reduces it
     before it reaches the parameter."""
     if not isinstance(w, DTensor):
@@ -126,6 +127,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, b
     ``grouped_mm``: one kernel over all experts (offsets stay on the device, no host sync). ``loop``: one matmul per
     non-empty expert (a host sync for the counts).
     """
+    weight = local_weight(weight)
     if backend == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)

@@ -5,8 +5,9 @@
   (Megatron's uniform groups ``recompute_num_layers`` layers per checkpoint; per-layer checkpoints store the same
   boundaries or fewer, so memory is the same or lower).
 - ``selective``: Megatron recomputes core attention only; here an op-level policy (torchtitan SelectiveAC style)
-  keeps every matmul output and recomputes the cheap rest (attention softmax, norms, RoPE, SwiGLU), which is the
-  same trade: save the FLOP-heavy results, recompute what is memory-heavy and cheap.
+  keeps every matmul output (and the expert-parallel all-to-all's) and recomputes the cheap rest (attention softmax,
+  norms, RoPE, SwiGLU), which is the same trade: save the FLOP-heavy results, recompute what is memory-heavy and
+  cheap.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from engine.torch_compat import checkpoint_wrapper
+from engine.torch_compat import ALL_TO_ALL_OP, PROFILER_MARKER_OPS, checkpoint_wrapper
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -29,6 +30,7 @@ _SAVE_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
+    ALL_TO_ALL_OP,  # expert parallelism's token exchange: kept, not sent again in the recompute (torchtitan too)
 }
 
 
@@ -49,6 +51,11 @@ def apply_ac(
     layers = cast("Qwen3Model", model).decoder.layers
     keys = list(layers.keys())
     chosen = _layers_to_wrap(len(keys), method if granularity == "full" else None, recompute_num_layers)
+    if granularity == "selective":
+        # Profiler markers carry no data, but FSDP's hooks emit more of them in a recompute than in the forward when
+        # an FSDP group sits inside the checkpointed layer (expert parallelism's experts: its root pre-forward runs
+        # again), and selective checkpointing counts every op; its public ignore list takes them.
+        SAC_IGNORED_OPS.update(PROFILER_MARKER_OPS)
     for i in chosen:
         if granularity == "selective":
             context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engine.model.moe import moe_layers
+
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
 
@@ -28,8 +30,12 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
+    edp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard each decoder layer, then the root (embedding, final norm, output layer) as its own group.
+
+    ``edp_mesh`` (expert parallelism): each MoE layer's experts, already split over ``ep`` (DTensors), are their own
+    group sharded over the expert-data-parallel ranks; the rest of the layer shards over all of ``dp_mesh``.
 
     Parameters keep their storage dtype (``engine.parallel.precision``: fp32 trainable, a frozen base possibly in
     ``param_dtype`` already); compute sees ``param_dtype`` copies; gradients are reduced and kept in fp32."""
@@ -38,6 +44,10 @@ def apply_fsdp(
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
         last = i == len(layers) - 1
+        for moe in moe_layers(layer).values() if edp_mesh is not None else ():  # first: nested groups are skipped
+            fully_shard(
+                moe.experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last
+            )
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
     # The root group (embedding, final norm, output layer) stays gathered from forward to backward: the trainer's
     # chunked loss reads the head matrix (``model.output_weight()``) after forward returns.

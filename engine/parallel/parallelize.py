@@ -1,7 +1,7 @@
 """The one ordered entry that turns a plain ``Qwen3Model`` into the model a rank trains.
 
 Order (torchtitan ``models/qwen3/infra/parallelize.py``): storage dtypes (``engine.parallel.precision``) ->
-tensor/sequence parallel -> activation checkpointing -> compile -> data parallel (with the mixed-precision policy). Each step is an ``apply_*`` helper; the model file knows nothing of ranks.
+tensor/sequence parallel -> expert parallel -> activation checkpointing -> compile -> data parallel (with the mixed-precision policy). Each step is an ``apply_*`` helper; the model file knows nothing of ranks.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.model.moe import moe_layers
 from engine.parallel.activation_checkpoint import apply_ac
 from engine.parallel.data_parallel import apply_fsdp
+from engine.parallel.expert_parallel import apply_expert_parallel, expert_mesh
 from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -27,12 +29,18 @@ def recompute_granularity(spec: Any) -> str | None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
-    """Apply, in order, TP/SP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
+    """Apply, in order, TP/SP, EP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
     # Under pipeline parallelism ``model`` is one stage's part (engine.parallel.pipeline_parallel.build_pipeline).
     dtypes = param_dtypes(spec)
     apply_param_dtypes(model, dtypes)  # fp32 main weights; a frozen (LoRA) base stored once in the compute dtype
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
+    ep = int(getattr(spec, "expert_model_parallel_size", 1))
+    edp_mesh = None
+    if ep > 1 and moe_layers(model):
+        experts_mesh = expert_mesh(mesh, ep)
+        apply_expert_parallel(model, experts_mesh["ep"])
+        edp_mesh = experts_mesh["edp"]
     granularity = recompute_granularity(spec)
     if granularity:
         apply_ac(
@@ -43,9 +51,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
     dp = mesh["dp"]
     # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU). Otherwise FSDP2
     # shards main weights, fp32 grads and Adam states over DP and casts each layer to the compute dtype just in time.
-    if dp.size() > 1 or dtype != torch.float32:
+    if dp.size() > 1 or dtype != torch.float32:  # EP > 1 implies DP > 1
         # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
         # parameters per micro-batch, so stages keep them (torch-distributed-on-gloo.md, PP × FSDP2 recipe).
         reshard = bool(getattr(spec, "use_distributed_optimizer", False)) and mesh["pp"].size() == 1
-        apply_fsdp(model, dp, param_dtype=None if dtype == torch.float32 else dtype, reshard_after_forward=reshard)
+        apply_fsdp(
+            model,
+            dp,
+            param_dtype=None if dtype == torch.float32 else dtype,
+            reshard_after_forward=reshard,
+            edp_mesh=edp_mesh,
+        )
     return model

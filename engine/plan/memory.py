@@ -27,10 +27,13 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
 - ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
   activations are gone by then, so the peak is the larger of the two phases on top of the persistent state.
 
-MoE (Qwen3-MoE): a rank holds the router and every expert of its stage's MoE layers, each expert's fc1/fc2 divided
-by TP like the dense MLP (Megatron's expert tensor parallel size = TP; experts shard over DP with FSDP like any
-weight), and its activations count the top-k expert rows per token (expert widths divided by TP); FLOPs use the
-active parameters (``ModelConfig.num_params(active=True)``, ``engine.parallel.device.flops_per_token``).
+MoE (Qwen3-MoE): a rank holds the router of its stage's MoE layers and num_experts / EP of their experts (expert
+parallelism, ``engine.parallel.expert_parallel``), each expert's fc1/fc2 divided by TP like the dense MLP
+(Megatron's expert tensor parallel size = TP). The sharded state is the same with or without EP (experts shard over
+EP then FSDP over DP / EP, the rest over DP); what EP shrinks is what FSDP gathers for compute (E/EP experts per
+layer) and its gradient buffers. Activations count the top-k expert rows per token (expert widths divided by TP),
+plus under EP the all-to-all's sent and received copies of them; FLOPs use the active parameters
+(``ModelConfig.num_params(active=True)``, ``engine.parallel.device.flops_per_token``).
 
 Everything is per rank; TP divides attention heads, KV groups, FFN width and vocabulary.
 """
@@ -64,6 +67,7 @@ class Layout:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel, carved out of dp
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     seq_length: int = 2048
@@ -157,16 +161,23 @@ def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
     return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
 
 
-def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None) -> int:
+def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 1) -> int:
     """Parameters of decoder layer ``layer`` on one TP rank (None: the largest layer). An MoE layer holds its
-    router (replicated) and every expert's TP slice (fc1 and fc2 cut per expert like the dense MLP)."""
+    router (replicated) and num_experts / ``ep`` experts, each expert's TP slice (fc1 and fc2 cut per expert like the
+    dense MLP)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attn = h * cfg.qkv_rows // tp + cfg.num_attention_heads * d * h // tp + 2 * d
     moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
     if moe:
         e = cfg.num_experts or 0
-        return attn + e * h + e * 3 * h * cfg.expert_ffn_hidden_size // tp + 2 * h
+        return attn + e * h + expert_params(cfg) // ep // tp + 2 * h
     return attn + 3 * h * cfg.ffn_hidden_size // tp + 2 * h
+
+
+def expert_params(cfg: ModelConfig, layer: int | None = None) -> int:
+    """The stacked expert weights of one MoE layer (all experts; 0 for a dense layer)."""
+    moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
+    return (cfg.num_experts or 0) * 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size if moe else 0
 
 
 def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...], layer: int | None = None) -> int:
@@ -292,22 +303,25 @@ def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
 # ------------------------------------------------------------------ per rank
 
 
-def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int) -> None:
-    """params / main_params / grads / optimizer of one rank, and the transient gathered layers of FSDP."""
+def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int, elsewhere: int = 0) -> None:
+    """params / main_params / grads / optimizer of one rank, and the transient gathered layers of FSDP.
+    ``elsewhere``: base weights of the rank's layers that live on other EP ranks (never gathered here)."""
     e, dp = lay.compute_bytes, lay.dp
     trainable, frozen = m.trainable_params, m.num_params - m.trainable_params
+    held_trainable = trainable - (elsewhere if lay.lora_r is None else 0)
+    held_frozen = frozen - (elsewhere if lay.lora_r is not None else 0)
     mixed = e != 4
     resharding = dp > 1 and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
     gathered = 2 * per_layer_params * e if resharding else 0
     if lay.lora_r is None:
-        compute = trainable * e
+        compute = held_trainable * e
         # fp32 one process: the params are the main weights; under FSDP the sharded fp32 weights are the main ones
         m.params = 0 if (not mixed and dp == 1) else (gathered if resharding else compute)
         m.main_params = trainable * 4 // dp
     else:
         # the frozen base: its FSDP shard (in the compute dtype) plus, over DP, what is gathered of it for compute
         shard = frozen * e // dp
-        m.params = shard + (gathered if resharding else frozen * e if dp > 1 else 0)
+        m.params = shard + (gathered if resharding else held_frozen * e if dp > 1 else 0)
         m.main_params = trainable * 4 // dp
     m.grads = trainable * 4 // dp
     m.optimizer = trainable * 8 // dp
@@ -329,7 +343,8 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
         total, trainable = _rank_params(cfg, lay, layers, first, last)
         m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
         if lay.train:
-            _fill_state(m, lay, layer_params(cfg, lay.tp))
+            elsewhere = sum(expert_params(cfg, i) for i in layers) * (lay.ep - 1) // lay.ep
+            _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere)
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
             m.params = total * lay.compute_bytes
         tokens = lay.tokens
@@ -351,5 +366,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             m.comm += 2 * tokens * cfg.hidden_size * lay.compute_bytes // (lay.tp if lay.sequence_parallel else 1)
         if lay.tp > 1 and lay.sequence_parallel:
             m.comm += tokens * cfg.hidden_size * lay.compute_bytes
+        if lay.train and lay.ep > 1 and cfg.moe_layers:  # the all-to-all: rows (+ weight) sent, received, regrouped
+            m.comm += 3 * tokens * cfg.moe_router_topk * (cfg.hidden_size + 1) * lay.compute_bytes
         out.append(m)
     return out

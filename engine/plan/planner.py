@@ -90,6 +90,7 @@ def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
         world_size=spec.resources.world_size,
         tp=spec.tensor_model_parallel_size,
         pp=spec.pipeline_model_parallel_size,
+        ep=spec.expert_model_parallel_size if train else 1,  # eval runs every expert on each rank
         micro_batch_size=spec.micro_batch_size,
         global_batch_size=spec.global_batch_size,
         seq_length=seq,

@@ -47,6 +47,7 @@ from engine.train.model_setup import (
     LoadedWeights,
     build_rank_model,
     check_against_checkpoint,
+    check_expert_layout,
     check_model_kind,
     checkpoint_flags,
     config_from_flags,
@@ -134,6 +135,7 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
+    check_expert_layout(spec, cfg, dims.dp)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
         run.event(

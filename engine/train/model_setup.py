@@ -139,6 +139,24 @@ def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(**fields) if fields else cfg
 
 
+def check_expert_layout(spec: Any, cfg: ModelConfig, dp: int) -> None:
+    """EP > 1 needs an MoE model whose expert count EP divides, and EP must divide DP (the spec checks what it
+    knows at submission; the expert count of a loaded checkpoint is known only here)."""
+    ep = spec.expert_model_parallel_size
+    if ep == 1:
+        return
+    flag = "expert_model_parallel_size"
+    if not cfg.is_moe:
+        raise BadInput(f"{flag}: {ep} needs an MoE model (num_experts); this model is dense", flag)
+    if (cfg.num_experts or 0) % ep:
+        raise BadInput(f"{flag}: EP {ep} does not divide num_experts {cfg.num_experts}", flag)
+    if dp % ep:
+        raise BadInput(f"{flag}: EP {ep} must divide the data-parallel size {dp}", flag)
+    for other in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(spec, other) > 1:  # each composes with MoE alone; EP with either is not built yet
+            raise BadInput(f"{flag}: EP {ep} with {other} {getattr(spec, other)} is not available yet; use one", flag)
+
+
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
     """BadInput for the first explicitly set shape flag that disagrees with the checkpoint's shape."""
     explicit = spec.model_fields_set

@@ -41,17 +41,35 @@ def grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by the device mesh they are sharded over (plain tensors together): a foreach kernel or a
+    DTensor reduction takes one mesh at a time, and expert-parallel experts live on the (edp, ep) mesh, the rest
+    on dp (torchtitan ``_clip_grad_norm_with_ep``)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     """Global L2 norm of all gradients across every rank (a 0-d tensor; no host sync)."""
-    norm = torch.nn.utils.get_total_norm(grads(params), 2.0, error_if_nonfinite=False, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # sharded grads: the partial norms are reduced across the dp group here
-    return norm
+    norms = []
+    for group in _by_mesh(grads(params)):
+        norm = torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sharded grads: the partial norms are reduced across the mesh here
+        norms.append(norm)
+    if len(norms) == 1:
+        return norms[0]
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+        for group in _by_mesh(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
 
 
 class LossScaler:

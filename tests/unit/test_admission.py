@@ -96,6 +96,16 @@ def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
             "pipeline_model_parallel_size",
             "3 layers",
         ),
+        (
+            train(expert_model_parallel_size=2, resources={"nproc_per_node": 2}),
+            "expert_model_parallel_size",
+            "the checkpoint is dense",
+        ),
+        (
+            train(expert_model_parallel_size=2, num_experts=3, resources={"nproc_per_node": 2}),
+            "expert_model_parallel_size",
+            "does not divide num_experts 3",
+        ),
         (train(train_iters=10**14), "train_iters", "max_train_iters"),
         (train(train_iters=10_000, seq_length=100_000, global_batch_size=8), "train_iters", "max_train_tokens"),
         (train(lr_decay_style="WSD"), "lr_decay_style", "not supported"),

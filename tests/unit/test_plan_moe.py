@@ -132,3 +132,17 @@ def test_moe_experts_divide_by_tp_and_count_per_stage() -> None:
     assert len(stage_params) == 2  # embedding on the first stage, head on the last
     expected = sum(layer_params(cfg, 1, i) for i in range(47)) + 151936 * h
     assert min(stage_params) == expected
+
+
+def test_expert_parallel_gathers_only_the_ranks_experts() -> None:
+    """EP 8 on 8 ranks: the sharded state is the same as EP 1 (experts shard over EP then DP / EP); what FSDP
+    gathers for compute holds 128 / 8 experts per layer, so the peak drops (ZeRO-2 keeps every layer gathered)."""
+    one = plan_spec(parse_spec(moe_spec(use_distributed_optimizer=False)))
+    ep8 = plan_spec(parse_spec(moe_spec(use_distributed_optimizer=False, expert_model_parallel_size=8)))
+    a, b = one.peak, ep8.peak
+    assert (a.main_params, a.grads, a.optimizer) == (b.main_params, b.grads, b.optimizer)
+    cfg = preset("qwen3-235b-a22b")
+    experts = cfg.num_layers * 128 * 3 * 4096 * 1536
+    assert a.params - b.params == experts * 7 // 8 * 2  # bf16 copies of the experts on the other 7 EP ranks
+    assert layer_params(cfg, 1, 0, ep=8) == layer_params(cfg, 1, 0) - 128 * 3 * 4096 * 1536 * 7 // 8
+    assert b.total_bytes < a.total_bytes

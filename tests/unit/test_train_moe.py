@@ -1,7 +1,8 @@
 """A tiny Qwen3-MoE trains as a job in one process: full fine-tune from flags and LoRA (attention and experts) from
 an HF Qwen3-MoE directory written by transformers; step 1's loss and load-balancing loss equal the model's own on
 the same batches; the loss falls; router metrics are reported; the HF export loads back in transformers with equal
-logits; TP and PP jobs equal one process; the EP refusal names its field."""
+logits; TP and PP jobs equal one process; bad expert-parallel sizes name their field (EP runs:
+test_train_expert_parallel)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from moe_support import write_hf_moe_dir  # noqa: E402
+
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.moe import router_metrics  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
@@ -101,29 +104,7 @@ def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: py
 
 
 def _hf_moe_dir(path: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        max_position_embeddings=256,
-    )
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    return write_hf_moe_dir(path)
 
 
 def _drop_shape(spec: dict) -> dict:
@@ -223,9 +204,33 @@ def test_moe_tensor_and_pipeline_parallel_jobs_equal_one_process(data: str, tmp_
             torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_expert_parallel_refused_at_parse(data: str) -> None:
-    with pytest.raises(ValueError, match="expert_model_parallel_size"):
-        parse_spec(tiny_spec(data, **MOE_FLAGS, expert_model_parallel_size=2))
+@pytest.mark.parametrize(
+    ("ep", "nproc", "experts", "says"),
+    [(4, 2, 4, "must divide the data-parallel size 2"), (3, 6, 4, "does not divide num_experts 4")],
+)
+def test_bad_expert_parallel_size_refused_at_parse(data: str, ep: int, nproc: int, experts: int, says: str) -> None:
+    flags = {**MOE_FLAGS, "num_experts": experts}
+    spec = tiny_spec(data, **flags, expert_model_parallel_size=ep, global_batch_size=12, micro_batch_size=1)
+    with pytest.raises(ValueError, match=f"expert_model_parallel_size: EP {ep} {says}"):
+        parse_spec({**spec, "resources": {"nproc_per_node": nproc}})
+
+
+def test_expert_parallel_refused_for_dense_model_and_checkpoint_expert_count(
+    data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the spec cannot see at submission: a dense model, and a loaded checkpoint's expert count (4)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    common = {"global_batch_size": 8, "micro_batch_size": 1, "resources": {"nproc_per_node": 8}}
+    dense = tiny_spec(data, expert_model_parallel_size=2, **common)
+    with pytest.raises(BadInput, match="needs an MoE model") as err:
+        job.plan_run(parse_spec(dense), RunDir(tmp_path / "dense"))
+    assert err.value.field == "expert_model_parallel_size"
+    loaded = _drop_shape(
+        tiny_spec(data, load=str(_hf_moe_dir(tmp_path / "hf")), expert_model_parallel_size=8, **common)
+    )
+    with pytest.raises(BadInput, match="EP 8 does not divide num_experts 4") as err:
+        job.plan_run(parse_spec(loaded), RunDir(tmp_path / "loaded"))
+    assert err.value.field == "expert_model_parallel_size"
 
 
 def test_moe_shape_flag_disagreeing_with_checkpoint(data: str, tmp_path: Path) -> None:
