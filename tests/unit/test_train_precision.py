@@ -199,6 +199,12 @@ BEFORE = {
     ],
 }
 
+# fp32 is the same on every x86 CPU seen; bf16 matmuls are not: CPUs with AVX-512-BF16 run native bf16 kernels whose
+# accumulation order differs from the AVX2 emulation these values were recorded with (measured: 2e-5 relative on
+# iteration 2's loss), so bf16 is held to a tolerance that still catches a changed computation (a wrong cast or
+# scale moves the loss by > 1e-3).
+TOLERANCE = {"fp32": (1e-6, 1e-5), "lora_bf16": (2e-4, 2e-3)}
+
 
 def test_tiny_job_losses_unchanged(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "d" / "sft")
@@ -206,6 +212,7 @@ def test_tiny_job_losses_unchanged(tmp_path: Path) -> None:
         spec = parse_spec(tiny_spec(data, train_iters=4, save=str(tmp_path / name / "save"), **flags))
         job.run(spec, RunDir(tmp_path / name / "run"))
         rows = metric_rows(tmp_path / name / "run")
+        loss_rel, norm_rel = TOLERANCE[name]
         for row, (loss, norm) in zip(rows, BEFORE[name], strict=True):
-            assert row["lm_loss"] == pytest.approx(loss, rel=1e-6), (name, row["iteration"])
-            assert row["grad_norm"] == pytest.approx(norm, rel=1e-5), (name, row["iteration"])
+            assert row["lm_loss"] == pytest.approx(loss, rel=loss_rel), (name, row["iteration"])
+            assert row["grad_norm"] == pytest.approx(norm, rel=norm_rel), (name, row["iteration"])
