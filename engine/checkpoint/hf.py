@@ -30,7 +30,7 @@ from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 from engine.dtypes import HF_DTYPE_NAMES, SAFETENSORS_NAMES
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import hf_from_native, native_keys, native_row_runs, rule_of
+from engine.model.hf_mapping import hf_from_native, native_experts, native_keys, native_row_runs, rule_of
 from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
@@ -154,6 +154,10 @@ class HFCheckpoint:
             at += stop - start
         shape = self._shapes.get(key)
         return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
+
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of the stacked native expert tensor ``key``, reading only their HF tensors."""
+        return native_experts(key, self.get, self.config, lo, hi)
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain
@@ -296,6 +300,14 @@ def as_getter(source: Mapping[str, torch.Tensor] | Getter | Any) -> Getter:
     if hasattr(source, "get_native"):
         return source.get_native
     return source
+
+
+def expert_range(source: Any, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Experts [lo, hi) of the stacked native ``key``: read alone where the source can (``get_experts``), so one
+    SequentialMLP expert or one EP rank's block never costs the whole layer's experts."""
+    if hasattr(source, "get_experts"):
+        return source.get_experts(key, lo, hi)
+    return as_getter(source)(key)[lo:hi]
 
 
 def save_hf(

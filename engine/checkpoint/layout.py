@@ -8,6 +8,13 @@ Facts from ``shared/docs/megatron-interop.md`` §2:
 - row-parallel weights (``linear_proj``, ``linear_fc2``) are chunked on dim 1; norms are replicated;
 - LoRA (MindSpeed ``lora_moe.py``): on column-parallel targets A is replicated and B is split like the base weight;
   on row-parallel targets A is split like the base weight (dim 1) and B is replicated;
+- MoE (MindSpeed-LLM ``convert_hf2mg.py``, Megatron ``experts.py``; megatron-interop.md §8): the router is
+  replicated; each expert's fc1 is cut like the dense ``linear_fc1`` ([gate_k; up_k]) and its fc2 on its input dim,
+  so on the stacked native tensors (E, 2F, H) / (E, H, F) the dense rules apply to the last two dims. Expert-parallel
+  rank e holds experts [e*E/EP, (e+1)*E/EP) in ``mp_rank_TT[_PPP]_EEE`` (every other tensor is copied into each EP
+  rank's file), as ``local_experts.{i}.linear_fc1/fc2.weight`` (SequentialMLP) or, with ``--moe-grouped-gemm``
+  (GroupedMLP), ``weight1`` (H, El*2F/TP) and ``weight2`` (El*F/TP, H) whose memory is the per-expert transposed
+  pieces (El, H, 2F/TP) / (El, F/TP, H) stacked (Megatron's forward ``view``s them so);
 - PP stage p holds a contiguous run of layers renumbered from 0; with virtual pipeline chunk v of stage p holds
   layers starting at ``(v*PP + p) * Lv``; the embedding is on the first stage, the final norm and ``output_layer``
   on the last (a tied model gets a copy of the embedding there when PP > 1).
@@ -26,8 +33,8 @@ from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, layer_rules,
 
 Rule = Literal["rep", "dim0", "dim1", "glu"]
 
-_COLUMN = ("self_attention.linear_qkv", "mlp.linear_fc1")
-_ROW = ("self_attention.linear_proj", "mlp.linear_fc2")
+_COLUMN = ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.experts.linear_fc1")
+_ROW = ("self_attention.linear_proj", "mlp.linear_fc2", "mlp.experts.linear_fc2")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 
@@ -37,7 +44,8 @@ OUTPUT = "output_layer.weight"
 
 
 def split_rule(key: str) -> Rule:
-    """How the tensor ``key`` (any layer index, base or LoRA) is divided among TP ranks."""
+    """How the tensor ``key`` (any layer index, base or LoRA) is divided among TP ranks. Stacked experts (3-D) are
+    cut per expert: the rule applies to their last two dims (``shard``)."""
     lora = LORA_RE.match(key)
     if lora:
         module, ab = lora["module"], lora["ab"].upper()
@@ -45,8 +53,6 @@ def split_rule(key: str) -> Rule:
         if ab == "A":
             return "rep" if column else "dim1"
         return ("glu" if module.endswith("linear_fc1") else "dim0") if column else "rep"
-    if ".mlp.experts." in key or key.endswith(".mlp.router.weight"):
-        return "rep"  # MoE router and stacked experts: not TP-split here (an MoE model trains with TP 1)
     if key in (EMBEDDING, OUTPUT) or key.endswith("linear_qkv.weight"):
         return "dim0"
     if key.endswith("linear_fc1.weight"):
@@ -61,10 +67,11 @@ def shard(t: torch.Tensor, rule: Rule, tp: int, rank: int) -> torch.Tensor:
     which would otherwise write the whole underlying storage)."""
     if rule == "rep" or tp == 1:
         return t
+    rows = t.dim() - 2  # 0 for a matrix; 1 for stacked experts (E, rows, cols)
     if rule == "glu":
-        gate, up = torch.chunk(t, 2, dim=0)
-        return torch.cat([torch.chunk(gate, tp, 0)[rank], torch.chunk(up, tp, 0)[rank]], dim=0)
-    dim = 0 if rule == "dim0" else 1
+        gate, up = torch.chunk(t, 2, dim=rows)
+        return torch.cat([torch.chunk(gate, tp, rows)[rank], torch.chunk(up, tp, rows)[rank]], dim=rows)
+    dim = rows + (0 if rule == "dim0" else 1)
     if t.shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by TP {tp}")
     return torch.chunk(t, tp, dim)[rank]
@@ -74,10 +81,11 @@ def merge(shards: list[torch.Tensor], rule: Rule) -> torch.Tensor:
     """Inverse of ``shard``: the full tensor from every TP rank's piece, in rank order."""
     if rule == "rep" or len(shards) == 1:
         return shards[0]
+    rows = shards[0].dim() - 2
     if rule == "glu":
-        halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=0 if rule == "dim0" else 1)
+        halves = [torch.chunk(s, 2, dim=rows) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=rows)
+    return torch.cat(shards, dim=rows + (0 if rule == "dim0" else 1))
 
 
 def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -109,21 +117,21 @@ def native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
-    if rule in ("dim0", "glu"):
-        return (shape[0] // tp, *shape[1:])
-    if rule == "dim1":
-        return (shape[0], shape[1] // tp)
-    return shape
+    if rule == "rep" or len(shape) < 2:
+        return shape
+    *lead, rows, cols = shape
+    return (*lead, rows // tp, cols) if rule in ("dim0", "glu") else (*lead, rows, cols // tp)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError naming the first quantity ``tp`` does not divide (or an MoE model cut by TP)."""
-    if cfg.is_moe and tp > 1:
-        raise ValueError(f"target TP {tp}: MoE checkpoints are written with TP 1 (experts are not TP-split here)")
+    """Raise ValueError naming the first quantity ``tp`` does not divide."""
+    moe = [("moe_ffn_hidden_size (expert width)", cfg.expert_ffn_hidden_size)] if cfg.is_moe else []
+    dense_mlp = len(cfg.moe_layers) < cfg.num_layers
     for name, value in (
         ("num_query_groups (KV heads)", cfg.num_query_groups),
         ("num_attention_heads", cfg.num_attention_heads),
-        ("ffn_hidden_size", cfg.ffn_hidden_size),
+        *([("ffn_hidden_size", cfg.ffn_hidden_size)] if dense_mlp else []),
+        *moe,
         ("vocab_size", cfg.vocab_size),
     ):
         if value % tp:
@@ -198,8 +206,93 @@ def chunk_keys(cfg: ModelConfig, chunk: Chunk, pp: int) -> list[tuple[str, str]]
     return pairs
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron's ``get_checkpoint_name``: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
+
+
+def check_ep(cfg: ModelConfig, ep: int) -> None:
+    """Raise ValueError when ``ep`` cannot divide the experts (or is asked of a dense model)."""
+    if ep < 1:
+        raise ValueError(f"expert parallel size must be >= 1, got {ep}")
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"expert parallel size {ep}: the model has no experts")
+    if cfg.is_moe and (cfg.num_experts or 0) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide num_experts = {cfg.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One tensor of a rank file: ``local`` as stored, cut from native tensor ``native``. Expert tensors hold the
+    global experts ``experts`` = [lo, hi): one SequentialMLP expert, or an EP rank's GroupedMLP block (``grouped``)."""
+
+    local: str
+    native: str
+    experts: tuple[int, int] | None = None
+    grouped: bool = False
+
+
+_EXPERT_NAMES = {EXPERT_FC1: ("linear_fc1.weight", "weight1"), EXPERT_FC2: ("linear_fc2.weight", "weight2")}
+
+
+def chunk_slots(
+    cfg: ModelConfig, chunk: Chunk, pp: int, ep: int = 1, ep_rank: int = 0, grouped: bool = False
+) -> list[Slot]:
+    """Every tensor of ``chunk`` in EP rank ``ep_rank``'s file, in Megatron's state-dict order: ``chunk_keys``
+    with each stacked expert tensor replaced by this rank's local experts (MindSpeed's names)."""
+    per = (cfg.num_experts or 0) // ep
+    lo = ep_rank * per
+    slots: list[Slot] = []
+    for local, native in chunk_keys(cfg, chunk, pp):
+        parsed = layer_of(local)
+        suffix = parsed[1] if parsed else ""
+        if suffix not in _EXPERT_NAMES:
+            slots.append(Slot(local, native))
+            continue
+        prefix = local.removesuffix(suffix) + "mlp.experts."
+        if grouped:
+            slots.append(Slot(prefix + _EXPERT_NAMES[suffix][1], native, (lo, lo + per), True))
+        elif suffix == EXPERT_FC1:  # SequentialMLP: expert i's fc1 then fc2, the module order
+            for i in range(per):
+                for s in (EXPERT_FC1, EXPERT_FC2):
+                    name = f"{prefix}local_experts.{i}.{_EXPERT_NAMES[s][0]}"
+                    slots.append(Slot(name, native.removesuffix(EXPERT_FC1) + s, (lo + i, lo + i + 1)))
+    return slots
+
+
+def stored_shape(slot: Slot, native_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Shape of ``slot`` in a rank file of TP ``tp``, from its native tensor's (full, stacked) shape."""
+    if slot.experts is None:
+        return shard_shape(native_shape, split_rule(slot.native), tp)
+    n = slot.experts[1] - slot.experts[0]
+    _, rows, cols = shard_shape((n, *native_shape[1:]), split_rule(slot.native), tp)
+    if not slot.grouped:
+        return (rows, cols)
+    return (cols, n * rows) if slot.native.endswith(EXPERT_FC1) else (n * cols, rows)
+
+
+def cut(slot: Slot, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """``slot``'s stored tensor for TP rank ``rank``, from its native tensor: the whole one, or for experts the
+    stacked experts ``slot.experts`` only. May be a view (``.contiguous()`` before writing)."""
+    piece = shard(tensor, split_rule(slot.native), tp, rank)
+    if slot.experts is None:
+        return piece
+    if not slot.grouped:
+        return piece[0]
+    g = piece.transpose(1, 2).contiguous()  # (n, cols, rows): GroupedMLP keeps each expert's matrix transposed
+    return g.reshape(g.shape[1], -1) if slot.native.endswith(EXPERT_FC1) else g.reshape(-1, g.shape[2])
+
+
+def uncut(slot: Slot, stored: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``cut`` for an expert slot: the stacked TP piece (n, rows, cols) of experts ``slot.experts``."""
+    assert slot.experts is not None
+    if not slot.grouped:
+        return stored.unsqueeze(0)
+    n = slot.experts[1] - slot.experts[0]
+    fc1 = slot.native.endswith(EXPERT_FC1)
+    stacked = stored.reshape(n, stored.shape[0], -1) if fc1 else stored.reshape(n, -1, stored.shape[1])
+    return stacked.transpose(1, 2)
 
 
 def layer_of(key: str) -> tuple[int, str] | None:
