@@ -30,7 +30,7 @@ from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 from engine.dtypes import HF_DTYPE_NAMES, SAFETENSORS_NAMES
 from engine.model.config import ModelConfig
-from engine.model.hf_mapping import hf_from_native, native_experts, native_keys, native_row_runs, rule_of
+from engine.model.hf_mapping import hf_from_native, native_keys, native_row_runs, rule_of
 from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
@@ -145,19 +145,29 @@ class HFCheckpoint:
         if cols is not None:
             width = cols.shape[1] // tp
             return cols.read_cols(rank * width, (rank + 1) * width)
-        runs = self._runs(key, tp, rank)
+        out = self._read_runs(self._runs(key, tp, rank))
+        shape = self._shapes.get(key)
+        return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
+
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of the stacked native expert tensor ``key`` (hi-lo, rows, H), their HF rows read
+        straight into place (the key map run on row numbers, ``native_row_runs``)."""
+        try:
+            runs = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0], lambda ids: ids[lo:hi])
+        except KeyError:
+            raise KeyError(key) from None
+        out = self._read_runs(runs)
+        return out.view(hi - lo, -1, *out.shape[1:])
+
+    def _read_runs(self, runs: list[tuple[str, int, int]]) -> torch.Tensor:
+        """HF row runs ``(key, start, stop)`` read one after another into one new tensor."""
         first = self._ref(runs[0][0])
         out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
         at = 0
         for hf_key, start, stop in runs:
             self._ref(hf_key).read_rows(start, stop, out[at : at + stop - start])
             at += stop - start
-        shape = self._shapes.get(key)
-        return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
-
-    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Experts [lo, hi) of the stacked native expert tensor ``key``, reading only their HF tensors."""
-        return native_experts(key, self.get, self.config, lo, hi)
+        return out
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:
         """The file byte ranges that make up ``get_native_shard(key, tp, rank)`` in order, when it is a plain

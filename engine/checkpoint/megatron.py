@@ -536,11 +536,18 @@ class RankFiles:
             raise KeyError(key)
         p, n, i = self.layer_at[layer]
         per = self.num_experts // self.ep
-        parts = []
-        for e in range(lo // per, (hi - 1) // per + 1):
+        ranks = range(lo // per, (hi - 1) // per + 1)
+        out: torch.Tensor | None = None
+        for e in ranks:  # each EP rank's block copied into place: one block in flight, never a second whole copy
             a, b = max(lo, e * per) - e * per, min(hi, (e + 1) * per) - e * per
-            parts.append(_expert_block(self.models[(t, p, e)].get(n, {}), i, suffix, a, b, per))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            block = _expert_block(self.models[(t, p, e)].get(n, {}), i, suffix, a, b, per)
+            if len(ranks) == 1:
+                return block
+            if out is None:
+                out = torch.empty((hi - lo, *block.shape[1:]), dtype=block.dtype)
+            out[e * per + a - lo : e * per + b - lo] = block
+        assert out is not None
+        return out
 
     def lora_modules(self) -> list[str]:
         """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""

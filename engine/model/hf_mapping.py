@@ -198,13 +198,6 @@ def native_tensor(key: str, get: Getter, cfg: ModelConfig) -> torch.Tensor:
     return rule.fuse(*(get(k) for k in hf_keys), cfg)
 
 
-def native_experts(key: str, get: Getter, cfg: ModelConfig, lo: int, hi: int) -> torch.Tensor:
-    """Experts [lo, hi) of the stacked native expert tensor ``key``, built from those experts' HF tensors only."""
-    hf_keys, rule = rule_of(key, cfg)
-    per = len(hf_keys) // (cfg.num_experts or 1)  # HF tensors per expert: gate+up for fc1, down for fc2
-    return rule.fuse(*(get(k) for k in hf_keys[lo * per : hi * per]), cfg)
-
-
 def native_row_runs(
     key: str, cfg: ModelConfig, hf_rows: Callable[[str], int], shard: Callable[[torch.Tensor], torch.Tensor] = _one
 ) -> list[tuple[str, int, int]]:
