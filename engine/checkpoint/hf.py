@@ -141,13 +141,17 @@ class HFCheckpoint:
 
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         """TP rank ``rank``'s piece of native ``key``, reading only its rows straight into place."""
+        shape = self._shapes.get(key)
+        if tp > 1 and shape is not None and len(shape) > 2 and split_rule(key) == "dim1":
+            # stacked experts' fc2, cut on its last dim per expert: not a row selection
+            return shard(self.get_experts(key, 0, shape[0]), "dim1", tp, rank).contiguous()
         cols = self._column_source(key, tp)
         if cols is not None:
             width = cols.shape[1] // tp
             return cols.read_cols(rank * width, (rank + 1) * width)
         out = self._read_runs(self._runs(key, tp, rank))
         shape = self._shapes.get(key)
-        return out.view(shape) if shape is not None and len(shape) > 2 else out  # stacked experts: (E, rows, H)
+        return out.view(shape[0], -1, *out.shape[1:]) if shape is not None and len(shape) > 2 else out  # (E, rows, H)
 
     def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Experts [lo, hi) of the stacked native expert tensor ``key`` (hi-lo, rows, H), their HF rows read
@@ -181,7 +185,8 @@ class HFCheckpoint:
 
     def _column_source(self, key: str, tp: int) -> TensorRef | None:
         """The HF tensor a row-parallel (dim-1) shard is cut from, when ``tp`` cuts it; else None."""
-        if tp == 1 or split_rule(key) != "dim1":
+        shape = self._shapes.get(key)
+        if tp == 1 or split_rule(key) != "dim1" or (shape is not None and len(shape) > 2):
             return None
         (hf_key,), _ = rule_of(key, self.config)
         return self._ref(hf_key)

@@ -427,15 +427,22 @@ class RankFiles:
         self.iter_dir, self.iteration = resolve_iteration_dir(root)
         self.tp, self.pp, self.ep, files = _rank_files(self.iter_dir)
         self.opened: list[Path] = []
-        self.models = _LazyModels(files, self.opened)
         first = (0, 0, 0)
         if view is not None:  # the file at the same relative place: the rank's own when the layouts match
             first = (view.tp_rank * self.tp // view.tp, view.pp_rank * self.pp // view.pp, 0)
-        self.first = first
+        if first not in files:
+            _check_complete(self.iter_dir, self.tp, self.pp, self.ep, files)
         raw = load_rank_file(files[first], lazy=True)
+        self.args = raw.get("args")
+        pp = self.pp
+        self.pp, self.ep, files = _as_expert_ranks(self.args, self.tp, self.pp, self.ep, files)
+        if self.pp != pp:  # the file read is (t, 0, e), not (t, p, 0)
+            first = (first[0], 0, first[1])
+        _check_complete(self.iter_dir, self.tp, self.pp, self.ep, files)
+        self.first = first
+        self.models = _LazyModels(files, self.opened)
         self.opened.append(files[first])
         self.models[first] = _chunks(raw, files[first])
-        self.args = raw.get("args")
         self.num_experts = int(getattr(self.args, "num_experts", None) or 0)
         if self.ep > 1 and (not self.num_experts or self.num_experts % self.ep):
             raise BadInput(
@@ -903,42 +910,39 @@ def _first_attr(objs: list[Any], name: str) -> Any:
 
 
 def _rank_files(iter_dir: Path) -> tuple[int, int, int, dict[tuple[int, int, int], Path]]:
-    """(TP, PP, EP, (tp, pp, ep) rank -> its model file) of an iteration directory (``layout.rank_dir_name``)."""
+    """(TP, PP, EP, (tp, pp, ep) rank -> its model file) of an iteration directory (``layout.rank_dir_name``).
+    ``mp_rank_TT_XXX`` is read as a PP rank here; ``_as_expert_ranks`` re-reads it as an EP rank when args say so."""
     found: dict[tuple[int, int, int], Path] = {}
-    names = {m: entry for entry in iter_dir.iterdir() if (m := _RANK_DIR_RE.match(entry.name))}
-    three = any(m[3] is not None for m in names)  # mp_rank_TT_PPP_EEE: PP > 1 and EP > 1
-    for m, entry in names.items():
-        t, second, third = int(m[1]), m[2], m[3]
-        if three:
-            p, e = int(second or 0), int(third or 0)
-        else:  # mp_rank_TT_XXX is a PP rank unless the args say EP (below)
-            p, e = int(second or 0), 0
-        found[(t, p, e)] = entry / MODEL_FILE
-    tp = max(t for t, _, _ in found) + 1 if found else 0
-    pp = max(p for _, p, _ in found) + 1 if found else 0
-    ep = max(e for _, _, e in found) + 1 if found else 0
+    for entry in iter_dir.iterdir():
+        m = _RANK_DIR_RE.match(entry.name)
+        if m:
+            found[(int(m[1]), int(m[2] or 0), int(m[3] or 0))] = entry / MODEL_FILE
     if not found:
         raise BadInput(f"{iter_dir}: no mp_rank_* directories", field="load_dir")
-    if not three and pp > 1 and _args_ep(found[(0, 0, 0)]) == pp:  # mp_rank_TT_EEE (PP 1, EP > 1)
-        found = {(t, 0, p): path for (t, p, _), path in found.items()}
-        pp, ep = 1, pp
+    return *(max(rank[i] for rank in found) + 1 for i in range(3)), found  # type: ignore[return-value]
+
+
+def _as_expert_ranks(
+    args: Any, tp: int, pp: int, ep: int, files: dict[tuple[int, int, int], Path]
+) -> tuple[int, int, dict[tuple[int, int, int], Path]]:
+    """(PP, EP, files) with ``mp_rank_TT_XXX`` taken as EP ranks when ``args`` say PP 1 and EP = the XXX count
+    (Megatron's ``get_checkpoint_name`` gives PP > 1 and EP > 1 the same two-part name)."""
+    says_ep = getattr(args, "expert_model_parallel_size", 1) == pp
+    if ep == 1 and pp > 1 and says_ep and getattr(args, "pipeline_model_parallel_size", 1) in (1, None):
+        return 1, pp, {(t, 0, p): path for (t, p, _), path in files.items()}
+    return pp, ep, files
+
+
+def _check_complete(iter_dir: Path, tp: int, pp: int, ep: int, files: Mapping[tuple[int, int, int], Path]) -> None:
     for t in range(tp):
         for p in range(pp):
             for e in range(ep):
-                if (t, p, e) not in found:
+                if (t, p, e) not in files:
                     raise BadInput(
                         f"{iter_dir / rank_dir_name(t, p, pp, e, ep)}: missing "
                         f"(TP {tp} × PP {pp} × EP {ep} ranks expected)",
                         field="load_dir",
                     )
-    return tp, pp, ep, found
-
-
-def _args_ep(path: Path) -> int:
-    """``args.expert_model_parallel_size`` of one rank file (1 when it does not say)."""
-    args = load_rank_file(path, lazy=True).get("args")
-    ep = getattr(args, "expert_model_parallel_size", 1)
-    return ep if isinstance(ep, int) and ep > 0 else 1
 
 
 def _chunks(raw: Mapping[str, Any], path: Path) -> dict[str, dict[str, torch.Tensor]]:

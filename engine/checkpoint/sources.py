@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.checkpoint.fastcopy import Segment
-from engine.checkpoint.layout import EMBEDDING, OUTPUT, native_shapes, shard, split_rule
+from engine.checkpoint.layout import EMBEDDING, OUTPUT, native_shapes, shard, shard_shape, split_rule
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.qwen3 import init_std
@@ -59,9 +59,12 @@ class ByteRanges(Protocol):
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Segment] | None: ...
 
 
-def _tp_rows(rows: int, key: str, tp: int, rank: int) -> torch.Tensor:
-    """Global row numbers of TP rank ``rank``'s rows of ``key``, in local order (dim-0 / glu / replicated)."""
-    return shard(torch.arange(rows).unsqueeze(1), split_rule(key), tp, rank).reshape(-1)
+def _tp_rows(shape: tuple[int, ...], key: str, tp: int, rank: int) -> torch.Tensor:
+    """Global row numbers of TP rank ``rank``'s rows of ``key``, in local order (dim-0 / glu / replicated); stacked
+    experts (E, rows, cols) count rows over all experts, each expert cut by the rule (``layout.shard``)."""
+    lead = shape[:-1] if len(shape) > 2 else shape[:1]
+    ids = torch.arange(int(torch.Size(lead).numel())).view(*lead, 1)
+    return shard(ids, split_rule(key), tp, rank).reshape(-1)
 
 
 def _draw_into(
@@ -75,14 +78,15 @@ def _draw_into(
     """Draw the full tensor of ``shape`` chunk by chunk with ``draw`` (in place); keep TP rank ``rank``'s part in
     ``out`` (None: draw and drop). Chunks are whole rows of a multiple of 16 numbers: ``normal_`` then draws the
     very same sequence as on the whole tensor (it fills and transforms in blocks of 16, the tail last)."""
-    rows, cols = shape[0], int(torch.Size(shape[1:]).numel())
+    lead = shape[:-1] if len(shape) > 2 else shape[:1]  # stacked experts: a matrix of E*rows rows
+    rows, cols = int(torch.Size(lead).numel()), int(torch.Size(shape[len(lead) :]).numel())
     step = max(16, (_CHUNK_ELEMS // max(cols, 1)) // 16 * 16)
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * cols < 16:
         starts.pop()  # a tail under 16 numbers would take another path: draw it with the chunk before
     bounds = list(zip(starts, starts[1:] + [rows], strict=True))
     rule = split_rule(key)
-    ids = None if rule == "dim1" or out is None else _tp_rows(rows, key, tp, rank)
+    ids = None if rule == "dim1" or out is None else _tp_rows(shape, key, tp, rank)
     width = cols // tp if rule == "dim1" else cols
     scratch = torch.empty(min(step + 16, rows) * cols) if len(bounds) > 1 else torch.empty(rows * cols)
     for a, b in bounds:
@@ -122,12 +126,7 @@ class SeededInit:
             key = EMBEDDING  # a pipeline last stage's copy of the tied embedding
         shape = self.shapes[key]
         std = init_std(key, len(shape), self.config)
-        out_shape = list(shape)
-        rule = split_rule(key)
-        if rule in ("dim0", "glu"):
-            out_shape[0] //= tp
-        elif rule == "dim1":
-            out_shape[1] //= tp
+        out_shape = shard_shape(shape, split_rule(key), tp)
         if std is None:
             return torch.ones(out_shape)
         index = self.order.index(key)

@@ -158,3 +158,20 @@ def test_convert_job_with_mindspeeds_moe_flags(hf_dir: Path, tmp_path: Path) -> 
     )
     src, back = HFCheckpoint(hf_dir), HFCheckpoint(tmp_path / "hf_out")
     assert all(torch.equal(back.get(k), src.get(k)) for k in _names(src))
+
+
+def test_expert_tp_pieces_follow_the_dense_rule(hf_dir: Path) -> None:
+    """``layout.split_rule`` on stacked experts = the dense rule per expert (fc1 [gate_k; up_k], fc2 on its input
+    dim), and an HF source reads those pieces directly."""
+    from engine.checkpoint.layout import shard, split_rule
+
+    src = HFCheckpoint(hf_dir)
+    for suffix in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"):
+        key = "decoder.layers.2." + suffix
+        full = src.get_native(key)
+        dense = "mlp.linear_fc1.weight" if "fc1" in suffix else "mlp.linear_fc2.weight"
+        assert split_rule(key) == split_rule("decoder.layers.1." + dense)
+        for rank in range(2):
+            piece = src.get_native_shard(key, 2, rank)
+            per_expert = [shard(full[e], split_rule("decoder.layers.1." + dense), 2, rank) for e in range(E)]
+            assert torch.equal(piece, torch.stack(per_expert))
