@@ -96,6 +96,10 @@ def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: py
 
     mcore = open_load(outputs["checkpoint"])
     assert mcore.format == "mcore" and mcore.config == cfg
+    # in MindSpeed's layout (SequentialMLP without --moe-grouped-gemm), the same writer as convert's
+    stored = torch.load(Path(outputs["checkpoint_dir"]) / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert stored["model"]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"].shape == (64, 32)
+    assert "decoder.layers.0.mlp.router.weight" in stored["model"] and stored["args"].num_experts == 4
     state = ours.state_dict()
     assert all(torch.equal(mcore.source.get_native(k), state[k]) for k in state)  # type: ignore[union-attr]
 
