@@ -301,8 +301,9 @@ class ModelArgs(_Strict):
     moe_grouped_gemm: bool = Field(
         False,
         description=(
-            "Accepted for MindSpeed scripts: local experts always run as grouped matmuls (torch._grouped_mm where the "
-            "device has it)."
+            "Local experts always run as grouped matmuls (torch._grouped_mm where the device has it); this flag picks "
+            "the final mcore export's expert layout as MindSpeed saves it: GroupedMLP mlp.experts.weight1/weight2 "
+            "(set) or SequentialMLP mlp.experts.local_experts.{i}.* (unset)."
         ),
     )
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field(
