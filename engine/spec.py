@@ -301,8 +301,9 @@ class ModelArgs(_Strict):
     moe_grouped_gemm: bool = Field(
         False,
         description=(
-            "Accepted for MindSpeed scripts: local experts always run as grouped matmuls (torch._grouped_mm where the "
-            "device has it)."
+            "Local experts always run as grouped matmuls (torch._grouped_mm where the device has it); this flag picks "
+            "the final mcore export's expert layout as MindSpeed saves it: GroupedMLP mlp.experts.weight1/weight2 "
+            "(set) or SequentialMLP mlp.experts.local_experts.{i}.* (unset)."
         ),
     )
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = Field(
@@ -761,7 +762,10 @@ class ConvertSpec(JobBase):
         description="--use-mcore-models: Megatron-Core checkpoint layout (always written; accepted for script parity).",
     )
     model_type: Literal["GPT"] = Field("GPT", description="--model-type: GPT, the one supported.")
-    model_type_hf: Literal["qwen3"] = Field("qwen3", description="--model-type-hf: Hugging Face model family; qwen3.")
+    model_type_hf: Literal["qwen3", "qwen3-moe"] = Field(
+        "qwen3",
+        description="--model-type-hf: Hugging Face model family, qwen3 or qwen3-moe (read from the checkpoint either way).",
+    )
     load_model_type: Literal["hf", "mg"] = Field(
         ...,
         description="--load-model-type: the input, hf (Hugging Face safetensors) or mg (Megatron mcore checkpoint).",
@@ -772,6 +776,22 @@ class ConvertSpec(JobBase):
     )
     target_pipeline_parallel_size: int = Field(
         1, ge=1, description="--target-pipeline-parallel-size: PP degree of a Megatron output."
+    )
+    target_expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--target-expert-parallel-size: EP degree of a Megatron MoE output; EP rank e's experts go to "
+            "mp_rank_TT[_PPP]_EEE (every other tensor is copied into each)."
+        ),
+    )
+    moe_grouped_gemm: bool = Field(
+        False,
+        description=(
+            "--moe-grouped-gemm: write MoE experts as Megatron's GroupedMLP (mlp.experts.weight1/weight2, what "
+            "MindSpeed's qwen3-moe scripts train with) instead of SequentialMLP (mlp.experts.local_experts.{i}.*). "
+            "Megatron input is read in either layout."
+        ),
     )
     num_layer_list: IntList | None = Field(
         None,

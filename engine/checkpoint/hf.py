@@ -146,23 +146,28 @@ class HFCheckpoint:
             width = cols[0].shape[1] // tp
             parts = [ref.read_cols(rank * width, (rank + 1) * width) for ref in cols]
             return torch.stack(parts) if len(self._shapes.get(key, ())) > 2 else parts[0]
-        return self._read_runs(key, self._runs(key, tp, rank))
+        out = self._read_runs(self._runs(key, tp, rank))
+        shape = self._shapes.get(key)
+        return out.view(shape[0], -1, shape[-1]) if shape is not None and len(shape) > 2 else out  # (E, rows, H)
 
-    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of native ``key``'s dim 0 (for stacked experts: those experts), reading only them."""
-        rows = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0], lambda ids: ids[start:stop])
-        return self._read_runs(key, rows, stop - start)
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of the stacked native expert tensor ``key`` (hi-lo, rows, H), their HF rows read
+        straight into place (the key map run on row numbers, ``native_row_runs``)."""
+        try:
+            runs = native_row_runs(key, self.config, lambda k: self._ref(k).shape[0], lambda ids: ids[lo:hi])
+        except KeyError:
+            raise KeyError(key) from None
+        out = self._read_runs(runs)
+        return out.view(hi - lo, -1, *out.shape[1:])
 
-    def _read_runs(self, key: str, runs: list[tuple[str, int, int]], leading: int | None = None) -> torch.Tensor:
+    def _read_runs(self, runs: list[tuple[str, int, int]]) -> torch.Tensor:
+        """HF row runs ``(key, start, stop)`` read one after another into one new tensor."""
         first = self._ref(runs[0][0])
         out = torch.empty((sum(stop - start for _, start, stop in runs), *first.shape[1:]), dtype=first.dtype)
         at = 0
         for hf_key, start, stop in runs:
             self._ref(hf_key).read_rows(start, stop, out[at : at + stop - start])
             at += stop - start
-        shape = self._shapes.get(key)
-        if shape is not None and len(shape) > 2:  # stacked experts: (E or this EP rank's experts, rows, H)
-            return out.view(leading if leading is not None else shape[0], -1, shape[-1])
         return out
 
     def shard_segments(self, key: str, tp: int, rank: int, dtype: torch.dtype) -> list[Piece] | None:

@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.checkpoint.hf import HFCheckpoint, as_getter, copy_tokenizer, save_hf
-from engine.checkpoint.layout import FINAL_NORM, check_tp, pipeline_chunks
+from engine.checkpoint.layout import FINAL_NORM, check_ep, check_tp, pipeline_chunks
 from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
@@ -158,11 +158,15 @@ def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
 def _to_mcore(
     spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
 ) -> tuple[Path, list[Path]]:
-    tp, pp = spec.target_tensor_parallel_size, spec.target_pipeline_parallel_size
+    tp, pp, ep = spec.target_tensor_parallel_size, spec.target_pipeline_parallel_size, spec.target_expert_parallel_size
     try:
         check_tp(cfg, tp)
     except ValueError as err:
         raise BadInput(f"target_tensor_parallel_size: {err}", field="target_tensor_parallel_size") from err
+    try:
+        check_ep(cfg, ep)
+    except ValueError as err:
+        raise BadInput(f"target_expert_parallel_size: {err}", field="target_expert_parallel_size") from err
     try:
         pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
     except ValueError as err:
@@ -177,6 +181,8 @@ def _to_mcore(
         vpp_layers=spec.num_layers_per_virtual_pipeline_stage,
         dtype=dtype,
         progress=progress,
+        ep=ep,
+        grouped=spec.moe_grouped_gemm,
     )
     return Path(spec.save_dir), files
 
@@ -255,6 +261,7 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
         "dtype": str(dtype).removeprefix("torch."),
         "tensor_parallel": spec.target_tensor_parallel_size if spec.save_model_type == "mg" else 1,
         "pipeline_parallel": spec.target_pipeline_parallel_size if spec.save_model_type == "mg" else 1,
+        "expert_parallel": spec.target_expert_parallel_size if spec.save_model_type == "mg" else 1,
         "files": len(files),
         "bytes": sum(sizes),
         "largest_file_bytes": max(sizes, default=0),

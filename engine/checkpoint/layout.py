@@ -8,9 +8,13 @@ Facts from ``shared/docs/megatron-interop.md`` §2:
 - row-parallel weights (``linear_proj``, ``linear_fc2``) are chunked on dim 1; norms are replicated;
 - LoRA (MindSpeed ``lora_moe.py``): on column-parallel targets A is replicated and B is split like the base weight;
   on row-parallel targets A is split like the base weight (dim 1) and B is replicated;
-- MoE (Megatron's default, expert tensor parallel size = TP): the router is replicated; each expert's ``linear_fc1``
-  / ``linear_fc2`` is cut by the dense fc1 / fc2 rule, per expert. The rules name dims of one (out, in) matrix, so on
-  the stacked (E, out, in) experts they act on the last two dims (every TP rank holds every expert's slice);
+- MoE (MindSpeed-LLM ``convert_hf2mg.py``, Megatron ``experts.py``; megatron-interop.md §8): the router is
+  replicated; each expert's fc1 is cut like the dense ``linear_fc1`` ([gate_k; up_k]) and its fc2 on its input dim,
+  so on the stacked native tensors (E, 2F, H) / (E, H, F) the dense rules apply to the last two dims. Expert-parallel
+  rank e holds experts [e*E/EP, (e+1)*E/EP) in ``mp_rank_TT[_PPP]_EEE`` (every other tensor is copied into each EP
+  rank's file), as ``local_experts.{i}.linear_fc1/fc2.weight`` (SequentialMLP) or, with ``--moe-grouped-gemm``
+  (GroupedMLP), ``weight1`` (H, El*2F/TP) and ``weight2`` (El*F/TP, H) whose memory is the per-expert transposed
+  pieces (El, H, 2F/TP) / (El, F/TP, H) stacked (Megatron's forward ``view``s them so);
 - PP stage p holds a contiguous run of layers renumbered from 0; with virtual pipeline chunk v of stage p holds
   layers starting at ``(v*PP + p) * Lv``; the embedding is on the first stage, the final norm and ``output_layer``
   on the last (a tied model gets a copy of the embedding there when PP > 1).
@@ -134,14 +138,15 @@ def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the first quantity ``tp`` does not divide."""
+    moe = [("moe_ffn_hidden_size (each expert's FFN)", cfg.expert_ffn_hidden_size)] if cfg.is_moe else []
+    dense_mlp = len(cfg.moe_layers) < cfg.num_layers
     sizes = [
         ("num_query_groups (KV heads)", cfg.num_query_groups),
         ("num_attention_heads", cfg.num_attention_heads),
-        ("ffn_hidden_size", cfg.ffn_hidden_size),
+        *([("ffn_hidden_size", cfg.ffn_hidden_size)] if dense_mlp else []),
+        *moe,
         ("vocab_size", cfg.vocab_size),
     ]
-    if cfg.is_moe:
-        sizes.append(("moe_ffn_hidden_size (each expert's FFN)", cfg.expert_ffn_hidden_size))
     for name, value in sizes:
         if value % tp:
             raise ValueError(f"target TP {tp} does not divide {name} = {value}")
@@ -215,8 +220,93 @@ def chunk_keys(cfg: ModelConfig, chunk: Chunk, pp: int) -> list[tuple[str, str]]
     return pairs
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron's ``get_checkpoint_name``: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
+
+
+def check_ep(cfg: ModelConfig, ep: int) -> None:
+    """Raise ValueError when ``ep`` cannot divide the experts (or is asked of a dense model)."""
+    if ep < 1:
+        raise ValueError(f"expert parallel size must be >= 1, got {ep}")
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"expert parallel size {ep}: the model has no experts")
+    if cfg.is_moe and (cfg.num_experts or 0) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide num_experts = {cfg.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One tensor of a rank file: ``local`` as stored, cut from native tensor ``native``. Expert tensors hold the
+    global experts ``experts`` = [lo, hi): one SequentialMLP expert, or an EP rank's GroupedMLP block (``grouped``)."""
+
+    local: str
+    native: str
+    experts: tuple[int, int] | None = None
+    grouped: bool = False
+
+
+_EXPERT_NAMES = {EXPERT_FC1: ("linear_fc1.weight", "weight1"), EXPERT_FC2: ("linear_fc2.weight", "weight2")}
+
+
+def chunk_slots(
+    cfg: ModelConfig, chunk: Chunk, pp: int, ep: int = 1, ep_rank: int = 0, grouped: bool = False
+) -> list[Slot]:
+    """Every tensor of ``chunk`` in EP rank ``ep_rank``'s file, in Megatron's state-dict order: ``chunk_keys``
+    with each stacked expert tensor replaced by this rank's local experts (MindSpeed's names)."""
+    per = (cfg.num_experts or 0) // ep
+    lo = ep_rank * per
+    slots: list[Slot] = []
+    for local, native in chunk_keys(cfg, chunk, pp):
+        parsed = layer_of(local)
+        suffix = parsed[1] if parsed else ""
+        if suffix not in _EXPERT_NAMES:
+            slots.append(Slot(local, native))
+            continue
+        prefix = local.removesuffix(suffix) + "mlp.experts."
+        if grouped:
+            slots.append(Slot(prefix + _EXPERT_NAMES[suffix][1], native, (lo, lo + per), True))
+        elif suffix == EXPERT_FC1:  # SequentialMLP: expert i's fc1 then fc2, the module order
+            for i in range(per):
+                for s in (EXPERT_FC1, EXPERT_FC2):
+                    name = f"{prefix}local_experts.{i}.{_EXPERT_NAMES[s][0]}"
+                    slots.append(Slot(name, native.removesuffix(EXPERT_FC1) + s, (lo + i, lo + i + 1)))
+    return slots
+
+
+def stored_shape(slot: Slot, native_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Shape of ``slot`` in a rank file of TP ``tp``, from its native tensor's (full, stacked) shape."""
+    if slot.experts is None:
+        return shard_shape(native_shape, split_rule(slot.native), tp)
+    n = slot.experts[1] - slot.experts[0]
+    _, rows, cols = shard_shape((n, *native_shape[1:]), split_rule(slot.native), tp)
+    if not slot.grouped:
+        return (rows, cols)
+    return (cols, n * rows) if slot.native.endswith(EXPERT_FC1) else (n * cols, rows)
+
+
+def cut(slot: Slot, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """``slot``'s stored tensor for TP rank ``rank``, from its native tensor: the whole one, or for experts the
+    stacked experts ``slot.experts`` only. May be a view (``.contiguous()`` before writing)."""
+    piece = shard(tensor, split_rule(slot.native), tp, rank)
+    if slot.experts is None:
+        return piece
+    if not slot.grouped:
+        return piece[0]
+    g = piece.transpose(1, 2).contiguous()  # (n, cols, rows): GroupedMLP keeps each expert's matrix transposed
+    return g.reshape(g.shape[1], -1) if slot.native.endswith(EXPERT_FC1) else g.reshape(-1, g.shape[2])
+
+
+def uncut(slot: Slot, stored: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``cut`` for an expert slot: the stacked TP piece (n, rows, cols) of experts ``slot.experts``."""
+    assert slot.experts is not None
+    if not slot.grouped:
+        return stored.unsqueeze(0)
+    n = slot.experts[1] - slot.experts[0]
+    fc1 = slot.native.endswith(EXPERT_FC1)
+    stacked = stored.reshape(n, stored.shape[0], -1) if fc1 else stored.reshape(n, -1, stored.shape[1])
+    return stacked.transpose(1, 2)
 
 
 def layer_of(key: str) -> tuple[int, str] | None:

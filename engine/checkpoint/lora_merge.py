@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
+from engine.checkpoint.sources import expert_range
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
 from engine.model.lora import merge_lora_rounded
@@ -256,6 +257,17 @@ class LoraOverlay:
         a = shard(self.lora.full(a_key), split_rule(a_key), tp, rank)
         b = shard(self.lora.full(b_key), split_rule(b_key), tp, rank)
         assert self.lora_alpha is not None and self.lora_r is not None  # __init__ refuses adapters without them
+        return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.rounding)
+
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of the stacked native ``key``, merged: the adapters are stacked per expert too."""
+        module = key.removesuffix(".weight")
+        a_key, b_key = module + ".lora_A.weight", module + ".lora_B.weight"
+        if self.lora.has(key) or not (self.lora.has(a_key) and self.lora.has(b_key)):
+            return self.get_native(key)[lo:hi] if self.lora.has(key) else expert_range(self.base, key, lo, hi)
+        assert self.lora_alpha is not None and self.lora_r is not None  # __init__ refuses adapters without them
+        a, b = self.lora.full(a_key)[lo:hi], self.lora.full(b_key)[lo:hi]
+        weight = expert_range(self.base, key, lo, hi)
         return merge_lora_rounded(weight, a, b, self.lora_alpha, self.lora_r, self.rounding)
 
     def lora_modules(self) -> list[str]:

@@ -36,8 +36,11 @@ from engine.checkpoint.layout import (
     FINAL_NORM,
     OUTPUT,
     Chunk,
+    Slot,
+    check_ep,
     check_tp,
-    chunk_keys,
+    chunk_slots,
+    cut,
     layer_of,
     merge,
     native_shapes,
@@ -46,13 +49,16 @@ from engine.checkpoint.layout import (
     shard,
     shard_shape,
     split_rule,
+    stored_shape,
+    uncut,
 )
 from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_merged
 from engine.checkpoint.safe_pickle import load_torch_file
+from engine.checkpoint.sources import expert_range
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.dtypes import DTYPE_NAMES
 from engine.model.config import ModelConfig, moe_from_args
-from engine.model.hf_mapping import native_keys
+from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
 from engine.runfiles import BadInput
 
@@ -152,6 +158,8 @@ def build_args(
     vpp_layers: int | None = None,
     hf_config: Mapping[str, Any] | None = None,
     seq_length: int | None = None,
+    ep: int = 1,
+    grouped: bool = False,
 ) -> argparse.Namespace:
     """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3).
 
@@ -166,7 +174,6 @@ def build_args(
             **hf,  # MindSpeed v2 keeps every plain HF config attribute (num_key_value_heads, head_dim, rope_theta...)
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
-            "expert_model_parallel_size": 1,
             "num_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size,
             "ffn_hidden_size": cfg.ffn_hidden_size,
@@ -207,8 +214,31 @@ def build_args(
             "consumed_valid_samples": 0,
             "skipped_train_samples": 0,
             "params_dtype_name": dtype_name,
+            "expert_model_parallel_size": ep,
+            **(_moe_args(cfg, grouped) if cfg.is_moe else {}),
         }
     )
+
+
+def _moe_args(cfg: ModelConfig, grouped: bool) -> dict[str, Any]:
+    """Megatron's MoE args (and MindSpeed v2's qwen3-moe converter values, configs/checkpoint/model_cfg.json)."""
+    freq = cfg.moe_layer_freq
+    return {
+        "model_type_hf": "qwen3-moe",
+        "num_experts": cfg.num_experts,
+        "moe_ffn_hidden_size": cfg.expert_ffn_hidden_size,
+        "moe_intermediate_size": cfg.expert_ffn_hidden_size,
+        "moe_router_topk": cfg.moe_router_topk,
+        "num_experts_per_tok": cfg.moe_router_topk,
+        "moe_grouped_gemm": grouped,
+        # Megatron: an int k (every k-th layer) or a per-layer 0/1 list (MindSpeed passes it as "[1,0,...]")
+        "moe_layer_freq": list(freq) if isinstance(freq, tuple) else freq,
+        "first_k_dense_replace": 0 if cfg.is_moe_layer(0) else next(iter(cfg.moe_layers), cfg.num_layers),
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        "mlp_experts_flag": True,
+        "expert_tensor_parallel_size": None,
+        "moe_tp_extend_ep": False,
+    }
 
 
 def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
@@ -217,6 +247,18 @@ def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
         return source.get_native_shard
     get = as_getter(source)
     return lambda key, tp, rank: shard(get(key), split_rule(key), tp, rank)
+
+
+def slot_getter(source: Any) -> Callable[[Slot, int, int], torch.Tensor]:
+    """``(slot, tp, rank) -> the tensor stored for it`` (``layout.cut``) from a native source."""
+    get_shard = _shard_getter(source)
+
+    def piece(slot: Slot, tp: int, rank: int) -> torch.Tensor:
+        if slot.experts is None:
+            return get_shard(slot.native, tp, rank)
+        return cut(slot, expert_range(source, slot.native, *slot.experts), tp, rank)
+
+    return piece
 
 
 class _Counter:
@@ -244,19 +286,23 @@ def rank_file_plan(
     dtype: torch.dtype,
     args: argparse.Namespace,
     iteration: int,
-) -> tuple[dict[str, Any], list[tuple[LazyTensor, str]]]:
+    ep: int = 1,
+    ep_rank: int = 0,
+    grouped: bool = False,
+) -> tuple[dict[str, Any], list[tuple[LazyTensor, Slot]]]:
     """One rank file of a Megatron checkpoint before any tensor: its pickled object (``args``, version, iteration
-    and ``model``/``model{v}`` dicts of placeholders) and, in file order, (placeholder, native key) for each tensor
-    (the rank's TP piece of it, ``layout.split_rule``)."""
+    and ``model``/``model{v}`` dicts of placeholders) and, in file order, (placeholder, slot) for each tensor
+    (``layout.chunk_slots``: the rank's TP piece, ``split_rule``; for experts EP rank ``ep_rank``'s, as
+    SequentialMLP or, ``grouped``, GroupedMLP tensors). ``slot_getter``/``layout.cut`` make each tensor."""
     full_shapes = native_shapes(cfg)
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-    plan: list[tuple[LazyTensor, str]] = []
+    plan: list[tuple[LazyTensor, Slot]] = []
     for chunk in chunks:
         tensors = state["model" if len(chunks) == 1 else f"model{chunk.index}"] = {}
-        for local, native in chunk_keys(cfg, chunk, pp):
-            shape = shard_shape(full_shapes[native], split_rule(native), tp)
-            tensors[local] = LazyTensor(str(len(plan)), shape, dtype)
-            plan.append((tensors[local], native))
+        for slot in chunk_slots(cfg, chunk, pp, ep, ep_rank, grouped):
+            shape = stored_shape(slot, full_shapes[slot.native], tp)
+            tensors[slot.local] = LazyTensor(str(len(plan)), shape, dtype)
+            plan.append((tensors[slot.local], slot))
     return state, plan
 
 
@@ -274,21 +320,26 @@ def save_mcore(
     progress: Progress | None = None,
     writers: int | None = None,
     seq_length: int | None = None,
+    ep: int = 1,
+    grouped: bool = False,
 ) -> list[Path]:
-    """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP; returns the rank files.
+    """Write ``cfg``'s model as a Megatron legacy checkpoint with the given TP/PP/EP; returns the rank files.
 
     Without ``args``, ``build_args`` makes them, with ``seq_length`` and the source's config.json (``hf_config``
     of an HF source) carried.
     ``source``: a native state dict, a ``get(key)`` callable, or a checkpoint with ``get_native_shard``.
+    MoE experts go to ``mp_rank_*_EEE`` files by EP rank, as SequentialMLP tensors or, ``grouped``
+    (``--moe-grouped-gemm``), GroupedMLP ``weight1``/``weight2`` (``layout.chunk_slots``).
     The checkpoint is staged in a hidden directory; the tracker is written last. ``writers`` rank files are
     written at once (default: one per core, at most 4).
     """
     try:
         check_tp(cfg, tp)
+        check_ep(cfg, ep)
         stages = pipeline_chunks(cfg.num_layers, pp, num_layer_list, vpp_layers)
     except ValueError as err:
         raise BadInput(str(err), field="target_tensor_parallel_size") from err
-    get_shard = _shard_getter(source)
+    piece = slot_getter(source)
     segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
     args = args or build_args(
@@ -300,32 +351,37 @@ def save_mcore(
         vpp_layers,
         hf_config=getattr(source, "hf_config", None),
         seq_length=seq_length,
+        ep=ep,
+        grouped=grouped,
     )
     out = Path(out_dir)
-    count = _Counter(tp * sum(len(chunk_keys(cfg, c, pp)) for chunks in stages for c in chunks), progress)
+    ranks = [(p, t, e) for p in range(len(stages)) for e in range(ep) for t in range(tp)]
+    total = sum(
+        len(rank_file_plan(cfg, stages[p], tp, pp, dtype, args, iteration, ep, e, grouped)[1]) for p, _, e in ranks
+    )
+    count = _Counter(total, progress)
 
-    def write_rank(it_dir: Path, p: int, t: int) -> Path:
-        state, plan = rank_file_plan(cfg, stages[p], tp, pp, dtype, args, iteration)
-        rank_dir = it_dir / rank_dir_name(t, p, pp)
+    def write_rank(it_dir: Path, p: int, t: int, e: int) -> Path:
+        state, plan = rank_file_plan(cfg, stages[p], tp, pp, dtype, args, iteration, ep, e, grouped)
+        rank_dir = it_dir / rank_dir_name(t, p, pp, e, ep)
         rank_dir.mkdir(parents=True)
         # The pickle goes first from shapes; each shard is then written while the next one is cut.
         with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
-            for lazy, native in plan:
-                segments = segments_of(native, tp, t, dtype) if segments_of else None
+            for lazy, slot in plan:
+                segments = segments_of(slot.native, tp, t, dtype) if segments_of and slot.experts is None else None
                 if segments is not None:  # the bytes exist as they are in the source: copy them
                     writer.write_segments(lazy, segments)
                 else:
-                    writer.write(lazy, get_shard(native, tp, t).to(dtype))
+                    writer.write(lazy, piece(slot, tp, t).to(dtype).contiguous())
                 count.step()
         return out / it_dir.name / rank_dir.name / MODEL_FILE
 
-    ranks = [(p, t) for p in range(len(stages)) for t in range(tp)]
     with staging(out) as tmp:
         it_dir = tmp / iteration_dir_name(iteration)
         # Rank files are independent: several are written at once (the copies and CRCs release the GIL), which
         # is what lets a same-dtype conversion keep up with one `cp` on a machine with more than one core.
         with ThreadPoolExecutor(max_workers=writers or _default_writers(len(ranks)), thread_name_prefix="rank") as pool:
-            files = list(pool.map(lambda pt: write_rank(it_dir, *pt), ranks))
+            files = list(pool.map(lambda pte: write_rank(it_dir, *pte), ranks))
         (tmp / TRACKER).write_text(str(iteration))
     return files
 
@@ -336,11 +392,11 @@ def save_mcore(
 class _LazyModels(dict):
     """rank -> its file's chunks, each rank file opened (pickle parsed) the first time it is asked for."""
 
-    def __init__(self, files: dict[tuple[int, int], Path], opened: list[Path]):
+    def __init__(self, files: dict[tuple[int, int, int], Path], opened: list[Path]):
         super().__init__()
         self.files, self.opened = files, opened
 
-    def __missing__(self, rank: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    def __missing__(self, rank: tuple[int, int, int]) -> dict[str, dict[str, Any]]:
         if rank not in self.files:
             raise KeyError(rank)
         self.opened.append(self.files[rank])
@@ -370,17 +426,30 @@ class RankFiles:
 
     def __init__(self, root: str | os.PathLike[str], view: RankView | None = None):
         self.iter_dir, self.iteration = resolve_iteration_dir(root)
-        self.tp, self.pp, files = _rank_files(self.iter_dir)
+        self.tp, self.pp, self.ep, files = _rank_files(self.iter_dir)
         self.opened: list[Path] = []
-        self.models = _LazyModels(files, self.opened)
-        first = (0, 0)
+        first = (0, 0, 0)
         if view is not None:  # the file at the same relative place: the rank's own when the layouts match
-            first = (view.tp_rank * self.tp // view.tp, view.pp_rank * self.pp // view.pp)
-        self.first = first
+            first = (view.tp_rank * self.tp // view.tp, view.pp_rank * self.pp // view.pp, 0)
+        if first not in files:
+            _check_complete(self.iter_dir, self.tp, self.pp, self.ep, files)
         raw = load_rank_file(files[first], lazy=True)
+        self.args = raw.get("args")
+        pp = self.pp
+        self.pp, self.ep, files = _as_expert_ranks(self.args, self.tp, self.pp, self.ep, files)
+        if self.pp != pp:  # the file read is (t, 0, e), not (t, p, 0)
+            first = (first[0], 0, first[1])
+        _check_complete(self.iter_dir, self.tp, self.pp, self.ep, files)
+        self.first = first
+        self.models = _LazyModels(files, self.opened)
         self.opened.append(files[first])
         self.models[first] = _chunks(raw, files[first])
-        self.args = raw.get("args")
+        self.num_experts = int(getattr(self.args, "num_experts", None) or 0)
+        if self.ep > 1 and (not self.num_experts or self.num_experts % self.ep):
+            raise BadInput(
+                f"{self.iter_dir}: {self.ep} expert-parallel ranks but args.num_experts is {self.num_experts or None}",
+                field="load_dir",
+            )
         self.layer_at: list[tuple[int, str, int]] = []  # (stage, chunk name, local index) of every global layer
         self.where: dict[str, tuple[int, str]] = {}  # (stage, chunk name) of the embedding, final norm, head
         if not self._locate_from_args():
@@ -416,8 +485,8 @@ class RankFiles:
 
     def _locate(self) -> None:
         """Map global layers and the embedding/head to (stage, chunk name, local index)."""
-        names = sorted(self.models[(0, 0)], key=lambda n: int(n[5:] or 0))
-        counts = {(p, n): _layer_count(self.models[(0, p)].get(n, {})) for p in range(self.pp) for n in names}
+        names = sorted(self.models[(0, 0, 0)], key=lambda n: int(n[5:] or 0))
+        counts = {(p, n): _layer_count(self.models[(0, p, 0)].get(n, {})) for p in range(self.pp) for n in names}
         self.layer_at = []
         for n in names:  # with VPP chunk v of every stage comes before chunk v+1
             for p in range(self.pp):
@@ -426,7 +495,7 @@ class RankFiles:
         for p in range(self.pp):
             for n in names:
                 for key in (EMBEDDING, FINAL_NORM, OUTPUT):
-                    if key in self.models[(0, p)].get(n, {}):
+                    if key in self.models[(0, p, 0)].get(n, {}):
                         self.where.setdefault(key, (p, n))
 
     def local(self, key: str) -> tuple[int, str, str]:
@@ -447,34 +516,84 @@ class RankFiles:
             p, n, local = self.local(key)
         except KeyError:
             return False
-        return local in self.models[(t, p)].get(n, {})
+        return local in self.models[(t, p, 0)].get(n, {})
 
     def raw(self, key: str, t: int) -> Any:
         """TP rank ``t``'s stored piece of ``key`` as a lazy reference (``.shape``, ``.read()``)."""
         p, n, local = self.local(key)
-        tensors = self.models[(t, p)].get(n, {})
+        tensors = self.models[(t, p, 0)].get(n, {})
         if local not in tensors:
             raise KeyError(key)
         return tensors[local]
 
     def full(self, key: str) -> torch.Tensor:
-        refs = [self.raw(key, t) for t in range(self.tp)]
-        if len(refs[0].shape) > 2:  # stacked experts, TP-cut per expert (layout.rule_dim): glued in memory
-            return merge([ref.read() for ref in refs], split_rule(key))
-        return read_merged(refs, split_rule(key))
+        if self.is_experts(key):
+            return merge([self.experts(key, t, 0, self.num_experts) for t in range(self.tp)], split_rule(key))
+        return read_merged([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+
+    def is_experts(self, key: str) -> bool:
+        """True for a stacked native expert tensor, which the files hold per expert or per EP rank block."""
+        parsed = layer_of(key)
+        return bool(self.num_experts) and parsed is not None and parsed[1] in (EXPERT_FC1, EXPERT_FC2)
+
+    def experts(self, key: str, t: int, lo: int, hi: int) -> torch.Tensor:
+        """TP rank ``t``'s piece (n, rows, cols) of experts [lo, hi) of the stacked native ``key``, read from the
+        EP ranks' files holding them (SequentialMLP ``local_experts.{i}`` or GroupedMLP ``weight1/2``)."""
+        layer, suffix = layer_of(key) or (0, "")
+        if layer >= len(self.layer_at):
+            raise KeyError(key)
+        p, n, i = self.layer_at[layer]
+        per = self.num_experts // self.ep
+        ranks = range(lo // per, (hi - 1) // per + 1)
+        out: torch.Tensor | None = None
+        for e in ranks:  # each EP rank's block copied into place: one block in flight, never a second whole copy
+            a, b = max(lo, e * per) - e * per, min(hi, (e + 1) * per) - e * per
+            block = _expert_block(self.models[(t, p, e)].get(n, {}), i, suffix, a, b, per)
+            if len(ranks) == 1:
+                return block
+            if out is None:
+                out = torch.empty((hi - lo, *block.shape[1:]), dtype=block.dtype)
+            out[e * per + a - lo : e * per + b - lo] = block
+        assert out is not None
+        return out
 
     def lora_modules(self) -> list[str]:
         """Global native module paths that carry adapters, e.g. ``decoder.layers.0.self_attention.linear_qkv``."""
         found = []
         for layer, (p, n, i) in enumerate(self.layer_at):
             prefix = f"decoder.layers.{i}."
-            for key in self.models[(0, p)][n]:
+            for key in self.models[(0, p, 0)][n]:
                 if key.startswith(prefix) and key.endswith(".lora_A.weight"):
                     found.append(f"decoder.layers.{layer}." + key[len(prefix) :].removesuffix(".lora_A.weight"))
         return found
 
-    def rank_file(self, t: int, p: int) -> Path:
-        return self.iter_dir / rank_dir_name(t, p, self.pp) / MODEL_FILE
+    def rank_file(self, t: int, p: int, e: int = 0) -> Path:
+        return self.iter_dir / rank_dir_name(t, p, self.pp, e, self.ep) / MODEL_FILE
+
+
+def _expert_block(tensors: Mapping[str, Any], i: int, suffix: str, a: int, b: int, per: int) -> torch.Tensor:
+    """Local experts [a, b) of stage-local layer ``i`` in one rank file's chunk, stacked (n, rows, cols)."""
+    prefix = f"decoder.layers.{i}.mlp.experts."
+    fc1 = suffix == EXPERT_FC1
+    grouped = tensors.get(prefix + ("weight1" if fc1 else "weight2"))
+    if grouped is not None:
+        # weight1/2's memory is (per, ...) expert blocks: read rows a..b of that view, then give them the stored form
+        block = _as_rows(grouped, per).read_rows(a, b)
+        stored = block.reshape(grouped.shape[0], -1) if fc1 else block.reshape(-1, grouped.shape[1])
+        return uncut(Slot("", suffix, (a, b), True), stored)
+    name = "linear_fc1.weight" if fc1 else "linear_fc2.weight"
+    names = [f"{prefix}local_experts.{j}.{name}" for j in range(a, b)]
+    if any(n not in tensors for n in names):
+        raise KeyError(f"decoder.layers.{i}.{suffix}")
+    return torch.stack([tensors[n].read() for n in names])
+
+
+def _as_rows(ref: Any, rows: int) -> Any:
+    """``ref`` seen as ``rows`` equal rows (a contiguous tensor's bytes, reshaped)."""
+    numel = int(torch.Size(ref.shape).numel())
+    if isinstance(ref, TensorRef):
+        return TensorRef(ref.file, ref.name, ref.offset, (rows, numel // rows), ref.dtype)
+    return MemoryRef(ref.read().reshape(rows, -1))
 
 
 class MegatronCheckpoint:
@@ -512,7 +631,7 @@ class MegatronCheckpoint:
         if lora_dir is not None:
             lora = RankFiles(lora_dir)
             arg_sources.insert(0, lora.args)
-            if (lora.tp, lora.pp) == (self.tp, self.pp):
+            if (lora.tp, lora.pp, lora.ep) == (self.tp, self.pp, 1):  # adapters into the (EP rank 0) files
                 for rank, chunks in lora.models.items():
                     for name, tensors in chunks.items():
                         self.base.models[rank].setdefault(name, {}).update(tensors)
@@ -549,7 +668,7 @@ class MegatronCheckpoint:
             moe = moe_from_args(a, len(self.base.layer_at))
             freq = moe.get("moe_layer_freq")
             if moe and (freq == 1 or isinstance(freq, tuple) and freq[layer]):  # the probed layer is MoE
-                ffn = int(getattr(a, "ffn_hidden_size", 0) or shape(pre + "mlp.experts.linear_fc1.weight")[1] * tp // 2)
+                ffn = int(getattr(a, "ffn_hidden_size", 0) or moe["moe_ffn_hidden_size"])
             else:
                 ffn = shape(pre + "mlp.linear_fc1.weight")[0] * tp // 2
         except KeyError as err:
@@ -607,7 +726,7 @@ class MegatronCheckpoint:
         """(TP rank, global layer) whose tensors tell the shapes: the first layer of the file already open."""
         if not self.base.layer_at:
             raise BadInput(f"{self.iter_dir}: the checkpoint holds no decoder layers", field="load_dir")
-        t, p = self.base.first
+        t, p, _ = self.base.first
         layer = next((i for i, (stage, _, _) in enumerate(self.base.layer_at) if stage == p), 0)
         return (t, layer) if self.base.layer_at[layer][0] == p else (0, 0)
 
@@ -627,6 +746,9 @@ class MegatronCheckpoint:
         for key in keys:
             if key == OUTPUT and cfg.tie_word_embeddings and OUTPUT not in self.base.where:
                 continue  # read from the embedding
+            if self.base.is_experts(key):
+                self._validate_experts(key, full[key], tp_ranks)
+                continue
             want = shard_shape(full[key if key in full else EMBEDDING], split_rule(key), self.tp)
             try:
                 p: int | None = self.base.local(key)[0]
@@ -643,6 +765,33 @@ class MegatronCheckpoint:
                         f"{where}: tensor {self.base.local(key)[2]} has shape {list(got.shape)}, expected {list(want)}",
                         field="load_dir",
                     )
+
+    def _validate_experts(self, key: str, shape: tuple[int, ...], tp_ranks: range) -> None:
+        """Every EP rank's tensors of stacked ``key``: GroupedMLP ``weight1/2`` or each local expert, right shapes."""
+        per = self.base.num_experts // self.base.ep
+        for t in tp_ranks:
+            for e in range(self.base.ep):
+                p, n, local = self.base.local(key)
+                tensors = self.base.models[(t, p, e)].get(n, {})
+                prefix = local.removesuffix(layer_of(key)[1]) + "mlp.experts."  # type: ignore[index]
+                fc1 = key.endswith(EXPERT_FC1)
+                grouped = prefix + ("weight1" if fc1 else "weight2")
+                if grouped in tensors:
+                    wanted = [(grouped, Slot(grouped, key, (0, per), True))]
+                else:
+                    name = "linear_fc1.weight" if fc1 else "linear_fc2.weight"
+                    wanted = [(f"{prefix}local_experts.{j}.{name}", Slot("", key, (j, j + 1))) for j in range(per)]
+                for name, slot in wanted:
+                    where = self.base.rank_file(t, p, e)
+                    if name not in tensors:
+                        raise BadInput(
+                            f"{where}: tensor {name} is missing ({per} local experts expected)", field="load_dir"
+                        )
+                    want, got = stored_shape(slot, shape, self.tp), tuple(tensors[name].shape)
+                    if got != want:
+                        raise BadInput(
+                            f"{where}: tensor {name} has shape {list(got)}, expected {list(want)}", field="load_dir"
+                        )
 
     def _padded_rows(self) -> int:
         padded = getattr(self.args, "padded_vocab_size", None)
@@ -675,14 +824,6 @@ class MegatronCheckpoint:
             full = full[: self.config.vocab_size]
         return full
 
-    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of native ``key``'s dim 0 (an expert-parallel rank's experts): read alone when the
-        file stores the tensor whole and unmerged (replicated over TP), else cut from the whole tensor."""
-        side = self.side is not None and self.side.has(key)
-        if split_rule(key) == "rep" and self.base.has(key) and not side and not self._adapted(key):
-            return self.base.raw(key, 0).read_rows(start, stop)
-        return self.get_native(key)[start:stop]
-
     def _adapted(self, key: str) -> bool:
         a_key = key.removesuffix(".weight") + ".lora_A.weight"
         return self.base.has(a_key) or (self.side is not None and self.side.has(a_key))
@@ -691,10 +832,18 @@ class MegatronCheckpoint:
         """Rank files opened so far (pickle parsed), in order."""
         return list(self.base.opened)
 
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Experts [lo, hi) of the stacked native ``key`` (full TP1 width), reading only the files holding them."""
+        if self._adapted(key) or (self.side is not None and self.side.has(key)):
+            return self.get_native(key)[lo:hi]
+        return merge([self.base.experts(key, t, lo, hi) for t in range(self.tp)], split_rule(key))
+
     def _stored(self, key: str, t: int) -> torch.Tensor:
         """TP rank ``t``'s piece of ``key`` as this checkpoint is cut, with its LoRA adapters merged in."""
         if self.side is not None and self.side.has(key):
             weight = shard(self.side.full(key), split_rule(key), self.tp, t)
+        elif self.base.is_experts(key):
+            weight = self.base.experts(key, t, 0, self.base.num_experts)
         else:
             weight = self.base.raw(key, t).read()
         module = key.removesuffix(".weight")
@@ -714,10 +863,8 @@ class MegatronCheckpoint:
 
     def can_copy(self, dtype: torch.dtype) -> bool:
         """True when HF output is the stored bytes rearranged: same dtype everywhere, nothing to merge."""
-        if self.side is not None or self.lora_modules():
-            return False
-        if self.tp > 1 and self.config.is_moe:
-            return False  # stacked experts are TP-cut per expert, not in whole rows: glued in memory instead
+        if self.side is not None or self.lora_modules() or self.base.num_experts:
+            return False  # (MoE: experts are stored per expert or transposed per EP block, not as native rows)
         return all(
             isinstance(ref, TensorRef) and ref.dtype == dtype
             for chunks in self.base.models.values()
@@ -763,29 +910,40 @@ def _first_attr(objs: list[Any], name: str) -> Any:
     return None
 
 
-def _rank_files(iter_dir: Path) -> tuple[int, int, dict[tuple[int, int], Path]]:
-    found: dict[tuple[int, int], Path] = {}
+def _rank_files(iter_dir: Path) -> tuple[int, int, int, dict[tuple[int, int, int], Path]]:
+    """(TP, PP, EP, (tp, pp, ep) rank -> its model file) of an iteration directory (``layout.rank_dir_name``).
+    ``mp_rank_TT_XXX`` is read as a PP rank here; ``_as_expert_ranks`` re-reads it as an EP rank when args say so."""
+    found: dict[tuple[int, int, int], Path] = {}
     for entry in iter_dir.iterdir():
         m = _RANK_DIR_RE.match(entry.name)
-        if not m:
-            continue
-        if m[3] is not None:
-            raise BadInput(
-                f"{entry}: expert-parallel checkpoints are not supported (dense Qwen3 only)", field="load_dir"
-            )
-        found[(int(m[1]), int(m[2] or 0))] = entry / MODEL_FILE
+        if m:
+            found[(int(m[1]), int(m[2] or 0), int(m[3] or 0))] = entry / MODEL_FILE
     if not found:
         raise BadInput(f"{iter_dir}: no mp_rank_* directories", field="load_dir")
-    tp = max(t for t, _ in found) + 1
-    pp = max(p for _, p in found) + 1
+    return *(max(rank[i] for rank in found) + 1 for i in range(3)), found  # type: ignore[return-value]
+
+
+def _as_expert_ranks(
+    args: Any, tp: int, pp: int, ep: int, files: dict[tuple[int, int, int], Path]
+) -> tuple[int, int, dict[tuple[int, int, int], Path]]:
+    """(PP, EP, files) with ``mp_rank_TT_XXX`` taken as EP ranks when ``args`` say PP 1 and EP = the XXX count
+    (Megatron's ``get_checkpoint_name`` gives PP > 1 and EP > 1 the same two-part name)."""
+    says_ep = getattr(args, "expert_model_parallel_size", 1) == pp
+    if ep == 1 and pp > 1 and says_ep and getattr(args, "pipeline_model_parallel_size", 1) in (1, None):
+        return 1, pp, {(t, 0, p): path for (t, p, _), path in files.items()}
+    return pp, ep, files
+
+
+def _check_complete(iter_dir: Path, tp: int, pp: int, ep: int, files: Mapping[tuple[int, int, int], Path]) -> None:
     for t in range(tp):
         for p in range(pp):
-            if (t, p) not in found:
-                raise BadInput(
-                    f"{iter_dir / rank_dir_name(t, p, pp)}: missing (TP {tp} × PP {pp} ranks expected)",
-                    field="load_dir",
-                )
-    return tp, pp, found
+            for e in range(ep):
+                if (t, p, e) not in files:
+                    raise BadInput(
+                        f"{iter_dir / rank_dir_name(t, p, pp, e, ep)}: missing "
+                        f"(TP {tp} × PP {pp} × EP {ep} ranks expected)",
+                        field="load_dir",
+                    )
 
 
 def _chunks(raw: Mapping[str, Any], path: Path) -> dict[str, dict[str, torch.Tensor]]:

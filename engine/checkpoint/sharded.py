@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engine.checkpoint.sources import WeightSource, native_rows
+from engine.checkpoint.sources import WeightSource, expert_range
 from engine.torch_compat import StridedShard, compute_local_shape_and_global_offset
 
 _WRAPPED = "_checkpoint_wrapped_module."
@@ -67,7 +67,7 @@ def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
     experts = _expert_rows(param)
     if experts is not None:  # read only this rank's experts
         local = cast(DTensor, param).to_local()
-        piece = native_rows(source, key, *experts) if experts[1] > experts[0] else local
+        piece = expert_range(source, key, *experts) if experts[1] > experts[0] else local
         if tuple(piece.shape) != tuple(local.shape):
             raise ValueError(f"{key}: experts {experts} have shape {tuple(piece.shape)}, the local part {local.shape}")
         local.copy_(piece)

@@ -19,8 +19,8 @@ dropping it, a bounded chunk at a time: the same numbers for any layout, and nev
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -60,18 +60,23 @@ class ByteRanges(Protocol):
 
 
 @runtime_checkable
-class RowRanges(Protocol):
-    """A source that reads a run of dim-0 rows of a native tensor alone (an expert-parallel rank's experts)."""
+class ExpertRanges(Protocol):
+    """A source that reads a range of experts (dim-0 rows of a stacked expert tensor) alone."""
 
-    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor: ...
 
 
-def native_rows(source: WeightSource, key: str, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of native ``key``'s dim 0: read alone where ``source`` can (HF files, the seeded init),
-    else cut from the whole tensor."""
-    if isinstance(source, RowRanges):
-        return source.get_native_rows(key, start, stop)
-    return source.get_native_shard(key, 1, 0)[start:stop]
+def expert_range(source: Any, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Experts [lo, hi) of the stacked native ``key``: read alone where the source can (``get_experts``: HF files,
+    mcore rank files, the seeded init), so one SequentialMLP expert or one expert-parallel rank's block never costs
+    the whole layer's experts; else cut from the whole tensor (a state dict, a getter, ``get_native``)."""
+    if isinstance(source, ExpertRanges):
+        return source.get_experts(key, lo, hi)
+    if isinstance(source, Mapping):
+        return source[key][lo:hi]
+    if hasattr(source, "get_native"):
+        return source.get_native(key)[lo:hi]
+    return source(key)[lo:hi]
 
 
 def _tp_rows(shape: tuple[int, ...], key: str, tp: int, rank: int) -> torch.Tensor:
@@ -148,8 +153,8 @@ class SeededInit:
     def get_native_shard(self, key: str, tp: int, rank: int) -> torch.Tensor:
         return self._draw(key, tp, rank, None)
 
-    def get_native_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._draw(key, 1, 0, torch.arange(start, stop))
+    def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        return self._draw(key, 1, 0, torch.arange(lo, hi))
 
     def _draw(self, key: str, tp: int, rank: int, keep: torch.Tensor | None) -> torch.Tensor:
         """TP rank ``rank``'s piece of ``key``, or the dim-0 rows ``keep`` of the whole tensor."""

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.hf import save_hf, staging
-from engine.checkpoint.layout import OUTPUT, pipeline_chunks, rank_dir_name, shard, split_rule
+from engine.checkpoint.layout import OUTPUT, Slot, cut, pipeline_chunks, rank_dir_name, shard, split_rule
 from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, rank_file_plan
 from engine.checkpoint.sharded import native_name
 from engine.checkpoint.torchfile import TorchFileWriter
@@ -115,28 +115,33 @@ def _write_own_rank_file(
     t, p = mesh["tp"].get_local_rank(), mesh["pp"].get_local_rank()
     writes = mesh["dp"].get_local_rank() == 0
     chunks = pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)[p]
-    args = build_args(
-        cfg, tp, pp, dtype, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage, seq_length=spec.seq_length
-    )
-    state, plan = rank_file_plan(cfg, chunks, tp, pp, dtype, args, iteration)
+    grouped = bool(getattr(spec, "moe_grouped_gemm", False))  # MindSpeed's --moe-grouped-gemm: GroupedMLP tensors
+    layers, vpp = spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage
+    args = build_args(cfg, tp, pp, dtype, layers, vpp, seq_length=spec.seq_length, grouped=grouped)
+    state, plan = rank_file_plan(cfg, chunks, tp, pp, dtype, args, iteration, grouped=grouped)
     tensors = _stage_tensors(module)
+    layer_experts: dict[str, torch.Tensor] = {}  # one layer's gathered experts, cut into many SequentialMLP slots
 
-    def full(native: str) -> torch.Tensor:
+    def full(slot: Slot) -> torch.Tensor:
         # a tied model's last stage holds the embedding's copy as its head (layout.chunk_keys)
-        return _full(tensors[native] if native in tensors else tensors[OUTPUT])
-
-    def piece(native: str) -> torch.Tensor:
-        return shard(full(native), split_rule(native), tp, t).to(dtype).contiguous()
+        native = slot.native
+        if slot.experts is None:
+            return _full(tensors[native] if native in tensors else tensors[OUTPUT])
+        if native not in layer_experts:
+            if not any(k.rsplit(".mlp.", 1)[0] == native.rsplit(".mlp.", 1)[0] for k in layer_experts):
+                layer_experts.clear()  # a new layer: the previous one's experts are done
+            layer_experts[native] = _full(tensors[native])
+        return layer_experts[native][slot.experts[0] : slot.experts[1]]
 
     if not writes:  # take part in each gather, keep nothing
-        for _, native in plan:
-            full(native)
+        for _, slot in plan:
+            full(slot)
         return
     rank_dir = it_dir / rank_dir_name(t, p, pp)
     rank_dir.mkdir(parents=True, exist_ok=True)
     with TorchFileWriter(rank_dir / MODEL_FILE, state, [lazy for lazy, _ in plan]) as writer:
-        for lazy, native in plan:
-            writer.write(lazy, piece(native))
+        for lazy, slot in plan:  # the conversion's own cut (layout.cut): one layout for both writers
+            writer.write(lazy, cut(slot, full(slot), tp, t).to(dtype).contiguous())
 
 
 def _gather_adapters(module: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Tensor]:

@@ -1,0 +1,143 @@
+"""MoE conversion memory benchmark: a Qwen3-235B-A22B-shaped bf16 checkpoint at full width (hidden 4096, 128
+experts of width 1536, vocab 151,936, untied head) but ``--layers`` layers, hf -> mg in MindSpeed's layout
+(``--moe-grouped-gemm``, ``--target-expert-parallel-size``) and mg -> hf.
+
+Each conversion runs as ``python -m engine convert`` in a fresh process (as a job does); the figure is its peak RSS
+(VmHWM, interpreter and torch included) against the largest file it writes: streaming means one tensor (here one
+layer's stacked experts, or one EP rank's block of them) in memory, not the model. The HF input is written
+tensor by tensor with random bf16 values (never the whole model in memory) and kept under ``--work-dir``.
+
+    .venv/bin/python bench/convert_moe.py [--layers 1] [--ep 1] [--work-dir /tmp/llmjobs-bench-convert-moe]
+
+Last line: {"bench":"convert_moe","peak_rss_ratio":...} (the worse of the two directions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def generate(path: Path, layers: int) -> Path:
+    """The 235B-A22B shape with ``layers`` layers as HF safetensors (one file per layer), written one tensor at a
+    time with random bf16 values."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+
+    from engine.checkpoint.hf import expected_hf_shapes, write_safetensors
+    from engine.model.config import preset
+
+    cfg = preset("qwen3-235b-a22b").replace(num_layers=layers)
+    shapes = expected_hf_shapes(cfg)
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in shapes.items():
+        part = name.split(".")[2] if name.startswith("model.layers.") else "top"
+        groups.setdefault(part, []).append((name, shape))
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(plan: list[tuple[str, tuple[int, ...]]]):  # noqa: ANN202 - (name, tensor) one at a time
+        for name, shape in plan:
+            yield name, torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+
+    weight_map = {}
+    for i, plan in enumerate(groups.values()):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(tmp / file, draw(plan), plan, torch.bfloat16)
+        weight_map.update({name: file for name, _ in plan})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf("bfloat16")))
+    os.replace(tmp, path)
+    return path
+
+
+def convert(flags: list[str], run_dir: Path) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(flags[flags.index("--save-dir") + 1], ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "convert", "--model-type-hf", "qwen3-moe", *flags, "--run-dir", str(run_dir)],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "result.json").read_text())["summary"]
+    return {**summary, "wall_seconds": round(time.perf_counter() - start, 3)}
+
+
+def measure(name: str, flags: list[str], work: Path) -> dict:
+    result = convert(flags, work / f"run-{name.replace(' ', '_').replace('>', '')}")
+    largest = result["largest_file_bytes"]
+    row = {
+        "direction": name,
+        "seconds": result["seconds"],
+        "peak_rss_mb": result["peak_rss_mb"],
+        "largest_output_mb": round(largest / 2**20, 1),
+        "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
+        "output_mb": round(result["bytes"] / 2**20, 1),
+        "files": result["files"],
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert-moe")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="--target-expert-parallel-size of the mcore output")
+    args = parser.parse_args()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    need = 3 * (2.5 + 5.0 * args.layers) * 2**30  # input, mcore output, HF output
+    free = shutil.disk_usage(work).free
+    if free < need:
+        raise SystemExit(f"{work}: only {free / 2**30:.1f} GiB free; the bench needs about {need / 2**30:.0f} GiB")
+    hf = generate(work / f"qwen3-235b-a22b-{args.layers}l-hf", args.layers)
+    mg, back = work / "mg", work / "hf-back"
+    mg_flags = ["--target-expert-parallel-size", str(args.ep), "--moe-grouped-gemm"]
+    rows = [
+        measure(
+            f"hf->mg ep{args.ep} grouped",
+            ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf), "--save-dir", str(mg)]
+            + mg_flags,
+            work,
+        ),
+        measure(
+            "mg->hf",
+            ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg), "--save-dir", str(back)],
+            work,
+        ),
+    ]
+    shutil.rmtree(mg)
+    shutil.rmtree(back)
+    print(
+        json.dumps(
+            {
+                "bench": "convert_moe",
+                "layers": args.layers,
+                "ep": args.ep,
+                "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
