@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE through the service as a user runs it (`llmjobs serve`, one worker with two devices): one
-pipeline converts the transformers-written checkpoint to Megatron, trains it with expert parallelism 2, converts
-back and evaluates; a LoRA job trains adapters on attention and on every expert with EP2. The router's figures
+pipeline preprocesses the data, converts the transformers-written checkpoint to Megatron, trains it with expert
+parallelism 2, converts back and evaluates, and trains LoRA adapters on attention and on every expert with EP2. The router's figures
 reach the metrics API next to the loss."""
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ TRAIN: dict[str, Any] = {
     "lr": 1e-3,
     "log_interval": 1,
     "expert_model_parallel_size": 2,
+    "resources": {"nproc_per_node": 2},
     "moe_aux_loss_coeff": 0.01,
     **MODEL_FLAGS,
 }
@@ -112,6 +113,17 @@ def _pipeline() -> dict[str, Any]:
         "name": "moe-chain",
         "steps": [
             {
+                "name": "prep",
+                "spec": {
+                    "kind": "preprocess",
+                    "input": "moe/train.jsonl",
+                    "tokenizer_name_or_path": "moe/tok",
+                    "output_prefix": "moe/data/intent",
+                    "handler_name": "SharegptStyleInstructionHandler",
+                    "prompt_type": "qwen3",
+                },
+            },
+            {
                 "name": "hf2mg",
                 "spec": {
                     "kind": "convert",
@@ -125,7 +137,7 @@ def _pipeline() -> dict[str, Any]:
                 "name": "train",
                 "spec": {
                     **TRAIN,
-                    "data_path": "moe/train.jsonl",
+                    "data_path": "${steps.prep.outputs.data_path}",
                     "load": "${steps.hf2mg.outputs.checkpoint}",
                     "save": "moe/trained",
                 },
@@ -153,6 +165,16 @@ def _pipeline() -> dict[str, Any]:
                     **MODEL_FLAGS,
                 },
             },
+            {
+                "name": "lora",
+                "spec": {
+                    **TRAIN,
+                    "data_path": "${steps.prep.outputs.data_path}",
+                    "load": "moe/hf",
+                    "save": "moe/lora",
+                    "lora_r": 4,
+                },
+            },
         ],
     }
 
@@ -178,11 +200,6 @@ def test_moe_trains_with_expert_parallelism_converts_and_evaluates(
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
         created = client.post("/v1/jobs", json=_pipeline())
         assert created.status_code == 201, created.text
-        lora = client.post(
-            "/v1/jobs",
-            json={**TRAIN, "data_path": "moe/train.jsonl", "load": "moe/hf", "save": "moe/lora", "lora_r": 4},
-        )
-        assert lora.status_code == 201, lora.text
         job = _finish(client, created.json()["id"], var)
         children = {s["name"]: client.get(f"/v1/jobs/{s['job_id']}").json() for s in job["steps"]}
         assert job["state"] == "succeeded", {n: c["error"] for n, c in children.items()}
@@ -190,9 +207,7 @@ def test_moe_trains_with_expert_parallelism_converts_and_evaluates(
         assert train["result"]["summary"]["iterations"] == 3
         assert (Path(children["mg2hf"]["result"]["outputs"]["checkpoint"]) / "config.json").is_file()
         assert children["eval"]["result"]["summary"]["total"] == 4
-        lora_job = _finish(client, lora.json()["id"], var)
-        assert lora_job["state"] == "succeeded", lora_job["error"]
-        for job_id in (train["id"], lora_job["id"]):
+        for job_id in (train["id"], children["lora"]["id"]):
             series = _router_series(client, job_id)
             assert {len(v) for v in series.values()} == {3}, series  # one point per iteration, each figure
             assert all(p["value"] >= 1.0 for p in series["expert_load_imbalance_max"])  # max/mean >= 1
