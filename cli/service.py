@@ -158,6 +158,7 @@ def worker(
     from worker.devices import device_memory_bytes, discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
+    from worker.node import finish_parked
     from worker.tasks import celery_app
 
     try:
@@ -178,9 +179,12 @@ def worker(
         address=host_address(settings.worker_address),
         device_memory=device_memory_bytes(inventory.device_type),
     )
+    finish_parked(settings, name)  # exits a previous worker parked while the database was away: store them
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
     schedule(settings)
-    beat = HostHeartbeat(settings, name, on_beat=lambda: (sweep_host(settings, name), schedule(settings)))
+    beat = HostHeartbeat(
+        settings, name, on_beat=lambda: (finish_parked(settings, name), sweep_host(settings, name), schedule(settings))
+    )
     beat.start()
     threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
     try:

@@ -10,11 +10,16 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import REPO_ROOT
 
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
+# PostgreSQL SQLSTATEs of a server that is going or not yet there (class 08 is every connection exception):
+# admin_shutdown (a fast stop), crash_shutdown, cannot_connect_now (starting up), too_many_connections.
+AWAY_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+SQLITE_AWAY_CODES = frozenset({5, 6, 10, 14})  # SQLITE_BUSY, _LOCKED, _IOERR, _CANTOPEN (primary codes)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -73,6 +78,23 @@ def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:
     config.attributes["database_url"] = url
     config.attributes["secret_keys"] = secret_keys
     command.upgrade(config, "head")
+
+
+def is_database_away(err: BaseException) -> bool:
+    """True when ``err`` says the database could not be reached or went away (down, restarting, unreachable,
+    locked): the same statement may succeed later. False for everything the database answered and refused
+    (integrity, programming, data errors, a deadlock or a cancelled query), which a retry would not change."""
+    if not isinstance(err, (OperationalError, InterfaceError)):
+        return False
+    if err.connection_invalidated:  # the dialect recognised a disconnect
+        return True
+    sqlstate = getattr(err.orig, "sqlstate", None)  # psycopg: None when no server answered at all
+    if sqlstate is not None:
+        return sqlstate.startswith("08") or sqlstate in AWAY_SQLSTATES
+    sqlite_code = getattr(err.orig, "sqlite_errorcode", None)
+    if sqlite_code is not None:
+        return sqlite_code & 0xFF in SQLITE_AWAY_CODES
+    return True  # a driver error without a server's code: the connection itself failed
 
 
 def ping(session: Session) -> None:

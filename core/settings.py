@@ -57,6 +57,13 @@ class Settings(BaseSettings):
         30.0, gt=0, description="A host without a heartbeat for this long counts as down."
     )
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
+    database_away_deadline_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a worker retries a job's database writes (its launch records, exit and outcome) while "
+        "the database is away. Past it a launch is given up (the job is retried) and a finished node's outcome is "
+        "parked in its run directory, stored by the worker's heartbeat once the database answers.",
+    )
     telemetry_interval_s: float = Field(
         5.0,
         ge=0,

@@ -59,7 +59,7 @@ class HostHeartbeat(threading.Thread):
             try:
                 set_host_state(self.settings, self.host, HostState.up)
                 if self.on_beat is not None:
-                    self.on_beat()  # the scheduler's housekeeping (worker.leases.sweep_host, a scheduling pass)
+                    self.on_beat()  # housekeeping: parked exits (worker.node.finish_parked), the lease sweep, a scheduling pass
             except Exception as err:  # noqa: BLE001 - a database blip must not kill the heartbeat
                 log.warning("host heartbeat failed: %s", err)
 

@@ -191,11 +191,15 @@ class RunIngestor:
     sink: Callable[[Batch], None] | None = None
     last_error: dict[str, Any] | None = None
     away_since: float | None = None  # monotonic time of the first failed store of the current outage
+    start_offsets: dict[str, int] | None = None  # resume where an earlier ingestor of this attempt stopped
     _tails: dict[str, FileTail] = field(default_factory=dict)
     _store: Callable[[Batch], None] = field(init=False)
 
     def __post_init__(self) -> None:
         self._store = self.sink or DatabaseSink(self.database_url, self.job_id)
+        if self.start_offsets is not None:
+            self._tails = {key: FileTail(self.run_dir / key, offset) for key, offset in self.start_offsets.items()}
+            return
         for name in ("events.jsonl", "metrics.jsonl"):
             self._tails[name] = self._tail_from_end(self.run_dir / name)
         for path in sorted((self.run_dir / "logs").glob("*.log")):
@@ -206,6 +210,10 @@ class RunIngestor:
     @staticmethod
     def _tail_from_end(path: Path) -> FileTail:
         return FileTail(path, path.stat().st_size if path.exists() else 0)
+
+    def offsets(self) -> dict[str, int]:
+        """Each file's offset up to which its lines are stored (``start_offsets`` of a later ingestor)."""
+        return {key: tail.offset for key, tail in self._tails.items()}
 
     def _discover_logs(self) -> None:
         for path in sorted((self.run_dir / "logs").glob("*.log")):

@@ -4,7 +4,9 @@ Every engine process carries ``LLMJOBS_NODE=<job id>:<attempt>:<node rank>`` in 
 ``worker.node``; job ids are UUIDs, so it is unique across databases sharing a machine), so the check finds the
 node's processes wherever they went: torchrun's workers start new sessions, and a killed worker's children are no
 longer anyone's descendants. ``sweep_host`` runs when a worker starts and on every heartbeat: it kills what a
-previous worker on this host left behind, marks those nodes lost, and releases the devices of finished nodes.
+previous worker on this host left behind, marks those nodes lost, and releases the devices of finished nodes. A node
+whose exit is parked (``worker.parked``: the engine ended while the database stayed away) is not lost: the sweep
+leaves it to ``worker.node.finish_parked``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 from sqlalchemy import delete, select
 
 from core.db import session_scope
-from core.models import JobNode, Lease, utcnow
+from core.models import Job, JobNode, Lease, utcnow
 from core.nodes import move_nodes
 from core.recovery import end_attempt
 from core.settings import Settings
 from core.states import NODE_ACTIVE, NODE_STARTED, NodeState
+from worker.parked import parked_path
 
 log = logging.getLogger(__name__)
 NODE_ENV = "LLMJOBS_NODE"
@@ -98,13 +102,19 @@ def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> 
     with an exception); returns how many were released."""
     worker_pid = os.getpid() if worker_pid is None else worker_pid
     with session_scope(settings.database_url) as session:
-        nodes = list(session.scalars(select(JobNode).where(JobNode.host == host, JobNode.released_at.is_(None))))
+        nodes = session.execute(
+            select(JobNode, Job.run_dir)
+            .join(Job, Job.id == JobNode.job_id)
+            .where(JobNode.host == host, JobNode.released_at.is_(None))
+        ).all()
     released = 0
-    for node in nodes:
+    for node, run_dir in nodes:
         token = node_token(node.job_id, node.attempt, node.node_rank)
         orphaned = node.state in NODE_STARTED and (node.worker_pid != worker_pid or RUNNING_HERE[token] <= 0)
         if node.state in NODE_ACTIVE and not orphaned:
             continue  # this worker runs it, or its message is still on the way
+        if orphaned and parked_path(Path(run_dir), node.attempt, node.node_rank).is_file():
+            continue  # it ended; its exit waits for finish_parked
         if orphaned:
             _mark_lost(settings, node)
         released += release_node(settings, node.id)

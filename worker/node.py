@@ -6,9 +6,13 @@ running (the job becomes running when every node is) -> watch (ingest on node 0,
 run deadline, or when another node failed the attempt) -> record the exit -> settle the job -> release the leases
 once the processes are gone -> a scheduling pass for whoever waits for these devices.
 
-A database outage does not stop the engine: while the database is away the watch goes on (the run deadline still
-holds; a cancel is seen once it answers again), the ingestor leaves its lines in the run files (worker.ingest), and
-once the engine has exited its outcome is recorded when the database answers again (``until_stored``).
+A database outage does not stop the engine: the database steps of the launch (claim, running record) wait for it,
+while the database is away the watch goes on (the run deadline still holds; a cancel is seen once it answers again),
+the ingestor leaves its lines in the run files (worker.ingest), and once the engine has exited its outcome is
+recorded when the database answers again (``until_stored``). Each wait is bounded by ``database_away_deadline_s``:
+past it a launch is given up (the node stays taken; the lease sweep marks it lost, the job is retried) and a
+finished node's exit is parked in its run directory (``worker.parked``), stored by the worker's heartbeat
+(``finish_parked``) once the database answers.
 """
 
 from __future__ import annotations
@@ -17,14 +21,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from core.db import session_scope
+from core.db import is_database_away, session_scope
 from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
 from core.nodes import move_nodes
@@ -34,19 +39,25 @@ from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
 from core.settings import Settings
-from core.states import RUNNING, JobState, NodeState
+from core.states import NODE_STARTED, RUNNING, JobState, NodeState
 from engine.runfiles import EXIT_BAD_INPUT, read_result
 from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
 from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
-from worker.leases import NODE_ENV, node_token, release_node, running_here
+from worker.leases import NODE_ENV, RUNNING_HERE, node_token, release_node, running_here
+from worker.parked import ParkedExit, park, read_parked, unpark
 from worker.supervisor import Supervised
 from worker.telemetry import start_telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-DATABASE_AWAY = (OperationalError, InterfaceError)  # down, restarting or unreachable: retry, never fail the job
+# What a watch round or a best-effort pass shrugs off: the database is away, or refused this once (a deadlock).
+UNANSWERED = (OperationalError, InterfaceError)
+
+
+class DatabaseStillAway(Exception):
+    """The database stayed away past the worker's deadline (``database_away_deadline_s``)."""
 
 
 @dataclass
@@ -64,8 +75,14 @@ class NodeWork:
     team: str = ""
 
 
-def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> NodeWork | None:
-    """assigned -> launching for this host's node of the current attempt, else None (duplicate or stale message)."""
+def claim_node(
+    settings: Settings, job_id: str, attempt: int, node_rank: int, host: str, claimed_at: datetime | None = None
+) -> NodeWork | None:
+    """assigned -> launching for this host's node of the current attempt, else None (duplicate or stale message).
+
+    A retry passes the first try's ``claimed_at``: a claim that committed but whose answer was lost finds the node
+    launching under this process and that start time, and takes it, instead of taking it for a duplicate."""
+    claimed_at = claimed_at or utcnow()
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
         if job is None or job.attempt_count != attempt or job.state not in RUNNING:
@@ -78,27 +95,31 @@ def claim_node(settings: Settings, job_id: str, attempt: int, node_rank: int, ho
             JobNode.node_rank == node_rank,
             JobNode.host == host,
             worker_pid=os.getpid(),
-            started_at=utcnow(),
+            started_at=claimed_at,
             heartbeat_at=utcnow(),
         )
+        this = (JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank == node_rank)
         if claimed != 1:
-            return None
-        node = session.scalars(
-            select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank == node_rank)
-        ).one()
-        return NodeWork(
-            node.id,
-            job_id,
-            attempt,
-            node_rank,
-            int(job.spec["resources"]["nnodes"]),
-            job.spec,
-            Path(job.run_dir),
-            list(node.devices),
-            node.master_addr,
-            node.master_port,
-            job.team,
-        )
+            ours = (JobNode.state == NodeState.launching.value, JobNode.worker_pid == os.getpid())
+            if session.scalar(select(JobNode.id).where(*this, *ours, JobNode.started_at == claimed_at)) is None:
+                return None
+        return node_work(job, session.scalars(select(JobNode).where(*this)).one())
+
+
+def node_work(job: Job, node: JobNode) -> NodeWork:
+    return NodeWork(
+        node.id,
+        job.id,
+        node.attempt,
+        node.node_rank,
+        int(job.spec["resources"]["nnodes"]),
+        job.spec,
+        Path(job.run_dir),
+        list(node.devices),
+        node.master_addr,
+        node.master_port,
+        job.team,
+    )
 
 
 def node_plan(work: NodeWork, settings: Settings | None = None) -> LaunchPlan:
@@ -122,9 +143,12 @@ def _log_path(work: NodeWork) -> Path:
 
 
 def mark_running(settings: Settings, work: NodeWork, pid: int, argv: list[str], host: str) -> None:
+    """launching -> running, the attempt's record (node 0), the job running once every node is. Idempotent: a retry
+    after a commit whose answer was lost changes nothing."""
     with session_scope(settings.database_url) as session:
         move_nodes(session, NodeState.running, JobNode.id == work.node_id, pid=pid, heartbeat_at=utcnow())
-        if work.node_rank == 0:
+        recorded = select(Attempt.id).where(Attempt.job_id == work.job_id, Attempt.number == work.attempt)
+        if work.node_rank == 0 and session.scalar(recorded) is None:
             session.add(Attempt(job_id=work.job_id, number=work.attempt, host=host, pid=pid, argv=argv))
     promote_if_all_running(settings, work)
 
@@ -174,7 +198,7 @@ def watch_node(
             try:
                 ingestor.poll()
             except Exception as err:  # noqa: BLE001 - offsets did not move; the next poll retries
-                if ingestor.away_since is None or not isinstance(err, DATABASE_AWAY):
+                if ingestor.away_since is None or not is_database_away(err):
                     log.warning("ingest of %s failed, will retry: %s", work.job_id, err)
         now = time.monotonic()
         beat = away_since is not None or now - last_beat >= settings.heartbeat_interval_s  # beat at once when back
@@ -182,7 +206,7 @@ def watch_node(
             state, attempt = _job_view(settings, work, beat)
             if state == JobState.starting.value and beat:
                 promote_if_all_running(settings, work)
-        except DATABASE_AWAY as err:
+        except UNANSWERED as err:
             if away_since is None:
                 away_since = now
                 log.warning(
@@ -204,24 +228,35 @@ def watch_node(
     return code, None
 
 
-def until_stored(what: str, step: Callable[[], T], max_delay_s: float = 10.0) -> T:
-    """Run ``step`` (a database write after the engine exited) until the database takes it: the outcome of a job
-    that ran through an outage is recorded once the database is back, not lost with the task. Backs off to
-    ``max_delay_s``; any other error propagates. Each step is a compare-and-set or idempotent, so a retry after a
+def away_deadline(settings: Settings) -> float:
+    """The monotonic time until which a step started now waits for the database."""
+    return time.monotonic() + settings.database_away_deadline_s
+
+
+def until_stored(what: str, step: Callable[[], T], give_up_at: float, max_delay_s: float = 10.0) -> T:
+    """Run ``step`` (a database step of a launch, or a write after the engine exited) until the database takes it,
+    backing off to ``max_delay_s``, while the database is away (``core.db.is_database_away``) and
+    ``time.monotonic()`` is before ``give_up_at``; then raise ``DatabaseStillAway``. Any other error (integrity,
+    programming, a deadlock) propagates at once. Each step is a compare-and-set or idempotent, so a retry after a
     commit whose answer was lost changes nothing."""
     delay, since = 0.5, time.monotonic()
     while True:
         try:
             return step()
-        except DATABASE_AWAY as err:
+        except Exception as err:
+            if not is_database_away(err):
+                raise
+            now = time.monotonic()
+            if now >= give_up_at:
+                raise DatabaseStillAway(f"{what}: the database stayed away for {now - since:.0f} s") from err
             log.warning(
                 "%s: the database is away (%s, %.0f s so far); retrying in %.1f s",
                 what,
-                type(err.orig).__name__,
-                time.monotonic() - since,
+                type(getattr(err, "orig", err)).__name__,
+                now - since,
                 delay,
             )
-            time.sleep(delay)
+            time.sleep(min(delay, give_up_at - now))
             delay = min(delay * 2, max_delay_s)
 
 
@@ -307,26 +342,39 @@ def succeed_if_all_done(settings: Settings, work: NodeWork) -> str:
 
 def launch_failed(settings: Settings, work: NodeWork, err: Exception) -> str:
     log.exception("node %s of job %s failed to launch", work.node_rank, work.job_id)
-    record_exit(settings, work, -1, "launch_failed")
-    release_node(settings, work.node_id)
-    return end_attempt(
-        settings,
-        work.job_id,
-        work.attempt,
-        retryable=True,
-        error_code="launch_failed",
-        message=f"node {work.node_rank} could not launch: {err}",
+    give_up_at = away_deadline(settings)
+    until_stored(
+        f"job {work.job_id}: exit record", lambda: record_exit(settings, work, -1, "launch_failed"), give_up_at
+    )
+    until_stored(f"job {work.job_id}: lease release", lambda: release_node(settings, work.node_id), give_up_at)
+    return until_stored(
+        f"job {work.job_id}: outcome",
+        lambda: end_attempt(
+            settings,
+            work.job_id,
+            work.attempt,
+            retryable=True,
+            error_code="launch_failed",
+            message=f"node {work.node_rank} could not launch: {err}",
+        ),
+        give_up_at,
     )
 
 
 def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> str:
     """The body of the ``llmjobs.run_node`` task; returns a short word for the task log."""
     with running_here(node_token(job_id, attempt, node_rank)):  # before the claim: a sweep never takes it for an orphan
-        work = claim_node(settings, job_id, attempt, node_rank, host)
-        return "skipped" if work is None else _run_claimed(settings, work, host)
+        claimed_at = utcnow()
+        work = until_stored(
+            f"job {job_id}: claim",
+            lambda: claim_node(settings, job_id, attempt, node_rank, host, claimed_at),
+            away_deadline(settings),
+        )
+        return "skipped" if work is None else run_claimed(settings, work, host)
 
 
-def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
+def run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
+    """Launch, watch and finish a node this process has claimed."""
     job_id = work.job_id
     try:
         write_spec(work.run_dir, work.spec)
@@ -349,7 +397,12 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
             proc.pid,
             settings.telemetry_interval_s,
         )
-        mark_running(settings, work, proc.pid, plan.argv, host)
+        # The engine is already running (it needs no database): it writes its run files while this waits.
+        until_stored(
+            f"job {job_id}: running record",
+            lambda: mark_running(settings, work, proc.pid, plan.argv, host),
+            away_deadline(settings),
+        )
         notify(settings.redis_url, job_id, state=1)
         advance_parent(settings, job_id)  # a pipeline runs once its step does
         code, stop = watch_node(settings, work, proc, ingestor)
@@ -358,18 +411,101 @@ def _run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
             telemetry.stop()
         if proc.poll() is None:  # an exception above: never leave the engine running unsupervised
             proc.terminate(settings.cancel_grace_s)
+    try:
+        outcome = finish_node(settings, work, code, stop, ingestor, away_deadline(settings))
+    except DatabaseStillAway as err:
+        parked = ParkedExit(
+            work.attempt,
+            work.node_rank,
+            code,
+            stop,
+            ingestor.offsets() if ingestor else None,
+            ingestor.last_error if ingestor else None,
+        )
+        log.error(
+            "%s; node %s's exit is parked in %s until it answers", err, work.node_rank, park(work.run_dir, parked)
+        )
+        return "parked"
+    after_node(settings, job_id)
+    return outcome
+
+
+def finish_node(
+    settings: Settings, work: NodeWork, code: int, stop: str | None, ingestor: RunIngestor | None, give_up_at: float
+) -> str:
+    """Everything after the engine exited: the final ingest, the exit record, the job's outcome, a cancel that raced
+    the exit, the lease release. Each step waits for the database until ``give_up_at`` (``DatabaseStillAway``)."""
+    job_id = work.job_id
     if ingestor is not None:
-        until_stored(f"job {job_id}: final ingest", lambda: ingestor.poll(final=True))
-    until_stored(f"job {job_id}: exit record", lambda: record_exit(settings, work, code, stop))
+        until_stored(f"job {job_id}: final ingest", lambda: ingestor.poll(final=True), give_up_at)
+    until_stored(f"job {job_id}: exit record", lambda: record_exit(settings, work, code, stop), give_up_at)
     outcome = until_stored(
-        f"job {job_id}: outcome", lambda: settle(settings, work, code, stop, ingestor.last_error if ingestor else None)
+        f"job {job_id}: outcome",
+        lambda: settle(settings, work, code, stop, ingestor.last_error if ingestor else None),
+        give_up_at,
     )
-    until_stored(f"job {job_id}: cancel check", lambda: settle_cancel(settings, job_id))  # a cancel that raced the exit
-    until_stored(f"job {job_id}: lease release", lambda: release_node(settings, work.node_id))
+    until_stored(f"job {job_id}: cancel check", lambda: settle_cancel(settings, job_id), give_up_at)  # raced the exit
+    until_stored(f"job {job_id}: lease release", lambda: release_node(settings, work.node_id), give_up_at)
+    return outcome
+
+
+def after_node(settings: Settings, job_id: str) -> None:
+    """Announce the change, move the job's pipeline on and let the freed devices start a waiting job."""
     notify(settings.redis_url, job_id, state=1)
     advance_parent(settings, job_id)  # the next step of its pipeline, if it is one
     try:
-        schedule(settings)  # the freed devices may let a waiting job start
-    except DATABASE_AWAY as err:  # the reconciler and the host heartbeat schedule again
+        schedule(settings)
+    except UNANSWERED as err:  # the reconciler and the host heartbeat schedule again
         log.warning("scheduling pass after job %s failed: %s", job_id, err)
-    return outcome
+
+
+def finish_parked(settings: Settings, host: str) -> int:
+    """Store the parked exits (``worker.parked``) of this host's nodes that no task of this process runs: the
+    database was away past the deadline when they ended, or this worker restarted since. One try each (the
+    heartbeat calls again); returns how many were stored."""
+    with session_scope(settings.database_url) as session:
+        rows = session.execute(
+            select(Job, JobNode)
+            .join(JobNode, JobNode.job_id == Job.id)
+            .where(
+                JobNode.host == host,
+                JobNode.released_at.is_(None),
+                JobNode.state.in_([s.value for s in NODE_STARTED]),
+            )
+        ).all()
+    stored = 0
+    for work in (node_work(job, node) for job, node in rows):
+        token = node_token(work.job_id, work.attempt, work.node_rank)
+        with running_here(token):
+            parked = read_parked(work.run_dir, work.attempt, work.node_rank)
+            if parked is None or RUNNING_HERE[token] > 1:  # nothing parked, or a task of this process runs it
+                continue
+            try:
+                stored += _store_parked(settings, work, parked)
+            except Exception:  # noqa: BLE001 - one bad node must not keep the sweep from the others; logged loudly
+                log.exception("job %s: storing node %s's parked exit failed", work.job_id, work.node_rank)
+    return stored
+
+
+def _store_parked(settings: Settings, work: NodeWork, parked: ParkedExit) -> int:
+    ingestor = None
+    if parked.offsets is not None:
+        ingestor = RunIngestor(
+            settings.database_url,
+            work.job_id,
+            work.run_dir,
+            work.attempt,
+            settings.redis_url,
+            start_offsets=parked.offsets,
+        )
+        ingestor.last_error = parked.last_error
+    try:
+        outcome = finish_node(settings, work, parked.code, parked.stop, ingestor, give_up_at=time.monotonic())
+    except DatabaseStillAway:
+        if ingestor is not None:  # what the final ingest stored must not be stored again next time
+            park(work.run_dir, replace(parked, offsets=ingestor.offsets(), last_error=ingestor.last_error))
+        return 0
+    unpark(work.run_dir, work.attempt, work.node_rank)
+    log.warning("job %s: node %s's parked exit is stored: %s", work.job_id, work.node_rank, outcome)
+    after_node(settings, work.job_id)
+    return 1

@@ -123,7 +123,7 @@ def test_a_running_job_survives_the_outage_and_its_ingest_catches_up(tmp_path: P
         engine.exit.set()
         watch.join(20)
         assert outcome == [(0, None)] and not engine.terminated  # the job kept running through the outage
-        until_stored("final ingest", lambda: ingestor.poll(final=True))
+        until_stored("final ingest", lambda: ingestor.poll(final=True), time.monotonic() + 60)
         steps, seqs = _stored(settings, job_id)
         assert steps == list(range(engine.step)) and seqs == list(range(engine.step))  # each once, none lost
 

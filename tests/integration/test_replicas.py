@@ -8,36 +8,24 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import func, select
 
 from core.db import session_scope
-from core.models import Job, JobNode, WebhookDelivery
+from core.models import JobNode, WebhookDelivery
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_token, team_dir
-from sched_support import start_worker, stop_worker, worker_env
-from service_support import free_port
+from replica_support import delivered_count, leader_pid, start_api, stop_api, terminal, wait, webhook_receiver
+from sched_support import start_worker, stop_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 JOBS = 12
-LOOPS = {
-    "LLMJOBS_RECONCILE_INTERVAL_S": "1",
-    "LLMJOBS_WEBHOOK_POLL_S": "0.3",
-    "LLMJOBS_WEBHOOK_SETTLE_S": "0.5",
-    "LLMJOBS_WEBHOOK_BACKOFF_S": "0.5",
-    "LLMJOBS_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
-}
 
 
 @pytest.fixture
@@ -48,86 +36,8 @@ def settings(tmp_path: Path, postgres_url: str) -> Iterator[Settings]:
 
 @pytest.fixture
 def received() -> Iterator[tuple[str, Counter[str]]]:
-    ids: Counter[str] = Counter()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers["content-length"]))
-            ids[self.headers["webhook-id"]] += 1
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", ids
-    server.shutdown()
-    server.server_close()
-
-
-def start_api(settings: Settings, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "api", "--port", str(port)],
-            env={**worker_env(settings), **LOOPS},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise AssertionError(log.read_text()[-3000:])
-
-
-def leader_pid(settings: Settings) -> int | None:
-    """The OS pid of the replica that leads (its session's application_name is llmjobs-leader:<host>:<pid>)."""
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(settings.database_url)
-    with engine.connect() as connection:
-        names = list(
-            connection.scalars(
-                text(
-                    "SELECT application_name FROM pg_stat_activity WHERE "
-                    "application_name LIKE 'llmjobs-leader:%' AND datname = current_database()"
-                )
-            )
-        )
-    engine.dispose()
-    return int(names[0].rsplit(":", 1)[1]) if names else None
-
-
-def wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"not {what} after {timeout}s")
-
-
-def delivered_count(settings: Settings) -> int:
-    with session_scope(settings.database_url) as session:
-        return (
-            session.scalar(
-                select(func.count()).select_from(WebhookDelivery).where(WebhookDelivery.state == "delivered")
-            )
-            or 0
-        )
-
-
-def terminal(settings: Settings) -> list[Job]:
-    with session_scope(settings.database_url) as session:
-        return list(session.scalars(select(Job).where(Job.state.in_(["succeeded", "failed", "cancelled"]))))
+    with webhook_receiver() as receiver:
+        yield receiver
 
 
 def test_sigkilled_leader_replica_loses_and_duplicates_nothing(
@@ -169,9 +79,7 @@ def test_sigkilled_leader_replica_loses_and_duplicates_nothing(
         time.sleep(3)  # a further duplicate would arrive within a few sender ticks
     finally:
         for proc, _ in replicas:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+            stop_api(proc)
         for worker in workers:
             stop_worker(worker)
     assert second and takeover_s < 10, takeover_s

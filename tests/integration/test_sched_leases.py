@@ -207,6 +207,18 @@ def test_redelivered_message_claims_nothing(settings: Settings) -> None:
     assert claim_node(settings, j, 1, 0, "h2") is None  # or for another host
 
 
+def test_a_claim_retried_after_its_lost_answer_takes_its_node(settings: Settings) -> None:
+    add_host(settings, "h1", 1)
+    j = job(settings)
+    schedule(settings)
+    claimed_at = utcnow()
+    first = claim_node(settings, j, 1, 0, "h1", claimed_at)
+    assert first is not None
+    # the commit went through, its answer was lost: the retry passes the same claimed_at and gets the same node
+    assert claim_node(settings, j, 1, 0, "h1", claimed_at) == first
+    assert claim_node(settings, j, 1, 0, "h1", utcnow()) is None  # another message's claim does not
+
+
 def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str | None) -> None:
     settings = _settings(tmp_path, db_url, host_stale_after_s=5)
     add_host(settings, "h1", 1)

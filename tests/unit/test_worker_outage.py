@@ -1,17 +1,21 @@
 """A database outage seen from a worker: the ingestor keeps what it could not store in the run files and catches up
 (nothing lost, nothing twice), the watch keeps the engine running, and the outcome is stored once the database is
-back. The database is made to fail by a flaky sink or a patched call (tests/integration/test_outages.py stops a real
-PostgreSQL)."""
+back, within a deadline; errors the database answered propagate at once. The database is made to fail by a flaky sink
+or a patched call (tests/integration/test_outages.py and test_worker_db_outage.py stop a real PostgreSQL)."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy.exc import OperationalError
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
-from core.db import session_scope
+from core.db import is_database_away, session_scope
 from core.jobs import transition
 from core.models import Job
 from core.states import JobState
@@ -23,6 +27,14 @@ from worker.ingest import Batch, RunIngestor
 
 def away() -> OperationalError:
     return OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
+
+class _Refused(Exception):
+    """A driver error carrying a server's SQLSTATE, as psycopg's do."""
+
+    def __init__(self, message: str, sqlstate: str):
+        super().__init__(message)
+        self.sqlstate = sqlstate
 
 
 class FlakySink:
@@ -138,7 +150,56 @@ def test_the_outcome_is_stored_once_the_database_is_back(monkeypatch: pytest.Mon
             raise outcome
         return outcome
 
-    assert node.until_stored("job j: outcome", settle, max_delay_s=1.0) == "succeeded"
+    assert node.until_stored("job j: outcome", settle, time.monotonic() + 60, max_delay_s=1.0) == "succeeded"
     assert slept == [0.5, 1.0, 1.0]
-    with pytest.raises(ValueError):
-        node.until_stored("other errors propagate", lambda: int("x"))
+
+
+def _raises(err: Exception) -> Callable[[], None]:
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        raise err
+
+    step.calls = calls  # type: ignore[attr-defined]
+    return step
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        IntegrityError("INSERT", {}, ValueError("duplicate key")),
+        ProgrammingError("SELECT", {}, ValueError("syntax error")),
+        ValueError("not a database error"),
+        OperationalError("UPDATE", {}, _Refused("deadlock detected", "40P01")),  # refused, not away
+    ],
+)
+def test_errors_the_database_answered_propagate_at_once(err: Exception) -> None:
+    step = _raises(err)
+    with pytest.raises(type(err)):
+        node.until_stored("x", step, time.monotonic() + 60)
+    assert step.calls == [1]  # type: ignore[attr-defined]
+
+
+def test_past_the_deadline_the_wait_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(node.time, "sleep", slept.append)
+    step = _raises(away())
+    with pytest.raises(node.DatabaseStillAway, match="the database stayed away"):
+        node.until_stored("x", step, time.monotonic() - 1)  # the deadline has passed: one try, no wait
+    assert step.calls == [1] and slept == []  # type: ignore[attr-defined]
+
+
+def test_which_errors_mean_the_database_is_away(tmp_path: Path) -> None:
+    assert is_database_away(away())
+    assert is_database_away(OperationalError("SELECT 1", {}, _Refused("terminating connection", "57P01")))
+    assert is_database_away(OperationalError("SELECT 1", {}, _Refused("connection failure", "08006")))
+    assert not is_database_away(OperationalError("SELECT 1", {}, _Refused("canceling statement", "57014")))
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with pytest.raises(OperationalError) as missing, engine.connect() as connection:
+        connection.execute(sa.text("SELECT * FROM no_such_table"))
+    assert not is_database_away(missing.value)  # SQLite answered: a programming error under OperationalError
+    locked = sqlite3.OperationalError("database is locked")
+    locked.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+    assert is_database_away(OperationalError("UPDATE", {}, locked))
+    engine.dispose()
