@@ -23,6 +23,7 @@ from core.paths import team_areas
 from core.settings import Settings
 from engine.data.indexed import instruction_prefix
 from engine.flags import IGNORED_FLAGS
+from engine.model.config import hf_num_experts
 from engine.spec import (
     REFERENCE_PLACEHOLDER_DIR,
     SPEC_CLASSES,
@@ -220,9 +221,9 @@ def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, whe
             f"{where}pipeline_model_parallel_size",
             f"PP {pp} does not divide the model's {layers} layers; give num_layer_list",
         )
-    ep, experts = spec.expert_model_parallel_size, config.get("num_experts")
+    ep, experts = spec.expert_model_parallel_size, hf_num_experts(config)
     if ep > 1 and spec.kind == "train":  # an eval job runs every expert on each rank
-        if not isinstance(experts, int) or experts < 1:
+        if experts is None:
             raise _refuse(f"{where}expert_model_parallel_size", f"EP {ep} needs an MoE model; the checkpoint is dense")
         if experts % ep:
             raise _refuse(

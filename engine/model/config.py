@@ -180,9 +180,15 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def hf_num_experts(hf: dict[str, Any]) -> int | None:
+    """The routed-expert count of an HF ``config.json`` (None for a dense model)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes num_local_experts
+    return experts if isinstance(experts, int) and experts > 0 else None
+
+
 def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig MoE fields from a Qwen3-MoE ``config.json`` (empty for a dense one)."""
-    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes num_local_experts
+    experts = hf_num_experts(hf)
     if not experts:
         return {}
     layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1

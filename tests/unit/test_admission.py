@@ -39,6 +39,11 @@ def _inputs(data: Path) -> None:
         json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2, "num_hidden_layers": 3})
     )
     (data / "hf" / "model.safetensors").write_bytes(b"")
+    (data / "moe").mkdir()  # a Qwen3-MoE as transformers 5 writes it: the expert count as num_local_experts
+    (data / "moe" / "config.json").write_text(
+        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 4})
+    )
+    (data / "moe" / "model.safetensors").write_bytes(b"")
     (data / "broken").mkdir()
     (data / "broken" / "config.json").write_text("{not json")
     (data / "empty").mkdir()
@@ -61,6 +66,12 @@ def test_a_good_train_spec_is_accepted_with_the_default_deadline(client: TestCli
     answer = client.post("/v1/jobs", json=train(), headers=auth(token))
     assert answer.status_code == 201, answer.text
     assert answer.json()["spec"]["run_deadline_s"] == 3600
+
+
+def test_expert_parallel_train_on_a_transformers_moe_checkpoint_is_accepted(client: TestClient, token: str) -> None:
+    body = train(load="moe", expert_model_parallel_size=2, resources={"nproc_per_node": 2})
+    answer = client.post("/v1/jobs", json=body, headers=auth(token))
+    assert answer.status_code == 201, answer.text
 
 
 def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
@@ -105,6 +116,11 @@ def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
             train(expert_model_parallel_size=2, num_experts=3, resources={"nproc_per_node": 2}),
             "expert_model_parallel_size",
             "does not divide num_experts 3",
+        ),
+        (
+            train(load="moe", expert_model_parallel_size=3, resources={"nproc_per_node": 3}),
+            "expert_model_parallel_size",
+            "does not divide the model's 4 experts",
         ),
         (train(train_iters=10**14), "train_iters", "max_train_iters"),
         (train(train_iters=10_000, seq_length=100_000, global_batch_size=8), "train_iters", "max_train_tokens"),
