@@ -83,9 +83,10 @@ PROFILER_MARKER_OPS = (
 )
 
 
-def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A 1-D ``mesh`` viewed as ``sizes`` named ``names``, on the same root mesh (creates the process groups)."""
-    return mesh._unflatten(0, sizes, names)
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...], dim: int = 0) -> DeviceMesh:
+    """``mesh`` with dimension ``dim`` viewed as ``sizes`` named ``names``, on the same root mesh (creates the
+    process groups)."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 colwise_prepare_output_fn = ColwiseParallel._prepare_output_fn

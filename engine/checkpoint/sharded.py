@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from engine.checkpoint.layout import shard, split_rule
 from engine.checkpoint.sources import WeightSource, expert_range
 from engine.torch_compat import StridedShard, compute_local_shape_and_global_offset
 
@@ -67,7 +68,12 @@ def fill_parameter(param: torch.Tensor, key: str, source: WeightSource) -> None:
     experts = _expert_rows(param)
     if experts is not None:  # read only this rank's experts
         local = cast(DTensor, param).to_local()
-        piece = expert_range(source, key, *experts) if experts[1] > experts[0] else local
+        tp, tp_rank = _tp(param)  # EP × TP: these experts' rows, then their TP slice (per expert)
+        piece = (
+            shard(expert_range(source, key, *experts), split_rule(key), tp, tp_rank)
+            if experts[1] > experts[0]
+            else local
+        )
         if tuple(piece.shape) != tuple(local.shape):
             raise ValueError(f"{key}: experts {experts} have shape {tuple(piece.shape)}, the local part {local.shape}")
         local.copy_(piece)

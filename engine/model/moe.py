@@ -50,15 +50,16 @@ def local_weight(w: torch.Tensor) -> torch.Tensor:
     """An expert weight as the plain tensor the grouped matmuls take. Under tensor parallelism (applied from outside,
     ``engine.parallel.tensor_parallel.ExpertTensorParallel``) or expert parallelism (``engine.parallel.
     expert_parallel``: a ``Shard(0)`` over ``ep``, the local rows being this rank's experts) the experts' parameters
-    are DTensors and the layer runs on their local pieces. A replicated one (LoRA's fc1 A and fc2 B) meets each rank's own slice of the
-    experts' activations, so each rank's gradient is a partial sum: declared ``Partial``, DTensor all-reduces it
+    are DTensors and the layer runs on their local pieces. One replicated over TP (LoRA's fc1 A and fc2 B; under EP
+    × TP ``Shard(0)`` on ep and replicated on tp) meets each TP rank's own slice of the experts' activations, so each
+    rank's gradient is a partial sum over those dimensions: declared ``Partial`` there, DTensor all-reduces it
     before it reaches the parameter."""
     if not isinstance(w, DTensor):
         return w
-    if not all(p.is_replicate() for p in w.placements):
+    if not any(p.is_replicate() for p in w.placements):
         return w.to_local()
     mine = DTensor.from_local(w.to_local(), w.device_mesh, w.placements, run_check=False)
-    return mine.to_local(grad_placements=[Partial()] * len(w.placements))
+    return mine.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in w.placements])
 
 
 class StackedWeight(nn.Module):

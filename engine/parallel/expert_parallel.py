@@ -2,10 +2,17 @@
 
 Mesh (torchtitan ``ParallelDims.build_mesh``, Megatron's expert-data-parallel group): EP is carved out of data
 parallel. The ``dp`` dimension of the dp × pp × tp mesh is unflattened into ``edp`` × ``ep`` (ep varies fastest, so
-an EP group is ``ep`` neighbouring DP ranks); both views share the root mesh, so FSDP and DTensor accept them
-together. Non-expert weights stay FSDP-sharded over all of ``dp``; the stacked expert weights (E, out, in) and their
-LoRA adapters are DTensors ``Shard(0)`` over ``ep`` (E/EP experts per rank, never replicated over EP) that FSDP then
-shards over ``edp`` (``engine.parallel.data_parallel.apply_fsdp``).
+an EP group is ``ep`` neighbouring DP ranks of one pipeline stage and one TP rank); every view shares the root mesh,
+so FSDP and DTensor accept them together. Non-expert weights stay FSDP-sharded over all of ``dp``; the stacked
+expert weights (E, out, in) and their LoRA adapters are DTensors ``Shard(0)`` over ``ep`` (E/EP experts per rank,
+never replicated over EP) that FSDP then shards over ``edp`` (``engine.parallel.data_parallel.apply_fsdp``).
+
+With tensor parallelism (applied first, ``engine.parallel.tensor_parallel.ExpertTensorParallel``; Megatron's expert
+tensor parallel size = TP, torchtitan's ``apply_moe_ep_tp``) an expert weight is a 2-D DTensor over (ep, tp):
+``Shard(0)`` on ep and its TP placement on tp. Every TP rank routes the same tokens, and TP rank t of one EP group
+exchanges rows only with TP rank t of the others, so each (token, expert) row reaches each TP slice of its expert
+once; the slices' partial outputs are summed over TP after the combine, as without EP. With pipeline parallelism
+each stage's DP ranks form its own EP groups; they run the same micro-batch schedule, so their all-to-alls meet.
 
 Dispatch (``--moe-token-dispatcher-type alltoall``; Megatron's ``MoEAlltoAllTokenDispatcher``): the router runs on
 each rank's own tokens (so capacity dropping, the aux loss and the router figures are those of one process on the
@@ -34,11 +41,12 @@ EP_DIMS = ("edp", "ep")
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The (edp, ep) view of ``mesh``'s ``dp`` dimension (collective: creates the process groups)."""
+    """The (edp, ep, pp, tp) view of the (dp, pp, tp) ``mesh`` (collective over every rank: creates the process
+    groups, so every rank calls it the same number of times, whether or not its stage holds an MoE layer)."""
     dp = mesh["dp"].size()
     if ep < 1 or dp % ep:
         raise ValueError(f"expert_model_parallel_size: EP {ep} must divide the data-parallel size {dp}")
-    return unflatten_mesh(mesh["dp"], (dp // ep, ep), EP_DIMS)
+    return unflatten_mesh(mesh, (dp // ep, ep), EP_DIMS, dim=list(mesh.mesh_dim_names or ()).index("dp"))
 
 
 @dataclasses.dataclass
@@ -84,27 +92,40 @@ class AllToAllDispatch:
         return wait_tensor(all_to_all_single_autograd(back, ex.sent, ex.received, self.group))
 
 
-def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
-    """Every stacked (E, ...) parameter of ``experts`` (base weights and LoRA adapters) -> its ``Shard(0)`` DTensor
-    over ``ep``: this rank keeps only its experts' rows (on the meta device nothing is read or sent)."""
+def _ep_shard(param: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``param`` (a plain tensor, or a DTensor over ``tp``) -> ``Shard(0)`` over ``ep`` (then its TP placement over
+    ``tp``): this rank keeps only its experts' rows of its local piece (on the meta device nothing is read or sent)."""
+    ep_mesh = mesh["ep"]
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    if isinstance(param, DTensor):  # TP applied first: cut the local (TP) piece's experts, keep the TP placement
+        local = param.to_local().detach().chunk(ep, dim=0)[rank].clone()
+        placements = [Shard(0), *param.placements]
+        return DTensor.from_local(
+            local, mesh["ep", "tp"], placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    local = param.detach().chunk(ep, dim=0)[rank].clone()  # its own storage: the whole tensor can go
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+
+
+def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
+    """Every stacked (E, ...) parameter of ``experts`` (base weights and LoRA adapters) -> ``_ep_shard``."""
     for owner in list(experts.modules()):
         for name, param in list(owner.named_parameters(recurse=False)):
-            local = param.detach().chunk(ep, dim=0)[rank].clone()  # its own storage: the whole tensor can go
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            setattr(owner, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            setattr(owner, name, nn.Parameter(_ep_shard(param, mesh), requires_grad=param.requires_grad))
     # LoRAStacked shares its base weight with the StackedWeight it replaced; that module is no longer in the tree.
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE layer's experts over ``ep_mesh`` and route their rows with all-to-all (in place)."""
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every MoE layer's experts over the ``ep`` dimension of ``mesh`` (``expert_mesh``) and route their rows
+    with all-to-all over it (in place)."""
+    ep_mesh = mesh["ep"]
     ep = ep_mesh.size()
     for index, layer in moe_layers(model).items():
         if layer.num_experts % ep:
             raise ValueError(
                 f"expert_model_parallel_size: EP {ep} does not divide num_experts {layer.num_experts} (layer {index})"
             )
-        _shard_experts(layer.experts, ep_mesh)
+        _shard_experts(layer.experts, mesh)
         hooks = AllToAllDispatch(ep_mesh.get_group(), layer.num_experts // ep)
         layer.experts.register_forward_pre_hook(hooks.dispatch)
         layer.experts.register_forward_hook(hooks.combine)

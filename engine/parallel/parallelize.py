@@ -37,10 +37,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
     ep = int(getattr(spec, "expert_model_parallel_size", 1))
     edp_mesh = None
-    if ep > 1 and moe_layers(model):
-        experts_mesh = expert_mesh(mesh, ep)
-        apply_expert_parallel(model, experts_mesh["ep"])
-        edp_mesh = experts_mesh["edp"]
+    if ep > 1:
+        experts_mesh = expert_mesh(mesh, ep)  # on every rank: a pipeline stage may hold no MoE layer
+        if moe_layers(model):
+            apply_expert_parallel(model, experts_mesh)
+            edp_mesh = experts_mesh["edp"]
     granularity = recompute_granularity(spec)
     if granularity:
         apply_ac(

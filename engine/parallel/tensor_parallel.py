@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import Placement
 from engine.constants import IGNORE_INDEX
 from engine.model.config import ModelConfig
 from engine.model.moe import MoELayer
-from engine.torch_compat import StridedShard, colwise_prepare_output_fn
+from engine.torch_compat import StridedShard, colwise_prepare_output_fn, compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -436,6 +436,63 @@ def vocab_parallel_cross_entropy(
 # ------------------------------------------------------------------ checkpoint view
 
 
+def _nested_strided(value: torch.Tensor) -> bool:
+    """FSDP over a TP ``[gate_k; up_k]`` shard: ``_StridedShard`` on the FSDP (first) mesh dim over a
+    ``_StridedShard`` on tp (the fc1 of a dense MLP under TP × DP, an expert fc1 under EP × TP). DTensor's own
+    redistribution misplaces those rows (measured on TP2 × DP2: half of fc1 wrong in ``full_tensor``, and a
+    checkpoint that resumed elsewhere with other losses), so they are assembled here by their construction: the
+    FSDP chunks (``torch.chunk`` on dim 0) of the tensor the inner placements give."""
+    if not isinstance(value, DTensor) or len(value.placements) < 2:
+        return False
+    first, rest = value.placements[0], value.placements[1:]
+    return isinstance(first, StridedShard) and any(isinstance(p, StridedShard) for p in rest)
+
+
+def _inner_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    return mesh[names[1:]] if len(names) > 2 else mesh[names[1]]
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``value`` (collective over its mesh when it is a DTensor; ``_nested_strided`` ones too)."""
+    if not isinstance(value, DTensor):
+        return value
+    if not _nested_strided(value):
+        return value.full_tensor()
+    placements, mesh, inner = value.placements, value.device_mesh, _inner_mesh(value.device_mesh)
+    rows = compute_local_shape_and_global_offset(value.shape, inner, placements[1:])[0][0]
+    local = value.to_local()
+    step = -(-rows // mesh.size(0))
+    padded = local.new_zeros(step, *local.shape[1:])
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(mesh.size(0))]
+    dist.all_gather(pieces, padded, group=mesh.get_group(0))
+    inner_local = torch.cat(pieces)[:rows]  # every chunk but the trailing ones holds ``step`` rows
+    whole = DTensor.from_local(
+        inner_local, inner, placements[1:], run_check=False, shape=value.shape, stride=value.stride()
+    )
+    return whole.full_tensor()
+
+
+def _plain_copy(value: DTensor, plain: list[Placement]) -> DTensor:
+    """``value`` (``_nested_strided``) as a DTensor with the ``plain`` placements of the same global tensor."""
+    full = full_tensor(value.detach())
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, plain)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].clone()
+    return DTensor.from_local(
+        local, value.device_mesh, plain, run_check=False, shape=value.shape, stride=value.stride()
+    )
+
+
+def _write_full(original: DTensor, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into ``original``'s local piece (``_nested_strided``)."""
+    mesh, inner = original.device_mesh, _inner_mesh(original.device_mesh)
+    replicated = DTensor.from_local(full, inner, [Replicate()] * inner.ndim, run_check=False)
+    inner_local = replicated.redistribute(placements=original.placements[1:]).to_local()
+    chunks, rank = inner_local.chunk(mesh.size(0), dim=0), mesh.get_local_rank(0)
+    original.to_local().copy_(chunks[rank] if rank < len(chunks) else inner_local[:0])
+
+
 def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
     """Make a (nested) state dict storable by DCP, plus a function that copies loaded values back.
 
@@ -450,7 +507,10 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
             return {k: convert(v) for k, v in value.items()}
         if isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements):
             plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
-            copy = cast(DTensor, value.detach()).redistribute(placements=plain)
+            if _nested_strided(value):
+                copy = _plain_copy(value, plain)
+            else:
+                copy = cast(DTensor, value.detach()).redistribute(placements=plain)
             pairs.append((value, copy))
             return copy
         return value
@@ -458,6 +518,9 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
     def restore() -> None:
         with torch.no_grad():
             for original, copy in pairs:
-                original.copy_(copy.redistribute(placements=original.placements))
+                if _nested_strided(original):
+                    _write_full(original, copy.full_tensor())
+                else:
+                    original.copy_(copy.redistribute(placements=original.placements))
 
     return convert(state), restore

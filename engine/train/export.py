@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.hf import save_hf, staging
 from engine.checkpoint.layout import OUTPUT, Slot, cut, pipeline_chunks, rank_dir_name, shard, split_rule
@@ -36,6 +35,7 @@ from engine.checkpoint.sharded import native_name
 from engine.checkpoint.torchfile import TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.lora import to_mindspeed_keys
+from engine.parallel.tensor_parallel import full_tensor
 from engine.train.step_runner import StepRunner
 
 
@@ -102,8 +102,8 @@ def _stage_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective over the tensor's mesh when it is a DTensor)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """The whole tensor (collective over the tensor's mesh when it is a DTensor; FSDP over strided TP shards too)."""
+    return full_tensor(value)
 
 
 def _write_own_rank_file(

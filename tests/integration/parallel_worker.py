@@ -4,7 +4,8 @@ on a one-rank group), then under each requested layout, both through the trainer
 grad norms of both to a JSON file.
 
 Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N tests/integration/parallel_worker.py OUT.json CASE..``
-with CASE = ``name:key=value,...`` (keys in ``parse``; ``moe=1``: a Qwen3-MoE model, its router figures recorded too). Ends with os._exit (the gloo/DeviceMesh exit-crash trap,
+with CASE = ``name:key=value,...`` (keys in ``parse``; ``moe=1``: a Qwen3-MoE model, its router figures recorded too; ``ep``: expert parallel
+size, carved out of dp). Ends with os._exit (the gloo/DeviceMesh exit-crash trap,
 torch-distributed-on-gloo.md §f.1).
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import dcp
 from engine.model.config import preset
@@ -61,6 +63,7 @@ def parse(case: str) -> dict[str, Any]:
         "ac": "",
         "scale": 1,
         "moe": 0,
+        "ep": 1,
     }
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
@@ -83,6 +86,7 @@ def make_spec(opts: dict[str, Any], world: int) -> TrainSpec:
             "global_batch_size": GLOBAL_BATCH,
             "tensor_model_parallel_size": opts["tp"],
             "pipeline_model_parallel_size": opts["pp"],
+            "expert_model_parallel_size": opts["ep"],
             "sequence_parallel": bool(opts["sp"]),
             "num_layer_list": [int(x) for x in opts["list"].split("-")] if opts["list"] else None,
             "num_layers_per_virtual_pipeline_stage": opts["vpp"] or None,
@@ -184,7 +188,18 @@ def train(
     return out
 
 
-def parallel(opts: dict[str, Any], router_rows: list[dict[str, float]]) -> list[tuple[float, float, float]]:
+def expert_layout(module: torch.nn.Module) -> dict[str, Any]:
+    """Mesh dims, placements and local shape of every stacked expert weight this rank holds (base and LoRA)."""
+    return {
+        name: [list(p.device_mesh.mesh_dim_names or ()), [str(x) for x in p.placements], list(p.to_local().shape)]
+        for name, p in module.named_parameters()
+        if ".mlp.experts." in name and isinstance(p, DTensor)
+    }
+
+
+def parallel(
+    opts: dict[str, Any], router_rows: list[dict[str, float]], layout: dict[str, Any]
+) -> list[tuple[float, float, float]]:
     spec = make_spec(opts, dist.get_world_size())
     mesh = build_mesh(Device("cpu"), ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"]))
     model = build_model(opts)
@@ -193,6 +208,7 @@ def parallel(opts: dict[str, Any], router_rows: list[dict[str, float]]) -> list[
     else:
         model = parallelize(model, mesh, spec)
     runner = make_runner(model, mesh, torch.device("cpu"), chunk_size=64)
+    layout.update(expert_layout(runner.module))
     pp_group = mesh["pp"].get_group() if opts["pp"] > 1 else None
     router = RouterTracker(model, runner.dp_group, pp_group) if opts["moe"] else None
     return train(runner, spec, opts, opts["dp"], mesh["dp"].get_local_rank(), router, router_rows)
@@ -201,7 +217,7 @@ def parallel(opts: dict[str, Any], router_rows: list[dict[str, float]]) -> list[
 def reference(
     opts: dict[str, Any], own_group: Any, router_rows: list[dict[str, float]]
 ) -> list[tuple[float, float, float]]:
-    spec = make_spec({**opts, "tp": 1, "pp": 1, "list": "", "vpp": 0}, 1)
+    spec = make_spec({**opts, "tp": 1, "pp": 1, "ep": 1, "list": "", "vpp": 0}, 1)
     runner = ModuleRunner(build_model(opts), torch.device("cpu"), own_group, lm_loss(False, chunk_size=64))
     router = RouterTracker(runner.module, own_group) if opts["moe"] else None
     return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0, router, router_rows)
@@ -216,7 +232,9 @@ def main() -> None:
     for case in cases:
         opts = parse(case)
         par_router: list[dict[str, float]] = []
-        entry: dict[str, Any] = {"parallel": parallel(opts, par_router), "parallel_router": par_router}
+        layout: dict[str, Any] = {}
+        entry: dict[str, Any] = {"parallel": parallel(opts, par_router, layout), "parallel_router": par_router}
+        entry["expert_layout"] = layout  # rank 0's
         if not opts["load"] and dist.get_rank() == 0:
             ref_router: list[dict[str, float]] = []
             entry["reference"] = reference(opts, own, ref_router)

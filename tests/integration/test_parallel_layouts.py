@@ -145,3 +145,53 @@ def test_moe_four_process_layouts_and_resume(tmp_path: Path) -> None:
     for (loss, norm, _), (ref_loss, ref_norm, _) in zip(one["one"]["parallel"], expected):
         assert loss == pytest.approx(ref_loss, rel=RTOL)
         assert norm == pytest.approx(ref_norm, rel=RTOL)
+
+
+def test_moe_expert_parallel_with_pipeline_and_tensor_parallel(tmp_path: Path) -> None:
+    """Expert parallelism composed on four ranks: EP2×PP2 (each stage's two DP ranks are its EP group; 1F1B and
+    interleaved) and EP2×TP2 (experts a 2-D (ep, tp) DTensor: Shard(0) over ep, the TP cut per expert over tp; with
+    and without sequence parallelism, with a dense layer among the MoE ones, and LoRA on the experts) equal one
+    process in loss, grad norm and router figures. Checkpoints: the EP2×PP2 and EP2×TP2 ones of step 3 resume in
+    one process, and a one-process one under EP2×TP2, with the same next steps (the dense fc1 under TP × FSDP, a
+    strided shard of a strided shard, goes through ``tensor_parallel.full_tensor`` / ``dcp_view``)."""
+    ckpt_pp, ckpt_tp, ckpt_one = tmp_path / "ckpt_ep2pp2", tmp_path / "ckpt_ep2tp2", tmp_path / "ckpt_one"
+    saved_one = launch(tmp_path, 1, f"one:layers=4,moe=1,save_at=3,ckpt={ckpt_one}")["one"]["parallel"]
+    result = launch(
+        tmp_path,
+        4,
+        f"moe_ep2pp2:pp=2,dp=2,ep=2,layers=4,moe=1,save_at=3,ckpt={ckpt_pp}",
+        "moe_ep2pp2_vpp:pp=2,dp=2,ep=2,layers=4,vpp=1,moe=1",
+        f"moe_ep2tp2:tp=2,dp=2,ep=2,layers=4,moe=1,save_at=3,ckpt={ckpt_tp}",
+        "moe_ep2tp2_nosp:tp=2,dp=2,ep=2,sp=0,moe=1",
+        "moe_lora_ep2tp2:tp=2,dp=2,ep=2,lora=1,moe=1",
+        f"moe_ep2tp2_resumed:tp=2,dp=2,ep=2,layers=4,moe=1,load={ckpt_one},start=3,steps=2",
+    )
+    for name in ("moe_ep2pp2", "moe_ep2pp2_vpp", "moe_ep2tp2", "moe_ep2tp2_nosp", "moe_lora_ep2tp2"):
+        assert_matches(result, name)
+        assert_router_matches(result, name)
+    # rank 0's experts: 2 of the 4 (EP 2); under TP each expert's FFN (32) cut in two as well
+    layout = result["moe_ep2tp2"]["expert_layout"]
+    assert layout["decoder.layers.0.mlp.experts.linear_fc1.weight"] == [
+        ["edp", "ep", "tp"],
+        ["_S(0, 2)", "S(0)", "_S(1, 2)"],
+        [2, 32, 64],
+    ]
+    assert layout["decoder.layers.0.mlp.experts.linear_fc2.weight"][2] == [2, 64, 16]
+    fc1 = result["moe_ep2pp2"]["expert_layout"]["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert fc1[0] == ["edp", "ep"] and fc1[2] == [2, 64, 64]
+    one = launch(
+        tmp_path,
+        1,
+        f"one_pp:layers=4,moe=1,load={ckpt_pp},start=3,steps=2",
+        f"one_tp:layers=4,moe=1,load={ckpt_tp},start=3,steps=2",
+    )
+    resumed = [
+        (one["one_pp"]["parallel"], result["moe_ep2pp2"]["parallel"][3:]),
+        (one["one_tp"]["parallel"], result["moe_ep2tp2"]["parallel"][3:]),
+        (result["moe_ep2tp2_resumed"]["parallel"], saved_one[3:]),
+    ]
+    for run, expected in resumed:
+        assert len(run) == len(expected) == 2
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(run, expected):
+            assert loss == pytest.approx(ref_loss, rel=RTOL)
+            assert norm == pytest.approx(ref_norm, rel=RTOL)
