@@ -529,7 +529,10 @@ class RankFiles:
     def full(self, key: str) -> torch.Tensor:
         if self.is_experts(key):
             return merge([self.experts(key, t, 0, self.num_experts) for t in range(self.tp)], split_rule(key))
-        return read_merged([self.raw(key, t) for t in range(self.tp)], split_rule(key))
+        refs = [self.raw(key, t) for t in range(self.tp)]
+        if len(refs[0].shape) > 2:  # stacked expert LoRA adapters, TP-cut per expert (layout.rule_dim): glued in memory
+            return merge([ref.read() for ref in refs], split_rule(key))
+        return read_merged(refs, split_rule(key))
 
     def is_experts(self, key: str) -> bool:
         """True for a stacked native expert tensor, which the files hold per expert or per EP rank block."""
