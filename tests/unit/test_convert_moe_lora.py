@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from moe_support import write_hf_moe_dir  # noqa: E402
+
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.cli import main  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
@@ -22,32 +24,6 @@ from engine.train import job  # noqa: E402
 from train_support import TINY_SHAPE, tiny_spec, write_instruction_data  # noqa: E402
 
 
-def _hf_moe(path: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def _convert(tmp_path: Path, name: str, *flags: str) -> None:
     run_dir = tmp_path / "runs" / name
     code = main(["convert", "--model-type-hf", "qwen3-moe", *flags, "--run-dir", str(run_dir)])
@@ -55,7 +31,7 @@ def _convert(tmp_path: Path, name: str, *flags: str) -> None:
 
 
 def test_expert_lora_merges_into_the_trained_model(tmp_path: Path) -> None:
-    hf = _hf_moe(tmp_path / "hf")
+    hf = write_hf_moe_dir(tmp_path / "hf")
     data = write_instruction_data(tmp_path / "data" / "sft", n=16)
     spec = tiny_spec(
         data, load=str(hf), finetune=True, lora_r=4, lora_alpha=8, lr=5e-2, train_iters=3, global_batch_size=4
