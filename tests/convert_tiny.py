@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -51,3 +52,16 @@ def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
+
+
+def json_objects(text: str) -> list[dict]:
+    """Every JSON object printed by the ranks (their lines may run together on one line)."""
+    decoder, found, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+            found.append(obj)
+            i = text.find("{", end)
+        except ValueError:
+            i = text.find("{", i + 1)
+    return found

@@ -14,26 +14,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from convert_tiny import VOCAB, hf_logits, tiny_hf  # noqa: E402
+from convert_tiny import VOCAB, hf_logits, json_objects, tiny_hf  # noqa: E402
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron import save_mcore  # noqa: E402
 
 pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("mcore_oracle_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _json_objects(text: str) -> list[dict]:
-    """Every JSON object printed by the ranks (their lines may run together on one line)."""
-    decoder, found, i = json.JSONDecoder(), [], text.find("{")
-    while i != -1:
-        try:
-            obj, end = decoder.raw_decode(text, i)
-            found.append(obj)
-            i = text.find("{", end)
-        except ValueError:
-            i = text.find("{", i + 1)
-    return found
 
 
 @pytest.mark.slow
@@ -79,7 +66,7 @@ def test_megatron_core_gptmodel_accepts_our_shards(tmp_path: Path, tp: int, pp: 
         timeout=300,
         cwd=ROOT,
     )
-    lines = _json_objects(proc.stdout)
+    lines = json_objects(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [r for r in lines if "ok" in r]
     assert len(ranks) == tp * pp and all(r["ok"] for r in ranks), lines
