@@ -32,6 +32,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         tmp_path_factory.mktemp("service-var"),
         LLMJOBS_CANCEL_GRACE_S="3",
         LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+        # a device sample each second: the dashboard test reads one while a short train job holds the device
+        LLMJOBS_TELEMETRY_INTERVAL_S="1",
         LLMJOBS_WORKER_NAME="e2e-host",
     ) as svc:
         yield svc
