@@ -2,19 +2,25 @@
 
 Launch: one node's claim, the other's running record, fall in an outage; both wait and the jobs run, each once.
 End: the database stays away past ``database_away_deadline_s`` while both engines finish; each task parks its node's
-exit in the run directory and returns. Once the database is back the lease sweep leaves the parked nodes alone and
+exit in the run directory and returns. The engines are held (SIGSTOP) from their start until the second outage: a
+preprocess of 50 lines may end before the database is back (a CI run saw job 0 finish unseen), and the test must
+know both are still running when it stops the database again. Once the database is back the lease sweep leaves the parked nodes alone and
 the heartbeat's ``finish_parked`` stores them: both jobs succeed on their first attempt, with every run-file line
 stored once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from sqlalchemy import func, select
 
@@ -49,6 +55,39 @@ def _wait(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+class EngineHold:
+    """Stops each engine this test process launches (its own session: pgid = pid) as soon as it appears."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        me = psutil.Process()
+        while not self._done.is_set():
+            for child in me.children():
+                if child.pid not in self.held and _is_engine(child):
+                    os.killpg(child.pid, signal.SIGSTOP)
+                    self.held.add(child.pid)
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
+        for pid in self.held:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)
+
+
+def _is_engine(proc: psutil.Process) -> bool:
+    try:
+        return "engine" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 def _file_lines(run_dir: Path) -> tuple[int, int]:
     events = len((run_dir / "events.jsonl").read_text().splitlines())
     logs = sum(len(p.read_text().splitlines()) for p in (run_dir / "logs").glob("*.log"))
@@ -76,13 +115,17 @@ def test_a_launch_waits_out_an_outage_and_an_exit_past_the_deadline_is_parked(
             threading.Thread(target=lambda: outcomes.update({ids[0]: run_claimed(settings, claimed, "h1")})),
             threading.Thread(target=lambda: outcomes.update({ids[1]: run_node(settings, ids[1], 1, 0, "h1")})),
         ]
-        pg.stop()  # job 0's running record and job 1's claim fall in the outage
-        for task in tasks:
-            task.start()
-        time.sleep(2)
-        pg.start()
-        _wait(lambda: _states(settings, ids) == ["running", "running"], 60, "running")
-        pg.stop()  # both engines finish while the database is away, past the deadline
+        hold = EngineHold()
+        try:
+            pg.stop()  # job 0's running record and job 1's claim fall in the outage
+            for task in tasks:
+                task.start()
+            time.sleep(2)
+            pg.start()
+            _wait(lambda: _states(settings, ids) == ["running", "running"] and len(hold.held) == 2, 60, "running")
+            pg.stop()  # both engines finish while the database is away, past the deadline
+        finally:
+            hold.release()
         for task in tasks:
             task.join(120)
         assert outcomes == {ids[0]: "parked", ids[1]: "parked"}
