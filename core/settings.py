@@ -35,8 +35,8 @@ class Settings(BaseSettings):
         "'shared'). Each team otherwise reads and writes only <root>/teams/<team>/.",
     )
     runs_dir: Path | None = Field(None, description="Run directories (<runs_dir>/<job_id>); default <var_dir>/runs.")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="Where the API listens (`make run` and `llmjobs serve` honour it).")
+    port: int = Field(8000, ge=0, le=65535, description="The API's port.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies are refused with 413.")
     upload_max_bytes: int = Field(
         10 * 2**30, ge=1, description="Larger file uploads (PUT /v1/files/{path}) are refused with 413."
@@ -46,13 +46,17 @@ class Settings(BaseSettings):
     redispatch_after_s: float = Field(
         30.0, gt=0, description="The reconciler re-sends a queued job's message after this."
     )
-    reconcile_interval_s: float = Field(5.0, gt=0)
+    reconcile_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often the leading API replica reconciles (recovery, pipelines, scheduling, deadlines, lost messages).",
+    )
     dispatch_min_interval_s: float = Field(
         0.2,
         ge=0,
         description="The API's scheduling pass for new submissions runs at most this often (submissions coalesce).",
     )
-    heartbeat_interval_s: float = Field(5.0, gt=0)
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="How often a worker heart-beats its host.")
     host_stale_after_s: float = Field(
         30.0, gt=0, description="A host without a heartbeat for this long counts as down."
     )
@@ -72,9 +76,14 @@ class Settings(BaseSettings):
     )
     stream_poll_s: float = Field(1.0, gt=0, description="SSE re-check interval (a fallback when Redis pushes).")
     queue_prefix: str = Field("llmjobs", description="Jobs go to <prefix>.<device_type>; hosts also read host.<name>.")
-    worker_name: str = Field(default_factory=socket.gethostname)
-    worker_device_type: str = "cpu"
-    worker_devices: int = Field(1, ge=0)
+    worker_name: str = Field(default_factory=socket.gethostname, description="The host name a worker registers.")
+    worker_device_type: str = Field(
+        "cpu", description="cpu, cuda, npu or auto: the device type of the worker `llmjobs serve` starts."
+    )
+    worker_devices: int = Field(
+        1, ge=0, description="Devices (CPU: slots) of the worker `llmjobs serve` starts; `llmjobs worker` takes it when set, else "
+        "discovers them."
+    )
     worker_concurrency: int = Field(2, ge=1, description="Jobs one worker runs at once.")
     worker_address: str = Field("", description="Address other nodes use to reach this host; default: auto-detected.")
     team_device_limit: int = Field(0, ge=0, description="Devices one team may hold at once; 0 = no limit.")

@@ -1,4 +1,5 @@
-"""The README's job spec reference is generated from engine/spec.py and must be current."""
+"""The README's job spec and configuration references are generated from engine/spec.py and core/settings.py and
+must be current."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from typing import get_args
 
 from pydantic import BaseModel
 
-from app.spec_reference import README, render, updated
+from app.spec_reference import README, render, render_settings, updated
+from core.settings import REPO_ROOT, Settings
 from engine.spec import SPEC_CLASSES, PipelineStep, Resources
 
 
@@ -55,3 +57,11 @@ def test_every_spec_field_has_a_description() -> None:
 def test_the_description_check_sees_nested_models() -> None:
     names = {m.__name__ for m in _spec_models()}
     assert {"TrainSpec", "PipelineSpec", "Resources", "PipelineStep"} <= names
+
+
+def test_every_setting_has_a_description_and_a_readme_row() -> None:
+    bare = [name for name, field in Settings.model_fields.items() if not (field.description or "").strip()]
+    assert bare == [], f"settings without a description: {bare}"
+    reference = render_settings()
+    assert all(f"| `LLMJOBS_{name.upper()}` |" in reference for name in Settings.model_fields)
+    assert str(REPO_ROOT) not in reference  # machine paths are shown as <repo>/...
