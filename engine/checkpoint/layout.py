@@ -8,7 +8,7 @@ Facts from ``shared/docs/megatron-interop.md`` §2:
 - row-parallel weights (``linear_proj``, ``linear_fc2``) are chunked on dim 1; norms are replicated;
 - LoRA (MindSpeed ``lora_moe.py``): on column-parallel targets A is replicated and B is split like the base weight;
   on row-parallel targets A is split like the base weight (dim 1) and B is replicated;
-- MoE (MindSpeed-LLM ``convert_hf2mg.py``, Megatron ``experts.py``; megatron-interop.md §8): the router is
+- MoE (MindSpeed-LLM ``convert_hf2mg.py``, Megatron ``experts.py``; docs/megatron-moe.md): the router is
   replicated; each expert's fc1 is cut like the dense ``linear_fc1`` ([gate_k; up_k]) and its fc2 on its input dim,
   so on the stacked native tensors (E, 2F, H) / (E, H, F) the dense rules apply to the last two dims. Expert-parallel
   rank e holds experts [e*E/EP, (e+1)*E/EP) in ``mp_rank_TT[_PPP]_EEE`` (every other tensor is copied into each EP

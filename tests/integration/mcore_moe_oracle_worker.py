@@ -130,7 +130,7 @@ def _grouped_views_match(model: torch.nn.Module, ref: dict, shape: dict, t: int,
 
 
 def _forward_matches(model: torch.nn.Module, ref: dict) -> bool:
-    """The CPU substitutions of megatron-core-on-cpu.md, then Megatron's logits against transformers'."""
+    """The CPU substitutions (docs/megatron-moe.md §7), then Megatron's logits against transformers'."""
     from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_softmax
 
