@@ -69,8 +69,9 @@ class EngineHold:
         while not self._done.is_set():
             for child in me.children():
                 if child.pid not in self.held and _is_engine(child):
-                    os.killpg(child.pid, signal.SIGSTOP)
-                    self.held.add(child.pid)
+                    with contextlib.suppress(ProcessLookupError):  # gone already: never held, the wait says so
+                        os.killpg(child.pid, signal.SIGSTOP)
+                        self.held.add(child.pid)
             time.sleep(0.02)
 
     def release(self) -> None:
