@@ -385,7 +385,8 @@ class ParallelArgs(_Strict):
         description=(
             "--expert-model-parallel-size: MoE, ranks each MoE layer's experts are split over (num_experts / EP per "
             "rank), carved out of data parallel: EP must divide num_experts and DP = world / (TP × PP). Composes with TP "
-            "(experts cut over EP, then per expert over TP) or with PP, not yet with both."
+            "(experts cut over EP, then per expert over TP), with PP (each stage's DP ranks form its EP groups) and "
+            "with both."
         ),
     )
     sequence_parallel: bool = Field(
@@ -449,12 +450,6 @@ class ParallelArgs(_Strict):
         experts = getattr(self, "num_experts", None)
         if experts is not None and experts % ep:
             raise ValueError(f"expert_model_parallel_size: EP {ep} does not divide num_experts {experts}")
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp > 1 and pp > 1:  # EP × TP and EP × PP are built and tested; all three together are not yet
-            raise ValueError(
-                f"expert_model_parallel_size: EP {ep} with both tensor_model_parallel_size {tp} and "
-                f"pipeline_model_parallel_size {pp} is not available yet; use EP with one of them"
-            )
 
     @property
     def data_parallel_size(self) -> int:

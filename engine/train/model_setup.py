@@ -152,13 +152,6 @@ def check_expert_layout(spec: Any, cfg: ModelConfig, dp: int) -> None:
         raise BadInput(f"{flag}: EP {ep} does not divide num_experts {cfg.num_experts}", flag)
     if dp % ep:
         raise BadInput(f"{flag}: EP {ep} must divide the data-parallel size {dp}", flag)
-    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    if tp > 1 and pp > 1:  # EP × TP and EP × PP are built; all three together are not yet
-        raise BadInput(
-            f"{flag}: EP {ep} with both tensor_model_parallel_size {tp} and pipeline_model_parallel_size {pp} is "
-            "not available yet; use EP with one of them",
-            flag,
-        )
 
 
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:

@@ -195,3 +195,21 @@ def test_moe_expert_parallel_with_pipeline_and_tensor_parallel(tmp_path: Path) -
         for (loss, norm, _), (ref_loss, ref_norm, _) in zip(run, expected):
             assert loss == pytest.approx(ref_loss, rel=RTOL)
             assert norm == pytest.approx(ref_norm, rel=RTOL)
+
+
+def test_moe_expert_parallel_with_tensor_and_pipeline_parallel_on_eight_ranks(tmp_path: Path) -> None:
+    """EP2×TP2×PP2 (DP 2 = EP 2 on each stage; experts a 2-D (ep, tp) DTensor on the stage's mesh) equals one
+    process in loss, grad norm and router figures over 5 steps, and its step-3 checkpoint resumes in one process
+    with the same next steps."""
+    ckpt = tmp_path / "ckpt_ep2tp2pp2"
+    result = launch(tmp_path, 8, f"moe_ep2tp2pp2:tp=2,pp=2,dp=2,ep=2,layers=4,moe=1,save_at=3,ckpt={ckpt}")
+    assert_matches(result, "moe_ep2tp2pp2")
+    assert_router_matches(result, "moe_ep2tp2pp2")
+    fc1 = result["moe_ep2tp2pp2"]["expert_layout"]["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert fc1[0] == ["edp", "ep", "tp"] and fc1[2] == [2, 32, 64]
+    one = launch(tmp_path, 1, f"one:layers=4,moe=1,load={ckpt},start=3,steps=2")["one"]["parallel"]
+    expected = result["moe_ep2tp2pp2"]["parallel"][3:]
+    assert len(one) == len(expected) == 2
+    for (loss, norm, _), (ref_loss, ref_norm, _) in zip(one, expected):
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+        assert norm == pytest.approx(ref_norm, rel=RTOL)

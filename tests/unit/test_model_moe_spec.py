@@ -47,21 +47,21 @@ def test_megatron_moe_flags_parse_into_the_spec() -> None:
     assert ignored == ["--moe-permutation-async-comm"]
 
 
-def test_expert_parallelism_composes_with_tp_or_pp_but_not_both() -> None:
-    """EP2 alone, with TP2 and with PP2 parse; EP with TP and PP together is refused, naming the field (in a spec
-    and on the command line)."""
+def test_expert_parallelism_composes_with_tp_and_pp() -> None:
+    """EP2 alone, with TP2, with PP2 and with both parse (in a spec and on the command line); EP must still divide
+    the data-parallel size, naming the field."""
     four = {"resources": {"nproc_per_node": 4}}
     for layout in ({}, {"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2, "num_layers": 2}):
         spec = parse_spec(_train(num_experts=8, expert_model_parallel_size=2, **layout, **four))
         assert spec.expert_model_parallel_size == 2
-    both = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "resources": {"nproc_per_node": 8}}
-    with pytest.raises(ValidationError, match="expert_model_parallel_size: EP 2 with both .* not available yet"):
-        parse_spec(_train(num_experts=8, expert_model_parallel_size=2, **both))
-    argv = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--nproc-per-node", "8"]
-    with pytest.raises(ValidationError, match="expert_model_parallel_size"):  # the command line: the same error
-        spec_from_argv(
-            "train", BASE + argv + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-        )
+    both = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "num_layers": 2}
+    spec = parse_spec(_train(num_experts=8, expert_model_parallel_size=2, **both, resources={"nproc_per_node": 8}))
+    assert (spec.expert_model_parallel_size, spec.tensor_model_parallel_size) == (2, 2)
+    argv = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--num-layers", "2"]
+    tp_pp = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert spec_from_argv("train", BASE + argv + tp_pp + ["--nproc-per-node", "8"])[0].pipeline_model_parallel_size == 2
+    with pytest.raises(ValidationError, match="expert_model_parallel_size: EP 2 must divide the data-parallel size 1"):
+        spec_from_argv("train", BASE + argv + tp_pp + ["--nproc-per-node", "4"])
 
 
 @pytest.mark.parametrize(

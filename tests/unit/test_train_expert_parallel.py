@@ -107,22 +107,24 @@ def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_ep2_with_tp2_and_with_pp2_jobs_equal_one_process(data: str, tmp_path: Path) -> None:
-    """EP2×TP2 (sequence parallel) and EP2×PP2 jobs on four ranks (dp 2 = ep 2): built on meta, each rank filling
-    only its experts' rows (their TP slice under TP), equal one process step for step (loss, grad norm, router
-    figures) and write the same final HF export."""
+def test_ep2_with_tp2_with_pp2_and_with_both_jobs_equal_one_process(data: str, tmp_path: Path) -> None:
+    """EP2×TP2 (sequence parallel) and EP2×PP2 jobs on four ranks and an EP2×TP2×PP2 job on eight (dp 2 = ep 2):
+    built on meta, each rank filling only its experts' rows (their TP slice under TP), equal one process step for
+    step (loss, grad norm, router figures) and write the same final HF export."""
     spec = tiny_spec(data, **MOE_FLAGS, train_iters=3, save_hf=True, padding_free=False)
     four = {"expert_model_parallel_size": 2, "resources": {"nproc_per_node": 4}}
+    eight = {"expert_model_parallel_size": 2, "resources": {"nproc_per_node": 8}}
     runs = {
         "one": (spec, 1),
         "ep2tp2": ({**spec, **four, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
         "ep2pp2": ({**spec, **four, "pipeline_model_parallel_size": 2}, 4),
+        "ep2tp2pp2": ({**spec, **eight, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8),
     }
     for name, (run_spec, nproc) in runs.items():
         run_train({**run_spec, "save": str(tmp_path / name / "save")}, tmp_path / name, nproc)
     one = metric_rows(tmp_path / "one")
     expected = _hf_tensors(tmp_path / "one" / "save" / "hf")
-    for name in ("ep2tp2", "ep2pp2"):
+    for name in ("ep2tp2", "ep2pp2", "ep2tp2pp2"):
         rows = metric_rows(tmp_path / name)
         assert len(rows) == len(one) == 3
         _same_steps(one, rows, (*ROUTER_KEYS, "expert_load_imbalance_layer_0"))
