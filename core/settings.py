@@ -81,8 +81,10 @@ class Settings(BaseSettings):
         "cpu", description="cpu, cuda, npu or auto: the device type of the worker `llmjobs serve` starts."
     )
     worker_devices: int = Field(
-        1, ge=0, description="Devices (CPU: slots) of the worker `llmjobs serve` starts; `llmjobs worker` takes it when set, else "
-        "discovers them."
+        1,
+        ge=0,
+        description="Devices (CPU: slots) of the worker `llmjobs serve` starts; `llmjobs worker` takes it when set, else "
+        "discovers them.",
     )
     worker_concurrency: int = Field(2, ge=1, description="Jobs one worker runs at once.")
     worker_address: str = Field("", description="Address other nodes use to reach this host; default: auto-detected.")
