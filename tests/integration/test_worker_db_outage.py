@@ -2,11 +2,13 @@
 
 Launch: one node's claim, the other's running record, fall in an outage; both wait and the jobs run, each once.
 End: the database stays away past ``database_away_deadline_s`` while both engines finish; each task parks its node's
-exit in the run directory and returns. The engines are held (SIGSTOP) from their start until the second outage: a
-preprocess of 50 lines may end before the database is back (a CI run saw job 0 finish unseen), and the test must
-know both are still running when it stops the database again. Once the database is back the lease sweep leaves the parked nodes alone and
+exit in the run directory and returns. Once the database is back the lease sweep leaves the parked nodes alone and
 the heartbeat's ``finish_parked`` stores them: both jobs succeed on their first attempt, with every run-file line
-stored once."""
+stored once.
+
+The engines are held (SIGSTOP) from their start until the second outage: a preprocess of 50 lines may end before
+the database is back (a CI run saw job 0 finish unseen), and the test must know both still run when it stops the
+database again."""
 
 from __future__ import annotations
 
