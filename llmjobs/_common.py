@@ -12,6 +12,24 @@ from urllib.parse import quote
 DEFAULT_URL = "http://127.0.0.1:8000"
 CHUNK = 1 << 20
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# Answers meaning "not now": the API's 503 while its database is away (with Retry-After), a proxy's 502/504.
+RETRY_STATUSES = frozenset({502, 503, 504})
+MAX_RETRY_AFTER_S = 60.0
+
+
+def may_retry(method: str, headers: Mapping[str, str] | None) -> bool:
+    """Whether a request may be sent again after a "not now" answer: reads, and writes with an Idempotency-Key (the
+    server answers a replay with the first result)."""
+    return method.upper() in ("GET", "HEAD") or any(k.lower() == "idempotency-key" for k in (headers or {}))
+
+
+def retry_delay(headers: Mapping[str, str], attempt: int) -> float:
+    """Seconds before retry ``attempt`` (0-based): the answer's ``Retry-After`` in seconds (at most
+    ``MAX_RETRY_AFTER_S``), else the backoff table."""
+    try:
+        return min(max(float(headers.get("retry-after", "")), 0.0), MAX_RETRY_AFTER_S)
+    except ValueError:  # absent, or an HTTP date
+        return RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
 
 
 def base_url(url: str | None) -> str:

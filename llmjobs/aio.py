@@ -43,8 +43,10 @@ class AsyncClient:
         *,
         timeout: float = 30.0,
         http: httpx.AsyncClient | None = None,
+        max_retries: int = len(c.RETRY_DELAYS_S),
     ):
         self.url = c.base_url(url)
+        self.max_retries = max_retries
         self.http = http or httpx.AsyncClient(base_url=self.url, headers=c.auth_headers(token), timeout=timeout)
 
     async def __aenter__(self) -> Self:
@@ -57,14 +59,22 @@ class AsyncClient:
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One API call; its JSON answer, or the typed error."""
-        try:
-            response = await self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as err:
-            raise unreachable(self.url, err) from err
-        if response.status_code >= 400:
-            raise error_from(response)
-        return response.json()
+        """One API call; its JSON answer, or the typed error. A read, or a write with an Idempotency-Key, answered
+        502/503/504 is sent again up to ``max_retries`` times, after the answer's Retry-After or a backoff."""
+        retry = c.may_retry(method, kwargs.get("headers"))
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(method, path, **kwargs)
+            except httpx.HTTPError as err:
+                raise unreachable(self.url, err) from err
+            if retry and response.status_code in c.RETRY_STATUSES and attempt < self.max_retries:
+                await anyio.sleep(c.retry_delay(response.headers, attempt))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise error_from(response)
+            return response.json()
 
     # jobs
     async def create_job(self, spec: Mapping[str, Any] | str | bytes, *, idempotency_key: str | None = None) -> Job:
@@ -195,34 +205,39 @@ class AsyncClient:
     async def stream(
         self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
     ) -> AsyncIterator[StreamMessage]:
-        """The job's live Server-Sent Events until its ``end`` message; after a dropped connection it reconnects
-        (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or repeated."""
+        """The job's live Server-Sent Events until its ``end`` message; after a dropped connection or a 502/503/504
+        answer it reconnects (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or
+        repeated."""
         failures = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            wait: Mapping[str, str] = {}  # the Retry-After of a "not now" answer
             try:
                 async with aconnect_sse(
                     self.http, "GET", c.job_path(job_id, "/stream"), headers=headers, timeout=None
                 ) as source:
                     if source.response.status_code >= 400:
                         await source.response.aread()
-                        raise error_from(source.response)
-                    async for sse in source.aiter_sse():
-                        if not sse.data:  # a keep-alive comment
-                            continue
-                        failures = 0
-                        last_event_id = sse.id or last_event_id
-                        message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
-                        yield message
-                        if message.event == "end":
-                            return
+                        if source.response.status_code not in c.RETRY_STATUSES or failures >= retries:
+                            raise error_from(source.response)
+                        wait = source.response.headers
+                    else:
+                        async for sse in source.aiter_sse():
+                            if not sse.data:  # a keep-alive comment
+                                continue
+                            failures = 0
+                            last_event_id = sse.id or last_event_id
+                            message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
+                            yield message
+                            if message.event == "end":
+                                return
             except httpx.TransportError as err:
                 if failures >= retries:
                     raise unreachable(self.url, err) from err
             else:
                 if failures >= retries:  # closed again and again without an end message
                     raise ApiConnectionError(f"the stream of {job_id} closed before its end message")
-            await anyio.sleep(c.RETRY_DELAYS_S[min(failures, len(c.RETRY_DELAYS_S) - 1)])
+            await anyio.sleep(c.retry_delay(wait, failures))
             failures += 1
 
     async def checkpoints(self, job_id: str) -> list[Checkpoint]:

@@ -1,8 +1,9 @@
 """``llmjobs.Client``: the service's HTTP API from Python, synchronously (``llmjobs.AsyncClient`` is the async twin).
 
 Lists are iterators that follow the API's cursors (``last_id``, ``next_cursor``, ``next_offset``) page after page, so
-no row is lost or repeated; ``stream`` reconnects with ``Last-Event-ID`` after a dropped connection; downloads and
-uploads stream in chunks. Errors are ``llmjobs.errors`` exceptions carrying the API's ``code`` and ``field``.
+no row is lost or repeated; ``stream`` reconnects with ``Last-Event-ID`` after a dropped connection; reads and
+idempotent writes answered 502/503/504 are sent again (``max_retries``, ``Retry-After``); downloads and uploads
+stream in chunks. Errors are ``llmjobs.errors`` exceptions carrying the API's ``code`` and ``field``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ class Client:
         *,
         timeout: float = 30.0,
         http: httpx.Client | None = None,
+        max_retries: int = len(c.RETRY_DELAYS_S),
     ):
         self.url = c.base_url(url)
+        self.max_retries = max_retries
         self.http = http or httpx.Client(base_url=self.url, headers=c.auth_headers(token), timeout=timeout)
 
     def __enter__(self) -> Self:
@@ -60,14 +63,22 @@ class Client:
         self.http.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One API call; its JSON answer, or the typed error."""
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as err:
-            raise unreachable(self.url, err) from err
-        if response.status_code >= 400:
-            raise error_from(response)
-        return response.json()
+        """One API call; its JSON answer, or the typed error. A read, or a write with an Idempotency-Key, answered
+        502/503/504 is sent again up to ``max_retries`` times, after the answer's Retry-After or a backoff."""
+        retry = c.may_retry(method, kwargs.get("headers"))
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.HTTPError as err:
+                raise unreachable(self.url, err) from err
+            if retry and response.status_code in c.RETRY_STATUSES and attempt < self.max_retries:
+                time.sleep(c.retry_delay(response.headers, attempt))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise error_from(response)
+            return response.json()
 
     # jobs
     def create_job(self, spec: Mapping[str, Any] | str | bytes, *, idempotency_key: str | None = None) -> Job:
@@ -190,34 +201,39 @@ class Client:
     def stream(
         self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
     ) -> Iterator[StreamMessage]:
-        """The job's live Server-Sent Events until its ``end`` message; after a dropped connection it reconnects
-        (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or repeated."""
+        """The job's live Server-Sent Events until its ``end`` message; after a dropped connection or a 502/503/504
+        answer it reconnects (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or
+        repeated."""
         failures = 0
         while True:
             headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            wait: Mapping[str, str] = {}  # the Retry-After of a "not now" answer
             try:
                 with connect_sse(
                     self.http, "GET", c.job_path(job_id, "/stream"), headers=headers, timeout=None
                 ) as source:
                     if source.response.status_code >= 400:
                         source.response.read()
-                        raise error_from(source.response)
-                    for sse in source.iter_sse():
-                        if not sse.data:  # a keep-alive comment
-                            continue
-                        failures = 0
-                        last_event_id = sse.id or last_event_id
-                        message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
-                        yield message
-                        if message.event == "end":
-                            return
+                        if source.response.status_code not in c.RETRY_STATUSES or failures >= retries:
+                            raise error_from(source.response)
+                        wait = source.response.headers
+                    else:
+                        for sse in source.iter_sse():
+                            if not sse.data:  # a keep-alive comment
+                                continue
+                            failures = 0
+                            last_event_id = sse.id or last_event_id
+                            message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
+                            yield message
+                            if message.event == "end":
+                                return
             except httpx.TransportError as err:
                 if failures >= retries:
                     raise unreachable(self.url, err) from err
             else:
                 if failures >= retries:  # closed again and again without an end message
                     raise ApiConnectionError(f"the stream of {job_id} closed before its end message")
-            time.sleep(c.RETRY_DELAYS_S[min(failures, len(c.RETRY_DELAYS_S) - 1)])
+            time.sleep(c.retry_delay(wait, failures))
             failures += 1
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:

@@ -1,5 +1,6 @@
 """Outages: the API on a private PostgreSQL that is stopped mid-run answers 503 with the error shape, /readyz says
-so, and both recover without a restart once the database is back; nothing committed before is lost. A worker's
+so, and both recover without a restart once the database is back (the SDK's read, sent again after each 503, gets
+its answer); nothing committed before is lost. A worker's
 watch over a running engine keeps it running through the outage and its ingestor catches up (every metric point and
 log line once). Two workers starting at the same moment on the embedded broker both come up."""
 
@@ -23,6 +24,7 @@ from core.models import Host, LogLine, MetricPoint
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token, team_dir
 from engine.runfiles import RunDir
+from llmjobs import Client
 from outage_support import private_postgres
 from sched_support import start_worker, stop_worker
 from worker.ingest import RunIngestor
@@ -56,7 +58,11 @@ def test_api_answers_503_while_the_database_is_away_and_recovers(tmp_path: Path)
             ready = client.get("/readyz")
             assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
             assert client.get("/healthz").status_code == 200  # the process itself is fine
-            pg.start()
+            back = threading.Timer(1.0, pg.start)  # the database returns while the SDK is retrying
+            back.start()
+            client.headers.update(headers)
+            assert Client(http=client).get_job(before.json()["id"])["id"] == before.json()["id"]  # rode it out
+            back.join()
             deadline = time.monotonic() + 20
             while client.get("/readyz").status_code != 200 and time.monotonic() < deadline:
                 time.sleep(0.2)

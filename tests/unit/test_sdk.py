@@ -1,5 +1,6 @@
 """The Python SDK (``llmjobs``) against the real app in-process: jobs round trip, auto-paging lists that lose and
-repeat nothing, typed errors with code and field, the SSE stream resumed after a dropped connection, downloads and
+repeat nothing, typed errors with code and field, the SSE stream resumed after a dropped connection, reads and
+idempotent writes sent again after a 503 (as a proxy or the API with its database away answers), downloads and
 uploads, and the async client."""
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from llmjobs import (
     Client,
     Conflict,
     NotFound,
+    ServerError,
     StreamMessage,
     Unauthorized,
     ValidationError,
     WaitTimeout,
+    _common,
 )
 
 
@@ -251,3 +254,99 @@ def test_async_client(app: FastAPI, settings: Settings, token: str, tmp_path: Pa
         "bytes": 256 * 40,
         "files": ["async/a.txt"],
     }
+
+
+NOT_NOW = {"code": "database_unavailable", "message": "the database is not answering", "field": None}
+
+
+class NotNow(httpx.BaseTransport):
+    """In front of the app, as a proxy would be: the first ``times`` requests whose path ends with ``suffix`` get
+    the API's 503 (``Retry-After: 0``); every request is counted, then the app answers."""
+
+    def __init__(self, app: TestClient, suffix: str, times: int):
+        self.app, self.suffix, self.left, self.seen = app, suffix, times, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith(self.suffix):
+            self.seen += 1
+            if self.left:
+                self.left -= 1
+                return httpx.Response(503, json=NOT_NOW, headers={"Retry-After": "0"})
+        answer = self.app.request(
+            request.method, str(request.url), headers=dict(request.headers), content=request.read()
+        )
+        return httpx.Response(answer.status_code, headers=dict(answer.headers), content=answer.content)
+
+
+def _behind(app: FastAPI, token: str, suffix: str, times: int, **kw: Any) -> tuple[Client, NotNow]:
+    proxy = NotNow(TestClient(app), suffix, times)
+    return Client(http=httpx.Client(transport=proxy, base_url="http://testserver", headers=auth(token)), **kw), proxy
+
+
+def test_reads_and_idempotent_writes_ride_out_a_503(app: FastAPI, settings: Settings, token: str) -> None:
+    job_id = finished_job(settings)
+    sdk, proxy = _behind(app, token, job_id, 2)
+    assert sdk.get_job(job_id)["id"] == job_id and proxy.seen == 3  # two 503s, then the answer
+    body = {"kind": "preprocess", "input": "x.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o"}
+    sdk, proxy = _behind(app, token, "/v1/jobs", 1)
+    with pytest.raises(ServerError) as refused:  # a POST without an Idempotency-Key is never sent twice
+        sdk.create_job(body)
+    assert refused.value.status == 503 and refused.value.code == "database_unavailable" and proxy.seen == 1
+    sdk, proxy = _behind(app, token, "/v1/jobs", 2)
+    with pytest.raises(ValidationError):  # sent again after each 503: the app's own answer (no such input) comes
+        sdk.create_job(body, idempotency_key="k-1")
+    assert proxy.seen == 3
+    sdk, proxy = _behind(app, token, job_id, 10, max_retries=2)
+    with pytest.raises(ServerError):  # gives up after max_retries
+        sdk.get_job(job_id)
+    assert proxy.seen == 3
+
+
+def test_the_stream_reconnects_after_a_503(app: FastAPI, settings: Settings, token: str) -> None:
+    job_id = finished_job(settings)
+    with TestClient(app, headers=auth(token)) as http:
+        whole = list(Client(http=http).stream(job_id))
+    sdk, proxy = _behind(app, token, "/stream", 2)
+    assert list(sdk.stream(job_id)) == whole and proxy.seen == 3
+    sdk, proxy = _behind(app, token, "/stream", 10)
+    with pytest.raises(ServerError):
+        list(sdk.stream(job_id, retries=1))
+    assert proxy.seen == 2
+
+
+def test_retry_delay_follows_retry_after_within_bounds() -> None:
+    assert _common.retry_delay(httpx.Headers({"Retry-After": "7"}), 0) == 7.0
+    assert _common.retry_delay({"retry-after": "100000"}, 0) == _common.MAX_RETRY_AFTER_S
+    assert _common.retry_delay({"retry-after": "Wed, 21 Oct 2026 07:28:00 GMT"}, 1) == _common.RETRY_DELAYS_S[1]
+    assert _common.retry_delay({}, 99) == _common.RETRY_DELAYS_S[-1]
+    assert _common.may_retry("get", None) and not _common.may_retry("POST", {"Content-Type": "x"})
+    assert _common.may_retry("POST", {"Idempotency-Key": "k"})
+
+
+class AsyncNotNow(httpx.AsyncBaseTransport):
+    """``NotNow`` for the async client: the first ``times`` requests get the API's 503, then the app answers."""
+
+    def __init__(self, app: FastAPI, times: int):
+        self.inner, self.left, self.seen = httpx.ASGITransport(app=app), times, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen += 1
+        if self.left:
+            self.left -= 1
+            return httpx.Response(503, json=NOT_NOW, headers={"Retry-After": "0"})
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_client_rides_out_a_503(app: FastAPI, settings: Settings, token: str) -> None:
+    job_id = finished_job(settings)
+    proxy = AsyncNotNow(app, 2)
+
+    async def read() -> tuple[str, list[str]]:
+        http = httpx.AsyncClient(transport=proxy, base_url="http://test", headers=auth(token))
+        async with AsyncClient(http=http) as sdk:
+            job = await sdk.get_job(job_id)
+            proxy.left = 1
+            return job["id"], [m.event async for m in sdk.stream(job_id)]
+
+    got_id, events = asyncio.run(read())
+    assert got_id == job_id and events[-1] == "end" and proxy.seen == 5  # 2 + 1 refused, then each answered
