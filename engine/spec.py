@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.model.lora_targets import resolve_targets
 from engine.retention import metric_name
 
 # ---------------------------------------------------------------- field types
@@ -151,6 +152,14 @@ def _check_layer_freq(value: int | list[int]) -> int | list[int]:
 IntList = Annotated[list[int], BeforeValidator(_split_list)]
 LayerFreq = Annotated[int | list[int], BeforeValidator(_layer_freq), AfterValidator(_check_layer_freq)]
 StrList = Annotated[list[str], BeforeValidator(_split_list)]
+
+
+def _check_lora_targets(value: list[str]) -> list[str]:
+    resolve_targets(value)  # unknown names and part of a fused module are refused; the names are kept as given
+    return value
+
+
+LoraTargets = Annotated[list[str], BeforeValidator(_split_list), AfterValidator(_check_lora_targets)]
 DataPathList = Annotated[list[str], BeforeValidator(_split_list), AfterValidator(_resolve_list_in_roots)]
 """Paths (optionally with blend weights) that must all resolve inside the data roots when submitted over the API."""
 JsonObject = Annotated[dict[str, Any], BeforeValidator(_json_object)]
@@ -705,7 +714,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         32, gt=0, description="--lora-alpha: LoRA scale numerator; the update is scaled by lora_alpha / lora_r."
     )
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="--lora-dropout: dropout probability on the LoRA input.")
-    lora_target_modules: StrList = Field(
+    lora_target_modules: LoraTargets = Field(
         default_factory=list,
         description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj linear_fc1 linear_fc2.",
     )
@@ -832,7 +841,7 @@ class ConvertSpec(JobBase):
     )
     lora_r: int | None = Field(None, ge=1, description="LoRA rank for merging (default: the checkpoint's args.lora_r).")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; the merge scale is lora_alpha / lora_r.")
-    lora_target_modules: StrList = Field(
+    lora_target_modules: LoraTargets = Field(
         default_factory=list,
         description="--lora-target-modules: modules the adapters wrap, e.g. linear_qkv linear_proj (default: the checkpoint's).",
     )
@@ -916,7 +925,7 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     lora_alpha: float | None = Field(
         None, gt=0, description="--lora-alpha: LoRA scale numerator (read from the checkpoint when unset)."
     )
-    lora_target_modules: StrList = Field(
+    lora_target_modules: LoraTargets = Field(
         default_factory=list,
         description="--lora-target-modules: modules the adapters wrap (read from the checkpoint when unset).",
     )

@@ -27,7 +27,7 @@ from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.dtypes import DTYPES
 from engine.guard import check_output
 from engine.model.config import ModelConfig
-from engine.model.lora import resolve_targets
+from engine.model.lora_targets import resolve_targets
 from engine.runfiles import BadInput, RunDir
 from engine.spec import ConvertSpec
 

@@ -37,36 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.hf_mapping import HF_MODULES
+from engine.model.lora_targets import resolve_targets
 from engine.model.moe import StackedWeight, expert_matmul, local_weight
-
-MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-# q_proj -> linear_qkv, ..., from the one HF <-> native key map
-HF_TO_MEGATRON = {hf.rsplit(".", 1)[1]: native.rsplit(".", 1)[1] for native, hfs in HF_MODULES.items() for hf in hfs}
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # shard B on dim 0 under TP
-ROW_PARALLEL = ("linear_proj", "linear_fc2")  # shard A on dim 1 under TP
-
-
-def resolve_targets(targets: Iterable[str]) -> list[str]:
-    """Megatron module names for Megatron or HF ``targets``; refuses unknown names and partial fused targets."""
-    names = [t.strip() for t in targets if t.strip()]
-    if not names:
-        return list(MEGATRON_TARGETS)
-    unknown = [t for t in names if t not in MEGATRON_TARGETS and t not in HF_TO_MEGATRON]
-    if unknown:
-        raise ValueError(
-            f"lora_target_modules: unknown {unknown}; use {' '.join(MEGATRON_TARGETS)} or {' '.join(HF_TO_MEGATRON)}"
-        )
-    chosen = {HF_TO_MEGATRON.get(t, t) for t in names}
-    for fused in COLUMN_PARALLEL:
-        parts = {hf for hf, m in HF_TO_MEGATRON.items() if m == fused}
-        given = parts & set(names)
-        if given and given != parts and fused not in names:
-            raise ValueError(
-                f"lora_target_modules: {sorted(given)} is only part of the fused {fused} ({'+'.join(sorted(parts))}); "
-                f"LoRA adapts the fused matrix as a whole: give all of {sorted(parts)} or {fused}"
-            )
-    return [t for t in MEGATRON_TARGETS if t in chosen]
 
 
 class LoRALinear(nn.Linear):

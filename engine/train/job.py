@@ -126,13 +126,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             "lr_decay_style: WSD is not supported; use constant, linear, cosine or inverse-square-root",
             "lr_decay_style",
         )
-    if spec.lora_r is not None:
-        from engine.model.lora import resolve_targets
-
-        try:
-            resolve_targets(spec.lora_target_modules)
-        except ValueError as err:
-            raise BadInput(f"lora_target_modules: {err}", "lora_target_modules") from err
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
     check_expert_layout(spec, cfg, dims.dp)

@@ -144,6 +144,16 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
         ),
         ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, pipeline"),
         ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
+        (
+            {"kind": "train", "data_path": "d", "train_iters": 1, "lr": 0.1, "lora_target_modules": "linear_qkvv"},
+            "lora_target_modules",
+            "unknown ['linear_qkvv']",
+        ),
+        (
+            {"kind": "eval", "load": "m", "eval_data_path": "t.jsonl", "lora_target_modules": ["q_proj", "v_proj"]},
+            "lora_target_modules",
+            "only part of the fused linear_qkv",
+        ),
     ],
 )
 def test_validation_errors_name_the_field(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.model.config import ModelConfig
+from engine.model.hf_mapping import HF_MODULES
 from engine.model.lora import (
     LoRALinear,
     apply_lora,
@@ -14,9 +15,9 @@ from engine.model.lora import (
     lora_state_dict,
     merge_into,
     merge_lora,
-    resolve_targets,
     to_mindspeed_keys,
 )
+from engine.model.lora_targets import HF_TO_MEGATRON, resolve_targets
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 
@@ -110,6 +111,12 @@ def test_targets_refuse_partial_fused_and_unknown_names() -> None:
         resolve_targets(["gate_proj"])
     with pytest.raises(ValueError, match="unknown"):
         resolve_targets(["query_key_value"])
+
+
+def test_target_names_are_the_key_maps() -> None:
+    """The torch-free table the API checks specs with is the one HF <-> native key map's."""
+    derived = {hf.rsplit(".", 1)[1]: native.rsplit(".", 1)[1] for native, hfs in HF_MODULES.items() for hf in hfs}
+    assert derived == HF_TO_MEGATRON
 
 
 def test_frozen_base_in_bf16_with_fp32_adapters() -> None:
