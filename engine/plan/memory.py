@@ -44,19 +44,10 @@ import dataclasses
 from typing import Any
 
 from engine.model.config import ModelConfig
+from engine.model.lora_targets import MEGATRON_TARGETS
 
 MIB = 2**20
 GIB = 2**30
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-HF_LORA_NAMES = {
-    "q_proj": "linear_qkv",
-    "k_proj": "linear_qkv",
-    "v_proj": "linear_qkv",
-    "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1",
-    "up_proj": "linear_fc1",
-    "down_proj": "linear_fc2",
-}
 PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "comm")
 
 
@@ -80,7 +71,7 @@ class Layout:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     lora_r: int | None = None
-    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_targets: tuple[str, ...] = MEGATRON_TARGETS
     loss_chunk: int = 1024
     device_type: str = "cpu"
     train: bool = True

@@ -7,10 +7,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine.model.config import ModelConfig
+from engine.model.lora_targets import MEGATRON_TARGETS, resolve_targets
 from engine.plan.memory import (
     GIB,
-    HF_LORA_NAMES,
-    LORA_TARGETS,
     Layout,
     RankMemory,
     plan_ranks,
@@ -70,11 +69,6 @@ class DoesNotFit(ValueError):
         self.field, self.plan = field, plan
 
 
-def _lora_targets(names: list[str]) -> tuple[str, ...]:
-    chosen = {HF_LORA_NAMES.get(n, n) for n in names if n}
-    return tuple(t for t in LORA_TARGETS if t in chosen) or LORA_TARGETS
-
-
 def _recompute(spec: Any) -> str | None:
     if getattr(spec, "recompute_granularity", None):
         return spec.recompute_granularity
@@ -103,7 +97,7 @@ def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
         recompute_method=getattr(spec, "recompute_method", None),
         recompute_num_layers=getattr(spec, "recompute_num_layers", None),
         lora_r=lora_r,
-        lora_targets=_lora_targets(list(spec.lora_target_modules)) if lora_r else LORA_TARGETS,
+        lora_targets=tuple(resolve_targets(spec.lora_target_modules)) if lora_r else MEGATRON_TARGETS,
         loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024),
         device_type=spec.resources.device_type,
         train=train,
