@@ -218,6 +218,12 @@ class JobLatestList(BaseModel):
     data: list[JobLatest]
 
 
+class FileDeleted(BaseModel):
+    object: Literal["file.deleted"] = "file.deleted"
+    path: str = Field(description="relative to your team's upload area")
+    deleted: bool
+
+
 class FilePublic(BaseModel):
     object: Literal["file"] = "file"
     path: str = Field(description="relative to your team's upload area (what PUT /v1/files/{path} named)")

@@ -32,6 +32,7 @@ cli.command()(remote.download)
 cli.command()(remote.checkpoints)
 cli.command()(remote.upload)
 cli.command()(remote.files)
+cli.command("delete-file")(remote.delete_file)
 cli.add_typer(token_cli, name="token")
 
 

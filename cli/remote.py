@@ -295,3 +295,12 @@ def files(prefix: Annotated[str | None, typer.Option(help="only under this direc
         ["PATH", "BYTES", "MODIFIED", "SERVER_PATH"],
         [[f["path"], f["size_bytes"], f["modified_at"], f["server_path"]] for f in found],
     )
+
+
+def delete_file(
+    path: Annotated[str, typer.Argument(help="path in your team's upload area, as `llmjobs files` lists it")],
+) -> None:
+    """Delete one of your team's uploaded files."""
+    with _api_errors():
+        Client().delete_file(path)
+    typer.echo(f"deleted {path}", err=True)

@@ -7,13 +7,16 @@ checked word by word: no absolute path, ``..``, ``.``, empty part, backslash or 
 it may be an existing symbolic link (a link could point out of the area). The bytes go to a hidden temporary file
 next to the destination, opened with ``O_EXCL | O_NOFOLLOW``, and are moved into place only once complete (a cut
 upload leaves nothing behind): ``os.link`` when an existing file must not be replaced (atomic refusal),
-``os.replace`` when ``overwrite`` was asked.
+``os.replace`` when ``overwrite`` was asked. Deleting walks the path one directory at a time through file
+descriptors opened with ``O_NOFOLLOW`` (``delete_file``), so a link swapped in after a check is never followed.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -172,3 +175,45 @@ def list_files(settings: Settings, team: str, prefix: str | None = None) -> list
                 )
             )
     return sorted(found, key=lambda f: f.path)
+
+
+def delete_file(settings: Settings, team: str, path: str) -> None:
+    """Remove one of ``team``'s uploaded files, then the directories that leaves empty (up to the upload area).
+    404 when there is no such file, 409 for a directory, 422 when a part of the path is a symbolic link."""
+    parts = checked_path(path).split("/")
+    missing = ApiError(404, "not_found", f"path: no uploaded file {path}", "path")
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    opened: list[int] = []
+    try:
+        opened.append(os.open(upload_area(settings, team), flags))
+        for part in parts[:-1]:
+            _refuse_link(part, opened[-1])  # for the message: O_NOFOLLOW refuses a link anyway
+            opened.append(os.open(part, flags, dir_fd=opened[-1]))
+        mode = _refuse_link(parts[-1], opened[-1])
+        if stat.S_ISDIR(mode):
+            raise ApiError(409, "conflict", f"path: {path} is a directory; delete its files", "path")
+        os.unlink(parts[-1], dir_fd=opened[-1])
+        for depth in range(len(parts) - 1, 0, -1):  # the now-empty directories, innermost first
+            try:
+                os.rmdir(parts[depth - 1], dir_fd=opened[depth - 1])
+            except OSError:
+                break  # not empty (or in use): keep it and everything above
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise missing from None
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise ApiError(422, "validation_error", "path: goes through a symbolic link", "path") from None
+        raise
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _refuse_link(name: str, dir_fd: int) -> int:
+    """The mode of ``name`` in ``dir_fd`` (not followed); 422 for a symbolic link."""
+    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    if stat.S_ISLNK(mode):
+        raise ApiError(
+            422, "validation_error", f"path: {name!r} is a symbolic link; uploads never follow links", "path"
+        )
+    return mode

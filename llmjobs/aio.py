@@ -24,6 +24,7 @@ from llmjobs.types import (
     Checkpoint,
     Event,
     File,
+    FileDeleted,
     Job,
     JobDeleted,
     LogLine,
@@ -308,6 +309,10 @@ class AsyncClient:
             if not page["has_more"]:
                 return
             after = page["last_id"]
+
+    async def delete_file(self, path: str) -> FileDeleted:
+        """Delete one uploaded file of the team (directories it leaves empty go too); ``NotFound`` if there is none."""
+        return cast(FileDeleted, await self.request("DELETE", c.file_path(path)))
 
 
 async def _chunks(body: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes]:

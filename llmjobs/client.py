@@ -27,6 +27,7 @@ from llmjobs.types import (
     Checkpoint,
     Event,
     File,
+    FileDeleted,
     Job,
     JobDeleted,
     LogLine,
@@ -301,3 +302,7 @@ class Client:
             if not page["has_more"]:
                 return
             after = page["last_id"]
+
+    def delete_file(self, path: str) -> FileDeleted:
+        """Delete one uploaded file of the team (directories it leaves empty go too); ``NotFound`` if there is none."""
+        return cast(FileDeleted, self.request("DELETE", c.file_path(path)))

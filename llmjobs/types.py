@@ -118,6 +118,12 @@ class File(TypedDict):
     sha256: str | None
 
 
+class FileDeleted(TypedDict):
+    object: str
+    path: str
+    deleted: bool
+
+
 @dataclass(frozen=True)
 class StreamMessage:
     """One message of a job's live stream: ``event`` is state, event, metric, log or end; ``id`` resumes after it."""

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SettingsDep
-from app.schemas import FilePublic, ListPage
+from app.schemas import FileDeleted, FilePublic, ListPage
 from core import uploads
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -50,7 +50,8 @@ async def upload_file(
     settings: SettingsDep,
     overwrite: Annotated[bool, Query(description="replace the file if it exists (default: 409)")] = False,
 ) -> FilePublic:
-    """Upload one file to ``<data root>/uploads/<team>/<path>`` (directories are created). The body is the file."""
+    """Upload one file to ``<first data root>/teams/<team>/uploads/<path>`` (directories are created). The body is
+    the file."""
     target = await run_in_threadpool(uploads.destination, settings, principal.team, path, overwrite)
     upload = await run_in_threadpool(uploads.Upload, settings, target, settings.upload_max_bytes)
     try:
@@ -75,6 +76,23 @@ async def upload_file(
         sha256=upload.digest.hexdigest(),
         modified_at=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
     )
+
+
+@router.delete(
+    "/{path:path}",
+    response_model=FileDeleted,
+    responses={
+        **ERRORS,
+        404: {"description": "No such uploaded file"},
+        409: {"description": "The path is a directory"},
+        422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"},
+    },
+)
+def delete_file(path: str, principal: PrincipalDep, settings: SettingsDep) -> FileDeleted:
+    """Delete one of your team's uploaded files (directories it leaves empty go too). Jobs that name it and have not
+    read it yet will fail on the missing input."""
+    uploads.delete_file(settings, principal.team, path)
+    return FileDeleted(path=uploads.checked_path(path), deleted=True)
 
 
 @router.get("", response_model=ListPage[FilePublic], responses=ERRORS)

@@ -1,6 +1,7 @@
 """Uploads over HTTP: streamed into the team's area of the data roots with a SHA-256, listed per team, never outside
 it (absolute paths, '..', symbolic links refused), never over an existing file unless asked, never over the size
-limit (nothing left behind); the CLI's ``upload`` and ``files`` on top of the SDK."""
+limit (nothing left behind); deleted one file at a time, never through a link; the CLI's ``upload``, ``files`` and
+``delete-file`` on top of the SDK."""
 
 from __future__ import annotations
 
@@ -93,6 +94,35 @@ def test_symbolic_links_are_never_followed(api: TestClient, settings: Settings, 
     assert api.get("/v1/files").json()["data"] == []  # links are not listed
 
 
+def test_delete_removes_the_file_and_the_directories_it_empties(api: TestClient, settings: Settings) -> None:
+    for path in ("d/sub/a.txt", "d/b.txt"):
+        assert api.put(f"/v1/files/{path}", content=b"x").status_code == 201
+    gone = api.delete("/v1/files/d/sub/a.txt")
+    assert gone.status_code == 200 and gone.json() == {"object": "file.deleted", "path": "d/sub/a.txt", "deleted": True}
+    assert not (area(settings) / "d" / "sub").exists() and (area(settings) / "d" / "b.txt").exists()
+    assert api.delete("/v1/files/d/sub/a.txt").json()["code"] == "not_found"
+    assert api.delete("/v1/files/d").status_code == 409  # a directory
+    assert api.delete("/v1/files/d/b.txt/x").status_code == 404  # a file where a directory would be
+    other = auth(make_token(settings, "beta"))
+    assert api.delete("/v1/files/d/b.txt", headers=other).status_code == 404  # another team's area
+    assert api.delete("/v1/files/d/b.txt").status_code == 200
+    assert area(settings).is_dir() and list(area(settings).iterdir()) == []  # the area itself stays
+    assert api.delete("/v1/files/%2E%2E/x").json()["field"] == "path"
+
+
+def test_delete_never_follows_a_link(api: TestClient, settings: Settings, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f.txt").write_text("keep")
+    area(settings).mkdir(parents=True)
+    (area(settings) / "link").symlink_to(outside, target_is_directory=True)
+    (area(settings) / "file-link").symlink_to(outside / "f.txt")
+    for path in ("link/f.txt", "file-link"):
+        response = api.delete(f"/v1/files/{path}")
+        assert response.status_code == 422 and "symbolic link" in response.json()["message"], response.text
+    assert (outside / "f.txt").read_text() == "keep" and (area(settings) / "file-link").is_symlink()
+
+
 def test_over_the_limit_is_413_and_leaves_nothing(api: TestClient, settings: Settings) -> None:
     declared = api.put("/v1/files/big.bin", content=b"x" * (LIMIT + 1))
     assert declared.status_code == 413 and declared.json()["code"] == "payload_too_large"
@@ -145,3 +175,7 @@ def test_cli_upload_and_files(
         "models/tiny/config.json",
         "models/tiny/sub/w.bin",
     ]
+    assert CliRunner().invoke(cli, ["delete-file", "models/tiny/sub/w.bin"]).exit_code == 0
+    assert not (area(settings) / "models/tiny/sub").exists()
+    missing = CliRunner().invoke(cli, ["delete-file", "models/tiny/sub/w.bin"])
+    assert missing.exit_code == 1 and "404" in missing.output
