@@ -15,13 +15,7 @@ import warnings
 
 import torch
 
-from mcore_cpu_support import (
-    compare_rank_file,
-    cpu_transformer_config,
-    finish,
-    forward_matches,
-    init_cpu_model_parallel,
-)
+import mcore_cpu_support as mcpu
 
 warnings.filterwarnings("ignore")
 
@@ -32,7 +26,7 @@ def _model(tp: int, ep: int, grouped: bool, shape: dict) -> torch.nn.Module:
     from megatron.core.transformer.moe import grouped_gemm_util
 
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None  # the kernel is only needed by forward
-    cfg = cpu_transformer_config(
+    cfg = mcpu.cpu_transformer_config(
         shape,
         tp,
         num_moe_experts=shape["num_experts"],
@@ -60,18 +54,18 @@ def main() -> int:
     shape, ref = json.loads(sys.argv[5]), torch.load(sys.argv[6])
     from megatron.core import parallel_state as ps
 
-    init_cpu_model_parallel(tp, ep=ep)
+    mcpu.init_cpu_model_parallel(tp, ep=ep)
     model = _model(tp, ep, grouped, shape)
     t, e = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     rank_dir = f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "")
     path = os.path.join(ckpt, "iter_0000001", rank_dir, "model_optim_rng.pt")
-    ok, report = compare_rank_file(model, path, rank_dir, skip=("expert_bias", "local_tokens_per_expert"))
+    ok, report = mcpu.compare_rank_file(model, path, rank_dir, skip=("expert_bias", "local_tokens_per_expert"))
     if ok and grouped:
         ok = report["ok"] = _grouped_views_match(model, ref, shape, t, tp, e, ep)
     print(json.dumps(report), flush=True)
     if ok and tp == ep == 1 and not grouped:
-        ok = forward_matches(model, ref, moe=True)
-    return finish(ok)
+        ok = mcpu.forward_matches(model, ref, moe=True)
+    return mcpu.finish(ok)
 
 
 def _grouped_views_match(model: torch.nn.Module, ref: dict, shape: dict, t: int, tp: int, e: int, ep: int) -> bool:

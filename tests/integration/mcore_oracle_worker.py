@@ -13,13 +13,7 @@ import warnings
 
 import torch
 
-from mcore_cpu_support import (
-    compare_rank_file,
-    cpu_transformer_config,
-    finish,
-    forward_matches,
-    init_cpu_model_parallel,
-)
+import mcore_cpu_support as mcpu
 
 warnings.filterwarnings("ignore")
 
@@ -30,8 +24,8 @@ def main() -> int:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    init_cpu_model_parallel(tp, pp)
-    cfg = cpu_transformer_config(shape, tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    mcpu.init_cpu_model_parallel(tp, pp)
+    cfg = mcpu.cpu_transformer_config(shape, tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     model = GPTModel(
         cfg,
         get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
@@ -48,11 +42,11 @@ def main() -> int:
     rank_dir = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
     tracker = open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip()
     path = os.path.join(ckpt, f"iter_{int(tracker):07d}", rank_dir, "model_optim_rng.pt")
-    ok, report = compare_rank_file(model, path, rank_dir)
+    ok, report = mcpu.compare_rank_file(model, path, rank_dir)
     print(json.dumps(report), flush=True)
     if ok and len(sys.argv) > 5 and pp == 1:
-        ok = forward_matches(model, torch.load(sys.argv[5]))
-    return finish(ok)
+        ok = mcpu.forward_matches(model, torch.load(sys.argv[5]))
+    return mcpu.finish(ok)
 
 
 if __name__ == "__main__":
