@@ -33,8 +33,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integratio
 import httpx  # noqa: E402
 from sqlalchemy import distinct, func, select, tuple_  # noqa: E402
 
+import sched_support as sched  # noqa: E402
 from cli.demo import tokenizer_source  # noqa: E402
 from core.db import get_engine, session_scope  # noqa: E402
 from core.models import Job, JobNode, LogLine, MetricPoint, WebhookDelivery, utcnow  # noqa: E402
@@ -61,17 +62,6 @@ from replica_support import (  # noqa: E402
     wait,
     webhook_receiver,
 )
-from sched_support import (  # noqa: E402
-    checkpoints,
-    reconciler,
-    start_worker,
-    stop_worker,
-    submit,
-    train_spec,
-    wait_for,
-    wait_terminal,
-    write_tiny_data,
-)
 from worker.ingest import metric_rows  # noqa: E402
 
 FAST = {"heartbeat_interval_s": 1, "host_stale_after_s": 15, "ingest_interval_s": 0.3, "redispatch_after_s": 3}
@@ -86,15 +76,6 @@ def settle(pred: Callable[[], Any], timeout: float) -> bool:
                 return True
         time.sleep(0.3)
     return False
-
-
-@contextmanager
-def worker(settings: Settings, host: str, devices: int, log: Path) -> Iterator[None]:
-    proc = start_worker(settings, host, devices, log)
-    try:
-        yield
-    finally:
-        stop_worker(proc)
 
 
 def job_counts(settings: Settings, ids: list[str]) -> dict[str, int]:
@@ -122,18 +103,18 @@ def total(runs: list[dict[str, Any]], key: str) -> int:
 
 
 def worker_kill_run(settings: Settings, spec: dict[str, Any], log: Path, kill: bool) -> dict[str, Any]:
-    proc = start_worker(settings, "h1", 2, log)
+    proc = sched.start_worker(settings, "h1", 2, log)
     try:
-        job_id = submit(settings, spec)
+        job_id = sched.submit(settings, spec)
         if kill:
-            wait_for(settings, job_id, lambda r: checkpoints(settings, job_id) >= 1, 600, "checkpointed")
+            sched.wait_checkpointed(settings, job_id, 600)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-            wait_for(settings, job_id, lambda r: r.state == "retrying", 120, "re-queued")
-            proc = start_worker(settings, "h1", 2, log)  # the host comes back
-        row = wait_terminal(settings, job_id, 1200)
+            sched.wait_for(settings, job_id, lambda r: r.state == "retrying", 120, "re-queued")
+            proc = sched.start_worker(settings, "h1", 2, log)  # the host comes back
+        row = sched.wait_terminal(settings, job_id, 1200)
     finally:
-        stop_worker(proc)
+        sched.stop_worker(proc)
     summary = (row.result or {}).get("summary") or {}
     return {
         "state": row.state,
@@ -146,19 +127,14 @@ def worker_kill_run(settings: Settings, spec: dict[str, Any], log: Path, kill: b
 def worker_kill(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     settings = isolated_settings(root / "var", heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
     area = team_dir(settings, "t")  # the submitting team's data area (sched_support.submit submits as "t")
-    data = write_tiny_data(area / "tiny")
+    data = sched.tiny_data(settings)
 
     def spec(name: str) -> dict[str, Any]:
-        return train_spec(
-            data,
-            train_iters=args.iters,
-            save_interval=args.save_interval,
-            max_restarts=2,
-            save=str(area / name),
-            resources={"nproc_per_node": 2},
+        return sched.resumable_spec(
+            data, area / name, iters=args.iters, max_restarts=2, save_interval=args.save_interval
         )
 
-    with reconciler(settings):
+    with sched.reconciler(settings):
         baseline = worker_kill_run(settings, spec("baseline"), root / "worker.log", kill=False)
         runs = [worker_kill_run(settings, spec(f"run{i}"), root / "worker.log", kill=True) for i in range(args.runs)]
     base = baseline["final_lm_loss"]
@@ -205,7 +181,7 @@ def replica_kill_run(settings: Settings, jobs: int, logs: Path) -> dict[str, Any
         for proc, _ in replicas:
             stack.callback(stop_api, proc)
         for i in range(2):
-            stack.enter_context(worker(settings, f"h{i}", 2, logs / f"h{i}.log"))
+            stack.enter_context(sched.running_worker(settings, f"h{i}", 2, logs / f"h{i}.log"))
         hook = httpx.post(f"{replicas[0][1]}/v1/webhooks", json={"url": hook_url}, headers=headers, timeout=30)
         assert hook.status_code == 201, hook.text
         for n in range(jobs):  # alternate replicas: jobs committed by the one about to die must still run
@@ -321,7 +297,7 @@ def finished(settings: Settings, ids: list[str]) -> bool:
 
 
 def db_restart_run(settings: Settings, pg: PrivatePostgres, spec: dict[str, Any], args: argparse.Namespace) -> dict:
-    ids = [submit(settings, spec) for _ in range(args.jobs)]
+    ids = [sched.submit(settings, spec) for _ in range(args.jobs)]
     reached = settle(lambda: running(settings, ids), 600)
     pg.stop()  # mid-run: the engines train on, their workers buffer in the run files
     time.sleep(args.outage_s)
@@ -337,9 +313,9 @@ def db_restart_run(settings: Settings, pg: PrivatePostgres, spec: dict[str, Any]
 def db_restart(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     with private_postgres() as pg:
         settings = isolated_settings(root / "var", pg.url, **FAST)
-        data = write_tiny_data(team_dir(settings, "t") / "tiny")
-        spec = train_spec(data, train_iters=args.iters, resources={"nproc_per_node": 1})
-        with reconciler(settings), worker(settings, "h1", args.jobs, root / "worker.log"):
+        data = sched.tiny_data(settings)
+        spec = sched.train_spec(data, train_iters=args.iters, resources={"nproc_per_node": 1})
+        with sched.reconciler(settings), sched.running_worker(settings, "h1", args.jobs, root / "worker.log"):
             runs = [db_restart_run(settings, pg, spec, args) for _ in range(args.runs)]
     keys = ["lost", "run_twice", "succeeded_once", "metric_points", "metric_points_missing", "metric_points_twice"]
     keys += ["log_lines", "log_lines_missing", "log_lines_extra"]
@@ -355,10 +331,10 @@ def db_restart(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def broker_restart_run(settings: Settings, redis: PrivateRedis, spec: dict[str, Any], args: argparse.Namespace) -> dict:
-    ids = [submit(settings, spec)]
+    ids = [sched.submit(settings, spec)]
     reached = settle(lambda: running(settings, ids), 600)
     redis.stop()  # every message it held is gone (no persistence)
-    ids += [submit(settings, spec) for _ in range(args.jobs)]  # committed; their messages wait
+    ids += [sched.submit(settings, spec) for _ in range(args.jobs)]  # committed; their messages wait
     time.sleep(args.outage_s)
     redis.start()
     back = utcnow()
@@ -369,9 +345,9 @@ def broker_restart_run(settings: Settings, redis: PrivateRedis, spec: dict[str, 
 def broker_restart(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     with private_redis() as redis:
         settings = isolated_settings(root / "var", broker_url=redis.url, **FAST)
-        data = write_tiny_data(team_dir(settings, "t") / "tiny")
-        spec = train_spec(data, train_iters=args.iters, resources={"nproc_per_node": 1})
-        with reconciler(settings), worker(settings, "h1", args.jobs + 1, root / "worker.log"):
+        data = sched.tiny_data(settings)
+        spec = sched.train_spec(data, train_iters=args.iters, resources={"nproc_per_node": 1})
+        with sched.reconciler(settings), sched.running_worker(settings, "h1", args.jobs + 1, root / "worker.log"):
             runs = [broker_restart_run(settings, redis, spec, args) for _ in range(args.runs)]
     return {
         "jobs_per_run": args.jobs + 1,

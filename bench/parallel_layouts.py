@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from torchrun_support import torchrun  # noqa: E402
+
 WORKER = ROOT / "tests" / "integration" / "parallel_worker.py"
 LAYOUTS = {
     2: ["tp2:tp=2", "tp2_nosp:tp=2,sp=0", "pp2:pp=2", "pp2_interleaved:pp=2,vpp=1", "dp2:dp=2"],
@@ -32,8 +35,7 @@ LAYOUTS = {
 
 def launch(nproc: int, cases: list[str], out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), *cases]
+    cmd = torchrun(nproc, str(WORKER), str(out), *cases)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
     return json.loads(out.read_text())
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from cli.demo import intent_samples, write_jsonl
 from core.settings import REPO_ROOT
 
 
@@ -61,6 +64,95 @@ def serve(var: Path, **settings: str) -> Iterator[Service]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def serve_for_pipelines(factory: Any, name: str, **settings: str) -> Iterator[tuple[str, str, Path]]:
+    """The body of the pipeline e2e tests' module-scoped ``service`` fixture: ``serve`` in a fresh var dir ``name``
+    with heartbeats and reconciles each second and one thread per rank, plus ``settings``; yields the service's URL,
+    admin token and var dir."""
+    with serve(
+        factory.mktemp(name),
+        LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+        LLMJOBS_RECONCILE_INTERVAL_S="1",
+        OMP_NUM_THREADS="1",
+        **settings,
+    ) as svc:
+        yield svc.url, svc.token, svc.var
+
+
+def team_area(var: Path, name: str, tokenizer: Path, train: int, test: int, write_hf: Callable[[Path], Any]) -> Path:
+    """The admin token's team area ``name`` under the service's ``var``, holding the tokenizer (``tok``), ``train``
+    and ``test`` intent samples (``train.jsonl`` seed 1, ``test.jsonl`` seed 2) and the model ``write_hf`` writes
+    (``hf``)."""
+    area = var / "data" / "teams" / "default" / name
+    shutil.copytree(tokenizer, area / "tok")
+    write_jsonl(area / "train.jsonl", intent_samples(train, seed=1))
+    write_jsonl(area / "test.jsonl", intent_samples(test, seed=2))
+    write_hf(area / "hf")
+    return area
+
+
+def seed_chain_steps(
+    area: str, train: dict[str, Any], eval_batch_size: int, model_flags: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The seed's chain as pipeline steps over the team area ``area`` (as ``team_area`` fills it): ``prep``
+    (preprocess), ``hf2mg``, ``train`` (``train``'s spec, from the converted checkpoint into ``area/trained``),
+    ``mg2hf`` (into ``area/final``), ``eval`` (greedy, 4 new tokens, ``model_flags``)."""
+    return [
+        {
+            "name": "prep",
+            "spec": {
+                "kind": "preprocess",
+                "input": f"{area}/train.jsonl",
+                "tokenizer_name_or_path": f"{area}/tok",
+                "output_prefix": f"{area}/data/intent",
+                "handler_name": "SharegptStyleInstructionHandler",
+                "prompt_type": "qwen3",
+            },
+        },
+        {
+            "name": "hf2mg",
+            "spec": {
+                "kind": "convert",
+                "load_model_type": "hf",
+                "save_model_type": "mg",
+                "load_dir": f"{area}/hf",
+                "save_dir": f"{area}/mg",
+            },
+        },
+        {
+            "name": "train",
+            "spec": {
+                **train,
+                "data_path": "${steps.prep.outputs.data_path}",
+                "load": "${steps.hf2mg.outputs.checkpoint}",
+                "save": f"{area}/trained",
+            },
+        },
+        {
+            "name": "mg2hf",
+            "spec": {
+                "kind": "convert",
+                "load_model_type": "mg",
+                "save_model_type": "hf",
+                "load_dir": "${steps.train.outputs.checkpoint}",
+                "save_dir": f"{area}/final",
+            },
+        },
+        {
+            "name": "eval",
+            "spec": {
+                "kind": "eval",
+                "load": "${steps.mg2hf.outputs.checkpoint}",
+                "tokenizer_name_or_path": f"{area}/tok",
+                "eval_data_path": f"{area}/test.jsonl",
+                "max_new_tokens": 4,
+                "greedy": True,
+                "eval_batch_size": eval_batch_size,
+                **model_flags,
+            },
+        },
+    ]
 
 
 def _wait_ready(url: str, var: Path, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -8,7 +8,6 @@ import base64
 import hashlib
 import hmac
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -19,44 +18,21 @@ from typing import Any
 import httpx
 import pytest
 
-from cli.demo import intent_samples, write_jsonl
-from service_support import serve
+from convert_tiny import REAL_VOCAB_FLAGS, real_vocab_qwen3
+from service_support import seed_chain_steps, serve_for_pipelines, team_area
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
-    with serve(
-        tmp_path_factory.mktemp("pipeline-var"),
-        LLMJOBS_HEARTBEAT_INTERVAL_S="1",
+    yield from serve_for_pipelines(
+        tmp_path_factory,
+        "pipeline-var",
         LLMJOBS_WORKER_NAME="pipeline-host",
-        LLMJOBS_RECONCILE_INTERVAL_S="1",
         LLMJOBS_WEBHOOK_POLL_S="0.3",
         LLMJOBS_WEBHOOK_ALLOWED_HOSTS="127.0.0.1",
-        OMP_NUM_THREADS="1",
-    ) as svc:
-        yield svc.url, svc.token, svc.var
-
-
-def tiny_hf_qwen3(path: Path) -> None:
-    """A random Qwen3 with the real vocabulary but hidden 64 and 2 layers, written by transformers itself."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
     )
-    Qwen3ForCausalLM(config).save_pretrained(path)
 
 
 @pytest.fixture
@@ -83,25 +59,7 @@ def receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
 
 # The seed's GPT_ARGS for the tiny model, spelled out as the seed's scripts do: the engine checks every model flag a
 # spec sets against the checkpoint's config.json (flags left unset come from it).
-MODEL_FLAGS = {
-    "num_layers": 2,
-    "hidden_size": 64,
-    "ffn_hidden_size": 128,
-    "num_attention_heads": 4,
-    "kv_channels": 16,
-    "group_query_attention": True,
-    "num_query_groups": 2,
-    "padded_vocab_size": 151936,
-    "make_vocab_size_divisible_by": 1,
-    "norm_epsilon": 1e-6,
-    "rotary_base": 1_000_000.0,
-    "untie_embeddings_and_output_weights": True,
-    "normalization": "RMSNorm",
-    "position_embedding_type": "rope",
-    "swiglu": True,
-    "qk_layernorm": True,
-    "disable_bias_linear": True,
-}
+MODEL_FLAGS = REAL_VOCAB_FLAGS
 
 
 def pipeline_body() -> dict[str, Any]:
@@ -109,71 +67,24 @@ def pipeline_body() -> dict[str, Any]:
         "kind": "pipeline",
         "name": "seed-chain",
         "metadata": {"seed": "004"},
-        "steps": [
+        "steps": seed_chain_steps(
+            "pipe",
             {
-                "name": "prep",
-                "spec": {
-                    "kind": "preprocess",
-                    "input": "pipe/train.jsonl",
-                    "tokenizer_name_or_path": "pipe/tok",
-                    "output_prefix": "pipe/data/intent",
-                    "handler_name": "SharegptStyleInstructionHandler",
-                    "prompt_type": "qwen3",
-                },
+                "kind": "train",
+                "tokenizer_name_or_path": "pipe/tok",
+                "finetune": True,
+                "split": "100,0,0",
+                "seq_length": 128,
+                "micro_batch_size": 4,
+                "global_batch_size": 4,
+                "train_iters": 3,
+                "lr": 1e-3,
+                "log_interval": 1,
+                **MODEL_FLAGS,
             },
-            {
-                "name": "hf2mg",
-                "spec": {
-                    "kind": "convert",
-                    "load_model_type": "hf",
-                    "save_model_type": "mg",
-                    "load_dir": "pipe/hf",
-                    "save_dir": "pipe/mg",
-                },
-            },
-            {
-                "name": "train",
-                "spec": {
-                    "kind": "train",
-                    "data_path": "${steps.prep.outputs.data_path}",
-                    "load": "${steps.hf2mg.outputs.checkpoint}",
-                    "save": "pipe/trained",
-                    "tokenizer_name_or_path": "pipe/tok",
-                    "finetune": True,
-                    "split": "100,0,0",
-                    "seq_length": 128,
-                    "micro_batch_size": 4,
-                    "global_batch_size": 4,
-                    "train_iters": 3,
-                    "lr": 1e-3,
-                    "log_interval": 1,
-                    **MODEL_FLAGS,
-                },
-            },
-            {
-                "name": "mg2hf",
-                "spec": {
-                    "kind": "convert",
-                    "load_model_type": "mg",
-                    "save_model_type": "hf",
-                    "load_dir": "${steps.train.outputs.checkpoint}",
-                    "save_dir": "pipe/final",
-                },
-            },
-            {
-                "name": "eval",
-                "spec": {
-                    "kind": "eval",
-                    "load": "${steps.mg2hf.outputs.checkpoint}",
-                    "tokenizer_name_or_path": "pipe/tok",
-                    "eval_data_path": "pipe/test.jsonl",
-                    "max_new_tokens": 4,
-                    "greedy": True,
-                    "eval_batch_size": 8,
-                    **MODEL_FLAGS,
-                },
-            },
-        ],
+            eval_batch_size=8,
+            model_flags=MODEL_FLAGS,
+        ),
     }
 
 
@@ -181,11 +92,7 @@ def test_five_step_pipeline_end_to_end(
     service: tuple[str, str, Path], qwen_tokenizer_dir: Path, receiver: tuple[str, list[tuple[dict[str, str], bytes]]]
 ) -> None:
     url, token, var = service
-    pipe = var / "data" / "teams" / "default" / "pipe"  # the serve admin token's team area
-    shutil.copytree(qwen_tokenizer_dir, pipe / "tok")
-    write_jsonl(pipe / "train.jsonl", intent_samples(32, seed=1))
-    write_jsonl(pipe / "test.jsonl", intent_samples(8, seed=2))
-    tiny_hf_qwen3(pipe / "hf")
+    team_area(var, "pipe", qwen_tokenizer_dir, train=32, test=8, write_hf=real_vocab_qwen3)
     hook_url, seen = receiver
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
         hook = client.post("/v1/webhooks", json={"url": hook_url, "events": ["job.succeeded", "job.failed"]}).json()

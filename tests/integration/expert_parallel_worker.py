@@ -13,10 +13,7 @@ Rank 0 writes ``{"errors": [...], "dropped": n, "local_rows": [...]}`` to ``sys.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +29,7 @@ from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.spec import TrainSpec
 from engine.torch_compat import compute_local_shape_and_global_offset
 from engine.train.model_setup import build_rank_model
+from gloo_worker_support import run_ranks
 
 SEQ, SEED, VOCAB = 24, 5, 256
 
@@ -99,24 +97,16 @@ def check(ep: int) -> tuple[list[str], int, list[int]]:
     return errors, dropped, rows
 
 
-def main() -> None:
-    out_path, ep = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo")
+def gathered_check(ep: int) -> dict:
     errors, dropped, rows = check(ep)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (errors, dropped, rows))
-    if dist.get_rank() == 0:
-        result = {
-            "errors": [e for part in gathered for e in part[0]],
-            "dropped": sum(p[1] for p in gathered),
-            "local_rows": [r for p in gathered for r in p[2]],
-        }
-        Path(out_path).write_text(json.dumps(result))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return {
+        "errors": [e for part in gathered for e in part[0]],
+        "dropped": sum(p[1] for p in gathered),
+        "local_rows": [r for p in gathered for r in p[2]],
+    }
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(lambda: gathered_check(int(sys.argv[2])))

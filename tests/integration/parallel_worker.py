@@ -11,11 +11,8 @@ torch-distributed-on-gloo.md §f.1).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +35,7 @@ from engine.train.optim import LossScaler, build_optimizer
 from engine.train.router_stats import RouterTracker, router_summary
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import ModuleRunner, StepRunner, lm_loss, make_runner
+from gloo_worker_support import run_ranks
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS, VOCAB = 34, 8, 2, 5, 256  # 33 tokens after the shift: uneven TP2 sequence shards
 
@@ -223,9 +221,7 @@ def reference(
     return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0, router, router_rows)
 
 
-def main() -> None:
-    out_path, cases = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
+def run_cases(cases: list[str]) -> dict[str, Any]:
     # One single-rank group per rank (created collectively, in the same order everywhere) for the reference.
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     results = {}
@@ -240,13 +236,8 @@ def main() -> None:
             entry["reference"] = reference(opts, own, ref_router)
             entry["reference_router"] = ref_router
         results[opts["name"]] = entry
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(lambda: run_cases(sys.argv[2:]))

@@ -26,6 +26,7 @@ from core.paths import team_areas
 from core.reconciler import reconcile_once
 from core.settings import Settings
 from core.states import JobState
+from core_support import team_dir
 from engine.spec import parse_spec
 
 TINY_SHAPE: dict[str, Any] = {
@@ -35,6 +36,24 @@ TINY_SHAPE: dict[str, Any] = {
     "position_embedding_type": "rope",
 }
 write_tiny_data = train_support.write_instruction_data
+
+
+def tiny_data(settings: Settings) -> str:
+    """The tiny train data, written into the data area of team ``t`` (the team ``submit`` submits as)."""
+    return write_tiny_data(team_dir(settings, "t") / "tiny")
+
+
+def resumable_spec(data: str, save: Path, iters: int, max_restarts: int, save_interval: int = 10) -> dict[str, Any]:
+    """The job the fault tests kill: two ranks over ``data`` for ``iters`` iterations, a checkpoint into ``save`` every
+    ``save_interval``, at most ``max_restarts`` restarts."""
+    return train_spec(
+        data,
+        train_iters=iters,
+        save_interval=save_interval,
+        save=str(save),
+        max_restarts=max_restarts,
+        resources={"nproc_per_node": 2},
+    )
 
 
 def train_spec(data: str, **overrides: Any) -> dict[str, Any]:
@@ -99,6 +118,16 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
+def running_worker(settings: Settings, host: str, devices: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``start_worker`` for the block, ``stop_worker`` when it ends (however it ends)."""
+    proc = start_worker(settings, host, devices, log)
+    try:
+        yield proc
+    finally:
+        stop_worker(proc)
+
+
+@contextmanager
 def reconciler(settings: Settings, interval: float = 0.5) -> Iterator[None]:
     """What the API's lifespan loop does, in a thread."""
     stop = threading.Event()
@@ -146,6 +175,10 @@ def wait_for(settings: Settings, job_id: str, pred: Any, timeout: float, what: s
         f"job {job_id}: not {what} after {timeout}s (state {row.state}, {row.pending_reason})\n"
         + log_text(settings, job_id)
     )
+
+
+def wait_checkpointed(settings: Settings, job_id: str, timeout: float) -> Job:
+    return wait_for(settings, job_id, lambda _: checkpoints(settings, job_id) >= 1, timeout, "checkpointed")
 
 
 def wait_terminal(settings: Settings, job_id: str, timeout: float) -> Job:

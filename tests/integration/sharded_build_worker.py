@@ -12,8 +12,6 @@ checkpoint written with TP ``ctp`` × PP ``cpp``). Ends with os._exit (torch-dis
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from engine.parallel.parallelize import parallelize
 from engine.parallel.pipeline_parallel import build_pipeline_model
 from engine.spec import TrainSpec
 from engine.train.model_setup import build_rank_model, open_load, rank_view
+from gloo_worker_support import run_ranks
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, VOCAB, SEED = 34, 8, 2, 256, 11
 
@@ -155,20 +154,13 @@ def compare(opts: dict[str, Any], work: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    out_path, work, cases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    dist.init_process_group("gloo")
+def run_cases(work: Path, cases: list[str]) -> dict[str, Any]:
     results = {}
     for case in cases:
         opts = parse(case)
         results[opts["name"]] = compare(opts, work)
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(lambda: run_cases(Path(sys.argv[2]), sys.argv[3:]))

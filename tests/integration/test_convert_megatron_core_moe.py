@@ -5,8 +5,6 @@ CPU forward gives transformers' logits."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,10 +17,11 @@ from moe_support import VOCAB, hf_config  # noqa: E402
 from convert_tiny import json_objects  # noqa: E402
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron import save_mcore  # noqa: E402
+from mcore_cpu_support import mcore_shape  # noqa: E402
+from torchrun_support import run_ok, torchrun  # noqa: E402
 
 pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("mcore_moe_oracle_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -44,20 +43,15 @@ def test_megatron_core_moe_accepts_our_shards(tmp_path: Path, tp: int, ep: int, 
     src = HFCheckpoint(tmp_path / "hf")
     save_mcore(src, src.config, tmp_path / "mg", tp=tp, ep=ep, grouped=grouped)
     cfg = src.config
-    shape = {
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "ffn_hidden_size": cfg.ffn_hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_query_groups": cfg.num_query_groups,
-        "kv_channels": cfg.kv_channels,
-        "num_experts": cfg.num_experts,
-        "topk": cfg.moe_router_topk,
-        "moe_ffn_hidden_size": cfg.expert_ffn_hidden_size,
-        "moe_layer_freq": [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)],
-        "vocab_size": VOCAB,
-        "rotary_base": cfg.rotary_base,
-    }
+    shape = mcore_shape(
+        cfg,
+        num_experts=cfg.num_experts,
+        topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.expert_ffn_hidden_size,
+        moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)],
+        vocab_size=VOCAB,
+        rotary_base=cfg.rotary_base,
+    )
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = hf(ids).logits
@@ -66,11 +60,8 @@ def test_megatron_core_moe_accepts_our_shards(tmp_path: Path, tp: int, ep: int, 
         {n: src.get(f"{p}{e}.{n}_proj.weight") for n in ("gate", "up", "down")} for e in range(cfg.num_experts or 0)
     ]
     torch.save({"ids": ids, "logits": logits, "experts": experts}, tmp_path / "ref.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * ep}", str(WORKER)]
-    cmd += [str(tmp_path / "mg"), str(tp), str(ep), str(int(grouped)), json.dumps(shape), str(tmp_path / "ref.pt")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = [str(tmp_path / "mg"), str(tp), str(ep), str(int(grouped)), json.dumps(shape), str(tmp_path / "ref.pt")]
+    proc = run_ok(torchrun(tp * ep, str(WORKER), *argv), timeout=600)
     lines = json_objects(proc.stdout)  # the ranks' lines may run together
     assert sum(1 for x in lines if x.get("ok")) == tp * ep, lines
     if tp == ep == 1 and not grouped:

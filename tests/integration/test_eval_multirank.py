@@ -5,8 +5,6 @@ model instead of sharding it)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 from engine.checkpoint.hf import save_hf
 from engine.model.config import preset
 from engine.model.qwen3 import Qwen3Model
+from torchrun_support import run_ok, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +33,7 @@ def _lines(n: int) -> str:
 
 
 def _run(cmd: list[str], run_dir: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ok([*cmd, "--run-dir", str(run_dir)], timeout=300)
     return json.loads((run_dir / "result.json").read_text())
 
 
@@ -67,22 +64,8 @@ def eval_args(tmp_path: Path, tokenizer: Path, model: str, seed: int, samples: i
 def test_two_ranks_split_the_test_set_and_match_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
     args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny-tied", seed=5, samples=7, new_tokens=3)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "engine",
-        *args,
-        "--tensor-model-parallel-size",
-        "1",
-        "--pipeline-model-parallel-size",
-        "2",
-    ]
-    multi = _run(torchrun, tmp_path / "two")
+    tp1pp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    multi = _run(torchrun(2, "-m", "engine", *args, *tp1pp2), tmp_path / "two")
     assert multi["summary"]["world_size"] == 2 and single["summary"]["world_size"] == 1
     assert multi["summary"]["total"] == single["summary"]["total"] == 7 and multi["summary"]["skipped"] == 1
     assert (tmp_path / "one" / "predictions.jsonl").read_text() == (tmp_path / "two" / "predictions.jsonl").read_text()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from test_eval_multirank import _run, eval_args
+from torchrun_support import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -21,20 +22,7 @@ def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer
     # untied: the head is its own vocab-parallel output_layer; the MoE model's experts are cut per expert
     args = eval_args(tmp_path, qwen_tokenizer_dir, model, seed=7, samples=5, new_tokens=4)
     single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "engine",
-        *args,
-        "--tensor-model-parallel-size",
-        "2",
-    ]
-    multi = _run(torchrun, tmp_path / "tp")
+    multi = _run(torchrun(2, "-m", "engine", *args, "--tensor-model-parallel-size", "2"), tmp_path / "tp")
     assert multi["summary"]["world_size"] == 2 and multi["summary"]["tensor_model_parallel_size"] == 2
     assert multi["summary"]["total"] == single["summary"]["total"] == 5
     assert multi["summary"]["generated_tokens"] == single["summary"]["generated_tokens"]

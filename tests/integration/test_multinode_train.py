@@ -12,7 +12,7 @@ from sqlalchemy import select
 from core.db import session_scope
 from core.models import Event, JobNode, Lease, MetricPoint
 from core.settings import Settings
-from core_support import isolated_settings, team_dir
+from core_support import isolated_settings
 from sched_support import (
     job_processes,
     job_row,
@@ -21,9 +21,9 @@ from sched_support import (
     start_worker,
     stop_worker,
     submit,
+    tiny_data,
     train_spec,
     wait_terminal,
-    write_tiny_data,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def losses(settings: Settings, job_id: str) -> list[float]:
 
 def test_two_node_job_matches_one_node_run(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=20, ingest_interval_s=0.3)
-    data = write_tiny_data(team_dir(settings, "t") / "tiny")
+    data = tiny_data(settings)
     workers = [start_worker(settings, h, 2, tmp_path / f"{h}.log") for h in ("h1", "h2")]
     try:
         with reconciler(settings):

@@ -14,18 +14,18 @@ from core.db import session_scope
 from core.models import Event, JobNode, Lease
 from core_support import isolated_settings, team_dir
 from sched_support import (
-    checkpoints,
     job_processes,
     job_row,
     log_text,
     reconciler,
-    start_worker,
-    stop_worker,
+    resumable_spec,
+    running_worker,
     submit,
+    tiny_data,
     train_spec,
+    wait_checkpointed,
     wait_for,
     wait_terminal,
-    write_tiny_data,
 )
 
 pytestmark = pytest.mark.slow
@@ -41,24 +41,12 @@ def _rank(job_id: str, local_rank: str) -> psutil.Process:
 
 def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
-    data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    spec = train_spec(
-        data,
-        train_iters=100,
-        save_interval=10,
-        save=str(team_dir(settings, "t") / "ckpt"),
-        max_restarts=1,
-        resources={"nproc_per_node": 2},
-    )
-    worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
-    try:
-        with reconciler(settings):
-            job_id = submit(settings, spec)
-            wait_for(settings, job_id, lambda _: checkpoints(settings, job_id) >= 1, 180, "checkpointed")
-            _rank(job_id, "1").kill()
-            row = wait_terminal(settings, job_id, 240)
-    finally:
-        stop_worker(worker)
+    spec = resumable_spec(tiny_data(settings), team_dir(settings, "t") / "ckpt", iters=100, max_restarts=1)
+    with running_worker(settings, "h1", 2, tmp_path / "h1.log"), reconciler(settings):
+        job_id = submit(settings, spec)
+        wait_checkpointed(settings, job_id, 180)
+        _rank(job_id, "1").kill()
+        row = wait_terminal(settings, job_id, 240)
     assert row.state == "succeeded" and row.attempt_count == 2, log_text(settings, job_id)
     assert (row.result or {})["summary"]["start_iteration"] >= 10
     with session_scope(settings.database_url) as session:
@@ -72,23 +60,20 @@ def test_two_of_three_run_at_once_and_deadlines_free_their_slots(tmp_path: Path)
     """3 jobs of 2 CPU slots on a 4-slot host: 2 run at once, the third waits with a reason; each run deadline stops
     its job, and the devices it frees (once its processes are gone) start the third."""
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3, cancel_grace_s=2)
-    data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    spec = train_spec(data, train_iters=100000, run_deadline_s=6, max_restarts=3, resources={"nproc_per_node": 2})
-    worker = start_worker(settings, "h1", 4, tmp_path / "h1.log")
-    try:
-        with reconciler(settings):
-            a, b, c = (submit(settings, spec) for _ in range(3))
-            wait_for(
-                settings,
-                b,
-                lambda r: r.state == "running" and job_row(settings, a).state == "running",
-                120,
-                "running together with the first",
-            )
-            waiting = job_row(settings, c)
-            rows = [wait_terminal(settings, j, 180) for j in (a, b, c)]
-    finally:
-        stop_worker(worker)
+    spec = train_spec(
+        tiny_data(settings), train_iters=100000, run_deadline_s=6, max_restarts=3, resources={"nproc_per_node": 2}
+    )
+    with running_worker(settings, "h1", 4, tmp_path / "h1.log"), reconciler(settings):
+        a, b, c = (submit(settings, spec) for _ in range(3))
+        wait_for(
+            settings,
+            b,
+            lambda r: r.state == "running" and job_row(settings, a).state == "running",
+            120,
+            "running together with the first",
+        )
+        waiting = job_row(settings, c)
+        rows = [wait_terminal(settings, j, 180) for j in (a, b, c)]
     assert waiting.state == "queued"
     assert waiting.pending_reason == "waiting for 2 free cpu devices on one host; host h1 has 0 free"
     for row in rows:

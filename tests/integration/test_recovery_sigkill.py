@@ -17,17 +17,19 @@ from core.messaging import send_run_node
 from core.models import Attempt, Event, JobNode, Lease
 from core_support import isolated_settings, team_dir
 from sched_support import (
-    checkpoints,
     job_processes,
     log_text,
     reconciler,
+    resumable_spec,
+    running_worker,
     start_worker,
     stop_worker,
     submit,
+    tiny_data,
     train_spec,
+    wait_checkpointed,
     wait_for,
     wait_terminal,
-    write_tiny_data,
 )
 
 pytestmark = pytest.mark.slow
@@ -35,20 +37,12 @@ pytestmark = pytest.mark.slow
 
 def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
-    data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    spec = train_spec(
-        data,
-        train_iters=120,
-        save_interval=10,
-        save=str(team_dir(settings, "t") / "ckpt"),
-        max_restarts=2,
-        resources={"nproc_per_node": 2},
-    )
+    spec = resumable_spec(tiny_data(settings), team_dir(settings, "t") / "ckpt", iters=120, max_restarts=2)
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
         with reconciler(settings):
             job_id = submit(settings, spec)
-            wait_for(settings, job_id, lambda r: checkpoints(settings, job_id) >= 1, 180, "checkpointed")
+            wait_checkpointed(settings, job_id, 180)
             engine = job_processes(job_id)
             assert len(engine) >= 3, engine  # torchrun and its two ranks
             os.kill(worker.pid, signal.SIGKILL)
@@ -82,19 +76,15 @@ def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> No
 
 def test_redelivered_message_does_not_start_a_second_run(tmp_path: Path) -> None:
     settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
-    data = write_tiny_data(team_dir(settings, "t") / "tiny")
-    worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
-    try:
-        with reconciler(settings):
-            job_id = submit(settings, train_spec(data, train_iters=40))
-            wait_for(settings, job_id, lambda r: r.state == "running", 120, "running")
-            for _ in range(2):  # the broker hands the same "run node" message out again
-                send_run_node(settings, job_id, 1, 0, "h1")
-            row = wait_terminal(settings, job_id, 180)
-            send_run_node(settings, job_id, 1, 0, "h1")  # and after the end
-            time.sleep(3)
-    finally:
-        stop_worker(worker)
+    data = tiny_data(settings)
+    with running_worker(settings, "h1", 2, tmp_path / "h1.log"), reconciler(settings):
+        job_id = submit(settings, train_spec(data, train_iters=40))
+        wait_for(settings, job_id, lambda r: r.state == "running", 120, "running")
+        for _ in range(2):  # the broker hands the same "run node" message out again
+            send_run_node(settings, job_id, 1, 0, "h1")
+        row = wait_terminal(settings, job_id, 180)
+        send_run_node(settings, job_id, 1, 0, "h1")  # and after the end
+        time.sleep(3)
     assert row.state == "succeeded" and row.attempt_count == 1, log_text(settings, job_id)
     with session_scope(settings.database_url) as session:
         assert session.scalar(select(func.count()).select_from(Attempt).where(Attempt.job_id == job_id)) == 1

@@ -9,37 +9,19 @@ another one (re-sliced from the files holding the rank's layers only).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from torchrun_support import launch_worker
+
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("sharded_build_worker.py")
-REPO = WORKER.parents[2]
 
 
 def launch(tmp_path: Path, nproc: int, *cases: str) -> dict:
-    out = tmp_path / f"result-{nproc}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(WORKER),
-        str(out),
-        str(tmp_path),
-        *cases,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return launch_worker(WORKER, nproc, tmp_path / f"result-{nproc}.json", str(tmp_path), *cases)
 
 
 def assert_equal(result: dict, cases: list[str]) -> None:

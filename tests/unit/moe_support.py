@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from convert_tiny import tiny_hf_moe
 from engine.model import moe_mapping
 from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
@@ -77,25 +78,17 @@ def hf_pair(seed: int = 0, **overrides: object) -> tuple[Qwen3MoeForCausalLM, Qw
 
 
 def write_hf_moe_dir(path: Path) -> Path:
-    """A random tiny Qwen3-MoE written by transformers (2 MoE layers, 4 experts top-2, hidden 32, vocab 512)."""
+    """A random tiny Qwen3-MoE written by transformers (``tiny_hf_moe``: 2 MoE layers, 4 experts top-2; hidden 32,
+    vocab 512), seeded."""
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    return tiny_hf_moe(
+        path,
         vocab_size=512,
         hidden_size=32,
         intermediate_size=48,
         moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
         max_position_embeddings=256,
     )
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
