@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import jobs as service
+from core.admission import apply_team_defaults
 from core.db import session_scope
 from core.dispatch import dispatch
 from core.errors import ApiError
@@ -190,6 +191,7 @@ def _create_child(
         child_spec = parse_spec(body, **team_areas(settings, parent.team).context())
     except ValidationError as err:
         raise StepError(first_error(err, f"steps.{decision.index}.spec")) from None
+    apply_team_defaults(child_spec, settings, parent.team)  # each step is bounded as the same job alone would be
     key = f"pipeline:{parent.id}:{spec.steps[decision.index].name}"
     child, created = service.create_job(
         session,

@@ -167,7 +167,7 @@ class Settings(BaseSettings):
         "seq_length is larger are refused; 0 = no ceiling.",
     )
     default_run_deadline_s: int = Field(
-        0, ge=0, description="run_deadline_s given to a job whose spec sets none; 0 = none."
+        0, ge=0, description="run_deadline_s given to a job (each pipeline step too) whose spec sets none; 0 = none."
     )
     team_run_deadlines: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'."

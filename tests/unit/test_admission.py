@@ -85,6 +85,21 @@ def test_a_team_deadline_overrides_the_default_and_a_spec_overrides_both(
     assert own["spec"]["run_deadline_s"] == 5
 
 
+def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: TestClient, settings: Settings) -> None:
+    from core_support import make_token
+
+    beta = make_token(settings, "beta")
+    prep = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "out/p"}
+    for own, expected in ((None, 60), (5, 5)):
+        step = {**prep, **({"run_deadline_s": own} if own else {})}
+        body = {"kind": "pipeline", "steps": [{"name": "prep", "spec": step}]}
+        made = client.post("/v1/jobs", json=body, headers=auth(beta))
+        assert made.status_code == 201, made.text
+        assert "run_deadline_s" not in made.json()["spec"]  # the pipeline itself runs its steps, not a process
+        children = client.get("/v1/jobs", params={"parent_id": made.json()["id"]}, headers=auth(beta)).json()
+        assert [c["spec"]["run_deadline_s"] for c in children["data"]] == [expected]
+
+
 @pytest.mark.parametrize(
     ("body", "field", "text"),
     [
