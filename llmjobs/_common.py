@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,9 +28,12 @@ def retry_delay(headers: Mapping[str, str], attempt: int) -> float:
     """Seconds before retry ``attempt`` (0-based): the answer's ``Retry-After`` in seconds (at most
     ``MAX_RETRY_AFTER_S``), else the backoff table."""
     try:
-        return min(max(float(headers.get("retry-after", "")), 0.0), MAX_RETRY_AFTER_S)
+        seconds = float(headers.get("retry-after", ""))
     except ValueError:  # absent, or an HTTP date
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:  # "nan" or "-1" from a broken proxy: the table
         return RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
+    return min(seconds, MAX_RETRY_AFTER_S)
 
 
 def base_url(url: str | None) -> str:

@@ -319,6 +319,8 @@ def test_retry_delay_follows_retry_after_within_bounds() -> None:
     assert _common.retry_delay({"retry-after": "100000"}, 0) == _common.MAX_RETRY_AFTER_S
     assert _common.retry_delay({"retry-after": "Wed, 21 Oct 2026 07:28:00 GMT"}, 1) == _common.RETRY_DELAYS_S[1]
     assert _common.retry_delay({}, 99) == _common.RETRY_DELAYS_S[-1]
+    for broken in ("nan", "-1", "inf"):  # never a sleep that raises or never ends: the table instead
+        assert _common.retry_delay({"retry-after": broken}, 0) == _common.RETRY_DELAYS_S[0]
     assert _common.may_retry("get", None) and not _common.may_retry("POST", {"Content-Type": "x"})
     assert _common.may_retry("POST", {"Idempotency-Key": "k"})
 
