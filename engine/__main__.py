@@ -1,4 +1,4 @@
-"""``python -m engine {preprocess,convert,train,eval,plan} [--spec spec.json] [--run-dir DIR] [MindSpeed flags]``."""
+"""``python -m engine {preprocess,convert,train,eval,serve,plan} [--spec spec.json] [--run-dir DIR] [MindSpeed flags]``."""
 
 from engine.cli import main
 

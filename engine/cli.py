@@ -2,7 +2,7 @@
 
 Each kind's runner is ``run(spec, run: RunDir) -> (outputs, summary)``; it raises ``BadInput`` for user errors.
 Multi-process runs end with ``os._exit`` after tearing down the process group: processes that used a DeviceMesh
-otherwise abort at interpreter exit now and then (``shared/docs/torch-distributed-on-gloo.md``).
+otherwise abort at interpreter exit now and then (``docs/torch-distributed-on-gloo.md``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.guard import check_spec
+from engine.parent_death import die_with_launcher
 from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
 
 log = logging.getLogger("engine")
@@ -26,8 +27,9 @@ RUNNERS: dict[str, str] = {
     "train": "engine.train.job:run",
     "convert": "engine.checkpoint.job:run",
     "eval": "engine.eval.job:run",
+    "serve": "engine.serve.job:run",
 }
-USAGE = "usage: python -m engine {preprocess,convert,train,eval,plan} [--spec spec.json] [--run-dir DIR] [flags]"
+USAGE = "usage: python -m engine {preprocess,convert,train,eval,serve,plan} [--spec spec.json] [--run-dir DIR] [flags]"
 
 
 def _runner(kind: str) -> Callable[..., tuple[dict[str, str], dict[str, Any]]]:
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
     kind, rest = argv[0], argv[1:]
+    die_with_launcher()  # first: a rank whose torchrun is gone must not train on
     from engine.flags import spec_from_argv  # pydantic only; cheap
 
     try:
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     setup_logging(run_dir, _rank())
     run = RunDir(run_dir, _rank())
+    log.info("run files (events.jsonl, result.json, logs/) in %s", run_dir.resolve())
     if ignored:
         run.event("warning", "ignored flags: " + " ".join(ignored), ignored=ignored)
     run.event("started", f"{kind} started", kind=kind)

@@ -11,3 +11,11 @@ PAD_ID = 0  # input id of right padding: never attended to (causal mask) and nev
 # Qwen3 tokenizer ids written into the config.json / generation_config.json we export.
 QWEN3_ENDOFTEXT_ID = 151643  # <|endoftext|>: bos, pad
 QWEN3_IM_END_ID = 151645  # <|im_end|>: end of a chat turn
+
+# Serving (``engine.serve``): prompt tokens per prefill step, which bounds how long one long prompt holds the
+# running sequences back; the planner sizes a serve job's activations by it.
+SERVE_PREFILL_CHUNK = 512
+SERVE_METRICS_INTERVAL_S = 5.0  # seconds between two deployment-metrics points (engine.serve.stats)
+
+# Preference training (stage dpo): the losses that compare no reference model (LLaMA-Factory's names).
+REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo", "orpo"})

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -85,7 +86,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         "--spec", dest="_spec", nargs="+", metavar="SPEC_JSON", help="job spec file; flags override its fields"
     )
     parser.add_argument(
-        "--run-dir", dest="_run_dir", default=".", help="where run files go (default: the current directory)"
+        "--run-dir",
+        dest="_run_dir",
+        help="where run files go (default: a new runs/<kind>-<time> below the current directory, never the directory itself)",
     )
     parser.add_argument("--nproc-per-node", dest="_nproc", type=int, help="resources.nproc_per_node (launcher hint)")
     for name, field in cls.model_fields.items():
@@ -149,4 +152,15 @@ def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[
     _resources_from_torchrun(data)
     if ignored:
         log.warning("ignored flags (no effect in this engine): %s", " ".join(ignored))
-    return parse_spec(data), Path(ns._run_dir), ignored
+    return parse_spec(data), Path(ns._run_dir) if ns._run_dir else default_run_dir(kind), ignored
+
+
+def default_run_dir(kind: str) -> Path:
+    """``runs/<kind>-<stamp>``: a fresh directory per run, so events.jsonl, result.json and logs/ never land among the
+    user's files nor append to an earlier run's. Every rank of one torchrun gets the same one (its rendezvous id and
+    port are shared); a single process takes the time and its pid."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        stamp = f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ.get('MASTER_PORT', '0')}"
+    else:
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return Path("runs") / f"{kind}-{stamp}"

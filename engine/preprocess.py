@@ -28,9 +28,15 @@ from typing import Any
 import numpy as np
 
 from engine.constants import IGNORE_INDEX
-from engine.data.encode import PAIRWISE_FIELDS, ChunkResult, EncodeConfig, encode_chunk, init_worker
+from engine.data.encode import ChunkResult, EncodeConfig, encode_chunk, init_worker
 from engine.data.formats import PAIRWISE_HANDLERS, Converter, handler_format, where
-from engine.data.indexed import INSTRUCTION_FIELDS, IndexedDatasetWriter, boundaries_prefix, instruction_prefix
+from engine.data.indexed import (
+    INSTRUCTION_FIELDS,
+    PAIRWISE_FIELDS,
+    IndexedDatasetWriter,
+    boundaries_prefix,
+    instruction_prefix,
+)
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
 from engine.data.tokenizer import load_tokenizer

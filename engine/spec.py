@@ -14,6 +14,7 @@ This module must not import torch.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -35,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.constants import REFERENCE_FREE_LOSSES
+from engine.contract import layout
 from engine.model.lora_targets import resolve_targets
 from engine.retention import metric_name
 
@@ -198,7 +201,13 @@ class JobBase(_Strict):
         description="Devices the job asks for: resources.nnodes × resources.nproc_per_node of resources.device_type.",
     )
     metadata: dict[str, str] = Field(default_factory=dict, description="String labels, filterable in GET /v1/jobs.")
-    priority: int = Field(0, ge=-100, le=100, description="Higher runs first; FIFO within a priority.")
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="Higher runs first; within a priority teams take turns (the team holding the fewest devices "
+        "goes next), each team's jobs in submission order. At most the team's ceiling (team_priority_ceiling).",
+    )
     max_restarts: int | None = Field(
         None, ge=0, le=100, description="Retries after a retryable failure; None = server default."
     )
@@ -255,6 +264,32 @@ class ModelArgs(_Strict):
         description="--make-vocab-size-divisible-by: pad the vocab to a multiple of this (× TP) when it is derived.",
     )
     rotary_base: float = Field(10000.0, gt=0, description="--rotary-base: RoPE theta (Qwen3: 1000000).")
+    rope_scaling_type: Literal["yarn"] | None = Field(
+        None,
+        description="--rope-scaling-type: yarn stretches RoPE past the pre-trained length (Qwen3: 32,768 × 4 = "
+        "131,072 positions). Default: the checkpoint's config (set here, it applies to a checkpoint without it).",
+    )
+    rope_scaling_factor: float | None = Field(
+        None, ge=1, description="--rope-scaling-factor: how many times the original length YaRN reaches (Qwen3: 4)."
+    )
+    rope_scaling_original_max_position_embeddings: int | None = Field(
+        None,
+        ge=1,
+        description="--rope-scaling-original-max-position-embeddings: the length the model was pre-trained at "
+        "(Qwen3: 32768); required with rope_scaling_type.",
+    )
+    rope_scaling_beta_fast: float | None = Field(
+        None, gt=0, description="--rope-scaling-beta-fast: YaRN's high-frequency boundary in rotations (default 32)."
+    )
+    rope_scaling_beta_slow: float | None = Field(
+        None, gt=0, description="--rope-scaling-beta-slow: YaRN's low-frequency boundary in rotations (default 1)."
+    )
+    rope_scaling_mscale: float | None = Field(
+        None, gt=0, description="--rope-scaling-mscale: numerator of YaRN's attention scale (with mscale_all_dim)."
+    )
+    rope_scaling_mscale_all_dim: float | None = Field(
+        None, gt=0, description="--rope-scaling-mscale-all-dim: denominator of YaRN's attention scale."
+    )
     norm_epsilon: float = Field(1e-5, gt=0, description="--norm-epsilon: epsilon of RMSNorm/LayerNorm (Qwen3: 1e-6).")
     untie_embeddings_and_output_weights: bool = Field(
         False, description="--untie-embeddings-and-output-weights: separate output projection (Qwen3 ≥ 4B: on)."
@@ -366,7 +401,19 @@ class ModelArgs(_Strict):
         if self.bf16 and self.fp16:
             raise ValueError("bf16: choose at most one of bf16 and fp16")
         self._check_moe()
+        self._check_rope_scaling()
         return self
+
+    def _check_rope_scaling(self) -> None:
+        others = [f for f in type(self).model_fields if f.startswith("rope_scaling_") and f != "rope_scaling_type"]
+        if self.rope_scaling_type is None:
+            given = [f for f in others if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: set only with rope_scaling_type (yarn)")
+            return
+        for needed in ("rope_scaling_factor", "rope_scaling_original_max_position_embeddings"):
+            if getattr(self, needed) is None:
+                raise ValueError(f"{needed}: required with rope_scaling_type {self.rope_scaling_type}")
 
     def _check_moe(self) -> None:
         ffn, alias = self.moe_ffn_hidden_size, self.moe_intermediate_size
@@ -416,54 +463,49 @@ class ParallelArgs(_Strict):
 
     @model_validator(mode="after")
     def _check_layout(self) -> ParallelArgs:
-        world = self.resources.world_size if isinstance(self, JobBase) else 1
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if world % (tp * pp):
-            raise ValueError(
-                f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size "
-                f"({world} = resources.nnodes × resources.nproc_per_node)"
-            )
-        dp = world // (tp * pp)
-        self._check_expert_layout(dp)
-        heads = getattr(self, "num_attention_heads", None)
-        groups = getattr(self, "num_query_groups", None) if getattr(self, "group_query_attention", False) else heads
-        if heads is not None and heads % tp:
-            raise ValueError(f"num_attention_heads: {heads} heads are not divisible by TP {tp}")
-        if groups is not None and groups % tp:
-            raise ValueError(f"num_query_groups: {groups} KV groups are not divisible by TP {tp}")
-        layers = getattr(self, "num_layers", None)
-        if self.num_layer_list is not None:
-            if len(self.num_layer_list) != pp:
-                raise ValueError(f"num_layer_list: has {len(self.num_layer_list)} stages but PP is {pp}")
-            if layers is not None and sum(self.num_layer_list) != layers:
-                raise ValueError(f"num_layer_list: sums to {sum(self.num_layer_list)}, not num_layers {layers}")
-        elif layers is not None and layers % pp:
-            raise ValueError(f"num_layers: {layers} layers are not divisible by PP {pp}; give num_layer_list")
-        if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * dp):
+        """The one layout rule (``engine.contract.layout``) over what the flags tell of the model's shape."""
+        dims = self.parallel_dims
+        layout.check(self._flag_shape(), dims, self.num_layer_list, self.num_layers_per_virtual_pipeline_stage)
+        if self.global_batch_size is not None and self.global_batch_size % (self.micro_batch_size * dims.dp):
             raise ValueError(
                 f"global_batch_size: {self.global_batch_size} is not divisible by micro_batch_size × DP "
-                f"({self.micro_batch_size} × {dp})"
+                f"({self.micro_batch_size} × {dims.dp})"
             )
         return self
 
-    def _check_expert_layout(self, dp: int) -> None:
-        """EP is carved out of DP (Megatron: expert-data-parallel = DP / EP) and splits each layer's experts."""
-        ep = self.expert_model_parallel_size
-        if ep == 1:
-            return
-        if dp % ep:
-            raise ValueError(
-                f"expert_model_parallel_size: EP {ep} must divide the data-parallel size {dp} "
-                f"(world size / (TP {self.tensor_model_parallel_size} × PP {self.pipeline_model_parallel_size}))"
-            )
+    def _flag_shape(self) -> layout.Shape:
+        """The shape the flags give; a rule whose quantity the flags leave to the checkpoint is skipped here and
+        applied by admission once the checkpoint is read."""
+        heads = getattr(self, "num_attention_heads", None)
         experts = getattr(self, "num_experts", None)
-        if experts is not None and experts % ep:
-            raise ValueError(f"expert_model_parallel_size: EP {ep} does not divide num_experts {experts}")
+        from_scratch = getattr(self, "load", None) is None and getattr(self, "hidden_size", None) is not None
+        return layout.Shape(
+            num_layers=getattr(self, "num_layers", None),
+            num_attention_heads=heads,
+            num_query_groups=getattr(self, "num_query_groups", None)
+            if getattr(self, "group_query_attention", False)
+            else heads,
+            ffn_hidden_size=getattr(self, "ffn_hidden_size", None) if experts is None else None,
+            moe_ffn_hidden_size=getattr(self, "moe_ffn_hidden_size", None)
+            or getattr(self, "moe_intermediate_size", None),
+            vocab_size=getattr(self, "padded_vocab_size", None),
+            num_experts=experts if experts is not None else (0 if from_scratch else None),
+        )
+
+    @property
+    def parallel_dims(self) -> layout.ParallelDims:
+        """World → DP/TP/PP/EP sizes (LayoutError when TP × PP or EP do not fit the world)."""
+        world = self.resources.world_size if isinstance(self, JobBase) else 1
+        return layout.ParallelDims.from_world(
+            world,
+            tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            ep=self.expert_model_parallel_size,
+        )
 
     @property
     def data_parallel_size(self) -> int:
-        world = self.resources.world_size if isinstance(self, JobBase) else 1
-        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.parallel_dims.dp
 
 
 # ---------------------------------------------------------------- job kinds
@@ -589,7 +631,18 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     )
     save: OutputPath | None = Field(
         None,
-        description="--save: directory for training checkpoints; a restarted attempt resumes from the latest one here.",
+        description=(
+            "--save: directory for training checkpoints; a retry of the same job resumes from the latest one here. A new "
+            "job whose save already holds another job's run is refused unless resume is auto."
+        ),
+    )
+    resume: Literal["auto"] | None = Field(
+        None,
+        description=(
+            "auto: when save already holds another job's run, continue it (its iteration, optimizer and data position; "
+            "train_iters must be beyond its iteration); the job's events and result name the run resumed "
+            "(resumed_from_job). Unset: such a save is refused at submission (use a new save)."
+        ),
     )
     save_interval: int | None = Field(
         None, ge=1, description="--save-interval: iterations between checkpoints (default: only at the end)."
@@ -675,6 +728,18 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         ge=1,
         description="--recompute-num-layers: layers per recomputation group (uniform) or recomputed per stage (block).",
     )
+    recompute_activation_function: bool = Field(
+        False,
+        description="--recompute-activation-function: MindSpeed's recompute of the MLP activation for fc2's backward. "
+        "This engine always does it, in every layer (the SwiGLU product is freed after fc2 and rebuilt; "
+        "only fc1's output stays saved); accepted for script parity.",
+    )
+    recompute_activation_function_num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="--recompute-activation-function-num-layers: with recompute_activation_function, the layers "
+        "that recompute it; every layer does here (see there).",
+    )
     log_interval: int = Field(
         100, ge=1, description="--log-interval: iterations between metric lines (metrics.jsonl, TensorBoard, the log)."
     )
@@ -695,8 +760,43 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     finetune: bool = Field(
         False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load."
     )
-    stage: Literal["sft"] | None = Field(
-        None, description="--stage: sft for supervised fine-tuning on instruction data."
+    stage: Literal["sft", "dpo"] | None = Field(
+        None,
+        description="--stage: sft for supervised fine-tuning on instruction data; dpo for preference training on "
+        "pairwise data (is_pairwise_dataset), with the loss dpo_loss_type names.",
+    )
+    is_pairwise_dataset: bool = Field(
+        False,
+        description="--is-pairwise-dataset: data_path holds preference pairs "
+        "(<prefix>_packed_{chosen,rejected}_{input_ids,labels}_document); needed by stage dpo.",
+    )
+    dpo_loss_type: Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"] = Field(
+        "sigmoid",
+        description="--dpo-loss-type: sigmoid (DPO), hinge or ipo against the reference model; simpo or orpo "
+        "(LLaMA-Factory's pref_loss names) are reference-free: no reference model is built.",
+    )
+    dpo_beta: float = Field(0.1, gt=0, description="--dpo-beta: the preference loss's temperature beta.")
+    dpo_label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        le=0.5,
+        description="--dpo-label-smoothing: conservative DPO, the probability a pair's preference is flipped "
+        "(sigmoid only).",
+    )
+    pref_ftx: float = Field(
+        0.0, ge=0, description="--pref-ftx: weight of the SFT loss on the chosen answers added to the loss."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma (dpo_loss_type simpo).")
+    ref_model: DataPath | None = Field(
+        None,
+        description="--ref-model: the reference model's checkpoint (HF or Megatron; default: load). Not for LoRA "
+        "(the reference is the base with the adapters off) nor for simpo/orpo.",
+    )
+    refer_model_iter: int = Field(
+        1,
+        ge=1,
+        description="--refer-model-iter: accepted for script parity; the reference is always the weights the run "
+        "started from (ref_model or load), kept when a run resumes.",
     )
     is_instruction_dataset: bool = Field(
         False,
@@ -741,6 +841,54 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     )
 
     @model_validator(mode="after")
+    def _check_lora_flags(self) -> TrainSpec:
+        """LoRA's knobs without lora_r would silently run a full fine-tune: refused, naming the first one."""
+        if self.lora_r is None:
+            for flag in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_fusion"):
+                if flag in self.model_fields_set:
+                    raise ValueError(
+                        f"{flag}: applies to LoRA only, and lora_r (the LoRA rank, which selects LoRA) is not set; "
+                        f"set lora_r for LoRA fine-tuning, or remove {flag} for a full fine-tune"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _check_preference(self) -> TrainSpec:
+        """Preference knobs outside stage dpo, or ones its loss ignores, would silently do nothing: refused."""
+        pref = ("is_pairwise_dataset", "dpo_loss_type", "dpo_beta", "dpo_label_smoothing", "pref_ftx", "simpo_gamma")
+        if self.stage != "dpo":
+            for flag in (*pref, "ref_model", "refer_model_iter"):
+                if flag in self.model_fields_set:
+                    raise ValueError(f"{flag}: applies to stage dpo only (preference training); set stage: dpo")
+            return self
+        if not self.is_pairwise_dataset:
+            raise ValueError("is_pairwise_dataset: stage dpo trains on preference pairs; set is_pairwise_dataset true")
+        if self.is_instruction_dataset:
+            raise ValueError("is_instruction_dataset: stage dpo reads pairwise data (is_pairwise_dataset), not both")
+        if self.dpo_label_smoothing and self.dpo_loss_type != "sigmoid":
+            raise ValueError(f"dpo_label_smoothing: applies to dpo_loss_type sigmoid only, not {self.dpo_loss_type}")
+        if "simpo_gamma" in self.model_fields_set and self.dpo_loss_type != "simpo":
+            raise ValueError(f"simpo_gamma: applies to dpo_loss_type simpo only, not {self.dpo_loss_type}")
+        if self.ref_model is not None and self.dpo_loss_type in REFERENCE_FREE_LOSSES:
+            raise ValueError(f"ref_model: dpo_loss_type {self.dpo_loss_type} is reference-free; remove ref_model")
+        if self.ref_model is not None and self.lora_r is not None:
+            raise ValueError("ref_model: a LoRA run's reference is its base (load) with the adapters off")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "pipeline_model_parallel_size: stage dpo runs under data, tensor and expert parallel only for now; "
+                "set it to 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> TrainSpec:
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError("recompute_method: applies to recompute_granularity full only (as in Megatron)")
+        if self.recompute_activation_function_num_layers is not None and not self.recompute_activation_function:
+            raise ValueError("recompute_activation_function_num_layers: needs recompute_activation_function")
+        return self
+
+    @model_validator(mode="after")
     def _check_retention(self) -> TrainSpec:
         if self.keep_best_by is not None and self.keep_last_n is None:
             raise ValueError("keep_best_by: needs keep_last_n (without it every checkpoint is kept anyway)")
@@ -757,6 +905,11 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                     f"iterations; make save_interval ({self.save_interval}) a multiple of it"
                 )
         return self
+
+    @property
+    def is_lora(self) -> bool:
+        """A LoRA fine-tune: ``lora_r`` (the LoRA rank) selects it."""
+        return self.lora_r is not None
 
 
 class ConvertSpec(JobBase):
@@ -963,10 +1116,95 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
         return self
 
 
+SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+
+
+class ServeSpec(JobBase, ParallelArgs, ModelArgs):
+    """``generate_qwen3_4b_ptd.sh`` as a service: the model behind an OpenAI-compatible API (``docs/serving.md``).
+    Runs until cancelled, deleted or idle for ``idle_timeout_s``."""
+
+    kind: Literal["serve"] = Field("serve", description='Job kind "serve" (the discriminator).')
+    load: DataPath = Field(
+        ...,
+        description=(
+            "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
+            'checkpoint by reference, {"job": ID, "iteration": N}.'
+        ),
+    )
+    lora_load: DataPath | None = Field(
+        None, description="LoRA adapters applied to the base: ours or MindSpeed's (unmerged), or an HF PEFT directory."
+    )
+    lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read when unset).")
+    lora_alpha: float | None = Field(None, gt=0, description="--lora-alpha of lora_load's adapters (read when unset).")
+    lora_target_modules: LoraTargets = Field(
+        default_factory=list, description="--lora-target-modules of lora_load's adapters (read when unset)."
+    )
+    lora_adapters: dict[str, DataPath] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters chosen per request by `model` (vLLM's multi-LoRA): {name: LoRA checkpoint of a train job, "
+            'ours or MindSpeed\'s}; over the API also {name: {"job": ID, "iteration": N}}. Not with lora_load.'
+        ),
+    )
+    prompt_type: str | None = Field(
+        None, description="Chat template of chat requests: qwen3 (the default), qwen or hf (the tokenizer's own)."
+    )
+    served_model_name: str | None = Field(
+        None,
+        pattern=SERVED_NAME,
+        description="The name clients pass as `model` (default: the job's name, else its id).",
+    )
+    max_num_seqs: int = Field(
+        16, ge=1, le=1024, description="Sequences decoded together (KV-cache slots); more requests wait in a queue."
+    )
+    max_model_len: int = Field(
+        2048, ge=16, le=1_048_576, description="Prompt + generated tokens of one sequence at most (a slot's length)."
+    )
+    kv_cache_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=(
+            "Share of the device memory left after the weights that the KV cache (max_num_seqs × max_model_len) may "
+            "take; submission is refused when it needs more. Unset: the cache may use all of it."
+        ),
+    )
+    idle_timeout_s: float | None = Field(
+        None, gt=0, description="Stop (successfully) after this many seconds without a request; unset: never."
+    )
+
+    @model_validator(mode="after")
+    def _check_serve(self) -> ServeSpec:
+        from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
+
+        if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
+            raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
+        if self.lora_load is None and self.lora_r is not None:
+            raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError("pipeline_model_parallel_size: serving does not pipeline a model; use 1")
+        if self.lora_adapters and self.lora_load is not None:
+            raise ValueError("lora_adapters: give lora_load (one adapter for every request) or lora_adapters, not both")
+        for name in self.lora_adapters:
+            if not re.match(SERVED_NAME, name) or name == self.served_model_name:
+                raise ValueError(
+                    f"lora_adapters: {name!r} must be a model name (letters, digits, ._:/-) other than served_model_name"
+                )
+        return self
+
+
 STEP_KINDS = ("preprocess", "convert", "train", "eval")
 REFERENCE = re.compile(r"\$\{steps\.([A-Za-z][A-Za-z0-9_-]{0,63})\.outputs\.([A-Za-z0-9_-]+)\}")
 _ANY_REFERENCE = re.compile(r"\$\{[^}]*\}?")
 REFERENCE_PLACEHOLDER_DIR = ".pipeline-refs"
+# The keys of each kind's result.json outputs (the engine's job runners write exactly these); some only with a flag.
+OUTPUT_KEYS: dict[str, tuple[str, ...]] = {
+    "preprocess": ("data_path", "output_prefix", "files"),
+    "convert": ("checkpoint",),
+    "train": ("checkpoint", "checkpoint_iteration", "checkpoint_dir", "hf", "tensorboard"),
+    "eval": ("predictions", "result"),
+}
+OUTPUT_FLAGS: dict[tuple[str, str], str] = {("train", "hf"): "save_hf", ("train", "tensorboard"): "tensorboard_dir"}
 
 
 def _placeholder_path(base: Path, ref: str, key: str) -> str:
@@ -1002,13 +1240,25 @@ def substitute_references(value: Any, resolve: Callable[[str, str], str]) -> Any
 FIELD_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.DOTALL)
 
 
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
+
+
+def error_message(item: Any) -> str:
+    """pydantic's message of one error; a string sent where a number or boolean belongs (refused by the strict API)
+    says what to send instead."""
+    expected = _EXPECTED.get(str(item.get("type")))
+    if expected and isinstance(item.get("input"), str):
+        return f"expected {expected}, got the string {item['input']!r} (strings are not converted; drop the quotes)"
+    return str(item.get("msg", "invalid"))
+
+
 def first_error(err: ValidationError, prefix: str) -> str:
     """A nested spec's first validation error as "<prefix>.<field>: message" (the kind tag dropped from the path)."""
     item = err.errors()[0]
     parts = [str(p) for p in item.get("loc", ())]
     if parts and parts[0] in STEP_KINDS:
         parts = parts[1:]
-    field, message = ".".join(parts), str(item.get("msg", "invalid"))
+    field, message = ".".join(parts), error_message(item)
     named = FIELD_MESSAGE.match(message)
     if named:
         field, message = (f"{field}.{named.group(1)}" if field else named.group(1)), named.group(2)
@@ -1064,27 +1314,50 @@ class PipelineSpec(JobBase):
                     f"{where}.kind: must be one of {', '.join(STEP_KINDS)} (pipelines do not nest), "
                     f"not {step.spec.get('kind')!r}"
                 )
-            for field, ref, _key in find_references(step.spec, where):
+            for field, ref, key in find_references(step.spec, where):
                 if ref not in names:
-                    raise ValueError(f"{field}: refers to unknown step {ref!r} (steps: {', '.join(names)})")
+                    close = difflib.get_close_matches(ref, names, n=1, cutoff=0.6)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ValueError(f"{field}: refers to unknown step {ref!r} (steps: {', '.join(names)}){hint}")
                 if ref not in earlier:
                     raise ValueError(f"{field}: refers to step {ref!r}, which does not run before step {step.name!r}")
+                _check_output_key(field, ref, key, self.steps[names.index(ref)].spec)
             base = Path(roots[0]) if roots else Path("/")
             placeheld = substitute_references(step.spec, functools.partial(_placeholder_path, base))
             try:
-                parse_spec(placeheld, data_roots=roots, read_roots=read_roots)
+                parse_spec(
+                    placeheld, data_roots=roots, read_roots=read_roots, strict=bool((info.context or {}).get("strict"))
+                )
             except ValidationError as err:
                 raise ValueError(first_error(err, where)) from None
             earlier.append(step.name)
         return self
 
 
-JobSpec = Annotated[PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | PipelineSpec, Field(discriminator="kind")]
+def _check_output_key(field: str, step: str, key: str, producer: dict[str, Any]) -> None:
+    """``key`` is an output the producing step's kind writes (with the flag it needs), else a "did you mean"."""
+    kind = str(producer.get("kind"))
+    keys = OUTPUT_KEYS.get(kind, ())
+    if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{field}: step {step!r} ({kind}) has no output {key!r}; its outputs are {', '.join(keys)}{hint}"
+        )
+    flag = OUTPUT_FLAGS.get((kind, key))
+    if flag and not producer.get(flag):
+        raise ValueError(f"{field}: step {step!r} writes output {key!r} only with {flag} set, and it does not set it")
+
+
+JobSpec = Annotated[
+    PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | ServeSpec | PipelineSpec, Field(discriminator="kind")
+]
 SPEC_CLASSES: dict[str, type[JobBase]] = {
     "preprocess": PreprocessSpec,
     "convert": ConvertSpec,
     "train": TrainSpec,
     "eval": EvalSpec,
+    "serve": ServeSpec,
     "pipeline": PipelineSpec,
 }
 _adapter: TypeAdapter[Any] = TypeAdapter(JobSpec)
@@ -1101,14 +1374,23 @@ def spec_to_json(spec: JobBase) -> dict[str, Any]:
 
 
 def parse_spec(
-    data: dict[str, Any] | str | bytes, data_roots: list[str] | None = None, read_roots: list[str] | None = None
+    data: dict[str, Any] | str | bytes,
+    data_roots: list[str] | None = None,
+    read_roots: list[str] | None = None,
+    *,
+    strict: bool = False,
 ) -> JobBase:
     """Validate a spec (dict or JSON text); with ``data_roots`` every path must resolve inside them (inputs may also
-    resolve inside ``read_roots``); relative paths start at the first of ``data_roots``."""
-    context = {"data_roots": data_roots, "read_roots": read_roots or []} if data_roots is not None else None
+    resolve inside ``read_roots``); relative paths start at the first of ``data_roots``. ``strict`` (the API) refuses
+    a string where a number or boolean belongs ("20", "3e-3", "yes") instead of converting it, in pipeline steps too."""
+    context: dict[str, Any] = (
+        {"data_roots": data_roots, "read_roots": read_roots or []} if data_roots is not None else {}
+    )
+    if strict:
+        context["strict"] = True
     if isinstance(data, (str, bytes)):
-        return _adapter.validate_json(data, context=context)
-    return _adapter.validate_python(data, context=context)
+        return _adapter.validate_json(data, context=context or None, strict=strict or None)
+    return _adapter.validate_python(data, context=context or None, strict=strict or None)
 
 
 def load_spec_file(path: str | os.PathLike[str]) -> JobBase:

@@ -13,7 +13,7 @@ tracker (temp file + rename). A crash mid-save leaves a ``.tmp`` directory that 
 save, and the tracker still names the previous complete checkpoint. Retention (``prune``, after a save is complete
 and the tracker names it) renames a doomed ``iter_*`` to ``.trash`` before removing it, so a crash mid-delete leaves
 no half checkpoint that looks complete; the next save removes the leftover. DCP reshards on load (FSDP2 dp2 -> one process
-and back, torch-distributed-on-gloo.md §e), so a re-queued job may come back on a different number of ranks.
+and back, docs/torch-distributed-on-gloo.md §e), so a re-queued job may come back on a different number of ranks.
 
 LoRA runs save only trainable (adapter) parameters; the frozen base is re-read from ``load`` on resume.
 """
@@ -42,12 +42,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from engine.checkpoint.owner import META, STATE_DIR, TRACKER, latest_state
 from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from engine.parallel.pipeline_parallel import dcp_state_view
 
-STATE_DIR = "train_state"
-TRACKER = "latest_checkpointed_iteration.txt"
-META = "meta.json"
 TRASH = ".trash"
 
 
@@ -61,11 +59,7 @@ def state_root(save: str | os.PathLike[str]) -> Path:
 
 def latest(save: str | os.PathLike[str]) -> Path | None:
     """The newest complete training checkpoint under ``save`` (or ``save`` itself being ``train_state``), or None."""
-    for root in (state_root(save), Path(save)):
-        tracker = root / TRACKER
-        if tracker.is_file() and (root / iter_name(int(tracker.read_text().strip())) / META).is_file():
-            return root / iter_name(int(tracker.read_text().strip()))
-    return None
+    return latest_state(save)
 
 
 def is_training_checkpoint(path: str | os.PathLike[str]) -> bool:

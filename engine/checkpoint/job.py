@@ -20,10 +20,11 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.checkpoint.hf import HFCheckpoint, as_getter, copy_tokenizer, save_hf
-from engine.checkpoint.layout import FINAL_NORM, check_ep, check_tp, pipeline_chunks
+from engine.checkpoint.layout import FINAL_NORM
 from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.contract import layout
 from engine.dtypes import DTYPES
 from engine.guard import check_output
 from engine.model.config import ModelConfig
@@ -53,6 +54,14 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# the layout rule names the training flags; a convert job's own fields for the same degrees
+_TARGET_FIELDS = {
+    "tensor_model_parallel_size": "target_tensor_parallel_size",
+    "pipeline_model_parallel_size": "target_pipeline_parallel_size",
+    "expert_model_parallel_size": "target_expert_parallel_size",
+}
 
 
 def _hf_target(spec: ConvertSpec) -> tuple[Path, Path | None]:
@@ -159,18 +168,12 @@ def _to_mcore(
     spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
 ) -> tuple[Path, list[Path]]:
     tp, pp, ep = spec.target_tensor_parallel_size, spec.target_pipeline_parallel_size, spec.target_expert_parallel_size
+    dims = layout.ParallelDims(dp=ep, tp=tp, pp=pp, ep=ep)  # a checkpoint has no DP: the least world EP fits in
     try:
-        check_tp(cfg, tp)
-    except ValueError as err:
-        raise BadInput(f"target_tensor_parallel_size: {err}", field="target_tensor_parallel_size") from err
-    try:
-        check_ep(cfg, ep)
-    except ValueError as err:
-        raise BadInput(f"target_expert_parallel_size: {err}", field="target_expert_parallel_size") from err
-    try:
-        pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
-    except ValueError as err:
-        raise BadInput(f"num_layer_list: {err}", field="num_layer_list") from err
+        layout.check(cfg, dims, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
+    except layout.LayoutError as err:  # a convert job names its layout target_*
+        field = _TARGET_FIELDS.get(err.field, err.field)
+        raise BadInput(f"{field}: {err.why}", field=field) from err
     files = save_mcore(
         source,
         cfg,

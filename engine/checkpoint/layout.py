@@ -1,6 +1,6 @@
 """How native (Megatron local-spec, TP1/PP1) tensors are cut into Megatron's TP/PP ranks, and glued back.
 
-Facts from ``shared/docs/megatron-interop.md`` §2:
+Facts from ``docs/megatron-interop.md`` §2:
 
 - column-parallel weights (``linear_qkv``, word embeddings, ``output_layer``) are chunked on dim 0; ``linear_qkv``
   is interleaved per KV group, so a plain dim-0 chunk hands each rank ``ng/TP`` whole groups;
@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from engine.contract import layout
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, layer_rules, native_keys
 
@@ -136,22 +137,6 @@ def shard_shape(shape: tuple[int, ...], rule: Rule, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError naming the first quantity ``tp`` does not divide."""
-    moe = [("moe_ffn_hidden_size (each expert's FFN)", cfg.expert_ffn_hidden_size)] if cfg.is_moe else []
-    dense_mlp = len(cfg.moe_layers) < cfg.num_layers
-    sizes = [
-        ("num_query_groups (KV heads)", cfg.num_query_groups),
-        ("num_attention_heads", cfg.num_attention_heads),
-        *([("ffn_hidden_size", cfg.ffn_hidden_size)] if dense_mlp else []),
-        *moe,
-        ("vocab_size", cfg.vocab_size),
-    ]
-    for name, value in sizes:
-        if value % tp:
-            raise ValueError(f"target TP {tp} does not divide {name} = {value}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """One model chunk of one pipeline stage: ``model`` (or ``model{v}`` with VPP) in ``mp_rank_TT_PPP``."""
@@ -166,24 +151,18 @@ class Chunk:
 def pipeline_chunks(
     num_layers: int, pp: int, num_layer_list: list[int] | None = None, vpp_layers: int | None = None
 ) -> list[list[Chunk]]:
-    """Per stage, its model chunks. Raises ValueError when the layers cannot be divided as asked."""
+    """Per stage, its model chunks. Raises LayoutError (``engine.contract.layout``, a ValueError) when the layers
+    cannot be divided as asked."""
+    layout.check(layout.Shape(num_layers=num_layers), layout.ParallelDims(pp=pp), num_layer_list, vpp_layers)
     if num_layer_list:
-        if len(num_layer_list) != pp or sum(num_layer_list) != num_layers or min(num_layer_list) < 0:
-            raise ValueError(f"num_layer_list {num_layer_list} must have {pp} entries summing to {num_layers}")
-        if vpp_layers:
-            raise ValueError("num_layer_list and num_layers_per_virtual_pipeline_stage cannot be combined")
         starts = [sum(num_layer_list[:p]) for p in range(pp)]
         return [
             [Chunk(p, 0, tuple(range(starts[p], starts[p] + num_layer_list[p])), p == 0, p == pp - 1)]
             for p in range(pp)
         ]
-    if num_layers % pp:
-        raise ValueError(f"{num_layers} layers are not divisible by PP {pp}; give num_layer_list")
     if not vpp_layers:
         per = num_layers // pp
         return [[Chunk(p, 0, tuple(range(p * per, (p + 1) * per)), p == 0, p == pp - 1)] for p in range(pp)]
-    if num_layers % (pp * vpp_layers):
-        raise ValueError(f"{num_layers} layers are not divisible by PP {pp} × {vpp_layers} layers per virtual stage")
     nv = num_layers // (pp * vpp_layers)
     return [
         [
@@ -224,16 +203,6 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int
     """Megatron's ``get_checkpoint_name``: ``mp_rank_TT``, ``_PPP`` when PP > 1, ``_EEE`` when EP > 1."""
     name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
     return name if ep == 1 else f"{name}_{ep_rank:03d}"
-
-
-def check_ep(cfg: ModelConfig, ep: int) -> None:
-    """Raise ValueError when ``ep`` cannot divide the experts (or is asked of a dense model)."""
-    if ep < 1:
-        raise ValueError(f"expert parallel size must be >= 1, got {ep}")
-    if ep > 1 and not cfg.is_moe:
-        raise ValueError(f"expert parallel size {ep}: the model has no experts")
-    if cfg.is_moe and (cfg.num_experts or 0) % ep:
-        raise ValueError(f"expert parallel size {ep} does not divide num_experts = {cfg.num_experts}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,52 +10,33 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from engine.checkpoint.hf import HFCheckpoint
-from engine.checkpoint.megatron import TRACKER, MegatronCheckpoint
+from engine.checkpoint.megatron import MegatronCheckpoint
 from engine.checkpoint.sources import WeightSource
+from engine.contract.inspect import TRACKER, Format, checkpoint_format
 from engine.model.config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.runfiles import BadInput
 
-Format = Literal["hf", "mcore", "native"]
-
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
-    """Raise BadInput when ``path`` is none of the known formats."""
+    """Raise BadInput when ``path`` is none of the known formats (``engine.contract.inspect.checkpoint_format``)."""
     p = Path(path)
     if not p.is_dir():
         raise BadInput(f"{p}: checkpoint directory not found", field="load_dir")
-    names = {e.name for e in p.iterdir()}
-    if "config.json" in names and any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
-        return "hf"
-    if TRACKER in names or any(re.match(r"^(iter_\d{7}|release|mp_rank_\d\d)", n) for n in names):
-        if _dcp_inside(p):
-            return "native"
-        return "mcore"
-    if _dcp_inside(p):
-        return "native"
-    raise BadInput(
-        f"{p}: neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
-        f"({TRACKER}, iter_*/mp_rank_*) nor a training checkpoint (.metadata)",
-        field="load_dir",
-    )
-
-
-def _dcp_inside(p: Path) -> bool:
-    if (p / ".metadata").is_file():
-        return True
-    tracker = p / TRACKER
-    if tracker.is_file():
-        step = tracker.read_text().strip()
-        sub = p / (f"iter_{int(step):07d}" if step.isdigit() else step)
-        return (sub / ".metadata").is_file()
-    return any((d / ".metadata").is_file() for d in p.glob("iter_*"))
+    fmt = checkpoint_format(p)
+    if fmt is None:
+        raise BadInput(
+            f"{p}: neither an HF model (config.json + *.safetensors), a Megatron checkpoint "
+            f"({TRACKER}, iter_*/mp_rank_*) nor a training checkpoint (.metadata)",
+            field="load_dir",
+        )
+    return fmt
 
 
 def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[ModelConfig, WeightSource]:

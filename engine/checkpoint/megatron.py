@@ -1,6 +1,6 @@
 """Megatron-LM / MindSpeed-LLM legacy ``torch`` checkpoints, sharded by TP and PP.
 
-Layout (``shared/docs/megatron-interop.md`` §1): ``<root>/latest_checkpointed_iteration.txt`` (an integer, or
+Layout (``docs/megatron-interop.md`` §1): ``<root>/latest_checkpointed_iteration.txt`` (an integer, or
 ``release``), ``<root>/iter_{N:07d}/mp_rank_{TT}[_{PPP}]/model_optim_rng.pt``, each a ``torch.save`` dict with
 ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0, ``iteration`` and ``model`` (``model0``,
 ``model1``... per virtual-pipeline chunk) holding that rank's local-spec tensors with stage-local layer numbers.
@@ -37,8 +37,6 @@ from engine.checkpoint.layout import (
     OUTPUT,
     Chunk,
     Slot,
-    check_ep,
-    check_tp,
     chunk_slots,
     cut,
     layer_of,
@@ -56,7 +54,10 @@ from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_me
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.sources import expert_range
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
+from engine.contract import layout
+from engine.contract.inspect import _RANK_DIR_RE, TRACKER, iteration_dir_name, resolve_iteration_dir
 from engine.dtypes import DTYPE_NAMES
+from engine.model import rope_scaling
 from engine.model.config import ModelConfig, moe_from_args
 from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
@@ -64,58 +65,9 @@ from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
-_RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 Progress = Callable[[int, int], None]
-
-
-# ---------------------------------------------------------------- tracker and directories
-
-
-def iteration_dir_name(iteration: int | str) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
-def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str | None]:
-    """The directory holding the ``mp_rank_*`` folders, and its iteration, following Megatron's tracker rules."""
-    root = Path(root)
-    if not root.is_dir():
-        raise BadInput(f"{root}: checkpoint directory not found", field="load_dir")
-    if any(_RANK_DIR_RE.match(p.name) for p in root.iterdir()):
-        return root, None  # pointed straight at iter_XXXXXXX/
-    tracker = root / TRACKER
-    iters = sorted(p for p in root.glob("iter_[0-9]*") if p.is_dir())
-    if not tracker.is_file():
-        if not iters:
-            raise BadInput(
-                f"{root}: no {TRACKER} and no iter_*/ directory: not a Megatron checkpoint", field="load_dir"
-            )
-        log.warning("%s: no %s; using the newest directory %s", root, TRACKER, iters[-1].name)
-        return iters[-1], int(iters[-1].name[5:])
-    text = tracker.read_text().strip()
-    if text == "release":
-        if not (root / "release").is_dir():
-            found = f" but the checkpoint has {', '.join(p.name for p in iters)}" if iters else ""
-            raise BadInput(
-                f"{tracker}: says 'release'{found}; an iteration number is needed (e.g. "
-                f"{int(iters[-1].name[5:]) if iters else 1})",
-                field="load_dir",
-            )
-        return root / "release", "release"
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise BadInput(
-            f"{tracker}: must hold an iteration number or 'release', found {text[:40]!r}", field="load_dir"
-        ) from None
-    if iteration <= 0:
-        raise BadInput(f"{tracker}: iteration must be positive, found {iteration}", field="load_dir")
-    path = root / iteration_dir_name(iteration)
-    if not path.is_dir():
-        raise BadInput(f"{tracker}: says iteration {iteration} but {path} does not exist", field="load_dir")
-    return path, iteration
 
 
 def load_rank_file(path: Path, lazy: bool = False) -> dict[str, Any]:
@@ -161,7 +113,7 @@ def build_args(
     ep: int = 1,
     grouped: bool = False,
 ) -> argparse.Namespace:
-    """The ``args`` Megatron's and MindSpeed's loaders read (megatron-interop.md gotchas 1-3).
+    """The ``args`` Megatron's and MindSpeed's loaders read (docs/megatron-interop.md gotchas 1-3).
 
     ``hf_config``: the source's config.json, whose plain attributes are carried as they are (MindSpeed v2's
     ``convert_hf2mg.py::__parameter_packaging``); without it they are rebuilt from ``cfg``. ``seq_length``: the
@@ -196,6 +148,7 @@ def build_args(
             # Megatron's check_checkpoint_args compares this with the run's value, True unless --no-position-embedding.
             "add_position_embedding": True,
             "max_position_embeddings": cfg.max_position_embeddings,
+            **{field: getattr(cfg, field) for field in rope_scaling.FIELDS},  # MindSpeed's --rope-scaling-* names
             "seq_length": seq_length or CONVERT_SEQ_LENGTH,
             "padded_vocab_size": cfg.vocab_size,
             "make_vocab_size_divisible_by": 1,
@@ -334,11 +287,10 @@ def save_mcore(
     written at once (default: one per core, at most 4).
     """
     try:
-        check_tp(cfg, tp)
-        check_ep(cfg, ep)
-        stages = pipeline_chunks(cfg.num_layers, pp, num_layer_list, vpp_layers)
-    except ValueError as err:
-        raise BadInput(str(err), field="target_tensor_parallel_size") from err
+        layout.check(cfg, layout.ParallelDims(dp=ep, tp=tp, pp=pp, ep=ep), num_layer_list, vpp_layers)
+    except layout.LayoutError as err:
+        raise BadInput(str(err), field=err.field) from err
+    stages = pipeline_chunks(cfg.num_layers, pp, num_layer_list, vpp_layers)
     piece = slot_getter(source)
     segments_of = getattr(source, "shard_segments", None)
     dtype = dtype or as_getter(source)(FINAL_NORM).dtype
@@ -708,6 +660,7 @@ class MegatronCheckpoint:
             max_position_embeddings=int(pick("max_position_embeddings", 40960)),
             init_method_std=float(pick("init_method_std", 0.02)),
             **moe,
+            **(rope_scaling.from_args(a) or _rope_of(ref)),
         )
         for field in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(a, field, None) not in (None, getattr(cfg, field)):
@@ -962,7 +915,6 @@ def _layer_count(tensors: Mapping[str, torch.Tensor]) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def load_mcore(path: str | os.PathLike[str], **kwargs: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
-    """(config, ``get(native_key)``) of a Megatron checkpoint; see ``MegatronCheckpoint`` for ``kwargs``."""
-    ckpt = MegatronCheckpoint(path, **kwargs)
-    return ckpt.config, ckpt.get_native
+def _rope_of(ref: ModelConfig | None) -> dict[str, Any]:
+    """The rope-scaling fields of the checkpoint's config.json, when its args carry none (another writer's)."""
+    return {field: getattr(ref, field) for field in rope_scaling.FIELDS} if ref and ref.rope_scaling_type else {}

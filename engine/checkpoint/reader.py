@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint.safe_pickle import SafeUnpickler
+from engine.checkpoint.allow_list import SafeUnpickler
 from engine.dtypes import SAFETENSORS_DTYPES
 from engine.runfiles import BadInput
 
@@ -36,6 +36,11 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) 
             )
         done += n
     return out
+
+
+def read_segment_into(fd: int, out: torch.Tensor, offset: int, what: str) -> torch.Tensor:
+    """Bytes ``offset:offset + out.nbytes`` of the open file ``fd`` straight into ``out`` (contiguous)."""
+    return _pread_into(fd, out, offset, Path(f"/proc/self/fd/{fd}"), what)
 
 
 class TensorRef:

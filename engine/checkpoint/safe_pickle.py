@@ -1,11 +1,10 @@
-"""Allow-list unpickling for checkpoint files others wrote: Megatron/MindSpeed rank files, DCP RNG and metadata files.
+"""torch's loaders with every pickle through the allow-list (``engine.checkpoint.allow_list``): ``torch.load`` of
+rank, RNG and non-tensor DCP files, and DCP's ``.metadata``.
 
-A pickle names callables that run while it loads, so a file dropped in a data root could run code as the worker.
-torch's ``weights_only=True`` refuses too much for these files (``argparse.Namespace``, Megatron's enums, NumPy RNG
-states, DCP's metadata dataclasses) and ``add_safe_globals`` would admit the real Megatron classes only where
-megatron is installed; so the allow-list lives here, in one ``find_class``: exactly the globals a real Megatron /
-MindSpeed / DCP file holds. Megatron's enums load as inert stand-ins (never imported, the same on every host).
-Anything else is refused with a ``BadInput`` naming the class, before any of it runs.
+``torch.load`` takes a ``pickle_module`` and uses all of it: its ``Unpickler`` for the object and, in the legacy
+(pre-zip) format, its ``load`` for the magic number, protocol version, system info and storage keys around it; so the
+module handed over has nothing but the allow-list's ``Unpickler``/``load``/``loads``. The legacy tar format
+(torch < 0.4) is refused before torch opens it: it extracts members to disk by name (a member may be a link).
 """
 
 from __future__ import annotations
@@ -13,143 +12,43 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import tarfile
 import types
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from engine.checkpoint import allow_list
 from engine.runfiles import BadInput
-from engine.torch_compat import LegacyStorage, set_element
-
-# Plain constructors and torch's own tensor rebuilders: they build data and call nothing named by the file.
-_PLAIN: dict[str, set[str]] = {
-    "builtins": {
-        "set",
-        "frozenset",
-        "complex",
-        "slice",
-        "range",
-        "bytearray",
-        "bytes",
-        "dict",
-        "list",
-        "tuple",
-        "int",
-        "float",
-        "str",
-        "bool",
-    },
-    "collections": {"OrderedDict", "defaultdict", "deque"},
-    "_codecs": {"encode"},
-    "argparse": {"Namespace"},
-    "types": {"SimpleNamespace"},
-    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
-    "torch": {"Size", "device"},
-    "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state"},
-    "torch._tensor": {"_rebuild_from_type_v2"},
-    "torch.nn.parameter": {"Parameter"},
-    "torch.serialization": {"_get_layout"},
-    "numpy": {"ndarray", "dtype"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
-    # torch.distributed.checkpoint's .metadata file
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-}
-
-# The enums Megatron-LM / Megatron-Core / MindSpeed pickle inside ``args`` (attention_backend, model_type,
-# fp8/fp4 recipes, cuda_graph_scope) and the rerun state machine's state; megatron.legacy / megatron.model are the
-# older homes of the same enums.
-_MEGATRON_ENUMS: dict[str, set[str]] = {
-    "megatron.core.enums": {"ModelType", "Fp8Recipe", "Fp4Recipe"},
-    "megatron.core.transformer.enums": {
-        "ModelType",
-        "LayerType",
-        "AttnType",
-        "AttnMaskType",
-        "AttnBackend",
-        "CudaGraphScope",
-    },
-    "megatron.core.rerun_state_machine": {"RerunMode", "RerunState", "RerunDiagnostic", "RerunValidationStatus"},
-    "megatron.legacy.model.enums": {"LayerType", "AttnType", "AttnMaskType"},
-    "megatron.model.enums": {"LayerType", "AttnType", "AttnMaskType", "ModelType"},
-}
-
-
-class PickledEnum:
-    """An inert stand-in for a Megatron enum member: keeps the pickled value, runs nothing."""
-
-    def __init__(self, value: Any = None, *rest: Any) -> None:
-        self.value = value
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"{type(self).__module__}.{type(self).__name__}({self.value!r})"
-
-
-_STANDINS: dict[tuple[str, str], type] = {
-    (module, name): type(name, (PickledEnum,), {"__module__": module})
-    for module, names in _MEGATRON_ENUMS.items()
-    for name in names
-}
-
-
-def allowed_global(module: str, name: str, path: object = "", field: str | None = "load_dir") -> Any:
-    """The object ``module.name`` may stand for in a checkpoint pickle; ``BadInput`` naming it otherwise."""
-    if name in _PLAIN.get(module, ()):
-        return getattr(__import__(module, fromlist=[name]), name)
-    if (module, name) in _STANDINS:
-        return _STANDINS[module, name]
-    if module == "torch":
-        obj = getattr(torch, name, None)
-        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            return obj
-        if (
-            name.endswith("Storage")
-            and isinstance(obj, type)
-            and issubclass(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage))
-        ):
-            return obj
-    where = f"{path}: " if path else ""
-    raise BadInput(
-        f"{where}refusing to unpickle {module}.{name}: not a class a Megatron/MindSpeed or DCP "
-        "checkpoint holds (only tensors, containers, argparse.Namespace and Megatron's enums are "
-        "loaded)",
-        field=field,
-    )
-
-
-class SafeUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` resolving globals through ``allowed_global`` only (INST/OBJ/GLOBAL all pass here)."""
-
-    path: object = ""
-    field: str | None = "load_dir"
-
-    def find_class(self, module: str, name: str) -> Any:
-        return allowed_global(module, name, self.path, self.field)
+from engine.torch_compat import set_element
 
 
 def _pickle_module(path: object, field: str | None) -> types.ModuleType:
-    """A ``pickle`` look-alike for ``torch.load(pickle_module=...)`` whose Unpickler is the safe one."""
+    """A ``pickle`` stand-in for ``torch.load(pickle_module=...)``: every stage it reads goes through the allow-list."""
+    unpickler = type("Unpickler", (allow_list.SafeUnpickler,), {"path": path, "field": field})
     mod = types.ModuleType("safe_pickle_module")
-    mod.__dict__.update({k: v for k, v in pickle.__dict__.items() if not k.startswith("__")})
-    mod.Unpickler = type("Unpickler", (SafeUnpickler,), {"path": path, "field": field})  # type: ignore[attr-defined]
+    mod.__dict__.update(
+        Unpickler=unpickler,
+        UnpicklingError=pickle.UnpicklingError,
+        load=lambda f, **kw: allow_list.load(f, path, field, **kw),
+        loads=lambda data, **kw: allow_list.loads(data, path, field, **kw),
+    )
     return mod
+
+
+def _refuse_tar(source: str | os.PathLike[str] | IO[bytes], name: object, field: str | None) -> None:
+    if isinstance(source, (str, os.PathLike)):
+        is_tar = tarfile.is_tarfile(source)
+    else:
+        start = source.tell()
+        is_tar = tarfile.is_tarfile(source)
+        source.seek(start)
+    if is_tar:
+        raise BadInput(f"{name}: a torch < 0.4 tar checkpoint (not read: save it again with torch.save)", field=field)
 
 
 def load_torch_file(path: str | os.PathLike[str] | IO[bytes], field: str | None = "load_dir") -> Any:
@@ -159,6 +58,7 @@ def load_torch_file(path: str | os.PathLike[str] | IO[bytes], field: str | None 
     """
     name = path if isinstance(path, (str, os.PathLike)) else getattr(path, "name", "<bytes>")
     try:
+        _refuse_tar(path, name, field)
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_pickle_module(name, field))
     except BadInput:
         raise
@@ -184,18 +84,20 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            unpickler = SafeUnpickler(stream)
-            unpickler.path = Path(str(path))
             try:
-                metadata = unpickler.load()
+                metadata = allow_list.load(cast(IO[bytes], stream), Path(str(path)))
             except BadInput:
                 raise
-            except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
+            except (EOFError, pickle.UnpicklingError, ValueError) as err:
                 raise BadInput(
                     f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})", field="load_dir"
                 ) from err
         if not isinstance(metadata, Metadata):
             raise BadInput(f"{path}: not DCP checkpoint metadata ({type(metadata).__name__})", field="load_dir")
+        for info in (metadata.storage_data or {}).values():  # the data files DCP opens: beside .metadata only
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise BadInput(f"{path}: names a data file {str(name)[:100]!r} outside its directory", field="load_dir")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.constants import IGNORE_INDEX
 from engine.data.formats import Converter, FormatError, text_fields
+from engine.data.indexed import PAIRWISE_FIELDS
 from engine.data.readers import RecordError, parse_record
 from engine.data.templates import (
     IM_END,
@@ -125,9 +126,6 @@ def _encode_instruction(
     kept = [limited for pair in encoded if (limited := _limit(config, *pair, eod, result)) is not None]
     result.fields["input_ids"], result.lengths["input_ids"] = _flatten([ids for ids, _ in kept])
     result.fields["labels"], result.lengths["labels"] = _flatten([labels for _, labels in kept])
-
-
-PAIRWISE_FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
 def _encode_pairwise(config: EncodeConfig, records: list[tuple[str, int, dict[str, Any]]], result: ChunkResult) -> None:

@@ -26,7 +26,9 @@ Formats, chosen by MindSpeed's ``--handler-name`` (``HANDLERS``), with MindSpeed
 - Pairwise (``SharegptStylePairwiseHandler`` / ``AlpacaStylePairwiseHandler``, MindSpeed's ``ranking`` datasets):
   ``Converter.pair(record)`` gives (prompt ending with a user turn, chosen, rejected); ShareGPT reads ``chosen`` /
   ``rejected`` message objects (``{"from": "gpt", "value": ...}``), Alpaca strings (from list columns MindSpeed takes
-  ``chosen[0]`` and ``rejected[1]``); the column names are map_keys ``chosen`` / ``rejected``. A pairwise record under
+  ``chosen[0]`` and ``rejected[1]``); the column names are map_keys ``chosen`` / ``rejected``. Without ``map_keys`` the
+  ShareGPT pairwise handler also reads OpenAI's preference fine-tuning JSONL: ``{"input": {"messages": [...]},
+  "preferred_output": [assistant message], "non_preferred_output": [assistant message]}``. A pairwise record under
   an instruction handler is refused with a message naming the pairwise handler.
 - Plain text (``GeneralPretrainHandler`` or no handler): not a conversation; see ``text_fields``.
 """
@@ -70,6 +72,7 @@ OPENAI_TAGS = {
     "function_tag": "function_call",
     "system_tag": "system",
 }
+OPENAI_PREFERENCE_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
 _SHAREGPT_KEYS = {"messages", "system", "tools", "tags"}
 _ALPACA_KEYS = {"prompt", "query", "response", "system", "history"}
 _ROLE_OF_TAG = {
@@ -140,7 +143,9 @@ class Converter:
         MindSpeed's ``convert_{sharegpt,alpaca}_to_intermediate`` read it with ``ranking``. Raises ``FormatError``."""
         chosen_key, rejected_key = self.keys.get("chosen", "chosen"), self.keys.get("rejected", "rejected")
         try:
-            if self.format == "sharegpt":
+            if self.format == "sharegpt" and not self.explicit and OPENAI_PREFERENCE_KEYS <= record.keys():
+                prompt, answers = self._openai_pair(record)
+            elif self.format == "sharegpt":
                 prompt = self._sharegpt(record)
                 answers = [self._sharegpt_answer(_require(record, k), k) for k in (chosen_key, rejected_key)]
             else:
@@ -157,6 +162,21 @@ class Converter:
         except ConversationError as err:
             raise FormatError(str(err)) from err
         return checked, answers[0], answers[1]
+
+    def _openai_pair(self, record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+        """OpenAI's preference record: the prompt from ``input.messages``, each answer a one-message list."""
+        prompt_record = record["input"]
+        if not isinstance(prompt_record, dict):
+            raise FormatError(f"'input' must be an object with 'messages', got {type(prompt_record).__name__}")
+        answers = []
+        for key in ("preferred_output", "non_preferred_output"):
+            value = record[key]
+            if not isinstance(value, list) or len(value) != 1:
+                raise FormatError(f"{key!r} must be a list of one assistant message")
+            if not isinstance(value[0], dict) or value[0].get("role") != "assistant":
+                raise FormatError(f"{key!r}: the message's role must be 'assistant'")
+            answers.append({"role": "assistant", "content": _require(value[0], "content", f"{key}: ")})
+        return self._sharegpt(prompt_record), answers
 
     def _sharegpt_answer(self, value: Any, key: str) -> dict[str, str]:
         tags = self.tags

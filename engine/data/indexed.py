@@ -50,6 +50,7 @@ DTYPE_CODES: dict[type, int] = {
 }
 CODE_DTYPES = {code: dt for dt, code in DTYPE_CODES.items()}
 INSTRUCTION_FIELDS = ("input_ids", "attention_mask", "labels")
+PAIRWISE_FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence_count, document_count
 
 

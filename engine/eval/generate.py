@@ -73,6 +73,18 @@ def _head(last: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(last, weight).float()
 
 
+def last_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
+    last = hidden[:, -1]  # (B, H)
+    weight = cast(Qwen3Model, model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
+    if not isinstance(weight, DTensor):
+        return _head(last, weight)
+    # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the
+    # whole vocabulary and every TP rank picks the same token (the same seed drives every rank's generator).
+    local = _head(last, weight.to_local())
+    return DTensor.from_local(local, weight.device_mesh, [Shard(-1)], run_check=False).full_tensor()
+
+
 class _Stepper:
     """Runs the model for one decoding step, with or without a KV cache, keeping ids/mask/positions in step."""
 
@@ -90,17 +102,7 @@ class _Stepper:
             )
 
     def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
-        last = hidden[:, -1]  # (B, H)
-        weight = cast(
-            Qwen3Model, self.model
-        ).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
-        if not isinstance(weight, DTensor):
-            return _head(last, weight)
-        # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the
-        # whole vocabulary and every TP rank picks the same token (the same seed drives every rank's generator).
-        local = _head(last, weight.to_local())
-        return DTensor.from_local(local, weight.device_mesh, [Shard(-1)], run_check=False).full_tensor()
+        return last_logits(self.model, hidden)
 
     def prefill(self) -> torch.Tensor:
         hidden = self.model(

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.contract.layout import LayoutError
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
@@ -43,7 +44,8 @@ PREDICTIONS = "predictions.jsonl"
 MAX_REPORTED_BAD_LINES = 50
 
 
-def _tokenizer(spec: Any) -> Any:
+def spec_tokenizer(spec: Any) -> Any:
+    """The job's tokenizer: ``tokenizer_name_or_path``, else the one saved with the checkpoint ``load``."""
     path = spec.tokenizer_name_or_path or spec.load
     if spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file():
         raise BadInput(
@@ -53,9 +55,14 @@ def _tokenizer(spec: Any) -> Any:
     return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
 
 
-def _decode_options(spec: Any, tokenizer: Any, tp_size: int) -> DecodeOptions:
+def stop_ids(tokenizer: Any) -> set[int]:
+    """Token ids that end an assistant turn: ``<|im_end|>`` and the tokenizer's EOS."""
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stops = {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
+    return {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
+
+
+def _decode_options(spec: Any, tokenizer: Any, tp_size: int) -> DecodeOptions:
+    stops = stop_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     temperature = 0.0 if spec.greedy else spec.temperature
     sampling = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed)
@@ -170,12 +177,11 @@ def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
     tp = spec.tensor_model_parallel_size
     if tp == 1 or spec.eval_mode == "loss":
         return None, rank, world
-    if world % tp:
-        raise BadInput(
-            f"tensor_model_parallel_size: TP {tp} must divide the world size {world}",
-            field="tensor_model_parallel_size",
-        )
-    mesh = build_mesh(device, ParallelDims(dp=world // tp, pp=1, tp=tp))
+    try:
+        dims = ParallelDims.from_world(world, tp=tp)
+    except LayoutError as err:
+        raise BadInput(str(err), field=err.field) from err
+    mesh = build_mesh(device, dims)
     return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
@@ -183,7 +189,7 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     """Entry point for ``python -m engine eval`` (see the module docstring)."""
     torch.manual_seed(spec.seed)
     _check_layout(spec, run)
-    tokenizer = _tokenizer(spec)
+    tokenizer = spec_tokenizer(spec)
     device = init_distributed(spec.resources.device_type)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp_mesh, dp_rank, dp_size = _mesh(spec, device)

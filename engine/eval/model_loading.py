@@ -36,7 +36,7 @@ from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.runfiles import BadInput
-from engine.train.model_setup import check_against_checkpoint, check_model_kind
+from engine.train.model_setup import check_against_checkpoint, check_model_kind, with_rope_flags
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ def build_model(
     source: WeightSource = open_source(spec.load)
     cfg = source.config
     check_against_checkpoint(spec, cfg, spec.load)
+    cfg = with_rope_flags(spec, cfg)
     dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
     info: dict[str, Any] = {}
     adapters: Adapters | None = None

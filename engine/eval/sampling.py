@@ -2,7 +2,7 @@
 
 The order of the filters is ``transformers``' (temperature, then top-k, then top-p), so a seeded sampling run here
 and ``model.generate(do_sample=True, ...)`` apply the same distribution. MindSpeed's convention that ``top_k=0`` and
-``top_p=0`` mean "off" is kept (its inference defaults, ``shared/docs/megatron-interop.md`` §6).
+``top_p=0`` mean "off" is kept (its inference defaults, ``docs/megatron-interop.md`` §6).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from engine.model import rope_scaling
 
 QWEN3_VOCAB = 151936
 
@@ -42,6 +43,15 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_aux_loss_coeff: float = 0.0  # Megatron's per-layer switch load-balancing loss weight (HF router_aux_loss_coef)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else Megatron token dropping (policy "probs")
+    # RoPE scaling (engine.model.rope_scaling; MindSpeed's flag names). None: plain RoPE.
+    rope_scaling_type: str | None = None
+    rope_scaling_factor: float = 1.0
+    rope_scaling_original_max_position_embeddings: int | None = None
+    rope_scaling_beta_fast: float = 32.0
+    rope_scaling_beta_slow: float = 1.0
+    rope_scaling_mscale: float | None = None
+    rope_scaling_mscale_all_dim: float | None = None
+    rope_scaling_attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
@@ -51,6 +61,7 @@ class ModelConfig:
             )
         if isinstance(self.moe_layer_freq, list):  # JSON round trip (checkpoint metadata) gives a list
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        rope_scaling.check(self)
         if not self.is_moe:
             return
         if not 1 <= self.moe_router_topk <= self.num_experts:  # type: ignore[operator]
@@ -81,6 +92,11 @@ class ModelConfig:
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @property
+    def max_positions(self) -> int:
+        """The longest position this model reaches (``max_position_embeddings``, stretched by YaRN)."""
+        return rope_scaling.max_positions(self)
 
     @property
     def heads_per_group(self) -> int:
@@ -120,6 +136,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_method_std=hf.get("initializer_range", 0.02),
             **moe_from_hf(hf),
+            **rope_scaling.from_hf(hf),
         )
 
     @classmethod
@@ -149,7 +166,7 @@ class ModelConfig:
             "num_hidden_layers": self.num_layers,
             "num_key_value_heads": self.num_query_groups,
             "rms_norm_eps": self.norm_epsilon,
-            "rope_scaling": None,
+            "rope_scaling": rope_scaling.to_hf(self),
             "rope_theta": self.rotary_base,
             "sliding_window": None,
             "use_sliding_window": False,

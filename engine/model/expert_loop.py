@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.model.token_permute import sum_choices
+
 
 def _spans(sizes: list[int]) -> list[tuple[int, int, int]]:
     """(expert, start, stop) of every non-empty expert's rows."""
@@ -33,13 +35,24 @@ def _spans(sizes: list[int]) -> list[tuple[int, int, int]]:
 
 
 class LoopExpertMLP(torch.autograd.Function):
-    """(x (M, H), w1 (E, 2F, H), w2 (E, H, F), row_weight (M, 1), sizes) -> (M, H); see the module docstring."""
+    """(x (M, H), w1 (E, 2F, H), w2 (E, H, F), row_weight (M, 1), sizes) -> (M, H); see the module docstring.
+    With ``order`` (M,) and ``k``, x is the (N, H) tokens and row r is token ``order[r] // k`` (the dispatch
+    gather done here, so that x and order are saved rather than the k-times-larger gathered rows)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, row_weight: torch.Tensor, sizes: list[int]
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        row_weight: torch.Tensor,
+        sizes: list[int],
+        order: torch.Tensor | None = None,
+        k: int = 1,
     ) -> torch.Tensor:
         spans = _spans(sizes)
+        ctx.k = k
+        tokens, x = x, _rows(x, order, k)
         h = x.new_empty(x.shape[0], w1.shape[1])
         for e, a, b in spans:
             torch.mm(x[a:b], w1[e].t(), out=h[a:b])
@@ -48,19 +61,19 @@ class LoopExpertMLP(torch.autograd.Function):
         y = x.new_empty(x.shape[0], w2.shape[1])
         for e, a, b in spans:
             torch.mm(act[a:b], w2[e].t(), out=y[a:b])
-        ctx.save_for_backward(x, w1, w2, row_weight, h)
+        ctx.save_for_backward(tokens, w1, w2, row_weight, h, order)
         ctx.spans = spans
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w1, w2, row_weight, h = ctx.saved_tensors
+        tokens, w1, w2, row_weight, h, order = ctx.saved_tensors
         spans: list[tuple[int, int, int]] = ctx.spans
         dy = dy.contiguous()
         gate, up = h.chunk(2, dim=-1)
         silu_g = F.silu(gate)
         act = silu_g * up  # unweighted
-        d_wact = x.new_empty(act.shape)
+        d_wact = h.new_empty(act.shape)
         for e, a, b in spans:
             torch.mm(dy[a:b], w2[e], out=d_wact[a:b])
         d_row = (d_wact * act).sum(-1, keepdim=True) if ctx.needs_input_grad[3] else None
@@ -77,15 +90,22 @@ class LoopExpertMLP(torch.autograd.Function):
         torch.mul(d_act, silu_g, out=dh[:, f:])
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = x.new_empty(x.shape)
+            dx = h.new_empty(h.shape[0], w1.shape[2])
             for e, a, b in spans:
                 torch.mm(dh[a:b], w1[e], out=dx[a:b])
+            if order is not None:
+                dx = sum_choices(dx, order, tokens.shape[0], ctx.k)
         dw1 = None
         if ctx.needs_input_grad[1]:
             dw1 = _expert_grad(w1, spans)
+            x = _rows(tokens, order, ctx.k)  # the gathered rows again
             for e, a, b in spans:
                 torch.mm(dh[a:b].t(), x[a:b], out=dw1[e])
-        return dx, dw1, dw2, d_row, None
+        return dx, dw1, dw2, d_row, None, None, None
+
+
+def _rows(x: torch.Tensor, order: torch.Tensor | None, k: int) -> torch.Tensor:
+    return x if order is None else x.index_select(0, order // k)
 
 
 def _expert_grad(w: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -99,7 +119,14 @@ def _expert_grad(w: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Te
 
 
 def loop_expert_mlp(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    counts: torch.Tensor,
+    row_weight: torch.Tensor,
+    order: torch.Tensor | None = None,
+    k: int = 1,
 ) -> torch.Tensor:
-    """The expert MLP of ``GroupedExperts`` on the loop backend (one host sync for the counts)."""
-    return LoopExpertMLP.apply(x, w1, w2, row_weight, counts.tolist())
+    """The expert MLP of ``GroupedExperts`` on the loop backend (one host sync for the counts); with ``order``,
+    x is the tokens, gathered here (``LoopExpertMLP``)."""
+    return LoopExpertMLP.apply(x, w1, w2, row_weight, counts.tolist(), order, k)

@@ -1,7 +1,7 @@
 """HF Qwen3 <-> native (Megatron mcore local-spec) tensor names and layouts, one tensor at a time.
 
 Native state-dict keys are exactly Megatron-Core's local-spec keys for TP=1, PP=1 with global layer indices
-(``shared/docs/megatron-interop.md`` §2), so a native checkpoint *is* an unsharded mcore ``model`` dict:
+(``docs/megatron-interop.md`` §2), so a native checkpoint *is* an unsharded mcore ``model`` dict:
 
     embedding.word_embeddings.weight                      <- model.embed_tokens.weight
     decoder.layers.{i}.input_layernorm.weight             <- model.layers.{i}.input_layernorm.weight

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -32,6 +33,18 @@ def attention_kernel(device_type: str) -> AttentionKernel:
     if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
         return "torch_varlen"
     return "flash_varlen" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+_NPU_FUSED = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul")
+
+
+def npu_fused_ops(device_type: str) -> ModuleType | None:
+    """``torch_npu`` when the device type is npu and it offers the fused RMSNorm, SwiGLU and RoPE kernels
+    (``engine.model.lean_ops`` runs them); None elsewhere, where the same math runs in plain torch."""
+    if device_type != "npu":
+        return None
+    npu = sys.modules.get("torch_npu")
+    return npu if npu is not None and all(hasattr(npu, op) for op in _NPU_FUSED) else None
 
 
 def _cuda_has_flash() -> bool:

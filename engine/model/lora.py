@@ -15,7 +15,7 @@ Empty targets = all four modules (MindSpeed's qwen3 LoRA scripts pass all four).
 Key names. Ours (native module path): ``decoder.layers.{i}.self_attention.linear_qkv.lora_A.weight`` (r, in) and
 ``...lora_B.weight`` (out, r); the base stays ``...linear_qkv.weight``. MindSpeed-LLM (PEFT wrapped, unwrapped
 prefix) names the same tensors ``...linear_qkv.lora_A.default.weight`` / ``lora_B.default.weight`` and the base
-``...linear_qkv.base_layer.weight`` (megatron-interop.md §3); ``to_mindspeed_keys``/``from_mindspeed_keys`` rename.
+``...linear_qkv.base_layer.weight`` (docs/megatron-interop.md §3); ``to_mindspeed_keys``/``from_mindspeed_keys`` rename.
 Scale alpha/r, as MindSpeed (no rsLoRA).
 
 Tensor parallelism (to be applied by engine.parallel, as MindSpeed ``lora_moe.py`` does):
@@ -30,8 +30,10 @@ Merging per shard is then exact: W_k + s·B_k A (column) and W_k + s·B A_k (row
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # shared, not copied: base keys and optimizer refs hold
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.adapters_off = False  # set by ``adapters_disabled``
         kw = {"device": base.weight.device, "dtype": torch.float32}
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **kw)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, **kw)
@@ -64,8 +67,29 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
-        a_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        return base + (self.lora_B(self.lora_A(a_in)) * self.scaling).to(base.dtype)
+        if self.adapters_off:
+            return base
+        low = _AdapterIn.apply(self.lora_dropout(x), self.lora_A.weight)
+        return base + (self.lora_B(low) * self.scaling).to(base.dtype)
+
+
+class _AdapterIn(torch.autograd.Function):
+    """A(x) computed in A's dtype (fp32) but saving x in its own (the compute dtype, bf16): an fp32 copy of every
+    adapted module's input would be saved otherwise, twice the bytes of the input itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, a)
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, a = ctx.saved_tensors
+        dx = (dy @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
+        da = None
+        if ctx.needs_input_grad[1]:
+            da = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(a.dtype)
+        return dx, da
 
 
 class LoRAStacked(nn.Module):
@@ -77,6 +101,7 @@ class LoRAStacked(nn.Module):
         self.weight = base.weight  # shared: base keys and optimizer refs hold
         e, out, inn = base.weight.shape
         self.in_features, self.r, self.alpha, self.scaling = inn, r, alpha, alpha / r
+        self.adapters_off = False  # set by ``adapters_disabled``
         self.lora_A = StackedWeight(e, r, inn).to(device=base.weight.device, dtype=torch.float32)
         self.lora_B = StackedWeight(e, out, r).to(device=base.weight.device, dtype=torch.float32)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -91,10 +116,26 @@ class LoRAStacked(nn.Module):
 
     def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
         base = expert_matmul(x, local_weight(self.weight), counts, backend)
+        if self.adapters_off:
+            return base
         a, b = local_weight(self.lora_A.weight), local_weight(self.lora_B.weight)
         a_in = self.lora_dropout(x).to(a.dtype)
         low = expert_matmul(expert_matmul(a_in, a, counts, backend), b, counts, backend)
         return base + (low * self.scaling).to(base.dtype)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base: every adapter skipped (no second copy of the weights; preference training's
+    reference for LoRA runs, as PEFT's ``disable_adapter``)."""
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAStacked))]
+    for layer in layers:
+        layer.adapters_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_off = False
 
 
 def apply_lora(

@@ -1,7 +1,7 @@
 """Memory-bounded cross-entropy over the output head (Qwen3's 151,936-word vocabulary).
 
 Full logits are the biggest activation of an SFT step (b8 × s2048 × 151,936 fp32 = 10 GB, plus as much again for
-their gradient; anchors-engine.md §4). ``chunked_cross_entropy`` takes the final hidden states and the head matrix
+their gradient; docs/anchors-engine.md §4). ``chunked_cross_entropy`` takes the final hidden states and the head matrix
 instead of logits and walks over row chunks: each chunk's logits (chunk × V, fp32) are computed, turned into the
 loss and, in the same pass, into the gradients for the hidden rows and the head matrix (as Liger-Kernel's fused
 linear cross-entropy does), then freed. Nothing of size (B·T, V) exists at any time, and backward only rescales the

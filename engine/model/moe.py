@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Partial
 
 from engine.model.config import ModelConfig
 from engine.model.expert_loop import loop_expert_mlp
+from engine.model.gathered_matmul import gathered_grouped_matmul
+from engine.model.lean_ops import recompute_activation, softmax_fp32, swiglu
 from engine.model.token_permute import combine_rows, dispatch_rows
 from engine.torch_compat import in_backward
 
@@ -140,11 +142,6 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, b
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
-def _swiglu(h: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up * row_weight
-
-
 def padded_mlp(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor
 ) -> torch.Tensor:
@@ -157,7 +154,7 @@ def padded_mlp(
     slot += torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=x.shape[0]) * cap
     blocks = x.new_zeros(e * cap, x.shape[1]).index_copy(0, slot, x).view(e, cap, -1)
     w = row_weight.new_zeros(e * cap, 1).index_copy(0, slot, row_weight).view(e, cap, 1)
-    act = _swiglu(torch.bmm(blocks, w1.transpose(-2, -1)), w)
+    act = swiglu(torch.bmm(blocks, w1.transpose(-2, -1)), w)
     return torch.bmm(act, w2.transpose(-2, -1)).flatten(0, 1).index_select(0, slot)
 
 
@@ -176,10 +173,23 @@ class GroupedExperts(nn.Module):
         self.linear_fc1 = StackedWeight(e, 2 * f, h)
         self.linear_fc2 = StackedWeight(e, h, f)
         self.backend: str | None = None  # grouped_mm | padded | bmm | loop; None: ``grouped_backend`` decides
+        self.free_activation = True  # as the dense MLP (``engine.model.qwen3.MLP``)
+        self.gathers_rows = True  # False: the caller passes gathered rows (expert parallelism's hooks move them)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        row_weight: torch.Tensor,
+        *,
+        gather: tuple[torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
         """x (M, H) expert-sorted rows, counts (E,), row_weight (M, 1): the routing weight of each row, applied
-        before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale)."""
+        before ``linear_fc2`` (the same as after it: the projection is linear; half the elements to scale).
+
+        ``gather=(order, k)``: x is the (N, H) tokens and row r is token ``order[r] // k``. The unadapted
+        grouped-matmul and loop paths then gather inside fc1's autograd function, which keeps x and order for
+        backward instead of the k-times-larger gathered rows (``engine.model.gathered_matmul``)."""
         w1, w2 = local_weight(self.linear_fc1.weight), local_weight(self.linear_fc2.weight)
         dims = [w1.shape[-1], w1.shape[-2], w2.shape[-1]]
         adapted = hasattr(self.linear_fc1, "lora_A") or hasattr(self.linear_fc2, "lora_A")
@@ -187,14 +197,22 @@ class GroupedExperts(nn.Module):
             dims.append(getattr(self.linear_fc1, "r", None) or self.linear_fc2.r)  # type: ignore[arg-type]
         backend = self.backend or grouped_backend(x, *dims)
         if backend == "padded":
-            fits = int(counts.max()) * counts.shape[0] <= 2 * max(x.shape[0], 1) and not adapted
+            fits = int(counts.max()) * counts.shape[0] <= 2 * max(row_weight.shape[0], 1) and not adapted
             backend = "bmm" if fits else "grouped_mm" if _grouped_mm_fits(x, *dims) else "loop"
-        if backend == "bmm":
-            return padded_mlp(x, w1, w2, counts, row_weight)
         if backend == "loop" and not adapted and _plain(w1, w2):
-            return loop_expert_mlp(x, w1, w2, counts, row_weight)
-        h = _swiglu(self.linear_fc1.project(x, counts, backend), row_weight)
-        return self.linear_fc2.project(h, counts, backend)
+            return loop_expert_mlp(x, w1, w2, counts, row_weight, *(gather or (None, 1)))
+        if backend == "grouped_mm" and not adapted and gather is not None:
+            h = gathered_grouped_matmul(x, *gather, w1, counts)
+        else:
+            rows = x if gather is None else dispatch_rows(x, *gather)
+            if backend == "bmm":
+                return padded_mlp(rows, w1, w2, counts, row_weight)
+            h = self.linear_fc1.project(rows, counts, backend)
+        act = swiglu(h, row_weight)
+        out = self.linear_fc2.project(act, counts, backend)
+        if self.free_activation:
+            recompute_activation(h, act, out, row_weight)
+        return out
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -280,7 +298,7 @@ class MoELayer(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, H) -> (probs (N, E), top-k weights (N, k), top-k expert ids (N, k)); probabilities in fp32."""
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        probs = softmax_fp32(self.router(x))  # saves the bf16 logits, not the fp32 probabilities
         top_w, top_i = torch.topk(probs, self.topk, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -303,7 +321,11 @@ class MoELayer(nn.Module):
         counts = tokens_per_expert if keep is None else torch.bincount(expert, minlength=self.num_experts + 1)[:-1]
         if keep is not None:
             order = order[: int(counts.sum())]  # host sync only in the (non-default) token-dropping mode
-        y = self.experts(dispatch_rows(x, order, k), counts, weight.index_select(0, order)[:, None])  # (M, H)
+        row_weight = weight.index_select(0, order)[:, None]
+        if self.experts.gathers_rows:
+            y = self.experts(x, counts, row_weight, gather=(order, k))  # (M, H), expert-sorted
+        else:  # expert parallelism exchanges the rows themselves (``engine.parallel.expert_parallel``)
+            y = self.experts(dispatch_rows(x, order, k), counts, row_weight)
         out = combine_rows(y, order, n, k).view(shape)  # back to tokens, summed over the k choices; dropped = 0
         balance = switch_balance_loss(probs.sum(0), tokens_per_expert.to(probs.dtype), n, k)
         self._record(probs, tokens_per_expert, balance, keep, n)

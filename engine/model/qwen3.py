@@ -25,13 +25,15 @@ from torch import nn
 from engine.model.attention import AttentionPlan, core_attention, plan_attention
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
+from engine.model.lean_ops import apply_rope as _rotate
+from engine.model.lean_ops import recompute_activation, rms_norm, swiglu
 from engine.model.moe import MoELayer
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, head_dim)
+from engine.model.rope import Rope, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight (as transformers)."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight (as transformers); saves
+    the input and the fp32 reciprocal RMS only (``engine.model.lean_ops.RMSNormFunction``)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -39,28 +41,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> Rope:
-    """cos/sin tables (B, T, head_dim) for the given positions, computed in fp32."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (base**exponent)  # (d/2,)
-    freqs = position_ids[..., None].float() * inv_freq  # (B, T, d/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """x (B, n, T, d): rotate-half RoPE (the HF/Qwen convention: pairs (i, i + d/2), not adjacent)."""
-    cos, sin = rope[0][:, None], rope[1][:, None]  # (B, 1, T, d)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return _rotate(x, rope[0][:, None], rope[1][:, None])  # cos/sin (B, 1, T, d)
 
 
 class SelfAttention(nn.Module):
@@ -82,9 +71,10 @@ class SelfAttention(nn.Module):
         d, hpg = self.head_dim, self.heads_per_group
         qkv = self.linear_qkv(x).view(b, t, -1, (hpg + 2) * d)  # (B, T, groups_local, (hpg+2)*d)
         q, k, v = qkv.split([hpg * d, d, d], dim=-1)
+        # k and v copied out of qkv: what the k norm and attention save is then k and v alone, not all of qkv
         q = self.q_layernorm(q.reshape(b, t, -1, d)).transpose(1, 2)  # (B, heads_local, T, d)
-        k = self.k_layernorm(k).transpose(1, 2)  # (B, groups_local, T, d)
-        v = v.transpose(1, 2)  # (B, groups_local, T, d)
+        k = self.k_layernorm(k.contiguous()).transpose(1, 2)  # (B, groups_local, T, d)
+        v = v.contiguous().transpose(1, 2)  # (B, groups_local, T, d)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # (B, groups_local, past+T, d)
@@ -93,16 +83,23 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: fc2(silu(gate) * up) with ``linear_fc1`` = [gate; up] (per TP rank: [gate_k; up_k])."""
+    """SwiGLU: fc2(silu(gate) * up) with ``linear_fc1`` = [gate; up] (per TP rank: [gate_k; up_k]). Of the MLP's
+    own activations only fc1's output stays saved: the product fc2 reads is freed after fc2's forward and rebuilt
+    before its backward (``free_activation``; off in layers under activation checkpointing, which free it anyway)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False)
         self.linear_fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.free_activation = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # each (B, T, ffn_local)
-        return self.linear_fc2(F.silu(gate) * up)
+        h = self.linear_fc1(x)  # (B, T, 2 * ffn_local) = [gate; up]
+        act = swiglu(h)
+        out = self.linear_fc2(act)
+        if self.free_activation:
+            recompute_activation(h, act, out)
+        return out
 
 
 class TransformerLayer(nn.Module):
@@ -191,7 +188,7 @@ class Qwen3Model(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         if position_ids is None:
             position_ids = default_position_ids(b, t, past, attention_mask, h.device)
-        rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, h.dtype)
+        rope = rope_cos_sin(position_ids, self.cfg, h.dtype)
         plan = plan_attention(h.device, t, past, segment_ids, attention_mask, batch=b)
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))

@@ -24,7 +24,7 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _sum_choices(rows: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def sum_choices(rows: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """(M, H) expert-sorted rows -> (N, H): each token's sum over its k choices."""
     if rows.shape[0] == n * k:
         return rows.index_select(0, _inverse(order)).view(n, k, -1).sum(dim=1)
@@ -44,7 +44,7 @@ class DispatchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        return _sum_choices(grad, order, ctx.n, ctx.k), None, None
+        return sum_choices(grad, order, ctx.n, ctx.k), None, None
 
 
 class CombineRows(torch.autograd.Function):
@@ -54,7 +54,7 @@ class CombineRows(torch.autograd.Function):
     def forward(ctx: Any, y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
         ctx.save_for_backward(order)
         ctx.k = k
-        return _sum_choices(y, order, n, k)
+        return sum_choices(y, order, n, k)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from engine.model.moe import GroupedExperts
+from engine.model.qwen3 import MLP
 from engine.torch_compat import ALL_TO_ALL_OP, PROFILER_MARKER_OPS, checkpoint_wrapper
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ _SAVE_OPS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.linear.default,
+    torch.ops.aten._grouped_mm.default,  # the MoE experts' matmuls on accelerators (engine.model.moe)
     ALL_TO_ALL_OP,  # expert parallelism's token exchange: kept, not sent again in the recompute (torchtitan too)
 }
 
@@ -57,6 +60,9 @@ def apply_ac(
         # again), and selective checkpointing counts every op; its public ignore list takes them.
         SAC_IGNORED_OPS.update(PROFILER_MARKER_OPS)
     for i in chosen:
+        for module in layers[keys[i]].modules():
+            if isinstance(module, (MLP, GroupedExperts)):
+                module.free_activation = False  # the checkpoint frees the SwiGLU product already
         if granularity == "selective":
             context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
             wrapped = checkpoint_wrapper(layers[keys[i]], context_fn=context_fn, preserve_rng_state=False)

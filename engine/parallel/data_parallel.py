@@ -1,6 +1,6 @@
 """Data parallelism: FSDP2 ``fully_shard`` over the ``dp`` mesh dimension (ZeRO-style sharded optimizer).
 
-Every rank keeps only its shard of the fp32 master weights, gradients and Adam state (torch-distributed-on-gloo.md:
+Every rank keeps only its shard of the fp32 master weights, gradients and Adam state (docs/torch-distributed-on-gloo.md:
 FSDP2 on gloo matches one process). Compute runs in ``param_dtype`` (bf16/fp16) with fp32 gradient reduction
 (``MixedPrecisionPolicy``); the dtypes are decided in ``engine.parallel.precision``. ``use_distributed_optimizer`` picks how parameters live between forward and backward:
 
@@ -40,18 +40,31 @@ def apply_fsdp(
     Parameters keep their storage dtype (``engine.parallel.precision``: fp32 trainable, a frozen base possibly in
     ``param_dtype`` already); compute sees ``param_dtype`` copies; gradients are reduced and kept in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # One DP rank: sharding a frozen parameter (LoRA's base, already in the compute dtype) saves nothing, and FSDP
+    # would keep its unsharded all-gather output next to it, a second copy of the base (2.2 GB per 4B PP stage).
+    frozen = {p for p in model.parameters() if not p.requires_grad} if dp_mesh.size() == 1 else None
     layers = list(cast("Qwen3Model", model).decoder.layers.values())
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
         last = i == len(layers) - 1
         for moe in moe_layers(layer).values() if edp_mesh is not None else ():  # first: nested groups are skipped
             fully_shard(
-                moe.experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last
+                moe.experts,
+                mesh=edp_mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard_after_forward and not last,
+                ignored_params=frozen,
             )
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
+        fully_shard(
+            layer,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward and not last,
+            ignored_params=frozen,
+        )
     # The root group (embedding, final norm, output layer) stays gathered from forward to backward: the trainer's
     # chunked loss reads the head matrix (``model.output_weight()``) after forward returns.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=frozen)
     # The trainer divides the summed loss by the global token count itself: FSDP must sum, not average, over ranks.
     # The setter only reaches the module's own parameter group, hence the loop over every sharded module.
     for module in model.modules():
@@ -60,7 +73,3 @@ def apply_fsdp(
             # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; NCCL is zero-copy only for SUM anyway).
             module.set_force_sum_reduction_for_comms(True)
     return model
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)

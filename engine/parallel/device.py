@@ -4,13 +4,14 @@ cpu -> gloo, cuda -> nccl, npu -> hccl. ``torch_npu`` is imported only when an N
 everything that imports it) loads on machines without it. Which fused attention kernel a device offers is
 ``engine.model.kernels`` (the model imports it; this package imports the model, never the reverse).
 
-Peak-FLOPS figures and the FLOPs-per-token formula come from ``shared/docs/anchors-engine.md`` §5.
+Peak-FLOPS figures and the FLOPs-per-token formula come from ``docs/anchors-engine.md`` §5.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib
 import importlib.util
 import os
@@ -31,7 +32,7 @@ BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _MB = 1024 * 1024
 
 # Dense BF16 peak TFLOPs per device as the framework sees it (one NPU die = one device), first match wins.
-# Sources (shared/docs/anchors-engine.md §5): NVIDIA figures as in torchtitan tools/utils.py get_peak_flops and the
+# Sources (docs/anchors-engine.md §5): NVIDIA figures as in torchtitan tools/utils.py get_peak_flops and the
 # NVIDIA sheets; Ascend 910B = 354 as in MindSpeed fsdp2/utils/flops/flops_base.py (and 24 cube cores x 16^3 FMA x 2
 # x ~1.8 GHz); 910B3 has 20 cube cores -> same calc 295 (derived, not published); 910C (A3) ~780 per chip = 2 dies,
 # each die one device "Ascend910_93xx" (TechPowerUp, Apr 2025). SKUs whose figure we do not have map to None: the
@@ -68,7 +69,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False, lora: 
     experts and the router) (a tied embedding is kept, because
     the output matmul uses it) — torchtitan ``get_dense_model_nparams_and_flops``. ``causal=True`` halves the
     attention term as Megatron main does. ``lora=True`` counts 4·N: no weight gradients for frozen matmuls
-    (anchors-engine.md §2, LoRA 4B). For packed batches pass the mean of L_i² / L_i over samples as ``seq_len``.
+    (docs/anchors-engine.md §2, LoRA 4B). For packed batches pass the mean of L_i² / L_i over samples as ``seq_len``.
     """
     n = cfg.num_params(include_embedding=True, active=True)  # MoE: the top-k experts a token runs through
     if not cfg.tie_word_embeddings:
@@ -125,7 +126,7 @@ class Device:
             acc.synchronize(self.index)
 
     def memory_stats(self) -> dict[str, float]:
-        """MB figures under the metric names of architecture.md; on CPU all three are process RSS (max = peak RSS)."""
+        """MB figures under the metric names of docs/architecture.md; on CPU all three are process RSS (max = peak RSS)."""
         acc = _accelerator(self.type)
         if acc is None:
             rss = psutil.Process().memory_info().rss / _MB
@@ -141,6 +142,23 @@ class Device:
         acc = _accelerator(self.type)
         if acc is not None:
             acc.reset_peak_memory_stats(self.index)
+
+
+@functools.cache
+def has_fused_adamw(device_type: str) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on this device type: one in-place kernel per parameter list, no
+    temporary (CPU and CUDA in torch; NPU when torch_npu registers ``aten::_fused_adamw_`` for PrivateUse1). Probed
+    on one element, because a missing kernel only shows at the first ``step()``."""
+    if device_type == "npu":
+        import_torch_npu()
+    device = torch.device(device_type)
+    param = torch.zeros(1, device=device, requires_grad=True)
+    param.grad = torch.zeros(1, device=device)
+    try:
+        torch.optim.AdamW([param], fused=True).step()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def _set_hccl_timeouts(connect_s: int | None, exec_s: int | None) -> None:

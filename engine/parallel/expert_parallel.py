@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from engine.contract import layout
 from engine.model.moe import GroupedExperts, moe_layers
 from engine.torch_compat import all_to_all_single_autograd, unflatten_mesh, wait_tensor
 
@@ -43,10 +44,8 @@ EP_DIMS = ("edp", "ep")
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The (edp, ep, pp, tp) view of the (dp, pp, tp) ``mesh`` (collective over every rank: creates the process
     groups, so every rank calls it the same number of times, whether or not its stage holds an MoE layer)."""
-    dp = mesh["dp"].size()
-    if ep < 1 or dp % ep:
-        raise ValueError(f"expert_model_parallel_size: EP {ep} must divide the data-parallel size {dp}")
-    return unflatten_mesh(mesh, (dp // ep, ep), EP_DIMS, dim=list(mesh.mesh_dim_names or ()).index("dp"))
+    dims = layout.ParallelDims(dp=mesh["dp"].size(), ep=ep)  # LayoutError unless EP divides DP
+    return unflatten_mesh(mesh, (dims.dp // ep, ep), EP_DIMS, dim=list(mesh.mesh_dim_names or ()).index("dp"))
 
 
 @dataclasses.dataclass
@@ -120,12 +119,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     with all-to-all over it (in place)."""
     ep_mesh = mesh["ep"]
     ep = ep_mesh.size()
-    for index, layer in moe_layers(model).items():
-        if layer.num_experts % ep:
-            raise ValueError(
-                f"expert_model_parallel_size: EP {ep} does not divide num_experts {layer.num_experts} (layer {index})"
-            )
+    for layer in moe_layers(model).values():
+        layout.check(layout.Shape(num_experts=layer.num_experts), layout.ParallelDims(dp=ep, ep=ep))
         _shard_experts(layer.experts, mesh)
+        layer.experts.gathers_rows = False  # the hooks below exchange gathered rows
         hooks = AllToAllDispatch(ep_mesh.get_group(), layer.num_experts // ep)
         layer.experts.register_forward_pre_hook(hooks.dispatch)
         layer.experts.register_forward_hook(hooks.combine)

@@ -8,33 +8,13 @@ path at any world size.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from engine.contract.layout import ParallelDims
 from engine.parallel.device import Device
 
-
-@dataclasses.dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallel dimension; their product is the world size."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> ParallelDims:
-        if world_size % (tp * pp):
-            raise ValueError(
-                f"tensor_model_parallel_size: TP ({tp}) × PP ({pp}) must divide the world size {world_size}"
-            )
-        return cls(dp=world_size // (tp * pp), pp=pp, tp=tp)
+__all__ = ["ParallelDims", "build_mesh", "ensure_process_group"]
 
 
 def ensure_process_group(device: Device) -> None:

@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
     # shards main weights, fp32 grads and Adam states over DP and casts each layer to the compute dtype just in time.
     if dp.size() > 1 or dtype != torch.float32:  # EP > 1 implies DP > 1
         # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
-        # parameters per micro-batch, so stages keep them (torch-distributed-on-gloo.md, PP × FSDP2 recipe).
+        # parameters per micro-batch, so stages keep them (docs/torch-distributed-on-gloo.md, PP × FSDP2 recipe).
         reshard = bool(getattr(spec, "use_distributed_optimizer", False)) and mesh["pp"].size() == 1
         apply_fsdp(
             model,

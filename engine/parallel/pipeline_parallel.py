@@ -33,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.constants import IGNORE_INDEX, PAD_ID
+from engine.contract import layout
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import paused_router_stats
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
@@ -46,20 +47,18 @@ WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tok
 def stage_layers(
     num_layers: int, pp: int, num_layer_list: Sequence[int] | None = None, layers_per_virtual_stage: int | None = None
 ) -> list[list[int]]:
-    """Global layer indices of every pipeline stage, in stage order (len = PP × virtual chunks)."""
-    if num_layer_list is not None and layers_per_virtual_stage is not None:
-        raise ValueError("num_layer_list: cannot be combined with num_layers_per_virtual_pipeline_stage")
+    """Global layer indices of every pipeline stage, in stage order (len = PP × virtual chunks); LayoutError
+    (``engine.contract.layout``) when the layers cannot be split so."""
+    layout.check(
+        layout.Shape(num_layers=num_layers),
+        layout.ParallelDims(pp=pp),
+        list(num_layer_list) if num_layer_list is not None else None,
+        layers_per_virtual_stage,
+    )
     if num_layer_list is not None:
-        if len(num_layer_list) != pp or sum(num_layer_list) != num_layers or min(num_layer_list) < 1:
-            raise ValueError(
-                f"num_layer_list: {list(num_layer_list)} must have PP={pp} positive entries summing to {num_layers}"
-            )
         counts = list(num_layer_list)
     else:
         per = layers_per_virtual_stage or num_layers // pp
-        if per < 1 or num_layers % (pp * per):
-            what = "num_layers_per_virtual_pipeline_stage" if layers_per_virtual_stage else "num_layers"
-            raise ValueError(f"{what}: {num_layers} layers cannot be split into stages of {per} layers over PP={pp}")
         counts = [per] * (num_layers // per)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
@@ -220,15 +219,15 @@ def build_pipeline(
     schedule. ``model`` is the whole model, normally built on the meta device (each rank keeps only its parts, to be
     ``to_empty``'d and filled afterwards); ``device`` is where the stages will run (default: the parameters')."""
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    layout = stage_layers(model.cfg.num_layers, pp, num_layer_list, layers_per_virtual_stage)
-    n_stages = len(layout)
+    stages = stage_layers(model.cfg.num_layers, pp, num_layer_list, layers_per_virtual_stage)
+    n_stages = len(stages)
     if n_stages > pp and n_microbatches % pp:
         raise ValueError(
             f"global_batch_size: the interleaved schedule needs the micro-batch count ({n_microbatches}) to be a "
             f"multiple of PP ({pp})"
         )
     stage_ids = list(range(rank, n_stages, pp))
-    parts = [build_stage_module(model, layout[s], s == 0, s == n_stages - 1) for s in stage_ids]
+    parts = [build_stage_module(model, stages[s], s == 0, s == n_stages - 1) for s in stage_ids]
     parts = [cast("Qwen3Model", parallelize_part(p)) for p in parts]  # FSDP/TP keep the class (a subclass)
     sp_mesh = tp_mesh if sequence_parallel and tp_mesh is not None and tp_mesh.size() > 1 else None
     group = pp_mesh.get_group()
@@ -278,6 +277,8 @@ def sync_tied_grads(pipe: Pipeline) -> None:
         # PyTorch's vocab-parallel embedding backward yields a replicated (full) gradient: take this rank's rows.
         ref.grad = ref.grad.redistribute(placements=ref.placements)
     shape = _local_embedding_shape(pipe, ref)
+    if shape is None:  # frozen (LoRA): no gradient, and a zero buffer would be a full fp32 embedding per rank
+        return
     if ref is not None and ref.grad is not None:
         buf = _local(ref.grad).clone()
     else:
@@ -292,14 +293,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[int, ...]:
-    """The local gradient shape of the tied weight (the same on its two holders); asked once, then cached."""
+def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The local gradient shape of the tied weight (the same on its two holders), None when it is frozen; asked
+    once, then cached."""
     if "shape" not in pipe._norm:
         shapes: list[Any] = [None] * pipe.pp_mesh.size()
-        dist.all_gather_object(
-            shapes, None if ref is None else tuple(_local(ref).shape), group=pipe.pp_mesh.get_group()
-        )
-        pipe._norm["shape"] = next(s for s in shapes if s is not None)
+        mine = None if ref is None or not ref.requires_grad else tuple(_local(ref).shape)
+        dist.all_gather_object(shapes, mine, group=pipe.pp_mesh.get_group())
+        pipe._norm["shape"] = next((s for s in shapes if s is not None), None)
     return pipe._norm["shape"]
 
 
@@ -441,13 +442,8 @@ def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -
 
 def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int) -> None:
     """BadInput (naming the flag) for a TP/PP layout this model and batch cannot use; run before any work."""
-    from engine.parallel.tensor_parallel import check_tensor_parallel
     from engine.runfiles import BadInput
 
-    try:
-        check_tensor_parallel(cfg, dims.tp)
-    except ValueError as err:
-        raise BadInput(str(err), "tensor_model_parallel_size") from err
     vpp = spec.num_layers_per_virtual_pipeline_stage
     if vpp is not None and dims.pp == 1:
         raise BadInput(
@@ -455,10 +451,10 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
             "num_layers_per_virtual_pipeline_stage",
         )
     try:
-        layout = stage_layers(cfg.num_layers, dims.pp, spec.num_layer_list, vpp)
-    except ValueError as err:
-        field = str(err).split(":", 1)[0]
-        raise BadInput(str(err), field) from err
+        layout.check(cfg, dims, spec.num_layer_list, vpp)
+    except layout.LayoutError as err:
+        raise BadInput(str(err), err.field) from err
+    stages = stage_layers(cfg.num_layers, dims.pp, spec.num_layer_list, vpp)
     n_micro = global_batch_size // (spec.micro_batch_size * dims.dp)
     if dims.pp > 1 and n_micro < dims.pp:
         raise BadInput(
@@ -466,7 +462,7 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
             f"(micro_batch_size × DP) = {n_micro}",
             "global_batch_size",
         )
-    if len(layout) > dims.pp and n_micro % dims.pp:
+    if len(stages) > dims.pp and n_micro % dims.pp:
         raise BadInput(
             f"global_batch_size: the interleaved schedule needs the number of micro-batches (global_batch_size / "
             f"(micro_batch_size × DP) = {n_micro}) to be a multiple of PP ({dims.pp})",

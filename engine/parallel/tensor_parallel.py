@@ -56,27 +56,12 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 from engine.constants import IGNORE_INDEX
-from engine.model.config import ModelConfig
+from engine.contract import layout
 from engine.model.moe import MoELayer
 from engine.torch_compat import StridedShard, colwise_prepare_output_fn, compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Refuse layouts the TP plan cannot shard evenly, naming the flag to change."""
-    checks = [
-        (cfg.num_query_groups, "KV groups (num_query_groups); each rank must hold whole groups"),
-        (cfg.num_attention_heads, "attention heads (num_attention_heads)"),
-        (cfg.ffn_hidden_size, "FFN size (ffn_hidden_size)"),
-        (cfg.vocab_size, "vocabulary rows (padded_vocab_size)"),
-    ]
-    if cfg.is_moe:
-        checks.append((cfg.expert_ffn_hidden_size, "expert FFN size (moe_ffn_hidden_size)"))
-    for value, what in checks:
-        if value % tp:
-            raise ValueError(f"tensor_model_parallel_size: TP {tp} must divide the {value} {what}")
 
 
 def _place(param: torch.Tensor, mesh: DeviceMesh, placement: Placement | str) -> DTensor:
@@ -348,7 +333,7 @@ def top_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
     """Shard ``model`` (a whole ``Qwen3Model`` or a pipeline stage of it) over the 1-D ``tp_mesh`` in place."""
     qwen = cast("Qwen3Model", model)
-    check_tensor_parallel(qwen.cfg, tp_mesh.size())
+    layout.check(qwen.cfg, layout.ParallelDims(tp=tp_mesh.size()))
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
     for layer in qwen.decoder.layers.values():
@@ -409,6 +394,33 @@ def vocab_parallel_cross_entropy(
     a time, and only labelled rows reach the head: ``rows`` (flat positions with a label, e.g. the batch's
     host-computed ``loss_index``) or, if not given, found here (one host sync). ``loss_sum`` is identical on every
     TP rank."""
+    per_token, flat, _ = _token_losses(hidden, weight, labels, chunk_size, rows)
+    labelled = flat != IGNORE_INDEX
+    return (per_token * labelled).sum(), labelled.sum()
+
+
+def vocab_parallel_sequence_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 4096,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``engine.train.preference.sequence_logprobs`` against a vocab-sharded head: (summed log-probs (B,) fp32,
+    labelled tokens (B,)), identical on every TP rank. Arguments as ``vocab_parallel_cross_entropy``. Unlike the
+    single-device path, each chunk's softmax is kept for backward (``_VocabParallelCE``)."""
+    b, t = labels.shape
+    per_token, flat, rows = _token_losses(hidden, weight, labels, chunk_size, rows)
+    labelled = flat != IGNORE_INDEX
+    seq = torch.div(rows, t, rounding_mode="floor")
+    sums = per_token.new_zeros(b).index_add(0, seq, -(per_token * labelled))
+    return sums, torch.bincount(seq, weights=labelled.float(), minlength=b).long()
+
+
+def _token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE of each selected row (N,) fp32, its label (N,), the flat positions selected (N,))."""
     weight = cast(DTensor, weight)
     mesh = weight.device_mesh
     if isinstance(hidden, DTensor):
@@ -424,13 +436,13 @@ def vocab_parallel_cross_entropy(
     w = weight.to_local()
     vocab_start = mesh.get_local_rank() * w.shape[0]
     group = mesh.get_group()
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_size):
-        tgt = flat[start : start + chunk_size]
-        logits = h[start : start + chunk_size] @ w.t()
-        per_token = _VocabParallelCE.apply(logits, tgt.clamp(min=0), vocab_start, group)
-        total = total + (per_token * (tgt != IGNORE_INDEX)).sum()
-    return total, (flat != IGNORE_INDEX).sum()
+    parts = [
+        _VocabParallelCE.apply(h[start : start + chunk_size] @ w.t(), tgt.clamp(min=0), vocab_start, group)
+        for start in range(0, h.shape[0], chunk_size)
+        for tgt in [flat[start : start + chunk_size]]
+    ]
+    per_token = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+    return per_token, flat, rows
 
 
 # ------------------------------------------------------------------ checkpoint view

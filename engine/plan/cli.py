@@ -3,6 +3,7 @@
 Prints one row per rank (MiB) and ends with one JSON line ``{"ranks": [{"rank": 0, "total_bytes": ...}, ...], ...}``.
 Own options: ``--model PRESET`` (shape of a published Qwen3 when neither ``load`` nor the flags give it),
 ``--device-memory-gib N`` (say whether every rank fits), ``--device-type npu`` (its attention kernel),
+``--data-root DIR`` (where relative paths start, as the API resolves them: the team's area),
 ``--kind train|eval`` (default: from the script name, else
 train). A MindSpeed line may start with torchrun's own arguments: ``--nproc_per_node``/``--nnodes`` give the world
 size, the rest of torchrun's arguments are dropped. Fields a plan does not need (data paths, iterations, lr) may be
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from engine.guard import WRITE_ENV
 from engine.plan.memory import MIB
 from engine.plan.planner import MemoryPlan, plan_spec
 from engine.spec import first_error
@@ -72,7 +75,7 @@ def split_torchrun(argv: list[str]) -> tuple[list[str], dict[str, Any], str | No
     return rest, resources, tokens[script_at] if script_at is not None else None
 
 
-def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any]) -> Any:
+def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data_root: str | None = None) -> Any:
     from engine.flags import build_parser
     from engine.spec import parse_spec
 
@@ -88,7 +91,17 @@ def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any]) -> A
     data["kind"] = data.get("kind", kind)
     for key, value in _PLACEHOLDERS.get(data["kind"], {}).items():
         data.setdefault(key, value)
-    return parse_spec(data)
+    if data_root is None:
+        return parse_spec(data)
+    # Relative paths start at the team area, as the API resolves them; "/" as a second root keeps any absolute path
+    # of the user's own machine valid (a plan reads checkpoints' config.json, never writes).
+    return parse_spec(data, data_roots=[str(Path(data_root).resolve()), "/"])
+
+
+def default_data_root() -> str | None:
+    """The area relative paths start at: the first of the job's areas when a worker set them, else None (cwd)."""
+    areas = [p for p in os.environ.get(WRITE_ENV, "").split(os.pathsep) if p]
+    return areas[0] if areas else None
 
 
 def _mib(n: int) -> str:
@@ -161,6 +174,12 @@ def main(argv: list[str]) -> int:
     own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
     own.add_argument("--kind", choices=("train", "eval"))
     own.add_argument("--device-type", choices=("cpu", "cuda", "npu"), help="resources.device_type (attention kernel)")
+    own.add_argument(
+        "--data-root",
+        default=default_data_root(),
+        help="directory relative paths start at, as the API resolves them: your team's area, e.g. "
+        "var/data/teams/default under make run (default: $LLMJOBS_DATA_AREAS' first entry, else the current directory)",
+    )
     own.add_argument("-h", "--help", action="store_true")
     opts, rest = own.parse_known_args(argv)
     if opts.help:
@@ -171,7 +190,7 @@ def main(argv: list[str]) -> int:
         resources["device_type"] = opts.device_type
     kind = opts.kind or ("eval" if script and "inference" in script else "train")
     try:
-        spec = _spec_from_args(kind, flags, resources)
+        spec = _spec_from_args(kind, flags, resources, opts.data_root)
         device = int(opts.device_memory_gib * 2**30) if opts.device_memory_gib else None
         plan = plan_spec(spec, opts.model, device)
     except ValidationError as err:

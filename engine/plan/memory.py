@@ -12,9 +12,14 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
   shards them) — Megatron's distributed optimizer (which also keeps grads whole) differs only in the grads.
 - LoRA: the frozen base once, in the compute dtype, no master copy, no grads (over DP: its shard plus what FSDP
   gathers of it, as for full training); only the adapters (fp32, created by ``engine.model.lora``) carry main
-  weights, grads and Adam state.
-- ``activations``: bytes autograd keeps per token per decoder layer (counted from ``engine.model.qwen3``: fp32
-  norm inputs, the q/k norm's fp32 copies, attention inputs/outputs, SwiGLU's fc1 output, the matmul inputs), by
+  weights, grads and Adam state. On one DP rank FSDP leaves the frozen base alone (``engine.parallel.data_parallel``),
+  so it is held once. LoRA adds each adapter's rank-r A output to the saved activations (its input is the base
+  matmul's, saved once in the compute dtype), a backward working set of about 6 FFN-wide rows per token that
+  nothing else covers when the weights are frozen (on the last stage only beyond the loss buffers, gone by then),
+  and DP gradient buffers for the adapters only.
+- ``activations``: bytes autograd keeps per token per decoder layer (counted from ``engine.model.qwen3`` and
+  ``engine.model.lean_ops``: norm inputs and fp32 rstd, attention's q, k, v, output and lse, SwiGLU's fc1 output,
+  the matmul inputs; measured by bench/activations.py), by
   recompute mode (full: each layer's input plus one layer's working set; selective: the matmul outputs), times the
   micro-batches a rank holds at once: 1 without PP, ``PP - stage`` under 1F1B, Megatron's warm-up count of layer
   chunks under the interleaved schedule.
@@ -24,8 +29,11 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
   backward).
 - ``comm``: pipeline send/recv of one micro-batch's hidden states, FSDP's gathered layer and its reduce-scatter
   buffer, the sequence-parallel all-gather of a layer's input.
-- ``optimizer_step``: the one fp32 temporary of the whole trainable set that foreach AdamW allocates (sqrt of v);
-  activations are gone by then, so the peak is the larger of the two phases on top of the persistent state.
+- ``optimizer_step``: what the AdamW step allocates beyond its state (``engine.train.optim``): nothing with torch's
+  fused kernel (CPU, CUDA: in place), else the foreach temporary (sqrt of v) of its largest parameter group, at most
+  ``FOREACH_GROUP_BYTES`` or one tensor larger than that (NPU is planned so until torch_npu's fused kernel is
+  confirmed on a device); activations are gone by then, so the peak is the larger of the two phases on top of the
+  persistent state.
 
 MoE (Qwen3-MoE): a rank holds the router of its stage's MoE layers and num_experts / EP of their experts (expert
 parallelism, ``engine.parallel.expert_parallel``), each expert's fc1/fc2 divided by TP like the dense MLP
@@ -48,7 +56,7 @@ from engine.model.lora_targets import MEGATRON_TARGETS
 
 MIB = 2**20
 GIB = 2**30
-PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "comm")
+PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "comm", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,8 @@ class Layout:
     device_type: str = "cpu"
     train: bool = True
     eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
+    rows_per_sample: int = 1  # stage dpo: 2 (a pair's chosen and rejected answers run in one forward)
+    reference_copy: bool = False  # stage dpo with a frozen second model (not LoRA, not reference-free)
 
     @property
     def dp(self) -> int:
@@ -89,7 +99,7 @@ class Layout:
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (before sequence-parallel sharding)."""
-        return self.micro_batch_size * self.seq_length
+        return self.micro_batch_size * self.rows_per_sample * self.seq_length
 
 
 @dataclasses.dataclass
@@ -110,10 +120,11 @@ class RankMemory:
     comm: int = 0
     optimizer_step: int = 0
     micro_batches_in_flight: int = 0
+    reference: int = 0  # stage dpo's frozen reference model (``reference_bytes``)
 
     @property
     def persistent_bytes(self) -> int:
-        return self.params + self.main_params + self.grads + self.optimizer
+        return self.params + self.main_params + self.grads + self.optimizer + self.reference
 
     @property
     def total_bytes(self) -> int:
@@ -212,32 +223,74 @@ def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, 
 
 
 def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
-    """Bytes autograd saves for one decoder layer over ``tokens`` tokens, without recompute."""
+    """Bytes autograd saves for one decoder layer over ``tokens`` tokens, without recompute, as
+    ``engine.model.qwen3`` with ``engine.model.lean_ops`` saves them (bench/activations.py counts them on the meta
+    device and checks this figure within 5 %)."""
     e, tp = lay.compute_bytes, lay.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
     a, g, d = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.kv_channels
     sp = tp if lay.sequence_parallel else 1
-    norm = (4 * h + 4 + e * h) // sp + e * h  # fp32 input, rstd, normed (SP-sharded); the gathered matmul input
-    q = 4 * a * d + 4 * a + e * a * d  # fp32 copy, rstd, normed
-    k = 4 * g * d + 4 * g + e * g * d
+    norm = (e * h + 4) // sp + e * h  # input and fp32 rstd (SP-sharded); the normed rows, the next matmul's input
+    q = e * a * d + 4 * a  # the q norm's input and rstd per head
+    k = e * g * d + 4 * g
     if lay.device_type == "cpu":  # sdpa with a block mask: k and v are expanded to every query head
         attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
-    else:  # flash/varlen kernels: q, k, v, output, lse, proj input
-        attn = 3 * e * a * d + 2 * e * g * d + 4 * a
-    mlp = 4 * e * f  # fc1 output (gate|up), silu(gate), product
-    if cfg.moe_layers:  # the largest layer: an MoE one (engine.model.moe), per token and each of its k choices
-        topk, fe, ne = cfg.moe_router_topk, cfg.expert_ffn_hidden_size // tp, cfg.num_experts or 0
-        router = e * ne + 4 * ne  # logits, fp32 probabilities
-        # gathered input rows, fc1 output, silu(gate), product, routing-weighted rows, fc2 output, scattered back
-        mlp = max(mlp, router + topk * e * (h + 2 * fe + fe + 2 * fe + h + h))
+    else:  # flash/varlen kernels: q, k, v, output (also linear_proj's input, a view of it), fp32 lse
+        attn = 2 * e * a * d + 2 * e * g * d + 4 * a
+    mlp = 2 * e * f if _has_dense(cfg) else 0  # fc1's output (gate|up) only: the SwiGLU product is rebuilt
+    if cfg.moe_layers:  # the largest layer's: an MoE one (engine.model.moe) where it is bigger
+        mlp = max(mlp, moe_activation_bytes(cfg, lay))
     return tokens * (2 * norm + q + k + attn + mlp)
+
+
+def lora_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """What LoRA adds to one layer's saved activations: each adapter's rank-r A output (lora_B's input, in the
+    compute dtype FSDP casts the adapters to). Its input is the base matmul's own (``engine.model.lora._AdapterIn``
+    saves it in the compute dtype), already counted; MoE targets adapt every routed choice."""
+    if lay.lora_r is None:
+        return 0
+    per_token = sum(
+        cfg.moe_router_topk if cfg.moe_layers and name in ("linear_fc1", "linear_fc2") else 1
+        for name in lay.lora_targets
+    )
+    return tokens * per_token * lay.lora_r * lay.compute_bytes
+
+
+LORA_BACKWARD_FFN_COPIES = 6  # measured: tests/integration/test_plan_measured.py pp2-lora, stage 0
+
+
+def lora_backward_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """LoRA's backward peak beyond the saved activations: one MLP's gradients in flight (fc1's output gradient
+    [gate; up], the SwiGLU backward's temporaries, the rebuilt product), about 6 FFN-wide rows per token. In full
+    training the not-yet-written weight gradients, counted whole, cover it; with frozen weights nothing does."""
+    if lay.lora_r is None:
+        return 0
+    f = (cfg.expert_ffn_hidden_size * cfg.moe_router_topk if cfg.moe_layers else cfg.ffn_hidden_size) // lay.tp
+    return LORA_BACKWARD_FFN_COPIES * f * lay.compute_bytes * tokens
+
+
+def _has_dense(cfg: ModelConfig) -> bool:
+    return len(cfg.moe_layers) < cfg.num_layers
+
+
+def moe_activation_bytes(cfg: ModelConfig, lay: Layout) -> int:
+    """Per token, what an MoE MLP saves: the router logits (the fp32 softmax is recomputed from them where they are
+    narrower, ``engine.model.lean_ops.softmax_fp32``), the top-k ids, weights and their sum, the sort order; per choice fc1's output and the routing weight. fc1 re-gathers its input rows from the tokens (kept
+    as the router's input) in backward (``engine.model.gathered_matmul``), except where the rows themselves are
+    kept: expert parallelism exchanges gathered rows, and LoRA-adapted experts save them for the adapters."""
+    e, topk = lay.compute_bytes, cfg.moe_router_topk
+    fe, ne = cfg.expert_ffn_hidden_size // lay.tp, cfg.num_experts or 0
+    router = min(e, 4) * ne + 8 * topk + 4 * topk + 4 + 8 * topk
+    adapted = lay.lora_r is not None and any(t in ("linear_fc1", "linear_fc2") for t in lay.lora_targets)
+    rows = cfg.hidden_size if lay.ep > 1 or adapted else 0
+    return router + topk * e * (rows + 2 * fe + 1)
 
 
 def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Selective recompute keeps the layer input and every matmul output (``engine.parallel.activation_checkpoint``)."""
     e, tp = lay.compute_bytes, lay.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
-    mlp = 2 * f + h
+    mlp = 2 * f + h if _has_dense(cfg) else 0
     if cfg.moe_layers:  # router logits, and per choice the expert fc1 and fc2 outputs
         mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * (2 * cfg.expert_ffn_hidden_size // tp + h))
     return tokens * e * (h + cfg.qkv_rows // tp + h + mlp)
@@ -245,13 +298,14 @@ def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
 
 def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: int) -> int:
     """One micro-batch's activations in a stage of ``layers`` layers (plus the per-forward RoPE tables and mask)."""
-    full = layer_activation_bytes(cfg, lay, tokens)
+    adapters = lora_activation_bytes(cfg, lay, tokens)  # kept wherever the layer's own activations are
+    full = layer_activation_bytes(cfg, lay, tokens) + adapters
     if lay.recompute == "full":
         kept = layers if lay.recompute_method != "block" else min(layers, lay.recompute_num_layers or layers)
         boundary = tokens * lay.compute_bytes * cfg.hidden_size // (lay.tp if lay.sequence_parallel else 1)
         per_mb = kept * boundary + (layers - kept) * full
     elif lay.recompute == "selective":
-        per_mb = layers * _selective_bytes(cfg, lay, tokens)
+        per_mb = layers * (_selective_bytes(cfg, lay, tokens) + adapters)
     else:
         per_mb = layers * full
     rope = 2 * tokens * cfg.kv_channels * lay.compute_bytes
@@ -294,7 +348,22 @@ def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
 # ------------------------------------------------------------------ per rank
 
 
-def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int, elsewhere: int = 0) -> None:
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # engine.parallel.device.has_fused_adamw is true there
+FOREACH_GROUP_BYTES = 256 * 2**20  # engine.train.optim's bound on a foreach group
+
+
+def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int) -> int:
+    """The AdamW step's temporary on one rank: none when fused, else one foreach group's fp32 ``sqrt(v)``: the
+    bound, the whole trainable shard when smaller, or the largest tensor (the embedding or head) when larger."""
+    if lay.device_type in FUSED_ADAMW_DEVICES:
+        return 0
+    largest = cfg.vocab_size * cfg.hidden_size // lay.tp * 4 // lay.dp
+    return min(trainable * 4 // lay.dp, max(FOREACH_GROUP_BYTES, largest))
+
+
+def _fill_state(
+    m: RankMemory, lay: Layout, per_layer_params: int, elsewhere: int = 0, per_layer_adapters: int = 0
+) -> None:
     """params / main_params / grads / optimizer of one rank, and the transient gathered layers of FSDP.
     ``elsewhere``: base weights of the rank's layers that live on other EP ranks (never gathered here)."""
     e, dp = lay.compute_bytes, lay.dp
@@ -316,9 +385,29 @@ def _fill_state(m: RankMemory, lay: Layout, per_layer_params: int, elsewhere: in
         m.main_params = trainable * 4 // dp
     m.grads = trainable * 4 // dp
     m.optimizer = trainable * 8 // dp
-    m.optimizer_step = trainable * 4 // dp
-    if dp > 1:
-        m.comm += 2 * per_layer_params * 4  # a layer's unsharded fp32 grads and its reduce-scatter output
+    if dp > 1:  # a layer's unsharded fp32 grads and its reduce-scatter output: the adapters' only under LoRA
+        reduced = per_layer_params if lay.lora_r is None else per_layer_adapters
+        m.comm += 2 * reduced * 4
+
+
+def reference_bytes(cfg: ModelConfig, lay: Layout, m: RankMemory) -> int:
+    """Stage dpo's frozen reference (``engine.train.dpo``): its weights in the compute dtype (an FSDP shard over DP,
+    plus the two layers gathered around the one computing), and its no-grad forward's transient while the policy's
+    activations are held: one layer's working set and one loss chunk. The doubled sequences themselves are counted by
+    ``Layout.rows_per_sample``. LoRA runs (adapters off) and reference-free losses have no copy: 0."""
+    if not lay.reference_copy:
+        return 0
+    e = lay.compute_bytes
+    gathered = 2 * layer_params(cfg, lay.tp, ep=lay.ep) * e if lay.dp > 1 else 0
+    forward = layer_activation_bytes(cfg, lay, lay.tokens) + min(lay.loss_chunk, lay.tokens) * cfg.vocab_size * 4
+    return m.num_params * e // lay.dp + gathered + forward
+
+
+def kv_cache_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
+    """Keys and values of ``layers`` layers for ``micro_batch_size`` rows of ``eval_tokens`` positions on one TP rank
+    (eval's batch; a serve job's ``max_num_seqs`` slots of ``max_model_len``)."""
+    rows = 2 * layers * lay.micro_batch_size * lay.eval_tokens * (cfg.num_query_groups // lay.tp)
+    return rows * cfg.kv_channels * lay.compute_bytes
 
 
 def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
@@ -335,7 +424,10 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
         m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
         if lay.train:
             elsewhere = sum(expert_params(cfg, i) for i in layers) * (lay.ep - 1) // lay.ep
-            _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere)
+            adapters = 0 if lay.lora_r is None else lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
+            _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere, adapters)
+            m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable)
+            m.reference = reference_bytes(cfg, lay, m)
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
             m.params = total * lay.compute_bytes
         tokens = lay.tokens
@@ -348,9 +440,10 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             if last:
                 head_trains = lay.lora_r is None
                 m.loss = loss_bytes(cfg, lay, head_trains)
+            # the loss's buffers are gone before any layer's backward runs: the larger of the two is the peak
+            m.activations += max(0, lora_backward_working_set(cfg, lay, tokens) - m.loss)
         else:
-            kv = 2 * len(layers) * lay.micro_batch_size * lay.eval_tokens * (cfg.num_query_groups // lay.tp)
-            m.activations = kv * cfg.kv_channels * lay.compute_bytes + layer_activation_bytes(cfg, lay, tokens)
+            m.activations = kv_cache_bytes(cfg, lay, len(layers)) + layer_activation_bytes(cfg, lay, tokens)
             if last:
                 m.loss = lay.micro_batch_size * cfg.vocab_size // lay.tp * 4
         if lay.pp > 1:

@@ -6,12 +6,14 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from engine.constants import REFERENCE_FREE_LOSSES, SERVE_PREFILL_CHUNK
 from engine.model.config import ModelConfig
 from engine.model.lora_targets import MEGATRON_TARGETS, resolve_targets
 from engine.plan.memory import (
     GIB,
     Layout,
     RankMemory,
+    kv_cache_bytes,
     plan_ranks,
 )
 from engine.plan.shape import ShapeUnknown, model_config
@@ -61,6 +63,9 @@ class MemoryPlan:
         }
 
 
+PLANNED_KINDS = ("train", "eval", "serve")
+
+
 class DoesNotFit(ValueError):
     """A rank's predicted peak exceeds the device memory; ``field`` is the spec field to change first."""
 
@@ -76,16 +81,20 @@ def _recompute(spec: Any) -> str | None:
 
 
 def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
-    """The planner's view of a TrainSpec/EvalSpec (world size from ``resources``)."""
-    train = spec.kind == "train"
+    """The planner's view of a TrainSpec/EvalSpec/ServeSpec (world size from ``resources``). A serve job is planned as
+    eval with ``max_num_seqs`` rows of ``max_model_len`` cached positions, its activations those of one prefill chunk
+    (spread over the rows)."""
+    train, serve = spec.kind == "train", spec.kind == "serve"
     seq = spec.seq_length or cfg.max_position_embeddings
+    if serve:
+        seq = max(1, SERVE_PREFILL_CHUNK // spec.max_num_seqs)
     lora_r = spec.lora_r if train else None
     return Layout(
         world_size=spec.resources.world_size,
         tp=spec.tensor_model_parallel_size,
         pp=spec.pipeline_model_parallel_size,
         ep=spec.expert_model_parallel_size if train else 1,  # eval runs every expert on each rank
-        micro_batch_size=spec.micro_batch_size,
+        micro_batch_size=spec.max_num_seqs if serve else spec.micro_batch_size,
         global_batch_size=spec.global_batch_size,
         seq_length=seq,
         compute_bytes=2 if (spec.bf16 or spec.fp16) else 4,
@@ -101,14 +110,24 @@ def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
         loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024),
         device_type=spec.resources.device_type,
         train=train,
-        eval_tokens=0 if train else seq + getattr(spec, "max_new_tokens", 0),
+        eval_tokens=0 if train else spec.max_model_len if serve else seq + getattr(spec, "max_new_tokens", 0),
+        **_preference_layout(spec) if train else {},
     )
 
 
+def _preference_layout(spec: Any) -> dict[str, Any]:
+    """Stage dpo: pairs double the rows of a micro-batch; a frozen reference copy unless LoRA or reference-free."""
+    if spec.stage != "dpo":
+        return {}
+    free = spec.dpo_loss_type in REFERENCE_FREE_LOSSES
+    return {"rows_per_sample": 2, "reference_copy": spec.lora_r is None and not free}
+
+
 def plan_spec(spec: Any, model: str | None = None, device_memory_bytes: int | None = None) -> MemoryPlan:
-    """Predicted per-rank memory of a train or eval spec. Raises ``ShapeUnknown`` when the shape cannot be found."""
-    if spec.kind not in ("train", "eval"):
-        raise ValueError(f"kind: only train and eval jobs have a memory plan, not {spec.kind!r}")
+    """Predicted per-rank memory of a train, eval or serve spec. Raises ``ShapeUnknown`` when the shape cannot be
+    found."""
+    if spec.kind not in PLANNED_KINDS:
+        raise ValueError(f"kind: only train, eval and serve jobs have a memory plan, not {spec.kind!r}")
     cfg, source = model_config(spec, model)
     lay = layout_from_spec(spec, cfg)
     return MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
@@ -128,15 +147,35 @@ def breakdown(r: RankMemory) -> str:
         ("activations", r.activations),
         ("loss", r.loss),
         ("comm", r.comm),
+        ("reference model", r.reference),
         ("optimizer step", r.optimizer_step),
     ]
     return ", ".join(f"{name} {_gib(v)}" for name, v in parts if v)
+
+
+def _check_kv_share(spec: Any, plan: MemoryPlan, device_memory_bytes: int) -> None:
+    """A serve job's KV cache must fit in ``kv_cache_memory_fraction`` of what the weights leave of the device."""
+    fraction = spec.kv_cache_memory_fraction
+    worst = plan.peak
+    kv = kv_cache_bytes(plan.cfg, plan.layout, len(worst.layers))
+    room = max(0, device_memory_bytes - worst.params)
+    if fraction is None or kv <= fraction * room:
+        return
+    raise DoesNotFit(
+        "max_num_seqs",
+        f"the KV cache of {spec.max_num_seqs} sequences × {spec.max_model_len} tokens needs {_gib(kv)}, over "
+        f"kv_cache_memory_fraction {fraction} of the {_gib(room)} the weights ({_gib(worst.params)}) leave of a "
+        f"{_gib(device_memory_bytes)} device; lower max_num_seqs or max_model_len",
+        plan,
+    )
 
 
 def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
     """The plan, or ``DoesNotFit`` naming what to change when the worst rank exceeds ``device_memory_bytes``."""
     plan = plan_spec(spec, model, device_memory_bytes)
     worst = plan.peak
+    if spec.kind == "serve":
+        _check_kv_share(spec, plan, device_memory_bytes)
     if worst.total_bytes <= device_memory_bytes:
         return plan
     lay = plan.layout
@@ -167,7 +206,7 @@ def check_registered_memory(spec: Any, host_infos: Iterable[dict[str, Any] | Non
     """Submission check: ``DoesNotFit`` when the worst rank exceeds the largest device memory any registered host of
     the job's device type reports. None (accepted unchecked) for other kinds, when no host reports its device memory
     (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
-    if getattr(spec, "kind", None) not in ("train", "eval"):
+    if getattr(spec, "kind", None) not in PLANNED_KINDS:
         return None
     sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
     if not sizes:

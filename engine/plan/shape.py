@@ -1,8 +1,8 @@
 """The model shape a job will train or evaluate, found without torch (the API process calls this).
 
 Sources, first that applies: the ``load`` checkpoint's HF ``config.json`` (or, for a Megatron checkpoint, the
-``args`` namespace inside an ``mp_rank_*`` file, read by an allow-list unpickler that builds nothing but plain
-containers and ``argparse.Namespace``), else a named preset, else the spec's Megatron flags with Megatron's defaults.
+``args`` namespace inside an ``mp_rank_*`` file, read through the engine's one allow-list with every torch and
+NumPy global inert), else a named preset, else the spec's Megatron flags with Megatron's defaults.
 The checkpoint's shape wins over shape flags: the trainer refuses a disagreement before any work
 (``engine.train.model_setup.check_against_checkpoint``).
 
@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint.allow_list import TORCH_FAMILY, SafeUnpickler, on_list, refuse
+from engine.contract.inspect import _RANK_DIR_RE, resolve_iteration_dir
+from engine.model import rope_scaling
 from engine.model.config import ModelConfig, moe_fields_from_flags, moe_from_args, preset
-
-_RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
+from engine.runfiles import BadInput
 
 
 class ShapeUnknown(ValueError):
@@ -65,22 +66,23 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelCon
         tie_word_embeddings=not spec.untie_embeddings_and_output_weights,
         init_method_std=spec.init_method_std,
         **moe_fields_from_flags(spec),
+        **rope_scaling.from_flags(spec),
     )
 
 
-class _ArgsUnpickler(pickle.Unpickler):
-    """Loads a Megatron rank file's pickle keeping only what is safe to build: the ``args`` Namespace and plain
-    containers; tensors, storages and any other class become inert stand-ins (nothing the file names is called)."""
+class _ArgsUnpickler(SafeUnpickler):
+    """A rank file's pickle through the allow-list, without torch: what only torch builds (tensors, storages,
+    dtypes, NumPy arrays) becomes an inert stand-in; anything off the list is refused as the engine refuses it."""
 
     def persistent_load(self, pid: Any) -> Any:
         return None
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("argparse", "Namespace"):
-            return argparse.Namespace
-        if (module, name) in {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}:
-            return {"OrderedDict": dict, "set": set, "frozenset": frozenset}[name]
-        return _Inert
+        if module.split(".")[0] in TORCH_FAMILY:
+            if not on_list(module, name):
+                raise refuse(f"{module}.{name}", self.path, self.field)
+            return _Inert
+        return super().find_class(module, name)
 
 
 class _Inert:
@@ -95,12 +97,8 @@ class _Inert:
 
 
 def _mcore_args(root: Path) -> argparse.Namespace | None:
-    tracker = root / "latest_checkpointed_iteration.txt"
-    iter_dir = root
-    if tracker.is_file():
-        it = tracker.read_text().strip()
-        iter_dir = root / ("release" if it == "release" else f"iter_{int(it):07d}")
-    ranks = sorted(p for p in iter_dir.glob("mp_rank_*") if _RANK_DIR.match(p.name)) if iter_dir.is_dir() else []
+    iter_dir, _ = resolve_iteration_dir(root)
+    ranks = sorted(p for p in iter_dir.glob("mp_rank_*") if _RANK_DIR_RE.match(p.name))
     for rank in ranks:
         path = rank / "model_optim_rng.pt"
         if not zipfile.is_zipfile(path):
@@ -109,7 +107,9 @@ def _mcore_args(root: Path) -> argparse.Namespace | None:
             pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:
                 continue
-            obj = _ArgsUnpickler(zf.open(pkl)).load()
+            unpickler = _ArgsUnpickler(zf.open(pkl))
+            unpickler.path = path
+            obj = unpickler.load()
         args = obj.get("args") if isinstance(obj, dict) else None
         if isinstance(args, argparse.Namespace):
             return args
@@ -134,6 +134,7 @@ def _from_mcore_args(args: argparse.Namespace) -> ModelConfig | None:
         vocab_size=vocab,
         tie_word_embeddings=not get("untie_embeddings_and_output_weights"),
         **moe_from_args(args, get("num_layers")),
+        **rope_scaling.from_args(args),
     )
 
 
@@ -154,8 +155,8 @@ def config_from_checkpoint(path: str | Path) -> ModelConfig | None:
             return None
     try:
         args = _mcore_args(root)
-    except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError):
-        return None
+    except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, BadInput):
+        return None  # the engine refuses the file with its reason at run time
     return _from_mcore_args(args) if args is not None else None
 
 

@@ -38,6 +38,12 @@ class MicroBatch:
     loss_index: torch.Tensor  # (N,) flat positions in B*T with a label
     loss_labels: torch.Tensor  # (N,)
     seq_lens: list[int]  # real tokens per sample (after the shift)
+    pairs: int = 0  # preference data: rows [chosen of each pair; rejected of each pair], ``pairs`` of each
+
+    @property
+    def loss_units(self) -> int:
+        """What the step's loss is averaged over: pairs for preference data, else labelled tokens."""
+        return self.pairs or self.num_loss_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +118,13 @@ def pad(samples: Sequence[Sample], seq_length: int, to_longest: bool) -> MicroBa
         labels[row, : len(targets)] = targets
     pos = np.broadcast_to(np.arange(width), ids.shape).copy()
     return _finish(ids, pos, None, labels, lens)
+
+
+def collate_pairs(samples: Sequence[Sample], seq_length: int, variable_seq_lengths: bool) -> MicroBatch:
+    """Preference pairs ``[chosen_1, rejected_1, chosen_2, ...]`` as one padded batch ``[chosen; rejected]``, so
+    both answers of every pair go through one forward (rows carry per-sequence sums: packing would merge them)."""
+    chosen, rejected = samples[0::2], samples[1::2]
+    return dataclasses.replace(pad([*chosen, *rejected], seq_length, variable_seq_lengths), pairs=len(chosen))
 
 
 def collate(samples: Sequence[Sample], seq_length: int, padding_free: bool, variable_seq_lengths: bool) -> MicroBatch:

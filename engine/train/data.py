@@ -21,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from engine.data.indexed import IndexedDataset, InstructionDataset, instruction_prefix
+from engine.data.indexed import PAIRWISE_FIELDS, IndexedDataset, InstructionDataset, instruction_prefix
 from engine.data.sampler import DistributedSampler
 from engine.runfiles import BadInput
 from engine.train.batches import Sample
@@ -44,16 +43,23 @@ class _Source:
     documents, and the padding-free packer fills micro-batches with them. With every document short enough, rows
     are documents, as before."""
 
-    def __init__(self, prefix: str, seq_length: int):
+    def __init__(self, prefix: str, seq_length: int, pairwise: bool = False):
         self.window_start: np.ndarray | None = None
+        self.pairs: dict[str, IndexedDataset] | None = None
+        self.instruction: InstructionDataset | None = None
+        self.text: IndexedDataset | None = None
         try:  # a file that is not a Megatron index is the user's input, not a crash to retry
+            if pairwise:
+                self.pairs = {f: IndexedDataset(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
+                return
+            if _exists(instruction_prefix(prefix, "chosen_input_ids")):
+                raise ValueError(f"{prefix} holds preference pairs: train on them with stage dpo")
             if _exists(instruction_prefix(prefix, "input_ids")):
-                self.instruction: InstructionDataset | None = InstructionDataset(prefix)
-                self.text: IndexedDataset | None = None
+                self.instruction = InstructionDataset(prefix)
                 return
             text = prefix if _exists(prefix) else prefix + "_text_document"
-            self.instruction, self.text = None, IndexedDataset(text)
-        except ValueError as err:
+            self.text = IndexedDataset(text)
+        except (ValueError, FileNotFoundError) as err:
             raise BadInput(f"data_path: {err}", "data_path") from err
         self.step = max(1, seq_length - 1)
         self.seq_length = seq_length
@@ -63,11 +69,19 @@ class _Source:
             self.window_start = np.concatenate(([0], np.cumsum(windows)))
 
     def __len__(self) -> int:
+        if self.pairs is not None:
+            return len(self.pairs["chosen_input_ids"])
         if self.instruction is not None:
             return len(self.instruction)
         return len(self.text) if self.window_start is None else int(self.window_start[-1])  # type: ignore[arg-type]
 
     def samples(self, i: int) -> list[Sample]:
+        if self.pairs is not None:  # a pair is one row: [chosen, rejected] (``batches.collate_pairs``)
+            p = self.pairs
+            return [
+                Sample(p["chosen_input_ids"][i], p["chosen_labels"][i]),
+                Sample(p["rejected_input_ids"][i], p["rejected_labels"][i]),
+            ]
         if self.text is not None:
             if self.window_start is None:
                 ids = self.text[i]
@@ -92,7 +106,12 @@ def check_data_paths(paths: Sequence[str]) -> None:
             raise BadInput(
                 f"data_path: blending weights ({prefix!r}) are not supported; give prefixes only", "data_path"
             )
-        candidates = [instruction_prefix(prefix, "input_ids"), prefix, prefix + "_text_document"]
+        candidates = [
+            instruction_prefix(prefix, "chosen_input_ids"),
+            instruction_prefix(prefix, "input_ids"),
+            prefix,
+            prefix + "_text_document",
+        ]
         if not any(_exists(c) for c in candidates):
             looked = ", ".join(c + ".bin/.idx" for c in candidates)
             raise BadInput(f"data_path: no indexed dataset for prefix {prefix!r} (looked for {looked})", "data_path")
@@ -124,10 +143,11 @@ class TrainData:
         self.order = DistributedSampler(self.num_samples, micro_batch_size=1, seed=self.seed)
 
     @classmethod
-    def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int) -> TrainData:
-        """The training share (samples of at most ``seq_length`` tokens; see ``_Source``)."""
+    def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int, pairwise: bool = False) -> TrainData:
+        """The training share (samples of at most ``seq_length`` tokens; see ``_Source``); ``pairwise``: preference
+        pairs, one pair per row."""
         check_data_paths(paths)
-        sources = [_Source(p, seq_length) for p in paths]
+        sources = [_Source(p, seq_length, pairwise) for p in paths]
         total = sum(len(s) for s in sources)
         n = split_counts(total, split)[0]
         if n < 1:
@@ -163,13 +183,3 @@ def rank_micro_batches(
         first = start + m * per_step + dp_rank * micro_batch
         out.append([s for k in range(first, first + micro_batch) for s in data.sample_at(k)])
     return out
-
-
-def data_files(paths: Sequence[str]) -> list[Path]:
-    """Every .bin/.idx file the datasets read (for the summary)."""
-    found = []
-    for prefix in paths:
-        for p in Path(prefix).parent.glob(Path(prefix).name + "*"):
-            if p.suffix in (".bin", ".idx"):
-                found.append(p)
-    return found

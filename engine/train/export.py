@@ -36,6 +36,7 @@ from engine.checkpoint.torchfile import TorchFileWriter
 from engine.model.config import ModelConfig
 from engine.model.lora import to_mindspeed_keys
 from engine.parallel.tensor_parallel import full_tensor
+from engine.spec import TrainSpec
 from engine.train.step_runner import StepRunner
 
 
@@ -153,7 +154,7 @@ def _gather_adapters(module: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Ten
     return {k: v for part in gathered or [] for k, v in part.items()}
 
 
-def _save_hf(cfg: ModelConfig, spec: Any, save: Path, dtype: torch.dtype) -> None:
+def _save_hf(cfg: ModelConfig, spec: TrainSpec, save: Path, dtype: torch.dtype) -> None:
     """``<save>/hf`` from the checkpoint just written (merged onto its base for LoRA), streamed as ``convert`` does."""
     from engine.checkpoint.load import open_checkpoint
     from engine.checkpoint.lora_merge import LoraOverlay
@@ -161,7 +162,7 @@ def _save_hf(cfg: ModelConfig, spec: Any, save: Path, dtype: torch.dtype) -> Non
     from engine.checkpoint.sources import SeededInit
 
     source: Any
-    if spec.lora_r is None:
+    if not spec.is_lora:
         source = MegatronCheckpoint(save)
     else:  # the base never changed: it is what was loaded (or the seeded init of a LoRA run from scratch)
         base = open_checkpoint(spec.load)[1] if spec.load else SeededInit(cfg, spec.seed)
@@ -179,7 +180,7 @@ def export_final(
         "checkpoint_dir": str(save / iteration_dir_name(iteration)),
     }
     rank0 = dist.get_rank() == 0
-    if spec.lora_r is not None:
+    if spec.is_lora:
         adapters = _gather_adapters(runner.module, mesh)
         if rank0:
             _write_lora(adapters, cfg, save, iteration, spec, dtype)

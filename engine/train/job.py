@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint import dcp
+from engine.checkpoint import dcp, owner
 from engine.checkpoint.sources import SeededInit, WeightSource
+from engine.contract.layout import LayoutError
 from engine.guard import check_output
 from engine.model.config import ModelConfig
 from engine.parallel.device import Device, init_distributed
@@ -38,7 +39,7 @@ from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
-from engine.train.batches import MicroBatch, collate
+from engine.train.batches import MicroBatch, collate, collate_pairs
 from engine.train.data import TrainData, check_data_paths
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
@@ -47,18 +48,17 @@ from engine.train.model_setup import (
     LoadedWeights,
     build_rank_model,
     check_against_checkpoint,
-    check_expert_layout,
     check_model_kind,
     checkpoint_flags,
     config_from_flags,
     open_load,
     rank_view,
-    with_moe_flags,
+    with_spec_flags,
 )
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
-from engine.train.step_runner import make_runner
+from engine.train.step_runner import MicroBatchLoss, make_runner
 
 log = logging.getLogger("engine.train")
 
@@ -74,6 +74,7 @@ class Plan:
     seq_length: int
     save: Path
     resume_from: Path | None
+    resumed: owner.SavedRun | None = None  # the run under save this job continues (its own earlier attempt or not)
 
 
 def _check_batch(spec: TrainSpec, dims: ParallelDims) -> int:
@@ -107,17 +108,17 @@ def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
             "or merge the run's final checkpoint with a convert job first",
             "load",
         )
-    return with_moe_flags(spec, loaded.config), loaded
+    return with_spec_flags(spec, loaded.config), loaded
 
 
 def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     """Validate the job against its files; BadInput (exit 2, no retry) for anything the user must fix."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
+    tp, pp, ep = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size
     try:
-        dims = ParallelDims.from_world(world, tp, pp)
-    except ValueError as err:
-        raise BadInput(str(err), "tensor_model_parallel_size") from err
+        dims = ParallelDims.from_world(world, tp, pp, ep)
+    except LayoutError as err:
+        raise BadInput(str(err), err.field) from err
     gbs = _check_batch(spec, dims)
     if spec.seq_length is None:
         raise BadInput("seq_length: required for training (the longest sample, in tokens)", "seq_length")
@@ -128,7 +129,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
         )
     check_data_paths(spec.data_path)
     cfg, loaded = _model_config(spec)
-    check_expert_layout(spec, cfg, dims.dp)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
         run.event(
@@ -141,7 +141,32 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
         )
     _warn_unsupported(spec, run)
     save = Path(spec.save) if spec.save else run.path / "checkpoints"
-    return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, dcp.latest(save))
+    resumed = _resume_point(spec, save)
+    return Plan(cfg, loaded, dims, gbs, spec.seq_length, save, resumed.checkpoint if resumed else None, resumed)
+
+
+def _resume_point(spec: TrainSpec, save: Path) -> owner.SavedRun | None:
+    """The run under ``save`` to continue: always this job's own (a retry); another job's only with resume "auto"
+    and iterations left to train (``core.admission`` refuses the rest at submission already; a race lands here)."""
+    found = owner.saved_run(save)
+    if found is None:
+        return None
+    me = owner.job_identity()
+    if owner.is_own(found, me):
+        return found
+    if me is not None and spec.resume != "auto":
+        raise BadInput(
+            f"save: {save} already holds the run of {owner.describe(found)} at iteration {found.iteration}; "
+            'set resume: "auto" to continue it, or give a new save',
+            "save",
+        )
+    if found.iteration >= spec.train_iters:
+        raise BadInput(
+            f"train_iters: the run under save ({owner.describe(found)}) is already at iteration {found.iteration}, "
+            f"so train_iters {spec.train_iters} leaves nothing to train; raise train_iters to continue it",
+            "train_iters",
+        )
+    return found
 
 
 def _warn_unsupported(spec: TrainSpec, run: RunDir) -> None:
@@ -164,14 +189,16 @@ def _seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, spec: TrainSpec, run: RunDir, plan: Plan, device: Device):
         self.spec, self.run, self.plan, self.device = spec, run, plan, device
-        self.lora = spec.lora_r is not None
+        self.lora = spec.is_lora
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
         self.step_metrics: dict[int, dict[str, float]] = {}  # iteration -> lm_loss / val_lm_loss, for checkpoints
         self.mesh = build_mesh(device, plan.dims)
         _seed_everything(spec.seed)
         self.model = self._build_model()
-        self.runner = make_runner(self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size)
+        self.runner = make_runner(
+            self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size, self._preference_loss()
+        )
         pp = self.mesh["pp"]
         self.router = RouterTracker(self.model, self.runner.dp_group, pp.get_group() if pp.size() > 1 else None)
         self.optimizer = build_optimizer(self.model, spec)
@@ -195,6 +222,25 @@ class Trainer:
         return build_rank_model(
             plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length, self.device.torch_device, base
         )
+
+    def _preference_loss(self) -> MicroBatchLoss | None:
+        """Stage dpo's micro-batch loss, with its reference built here (None: the LM loss)."""
+        if self.spec.stage != "dpo":
+            return None
+        from engine.train.dpo import build_reference, dpo_loss, preference_config
+
+        plan = self.plan
+        ref = build_reference(
+            self.spec,
+            plan.cfg,
+            self.mesh,
+            self.model,
+            plan.global_batch_size,
+            plan.seq_length,
+            self.device.torch_device,
+        )
+        vocab_parallel = self.mesh["tp"].size() > 1
+        return dpo_loss(preference_config(self.spec), ref, self.spec.cross_entropy_chunk_size, vocab_parallel)
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan
@@ -223,6 +269,42 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["loss_scaler"])
 
+    def _resumed_job(self) -> str | None:
+        """The other job whose run this one continued (resume "auto"); None for a fresh run or a retry."""
+        found = self.plan.resumed
+        return None if found is None or owner.is_own(found, owner.job_identity()) else found.job_id or "unknown"
+
+    def _claim_save(self) -> None:
+        """Record this job as the writer of save (rank 0), and say loudly when it continues another job's run."""
+        found, me = self.plan.resumed, owner.job_identity()
+        if found is not None:
+            own = owner.is_own(found, me)
+            message = (
+                f"resumed this job's own checkpoint at iteration {found.iteration} (an earlier attempt)"
+                if own
+                else f"resumed from {owner.describe(found)} at iteration {found.iteration} (resume: auto)"
+            )
+            self.run.event(
+                "resumed", message, resumed_from=str(found.checkpoint), job_id=found.job_id, iteration=found.iteration
+            )
+            if own:
+                return
+        if dist.get_rank() == 0:
+            owner.claim(self.plan.save, me, self.spec.name, found)
+
+    def _zero_steps_warning(self, start: int) -> list[str]:
+        """A run with nothing left to train (a retry whose earlier attempt finished its steps) still succeeds, but
+        says so: never a plain success with 0 steps. Another job's finished run is refused in plan_run."""
+        if start < self.spec.train_iters:
+            return []
+        note = (
+            f"trained 0 iterations: the checkpoint under save is already at iteration {start} "
+            f"(train_iters {self.spec.train_iters}); the outputs are that run's weights"
+        )
+        log.warning("%s", note)
+        self.run.event("warning", note, trained_iterations=0)
+        return [note]
+
     # -- loop
 
     def _batches(self, data: TrainData, iteration: int) -> list[MicroBatch]:
@@ -237,7 +319,10 @@ class Trainer:
             self.plan.dims.dp,
             self.mesh["dp"].get_local_rank(),
         )
-        batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
+        if spec.stage == "dpo":
+            batches = [collate_pairs(g, self.plan.seq_length, spec.variable_seq_lengths) for g in groups]
+        else:
+            batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())
@@ -305,7 +390,7 @@ class Trainer:
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
-        data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length)
+        data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length, pairwise=spec.is_pairwise_dataset)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         metrics = MetricsLogger(
             self.run,
@@ -319,6 +404,8 @@ class Trainer:
             list(self.router.layers),
         )
         start = self.state.iteration
+        self._claim_save()
+        warnings = self._zero_steps_warning(start)
         self.runner.module.train()
         for iteration in range(start + 1, spec.train_iters + 1):
             started = time.perf_counter()
@@ -356,6 +443,9 @@ class Trainer:
             "start_iteration": start,
             "consumed_samples": self.state.consumed_samples,
             "resumed_from": self.resumed_from,
+            "resumed_from_job": self._resumed_job(),
+            "trained_iterations": self.state.iteration - start,
+            **({"warnings": warnings} if warnings else {}),
             "load_format": plan.loaded.format if plan.loaded else None,
             "world_size": plan.dims.world_size,
             "global_batch_size": plan.global_batch_size,

@@ -37,9 +37,10 @@ class TrainState:
 
 
 def _global_counts(batches: Sequence[MicroBatch], runner: StepRunner) -> torch.Tensor:
-    """[labelled tokens, real tokens, sum of L^2] over the global batch (one all-reduce over DP)."""
+    """[loss units (labelled tokens, or pairs for preference data), real tokens, sum of L^2] over the global batch
+    (one all-reduce over DP)."""
     local = [
-        sum(mb.num_loss_tokens for mb in batches),
+        sum(mb.loss_units for mb in batches),
         sum(mb.num_tokens for mb in batches),
         sum(n * n for mb in batches for n in mb.seq_lens),
     ]
@@ -93,6 +94,7 @@ def train_step(
         elapsed_s=time.perf_counter() - start,
         consumed_samples=state.consumed_samples,
         extra_losses=losses.extra,
+        stats=losses.stats,
         router=router.step_figures() if router else None,
     )
 

@@ -58,7 +58,7 @@ def warm_up() -> None:
     hidden = model(ids, position_ids=positions, segment_ids=segments, return_hidden=True)
     loss, _ = chunked_cross_entropy(hidden, model.output_weight(), ids.roll(-1, 1), chunk_size=16)
     loss.backward()
-    torch.optim.AdamW(model.parameters(), foreach=True).step()
+    torch.optim.AdamW(model.parameters(), fused=True).step()
 
 
 def _build_only(spec: Any, run_dir: Any) -> None:

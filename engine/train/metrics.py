@@ -48,6 +48,7 @@ class StepRecord:
     consumed_samples: int
     extra_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # named terms (global sums)
     router: torch.Tensor | None = None  # MoE: ``RouterTracker.step_figures`` (global sums per MoE layer)
+    stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # global sums, reported per loss unit
 
 
 class MetricsLogger:
@@ -98,6 +99,7 @@ class MetricsLogger:
                     r.counts.double(),
                     r.grad_norm.double()[None],
                     *(r.extra_losses[k].double()[None] for k in sorted(r.extra_losses)),
+                    *(r.stats[k].double()[None] for k in sorted(r.stats)),
                     *([] if r.router is None else [r.router.double().flatten()]),
                 ]
             )
@@ -113,6 +115,9 @@ class MetricsLogger:
         for r, n in zip(recs, numbers, strict=True):
             extra = 5 + len(r.extra_losses)
             row = {**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:extra], strict=True))}
+            units = n[1] or float("nan")  # preference stats are per-pair sums: reported as means over the pairs
+            row.update({k: v / units for k, v in zip(sorted(r.stats), n[extra : extra + len(r.stats)], strict=True)})
+            extra += len(r.stats)
             if r.router is not None:
                 width = r.router.shape[1]
                 row.update(router_summary(self.moe_layers, [n[i : i + width] for i in range(extra, len(n), width)]))

@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
+from engine.model import rope_scaling
 from engine.model.config import ModelConfig, moe_fields_from_flags
 from engine.runfiles import BadInput
+from engine.spec import TrainSpec
 
 Format = Literal["native", "hf", "mcore"]
 
@@ -133,25 +135,22 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
         raise BadInput(str(err), err.field) from err
 
 
-def with_moe_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
-    """A loaded model's shape with the spec's MoE training knobs (aux-loss weight, balancing type, capacity)."""
+def with_spec_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
+    """A loaded model's shape with the spec's training knobs: MoE (aux-loss weight, balancing type, capacity) and
+    rope scaling."""
     fields = moe_fields_from_flags(spec, cfg)
-    return cfg.replace(**fields) if fields else cfg
+    return with_rope_flags(spec, cfg.replace(**fields) if fields else cfg)
 
 
-def check_expert_layout(spec: Any, cfg: ModelConfig, dp: int) -> None:
-    """EP > 1 needs an MoE model whose expert count EP divides, and EP must divide DP (the spec checks what it
-    knows at submission; the expert count of a loaded checkpoint is known only here)."""
-    ep = spec.expert_model_parallel_size
-    if ep == 1:
-        return
-    flag = "expert_model_parallel_size"
-    if not cfg.is_moe:
-        raise BadInput(f"{flag}: {ep} needs an MoE model (num_experts); this model is dense", flag)
-    if (cfg.num_experts or 0) % ep:
-        raise BadInput(f"{flag}: EP {ep} does not divide num_experts {cfg.num_experts}", flag)
-    if dp % ep:
-        raise BadInput(f"{flag}: EP {ep} must divide the data-parallel size {dp}", flag)
+def with_rope_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
+    """A loaded model with the spec's rope scaling (YaRN set on a checkpoint without it stretches the model to
+    longer samples; each flag set overrides the checkpoint's value)."""
+    fields = rope_scaling.from_flags(spec)
+    try:
+        return cfg.replace(**fields) if fields else cfg
+    except ValueError as err:
+        field = str(err).split(":", 1)[0]
+        raise BadInput(str(err), field if field in type(spec).model_fields else "load") from err
 
 
 def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
@@ -211,15 +210,17 @@ def check_model_kind(spec: Any) -> None:
 def build_rank_model(
     cfg: ModelConfig,
     mesh: DeviceMesh,
-    spec: Any,
+    spec: TrainSpec,
     global_batch_size: int,
     seq_length: int,
     device: torch.device,
     base: WeightSource | None,
+    frozen: bool = False,
 ) -> torch.nn.Module:
     """This rank's model: built on meta, split/sharded, materialised on ``device``, filled from ``base`` (None: left
     empty for a DCP restore) and, for LoRA (``spec.lora_r``), adapters seeded as ``apply_lora(seed=spec.seed)``
-    would on the full model. Returns the module (a ``PipelineModel`` under PP)."""
+    would on the full model. ``frozen``: no parameter needs a gradient (a reference model), so every one is stored
+    in the compute dtype. Returns the module (a ``PipelineModel`` under PP)."""
     from engine.checkpoint.sharded import fill_parts
     from engine.checkpoint.sources import SeededLoraInit
     from engine.model.qwen3 import Qwen3Model
@@ -228,8 +229,9 @@ def build_rank_model(
 
     with torch.device("meta"):
         model: torch.nn.Module = Qwen3Model(cfg)
+    model.requires_grad_(not frozen)
     adapted: list[str] = []
-    if spec.lora_r is not None:
+    if spec.lora_r is not None:  # spelled out so mypy narrows lora_r to int (is_lora cannot)
         from engine.model.lora import apply_lora
 
         adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
@@ -243,6 +245,6 @@ def build_rank_model(
         parts = [model]
     for part in parts:
         part.to_empty(device=device)
-    lora = SeededLoraInit(cfg, adapted, spec.lora_r, spec.seed) if adapted else None
+    lora = SeededLoraInit(cfg, adapted, spec.lora_r, spec.seed) if adapted and spec.lora_r is not None else None
     fill_parts(parts, base, lora)
     return model

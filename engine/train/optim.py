@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from engine.parallel.device import has_fused_adamw
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Trainable parameters split into decayed (matrices) and not decayed (biases, norms)."""
@@ -28,13 +30,42 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
+FOREACH_GROUP_BYTES = 256 * 2**20  # the fp32 temporary a foreach AdamW step may allocate per parameter group
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def bounded_groups(groups: list[dict[str, Any]], limit_bytes: int = FOREACH_GROUP_BYTES) -> list[dict[str, Any]]:
+    """``groups`` cut into consecutive pieces of at most ``limit_bytes`` of fp32 (this rank's shards), so the
+    temporaries of a foreach step (``sqrt(v)`` of the group) stay under that; a single larger tensor is its own group."""
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        piece: list[nn.Parameter] = []
+        size = 0
+        for param in group["params"]:
+            n = _local_numel(param) * 4
+            if piece and size + n > limit_bytes:
+                out.append({**group, "params": piece})
+                piece, size = [], 0
+            piece.append(param)
+            size += n
+        if piece:
+            out.append({**group, "params": piece})
+    return out
+
+
 def build_optimizer(model: nn.Module, spec: Any) -> torch.optim.AdamW:
+    """AdamW with no full-size temporary: torch's fused kernel where the device has one (in place, per tensor list),
+    else foreach over groups of at most ``FOREACH_GROUP_BYTES``."""
     groups = param_groups(model, spec.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    return torch.optim.AdamW(
-        groups, lr=spec.lr, betas=(spec.adam_beta1, spec.adam_beta2), eps=spec.adam_eps, foreach=True
-    )
+    kwargs: dict[str, Any] = {"lr": spec.lr, "betas": (spec.adam_beta1, spec.adam_beta2), "eps": spec.adam_eps}
+    if has_fused_adamw(spec.resources.device_type):
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    return torch.optim.AdamW(bounded_groups(groups), foreach=True, **kwargs)
 
 
 def grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -47,11 +47,13 @@ class Losses:
 
     token_sum: torch.Tensor
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # reported sums, not differentiated
 
     def add(self, other: Losses) -> None:
         self.token_sum = self.token_sum + other.token_sum.detach()
-        for name, value in other.extra.items():
-            self.extra[name] = self.extra.get(name, torch.zeros_like(value)) + value.detach()
+        for terms, more in ((self.extra, other.extra), (self.stats, other.stats)):
+            for name, value in more.items():
+                terms[name] = terms.get(name, torch.zeros_like(value)) + value.detach()
 
     def objective(self, token_weight: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """What backward differentiates: token_sum × (loss scale / global token count) + loss scale × extra terms."""
@@ -61,11 +63,14 @@ class Losses:
         return out
 
     def stacked(self) -> torch.Tensor:
-        """[token_sum, extra values by name] as one tensor, so a reduction is one collective."""
-        return torch.stack([self.token_sum.float(), *(self.extra[k].float() for k in sorted(self.extra))])
+        """[token_sum, extra values by name, stats by name] as one tensor, so a reduction is one collective."""
+        named = [*(self.extra[k] for k in sorted(self.extra)), *(self.stats[k] for k in sorted(self.stats))]
+        return torch.stack([self.token_sum.float(), *(v.float() for v in named)])
 
     def unstacked(self, values: torch.Tensor) -> Losses:
-        return Losses(values[0], {k: values[i + 1] for i, k in enumerate(sorted(self.extra))})
+        n = len(self.extra)
+        extra = {k: values[i + 1] for i, k in enumerate(sorted(self.extra))}
+        return Losses(values[0], extra, {k: values[n + i + 1] for i, k in enumerate(sorted(self.stats))})
 
 
 MicroBatchLoss = Callable[[nn.Module, MicroBatch], Losses]
@@ -196,11 +201,14 @@ class PipelineRunner:
         return losses.unstacked(values)
 
 
-def make_runner(module: nn.Module, mesh: DeviceMesh, device: torch.device, chunk_size: int) -> StepRunner:
+def make_runner(
+    module: nn.Module, mesh: DeviceMesh, device: torch.device, chunk_size: int, loss_fn: MicroBatchLoss | None = None
+) -> StepRunner:
     """The runner for the layout of ``mesh``: pipeline stages under PP > 1 (``module`` from ``build_pipeline_model``),
-    else one module, with the vocab-parallel loss under TP > 1."""
+    else one module, with ``loss_fn`` (preference training) or the LM loss (vocab-parallel under TP > 1)."""
     if mesh["pp"].size() > 1:
         if not isinstance(module, PipelineModel):
             raise TypeError("pipeline_model_parallel_size > 1 needs the stages built by build_pipeline_model")
         return PipelineRunner(module, mesh)
-    return ModuleRunner(module, device, mesh["dp"].get_group(), lm_loss(mesh["tp"].size() > 1, chunk_size))
+    loss_fn = loss_fn or lm_loss(mesh["tp"].size() > 1, chunk_size)
+    return ModuleRunner(module, device, mesh["dp"].get_group(), loss_fn)

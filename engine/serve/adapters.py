@@ -1,0 +1,131 @@
+"""Several LoRA adapters over one base, chosen per sequence (vLLM's multi-LoRA serving, exact rather than merged).
+
+A serve job's ``lora_adapters`` (``{name: checkpoint}``) are read with eval's loader (``engine.eval.model_loading``:
+our training checkpoints or MindSpeed's, checked the same way as one ``lora_load``) and kept apart from the base:
+each targeted ``nn.Linear`` becomes a ``MultiLoRALinear`` holding every adapter's (A, B, alpha/r). Adapter index 0
+is the base itself (no delta), adapter ``i`` is the i-th name.
+
+Before each forward the batcher sets ``AdapterRows``: one adapter index per row of the batch, grouped into each
+present adapter's row indices once for all modules. A module then
+adds, for each adapter present in the batch, ``scaling_i · B_i(A_i(x))`` to that adapter's rows only, computed as
+``engine.model.lora.LoRALinear`` computes it (fp32 low-rank path, cast back): a sequence's tokens are those of the
+single-adapter model, whoever shares its batch. The adapters stay fp32 as in training; ``lora_load`` (eval's
+loader) casts them to the run's dtype, so in a bf16 deployment the two paths differ by that rounding. Grouping by adapter costs one small matmul pair per adapter present
+per module, not a gathered (B, r, in) copy per row.
+
+Not served per request: adapters that also override base tensors (MindSpeed's "independent" mode), HF PEFT
+directories (separate q/k/v A matrices) and adapters on MoE experts; each is refused naming the adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint.lora_merge import is_peft_adapter
+from engine.eval.model_loading import Adapters, check_adapters, read_adapters
+from engine.runfiles import BadInput
+
+
+@dataclasses.dataclass
+class AdapterRows:
+    """The rows of the next forward that each adapter present in the batch owns (empty: every row is the base)."""
+
+    size: int = 0
+    groups: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # adapter index -> its row indices
+
+    def set(self, adapters: list[int], device: torch.device | str) -> None:
+        """One adapter index per row; grouped once per forward rather than in every module."""
+        self.size = len(adapters)
+        rows: dict[int, list[int]] = {}
+        for row, index in enumerate(adapters):
+            if index:
+                rows.setdefault(index, []).append(row)
+        self.groups = {i: torch.tensor(r, device=device) for i, r in rows.items()}
+
+
+class MultiLoRALinear(nn.Module):
+    """A base ``nn.Linear`` plus per-adapter low-rank updates, applied to the rows ``selector`` assigns them."""
+
+    def __init__(self, base: nn.Linear, selector: AdapterRows) -> None:
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias  # the base's own tensors: state-dict keys stay the same
+        self.selector = selector
+        self.deltas: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # index -> (A, B, scaling)
+
+    def add(self, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        self.deltas[index] = (a, b, scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        groups = self.selector.groups
+        if not groups:
+            return out
+        if self.selector.size != x.shape[0]:
+            raise RuntimeError(f"adapter rows: {self.selector.size} for a batch of {x.shape[0]}")
+        for index, mine in groups.items():
+            if index not in self.deltas:
+                continue  # an adapter that leaves this module alone
+            a, b, scaling = self.deltas[index]
+            low = F.linear(F.linear(x[mine].to(a.dtype), a), b) * scaling
+            out[mine] = out[mine] + low.to(out.dtype)
+        return out
+
+
+def read_adapter(spec: Any, name: str, path: str) -> Adapters:
+    """Adapter ``name`` of ``lora_adapters``, read and checked as ``lora_load`` is (its own recorded r and alpha)."""
+    field = f"lora_adapters.{name}"
+    if is_peft_adapter(path):
+        raise BadInput(f"{field}: an HF PEFT adapter is merged at load, so it cannot be chosen per request", field)
+    one = spec.model_copy(update={"lora_load": path, "lora_r": None, "lora_alpha": None, "lora_target_modules": []})
+    try:
+        adapters = check_adapters(one, *read_adapters(one))
+    except BadInput as err:
+        raise BadInput(str(err).replace("lora_load", field, 1), field) from err
+    if adapters.base:
+        raise BadInput(
+            f"{field}: the checkpoint also overrides base tensors ({sorted(adapters.base)[:3]}); only pure adapters "
+            "share a base",
+            field,
+        )
+    return adapters
+
+
+def apply_adapters(
+    model: nn.Module, named: dict[str, Adapters], device: torch.device | str = "cpu"
+) -> tuple[AdapterRows, dict[str, int]]:
+    """Wrap the modules the adapters target; returns the shared row selector and each name's adapter index."""
+    selector, indices = AdapterRows(), {}
+    for index, (name, adapters) in enumerate(named.items(), start=1):
+        indices[name] = index
+        for module_path in sorted({k.rsplit(".lora_", 1)[0] for k in adapters.lora}):
+            layer = _wrapped(model, module_path, selector, f"lora_adapters.{name}")
+            a = adapters.lora[f"{module_path}.lora_A.weight"].to(device=device, dtype=torch.float32)
+            b = adapters.lora[f"{module_path}.lora_B.weight"].to(device=device, dtype=torch.float32)
+            if a.shape != (adapters.r, layer.weight.shape[1]) or b.shape != (layer.weight.shape[0], adapters.r):
+                raise BadInput(
+                    f"lora_adapters.{name}: {module_path} adapters {tuple(a.shape)}, {tuple(b.shape)} do not fit its "
+                    f"weight {tuple(layer.weight.shape)}",
+                    f"lora_adapters.{name}",
+                )
+            layer.add(index, a, b, adapters.alpha / adapters.r)
+    return selector, indices
+
+
+def _wrapped(model: nn.Module, path: str, selector: AdapterRows, field: str) -> MultiLoRALinear:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError as err:
+        raise BadInput(f"{field}: the model has no module {path}", field) from err
+    if isinstance(module, MultiLoRALinear):
+        return module
+    if type(module) is not nn.Linear:
+        raise BadInput(f"{field}: {path} is not a plain linear layer (adapters on MoE experts are not served)", field)
+    wrapped = MultiLoRALinear(module, selector)
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, wrapped)
+    return wrapped

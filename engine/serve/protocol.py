@@ -1,0 +1,166 @@
+"""The engine's internal request protocol: a JSON request in, JSON lines out (``engine.serve.server`` speaks it, the
+API's OpenAI routes translate to and from it).
+
+Request (``POST /v1/generate``), one prompt of:
+    ``messages`` (chat turns, rendered with the deployment's ``prompt_type`` template, ``chat_template_kwargs``'s
+    ``enable_thinking`` switching Qwen3's thinking; ``tools``, a list of tool definitions, rendered as Qwen3 does),
+    ``prompt`` (text, tokenized as is) or ``prompt_token_ids``;
+plus the sampling fields of ``engine.serve.sampling.RequestOptions`` (``stop`` a string or a list) and ``model``: one of
+the deployment's LoRA adapters (``lora_adapters``), else (absent, or the served name) the base.
+Response lines: ``{"type": "start", "prompt_tokens": N}``, then per token ``{"type": "token", "index": i, "token_id",
+"text" (the new text; held back while it may still become a stop string), and with ``logprobs`` ``"token_text"``,
+``"logprob"``, ``"top_logprobs": [{"token_id", "text", "logprob"}]}``, per choice
+``{"type": "finish", "index": i, "finish_reason", "completion_tokens"}``, last ``{"type": "done", "usage": {...}}``.
+Errors before the stream: ``{"error": {"message", "field", "type"}}`` with 400 (bad request), 404 (``model`` names
+no adapter here) or 429 (queue full, ``Retry-After`` header).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from engine.data.templates import ConversationError, encode_prompt
+from engine.serve.sampling import RequestOptions
+
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(RequestOptions)}
+_PROMPT_FIELDS = ("messages", "prompt", "prompt_token_ids")
+_OTHER_FIELDS = {"chat_template_kwargs", "tools", "stream", "model"}
+
+
+class BadRequest(Exception):
+    """A request the engine refuses (400, or ``status``), naming the field at fault."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+def adapter_index(body: dict[str, Any], served_name: str, adapters: dict[str, int]) -> int:
+    """The adapter the body's ``model`` chooses (0: the base); a name this deployment does not serve is a 404."""
+    model = body.get("model")
+    if model is None or model == served_name:
+        return 0
+    if isinstance(model, str) and model in adapters:
+        return adapters[model]
+    have = ", ".join([served_name, *adapters])
+    raise BadRequest(f"model: {model!r} is not served here (it serves {have})", field="model", status=404)
+
+
+def parse_options(body: dict[str, Any]) -> RequestOptions:
+    """The sampling options of a request body; unknown fields are refused by name."""
+    unknown = sorted(set(body) - _OPTION_FIELDS - set(_PROMPT_FIELDS) - _OTHER_FIELDS)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field", field=unknown[0])
+    values = {k: body[k] for k in _OPTION_FIELDS if body.get(k) is not None}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = (values["stop"],)
+    if "stop" in values:
+        values["stop"] = tuple(values["stop"])
+    try:
+        for name in ("max_tokens", "top_k", "n", "seed", "logprobs"):
+            if name in values and (isinstance(values[name], bool) or not isinstance(values[name], int)):
+                raise ValueError(f"{name}: must be an integer, got {values[name]!r}")
+        return RequestOptions(**values)
+    except (TypeError, ValueError) as err:
+        raise BadRequest(str(err), field=str(err).split(":", 1)[0]) from err
+
+
+def _text_content(content: Any, where: str) -> str:
+    """OpenAI message content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadRequest(f"{where}.content: only text content is supported", field="messages")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = body["messages"]
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages: must be a non-empty list", field="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}]: must be an object with a role", field="messages")
+        out.append({"role": m["role"], "content": _text_content(m.get("content"), f"messages[{i}]")})
+    tools = body.get("tools")
+    if tools:
+        at = 1 if out[0]["role"] == "system" else 0
+        out.insert(at, {"role": "tools", "content": json.dumps(tools, ensure_ascii=False)})
+    return out
+
+
+def _thinking(body: dict[str, Any]) -> str:
+    """Qwen3's default is to think (as its HF chat template and vLLM): absent means true."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs: must be an object", field="chat_template_kwargs")
+    value = kwargs.get("enable_thinking", True)
+    if not isinstance(value, bool):
+        raise BadRequest("chat_template_kwargs.enable_thinking: must be true or false", field="chat_template_kwargs")
+    return "true" if value else "false"
+
+
+def prompt_ids(body: dict[str, Any], tokenizer: Any, template: str, vocab_size: int) -> list[int]:
+    """The prompt's token ids from whichever of ``messages`` / ``prompt`` / ``prompt_token_ids`` the body has."""
+    given = [k for k in _PROMPT_FIELDS if body.get(k) is not None]
+    if len(given) != 1:
+        raise BadRequest("messages: give exactly one of messages, prompt or prompt_token_ids", field="messages")
+    if given[0] == "messages":
+        try:
+            ids = encode_prompt(tokenizer, _messages(body), template, _thinking(body))
+        except (ConversationError, ValueError) as err:
+            raise BadRequest(f"messages: {err}", field="messages") from err
+    elif given[0] == "prompt":
+        if not isinstance(body["prompt"], str):
+            raise BadRequest("prompt: must be a string", field="prompt")
+        ids = list(tokenizer(body["prompt"], add_special_tokens=False)["input_ids"])
+    else:
+        ids = body["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            raise BadRequest(f"prompt_token_ids: must be a list of ids in [0, {vocab_size})", field="prompt_token_ids")
+    if not ids:
+        raise BadRequest(f"{given[0]}: the prompt is empty", field=given[0])
+    return ids
+
+
+class Detokenizer:
+    """Turns one choice's tokens into text deltas: holds back an incomplete UTF-8 character and, while stop strings
+    are asked for, the tail that could still become one; cuts the text at the first stop string."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, token: int) -> str:
+        """The new text after ``token`` (possibly empty); sets ``stopped`` when a stop string appeared."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at != -1:
+                self.stopped = True
+                return self._send(text, at)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._send(text, len(text) - self._hold)
+
+    def flush(self) -> str:
+        """What was held back, once the choice ended without a stop string."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._send(text, len(text))
+
+    def _send(self, text: str, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : upto], upto
+        return delta

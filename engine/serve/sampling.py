@@ -1,0 +1,111 @@
+"""Per-request sampling for serving: OpenAI's parameters on top of ``engine.eval.sampling``.
+
+The penalties follow vLLM's (and OpenAI's) definitions: ``repetition_penalty`` divides the positive logits (multiplies
+the negative ones) of every token seen in the prompt or the output; ``frequency_penalty`` subtracts
+``count × penalty`` and ``presence_penalty`` subtracts ``penalty`` once, for each token of the output so far.
+Temperature / top-k / top-p and the greedy rule are ``engine.eval.sampling``'s. Log-probabilities are those of the
+model's raw distribution (before penalties and filters), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import torch
+
+from engine.eval.sampling import SamplingParams, next_tokens
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """What one generation request asks for (the internal protocol's fields, checked here)."""
+
+    max_tokens: int | None = None  # None: up to max_model_len
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0: off)"),
+            ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
+            ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+        for field, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{field}: {rule}, got {getattr(self, field)!r}")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed or 0)
+
+    def generator(self, index: int, device: torch.device) -> torch.Generator | None:
+        """The generator of the ``index``-th of the ``n`` choices: seeded with ``seed + index``, else at random."""
+        params = self.sampling()
+        if params.greedy:
+            return None
+        seed = self.seed + index if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        return torch.Generator(device=device).manual_seed(seed)
+
+
+def apply_penalties(logits: torch.Tensor, opts: RequestOptions, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """``logits`` (V,) with the request's penalties applied (a new tensor when any applies)."""
+    if opts.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+        picked = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(picked > 0, picked / opts.repetition_penalty, picked * opts.repetition_penalty)
+    if output and (opts.frequency_penalty or opts.presence_penalty):
+        counts = Counter(output)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.clone()
+        logits[ids] -= opts.frequency_penalty * n + opts.presence_penalty
+    return logits
+
+
+@dataclasses.dataclass
+class Pick:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
+
+
+def pick_token(
+    logits: torch.Tensor,
+    opts: RequestOptions,
+    prompt: list[int],
+    output: list[int],
+    generator: torch.Generator | None,
+) -> Pick:
+    """The next token of one sequence from its (V,) float logits."""
+    logits = logits.float()
+    token = int(next_tokens(apply_penalties(logits, opts, prompt, output)[None], opts.sampling(), generator)[0])
+    if opts.logprobs is None:
+        return Pick(token)
+    logp = torch.log_softmax(logits, dim=-1)
+    top: list[tuple[int, float]] = []
+    if opts.logprobs:
+        values, ids = torch.topk(logp, opts.logprobs)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return Pick(token, float(logp[token]), top)

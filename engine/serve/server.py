@@ -1,0 +1,197 @@
+"""The engine's own HTTP endpoint on the worker host: the standard library's ``ThreadingHTTPServer`` (the engine
+imports no web framework, see the import contracts in pyproject.toml), one thread per request.
+
+``GET /health`` answers the deployment's state; ``POST /v1/generate`` takes the internal protocol's request
+(``engine.serve.protocol``) and streams JSON lines as tokens come out of the ``Batcher``. The response body ends
+with the connection (HTTP/1.0 framing, no length needed). A client that goes away makes the next write fail: its
+sequences are cancelled and their slots freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from engine.serve.batcher import Batcher, QueueFull, Sequence
+from engine.serve.protocol import BadRequest, Detokenizer, adapter_index, parse_options, prompt_ids
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 8 << 20
+
+
+@dataclasses.dataclass
+class Deployment:
+    """What the handler threads share: the loop, the tokenizer and the limits."""
+
+    batcher: Batcher
+    tokenizer: Any
+    template: str
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    adapters: dict[str, int] = dataclasses.field(default_factory=dict)  # LoRA adapter name -> its index
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _json(self, status: int, obj: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, field: str | None, kind: str, **headers: str) -> None:
+        self._json(status, {"error": {"message": message, "field": field, "type": kind}}, headers)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        dep = self.server.deployment
+        if self.path != "/health":
+            return self._error(404, f"{self.path}: not found", None, "not_found")
+        b = dep.batcher
+        self._json(
+            200,
+            {
+                "status": "ready",
+                "model": dep.served_model_name,
+                "max_model_len": dep.max_model_len,
+                "adapters": sorted(dep.adapters),
+                "running": len(b.running),
+                "waiting": len(b.waiting),
+                "free_slots": len(b.cache.free),
+                **b.stats,
+            },
+        )
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        if self.path != "/v1/generate":
+            return self._error(404, f"{self.path}: not found", None, "not_found")
+        try:
+            seqs, prompt = self._sequences(self._body())
+        except BadRequest as err:
+            kind = "model_not_found" if err.status == 404 else "invalid_request_error"
+            return self._error(err.status, str(err), err.field, kind)
+        try:
+            self.server.deployment.batcher.submit(seqs)
+        except QueueFull as err:
+            return self._error(429, str(err), None, "rate_limit_error", **{"Retry-After": f"{err.retry_after:.0f}"})
+        try:
+            self._stream(seqs, len(prompt))
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client gone: %d sequence(s) cancelled", len(seqs))
+        finally:
+            for seq in seqs:
+                seq.cancel()  # no-op for finished ones; frees the slots of a disconnected client
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if not 0 < length <= MAX_BODY:
+            raise BadRequest(f"body: a JSON object of 1 to {MAX_BODY} bytes is required", field="body")
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError as err:
+            raise BadRequest(f"body: not JSON: {err}", field="body") from err
+        if not isinstance(body, dict):
+            raise BadRequest("body: must be a JSON object", field="body")
+        return body
+
+    def _sequences(self, body: dict[str, Any]) -> tuple[list[Sequence], list[int]]:
+        dep = self.server.deployment
+        opts = parse_options(body)
+        adapter = adapter_index(body, dep.served_model_name, dep.adapters)
+        prompt = prompt_ids(body, dep.tokenizer, dep.template, dep.vocab_size)
+        room = dep.max_model_len - len(prompt)
+        if room < 1:
+            raise BadRequest(
+                f"messages: the prompt has {len(prompt)} tokens; max_model_len is {dep.max_model_len}",
+                field="messages",
+            )
+        if opts.max_tokens is not None and opts.max_tokens > room:
+            raise BadRequest(
+                f"max_tokens: {opts.max_tokens} + the prompt's {len(prompt)} tokens exceed max_model_len "
+                f"{dep.max_model_len}",
+                field="max_tokens",
+            )
+        events: Any = None
+        seqs = []
+        for i in range(opts.n):
+            seq = Sequence(prompt, opts, opts.max_tokens or room, index=i, adapter=adapter)
+            events = events or seq.events
+            seq.events = events  # one queue for the request: this thread reads every choice from it
+            seqs.append(seq)
+        return seqs, prompt
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self.wfile.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+        self.wfile.flush()
+
+    def _stream(self, seqs: list[Sequence], prompt_tokens: int) -> None:
+        tok = self.server.deployment.tokenizer
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()
+        self._line({"type": "start", "prompt_tokens": prompt_tokens})
+        detoks = [Detokenizer(tok, s.opts.stop) for s in seqs]
+        open_choices, completion = set(range(len(seqs))), 0
+        while open_choices:
+            index, pick = seqs[0].events.get()
+            if index not in open_choices:
+                continue  # a choice already cut by a stop string still sends its last tokens and its end
+            seq, detok = seqs[index], detoks[index]
+            if pick is None:
+                rest = detok.flush()
+                if rest:
+                    self._line({"type": "token", "index": index, "token_id": None, "text": rest})
+                self._finish(index, seq.finish_reason or "abort", len(seq.output))
+                completion += len(seq.output)
+                open_choices.discard(index)
+                continue
+            line: dict[str, Any] = {
+                "type": "token",
+                "index": index,
+                "token_id": pick.token,
+                "text": detok.push(pick.token),
+            }
+            if pick.logprob is not None:
+                line["token_text"] = tok.decode([pick.token])
+                line["logprob"] = pick.logprob
+                line["top_logprobs"] = [
+                    {"token_id": t, "text": tok.decode([t]), "logprob": lp} for t, lp in pick.top or []
+                ]
+            self._line(line)
+            if detok.stopped:
+                seq.cancel()
+                self._finish(index, "stop", len(detok.ids))
+                completion += len(detok.ids)
+                open_choices.discard(index)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+        self._line({"type": "done", "usage": {**usage, "total_tokens": prompt_tokens + completion}})
+
+    def _finish(self, index: int, reason: str, tokens: int) -> None:
+        self._line({"type": "finish", "index": index, "finish_reason": reason, "completion_tokens": tokens})
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], deployment: Deployment) -> None:
+        super().__init__(address, _Handler)
+        self.deployment = deployment
+
+
+def make_server(deployment: Deployment, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A server bound to ``host:port`` (port 0: any free one; read it from ``server.server_address``)."""
+    return _Server((host, port), deployment)

@@ -1,0 +1,144 @@
+"""Stage dpo: the reference model and the micro-batch loss of preference training.
+
+The reference is the run's starting weights, chosen by the spec:
+
+- LoRA: the policy itself with its adapters off (``engine.model.lora.adapters_disabled``): no second copy.
+- otherwise a frozen second model built like the policy (meta device, the same sharding, parameters frozen before
+  the dtype pass so they are stored in the compute dtype; no grads, no optimizer state), filled from ``ref_model`` or
+  else ``load`` (or the policy's seeded initial weights when nothing is loaded).
+- none for the reference-free losses (simpo, orpo).
+
+Either way the reference is read from where the run started, never from ``<save>/train_state``: a resumed run keeps
+its reference pinned to the initial weights (MindSpeed's ``refer_model_iter`` is accepted for that reason only).
+
+A micro-batch is ``[chosen; rejected]`` padded rows (``batches.collate_pairs``); one forward gives each row's summed
+log-probs through the chunked head (``preference.sequence_logprobs``), the reference's under ``no_grad``. The loss is
+the per-pair loss summed over the micro-batch; the loop divides by the global pair count (``MicroBatch.loss_units``),
+so the step's gradient is that of the mean over the global batch whatever the DP size or micro-batch split. The
+pref_ftx term is TRL's: the mean over the micro-batch's chosen tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from engine.checkpoint import dcp
+from engine.checkpoint.sources import SeededInit, WeightSource
+from engine.model.config import ModelConfig
+from engine.model.lora import adapters_disabled
+from engine.model.moe import paused_router_stats
+from engine.model.qwen3 import Qwen3Model
+from engine.parallel.tensor_parallel import vocab_parallel_sequence_logprobs
+from engine.runfiles import BadInput
+from engine.train.batches import MicroBatch
+from engine.train.model_setup import build_rank_model, open_load, rank_view
+from engine.train.preference import REFERENCE_FREE, PairLogps, PreferenceConfig, preference_loss, sequence_logprobs
+from engine.train.step_runner import Losses, MicroBatchLoss
+
+# preference_loss's per-pair metrics -> TRL's DPOTrainer names
+_TRL_NAMES = {
+    "rewards_chosen": "rewards/chosen",
+    "rewards_rejected": "rewards/rejected",
+    "rewards_margin": "rewards/margins",
+    "rewards_accuracy": "rewards/accuracies",
+}
+
+
+def preference_config(spec: Any) -> PreferenceConfig:
+    return PreferenceConfig(
+        loss_type=spec.dpo_loss_type,
+        beta=spec.dpo_beta,
+        label_smoothing=spec.dpo_label_smoothing,
+        pref_ftx=spec.pref_ftx,
+        simpo_gamma=spec.simpo_gamma,
+    )
+
+
+@dataclasses.dataclass
+class Reference:
+    """The model whose log-probs the policy's are compared with; ``adapters_off``: ``module`` is the LoRA policy."""
+
+    module: nn.Module
+    adapters_off: bool
+    vocab_parallel: bool = False
+
+    def logps(self, mb: MicroBatch, chunk_size: int) -> torch.Tensor:
+        off = adapters_disabled(self.module) if self.adapters_off else contextlib.nullcontext()
+        # paused: a LoRA policy's MoE routing figures count its training forwards only
+        with torch.no_grad(), off, paused_router_stats(self.module):
+            return row_logps(self.module, mb, chunk_size, self.vocab_parallel)[0]
+
+
+def row_logps(
+    model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_parallel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probs, labelled tokens) of each row of ``mb``; ``vocab_parallel``: the head is vocab-sharded over
+    TP (the hidden states may be sequence-sharded)."""
+    hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
+    head = cast(Qwen3Model, model).output_weight()
+    if vocab_parallel:
+        return vocab_parallel_sequence_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
+    return sequence_logprobs(hidden, head, mb.labels, chunk_size)
+
+
+def dpo_loss(
+    cfg: PreferenceConfig, reference: Reference | None, chunk_size: int, vocab_parallel: bool = False
+) -> MicroBatchLoss:
+    """The micro-batch loss of stage dpo: summed per-pair loss, with TRL's metrics as per-pair sums (``stats``)."""
+
+    def loss(model: nn.Module, mb: MicroBatch) -> Losses:
+        logps, tokens = row_logps(model, mb, chunk_size, vocab_parallel)
+        p = mb.pairs
+        ref = reference.logps(mb, chunk_size) if reference is not None else None
+        pair = PairLogps(
+            logps[:p],
+            logps[p:],
+            tokens[:p],
+            tokens[p:],
+            None if ref is None else ref[:p],
+            None if ref is None else ref[p:],
+        )
+        per_pair, metrics = preference_loss(cfg, pair)
+        stats = {_TRL_NAMES[k]: v.sum().float() for k, v in metrics.items()}
+        stats["logps/chosen"] = pair.chosen.detach().sum().float()
+        stats["logps/rejected"] = pair.rejected.detach().sum().float()
+        return Losses(per_pair.sum().float(), stats=stats)
+
+    return loss
+
+
+def build_reference(
+    spec: Any,
+    cfg: ModelConfig,
+    mesh: DeviceMesh,
+    policy: nn.Module,
+    global_batch_size: int,
+    seq_length: int,
+    device: torch.device,
+) -> Reference | None:
+    """The run's reference (see the module docstring); None for the reference-free losses."""
+    if spec.dpo_loss_type in REFERENCE_FREE:
+        return None
+    vocab_parallel = mesh["tp"].size() > 1
+    if spec.lora_r is not None:
+        return Reference(policy, adapters_off=True, vocab_parallel=vocab_parallel)
+    path = spec.ref_model or spec.load
+    loaded = open_load(path, rank_view(spec)) if path is not None else None
+    if loaded is not None and spec.ref_model is not None:
+        mine, theirs = dataclasses.asdict(cfg), dataclasses.asdict(loaded.config)
+        differ = [k for k in ("num_layers", "hidden_size", "vocab_size", "num_attention_heads") if mine[k] != theirs[k]]
+        if differ:
+            raise BadInput(f"ref_model: {path} has another shape than the policy ({differ[0]})", "ref_model")
+    source: WeightSource | None = SeededInit(cfg, spec.seed) if loaded is None else loaded.source
+    frozen_spec = spec.model_copy(update={"recompute_granularity": None, "recompute_activations": False})
+    module = build_rank_model(cfg, mesh, frozen_spec, global_batch_size, seq_length, device, source, frozen=True)
+    if loaded is not None and loaded.format == "native":
+        dcp.load(path, module, None, trainable_only=False, load_rng=False)
+    module.eval()
+    return Reference(module, adapters_off=False, vocab_parallel=vocab_parallel)

@@ -1,0 +1,148 @@
+"""Preference losses (DPO and its relatives) over per-sequence log-probabilities, and those log-probabilities taken
+from the output head without full logits.
+
+``sequence_logprobs`` sums log p(label) over each sequence's labelled tokens through ``_TokenLogprobs``: forward
+walks the labelled rows in chunks keeping only each row's log-sum-exp; backward recomputes one chunk's logits at a
+time (the gradient of a per-sequence sum is not known until the loss is, so it cannot be folded into forward as
+``engine.model.loss`` does). Nothing of size (tokens × vocabulary) is ever held: one chunk's logits in fp32.
+
+``preference_loss`` follows TRL's ``DPOTrainer`` (sigmoid, hinge, ipo: length-normalised as TRL does; its ``sft``
+term as ``pref_ftx``), MindSpeed-LLM's conservative DPO (``dpo_label_smoothing`` on sigmoid) and LLaMA-Factory's
+reference-free ``simpo`` and ``orpo`` (average per-token log-probs). Parity with TRL is a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine.constants import IGNORE_INDEX, REFERENCE_FREE_LOSSES
+
+LossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
+REFERENCE_FREE = REFERENCE_FREE_LOSSES
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(h_i @ W^T)[y_i] for each row, in fp32 (fp64 for fp64 inputs); backward recomputes the logits
+    chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = (hidden[rows] @ weight.t()).to(acc)
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            h = hidden[rows]
+            # d logp / d logits = onehot(y) - softmax, scaled by each row's upstream gradient
+            d_logits = -torch.exp((h @ weight.t()).to(lse.dtype) - lse[rows, None])
+            d_logits.scatter_add_(1, labels[rows, None], torch.ones_like(lse[rows, None]))
+            d_logits *= grad_out[rows, None]
+            if grad_hidden is not None:
+                grad_hidden[rows] = (d_logits @ weight.to(lse.dtype)).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight += d_logits.t() @ h.to(lse.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+
+
+def sequence_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (B, T, H) final-norm states, weight (V, H) the head, labels (B, T) the next token at each position or
+    ``IGNORE_INDEX`` -> (summed log-probs (B,) in fp32 or fp64, labelled tokens (B,)). Only labelled rows reach the
+    head."""
+    b, t, h = hidden.shape
+    flat = labels.reshape(-1)
+    keep = (flat != IGNORE_INDEX).nonzero()[:, 0]
+    token_logps = _TokenLogprobs.apply(hidden.reshape(-1, h).index_select(0, keep), weight, flat[keep], chunk_size)
+    seq = torch.div(keep, t, rounding_mode="floor")
+    sums = torch.zeros(b, dtype=token_logps.dtype, device=hidden.device).index_add(0, seq, token_logps)
+    return sums, torch.bincount(seq, minlength=b)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """The spec's preference settings (MindSpeed's names; ``simpo_gamma`` as LLaMA-Factory names it)."""
+
+    loss_type: LossType = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid only: the probability a pair's preference is flipped (cDPO)
+    pref_ftx: float = 0.0  # weight of the SFT loss on the chosen answers
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+
+
+@dataclasses.dataclass
+class PairLogps:
+    """Per-pair summed log-probs and labelled-token counts; ``ref_*`` None for reference-free losses."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+
+
+def preference_loss(cfg: PreferenceConfig, p: PairLogps) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-pair loss (P,), per-pair metrics: rewards of chosen and rejected, their margin, accuracy)."""
+    n_c, n_r = p.chosen_tokens.clamp(min=1), p.rejected_tokens.clamp(min=1)
+    if cfg.loss_type in REFERENCE_FREE:
+        avg_c, avg_r = p.chosen / n_c, p.rejected / n_r
+        loss = _simpo(cfg, avg_c, avg_r) if cfg.loss_type == "simpo" else _orpo(cfg, avg_c, avg_r)
+        reward_c, reward_r = cfg.beta * avg_c.detach(), cfg.beta * avg_r.detach()
+    else:
+        if p.ref_chosen is None or p.ref_rejected is None:
+            raise ValueError(f"dpo_loss_type: {cfg.loss_type} needs the reference model's log-probs")
+        ratio_c, ratio_r = p.chosen - p.ref_chosen, p.rejected - p.ref_rejected
+        loss = _dpo(cfg, ratio_c, ratio_r, n_c, n_r)
+        reward_c, reward_r = cfg.beta * ratio_c.detach(), cfg.beta * ratio_r.detach()
+    if cfg.pref_ftx:
+        # TRL's "sft" term: the mean -log p over every chosen token of the batch, the same for each pair
+        loss = loss + cfg.pref_ftx * (-p.chosen.sum() / p.chosen_tokens.sum().clamp(min=1))
+    metrics = {
+        "rewards_chosen": reward_c,
+        "rewards_rejected": reward_r,
+        "rewards_margin": reward_c - reward_r,
+        "rewards_accuracy": (reward_c > reward_r).float(),
+    }
+    return loss, metrics
+
+
+def _dpo(
+    cfg: PreferenceConfig, ratio_c: torch.Tensor, ratio_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor
+) -> torch.Tensor:
+    delta = ratio_c - ratio_r
+    if cfg.loss_type == "sigmoid":
+        ls = cfg.label_smoothing
+        return -F.logsigmoid(cfg.beta * delta) * (1 - ls) - F.logsigmoid(-cfg.beta * delta) * ls
+    if cfg.loss_type == "hinge":
+        return torch.relu(1 - cfg.beta * delta)
+    # ipo: per-token averages, so beta means the same at every completion length (TRL, with the IPO authors)
+    return (ratio_c / n_c - ratio_r / n_r - 1 / (2 * cfg.beta)) ** 2
+
+
+def _simpo(cfg: PreferenceConfig, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
+    return -F.logsigmoid(cfg.beta * (avg_c - avg_r) - cfg.simpo_gamma)
+
+
+def _orpo(cfg: PreferenceConfig, avg_c: torch.Tensor, avg_r: torch.Tensor) -> torch.Tensor:
+    """SFT on the chosen answer plus beta × the odds-ratio loss (Hong et al.; LLaMA-Factory's ``orpo``)."""
+    log_odds = (avg_c - avg_r) - (torch.log1p(-torch.exp(avg_c)) - torch.log1p(-torch.exp(avg_r)))
+    return -avg_c - cfg.beta * F.logsigmoid(log_odds)
