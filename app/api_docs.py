@@ -73,7 +73,12 @@ def document_refusals(schema: dict[str, Any]) -> dict[str, Any]:
     components.update(components["ErrorBody"].pop("$defs", {}))
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's {detail: [...]}: never what we answer
         components.pop(name, None)
+    components["OpenAIErrorBody"] = OPENAI_ERROR
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    # The OpenAI-compatible routes answer their own errors in OpenAI's shape; the edge (input guard, body limits)
+    # answers before a route runs, in the API's.
+    either = {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/OpenAIErrorBody"},
+                                                        {"$ref": "#/components/schemas/ErrorBody"}]}}}  # fmt: skip
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             if isinstance(operation, dict) and "responses" in operation:
@@ -83,7 +88,7 @@ def document_refusals(schema: dict[str, Any]) -> dict[str, Any]:
                     responses.setdefault("401", {"description": "No token, or a revoked or unknown one"})
                 for code, response in responses.items():
                     if code[0] in "45":
-                        response["content"] = error
+                        response["content"] = either if "openai" in operation.get("tags", ()) else error
                         if code == "422":
                             response["description"] = "Validation error; field names the offending field"
     _document_metadata_filter(schema)
@@ -106,6 +111,25 @@ def _document_metadata_filter(schema: dict[str, Any]) -> None:
             }
         )
 
+
+OPENAI_ERROR: dict[str, Any] = {
+    "title": "OpenAIErrorBody",
+    "description": "An error of the OpenAI-compatible routes, in OpenAI's shape (app.openai_format.OpenAIError).",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
 
 BAD_REQUEST = (
     "Refused input: a body that is not JSON or holds NaN, out-of-range numbers or nesting beyond 64 "

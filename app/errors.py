@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import ApiError, error_body, validation_errors
@@ -25,6 +26,7 @@ _HTTP_CODES = {
     409: "conflict",
     413: "payload_too_large",
     415: "unsupported_media_type",
+    416: "range_not_satisfiable",
     422: "validation_error",
 }
 
@@ -43,7 +45,7 @@ def install_error_handlers(app: FastAPI) -> None:
         body = error_body(exc.code, exc.message, exc.field)
         if exc.status == 422:  # every 422 has the same shape, with the one error as its list
             body["errors"] = [error_body(exc.code, exc.message, exc.field)]
-        return JSONResponse(body, status_code=exc.status)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,6 +69,16 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(exc.orig).__name__)
         return JSONResponse(
             error_body("database_unavailable", "the database is not answering; retry shortly"),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+
+    @app.exception_handler(PoolTimeout)
+    async def _pool_exhausted(request: Request, exc: PoolTimeout) -> JSONResponse:
+        # Every pooled connection stayed busy for pool_timeout: a retryable 503, not a 500.
+        log.warning("%s %s: no database connection free: %s", request.method, request.url.path, exc)
+        return JSONResponse(
+            error_body("database_busy", "no database connection came free in time; retry shortly"),
             status_code=503,
             headers={"Retry-After": "5"},
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote_to_bytes
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -96,11 +96,21 @@ def check_json_body(raw: bytes) -> None:
 
 
 def check_url_parts(scope: Scope) -> None:
-    """NUL in the path or in a query parameter: 400 naming it (PostgreSQL cannot even compare such text)."""
+    """NUL in the path or in a query parameter: 400 naming it (PostgreSQL cannot even compare such text). Percent
+    escapes that are not UTF-8 (``%FF``): 400 too, where the server would otherwise put U+FFFD in their place (an
+    upload stored under a name its sender never gave)."""
     if "\x00" in scope.get("path", ""):
         raise Refused(400, "bad_request", "the path contains a NUL character", "path")
+    try:
+        unquote_to_bytes(scope.get("raw_path") or b"").decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise Refused(400, "bad_request", f"path: percent-escapes that are not UTF-8 ({err.reason})", "path") from None
     query = scope.get("query_string", b"").decode("latin-1")
-    for key, value in parse_qsl(query, keep_blank_values=True):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError as err:
+        raise Refused(400, "bad_request", f"query: percent-escapes that are not UTF-8 ({err.reason})", None) from None
+    for key, value in pairs:
         if "\x00" in key or "\x00" in value:
             raise Refused(
                 400, "bad_request", f"{key.replace(chr(0), '')}: contains a NUL character", key.replace("\x00", "")

@@ -1,8 +1,7 @@
-"""The FastAPI application: routers, error format, body limit, OpenAPI with every job kind, reconciler loop."""
+"""The FastAPI application: routers, middleware, error format, OpenAPI with every job kind; starts the core's loops."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import downloads, files, health, hosts, jobs, observe, prometheus, webhooks
+from app.api import downloads, files, health, hosts, jobs, observe, openai_compat, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
@@ -25,15 +24,14 @@ from app.limits import BodyLimitMiddleware
 from app.request_ids import RequestIdMiddleware
 from app.request_metrics import RequestMetricsMiddleware
 from app.security_headers import SecurityHeadersMiddleware
+from app.team_slots import TeamSlots
+from app.timeouts import BodyTimeoutMiddleware
 from core import secrets_box
+from core.background_loops import start_loops
 from core.db import upgrade_head
 from core.dispatch import Dispatcher
-from core.leadership import Leadership, run_when_leader
 from core.metrics_registry import ServiceMetrics
-from core.reconciler import reconcile_once
-from core.retention import collect
 from core.settings import Settings, get_settings
-from core.webhooks import send_forever
 from engine.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -61,27 +59,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         settings.ensure_dirs()
         if migrate:
             await anyio.to_thread.run_sync(upgrade_head, settings.database_url, secrets_box.keys(settings))
-        leader = Leadership(settings.database_url)  # one replica runs the singleton loops (core.leadership)
-        task = (
-            asyncio.create_task(
-                run_when_leader(
-                    leader,
-                    settings.reconcile_interval_s,
-                    lambda: reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s),
-                    "reconcile",
-                )
-            )
-            if reconcile
-            else None
-        )
-        sender = asyncio.create_task(send_forever(settings, leader)) if reconcile else None  # webhooks (core.webhooks)
-        gc = (
-            asyncio.create_task(
-                run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings), "retention pass")
-            )
-            if reconcile
-            else None
-        )  # core.retention
+        loops = start_loops(settings, run=reconcile)  # the leader-only passes (core.background_loops)
         dispatching = app.state.dispatcher.start()  # submissions' scheduling, off the request
         listener = (
             start_http_server(
@@ -93,10 +71,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         yield
         if listener is not None:
             listener[0].shutdown()
-        for background in (task, sender, gc, dispatching):
-            if background is not None:
-                background.cancel()
-        await anyio.to_thread.run_sync(leader.release)
+        dispatching.cancel()
+        await loops.stop()
 
     app = FastAPI(
         title="llmjobs",
@@ -109,11 +85,14 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
     app.state.settings = settings
     app.state.dispatcher = Dispatcher(settings)
     app.state.metrics = ServiceMetrics(settings.database_url)
+    app.state.streams = TeamSlots("job streams", settings.team_max_streams, settings.team_limit_retry_after_s)
+    app.state.uploads = TeamSlots("uploads", settings.team_max_uploads, settings.team_limit_retry_after_s)
     install_error_handlers(app)
     app.add_middleware(InputGuardMiddleware)  # inside the body limit: it reads bodies already capped
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_max_bytes=settings.upload_max_bytes
     )
+    app.add_middleware(BodyTimeoutMiddleware, seconds=settings.body_read_timeout_s)  # a stalled body is cut off
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request
@@ -127,6 +106,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         prometheus.router,
         downloads.router,
         files.router,
+        openai_compat.router,
     ):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

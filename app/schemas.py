@@ -69,6 +69,9 @@ class JobPublic(BaseModel):
         None,
         description="train jobs: real (non-padding) tokens trained on so far, from the per-iteration tokens metric",
     )
+    iteration: int | None = Field(
+        None, description="train jobs: the last iteration trained so far (of spec.train_iters), from the metrics"
+    )
     estimated_finish: datetime | None = Field(
         None,
         description="train jobs: when the last iteration should end, extrapolated from the iterations done since start",
@@ -84,7 +87,7 @@ class JobPublic(BaseModel):
         fields = {
             name: getattr(job, name)
             for name in cls.model_fields
-            if name not in {"object", "metadata", "error", "steps", "trained_tokens", "estimated_finish"}
+            if name not in {"object", "metadata", "error", "steps", "trained_tokens", "iteration", "estimated_finish"}
         }
         return cls(**fields, metadata=job.meta or {}, error=error)
 

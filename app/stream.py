@@ -3,7 +3,7 @@
 Every message's id is the cursor "<event id>-<metric point id>-<log line id>" after it, so Last-Event-ID resumes
 all three feeds exactly. The stream wakes on Redis pub/sub when configured (pushed), else re-checks every
 ``stream_poll_s``; the rows always come from the database. It ends with an ``end`` message once the job is terminal
-and everything has been sent.
+and everything has been sent (the one message without an id).
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import anyio
 from sqlalchemy.orm import Session
+from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 from typing_extensions import Self
 
 from core import records
@@ -127,6 +129,20 @@ def _group_points(points: list[MetricPoint]) -> list[list[MetricPoint]]:
     return groups
 
 
+class StreamResponse(EventSourceResponse):
+    """The SSE answer; ``on_close`` runs however the sending ends (the job ended, the client went, the server stops)."""
+
+    def __init__(self, content: AsyncIterator[dict[str, Any]], on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 class Waiter:
     """Waits until the job may have new rows: a pub/sub message (Redis), or the poll interval."""
 
@@ -166,7 +182,8 @@ async def job_stream(settings: Settings, job_id: str, cursor: Cursor) -> AsyncIt
             for message in messages:
                 yield message
             if terminal and not messages:
-                yield {"event": "end", "id": str(cursor), "data": json.dumps({"job_id": job_id})}
+                # no id: the last message's id is where a reconnect resumes, and ids name one message each
+                yield {"event": "end", "data": json.dumps({"job_id": job_id})}
                 return
             if not messages:
                 await waiter.wait()

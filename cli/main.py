@@ -1,14 +1,15 @@
 """``llmjobs``: run the service (serve, api, worker), run one job in the foreground (run), and talk to the API.
 
 The commands live in one module per audience: ``cli.service`` (service processes), ``cli.local`` (local runs),
-``cli.remote`` (client commands over HTTP) and ``cli.tokens`` (API tokens).
+``cli.remote`` (client commands over HTTP), ``cli.chat`` (a conversation with a deployment) and ``cli.tokens`` (API
+tokens).
 """
 
 from __future__ import annotations
 
 import typer
 
-from cli import local, remote, service
+from cli import chat, local, remote, service
 from cli.tokens import token_cli
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Qwen3 fine-tuning job service.")
@@ -33,6 +34,7 @@ cli.command()(remote.checkpoints)
 cli.command()(remote.upload)
 cli.command()(remote.files)
 cli.command("delete-file")(remote.delete_file)
+cli.command()(chat.chat)
 cli.add_typer(token_cli, name="token")
 
 

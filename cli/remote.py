@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from llmjobs import Client, LlmjobsError, WaitTimeout
+from llmjobs import Client, Conflict, LlmjobsError, WaitTimeout
 
 
 def _echo_json(obj: Any) -> None:
@@ -165,7 +165,7 @@ def wait(
         except WaitTimeout as err:  # "<id> still <state> after <timeout>s"
             typer.echo(str(err), err=True)
             raise typer.Exit(4) from err
-    typer.echo(f"{job_id} {job['state']}", err=True)
+    typer.echo(f"{job_id} {job['state']}")  # the result on stdout: `llmjobs wait ID > outcome` keeps it
     raise typer.Exit(OUTCOMES[job["state"]])
 
 
@@ -199,6 +199,9 @@ def _progress(job: dict[str, Any]) -> str:
     if job.get("steps"):
         done = sum(1 for s in job["steps"] if s.get("state") == "succeeded")
         return f"{done}/{len(job['steps'])} steps"
+    iteration, iters = job.get("iteration"), (job.get("spec") or {}).get("train_iters")
+    if iteration is not None:  # train jobs: iterations, as Megatron counts progress (tokens in `llmjobs get`)
+        return f"{iteration}/{iters} iterations" if iters else f"{iteration} iterations"
     if job.get("trained_tokens") is not None:
         return f"{job['trained_tokens']:,} tokens"
     return "-"
@@ -229,11 +232,15 @@ def logs(
 
 def metrics(job_id: str, names: Annotated[str | None, typer.Option(help="comma-separated")] = None) -> None:
     """A job's metric points, one line per point (paged by next_cursor: no point lost)."""
+    count = 0
     with _api_errors():
         for p in Client().metrics(job_id, names=names):
+            count += 1
             typer.echo(
                 f"{p['step']}\t{p['name']}\t{p['value']}" + (f"\trank{p['rank']}" if p["rank"] is not None else "")
             )
+    if not count:  # an empty answer says so (on stderr: stdout stays a clean table)
+        typer.echo(f"job {job_id} has no metric points" + (f" named {names}" if names else ""), err=True)
 
 
 def cancel(job_id: str) -> None:
@@ -245,24 +252,56 @@ def cancel(job_id: str) -> None:
 
 def _follow(job_id: str, only_logs: bool = False, stream: str = "rank0") -> None:
     """Print the job's SSE stream until it ends: log lines of one ``stream`` only (the launcher's repeats every
-    rank's, so showing both printed each line twice)."""
+    rank's, so showing both printed each line twice). A pipeline's steps are followed as they are submitted, their
+    lines prefixed with the step's name, so its losses and logs show as a lone job's do."""
     client = Client()
     with _api_errors():
-        for message in client.stream(job_id):
-            event, data = message.event, message.data
-            if event == "log":
-                if data.get("stream") == stream:
-                    typer.echo(data["text"])
-            elif only_logs:
-                continue
-            elif event in ("state", "event"):
-                typer.echo(f"[{event}] {data['type']}: {data['message']}", err=True)
-            elif event == "metric":
-                typer.echo(f"[metric] step {data['step']}: {data['metrics']}", err=True)
+        last: str | None = None
+        while (step := _print_stream(client, job_id, only_logs, stream, "", last)) is not None:
+            (name, child), last = step
+            _print_stream(client, child, only_logs, stream, f"[{name}] ", None)
+            state = client.get_job(child)["state"]
+            typer.echo(f"[{name}] {child} {state}", err=True)
         job = client.get_job(job_id)
     typer.echo(f"{job_id} {job['state']}", err=True)
     if job["state"] != "succeeded":
         raise typer.Exit(1)
+
+
+def _print_stream(
+    client: Client, job_id: str, only_logs: bool, stream: str, prefix: str, last: str | None
+) -> tuple[tuple[str, str], str | None] | None:
+    """Print ``job_id``'s stream from after ``last`` until its end (None), or until a pipeline step is submitted:
+    then ((step name, its job id), the id to resume after), the parent's stream closed while the step is followed."""
+    with closing(client.stream(job_id, last_event_id=last)) as messages:
+        for message in messages:
+            event, data = message.event, message.data
+            if event == "log":
+                if data.get("stream") == stream:
+                    typer.echo(prefix + data["text"])
+            elif only_logs:
+                pass
+            elif event in ("state", "event"):
+                typer.echo(f"{prefix}[{event}] {data['type']}: {data['message']}", err=True)
+            elif event == "metric":
+                typer.echo(f"{prefix}[metric] step {data['step']}: {data['metrics']}", err=True)
+            step = (data.get("data") or {}) if event == "event" and data.get("type") == "step" else {}
+            if step.get("job_id"):
+                return (str(step.get("step")), str(step["job_id"])), message.id
+    return None
+
+
+@contextmanager
+def _overwrite_hint() -> Iterator[None]:
+    """The API's 409 names its query parameter (overwrite=true); on the command line it is the --overwrite flag."""
+    try:
+        yield
+    except Conflict as err:
+        flag = "run again with --overwrite"
+        message = err.message.replace("pass overwrite=true", flag)
+        raise Conflict(
+            message, err.status, err.code, err.field, err.errors, str(err).replace("pass overwrite=true", flag)
+        ) from None
 
 
 def upload(
@@ -277,7 +316,7 @@ def upload(
         typer.echo(f"error: {local} does not exist", err=True)
         raise typer.Exit(1)
     client = Client()
-    with _api_errors():
+    with _api_errors(), _overwrite_hint():
         done = (
             [client.upload(local, dest or local.name, overwrite=overwrite)]
             if local.is_file()

@@ -37,7 +37,7 @@ def serve(
     """API + one local worker on the embedded defaults (what `make run` starts)."""
     from cli.demo import prepare_demo
     from core.paths import ensure_team_areas
-    from worker.supervisor import preexec_die_with_parent
+    from engine.parent_death import preexec_die_with_parent
 
     settings = load_settings()
     prepare(settings)
@@ -70,7 +70,7 @@ def serve(
         if child is not None:
             child.terminate()
             try:
-                child.wait(timeout=settings.cancel_grace_s + 5)
+                child.wait(timeout=settings.cancel_grace_s + 30)  # it stops its engines and records their attempts
             except subprocess.TimeoutExpired:
                 child.kill()
 
@@ -79,6 +79,7 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
     import uvicorn
 
     from app.main import create_app
+    from app.timeouts import with_header_timeout
     from core import structured_logs
 
     structured_logs.configure(settings.log_level, settings.log_format == "json")
@@ -88,6 +89,7 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
         port=port or settings.port,
         log_config=None,
         timeout_graceful_shutdown=3,
+        http=with_header_timeout(settings.header_timeout_s),
     )  # uvicorn's loggers go through ours
 
 
@@ -158,7 +160,7 @@ def worker(
     from worker.devices import device_memory_bytes, discover, host_address
     from worker.hosts import HostHeartbeat, register_host, set_host_state
     from worker.leases import sweep_host
-    from worker.node import finish_parked
+    from worker.node import STOPPING, finish_parked
     from worker.tasks import celery_app
 
     try:
@@ -177,13 +179,20 @@ def worker(
         queues=queues,
         device_ids=inventory.device_ids,
         address=host_address(settings.worker_address),
-        device_memory=device_memory_bytes(inventory.device_type),
+        device_memory=device_memory_bytes(inventory.device_type, len(inventory.device_ids)),
     )
     finish_parked(settings, name)  # exits a previous worker parked while the database was away: store them
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
     schedule(settings)
     beat = HostHeartbeat(
-        settings, name, on_beat=lambda: (finish_parked(settings, name), sweep_host(settings, name), schedule(settings))
+        settings,
+        name,
+        on_beat=lambda: (
+            finish_parked(settings, name),
+            sweep_host(settings, name),
+            schedule(settings, if_changed=True),
+        ),
+        stopping=STOPPING,
     )
     beat.start()
     threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
@@ -207,4 +216,4 @@ def worker(
         )
     finally:
         beat.stop()
-        set_host_state(settings, name, HostState.down)
+        set_host_state(settings, name, HostState.down, pid=os.getpid())  # not when a newer worker took the host over

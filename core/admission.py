@@ -21,9 +21,13 @@ from typing import Any
 from core.errors import ApiError
 from core.paths import team_areas
 from core.settings import Settings
-from engine.data.indexed import instruction_prefix
+from engine.checkpoint import owner
+from engine.contract import inspect, layout
+from engine.data.indexed import PAIRWISE_FIELDS, instruction_prefix
 from engine.flags import IGNORED_FLAGS
-from engine.model.config import hf_num_experts
+from engine.model import rope_scaling
+from engine.model.config import ModelConfig, hf_num_experts
+from engine.plan.shape import config_from_checkpoint
 from engine.spec import (
     REFERENCE_PLACEHOLDER_DIR,
     SPEC_CLASSES,
@@ -34,6 +38,7 @@ from engine.spec import (
     PipelineSpec,
     PreprocessSpec,
     Resources,
+    ServeSpec,
     TrainSpec,
     parse_spec,
     substitute_references,
@@ -60,9 +65,16 @@ SYNONYMS: dict[str, str] = {
     "pp": "pipeline_model_parallel_size",
     "warmup_steps": "lr_warmup_iters",
     "lora_rank": "lora_r",
+    "gpus": "nproc_per_node",
+    "num_gpus": "nproc_per_node",
+    "gpus_per_node": "nproc_per_node",
+    "devices": "nproc_per_node",
+    "nodes": "nnodes",
+    "num_nodes": "nnodes",
+    "device": "device_type",
+    "accelerator": "device_type",
     "seed_value": "seed",
 }
-CHECKPOINT_MARKERS = ("latest_checkpointed_iteration.txt", ".metadata", "meta.json", "release")
 
 
 def _refuse(field: str, message: str) -> ApiError:
@@ -91,6 +103,8 @@ def _unknown_field(name: str, known: Iterable[str], where: str) -> ApiError:
             field, "a MindSpeed flag with no effect in this engine (the device layer chooses kernels); remove it"
         )
     guess = suggest(name, known)
+    if guess is None and not where.endswith("resources.") and suggest(name, Resources.model_fields):
+        guess = f"resources.{suggest(name, Resources.model_fields)}"  # a resources field given at the top level
     hint = f"; did you mean {guess!r}?" if guess else ""
     return _refuse(field, f"unknown field{hint}")
 
@@ -173,6 +187,20 @@ class _Inputs:
                     f"no indexed dataset for prefix {prefix!r} (looked for {looked}); preprocess the data first",
                 )
 
+    def pairwise_prefixes(self, name: str, prefixes: list[str]) -> None:
+        """Every prefix has MindSpeed's pairwise files (``<prefix>_packed_{chosen,rejected}_*``)."""
+        for prefix in prefixes:
+            if self.pending(prefix):
+                continue
+            for field in PAIRWISE_FIELDS:
+                path = instruction_prefix(prefix, field)
+                if not (Path(path + ".bin").is_file() and Path(path + ".idx").is_file()):
+                    raise _refuse(
+                        self.field(name),
+                        f"is_pairwise_dataset: no {path}.bin/.idx for prefix {prefix!r}; preprocess the pairs with "
+                        "SharegptStylePairwiseHandler or AlpacaStylePairwiseHandler first",
+                    )
+
     def checkpoint(self, name: str, path: str | None) -> dict[str, Any] | None:
         """A model directory that some loader can read; returns its HF config.json when it has one."""
         if path is None or self.pending(path):
@@ -188,10 +216,7 @@ class _Inputs:
             if not isinstance(config, dict):
                 raise _refuse(self.field(name), f"{p / 'config.json'} is not a JSON object")
             return config
-        names = {e.name for e in p.iterdir()}
-        if not any(m in names for m in CHECKPOINT_MARKERS) and not any(
-            n.startswith(("iter_", "mp_rank_")) for n in names
-        ):
+        if inspect.checkpoint_format(p) is None:  # the engine's own detector (engine.checkpoint.load)
             raise _refuse(
                 self.field(name),
                 f"{path} holds no model: neither an HF model (config.json), a Megatron "
@@ -205,30 +230,55 @@ class _Inputs:
 
 
 def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
-    """TP must divide the checkpoint's heads and KV heads, PP its layers, EP its experts (the spec's own flags are
-    checked by the schema)."""
-    if not config:
+    """The engine's one layout rule (``engine.contract.layout``) over the ``load`` checkpoint's shape, whatever its
+    kind (HF, Megatron, our own); the spec's own flags were checked by the schema with the same rule."""
+    shape = _checkpoint_shape(spec.load, config)
+    if shape is None:
         return
+    ep = spec.expert_model_parallel_size if spec.kind == "train" else 1  # eval runs every expert on each rank
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    layers = config.get("num_hidden_layers")
-    if isinstance(heads, int) and heads % tp:
-        raise _refuse(f"{where}tensor_model_parallel_size", f"TP {tp} does not divide the model's {heads} heads")
-    if isinstance(groups, int) and groups % tp:
-        raise _refuse(f"{where}tensor_model_parallel_size", f"TP {tp} does not divide the model's {groups} KV heads")
-    if isinstance(layers, int) and spec.num_layer_list is None and layers % pp:
-        raise _refuse(
-            f"{where}pipeline_model_parallel_size",
-            f"PP {pp} does not divide the model's {layers} layers; give num_layer_list",
-        )
-    ep, experts = spec.expert_model_parallel_size, hf_num_experts(config)
-    if ep > 1 and spec.kind == "train":  # an eval job runs every expert on each rank
-        if experts is None:
-            raise _refuse(f"{where}expert_model_parallel_size", f"EP {ep} needs an MoE model; the checkpoint is dense")
-        if experts % ep:
-            raise _refuse(
-                f"{where}expert_model_parallel_size", f"EP {ep} does not divide the model's {experts} experts"
+    dims = layout.ParallelDims(dp=spec.data_parallel_size, tp=tp, pp=pp, ep=ep)
+    try:
+        layout.check(shape, dims, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
+    except layout.LayoutError as err:
+        raise _refuse(f"{where}{err.field}", err.why) from None
+
+
+def _checkpoint_shape(load: str | None, config: dict[str, Any] | None) -> layout.Shape | None:
+    """The shape the layout rule reads: the HF config's (leniently, field by field, when it is not a whole Qwen3
+    config), else whatever the torch-free reader finds in the checkpoint; None when nothing can be told."""
+    if config:
+        try:
+            return layout.Shape.of(ModelConfig.from_hf(config))
+        except (KeyError, ValueError, TypeError):
+            ints = {k: v if isinstance(v, int) else None for k, v in config.items()}
+            return layout.Shape(
+                num_layers=ints.get("num_hidden_layers"),
+                num_attention_heads=ints.get("num_attention_heads"),
+                num_query_groups=ints.get("num_key_value_heads"),
+                num_experts=hf_num_experts(config) or 0,
             )
+    if load is None:
+        return None
+    cfg = config_from_checkpoint(load)
+    return layout.Shape.of(cfg) if cfg is not None else None
+
+
+def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
+    """As eval's model and tokenizer checks; serving runs one process (``engine.serve.job``)."""
+    if spec.resources.world_size > 1 or spec.tensor_model_parallel_size > 1:
+        raise _refuse(
+            inputs.field("tensor_model_parallel_size"),
+            "serving runs in one process for now: resources 1 × 1 and tensor_model_parallel_size 1",
+        )
+    inputs.checkpoint("load", spec.load)
+    inputs.file_or_dir("lora_load", spec.lora_load)
+    for name, path in spec.lora_adapters.items():
+        inputs.file_or_dir(f"lora_adapters.{name}", path)
+    if spec.tokenizer_name_or_path is not None:
+        inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
+    elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
+        raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
 
 
 def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
@@ -248,8 +298,15 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
                 f"{where}padded_vocab_size", "required without load and without tokenizer_name_or_path (a vocab source)"
             )
     inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
-    inputs.data_prefixes("data_path", spec.data_path)
-    _check_layout(spec, inputs.checkpoint("load", spec.load), where)
+    if spec.is_pairwise_dataset:
+        inputs.pairwise_prefixes("data_path", spec.data_path)
+    else:
+        inputs.data_prefixes("data_path", spec.data_path)
+    config = inputs.checkpoint("load", spec.load)
+    inputs.checkpoint("ref_model", spec.ref_model)
+    _check_layout(spec, config, where)
+    _check_positions(spec, config, where)
+    _check_resume(spec, inputs)
     if settings.max_train_iters and spec.train_iters > settings.max_train_iters:
         raise _refuse(
             f"{where}train_iters",
@@ -268,6 +325,57 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
         )
 
 
+def _check_positions(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
+    """A sample longer than the positions the model reaches (its RoPE tables, stretched by YaRN when the checkpoint
+    or the spec sets it) is refused, not run."""
+    positions = spec.max_position_embeddings or (config or {}).get("max_position_embeddings")
+    if spec.seq_length is None or not isinstance(positions, int) or spec.seq_length <= positions:
+        return
+    try:
+        scaling = {**rope_scaling.from_hf(config or {}), **rope_scaling.from_flags(spec)}
+    except ValueError as err:
+        raise _refuse(f"{where}load", str(err)) from None
+    if scaling.get("rope_scaling_type"):
+        original = scaling.get("rope_scaling_original_max_position_embeddings") or positions
+        stretched = int(original * scaling.get("rope_scaling_factor", 1.0))
+        if spec.seq_length <= stretched:
+            return
+        raise _refuse(
+            f"{where}seq_length",
+            f"{spec.seq_length} is longer than the {stretched} positions YaRN reaches "
+            f"(rope_scaling_original_max_position_embeddings × rope_scaling_factor); lower seq_length or raise "
+            "rope_scaling_factor",
+        )
+    raise _refuse(
+        f"{where}seq_length",
+        f"{spec.seq_length} is longer than the model's {positions} positions (max_position_embeddings); lower "
+        "seq_length, or stretch the positions with rope_scaling_type yarn, rope_scaling_factor and "
+        "rope_scaling_original_max_position_embeddings",
+    )
+
+
+def _check_resume(spec: TrainSpec, inputs: _Inputs) -> None:
+    """A new job never silently continues another job's run under ``save`` (nor "trains" 0 steps on a finished one):
+    it must say ``resume: "auto"``, and then leave iterations to train. A retry of the same job is no submission."""
+    if spec.save is None or inputs.pending(spec.save):
+        return
+    found = owner.saved_run(spec.save)
+    if found is None:
+        return
+    if spec.resume != "auto":
+        raise _refuse(
+            inputs.field("save"),
+            f"{spec.save} already holds the run of {owner.describe(found)} at iteration {found.iteration}; "
+            'give a new save, or set resume: "auto" to continue that run',
+        )
+    if found.iteration >= spec.train_iters:
+        raise _refuse(
+            inputs.field("train_iters"),
+            f"the run under save ({owner.describe(found)}) is already at iteration {found.iteration}, so "
+            f"train_iters {spec.train_iters} leaves nothing to train; raise train_iters to continue it",
+        )
+
+
 def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
     config = inputs.checkpoint("load", spec.load)
     inputs.file_or_dir("lora_load", spec.lora_load)
@@ -277,6 +385,7 @@ def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
     elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
         raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
     _check_layout(spec, config, inputs.where)
+    _check_positions(spec, config, inputs.where)
 
 
 def _check_convert(spec: ConvertSpec, inputs: _Inputs) -> None:
@@ -308,6 +417,8 @@ def _check_one(spec: JobBase, inputs: _Inputs, settings: Settings) -> None:
         _check_train(spec, inputs, settings)
     elif isinstance(spec, EvalSpec):
         _check_eval(spec, inputs)
+    elif isinstance(spec, ServeSpec):
+        _check_serve(spec, inputs)
     elif isinstance(spec, ConvertSpec):
         _check_convert(spec, inputs)
     elif isinstance(spec, PreprocessSpec):

@@ -92,7 +92,7 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
 
 
 # spec field -> the kinds whose field may name a checkpoint by reference
-REFERENCE_FIELDS = {"load": ("eval",), "load_dir": ("convert",)}
+REFERENCE_FIELDS = {"load": ("eval", "serve"), "load_dir": ("convert",)}
 
 
 def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, Any]:
@@ -129,7 +129,8 @@ def _referenced_job(session: Session, principal: Principal, job_id: str, field: 
 
 def expand_references(session: Session, principal: Principal, raw: Any, where: str = "") -> Any:
     """``{"job": ID, "iteration": N}`` in an eval's ``load`` or a convert's ``load_dir`` replaced by that checkpoint's
-    path (a LoRA checkpoint becomes ``lora_load`` over the training job's own ``load``); pipelines: every step."""
+    path (a LoRA checkpoint becomes ``lora_load`` over the training job's own ``load``), and in a serve job's
+    ``lora_adapters`` values by the LoRA checkpoint's path; pipelines: every step."""
     if not isinstance(raw, dict):
         return raw
     if raw.get("kind") == "pipeline" and isinstance(raw.get("steps"), list):
@@ -146,16 +147,7 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
         if raw.get("kind") not in kinds or not isinstance(ref, dict):
             continue
         field = f"{where}{name}"
-        iteration = ref.get("iteration")
-        if (
-            set(ref) != {"job", "iteration"}
-            or not isinstance(ref["job"], str)
-            or not isinstance(iteration, int)
-            or isinstance(iteration, bool)
-        ):
-            raise ApiError(422, "validation_error", f'{field}: a path, or {{"job": ID, "iteration": N}}', field)
-        job = _referenced_job(session, principal, ref["job"], f"{field}.job")
-        chosen = _pick(list_checkpoints(session, job), iteration, field)
+        job, chosen = _resolve(session, principal, ref, field)
         out[name] = chosen["model_path"]
         if chosen["lora"]:
             base = (job.spec or {}).get("load")
@@ -167,4 +159,33 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
                     field,
                 )
             out[name], out["lora_load"] = base, chosen["model_path"]
+    if raw.get("kind") == "serve" and isinstance(raw.get("lora_adapters"), dict):
+        out["lora_adapters"] = {
+            n: _adapter_path(session, principal, ref, f"{where}lora_adapters.{n}") if isinstance(ref, dict) else ref
+            for n, ref in raw["lora_adapters"].items()
+        }
     return out
+
+
+def _resolve(session: Session, principal: Principal, ref: dict[str, Any], field: str) -> tuple[Job, dict[str, Any]]:
+    """The train job and the checkpoint (as ``list_checkpoints`` lists it) that ``{"job", "iteration"}`` names."""
+    iteration = ref.get("iteration")
+    if (
+        set(ref) != {"job", "iteration"}
+        or not isinstance(ref["job"], str)
+        or not isinstance(iteration, int)
+        or isinstance(iteration, bool)
+    ):
+        raise ApiError(422, "validation_error", f'{field}: a path, or {{"job": ID, "iteration": N}}', field)
+    job = _referenced_job(session, principal, ref["job"], f"{field}.job")
+    return job, _pick(list_checkpoints(session, job), iteration, field)
+
+
+def _adapter_path(session: Session, principal: Principal, ref: dict[str, Any], field: str) -> str:
+    """A serve job's adapter by reference: the LoRA checkpoint's path (a full-weights checkpoint is refused)."""
+    _, chosen = _resolve(session, principal, ref, field)
+    if not chosen["lora"]:
+        raise ApiError(
+            422, "validation_error", f"{field}: that checkpoint holds full weights, not LoRA adapters", field
+        )
+    return str(chosen["model_path"])

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from core.settings import REPO_ROOT
 
@@ -20,6 +21,7 @@ ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 # admin_shutdown (a fast stop), crash_shutdown, cannot_connect_now (starting up), too_many_connections.
 AWAY_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
 SQLITE_AWAY_CODES = frozenset({5, 6, 10, 14})  # SQLITE_BUSY, _LOCKED, _IOERR, _CANTOPEN (primary codes)
+MIGRATION_LOCK_KEY = 0x6C6C6D6A6F6273  # "llmjobs": the PostgreSQL advisory lock every migrator takes
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -69,7 +71,8 @@ def session_scope(url: str) -> Iterator[Session]:
 
 def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:
     """Apply every Alembic migration (``alembic upgrade head``) to the database at ``url``; ``secret_keys``
-    (``app.secrets_box.keys``) seal stored secrets that a migration encrypts."""
+    (``app.secrets_box.keys``) seal stored secrets that a migration encrypts. Processes that start together take
+    turns (``migration_lock``): the first migrates, the others then find the schema at head and change nothing."""
     from alembic import command
     from alembic.config import Config
 
@@ -77,7 +80,37 @@ def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:
     config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
     config.attributes["database_url"] = url
     config.attributes["secret_keys"] = secret_keys
-    command.upgrade(config, "head")
+    with migration_lock(url):
+        command.upgrade(config, "head")
+
+
+@contextmanager
+def migration_lock(url: str) -> Iterator[None]:
+    """Held by one process at a time per database: a PostgreSQL session advisory lock, or a file lock beside a
+    SQLite file. Either is released when its holder exits or dies, so a crashed migrator blocks no one."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            yield  # one connection, one process: nothing to race
+            return
+        from filelock import FileLock
+
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{parsed.database}.migrate.lock"):
+            yield
+        return
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            connection.commit()  # the lock belongs to the session: no transaction stays open while we wait
+            try:
+                yield
+            finally:
+                connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+                connection.commit()
+    finally:
+        engine.dispose()
 
 
 def is_database_away(err: BaseException) -> bool:

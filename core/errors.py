@@ -8,13 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from engine.spec import FIELD_MESSAGE, SPEC_CLASSES
+from engine.spec import FIELD_MESSAGE, SPEC_CLASSES, error_message
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+    def __init__(
+        self, status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
+        self.headers = headers  # sent with the answer, e.g. Retry-After of a 429
 
 
 def error_body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -40,7 +43,7 @@ def validation_errors(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
     """pydantic errors -> ``[{code, message, field}]``. A model validator's "field: message" names its field."""
     out = []
     for err in errors:
-        field, message = _loc_to_field(tuple(err.get("loc", ()))), str(err.get("msg", ""))
+        field, message = _loc_to_field(tuple(err.get("loc", ()))), error_message(err)
         match = FIELD_MESSAGE.match(message)
         if match:
             named = match.group(1)

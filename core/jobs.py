@@ -32,7 +32,7 @@ def body_hash(raw: Any) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _find_by_key(session: Session, team: str, key: str) -> Job | None:
+def find_by_key(session: Session, team: str, key: str) -> Job | None:
     return session.scalar(select(Job).where(Job.team == team, Job.idempotency_key == key))
 
 
@@ -59,7 +59,7 @@ def create_job(
 ) -> tuple[Job, bool]:
     """Insert a queued job and commit. Returns ``(job, created)``; a replayed Idempotency-Key returns the first job."""
     digest = body_hash(raw)
-    if idempotency_key and (existing := _find_by_key(session, team, idempotency_key)):
+    if idempotency_key and (existing := find_by_key(session, team, idempotency_key)):
         return _replay(existing, digest), False
     job_id = new_id()
     body = spec_to_json(spec)
@@ -88,7 +88,7 @@ def create_job(
         session.commit()
     except IntegrityError:
         session.rollback()  # lost a race with the same Idempotency-Key
-        existing = _find_by_key(session, team, idempotency_key or "")
+        existing = find_by_key(session, team, idempotency_key or "")
         if existing is None:
             raise
         return _replay(existing, digest), False

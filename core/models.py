@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -68,6 +69,7 @@ class Job(Base):
         Index("ix_jobs_team_created", "team", "created_at", "id"),
         Index("ix_jobs_state_updated", "state", "updated_at"),
         Index("ix_jobs_parent", "parent_id"),
+        Index("ix_jobs_kind_state", "kind", "state"),  # the reconciler's unfinished pipelines
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
@@ -235,6 +237,13 @@ class JobNode(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_attempt_rank"),
         Index("ix_job_nodes_host_state", "host", "state"),
+        Index("ix_job_nodes_state", "state"),  # nodes still assigned (lost messages)
+        Index(  # a host's nodes holding devices, read on every heartbeat of every host
+            "ix_job_nodes_unreleased",
+            "host",
+            postgresql_where=text("released_at IS NULL"),
+            sqlite_where=text("released_at IS NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

@@ -153,7 +153,13 @@ def step_views(session: Session, job: Job) -> list[dict[str, Any]]:
     """The steps of a pipeline row, for GET /v1/jobs/{id}."""
     spec = PipelineSpec.model_validate(job.spec)
     stopping = job.state in (JobState.cancelling.value, JobState.cancelled.value)
-    return [v.public() for v in decide(spec, children_by_step(session, job.id), stopping).views]
+    views = decide(spec, children_by_step(session, job.id), stopping).views
+    if JobState(job.state) in TERMINAL:  # a pipeline that ended (a step it could not make runnable) runs no more
+        ended = f"the pipeline {job.state}" + (f": {job.error_message}" if job.error_message else "")
+        for view in views:
+            if view.state == "pending":
+                view.state, view.reason = "skipped", ended
+    return [v.public() for v in views]
 
 
 def waiting_reason(steps: list[dict[str, Any]]) -> str | None:
@@ -162,6 +168,11 @@ def waiting_reason(steps: list[dict[str, Any]]) -> str | None:
         if step["state"] in (JobState.queued.value, JobState.retrying.value) and step["reason"]:
             return f"step {step['name']}: {step['reason']}"
     return None
+
+
+def child_name(pipeline: str | None, step: str) -> str:
+    """``<pipeline name>/<step>`` (the step alone for an unnamed pipeline), within the 200 characters of a name."""
+    return f"{pipeline[: 199 - len(step)]}/{step}" if pipeline else step
 
 
 def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -178,7 +189,7 @@ def child_body(parent: Any, spec: PipelineSpec, index: int, done: dict[str, dict
 
     body = substitute_references(step.spec, resolve)
     body["metadata"] = {**(parent.meta or {}), **(body.get("metadata") or {}), STEP_LABEL: step.name}
-    body.setdefault("name", step.name)
+    body.setdefault("name", child_name(parent.name, step.name))
     body.setdefault("priority", parent.priority)
     return body
 

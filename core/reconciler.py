@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from core.db import session_scope
-from core.dispatch import dispatch
+from core.dispatch import send_waiting
 from core.jobs import transition
 from core.models import Job, utcnow
 from core.pipelines import advance_all
@@ -25,32 +26,55 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
     advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)
     schedule(settings)
     now = utcnow()
-    stale = now - timedelta(seconds=settings.redispatch_after_s)
-    with session_scope(settings.database_url) as session:
-        waiting = list(session.scalars(select(Job).where(Job.state.in_([s.value for s in WAITING]))))
-        to_send: list[tuple[str, str]] = []
-        expired: list[Job] = []
-        for job in waiting:
-            deadline = job.spec.get("start_deadline_s")
-            since = job.updated_at if job.state == JobState.retrying.value else job.created_at  # a retry waits anew
-            if deadline and (now - since).total_seconds() > deadline:
-                expired.append(job)
-                continue
-            if job.dispatched_at is None or job.dispatched_at < stale:
-                to_send.append((job.id, job.queue))
-    for job in expired:
+    expired, queues = _waiting(settings, now)
+    for job_id, deadline, reason in expired:
         with session_scope(settings.database_url) as session:
             transition(
                 session,
-                job.id,
+                job_id,
                 JobState.failed,
                 only_from=WAITING,
                 error_code="start_deadline_exceeded",
-                error_message=f"not started within start_deadline_s={job.spec['start_deadline_s']}: "
-                f"{job.pending_reason}",
+                error_message=f"not started within start_deadline_s={deadline}: {reason}",
                 message="start deadline exceeded",
             )
-    sent = 0
-    for job_id, queue in to_send:
-        sent += dispatch(settings, job_id, queue)
-    return sent
+    stale = now - timedelta(seconds=settings.redispatch_after_s)
+    return sum(_wake(settings, queue, job_id, now, stale) for queue, job_id in queues.items())
+
+
+def _waiting(settings: Settings, now: datetime) -> tuple[list[tuple[str, Any, str | None]], dict[str, str]]:
+    """Waiting jobs past their start deadline (id, deadline, pending reason), and per queue the first waiting job
+    whose message is missing or older than ``redispatch_after_s``. Reads columns, not whole rows: this runs over
+    every waiting job on every pass."""
+    stale = now - timedelta(seconds=settings.redispatch_after_s)
+    columns = (Job.id, Job.state, Job.queue, Job.spec["start_deadline_s"], Job.created_at, Job.updated_at)
+    rows = select(*columns, Job.dispatched_at, Job.pending_reason).where(Job.state.in_([s.value for s in WAITING]))
+    expired: list[tuple[str, Any, str | None]] = []
+    queues: dict[str, str] = {}
+    with session_scope(settings.database_url) as session:
+        for job_id, state, queue, deadline, created, updated, dispatched, reason in session.execute(
+            rows.order_by(Job.created_at, Job.id)
+        ):
+            since = updated if state == JobState.retrying.value else created  # a retry waits anew
+            if deadline and (now - since).total_seconds() > deadline:
+                expired.append((job_id, deadline, reason))
+            elif dispatched is None or dispatched < stale:
+                queues.setdefault(queue, job_id)
+    return expired, queues
+
+
+def _wake(settings: Settings, queue: str, job_id: str, now: datetime, stale: datetime) -> int:
+    """One "job waits" message per queue: each one makes a worker run a whole scheduling pass (for every job), so one
+    per queue does what one per job did, without N passes for N waiting jobs. On success every waiting job of the
+    queue that it stands for (never sent, or sent before ``stale``) counts as dispatched now."""
+    if not send_waiting(settings, job_id, queue):
+        return 0
+    with session_scope(settings.database_url) as session:
+        session.execute(
+            update(Job)
+            .where(Job.queue == queue, Job.state.in_([s.value for s in WAITING]), Job.created_at <= now)
+            .where(Job.dispatched_at.is_(None) | (Job.dispatched_at < stale))
+            .values(dispatched_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    return 1

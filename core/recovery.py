@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
@@ -67,18 +67,26 @@ def end_attempt(
     message: str,
     log_tail: str | None = None,
 ) -> str:
-    """The attempt failed: retrying (if retryable and restarts are left) or failed. 'superseded' if already decided."""
+    """The attempt failed: retrying (if retryable and restarts are left) or failed. 'superseded' if already decided.
+
+    Only attempts that started a process count against ``max_restarts``: one whose nodes were all still waiting for
+    their worker (a host restarted between the grant and the launch) is retried without using the budget, up to
+    ``FREE_UNSTARTED_ATTEMPTS`` of them."""
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
         if job is None or job.attempt_count != attempt or JobState(job.state) not in RUNNING:
             return "superseded"
-        if retryable and attempt <= job.max_restarts:
+        used = _attempts_started(session, job_id)
+        free = attempt - used <= FREE_UNSTARTED_ATTEMPTS and not _started(session, job_id, attempt)
+        counted = used if free else max(used, attempt - FREE_UNSTARTED_ATTEMPTS)
+        if retryable and counted <= job.max_restarts:
+            note = f"not counted: attempt {attempt} started no process; " if free else ""
             ok = transition(
                 session,
                 job_id,
                 JobState.retrying,
                 only_from=RUNNING,
-                message=f"retrying: {message} ({attempt} of {job.max_restarts + 1} attempts used)",
+                message=f"retrying: {message} ({note}{counted} of {job.max_restarts + 1} attempts used)",
             )
             outcome = "retrying"
         else:
@@ -96,6 +104,25 @@ def end_attempt(
         if ok:
             drop_unlaunched(session, job_id, attempt)
     return outcome if ok else "superseded"
+
+
+FREE_UNSTARTED_ATTEMPTS = 3
+
+
+def _started(session: Session, job_id: str, attempt: int) -> bool:
+    """Whether a node of the attempt was ever claimed by its worker (``started_at`` is set on the claim)."""
+    found = select(JobNode.id).where(
+        JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.started_at.is_not(None)
+    )
+    return session.scalar(found.limit(1)) is not None
+
+
+def _attempts_started(session: Session, job_id: str) -> int:
+    """How many of the job's attempts started a process on some node."""
+    started = select(func.count(func.distinct(JobNode.attempt))).where(
+        JobNode.job_id == job_id, JobNode.started_at.is_not(None)
+    )
+    return int(session.scalar(started) or 0)
 
 
 def settle_cancel(settings: Settings, job_id: str) -> bool:

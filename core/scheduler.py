@@ -1,4 +1,5 @@
-"""Device scheduler: grants whole gangs of devices atomically, FIFO within a priority, priorities across.
+"""Device scheduler: grants whole gangs of devices atomically, priorities first, teams in turn within a priority
+(the team holding the fewest devices next, ``fair_order``), FIFO within a team.
 
 One pass (``schedule``) is one transaction that first updates the single ``scheduler_lock`` row: on PostgreSQL that
 row lock serialises concurrent schedulers (as SELECT ... FOR UPDATE would), on SQLite the first write takes the
@@ -6,8 +7,11 @@ database write lock (as BEGIN IMMEDIATE would). Any process may run a pass (the 
 every worker on start, after a job and on its heartbeat); the lock makes them safe, and ``uq_leases_host_device``
 makes a double grant impossible even if it were not.
 
-A grant inserts one lease row per device and one ``job_nodes`` row per node, moves the job queued/retrying ->
-starting (attempt + 1) and, after the commit, sends each node's "run node" message to its host's queue. A job that
+A pass reads the live hosts' free devices once into an in-memory index (``FreeIndex``) and places gangs from it;
+its grants are written together at the end (``grant_all``: one UPDATE per 500 jobs, then every lease, node and event
+row as batches): one lease row per device and one ``job_nodes`` row per node, each job queued/retrying -> starting
+(attempt + 1). After the commit it sends each node's "run node" message to its host's queue. A heartbeat's pass is
+skipped while nothing that could start a job changed (``schedule(if_changed=True)``, ``pass_inputs``). A job that
 does not fit waits with a ``pending_reason``; it also holds back the later jobs of its device type (no backfill), so
 a big gang job is never starved by small ones. A job that can never fit is refused at submission (``check_fits``).
 """
@@ -16,20 +20,27 @@ from __future__ import annotations
 
 import logging
 import zlib
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import lru_cache
+from heapq import heapify, heappop, heappush
+from itertools import groupby
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, case, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.errors import ApiError
-from core.jobs import add_event
 from core.messaging import send_run_node
-from core.models import Host, Job, JobNode, Lease, SchedulerLock, utcnow
+from core.models import Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.settings import Settings
 from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
 from engine.plan import DoesNotFit, check_registered_memory
+from engine.plan.planner import DEVICE_MEMORY_KEY
 from engine.spec import JobBase, Resources
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,21 @@ class HostView:
     address: str
     free: list[int]
     total: int
+
+
+@dataclass(slots=True)
+class Waiting:
+    """The columns of a waiting job a pass reads (whole rows, their specs parsed, cost more than the pass itself)."""
+
+    id: str
+    team: str
+    state: str
+    priority: int
+    attempt_count: int
+    request_id: str | None
+    pending_reason: str | None
+    created_at: datetime
+    resources: str | None  # the spec's resources as JSON text: parsed once per distinct text (``resources_of``)
 
 
 @dataclass
@@ -71,31 +97,57 @@ def is_live(host: Host, settings: Settings) -> bool:
     )
 
 
-def live_hosts(session: Session, settings: Settings, device_type: str) -> list[HostView]:
+def live_hosts(session: Session, settings: Settings) -> dict[str, list[HostView]]:
+    """Every live host's free devices, per device type: two reads per pass (columns, not rows), whatever the number
+    of hosts, device types or waiting jobs; the pass then places from this index in memory."""
     held: dict[str, set[int]] = {}
-    for name, device in session.execute(select(Lease.host, Lease.device)):
+    db = session.connection()  # plain rows, without the ORM's per-row work: these reads scale with the cluster
+    for name, device in db.execute(select(Lease.host, Lease.device)):
         held.setdefault(name, set()).add(device)
-    views = []
-    for host in session.scalars(select(Host).where(Host.device_type == device_type).order_by(Host.name)):
-        if is_live(host, settings):
-            ids = host_ids(host)
-            views.append(
-                HostView(
-                    host.name,
-                    host.address or "127.0.0.1",
-                    [d for d in ids if d not in held.get(host.name, set())],
-                    len(ids),
-                )
-            )
+    cutoff = utcnow() - timedelta(seconds=settings.host_stale_after_s)
+    columns = (Host.name, Host.device_type, Host.address, Host.devices, Host.device_ids)
+    live = (Host.state == HostState.up.value) & (Host.heartbeat_at > cutoff)  # is_live, in SQL
+    views: dict[str, list[HostView]] = {}
+    for name, kind, address, devices, device_ids in db.execute(select(*columns).where(live).order_by(Host.name)):
+        ids = list(device_ids) if device_ids is not None else list(range(devices))
+        taken = held.get(name, set())
+        views.setdefault(kind, []).append(
+            HostView(name, address or "127.0.0.1", [d for d in ids if d not in taken], len(ids))
+        )
     return views
 
 
-def place(res: Resources, hosts: list[HostView]) -> list[tuple[HostView, list[int]]] | None:
-    """``nnodes`` distinct hosts with ``nproc_per_node`` free devices each, fullest first (best fit), or None."""
-    fitting = sorted((h for h in hosts if len(h.free) >= res.nproc_per_node), key=lambda h: (len(h.free), h.name))
-    if len(fitting) < res.nnodes:
-        return None
-    return [(h, h.free[: res.nproc_per_node]) for h in fitting[: res.nnodes]]
+class FreeIndex:
+    """The live hosts of one device type by their number of free devices (name order within a number), updated as
+    the pass grants: a placement looks at the few counts that fit instead of sorting every host, so a pass granting
+    G gangs over H hosts costs about G·log H, not G·H."""
+
+    def __init__(self, hosts: list[HostView]):
+        self.hosts = hosts  # name order; each view's ``free`` is kept current
+        self.by_free: dict[int, list[HostView]] = {}
+        for host in hosts:
+            self.by_free.setdefault(len(host.free), []).append(host)
+
+    def place(self, res: Resources) -> list[tuple[HostView, list[int]]] | None:
+        """``nnodes`` distinct hosts with ``nproc_per_node`` free devices each, fullest first (best fit), or None."""
+        counts = sorted(c for c in self.by_free if c >= res.nproc_per_node)
+        if sum(len(self.by_free[c]) for c in counts) < res.nnodes:
+            return None
+        chosen = [host for c in counts for host in self.by_free[c][: res.nnodes]][: res.nnodes]
+        return [(host, host.free[: res.nproc_per_node]) for host in chosen]
+
+    def take(self, placement: list[tuple[HostView, list[int]]]) -> None:
+        for host, devices in placement:
+            bucket = self.by_free[len(host.free)]
+            del bucket[bisect_left(bucket, host.name, key=_name)]
+            if not bucket:
+                del self.by_free[len(host.free)]
+            host.free = [d for d in host.free if d not in devices]
+            insort(self.by_free.setdefault(len(host.free), []), host, key=_name)
+
+
+def _name(host: HostView) -> str:
+    return host.name
 
 
 def team_usage(session: Session) -> dict[str, int]:
@@ -123,117 +175,271 @@ def waiting_reason(res: Resources, hosts: list[HostView], settings: Settings) ->
     )
 
 
-def choose_port(session: Session, settings: Settings, master: str, job_id: str, attempt: int) -> int:
-    """A rendezvous port on node 0's host that no active job there uses; spread by job so retries rarely reuse one."""
-    used = set(
-        session.scalars(
-            select(JobNode.master_port).where(
-                JobNode.host == master, JobNode.node_rank == 0, JobNode.state.in_([s.value for s in NODE_ACTIVE])
-            )
+def used_ports(session: Session, masters: set[str]) -> dict[str, set[int]]:
+    """The rendezvous ports node 0 of an active job holds on each of ``masters``: one read for the whole pass."""
+    used: dict[str, set[int]] = {master: set() for master in masters}
+    active = [s.value for s in NODE_ACTIVE]
+    for chunk in _chunks(sorted(masters)):
+        rows = select(JobNode.host, JobNode.master_port).where(
+            JobNode.host.in_(chunk), JobNode.node_rank == 0, JobNode.state.in_(active)
         )
-    )
+        for host, port in session.execute(rows):
+            used[host].add(port)
+    return used
+
+
+def choose_port(settings: Settings, used: set[int], master: str, job_id: str, attempt: int) -> int:
+    """A rendezvous port on node 0's host that no active job there uses (``used``, which gets it); spread by job so
+    retries rarely reuse one."""
     start = zlib.crc32(f"{job_id}:{attempt}".encode()) % settings.rdzv_port_count
     for i in range(settings.rdzv_port_count):
         port = settings.rdzv_port_base + (start + i) % settings.rdzv_port_count
         if port not in used:
+            used.add(port)
             return port
     raise RuntimeError(f"all {settings.rdzv_port_count} rendezvous ports on {master} are in use")
 
 
-def grant(session: Session, settings: Settings, job: Job, placement: list[tuple[HostView, list[int]]]) -> Grant | None:
-    """Lease the devices and move the job to ``starting``, inside the caller's locked transaction."""
-    attempt, now = job.attempt_count + 1, utcnow()
-    master = placement[0][0]
-    started = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.state.in_(sources(JobState.starting)))
-        .values(
-            state=JobState.starting.value,
-            attempt_count=attempt,
-            host=master.name,
-            pending_reason=None,
-            updated_at=now,
-            heartbeat_at=now,
-            dispatched_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    if started.rowcount != 1:  # type: ignore[attr-defined]  # cancelled meanwhile
-        return None
-    port = choose_port(session, settings, master.name, job.id, attempt)
-    for rank, (host, devices) in enumerate(placement):
-        session.add_all(
-            Lease(host=host.name, device=d, job_id=job.id, team=job.team, attempt=attempt, node_rank=rank)
-            for d in devices
-        )
-        session.add(
-            JobNode(
-                job_id=job.id,
-                attempt=attempt,
-                node_rank=rank,
-                host=host.name,
-                devices=devices,
-                master_addr=master.address,
-                master_port=port,
-                state=NodeState.assigned.value,
+def _chunks(items: list[Any], size: int = 500) -> Iterator[list[Any]]:
+    """Bounded statements: an IN list or CASE of thousands of ids stays under SQLite's bound-parameter limit."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def start_jobs(session: Session, planned: list[Planned]) -> dict[str, int]:
+    """Move the planned jobs queued/retrying -> starting (attempt + 1, master host set): one UPDATE per 500 jobs.
+    Returns each started job's new attempt; a job cancelled since the pass read it is not among them."""
+    now, started = utcnow(), dict[str, int]()
+    for chunk in _chunks(planned):
+        masters = case({p.job.id: p.placement[0][0].name for p in chunk}, value=Job.id)
+        rows = session.execute(
+            update(Job)
+            .where(Job.id.in_([p.job.id for p in chunk]), Job.state.in_(sources(JobState.starting)))
+            .values(
+                state=JobState.starting.value,
+                attempt_count=Job.attempt_count + 1,
+                host=masters,
+                pending_reason=None,
+                updated_at=now,
                 heartbeat_at=now,
+                dispatched_at=now,
             )
+            .returning(Job.id, Job.attempt_count)
+            .execution_options(synchronize_session=False)
         )
-        host.free = [d for d in host.free if d not in devices]
-    where = ", ".join(f"{h.name} {job.spec['resources']['device_type']} {d}" for h, d in placement)
-    add_event(
-        session,
-        job.id,
-        "state",
-        f"starting attempt {attempt} on {where}",
-        attempt=attempt,
-        data={"state": "starting", "nodes": [{"host": h.name, "devices": d} for h, d in placement]},
-    )
-    return Grant(job.id, attempt, [h.name for h, _ in placement], job.request_id)
+        started.update((job_id, attempt) for job_id, attempt in rows)
+    return started
+
+
+def grant_all(session: Session, settings: Settings, planned: list[Planned]) -> list[Grant]:
+    """Lease the planned gangs' devices and start their jobs, inside the caller's locked transaction, in a few
+    statements for the whole pass (jobs, then all leases, nodes and events as batches) rather than several per job.
+    A job cancelled meanwhile gets nothing; its devices stay free for the next pass."""
+    if not planned:
+        return []
+    started = start_jobs(session, planned)
+    planned = [p for p in planned if p.job.id in started]
+    used = used_ports(session, {p.placement[0][0].name for p in planned})
+    now = utcnow()
+    leases: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    grants = []
+    for p in planned:
+        job, attempt, master = p.job, started[p.job.id], p.placement[0][0]
+        port = choose_port(settings, used[master.name], master.name, job.id, attempt)
+        for rank, (host, devices) in enumerate(p.placement):
+            leases += [
+                {
+                    "host": host.name,
+                    "device": d,
+                    "job_id": job.id,
+                    "team": job.team,
+                    "attempt": attempt,
+                    "node_rank": rank,
+                    "created_at": now,
+                }
+                for d in devices
+            ]
+            nodes.append(
+                {
+                    "job_id": job.id,
+                    "attempt": attempt,
+                    "node_rank": rank,
+                    "host": host.name,
+                    "devices": devices,
+                    "master_addr": master.address,
+                    "master_port": port,
+                    "state": NodeState.assigned.value,
+                    "heartbeat_at": now,
+                    "created_at": now,
+                }
+            )
+        where = ", ".join(f"{h.name} {p.kind} {d}" for h, d in p.placement)
+        events.append(
+            {
+                "job_id": job.id,
+                "type": "state",
+                "message": f"starting attempt {attempt} on {where}",
+                "level": "info",
+                "attempt": attempt,
+                "time": now,
+                "data": {"state": "starting", "nodes": [{"host": h.name, "devices": d} for h, d in p.placement]},
+            }
+        )
+        grants.append(Grant(job.id, attempt, [h.name for h, _ in p.placement], job.request_id))
+    for model, rows in ((Lease, leases), (JobNode, nodes), (Event, events)):
+        if rows:
+            session.execute(insert(model), rows)
+    return grants
+
+
+@lru_cache(maxsize=256)
+def _behind_text(shown: str, plural: bool, kind: str) -> str:
+    return f"waiting behind {shown} job{'s' if plural else ''} (higher priority or queued earlier) for {kind} devices"
 
 
 def behind_reason(count: int, kind: str) -> str:
-    """Why a job waits behind others: how many, not whose (their ids may be other teams')."""
+    """Why a job waits behind others: how many, not whose (their ids may be other teams'). Past 20 the count is
+    rounded down to 1-2-5 steps ("1000+"): an exact count would change for every waiting job whenever one ahead
+    starts, and rewriting every waiting row on every pass is what made passes slow at thousands of waiting jobs."""
+    return _behind_text(str(count) if count < 20 else f"{_step_below(count)}+", count != 1, kind)
+
+
+def fair_order(jobs: list[Waiting], usage: dict[str, int]) -> Iterator[Waiting]:
+    """``jobs`` (sorted by priority, then age) in the order to consider them: higher priority first; within a
+    priority, the oldest job of the team holding the fewest devices now. ``usage`` is read as the pass grants (only
+    the team just yielded can have changed, so a heap of teams keeps each step at log(teams)), so teams take turns
+    and one team's backlog never pushes another team's jobs back behind all of it."""
+    for _priority, level in groupby(jobs, key=lambda job: job.priority):
+        queues: dict[str, deque[Waiting]] = {}
+        for job in level:
+            queues.setdefault(job.team, deque()).append(job)
+        turns = [(usage.get(team, 0), queue[0].created_at, queue[0].id, team) for team, queue in queues.items()]
+        heapify(turns)
+        while turns:
+            team = heappop(turns)[3]
+            queue = queues[team]
+            yield queue.popleft()
+            if queue:  # the consumer has updated usage[team] by the time it asks for the next job
+                heappush(turns, (usage.get(team, 0), queue[0].created_at, queue[0].id, team))
+
+
+def behind_counts(waiting: list[Waiting], behind: dict[str, str]) -> dict[str, int]:
+    """How many jobs each job held back by a blocked device type waits behind: the blocked job, plus those held back
+    with it that come earlier in priority-then-submission order. Counted in that order, not in the pass's turn order:
+    after a block the turns follow each team's current holdings, so counts by turn would reshuffle (and rewrite)
+    thousands of reasons whenever one job ends; by age they only shrink as jobs ahead start."""
+    earlier: dict[str, int] = {}
+    counts = {}
+    for job in waiting:
+        if (kind := behind.get(job.id)) is not None:
+            counts[job.id] = earlier.get(kind, 0) + 1
+            earlier[kind] = counts[job.id]
+    return counts
+
+
+def _step_below(count: int) -> int:
+    step = 10
+    while step * 10 <= count:
+        step *= 10
+    return max(s for s in (step, 2 * step, 5 * step) if s <= count)
+
+
+@lru_cache(maxsize=1024)
+def resources_of(raw: str | None) -> Resources:
+    """A waiting job's resources from their JSON text, validated once per distinct text (a pass sees the same few
+    shapes many times; reading them as text spares decoding a JSON value per waiting job per pass)."""
+    return Resources.model_validate_json(raw or "{}")
+
+
+def waiting_jobs(session: Session) -> list[Waiting]:
+    """The jobs a pass considers, in grant order: priority, then submission."""
+    waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
+    columns = (Job.id, Job.team, Job.state, Job.priority, Job.attempt_count, Job.request_id, Job.pending_reason)
+    rows = session.connection().execute(  # plain rows: one per waiting job, on every pass
+        select(*columns, Job.created_at, Job.spec["resources"].as_string())
+        .where(waiting)
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+    )
+    return [Waiting(*row) for row in rows]
+
+
+def write_reasons(session: Session, reasons: list[dict[str, str]]) -> None:
+    """One statement for every changed pending reason of the pass (a job that moved on meanwhile keeps its own)."""
+    if reasons:
+        session.connection().execute(
+            update(Job)
+            .where(Job.id == bindparam("job_id"), Job.state == bindparam("job_state"))
+            .values(pending_reason=bindparam("reason")),
+            reasons,
+        )
+
+
+@dataclass(slots=True)
+class Planned:
+    job: Waiting
+    kind: str
+    placement: list[tuple[HostView, list[int]]]
+
+
+_quiet: dict[str, tuple[Any, ...]] = {}  # per database: the inputs of this process's last pass that started nothing
+
+
+def pass_inputs(session: Session, settings: Settings) -> tuple[Any, ...]:
+    """A fingerprint of what could let a pass start a job: the leases held (a freed device), the waiting jobs (a new
+    or re-queued job, or one leaving the queue, which may unblock those behind it) and the live hosts (one coming
+    back, a new or re-registered host). Three aggregate reads: cheap next to a pass over every waiting job."""
+    cutoff = utcnow() - timedelta(seconds=settings.host_stale_after_s)
+    waiting = Job.state.in_([s.value for s in WAITING])
+    live = (Host.state == HostState.up.value) & (Host.heartbeat_at > cutoff)
     return (
-        f"waiting behind {count} job{'s' if count != 1 else ''} (higher priority or queued earlier) for {kind} devices"
+        *session.execute(select(func.count(), func.sum(Lease.id))).one(),
+        *session.execute(select(func.count(), func.max(Job.created_at), func.max(Job.updated_at)).where(waiting)).one(),
+        *session.execute(select(func.count(), func.sum(Host.devices), func.max(Host.started_at)).where(live)).one(),
     )
 
 
 def _pass(session: Session, settings: Settings) -> list[Grant]:
     lock(session)
-    waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
-    jobs = list(session.scalars(select(Job).where(waiting).order_by(Job.priority.desc(), Job.created_at, Job.id)))
+    seen = pass_inputs(session, settings)  # read under the lock, before the pass reads anything else
+    reasons: list[dict[str, str]] = []
     usage = team_usage(session)
-    hosts: dict[str, list[HostView]] = {}
+    waiting = waiting_jobs(session)
+    jobs = fair_order(waiting, usage)
+    hosts = {kind: FreeIndex(views) for kind, views in live_hosts(session, settings).items()}
     blocked: dict[str, str] = {}
-    ahead: dict[str, int] = {}  # waiting jobs queued before this one for a blocked device type (counted, never named)
-    grants = []
+    behind: dict[str, str] = {}  # job id -> its device type, which a job earlier in turn could not get
+    planned: list[Planned] = []
     for job in jobs:
-        res = Resources.model_validate(job.spec.get("resources") or {})
+        res = resources_of(job.resources)
         kind = res.device_type
-        if kind not in hosts:
-            hosts[kind] = live_hosts(session, settings, kind)
+        index = hosts.get(kind) or hosts.setdefault(kind, FreeIndex([]))
         limit, held = settings.device_limit(job.team), usage.get(job.team, 0)
         if limit and held + res.world_size > limit:
             reason = f"team {job.team} holds {held} of its {limit} devices; this job needs {res.world_size}"
         elif kind in blocked:
-            reason = behind_reason(ahead[kind], kind)
-            ahead[kind] += 1
-        elif (placement := place(res, hosts[kind])) is None:
-            reason, blocked[kind], ahead[kind] = waiting_reason(res, hosts[kind], settings), job.id, 1
-        elif (granted := grant(session, settings, job, placement)) is not None:
-            usage[job.team] = held + res.world_size
-            grants.append(granted)
+            behind[job.id] = kind
             continue
+        elif (placement := index.place(res)) is None:
+            reason, blocked[kind] = waiting_reason(res, index.hosts, settings), job.id
         else:
+            index.take(placement)
+            usage[job.team] = held + res.world_size
+            planned.append(Planned(job, kind, placement))
             continue
         if reason != job.pending_reason:
-            session.execute(
-                update(Job)
-                .where(Job.id == job.id, Job.state == job.state)
-                .values(pending_reason=reason)
-                .execution_options(synchronize_session=False)
-            )
+            reasons.append({"job_id": job.id, "job_state": job.state, "reason": reason})
+    counts = behind_counts(waiting, behind)
+    for job in waiting:
+        if job.id in counts and (reason := behind_reason(counts[job.id], behind[job.id])) != job.pending_reason:
+            reasons.append({"job_id": job.id, "job_state": job.state, "reason": reason})
+    write_reasons(session, reasons)
+    grants = grant_all(session, settings, planned)
+    if grants:  # what it started changes the inputs: the next pass runs whatever they are then
+        _quiet.pop(settings.database_url, None)
+    else:
+        _quiet[settings.database_url] = seen
     return grants
 
 
@@ -242,8 +448,17 @@ def send_node_messages(settings: Settings, grant_: Grant) -> None:
         send_run_node(settings, grant_.job_id, grant_.attempt, rank, host, grant_.request_id)
 
 
-def schedule(settings: Settings) -> list[Grant]:
-    """One scheduling pass; sends the granted nodes' messages after the commit. Returns the grants."""
+def schedule(settings: Settings, if_changed: bool = False) -> list[Grant]:
+    """One scheduling pass; sends the granted nodes' messages after the commit. Returns the grants.
+
+    ``if_changed`` (a host heartbeat's pass, hundreds a minute at hundreds of hosts): no pass, and no wait for the
+    scheduler lock, when ``pass_inputs`` are what they were when this process's last pass ran and started nothing;
+    such a pass would start nothing again. Events that can start a job run their own full pass (a submission, a
+    node's end, the reconciler), so the skip only thins out the heartbeats' backstop passes."""
+    if if_changed and settings.database_url in _quiet:
+        with session_scope(settings.database_url) as session:
+            if pass_inputs(session, settings) == _quiet.get(settings.database_url):
+                return []
     with session_scope(settings.database_url) as session:
         grants = _pass(session, settings)
     for granted in grants:
@@ -265,13 +480,13 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
             f"resources: the job needs {res.world_size} devices but team {team} may hold at most {limit}",
             "resources",
         )
-    hosts = list(session.scalars(select(Host)))
+    hosts = session.execute(select(Host.device_type, Host.devices, Host.device_ids)).all()  # columns: per submission
     if not hosts:
         return
     kind = res.device_type
-    sizes = sorted((len(host_ids(h)) for h in hosts if h.device_type == kind), reverse=True)
+    sizes = sorted((n if ids is None else len(ids) for t, n, ids in hosts if t == kind), reverse=True)
     if not sizes:
-        kinds = sorted({h.device_type for h in hosts})
+        kinds = sorted({t for t, _, _ in hosts})
         raise ApiError(
             422,
             "unschedulable",
@@ -302,7 +517,8 @@ def check_memory_fits(session: Session, spec: JobBase) -> None:
     rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
     not checked (``engine.plan.check_registered_memory``)."""
     kind = spec.resources.device_type
-    try:
-        check_registered_memory(spec, session.scalars(select(Host.info).where(Host.device_type == kind)))
+    largest = session.scalar(select(func.max(Host.info[DEVICE_MEMORY_KEY].as_float())).where(Host.device_type == kind))
+    try:  # the largest device memory is all the check uses: one number, not every host's info, per submission
+        check_registered_memory(spec, [{DEVICE_MEMORY_KEY: int(largest)}] if largest else [])
     except DoesNotFit as err:
         raise ApiError(422, "does_not_fit", str(err), err.field) from err

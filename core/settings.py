@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     upload_max_bytes: int = Field(
         10 * 2**30, ge=1, description="Larger file uploads (PUT /v1/files/{path}) are refused with 413."
     )
+    team_storage_quota_bytes: int = Field(
+        0,
+        ge=0,
+        description="What one team may store in its data areas (uploads and job outputs, every data root); an "
+        "upload that would pass it is refused with 413 storage_quota_exceeded. 0: no quota.",
+    )
     default_max_restarts: int = Field(2, ge=0, description="Retries after a retryable failure when a spec sets none.")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(
@@ -91,6 +97,37 @@ class Settings(BaseSettings):
     team_device_limit: int = Field(0, ge=0, description="Devices one team may hold at once; 0 = no limit.")
     team_device_limits: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="Per-team overrides of team_device_limit, e.g. 'research=16,ops=4'."
+    )
+    team_max_streams: int = Field(
+        20, ge=0, description="Open SSE job streams one team may hold on one API replica; past it 429; 0 = no limit."
+    )
+    team_max_uploads: int = Field(
+        4, ge=0, description="File uploads one team may have in progress on one API replica; past it 429; 0 = no limit."
+    )
+    team_max_active_jobs: int = Field(
+        200,
+        ge=0,
+        description="Unfinished jobs (queued to cancelling; a pipeline counts once) one team may have; past it a "
+        "submission gets 429; 0 = no limit.",
+    )
+    team_limit_retry_after_s: int = Field(
+        5, ge=1, description="The Retry-After (seconds) of a 429 answered past one of the team limits above."
+    )
+    team_priority_ceiling: int = Field(
+        10, ge=-100, le=100, description="The highest job priority a team may set; higher is refused with 422."
+    )
+    team_priority_ceilings: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Per-team overrides of team_priority_ceiling, e.g. 'ops=100'."
+    )
+    body_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request body (an upload too) that sends nothing for this long is cut off with 408.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection whose request head (line and headers) is not complete this long is closed.",
     )
     retry_exit_codes: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: [75, 1],
@@ -180,7 +217,7 @@ class Settings(BaseSettings):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
-    @field_validator("team_device_limits", "team_run_deadlines", mode="before")
+    @field_validator("team_device_limits", "team_run_deadlines", "team_priority_ceilings", mode="before")
     @classmethod
     def _split_limits(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
@@ -202,6 +239,10 @@ class Settings(BaseSettings):
     def device_limit(self, team: str) -> int:
         """Devices ``team`` may hold at once (0 = unlimited)."""
         return self.team_device_limits.get(team, self.team_device_limit)
+
+    def priority_ceiling(self, team: str) -> int:
+        """The highest priority ``team``'s jobs may ask for."""
+        return self.team_priority_ceilings.get(team, self.team_priority_ceiling)
 
     def run_deadline_for(self, team: str) -> int:
         """Default run deadline of ``team``'s jobs in seconds (0 = none)."""

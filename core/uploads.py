@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from core.errors import ApiError
-from core.paths import team_area
+from core.paths import LinkInPath, lstat_at, open_dirs, team_area, team_areas
 from core.settings import Settings
 
 UPLOADS = "uploads"
@@ -99,11 +99,61 @@ def destination(settings: Settings, team: str, path: str, overwrite: bool) -> Pa
     return target
 
 
+def stored_bytes(settings: Settings, team: str) -> int:
+    """The bytes of the regular files in ``team``'s areas of every data root (links neither followed nor counted;
+    unfinished uploads counted)."""
+    total = 0
+    for area in team_areas(settings, team).write:
+        for directory, _dirs, files in os.walk(area, followlinks=False):
+            for name in files:
+                try:
+                    found = os.lstat(os.path.join(directory, name))
+                except OSError:
+                    continue  # removed meanwhile
+                total += found.st_size if stat.S_ISREG(found.st_mode) else 0
+    return total
+
+
+class Quota:
+    """``team``'s storage quota (``team_storage_quota_bytes``) as one upload of ``target`` sees it: ``room`` is
+    what the upload may add, measured when it starts (``check``) and again before it is committed."""
+
+    def __init__(self, settings: Settings, team: str, target: Path):
+        self.settings, self.team, self.limit = settings, team, settings.team_storage_quota_bytes
+        self.replaced = target.stat().st_size if target.is_file() else 0  # an overwrite frees the old file's bytes
+        self.room = self.limit
+
+    def check(self, adding: int, on_disk: int = 0) -> None:
+        """413 when the team's stored bytes plus ``adding`` (less the file it replaces and the ``on_disk`` bytes of
+        this upload already counted) pass the quota."""
+        if not self.limit:
+            return
+        used = stored_bytes(self.settings, self.team) - self.replaced - on_disk
+        self.room = self.limit - used
+        if adding > self.room:
+            raise self.refusal(adding)
+
+    def refusal(self, adding: int) -> ApiError:
+        return ApiError(
+            413,
+            "storage_quota_exceeded",
+            f"team {self.team!r} has {max(self.room, 0)} bytes left of its {self.limit}-byte storage quota; this "
+            f"upload needs {adding} (setting team_storage_quota_bytes: delete files or outputs, or ask an admin)",
+        )
+
+
+def start(settings: Settings, team: str, target: Path, declared: int | None) -> Upload:
+    """An ``Upload`` of ``target`` for ``team``, refused at once (413) when the declared size passes the quota."""
+    quota = Quota(settings, team, target)
+    quota.check(declared or 0)
+    return Upload(settings, target, settings.upload_max_bytes, quota)
+
+
 class Upload:
     """One upload in progress: ``write`` chunks, then ``commit`` (or ``discard`` on any failure)."""
 
-    def __init__(self, settings: Settings, target: Path, max_bytes: int):
-        self.target, self.max_bytes = target, max_bytes
+    def __init__(self, settings: Settings, target: Path, max_bytes: int, quota: Quota | None = None):
+        self.target, self.max_bytes, self.quota = target, max_bytes, quota
         self.base = settings.data_roots[0].resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         parent = target.parent.resolve()  # a link raced in after ``destination`` looked: refuse
@@ -121,12 +171,17 @@ class Upload:
             raise ApiError(
                 413, "payload_too_large", f"the upload is larger than {self.max_bytes} bytes (setting upload_max_bytes)"
             )
+        if self.quota is not None and self.quota.limit and self.size > self.quota.room:
+            raise self.quota.refusal(self.size)
         self.digest.update(chunk)
         self.out.write(chunk)
 
     def commit(self, overwrite: bool) -> bool:
-        """Move the complete file into place; whether it replaced an existing one."""
+        """Move the complete file into place; whether it replaced an existing one. The quota is checked again with
+        this file (and any upload running beside it) on disk."""
         self.out.close()
+        if self.quota is not None:
+            self.quota.check(self.size, on_disk=self.size)  # again with the uploads that ran beside this one
         existed = self.target.exists()
         if overwrite:
             if self.target.is_dir():
@@ -182,15 +237,10 @@ def delete_file(settings: Settings, team: str, path: str) -> None:
     404 when there is no such file, 409 for a directory, 422 when a part of the path is a symbolic link."""
     parts = checked_path(path).split("/")
     missing = ApiError(404, "not_found", f"path: no uploaded file {path}", "path")
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     opened: list[int] = []
     try:
-        opened.append(os.open(upload_area(settings, team), flags))
-        for part in parts[:-1]:
-            _refuse_link(part, opened[-1])  # for the message: O_NOFOLLOW refuses a link anyway
-            opened.append(os.open(part, flags, dir_fd=opened[-1]))
-        mode = _refuse_link(parts[-1], opened[-1])
-        if stat.S_ISDIR(mode):
+        opened = open_dirs(upload_area(settings, team), parts[:-1])
+        if stat.S_ISDIR(lstat_at(parts[-1], opened[-1]).st_mode):
             raise ApiError(409, "conflict", f"path: {path} is a directory; delete its files", "path")
         os.unlink(parts[-1], dir_fd=opened[-1])
         for depth in range(len(parts) - 1, 0, -1):  # the now-empty directories, innermost first
@@ -198,6 +248,10 @@ def delete_file(settings: Settings, team: str, path: str) -> None:
                 os.rmdir(parts[depth - 1], dir_fd=opened[depth - 1])
             except OSError:
                 break  # not empty (or in use): keep it and everything above
+    except LinkInPath as err:
+        raise ApiError(
+            422, "validation_error", f"path: {err.name!r} is a symbolic link; uploads never follow links", "path"
+        ) from None
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ENOTDIR):
             raise missing from None
@@ -207,13 +261,3 @@ def delete_file(settings: Settings, team: str, path: str) -> None:
     finally:
         for fd in opened:
             os.close(fd)
-
-
-def _refuse_link(name: str, dir_fd: int) -> int:
-    """The mode of ``name`` in ``dir_fd`` (not followed); 422 for a symbolic link."""
-    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    if stat.S_ISLNK(mode):
-        raise ApiError(
-            422, "validation_error", f"path: {name!r} is a symbolic link; uploads never follow links", "path"
-        )
-    return mode

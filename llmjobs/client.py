@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -201,7 +201,7 @@ class Client:
 
     def stream(
         self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
-    ) -> Iterator[StreamMessage]:
+    ) -> Generator[StreamMessage, None, None]:
         """The job's live Server-Sent Events until its ``end`` message; after a dropped connection or a 502/503/504
         answer it reconnects (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or
         repeated."""

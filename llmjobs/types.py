@@ -39,6 +39,7 @@ class Job(TypedDict):
     heartbeat_at: str | None
     steps: list[dict[str, Any]] | None
     trained_tokens: int | None
+    iteration: int | None
     estimated_finish: str | None
 
 

@@ -39,9 +39,12 @@ def _count(device_type: str) -> int:
         return 0
 
 
-def device_memory_bytes(device_type: str) -> int | None:
+def device_memory_bytes(device_type: str, slots: int = 1) -> int | None:
     """Memory of one device (the first visible one; hosts are homogeneous), for the submission-time memory check
-    (``engine.plan.check_registered_memory``); None on CPU or when the runtime cannot tell."""
+    (``engine.plan.check_registered_memory``): on CPU the host's RAM shared by its ``slots`` (each rank is a
+    process in the same RAM); None when the runtime cannot tell."""
+    if device_type == "cpu":
+        return host_memory_bytes() // max(slots, 1) or None
     if device_type not in ("cuda", "npu") or _count(device_type) == 0:
         return None
     try:
@@ -50,6 +53,14 @@ def device_memory_bytes(device_type: str) -> int | None:
         return int(accelerator.get_device_properties(0).total_memory)
     except (ImportError, RuntimeError, AttributeError):
         return None
+
+
+def host_memory_bytes() -> int:
+    """Physical RAM of this host (0 where the system cannot say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _visible_ids(device_type: str, env: Mapping[str, str]) -> list[int] | None:

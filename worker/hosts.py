@@ -39,25 +39,41 @@ def register_host(
         session.add(host)
 
 
-def set_host_state(settings: Settings, name: str, state: HostState) -> None:
+def set_host_state(settings: Settings, name: str, state: HostState, pid: int | None = None) -> bool:
+    """Stamp ``state`` and a heartbeat; with ``pid``, only while that process is the host's registered worker (a
+    worker replaced by a newer one on the same host, still finishing after a restart, must neither mark the host
+    down nor keep it alive). Returns whether it stamped."""
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name)
-        if host is not None:
-            host.state, host.heartbeat_at = state.value, utcnow()
+        if host is None or (pid is not None and host.pid != pid):
+            return False
+        host.state, host.heartbeat_at = state.value, utcnow()
+        return True
 
 
 class HostHeartbeat(threading.Thread):
     """Stamps ``hosts.heartbeat_at`` every ``heartbeat_interval_s`` until stopped."""
 
-    def __init__(self, settings: Settings, name: str, on_beat: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        on_beat: Callable[[], object] | None = None,
+        stopping: threading.Event | None = None,
+    ):
         super().__init__(name=f"heartbeat-{name}", daemon=True)
-        self.settings, self.host, self.on_beat = settings, name, on_beat
+        self.settings, self.host, self.on_beat, self.stopping = settings, name, on_beat, stopping
+        self.pid = os.getpid()  # the worker that registered the host (register_host stores its pid)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.settings.heartbeat_interval_s):
+            if self.stopping is not None and self.stopping.is_set():
+                return  # the worker shuts down and has marked its host down: beating would bring it back up
             try:
-                set_host_state(self.settings, self.host, HostState.up)
+                if not set_host_state(self.settings, self.host, HostState.up, pid=self.pid):
+                    log.warning("host %s: another worker registered it since; this one no longer beats", self.host)
+                    continue  # its housekeeping (the lease sweep) would judge the new worker's nodes as orphans
                 if self.on_beat is not None:
                     self.on_beat()  # housekeeping: parked exits (worker.node.finish_parked), the lease sweep, a scheduling pass
             except Exception as err:  # noqa: BLE001 - a database blip must not kill the heartbeat

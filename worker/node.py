@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,10 +40,11 @@ from core.pubsub import notify
 from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
 from core.settings import Settings
-from core.states import NODE_STARTED, RUNNING, JobState, NodeState
+from core.states import NODE_STARTED, RUNNING, HostState, JobState, NodeState
 from engine.runfiles import EXIT_BAD_INPUT, read_result
 from engine.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
+from worker.hosts import set_host_state
 from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
 from worker.leases import NODE_ENV, RUNNING_HERE, node_token, release_node, running_here
@@ -186,6 +188,26 @@ def _job_view(settings: Settings, work: NodeWork, beat: bool) -> tuple[str, int]
     return state, attempt
 
 
+STOPPING = threading.Event()  # the worker shuts down: every node it runs stops its engine (``stop_engines``)
+
+
+def shut_down(settings: Settings, host: str) -> None:
+    """The worker shuts down: mark its host down first (no scheduling pass grants it the retries; the next worker on
+    it registers it up again), then stop its engines."""
+    try:
+        set_host_state(settings, host, HostState.down, pid=os.getpid())
+    except Exception as err:  # noqa: BLE001 - the database may be away; stopping the engines matters more
+        log.warning("could not mark host %s down on shutdown: %s", host, err)
+    stop_engines()
+
+
+def stop_engines() -> None:
+    """The worker is shutting down (``llmjobs serve`` / ``make run`` stopped, SIGTERM): each node it runs stops its
+    engine (SIGTERM, grace, SIGKILL) and ends its attempt as retryable, so the job resumes from its last checkpoint
+    on the next start instead of training on with no API, and the restart costs that one attempt only."""
+    STOPPING.set()
+
+
 def watch_node(
     settings: Settings, work: NodeWork, proc: Supervised, ingestor: RunIngestor | None
 ) -> tuple[int, str | None]:
@@ -224,6 +246,8 @@ def watch_node(
             return proc.terminate(settings.cancel_grace_s), "superseded"  # another node failed the attempt
         if deadline and now - started > deadline:
             return proc.terminate(settings.cancel_grace_s), "run_deadline"
+        if STOPPING.is_set():
+            return proc.terminate(settings.cancel_grace_s), "worker_stopped"
         time.sleep(settings.ingest_interval_s)
     return code, None
 
@@ -280,6 +304,17 @@ def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, erro
         return stop
     message = str((error or {}).get("message") or f"node {work.node_rank} exited with code {code}")
     tail = log_tail(work.run_dir)
+    if stop == "worker_stopped":
+        return end_attempt(
+            settings,
+            work.job_id,
+            work.attempt,
+            retryable=True,
+            error_code="worker_stopped",
+            message=f"the worker stopped (service shutdown) while node {work.node_rank} ran; "
+            "the job resumes from its last checkpoint",
+            log_tail=tail,
+        )
     if stop == "run_deadline":
         return end_attempt(
             settings,
@@ -362,7 +397,12 @@ def launch_failed(settings: Settings, work: NodeWork, err: Exception) -> str:
 
 
 def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host: str) -> str:
-    """The body of the ``llmjobs.run_node`` task; returns a short word for the task log."""
+    """The body of the ``llmjobs.run_node`` task; returns a short word for the task log. A worker shutting down
+    claims nothing: the node stays assigned on a host marked down, so recovery re-queues the attempt, which started
+    no process and so uses no restart (``core.recovery.end_attempt``)."""
+    if STOPPING.is_set():
+        log.info("node %s of attempt %s of %s: not claimed, the worker is shutting down", node_rank, attempt, job_id)
+        return "skipped"
     with running_here(node_token(job_id, attempt, node_rank)):  # before the claim: a sweep never takes it for an orphan
         claimed_at = utcnow()
         work = until_stored(

@@ -55,7 +55,7 @@ def run_step(
 def run_pipeline(spec: PipelineSpec, run_dir: Path, runs_root: Path, out: TextIO = sys.stderr) -> int:
     """Run every step; exit code 0 if the pipeline succeeded, 1 if a step failed, 2 for a bad step spec."""
     runs: dict[str, StepRun] = {}
-    parent = SimpleNamespace(meta=dict(spec.metadata), priority=spec.priority)
+    parent = SimpleNamespace(meta=dict(spec.metadata), priority=spec.priority, name=spec.name)
     while (decision := decide(spec, runs)).action == "create":
         step = spec.steps[decision.index]
         try:

@@ -1,40 +1,22 @@
 """Run the engine in its own process group and stop the whole tree on cancel: SIGTERM, a grace period, SIGKILL.
 
 torchrun starts its workers in new sessions (torch's SubprocessHandler uses start_new_session), so signalling the
-group alone misses them: the supervisor also remembers every descendant it has seen and signals those by pid.
+group alone misses them: the supervisor also remembers every descendant it has seen and signals those by pid. If the
+worker itself dies, the kernel kills the launch (``engine.parent_death``) and each rank dies with it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
+from engine.parent_death import preexec_die_with_parent
 from worker.launcher import LaunchPlan
-
-_PR_SET_PDEATHSIG = 1
-_prctl: Callable[..., int] | None = None
-if sys.platform.startswith("linux"):
-    # Loaded in the parent: the pre-exec hook must only make one plain C call in the forked child.
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the supervising thread dies (e.g. the worker is killed)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def preexec_die_with_parent() -> Callable[[], None] | None:
-    """The pre-exec hook for ``subprocess.Popen`` on Linux, else None."""
-    return _die_with_parent if _prctl is not None else None
 
 
 class Supervised:
@@ -51,7 +33,8 @@ class Supervised:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=preexec_die_with_parent(),  # noqa: PLW1509 - only prctl, no lock
+            # SIGKILL, not SIGTERM: a killed worker's launch must not outlive it whatever its handlers do
+            preexec_fn=preexec_die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - only prctl, no lock
         )
         self.pid = self.proc.pid
         self._seen: dict[int, psutil.Process] = {}

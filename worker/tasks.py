@@ -7,6 +7,9 @@ queued before an upgrade still run.
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+from celery.signals import worker_shutting_down
 
 from core.messaging import LEGACY_TASK_NAMES, RUN_NODE_TASK, SCHEDULE_TASK, get_celery
 from core.scheduler import schedule
@@ -14,6 +17,7 @@ from core.settings import get_settings
 from core.structured_logs import HEADER, bound
 from worker import broker_compat
 from worker.node import run_node as run_node_on_host
+from worker.node import shut_down
 
 log = logging.getLogger(__name__)
 celery_app = get_celery(get_settings().broker_url)
@@ -48,3 +52,11 @@ def run_node(job_id: str, attempt: int, node_rank: int) -> str:
 BODIES = {SCHEDULE_TASK: schedule_for, RUN_NODE_TASK: run_node}
 for name, body in {**BODIES, **{old: BODIES[new] for old, new in LEGACY_TASK_NAMES.items()}}.items():
     celery_app.task(name=name)(body)
+
+
+@worker_shutting_down.connect
+def _stop_engines_on_shutdown(**_: Any) -> None:
+    """Warm shutdown waits for running tasks; their engines must not train on with no service (issue 27). The host
+    is marked down first, so no scheduling pass grants it the retries (the next worker on it registers it up)."""
+    settings = get_settings()
+    shut_down(settings, settings.worker_name)

@@ -41,6 +41,7 @@ def get_principal(
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer <token>)", "Authorization")
     principal = authenticate(session, credentials.credentials)
+    session.commit()  # hand the connection back: a route that reads a slow body or streams must not hold it
     if principal is None:
         raise ApiError(401, "unauthorized", "invalid or revoked token", "Authorization")
     return principal

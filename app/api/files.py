@@ -7,10 +7,11 @@ memory. The answer carries the server path to name in a spec and the SHA-256 of 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SettingsDep
@@ -29,6 +30,12 @@ UPLOAD_BODY = {
 }
 
 
+def upload_slot(request: Request, principal: PrincipalDep) -> Iterator[None]:
+    """One of the team's upload slots, held until the upload's answer is sent."""
+    with request.app.state.uploads.hold(principal.team):
+        yield
+
+
 @router.put(
     "/{path:path}",
     status_code=201,
@@ -38,8 +45,10 @@ UPLOAD_BODY = {
         **ERRORS,
         200: {"description": "An existing file replaced (overwrite=true)", "model": FilePublic},
         409: {"description": "The file exists (and overwrite is false), or a part of the path is a file or directory"},
-        413: {"description": "Larger than the server's upload_max_bytes"},
+        408: {"description": "The body stalled for body_read_timeout_s"},
+        413: {"description": "Larger than the server's upload_max_bytes, or past the team's storage quota"},
         422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"},
+        429: {"description": "The team has team_max_uploads uploads in progress (see Retry-After)"},
     },
 )
 async def upload_file(
@@ -48,12 +57,17 @@ async def upload_file(
     response: Response,
     principal: PrincipalDep,
     settings: SettingsDep,
+    _slot: Annotated[None, Depends(upload_slot)],
     overwrite: Annotated[bool, Query(description="replace the file if it exists (default: 409)")] = False,
 ) -> FilePublic:
     """Upload one file to ``<first data root>/teams/<team>/uploads/<path>`` (directories are created). The body is
-    the file."""
+    the file; one that stalls for ``body_read_timeout_s`` is cut off with 408. A team may have ``team_max_uploads``
+    in progress at once (429 with Retry-After past it)."""
     target = await run_in_threadpool(uploads.destination, settings, principal.team, path, overwrite)
-    upload = await run_in_threadpool(uploads.Upload, settings, target, settings.upload_max_bytes)
+    declared = request.headers.get("content-length", "")
+    upload = await run_in_threadpool(
+        uploads.start, settings, principal.team, target, int(declared) if declared.isdigit() else None
+    )
     try:
         pending = bytearray()
         async for chunk in request.stream():

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
-from core import admission, checkpoints, job_delete, paths, pipelines, records
+from core import admission, checkpoints, job_delete, paths, pipelines, records, team_limits
 from core import jobs as service
 from core.errors import ApiError
 from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
 from core.settings import Settings
 from core.states import JobState
-from engine.spec import JobBase, PipelineSpec, parse_spec
+from engine.spec import JobBase, PipelineSpec, Resources, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
@@ -32,12 +33,22 @@ SPEC_BODY = {
 }
 
 
+def requested_resources(raw: Any) -> Resources | None:
+    """The ``resources`` of a (non-pipeline) body, when they are valid on their own; else None (the schema says why)."""
+    if not isinstance(raw, dict) or raw.get("kind") == "pipeline":
+        return None
+    try:
+        return Resources.model_validate(raw.get("resources") or {}, strict=True)
+    except ValidationError:
+        return None
+
+
 def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
     """The spec of a request body, every path resolved inside the caller's areas (``core.paths``)."""
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
     admission.check_fields(raw)  # unknown kind or field: "did you mean", before the schema's bare error
-    return parse_spec(raw, **areas.context())
+    return parse_spec(raw, **areas.context(), strict=True)  # a typed API: "20" is not a number (issue 27)
 
 
 @router.post(
@@ -50,6 +61,7 @@ def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
         409: {"description": "Idempotency-Key reused with another body"},
         413: {"description": "Body too large"},
         422: {"description": "Invalid spec, or resources no registered host could ever provide"},
+        429: {"description": "The team has team_max_active_jobs unfinished jobs (see Retry-After)"},
     },
 )
 async def create_job(
@@ -70,6 +82,9 @@ async def create_job(
         areas = paths.ensure_team_areas(settings, principal.team)
     except ValueError as err:  # a team name that cannot name a directory (tokens made before names were checked)
         raise ApiError(403, "forbidden", f"{err}; ask an admin for a token of a valid team", None) from None
+    resources = requested_resources(raw)
+    if resources is not None:  # the real blocker first: 64 ranks on a 1-slot host is not a global_batch_size error
+        await run_in_threadpool(check_fits, session, settings, principal.team, resources)
     spec = parse_request_spec(raw, areas)
     check_metadata(raw, settings)
     job, created = await run_in_threadpool(_submit, session, settings, principal.team, spec, raw, idempotency_key)
@@ -83,12 +98,13 @@ async def create_job(
 def _submit(
     session: Session, settings: Settings, team: str, spec: JobBase, raw: Any, key: str | None
 ) -> tuple[JobPublic, bool]:
+    team_limits.check_priority(settings, team, raw)  # 422 above the team's ceiling
+    team_limits.check_active_jobs(session, settings, team, key)  # 429 past team_max_active_jobs
     admission.check_admissible(spec, settings, team)  # what the engine would refuse before its first step (reads files)
     admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
-    check_fits(session, settings, team, spec.resources)  # 422 for a request no host set could ever satisfy
     check_memory_fits(session, spec)  # 422 when a rank would not fit any registered device (engine.plan)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     return JobPublic.from_row(job), created
@@ -100,7 +116,7 @@ def list_jobs(
     session: SessionDep,
     principal: PrincipalDep,
     state: Annotated[str | None, Query(description="one state, or several comma-separated")] = None,
-    kind: Annotated[Literal["preprocess", "convert", "train", "eval", "pipeline"] | None, Query()] = None,
+    kind: Annotated[Literal["preprocess", "convert", "train", "eval", "serve", "pipeline"] | None, Query()] = None,
     name: str | None = None,
     parent_id: str | None = None,
     after: Annotated[str | None, Query(description="last_id of the previous page")] = None,
@@ -150,14 +166,21 @@ def with_progress(session: Session, jobs: list[JobPublic]) -> list[JobPublic]:
         if job.id not in progress:
             continue
         tokens, step, last = progress[job.id]
-        job.trained_tokens = tokens
+        job.trained_tokens, job.iteration = tokens, step
         iters = job.spec.get("train_iters")
         if job.finished_at is not None:
             job.estimated_finish = job.finished_at
         elif job.started_at is not None and isinstance(iters, int) and step > 0:
-            start, last = _utc(job.started_at), _utc(last)
-            job.estimated_finish = start + (last - start) * (iters / step)
+            job.estimated_finish = estimate_finish(_utc(job.started_at), _utc(last), step, iters)
     return jobs
+
+
+def estimate_finish(start: datetime, last: datetime, step: int, iters: int, now: datetime | None = None) -> datetime:
+    """When a running train job ends at its pace so far (``step`` iterations by ``last``). Never in the past: after a
+    stall or a restart the remaining iterations are counted from now."""
+    per_step = max(last - start, timedelta(0)) / step
+    now = now or datetime.now(timezone.utc)
+    return max(last, now) + per_step * max(iters - step, 0)
 
 
 def _utc(when: datetime) -> datetime:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Header, Query
-from sse_starlette import EventSourceResponse
+from fastapi import APIRouter, Header, Query, Request
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
@@ -23,7 +22,7 @@ from app.schemas import (
     MetricPointPublic,
     MetricsPage,
 )
-from app.stream import Cursor, job_stream
+from app.stream import Cursor, StreamResponse, job_stream
 from core import checkpoints, records
 from core.downloads import is_real
 from core.errors import ApiError
@@ -124,23 +123,29 @@ def list_artifacts(job_id: str, session: SessionDep, principal: PrincipalDep) ->
     responses={
         **ERRORS,
         200: {"content": {"text/event-stream": {}}, "description": "SSE: state, event, metric, log, end"},
+        429: {"description": "The team has team_max_streams streams open (see Retry-After)"},
     },
 )
 def stream_job(
     job_id: str,
+    request: Request,
     session: SessionDep,
     principal: PrincipalDep,
     settings: SettingsDep,
     last_event_id: Annotated[str | None, Header()] = None,
     after: Annotated[str | None, Query(description="a Last-Event-ID, for clients that cannot send the header")] = None,
 ) -> Any:
-    """Server-Sent Events of everything the job records, until it ends. Resumes after Last-Event-ID."""
+    """Server-Sent Events of everything the job records, until it ends. Resumes after Last-Event-ID. A team may hold
+    ``team_max_streams`` open at once (429 with Retry-After past it)."""
     get_visible_job(session, job_id, principal)
     try:
         cursor = Cursor.parse(last_event_id or after)
     except ValueError as err:
         raise ApiError(400, "bad_request", f"Last-Event-ID: {err}", "Last-Event-ID") from err
-    return EventSourceResponse(job_stream(settings, job_id, cursor), ping=15)
+    session.close()  # an open stream holds no database connection: each read takes a short one (app.stream.fetch)
+    slots = request.app.state.streams
+    slots.acquire(principal.team)
+    return StreamResponse(job_stream(settings, job_id, cursor), lambda: slots.release(principal.team), ping=15)
 
 
 @router.get("/checkpoints", response_model=ListPage[CheckpointPublic], responses=ERRORS)

@@ -51,4 +51,4 @@ export async function api(path, {method = "GET", body, params, headers = {}, tok
 
 export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 export const STATES = ["queued", "starting", "running", "cancelling", "retrying", "succeeded", "failed", "cancelled"];
-export const KINDS = ["preprocess", "convert", "train", "eval", "pipeline"];
+export const KINDS = ["preprocess", "convert", "train", "eval", "serve", "pipeline"];

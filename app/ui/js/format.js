@@ -44,3 +44,14 @@ export function runtime(job) {
   const end = job.finished_at ? new Date(job.finished_at) : new Date();
   return duration((end - new Date(job.started_at)) / 1000);
 }
+
+/** What a result must say before its numbers: a run continued from another job's checkpoint (resume: "auto"), and
+ * the engine's warnings (a run that trained 0 iterations). */
+export function resultNotes(summary) {
+  const notes = [];
+  if (summary && summary.resumed_from_job) {
+    notes.push(`Resumed from job ${summary.resumed_from_job}'s run at iteration ${summary.start_iteration ?? "?"} (resume: auto)`);
+  }
+  for (const warning of (summary && summary.warnings) || []) notes.push(`Warning: ${warning}`);
+  return notes;
+}

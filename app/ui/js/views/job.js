@@ -3,7 +3,7 @@
 
 import {api, auth, TERMINAL} from "../api.js";
 import {h, fill} from "../dom.js";
-import {duration, num, runtime, time} from "../format.js";
+import {duration, num, resultNotes, runtime, time} from "../format.js";
 import {setQuery, go} from "../router.js";
 import {JobStream} from "../sse.js";
 import {MetricStore} from "../series.js";
@@ -149,6 +149,7 @@ export function renderJob(root, {params: [jobId], query}) {
     const simple = Object.fromEntries(Object.entries(summary).filter(([, v]) => v === null || typeof v !== "object"));
     return h("div", {class: "result", id: "result"},
       h("h3", {}, "Result"),
+      resultNotes(summary).map((note) => h("div", {class: "notice result-note", dataset: {note: "resume"}}, note)),
       headline.length ? h("div", {class: "latest"}, headline.map((k) => h("div", {class: "stat big"}, h("span", {class: "muted"}, k), h("b", {}, num(summary[k]))))) : null,
       keyValues(simple, (v) => (typeof v === "number" ? num(v) : String(v)), "cols4"),
       Object.entries(summary).filter(([, v]) => v !== null && typeof v === "object").map(([k, v]) => nestedBlock(k, v)),

@@ -1,0 +1,185 @@
+"""OpenAI's wire format for the serving routes: requests to the engine's internal protocol, its JSON lines back to
+chat / text completion objects and stream chunks, and OpenAI's error shape.
+
+Thinking: a Qwen3 answer that opens with ``<think>`` has its thought, up to ``</think>``, returned as
+``reasoning_content`` and the rest as ``content`` (vLLM's ``qwen3`` reasoning parser convention); an answer without
+the opening tag (``enable_thinking: false``) is all content. Tool calls: with ``tools`` in the request, each
+``<tool_call>{"name", "arguments"}</tool_call>`` block of the content becomes an entry of ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+# Fields passed to the engine as they are (``engine.serve.sampling.RequestOptions``); OpenAI's defaults apply when
+# absent (temperature 1, top_p 1).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+CHAT_FIELDS = {
+    *SAMPLING_FIELDS,
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "user",
+}
+COMPLETION_FIELDS = {*SAMPLING_FIELDS, "model", "prompt", "stream", "stream_options", "max_tokens", "logprobs", "user"}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error"}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, **headers: str):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "rate_limit_error" if self.status == 429 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(400, f"{unknown[0]}: not supported by this server", unknown[0], "unsupported_parameter")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+
+
+def chat_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The engine request of a ``/v1/chat/completions`` body."""
+    _check_fields(body, CHAT_FIELDS)
+    out = {**_sampling(body), "messages": body.get("messages")}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    if body.get("logprobs"):
+        out["logprobs"] = body.get("top_logprobs") or 0
+    for key in ("chat_template_kwargs", "tools"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    return out
+
+
+def completion_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The engine request of a ``/v1/completions`` body (one prompt string)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "prompt: one string is supported", "prompt")
+    out = {**_sampling(body), "prompt": prompt, "max_tokens": body.get("max_tokens", 16)}
+    if body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class ReasoningSplitter:
+    """Splits one choice's text stream into (reasoning, content) deltas (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.state = "start"  # start -> reasoning -> content, or start -> content
+        self.buffer = ""
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buffer += text
+        reasoning = content = ""
+        if self.state == "start":
+            if self.buffer.startswith(THINK_OPEN):
+                self.state, self.buffer = "reasoning", self.buffer[len(THINK_OPEN) :]
+            elif THINK_OPEN.startswith(self.buffer) and not final:
+                return "", ""  # could still become the opening tag
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            at = self.buffer.find(THINK_CLOSE)
+            if at != -1:
+                reasoning, self.buffer = self.buffer[:at], self.buffer[at + len(THINK_CLOSE) :]
+                self.state = "content"
+            else:
+                keep = 0 if final else _partial_suffix(self.buffer, THINK_CLOSE)
+                reasoning, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        if self.state == "content":
+            content, self.buffer = self.buffer, ""
+        return reasoning, content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (held back until the next delta decides)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+def split_tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content without the tool-call blocks, OpenAI ``tool_calls``); a block that is not valid JSON stays text."""
+    calls: list[dict[str, Any]] = []
+    kept, rest = [], content
+    while (start := rest.find(TOOL_OPEN)) != -1 and (end := rest.find(TOOL_CLOSE, start)) != -1:
+        raw = rest[start + len(TOOL_OPEN) : end].strip()
+        try:
+            call = json.loads(raw)
+            name, args = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            kept.append(rest[: end + len(TOOL_CLOSE)])
+        else:
+            kept.append(rest[:start])
+            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            calls.append(
+                {"id": new_id("call"), "type": "function", "function": {"name": str(name), "arguments": arguments}}
+            )
+        rest = rest[end + len(TOOL_CLOSE) :]
+    return ("".join(kept) + rest).strip() if calls else content, calls
+
+
+def chat_logprobs(line: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs.content`` entry of one token line (None when logprobs were not asked for)."""
+    if "logprob" not in line:
+        return None
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    top = [entry(t["text"], t["logprob"]) for t in line.get("top_logprobs", [])]
+    return {**entry(line.get("token_text", line["text"]), line["logprob"]), "top_logprobs": top}
+
+
+def chunk(kind: str, rid: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **extra}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,48 @@
+"""The API process's singleton loops: the reconciler, the webhook sender and the retention pass.
+
+Every API replica starts them; only the replica holding the leadership (``core.leadership``) runs a pass, so N
+replicas never reconcile or send twice. The web layer only starts and stops them (``app.main``'s lifespan).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from core.leadership import Leadership, run_when_leader
+from core.reconciler import reconcile_once
+from core.retention import collect
+from core.settings import Settings
+from core.webhooks import send_forever
+
+
+@dataclass
+class BackgroundLoops:
+    leader: Leadership
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def stop(self) -> None:
+        """Cancel the loops and give up the leadership (another replica takes over at once)."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.to_thread(self.leader.release)
+
+
+def start_loops(settings: Settings, *, run: bool = True) -> BackgroundLoops:
+    """The loops as tasks on the running event loop (none when ``run`` is False: the leadership only)."""
+    leader = Leadership(settings.database_url)
+    loops = BackgroundLoops(leader)
+    if not run:
+        return loops
+
+    def reconcile() -> None:  # hosts are judged only by a leader that has watched them long enough
+        reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s)
+
+    loops.tasks = [
+        asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s, reconcile, "reconcile")),
+        asyncio.create_task(send_forever(settings, leader)),
+        asyncio.create_task(
+            run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings), "retention pass")
+        ),
+    ]
+    return loops

@@ -1,0 +1,91 @@
+"""Deployments: the ``serve`` jobs a team can send requests to, and where their engines listen.
+
+A ``serve`` job's engine reports ``ready`` with its endpoint's URL (``engine.serve.job``); the worker ingests the
+event with the attempt it belongs to. A deployment is *ready* when its job is running and its current attempt has
+reported ``ready``: a restarted attempt (host lost, engine crashed) is not ready again until its own engine says so,
+so a request never reaches the URL of a dead attempt. Names: a request's ``model`` matches a job's
+``served_model_name``, else its name, else its id, or one of its ``lora_adapters`` (then the request goes to that
+job's engine, which applies the adapter, as vLLM's multi-LoRA serving does); only the caller's team's jobs are
+searched (another team's deployment reads as missing, never as forbidden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.auth import Principal
+from core.models import Event, Job
+from core.states import TERMINAL, JobState
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    job_id: str
+    team: str
+    name: str
+    state: str
+    url: str | None  # None until the current attempt's engine reports ready
+    created: int  # unix seconds
+    root: str = ""  # the base model's path (an OpenAI model object's ``root``, as vLLM gives it)
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)  # LoRA adapter name -> its checkpoint
+    adapter: str | None = None  # the adapter a request's ``model`` chose (None: the base)
+
+    @property
+    def ready(self) -> bool:
+        return self.url is not None
+
+
+def served_name(job: Job) -> str:
+    """The name clients pass as ``model``: as ``engine.serve.job.served_name`` decides it (the run dir is the id)."""
+    spec: dict[str, Any] = job.spec or {}
+    return str(spec.get("served_model_name") or job.name or job.id)
+
+
+def _ready_url(session: Session, job: Job) -> str | None:
+    if job.state != JobState.running.value:
+        return None
+    event = session.scalars(
+        select(Event)
+        .where(Event.job_id == job.id, Event.type == "ready", Event.attempt == job.attempt_count)
+        .order_by(Event.id.desc())
+        .limit(1)
+    ).first()
+    url = (event.data or {}).get("url") if event is not None else None
+    return url if isinstance(url, str) else None
+
+
+def _deployment(session: Session, job: Job) -> Deployment:
+    created = int(job.created_at.timestamp()) if job.created_at else 0
+    spec: dict[str, Any] = job.spec or {}
+    adapters = {str(k): str(v) for k, v in (spec.get("lora_adapters") or {}).items()}
+    url = _ready_url(session, job)
+    return Deployment(job.id, job.team, served_name(job), job.state, url, created, str(spec.get("load")), adapters)
+
+
+def _live_serve_jobs(session: Session, principal: Principal) -> list[Job]:
+    query = select(Job).where(Job.kind == "serve", Job.state.not_in([s.value for s in TERMINAL]))
+    if not principal.admin:
+        query = query.where(Job.team == principal.team)
+    return list(session.scalars(query.order_by(Job.created_at.desc())))
+
+
+def list_deployments(session: Session, principal: Principal) -> list[Deployment]:
+    """The caller's team's deployments that are not over (queued, starting, running), newest first."""
+    return [_deployment(session, job) for job in _live_serve_jobs(session, principal)]
+
+
+def find_deployment(session: Session, principal: Principal, model: str) -> Deployment | None:
+    """The deployment ``model`` names among the caller's team's live ones (a ready one first), or None; a name of
+    one of its adapters gives the deployment with ``adapter`` set."""
+    found = []
+    for job in _live_serve_jobs(session, principal):
+        spec: dict[str, Any] = job.spec or {}
+        if model in (job.id, served_name(job)):
+            found.append(_deployment(session, job))
+        elif model in (spec.get("lora_adapters") or {}):
+            found.append(dataclasses.replace(_deployment(session, job), adapter=model))
+    return next((d for d in found if d.ready), found[0] if found else None)
