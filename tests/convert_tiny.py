@@ -77,11 +77,12 @@ REAL_VOCAB_FLAGS: dict[str, Any] = {
 }
 
 
-def real_vocab_qwen3(path: Path) -> Path:
-    """A random Qwen3 of ``REAL_VOCAB_SHAPE``, written by transformers itself."""
+def real_vocab_qwen3(path: Path, **config: Any) -> Path:
+    """A random Qwen3 of ``REAL_VOCAB_SHAPE``, written by transformers itself; ``config`` overrides (e.g. a wider
+    ``initializer_range`` for clear argmax margins)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    Qwen3ForCausalLM(Qwen3Config(**REAL_VOCAB_SHAPE)).save_pretrained(path)
+    Qwen3ForCausalLM(Qwen3Config(**{**REAL_VOCAB_SHAPE, **config})).save_pretrained(path)
     return path
 
 

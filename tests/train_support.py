@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
+from engine.data.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
 
 TINY_SHAPE: dict[str, Any] = {
     "num_layers": 2,
@@ -43,6 +43,29 @@ def write_instruction_data(prefix: Path, n: int = 48, vocab: int = 512, seed: in
         writers["input_ids"].add_document(ids)
         writers["attention_mask"].add_document(np.ones(length))
         writers["labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
+
+
+def write_pairwise_data(prefix: Path, n: int = 16, vocab: int = 512, seed: int = 0) -> str:
+    """``n`` preference pairs in MindSpeed's pairwise layout: a shared prompt of 4-11 tokens, then a chosen answer
+    (one token repeated, picked by the first prompt token) and a rejected one (random tokens) of 3-14 tokens."""
+    rng = np.random.default_rng(seed)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
+    for _ in range(n):
+        prompt = rng.integers(1, vocab, int(rng.integers(4, 12)))
+        answers = {
+            "chosen": np.full(int(rng.integers(3, 15)), prompt[0] % 8 + 1),
+            "rejected": rng.integers(1, vocab, int(rng.integers(3, 15))),
+        }
+        for side, answer in answers.items():
+            ids = np.concatenate([prompt, answer])
+            labels = ids.copy()
+            labels[: prompt.size] = -100
+            writers[f"{side}_input_ids"].add_document(ids)
+            writers[f"{side}_labels"].add_document(labels)
     for w in writers.values():
         w.finalize()
     return str(prefix)

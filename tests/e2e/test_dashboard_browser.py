@@ -315,8 +315,8 @@ def _axe_violations(page: Any) -> list[dict[str, Any]]:
 
 
 def _screens_and_audit(page: Any, service: Service, train_id: str, train_b: str) -> None:  # noqa: F811
-    """Every view audited by axe-core; the job page and the comparison shot at 420 and 1440 px, neither scrolling
-    sideways (wide tables and charts scroll inside their own boxes)."""
+    """Every view audited by axe-core; the job list, the job page and the comparison shot at 420 and 1440 px, none
+    scrolling sideways (wide tables and charts scroll inside their own boxes)."""
     views = [
         (f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
         (f"#/jobs/{train_id}?tab=logs", "pre.log"),
@@ -337,6 +337,7 @@ def _screens_and_audit(page: Any, service: Service, train_id: str, train_b: str)
     for width in (420, 1440):
         page.set_viewport_size({"width": width, "height": 900})
         for label, route, ready in (
+            ("jobs", "#/jobs?cols=sweep", "tr[data-job]"),
             ("job", f"#/jobs/{train_id}", '.chart[data-chart="Loss"]'),
             ("compare", f"#/compare?ids={train_id},{train_b}", ".compare-chart .chart"),
         ):

@@ -8,7 +8,7 @@ checks, against the whole model built on the host:
   full model's logits on those tokens and, summed over ranks, its expert-weight gradients.
 
 Rank 0 writes ``{"errors": [...], "dropped": n, "local_rows": [...]}`` to ``sys.argv[1]``. Ends with os._exit
-(torch-distributed-on-gloo.md §f.1).
+(docs/torch-distributed-on-gloo.md §f.1).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 def run_ranks(body: Callable[[], Any]) -> NoReturn:
     """Join the gloo group, run ``body`` on every rank, write rank 0's result as JSON to ``sys.argv[1]``, leave the
-    group and end with ``os._exit(0)`` (the gloo/DeviceMesh exit-crash trap, torch-distributed-on-gloo.md §f.1). An
+    group and end with ``os._exit(0)`` (the gloo/DeviceMesh exit-crash trap, docs/torch-distributed-on-gloo.md §f.1). An
     exception in ``body`` propagates: the rank exits non-zero and writes nothing."""
     out_path = sys.argv[1]
     dist.init_process_group("gloo")

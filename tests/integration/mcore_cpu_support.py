@@ -1,5 +1,5 @@
 """Shared helpers of the Megatron-Core oracle workers (not a test module): the one place that lets Megatron-Core's
-own GPTModel build, load and run forward on CPU under gloo (megatron-core-on-cpu.md, docs/megatron-moe.md §7), and
+own GPTModel build, load and run forward on CPU under gloo (docs/megatron-core-on-cpu.md, docs/megatron-moe.md §7), and
 the key/shape comparison of one of our converted rank files against it. Megatron is imported inside the functions:
 the tests import ``mcore_shape`` before they know whether it is installed."""
 

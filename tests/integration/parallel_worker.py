@@ -6,7 +6,7 @@ grad norms of both to a JSON file.
 Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N tests/integration/parallel_worker.py OUT.json CASE..``
 with CASE = ``name:key=value,...`` (keys in ``parse``; ``moe=1``: a Qwen3-MoE model, its router figures recorded too; ``ep``: expert parallel
 size, carved out of dp). Ends with os._exit (the gloo/DeviceMesh exit-crash trap,
-torch-distributed-on-gloo.md §f.1).
+docs/torch-distributed-on-gloo.md §f.1).
 """
 
 from __future__ import annotations

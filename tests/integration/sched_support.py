@@ -201,3 +201,15 @@ def job_processes(job_id: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return pids
+
+
+def describe_processes(pids: list[int]) -> str:
+    """pid, parent and command line of each, for an assertion message."""
+    lines = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            lines.append(f"{pid} (parent {proc.ppid()}, {proc.status()}): {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            lines.append(f"{pid}: gone")
+    return "\n".join(lines)

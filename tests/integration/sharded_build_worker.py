@@ -7,7 +7,7 @@ file.
 
 Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N tests/integration/sharded_build_worker.py OUT.json
 WORK_DIR CASE..`` with CASE = ``name:key=value,...`` (keys in ``parse``; ``src`` is init, hf or mcore, the mcore
-checkpoint written with TP ``ctp`` × PP ``cpp``). Ends with os._exit (torch-distributed-on-gloo.md §f.1).
+checkpoint written with TP ``ctp`` × PP ``cpp``). Ends with os._exit (docs/torch-distributed-on-gloo.md §f.1).
 """
 
 from __future__ import annotations

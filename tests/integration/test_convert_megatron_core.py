@@ -1,6 +1,6 @@
 """Megatron-Core's own GPTModel (local spec, qk-layernorm) accepts our mcore shards: on every (TP, PP) rank the
 key set and shapes are exactly what it declares, they load with only ``_extra_state`` missing, and at PP=1 its
-forward on CPU gives transformers' logits (megatron-core-on-cpu.md)."""
+forward on CPU gives transformers' logits (docs/megatron-core-on-cpu.md)."""
 
 from __future__ import annotations
 

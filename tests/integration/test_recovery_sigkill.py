@@ -17,6 +17,7 @@ from core.messaging import send_run_node
 from core.models import Attempt, Event, JobNode, Lease
 from core_support import isolated_settings, team_dir
 from sched_support import (
+    describe_processes,
     job_processes,
     log_text,
     reconciler,
@@ -50,7 +51,8 @@ def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> No
             deadline = time.monotonic() + 30
             while job_processes(job_id) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert job_processes(job_id) == [], "the engine outlived its SIGKILLed worker"
+            left = job_processes(job_id)
+            assert left == [], "the engine outlived its SIGKILLed worker:\n" + describe_processes(left)
             waiting = wait_for(
                 settings,
                 job_id,

@@ -18,10 +18,10 @@ from sqlalchemy import select, update
 from app.main import create_app
 from core.db import session_scope
 from core.jobs import request_cancel
-from core.models import Host, Job, JobNode, Lease, utcnow
+from core.models import Event, Host, Job, JobNode, Lease, utcnow
 from core.reconciler import reconcile_once
 from core.recovery import recover
-from core.scheduler import schedule
+from core.scheduler import behind_reason, schedule
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, team_dir
 from worker.leases import release_node
@@ -103,6 +103,27 @@ def test_three_two_slot_jobs_on_four_slots(settings: Settings) -> None:
     assert rows(settings, c)[0].pending_reason is None
 
 
+def test_a_long_queue_is_counted_in_steps_so_one_start_rewrites_few_reasons(settings: Settings) -> None:
+    """Exact counts past 20 would change every waiting job's reason whenever one ahead starts (a write per waiting
+    job per pass); in 1-2-5 steps only the jobs near the front and those crossing a step change."""
+    add_host(settings, "h1", 1)
+    ids = [job(settings) for _ in range(60)]
+    assert [g.job_id for g in schedule(settings)] == [ids[0]]
+    front, far = rows(settings, ids[5], ids[45])
+    assert (
+        front.pending_reason
+        == behind_reason(4, "cpu")
+        == ("waiting behind 4 jobs (higher priority or queued earlier) for cpu devices")
+    )
+    assert far.pending_reason == "waiting behind 20+ jobs (higher priority or queued earlier) for cpu devices"
+    finish(settings, ids[0])
+    assert [g.job_id for g in schedule(settings)] == [ids[1]]
+    front, far = rows(settings, ids[5], ids[45])
+    assert front.pending_reason == behind_reason(3, "cpu")
+    assert far.pending_reason == "waiting behind 20+ jobs (higher priority or queued earlier) for cpu devices"
+    assert "behind 1000+ jobs" in behind_reason(1234, "cpu") and "behind 50+ jobs" in behind_reason(99, "cpu")
+
+
 def test_priority_first_then_fifo_and_no_backfill(settings: Settings) -> None:
     add_host(settings, "h1", 2)
     low1, big, high, low2 = job(settings), job(settings, nproc=2), job(settings, priority=5), job(settings)
@@ -114,6 +135,20 @@ def test_priority_first_then_fifo_and_no_backfill(settings: Settings) -> None:
     assert schedule(settings) == []  # one device free, but the 2-device job queued earlier comes first
     finish(settings, low1)
     assert [g.job_id for g in schedule(settings)] == [big]
+
+
+def test_teams_take_turns_within_a_priority(settings: Settings) -> None:
+    """A team's backlog does not push another team's later job behind all of it (core.scheduler.fair_order); a
+    higher priority still comes first, and each team's own jobs stay FIFO."""
+    add_host(settings, "h1", 3)
+    backlog = [job(settings, team="red") for _ in range(50)]
+    blue, urgent = job(settings, team="blue"), job(settings, team="red", priority=5)
+    assert [g.job_id for g in schedule(settings)] == [urgent, blue, backlog[0]]
+    (waiting,) = rows(settings, backlog[1])
+    assert "waiting for 1 free cpu devices on one host" in (waiting.pending_reason or "")
+    finish(settings, blue)
+    later = job(settings, team="blue")
+    assert [g.job_id for g in schedule(settings)] == [later]  # blue holds none now, red holds two
 
 
 def test_gang_is_all_or_nothing_across_hosts(settings: Settings) -> None:
@@ -225,6 +260,7 @@ def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str |
     add_host(settings, "h2", 1)
     j = job(settings, max_restarts=1)
     first = schedule(settings)[0].hosts[0]
+    assert claim_node(settings, j, 1, 0, first) is not None  # its worker launched it: the attempt counts
     with session_scope(settings.database_url) as session:
         session.execute(update(Host).where(Host.name == first).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
     recover(settings)
@@ -232,12 +268,36 @@ def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str |
     assert row.state == "retrying" and "lost" in nodes(settings, j)[0].state
     second = schedule(settings)[0].hosts[0]
     assert second != first and rows(settings, j)[0].attempt_count == 2
+    assert claim_node(settings, j, 2, 0, second) is not None
     with session_scope(settings.database_url) as session:  # the dead host keeps its lease until its worker checks
         assert session.scalar(select(Lease.job_id).where(Lease.host == first)) == j
         session.execute(update(Host).where(Host.name == second).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
     recover(settings)
     row = rows(settings, j)[0]
     assert (row.state, row.error_code) == ("failed", "retries_exhausted")
+
+
+def test_an_attempt_lost_before_its_launch_uses_no_restart(tmp_path: Path, db_url: str | None) -> None:
+    """A host restarted between the grant and the launch (a service restart): the attempt started no process, so the
+    job is retried without using its budget, up to FREE_UNSTARTED_ATTEMPTS such attempts; then they count."""
+    from core.recovery import FREE_UNSTARTED_ATTEMPTS
+
+    settings = _settings(tmp_path, db_url, host_stale_after_s=5)
+    j = job(settings, max_restarts=0)
+    for attempt in range(1, FREE_UNSTARTED_ATTEMPTS + 2):
+        add_host(settings, f"h{attempt}", 1)
+        assert schedule(settings)[0].hosts[0] == f"h{attempt}"
+        with session_scope(settings.database_url) as session:
+            session.execute(update(Host).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+        recover(settings)
+        row = rows(settings, j)[0]
+        if attempt <= FREE_UNSTARTED_ATTEMPTS:
+            assert row.state == "retrying", (attempt, row.state)
+        else:
+            assert (row.state, row.error_code) == ("failed", "retries_exhausted")
+    with session_scope(settings.database_url) as session:
+        messages = [e.message for e in session.scalars(select(Event).where(Event.job_id == j, Event.type == "state"))]
+    assert any("not counted: attempt 1 started no process; 0 of 1 attempts used" in m for m in messages), messages
 
 
 def test_cancel_of_unlaunched_nodes_frees_devices(settings: Settings) -> None:
@@ -260,3 +320,86 @@ def test_start_deadline(settings: Settings) -> None:
     row = rows(settings, late)[0]
     assert (row.state, row.error_code) == ("failed", "start_deadline_exceeded")
     assert "waiting for 1 free cpu devices" in (row.error_message or "")
+
+
+def test_one_pass_grants_many_gangs_whole_and_never_a_device_twice(settings: Settings) -> None:
+    """A pass that starts dozens of gangs at once (its writes batched): every granted job holds exactly its devices
+    on distinct hosts, no device is held twice, a job that did not fit holds nothing, and node 0's port differs
+    between the jobs that share a master host."""
+    for i in range(12):
+        add_host(settings, f"h{i:02d}", 8, address=f"10.0.0.{i}")
+    gangs = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (3, 2)] * 6
+    ids = {job(settings, nproc=p, nnodes=n): (n, p) for n, p in gangs}
+    granted = {g.job_id: g for g in schedule(settings)}
+    assert len(granted) >= 10
+    with session_scope(settings.database_url) as session:
+        leases = session.scalars(select(Lease)).all()
+        all_nodes = session.scalars(select(JobNode)).all()
+    assert len({(lease.host, lease.device) for lease in leases}) == len(leases) <= 12 * 8
+    ports: dict[str, list[int]] = {}
+    for job_id, (nnodes, nproc) in ids.items():
+        held = [lease for lease in leases if lease.job_id == job_id]
+        mine = sorted((n for n in all_nodes if n.job_id == job_id), key=lambda n: n.node_rank)
+        if job_id not in granted:
+            assert held == [] and mine == []
+            continue
+        assert len(held) == nnodes * nproc and [n.node_rank for n in mine] == list(range(nnodes))
+        assert len({n.host for n in mine}) == nnodes and granted[job_id].hosts == [n.host for n in mine]
+        assert sorted((lease.host, lease.device) for lease in held) == sorted(
+            (n.host, d) for n in mine for d in n.devices
+        )
+        assert {n.master_addr for n in mine} == {f"10.0.0.{int(mine[0].host[1:])}"}
+        ports.setdefault(mine[0].host, []).append(mine[0].master_port)
+    assert all(len(p) == len(set(p)) for p in ports.values())
+    assert all(r.state == ("starting" if r.id in granted else "queued") for r in rows(settings, *ids))
+
+
+def test_a_job_cancelled_while_the_pass_runs_gets_nothing(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched start skips a job that left the queue after the pass read it: no lease, no node, and its devices
+    go to the next pass."""
+    from core import scheduler
+
+    add_host(settings, "h1", 2)
+    gone, kept = job(settings), job(settings)
+    read = scheduler.waiting_jobs
+
+    def read_then_cancel(session: Any) -> list[scheduler.Waiting]:
+        jobs = read(session)  # then a cancel lands (on SQLite the pass's lock makes it wait: the same session here)
+        session.execute(update(Job).where(Job.id == gone).values(state="cancelled"))
+        return jobs
+
+    monkeypatch.setattr(scheduler, "waiting_jobs", read_then_cancel)
+    assert [g.job_id for g in schedule(settings)] == [kept]
+    assert nodes(settings, gone) == [] and rows(settings, gone)[0].state == "cancelled"
+    monkeypatch.setattr(scheduler, "waiting_jobs", read)
+    late = job(settings)
+    assert [g.job_id for g in schedule(settings)] == [late]
+
+
+def test_a_heartbeat_pass_is_skipped_until_something_could_start_a_job(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core import scheduler
+
+    passes: list[int] = []
+    full = scheduler._pass
+    monkeypatch.setattr(scheduler, "_pass", lambda session, s: passes.append(1) or full(session, s))
+    add_host(settings, "h1", 1)
+    first, second = job(settings), job(settings)
+    assert [g.job_id for g in schedule(settings, if_changed=True)] == [first]  # nothing recorded yet: a full pass
+    assert schedule(settings, if_changed=True) == [] and len(passes) == 2  # started something: passes again
+    assert schedule(settings, if_changed=True) == [] and len(passes) == 2  # quiet and unchanged: skipped
+    finish(settings, first)  # a device freed
+    assert [g.job_id for g in schedule(settings, if_changed=True)] == [second]
+    schedule(settings, if_changed=True)
+    third = job(settings)  # a new job (it cannot start: the device is held) is a change
+    assert schedule(settings, if_changed=True) == [] and len(passes) == 5
+    assert schedule(settings, if_changed=True) == [] and len(passes) == 5
+    with session_scope(settings.database_url) as session:  # a host comes back from stale
+        session.execute(update(Host).values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    schedule(settings, if_changed=True)
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Host).values(heartbeat_at=utcnow()))
+    assert schedule(settings, if_changed=True) == [] and len(passes) == 7
+    assert schedule(settings) == [] and len(passes) == 8  # a plain pass always runs
+    assert rows(settings, third)[0].state == "queued"

@@ -4,10 +4,13 @@ load must refuse the class by name and the marker must not appear. Real Megatron
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import pickle
 import random
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +22,12 @@ from convert_tiny import tiny_hf
 from engine.checkpoint import dcp
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
+from engine.checkpoint.lora_merge import peft_deltas
 from engine.checkpoint.megatron import MODEL_FILE, load_rank_file, save_mcore
-from engine.checkpoint.safe_pickle import load_torch_file
-from engine.runfiles import BadInput, RunDir
+from engine.checkpoint.safe_pickle import SafeLoadPlanner, load_torch_file
+from engine.cli import main
+from engine.plan.shape import config_from_checkpoint
+from engine.runfiles import EXIT_BAD_INPUT, BadInput, RunDir
 from engine.spec import ConvertSpec
 
 
@@ -154,3 +160,155 @@ def test_poisoned_dcp_file_is_refused(dcp_checkpoint: Path, tmp_path: Path, vict
     with pytest.raises(BadInput, match=REFUSED):
         _load(dcp_checkpoint)
     assert not marker.exists()
+
+
+# The legacy (pre-zip) torch.save layout is five pickles in a row; torch.load reads all but the object with
+# pickle_module.load (issue 25: the payload ran from the magic number's place before "Invalid magic number").
+LEGACY_STAGES = ("magic_number", "protocol_version", "sys_info", "object", "storage_keys")
+
+
+def _legacy_bytes(
+    marker: Path | None = None, stage: str = "", obj: object = None, raw_object: bytes | None = None
+) -> bytes:
+    """A legacy-format torch file holding ``obj`` (no tensors; or the pickle ``raw_object``), with
+    ``Payload(marker)`` in place of ``stage``."""
+    from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+
+    sys_info = {"protocol_version": PROTOCOL_VERSION, "little_endian": True, "type_sizes": {"short": 2, "int": 4}}
+    parts = dict(zip(LEGACY_STAGES, (MAGIC_NUMBER, PROTOCOL_VERSION, sys_info, obj or {"iteration": 1}, [])))
+    if marker is not None:
+        parts[stage] = Payload(marker)
+    pickles = {name: pickle.dumps(part, protocol=2) for name, part in parts.items()}
+    if raw_object is not None:
+        pickles["object"] = raw_object
+    return b"".join(pickles.values())
+
+
+def test_the_legacy_file_written_here_is_what_torch_reads(tmp_path: Path) -> None:
+    """The poisoned files below differ from a readable one only by the payload."""
+    (tmp_path / "f.pt").write_bytes(_legacy_bytes(obj={"args": argparse.Namespace(x=1)}))
+    assert load_torch_file(tmp_path / "f.pt")["args"].x == 1
+
+
+@pytest.mark.parametrize("stage", LEGACY_STAGES)
+def test_every_stage_of_a_legacy_file_goes_through_the_allow_list(tmp_path: Path, stage: str) -> None:
+    path = tmp_path / "model_optim_rng.pt"
+    path.write_bytes(_legacy_bytes(tmp_path / "marker", stage))
+    with pytest.raises(BadInput, match=REFUSED):
+        load_torch_file(path)
+    with pytest.raises(BadInput, match=REFUSED):
+        load_torch_file(io.BytesIO(path.read_bytes()))  # DCP's non-tensor items arrive as bytes
+    assert not (tmp_path / "marker").exists()
+
+
+def test_replay_legacy_rank_file_in_a_convert_job(mg_dir: Path, tmp_path: Path) -> None:
+    """The probe's replay: a legacy-format model_optim_rng.pt whose first pickle is the payload, then a convert job
+    through the engine's command line as the worker runs it: bad_input naming load_dir, nothing run, nothing
+    written."""
+    root = Path(shutil.copytree(mg_dir, tmp_path / "ckpt"))
+    _rank_file(root).write_bytes(_legacy_bytes(tmp_path / "marker", "magic_number"))
+    flags = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(root)]
+    code = main(["convert", *flags, "--save-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "run")])
+    assert code == EXIT_BAD_INPUT
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (error,) = [e for e in events if e["type"] == "error"]
+    assert error["data"] == {"code": "bad_input", "field": "load_dir"} and "refusing to unpickle" in error["message"]
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()
+
+
+def test_dcp_non_tensor_item_goes_through_the_allow_list(tmp_path: Path) -> None:
+    """``SafeLoadPlanner.load_bytes`` (step counts, param-group floats, the optimizer's non-tensor state)."""
+    for stage in ("magic_number", "object"):
+        with pytest.raises(BadInput, match=REFUSED):
+            SafeLoadPlanner().load_bytes(None, io.BytesIO(_legacy_bytes(tmp_path / "marker", stage)))
+    assert not (tmp_path / "marker").exists()
+
+
+def test_poisoned_legacy_rng_file_is_refused(dcp_checkpoint: Path, tmp_path: Path) -> None:
+    (dcp_checkpoint / "rng_rank0.pt").write_bytes(_legacy_bytes(tmp_path / "marker", "sys_info"))
+    with pytest.raises(BadInput, match=REFUSED):
+        _load(dcp_checkpoint)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_lazy_zip_reader_refuses_the_payload(mg_dir: Path, tmp_path: Path) -> None:
+    """The converter's pread reader (``engine.checkpoint.reader.TorchZipFile``) of a zip rank file."""
+    root, marker = _poison(mg_dir, tmp_path, zip_format=True)
+    with pytest.raises(BadInput, match=REFUSED):
+        load_rank_file(_rank_file(root), lazy=True)
+    assert not marker.exists()
+
+
+# GLOBAL argparse.Namespace, then BUILD with slot state {"pwned": 1}: would set ``argparse.Namespace.pwned``.
+BUILD_ON_CLASS = b"\x80\x02cargparse\nNamespace\nN}X\x05\x00\x00\x00pwnedK\x01s\x86b."
+
+
+def test_build_on_an_allowed_class_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f.pt").write_bytes(_legacy_bytes(raw_object=BUILD_ON_CLASS))
+    with pytest.raises(BadInput, match="refusing to unpickle attributes set on the class argparse.Namespace"):
+        load_torch_file(tmp_path / "f.pt")
+    assert not hasattr(argparse.Namespace, "pwned")
+
+
+def test_legacy_module_ids_are_refused(tmp_path: Path) -> None:
+    """torch's legacy "module" persistent id compares class sources and may write a .patch file: refused."""
+
+    class ModuleId(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("module", argparse.Namespace, "argparse.py", "changed source") if obj == "m" else None
+
+    buf = io.BytesIO()
+    ModuleId(buf, protocol=2).dump({"net": "m"})
+    (tmp_path / "f.pt").write_bytes(_legacy_bytes(raw_object=buf.getvalue()))
+    with pytest.raises(BadInput, match="refusing to unpickle the persistent id"):
+        load_torch_file(tmp_path / "f.pt")
+
+
+def test_legacy_tar_format_is_refused(tmp_path: Path) -> None:
+    """torch < 0.4's tar layout extracts members to disk by name; refused before torch opens it."""
+    path = tmp_path / "old.pt"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("storages")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(info)
+    with pytest.raises(BadInput, match="tar checkpoint"):
+        load_torch_file(path)
+
+
+def test_submission_args_reader_refuses_the_payload(mg_dir: Path, tmp_path: Path) -> None:
+    """The API's torch-free ``args`` reader (``engine.plan.shape``) uses the same list: shape unknown, nothing run."""
+    root, marker = _poison(mg_dir, tmp_path, zip_format=True)
+    assert config_from_checkpoint(mg_dir) is not None  # the clean checkpoint's shape is read
+    assert config_from_checkpoint(root) is None
+    assert not marker.exists()
+
+
+def test_pickle_weight_files_are_never_read(tmp_path: Path) -> None:
+    """HF ``pytorch_model.bin`` and PEFT ``adapter_model.bin`` are pickles: only safetensors are read."""
+    hf = tiny_hf(tmp_path / "hf", tied=False, layers=2)
+    for st in hf.glob("*.safetensors"):
+        st.unlink()
+    torch.save({"w": Payload(tmp_path / "marker")}, hf / "pytorch_model.bin")
+    with pytest.raises(BadInput, match="safetensors"):
+        run(
+            ConvertSpec(load_model_type="hf", save_model_type="mg", load_dir=str(hf), save_dir=str(tmp_path / "o")),
+            RunDir(tmp_path / "run"),
+        )
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 4}')
+    torch.save({"w": Payload(tmp_path / "marker")}, adapter / "adapter_model.bin")
+    with pytest.raises(BadInput, match="adapter_model.bin is not read"):
+        peft_deltas(adapter, HFCheckpoint(tiny_hf(tmp_path / "hf2", tied=False, layers=2)).config)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_dcp_metadata_naming_a_file_outside_the_checkpoint_is_refused(dcp_checkpoint: Path) -> None:
+    """``.metadata`` names the data file of every item; DCP would open ``../secret`` as given."""
+    path = dcp_checkpoint / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(BadInput, match="outside its directory"):
+        _load(dcp_checkpoint)

@@ -12,7 +12,7 @@ def test_kind_is_required_in_every_job_spec(client: TestClient) -> None:
     doc = client.get("/openapi.json").json()
     schemas = doc["components"]["schemas"]
     mapping = schemas["JobSpec"]["discriminator"]["mapping"]
-    assert set(mapping) == {"preprocess", "convert", "train", "eval", "pipeline"}
+    assert set(mapping) == {"preprocess", "convert", "train", "eval", "serve", "pipeline"}
     for ref in mapping.values():
         assert "kind" in schemas[ref.rsplit("/", 1)[-1]]["required"], ref
 

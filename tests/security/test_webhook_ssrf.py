@@ -3,6 +3,7 @@ deliveries go to the loopback receiver alone, and only where the admin's allow-l
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 from typing import Any
@@ -30,6 +31,20 @@ HOSTILE = [
     "https://192.168.1.1/",
     "https://224.0.0.1/",
     "https://240.0.0.1/",  # multicast, reserved
+    # issue 25: IPv6 forms that carry a loopback IPv4 address, and reserved IPv4 ranges ipaddress calls global
+    "https://[64:ff9b::7f00:1]/",  # NAT64
+    "https://[::127.0.0.1]/",  # IPv4-compatible
+    "https://[2002:7f00:1::]/",  # 6to4
+    "https://192.88.99.1/",  # 6to4 relay anycast
+    "https://[64:ff9b::a9fe:a9fe]/",  # NAT64 of the cloud metadata address
+    "https://[2002:a00:1::]/",  # 6to4 of 10.0.0.1
+    "https://[64:ff9b:1::a00:1]/",  # local-use NAT64
+    "https://198.18.0.1/",  # benchmarking
+    "https://192.0.2.1/",  # documentation (TEST-NET-1, -2, -3)
+    "https://198.51.100.7/",
+    "https://203.0.113.9/",
+    "https://[2001:db8::1]/",
+    "https://255.255.255.255/",
     "http://8.8.8.8/hook",  # public, but not https
     "https://8.8.8.8/" + "a" * 70_000,  # the 70 KB URL that stalled every team's deliveries
 ]
@@ -158,3 +173,23 @@ def test_failures_are_reported_coarsely(settings: Settings) -> None:
     finally:
         listener.close()
         closed.close()
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "2606:4700:4700::1111", "64:ff9b::808:808", "2002:808:808::"])
+def test_public_addresses_and_their_ipv6_forms_pass(address: str) -> None:
+    assert net_guard._public(ipaddress.ip_address(address))
+
+
+def test_a_literal_address_is_checked_again_at_delivery(settings: Settings) -> None:
+    """Registered while an admin listed it (or before the ranges were refused), delivered after: blocked before any
+    connection, like a DNS name's."""
+    from app.main import create_app
+
+    allowed = settings.model_copy(update={"webhook_allowed_hosts": ["192.88.99.0/24"]})
+    token = make_token(settings, "alpha")
+    with TestClient(create_app(allowed, reconcile=False)) as client:
+        assert _register(client, token, "https://192.88.99.1/hook").status_code == 201
+        finish_job(settings, "alpha")
+        webhooks.run_once(settings)
+        attempt = _deliveries(client, token)[0]["attempt_log"][0]
+    assert attempt["error"] == net_guard.BLOCKED_REASON and attempt["status_code"] is None

@@ -34,6 +34,9 @@ def _inputs(data: Path) -> None:
     (data / "tok" / "tokenizer.json").write_text("{}")
     for suffix in (".bin", ".idx"):
         (data / f"ds_packed_input_ids_document{suffix}").write_bytes(b"")
+    for field in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+        for suffix in (".bin", ".idx"):
+            (data / f"pairs_packed_{field}_document{suffix}").write_bytes(b"")
     (data / "hf").mkdir()
     (data / "hf" / "config.json").write_text(
         json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2, "num_hidden_layers": 3})
@@ -60,6 +63,12 @@ def refused(client: TestClient, token: str, body: dict[str, Any]) -> dict[str, A
     assert error["code"] == "validation_error" and error["errors"][0]["field"] == error["field"]
     assert "Value error" not in error["message"]
     return error
+
+
+def test_a_dpo_spec_on_pairwise_data_is_accepted(client: TestClient, token: str) -> None:
+    body = train(stage="dpo", is_pairwise_dataset=True, data_path="pairs", ref_model="hf")
+    answer = client.post("/v1/jobs", json=body, headers=auth(token))
+    assert answer.status_code == 201, answer.text
 
 
 def test_a_good_train_spec_is_accepted_with_the_default_deadline(client: TestClient, token: str) -> None:
@@ -107,6 +116,16 @@ def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: 
         (train(load=None), "num_layers", "required when no checkpoint is loaded"),
         (train(load=None, num_layers=2, hidden_size=64, num_attention_heads=4), "padded_vocab_size", "vocab source"),
         (train(data_path="nothing"), "data_path", "no indexed dataset for prefix"),
+        (
+            train(stage="dpo", is_pairwise_dataset=True),
+            "data_path",
+            "is_pairwise_dataset: no",  # ds holds instruction data, not chosen/rejected pairs
+        ),
+        (
+            train(stage="dpo", is_pairwise_dataset=True, data_path="pairs", ref_model="empty"),
+            "ref_model",
+            "holds no model",
+        ),
         (train(tokenizer_name_or_path="missing"), "tokenizer_name_or_path", "is not a directory"),
         (train(load="empty"), "load", "holds no model"),
         (train(load="broken"), "load", "not readable JSON"),
@@ -125,12 +144,12 @@ def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: 
         (
             train(expert_model_parallel_size=2, resources={"nproc_per_node": 2}),
             "expert_model_parallel_size",
-            "the checkpoint is dense",
+            "the model is dense",
         ),
         (
             train(expert_model_parallel_size=2, num_experts=3, resources={"nproc_per_node": 2}),
             "expert_model_parallel_size",
-            "does not divide num_experts 3",
+            "does not divide the model's 3 experts",
         ),
         (
             train(load="moe", expert_model_parallel_size=3, resources={"nproc_per_node": 3}),
@@ -156,6 +175,19 @@ def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: 
             "does not exist",
         ),
         ({"kind": "eval", "load": "hf", "eval_data_path": "in.jsonl"}, "tokenizer_name_or_path", "holds no tokenizer"),
+        ({"kind": "serve", "load": "hf"}, "tokenizer_name_or_path", "holds no tokenizer"),
+        ({"kind": "serve", "load": "nope", "tokenizer_name_or_path": "tok"}, "load", "is not a directory"),
+        (
+            {
+                "kind": "serve",
+                "load": "hf",
+                "tokenizer_name_or_path": "tok",
+                "tensor_model_parallel_size": 2,
+                "resources": {"nproc_per_node": 2},
+            },
+            "tensor_model_parallel_size",
+            "one process",
+        ),
         (
             {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "load_dir": "hf", "save_dir": "o"},
             "load_model_type",
@@ -199,7 +231,7 @@ def test_unknown_resources_field_and_ignored_mindspeed_flag(client: TestClient, 
 def test_a_kind_typo_lists_the_kinds(client: TestClient, token: str) -> None:
     error = refused(client, token, {**train(), "kind": "trian"})
     assert error["field"] == "kind" and "did you mean 'train'" in error["message"]
-    assert "preprocess, convert, train, eval, pipeline" in error["message"]
+    assert "preprocess, convert, train, eval, serve, pipeline" in error["message"]
 
 
 def test_an_unknown_state_filter_is_refused_like_an_unknown_kind(client: TestClient, token: str) -> None:

@@ -142,7 +142,7 @@ def test_idempotency_replay_and_conflict(client: TestClient, token: str) -> None
             "global_batch_size",
             "not divisible by micro_batch_size",
         ),
-        ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, pipeline"),
+        ({"kind": "nope"}, "kind", "preprocess, convert, train, eval, serve, pipeline"),
         ({"kind": "train", "data_path": "0.5 ok 0.5 ../../etc/x", "train_iters": 1, "lr": 0.1}, "data_path", "'..'"),
         (
             {"kind": "train", "data_path": "d", "train_iters": 1, "lr": 0.1, "lora_target_modules": "linear_qkvv"},
@@ -257,7 +257,9 @@ def test_feeds_metrics_logs_and_sse_resume(client: TestClient, token: str, setti
 
     messages = _sse(client, job_id, token)
     kinds = [m["event"] for m in messages]
-    assert kinds[-1] == "end"
+    assert kinds[-1] == "end" and "id" not in messages[-1]  # the final state's id is not repeated on end
+    ids = [m["id"] for m in messages[:-1]]
+    assert len(set(ids)) == len(ids)
     assert kinds.count("metric") == 6 and kinds.count("log") == 6 and kinds.count("state") == 4
     # Resume after the 5th message: exactly the rest arrives again.
     resumed = _sse(client, job_id, token, last_event_id=messages[4]["id"])

@@ -28,6 +28,7 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
         state = save / "train_state" / f"iter_{it:07d}"
         state.mkdir(parents=True)
         (state / "meta.json").write_text(json.dumps({"iteration": it, "has_optimizer": optimizer}))
+        (state / ".metadata").write_bytes(b"")  # a DCP checkpoint's index: what submission looks for
     (save / "train_state" / "iter_0000030.tmp").mkdir()  # an unfinished save
     (save / "iter_0000020" / "mp_rank_00").mkdir(parents=True)
     (save / "latest_checkpointed_iteration.txt").write_text("20")
@@ -119,3 +120,40 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     assert data[0]["optimizer_path"] == data[0]["model_path"] and data[1]["optimizer_path"] is None
     assert data[2]["model_path"] == str(save) and data[2]["reference"] == {"job": job_id, "iteration": 20}
     assert other.status_code == 404
+
+
+def test_serve_adapters_by_reference(settings: Settings) -> None:
+    """A serve job's ``lora_adapters`` may name a LoRA train job's checkpoint by reference (its path is stored); a
+    full-weights checkpoint is refused naming the adapter's field."""
+    from app.main import create_app
+
+    area = team_dir(settings, "alpha")
+    save = area / "lora-run"
+    state = save / "train_state" / "iter_0000010"
+    state.mkdir(parents=True)
+    (state / "meta.json").write_text(json.dumps({"iteration": 10, "has_optimizer": True, "trainable_only": True}))
+    full = area / "full-run" / "train_state" / "iter_0000010"
+    full.mkdir(parents=True)
+    (full / "meta.json").write_text(json.dumps({"iteration": 10, "has_optimizer": True}))
+    jobs = {}
+    for name, root in (("lora", save), ("full", area / "full-run")):
+        jobs[name] = make_job(settings, team="alpha")
+        with session_scope(settings.database_url) as session:
+            spec = {"kind": "train", "save": str(root), "load": str(area / "base")}
+            session.execute(update(Job).where(Job.id == jobs[name]).values(kind="train", spec=spec))
+            session.commit()
+    (area / "base").mkdir()
+    (area / "base" / "config.json").write_text("{}")
+    (area / "tok").mkdir()
+    serve = {"kind": "serve", "load": "base", "tokenizer_name_or_path": "tok"}
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
+        accepted = api.post(
+            "/v1/jobs", json={**serve, "lora_adapters": {"sql-lora": {"job": jobs["lora"], "iteration": 10}}}
+        )
+        refused = api.post(
+            "/v1/jobs", json={**serve, "lora_adapters": {"sql-lora": {"job": jobs["full"], "iteration": 10}}}
+        )
+    assert accepted.status_code == 201, accepted.text
+    assert accepted.json()["spec"]["lora_adapters"] == {"sql-lora": str(state)}
+    assert refused.status_code == 422 and refused.json()["field"] == "lora_adapters.sql-lora", refused.text
+    assert "full weights" in refused.json()["message"]

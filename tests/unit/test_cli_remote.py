@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
@@ -18,7 +18,7 @@ from cli import remote
 from cli.main import cli
 from core.db import session_scope
 from core.jobs import transition
-from core.models import Artifact, LogLine, MetricPoint
+from core.models import Artifact, Job, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token, team_dir
@@ -151,3 +151,59 @@ def test_delete_a_finished_job_not_a_running_one(api: TestClient, settings: Sett
     assert api.get(f"/v1/jobs/{job_id}").status_code == 404
     assert api.get(f"/v1/jobs/{job_id}/events").status_code == 404
     assert api.get(f"/v1/jobs/{running}").status_code == 200
+
+
+def test_issue_27_cli_details(api: TestClient, settings: Settings, tmp_path: Path) -> None:
+    """wait's result on stdout; list's train progress in iterations; metrics of a job without points says so; an
+    upload conflict names the --overwrite flag, not the API's query parameter."""
+    done = finished_job(settings)
+    waited = CliRunner().invoke(cli, ["wait", done])
+    assert waited.exit_code == 0 and waited.stdout == f"{done} succeeded\n"
+
+    train = make_job(settings, team="alpha", name="sweep")
+    with session_scope(settings.database_url) as session:
+        spec = {"kind": "train", "train_iters": 20}
+        session.execute(update(Job).where(Job.id == train).values(kind="train", spec=spec))
+        rows = [{"job_id": train, "step": s, "name": "tokens", "value": 64.0, "rank": None} for s in (1, 2, 3)]
+        session.execute(insert(MetricPoint), rows)
+        session.commit()
+    listed = [line for line in run("list")[1].splitlines() if line.startswith(train)]
+    assert listed and listed[0].endswith("3/20 iterations"), listed
+
+    empty = CliRunner().invoke(cli, ["metrics", make_job(settings, team="alpha")])
+    assert empty.exit_code == 0 and empty.stdout == "" and "has no metric points" in empty.stderr
+
+    local = tmp_path / "mine.jsonl"
+    local.write_text('{"text": "hi"}\n')
+    assert run("upload", str(local))[0] == 0
+    code, out = run("upload", str(local))
+    assert code == 1 and "run again with --overwrite" in out and "overwrite=true" not in out, out
+    assert run("upload", str(local), "--overwrite")[0] == 0
+
+
+def test_following_a_pipeline_shows_each_steps_loss_and_logs(
+    api: TestClient, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The parent's stream names each step's job as it is submitted; the CLI follows that job's stream (its metric
+    points and rank-0 log lines, prefixed with the step's name) and then resumes the parent's where it left it."""
+    from core.jobs import add_event
+
+    parent = make_job(settings, team="alpha", name="chain")
+    child = finished_job(settings)
+    with session_scope(settings.database_url) as session:
+        add_event(
+            session, parent, "step", f"step tune submitted as job {child}", data={"step": "tune", "job_id": child}
+        )
+        session.commit()
+        assert _start(session, parent)
+        add_event(session, parent, "step", "the last step ended")
+        assert transition(session, parent, JobState.succeeded, result={"kind": "pipeline", "outputs": {}})
+    remote._follow(parent)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["[tune] rank0 line 0", "[tune] rank0 line 1"], out
+    lines = err.splitlines()
+    metrics = [line for line in lines if line.startswith("[tune] [metric] step")]
+    assert len(metrics) == 2 and "'m0': 1.0" in metrics[0], err
+    tune_end = lines.index(f"[tune] {child} succeeded")
+    assert lines.index("[event] step: the last step ended") > tune_end  # the parent resumed after the step
+    assert lines[-1] == f"{parent} succeeded" and err.count("submitted as job") == 1, err

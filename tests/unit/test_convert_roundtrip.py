@@ -50,7 +50,7 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(hf_dir: Path, tmp_path: Path)
     )
     assert a.group_query_attention and a.qk_layernorm and a.qkv_type == "unpack"
     assert a.untie_embeddings_and_output_weights is not src.config.tie_word_embeddings
-    # tied + PP>1: the last stage carries a copy of its embedding shard (megatron-interop.md §2)
+    # tied + PP>1: the last stage carries a copy of its embedding shard (docs/megatron-interop.md §2)
     assert "output_layer.weight" in rank["model"]
     assert "embedding.word_embeddings.weight" not in rank["model"]
     # rank files are written in parallel by default; one at a time gives the same tensors
@@ -120,7 +120,7 @@ def test_dtype_cast_and_extra_state_tolerated(hf_dir: Path, tmp_path: Path) -> N
 def test_shard_rules_are_megatrons() -> None:
     gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
     fc1 = torch.cat([gate, up])
-    # rank k holds [gate_k; up_k] (megatron-interop.md §2)
+    # rank k holds [gate_k; up_k] (docs/megatron-interop.md §2)
     assert torch.equal(shard(fc1, "glu", 2, 1), torch.cat([gate[2:], up[2:]]))
     assert torch.equal(merge([shard(fc1, "glu", 2, r) for r in range(2)], "glu"), fc1)
     assert split_rule("decoder.layers.3.self_attention.linear_proj.weight") == "dim1"

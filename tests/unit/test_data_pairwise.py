@@ -13,6 +13,7 @@ answers lose their thoughts; the last answer follows enable_thinking). Read back
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -182,3 +183,28 @@ def test_pairwise_spec_checks(tmp_path, qwen_tokenizer_dir):
         map_keys={"chosen": "chosen", "rejected": "rejected"},
     )
     assert spec.map_keys == {"chosen": "chosen", "rejected": "rejected"}
+
+
+def test_openai_preference_jsonl_equals_its_sharegpt_form(tmp_path, qwen_tokenizer_dir):
+    """OpenAI's preference fine-tuning records (input.messages, preferred_output, non_preferred_output) give the
+    same pairs as the ShareGPT records they translate."""
+    handler = "SharegptStylePairwiseHandler"
+    run(_spec(tmp_path, qwen_tokenizer_dir, "pairwise_sharegpt.jsonl", handler), RunDir(tmp_path / "run"))
+    sharegpt = _read(tmp_path)
+    role = {"human": "user", "gpt": "assistant", "system": "system"}
+    lines = []
+    for line in (CORPUS / "pairwise_sharegpt.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        messages = [{"role": role[t["from"]], "content": t["value"]} for t in record["conversations"]]
+        lines.append(
+            {
+                "input": {"messages": messages},
+                "preferred_output": [{"role": "assistant", "content": record["chosen"]["value"]}],
+                "non_preferred_output": [{"role": "assistant", "content": record["rejected"]["value"]}],
+            }
+        )
+    source = tmp_path / "openai.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    spec = _spec(tmp_path / "o", qwen_tokenizer_dir, "pairwise_sharegpt.jsonl", handler, input=str(source))
+    run(spec, RunDir(tmp_path / "run_openai"))
+    assert _read(tmp_path / "o") == sharegpt

@@ -106,7 +106,7 @@ def test_measured_peak_overrides_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_flops_per_token_matches_published_arithmetic() -> None:
-    # anchors-engine.md §5: Qwen3-4B 6N = 24.13 GF; S=4096 -> 31.38 GF; S=2048 -> 27.76; Qwen3-8B @4096 -> 52.7
+    # docs/anchors-engine.md §5: Qwen3-4B 6N = 24.13 GF; S=4096 -> 31.38 GF; S=2048 -> 27.76; Qwen3-8B @4096 -> 52.7
     cfg4 = preset("qwen3-4b")
     assert dev.flops_per_token(cfg4, 4096) / 1e9 == pytest.approx(31.38, abs=0.01)
     assert dev.flops_per_token(cfg4, 2048) / 1e9 == pytest.approx(27.76, abs=0.01)

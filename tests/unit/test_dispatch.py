@@ -13,7 +13,7 @@ from sqlalchemy import update
 from app.main import create_app
 from core.db import session_scope
 from core.dispatch import dispatch_new
-from core.models import Job, utcnow
+from core.models import Job, SchedulerLock, utcnow
 from core.reconciler import reconcile_once
 from core.settings import Settings
 from core_support import auth, isolated_settings, make_job, make_token, team_dir
@@ -44,6 +44,22 @@ def test_lost_message_is_sent_again(tmp_path: Path) -> None:
     with session_scope(settings.database_url) as session:
         session.execute(update(Job).values(dispatched_at=utcnow() - timedelta(seconds=120)))
     assert reconcile_once(settings) == 1 and _broker_messages(settings) == 2
+
+
+def _passes(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(sa.select(SchedulerLock.generation)) or 0)  # each scheduling pass adds one
+
+
+def test_many_lost_messages_cost_one_pass_and_one_message_per_queue(tmp_path: Path) -> None:
+    """A message only makes a worker run a whole pass: N waiting jobs must not cost N passes here and N messages."""
+    settings = isolated_settings(tmp_path, redispatch_after_s=60)
+    ids = [make_job(settings) for _ in range(6)]
+    before = _passes(settings)
+    assert reconcile_once(settings) == 1  # the one queue, woken once
+    assert _passes(settings) == before + 1 and _broker_messages(settings) == 1
+    assert all(_job(settings, j).dispatched_at is not None for j in ids)
+    assert reconcile_once(settings) == 0
 
 
 def test_start_deadline_fails_a_waiting_job(tmp_path: Path) -> None:

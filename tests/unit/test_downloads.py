@@ -4,6 +4,7 @@ Range support, a directory or a prefix's file set as a streamed tar; nothing out
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from sqlalchemy import insert
 from core.db import session_scope
 from core.jobs import transition
 from core.models import Artifact
+from core.paths import team_area
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token
@@ -26,7 +28,7 @@ def settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def job(settings: Settings) -> str:
-    data = settings.data_roots[0]
+    data = team_area(settings, "alpha")
     (data / "hf" / "sub").mkdir(parents=True)
     (data / "hf" / "config.json").write_text('{"a": 1}')
     (data / "hf" / "sub" / "w.safetensors").write_bytes(bytes(range(256)) * 5)
@@ -59,7 +61,7 @@ def job(settings: Settings) -> str:
 def test_downloads(settings: Settings, job: str) -> None:
     from app.main import create_app
 
-    data = settings.data_roots[0]
+    data = team_area(settings, "alpha")
     with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
         listed = {a["name"]: a for a in api.get(f"/v1/jobs/{job}/artifacts").json()["data"]}
         assert set(listed) == {"model", "log", "data_path", "leak"}  # values are not artifacts
@@ -116,3 +118,65 @@ def test_cli_artifacts_and_download(
         out = runner.invoke(cli, ["download", job, "log", "-o", str(tmp_path / "c.json")])
         assert out.exit_code == 0 and (tmp_path / "c.json").read_text() == '{"a": 1}'
         assert runner.invoke(cli, ["download", job, "nope"]).exit_code == 1
+
+
+def test_a_link_among_a_teams_outputs_is_not_followed(settings: Settings) -> None:
+    """Issue 25's replay: a writer in team red's area replaces red's output by a link to team blue's file (or puts a
+    link inside an output directory, or records an output in blue's area): red's downloads never return blue's
+    bytes."""
+    from app.main import create_app
+
+    red, blue = team_area(settings, "red"), team_area(settings, "blue")
+    (blue / "out").mkdir(parents=True)
+    (blue / "out" / "weights.bin").write_bytes(b"blue's bytes")
+    (red / "model").mkdir(parents=True)
+    (red / "model" / "config.json").write_text("{}")
+    (red / "model" / "stolen.bin").symlink_to(blue / "out" / "weights.bin")
+    (red / "model" / "stolen_dir").symlink_to(blue / "out")
+    (red / "log.txt").symlink_to(blue / "out" / "weights.bin")
+    (red / "linked").symlink_to(blue / "out")
+    os.mkfifo(red / "pipe")  # opening it for reading would wait for a writer
+    os.mkfifo(red / "model" / "pipe")
+    job_id = make_job(settings, team="red")
+    rows = {
+        "log": red / "log.txt",
+        "model": red / "model",
+        "through": red / "linked" / "weights.bin",
+        "blue": blue / "out" / "weights.bin",
+        "dotdot": red / ".." / "blue" / "out" / "weights.bin",
+        "pipe": red / "pipe",
+    }
+    with session_scope(settings.database_url) as session:
+        session.execute(
+            insert(Artifact),
+            [{"job_id": job_id, "name": n, "path": str(p), "files": [], "size_bytes": 1} for n, p in rows.items()],
+        )
+        session.commit()
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "red"))) as api:
+        url = f"/v1/jobs/{job_id}/artifacts/{{}}/download"
+        for name in ("log", "through", "blue", "dotdot", "pipe"):
+            answer = api.get(url.format(name))
+            assert answer.status_code == 404 and answer.json()["code"] == "not_found", (name, answer.text)
+        for member in ("stolen.bin", "stolen_dir/weights.bin", "pipe"):
+            answer = api.get(url.format("model"), params={"file": member})
+            assert answer.status_code == 404 and b"blue" not in answer.content, (member, answer.text)
+        archive = api.get(url.format("model"))
+        assert archive.status_code == 200 and b"blue's bytes" not in archive.content
+        with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+            assert tar.getnames() == ["model/config.json"]
+
+
+def test_a_bad_range_gets_the_json_error(settings: Settings, job: str) -> None:
+    """starlette answers these in plain text; the API answers with its error shape (issue 25)."""
+    from app.main import create_app
+
+    url = f"/v1/jobs/{job}/artifacts/log/download"
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
+        for header in ("bytes", "pages=0-1", "bytes=5-2", "bytes=-"):
+            answer = api.get(url, headers={"Range": header})
+            assert answer.status_code == 400, (header, answer.text)
+            assert answer.json()["code"] == "invalid_range" and answer.json()["field"] == "Range"
+        past = api.get(url, headers={"Range": "bytes=1000-2000"})
+        assert past.status_code == 416 and past.json()["code"] == "range_not_satisfiable"
+        assert past.headers["content-range"] == "bytes */8"
+        assert api.get(url, headers={"Range": "bytes=1-2"}).content == b'"a'

@@ -139,3 +139,25 @@ def test_lora_on_meta_model_then_init_keeps_b_zero() -> None:
     assert all(torch.all(v == 0) for k, v in lora.items() if ".lora_B." in k)
     assert all(v.abs().sum() > 0 for k, v in lora.items() if ".lora_A." in k)
     assert model.decoder.layers["0"].mlp.linear_fc2.weight.std() < 0.02  # base got Megatron's scaled init
+
+
+def test_adapter_input_saved_in_the_compute_dtype_and_grads_match_fp32_path() -> None:
+    """The input kept for A's gradient is the bf16 input itself, not an fp32 copy; the gradients are the ones the
+    plain fp32 path (cast, then nn.Linear) gives."""
+    torch.manual_seed(0)
+    lin = LoRALinear(torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16), r=4, alpha=8.0)
+    torch.nn.init.normal_(lin.lora_B.weight)
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = lin(x)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()]
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, lin.lora_A.weight, lin.lora_B.weight), g)
+    low = lin.lora_B(lin.lora_A(x.float())) * lin.scaling
+    ref = torch.nn.functional.linear(x, lin.weight) + low.to(torch.bfloat16)
+    want = torch.autograd.grad(ref, (x, lin.lora_A.weight, lin.lora_B.weight), g)
+    assert torch.equal(out, ref)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -113,7 +113,7 @@ def test_train_jobs_carry_trained_tokens_and_estimated_finish(
     from core.models import Job
 
     job_id = make_job(settings, team="alpha")
-    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    start = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=40)  # step 4 is "now"
     with session_scope(settings.database_url) as session:
         session.execute(
             update(Job)
@@ -136,6 +136,23 @@ def test_train_jobs_carry_trained_tokens_and_estimated_finish(
     _store(settings, job_id, rows)
     job = client.get(f"/v1/jobs/{job_id}", headers=auth(token)).json()
     assert job["trained_tokens"] == 100 + 200 + 300 + 400
-    assert datetime.fromisoformat(job["estimated_finish"].replace("Z", "+00:00")) == start + timedelta(seconds=100)
+    finish = datetime.fromisoformat(job["estimated_finish"].replace("Z", "+00:00"))
+    assert start + timedelta(seconds=100) <= finish < start + timedelta(seconds=160)  # 10 s a step, 6 to go
     listed = client.get("/v1/jobs", headers=auth(token)).json()["data"]
     assert [j["trained_tokens"] for j in listed if j["id"] == job_id] == [1000]
+
+
+def test_estimated_finish_is_never_in_the_past_while_running() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from app.api.jobs import estimate_finish
+
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    on_pace = estimate_finish(start, start + timedelta(seconds=40), 4, 10, now=start + timedelta(seconds=40))
+    assert on_pace == start + timedelta(seconds=100)
+    stalled_now = start + timedelta(hours=2)  # a restart (or a stall) since the last step
+    assert estimate_finish(start, start + timedelta(seconds=40), 4, 10, now=stalled_now) == stalled_now + timedelta(
+        seconds=60
+    )
+    # a retry's started_at after the previous attempt's last step: no negative pace
+    assert estimate_finish(start, start - timedelta(seconds=5), 4, 10, now=start) == start

@@ -123,10 +123,10 @@ def test_local_head_counts_come_from_shapes() -> None:
     layer.linear_qkv = torch.nn.Linear(cfg.hidden_size, cfg.qkv_rows // 2, bias=False)
     layer.linear_proj = torch.nn.Linear(cfg.num_attention_heads * cfg.kv_channels // 2, cfg.hidden_size, bias=False)
     from engine.model.attention import plan_attention
-    from engine.model.qwen3 import rope_cos_sin
+    from engine.model.rope import rope_cos_sin
 
     x = torch.randn(1, 5, cfg.hidden_size)
-    rope = rope_cos_sin(torch.arange(5)[None], cfg.kv_channels, cfg.rotary_base, x.dtype)
+    rope = rope_cos_sin(torch.arange(5)[None], cfg, x.dtype)
     out = layer(x, rope, plan_attention(x.device, 5))
     assert out.shape == x.shape and groups_local == 1
 

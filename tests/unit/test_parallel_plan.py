@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from engine.contract import layout
 from engine.model.config import preset
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
@@ -23,7 +24,7 @@ from engine.parallel.pipeline_parallel import (
     stack_micro_batches,
     stage_layers,
 )
-from engine.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.runfiles import BadInput
 from engine.train.batches import Sample, pack, pad
 
@@ -38,7 +39,7 @@ def test_stage_layers_even_list_and_virtual() -> None:
 @pytest.mark.parametrize(
     ("args", "field"),
     [
-        ((5, 2), "num_layers"),
+        ((5, 2), "pipeline_model_parallel_size"),
         ((4, 2, [1, 2]), "num_layer_list"),
         ((6, 2, None, 4), "num_layers_per_virtual_pipeline_stage"),
     ],
@@ -50,9 +51,9 @@ def test_stage_layers_refuses_uneven_layouts(args: tuple, field: str) -> None:
 
 def test_tensor_parallel_needs_whole_kv_groups() -> None:
     cfg = preset("qwen3-tiny")  # 4 heads, 2 KV groups
-    check_tensor_parallel(cfg, 2)
-    with pytest.raises(ValueError, match=r"^tensor_model_parallel_size: TP 4 must divide the 2 KV groups"):
-        check_tensor_parallel(cfg, 4)
+    layout.check(cfg, layout.ParallelDims(tp=2))
+    with pytest.raises(layout.LayoutError, match=r"^tensor_model_parallel_size: TP 4 does not divide the model's 2 KV"):
+        layout.check(cfg, layout.ParallelDims(tp=4))
 
 
 def _spec(**kw: object) -> types.SimpleNamespace:

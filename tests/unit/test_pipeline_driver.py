@@ -167,7 +167,7 @@ def test_steps_run_in_order_with_references_resolved(client: TestClient, token: 
     listed = client.get(
         "/v1/jobs", params={"parent_id": pipeline["id"], "metadata[pipeline_step]": "train"}, headers=auth(token)
     ).json()["data"]
-    assert [j["name"] for j in listed] == ["train"]
+    assert [j["name"] for j in listed] == ["p/train"]  # <pipeline name>/<step>
 
 
 def test_fail_fast_stops_at_the_first_failure(client: TestClient, token: str, settings: Settings) -> None:
@@ -276,6 +276,8 @@ def test_missing_output_at_run_time_fails_the_pipeline(client: TestClient, token
     view = get(client, token, pipeline["id"])
     assert view["state"] == "failed" and view["error"]["code"] == "step_invalid"
     assert "step prep has no output 'data_path' (its outputs: output_prefix)" in view["error"]["message"]
+    assert [s["state"] for s in view["steps"]] == ["succeeded", "succeeded", "skipped", "skipped"]  # never pending
+    assert view["steps"][2]["reason"].startswith("the pipeline failed: steps.2.spec: step prep has no output")
 
 
 def test_a_step_no_host_could_run_is_422_naming_it(client: TestClient, token: str, settings: Settings) -> None:

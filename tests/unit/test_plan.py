@@ -97,8 +97,14 @@ def test_interleaved_schedule_holds_megatron_warmup_chunks() -> None:
     assert [r.layers for r in ranks] == [[0], [1]]
 
 
+def test_seed_full_line_fits_64_gib_at_full_length() -> None:
+    """Issue 23: every micro-batch at 800 tokens, rank 0 (two micro-batches in flight) stays under 60 GiB."""
+    fitting = check_fits(parse_spec(seed_full()), 64 * 2**30)
+    assert fitting.peak.rank == 0 and fitting.peak.total_bytes <= 60 * 2**30
+
+
 def test_does_not_fit_names_the_field_and_gives_the_breakdown() -> None:
-    spec = parse_spec(seed_full())
+    spec = parse_spec(seed_full(micro_batch_size=16))
     with pytest.raises(DoesNotFit) as err:
         check_fits(spec, 64 * 2**30)
     assert err.value.field == "micro_batch_size" and "activations" in str(err.value) and "optimizer" in str(err.value)
@@ -268,3 +274,32 @@ def test_eval_holds_weights_and_kv_cache_only() -> None:
     assert ranks[0].params == ranks[0].num_params * 2
     kv = 2 * 18 * 4 * (1024 + 128) * 8 * 128 * 2  # K and V, 18 layers, batch 4, 8 groups × 128, bf16
     assert ranks[0].activations > kv
+
+
+def test_optimizer_step_has_no_full_size_temporary() -> None:
+    """Fused AdamW (CPU, CUDA) allocates nothing; the foreach fallback one bounded group or the largest tensor."""
+    for device in ("cpu", "cuda"):
+        res = {"device_type": device, "nproc_per_node": 2}
+        assert all(r.optimizer_step == 0 for r in plan_spec(parse_spec(seed_full(resources=res))).ranks)
+    npu = plan_spec(parse_spec(seed_full())).ranks[0]
+    assert npu.optimizer_step == 151936 * 2560 * 4  # the embedding, the largest tensor, in fp32
+    assert npu.optimizer_step < npu.trainable_params * 4 / 5
+
+
+def test_dpo_counts_the_pairs_and_the_reference_copy() -> None:
+    """Stage dpo: a micro-batch holds both answers of each pair (twice the rows), and a full (not LoRA) run with a
+    reference loss holds a frozen compute-dtype copy of the model, sharded like the policy."""
+    base = seed_full(pipeline_model_parallel_size=1, micro_batch_size=2, global_batch_size=16)
+    dpo = {**base, "stage": "dpo", "is_pairwise_dataset": True}
+    sft = plan_spec(parse_spec(base)).peak
+    full = plan_spec(parse_spec(dpo)).peak
+    simpo = plan_spec(parse_spec({**dpo, "dpo_loss_type": "simpo"})).peak
+    lora = plan_spec(parse_spec({**dpo, "lora_r": 8})).peak
+    assert full.activations == pytest.approx(2 * sft.activations, rel=0.01) and simpo.activations == full.activations
+    assert sft.reference == simpo.reference == lora.reference == 0
+    assert full.reference > full.num_params * 2 // 2  # its bf16 shard over DP 2, plus gathered layers and a forward
+    room = (simpo.total_bytes + full.total_bytes) // 2
+    check_fits(parse_spec({**dpo, "dpo_loss_type": "simpo"}), room)
+    with pytest.raises(DoesNotFit) as err:
+        check_fits(parse_spec(dpo), room)
+    assert "reference model" in str(err.value)

@@ -55,7 +55,7 @@ def qwen3_4b(**extra: Any) -> dict[str, Any]:
 
 def test_too_big_micro_batch_is_refused_with_breakdown(client: TestClient, token: str, settings: Settings) -> None:
     register(settings, 64)
-    response = client.post("/v1/jobs", json=qwen3_4b(), headers=auth(token))
+    response = client.post("/v1/jobs", json=qwen3_4b(micro_batch_size=16), headers=auth(token))
     assert response.status_code == 422, response.text
     body = response.json()
     assert body["code"] == "does_not_fit" and body["field"] == "micro_batch_size"

@@ -22,6 +22,7 @@ from app.main import create_app
 from core.db import session_scope
 from core.jobs import transition
 from core.models import Artifact, LogLine, MetricPoint
+from core.paths import team_area
 from core.settings import Settings
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token
@@ -64,7 +65,8 @@ def client(app: FastAPI, token: str) -> Iterator[Client]:
 def finished_job(settings: Settings) -> str:
     """A succeeded job with 3 steps x 7 metrics, two log streams and one file artifact."""
     job_id = make_job(settings, team="alpha", name="done")
-    output = settings.data_roots[0] / "out.bin"
+    output = team_area(settings, "alpha") / "out.bin"  # a job's outputs are in its team's area
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(bytes(range(256)) * 40)
     with session_scope(settings.database_url) as session:
         session.execute(
@@ -165,7 +167,7 @@ def test_feeds_page_without_loss(client: Client, settings: Settings, tmp_path: P
     assert [a["name"] for a in client.artifacts(job_id)] == ["out"]
     dest = tmp_path / "out.bin"
     assert client.download(job_id, "out", dest) == 256 * 40
-    assert dest.read_bytes() == (settings.data_roots[0] / "out.bin").read_bytes()
+    assert dest.read_bytes() == (team_area(settings, "alpha") / "out.bin").read_bytes()
     with pytest.raises(NotFound):
         client.download(job_id, "nope", tmp_path / "nope.bin")
     assert not (tmp_path / "nope.bin").exists()

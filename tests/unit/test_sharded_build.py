@@ -14,6 +14,7 @@ from engine.checkpoint import sources
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.layout import shard, split_rule
 from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.sharded import _read_in_place, fill_parameter
 from engine.checkpoint.sources import SeededInit, SeededLoraInit
 from engine.model.config import ModelConfig
 from engine.model.lora import apply_lora
@@ -135,3 +136,25 @@ def test_hf_pieces_come_from_the_one_key_map(tmp_path: Path, moe: bool) -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(mcore.get_native(key), value), key
         assert torch.equal(mcore.get_native_shard(key, 2, 1), shard(value, split_rule(key), 2, 1)), key
+
+
+def test_hf_pieces_read_straight_into_the_parameter(tmp_path: Path) -> None:
+    """A piece stored as it is wanted (same dtype, all of the local rows) is read into the parameter itself, with no
+    tensor-sized temporary; one needing a cast falls back to reading then copying, with the same values."""
+    cfg = _cfg(False).replace(num_query_groups=2, vocab_size=68)
+    model = Qwen3Model(cfg)
+    model.init_weights(2)
+    save_hf(model.state_dict(), cfg, tmp_path / "hf")
+    ckpt = HFCheckpoint(tmp_path / "hf")
+    for key, value in model.state_dict().items():
+        for rank in range(2):
+            want = shard(value, split_rule(key), 2, rank)
+            if split_rule(key) == "dim1":  # a column slice is no plain byte range
+                continue
+            got = torch.empty_like(want)
+            assert _read_in_place(got, key, ckpt, 2, rank), key
+            assert torch.equal(got, want), key
+        low = torch.empty_like(value, dtype=torch.bfloat16)
+        assert not _read_in_place(low, key, ckpt, 1, 0)
+        fill_parameter(low, key, ckpt)
+        assert torch.equal(low, value.to(torch.bfloat16)), key

@@ -209,3 +209,32 @@ def test_finetune_from_own_training_state_resets_iteration(data: str, tmp_path: 
     assert summary["load_format"] == "native" and summary["start_iteration"] == 0
     before, after = metric_rows(tmp_path / "run_a"), metric_rows(tmp_path / "run_b")
     assert after[0]["lm_loss"] < before[0]["lm_loss"]  # starts from the trained weights, not a fresh init
+
+
+def test_yarn_set_in_the_spec_trains_and_exports_it(data: str, hf_dir: Path, tmp_path: Path):
+    """A checkpoint without rope scaling fine-tuned with YaRN flags: the run uses them and the HF export carries
+    them, so transformers reads the trained model with the same logits as ours, past the original positions."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    from engine.model import hf_mapping
+
+    raw = {k: v for k, v in tiny_spec(data, load=str(hf_dir), finetune=True).items() if k not in TINY_SHAPE}
+    yarn = {
+        "rope_scaling_type": "yarn",
+        "rope_scaling_factor": 2.0,
+        "rope_scaling_original_max_position_embeddings": 256,
+    }
+    spec = {**raw, **yarn, "train_iters": 2, "save": str(tmp_path / "save"), "save_hf": True}
+    outputs, _ = _train(spec, tmp_path / "run")
+    export = Path(outputs["hf"])
+    config = json.loads((export / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
+    cfg = ModelConfig.from_hf(config)
+    ours = Qwen3Model(cfg)
+    tensors = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
+    ours.load_state_dict(dict(hf_mapping.native_from_hf(tensors.__getitem__, cfg)), strict=True)
+    ids = torch.randint(0, 512, (1, 400), generator=torch.Generator().manual_seed(0))  # past 256
+    theirs = Qwen3ForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (theirs(ids).logits - ours.float().eval()(ids)).abs().max().item() <= 1e-4

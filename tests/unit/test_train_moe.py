@@ -210,7 +210,7 @@ def test_moe_tensor_and_pipeline_parallel_jobs_equal_one_process(data: str, tmp_
 
 @pytest.mark.parametrize(
     ("ep", "nproc", "experts", "says"),
-    [(4, 2, 4, "must divide the data-parallel size 2"), (3, 6, 4, "does not divide num_experts 4")],
+    [(4, 2, 4, "must divide the data-parallel size 2"), (3, 6, 4, "does not divide the model's 4 experts")],
 )
 def test_bad_expert_parallel_size_refused_at_parse(data: str, ep: int, nproc: int, experts: int, says: str) -> None:
     flags = {**MOE_FLAGS, "num_experts": experts}
@@ -222,17 +222,17 @@ def test_bad_expert_parallel_size_refused_at_parse(data: str, ep: int, nproc: in
 def test_expert_parallel_refused_for_dense_model_and_checkpoint_expert_count(
     data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the spec cannot see at submission: a dense model, and a loaded checkpoint's expert count (4)."""
+    """A from-scratch dense model is refused at parse (its flags say it is dense); a loaded checkpoint's expert
+    count (4) is known only once the checkpoint is read."""
     monkeypatch.setenv("WORLD_SIZE", "8")
     common = {"global_batch_size": 8, "micro_batch_size": 1, "resources": {"nproc_per_node": 8}}
     dense = tiny_spec(data, expert_model_parallel_size=2, **common)
-    with pytest.raises(BadInput, match="needs an MoE model") as err:
-        job.plan_run(parse_spec(dense), RunDir(tmp_path / "dense"))
-    assert err.value.field == "expert_model_parallel_size"
+    with pytest.raises(ValueError, match="expert_model_parallel_size: EP 2 needs an MoE model"):
+        parse_spec(dense)
     loaded = _drop_shape(
         tiny_spec(data, load=str(_hf_moe_dir(tmp_path / "hf")), expert_model_parallel_size=8, **common)
     )
-    with pytest.raises(BadInput, match="EP 8 does not divide num_experts 4") as err:
+    with pytest.raises(BadInput, match="EP 8 does not divide the model's 4 experts") as err:
         job.plan_run(parse_spec(loaded), RunDir(tmp_path / "loaded"))
     assert err.value.field == "expert_model_parallel_size"
 

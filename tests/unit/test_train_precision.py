@@ -61,7 +61,7 @@ def make_spec(**flags: Any) -> TrainSpec:
             "seq_length": SEQ,
             "micro_batch_size": 2,
             "global_batch_size": 4,
-            "lora_alpha": 8,
+            **({"lora_alpha": 8} if "lora_r" in flags else {}),  # alpha without a rank is refused
             **flags,
         }
     )
@@ -156,6 +156,15 @@ def test_lora_bf16_base_is_stored_once_in_bf16(one_rank_group: None) -> None:
     assert fp32 == adapters  # the only fp32 tensors are the trainable adapters
     numel32, nbytes32, _ = frozen_bytes(make_spec(**MODES["lora_fp32"]))
     assert numel32 == numel and nbytes32 == 4 * numel
+
+
+def test_lora_bf16_base_is_not_sharded_on_one_dp_rank(one_rank_group: None) -> None:
+    """One DP rank: FSDP leaves the frozen base alone (it would keep an unsharded all-gather copy of it next to the
+    parameter) and manages the adapters only."""
+    module = build(make_spec(**MODES["lora_bf16"])).module
+    params = dict(module.named_parameters())
+    assert not [n for n, p in params.items() if not p.requires_grad and isinstance(p, DTensor)]
+    assert all(isinstance(p, DTensor) for n, p in params.items() if ".lora_" in n)
 
 
 def _losses(spec: TrainSpec, steps: int = 3) -> list[tuple[float, float]]:

@@ -140,3 +140,20 @@ def test_moe_metrics_chart_next_to_the_loss() -> None:
         "grad_norm": "Grad norm",
         "dropped_token_fraction": None,
     }
+
+
+def test_result_notes_mark_a_resumed_run_and_warnings() -> None:
+    if NODE is None:
+        pytest.skip("node is not installed")
+    script = (
+        f'import {{resultNotes}} from "{(UI_JS / "format.js").as_uri()}";\n'
+        "console.log(JSON.stringify({"
+        'resumed: resultNotes({resumed_from_job: "j1", start_iteration: 20}),'
+        'warned: resultNotes({warnings: ["trained 0 iterations"]}), plain: resultNotes({iterations: 3})}));'
+    )
+    out = subprocess.run(
+        [NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    notes = json.loads(out.stdout)
+    assert notes["resumed"] == ["Resumed from job j1's run at iteration 20 (resume: auto)"]
+    assert notes["warned"] == ["Warning: trained 0 iterations"] and notes["plain"] == []

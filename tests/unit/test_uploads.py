@@ -81,6 +81,17 @@ def test_paths_that_leave_the_area_are_refused(api: TestClient, settings: Settin
     assert not list(settings.var_dir.rglob("escape.txt")) and not (settings.var_dir.parent / "escape.txt").exists()
 
 
+@pytest.mark.parametrize("path", ["bad%FFname.txt", "dir%C3/x.txt", "a%ED%A0%80b.txt"], ids=["FF", "cut", "surrogate"])
+def test_names_that_are_not_utf8_are_refused_not_replaced(api: TestClient, settings: Settings, path: str) -> None:
+    """A name whose percent-escapes are not UTF-8 was stored with U+FFFD in their place (issue 25)."""
+    response = api.put(f"/v1/files/{path}", content=b"x")
+    assert response.status_code == 400 and response.json()["field"] == "path", response.text
+    assert "UTF-8" in response.json()["message"]
+    assert api.get("/v1/files").json()["data"] == [] and not list(settings.data_roots[0].rglob("*.txt"))
+    assert api.get("/v1/files", params={"prefix": "x"}).status_code == 200
+    assert api.get("/v1/files?prefix=%FF").status_code == 400
+
+
 def test_symbolic_links_are_never_followed(api: TestClient, settings: Settings, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -134,6 +145,31 @@ def test_over_the_limit_is_413_and_leaves_nothing(api: TestClient, settings: Set
     streamed = api.put("/v1/files/big.bin", content=chunks())
     assert streamed.status_code == 413, streamed.text
     assert not (area(settings) / "big.bin").exists() and not leftovers(settings)
+
+
+def test_the_team_storage_quota_is_enforced_on_upload(settings: Settings) -> None:
+    """``team_storage_quota_bytes`` counts every file of the team's areas (job outputs too); other teams are apart."""
+    quota = settings.model_copy(update={"team_storage_quota_bytes": 1000})
+    (team_dir(quota, "alpha") / "out").mkdir(parents=True)
+    (team_dir(quota, "alpha") / "out" / "model.bin").write_bytes(b"m" * 600)  # a job's output
+    with TestClient(create_app(quota, reconcile=False), headers=auth(make_token(quota, "alpha"))) as api:
+        assert api.put("/v1/files/a.bin", content=b"a" * 300).status_code == 201
+        declared = api.put("/v1/files/b.bin", content=b"b" * 101)
+        assert declared.status_code == 413, declared.text
+        assert declared.json()["code"] == "storage_quota_exceeded"
+        assert "100 bytes left of its 1000-byte storage quota" in declared.json()["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted while streaming
+            yield b"c" * 60
+            yield b"c" * 60
+
+        streamed = api.put("/v1/files/c.bin", content=chunks())
+        assert streamed.status_code == 413 and streamed.json()["code"] == "storage_quota_exceeded"
+        assert api.put("/v1/files/a.bin", params={"overwrite": "true"}, content=b"a" * 400).status_code == 200
+        assert api.put("/v1/files/b.bin", content=b"b").status_code == 413
+        assert sorted(f["path"] for f in api.get("/v1/files").json()["data"]) == ["a.bin"] and not leftovers(quota)
+        beta = api.put("/v1/files/x.bin", content=b"x" * 900, headers=auth(make_token(quota, "beta")))
+        assert beta.status_code == 201
 
 
 def test_openapi_declares_the_upload_errors(api: TestClient) -> None:

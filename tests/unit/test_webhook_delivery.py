@@ -181,6 +181,27 @@ def test_disabled_webhooks_send_nothing(client: TestClient, settings: Settings, 
     assert receiver.seen == []
 
 
+def test_deleting_a_webhook_stops_its_claimed_and_retried_messages(
+    client: TestClient, settings: Settings, receiver: Receiver
+) -> None:
+    """A sender pass claims a batch and POSTs it one by one; a webhook deleted meanwhile gets nothing more, and its
+    messages waiting for a retry are never sent (issue 25: deliveries went on for ~22 s)."""
+    token = make_token(settings, "alpha")
+    hook = register(client, token, receiver.url)
+    receiver.statuses = [500]
+    finish_job(settings, "alpha")
+    assert webhooks.run_once(settings) == 1 and len(receiver.seen) == 1  # failed: a retry is due after the backoff
+    finish_job(settings, "alpha")
+    time.sleep(0.3)
+    webhooks.fan_out(settings, webhooks.Watermark(0))
+    claimed = webhooks.claim_due(settings)
+    assert len(claimed) == 2  # the retry and the new message, in flight in this pass
+    assert client.delete(f"/v1/webhooks/{hook['id']}", headers=auth(token)).status_code == 200
+    assert [webhooks.deliver(settings, item) for item in claimed] == [None, None]
+    time.sleep(0.3)
+    assert webhooks.run_once(settings) == 0 and len(receiver.seen) == 1
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -1,0 +1,37 @@
+"""Stage dpo under data parallel (FSDP2 over gloo, torchrun, a frozen sharded reference) and under tensor parallel
+(vocab-parallel log-probs, sequence parallel; full and LoRA) and expert parallel (MoE) equals one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train_support import metric_rows, run_train, tiny_spec, write_pairwise_data
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [1, 0]}
+LAYOUTS = {
+    "dp2": {},
+    "tp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
+    "ep2": {"expert_model_parallel_size": 2, **MOE},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> None:
+    data = write_pairwise_data(tmp_path / "data" / "pairs")
+    spec = tiny_spec(data, stage="dpo", is_pairwise_dataset=True, train_iters=4, global_batch_size=8, lr_warmup_iters=0)
+    two_ranks = {**spec, **LAYOUTS[layout]}
+    two_ranks_only = ("tensor_model_parallel_size", "sequence_parallel", "expert_model_parallel_size")
+    one_rank = {k: v for k, v in two_ranks.items() if k not in two_ranks_only}
+    run_train(one_rank, tmp_path / "run1", 1)
+    run_train(two_ranks, tmp_path / "run2", 2)
+    one, two = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run2")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert b["rewards/accuracies"] == a["rewards/accuracies"]
+    assert one[-1]["lm_loss"] < one[0]["lm_loss"]

@@ -1,0 +1,255 @@
+"""Stage dpo as a job, in one process: three fp32 steps equal TRL's ``DPOTrainer`` on the same pairs and weights
+(loss, grad norm, rewards), for sigmoid DPO, IPO and the reference-free SimPO; LoRA DPO trains against its base with the
+adapters off; a resumed run keeps the reference of the run's start."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from engine.data.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix  # noqa: E402
+from engine.runfiles import RunDir  # noqa: E402
+from engine.spec import parse_spec  # noqa: E402
+from engine.train import job  # noqa: E402
+from train_support import metric_rows, tiny_spec, write_pairwise_data  # noqa: E402
+
+PAIRS = {
+    "prompt": ["hello there", "what is 2+2", "name a colour"],
+    "chosen": [" hi friend, how are you", " 4", " blue"],
+    "rejected": [" go away", " 5 or maybe 6", " a fish that swims"],
+}
+STEPS, LR = 3, 1e-3
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = Qwen3Config(vocab_size=151936, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, **shape)
+    model = Qwen3ForCausalLM(config)
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(out)
+    return model, out
+
+
+def _trl(
+    model: Any, tokenizer_dir: Path, tmp_path: Path, ref: Any = None, **args: Any
+) -> tuple[list[dict[str, float]], Any]:
+    """TRL's log history over STEPS steps of the whole 3-pair set, and its first batch (``ref``: the reference,
+    default the model). SimPO is TRL's ``CPOTrainer`` with ``cpo_alpha`` 0 (its ``DPOTrainer`` has no
+    reference-free loss)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    simpo = args.get("loss_type") == "simpo"
+    common = dict(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=3,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        bf16=False,  # TRL defaults to bf16 autocast, on CPU too
+        **args,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = Dataset.from_dict(PAIRS)
+    if simpo:
+        trainer: Any = CPOTrainer(
+            model=copy.deepcopy(model),
+            args=CPOConfig(cpo_alpha=0.0, **common),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    else:
+        trainer = DPOTrainer(
+            model=copy.deepcopy(model),
+            ref_model=copy.deepcopy(model if ref is None else ref),
+            args=DPOConfig(**common),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], batch
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(side, ids, labels) of each answer of TRL's batch: DPOTrainer's padded [chosen; rejected] with a
+    completion mask, or CPOTrainer's chosen_* / rejected_* with labels."""
+    if "completion_mask" in batch:
+        n = batch["input_ids"].shape[0] // 2
+        out = []
+        for row in range(2 * n):
+            real = batch["attention_mask"][row].bool()
+            ids = batch["input_ids"][row][real].numpy()
+            labels = np.where(batch["completion_mask"][row][real].numpy() == 1, ids, -100)
+            out.append(("chosen" if row < n else "rejected", ids, labels))
+        return out
+    return [
+        (side, batch[f"{side}_input_ids"][row][real].numpy(), batch[f"{side}_labels"][row][real].numpy())
+        for side in ("chosen", "rejected")
+        for row in range(batch[f"{side}_input_ids"].shape[0])
+        for real in [batch[f"{side}_attention_mask"][row].bool()]
+    ]
+
+
+def _write_pairs(batch: dict[str, torch.Tensor], prefix: Path) -> str:
+    """TRL's tokenized pairs in MindSpeed's pairwise layout (prompt tokens masked from the labels)."""
+    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
+    for side, ids, labels in _rows(batch):
+        writers[f"{side}_input_ids"].add_document(ids)
+        writers[f"{side}_labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
+
+
+def _ours(data: str, load: Path, tmp_path: Path, **extra: Any) -> list[dict[str, Any]]:
+    spec = {
+        "kind": "train",
+        "data_path": [data],
+        "load": str(load),
+        "split": "100,0,0",
+        "stage": "dpo",
+        "is_pairwise_dataset": True,
+        "train_iters": STEPS,
+        "lr": LR,
+        "lr_decay_style": "constant",
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "seq_length": 64,
+        "variable_seq_lengths": True,
+        "micro_batch_size": 3,
+        "global_batch_size": 3,
+        "log_interval": 1,
+        "eval_iters": 0,
+        **extra,
+    }
+    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    return metric_rows(tmp_path / "run")
+
+
+def test_dpo_with_another_ref_model_equals_trl(
+    hf_model: tuple[Any, Path], qwen_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """ref_model: the reference read from its own checkpoint (here a perturbed copy of load), not from load."""
+    model, load = hf_model
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ref.save_pretrained(tmp_path / "ref")
+    theirs, batch = _trl(model, qwen_tokenizer_dir, tmp_path, ref=ref, loss_type=["sigmoid"], beta=0.1)
+    ours = _ours(_write_pairs(batch, tmp_path / "pairs"), load, tmp_path, ref_model=str(tmp_path / "ref"))
+    assert abs(ours[0]["rewards/margins"]) > 1e-3  # the reference differs from the policy at step 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["lm_loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("trl_args", "ours_args"),
+    [
+        ({"loss_type": ["sigmoid"], "beta": 0.1}, {"dpo_loss_type": "sigmoid", "dpo_beta": 0.1}),
+        ({"loss_type": ["ipo"], "beta": 0.5}, {"dpo_loss_type": "ipo", "dpo_beta": 0.5}),
+        (
+            {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5},
+            {"dpo_loss_type": "simpo", "dpo_beta": 2.0, "simpo_gamma": 0.5},
+        ),
+    ],
+    ids=["sigmoid", "ipo", "simpo"],
+)
+def test_dpo_job_equals_trl_over_three_steps(
+    hf_model: tuple[Any, Path], qwen_tokenizer_dir: Path, tmp_path: Path, trl_args: dict, ours_args: dict
+) -> None:
+    model, load = hf_model
+    theirs, batch = _trl(model, qwen_tokenizer_dir, tmp_path, **trl_args)
+    ours = _ours(_write_pairs(batch, tmp_path / "pairs"), load, tmp_path, **ours_args)
+    assert len(ours) == len(theirs) == STEPS
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["lm_loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["rewards/accuracies"] == pytest.approx(b["rewards/accuracies"])
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_pairwise_data(tmp_path_factory.mktemp("pairs") / "pairs")
+
+
+def _tiny_dpo(data: str, **extra: Any) -> dict[str, Any]:
+    base = tiny_spec(data, stage="dpo", is_pairwise_dataset=True, global_batch_size=4, lr_warmup_iters=0)
+    return {**base, **extra}
+
+
+def test_adapters_disabled_run_the_base_exactly() -> None:
+    from engine.model.config import ModelConfig
+    from engine.model.lora import adapters_disabled, apply_lora
+    from engine.model.qwen3 import Qwen3Model
+
+    cfg = ModelConfig(2, 32, 64, 4, 2, 8, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = Qwen3Model(cfg)
+    base.init_weights(1)
+    lora = copy.deepcopy(base)
+    apply_lora(lora, 4, 8.0, 0.0, ["linear_qkv", "linear_fc1"])
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()  # a trained adapter: B no longer zero
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad(), adapters_disabled(lora):
+        off = lora(ids, return_hidden=True)
+    assert torch.equal(off, base(ids, return_hidden=True).detach())
+    assert not torch.allclose(lora(ids, return_hidden=True), off)  # back on after the block
+
+
+def test_lora_dpo_trains_against_the_base(pairs: str, tmp_path: Path) -> None:
+    spec = _tiny_dpo(pairs, train_iters=4, lora_r=4, lora_alpha=8, lora_target_modules=["linear_qkv", "linear_fc1"])
+    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    rows = metric_rows(tmp_path / "run")
+    # B = 0 at the start: the policy is its base, so step 1 is ln 2 with zero rewards, whatever the base
+    assert rows[0]["lm_loss"] == pytest.approx(np.log(2), rel=1e-6) and rows[0]["rewards/margins"] == 0
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] and rows[-1]["rewards/margins"] > 0
+
+
+def test_resumed_dpo_keeps_the_initial_reference(pairs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _tiny_dpo(pairs, train_iters=4, save_interval=2)
+    job.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
+    straight = metric_rows(tmp_path / "run_a")
+    original = job.Trainer._save
+
+    def save_then_crash(self: job.Trainer, iteration: int) -> None:
+        original(self, iteration)
+        if iteration == 2:
+            raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(job.Trainer, "_save", save_then_crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b"))
+    monkeypatch.setattr(job.Trainer, "_save", original)
+    job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
+    after = metric_rows(tmp_path / "run_b2")
+    assert [r["iteration"] for r in after] == [3, 4]
+    for a, b in zip(straight[2:], after, strict=True):  # a reference taken from the resumed weights would differ
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6)
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
