@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup chromium run lint test test-fast bench clean
+.PHONY: setup chromium run lint test test-fast bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
@@ -41,6 +41,10 @@ test-fast: setup
 
 bench: setup
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Every benchmark's --smoke mode (what CI runs after the tests): each must finish and end with its JSON line.
+bench-smoke: setup
+	PY=$(PY) .ci/bench
 
 clean:
 	rm -rf var .pytest_cache

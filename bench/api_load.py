@@ -9,7 +9,10 @@ doing no database work, so the ratios say what a job read or a submission adds u
 
 Prints a human line per route and, last, one JSON object
 ``{"bench": "api_load", "get_p99_ratio": ..., "post_p99_ratio": ..., "errors": ...}``; targets: get ≤ 2, post ≤ 4.
-Usage: ``python bench/api_load.py [--clients 50] [--seconds 20]``.
+The API checks a submission's paths (the input file, the tokenizer directory) at once, so the bench stages them in
+the team's area first; no worker runs, so the submitted jobs only wait (the API's own dispatcher and reconciler still
+schedule them). Usage: ``python bench/api_load.py [--clients 50] [--seconds 20]``; ``--smoke``: 4 clients for 2 s,
+the same code path (CI runs it).
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ from core.db import session_scope  # noqa: E402
 from core.settings import Settings  # noqa: E402
 
 ROUTES = ("healthz", "get", "post")
-SPEC = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "in.jsonl", "output_prefix": "out/x"}
+SPEC = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tokenizer", "output_prefix": "out/x"}
+
+
+def stage(area: Path) -> None:
+    """What SPEC names, in the team's area: the input file and a tokenizer directory (the API checks they exist)."""
+    (area / "in.jsonl").write_text('{"text": "hello"}\n')
+    (area / "tokenizer").mkdir(exist_ok=True)
 
 
 def free_port() -> int:
@@ -111,6 +120,32 @@ async def load(base: str, token: str, job_id: str, args: argparse.Namespace) -> 
     return lat, errors
 
 
+def run_load(args: argparse.Namespace, schema: str, tmp: Path) -> tuple[dict[str, list[float]], list[str]]:
+    """Start the API on ``tmp`` and the schema, submit the first job, run the load; the API is stopped before the
+    caller removes ``tmp`` (it writes its log and run files there until it exits)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
+           "LLMJOBS_VAR_DIR": str(tmp), "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    settings = Settings(var_dir=tmp, database_url=env["LLMJOBS_DATABASE_URL"], broker_url="",
+                        redis_url=None, data_roots=[], runs_dir=None)
+    prepare(settings)
+    area = ensure_team_areas(settings, "load").write[0]  # relative spec paths start in the team's area
+    stage(area)
+    with session_scope(settings.database_url) as session:
+        token = create_token(session, team="load")
+    port = free_port()
+    proc = start_api(env, port, tmp / "api.log")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        first = httpx.post(f"{base}/v1/jobs", json=SPEC, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        if first.status_code != 201:
+            raise SystemExit(f"the first submission was refused ({first.status_code}): {first.text}")
+        return asyncio.run(load(base, token, first.json()["id"], args))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=50)
@@ -119,34 +154,18 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=100_000)
     parser.add_argument("--postgres", default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL",
                                                              "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--smoke", action="store_true", help="a seconds-long run of the same code path")
     args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.seconds, args.warmup = 4, 2.0, 0.5
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
         connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    proc = None
     try:
         with tempfile.TemporaryDirectory(prefix="llmjobs-load-") as tmp:
-            env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
-                   "LLMJOBS_VAR_DIR": tmp, "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
-                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-            settings = Settings(var_dir=Path(tmp), database_url=env["LLMJOBS_DATABASE_URL"], broker_url="",
-                                redis_url=None, data_roots=[], runs_dir=None)
-            prepare(settings)
-            area = ensure_team_areas(settings, "load").write[0]  # relative spec paths start in the team's area
-            (area / "in.jsonl").write_text("{}\n")
-            with session_scope(settings.database_url) as session:
-                token = create_token(session, team="load")
-            port = free_port()
-            proc = start_api(env, port, Path(tmp) / "api.log")
-            base = f"http://127.0.0.1:{port}"
-            first = httpx.post(f"{base}/v1/jobs", json=SPEC, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-            first.raise_for_status()
-            lat, errors = asyncio.run(load(base, token, first.json()["id"], args))
+            lat, errors = run_load(args, schema, Path(tmp))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=20)
         with admin.connect() as connection:
             connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()

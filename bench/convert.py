@@ -9,7 +9,7 @@ figure mostly measures that copy against ``cp``'s in-kernel ``copy_file_range``,
 the row-parallel pieces glued in memory and the extra bytes (a tied model's last stage repeats the embedding). The checkpoint is generated once (random values, ``transformers.save_pretrained``) and kept
 under ``--work-dir`` for later runs.
 
-    .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert]
+    .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert] [--smoke]
 
 Last line: {"bench":"convert","time_ratio":...,"peak_rss_ratio":...} (the worse of the two directions).
 """
@@ -28,16 +28,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def generate(path: Path) -> Path:
-    """Qwen3-0.6B's published shape, bf16, random values, saved by transformers (about 1.2 GB)."""
+SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128)
+SMOKE_SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)  # --smoke: the same conversions of a tiny model (2 MB)
+
+
+def generate(path: Path, shape: dict[str, int]) -> Path:
+    """Qwen3-0.6B's published shape (or ``shape``), bf16, random values, saved by transformers (about 1.2 GB)."""
     if (path / "config.json").is_file():
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
@@ -103,14 +107,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat: the same code path in seconds")
     args = parser.parse_args()
-    work = Path(args.work_dir)
+    work = Path(args.work_dir) / ("smoke" if args.smoke else "")
+    if args.smoke:
+        args.repeats = 1
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free
-    if free < 6 * 2**30:
+    if free < (0.1 if args.smoke else 6) * 2**30:
         raise SystemExit(f"{work}: only {free / 2**30:.1f} GiB free; the bench needs about 6 GiB")
     print(json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "free_gib": round(free / 2**30, 1)}))
-    hf = generate(work / "qwen3-0.6b-hf")
+    hf = generate(work / "qwen3-0.6b-hf", SMOKE_SHAPE if args.smoke else SHAPE)
     mg, back = work / "mg-tp2pp2", work / "hf-back"
     rows = [
         measure("hf->mg tp2pp2", hf, ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
@@ -122,7 +129,7 @@ def main() -> None:
     shutil.rmtree(mg)
     shutil.rmtree(back)
     print(json.dumps({"load_average_after": os.getloadavg()}))
-    print(json.dumps({"bench": "convert", "time_ratio": max(r["time_ratio"] for r in rows),
+    print(json.dumps({"bench": "convert", "smoke": args.smoke, "time_ratio": max(r["time_ratio"] for r in rows),
                       "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows)}))
 
 

@@ -7,7 +7,7 @@ Each conversion runs as ``python -m engine convert`` in a fresh process (as a jo
 layer's stacked experts, or one EP rank's block of them) in memory, not the model. The HF input is written
 tensor by tensor with random bf16 values (never the whole model in memory) and kept under ``--work-dir``.
 
-    .venv/bin/python bench/convert_moe.py [--layers 1] [--ep 1] [--work-dir /tmp/llmjobs-bench-convert-moe]
+    .venv/bin/python bench/convert_moe.py [--layers 1] [--ep 1] [--work-dir /tmp/llmjobs-bench-convert-moe] [--smoke]
 
 Last line: {"bench":"convert_moe","peak_rss_ratio":...} (the worse of the two directions).
 """
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def generate(path: Path, layers: int) -> Path:
+def generate(path: Path, layers: int, shape: str = "qwen3-235b-a22b") -> Path:
     """The 235B-A22B shape with ``layers`` layers as HF safetensors (one file per layer), written one tensor at a
     time with random bf16 values."""
     if (path / "config.json").is_file():
@@ -37,7 +37,8 @@ def generate(path: Path, layers: int) -> Path:
     from engine.checkpoint.hf import expected_hf_shapes, write_safetensors
     from engine.model.config import preset
 
-    cfg = preset("qwen3-235b-a22b").replace(num_layers=layers)
+    cfg = preset(shape)
+    cfg = cfg.replace(num_layers=layers) if layers != cfg.num_layers else cfg
     shapes = expected_hf_shapes(cfg)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name, shape in shapes.items():
@@ -98,18 +99,24 @@ def measure(name: str, flags: list[str], work: Path) -> dict:
 
 
 def main() -> None:
+    from engine.model.config import preset
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert-moe")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1, help="--target-expert-parallel-size of the mcore output")
+    parser.add_argument("--smoke", action="store_true", help="qwen3-moe-tiny at EP 2: the same code path in seconds")
     args = parser.parse_args()
-    work = Path(args.work_dir)
+    work = Path(args.work_dir) / ("smoke" if args.smoke else "")
+    shape = "qwen3-moe-tiny" if args.smoke else "qwen3-235b-a22b"
+    if args.smoke:
+        args.layers, args.ep = preset(shape).num_layers, 2
     work.mkdir(parents=True, exist_ok=True)
-    need = 3 * (2.5 + 5.0 * args.layers) * 2**30  # input, mcore output, HF output
+    need = 0.1 * 2**30 if args.smoke else 3 * (2.5 + 5.0 * args.layers) * 2**30  # input, mcore output, HF output
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"{work}: only {free / 2**30:.1f} GiB free; the bench needs about {need / 2**30:.0f} GiB")
-    hf = generate(work / f"qwen3-235b-a22b-{args.layers}l-hf", args.layers)
+    hf = generate(work / f"{shape}-{args.layers}l-hf", args.layers, shape)
     mg, back = work / "mg", work / "hf-back"
     mg_flags = ["--target-expert-parallel-size", str(args.ep), "--moe-grouped-gemm"]
     rows = [
@@ -131,6 +138,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "convert_moe",
+                "smoke": args.smoke,
                 "layers": args.layers,
                 "ep": args.ep,
                 "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows),

@@ -115,7 +115,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="2 layers, 4 new tokens, one rep: the same code path")
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.new_tokens, args.reps = 2, 64, 4, 1
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     hf, ours = _models(args, device, dtype)
@@ -125,7 +128,7 @@ def main() -> None:
     ours_tps, hf_tps = n_ours / t_ours, n_hf / t_hf
     print(f"ours:         {n_ours} tokens in {t_ours:.3f} s = {ours_tps:.1f} tokens/s")
     print(f"transformers: {n_hf} tokens in {t_hf:.3f} s = {hf_tps:.1f} tokens/s")
-    print(json.dumps({"bench": "generate", "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
+    print(json.dumps({"bench": "generate", "smoke": args.smoke, "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
                       "tokens_per_s": round(ours_tps, 1), "transformers_tokens_per_s": round(hf_tps, 1),
                       "same_tokens": rows_ours == rows_hf, "device": device.type, "dtype": str(dtype).split(".")[-1],
                       "batch": args.batch, "new_tokens": args.new_tokens, "prompt_lengths": [len(p) for p in prompts],

@@ -3,12 +3,13 @@
     python bench/gpu_mfu.py --device cuda                       # Qwen3-4B shape, seq 4096, bf16 mixed, selective AC
     python bench/gpu_mfu.py --device cpu --preset qwen3-tiny    # smoke run of the script itself
     python bench/gpu_mfu.py                                     # auto: the accelerator if any, else the cpu smoke run
+    python bench/gpu_mfu.py --smoke                             # CI: the cpu smoke run in seconds, whatever is there
 
 Random weights (Megatron init) and random tokens; model = engine.model.qwen3, loss = chunked cross-entropy, AC =
 engine.parallel.activation_checkpoint, optimizer = torch AdamW (fused on accelerators). MFU uses the torchtitan
 convention (engine.parallel.device.flops_per_token: 6N + 12·L·H·d·S, recompute not credited) against the device's
 dense BF16 peak; unknown devices report mfu null. Prints one JSON line {"bench": "gpu_mfu", ...}.
-Reference (anchors-engine.md §5): ~35-40% MFU is what torchtitan/Megatron reach for models of this size on H100.
+Reference (docs/anchors-engine.md §5): ~35-40% MFU is what torchtitan/Megatron reach for models of this size on H100.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"], default="bf16-mixed",
                    help="bf16-mixed = fp32 master weights + bf16 autocast (Megatron --bf16); bf16 = pure bf16")
     p.add_argument("--chunk-size", type=int, default=4096, help="rows per cross-entropy chunk")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="CPU, qwen3-tiny, seq 64, one step: the script's code path")
+    args = p.parse_args()
+    if args.smoke:
+        args.device, args.preset, args.seq, args.steps, args.warmup = "cpu", "qwen3-tiny", 64, 1, 1
+    return args
 
 
 def pick_device(name: str) -> Device:
@@ -110,7 +115,7 @@ def main() -> None:
     tflops = flops_per_token(cfg, args.seq) * tokens_per_s / 1e12
     peak = device.peak_tflops()
     print(json.dumps({
-        "bench": "gpu_mfu", "device": device.name(), "preset": args.preset, "params": cfg.num_params(),
+        "bench": "gpu_mfu", "smoke": args.smoke, "device": device.name(), "preset": args.preset, "params": cfg.num_params(),
         "seq": args.seq, "mbs": args.mbs, "steps": args.steps, "ac": args.ac, "precision": args.precision,
         "step_s": round(seconds / args.steps, 4), "tokens_per_s_per_device": round(tokens_per_s, 1),
         "tflops_per_device": round(tflops, 2), "peak_tflops": peak,

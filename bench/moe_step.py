@@ -211,7 +211,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--smoke", action="store_true", help="256 tokens, one timed run: the same code path")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.repeats = 256, 1
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -223,6 +226,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "moe_step",
+                "smoke": args.smoke,
                 "device": device.type,
                 "dtype": str(dtype).removeprefix("torch."),
                 "threads": args.threads,

@@ -44,10 +44,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="PP2 and DP2 only, scale 1, 3 steps: the same code path")
     args = parser.parse_args()
+    layouts_by_procs = LAYOUTS
+    if args.smoke:
+        args.scale, args.steps, layouts_by_procs = 1, 3, {2: ["pp2:pp=2", "dp2:dp=2"]}
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for nproc, layouts in LAYOUTS.items():
+        for nproc, layouts in layouts_by_procs.items():
             cases = [f"{c},layers=4,scale={args.scale},steps={args.steps}" for c in layouts]
             for name, entry in launch(nproc, cases, Path(tmp) / f"{nproc}.json").items():
                 par, ref = entry["parallel"], entry["reference"]
@@ -59,7 +63,7 @@ def main() -> None:
                 }
                 print(f"{name:16s} {nproc} procs  step {report[name]['step_ms']:8.1f} ms   one process "
                       f"{report[name]['one_process_ms']:8.1f} ms   loss rel diff {report[name]['max_rel_loss_diff']:.1e}")
-    print(json.dumps({"bench": "parallel_layouts", "layouts": report}))
+    print(json.dumps({"bench": "parallel_layouts", "smoke": args.smoke, "layouts": report}))
 
 
 if __name__ == "__main__":

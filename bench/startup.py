@@ -135,10 +135,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=36, help="decoder layers (Qwen3-4B has 36); even, for PP2")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample")
     parser.add_argument("--built-only", action="store_true", help="stop once the model is built and loaded")
+    parser.add_argument("--smoke", action="store_true", help="the qwen3-tiny shape, seq 16: the same code path")
     args = parser.parse_args()
     work = Path(args.work_dir)
-    cfg = preset("qwen3-4b").replace(num_layers=args.layers)
-    ckpt = generate(work / f"qwen3-4b-{args.layers}l", cfg)
+    base = "qwen3-tiny" if args.smoke else "qwen3-4b"
+    if args.smoke:
+        args.layers, args.seq = preset(base).num_layers, 16
+    cfg = preset(base).replace(num_layers=args.layers)
+    ckpt = generate(work / f"{base}-{args.layers}l", cfg)
     drop_page_cache(ckpt)
     data = write_data(work / "data" / "d", args.seq, cfg.vocab_size)
     spec = lora_spec(ckpt, data, work / "save", args.seq)
@@ -154,7 +158,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(json.dumps({
-        "bench": "startup", "layers": args.layers, "seq": args.seq,
+        "bench": "startup", "smoke": args.smoke, "layers": args.layers, "seq": args.seq,
         "startup_rss_ratio": max(r["startup_rss_ratio"] for r in rows),
         "read_ratio": max(r["read_ratio"] for r in rows),
         "fixed_rss_mib": max(r["fixed_rss_mib"] for r in rows),

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SEQ_LENGTH = 800
 SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8, num_query_groups=4,
              kv_channels=64, vocab_size=151936, tie_word_embeddings=True)
+SMOKE_SHAPE = {**SHAPE, "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+               "num_query_groups": 2, "kv_channels": 16}  # --smoke: the real vocabulary (the samples' token ids)
 INTENTS = ["闲聊百科_知识查询", "天气_查询天气", "音乐_播放音乐", "导航_路线规划", "设备控制_打开空调", "闹钟_设置闹钟",
            "视频_播放电视剧", "购物_查询订单", "翻译_中英翻译", "日程_添加提醒"]
 UTTERANCES = ["广州塔为什么也叫小蛮腰", "明天北京会下雨吗", "放一首周杰伦的歌", "去机场怎么走最快", "把客厅的空调打开",
@@ -76,10 +78,10 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return [(ids[:SEQ_LENGTH].tolist(), labels[:SEQ_LENGTH].tolist()) for ids, labels in encoded]
 
 
-def _config():
+def _config(shape: dict):
     from engine.model.config import ModelConfig
 
-    return ModelConfig(**SHAPE, max_position_embeddings=40960)
+    return ModelConfig(**shape, max_position_embeddings=40960)
 
 
 class OursSide:
@@ -87,7 +89,7 @@ class OursSide:
 
     name = "ours"
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, shape: dict):
         import torch
         import torch.distributed as dist
 
@@ -99,7 +101,7 @@ class OursSide:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.model = Qwen3Model(_config())
+        self.model = Qwen3Model(_config(shape))
         self.model.init_weights(seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
         self.scheduler = Scheduler(self.optimizer, LRSchedule(1e-4, 1e-4, "constant", 10**6))
@@ -126,14 +128,14 @@ class HFSide:
 
     name = "hf_eager"
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, shape: dict):
         import torch
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         from engine.model.hf_mapping import hf_from_native
         from engine.model.qwen3 import Qwen3Model
 
-        cfg = _config()
+        cfg = _config(shape)
         native = Qwen3Model(cfg)
         native.init_weights(seed)
         weights = dict(native.state_dict())
@@ -167,7 +169,7 @@ class HFSide:
 SIDES = {"ours": OursSide, "hf": HFSide}
 
 
-def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int) -> dict[str, Any]:
+def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int, shape: dict) -> dict[str, Any]:
     """In a fresh process: build ``side``, run one warm-up step, then time each of ``batches`` (one step each).
 
     Peak memory = peak RSS growth over the RSS after imports (weights, grads, Adam state, activations). Both sides
@@ -178,7 +180,7 @@ def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int) -
 
     torch.set_num_threads(threads)
     rss0 = _rss_mb()
-    model = SIDES[side](seed)
+    model = SIDES[side](seed, shape)
     losses = [model.step(batches[0], mbs)]  # warm-up: allocations, Adam state creation
     times = []
     for chunk in batches[1:]:
@@ -197,7 +199,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
                              "wait for its slowest thread (many small ops suffer more than a few large GEMMs)")
+    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, batch 2, one timed step")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.micro_batch_size, args.global_batch_size = 1, 1, 2
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     samples = make_samples(2 * gbs, args.seed)
     warmup, timed = samples[:gbs], samples[gbs:]
@@ -211,13 +216,13 @@ def main() -> None:
     for side in SIDES:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
             results[side] = pool.submit(measure, side, [warmup] + [timed] * args.repeats, mbs, args.seed,
-                                        args.threads).result()
+                                        args.threads, SMOKE_SHAPE if args.smoke else SHAPE).result()
         print(json.dumps(results[side]))
     # The fastest repeat of the same batch: on a shared machine the minimum is the least disturbed measurement.
     tps = {side: tokens / min(r["step_s"]) for side, r in results.items()}
     peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
     print(json.dumps({
-        "bench": "train_step",
+        "bench": "train_step", "smoke": args.smoke,
         "tokens_per_s_ratio": round(tps["ours"] / tps["hf"], 3),
         "peak_mem_ratio": round(peaks["ours"] / peaks["hf"], 3),
         "ours_tokens_per_s": round(tps["ours"], 1), "hf_tokens_per_s": round(tps["hf"], 1),

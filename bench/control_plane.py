@@ -1,0 +1,418 @@
+"""Control-plane scale: scheduling passes, API latency, reconciler passes and database growth at 10 -> 1,000 hosts.
+
+Per scale (``--hosts 10,100,1000``), on a fresh schema of the local PostgreSQL (dropped afterwards) and Redis as the
+broker (``--redis``, default db 5; this run's queues are deleted afterwards):
+
+- ``hosts`` simulated 8-device ``cuda`` hosts register (``worker.hosts.register_host``) and heart-beat as a worker
+  does (``set_host_state``, then its housekeeping: ``finish_parked``, ``sweep_host``, a scheduling pass), one beat
+  per host every ``heartbeat_interval_s``;
+- ``10 × hosts`` train jobs of mixed gang sizes (1×1 .. 4×8 devices) are queued first (``core.jobs.create_job``, the
+  API's own insert, as if submitted earlier and already dispatched);
+- a real ``llmjobs api`` (its dispatcher and reconciler loops running) takes ``--rate`` submissions/s for
+  ``--seconds`` s (``POST /v1/jobs``) from ``--clients`` clients that also send as many ``GET /v1/jobs/{id}`` and
+  ``GET /healthz`` (paced closed loop: where the API cannot keep up, the achieved rate is reported, not a queue);
+- each node granted to a simulated host runs the worker's steps with no engine: claimed, running, exited 0 at once
+  with a ``result.json`` (``worker.node.claim_node``, ``mark_running``, ``finish_node``, ``after_node``: the job
+  succeeds, its leases are released and a scheduling pass follows, as on a real worker). The node's "run node"
+  message still goes to Redis; the simulator reads ``job_nodes`` instead of consuming it.
+
+Figures per scale: ``schedule_p99_ms`` (one pass with the scheduler lock held, every pass this process ran: after
+node exits and on heartbeats), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
+README's load table targets 2 and 4), ``reconcile_s`` (one ``reconcile_once`` after the load, API stopped),
+``db_growth_mib_per_1000_finished`` (schema size growth during the load per 1,000 jobs finished, submissions
+included), heartbeat lag. ``growth`` gives each figure's factor from one scale to the next against the host factor
+(``linear`` when it grows no faster than the hosts do, with 50% slack). Targets: ``schedule_p99_ms`` <= 200 at the
+largest scale, the API ratios, nothing faster than linear.
+
+    python bench/control_plane.py                       # 10, 100, 1000 hosts, 50 submissions/s for 60 s each
+    python bench/control_plane.py --hosts 1000 --seconds 30
+    python bench/control_plane.py --smoke               # 10 hosts, 100 jobs, 3 s (CI)
+
+Last line: {"bench": "control_plane", "scales": [...], "growth": {...}, "targets_met": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+
+from api_load import free_port, pct, schema_url, start_api  # noqa: E402
+from cli.env import prepare  # noqa: E402
+from core import scheduler  # noqa: E402
+from core.auth import create_token  # noqa: E402
+from core.db import session_scope  # noqa: E402
+from core.jobs import create_job  # noqa: E402
+from core.models import Job, JobNode  # noqa: E402
+from core.paths import team_areas  # noqa: E402
+from core.reconciler import reconcile_once  # noqa: E402
+from core.settings import Settings  # noqa: E402
+from core.states import HostState, JobState, NodeState  # noqa: E402
+from engine.spec import parse_spec  # noqa: E402
+from sched_support import TINY_SHAPE, tiny_data  # noqa: E402
+from worker import leases  # noqa: E402
+from worker.hosts import register_host, set_host_state  # noqa: E402
+from worker.leases import node_token, running_here, sweep_host  # noqa: E402
+from worker.node import after_node, claim_node, finish_node, finish_parked, mark_running  # noqa: E402
+
+TEAM = "t"
+DEVICES = 8
+GANGS = [(1, 1)] * 4 + [(1, 2)] * 3 + [(1, 4)] * 2 + [(1, 8)] * 2 + [(2, 8), (4, 8)]  # (nnodes, nproc_per_node)
+leases.kill_node_processes = lambda token, wait_s=0.0: []  # no engines: a simulated node leaves no process behind
+
+
+def train_spec(data: str, gang: tuple[int, int], name: str) -> dict[str, Any]:
+    """A tiny train job on ``gang`` devices (the spec is checked at submission; it never runs)."""
+    nnodes, nproc = gang
+    return {
+        "kind": "train", "name": name, "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 3e-3,
+        "seq_length": 64, "micro_batch_size": 1, "global_batch_size": 64, "seed": 7, **TINY_SHAPE,
+        "resources": {"device_type": "cuda", "nnodes": nnodes, "nproc_per_node": nproc},
+    }
+
+
+class PassClock:
+    """Times every scheduling pass of this process: from the scheduler lock taken to the pass's end (and the wait)."""
+
+    def __init__(self) -> None:
+        self.held_ms: list[float] = []
+        self.wait_ms: list[float] = []
+        self.grants = 0
+        self._local = threading.local()
+        self._lock, self._pass = scheduler.lock, scheduler._pass
+
+    def install(self) -> None:
+        def lock(session: Any) -> None:
+            began = time.perf_counter()
+            self._lock(session)
+            self._local.locked = time.perf_counter()
+            self.wait_ms.append((self._local.locked - began) * 1000)
+
+        def timed_pass(session: Any, settings: Settings) -> list[scheduler.Grant]:
+            grants = self._pass(session, settings)
+            self.held_ms.append((time.perf_counter() - self._local.locked) * 1000)
+            self.grants += len(grants)
+            return grants
+
+        scheduler.lock, scheduler._pass = lock, timed_pass  # type: ignore[assignment]
+
+    def uninstall(self) -> None:
+        scheduler.lock, scheduler._pass = self._lock, self._pass  # type: ignore[assignment]
+
+
+class SimulatedHosts:
+    """``names`` heart-beating as workers do; each node granted to them exits 0 at once through the worker's steps."""
+
+    def __init__(self, settings: Settings, names: list[str], runners: int):
+        self.settings, self.names = settings, names
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(runners, thread_name_prefix="node")
+        self.seen: set[int] = set()
+        self.nodes_done = 0
+        self.errors: list[str] = []
+        self.beat_lag_s = 0.0
+        self.threads = [threading.Thread(target=self._watch, daemon=True)]
+        self.threads += [threading.Thread(target=self._beat, args=(i, 4), daemon=True) for i in range(4)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _guard(self, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - counted and reported, the run goes on
+            self.errors.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
+
+    def _beat(self, shard: int, shards: int) -> None:
+        """The heartbeat of every ``shards``-th host: state, parked exits, the lease sweep, a scheduling pass."""
+        mine = self.names[shard::shards]
+        interval = self.settings.heartbeat_interval_s
+        last = {name: time.monotonic() for name in mine}
+        while not self.stop.is_set():
+            round_start = time.monotonic()
+            for i, name in enumerate(mine):
+                if self.stop.wait(max(0.0, round_start + interval * i / len(mine) - time.monotonic())):
+                    return
+                self.beat_lag_s = max(self.beat_lag_s, time.monotonic() - last[name] - interval)
+                last[name] = time.monotonic()
+                self._guard("heartbeat", lambda n=name: set_host_state(self.settings, n, HostState.up))
+                self._guard("finish_parked", lambda n=name: finish_parked(self.settings, n))
+                self._guard("sweep_host", lambda n=name: sweep_host(self.settings, n))
+                self._guard("heartbeat pass", lambda: scheduler.schedule(self.settings, if_changed=True))
+
+    def _watch(self) -> None:
+        """Stands in for each host's queue: nodes assigned to a simulated host start at once."""
+        while not self.stop.wait(0.2):
+            try:
+                with session_scope(self.settings.database_url) as session:
+                    rows = session.execute(
+                        sa.select(JobNode.id, JobNode.job_id, JobNode.attempt, JobNode.node_rank, JobNode.host).where(
+                            JobNode.state == NodeState.assigned.value
+                        )
+                    ).all()
+            except Exception as err:  # noqa: BLE001
+                self.errors.append(f"watch: {err}")
+                continue
+            for node_id, job_id, attempt, rank, host in rows:
+                if node_id not in self.seen:
+                    self.seen.add(node_id)
+                    self.pool.submit(self._guard, "node", lambda a=(job_id, attempt, rank, host): self._run(*a))
+
+    def _run(self, job_id: str, attempt: int, rank: int, host: str) -> None:
+        """``worker.node.run_node`` with the engine replaced by an immediate exit 0."""
+        with running_here(node_token(job_id, attempt, rank)):
+            work = claim_node(self.settings, job_id, attempt, rank, host)
+            if work is None:
+                return
+            mark_running(self.settings, work, os.getpid(), ["simulated"], host)
+            if rank == 0:
+                work.run_dir.mkdir(parents=True, exist_ok=True)
+                (work.run_dir / "result.json").write_text(json.dumps({"kind": "train", "outputs": {}, "summary": {}}))
+            finish_node(self.settings, work, 0, None, None, time.monotonic() + 60)
+            after_node(self.settings, job_id)
+        self.nodes_done += 1
+
+
+def table_bytes(engine: sa.Engine, schema: str) -> dict[str, int]:
+    """Each table's size with its indexes and TOAST (``pg_total_relation_size``), dead rows included: what the load
+    costs on disk until a vacuum reclaims it."""
+    query = sa.text(
+        "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind IN ('r', 'm')"
+    )
+    with engine.connect() as connection:
+        return {name: int(size) for name, size in connection.execute(query, {"s": schema})}
+
+
+def growth_per_1000(before: dict[str, int], after: dict[str, int], finished: int) -> dict[str, float]:
+    """KiB per 1,000 finished jobs of each table that grew by 64 KiB or more, largest first."""
+    grown = {t: after.get(t, 0) - before.get(t, 0) for t in after}
+    return {t: round(b / 1024 / finished * 1000, 1) for t, b in sorted(grown.items(), key=lambda i: -i[1])
+            if b >= 64 * 1024 and finished}
+
+
+def count_finished(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return int(session.scalar(sa.select(sa.func.count()).where(Job.state == JobState.succeeded.value)) or 0)
+
+
+def queue_backlog(settings: Settings, data: str, jobs: int, rng: random.Random) -> None:
+    """``jobs`` queued jobs, inserted as the API inserts them, already dispatched (as if submitted earlier)."""
+    context = team_areas(settings, TEAM).context()
+    with session_scope(settings.database_url) as session:
+        for i in range(jobs):
+            raw = train_spec(data, rng.choice(GANGS), f"backlog-{i}")
+            create_job(session, settings=settings, team=TEAM, spec=parse_spec(raw, **context), raw=raw)
+        session.execute(sa.update(Job).values(dispatched_at=sa.func.now()))
+
+
+async def api_load(base: str, token: str, data: str, args: argparse.Namespace, rng: random.Random
+                   ) -> tuple[dict[str, list[float]], list[str], float]:
+    """``--clients`` clients, each cycling POST /v1/jobs, GET /v1/jobs/{id}, GET /healthz, paced so the submissions
+    total ``--rate`` per second (closed loop: a client whose requests take longer goes as fast as it can, and the
+    achieved rate is reported). Returns latencies, errors and the achieved submissions per second."""
+    lat: dict[str, list[float]] = {"post": [], "get": [], "healthz": []}
+    errors: list[str] = []
+    ids: list[str] = []
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits,
+                                 timeout=120, trust_env=False) as client:
+        first = await client.post("/v1/jobs", json=train_spec(data, (1, 1), "first"))
+        if first.status_code != 201:
+            raise SystemExit(f"the first submission was refused ({first.status_code}): {first.text}")
+        ids.append(first.json()["id"])
+
+        async def one(route: str, i: int) -> None:
+            began = time.monotonic()
+            try:
+                if route == "healthz":
+                    response = await client.get("/healthz")
+                elif route == "get":
+                    response = await client.get(f"/v1/jobs/{rng.choice(ids)}")
+                else:
+                    response = await client.post("/v1/jobs", json=train_spec(data, rng.choice(GANGS), f"load-{i}"))
+            except httpx.HTTPError as err:
+                errors.append(f"{route}: {type(err).__name__}")
+                return
+            if response.status_code not in (200, 201):
+                errors.append(f"{route}: {response.status_code} {response.text[:200]}")
+                return
+            lat[route].append((time.monotonic() - began) * 1000)
+            if route == "post":
+                ids.append(response.json()["id"])
+
+        start = time.monotonic()
+        period = args.clients / args.rate
+
+        async def client_loop(k: int) -> None:
+            i = 0
+            while time.monotonic() - start < args.seconds:
+                slot = start + (i + k / args.clients) * period
+                await asyncio.sleep(max(0.0, slot - time.monotonic()))
+                for route in lat:
+                    await one(route, i * args.clients + k)
+                i += 1
+
+        await asyncio.gather(*(client_loop(k) for k in range(args.clients)))
+        took = time.monotonic() - start
+    return lat, errors, len(lat["post"]) / took
+
+
+def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]:
+    rng = random.Random(hosts)
+    schema = f"bench_cp_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    proc, sim, clock = None, None, PassClock()
+    names = [f"sim-{i:04d}" for i in range(hosts)]
+    settings: Settings | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="llmjobs-cp-") as tmp:
+            url = schema_url(args.postgres, schema)
+            # hosts beat every 5 s and the simulator may lag on 2 CPUs; one team submits the whole load, so the
+            # per-team unfinished-job limit (default 200) is off; its priorities (the default, 0) are under the ceiling
+            fast = {"LLMJOBS_HOST_STALE_AFTER_S": "60", "LLMJOBS_TEAM_MAX_ACTIVE_JOBS": "0"}
+            env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}, **fast,
+                   "LLMJOBS_VAR_DIR": tmp, "LLMJOBS_DATABASE_URL": url, "LLMJOBS_BROKER_URL": args.redis,
+                   "PYTHONPATH": str(ROOT)}
+            settings = Settings(var_dir=Path(tmp), database_url=url, broker_url=args.redis, redis_url=None,
+                                data_roots=[], runs_dir=None, host_stale_after_s=60, team_max_active_jobs=0)
+            prepare(settings)
+            data = tiny_data(settings)
+            started = time.monotonic()
+            for name in names:
+                register_host(settings, name=name, device_type="cuda", devices=DEVICES,
+                              queues=[settings.queue_for("cuda"), f"host.{name}"], address="127.0.0.1",
+                              device_memory=80 * 2**30)
+            queue_backlog(settings, data, jobs, rng)
+            setup_s = time.monotonic() - started
+            with session_scope(settings.database_url) as session:
+                token = create_token(session, team=TEAM)
+            engine = sa.create_engine(url)
+            size0, finished0 = table_bytes(engine, schema), count_finished(settings)
+            clock.install()
+            sim = SimulatedHosts(settings, names, args.runners)
+            port = free_port()
+            proc = start_api(env, port, Path(tmp) / "api.log")
+            sim.start()
+            lat, errors, achieved = asyncio.run(api_load(f"http://127.0.0.1:{port}", token, data, args, rng))
+            sim.close()
+            proc.terminate()
+            proc.wait(timeout=60)
+            proc = None
+            size1, finished1 = table_bytes(engine, schema), count_finished(settings)
+            began = time.perf_counter()
+            reconcile_once(settings)
+            reconcile_s = time.perf_counter() - began
+            engine.dispose()
+    finally:
+        clock.uninstall()
+        if sim is not None:
+            sim.close()
+        if proc is not None:
+            proc.kill()
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+        queues = [f"host.{name}" for name in names] + ([settings.queue_for("cuda")] if settings else [])
+        redis.Redis.from_url(args.redis).delete(*queues)  # the messages nobody consumed: only this run's queues
+    finished = finished1 - finished0
+    grown = sum(size1.values()) - sum(size0.values())
+    row: dict[str, Any] = {
+        "hosts": hosts, "devices": hosts * DEVICES, "jobs_queued": jobs, "setup_s": round(setup_s, 1),
+        "submissions_per_s": round(achieved, 1), "load_average_1m": round(os.getloadavg()[0], 1),
+        "passes": len(clock.held_ms), "grants": clock.grants,
+        "schedule_p50_ms": round(pct(clock.held_ms, 0.5), 1), "schedule_p99_ms": round(pct(clock.held_ms, 0.99), 1),
+        "schedule_wait_p99_ms": round(pct(clock.wait_ms, 0.99), 1),
+        "nodes_finished": sim.nodes_done if sim else 0, "jobs_finished": finished,
+        "heartbeat_lag_max_s": round(sim.beat_lag_s if sim else 0.0, 1),
+        "reconcile_s": round(reconcile_s, 3),
+        "db_growth_mib": round(grown / 2**20, 2),
+        "db_growth_mib_per_1000_finished": round(grown / 2**20 / finished * 1000, 2) if finished else None,
+        "db_growth_kib_per_1000_finished_by_table": growth_per_1000(size0, size1, finished),
+        "errors": len(errors) + len(sim.errors if sim else []),
+    }
+    for route, values in lat.items():
+        row[f"{route}_p99_ms"] = round(pct(values, 0.99), 1)
+        row[f"{route}_n"] = len(values)
+    row["get_p99_ratio"] = round(row["get_p99_ms"] / row["healthz_p99_ms"], 2)
+    row["post_p99_ratio"] = round(row["post_p99_ms"] / row["healthz_p99_ms"], 2)
+    for line in sorted(set(errors + (sim.errors if sim else [])))[:8]:
+        print("error:", line, flush=True)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+GROWTH_KEYS = ("schedule_p99_ms", "get_p99_ms", "post_p99_ms", "reconcile_s", "db_growth_mib_per_1000_finished")
+
+
+def growth(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's factor from one scale to the next, against the hosts' factor."""
+    out: dict[str, Any] = {}
+    for a, b in zip(rows, rows[1:]):
+        hosts = b["hosts"] / a["hosts"]
+        for key in GROWTH_KEYS:
+            if a.get(key) and b.get(key) is not None:
+                factor = b[key] / a[key]
+                out[f"{key}_{a['hosts']}_to_{b['hosts']}"] = {
+                    "factor": round(factor, 2), "hosts_factor": hosts, "linear": factor <= 1.5 * hosts,
+                }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="10,100,1000", help="comma-separated host counts, one run each")
+    parser.add_argument("--jobs-per-host", type=int, default=10)
+    parser.add_argument("--rate", type=float, default=50.0, help="submissions per second (as many GETs and /healthz)")
+    parser.add_argument("--clients", type=int, default=20, help="concurrent API clients")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--runners", type=int, default=8, help="threads running the simulated nodes")
+    parser.add_argument("--postgres", default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL",
+                                                             "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument("--redis", default=os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/5"),
+                        help="the broker (this run's queues are deleted after each scale)")
+    parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
+    args = parser.parse_args()
+    if args.smoke:
+        args.hosts, args.rate, args.seconds, args.clients = "10", 10.0, 3.0, 4
+    scales = [int(h) for h in args.hosts.split(",")]
+    rows = [run_scale(args, hosts, hosts * args.jobs_per_host) for hosts in scales]
+    top = rows[-1]
+    curves = growth(rows)
+    print(json.dumps({
+        "bench": "control_plane", "smoke": args.smoke, "rate": args.rate, "seconds": args.seconds, "scales": rows,
+        "growth": curves,
+        "targets_met": top["schedule_p99_ms"] <= 200 and top["get_p99_ratio"] <= 2 and top["post_p99_ratio"] <= 4
+        and all(c["linear"] for c in curves.values()),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Serving throughput: 32 concurrent streaming clients (the ``openai`` package) through the API and a ``serve``
+engine vs the same prompts one by one through ``transformers``' ``generate``, on the demo-sized model on CPU.
+
+Both sides decode greedily with the same weights (the demo model, ``cli.demo.write_tiny_model``) and the same
+``max_tokens``. The service side is real: ``create_app`` under uvicorn on a free port with a SQLite database, a team
+token, and a ``serve`` deployment whose engine (``engine.serve.job.run``) runs in this process; requests go
+client -> API -> engine endpoint -> batching loop. Figures: ``throughput_ratio`` (generated tokens/s, served over
+one by one; target >= 4), TTFT p50/p99 of the served requests, ``greedy_equal`` (prompts whose streamed text
+equals transformers' greedy text; must equal ``prompts``). Ends with one JSON line.
+
+    .venv/bin/python bench/serve.py [--clients 32] [--max-tokens 64] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import torch
+import uvicorn
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from app.main import create_app
+from cli.demo import intent_samples, tokenizer_source, write_tiny_model
+from core.auth import create_token
+from core.db import session_scope, upgrade_head
+from core.jobs import create_job
+from core.models import Event, Job
+from core.settings import Settings
+from engine.runfiles import RunDir
+from engine.serve.job import run as serve_run
+from engine.spec import parse_spec
+from core import secrets_box
+
+NAME = "bench-chat"
+
+
+def _messages(count: int) -> list[list[dict[str, str]]]:
+    """Chat prompts of the demo's intent data (their lengths differ)."""
+    return [[{"role": "user", "content": s["messages"][-2]["content"]}] for s in intent_samples(count, seed=5)]
+
+
+def _baseline(model_dir: Path, prompts: list[list[dict[str, str]]], max_tokens: int) -> tuple[list[str], int, float]:
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stop = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+    texts, produced, start = [], 0, time.perf_counter()
+    for msgs in prompts:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False, return_dict=False)
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=stop)
+        new = out[0, len(ids) :].tolist()
+        produced += len(new)
+        texts.append(tok.decode([t for t in new if t not in stop], skip_special_tokens=True))
+    return texts, produced, time.perf_counter() - start
+
+
+def _start_engine(model_dir: Path, run_dir: Path, slots: int) -> tuple[str, threading.Event, threading.Thread]:
+    spec = parse_spec({"kind": "serve", "load": str(model_dir), "max_num_seqs": slots, "max_model_len": 512})
+    stop = threading.Event()
+    thread = threading.Thread(target=serve_run, args=(spec, RunDir(run_dir), stop), daemon=True)
+    thread.start()
+    while not (run_dir / "serve.json").is_file():
+        if not thread.is_alive():
+            raise RuntimeError("the engine stopped before it was ready")
+        time.sleep(0.1)
+    return json.loads((run_dir / "serve.json").read_text())["url"], stop, thread
+
+
+def _start_api(var: Path, model_dir: Path, engine_url: str) -> tuple[str, str, uvicorn.Server]:
+    settings = Settings(var_dir=var, database_url="", broker_url="", redis_url=None, data_roots=[], runs_dir=None)
+    settings.ensure_dirs()
+    upgrade_head(settings.database_url, secrets_box.keys(settings))
+    raw = {"kind": "serve", "load": str(model_dir), "served_model_name": NAME}
+    with session_scope(settings.database_url) as session:
+        job, _ = create_job(session, settings=settings, team="bench", spec=parse_spec(raw), raw=raw)
+        session.query(Job).filter(Job.id == job.id).update({"state": "running", "attempt_count": 1})
+        session.add(Event(job_id=job.id, attempt=1, type="ready", data={"url": engine_url}))
+        token = create_token(session, team="bench")
+    config = uvicorn.Config(create_app(settings, reconcile=False), host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1", token, server
+
+
+def _one(client: openai.OpenAI, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    first, text, tokens = None, "", 0
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=msgs,  # type: ignore[arg-type]
+        stream=True,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    for c in stream:
+        if c.choices and c.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text += c.choices[0].delta.content
+        if c.usage:
+            tokens = c.usage.completion_tokens
+    return {"text": text, "tokens": tokens, "ttft": (first or time.perf_counter()) - start}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--smoke", action="store_true", help="4 clients, 8 tokens: seconds, same code path")
+    args = parser.parse_args()
+    clients, max_tokens = (4, 8) if args.smoke else (args.clients, args.max_tokens)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = write_tiny_model(root / "model", tokenizer_source(), seed=0)
+        prompts = _messages(clients)
+        expected, base_tokens, base_s = _baseline(model_dir, prompts, max_tokens)
+        engine_url, stop, engine = _start_engine(model_dir, root / "run", clients)
+        api_url, token, server = _start_api(root / "var", model_dir, engine_url)
+        client = openai.OpenAI(base_url=api_url, api_key=token, max_retries=0, timeout=600)
+        _one(client, prompts[0], 2)  # warm-up: first-request costs are not throughput
+        start = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            results = list(pool.map(lambda m: _one(client, m, max_tokens), prompts))
+        served_s = time.perf_counter() - start
+        server.should_exit = True
+        stop.set()
+        engine.join(timeout=30)
+    served_tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    figures = {
+        "bench": "serve",
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "served_tokens_per_s": served_tokens / served_s,
+        "baseline_tokens_per_s": base_tokens / base_s,
+        "throughput_ratio": (served_tokens / served_s) / (base_tokens / base_s),
+        "ttft_p50_s": _percentile(ttft, 0.5),
+        "ttft_p99_s": _percentile(ttft, 0.99),
+        "greedy_equal": sum(r["text"] == e for r, e in zip(results, expected, strict=True)),
+        "prompts": clients,
+        "smoke": args.smoke,
+    }
+    print(f"served: {served_tokens} tokens in {served_s:.2f} s; one by one: {base_tokens} tokens in {base_s:.2f} s")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
