@@ -515,10 +515,15 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
 def check_memory_fits(session: Session, spec: JobBase) -> None:
     """422 ``does_not_fit`` (naming the field to change, with the per-rank breakdown) when the planner's peak for a
     rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
-    not checked (``engine.plan.check_registered_memory``)."""
+    not checked (``engine.plan.check_registered_memory``). The plan decides on the job's data when it can read it;
+    a job that fits only on its data gets ``max_micro_batch_tokens`` so the engine refuses a larger micro-batch."""
     kind = spec.resources.device_type
     largest = session.scalar(select(func.max(Host.info[DEVICE_MEMORY_KEY].as_float())).where(Host.device_type == kind))
     try:  # the largest device memory is all the check uses: one number, not every host's info, per submission
-        check_registered_memory(spec, [{DEVICE_MEMORY_KEY: int(largest)}] if largest else [])
+        plan = check_registered_memory(spec, [{DEVICE_MEMORY_KEY: int(largest)}] if largest else [])
     except DoesNotFit as err:
         raise ApiError(422, "does_not_fit", str(err), err.field) from err
+    if plan is not None and plan.data is not None and plan.peak.total_bytes > (plan.device_memory_bytes or 0):
+        # admitted on its data's largest micro-batch only: the engine holds the data to it (engine.plan.data_shape)
+        limit = getattr(spec, "max_micro_batch_tokens", None)
+        spec.max_micro_batch_tokens = min(limit or plan.data.tokens, plan.data.tokens)  # type: ignore[attr-defined]

@@ -839,6 +839,14 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     cross_entropy_chunk_size: int = Field(
         1024, ge=1, description="Engine extension: tokens per chunk of the chunked loss."
     )
+    max_micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Engine extension: a micro-batch padding to more token positions (rows × width) fails the job "
+        "as bad input, naming its samples, instead of running out of memory. The API sets it at submission when it "
+        "admitted the job on its data's largest micro-batch (the memory plan's this_data), so data changed "
+        "afterwards fails clearly.",
+    )
 
     @model_validator(mode="after")
     def _check_lora_flags(self) -> TrainSpec:

@@ -95,8 +95,9 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_train(spec: dict[str, Any], run_dir: Path, nproc: int) -> None:
-    """``python -m engine train`` on ``spec`` in a fresh process (under torchrun when ``nproc`` > 1)."""
+def run_train(spec: dict[str, Any], run_dir: Path, nproc: int, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    """``python -m engine train`` on ``spec`` in a fresh process (under torchrun when ``nproc`` > 1), which must exit
+    with ``expect_rc``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec))
     launcher = (
@@ -120,4 +121,5 @@ def run_train(spec: dict[str, Any], run_dir: Path, nproc: int) -> None:
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == expect_rc, proc.stderr[-4000:]
+    return proc

@@ -176,6 +176,10 @@ class IndexedDataset:
         i %= len(self)
         return np.frombuffer(self._bin, self.dtype, int(self.sequence_lengths[i]), int(self.sequence_pointers[i]))
 
+    def flat(self) -> np.ndarray:
+        """Every sequence's items concatenated, as one read-only view of the ``.bin``."""
+        return np.frombuffer(self._bin, self.dtype, int(self.sequence_lengths.sum(dtype=np.int64)))
+
     @property
     def num_documents(self) -> int:
         return int(self.document_indices.size - 1)

@@ -56,6 +56,17 @@ class DistributedSampler:
         """Dataset index of global position ``position``."""
         return int(self._epoch(position // self.num_samples)[position % self.num_samples])
 
+    def indices(self, start: int, stop: int) -> np.ndarray:
+        """Dataset indices of global positions ``[start, stop)`` at once (the memory planner replays a run with it)."""
+        out = np.empty(max(0, stop - start), dtype=np.int64)
+        k = start
+        while k < stop:
+            epoch, offset = divmod(k, self.num_samples)
+            take = min(stop - k, self.num_samples - offset)
+            out[k - start : k - start + take] = self._epoch(epoch)[offset : offset + take]
+            k += take
+        return out
+
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             first = self.consumed_samples + self.dp_rank * self.micro_batch_size

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.guard import WRITE_ENV
-from engine.plan.memory import MIB
+from engine.plan.memory import MIB, RankMemory
 from engine.plan.planner import MemoryPlan, plan_spec
 from engine.spec import first_error
 
@@ -108,63 +108,53 @@ def _mib(n: int) -> str:
     return f"{n / MIB:,.0f}"
 
 
-def table(plan: MemoryPlan) -> str:
-    head = [
-        "rank",
-        "tp",
-        "pp",
-        "dp",
-        "layers",
-        "params",
-        "main",
-        "grads",
-        "optim",
-        "activ (mb)",
-        "loss",
-        "comm",
-        "opt step",
-        "total MiB",
-    ]
-    rows = [head]
-    for r in plan.ranks:
+HEAD = ("rank", "tp", "pp", "dp", "layers", "params", "main", "grads", "optim", "activ (mb)", "loss", "comm",
+        "opt step", "total MiB")  # fmt: skip
+
+
+def _rows(ranks: list[RankMemory]) -> list[str]:
+    rows = [list(HEAD)]
+    for r in ranks:
         layers = f"{r.layers[0]}-{r.layers[-1]}" if r.layers else "-"
+        parts = (r.params, r.main_params, r.grads, r.optimizer)
         rows.append(
-            [
-                str(r.rank),
-                str(r.tp_rank),
-                str(r.pp_rank),
-                str(r.dp_rank),
-                layers,
-                _mib(r.params),
-                _mib(r.main_params),
-                _mib(r.grads),
-                _mib(r.optimizer),
-                f"{_mib(r.activations)} ({r.micro_batches_in_flight})",
-                _mib(r.loss),
-                _mib(r.comm),
-                _mib(r.optimizer_step),
-                _mib(r.total_bytes),
-            ]
+            [str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank), layers, *map(_mib, parts)]
+            + [f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm)]
+            + [_mib(r.optimizer_step), _mib(r.total_bytes)]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+
+
+def _verdict(name: str, worst: RankMemory, device: int) -> str:
+    fits = "fits" if worst.total_bytes <= device else "DOES NOT FIT"
+    return f"{name}: worst rank {worst.rank} {_mib(worst.total_bytes)} MiB — {fits}"
+
+
+def table(plan: MemoryPlan) -> str:
+    """The per-rank plan at the worst case and, when the job's data was read, on it; the verdict per device."""
     cfg, lay = plan.cfg, plan.layout
-    lines.insert(
-        0,
+    header = (
         f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
         f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "
         f"{cfg.vocab_size}; TP {lay.tp} PP {lay.pp} DP {lay.dp}, MBS {lay.micro_batch_size} × "
         f"{lay.micro_batches} micro-batches, seq {lay.seq_length}, "
         f"{'bf16/fp16' if lay.compute_bytes == 2 else 'fp32'}"
-        f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}",
+        f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}"
     )
-    if plan.device_memory_bytes:
-        worst = plan.peak
-        verdict = "fits" if worst.total_bytes <= plan.device_memory_bytes else "DOES NOT FIT"
-        lines.append(
-            f"device memory {_mib(plan.device_memory_bytes)} MiB: worst rank {worst.rank} "
-            f"{_mib(worst.total_bytes)} MiB — {verdict}"
-        )
+    lines = [header]
+    if plan.data_ranks is not None and plan.data is not None:
+        lines.append(f"worst_case (every micro-batch at seq_length {lay.seq_length}):")
+    lines += _rows(plan.ranks)
+    if plan.data_ranks is not None and plan.data is not None:
+        lines.append(f"this_data (its largest micro-batch: {plan.data.describe()}):")
+        lines += _rows(plan.data_ranks)
+    device = plan.device_memory_bytes
+    if device:
+        verdicts = [_verdict("worst_case", plan.peak, device)]
+        if plan.data_peak is not None:
+            verdicts.append(_verdict("this_data (decides)", plan.data_peak, device))
+        lines.append(f"device memory {_mib(device)} MiB: " + "; ".join(verdicts))
     return "\n".join(lines)
 
 

@@ -86,6 +86,10 @@ class Layout:
     eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
     rows_per_sample: int = 1  # stage dpo: 2 (a pair's chosen and rejected answers run in one forward)
     reference_copy: bool = False  # stage dpo with a frozen second model (not LoRA, not reference-free)
+    # the largest micro-batch the job's data forms (``engine.plan.data_shape``): rows × width padded positions,
+    # pairs included; None plans every micro-batch at ``seq_length`` (the worst case)
+    batch_rows: int | None = None
+    batch_width: int | None = None
 
     @property
     def dp(self) -> int:
@@ -99,7 +103,18 @@ class Layout:
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (before sequence-parallel sharding)."""
+        if self.batch_rows is not None and self.batch_width is not None:
+            return self.batch_rows * self.batch_width
         return self.micro_batch_size * self.rows_per_sample * self.seq_length
+
+    @property
+    def mask_bytes(self) -> int:
+        """The CPU attention's boolean block mask of one micro-batch: rows × width² (none on accelerators)."""
+        if self.device_type != "cpu":
+            return 0
+        if self.batch_rows is not None and self.batch_width is not None:
+            return self.batch_rows * self.batch_width**2
+        return self.micro_batch_size * self.seq_length**2
 
 
 @dataclasses.dataclass
@@ -309,8 +324,7 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: i
     else:
         per_mb = layers * full
     rope = 2 * tokens * cfg.kv_channels * lay.compute_bytes
-    mask = lay.micro_batch_size * lay.seq_length**2 if lay.device_type == "cpu" else 0
-    return per_mb + rope + mask
+    return per_mb + rope + lay.mask_bytes
 
 
 def recompute_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:

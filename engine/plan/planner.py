@@ -9,6 +9,7 @@ from typing import Any
 from engine.constants import REFERENCE_FREE_LOSSES, SERVE_PREFILL_CHUNK
 from engine.model.config import ModelConfig
 from engine.model.lora_targets import MEGATRON_TARGETS, resolve_targets
+from engine.plan.data_shape import BatchShape, largest_micro_batch
 from engine.plan.memory import (
     GIB,
     Layout,
@@ -21,23 +22,45 @@ from engine.plan.shape import ShapeUnknown, model_config
 
 @dataclasses.dataclass
 class MemoryPlan:
+    """Every rank's memory at the worst case (``ranks``: every micro-batch at ``seq_length``) and, when the job's
+    data could be read, with its largest micro-batch (``data``, ``data_ranks``): the figure admission decides on."""
+
     cfg: ModelConfig
     source: str
     layout: Layout
     ranks: list[RankMemory]
     device_memory_bytes: int | None = None
+    data: BatchShape | None = None
+    data_ranks: list[RankMemory] | None = None
 
     @property
     def peak(self) -> RankMemory:
+        """The worst rank at the worst case."""
         return max(self.ranks, key=lambda r: r.total_bytes)
 
+    @property
+    def data_peak(self) -> RankMemory | None:
+        """The worst rank on this job's data (None when the data was not read)."""
+        return max(self.data_ranks, key=lambda r: r.total_bytes) if self.data_ranks else None
+
+    @property
+    def decisive(self) -> RankMemory:
+        """What admission compares with the device: the data's figure when there is one, else the worst case."""
+        return self.data_peak or self.peak
+
     def as_json(self) -> dict[str, Any]:
-        lay = self.layout
+        lay, data_peak = self.layout, self.data_peak
         return {
             "ranks": [r.as_json() for r in self.ranks],
-            "max_total_bytes": self.peak.total_bytes,
+            "max_total_bytes": self.decisive.total_bytes,
+            "worst_case_bytes": self.peak.total_bytes,
+            "this_data_bytes": None if data_peak is None else data_peak.total_bytes,
+            "this_data_batch": None
+            if self.data is None
+            else {**dataclasses.asdict(self.data), "tokens": self.data.tokens},
+            "this_data_ranks": None if self.data_ranks is None else [r.as_json() for r in self.data_ranks],
             "device_memory_bytes": self.device_memory_bytes,
-            "fits": None if self.device_memory_bytes is None else self.peak.total_bytes <= self.device_memory_bytes,
+            "fits": None if self.device_memory_bytes is None else self.decisive.total_bytes <= self.device_memory_bytes,
             "model_source": self.source,
             "model": dataclasses.asdict(self.cfg),
             "num_params": self.cfg.num_params(),
@@ -130,7 +153,14 @@ def plan_spec(spec: Any, model: str | None = None, device_memory_bytes: int | No
         raise ValueError(f"kind: only train, eval and serve jobs have a memory plan, not {spec.kind!r}")
     cfg, source = model_config(spec, model)
     lay = layout_from_spec(spec, cfg)
-    return MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
+    plan = MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
+    if lay.train:
+        gbs = lay.global_batch_size or lay.micro_batch_size * lay.dp
+        plan.data = largest_micro_batch(spec, gbs, lay.seq_length)
+    if plan.data is not None:
+        sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width)
+        plan.data_ranks = plan_ranks(cfg, sized)
+    return plan
 
 
 def _gib(n: int) -> str:
@@ -170,15 +200,49 @@ def _check_kv_share(spec: Any, plan: MemoryPlan, device_memory_bytes: int) -> No
     )
 
 
+def _figures(plan: MemoryPlan) -> str:
+    """Both figures of the decisive rank: on this data (when read) and at the worst case."""
+    worst, lay = plan.peak, plan.layout
+    at_worst = f"{_gib(worst.total_bytes)} at the worst case (every micro-batch at seq_length {lay.seq_length})"
+    if plan.data is None or plan.data_peak is None:
+        return at_worst
+    return (
+        f"{_gib(plan.data_peak.total_bytes)} on this data (its largest micro-batch: {plan.data.describe()}), {at_worst}"
+    )
+
+
+def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
+    """Single changes that would make the job fit, each with its new peak: recompute, then smaller micro-batches
+    (planned at their worst case, so what is offered surely fits)."""
+    lay = plan.layout
+    sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width) if plan.data else lay
+    tries: list[tuple[str, Layout]] = []
+    for mode in ("selective", "full"):
+        if lay.recompute != mode and not (mode == "selective" and lay.recompute == "full"):
+            tries.append((f"recompute_granularity {mode}", dataclasses.replace(sized, recompute=mode)))
+    mbs = lay.micro_batch_size // 2
+    while mbs >= 1:
+        tries.append((f"micro_batch_size {mbs}", dataclasses.replace(lay, micro_batch_size=mbs)))
+        mbs //= 2
+    out = []
+    for label, tried in tries:
+        peak = max(r.total_bytes for r in plan_ranks(plan.cfg, tried))
+        if peak <= device_memory_bytes:
+            out.append(f"{label} ({_gib(peak)})")
+    return out
+
+
 def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
-    """The plan, or ``DoesNotFit`` naming what to change when the worst rank exceeds ``device_memory_bytes``."""
+    """The plan, or ``DoesNotFit`` naming what to change when the decisive rank (on this job's data when it could be
+    read, else at the worst case) exceeds ``device_memory_bytes``."""
     plan = plan_spec(spec, model, device_memory_bytes)
-    worst = plan.peak
+    worst = plan.decisive
     if spec.kind == "serve":
         _check_kv_share(spec, plan, device_memory_bytes)
     if worst.total_bytes <= device_memory_bytes:
         return plan
     lay = plan.layout
+    remedies = _remedies(plan, device_memory_bytes) if lay.train else []
     if worst.persistent_bytes > device_memory_bytes:
         field = "resources" if lay.dp > 1 or lay.world_size == 1 else "pipeline_model_parallel_size"
         advice = (
@@ -189,10 +253,14 @@ def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) ->
         )
     else:
         field = "micro_batch_size"
-        advice = "activations overflow the device: lower micro_batch_size or seq_length, or set recompute_granularity"
+        advice = (
+            "activations overflow the device: "
+            + (f"it would fit with {' or '.join(remedies)}" if remedies else "lower micro_batch_size or seq_length")
+            + ", or raise pipeline_model_parallel_size / tensor_model_parallel_size"
+        )
     message = (
-        f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs "
-        f"{_gib(worst.total_bytes)} but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
+        f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs {_figures(plan)}, "
+        f"but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
         f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
         f"seq_length {lay.seq_length}); {advice}"
     )

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.constants import IGNORE_INDEX, PAD_ID
+from engine.data.lengths import padded_width
 
 
 @dataclasses.dataclass
@@ -110,7 +111,7 @@ def pad(samples: Sequence[Sample], seq_length: int, to_longest: bool) -> MicroBa
     """One right-padded row per sample: to the longest sample, or to ``seq_length - 1`` (after the shift)."""
     parts = [shift(s, seq_length) for s in samples]
     lens = [len(t) for t, _ in parts]
-    width = max(lens) if to_longest else seq_length - 1
+    width = padded_width(lens, seq_length, to_longest)
     ids = np.full((len(parts), width), PAD_ID, dtype=np.int64)
     labels = np.full((len(parts), width), IGNORE_INDEX, dtype=np.int64)
     for row, (tokens, targets) in enumerate(parts):

@@ -19,19 +19,15 @@ share, then a validation share (``split_counts``); each part has its own seeded 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from engine.data.indexed import PAIRWISE_FIELDS, IndexedDataset, InstructionDataset, instruction_prefix
+from engine.data.lengths import dataset_exists, split_counts, text_prefix, text_windows, window_step
 from engine.data.sampler import DistributedSampler
 from engine.runfiles import BadInput
 from engine.train.batches import Sample
-
-
-def _exists(prefix: str) -> bool:
-    return os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")
 
 
 class _Source:
@@ -52,21 +48,17 @@ class _Source:
             if pairwise:
                 self.pairs = {f: IndexedDataset(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
                 return
-            if _exists(instruction_prefix(prefix, "chosen_input_ids")):
+            if dataset_exists(instruction_prefix(prefix, "chosen_input_ids")):
                 raise ValueError(f"{prefix} holds preference pairs: train on them with stage dpo")
-            if _exists(instruction_prefix(prefix, "input_ids")):
+            if dataset_exists(instruction_prefix(prefix, "input_ids")):
                 self.instruction = InstructionDataset(prefix)
                 return
-            text = prefix if _exists(prefix) else prefix + "_text_document"
-            self.text = IndexedDataset(text)
+            self.text = IndexedDataset(text_prefix(prefix))
         except (ValueError, FileNotFoundError) as err:
             raise BadInput(f"data_path: {err}", "data_path") from err
-        self.step = max(1, seq_length - 1)
+        self.step = window_step(seq_length)
         self.seq_length = seq_length
-        lengths = self.text.sequence_lengths
-        if len(lengths) and int(lengths.max()) > seq_length:
-            windows = np.maximum(1, -(-(lengths.astype(np.int64) - 1) // self.step))
-            self.window_start = np.concatenate(([0], np.cumsum(windows)))
+        self.window_start = text_windows(self.text.sequence_lengths, seq_length)
 
     def __len__(self) -> int:
         if self.pairs is not None:
@@ -112,20 +104,9 @@ def check_data_paths(paths: Sequence[str]) -> None:
             prefix,
             prefix + "_text_document",
         ]
-        if not any(_exists(c) for c in candidates):
+        if not any(dataset_exists(c) for c in candidates):
             looked = ", ".join(c + ".bin/.idx" for c in candidates)
             raise BadInput(f"data_path: no indexed dataset for prefix {prefix!r} (looked for {looked})", "data_path")
-
-
-def split_counts(total: int, split: str) -> tuple[int, int]:
-    """(train, validation) sample counts of ``total`` for ``split`` "a,b,c" (weights; the rest is the test share)."""
-    parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
-    if not parts or sum(parts) <= 0 or parts[0] <= 0 or any(p < 0 for p in parts):
-        raise BadInput(f"split: {split!r} leaves no training data", "split")
-    cumulative = [sum(parts[: i + 1]) / sum(parts) for i in range(min(len(parts), 2))]
-    train = int(total * cumulative[0])
-    valid = int(total * cumulative[1]) - train if len(cumulative) > 1 else 0
-    return train, valid
 
 
 @dataclasses.dataclass
@@ -172,14 +153,19 @@ class TrainData:
         return self._row(self.start + self.order.index_at(k))
 
 
+def rank_positions(iteration: int, global_batch: int, micro_batch: int, dp: int, dp_rank: int) -> list[range]:
+    """Global sample positions of each of this rank's micro-batches in 1-based ``iteration``."""
+    start = (iteration - 1) * global_batch
+    per_step = micro_batch * dp
+    firsts = (start + m * per_step + dp_rank * micro_batch for m in range(global_batch // per_step))
+    return [range(first, first + micro_batch) for first in firsts]
+
+
 def rank_micro_batches(
     data: TrainData, iteration: int, global_batch: int, micro_batch: int, dp: int, dp_rank: int
 ) -> list[list[Sample]]:
     """The samples of each of this rank's micro-batches for 1-based ``iteration`` (only this rank's rows are read)."""
-    start = (iteration - 1) * global_batch
-    per_step = micro_batch * dp
-    out = []
-    for m in range(global_batch // per_step):
-        first = start + m * per_step + dp_rank * micro_batch
-        out.append([s for k in range(first, first + micro_batch) for s in data.sample_at(k)])
-    return out
+    return [
+        [s for k in positions for s in data.sample_at(k)]
+        for positions in rank_positions(iteration, global_batch, micro_batch, dp, dp_rank)
+    ]

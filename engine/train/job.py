@@ -40,7 +40,7 @@ from engine.parallel.pipeline_parallel import check_parallel_layout
 from engine.runfiles import BadInput, RunDir
 from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate, collate_pairs
-from engine.train.data import TrainData, check_data_paths
+from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
@@ -323,12 +323,36 @@ class Trainer:
             batches = [collate_pairs(g, self.plan.seq_length, spec.variable_seq_lengths) for g in groups]
         else:
             batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
+        self._check_planned(batches, data, iteration)
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())
             if top >= vocab:
                 raise BadInput(f"data_path: token id {top} is outside the model's vocabulary ({vocab})", "data_path")
         return batches
+
+    def _check_planned(self, batches: list[MicroBatch], data: TrainData, iteration: int) -> None:
+        """A micro-batch larger than the one admission planned on (``max_micro_batch_tokens``) is the data having
+        changed since submission: a clear error naming its samples, never an out-of-memory."""
+        limit, spec = self.spec.max_micro_batch_tokens, self.spec
+        for m, mb in enumerate(batches):
+            if limit is None or mb.input_ids.numel() <= limit:
+                continue
+            positions = rank_positions(
+                iteration,
+                self.plan.global_batch_size,
+                spec.micro_batch_size,
+                self.plan.dims.dp,
+                self.mesh["dp"].get_local_rank(),
+            )[m]
+            rows = [data.start + data.order.index_at(k) for k in positions]
+            raise BadInput(
+                f"data_path: iteration {iteration}, micro-batch {m} (dataset rows {rows}) pads to "
+                f"{tuple(mb.input_ids.shape)} = {mb.input_ids.numel()} token positions, over the {limit} the job was "
+                "admitted with (max_micro_batch_tokens, the memory plan's largest micro-batch of the data at "
+                "submission): the data changed since; resubmit to plan on it as it is now",
+                "data_path",
+            )
 
     def _save(self, iteration: int) -> None:
         spec = self.spec

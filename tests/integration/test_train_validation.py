@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine.data.indexed import InstructionDataset
+from engine.data.lengths import split_counts
 from engine.runfiles import RunDir
 from engine.spec import parse_spec
 from engine.train import job
-from engine.train.data import split_counts
 from train_support import run_train, tiny_spec, write_instruction_data
 
 

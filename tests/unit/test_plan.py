@@ -303,3 +303,30 @@ def test_dpo_counts_the_pairs_and_the_reference_copy() -> None:
     with pytest.raises(DoesNotFit) as err:
         check_fits(parse_spec(dpo), room)
     assert "reference model" in str(err.value)
+
+
+def test_admission_decides_on_this_data(tmp_path: Path) -> None:
+    """Issue 23 item 5: short samples make micro-batches far below seq_length; the plan reads their lengths from the
+    index, reports both figures, decides on the data's, and names what would make a still-too-big job fit."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from train_support import write_instruction_data  # noqa: PLC0415  (8-39 tokens a sample)
+
+    prefix = write_instruction_data(tmp_path / "short", n=64)
+    extra = {"micro_batch_size": 16, "train_iters": 3, "variable_seq_lengths": True, "padding_free": False}
+    worst_only = parse_spec(seed_full(**extra))
+    with pytest.raises(DoesNotFit):  # at 16 × 800 tokens the worst case does not fit (as above)
+        check_fits(worst_only, 64 * 2**30)
+    plan = check_fits(parse_spec(seed_full(data_path=[prefix], **extra)), 64 * 2**30)
+    assert plan.data is not None and plan.data.rows == 16 and plan.data.width <= 38
+    assert plan.data_peak is not None and plan.decisive is plan.data_peak
+    assert plan.data_peak.total_bytes < plan.peak.total_bytes == plan_spec(worst_only).peak.total_bytes
+    shown = plan.as_json()
+    assert shown["this_data_bytes"] == plan.data_peak.total_bytes and shown["worst_case_bytes"] == plan.peak.total_bytes
+    assert (
+        shown["max_total_bytes"] == shown["this_data_bytes"] and shown["this_data_batch"]["tokens"] == plan.data.tokens
+    )
+    with pytest.raises(DoesNotFit) as err:  # persistent state fits 45 GiB, these activations do not
+        check_fits(parse_spec(seed_full(data_path=[prefix], **{**extra, "micro_batch_size": 128})), 45 * 2**30)
+    message = str(err.value)
+    assert "on this data (its largest micro-batch: 128 × " in message and "at the worst case" in message
+    assert "it would fit with recompute_granularity" in message, message

@@ -97,3 +97,21 @@ def test_qwen3_235b_a22b_on_small_devices_is_refused(client: TestClient, token: 
     body = response.json()
     assert body["code"] == "does_not_fit" and body["field"] == "resources"
     assert "weights and optimizer state alone" in body["message"]
+
+
+def test_fits_on_its_data_is_admitted_and_held_to_it(client: TestClient, token: str, settings: Settings) -> None:
+    """Issue 23 item 5: at 16 × 800 tokens the worst case does not fit 64 GiB (above), but this data's samples are
+    8-39 tokens: admitted on its largest micro-batch, which the spec then carries for the engine to enforce."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train_support import write_instruction_data
+
+    register(settings, 64)
+    write_instruction_data(team_dir(settings, "alpha") / "short", n=64)
+    response = client.post("/v1/jobs", json=qwen3_4b(data_path=["short"], micro_batch_size=16), headers=auth(token))
+    assert response.status_code == 201, response.text
+    limit = response.json()["spec"]["max_micro_batch_tokens"]
+    assert 16 * 7 <= limit <= 16 * 38  # one packed row of sixteen samples
+    fits_anyway = client.post("/v1/jobs", json=qwen3_4b(data_path=["short"], micro_batch_size=1), headers=auth(token))
+    assert fits_anyway.status_code == 201 and fits_anyway.json()["spec"].get("max_micro_batch_tokens") is None
