@@ -24,7 +24,7 @@ from engine.data.lengths import RowLengths, dataset_rows, padded_width, split_co
 from engine.data.sampler import DistributedSampler
 from engine.runfiles import BadInput
 
-REPLAY_LIMIT = 1 << 25  # positions (≈ 1 s of numpy per 2^22)
+REPLAY_LIMIT = 1 << 23  # positions: under a second of numpy at submission (0.42 s per 2^22 measured)
 _CHUNK = 1 << 22
 
 
