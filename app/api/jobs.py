@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app import openai_method
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
@@ -47,6 +48,7 @@ def parse_request_spec(raw: Any, areas: paths.Areas) -> JobBase:
     """The spec of a request body, every path resolved inside the caller's areas (``core.paths``)."""
     if not isinstance(raw, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object (a job spec)", None)
+    raw = openai_method.expand(raw)  # OpenAI's fine-tuning ``method`` onto stage / dpo_beta / global_batch_size
     admission.check_fields(raw)  # unknown kind or field: "did you mean", before the schema's bare error
     return parse_spec(raw, **areas.context(), strict=True)  # a typed API: "20" is not a number (issue 27)
 

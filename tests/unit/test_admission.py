@@ -71,6 +71,42 @@ def test_a_dpo_spec_on_pairwise_data_is_accepted(client: TestClient, token: str)
     assert answer.status_code == 201, answer.text
 
 
+def test_openais_dpo_method_is_mapped_onto_mindspeeds_fields(client: TestClient, token: str) -> None:
+    """Issue 26: OpenAI's fine-tuning request shape on a train body: ``method.type`` dpo with its beta and batch
+    size becomes stage dpo, is_pairwise_dataset, dpo_beta and global_batch_size; "auto" keeps our defaults."""
+    hyper = {"beta": 0.25, "batch_size": 4, "n_epochs": "auto", "learning_rate_multiplier": "auto"}
+    body = train(data_path="pairs", ref_model="hf", method={"type": "dpo", "dpo": {"hyperparameters": hyper}})
+    answer = client.post("/v1/jobs", json=body, headers=auth(token))
+    assert answer.status_code == 201, answer.text
+    spec = answer.json()["spec"]
+    assert (spec["stage"], spec["is_pairwise_dataset"], spec["dpo_beta"], spec["global_batch_size"]) == (
+        "dpo",
+        True,
+        0.25,
+        4,
+    )
+    supervised = client.post("/v1/jobs", json=train(method={"type": "supervised"}), headers=auth(token))
+    assert supervised.status_code == 201 and supervised.json()["spec"].get("stage") in (None, "sft"), supervised.text
+
+
+@pytest.mark.parametrize(
+    ("method", "extra", "field"),
+    [
+        ({"type": "reinforcement"}, {}, "method.type"),
+        ({"type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 3}}}, {}, "method.dpo.hyperparameters.n_epochs"),
+        ({"type": "dpo", "dpo": {"hyperparameters": {"beta": "high"}}}, {}, "method.dpo.hyperparameters.beta"),
+        ({"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2}}}, {"dpo_beta": 0.3}, "method"),
+        ({"type": "supervised"}, {"stage": "dpo", "is_pairwise_dataset": True}, "method"),
+        ({"type": "dpo", "supervised": {}}, {}, "method.supervised"),
+    ],
+)
+def test_bad_openai_methods_name_the_field(
+    client: TestClient, token: str, method: dict, extra: dict, field: str
+) -> None:
+    answer = client.post("/v1/jobs", json=train(data_path="pairs", method=method, **extra), headers=auth(token))
+    assert answer.status_code == 422 and answer.json()["field"] == field, answer.text
+
+
 def test_a_good_train_spec_is_accepted_with_the_default_deadline(client: TestClient, token: str) -> None:
     answer = client.post("/v1/jobs", json=train(), headers=auth(token))
     assert answer.status_code == 201, answer.text
