@@ -142,6 +142,29 @@ def test_moe_metrics_chart_next_to_the_loss() -> None:
     }
 
 
+def test_deployment_metrics_share_charts_by_kind() -> None:
+    """A serve job's metrics (engine/serve/stats.py) chart as the deployment's figures: throughput, latency, queue."""
+    got = _run(f"""
+        const {{MAIN}} = await import("{(UI_JS / "chart_groups.js").as_uri()}");
+        const names = ["serve_requests_per_s", "serve_prompt_tokens_per_s", "serve_generation_tokens_per_s",
+                       "serve_ttft_p50_s", "serve_itl_p99_s", "serve_queue_depth", "serve_running",
+                       "serve_kv_cache_usage", "serve_requests_total"];
+        console.log(JSON.stringify(Object.fromEntries(names.map((n) => [n, (MAIN.find((g) => g.match(n)) || {{}}).title ?? null]))));
+    """)
+    tokens, latency = "Serving tokens/s (prompt, generated)", "Latency (s): time to first token, inter-token"
+    assert got == {
+        "serve_requests_per_s": "Requests/s",
+        "serve_prompt_tokens_per_s": tokens,
+        "serve_generation_tokens_per_s": tokens,
+        "serve_ttft_p50_s": latency,
+        "serve_itl_p99_s": latency,
+        "serve_queue_depth": "Queue and slots",
+        "serve_running": "Queue and slots",
+        "serve_kv_cache_usage": "KV cache use",
+        "serve_requests_total": None,  # running totals: "More metrics"
+    }
+
+
 def test_result_notes_mark_a_resumed_run_and_warnings() -> None:
     if NODE is None:
         pytest.skip("node is not installed")

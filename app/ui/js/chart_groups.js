@@ -10,6 +10,12 @@ export const MAIN = [
   {title: "Learning rate", match: (n) => n === "lr"},
   {title: "Tokens/s", match: (n) => n === "tokens_per_s"},
   {title: "Memory (MB)", match: (n) => n.startsWith("mem_")},
+  // a serve job's deployment metrics (engine/serve/stats.py), one window per step
+  {title: "Requests/s", match: (n) => n === "serve_requests_per_s"},
+  {title: "Serving tokens/s (prompt, generated)", match: (n) => /^serve_(prompt|generation)_tokens_per_s$/.test(n)},
+  {title: "Latency (s): time to first token, inter-token", match: (n) => /^serve_(ttft|itl)_p(50|99)_s$/.test(n)},
+  {title: "Queue and slots", match: (n) => n === "serve_queue_depth" || n === "serve_running"},
+  {title: "KV cache use", match: (n) => n === "serve_kv_cache_usage"},
 ];
 // Device telemetry (worker/telemetry.py): its step is seconds since the node started, so these charts keep the
 // step axis whatever the x-axis control says.
