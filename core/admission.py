@@ -377,13 +377,18 @@ def _check_resume(spec: TrainSpec, inputs: _Inputs) -> None:
 
 
 def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
-    config = inputs.checkpoint("load", spec.load)
-    inputs.file_or_dir("lora_load", spec.lora_load)
     inputs.file("eval_data_path", spec.eval_data_path)
     if spec.tokenizer_name_or_path is not None:
         inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
-    elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
-        raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
+    if spec.remote or spec.load is None:  # generated through a deployment (core.deployments filled the tokenizer)
+        if spec.tokenizer_name_or_path is None:
+            raise _refuse(inputs.field("tokenizer_name_or_path"), "required to read the test set of a deployment")
+        return
+    config = inputs.checkpoint("load", spec.load)
+    inputs.file_or_dir("lora_load", spec.lora_load)
+    if spec.tokenizer_name_or_path is None and not inputs.pending(spec.load):
+        if not (Path(spec.load) / "tokenizer_config.json").is_file():
+            raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
     _check_layout(spec, config, inputs.where)
     _check_positions(spec, config, inputs.where)
 

@@ -1036,12 +1036,27 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
     """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
 
     kind: Literal["eval"] = Field("eval", description='Job kind "eval" (the discriminator).')
-    load: DataPath = Field(
-        ...,
+    load: DataPath | None = Field(
+        None,
         description=(
             "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
-            'checkpoint by reference, {"job": ID, "iteration": N} (see GET /v1/jobs/{id}/checkpoints).'
+            'checkpoint by reference, {"job": ID, "iteration": N} (see GET /v1/jobs/{id}/checkpoints). Required '
+            "unless deployment (or deployment_url) names a running model to generate through."
         ),
+    )
+    deployment: str | None = Field(
+        None,
+        max_length=200,
+        description="A ready serve job of your team, by the name clients pass as model (served_model_name, name, id, "
+        "or one of its lora_adapters): the test set is generated through that deployment instead of loading a "
+        "checkpoint; its tokenizer and prompt_type are used unless set (generate mode only).",
+    )
+    deployment_url: str | None = Field(
+        None,
+        max_length=2000,
+        pattern=r"^https?://",
+        description="Engine extension: the URL of a running `python -m engine serve` endpoint to generate through; "
+        "the worker sets it from deployment when the job starts.",
     )
     lora_load: DataPath | None = Field(
         None,
@@ -1121,7 +1136,23 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError(f"answer_normalization: unknown rule(s) {unknown}; known: trim, case")
         if self.lora_load is None and self.lora_r is not None:
             raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
+        self._check_model_source()
         return self
+
+    @property
+    def remote(self) -> bool:
+        """Generation goes through a running deployment instead of a model loaded here."""
+        return self.deployment is not None or self.deployment_url is not None
+
+    def _check_model_source(self) -> None:
+        field = "deployment" if self.deployment is not None else "deployment_url"
+        if not self.remote:
+            if self.load is None:
+                raise ValueError("load: required: the model to evaluate (or deployment: a ready serve job)")
+        elif self.load is not None or self.lora_load is not None:
+            raise ValueError(f"{field}: generates through a running deployment; leave load and lora_load unset")
+        elif self.eval_mode == "loss":
+            raise ValueError("eval_mode: loss mode needs the model's logits; give load, or use generate mode")
 
 
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"

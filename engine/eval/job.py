@@ -11,6 +11,10 @@ writes. ``tensor_model_parallel_size`` > 1 shards the generate-mode model with t
 (``engine.parallel.tensor_parallel``) over the ``tp`` dim of a dp×tp mesh; the vocab-parallel head's logits are
 all-gathered, so greedy outputs equal a one-process run. Pipeline-parallel decoding is not implemented (nor TP in
 loss mode): such a layout is reported and the model is replicated instead, PP ranks acting as data-parallel ranks.
+
+With ``deployment_url`` (a ``serve`` job's engine; the worker sets it from ``deployment``) no model is loaded: one
+process renders the prompts the same way and generates them through the deployment (``engine.eval.remote``), then
+scores and reports exactly as above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
 from engine.eval.loss_eval import gather_objects, run_loss_eval
 from engine.eval.model_loading import build_model
+from engine.eval.remote import RemoteOptions, generate_remote
 from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
 from engine.parallel.device import Device, init_distributed
@@ -47,7 +52,7 @@ MAX_REPORTED_BAD_LINES = 50
 def spec_tokenizer(spec: Any) -> Any:
     """The job's tokenizer: ``tokenizer_name_or_path``, else the one saved with the checkpoint ``load``."""
     path = spec.tokenizer_name_or_path or spec.load
-    if spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file():
+    if path is None or (spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file()):
         raise BadInput(
             "tokenizer_name_or_path: required (the checkpoint directory holds no tokenizer)",
             field="tokenizer_name_or_path",
@@ -185,18 +190,7 @@ def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
     return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
-def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
-    """Entry point for ``python -m engine eval`` (see the module docstring)."""
-    torch.manual_seed(spec.seed)
-    _check_layout(spec, run)
-    tokenizer = spec_tokenizer(spec)
-    device = init_distributed(spec.resources.device_type)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    tp_mesh, dp_rank, dp_size = _mesh(spec, device)
-    # built on meta and filled on the device: under TP each rank reads only its own pieces
-    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), tp_mesh=tp_mesh, device=device.torch_device)
-    if spec.eval_mode == "loss":
-        return run_loss_eval(spec, run, model, tokenizer, device, info)
+def _test_set(spec: Any, tokenizer: Any, run: RunDir) -> TestSet:
     testset = read_test_set(
         spec.eval_data_path,
         tokenizer,
@@ -213,6 +207,55 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
             f"eval_data_path: no scorable line in {spec.eval_data_path} ({len(testset.bad)} bad line(s) skipped)",
             field="eval_data_path",
         )
+    return testset
+
+
+def _decode_remote(
+    spec: Any, tokenizer: Any, lines: list[TestLine], run: RunDir
+) -> tuple[list[dict[str, Any]], int, float]:
+    """The test set generated through ``deployment_url`` (``engine.eval.remote``): (records, tokens, seconds)."""
+    opts = RemoteOptions(
+        max_tokens=spec.max_new_tokens,
+        temperature=0.0 if spec.greedy else spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p or 1.0,
+        seed=spec.seed,
+        model=spec.deployment,
+        stop_ids=frozenset(stop_ids(tokenizer)),
+    )
+    start, produced = time.perf_counter(), 0
+
+    def done(i: int, record: dict[str, Any]) -> None:
+        nonlocal produced
+        produced += record["generated"]
+        run.metric(i, {"tokens_per_s": produced / max(time.perf_counter() - start, 1e-9)})
+        run.progress(i + 1, len(lines), "lines")
+
+    concurrency = spec.eval_batch_size or spec.micro_batch_size
+    if spec.deployment_url is None:
+        raise BadInput("deployment: not resolved to a URL (the worker sets deployment_url)", field="deployment")
+    records = generate_remote(spec.deployment_url, [line.prompt_ids for line in lines], opts, concurrency, done)
+    return records, produced, time.perf_counter() - start
+
+
+def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
+    """Entry point for ``python -m engine eval`` (see the module docstring)."""
+    torch.manual_seed(spec.seed)
+    tokenizer = spec_tokenizer(spec)
+    if spec.remote:  # through a running deployment: no model here, one process
+        testset = _test_set(spec, tokenizer, run)
+        records, produced, seconds = _decode_remote(spec, tokenizer, testset.lines, run)
+        served = {"deployment": spec.deployment, "deployment_url": spec.deployment_url}
+        return _report(spec, run, tokenizer, testset, [(records, produced, seconds)], 1, served)
+    _check_layout(spec, run)
+    device = init_distributed(spec.resources.device_type)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp_mesh, dp_rank, dp_size = _mesh(spec, device)
+    # built on meta and filled on the device: under TP each rank reads only its own pieces
+    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), tp_mesh=tp_mesh, device=device.torch_device)
+    if spec.eval_mode == "loss":
+        return run_loss_eval(spec, run, model, tokenizer, device, info)
+    testset = _test_set(spec, tokenizer, run)
     opts = _decode_options(spec, tokenizer, tp_size=world // dp_size)
     mine = testset.lines[dp_rank::dp_size]
     records, produced, seconds = _decode(
@@ -224,6 +267,21 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     gathered = gather_objects((records, produced, seconds))[:: world // dp_size]
     if world > 1:
         run.progress(len(testset.lines), len(testset.lines), "lines")  # every rank is done now
+    described = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, **info}
+    return _report(spec, run, tokenizer, testset, gathered, world, described, world // dp_size)
+
+
+def _report(
+    spec: Any,
+    run: RunDir,
+    tokenizer: Any,
+    testset: TestSet,
+    gathered: list[tuple[list[dict[str, Any]], int, float]],
+    world: int,
+    model: dict[str, Any],
+    tp: int = 1,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Score every rank's records, write the predictions (rank 0) and the run's summary."""
     all_records = [r for part in gathered for r in part[0]]
     rows, board = _score(spec, tokenizer, testset.lines, all_records)
     outputs: dict[str, str] = {}
@@ -232,6 +290,8 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
         outputs["result"] = str(run.path / "result.json")
     tokens = sum(part[1] for part in gathered)
     wall = max(part[2] for part in gathered)
+    temperature = 0.0 if spec.greedy else spec.temperature
+    greedy = SamplingParams(temperature=temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed).greedy
     summary = {
         **board.summary(),
         "skipped": len(testset.bad),
@@ -242,18 +302,18 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
         "generation_seconds": wall,
         "tokens_per_s": tokens / max(wall, 1e-9),
         "decoding": {
-            "greedy": opts.sampling.greedy,
+            "greedy": greedy,
             "temperature": spec.temperature,
             "top_k": spec.top_k,
             "top_p": spec.top_p,
             "seed": spec.seed,
             "max_new_tokens": spec.max_new_tokens,
             "batch_size": spec.eval_batch_size or spec.micro_batch_size,
-            "kv_cache": opts.use_cache,
+            "kv_cache": not spec.no_kv_cache or spec.remote,
         },
         "world_size": world,
-        "tensor_model_parallel_size": world // dp_size,
-        "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, **info},
+        "tensor_model_parallel_size": tp,
+        "model": model,
     }
     log.info(
         "accuracy %.4f (%d/%d), %d skipped, %.1f tokens/s",

@@ -121,6 +121,26 @@ def test_known_answers_accuracy_and_predictions(setup, tmp_path: Path) -> None:
     assert sum(e["type"] == "warning" and "skipped" in e["message"] for e in events) == 2
 
 
+def test_eval_through_a_deployment_equals_the_loaded_model(setup, tmp_path: Path) -> None:
+    """Issue 24 item 6: the same eval generated through a running serve engine (``deployment_url``) instead of a
+    loaded checkpoint: the same greedy answers, accuracy and predictions, four prompts in flight at once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from serve_support import running_engine
+
+    assert _eval(setup, tmp_path / "loaded", "--eval-batch-size", "3") == EXIT_OK
+    serve = {"load": str(setup["hf"]), "tokenizer_name_or_path": setup["tok"], "max_num_seqs": 4, "max_model_len": 256}
+    with running_engine(tmp_path / "serve", **serve) as (url, _):
+        flags = ["--tokenizer-name-or-path", setup["tok"], "--eval-data-path", str(setup["data"])]
+        flags += ["--max-new-tokens", str(MAX_NEW), "--temperature", "0.00001", "--eval-batch-size", "4"]
+        assert main(["eval", "--deployment-url", url, *flags, "--run-dir", str(tmp_path / "remote")]) == EXIT_OK
+    loaded, remote = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("loaded", "remote"))
+    for key in ("total", "correct", "skipped", "accuracy", "generated_tokens", "stopped_by_length"):
+        assert remote["summary"][key] == loaded["summary"][key], key
+    assert remote["summary"]["model"]["deployment_url"] == url
+    rows = [[json.loads(x) for x in Path(r["outputs"]["predictions"]).read_text().splitlines()] for r in (loaded, remote)]
+    assert rows[0] == rows[1]
+
+
 def test_no_kv_cache_and_batch_1_give_the_same_predictions(setup, tmp_path: Path) -> None:
     assert _eval(setup, tmp_path / "a", "--eval-batch-size", "8") == EXIT_OK
     assert _eval(setup, tmp_path / "b", "--no-kv-cache") == EXIT_OK  # micro_batch_size 1

@@ -1,0 +1,109 @@
+"""Generation through a running deployment: an eval's test prompts sent to ``python -m engine serve``.
+
+Each prompt's token ids (rendered by the eval, with its template, exactly as a loaded model would get them) are POSTed
+to ``<deployment_url>/v1/generate`` in the engine's own protocol (``engine.serve.protocol``: ``prompt_token_ids``,
+JSON lines back with every token's id), ``concurrency`` at a time so the deployment batches them continuously. Tokens
+are cut at the first stop token as ``engine.eval.generate`` cuts them, so scoring is the same code on the same ids,
+and greedy decoding gives the loaded model's answers token for token.
+
+The stdlib's ``urllib`` speaks HTTP here: the engine depends on no web client library, and one JSON POST per prompt
+needs none. A 429 (the deployment's queue is full) waits its ``Retry-After`` and asks again; a 400/404 is the spec's
+fault (``BadInput`` naming ``deployment``); a deployment that does not answer is a retryable failure of the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from engine.runfiles import BadInput
+
+TIMEOUT_S = 600.0  # one prompt's whole generation
+MAX_QUEUE_WAITS = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteOptions:
+    """What every request asks for: the eval's decoding settings in the serve protocol's terms."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float  # the serve protocol's "off" is 1.0 (eval's is 0)
+    seed: int
+    model: str | None  # the deployment's served name or one of its adapters (None: its base)
+    stop_ids: frozenset[int]
+
+    def body(self, prompt_ids: list[int]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt_token_ids": prompt_ids,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        return body if self.model is None else {**body, "model": self.model}
+
+
+def _post(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The JSON lines of one generation; a full queue is waited out."""
+    data = json.dumps(body).encode()
+    for _ in range(MAX_QUEUE_WAITS):
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            response = urllib.request.urlopen(request, timeout=TIMEOUT_S)  # noqa: S310 - an http(s) URL (spec pattern)
+        except urllib.error.HTTPError as err:
+            if err.code == 429:
+                time.sleep(float(err.headers.get("Retry-After") or 1))
+                continue
+            detail = json.loads(err.read() or b"{}").get("error", {}).get("message", err.reason)
+            raise BadInput(
+                f"deployment: the deployment refused the request ({err.code}): {detail}", "deployment"
+            ) from err
+        with response:
+            yield from (json.loads(line) for line in response if line.strip())
+        return
+    raise RuntimeError(f"deployment: its queue stayed full for {MAX_QUEUE_WAITS} tries")
+
+
+def generate_one(url: str, prompt_ids: list[int], opts: RemoteOptions) -> dict[str, Any]:
+    """One prompt's answer: ``tokens`` (cut before the first stop token), ``finish_reason``, ``generated``."""
+    tokens: list[int] = []
+    generated = 0
+    for line in _post(url.rstrip("/") + "/v1/generate", opts.body(prompt_ids)):
+        if line.get("type") == "token" and line.get("index", 0) == 0:
+            tokens.append(int(line["token_id"]))
+        elif line.get("type") == "finish" and line.get("index", 0) == 0:
+            generated = int(line.get("completion_tokens", len(tokens)))
+    cut = next((i for i, token in enumerate(tokens) if token in opts.stop_ids), None)
+    if cut is None:
+        return {"tokens": tokens, "finish_reason": "length", "generated": generated or len(tokens)}
+    return {"tokens": tokens[:cut], "finish_reason": "stop", "generated": generated or cut + 1}
+
+
+def generate_remote(
+    url: str,
+    prompts: list[list[int]],
+    opts: RemoteOptions,
+    concurrency: int,
+    on_done: Callable[[int, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every prompt's answer (with its ``index``), ``concurrency`` requests in flight; ``on_done`` after each."""
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="eval-remote") as pool:
+            futures = [pool.submit(generate_one, url, ids, opts) for ids in prompts]
+            records = []
+            for i, future in enumerate(futures):
+                records.append({"index": i, **future.result()})
+                if on_done is not None:
+                    on_done(i, records[-1])
+            return records
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+        raise RuntimeError(f"deployment: {url} did not answer ({err}); the job is retried") from err
