@@ -377,6 +377,8 @@ def _check_resume(spec: TrainSpec, inputs: _Inputs) -> None:
 
 
 def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
+    if spec.deployment_url is not None:  # a worker would POST there: only the service sets it (from deployment)
+        raise _refuse(inputs.field("deployment_url"), "set by the service; name your deployment in deployment")
     inputs.file("eval_data_path", spec.eval_data_path)
     if spec.tokenizer_name_or_path is not None:
         inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
@@ -386,9 +388,9 @@ def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
         return
     config = inputs.checkpoint("load", spec.load)
     inputs.file_or_dir("lora_load", spec.lora_load)
-    if spec.tokenizer_name_or_path is None and not inputs.pending(spec.load):
-        if not (Path(spec.load) / "tokenizer_config.json").is_file():
-            raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
+    own = inputs.pending(spec.load) or (Path(spec.load) / "tokenizer_config.json").is_file()
+    if spec.tokenizer_name_or_path is None and not own:
+        raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")
     _check_layout(spec, config, inputs.where)
     _check_positions(spec, config, inputs.where)
 

@@ -18,8 +18,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.auth import Principal
+from core.db import session_scope
+from core.errors import ApiError
 from core.models import Event, Job
+from core.settings import Settings
 from core.states import TERMINAL, JobState
+from engine.spec import EvalSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +93,42 @@ def find_deployment(session: Session, principal: Principal, model: str) -> Deplo
         elif model in (spec.get("lora_adapters") or {}):
             found.append(dataclasses.replace(_deployment(session, job), adapter=model))
     return next((d for d in found if d.ready), found[0] if found else None)
+
+
+def _team(team: str) -> Principal:
+    return Principal(team=team, admin=False, token_id=0)
+
+
+def attach_eval(session: Session, team: str, spec: EvalSpec) -> None:
+    """Submission of an eval naming a ``deployment``: it must be one of the team's and ready (else 422 naming
+    ``deployment``); its tokenizer and ``prompt_type`` fill the spec's unset ones, so prompts are rendered as the
+    deployment renders its own."""
+    if spec.deployment is None:
+        return
+    found = find_deployment(session, _team(team), spec.deployment)
+    if found is None:
+        message = f"deployment: no deployment {spec.deployment!r} in team {team} (GET /v1/models lists them)"
+        raise ApiError(422, "validation_error", message, "deployment")
+    if not found.ready:
+        message = f"deployment: {spec.deployment!r} is {found.state}, not ready; submit once GET /v1/models lists it"
+        raise ApiError(422, "validation_error", message, "deployment")
+    job = session.get(Job, found.job_id)
+    serve: dict[str, Any] = (job.spec if job is not None else None) or {}
+    if spec.tokenizer_name_or_path is None:
+        spec.tokenizer_name_or_path = serve.get("tokenizer_name_or_path") or serve.get("load")
+    if spec.prompt_type is None:
+        spec.prompt_type = serve.get("prompt_type")
+
+
+def with_deployment_url(settings: Settings, team: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """At launch: an eval naming a ``deployment`` gets the URL of its current ready attempt (``deployment_url``) and
+    the name that deployment's engine serves the chosen model under. RuntimeError (a retryable launch failure) when
+    it is not ready now (restarting, or gone)."""
+    name = spec.get("deployment")
+    if spec.get("kind") != "eval" or not name:
+        return spec
+    with session_scope(settings.database_url) as session:
+        found = find_deployment(session, _team(team), str(name))
+    if found is None or found.url is None:
+        raise RuntimeError(f"deployment {name!r} is not ready ({found.state if found else 'gone'}); retrying")
+    return {**spec, "deployment_url": found.url, "deployment": found.adapter or found.name}

@@ -31,6 +31,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.db import is_database_away, session_scope
+from core.deployments import with_deployment_url
 from core.jobs import transition
 from core.models import Attempt, Job, JobNode, utcnow
 from core.nodes import move_nodes
@@ -417,7 +418,7 @@ def run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
     """Launch, watch and finish a node this process has claimed."""
     job_id = work.job_id
     try:
-        write_spec(work.run_dir, work.spec)
+        write_spec(work.run_dir, with_deployment_url(settings, work.team, work.spec))
         ingestor = (
             RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url)
             if work.node_rank == 0

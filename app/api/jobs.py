@@ -15,14 +15,14 @@ from app import openai_method
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
-from core import admission, checkpoints, job_delete, paths, pipelines, records, team_limits
+from core import admission, checkpoints, deployments, job_delete, paths, pipelines, records, team_limits
 from core import jobs as service
 from core.errors import ApiError
 from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
 from core.settings import Settings
 from core.states import JobState
-from engine.spec import JobBase, PipelineSpec, Resources, parse_spec
+from engine.spec import EvalSpec, JobBase, PipelineSpec, Resources, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
@@ -102,6 +102,8 @@ def _submit(
 ) -> tuple[JobPublic, bool]:
     team_limits.check_priority(settings, team, raw)  # 422 above the team's ceiling
     team_limits.check_active_jobs(session, settings, team, key)  # 429 past team_max_active_jobs
+    if isinstance(spec, EvalSpec):  # a deployment it names: the team's, ready; its tokenizer fills the spec's
+        deployments.attach_eval(session, team, spec)
     admission.check_admissible(spec, settings, team)  # what the engine would refuse before its first step (reads files)
     admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines

@@ -274,8 +274,8 @@ def check_registered_memory(spec: Any, host_infos: Iterable[dict[str, Any] | Non
     """Submission check: ``DoesNotFit`` when the worst rank exceeds the largest device memory any registered host of
     the job's device type reports. None (accepted unchecked) for other kinds, when no host reports its device memory
     (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
-    if getattr(spec, "kind", None) not in PLANNED_KINDS:
-        return None
+    if getattr(spec, "kind", None) not in PLANNED_KINDS or getattr(spec, "remote", False):
+        return None  # an eval through a deployment loads no model here
     sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
     if not sizes:
         return None

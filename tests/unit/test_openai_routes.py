@@ -160,3 +160,36 @@ def test_tool_calls_are_parsed() -> None:
     )
     assert content == "ok" and calls[0]["function"] == {"name": "play", "arguments": '{"room": "kitchen"}'}
     assert split_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_an_eval_names_a_ready_deployment_of_its_team(service, engine_url, qwen_tokenizer_dir) -> None:
+    """Issue 24 item 6: an eval spec may name a ready deployment instead of a checkpoint: accepted with the
+    deployment's tokenizer; one not ready, or another team's, is a 422 naming ``deployment``; at launch the worker
+    hands the engine the deployment's current URL (``deployment_url``)."""
+    from core.deployments import with_deployment_url
+    from core.paths import team_area
+
+    http, token = service
+    settings = http.app.state.settings
+    area = team_area(settings, "alpha", settings.data_roots[0])
+    area.mkdir(parents=True, exist_ok=True)
+    (area / "test.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}\n'
+    )
+    body = {"kind": "eval", "deployment": "tiny-chat", "eval_data_path": "test.jsonl", "max_new_tokens": 4}
+    headers = {"Authorization": f"Bearer {token}"}
+    accepted = http.post("/v1/jobs", json=body, headers=headers)
+    assert accepted.status_code == 201, accepted.text
+    spec = accepted.json()["spec"]
+    assert spec["tokenizer_name_or_path"] == str(qwen_tokenizer_dir) and spec.get("load") is None
+    launched = with_deployment_url(settings, "alpha", spec)
+    assert launched["deployment_url"] == engine_url and launched["deployment"] == "tiny-chat"
+    for name, why in (("warming-up", "not ready"), ("beta-model", "no deployment")):
+        refused = http.post("/v1/jobs", json={**body, "deployment": name}, headers=headers)
+        assert refused.status_code == 422 and refused.json()["field"] == "deployment", refused.text
+        assert why in refused.json()["message"]
+    both = http.post("/v1/jobs", json={**body, "load": "somewhere"}, headers=headers)
+    assert both.status_code == 422 and both.json()["field"] == "deployment", both.text
+    aimed = {**body, "deployment": None, "deployment_url": "http://169.254.169.254/"}  # workers never POST where told
+    refused = http.post("/v1/jobs", json=aimed, headers=headers)
+    assert refused.status_code == 422 and refused.json()["field"] == "deployment_url", refused.text
