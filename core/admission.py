@@ -229,7 +229,7 @@ class _Inputs:
 # ---------------------------------------------------------------- checks by kind
 
 
-def _check_layout(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
+def _check_layout(spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any] | None, where: str) -> None:
     """The engine's one layout rule (``engine.contract.layout``) over the ``load`` checkpoint's shape, whatever its
     kind (HF, Megatron, our own); the spec's own flags were checked by the schema with the same rule."""
     shape = _checkpoint_shape(spec.load, config)
@@ -265,13 +265,18 @@ def _checkpoint_shape(load: str | None, config: dict[str, Any] | None) -> layout
 
 
 def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
-    """As eval's model and tokenizer checks; serving runs one process (``engine.serve.job``)."""
-    if spec.resources.world_size > 1 or spec.tensor_model_parallel_size > 1:
+    """As eval's model and tokenizer checks; serving shards by TP only, on one node (``engine.serve.job``)."""
+    tp, res = spec.tensor_model_parallel_size, spec.resources
+    if res.world_size != tp or res.nnodes != 1:
         raise _refuse(
             inputs.field("tensor_model_parallel_size"),
-            "serving runs in one process for now: resources 1 × 1 and tensor_model_parallel_size 1",
+            f"serving runs on one node with every rank a TP rank: resources.nproc_per_node must equal "
+            f"tensor_model_parallel_size ({tp}), nnodes 1",
         )
-    inputs.checkpoint("load", spec.load)
+    if tp > 1 and spec.lora_adapters:
+        raise _refuse(inputs.field("lora_adapters"), "per-request adapters are served with TP 1 only for now")
+    config = inputs.checkpoint("load", spec.load)
+    _check_layout(spec, config, inputs.where)
     inputs.file_or_dir("lora_load", spec.lora_load)
     for name, path in spec.lora_adapters.items():
         inputs.file_or_dir(f"lora_adapters.{name}", path)

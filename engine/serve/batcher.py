@@ -30,6 +30,7 @@ from engine.serve.adapters import AdapterRows
 from engine.serve.sampling import Pick, RequestOptions, pick_token
 from engine.serve.slots import SlotCache
 from engine.serve.stats import ServeStats
+from engine.serve.tp_sync import Step, StepSync
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ class Batcher:
         prefill_chunk: int = 512,
         max_waiting: int = 256,
         adapters: AdapterRows | None = None,
+        sync: StepSync | None = None,
     ) -> None:
         self.model, self.cache, self.stop_ids, self.adapters = model, cache, stop_ids, adapters
+        self.sync = sync  # under TP: rank 0 broadcasts each forward for the other ranks to replay
         self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
         self.device = next(model.parameters()).device
         self.waiting: deque[Sequence] = deque()
@@ -122,10 +125,14 @@ class Batcher:
             with self._wake:
                 if not self.busy:
                     self._wake.wait(timeout=0.5)
+                    if self.sync is not None:
+                        self.sync.keep_alive()
                     continue
             self.step()
         for seq in [*self.running, *self.waiting]:
             self._finish(seq, "abort")
+        if self.sync is not None:
+            self.sync.lead(None)  # the other TP ranks' loops end with this one
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -156,12 +163,35 @@ class Batcher:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None):
         slots = [s.slot for s in seqs if s.slot is not None]
+        adapters = [s.adapter for s in seqs]
+        if self.sync is not None:
+            self.sync.lead(Step(ids.tolist(), positions.tolist(), slots, adapters, mask is not None))
+        return self._compute(ids, positions, slots, adapters, mask)
+
+    def _compute(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: list[int],
+        adapters: list[int],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.adapters is not None:
-            self.adapters.set([s.adapter for s in seqs], self.device)
+            self.adapters.set(adapters, self.device)
         view = self.cache.view(slots, ids.shape[1])
         hidden = self.model(ids, position_ids=positions, attention_mask=mask, kv_cache=view, return_hidden=True)
         view.commit()
         return last_logits(self.model, hidden)  # (B, V) fp32
+
+    @torch.inference_mode()
+    def replay(self, step: Step) -> None:
+        """A TP follower: run rank 0's forward ``step`` on this rank's shard (``engine.serve.tp_sync``)."""
+        for slot, row in zip(step.slots, step.positions, strict=True):
+            self.cache.lengths[slot] = row[0]  # where rank 0's slot stands: its first new position
+        ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        mask = self.cache.decode_mask(step.slots) if step.decode else None
+        self._compute(ids, positions, step.slots, step.adapters, mask)
 
     def _prefill(self, seq: Sequence) -> None:
         assert seq.slot is not None

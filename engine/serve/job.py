@@ -9,8 +9,9 @@ run directory. It runs until the worker stops it (cancel, delete) or, with ``idl
 for that long: then it ends successfully with the counts in ``result.json``.
 
 The endpoint binds to ``LLMJOBS_SERVE_HOST`` (default 127.0.0.1: the API on the same host) and advertises
-``LLMJOBS_SERVE_ADVERTISE_HOST`` (default: the bound address) to the API. One process serves; tensor-parallel
-serving is refused (the loop would have to broadcast each step's batch to the other ranks; not built yet).
+``LLMJOBS_SERVE_ADVERTISE_HOST`` (default: the bound address) to the API. Under tensor parallelism (one node, every
+rank a TP rank) the model is sharded as eval shards it; rank 0 runs the endpoint and the loop and the other ranks
+replay its forwards (``engine.serve.tp_sync``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ import threading
 import time
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from engine.constants import SERVE_METRICS_INTERVAL_S, SERVE_PREFILL_CHUNK
+from engine.contract.layout import LayoutError
 from engine.eval.job import spec_tokenizer, stop_ids
 from engine.eval.model_loading import build_model
-from engine.parallel.device import init_distributed
+from engine.parallel.device import Device, init_distributed
+from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.runfiles import BadInput, RunDir
 from engine.serve.adapters import apply_adapters, read_adapter
 from engine.serve.batcher import Batcher
 from engine.serve.server import Deployment, make_server
 from engine.serve.slots import SlotCache
+from engine.serve.tp_sync import StepSync
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +43,26 @@ QUEUED_PER_SLOT = 4  # waiting sequences allowed per slot before requests are re
 
 
 def _check_layout(spec: Any) -> None:
-    if spec.resources.world_size > 1 or spec.tensor_model_parallel_size > 1:
+    """Serving shards by TP only: one node, every rank a TP rank (rank 0 runs the endpoint and the loop)."""
+    tp = spec.tensor_model_parallel_size
+    if spec.resources.world_size != tp or spec.resources.nnodes != 1:
         raise BadInput(
-            "tensor_model_parallel_size: serving runs in one process for now (TP 1, one device)",
+            f"tensor_model_parallel_size: serving runs on one node with every rank a TP rank; got TP {tp} on "
+            f"{spec.resources.nnodes} × {spec.resources.nproc_per_node} ranks",
             field="tensor_model_parallel_size",
         )
+    if tp > 1 and spec.lora_adapters:
+        raise BadInput("lora_adapters: per-request adapters are served with TP 1 only for now", field="lora_adapters")
+
+
+def _tp_mesh(spec: Any, device: Device) -> DeviceMesh | None:
+    if spec.tensor_model_parallel_size == 1:
+        return None
+    try:
+        dims = ParallelDims.from_world(spec.resources.world_size, tp=spec.tensor_model_parallel_size)
+    except LayoutError as err:
+        raise BadInput(str(err), field=err.field) from err
+    return build_mesh(device, dims)["tp"]
 
 
 def served_name(spec: Any, run: RunDir) -> str:
@@ -80,11 +101,14 @@ def run(
     _check_layout(spec)
     tokenizer = spec_tokenizer(spec)
     device = init_distributed(spec.resources.device_type)
-    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), device=device.torch_device)
+    tp_mesh = _tp_mesh(spec, device)
+    model, cfg, info = build_model(spec, vocab_hint=len(tokenizer), tp_mesh=tp_mesh, device=device.torch_device)
     dtype = next(model.parameters()).dtype
     named = {name: read_adapter(spec, name, path) for name, path in spec.lora_adapters.items()}
     selector, indices = apply_adapters(model, named, device.torch_device) if named else (None, {})
-    cache = SlotCache(cfg, spec.max_num_seqs, spec.max_model_len, dtype, device.torch_device)
+    tp = spec.tensor_model_parallel_size
+    kv_heads = cfg.num_query_groups // tp
+    cache = SlotCache(cfg, spec.max_num_seqs, spec.max_model_len, dtype, device.torch_device, num_kv_heads=kv_heads)
     batcher = Batcher(
         model,
         cache,
@@ -92,7 +116,13 @@ def run(
         prefill_chunk=SERVE_PREFILL_CHUNK,
         max_waiting=QUEUED_PER_SLOT * spec.max_num_seqs,
         adapters=selector,
+        sync=StepSync(device.torch_device) if tp > 1 else None,
     )
+    if tp_mesh is not None and tp_mesh.get_local_rank() > 0:  # a TP follower: rank 0's steps, until it stops
+        assert batcher.sync is not None
+        replayed = batcher.sync.follow(batcher)
+        log.info("TP rank %d replayed %d steps of rank 0", tp_mesh.get_local_rank(), replayed)
+        return {}, {"replayed_steps": replayed, "tensor_model_parallel_size": tp}
     name = served_name(spec, run)
     template = spec.prompt_type or "qwen3"
     deployment = Deployment(batcher, tokenizer, template, name, spec.max_model_len, cfg.vocab_size, indices)
@@ -117,4 +147,5 @@ def run(
         batcher.stop()
         loop.join(timeout=30)
     summary = {**batcher.stats, "served_model_name": name, "model": {"num_layers": cfg.num_layers, **info}}
+    summary["tensor_model_parallel_size"] = tp
     return {"result": str(run.path / "result.json")}, summary

@@ -219,10 +219,21 @@ def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: 
                 "load": "hf",
                 "tokenizer_name_or_path": "tok",
                 "tensor_model_parallel_size": 2,
-                "resources": {"nproc_per_node": 2},
+                "resources": {"nproc_per_node": 4},
             },
             "tensor_model_parallel_size",
-            "one process",
+            "every rank a TP rank",
+        ),
+        (
+            {
+                "kind": "serve",
+                "load": "hf",
+                "tokenizer_name_or_path": "tok",
+                "tensor_model_parallel_size": 4,
+                "resources": {"nproc_per_node": 4},
+            },
+            "tensor_model_parallel_size",
+            "6 heads",  # the one layout rule, over the checkpoint's shape
         ),
         (
             {"kind": "convert", "load_model_type": "mg", "save_model_type": "hf", "load_dir": "hf", "save_dir": "o"},
