@@ -39,13 +39,13 @@ def _mapped(hyper: dict[str, Any], where: str) -> dict[str, Any]:
         if value == "auto":
             continue
         if name in _REFUSED:
-            raise _refuse(field, f"has no meaning here; set {_REFUSED[name]} on the spec (or send \"auto\")")
+            raise _refuse(field, f'has no meaning here; set {_REFUSED[name]} on the spec (or send "auto")')
         if name not in _TAKEN:
             raise _refuse(field, f"unknown hyperparameter (known: {', '.join([*_TAKEN, *_REFUSED])})")
         if isinstance(value, bool) or not isinstance(value, float | int):
-            raise _refuse(field, "must be a number or \"auto\"")
+            raise _refuse(field, 'must be a number or "auto"')
         if name == "batch_size" and not isinstance(value, int):
-            raise _refuse(field, "must be an integer or \"auto\"")
+            raise _refuse(field, 'must be an integer or "auto"')
         out[_TAKEN[name]] = value
     return out
 

@@ -137,7 +137,9 @@ def test_eval_through_a_deployment_equals_the_loaded_model(setup, tmp_path: Path
     for key in ("total", "correct", "skipped", "accuracy", "generated_tokens", "stopped_by_length"):
         assert remote["summary"][key] == loaded["summary"][key], key
     assert remote["summary"]["model"]["deployment_url"] == url
-    rows = [[json.loads(x) for x in Path(r["outputs"]["predictions"]).read_text().splitlines()] for r in (loaded, remote)]
+    rows = [
+        [json.loads(x) for x in Path(r["outputs"]["predictions"]).read_text().splitlines()] for r in (loaded, remote)
+    ]
     assert rows[0] == rows[1]
 
 

@@ -20,7 +20,12 @@ from tests.convert_tiny import real_vocab_qwen3
 from torchrun_support import REPO, torchrun
 
 pytestmark = pytest.mark.slow
-PROMPTS = [[9707, 11, 1879, 0], [785, 3974, 13876, 38835, 34208, 916, 279, 15678], [40, 1079], [3838, 374, 220, 17, 10, 17, 30]]
+PROMPTS = [
+    [9707, 11, 1879, 0],
+    [785, 3974, 13876, 38835, 34208, 916, 279, 15678],
+    [40, 1079],
+    [3838, 374, 220, 17, 10, 17, 30],
+]
 MAX_NEW = 6
 
 
