@@ -819,3 +819,91 @@ def test_spec_tab_marks_values_read_from_the_checkpoint(page: Any, service: Serv
     rows = page.evaluate(render, [job_id])["rows"]
     assert rows["hidden_size"]["source"] == "checkpoint-unread" and rows["hidden_size"]["value"] == "—"
     assert rows["rotary_base"]["source"] == "default"
+
+
+def _sse(*chunks: dict[str, Any]) -> str:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def test_chat_page_streams_answers_and_compares_two_models(page: Any, service: Service) -> None:  # noqa: F811
+    """The chat page (issue 24): the team's models in the picker (an adapter named as such), a streamed answer with
+    its thought apart, the system prompt, thinking switch and sampling in the request, the conversation carried to the
+    next turn, two models side by side on one message, and the API's OpenAI-shaped 429 shown in the panel. The API's
+    answers are Playwright routes: the real route and engine are tested by tests/e2e/test_serve_e2e.py."""
+    models = [
+        {"id": "ckpt-a", "object": "model", "created": 0, "owned_by": "default", "root": "/m/a", "parent": None},
+        {"id": "ckpt-b", "object": "model", "created": 0, "owned_by": "default", "root": "/m/b", "parent": None},
+        {"id": "tuned", "object": "model", "created": 0, "owned_by": "default", "root": "/m/l", "parent": "ckpt-a"},
+    ]
+    answers = {
+        "ckpt-a": [
+            {"choices": [{"index": 0, "delta": {"reasoning_content": "They want jazz."}}]},
+            {"choices": [{"index": 0, "delta": {"content": "Playing jazz."}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}},
+        ],
+        "ckpt-b": [{"choices": [{"index": 0, "delta": {"content": "Jazz it is."}, "finish_reason": "stop"}]}],
+    }
+    asked: list[dict[str, Any]] = []
+
+    def chat(route: Any) -> None:
+        body = route.request.post_data_json
+        asked.append(body)
+        if body["model"] == "tuned":
+            error = {"error": {"message": "the queue is full; retry after 1 s", "type": "rate_limit_error"}}
+            route.fulfill(status=429, content_type="application/json", body=json.dumps(error))
+        else:
+            route.fulfill(status=200, content_type="text/event-stream", body=_sse(*answers[body["model"]]))
+
+    page.route(
+        re.compile(r".*/v1/models$"),
+        lambda route: route.fulfill(
+            status=200, content_type="application/json", body=json.dumps({"object": "list", "data": models})
+        ),
+    )
+    page.route(re.compile(r".*/v1/chat/completions$"), chat)
+    page.goto(service.url + "/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(service.url + "/#/chat")
+    page.wait_for_selector("select.chat-model option[value='tuned']", state="attached")
+    assert page.locator("select.chat-model option[value='tuned']").inner_text() == "tuned (adapter of ckpt-a)"
+    page.fill("#chat-system", "You control a smart home.")
+    page.uncheck("#chat-thinking")
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-message", "play jazz")
+    page.click("#chat-send")
+    first = page.locator(".chat-log[data-panel='0'] .chat-msg.assistant").last
+    first.locator(".chat-content", has_text="Playing jazz.").wait_for()
+    assert first.locator(".chat-thought").text_content() == "They want jazz."  # folded under "Thought"
+    assert first.locator("details.chat-thinking summary").is_visible()
+    assert "5 tokens" in page.locator(".chat-panel .chat-note").first.inner_text()
+    sent = asked[-1]
+    assert sent["model"] == "ckpt-a" and sent["stream"] is True and sent["temperature"] == 0
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sent["messages"] == [
+        {"role": "system", "content": "You control a smart home."},
+        {"role": "user", "content": "play jazz"},
+    ]
+
+    page.check("#chat-compare")
+    page.select_option("select.chat-model[data-panel='1']", "ckpt-b")
+    page.fill("#chat-message", "louder")
+    page.click("#chat-send")
+    page.locator(".chat-log[data-panel='1'] .chat-content", has_text="Jazz it is.").wait_for()
+    page.wait_for_function(
+        "() => document.querySelectorAll(\".chat-log[data-panel='0'] .chat-msg.assistant\").length === 2"
+    )
+    by_model = {body["model"]: body["messages"] for body in asked[-2:]}
+    assert [m["content"] for m in by_model["ckpt-a"]] == [
+        "You control a smart home.",
+        "play jazz",
+        "Playing jazz.",
+        "louder",
+    ]
+    assert [m["content"] for m in by_model["ckpt-b"]] == ["You control a smart home.", "louder"]  # its own conversation
+    assert "models=ckpt-a%2Cckpt-b" in page.url or "models=ckpt-a,ckpt-b" in page.url
+    assert _axe_violations(page) == []
+
+    page.select_option("select.chat-model[data-panel='1']", "tuned")
+    page.fill("#chat-message", "again")
+    page.click("#chat-send")
+    page.locator(".chat-log[data-panel='1'] .chat-msg.assistant.error", has_text="429: the queue is full").wait_for()

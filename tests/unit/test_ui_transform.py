@@ -180,3 +180,36 @@ def test_result_notes_mark_a_resumed_run_and_warnings() -> None:
     notes = json.loads(out.stdout)
     assert notes["resumed"] == ["Resumed from job j1's run at iteration 20 (resume: auto)"]
     assert notes["warned"] == ["Warning: trained 0 iterations"] and notes["plain"] == []
+
+
+def test_chat_stream_folds_openai_chunks_split_anywhere() -> None:
+    """The chat page's stream parser (openai_stream.js): SSE events cut at any byte boundary, the thought apart from
+    the answer, the finish reason and the usage chunk, [DONE]; and both error shapes."""
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "User wants "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "jazz."}}]},
+        {"choices": [{"index": 0, "delta": {"content": "播放"}}]},
+        {"choices": [{"index": 0, "delta": {"content": " jazz"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}},
+    ]
+    text = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    got = _run(f"""
+        const S = await import("{(UI_JS / "openai_stream.js").as_uri()}");
+        const text = {json.dumps(text, ensure_ascii=False)};
+        const results = [];
+        for (const size of [1, 7, 64, text.length]) {{
+            const a = S.newAnswer();
+            let rest = "";
+            for (let i = 0; i < text.length; i += size) rest = S.feed(a, rest + text.slice(i, i + size));
+            results.push(a);
+        }}
+        console.log(JSON.stringify({{results, errors: [
+            S.errorMessage(429, {{error: {{message: "the queue is full", type: "rate_limit_error"}}}}),
+            S.errorMessage(422, {{message: "deployment: not ready"}}), S.errorMessage(502, null)]}}));
+    """)
+    for answer in got["results"]:
+        assert answer["content"] == "播放 jazz" and answer["reasoning"] == "User wants jazz."
+        assert answer["finish"] == "stop" and answer["usage"]["completion_tokens"] == 7 and answer["done"]
+        assert answer["chunks"] == len(chunks)
+    assert got["errors"] == ["429: the queue is full", "422: deployment: not ready", "HTTP 502"]

@@ -10,6 +10,7 @@ import {renderJob} from "./views/job.js";
 import {renderSubmit} from "./views/submit.js";
 import {renderHosts} from "./views/hosts.js";
 import {renderCompare} from "./views/compare.js";
+import {renderChat} from "./views/chat.js";
 
 const ROUTES = [
   [/^\/login$/, renderLogin, "login"],
@@ -18,6 +19,7 @@ const ROUTES = [
   [/^\/submit$/, renderSubmit, "submit"],
   [/^\/hosts$/, renderHosts, "hosts"],
   [/^\/compare$/, renderCompare, "compare"],
+  [/^\/chat$/, renderChat, "chat"],
 ];
 
 let cleanup = null;
