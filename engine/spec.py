@@ -1391,6 +1391,7 @@ def _check_output_key(field: str, step: str, key: str, producer: dict[str, Any])
 JobSpec = Annotated[
     PreprocessSpec | ConvertSpec | TrainSpec | EvalSpec | ServeSpec | PipelineSpec, Field(discriminator="kind")
 ]
+ModelSpec = TrainSpec | EvalSpec | ServeSpec  # the kinds that build a model: what the loaders and the planner read
 SPEC_CLASSES: dict[str, type[JobBase]] = {
     "preprocess": PreprocessSpec,
     "convert": ConvertSpec,

@@ -42,6 +42,7 @@ from engine.eval.scoring import Scoreboard
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.runfiles import BadInput, RunDir
+from engine.spec import EvalSpec, ServeSpec
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ PREDICTIONS = "predictions.jsonl"
 MAX_REPORTED_BAD_LINES = 50
 
 
-def spec_tokenizer(spec: Any) -> Any:
+def spec_tokenizer(spec: EvalSpec | ServeSpec) -> Any:
     """The job's tokenizer: ``tokenizer_name_or_path``, else the one saved with the checkpoint ``load``."""
     path = spec.tokenizer_name_or_path or spec.load
     if path is None or (spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file()):
@@ -66,7 +67,7 @@ def stop_ids(tokenizer: Any) -> set[int]:
     return {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
 
 
-def _decode_options(spec: Any, tokenizer: Any, tp_size: int) -> DecodeOptions:
+def _decode_options(spec: EvalSpec, tokenizer: Any, tp_size: int) -> DecodeOptions:
     stops = stop_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     temperature = 0.0 if spec.greedy else spec.temperature
@@ -139,7 +140,7 @@ def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
 
 
 def _score(
-    spec: Any, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]
+    spec: EvalSpec, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], Scoreboard]:
     board = Scoreboard(spec.answer_normalization, top_confusions=spec.top_confusions)
     rows = []
@@ -161,7 +162,7 @@ def _score(
     return rows, board
 
 
-def _check_layout(spec: Any, run: RunDir) -> None:
+def _check_layout(spec: EvalSpec, run: RunDir) -> None:
     """Report the layouts eval replicates instead of sharding: PP always, TP in loss mode."""
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     if pp > 1 or (tp > 1 and spec.eval_mode == "loss"):
@@ -174,7 +175,7 @@ def _check_layout(spec: Any, run: RunDir) -> None:
         run.event("warning", message, field=field)
 
 
-def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
+def _mesh(spec: EvalSpec, device: Device) -> tuple[DeviceMesh | None, int, int]:
     """(TP mesh or None, dp rank, dp size): the dp×tp mesh of a generate-mode run with TP > 1; the dp split is the
     test set's. PP ranks are not pipeline stages here (see ``_check_layout``): they count as data-parallel ranks."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -190,7 +191,7 @@ def _mesh(spec: Any, device: Device) -> tuple[DeviceMesh | None, int, int]:
     return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
-def _test_set(spec: Any, tokenizer: Any, run: RunDir) -> TestSet:
+def _test_set(spec: EvalSpec, tokenizer: Any, run: RunDir) -> TestSet:
     testset = read_test_set(
         spec.eval_data_path,
         tokenizer,
@@ -211,7 +212,7 @@ def _test_set(spec: Any, tokenizer: Any, run: RunDir) -> TestSet:
 
 
 def _decode_remote(
-    spec: Any, tokenizer: Any, lines: list[TestLine], run: RunDir
+    spec: EvalSpec, tokenizer: Any, lines: list[TestLine], run: RunDir
 ) -> tuple[list[dict[str, Any]], int, float]:
     """The test set generated through ``deployment_url`` (``engine.eval.remote``): (records, tokens, seconds)."""
     opts = RemoteOptions(
@@ -238,7 +239,7 @@ def _decode_remote(
     return records, produced, time.perf_counter() - start
 
 
-def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
+def run(spec: EvalSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
     """Entry point for ``python -m engine eval`` (see the module docstring)."""
     torch.manual_seed(spec.seed)
     tokenizer = spec_tokenizer(spec)
@@ -272,7 +273,7 @@ def run(spec: Any, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _report(
-    spec: Any,
+    spec: EvalSpec,
     run: RunDir,
     tokenizer: Any,
     testset: TestSet,

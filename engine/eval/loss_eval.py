@@ -31,6 +31,7 @@ from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.runfiles import BadInput, RunDir
+from engine.spec import EvalSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _indexed_rows(prefix: str, limit: int | None) -> Iterator[Row]:
         yield np.asarray(s.input_ids), np.asarray(s.labels), np.asarray(s.boundaries)
 
 
-def _conversation_rows(spec: Any, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
+def _conversation_rows(spec: EvalSpec, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
     try:
         converter = Converter("SharegptStyleInstructionHandler", spec.map_keys)
         files = input_files(spec.eval_data_path)
@@ -104,14 +105,14 @@ def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size:
     return float(loss_sum), int(tokens)
 
 
-def _rows(spec: Any, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
+def _rows(spec: EvalSpec, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
     if is_indexed(spec.eval_data_path):
         return _indexed_rows(spec.eval_data_path, spec.eval_data_size)
     return _conversation_rows(spec, tokenizer, bad)
 
 
 def run_loss_eval(
-    spec: Any, run: RunDir, model: torch.nn.Module, tokenizer: Any, device: Device, info: dict[str, Any]
+    spec: EvalSpec, run: RunDir, model: torch.nn.Module, tokenizer: Any, device: Device, info: dict[str, Any]
 ) -> tuple[dict[str, str], dict[str, Any]]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -36,6 +36,7 @@ from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.runfiles import BadInput
+from engine.spec import EvalSpec, ServeSpec
 from engine.train.model_setup import check_against_checkpoint, check_model_kind, with_rope_flags
 
 log = logging.getLogger(__name__)
@@ -50,20 +51,27 @@ def _refield(err: BadInput, field: str) -> BadInput:
     return BadInput(str(err) if str(err).startswith(field) else f"{field}: {err}", field=field)
 
 
-def _mcore_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def given(path: str | None, field: str) -> str:
+    """A path this loader needs (an eval through a deployment has no ``load``; it never reaches here)."""
+    if path is None:
+        raise BadInput(f"{field}: required to load the model", field=field)
+    return path
+
+
+def _mcore_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from engine.checkpoint.load import detect_format
     from engine.checkpoint.megatron import MegatronCheckpoint, load_rank_file, resolve_iteration_dir
     from engine.model.lora import from_mindspeed_keys
 
-    if detect_format(spec.load) == "mcore":  # adapters sharded like their base: the reader glues TP/PP pieces
-        ckpt = MegatronCheckpoint(spec.load, lora_dir=spec.lora_load)
+    if detect_format(given(spec.load, "load")) == "mcore":  # adapters sharded like their base: TP/PP pieces glued
+        ckpt = MegatronCheckpoint(given(spec.load, "load"), lora_dir=spec.lora_load)
         state = {
             f"{m}.lora_{ab}.weight": ckpt.lora_tensor(f"{m}.lora_{ab}.weight")
             for m in ckpt.lora_modules()
             for ab in "AB"
         }
         return state, {"alpha": ckpt.lora_alpha, "r": ckpt.lora_r}
-    iter_dir, _ = resolve_iteration_dir(spec.lora_load)
+    iter_dir, _ = resolve_iteration_dir(given(spec.lora_load, "lora_load"))
     files = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))
     if len(files) != 1:
         raise BadInput(
@@ -77,16 +85,17 @@ def _mcore_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     return state, {"alpha": getattr(args, "lora_alpha", None), "r": getattr(args, "lora_r", None)}
 
 
-def read_adapters(spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(adapter checkpoint tensors, recorded LoRA settings) of ``lora_load``: ours (DCP) or Megatron/MindSpeed."""
     from engine.checkpoint.load import detect_format
 
+    lora = given(spec.lora_load, "lora_load")
     try:
-        fmt = detect_format(spec.lora_load)
+        fmt = detect_format(lora)
         if fmt == "native":
             from engine.checkpoint import dcp
 
-            meta, state = dcp.load_model_weights(spec.lora_load)
+            meta, state = dcp.load_model_weights(lora)
             return dict(state), dict(meta.get("lora") or {})
         if fmt == "mcore":
             return _mcore_adapters(spec)
@@ -133,7 +142,7 @@ class Adapters:
 
 
 def check_adapters(
-    spec: Any, adapter_state: Mapping[str, torch.Tensor], recorded: Mapping[str, Any] | None = None
+    spec: EvalSpec | ServeSpec, adapter_state: Mapping[str, torch.Tensor], recorded: Mapping[str, Any] | None = None
 ) -> Adapters:
     """The adapters of ``lora_load`` with their rank, alpha and targets, checked against the spec's LoRA flags."""
     base, lora = split_adapters(adapter_state)
@@ -180,10 +189,10 @@ def wrap_adapters(model: torch.nn.Module, adapters: Adapters) -> None:
         )
 
 
-def peft_source(base: WeightSource, spec: Any, dtype: torch.dtype) -> PeftOverlay:
+def peft_source(base: WeightSource, spec: EvalSpec | ServeSpec, dtype: torch.dtype) -> PeftOverlay:
     """``base`` with a Hugging Face PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) added in
     fp32 as each weight is read, then cast to ``dtype``."""
-    overlay = PeftOverlay(base, spec.lora_load, spec.lora_alpha, dtype=dtype)
+    overlay = PeftOverlay(base, given(spec.lora_load, "lora_load"), spec.lora_alpha, dtype=dtype)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
         raise BadInput(
             f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
@@ -205,7 +214,10 @@ def open_source(path: str, field: str = "load") -> WeightSource:
 
 
 def build_model(
-    spec: Any, vocab_hint: int | None = None, tp_mesh: DeviceMesh | None = None, device: torch.device | str = "cpu"
+    spec: EvalSpec | ServeSpec,
+    vocab_hint: int | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
     """The eval model, in eval mode and in the dtype it runs in, plus facts for the summary.
 
@@ -213,9 +225,10 @@ def build_model(
     on ``device`` in the run's dtype and filled tensor by tensor from the checkpoint's reader, each rank reading
     only its TP pieces: a bf16 model is never built in fp32 first, and no rank holds a tensor it does not own."""
     check_model_kind(spec)
-    source: WeightSource = open_source(spec.load)
+    load = given(spec.load, "load")
+    source: WeightSource = open_source(load)
     cfg = source.config
-    check_against_checkpoint(spec, cfg, spec.load)
+    check_against_checkpoint(spec, cfg, load)
     cfg = with_rope_flags(spec, cfg)
     dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
     info: dict[str, Any] = {}

@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 from engine.model import rope_scaling
+
+if TYPE_CHECKING:
+    from engine.spec import ModelArgs
 
 QWEN3_VOCAB = 151936
 
@@ -239,7 +242,7 @@ def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     return moe_from_hf(hf)
 
 
-def moe_fields_from_flags(spec: Any, base: ModelConfig | None = None) -> dict[str, Any]:
+def moe_fields_from_flags(spec: ModelArgs, base: ModelConfig | None = None) -> dict[str, Any]:
     """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.spec.ModelArgs``), to pass to
     ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
     knobs then; the expert shape comes from the checkpoint). Empty for a dense model."""

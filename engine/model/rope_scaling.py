@@ -12,7 +12,10 @@ transformers implements it (``engine.model.rope`` computes the tables; parity wi
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.spec import ModelArgs
 
 SUPPORTED = ("yarn",)
 
@@ -70,7 +73,7 @@ def from_args(args: Any) -> dict[str, Any]:
     return {field: a[field] for field in FIELDS if a.get(field) is not None}
 
 
-def from_flags(spec: Any) -> dict[str, Any]:
+def from_flags(spec: ModelArgs) -> dict[str, Any]:
     """ModelConfig rope-scaling fields a spec sets (each flag overrides the checkpoint's value; {} if none)."""
     return {field: getattr(spec, field) for field in FIELDS if getattr(spec, field, None) is not None}
 

@@ -6,8 +6,6 @@ tensor/sequence parallel -> expert parallel -> activation checkpointing -> compi
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,17 +16,18 @@ from engine.parallel.data_parallel import apply_fsdp
 from engine.parallel.expert_parallel import apply_expert_parallel, expert_mesh
 from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
+from engine.spec import TrainSpec
 
 __all__ = ["compute_dtype", "parallelize", "recompute_granularity"]
 
 
-def recompute_granularity(spec: Any) -> str | None:
+def recompute_granularity(spec: TrainSpec) -> str | None:
     if getattr(spec, "recompute_granularity", None):
         return spec.recompute_granularity
     return "selective" if getattr(spec, "recompute_activations", False) else None
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, spec: Any) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Module:
     """Apply, in order, TP/SP, EP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
     # Under pipeline parallelism ``model`` is one stage's part (engine.parallel.pipeline_parallel.build_pipeline).
     dtypes = param_dtypes(spec)

@@ -37,6 +37,7 @@ from engine.contract import layout
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import paused_router_stats
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
+from engine.spec import TrainSpec
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -440,7 +441,7 @@ def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -
 # ------------------------------------------------------------------ spec -> pipeline (the trainer's entry points)
 
 
-def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int) -> None:
+def check_parallel_layout(spec: TrainSpec, cfg: Any, dims: Any, global_batch_size: int) -> None:
     """BadInput (naming the flag) for a TP/PP layout this model and batch cannot use; run before any work."""
     from engine.runfiles import BadInput
 
@@ -473,7 +474,7 @@ def check_parallel_layout(spec: Any, cfg: Any, dims: Any, global_batch_size: int
 def build_pipeline_model(
     model: nn.Module,
     mesh: DeviceMesh,
-    spec: Any,
+    spec: TrainSpec,
     global_batch_size: int,
     seq_length: int,
     parallelize_part: Callable[[nn.Module], nn.Module],

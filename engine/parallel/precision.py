@@ -15,10 +15,11 @@ in ``base`` and ``parallelize`` enforces the storage dtypes with ``apply_param_d
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
+
+from engine.spec import ModelSpec, TrainSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ParamDtypes:
     base: torch.dtype  # the dtype to build / load the non-adapter weights in (frozen under LoRA, else trainable)
 
 
-def compute_dtype(spec: Any) -> torch.dtype:
+def compute_dtype(spec: ModelSpec) -> torch.dtype:
     """The dtype matmuls run in: bf16 / fp16 from the spec, else fp32."""
     if getattr(spec, "bf16", False):
         return torch.bfloat16
@@ -39,7 +40,7 @@ def compute_dtype(spec: Any) -> torch.dtype:
     return torch.float32
 
 
-def param_dtypes(spec: Any) -> ParamDtypes:
+def param_dtypes(spec: TrainSpec) -> ParamDtypes:
     """The run's dtypes from its ``bf16`` / ``fp16`` / ``lora_r`` flags."""
     compute = compute_dtype(spec)
     lora = getattr(spec, "lora_r", None) is not None

@@ -16,13 +16,13 @@ samples' fed tokens summed; padded one row per sample, as wide as the longest (`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
 from engine.data.lengths import RowLengths, dataset_rows, padded_width, split_counts
 from engine.data.sampler import DistributedSampler
 from engine.runfiles import BadInput
+from engine.spec import TrainSpec
 
 REPLAY_LIMIT = 1 << 23  # positions: under a second of numpy at submission (0.42 s per 2^22 measured)
 _CHUNK = 1 << 22
@@ -45,12 +45,12 @@ class BatchShape:
         return f"{self.rows} × {self.width} tokens {where}"
 
 
-def _train_rows(spec: Any, seq_length: int) -> RowLengths:
+def _train_rows(spec: TrainSpec, seq_length: int) -> RowLengths:
     rows = RowLengths.concat([dataset_rows(p, seq_length, spec.is_pairwise_dataset) for p in spec.data_path])
     return rows.head(split_counts(len(rows.count), spec.split)[0])
 
 
-def _shapes(rows: RowLengths, idx: np.ndarray, mbs: int, seq_length: int, spec: Any) -> tuple[np.ndarray, ...]:
+def _shapes(rows: RowLengths, idx: np.ndarray, mbs: int, seq_length: int, spec: TrainSpec) -> tuple[np.ndarray, ...]:
     """(rows, width) of each micro-batch whose rows are ``idx`` (consecutive groups of ``mbs``)."""
     count, total, longest = (a[idx].reshape(-1, mbs) for a in (rows.count, rows.total, rows.longest))
     if spec.padding_free and spec.stage != "dpo":
@@ -59,7 +59,7 @@ def _shapes(rows: RowLengths, idx: np.ndarray, mbs: int, seq_length: int, spec: 
     return count.sum(1), width
 
 
-def _replay(rows: RowLengths, spec: Any, gbs: int, seq_length: int) -> BatchShape:
+def _replay(rows: RowLengths, spec: TrainSpec, gbs: int, seq_length: int) -> BatchShape:
     mbs, positions = spec.micro_batch_size, spec.train_iters * gbs
     order = DistributedSampler(len(rows.count), micro_batch_size=1, seed=spec.seed)
     best = BatchShape(0, 0, 0)
@@ -74,7 +74,7 @@ def _replay(rows: RowLengths, spec: Any, gbs: int, seq_length: int) -> BatchShap
     return best
 
 
-def _any_order(rows: RowLengths, spec: Any, seq_length: int) -> BatchShape:
+def _any_order(rows: RowLengths, spec: TrainSpec, seq_length: int) -> BatchShape:
     mbs = spec.micro_batch_size
     if spec.padding_free and spec.stage != "dpo":
         return BatchShape(1, int(np.sort(rows.total)[-mbs:].sum()), None)
@@ -83,7 +83,7 @@ def _any_order(rows: RowLengths, spec: Any, seq_length: int) -> BatchShape:
     return BatchShape(int(np.sort(rows.count)[-mbs:].sum()), width, None)
 
 
-def largest_micro_batch(spec: Any, global_batch_size: int, seq_length: int) -> BatchShape | None:
+def largest_micro_batch(spec: TrainSpec, global_batch_size: int, seq_length: int) -> BatchShape | None:
     """The largest micro-batch (in padded token positions) the train ``spec``'s data forms over its run; None when
     the data cannot be read (missing, still to be written by a pipeline step, not a Megatron dataset): the planner
     then has only its worst case."""

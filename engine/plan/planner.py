@@ -18,6 +18,7 @@ from engine.plan.memory import (
     plan_ranks,
 )
 from engine.plan.shape import ShapeUnknown, model_config
+from engine.spec import EvalSpec, JobBase, ModelSpec, ServeSpec, TrainSpec
 
 
 @dataclasses.dataclass
@@ -97,27 +98,40 @@ class DoesNotFit(ValueError):
         self.field, self.plan = field, plan
 
 
-def _recompute(spec: Any) -> str | None:
-    if getattr(spec, "recompute_granularity", None):
+def _recompute(spec: TrainSpec) -> str | None:
+    if spec.recompute_granularity:
         return spec.recompute_granularity
-    return "selective" if getattr(spec, "recompute_activations", False) else None
+    return "selective" if spec.recompute_activations else None
 
 
-def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
+def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
     """The planner's view of a TrainSpec/EvalSpec/ServeSpec (world size from ``resources``). A serve job is planned as
     eval with ``max_num_seqs`` rows of ``max_model_len`` cached positions, its activations those of one prefill chunk
     (spread over the rows)."""
-    train, serve = spec.kind == "train", spec.kind == "serve"
-    seq = spec.seq_length or cfg.max_position_embeddings
-    if serve:
-        seq = max(1, SERVE_PREFILL_CHUNK // spec.max_num_seqs)
-    lora_r = spec.lora_r if train else None
+    seq, rows = spec.seq_length or cfg.max_position_embeddings, spec.micro_batch_size
+    kind: dict[str, Any]
+    if isinstance(spec, TrainSpec):
+        kind = {
+            "train": True,
+            "ep": spec.expert_model_parallel_size,  # eval and serve run every expert on each rank
+            "recompute": _recompute(spec),
+            "recompute_method": spec.recompute_method,
+            "recompute_num_layers": spec.recompute_num_layers,
+            "lora_r": spec.lora_r,
+            "lora_targets": tuple(resolve_targets(spec.lora_target_modules)) if spec.lora_r else MEGATRON_TARGETS,
+            "loss_chunk": spec.cross_entropy_chunk_size,
+            **_preference_layout(spec),
+        }
+    elif isinstance(spec, ServeSpec):
+        seq, rows = max(1, SERVE_PREFILL_CHUNK // spec.max_num_seqs), spec.max_num_seqs
+        kind = {"train": False, "eval_tokens": spec.max_model_len}
+    else:
+        kind = {"train": False, "eval_tokens": seq + spec.max_new_tokens}
     return Layout(
         world_size=spec.resources.world_size,
         tp=spec.tensor_model_parallel_size,
         pp=spec.pipeline_model_parallel_size,
-        ep=spec.expert_model_parallel_size if train else 1,  # eval runs every expert on each rank
-        micro_batch_size=spec.max_num_seqs if serve else spec.micro_batch_size,
+        micro_batch_size=rows,
         global_batch_size=spec.global_batch_size,
         seq_length=seq,
         compute_bytes=2 if (spec.bf16 or spec.fp16) else 4,
@@ -125,28 +139,20 @@ def layout_from_spec(spec: Any, cfg: ModelConfig) -> Layout:
         sequence_parallel=spec.sequence_parallel,
         num_layer_list=tuple(spec.num_layer_list) if spec.num_layer_list else None,
         layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
-        recompute=_recompute(spec) if train else None,
-        recompute_method=getattr(spec, "recompute_method", None),
-        recompute_num_layers=getattr(spec, "recompute_num_layers", None),
-        lora_r=lora_r,
-        lora_targets=tuple(resolve_targets(spec.lora_target_modules)) if lora_r else MEGATRON_TARGETS,
-        loss_chunk=getattr(spec, "cross_entropy_chunk_size", 1024),
         device_type=spec.resources.device_type,
-        train=train,
-        eval_tokens=0 if train else spec.max_model_len if serve else seq + getattr(spec, "max_new_tokens", 0),
-        **_preference_layout(spec) if train else {},
+        **kind,
     )
 
 
-def _preference_layout(spec: Any) -> dict[str, Any]:
+def _preference_layout(spec: TrainSpec) -> dict[str, Any]:
     """Stage dpo: pairs double the rows of a micro-batch; a frozen reference copy unless LoRA or reference-free."""
     if spec.stage != "dpo":
         return {}
     free = spec.dpo_loss_type in REFERENCE_FREE_LOSSES
-    return {"rows_per_sample": 2, "reference_copy": spec.lora_r is None and not free}
+    return {"rows_per_sample": 2, "reference_copy": not spec.is_lora and not free}
 
 
-def plan_spec(spec: Any, model: str | None = None, device_memory_bytes: int | None = None) -> MemoryPlan:
+def plan_spec(spec: ModelSpec, model: str | None = None, device_memory_bytes: int | None = None) -> MemoryPlan:
     """Predicted per-rank memory of a train, eval or serve spec. Raises ``ShapeUnknown`` when the shape cannot be
     found."""
     if spec.kind not in PLANNED_KINDS:
@@ -154,7 +160,7 @@ def plan_spec(spec: Any, model: str | None = None, device_memory_bytes: int | No
     cfg, source = model_config(spec, model)
     lay = layout_from_spec(spec, cfg)
     plan = MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
-    if lay.train:
+    if isinstance(spec, TrainSpec):
         gbs = lay.global_batch_size or lay.micro_batch_size * lay.dp
         plan.data = largest_micro_batch(spec, gbs, lay.seq_length)
     if plan.data is not None:
@@ -183,7 +189,7 @@ def breakdown(r: RankMemory) -> str:
     return ", ".join(f"{name} {_gib(v)}" for name, v in parts if v)
 
 
-def _check_kv_share(spec: Any, plan: MemoryPlan, device_memory_bytes: int) -> None:
+def _check_kv_share(spec: ServeSpec, plan: MemoryPlan, device_memory_bytes: int) -> None:
     """A serve job's KV cache must fit in ``kv_cache_memory_fraction`` of what the weights leave of the device."""
     fraction = spec.kv_cache_memory_fraction
     worst = plan.peak
@@ -232,7 +238,7 @@ def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
     return out
 
 
-def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
+def check_fits(spec: ModelSpec, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
     """The plan, or ``DoesNotFit`` naming what to change when the decisive rank (on this job's data when it could be
     read, else at the worst case) exceeds ``device_memory_bytes``."""
     plan = plan_spec(spec, model, device_memory_bytes)
@@ -270,12 +276,12 @@ def check_fits(spec: Any, device_memory_bytes: int, model: str | None = None) ->
 DEVICE_MEMORY_KEY = "device_memory_bytes"  # in a registered host's ``info``: the memory of one of its devices
 
 
-def check_registered_memory(spec: Any, host_infos: Iterable[dict[str, Any] | None]) -> MemoryPlan | None:
+def check_registered_memory(spec: JobBase, host_infos: Iterable[dict[str, Any] | None]) -> MemoryPlan | None:
     """Submission check: ``DoesNotFit`` when the worst rank exceeds the largest device memory any registered host of
     the job's device type reports. None (accepted unchecked) for other kinds, when no host reports its device memory
     (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
-    if getattr(spec, "kind", None) not in PLANNED_KINDS or getattr(spec, "remote", False):
-        return None  # an eval through a deployment loads no model here
+    if not isinstance(spec, TrainSpec | EvalSpec | ServeSpec) or (isinstance(spec, EvalSpec) and spec.remote):
+        return None  # no model of its own (an eval through a deployment loads none here)
     sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
     if not sizes:
         return None

@@ -25,6 +25,7 @@ from engine.contract.inspect import _RANK_DIR_RE, resolve_iteration_dir
 from engine.model import rope_scaling
 from engine.model.config import ModelConfig, moe_fields_from_flags, moe_from_args, preset
 from engine.runfiles import BadInput
+from engine.spec import ModelSpec
 
 
 class ShapeUnknown(ValueError):
@@ -40,25 +41,30 @@ def _megatron_ffn(hidden: int, swiglu: bool) -> int:
     return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
 
 
-def config_from_flags(spec: Any, tokenizer_vocab: int | None = None) -> ModelConfig:
+def _required(value: int | None, flag: str) -> int:
+    if value is None:
+        raise ShapeUnknown(flag, "required when no checkpoint is loaded (load is not set)")
+    return value
+
+
+def config_from_flags(spec: ModelSpec, tokenizer_vocab: int | None = None) -> ModelConfig:
     """A from-scratch model's shape from the spec's Megatron flags, with Megatron's defaults."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(spec, flag, None) is None:
-            raise ShapeUnknown(flag, "required when no checkpoint is loaded (load is not set)")
+    layers = _required(spec.num_layers, "num_layers")
+    hidden = _required(spec.hidden_size, "hidden_size")
+    heads = _required(spec.num_attention_heads, "num_attention_heads")
     vocab = spec.padded_vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
             raise ShapeUnknown("padded_vocab_size", "required without load and without tokenizer_name_or_path")
         multiple = spec.make_vocab_size_divisible_by * spec.tensor_model_parallel_size
         vocab = -(-tokenizer_vocab // multiple) * multiple
-    heads = spec.num_attention_heads
     return ModelConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size or _megatron_ffn(spec.hidden_size, spec.swiglu),
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=spec.ffn_hidden_size or _megatron_ffn(hidden, spec.swiglu),
         num_attention_heads=heads,
         num_query_groups=(spec.num_query_groups or 1) if spec.group_query_attention else heads,
-        kv_channels=spec.kv_channels or spec.hidden_size // heads,
+        kv_channels=spec.kv_channels or hidden // heads,
         vocab_size=vocab,
         norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base,
@@ -160,7 +166,7 @@ def config_from_checkpoint(path: str | Path) -> ModelConfig | None:
     return _from_mcore_args(args) if args is not None else None
 
 
-def model_config(spec: Any, model: str | None = None) -> tuple[ModelConfig, str]:
+def model_config(spec: ModelSpec, model: str | None = None) -> tuple[ModelConfig, str]:
     """(shape, where it came from) for a train/eval spec; ``model`` names a preset (``qwen3-4b``)."""
     load = getattr(spec, "load", None)
     if load:

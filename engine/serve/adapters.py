@@ -20,7 +20,6 @@ directories (separate q/k/v A matrices) and adapters on MoE experts; each is ref
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from torch import nn
 from engine.checkpoint.lora_merge import is_peft_adapter
 from engine.eval.model_loading import Adapters, check_adapters, read_adapters
 from engine.runfiles import BadInput
+from engine.spec import ServeSpec
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ class MultiLoRALinear(nn.Module):
         return out
 
 
-def read_adapter(spec: Any, name: str, path: str) -> Adapters:
+def read_adapter(spec: ServeSpec, name: str, path: str) -> Adapters:
     """Adapter ``name`` of ``lora_adapters``, read and checked as ``lora_load`` is (its own recorded r and alpha)."""
     field = f"lora_adapters.{name}"
     if is_peft_adapter(path):

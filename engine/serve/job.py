@@ -36,13 +36,14 @@ from engine.serve.batcher import Batcher
 from engine.serve.server import Deployment, make_server
 from engine.serve.slots import SlotCache
 from engine.serve.tp_sync import StepSync
+from engine.spec import ServeSpec
 
 log = logging.getLogger(__name__)
 
 QUEUED_PER_SLOT = 4  # waiting sequences allowed per slot before requests are refused (429)
 
 
-def _check_layout(spec: Any) -> None:
+def _check_layout(spec: ServeSpec) -> None:
     """Serving shards by TP only: one node, every rank a TP rank (rank 0 runs the endpoint and the loop)."""
     tp = spec.tensor_model_parallel_size
     if spec.resources.world_size != tp or spec.resources.nnodes != 1:
@@ -55,7 +56,7 @@ def _check_layout(spec: Any) -> None:
         raise BadInput("lora_adapters: per-request adapters are served with TP 1 only for now", field="lora_adapters")
 
 
-def _tp_mesh(spec: Any, device: Device) -> DeviceMesh | None:
+def _tp_mesh(spec: ServeSpec, device: Device) -> DeviceMesh | None:
     if spec.tensor_model_parallel_size == 1:
         return None
     try:
@@ -65,7 +66,7 @@ def _tp_mesh(spec: Any, device: Device) -> DeviceMesh | None:
     return build_mesh(device, dims)["tp"]
 
 
-def served_name(spec: Any, run: RunDir) -> str:
+def served_name(spec: ServeSpec, run: RunDir) -> str:
     """``served_model_name``, else the job's name, else its run directory's name (the job id under a worker)."""
     return spec.served_model_name or spec.name or run.path.name
 
@@ -94,7 +95,10 @@ def _wait(batcher: Batcher, run: RunDir, idle_timeout_s: float | None, stop: thr
 
 
 def run(
-    spec: Any, run: RunDir, stop: threading.Event | None = None, metrics_interval_s: float = SERVE_METRICS_INTERVAL_S
+    spec: ServeSpec,
+    run: RunDir,
+    stop: threading.Event | None = None,
+    metrics_interval_s: float = SERVE_METRICS_INTERVAL_S,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Entry point for ``python -m engine serve`` (see the module docstring); ``stop`` ends it (tests); a metrics
     point every ``metrics_interval_s`` while requests come (``engine.serve.stats``)."""

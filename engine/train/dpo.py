@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from engine.model.moe import paused_router_stats
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import vocab_parallel_sequence_logprobs
 from engine.runfiles import BadInput
+from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch
 from engine.train.model_setup import build_rank_model, open_load, rank_view
 from engine.train.preference import REFERENCE_FREE, PairLogps, PreferenceConfig, preference_loss, sequence_logprobs
@@ -50,7 +51,7 @@ _TRL_NAMES = {
 }
 
 
-def preference_config(spec: Any) -> PreferenceConfig:
+def preference_config(spec: TrainSpec) -> PreferenceConfig:
     return PreferenceConfig(
         loss_type=spec.dpo_loss_type,
         beta=spec.dpo_beta,
@@ -114,7 +115,7 @@ def dpo_loss(
 
 
 def build_reference(
-    spec: Any,
+    spec: TrainSpec,
     cfg: ModelConfig,
     mesh: DeviceMesh,
     policy: nn.Module,
@@ -126,7 +127,7 @@ def build_reference(
     if spec.dpo_loss_type in REFERENCE_FREE:
         return None
     vocab_parallel = mesh["tp"].size() > 1
-    if spec.lora_r is not None:
+    if spec.is_lora:
         return Reference(policy, adapters_off=True, vocab_parallel=vocab_parallel)
     path = spec.ref_model or spec.load
     loaded = open_load(path, rank_view(spec)) if path is not None else None
@@ -138,7 +139,7 @@ def build_reference(
     source: WeightSource | None = SeededInit(cfg, spec.seed) if loaded is None else loaded.source
     frozen_spec = spec.model_copy(update={"recompute_granularity": None, "recompute_activations": False})
     module = build_rank_model(cfg, mesh, frozen_spec, global_batch_size, seq_length, device, source, frozen=True)
-    if loaded is not None and loaded.format == "native":
+    if loaded is not None and loaded.format == "native" and path is not None:
         dcp.load(path, module, None, trainable_only=False, load_rng=False)
     module.eval()
     return Reference(module, adapters_off=False, vocab_parallel=vocab_parallel)

@@ -69,7 +69,7 @@ def lora_rank_states(
 
 
 def _write_lora(
-    state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: Any, dtype: torch.dtype
+    state: dict[str, torch.Tensor], cfg: ModelConfig, save: Path, iteration: int, spec: TrainSpec, dtype: torch.dtype
 ) -> Path:
     adapters = {k: v.to(dtype) for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
@@ -108,7 +108,13 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 def _write_own_rank_file(
-    module: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, it_dir: Path, iteration: int, dtype: torch.dtype
+    module: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ModelConfig,
+    spec: TrainSpec,
+    it_dir: Path,
+    iteration: int,
+    dtype: torch.dtype,
 ) -> None:
     """This rank's ``mp_rank_TT[_PPP]`` file (written by DP rank 0; the other DP ranks take part in the gathers).
     Every rank of a stage walks the same keys in the same order, so each ``full_tensor`` meets its peers."""
@@ -171,7 +177,13 @@ def _save_hf(cfg: ModelConfig, spec: TrainSpec, save: Path, dtype: torch.dtype) 
 
 
 def export_final(
-    runner: StepRunner, mesh: DeviceMesh, cfg: ModelConfig, spec: Any, save: Path, iteration: int, dtype: torch.dtype
+    runner: StepRunner,
+    mesh: DeviceMesh,
+    cfg: ModelConfig,
+    spec: TrainSpec,
+    save: Path,
+    iteration: int,
+    dtype: torch.dtype,
 ) -> dict[str, str]:
     """Write the final checkpoint(s); returns the runner outputs that name them. Collective."""
     outputs = {

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.spec import TrainSpec
+
 
 def status_bytes(field: str) -> int:
     """A ``/proc/self/status`` memory figure (VmRSS, VmHWM) in bytes."""
@@ -61,7 +63,7 @@ def warm_up() -> None:
     torch.optim.AdamW(model.parameters(), fused=True).step()
 
 
-def _build_only(spec: Any, run_dir: Any) -> None:
+def _build_only(spec: TrainSpec, run_dir: Any) -> None:
     """Plan, start the process group and build this rank's trainer (model built and loaded), then stop."""
     import torch.distributed as dist
 

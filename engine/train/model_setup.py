@@ -25,7 +25,7 @@ from engine.checkpoint.sources import WeightSource
 from engine.model import rope_scaling
 from engine.model.config import ModelConfig, moe_fields_from_flags
 from engine.runfiles import BadInput
-from engine.spec import TrainSpec
+from engine.spec import ModelSpec, TrainSpec
 
 Format = Literal["native", "hf", "mcore"]
 
@@ -69,7 +69,7 @@ class LoadedWeights:
     meta: dict[str, Any] | None = None  # native only: meta.json
 
 
-def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
+def rank_keys(cfg: ModelConfig, spec: ModelSpec, pp_rank: int) -> list[str]:
     """The native keys PP rank ``pp_rank`` holds under the spec's pipeline layout, in model order (every key when
     the layout is invalid: ``check_parallel_layout`` names that error later)."""
     from engine.model.hf_mapping import layer_rules
@@ -92,7 +92,7 @@ def rank_keys(cfg: ModelConfig, spec: Any, pp_rank: int) -> list[str]:
     return keys
 
 
-def rank_view(spec: Any) -> Any:
+def rank_view(spec: ModelSpec) -> Any:
     """This process's ``megatron.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
     from engine.checkpoint.megatron import RankView
 
@@ -123,7 +123,7 @@ def open_load(path: str, view: Any = None) -> LoadedWeights:
     return LoadedWeights("mcore", mcore.config, mcore)
 
 
-def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
+def config_from_flags(spec: ModelSpec, tokenizer_vocab: int | None) -> ModelConfig:
     """A from-scratch model's shape from the spec's Megatron flags (``engine.plan.shape.config_from_flags``, the one
     rule the API's planner uses too); a missing flag is a BadInput naming it."""
     from engine.plan.shape import ShapeUnknown
@@ -135,14 +135,14 @@ def config_from_flags(spec: Any, tokenizer_vocab: int | None) -> ModelConfig:
         raise BadInput(str(err), err.field) from err
 
 
-def with_spec_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
+def with_spec_flags(spec: ModelSpec, cfg: ModelConfig) -> ModelConfig:
     """A loaded model's shape with the spec's training knobs: MoE (aux-loss weight, balancing type, capacity) and
     rope scaling."""
     fields = moe_fields_from_flags(spec, cfg)
     return with_rope_flags(spec, cfg.replace(**fields) if fields else cfg)
 
 
-def with_rope_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
+def with_rope_flags(spec: ModelSpec, cfg: ModelConfig) -> ModelConfig:
     """A loaded model with the spec's rope scaling (YaRN set on a checkpoint without it stretches the model to
     longer samples; each flag set overrides the checkpoint's value)."""
     fields = rope_scaling.from_flags(spec)
@@ -153,7 +153,7 @@ def with_rope_flags(spec: Any, cfg: ModelConfig) -> ModelConfig:
         raise BadInput(str(err), field if field in type(spec).model_fields else "load") from err
 
 
-def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
+def check_against_checkpoint(spec: ModelSpec, cfg: ModelConfig, source: str) -> None:
     """BadInput for the first explicitly set shape flag that disagrees with the checkpoint's shape."""
     explicit = spec.model_fields_set
     pairs = [(flag, *_SHAPE_FLAGS[flag]) for flag in _SHAPE_FLAGS if flag in explicit]
@@ -170,7 +170,7 @@ def check_against_checkpoint(spec: Any, cfg: ModelConfig, source: str) -> None:
             )
 
 
-def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
+def checkpoint_flags(cfg: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
     """The spec's flags as the checkpoint's shape sets them (the inverse of ``_SHAPE_FLAGS``, GQA and MoE too), for
     the fields ``spec`` has. The run records them (a ``config`` event) so the Spec tab shows the values taken from
     the checkpoint, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
@@ -186,7 +186,7 @@ def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
     return {flag: value for flag, value in flags.items() if flag in fields}
 
 
-def check_model_kind(spec: Any) -> None:
+def check_model_kind(spec: ModelSpec) -> None:
     """Only Qwen3 (RMSNorm, RoPE, SwiGLU) is built here: refuse explicit flags asking for something else."""
     explicit = spec.model_fields_set
     if "normalization" in explicit and spec.normalization != "RMSNorm":

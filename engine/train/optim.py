@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engine.parallel.device import has_fused_adamw
+from engine.spec import TrainSpec
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -56,7 +57,7 @@ def bounded_groups(groups: list[dict[str, Any]], limit_bytes: int = FOREACH_GROU
     return out
 
 
-def build_optimizer(model: nn.Module, spec: Any) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.AdamW:
     """AdamW with no full-size temporary: torch's fused kernel where the device has one (in place, per tensor list),
     else foreach over groups of at most ``FOREACH_GROUP_BYTES``."""
     groups = param_groups(model, spec.weight_decay)
@@ -106,7 +107,7 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Te
 class LossScaler:
     """Megatron's loss scaling: constant (``loss_scale``), dynamic (fp16), or none (scale 1, bf16/fp32)."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: TrainSpec):
         self.dynamic = bool(spec.fp16) and spec.loss_scale is None
         self.scale = float(spec.loss_scale or (spec.initial_loss_scale if spec.fp16 else 1.0))
         self.min_scale = spec.min_loss_scale

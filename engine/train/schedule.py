@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from engine.spec import TrainSpec
+
 
 @dataclasses.dataclass
 class LRSchedule:
@@ -46,7 +48,7 @@ class LRSchedule:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
 
-def schedule_from_spec(spec: Any) -> LRSchedule:
+def schedule_from_spec(spec: TrainSpec) -> LRSchedule:
     decay = spec.lr_decay_iters or spec.train_iters
     if spec.lr_warmup_fraction is not None:
         warmup = spec.lr_warmup_fraction * decay  # a float, as Megatron keeps it
