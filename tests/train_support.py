@@ -13,6 +13,18 @@ import numpy as np
 
 from engine.data.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
 
+# Qwen3-4B as the seed scripts give it (MindSpeed flag names): the planner tests size the seed lines with it.
+QWEN3_4B: dict[str, Any] = {
+    "num_layers": 36,
+    "hidden_size": 2560,
+    "ffn_hidden_size": 9728,
+    "num_attention_heads": 32,
+    "group_query_attention": True,
+    "num_query_groups": 8,
+    "kv_channels": 128,
+    "padded_vocab_size": 151936,
+}
+
 TINY_SHAPE: dict[str, Any] = {
     "num_layers": 2,
     "hidden_size": 64,

@@ -15,18 +15,9 @@ from engine.plan import DoesNotFit, Layout, check_fits, plan_ranks, plan_spec
 from engine.plan.cli import split_torchrun
 from engine.plan.memory import MIB, in_flight
 from engine.spec import parse_spec
+from train_support import QWEN3_4B, write_instruction_data
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN3_4B = {
-    "num_layers": 36,
-    "hidden_size": 2560,
-    "ffn_hidden_size": 9728,
-    "num_attention_heads": 32,
-    "group_query_attention": True,
-    "num_query_groups": 8,
-    "kv_channels": 128,
-    "padded_vocab_size": 151936,
-}
 
 
 def seed_full(**extra: Any) -> dict[str, Any]:
@@ -308,9 +299,6 @@ def test_dpo_counts_the_pairs_and_the_reference_copy() -> None:
 def test_admission_decides_on_this_data(tmp_path: Path) -> None:
     """Issue 23 item 5: short samples make micro-batches far below seq_length; the plan reads their lengths from the
     index, reports both figures, decides on the data's, and names what would make a still-too-big job fit."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from train_support import write_instruction_data  # noqa: PLC0415  (8-39 tokens a sample)
-
     prefix = write_instruction_data(tmp_path / "short", n=64)
     extra = {"micro_batch_size": 16, "train_iters": 3, "variable_seq_lengths": True, "padding_free": False}
     worst_only = parse_spec(seed_full(**extra))

@@ -12,6 +12,7 @@ from core.db import session_scope
 from core.models import Host
 from core.settings import Settings
 from core_support import auth, isolated_settings, team_dir
+from train_support import QWEN3_4B, write_instruction_data
 
 
 @pytest.fixture
@@ -40,14 +41,7 @@ def qwen3_4b(**extra: Any) -> dict[str, Any]:
         "global_batch_size": 128,
         "pipeline_model_parallel_size": 2,
         "use_distributed_optimizer": True,
-        "num_layers": 36,
-        "hidden_size": 2560,
-        "ffn_hidden_size": 9728,
-        "num_attention_heads": 32,
-        "group_query_attention": True,
-        "num_query_groups": 8,
-        "kv_channels": 128,
-        "padded_vocab_size": 151936,
+        **QWEN3_4B,
         "resources": {"device_type": "npu", "nproc_per_node": 2},
         **extra,
     }
@@ -102,11 +96,6 @@ def test_qwen3_235b_a22b_on_small_devices_is_refused(client: TestClient, token: 
 def test_fits_on_its_data_is_admitted_and_held_to_it(client: TestClient, token: str, settings: Settings) -> None:
     """Issue 23 item 5: at 16 × 800 tokens the worst case does not fit 64 GiB (above), but this data's samples are
     8-39 tokens: admitted on its largest micro-batch, which the spec then carries for the engine to enforce."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from train_support import write_instruction_data
-
     register(settings, 64)
     write_instruction_data(team_dir(settings, "alpha") / "short", n=64)
     response = client.post("/v1/jobs", json=qwen3_4b(data_path=["short"], micro_batch_size=16), headers=auth(token))

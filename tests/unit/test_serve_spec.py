@@ -13,17 +13,7 @@ from engine.plan import DoesNotFit, check_fits, plan_spec
 from engine.plan.memory import kv_cache_bytes
 from engine.serve.slots import SlotCache
 from engine.spec import ServeSpec, parse_spec
-
-QWEN3_4B = {
-    "num_layers": 36,
-    "hidden_size": 2560,
-    "ffn_hidden_size": 9728,
-    "num_attention_heads": 32,
-    "group_query_attention": True,
-    "num_query_groups": 8,
-    "kv_channels": 128,
-    "padded_vocab_size": 151936,
-}
+from train_support import QWEN3_4B
 
 
 def serve(**extra: Any) -> dict[str, Any]:
