@@ -33,8 +33,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# Two pytest-xdist workers: most tests wait on child processes (torchrun ranks, the service, workers), so two at a time
+# fill the machine; the tests that share PostgreSQL's or Redis's one database run on one worker in turn (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -ra --durations=25
+	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow and not e2e"

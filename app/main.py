@@ -32,7 +32,7 @@ from core.db import upgrade_head
 from core.dispatch import Dispatcher
 from core.metrics_registry import ServiceMetrics
 from core.settings import Settings, get_settings
-from engine.spec import JobSpec
+from engine.contract.spec import JobSpec
 
 log = logging.getLogger(__name__)
 UI_DIR = Path(__file__).parent / "ui"

@@ -1,4 +1,4 @@
-"""Generate the README's reference tables: the job spec (the pydantic models in engine/spec.py) and the
+"""Generate the README's reference tables: the job spec (the pydantic models in engine/contract/spec.py) and the
 configuration (``core.settings.Settings``, as ``LLMJOBS_*`` variables).
 
 ``python -m app.spec_reference`` rewrites the blocks between the markers in README.md; ``--check`` exits 1 when the
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from core.settings import REPO_ROOT, Settings
-from engine.spec import SPEC_CLASSES, PipelineStep, Resources
+from engine.contract.spec import SPEC_CLASSES, PipelineStep, Resources
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- spec-reference:start -->", "<!-- spec-reference:end -->"

@@ -28,7 +28,7 @@ output projection's input 2h, the dropout mask h) is counted here as 3·h + 4·q
 key/value projection widths). For Qwen3-4B (q 4096, kv 1024, h 2560) that is exactly 11·h, so the dense baseline is
 the literal formula; Qwen3-30B-A3B's queries are 2·h wide (4096 for h 2048), +2 KB per token over the literal
 figure, which is reported too (``megatron_literal_kb``). Target <= 1.1 without recompute; ``vs_transformers`` = ours / transformers' (target <= 0.6);
-``planner_vs_measured`` = ``engine.plan.memory``'s figure / ours (target within 1 ± 0.05). The last line is one JSON
+``planner_vs_measured`` = ``engine.contract.plan.memory``'s figure / ours (target within 1 ± 0.05). The last line is one JSON
 object. ``--smoke``: 128 tokens and 16 experts (seconds).
 """
 
@@ -50,12 +50,12 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.model.attention import plan_attention
-from engine.model.config import ModelConfig, preset
+from engine.contract.model_config import ModelConfig, preset
 from engine.model.moe import GroupedExperts
 from engine.model.qwen3 import Qwen3Model
 from engine.model.rope import rope_cos_sin
 from engine.parallel.activation_checkpoint import apply_ac
-from engine.plan.memory import Layout, layer_activation_bytes, stage_activation_bytes
+from engine.contract.plan.memory import Layout, layer_activation_bytes, stage_activation_bytes
 
 MODES = ("none", "selective", "full")
 

@@ -66,7 +66,7 @@ from core.paths import team_areas  # noqa: E402
 from core.reconciler import reconcile_once  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from core.states import HostState, JobState, NodeState  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from sched_support import TINY_SHAPE, tiny_data  # noqa: E402
 from worker import leases  # noqa: E402
 from worker.hosts import register_host, set_host_state  # noqa: E402

@@ -35,7 +35,7 @@ def generate(path: Path, layers: int, shape: str = "qwen3-235b-a22b") -> Path:
     import torch
 
     from engine.checkpoint.hf import expected_hf_shapes, write_safetensors
-    from engine.model.config import preset
+    from engine.contract.model_config import preset
 
     cfg = preset(shape)
     cfg = cfg.replace(num_layers=layers) if layers != cfg.num_layers else cfg
@@ -99,7 +99,7 @@ def measure(name: str, flags: list[str], work: Path) -> dict:
 
 
 def main() -> None:
-    from engine.model.config import preset
+    from engine.contract.model_config import preset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert-moe")

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from engine.eval.generate import DecodeOptions, generate_batch
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 

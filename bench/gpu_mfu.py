@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.activation_checkpoint import apply_ac

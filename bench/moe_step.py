@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import MoELayer, grouped_backend
 from engine.model.moe_mapping import native_from_hf

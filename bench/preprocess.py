@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.preprocess import run  # noqa: E402
 from engine.data.templates import chatml_segments, check_conversation  # noqa: E402
 from engine.data.tokenizer import load_tokenizer  # noqa: E402
-from engine.runfiles import RunDir  # noqa: E402
-from engine.spec import PreprocessSpec  # noqa: E402
+from engine.contract.runfiles import RunDir  # noqa: E402
+from engine.contract.spec import PreprocessSpec  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 INTENTS = ["闲聊百科_知识查询", "家电控制_打开", "家电控制_关闭", "音乐_播放", "天气_查询", "导航_路线", "闹钟_设置", "新闻_播报"]

@@ -34,9 +34,9 @@ from core.db import session_scope, upgrade_head
 from core.jobs import create_job
 from core.models import Event, Job
 from core.settings import Settings
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 from engine.serve.job import run as serve_run
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 from core import secrets_box
 
 NAME = "bench-chat"

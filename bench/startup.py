@@ -6,7 +6,7 @@ is ``engine.train.measure`` under torchrun (2 ranks): a LoRA fine-tune (r 16, bf
 GBS 2, short sequences), one iteration. Per rank:
 
 - ``startup_rss_ratio``: (peak RSS - the rank's RSS before the job, i.e. interpreter + torch + process group) / the
-  rank's bf16 shard (its base parameters × 2 B, counted by ``engine.plan``: embedding on the first stage, final norm
+  rank's bf16 shard (its base parameters × 2 B, counted by ``engine.contract.plan``: embedding on the first stage, final norm
   and the (tied copy of the) head on the last). Target <= 1.3. The fixed cost is reported apart (``fixed_rss_mib``).
 - ``read_ratio``: bytes the rank read / its shard. ``rchar`` (bytes through read syscalls, page cache or not), since
   the checkpoint readers use ``pread``; ``read_bytes`` (from storage) is reported too but undercounts what a rank
@@ -38,9 +38,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.model.config import ModelConfig, preset
-from engine.plan import plan_spec
-from engine.spec import parse_spec
+from engine.contract.model_config import ModelConfig, preset
+from engine.contract.plan import plan_spec
+from engine.contract.spec import parse_spec
 
 MIB = 2**20
 
@@ -82,7 +82,7 @@ def drop_page_cache(path: Path) -> None:
 def write_data(prefix: Path, seq: int, vocab: int, n: int = 16) -> str:
     import numpy as np
 
-    from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
+    from engine.contract.indexed import IndexedDatasetWriter, instruction_prefix
 
     rng = np.random.default_rng(0)
     prefix.parent.mkdir(parents=True, exist_ok=True)

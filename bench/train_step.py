@@ -79,7 +79,7 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 
 
 def _config(shape: dict):
-    from engine.model.config import ModelConfig
+    from engine.contract.model_config import ModelConfig
 
     return ModelConfig(**shape, max_position_embeddings=40960)
 

@@ -96,7 +96,7 @@ def write_tiny_model(out: Path, tokenizer: Path, seed: int = 0) -> Path:
     import torch
 
     from engine.checkpoint.hf import copy_tokenizer, save_hf
-    from engine.model.config import preset
+    from engine.contract.model_config import preset
     from engine.model.qwen3 import Qwen3Model
 
     cfg = preset("qwen3-tiny-tied")

@@ -37,7 +37,7 @@ def serve(
     """API + one local worker on the embedded defaults (what `make run` starts)."""
     from cli.demo import prepare_demo
     from core.paths import ensure_team_areas
-    from engine.parent_death import preexec_die_with_parent
+    from engine.contract.parent_death import preexec_die_with_parent
 
     settings = load_settings()
     prepare(settings)

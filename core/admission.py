@@ -1,6 +1,6 @@
 """Admission: refuse at submission what the engine would refuse before its first step (422 naming the field).
 
-Two passes around the schema (``engine.spec``): ``check_fields`` reads the raw body first, so an unknown field or kind
+Two passes around the schema (``engine.contract.spec``): ``check_fields`` reads the raw body first, so an unknown field or kind
 gets a "did you mean" instead of pydantic's bare ``extra_forbidden``; ``check_admissible`` reads the parsed spec and
 the file system: required fields by kind, inputs that must exist, the parallel layout against a checkpoint's shape,
 and the ceilings in settings (``max_train_iters``, ``max_train_tokens``; a team's default ``run_deadline_s``).
@@ -21,14 +21,12 @@ from typing import Any
 from core.errors import ApiError
 from core.paths import team_areas
 from core.settings import Settings
-from engine.checkpoint import owner
-from engine.contract import inspect, layout
-from engine.data.indexed import PAIRWISE_FIELDS, instruction_prefix
-from engine.flags import IGNORED_FLAGS
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig, hf_num_experts
-from engine.plan.shape import config_from_checkpoint
-from engine.spec import (
+from engine.contract import inspect, layout, owner, rope_scaling
+from engine.contract.flags import IGNORED_FLAGS
+from engine.contract.indexed import PAIRWISE_FIELDS, instruction_prefix
+from engine.contract.model_config import ModelConfig, hf_num_experts
+from engine.contract.plan.shape import config_from_checkpoint
+from engine.contract.spec import (
     REFERENCE_PLACEHOLDER_DIR,
     SPEC_CLASSES,
     STEP_KINDS,

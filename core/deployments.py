@@ -23,7 +23,7 @@ from core.errors import ApiError
 from core.models import Event, Job
 from core.settings import Settings
 from core.states import TERMINAL, JobState
-from engine.spec import EvalSpec
+from engine.contract.spec import EvalSpec
 
 
 @dataclasses.dataclass(frozen=True)

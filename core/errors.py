@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from engine.spec import FIELD_MESSAGE, SPEC_CLASSES, error_message
+from engine.contract.spec import FIELD_MESSAGE, SPEC_CLASSES, error_message
 
 
 class ApiError(Exception):

@@ -24,7 +24,7 @@ from core.pages import fetch_page
 from core.settings import Settings
 from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
 from core.structured_logs import current_request_id
-from engine.spec import JobBase, spec_to_json
+from engine.contract.spec import JobBase, spec_to_json
 
 
 def body_hash(raw: Any) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from core.settings import Settings
-from engine.guard import areas_env
+from engine.contract.guard import areas_env
 
 TEAMS_DIR = "teams"
 TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -51,7 +51,7 @@ def shared_areas(settings: Settings) -> list[Path]:
 
 
 class RootsContext(TypedDict):
-    """The keyword arguments of ``engine.spec.parse_spec`` that confine paths to a caller's areas."""
+    """The keyword arguments of ``engine.contract.spec.parse_spec`` that confine paths to a caller's areas."""
 
     data_roots: list[str]
     read_roots: list[str]
@@ -65,11 +65,11 @@ class Areas:
     read: list[Path]
 
     def env(self) -> dict[str, str]:
-        """The environment variables that hand these areas to the engine (``engine.guard`` re-checks paths)."""
+        """The environment variables that hand these areas to the engine (``engine.contract.guard`` re-checks paths)."""
         return areas_env(self.write, self.read)
 
     def context(self) -> RootsContext:
-        """The validation context of ``engine.spec.parse_spec``."""
+        """The validation context of ``engine.contract.spec.parse_spec``."""
         return {"data_roots": [str(p) for p in self.write], "read_roots": [str(p) for p in self.read]}
 
 

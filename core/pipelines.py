@@ -32,7 +32,7 @@ from core.pubsub import notify
 from core.scheduler import check_fits
 from core.settings import Settings
 from core.states import ACTIVE, TERMINAL, WAITING, JobState
-from engine.spec import (
+from engine.contract.spec import (
     PipelineSpec,
     PipelineStep,
     Resources,

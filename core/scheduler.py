@@ -39,9 +39,9 @@ from core.messaging import send_run_node
 from core.models import Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.settings import Settings
 from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
-from engine.plan import DoesNotFit, check_registered_memory
-from engine.plan.planner import DEVICE_MEMORY_KEY
-from engine.spec import JobBase, Resources
+from engine.contract.plan import DoesNotFit, check_registered_memory
+from engine.contract.plan.planner import DEVICE_MEMORY_KEY
+from engine.contract.spec import JobBase, Resources
 
 log = logging.getLogger(__name__)
 
@@ -515,7 +515,7 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
 def check_memory_fits(session: Session, spec: JobBase) -> None:
     """422 ``does_not_fit`` (naming the field to change, with the per-rank breakdown) when the planner's peak for a
     rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
-    not checked (``engine.plan.check_registered_memory``). The plan decides on the job's data when it can read it;
+    not checked (``engine.contract.plan.check_registered_memory``). The plan decides on the job's data when it can read it;
     a job that fits only on its data gets ``max_micro_batch_tokens`` so the engine refuses a larger micro-batch."""
     kind = spec.resources.device_type
     largest = session.scalar(select(func.max(Host.info[DEVICE_MEMORY_KEY].as_float())).where(Host.device_type == kind))
@@ -524,6 +524,6 @@ def check_memory_fits(session: Session, spec: JobBase) -> None:
     except DoesNotFit as err:
         raise ApiError(422, "does_not_fit", str(err), err.field) from err
     if plan is not None and plan.data is not None and plan.peak.total_bytes > (plan.device_memory_bytes or 0):
-        # admitted on its data's largest micro-batch only: the engine holds the data to it (engine.plan.data_shape)
+        # admitted on its data's largest micro-batch only: the engine holds the data to it (engine.contract.plan.data_shape)
         limit = getattr(spec, "max_micro_batch_tokens", None)
         spec.max_micro_batch_tokens = min(limit or plan.data.tokens, plan.data.tokens)  # type: ignore[attr-defined]

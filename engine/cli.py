@@ -16,9 +16,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from engine.guard import check_spec
-from engine.parent_death import die_with_launcher
-from engine.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
+from engine.contract.guard import check_spec
+from engine.contract.parent_death import die_with_launcher
+from engine.contract.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
 
 log = logging.getLogger("engine")
 
@@ -60,7 +60,7 @@ def _finish(code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan":  # no run directory, no process group: prints and exits
-        from engine.plan.cli import main as plan_main
+        from engine.contract.plan.cli import main as plan_main
 
         return plan_main(argv[1:])
     if not argv or argv[0] not in RUNNERS:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     kind, rest = argv[0], argv[1:]
     die_with_launcher()  # first: a rank whose torchrun is gone must not train on
-    from engine.flags import spec_from_argv  # pydantic only; cheap
+    from engine.contract.flags import spec_from_argv  # pydantic only; cheap
 
     try:
         spec, run_dir, ignored = spec_from_argv(kind, rest)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         run.event("warning", "ignored flags: " + " ".join(ignored), ignored=ignored)
     run.event("started", f"{kind} started", kind=kind)
     try:
-        check_spec(spec)  # the job's data areas, when a worker gave them (engine.guard)
+        check_spec(spec)  # the job's data areas, when a worker gave them (engine.contract.guard)
         outputs, summary = _runner(kind)(spec, run)
     except BadInput as err:
         log.error("%s", err)

@@ -27,22 +27,23 @@ from typing import Any
 
 import numpy as np
 
-from engine.constants import IGNORE_INDEX
-from engine.data.encode import ChunkResult, EncodeConfig, encode_chunk, init_worker
-from engine.data.formats import PAIRWISE_HANDLERS, Converter, handler_format, where
-from engine.data.indexed import (
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.data_formats import PAIRWISE_HANDLERS, handler_format
+from engine.contract.guard import check_output
+from engine.contract.indexed import (
     INSTRUCTION_FIELDS,
     PAIRWISE_FIELDS,
     IndexedDatasetWriter,
     boundaries_prefix,
     instruction_prefix,
 )
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import PreprocessSpec
+from engine.data.encode import ChunkResult, EncodeConfig, encode_chunk, init_worker
+from engine.data.formats import Converter, where
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
 from engine.data.tokenizer import load_tokenizer
-from engine.guard import check_output
-from engine.runfiles import BadInput, RunDir
-from engine.spec import PreprocessSpec
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class _Outputs:
     """Indexed-dataset writers under a hidden temporary directory; ``commit`` renames them into place."""
 
     def __init__(self, output_prefix: str, names: list[str], stale: list[str]):
-        final = check_output("output_prefix", output_prefix)  # right before writing (engine.guard)
+        final = check_output("output_prefix", output_prefix)  # right before writing (engine.contract.guard)
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_partials(final)
         self.tmp = final.parent / f".{final.name}.partial-{os.getpid()}"

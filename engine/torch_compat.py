@@ -35,7 +35,7 @@ Pinned torch: 2.13 (pyproject). Each name, and why no public API does the job:
 Not here because a public API does it: the MoE expert matmul uses ``torch.nn.functional.grouped_mm`` (a thin public
 wrapper of ``torch._grouped_mm``); single-process DCP reads use ``torch.distributed.checkpoint.load(no_dist=True)``
 (``engine.checkpoint.dcp.read_saved``), not ``_load_state_dict_from_keys``. Strings such as ``"torch._utils"`` in the
-unpickling allow-list (``engine.checkpoint.allow_list``, used by ``safe_pickle`` and ``reader``) name what a pickle holds and
+unpickling allow-list (``engine.contract.allow_list``, used by ``safe_pickle`` and ``reader``) name what a pickle holds and
 are not imports.
 """
 

@@ -15,6 +15,18 @@ POSTGRES_URL = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg:/
 REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+# Tests that touch the one shared PostgreSQL database or Redis run on one pytest-xdist worker, in turn; every other
+# test keeps its state in its own tmp_path and free ports, so `make test` spreads them over the machine's cores.
+SHARED_SERVICES = {"postgres_url", "redis_url"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = SHARED_SERVICES & set(getattr(item, "fixturenames", ()))
+        if uses or item.get_closest_marker("postgres") or item.get_closest_marker("redis"):
+            item.add_marker(pytest.mark.xdist_group("shared-services"))
+
+
 def _reachable(url: str) -> bool:
     parsed = urlparse(url)
     try:

@@ -36,7 +36,7 @@ def auth(token: str) -> dict[str, str]:
 def make_job(settings: Settings, team: str = "t", **fields: Any) -> str:
     """A queued preprocess job (paths are not checked); returns its id."""
     from core.jobs import create_job
-    from engine.spec import parse_spec
+    from engine.contract.spec import parse_spec
 
     raw = {"kind": "preprocess", "input": "a", "tokenizer_name_or_path": "t", "output_prefix": "o", **fields}
     with session_scope(settings.database_url) as session:

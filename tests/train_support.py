@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
+from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
 
 # Qwen3-4B as the seed scripts give it (MindSpeed flag names): the planner tests size the seed lines with it.
 QWEN3_4B: dict[str, Any] = {

@@ -41,7 +41,7 @@ def _count(device_type: str) -> int:
 
 def device_memory_bytes(device_type: str, slots: int = 1) -> int | None:
     """Memory of one device (the first visible one; hosts are homogeneous), for the submission-time memory check
-    (``engine.plan.check_registered_memory``): on CPU the host's RAM shared by its ``slots`` (each rank is a
+    (``engine.contract.plan.check_registered_memory``): on CPU the host's RAM shared by its ``slots`` (each rank is a
     process in the same RAM); None when the runtime cannot tell."""
     if device_type == "cpu":
         return host_memory_bytes() // max(slots, 1) or None

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from engine.spec import PipelineSpec
+from engine.contract.spec import PipelineSpec
 from worker.local_job import prepare_run, run_job
 from worker.pipeline_run import run_pipeline
 

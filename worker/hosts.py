@@ -12,7 +12,7 @@ from core.db import session_scope
 from core.models import Host, utcnow
 from core.settings import Settings
 from core.states import HostState
-from engine.plan.planner import DEVICE_MEMORY_KEY
+from engine.contract.plan.planner import DEVICE_MEMORY_KEY
 
 log = logging.getLogger(__name__)
 

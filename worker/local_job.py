@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.runfiles import read_result
-from engine.spec import JobBase, load_spec_file, spec_to_json
+from engine.contract.runfiles import read_result
+from engine.contract.spec import JobBase, load_spec_file, spec_to_json
 from worker.execute import log_tail, write_spec
 from worker.ingest import FileTail
 from worker.launcher import build_launch

@@ -42,8 +42,8 @@ from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
 from core.settings import Settings
 from core.states import NODE_STARTED, RUNNING, HostState, JobState, NodeState
-from engine.runfiles import EXIT_BAD_INPUT, read_result
-from engine.spec import parse_spec
+from engine.contract.runfiles import EXIT_BAD_INPUT, read_result
+from engine.contract.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
 from worker.hosts import set_host_state
 from worker.ingest import RunIngestor
@@ -127,7 +127,7 @@ def node_work(job: Job, node: JobNode) -> NodeWork:
 
 def node_plan(work: NodeWork, settings: Settings | None = None) -> LaunchPlan:
     """The engine's command line and environment for this node; with ``settings``, the job's team areas too (the
-    engine re-checks every path inside them right before opening it, ``engine.guard``)."""
+    engine re-checks every path inside them right before opening it, ``engine.contract.guard``)."""
     spec = parse_spec(work.spec)
     rdzv = Rendezvous(work.master_addr, work.master_port, work.node_rank) if work.nnodes > 1 else None
     devices = work.devices if spec.resources.device_type != "cpu" else None

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from core.pipelines import StepError, child_body, decide
 from core.states import JobState
-from engine.runfiles import read_result
-from engine.spec import PipelineSpec, first_error
+from engine.contract.runfiles import read_result
+from engine.contract.spec import PipelineSpec, first_error
 from worker.local_job import INTERRUPTED, prepare_run, run_job
 
 

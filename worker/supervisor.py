@@ -2,7 +2,7 @@
 
 torchrun starts its workers in new sessions (torch's SubprocessHandler uses start_new_session), so signalling the
 group alone misses them: the supervisor also remembers every descendant it has seen and signals those by pid. If the
-worker itself dies, the kernel kills the launch (``engine.parent_death``) and each rank dies with it.
+worker itself dies, the kernel kills the launch (``engine.contract.parent_death``) and each rank dies with it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.parent_death import preexec_die_with_parent
+from engine.contract.parent_death import preexec_die_with_parent
 from worker.launcher import LaunchPlan
 
 

@@ -22,7 +22,7 @@ from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
 from core.settings import Settings
 from core.states import JobState
-from engine.spec import EvalSpec, JobBase, PipelineSpec, Resources, parse_spec
+from engine.contract.spec import EvalSpec, JobBase, PipelineSpec, Resources, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
@@ -109,7 +109,7 @@ def _submit(
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
-    check_memory_fits(session, spec)  # 422 when a rank would not fit any registered device (engine.plan)
+    check_memory_fits(session, spec)  # 422 when a rank would not fit any registered device (engine.contract.plan)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     return JobPublic.from_row(job), created
 

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from engine.checkpoint.owner import META, STATE_DIR, TRACKER, latest_state
 from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
+from engine.contract.owner import META, STATE_DIR, TRACKER, latest_state
 from engine.parallel.pipeline_parallel import dcp_state_view
 
 TRASH = ".trash"
@@ -160,11 +160,11 @@ def complete_checkpoints(save_dir: str | os.PathLike[str]) -> dict[int, Path]:
 def prune(
     save_dir: str | os.PathLike[str], just_saved: int, keep_last_n: int | None, keep_best_by: str | None = None
 ) -> list[int]:
-    """Delete the checkpoints retention does not keep (``engine.retention``); returns their iterations.
+    """Delete the checkpoints retention does not keep (``engine.contract.retention``); returns their iterations.
 
     Rank 0 only, after ``save`` of ``just_saved`` returned (complete, tracker updated). ``keep_best_by`` is read from
     each checkpoint's meta.json ``metrics`` (written by the trainer at save time)."""
-    from engine.retention import to_delete
+    from engine.contract.retention import to_delete
 
     found = complete_checkpoints(save_dir)
     values: dict[int, float | None] = {}
@@ -258,7 +258,7 @@ class DcpWeights:
     training restores through ``load``, sharded by the rank's own DTensors)."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        from engine.model.config import ModelConfig
+        from engine.contract.model_config import ModelConfig
 
         self.path = resolve(path)
         self.meta = json.loads((self.path / META).read_text())

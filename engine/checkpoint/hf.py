@@ -27,11 +27,11 @@ from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_s
 from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
-from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from engine.contract.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
 from engine.dtypes import HF_DTYPE_NAMES, SAFETENSORS_NAMES
-from engine.model.config import ModelConfig
 from engine.model.hf_mapping import hf_from_native, native_keys, native_row_runs, rule_of
-from engine.runfiles import BadInput
 
 Getter = Callable[[str], torch.Tensor]
 Progress = Callable[[int, int], None]

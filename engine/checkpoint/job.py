@@ -25,12 +25,12 @@ from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.contract import layout
+from engine.contract.guard import check_output
+from engine.contract.lora_targets import resolve_targets
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import ConvertSpec
 from engine.dtypes import DTYPES
-from engine.guard import check_output
-from engine.model.config import ModelConfig
-from engine.model.lora_targets import resolve_targets
-from engine.runfiles import BadInput, RunDir
-from engine.spec import ConvertSpec
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def run(spec: ConvertSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]
     cfg, source = _open_source(spec, run)
     dtype = DTYPES[spec.params_dtype] if spec.params_dtype else as_getter(source)(FINAL_NORM).dtype
     progress = _Progress(run, "tensors")
-    check_output("save_dir", spec.save_dir)  # right before writing (engine.guard)
+    check_output("save_dir", spec.save_dir)  # right before writing (engine.contract.guard)
     try:
         if spec.save_lora_to_hf:
             out, files = _to_adapter(spec, cfg, source, dtype)

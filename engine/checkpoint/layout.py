@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from engine.contract import layout
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, ROUTER, layer_rules, native_keys
 
 Rule = Literal["rep", "dim0", "dim1", "glu"]

@@ -19,9 +19,9 @@ from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.megatron import MegatronCheckpoint
 from engine.checkpoint.sources import WeightSource
 from engine.contract.inspect import TRACKER, Format, checkpoint_format
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
 from engine.model.hf_mapping import native_keys
-from engine.runfiles import BadInput
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:

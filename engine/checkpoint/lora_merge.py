@@ -33,10 +33,10 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
 from engine.checkpoint.sources import expert_range
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
 from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
 from engine.model.lora import merge_lora_rounded
-from engine.runfiles import BadInput
 
 PEFT_PREFIX = "base_model.model.model.layers."
 _HF_MODULES = HF_MODULES  # native module -> its HF modules, from the one key map

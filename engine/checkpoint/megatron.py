@@ -54,14 +54,13 @@ from engine.checkpoint.reader import MemoryRef, TensorRef, TorchZipFile, read_me
 from engine.checkpoint.safe_pickle import load_torch_file
 from engine.checkpoint.sources import expert_range
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
-from engine.contract import layout
+from engine.contract import layout, rope_scaling
 from engine.contract.inspect import _RANK_DIR_RE, TRACKER, iteration_dir_name, resolve_iteration_dir
+from engine.contract.model_config import ModelConfig, moe_from_args
+from engine.contract.runfiles import BadInput
 from engine.dtypes import DTYPE_NAMES
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig, moe_from_args
 from engine.model.hf_mapping import EXPERT_FC1, EXPERT_FC2, native_keys
 from engine.model.lora import from_mindspeed_keys, merge_lora_rounded
-from engine.runfiles import BadInput
 
 log = logging.getLogger(__name__)
 

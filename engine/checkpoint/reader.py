@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint.allow_list import SafeUnpickler
+from engine.checkpoint.safe_pickle import TorchUnpickler
+from engine.contract.runfiles import BadInput
 from engine.dtypes import SAFETENSORS_DTYPES
-from engine.runfiles import BadInput
 
 
 def _pread_into(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) -> torch.Tensor:
@@ -144,7 +144,7 @@ class _StorageRef:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
-class _LazyUnpickler(SafeUnpickler):
+class _LazyUnpickler(TorchUnpickler):
     """Turns tensors into ``(storage key, offset, shape, stride)`` records; other globals pass the allow-list."""
 
     def persistent_load(self, pid: Any) -> Any:

@@ -1,4 +1,4 @@
-"""torch's loaders with every pickle through the allow-list (``engine.checkpoint.allow_list``): ``torch.load`` of
+"""torch's loaders with every pickle through the allow-list (``engine.contract.allow_list``): ``torch.load`` of
 rank, RNG and non-tensor DCP files, and DCP's ``.metadata``.
 
 ``torch.load`` takes a ``pickle_module`` and uses all of it: its ``Unpickler`` for the object and, in the legacy
@@ -22,20 +22,38 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from engine.checkpoint import allow_list
-from engine.runfiles import BadInput
-from engine.torch_compat import set_element
+from engine.contract import allow_list
+from engine.contract.runfiles import BadInput
+from engine.torch_compat import LegacyStorage, set_element
+
+
+def torch_value(name: str) -> Any:
+    """``torch.<name>`` where a checkpoint may name it: a dtype, layout, memory format or storage class; else None."""
+    obj = getattr(torch, name, None)
+    if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+        return obj
+    storages = (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage)
+    if name.endswith("Storage") and isinstance(obj, type) and issubclass(obj, storages):
+        return obj
+    return None
+
+
+class TorchUnpickler(allow_list.SafeUnpickler):
+    """The allow-list unpickler of a process reading tensors: torch's values on the list resolve."""
+
+    def torch_value(self, name: str) -> Any:
+        return torch_value(name)
 
 
 def _pickle_module(path: object, field: str | None) -> types.ModuleType:
     """A ``pickle`` stand-in for ``torch.load(pickle_module=...)``: every stage it reads goes through the allow-list."""
-    unpickler = type("Unpickler", (allow_list.SafeUnpickler,), {"path": path, "field": field})
+    unpickler = type("Unpickler", (TorchUnpickler,), {"path": path, "field": field})
     mod = types.ModuleType("safe_pickle_module")
     mod.__dict__.update(
         Unpickler=unpickler,
         UnpicklingError=pickle.UnpicklingError,
-        load=lambda f, **kw: allow_list.load(f, path, field, **kw),
-        loads=lambda data, **kw: allow_list.loads(data, path, field, **kw),
+        load=lambda f, **kw: allow_list.load(f, path, field, TorchUnpickler, **kw),
+        loads=lambda data, **kw: allow_list.loads(data, path, field, TorchUnpickler, **kw),
     )
     return mod
 
@@ -85,7 +103,7 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             try:
-                metadata = allow_list.load(cast(IO[bytes], stream), Path(str(path)))
+                metadata = allow_list.load(cast(IO[bytes], stream), Path(str(path)), "load_dir", TorchUnpickler)
             except BadInput:
                 raise
             except (EOFError, pickle.UnpicklingError, ValueError) as err:

@@ -26,7 +26,7 @@ import torch
 
 from engine.checkpoint.fastcopy import Segment
 from engine.checkpoint.layout import EMBEDDING, OUTPUT, native_shapes, shard, shard_shape, split_rule
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.hf_mapping import native_keys
 from engine.model.qwen3 import init_std
 

@@ -1,5 +1,5 @@
 """The one torch-free checkpoint inspector: which format a directory holds, the Megatron tracker → iteration
-directory, and (``engine.plan.shape``) the model shape of any checkpoint kind. Admission and the engine's loaders
+directory, and (``engine.contract.plan.shape``) the model shape of any checkpoint kind. Admission and the engine's loaders
 both call it, so a directory the service admits is one the engine can open.
 """
 
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The one parallel-layout rule: which TP/PP/EP layouts a model shape admits, and each rank's coordinates.
 
-Admission (``core.admission``), spec validation (``engine.spec``), the TP and EP plans, the checkpoint converters
+Admission (``core.admission``), spec validation (``engine.contract.spec``), the TP and EP plans, the checkpoint converters
 and the eval mesh all call ``check``; a refusal is a ``LayoutError`` naming the spec field to change, so the
 service and the engine refuse the same layout with the same words.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 
 _WORLD = "resources.nnodes × resources.nproc_per_node"
 

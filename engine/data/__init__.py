@@ -11,8 +11,10 @@ Modules, in pipeline order (each has one job; the docstrings are the interface d
 - ``truncation`` over-long samples: MindSpeed's proportional prompt/answer cut, head cut or drop; ``append_eod``.
 - ``tokenizer`` load a ``transformers`` fast tokenizer from a local directory.
 - (pairwise) ``encode`` also writes MindSpeed's preference pairs: ``<prefix>_packed_{chosen,rejected}_{input_ids,labels}_document``.
-- ``indexed``   Megatron ``.bin``/``.idx`` writer and memory-mapped reader; MindSpeed instruction datasets.
 - ``packing``   greedy knapsack packing of samples into ``seq_length`` rows, with per-sample boundaries.
-- ``sampler``   seeded, resumable, data-parallel sample order for the trainer.
 - ``job``       the ``preprocess`` job kind: ``run(spec, run) -> (outputs, summary)``.
+
+Torch-free and shared with the service's admission and planner, in ``engine.contract``: ``indexed`` (Megatron
+``.bin``/``.idx`` writer and memory-mapped reader, MindSpeed instruction datasets), ``sampler`` (seeded, resumable,
+data-parallel sample order) and ``lengths`` (how the trainer cuts and pads rows).
 """

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.indexed import PAIRWISE_FIELDS
 from engine.data.formats import Converter, FormatError, text_fields
-from engine.data.indexed import PAIRWISE_FIELDS
 from engine.data.readers import RecordError, parse_record
 from engine.data.templates import (
     IM_END,

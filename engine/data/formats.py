@@ -40,41 +40,18 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from engine.contract.data_formats import (
+    OPENAI_PREFERENCE_KEYS,
+    OPENAI_TAGS,
+    PAIRWISE_HANDLERS,
+    SHAREGPT_TAGS,
+    check_map_keys,
+    handler_format,
+)
+from engine.contract.runfiles import BadInput
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record, unit
 from engine.data.templates import ConversationError, check_conversation
-from engine.runfiles import BadInput
 
-HANDLERS: dict[str, str] = {
-    "SharegptStyleInstructionHandler": "sharegpt",
-    "AlpacaStyleInstructionHandler": "alpaca",
-    "GeneralInstructionHandler": "alpaca",
-    "GeneralPretrainHandler": "text",
-    "SharegptStylePairwiseHandler": "sharegpt",
-    "AlpacaStylePairwiseHandler": "alpaca",
-    "": "text",
-}
-PAIRWISE_HANDLERS = ("SharegptStylePairwiseHandler", "AlpacaStylePairwiseHandler")
-SHAREGPT_TAGS = {
-    "role_tag": "from",
-    "content_tag": "value",
-    "user_tag": "human",
-    "assistant_tag": "gpt",
-    "observation_tag": "observation",
-    "function_tag": "function_call",
-    "system_tag": "system",
-}
-OPENAI_TAGS = {
-    "role_tag": "role",
-    "content_tag": "content",
-    "user_tag": "user",
-    "assistant_tag": "assistant",
-    "observation_tag": "tool",
-    "function_tag": "function_call",
-    "system_tag": "system",
-}
-OPENAI_PREFERENCE_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
-_SHAREGPT_KEYS = {"messages", "system", "tools", "tags"}
-_ALPACA_KEYS = {"prompt", "query", "response", "system", "history"}
 _ROLE_OF_TAG = {
     "user_tag": "user",
     "assistant_tag": "assistant",
@@ -88,26 +65,6 @@ class FormatError(ValueError):
     """A record that does not fit its format (missing key, unknown role, bad turn order); caller adds file/line."""
 
 
-def handler_format(handler_name: str | None) -> str:
-    """``sharegpt``, ``alpaca`` or ``text`` for a MindSpeed handler name; ``ValueError`` for an unsupported one."""
-    name = handler_name or ""
-    if name not in HANDLERS:
-        raise ValueError(f"handler_name: {name!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}")
-    return HANDLERS[name]
-
-
-def _check_map_keys(fmt: str, map_keys: dict[str, Any], pairwise: bool = False) -> None:
-    allowed = (_SHAREGPT_KEYS if fmt == "sharegpt" else _ALPACA_KEYS) | ({"chosen", "rejected"} if pairwise else set())
-    unknown = sorted(set(map_keys) - allowed)
-    if unknown:
-        raise ValueError(
-            f"map_keys: unknown key(s) {', '.join(map(repr, unknown))} for {fmt}; allowed: {', '.join(sorted(allowed))}"
-        )
-    tags = map_keys.get("tags", {})
-    if not isinstance(tags, dict) or set(tags) - set(SHAREGPT_TAGS):
-        raise ValueError(f"map_keys: tags must be an object with keys among {', '.join(SHAREGPT_TAGS)}")
-
-
 class Converter:
     """Turns decoded records of one format into checked conversations (see the module docstring)."""
 
@@ -118,7 +75,7 @@ class Converter:
         self.pairwise = handler_name in PAIRWISE_HANDLERS
         self.explicit = map_keys is not None
         keys = dict(map_keys or {})
-        _check_map_keys(self.format, keys, self.pairwise)
+        check_map_keys(self.format, keys, self.pairwise)
         self.keys = keys
         self.tags = {**SHAREGPT_TAGS, **keys.get("tags", {})}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
 
 
 def greedy_knapsack(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
 _BATCH_ROWS = 1024

@@ -66,9 +66,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.data_formats import TEMPLATES
 
-TEMPLATES = ("qwen3", "qwen", "hf")
 ThinkingMode = Literal["true", "false", "none"]
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 
 @lru_cache(maxsize=4)

@@ -25,7 +25,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
 
 POLICIES = ("truncate", "truncate_head", "drop")
 

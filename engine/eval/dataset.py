@@ -17,10 +17,10 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from engine.contract.runfiles import BadInput
 from engine.data.formats import Converter, FormatError
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record
 from engine.data.templates import ConversationError, encode_prompt
-from engine.runfiles import BadInput
 
 BadLinePolicy = Literal["skip", "error"]
 

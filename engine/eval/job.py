@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.contract.layout import LayoutError
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import EvalSpec, ServeSpec
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
@@ -41,8 +43,6 @@ from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
-from engine.runfiles import BadInput, RunDir
-from engine.spec import EvalSpec, ServeSpec
 
 log = logging.getLogger(__name__)
 

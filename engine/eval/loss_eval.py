@@ -22,16 +22,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.indexed import InstructionDataset, instruction_prefix
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import EvalSpec
 from engine.data.formats import Converter, FormatError
-from engine.data.indexed import InstructionDataset, instruction_prefix
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record
 from engine.data.templates import ConversationError, encode_conversation
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
-from engine.runfiles import BadInput, RunDir
-from engine.spec import EvalSpec
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
 from engine.checkpoint.sharded import fill_parts
 from engine.checkpoint.sources import TensorDict, WeightSource
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import EvalSpec, ServeSpec
 from engine.dtypes import DTYPES
-from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import apply_tensor_parallel
-from engine.runfiles import BadInput
-from engine.spec import EvalSpec, ServeSpec
 from engine.train.model_setup import check_against_checkpoint, check_model_kind, with_rope_flags
 
 log = logging.getLogger(__name__)

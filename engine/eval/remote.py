@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 TIMEOUT_S = 600.0  # one prompt's whole generation
 MAX_QUEUE_WAITS = 120

@@ -1,7 +1,6 @@
 """Qwen3 dense and MoE decoder: math only. Parallelism is applied from outside (engine.parallel).
 
-- ``config``: ModelConfig (HF config.json <-> Megatron names) and presets qwen3-0.6b … qwen3-32b, qwen3-30b-a3b,
-  qwen3-235b-a22b, tiny test shapes.
+(``ModelConfig``, the presets and the LoRA target table are torch-free and live in ``engine.contract``.)
 - ``moe``: Qwen3-MoE sparse MLP (router, grouped experts, load-balancing loss, token dropping, router metrics).
 - ``moe_mapping``: HF <-> native names of the MoE tensors (to fold into ``hf_mapping``).
 - ``qwen3``: Qwen3Model with Megatron-Core local-spec module names (fused ``linear_qkv`` / ``linear_fc1``).

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 
 Getter = Callable[[str], torch.Tensor]
 

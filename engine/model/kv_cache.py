@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 
 
 class KVCache:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.lora_targets import resolve_targets
+from engine.contract.lora_targets import resolve_targets
 from engine.model.moe import StackedWeight, expert_matmul, local_weight
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.expert_loop import loop_expert_mlp
 from engine.model.gathered_matmul import gathered_grouped_matmul
 from engine.model.lean_ops import recompute_activation, softmax_fp32, swiglu

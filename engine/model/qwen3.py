@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.contract.model_config import ModelConfig
 from engine.model.attention import AttentionPlan, core_attention, plan_attention
-from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.lean_ops import apply_rope as _rotate
 from engine.model.lean_ops import recompute_activation, rms_norm, swiglu

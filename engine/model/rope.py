@@ -1,12 +1,12 @@
-"""Rotary tables: cos/sin for given positions, plain RoPE or YaRN-scaled (``engine.model.rope_scaling`` holds the
+"""Rotary tables: cos/sin for given positions, plain RoPE or YaRN-scaled (``engine.contract.rope_scaling`` holds the
 torch-free settings). Computed in fp32 and cast, as transformers' ``Qwen3RotaryEmbedding`` does."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig
+from engine.contract import rope_scaling
+from engine.contract.model_config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

@@ -24,7 +24,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 
 DeviceType = Literal["cpu", "cuda", "npu"]
 

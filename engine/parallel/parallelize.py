@@ -10,13 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.contract.spec import TrainSpec
 from engine.model.moe import moe_layers
 from engine.parallel.activation_checkpoint import apply_ac
 from engine.parallel.data_parallel import apply_fsdp
 from engine.parallel.expert_parallel import apply_expert_parallel, expert_mesh
 from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
-from engine.spec import TrainSpec
 
 __all__ = ["compute_dtype", "parallelize", "recompute_granularity"]
 

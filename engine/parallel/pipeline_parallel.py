@@ -32,12 +32,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
-from engine.constants import IGNORE_INDEX, PAD_ID
 from engine.contract import layout
+from engine.contract.constants import IGNORE_INDEX, PAD_ID
+from engine.contract.spec import TrainSpec
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import paused_router_stats
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
-from engine.spec import TrainSpec
 
 if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
@@ -443,7 +443,7 @@ def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -
 
 def check_parallel_layout(spec: TrainSpec, cfg: Any, dims: Any, global_batch_size: int) -> None:
     """BadInput (naming the flag) for a TP/PP layout this model and batch cannot use; run before any work."""
-    from engine.runfiles import BadInput
+    from engine.contract.runfiles import BadInput
 
     vpp = spec.num_layers_per_virtual_pipeline_stage
     if vpp is not None and dims.pp == 1:

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from engine.spec import ModelSpec, TrainSpec
+from engine.contract.spec import ModelSpec, TrainSpec
 
 
 @dataclasses.dataclass(frozen=True)

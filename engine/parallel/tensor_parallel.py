@@ -55,8 +55,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from engine.constants import IGNORE_INDEX
 from engine.contract import layout
+from engine.contract.constants import IGNORE_INDEX
 from engine.model.moe import MoELayer
 from engine.torch_compat import StridedShard, colwise_prepare_output_fn, compute_local_shape_and_global_offset
 

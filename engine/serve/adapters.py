@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint.lora_merge import is_peft_adapter
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import ServeSpec
 from engine.eval.model_loading import Adapters, check_adapters, read_adapters
-from engine.runfiles import BadInput
-from engine.spec import ServeSpec
 
 
 @dataclasses.dataclass

@@ -24,19 +24,19 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine.constants import SERVE_METRICS_INTERVAL_S, SERVE_PREFILL_CHUNK
+from engine.contract.constants import SERVE_METRICS_INTERVAL_S, SERVE_PREFILL_CHUNK
 from engine.contract.layout import LayoutError
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import ServeSpec
 from engine.eval.job import spec_tokenizer, stop_ids
 from engine.eval.model_loading import build_model
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
-from engine.runfiles import BadInput, RunDir
 from engine.serve.adapters import apply_adapters, read_adapter
 from engine.serve.batcher import Batcher
 from engine.serve.server import Deployment, make_server
 from engine.serve.slots import SlotCache
 from engine.serve.tp_sync import StepSync
-from engine.spec import ServeSpec
 
 log = logging.getLogger(__name__)
 

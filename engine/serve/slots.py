@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.kv_cache import KVCache
 
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.constants import IGNORE_INDEX, PAD_ID
-from engine.data.lengths import padded_width
+from engine.contract.constants import IGNORE_INDEX, PAD_ID
+from engine.contract.lengths import padded_width
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ at ``m·mbs·DP + r·mbs`` inside that window. So the data position is just ``co
 resumed run sees exactly the samples it would have seen, and the global batch of an iteration does not depend on
 the DP size (DP=2 trains on the same samples as one process).
 
-Datasets (``engine.data.indexed``): MindSpeed instruction data ``<prefix>_packed_{input_ids,labels,...}_document``
+Datasets (``engine.contract.indexed``): MindSpeed instruction data ``<prefix>_packed_{input_ids,labels,...}_document``
 (pre-packed rows are split back into their samples by their boundaries, so the trainer packs them its own way), or
 pretraining text ``<prefix>`` / ``<prefix>_text_document`` where a sample is one document (or a ``seq_length``
 window of a longer one) and every token is a label.
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.data.indexed import PAIRWISE_FIELDS, IndexedDataset, InstructionDataset, instruction_prefix
-from engine.data.lengths import dataset_exists, split_counts, text_prefix, text_windows, window_step
-from engine.data.sampler import DistributedSampler
-from engine.runfiles import BadInput
+from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDataset, InstructionDataset, instruction_prefix
+from engine.contract.lengths import dataset_exists, split_counts, text_prefix, text_windows, window_step
+from engine.contract.runfiles import BadInput
+from engine.contract.sampler import DistributedSampler
 from engine.train.batches import Sample
 
 
@@ -120,7 +120,7 @@ class TrainData:
     order: DistributedSampler = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        # The global order is engine.data.sampler's (one definition for the reader's users and the trainer).
+        # The global order is engine.contract.sampler's (one definition for the reader's users and the trainer).
         self.order = DistributedSampler(self.num_samples, micro_batch_size=1, seed=self.seed)
 
     @classmethod

@@ -30,13 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import SeededInit, WeightSource
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import TrainSpec
 from engine.model.lora import adapters_disabled
 from engine.model.moe import paused_router_stats
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import vocab_parallel_sequence_logprobs
-from engine.runfiles import BadInput
-from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch
 from engine.train.model_setup import build_rank_model, open_load, rank_view
 from engine.train.preference import REFERENCE_FREE, PairLogps, PreferenceConfig, preference_loss, sequence_logprobs

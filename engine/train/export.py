@@ -33,10 +33,10 @@ from engine.checkpoint.layout import OUTPUT, Slot, cut, pipeline_chunks, rank_di
 from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, rank_file_plan
 from engine.checkpoint.sharded import native_name
 from engine.checkpoint.torchfile import TorchFileWriter
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.spec import TrainSpec
 from engine.model.lora import to_mindspeed_keys
 from engine.parallel.tensor_parallel import full_tensor
-from engine.spec import TrainSpec
 from engine.train.step_runner import StepRunner
 
 

@@ -28,17 +28,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint import dcp, owner
+from engine.checkpoint import dcp
 from engine.checkpoint.sources import SeededInit, WeightSource
+from engine.contract import owner
+from engine.contract.guard import check_output
 from engine.contract.layout import LayoutError
-from engine.guard import check_output
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
-from engine.runfiles import BadInput, RunDir
-from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, collate, collate_pairs
 from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
@@ -373,7 +374,7 @@ class Trainer:
         }
         optimizer = None if spec.no_save_optim else self.optimizer
         if spec.save:
-            check_output("save", spec.save)  # right before writing (engine.guard)
+            check_output("save", spec.save)  # right before writing (engine.contract.guard)
         path = dcp.save(
             self.plan.save,
             iteration,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.spec import TrainSpec
+from engine.contract.spec import TrainSpec
 
 
 def status_bytes(field: str) -> int:
@@ -47,7 +47,7 @@ def warm_up() -> None:
     so the code pages and per-thread workspaces they bring in are part of the baseline, not of the run's growth."""
     import torch
 
-    from engine.model.config import preset
+    from engine.contract.model_config import preset
     from engine.model.loss import chunked_cross_entropy
     from engine.model.qwen3 import Qwen3Model
 
@@ -83,8 +83,8 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.runfiles import RunDir
-    from engine.spec import TrainSpec, load_spec_file
+    from engine.contract.runfiles import RunDir
+    from engine.contract.spec import TrainSpec, load_spec_file
     from engine.train.job import run
 
     rank = int(os.environ.get("RANK", "0"))

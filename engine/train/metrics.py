@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import RunDir
 from engine.parallel.device import Device, flops_per_token
-from engine.runfiles import RunDir
 from engine.train.router_stats import router_summary
 
 log = logging.getLogger("engine.train")

@@ -22,10 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig, moe_fields_from_flags
-from engine.runfiles import BadInput
-from engine.spec import ModelSpec, TrainSpec
+from engine.contract import rope_scaling
+from engine.contract.model_config import ModelConfig, moe_fields_from_flags
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import ModelSpec, TrainSpec
 
 Format = Literal["native", "hf", "mcore"]
 
@@ -124,10 +124,10 @@ def open_load(path: str, view: Any = None) -> LoadedWeights:
 
 
 def config_from_flags(spec: ModelSpec, tokenizer_vocab: int | None) -> ModelConfig:
-    """A from-scratch model's shape from the spec's Megatron flags (``engine.plan.shape.config_from_flags``, the one
+    """A from-scratch model's shape from the spec's Megatron flags (``engine.contract.plan.shape.config_from_flags``, the one
     rule the API's planner uses too); a missing flag is a BadInput naming it."""
-    from engine.plan.shape import ShapeUnknown
-    from engine.plan.shape import config_from_flags as from_flags
+    from engine.contract.plan.shape import ShapeUnknown
+    from engine.contract.plan.shape import config_from_flags as from_flags
 
     try:
         return from_flags(spec, tokenizer_vocab)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from engine.contract.spec import TrainSpec
 from engine.parallel.device import has_fused_adamw
-from engine.spec import TrainSpec
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.constants import IGNORE_INDEX, REFERENCE_FREE_LOSSES
+from engine.contract.constants import IGNORE_INDEX, REFERENCE_FREE_LOSSES
 
 LossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
 REFERENCE_FREE = REFERENCE_FREE_LOSSES

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from engine.spec import TrainSpec
+from engine.contract.spec import TrainSpec
 
 
 @dataclasses.dataclass

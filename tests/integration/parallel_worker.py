@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import dcp
-from engine.model.config import preset
+from engine.contract.model_config import preset
+from engine.contract.spec import TrainSpec
 from engine.model.lora import apply_lora
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
 from engine.parallel.pipeline_parallel import build_pipeline_model
-from engine.spec import TrainSpec
 from engine.train.batches import MicroBatch, Sample, pad
 from engine.train.loop import TrainState, train_step
 from engine.train.optim import LossScaler, build_optimizer

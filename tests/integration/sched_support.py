@@ -27,7 +27,7 @@ from core.reconciler import reconcile_once
 from core.settings import Settings
 from core.states import JobState
 from core_support import team_dir
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 
 TINY_SHAPE: dict[str, Any] = {
     **train_support.TINY_SHAPE,

@@ -23,14 +23,14 @@ from torch.distributed.tensor import DTensor
 from engine.checkpoint.hf import save_hf
 from engine.checkpoint.megatron import save_mcore
 from engine.checkpoint.sources import SeededInit
-from engine.model.config import ModelConfig, preset
+from engine.contract.model_config import ModelConfig, preset
+from engine.contract.spec import TrainSpec
 from engine.model.lora import apply_lora
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
 from engine.parallel.pipeline_parallel import build_pipeline_model
-from engine.spec import TrainSpec
 from engine.train.model_setup import build_rank_model, open_load, rank_view
 from gloo_worker_support import run_ranks
 

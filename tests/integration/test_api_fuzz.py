@@ -23,7 +23,7 @@ from schemathesis.checks import content_type_conformance, not_a_server_error, re
 
 from app.main import create_app
 from core_support import auth, fresh_postgres_database, isolated_settings, make_token
-from engine.spec import SPEC_CLASSES
+from engine.contract.spec import SPEC_CLASSES
 
 MAX_EXAMPLES = 6
 

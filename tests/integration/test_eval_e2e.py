@@ -16,9 +16,9 @@ import torch
 
 from engine.checkpoint.hf import save_hf
 from engine.cli import main
-from engine.model.config import preset
+from engine.contract.model_config import preset
+from engine.contract.runfiles import EXIT_OK
 from engine.model.qwen3 import Qwen3Model
-from engine.runfiles import EXIT_OK
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from engine.cli import main
+from engine.contract.model_config import preset
+from engine.contract.runfiles import EXIT_BAD_INPUT, EXIT_OK
 from engine.data.templates import encode_conversation, encode_prompt
-from engine.model.config import preset
-from engine.runfiles import EXIT_BAD_INPUT, EXIT_OK
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 QUESTIONS = [

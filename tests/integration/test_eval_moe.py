@@ -12,8 +12,8 @@ import torch
 from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from engine.cli import main
+from engine.contract.runfiles import EXIT_OK
 from engine.data.templates import encode_conversation, encode_prompt
-from engine.runfiles import EXIT_OK
 
 QUESTIONS = [
     "广州塔为什么也叫小蛮腰",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint.hf import save_hf
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
 from torchrun_support import run_ok, torchrun
 

@@ -23,7 +23,7 @@ from core.jobs import transition
 from core.models import Host, LogLine, MetricPoint
 from core.states import JobState
 from core_support import auth, isolated_settings, make_job, make_token, team_dir
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 from llmjobs import Client
 from outage_support import private_postgres
 from sched_support import start_worker, stop_worker

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.checkpoint.hf import save_hf
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
 from worker.foreground import run_foreground
 

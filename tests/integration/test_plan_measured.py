@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.data.indexed import IndexedDatasetWriter, instruction_prefix
-from engine.plan import plan_spec
-from engine.spec import parse_spec
+from engine.contract.indexed import IndexedDatasetWriter, instruction_prefix
+from engine.contract.plan import plan_spec
+from engine.contract.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ = 128

@@ -18,7 +18,7 @@ from core.db import get_engine, session_scope
 from core.models import Base, Job, MetricPoint
 from core.settings import Settings
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, race_claims, team_dir
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 from worker.ingest import RunIngestor
 
 pytestmark = pytest.mark.postgres

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.constants import IGNORE_INDEX
-from engine.data.indexed import instruction_prefix
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.indexed import instruction_prefix
 from engine.data.templates import encode_conversation
 from engine.data.tokenizer import load_tokenizer
 

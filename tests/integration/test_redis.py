@@ -28,7 +28,7 @@ from core.paths import team_areas
 from core.pubsub import notify
 from core.states import JobState
 from core_support import auth, fresh_postgres_database, isolated_settings, make_job, make_token, team_dir
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 
 pytestmark = pytest.mark.redis
 

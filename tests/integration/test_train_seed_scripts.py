@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.checkpoint.megatron import save_mcore
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.data.indexed import InstructionDataset
-from engine.data.lengths import split_counts
-from engine.runfiles import RunDir
-from engine.spec import parse_spec
+from engine.contract.indexed import InstructionDataset
+from engine.contract.lengths import split_counts
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import parse_spec
 from engine.train import job
 from train_support import run_train, tiny_spec, write_instruction_data
 

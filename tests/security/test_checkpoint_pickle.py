@@ -26,9 +26,9 @@ from engine.checkpoint.lora_merge import peft_deltas
 from engine.checkpoint.megatron import MODEL_FILE, load_rank_file, save_mcore
 from engine.checkpoint.safe_pickle import SafeLoadPlanner, load_torch_file
 from engine.cli import main
-from engine.plan.shape import config_from_checkpoint
-from engine.runfiles import EXIT_BAD_INPUT, BadInput, RunDir
-from engine.spec import ConvertSpec
+from engine.contract.plan.shape import config_from_checkpoint
+from engine.contract.runfiles import EXIT_BAD_INPUT, BadInput, RunDir
+from engine.contract.spec import ConvertSpec
 
 
 class Payload:
@@ -276,7 +276,7 @@ def test_legacy_tar_format_is_refused(tmp_path: Path) -> None:
 
 
 def test_submission_args_reader_refuses_the_payload(mg_dir: Path, tmp_path: Path) -> None:
-    """The API's torch-free ``args`` reader (``engine.plan.shape``) uses the same list: shape unknown, nothing run."""
+    """The API's torch-free ``args`` reader (``engine.contract.plan.shape``) uses the same list: shape unknown, nothing run."""
     root, marker = _poison(mg_dir, tmp_path, zip_format=True)
     assert config_from_checkpoint(mg_dir) is not None  # the clean checkpoint's shape is read
     assert config_from_checkpoint(root) is None

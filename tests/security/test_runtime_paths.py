@@ -1,5 +1,5 @@
 """Finding 4 at run time: a path swapped for a symlink after submission (to another team's area) is refused by the
-engine right before it opens it (``engine.guard``: the worker hands it the job's team areas), a ``bad_input`` naming
+engine right before it opens it (``engine.contract.guard``: the worker hands it the job's team areas), a ``bad_input`` naming
 the field, and nothing is written into the other team's area."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from core.paths import team_area
 from core.settings import Settings
 from core_support import auth, make_token
 from engine.cli import main as engine_main
-from engine.guard import READ_ENV, WRITE_ENV, check_spec
-from engine.spec import parse_spec
+from engine.contract.guard import READ_ENV, WRITE_ENV, check_spec
+from engine.contract.spec import parse_spec
 from worker.execute import write_spec
 from worker.node import NodeWork, node_plan
 

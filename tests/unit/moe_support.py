@@ -10,8 +10,8 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from convert_tiny import tiny_hf_moe
+from engine.contract.model_config import ModelConfig
 from engine.model import moe_mapping
-from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 
 VOCAB = 256

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ServeSpec
 from engine.serve.job import run
-from engine.spec import ServeSpec
 
 
 @contextmanager

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).parent))
 from core_support import auth, isolated_settings, make_token  # noqa: E402
 from engine.checkpoint import dcp  # noqa: E402
-from engine.retention import metric_name, to_delete  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
+from engine.contract.retention import metric_name, to_delete  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 
 
 def test_keep_last_n_deletes_the_older_ones_only() -> None:
@@ -115,7 +115,7 @@ def test_prune_on_disk_leaves_unfinished_and_doomed_dirs_out(tmp_path: Path) -> 
 
 
 def test_training_keeps_the_last_two(tmp_path: Path) -> None:
-    from engine.runfiles import RunDir
+    from engine.contract.runfiles import RunDir
     from engine.train import job
     from train_support import tiny_spec, write_instruction_data
 

@@ -20,7 +20,7 @@ from core.db import session_scope
 from core.jobs import create_job
 from core.models import Event, Job
 from core_support import auth, isolated_settings, make_token
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 from llmjobs import Client
 from tests.unit.serve_support import running_engine
 

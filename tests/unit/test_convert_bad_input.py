@@ -13,8 +13,8 @@ from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.job import run
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
-from engine.runfiles import BadInput, RunDir
-from engine.spec import ConvertSpec
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import ConvertSpec
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 from convert_tiny import hf_logits, read_hf, tiny_hf
 from engine.cli import main
-from engine.runfiles import EXIT_OK
+from engine.contract.runfiles import EXIT_OK
 
 SEED_COMMON = [
     "--use-mcore-models",

@@ -15,11 +15,11 @@ from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
 from engine.checkpoint.layout import chunk_keys, pipeline_chunks, shard, split_rule
 from engine.checkpoint.megatron import build_args, save_mcore
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ConvertSpec
 from engine.model.hf_mapping import fuse_fc1, fuse_qkv
 from engine.model.lora import to_mindspeed_keys
-from engine.runfiles import RunDir
-from engine.spec import ConvertSpec
 
 R, ALPHA = 4, 8.0
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -205,7 +205,7 @@ def test_peft_export_loads_in_peft(setup: dict, peft_merged: dict) -> None:
 
 
 def test_adapters_without_alpha_and_r_are_refused(setup: dict) -> None:
-    from engine.runfiles import BadInput
+    from engine.contract.runfiles import BadInput
 
     with pytest.raises(BadInput, match="give lora_r and lora_alpha"):
         _convert(setup, "no-ratio", load_dir=str(setup["unified"]))

@@ -16,7 +16,7 @@ from moe_support import hf_config
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
 from engine.cli import main
-from engine.runfiles import EXIT_OK, BadInput
+from engine.contract.runfiles import EXIT_OK, BadInput
 
 E, H, F = 8, 32, 16  # moe_support.hf_config: 8 experts, hidden 32, expert width 16; layer 1 is dense
 

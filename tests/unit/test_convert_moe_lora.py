@@ -15,11 +15,11 @@ from moe_support import write_hf_moe_dir  # noqa: E402
 
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.cli import main  # noqa: E402
-from engine.model.config import ModelConfig  # noqa: E402
+from engine.contract.model_config import ModelConfig  # noqa: E402
+from engine.contract.runfiles import EXIT_OK, RunDir  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.lora import apply_lora, load_lora_state_dict  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.runfiles import EXIT_OK, RunDir  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import TINY_SHAPE, tiny_spec, write_instruction_data  # noqa: E402
 

@@ -11,11 +11,11 @@ from convert_tiny import hf_logits, read_hf
 from engine.checkpoint import dcp
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.job import run as convert
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ConvertSpec, parse_spec
 from engine.model.lora import apply_lora, load_lora_state_dict
 from engine.model.qwen3 import Qwen3Model
-from engine.runfiles import RunDir
-from engine.spec import ConvertSpec, parse_spec
 from engine.train import job as train
 from train_support import TINY_SHAPE, tiny_spec, write_instruction_data
 

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine.contract.runfiles import BadInput
 from engine.data.formats import Converter, FormatError, iter_conversations
 from engine.data.readers import count_records, input_files, iter_raw
-from engine.runfiles import BadInput
 
 SEED_MAP = {
     "messages": "messages",

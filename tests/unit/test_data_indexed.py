@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.data.indexed import (
+from engine.contract.indexed import (
     IndexedDataset,
     IndexedDatasetWriter,
     InstructionDataset,

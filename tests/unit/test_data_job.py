@@ -8,13 +8,13 @@ import warnings
 import numpy as np
 import pytest
 
-from engine.data.indexed import IndexedDataset, InstructionDataset, boundaries_prefix, instruction_prefix
+from engine.contract.flags import spec_from_argv
+from engine.contract.indexed import IndexedDataset, InstructionDataset, boundaries_prefix, instruction_prefix
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import PreprocessSpec
 from engine.data.templates import IGNORE_INDEX, encode_conversation
 from engine.data.tokenizer import load_tokenizer
-from engine.flags import spec_from_argv
 from engine.preprocess import run
-from engine.runfiles import BadInput, RunDir
-from engine.spec import PreprocessSpec
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

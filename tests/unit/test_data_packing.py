@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
+from engine.contract.sampler import DistributedSampler
 from engine.data.packing import greedy_knapsack, pack_rows
-from engine.data.sampler import DistributedSampler
 
 
 def test_knapsack_fills_bins_without_exceeding_capacity():

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from engine.data.indexed import instruction_prefix
+from engine.contract.indexed import instruction_prefix
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import PreprocessSpec
 from engine.data.tokenizer import load_tokenizer
 from engine.preprocess import run
-from engine.runfiles import RunDir
-from engine.spec import PreprocessSpec
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

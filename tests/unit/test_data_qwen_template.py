@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.contract.indexed import InstructionDataset
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import EvalSpec, PreprocessSpec
 from engine.data.formats import iter_conversations
-from engine.data.indexed import InstructionDataset
 from engine.data.templates import (
     IGNORE_INDEX,
     ConversationError,
@@ -27,8 +29,6 @@ from engine.data.templates import (
 from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import read_test_set
 from engine.preprocess import run
-from engine.runfiles import RunDir
-from engine.spec import EvalSpec, PreprocessSpec
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 SYS = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"

@@ -15,9 +15,9 @@ from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run as convert
 from engine.checkpoint.megatron import save_mcore
+from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.spec import ConvertSpec, PreprocessSpec
 from engine.preprocess import run as preprocess
-from engine.runfiles import BadInput, RunDir
-from engine.spec import ConvertSpec, PreprocessSpec
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
 from engine.data.templates import (
     EMPTY_THOUGHT,
     ConversationError,

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.data.indexed import InstructionDataset
+from engine.contract.indexed import InstructionDataset
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import PreprocessSpec
 from engine.data.templates import IGNORE_INDEX
 from engine.data.truncation import infer_max_len, infer_seqlen, limit_sample, pairs_of
 from engine.preprocess import run
-from engine.runfiles import RunDir
-from engine.spec import PreprocessSpec
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 IM_END = 151645

@@ -11,8 +11,8 @@ import types
 import pytest
 import torch.distributed as dist
 
+from engine.contract.model_config import preset
 from engine.model import kernels
-from engine.model.config import preset
 from engine.parallel import device as dev
 
 

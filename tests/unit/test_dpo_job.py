@@ -14,9 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from engine.data.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix  # noqa: E402
-from engine.runfiles import RunDir  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
+from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix  # noqa: E402
+from engine.contract.runfiles import RunDir  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import metric_rows, tiny_spec, write_pairwise_data  # noqa: E402
 
@@ -201,7 +201,7 @@ def _tiny_dpo(data: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_adapters_disabled_run_the_base_exactly() -> None:
-    from engine.model.config import ModelConfig
+    from engine.contract.model_config import ModelConfig
     from engine.model.lora import adapters_disabled, apply_lora
     from engine.model.qwen3 import Qwen3Model
 

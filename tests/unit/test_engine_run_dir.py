@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.flags import spec_from_argv
+from engine.contract.flags import spec_from_argv
 
 ARGS = ["--input", "a.jsonl", "--tokenizer-name-or-path", "tok", "--output-prefix", "out/x"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from engine.contract.runfiles import BadInput
 from engine.eval.dataset import read_test_set
-from engine.runfiles import BadInput
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from engine.contract.model_config import preset
 from engine.eval.generate import DecodeOptions, generate, generate_batch
-from engine.model.config import preset
 from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 

@@ -10,12 +10,12 @@ import torch
 
 from engine.checkpoint.sharded import fill_parts
 from engine.checkpoint.sources import TensorDict
+from engine.contract.model_config import preset
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import parse_spec
 from engine.eval.model_loading import check_adapters, wrap_adapters
-from engine.model.config import preset
 from engine.model.lora import LoRALinear, apply_lora, lora_state_dict
 from engine.model.qwen3 import Qwen3Model
-from engine.runfiles import BadInput
-from engine.spec import parse_spec
 
 CFG = preset("qwen3-tiny").replace(vocab_size=512)
 

@@ -11,8 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron import MegatronCheckpoint  # noqa: E402
-from engine.runfiles import RunDir  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
+from engine.contract.runfiles import RunDir  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import tiny_spec, write_instruction_data  # noqa: E402
 

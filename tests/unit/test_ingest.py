@@ -10,7 +10,7 @@ from sqlalchemy import select
 from core.db import session_scope
 from core.models import Event, LogLine, MetricPoint
 from core_support import isolated_settings, make_job
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 from worker.ingest import FileTail, RunIngestor
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 from worker.launcher import Rendezvous, build_launch
 
 RUN = Path("/runs/job1")

@@ -13,10 +13,10 @@ from core.admission import check_admissible
 from core.errors import ApiError
 from core_support import isolated_settings
 from engine.contract import layout
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import TrainSpec, parse_spec
 from engine.parallel.pipeline_parallel import check_parallel_layout
-from engine.runfiles import BadInput
-from engine.spec import TrainSpec, parse_spec
 
 # a tiny Qwen3 as an HF config.json: 4 heads, 2 KV heads, 4 layers, FFN 96, vocabulary 256
 BASE = {

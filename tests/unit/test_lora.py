@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.lora_targets import HF_TO_MEGATRON, resolve_targets
+from engine.contract.model_config import ModelConfig
 from engine.model.hf_mapping import HF_MODULES
 from engine.model.lora import (
     LoRALinear,
@@ -17,7 +18,6 @@ from engine.model.lora import (
     merge_lora,
     to_mindspeed_keys,
 )
-from engine.model.lora_targets import HF_TO_MEGATRON, resolve_targets
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 

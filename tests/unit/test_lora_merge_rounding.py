@@ -16,9 +16,9 @@ from convert_tiny import read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
 from engine.checkpoint.megatron import save_mcore
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ConvertSpec
 from engine.model.lora import merge_lora_rounded
-from engine.runfiles import RunDir
-from engine.spec import ConvertSpec
 
 SCALE_ALPHA, SCALE_R = 16.0, 8
 

@@ -11,9 +11,9 @@ import torch
 from convert_tiny import tiny_hf
 from engine.checkpoint.job import run
 from engine.checkpoint.megatron import build_args
-from engine.model.config import ModelConfig
-from engine.runfiles import RunDir
-from engine.spec import ConvertSpec
+from engine.contract.model_config import ModelConfig
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ConvertSpec
 
 
 def test_converted_checkpoint_carries_the_source_config_and_mindspeeds_seq_length(tmp_path):

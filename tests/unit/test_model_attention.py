@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import varlen
 
+from engine.contract.model_config import ModelConfig
 from engine.model import attention
 from engine.model.attention import block_causal_mask, cu_seqlens_from_segments, padded_causal_mask, plan_attention
-from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.qwen3 import Qwen3Model
 

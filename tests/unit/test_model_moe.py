@@ -12,8 +12,8 @@ from megatron.core.transformer.moe.moe_utils import (
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
+from engine.contract.model_config import ModelConfig, preset
 from engine.model import moe_mapping
-from engine.model.config import ModelConfig, preset
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import (
     MoELayer,

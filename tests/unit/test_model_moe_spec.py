@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engine.flags import spec_from_argv
-from engine.model.config import ModelConfig, moe_fields_from_flags, preset
-from engine.spec import parse_spec
+from engine.contract.flags import spec_from_argv
+from engine.contract.model_config import ModelConfig, moe_fields_from_flags, preset
+from engine.contract.spec import parse_spec
 
 BASE = ["--data-path", "/d/x", "--train-iters", "2", "--lr", "1e-5"]
 MINDSPEED_MOE = [

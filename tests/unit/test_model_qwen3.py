@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from engine.contract.model_config import ModelConfig, preset
 from engine.model import hf_mapping
-from engine.model.config import ModelConfig, preset
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
 from engine.model.expert_loop import loop_expert_mlp
 from engine.model.lean_ops import swiglu
 from engine.model.moe import GroupedExperts, _grouped_mm_works, expert_matmul

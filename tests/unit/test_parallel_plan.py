@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from engine.contract import layout
-from engine.model.config import preset
+from engine.contract.model_config import preset
+from engine.contract.runfiles import BadInput
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.mesh import ParallelDims
@@ -25,7 +26,6 @@ from engine.parallel.pipeline_parallel import (
     stage_layers,
 )
 from engine.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.runfiles import BadInput
 from engine.train.batches import Sample, pack, pad
 
 
@@ -179,7 +179,7 @@ def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp:
 
 
 def test_parallel_flags_under_torchrun_see_the_launcher_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.flags import spec_from_argv
+    from engine.contract.flags import spec_from_argv
 
     argv = [
         "--data-path",

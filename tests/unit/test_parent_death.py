@@ -25,7 +25,7 @@ time.sleep(600)
 _RANK = """
 import os, time
 os.environ["TORCHELASTIC_RUN_ID"] = "t"
-from engine.parent_death import die_with_launcher
+from engine.contract.parent_death import die_with_launcher
 die_with_launcher()
 open(os.environ["READY"], "w").close()
 time.sleep(600)
@@ -63,7 +63,7 @@ def test_a_rank_dies_with_its_sigkilled_launcher(tmp_path) -> None:
 
 
 def test_outside_torchrun_nothing_is_tied(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import parent_death
+    from engine.contract import parent_death
 
     calls: list[tuple[int, ...]] = []
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

@@ -1,4 +1,4 @@
-"""The memory planner (engine.plan): Megatron's figures for the seed's Qwen3-4B line, schedules, LoRA, the CLI."""
+"""The memory planner (engine.contract.plan): Megatron's figures for the seed's Qwen3-4B line, schedules, LoRA, the CLI."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from engine.model.config import preset
-from engine.plan import DoesNotFit, Layout, check_fits, plan_ranks, plan_spec
-from engine.plan.cli import split_torchrun
-from engine.plan.memory import MIB, in_flight
-from engine.spec import parse_spec
+from engine.contract.model_config import preset
+from engine.contract.plan import DoesNotFit, Layout, check_fits, plan_ranks, plan_spec
+from engine.contract.plan.cli import split_torchrun
+from engine.contract.plan.memory import MIB, in_flight
+from engine.contract.spec import parse_spec
 from train_support import QWEN3_4B, write_instruction_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,8 +195,8 @@ def test_shape_from_megatron_args_without_torch(tmp_path: Path) -> None:
     import torch
 
     from engine.checkpoint.megatron import save_mcore
+    from engine.contract.plan.shape import config_from_checkpoint
     from engine.model.qwen3 import Qwen3Model
-    from engine.plan.shape import config_from_checkpoint
 
     cfg = preset("qwen3-tiny")
     save_mcore(Qwen3Model(cfg).state_dict(), cfg, tmp_path / "mg", tp=1, pp=2, dtype=torch.bfloat16)
@@ -230,7 +230,7 @@ def test_unpickler_refuses_to_call_anything(tmp_path: Path) -> None:
     import pickle
     import zipfile
 
-    from engine.plan.shape import config_from_checkpoint
+    from engine.contract.plan.shape import config_from_checkpoint
 
     class Boom:
         def __reduce__(self) -> Any:

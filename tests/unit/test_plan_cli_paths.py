@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.guard import WRITE_ENV
-from engine.model.config import preset
-from engine.plan.cli import main
+from engine.contract.guard import WRITE_ENV
+from engine.contract.model_config import preset
+from engine.contract.plan.cli import main
 
 
 @pytest.fixture

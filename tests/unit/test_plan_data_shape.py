@@ -1,4 +1,4 @@
-"""The planner's largest micro-batch (``engine.plan.data_shape``, torch-free, index only) equals the largest one the
+"""The planner's largest micro-batch (``engine.contract.plan.data_shape``, torch-free, index only) equals the largest one the
 trainer really forms from the same data, in every batching mode, and its any-order bound is never below it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine.data.indexed import IndexedDatasetWriter, boundaries_prefix, instruction_prefix  # noqa: E402
-from engine.plan import data_shape  # noqa: E402
+from engine.contract.indexed import IndexedDatasetWriter, boundaries_prefix, instruction_prefix  # noqa: E402
+from engine.contract.plan import data_shape  # noqa: E402
 from engine.train.batches import collate, collate_pairs  # noqa: E402
 from engine.train.data import TrainData, rank_micro_batches  # noqa: E402
 from train_support import write_instruction_data, write_pairwise_data  # noqa: E402

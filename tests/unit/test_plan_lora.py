@@ -1,13 +1,13 @@
-"""engine.plan.memory's LoRA terms: adapter activations, the backward working set, DP buffers for adapters only,
+"""engine.contract.plan.memory's LoRA terms: adapter activations, the backward working set, DP buffers for adapters only,
 and the frozen base counted once."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from engine.model.config import preset
-from engine.plan import Layout, plan_ranks
-from engine.plan.memory import (
+from engine.contract.model_config import preset
+from engine.contract.plan import Layout, plan_ranks
+from engine.contract.plan.memory import (
     LORA_BACKWARD_FFN_COPIES,
     layer_params,
     lora_activation_bytes,

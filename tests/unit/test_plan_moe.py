@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from engine.model.config import PRESETS, preset
-from engine.plan import DoesNotFit, check_fits, plan_spec
-from engine.plan.memory import layer_params
-from engine.plan.shape import config_from_checkpoint
-from engine.spec import parse_spec
+from engine.contract.model_config import PRESETS, preset
+from engine.contract.plan import DoesNotFit, check_fits, plan_spec
+from engine.contract.plan.memory import layer_params
+from engine.contract.plan.shape import config_from_checkpoint
+from engine.contract.spec import parse_spec
 
 # Qwen/Qwen3-235B-A22B config.json as Megatron flags
 QWEN3_235B = {
@@ -108,7 +108,7 @@ def test_moe_shape_from_checkpoint_config_and_megatron_args(tmp_path: Path) -> N
     cfg = preset("qwen3-30b-a3b")
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     assert config_from_checkpoint(tmp_path) == cfg
-    from engine.model.config import moe_from_args
+    from engine.contract.model_config import moe_from_args
 
     args = argparse.Namespace(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001)
     fields = moe_from_args(args, 48)  # Megatron's own flag names

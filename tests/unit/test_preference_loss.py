@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.constants import IGNORE_INDEX
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.model_config import ModelConfig
 from engine.model import hf_mapping
-from engine.model.config import ModelConfig
 from engine.model.qwen3 import Qwen3Model
 from engine.train.preference import PairLogps, PreferenceConfig, preference_loss, sequence_logprobs
 

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from engine.spec import parse_spec
+from engine.contract.spec import parse_spec
 
 BASE = {"kind": "train", "data_path": "d", "train_iters": 3, "lr": 1e-3, "load": "ckpt"}
 DPO = {**BASE, "stage": "dpo", "is_pairwise_dataset": True}

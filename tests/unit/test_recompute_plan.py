@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from test_plan import seed_full
 
-from engine.flags import spec_from_argv
-from engine.model.config import preset
-from engine.plan import plan_spec
-from engine.plan.memory import layer_activation_bytes
-from engine.spec import parse_spec
+from engine.contract.flags import spec_from_argv
+from engine.contract.model_config import preset
+from engine.contract.plan import plan_spec
+from engine.contract.plan.memory import layer_activation_bytes
+from engine.contract.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig
+from engine.contract import rope_scaling
+from engine.contract.model_config import ModelConfig
 from engine.model.rope import inverse_frequencies, rope_cos_sin
 from tests.unit.test_model_qwen3 import VOCAB, hf_pair
 

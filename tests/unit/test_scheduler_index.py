@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from itertools import groupby
 
 from core.scheduler import FreeIndex, HostView, Waiting, behind_counts, fair_order
-from engine.spec import Resources
+from engine.contract.spec import Resources
 
 T0 = datetime(2026, 1, 1)
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from engine.contract.model_config import preset
+from engine.contract.runfiles import BadInput
 from engine.eval.model_loading import Adapters
-from engine.model.config import preset
 from engine.model.hf_mapping import native_from_hf
 from engine.model.lora import apply_lora, lora_state_dict
 from engine.model.qwen3 import Qwen3Model
-from engine.runfiles import BadInput
 from engine.serve.adapters import apply_adapters
 from engine.serve.batcher import Batcher, Sequence
 from engine.serve.sampling import RequestOptions

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 from engine.serve.batcher import Batcher, QueueFull, Sequence

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ServeSpec
 from engine.serve.job import run
-from engine.spec import ServeSpec
 from tests.unit.serve_support import running_engine
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.plan import DoesNotFit, check_fits, plan_spec
-from engine.plan.memory import kv_cache_bytes
+from engine.contract.plan import DoesNotFit, check_fits, plan_spec
+from engine.contract.plan.memory import kv_cache_bytes
+from engine.contract.spec import ServeSpec, parse_spec
 from engine.serve.slots import SlotCache
-from engine.spec import ServeSpec, parse_spec
 from train_support import QWEN3_4B
 
 

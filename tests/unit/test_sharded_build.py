@@ -16,13 +16,13 @@ from engine.checkpoint.layout import shard, split_rule
 from engine.checkpoint.megatron import save_mcore
 from engine.checkpoint.sharded import _read_in_place, fill_parameter
 from engine.checkpoint.sources import SeededInit, SeededLoraInit
-from engine.model.config import ModelConfig
+from engine.contract.model_config import ModelConfig
+from engine.contract.spec import TrainSpec
 from engine.model.lora import apply_lora
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
-from engine.spec import TrainSpec
 from engine.train.model_setup import build_rank_model, open_load
 
 

@@ -1,4 +1,4 @@
-"""The README's job spec and configuration references are generated from engine/spec.py and core/settings.py and
+"""The README's job spec and configuration references are generated from engine/contract/spec.py and core/settings.py and
 must be current."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from app.spec_reference import README, render, render_settings, updated
 from core.settings import REPO_ROOT, Settings
-from engine.spec import SPEC_CLASSES, PipelineStep, Resources
+from engine.contract.spec import SPEC_CLASSES, PipelineStep, Resources
 
 
 def test_readme_spec_reference_is_current() -> None:

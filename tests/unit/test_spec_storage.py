@@ -1,6 +1,6 @@
 """The stored form of a spec keeps what the user set, so the engine can tell an explicit flag from a default."""
 
-from engine.spec import parse_spec, spec_to_json
+from engine.contract.spec import parse_spec, spec_to_json
 
 
 def test_stored_spec_keeps_only_set_fields_plus_kind_and_resources():

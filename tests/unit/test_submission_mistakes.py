@@ -14,7 +14,7 @@ from core.db import session_scope
 from core.models import Host
 from core.settings import Settings
 from core_support import auth, isolated_settings, team_dir
-from engine.checkpoint import owner
+from engine.contract import owner
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine.constants import IGNORE_INDEX  # noqa: E402
-from engine.model.config import preset  # noqa: E402
+from engine.contract.constants import IGNORE_INDEX  # noqa: E402
+from engine.contract.model_config import preset  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
 from engine.parallel.activation_checkpoint import apply_ac  # noqa: E402
 from engine.train.batches import Sample, collate, pack, pad  # noqa: E402
@@ -109,7 +109,7 @@ def test_global_batch_is_the_same_for_any_dp_size(tmp_path: Path):
 
 
 def test_long_pretraining_documents_become_windows_that_train_every_target_once(tmp_path: Path):
-    from engine.data.indexed import IndexedDatasetWriter
+    from engine.contract.indexed import IndexedDatasetWriter
 
     docs = [np.arange(1, 6), np.arange(100, 140), np.arange(200, 217), np.arange(300, 316)]  # 5, 40, 17, 16 tokens
     writer = IndexedDatasetWriter(tmp_path / "text_document")

@@ -14,10 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine.checkpoint.hf import save_hf  # noqa: E402
-from engine.model.config import ModelConfig  # noqa: E402
+from engine.contract.model_config import ModelConfig  # noqa: E402
+from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.runfiles import BadInput, RunDir  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 

@@ -15,11 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_support import write_hf_moe_dir  # noqa: E402
 
-from engine.model.config import ModelConfig  # noqa: E402
+from engine.contract.model_config import ModelConfig  # noqa: E402
+from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.moe import router_metrics  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.runfiles import BadInput, RunDir  # noqa: E402
-from engine.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from engine.train.step_runner import micro_batch_loss  # noqa: E402
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.contract.spec import parse_spec
 from engine.parallel.device import has_fused_adamw
-from engine.spec import parse_spec
 from engine.train.optim import bounded_groups, build_optimizer, param_groups
 
 

@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from engine.model.config import preset  # noqa: E402
+from engine.contract.model_config import preset  # noqa: E402
+from engine.contract.runfiles import RunDir  # noqa: E402
+from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
 from engine.model.lora import apply_lora  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
 from engine.parallel.device import Device  # noqa: E402
 from engine.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from engine.parallel.parallelize import parallelize  # noqa: E402
 from engine.parallel.precision import param_dtypes  # noqa: E402
-from engine.runfiles import RunDir  # noqa: E402
-from engine.spec import TrainSpec, parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from engine.train.batches import MicroBatch, Sample, pad  # noqa: E402
 from engine.train.loop import TrainState, train_step  # noqa: E402

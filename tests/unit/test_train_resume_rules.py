@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine.checkpoint import owner  # noqa: E402
-from engine.runfiles import BadInput, RunDir  # noqa: E402
-from engine.spec import OUTPUT_KEYS, parse_spec  # noqa: E402
+from engine.contract import owner  # noqa: E402
+from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
+from engine.contract.spec import OUTPUT_KEYS, parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import tiny_spec, write_instruction_data  # noqa: E402
 

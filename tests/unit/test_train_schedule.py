@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from engine.model.config import preset
+from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
 from engine.train.optim import LossScaler, param_groups
 from engine.train.schedule import LRSchedule, Scheduler, schedule_from_spec

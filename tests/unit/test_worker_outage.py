@@ -20,7 +20,7 @@ from core.jobs import transition
 from core.models import Job
 from core.states import JobState
 from core_support import isolated_settings, make_job
-from engine.runfiles import RunDir
+from engine.contract.runfiles import RunDir
 from worker import ingest, node
 from worker.ingest import Batch, RunIngestor
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.spec import SPEC_CLASSES, JobBase, parse_spec
+from engine.contract.spec import SPEC_CLASSES, JobBase, parse_spec
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.model.config import ModelConfig
-from engine.model.lora_targets import MEGATRON_TARGETS
+from engine.contract.lora_targets import MEGATRON_TARGETS
+from engine.contract.model_config import ModelConfig
 
 MIB = 2**20
 GIB = 2**30
@@ -86,7 +86,7 @@ class Layout:
     eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
     rows_per_sample: int = 1  # stage dpo: 2 (a pair's chosen and rejected answers run in one forward)
     reference_copy: bool = False  # stage dpo with a frozen second model (not LoRA, not reference-free)
-    # the largest micro-batch the job's data forms (``engine.plan.data_shape``): rows × width padded positions,
+    # the largest micro-batch the job's data forms (``engine.contract.plan.data_shape``): rows × width padded positions,
     # pairs included; None plans every micro-batch at ``seq_length`` (the worst case)
     batch_rows: int | None = None
     batch_width: int | None = None

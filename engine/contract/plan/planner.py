@@ -6,19 +6,19 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from engine.constants import REFERENCE_FREE_LOSSES, SERVE_PREFILL_CHUNK
-from engine.model.config import ModelConfig
-from engine.model.lora_targets import MEGATRON_TARGETS, resolve_targets
-from engine.plan.data_shape import BatchShape, largest_micro_batch
-from engine.plan.memory import (
+from engine.contract.constants import REFERENCE_FREE_LOSSES, SERVE_PREFILL_CHUNK
+from engine.contract.lora_targets import MEGATRON_TARGETS, resolve_targets
+from engine.contract.model_config import ModelConfig
+from engine.contract.plan.data_shape import BatchShape, largest_micro_batch
+from engine.contract.plan.memory import (
     GIB,
     Layout,
     RankMemory,
     kv_cache_bytes,
     plan_ranks,
 )
-from engine.plan.shape import ShapeUnknown, model_config
-from engine.spec import EvalSpec, JobBase, ModelSpec, ServeSpec, TrainSpec
+from engine.contract.plan.shape import ShapeUnknown, model_config
+from engine.contract.spec import EvalSpec, JobBase, ModelSpec, ServeSpec, TrainSpec
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 Layout of ``<run_dir>`` (the worker creates it and writes ``spec.json``; the engine writes the rest):
 
-- ``spec.json``      the job spec (``engine.spec``), input.
+- ``spec.json``      the job spec (``engine.contract.spec``), input.
 - ``events.jsonl``   one JSON object per line: ``{"time": unix_s, "type": str, "message": str, "data": {...}}``.
                      Types: ``started``, ``progress`` (data: ``done``, ``total``, ``unit``), ``checkpoint``
                      (data: ``iteration``, ``path``), ``warning``, ``error`` (data: ``code``), ``finished``.

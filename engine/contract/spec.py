@@ -2,13 +2,13 @@
 
 Field names are MindSpeed-LLM's command-line flags in snake_case (``--tensor-model-parallel-size`` ->
 ``tensor_model_parallel_size``) with MindSpeed's meaning and default, flat at the top level of a spec, so a user who
-knows MindSpeed knows this API and ``python -m engine <kind>`` maps flag for flag (see ``engine.flags``).
+knows MindSpeed knows this API and ``python -m engine <kind>`` maps flag for flag (see ``engine.contract.flags``).
 The only nested objects are ``resources`` and ``metadata`` (and a pipeline's ``steps``).
 
 Path fields are checked against the caller's data areas when the spec is validated with
 ``context={"data_roots": [...], "read_roots": [...]}`` (the API does this with the team's areas, ``core.paths``):
 outputs only inside ``data_roots``, inputs also inside ``read_roots``. The engine, run standalone, trusts its user;
-run by a worker it re-checks every path right before opening it (``engine.guard``).
+run by a worker it re-checks every path right before opening it (``engine.contract.guard``).
 This module must not import torch.
 """
 
@@ -36,10 +36,11 @@ from pydantic import (
     model_validator,
 )
 
-from engine.constants import REFERENCE_FREE_LOSSES
 from engine.contract import layout
-from engine.model.lora_targets import resolve_targets
-from engine.retention import metric_name
+from engine.contract.constants import REFERENCE_FREE_LOSSES
+from engine.contract.data_formats import HANDLERS, PAIRWISE_HANDLERS, TEMPLATES, check_map_keys, handler_format
+from engine.contract.lora_targets import resolve_targets
+from engine.contract.retention import metric_name
 
 # ---------------------------------------------------------------- field types
 
@@ -580,8 +581,6 @@ class PreprocessSpec(JobBase):
     @classmethod
     def _check_handler(cls, value: str) -> str:
         """A field error (not the model's), so the message shows the name alone, not the whole spec."""
-        from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
-
         if value not in HANDLERS:
             raise ValueError(
                 f"handler_name: {value!r} is not supported; use one of {', '.join(h for h in HANDLERS if h)}"
@@ -590,18 +589,14 @@ class PreprocessSpec(JobBase):
 
     @model_validator(mode="after")
     def _check_preprocess(self) -> PreprocessSpec:
-        from engine.data.formats import HANDLERS  # no torch; kept lazy so importing specs stays cheap
-        from engine.data.templates import TEMPLATES
-
         instruction = HANDLERS[self.handler_name] != "text"
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         if instruction and self.prompt_type is None:
             raise ValueError(f"prompt_type: required with {self.handler_name} (qwen3, qwen or hf)")
-        if instruction:
-            from engine.data.formats import Converter
-
-            Converter(self.handler_name, self.map_keys)  # ValueError "map_keys: ..." for unknown keys or tags
+        if instruction:  # ValueError "map_keys: ..." for unknown keys or tags
+            fmt = handler_format(self.handler_name)
+            check_map_keys(fmt, dict(self.map_keys or {}), self.handler_name in PAIRWISE_HANDLERS)
         if self.pack and self.seq_length is None:
             raise ValueError("seq_length: required with pack")
         if self.neat_pack and not self.pack:
@@ -1127,8 +1122,6 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
 
     @model_validator(mode="after")
     def _check_eval(self) -> EvalSpec:
-        from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
-
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         unknown = [r for r in self.answer_normalization if r not in ("trim", "case")]
@@ -1214,8 +1207,6 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
 
     @model_validator(mode="after")
     def _check_serve(self) -> ServeSpec:
-        from engine.data.templates import TEMPLATES  # no torch; kept lazy so importing specs stays cheap
-
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
         if self.lora_load is None and self.lora_r is not None:

@@ -9,8 +9,8 @@ train/eval job, from its spec and the lengths its data's index holds. No torch i
 - ``cli``: ``python -m engine plan``.
 """
 
-from engine.plan.memory import Layout, RankMemory, plan_ranks
-from engine.plan.planner import (
+from engine.contract.plan.memory import Layout, RankMemory, plan_ranks
+from engine.contract.plan.planner import (
     DoesNotFit,
     MemoryPlan,
     breakdown,
@@ -18,7 +18,7 @@ from engine.plan.planner import (
     check_registered_memory,
     plan_spec,
 )
-from engine.plan.shape import ShapeUnknown, model_config
+from engine.contract.plan.shape import ShapeUnknown, model_config
 
 __all__ = [
     "DoesNotFit",

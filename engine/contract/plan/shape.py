@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint.allow_list import TORCH_FAMILY, SafeUnpickler, on_list, refuse
+from engine.contract import rope_scaling
+from engine.contract.allow_list import TORCH_FAMILY, SafeUnpickler, on_list, refuse
 from engine.contract.inspect import _RANK_DIR_RE, resolve_iteration_dir
-from engine.model import rope_scaling
-from engine.model.config import ModelConfig, moe_fields_from_flags, moe_from_args, preset
-from engine.runfiles import BadInput
-from engine.spec import ModelSpec
+from engine.contract.model_config import ModelConfig, moe_fields_from_flags, moe_from_args, preset
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import ModelSpec
 
 
 class ShapeUnknown(ValueError):

@@ -1,6 +1,6 @@
 """Training rows in token counts: how the trainer cuts a dataset into rows and samples, and how wide it pads them.
 
-The trainer (``engine.train.data``, ``engine.train.batches``) and the memory planner (``engine.plan.data_shape``, at
+The trainer (``engine.train.data``, ``engine.train.batches``) and the memory planner (``engine.contract.plan.data_shape``, at
 submission, torch-free) both read their rules here, so the planner sizes micro-batches exactly as the engine forms
 them, from the ``.idx`` files alone (plus our small ``_pack_boundaries`` index of pre-packed rows), without reading a
 token. numpy only.
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.data.indexed import (
+from engine.contract.indexed import (
     PAIRWISE_FIELDS,
     IndexedDataset,
     boundaries_prefix,
     instruction_prefix,
 )
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 
 def dataset_exists(prefix: str) -> bool:

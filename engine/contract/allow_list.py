@@ -10,8 +10,9 @@ Anything else is refused with a ``BadInput`` naming the class, before any of it 
 ``SafeUnpickler`` is the pure-Python unpickler (``pickle._Unpickler``) so that two opcodes can be checked too:
 ``BUILD`` on a class (which would set attributes of an allowed class for the whole process) and a persistent id
 other than a storage (torch's legacy "module" ids make it compare, and may write a ``.patch`` of, class sources).
-This module imports no torch: the API reads a rank file's ``args`` through it (``engine.plan.shape``) with every
-torch and NumPy global made inert; the engine's loaders (``engine.checkpoint.safe_pickle``) resolve them.
+This module imports no torch: the API reads a rank file's ``args`` through it (``engine.contract.plan.shape``) with
+every torch and NumPy global made inert; the engine's loaders use ``engine.checkpoint.safe_pickle.TorchUnpickler``,
+which resolves torch's dtypes and storage classes (it overrides ``SafeUnpickler.torch_value``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import struct
 from collections.abc import Callable
 from typing import IO, Any, ClassVar
 
-from engine.runfiles import BadInput
+from engine.contract.runfiles import BadInput
 
 # Plain constructors and torch's own tensor rebuilders: they build data and call nothing named by the file.
 _PLAIN: dict[str, set[str]] = {
@@ -128,27 +129,20 @@ def on_list(module: str, name: str) -> bool:
     return name in _PLAIN.get(module, ()) or (module, name) in _STANDINS or (module == "torch" and name.isidentifier())
 
 
-def _torch_value(name: str) -> Any:
-    import torch  # only a process already reading tensors gets here
-
-    from engine.torch_compat import LegacyStorage
-
-    obj = getattr(torch, name, None)
-    if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-        return obj
-    storages = (torch.storage.TypedStorage, torch.storage.UntypedStorage, LegacyStorage)
-    if name.endswith("Storage") and isinstance(obj, type) and issubclass(obj, storages):
-        return obj
-    return None
+TorchValue = Callable[[str], Any]  # torch.<name> -> the dtype/layout/storage class it names, or None
 
 
-def allowed_global(module: str, name: str, path: object = "", field: str | None = "load_dir") -> Any:
-    """The object ``module.name`` may stand for in a checkpoint pickle; ``BadInput`` naming it otherwise."""
+def allowed_global(
+    module: str, name: str, path: object = "", field: str | None = "load_dir", torch_value: TorchValue | None = None
+) -> Any:
+    """The object ``module.name`` may stand for in a checkpoint pickle; ``BadInput`` naming it otherwise. ``torch``
+    values resolve only through ``torch_value``, which a process reading tensors supplies
+    (``engine.checkpoint.safe_pickle.torch_value``); without it they are refused."""
     if name in _PLAIN.get(module, ()):
         return getattr(__import__(module, fromlist=[name]), name)
     if (module, name) in _STANDINS:
         return _STANDINS[module, name]
-    obj = _torch_value(name) if module == "torch" and on_list(module, name) else None
+    obj = torch_value(name) if module == "torch" and on_list(module, name) and torch_value is not None else None
     if obj is None:
         raise refuse(f"{module}.{name}", path, field)
     return obj
@@ -172,7 +166,11 @@ class SafeUnpickler(pickle._Unpickler):
     stack: list[Any]  # the Python unpickler's stack (undeclared in its stubs)
 
     def find_class(self, module: str, name: str) -> Any:
-        return allowed_global(module, name, self.path, self.field)
+        return allowed_global(module, name, self.path, self.field, self.torch_value)
+
+    def torch_value(self, name: str) -> Any:
+        """``torch.<name>`` on the list; None here (torch-free), resolved by the torch-reading subclass."""
+        return None
 
     def load(self) -> Any:
         """As ``pickle.Unpickler.load``; a malformed stream raises ``UnpicklingError`` as the C unpickler's does
@@ -199,13 +197,25 @@ SafeUnpickler.dispatch[pickle.BUILD[0]] = SafeUnpickler._build
 SafeUnpickler.dispatch[pickle.BINPERSID[0]] = SafeUnpickler._binpersid
 
 
-def load(file: IO[bytes], path: object = "", field: str | None = "load_dir", **kwargs: Any) -> Any:
+def load(
+    file: IO[bytes],
+    path: object = "",
+    field: str | None = "load_dir",
+    unpickler_class: type[SafeUnpickler] = SafeUnpickler,
+    **kwargs: Any,
+) -> Any:
     """``pickle.load`` through the allow-list."""
-    unpickler = SafeUnpickler(file, **kwargs)
+    unpickler = unpickler_class(file, **kwargs)
     unpickler.path, unpickler.field = path, field
     return unpickler.load()
 
 
-def loads(data: bytes, path: object = "", field: str | None = "load_dir", **kwargs: Any) -> Any:
+def loads(
+    data: bytes,
+    path: object = "",
+    field: str | None = "load_dir",
+    unpickler_class: type[SafeUnpickler] = SafeUnpickler,
+    **kwargs: Any,
+) -> Any:
     """``pickle.loads`` through the allow-list."""
-    return load(io.BytesIO(data), path, field, **kwargs)
+    return load(io.BytesIO(data), path, field, unpickler_class, **kwargs)

@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
-from engine.model import rope_scaling
+from engine.contract import rope_scaling
+from engine.contract.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
 if TYPE_CHECKING:
-    from engine.spec import ModelArgs
+    from engine.contract.spec import ModelArgs
 
 QWEN3_VOCAB = 151936
 
@@ -46,7 +46,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_aux_loss_coeff: float = 0.0  # Megatron's per-layer switch load-balancing loss weight (HF router_aux_loss_coef)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else Megatron token dropping (policy "probs")
-    # RoPE scaling (engine.model.rope_scaling; MindSpeed's flag names). None: plain RoPE.
+    # RoPE scaling (engine.contract.rope_scaling; MindSpeed's flag names). None: plain RoPE.
     rope_scaling_type: str | None = None
     rope_scaling_factor: float = 1.0
     rope_scaling_original_max_position_embeddings: int | None = None
@@ -243,7 +243,7 @@ def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
 
 
 def moe_fields_from_flags(spec: ModelArgs, base: ModelConfig | None = None) -> dict[str, Any]:
-    """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.spec.ModelArgs``), to pass to
+    """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.contract.spec.ModelArgs``), to pass to
     ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
     knobs then; the expert shape comes from the checkpoint). Empty for a dense model."""
     num_experts = getattr(spec, "num_experts", None) or (base.num_experts if base is not None else None)

@@ -21,10 +21,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.guard import WRITE_ENV
-from engine.plan.memory import MIB, RankMemory
-from engine.plan.planner import MemoryPlan, plan_spec
-from engine.spec import first_error
+from engine.contract.guard import WRITE_ENV
+from engine.contract.plan.memory import MIB, RankMemory
+from engine.contract.plan.planner import MemoryPlan, plan_spec
+from engine.contract.spec import first_error
 
 _TORCHRUN_VALUE_FLAGS = {
     "--nproc_per_node",
@@ -76,8 +76,8 @@ def split_torchrun(argv: list[str]) -> tuple[list[str], dict[str, Any], str | No
 
 
 def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data_root: str | None = None) -> Any:
-    from engine.flags import build_parser
-    from engine.spec import parse_spec
+    from engine.contract.flags import build_parser
+    from engine.contract.spec import parse_spec
 
     ns = build_parser(kind).parse_args(flags)
     data: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """The largest micro-batch a training job's data will form, found without torch and without reading a token.
 
 The planner's ``this_data`` figure rests on it. The sample lengths come from the ``.idx`` files
-(``engine.data.lengths``, the trainer's own rules); the order is the trainer's (``engine.data.sampler``: global
+(``engine.contract.lengths``, the trainer's own rules); the order is the trainer's (``engine.contract.sampler``: global
 position ``k`` of the run is a seeded permutation's entry, micro-batches are consecutive runs of ``micro_batch_size``
 positions), replayed over every position the run will consume (``train_iters × global_batch_size``), so the shape
 found is the one the engine will meet, not a guess. Runs longer than ``REPLAY_LIMIT`` positions are bounded instead by
@@ -19,10 +19,10 @@ import dataclasses
 
 import numpy as np
 
-from engine.data.lengths import RowLengths, dataset_rows, padded_width, split_counts
-from engine.data.sampler import DistributedSampler
-from engine.runfiles import BadInput
-from engine.spec import TrainSpec
+from engine.contract.lengths import RowLengths, dataset_rows, padded_width, split_counts
+from engine.contract.runfiles import BadInput
+from engine.contract.sampler import DistributedSampler
+from engine.contract.spec import TrainSpec
 
 REPLAY_LIMIT = 1 << 23  # positions: under a second of numpy at submission (0.42 s per 2^22 measured)
 _CHUNK = 1 << 22

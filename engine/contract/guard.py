@@ -17,8 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from engine.runfiles import BadInput
-from engine.spec import JobBase, _is_number, _resolve_in_roots, _resolve_list_in_roots, _resolve_output, within
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import JobBase, _is_number, _resolve_in_roots, _resolve_list_in_roots, _resolve_output, within
 
 WRITE_ENV = "LLMJOBS_DATA_AREAS"
 READ_ENV = "LLMJOBS_READ_AREAS"

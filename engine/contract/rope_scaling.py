@@ -15,7 +15,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.spec import ModelArgs
+    from engine.contract.spec import ModelArgs
 
 SUPPORTED = ("yarn",)
 
