@@ -22,6 +22,7 @@ from core.errors import ApiError
 from core.paths import team_areas
 from core.settings import Settings
 from engine.contract import inspect, layout, owner, rope_scaling
+from engine.contract.families import UnknownFamily, family_of_hf
 from engine.contract.flags import IGNORED_FLAGS
 from engine.contract.indexed import PAIRWISE_FIELDS, instruction_prefix
 from engine.contract.model_config import ModelConfig, hf_num_experts
@@ -213,6 +214,10 @@ class _Inputs:
                 raise _refuse(self.field(name), f"{p / 'config.json'} is not readable JSON ({err})") from None
             if not isinstance(config, dict):
                 raise _refuse(self.field(name), f"{p / 'config.json'} is not a JSON object")
+            try:  # a model family the engine does not run (engine.contract.families), named by its model_type
+                family_of_hf(config)
+            except UnknownFamily as err:
+                raise _refuse(self.field(name), f"{p / 'config.json'}: {err}") from None
             return config
         if inspect.checkpoint_format(p) is None:  # the engine's own detector (engine.checkpoint.load)
             raise _refuse(

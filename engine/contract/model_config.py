@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.contract import rope_scaling
 from engine.contract.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from engine.contract.families import Family, family_for, family_of_hf
 
 if TYPE_CHECKING:
     from engine.contract.spec import ModelArgs
@@ -55,8 +56,11 @@ class ModelConfig:
     rope_scaling_mscale: float | None = None
     rope_scaling_mscale_all_dim: float | None = None
     rope_scaling_attention_factor: float | None = None
+    # The architecture (engine.contract.families): with num_experts it names the family the runtime builds.
+    model_family: str = "qwen3"
 
     def __post_init__(self) -> None:
+        family_for(self.model_family, self.is_moe)  # UnknownFamily (a ValueError) naming model_family
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -76,6 +80,10 @@ class ModelConfig:
             raise ValueError(f"moe_layer_freq: must be >= 1, got {freq}")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ValueError(f"moe_expert_capacity_factor: must be positive, got {self.moe_expert_capacity_factor}")
+
+    @property
+    def family(self) -> Family:
+        return family_for(self.model_family, self.is_moe)
 
     @property
     def is_moe(self) -> bool:
@@ -114,9 +122,10 @@ class ModelConfig:
         """All parameters, or with ``active`` those one token uses (top-k of the experts, as FLOPs count them)."""
         h, d = self.hidden_size, self.kv_channels
         attn = h * self.qkv_rows + self.num_attention_heads * d * h + 2 * d
-        dense_mlp = 3 * h * self.ffn_hidden_size
+        matrices = self.family.mlp_matrices
+        dense_mlp = matrices * h * self.ffn_hidden_size
         experts = self.moe_router_topk if active else (self.num_experts or 0)
-        moe_mlp = (self.num_experts or 0) * h + experts * 3 * h * self.expert_ffn_hidden_size  # router + experts
+        moe_mlp = (self.num_experts or 0) * h + experts * matrices * h * self.expert_ffn_hidden_size  # router, experts
         n_moe = len(self.moe_layers)
         layers = self.num_layers * (attn + 2 * h) + n_moe * moe_mlp + (self.num_layers - n_moe) * dense_mlp
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -124,8 +133,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """The shape of an HF ``config.json`` of a supported family (``UnknownFamily`` names any other)."""
+        fam = family_of_hf(hf)
         heads = hf["num_attention_heads"]
         return cls(
+            model_family=fam.base,
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
             ffn_hidden_size=hf["intermediate_size"],
@@ -152,8 +164,8 @@ class ModelConfig:
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A ``config.json`` that ``transformers.Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for MoE) loads."""
         out = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [self.family.hf_architecture],
+            "model_type": self.family.hf_model_type,
             "attention_bias": False,
             "attention_dropout": 0.0,
             "bos_token_id": QWEN3_ENDOFTEXT_ID,
@@ -184,8 +196,6 @@ class ModelConfig:
 
     def _moe_to_hf(self) -> dict[str, Any]:
         return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(self.num_layers) if not self.is_moe_layer(i)],
             "moe_intermediate_size": self.expert_ffn_hidden_size,

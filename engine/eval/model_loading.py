@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +35,7 @@ from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import EvalSpec, ServeSpec
 from engine.dtypes import DTYPES
+from engine.model import families
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 from engine.train.model_setup import check_against_checkpoint, check_model_kind, with_rope_flags
@@ -241,7 +242,7 @@ def build_model(
         adapters = check_adapters(spec, *read_adapters(spec))
         info.update(adapters.facts())
     with torch.device("meta"):
-        model = Qwen3Model(cfg)
+        model = cast(Qwen3Model, families.build_model(cfg))  # generation reads Qwen3Model's decode methods
     info["num_params"] = sum(p.numel() for p in model.parameters())
     lora: WeightSource | None = None
     if adapters is not None:

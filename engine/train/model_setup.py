@@ -223,12 +223,12 @@ def build_rank_model(
     in the compute dtype. Returns the module (a ``PipelineModel`` under PP)."""
     from engine.checkpoint.sharded import fill_parts
     from engine.checkpoint.sources import SeededLoraInit
-    from engine.model.qwen3 import Qwen3Model
+    from engine.model.families import build_model
     from engine.parallel.parallelize import parallelize
     from engine.parallel.pipeline_parallel import build_pipeline_model
 
     with torch.device("meta"):
-        model: torch.nn.Module = Qwen3Model(cfg)
+        model: torch.nn.Module = build_model(cfg)
     model.requires_grad_(not frozen)
     adapted: list[str] = []
     if spec.lora_r is not None:  # spelled out so mypy narrows lora_r to int (is_lora cannot)

@@ -39,6 +39,9 @@ def _team_files(data: Path) -> None:
     }
     (data / "hf" / "config.json").write_text(json.dumps(config))
     (data / "hf" / "model.safetensors").write_bytes(b"")
+    (data / "llama").mkdir()
+    (data / "llama" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (data / "llama" / "model.safetensors").write_bytes(b"")
     (data / "empty").mkdir()
     write_finished_run(data / "runs" / "old", "job-old", 20)
 
@@ -100,6 +103,13 @@ MISTAKES: list[tuple[str, dict[str, Any], str, str]] = [
     ("output_dir", train(output_dir="o"), "output_dir", "did you mean 'save'"),
     ("an ignored MindSpeed flag", train(**{"use-flash-attn": True}), "use-flash-attn", "no effect in this engine"),
     ("kind typo", train(kind="trian"), "kind", "did you mean 'train'"),
+    (
+        "a model of a family the engine does not run",
+        {**CONVERT, "load_dir": "llama"},
+        "load_dir",
+        "model_type 'llama' is not a supported model family (qwen3, qwen3_moe)",
+    ),
+    ("training a llama checkpoint", train(load="llama"), "load", "model_type 'llama' is not a supported model family"),
     ("kind missing", {k: v for k, v in train().items() if k != "kind"}, "kind", "is required"),
     ("lora_alpha without lora_r", train(lora_alpha=16), "lora_alpha", "lora_r (the LoRA rank"),
     ("lora targets without lora_r", train(lora_target_modules=["linear_qkv"]), "lora_target_modules", "LoRA only"),

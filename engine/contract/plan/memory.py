@@ -188,13 +188,14 @@ def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 
     if moe:
         e = cfg.num_experts or 0
         return attn + e * h + expert_params(cfg) // ep // tp + 2 * h
-    return attn + 3 * h * cfg.ffn_hidden_size // tp + 2 * h
+    return attn + cfg.family.mlp_matrices * h * cfg.ffn_hidden_size // tp + 2 * h
 
 
 def expert_params(cfg: ModelConfig, layer: int | None = None) -> int:
     """The stacked expert weights of one MoE layer (all experts; 0 for a dense layer)."""
     moe = cfg.is_moe_layer(layer) if layer is not None else bool(cfg.moe_layers)
-    return (cfg.num_experts or 0) * 3 * cfg.hidden_size * cfg.expert_ffn_hidden_size if moe else 0
+    matrices = cfg.family.mlp_matrices
+    return (cfg.num_experts or 0) * matrices * cfg.hidden_size * cfg.expert_ffn_hidden_size if moe else 0
 
 
 def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...], layer: int | None = None) -> int:
@@ -246,13 +247,14 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     a, g, d = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.kv_channels
     sp = tp if lay.sequence_parallel else 1
     norm = (e * h + 4) // sp + e * h  # input and fp32 rstd (SP-sharded); the normed rows, the next matmul's input
-    q = e * a * d + 4 * a  # the q norm's input and rstd per head
-    k = e * g * d + 4 * g
+    fam = cfg.family
+    q = e * a * d + 4 * a if fam.qk_norm else 0  # the q norm's input and rstd per head
+    k = e * g * d + 4 * g if fam.qk_norm else 0
     if lay.device_type == "cpu":  # sdpa with a block mask: k and v are expanded to every query head
         attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
     else:  # flash/varlen kernels: q, k, v, output (also linear_proj's input, a view of it), fp32 lse
         attn = 2 * e * a * d + 2 * e * g * d + 4 * a
-    mlp = 2 * e * f if _has_dense(cfg) else 0  # fc1's output (gate|up) only: the SwiGLU product is rebuilt
+    mlp = fam.fc1_widths * e * f if _has_dense(cfg) else 0  # fc1's output (gate|up) only: SwiGLU is rebuilt
     if cfg.moe_layers:  # the largest layer's: an MoE one (engine.model.moe) where it is bigger
         mlp = max(mlp, moe_activation_bytes(cfg, lay))
     return tokens * (2 * norm + q + k + attn + mlp)
@@ -298,16 +300,18 @@ def moe_activation_bytes(cfg: ModelConfig, lay: Layout) -> int:
     router = min(e, 4) * ne + 8 * topk + 4 * topk + 4 + 8 * topk
     adapted = lay.lora_r is not None and any(t in ("linear_fc1", "linear_fc2") for t in lay.lora_targets)
     rows = cfg.hidden_size if lay.ep > 1 or adapted else 0
-    return router + topk * e * (rows + 2 * fe + 1)
+    return router + topk * e * (rows + cfg.family.fc1_widths * fe + 1)
 
 
 def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Selective recompute keeps the layer input and every matmul output (``engine.parallel.activation_checkpoint``)."""
     e, tp = lay.compute_bytes, lay.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
-    mlp = 2 * f + h if _has_dense(cfg) else 0
+    widths = cfg.family.fc1_widths
+    mlp = widths * f + h if _has_dense(cfg) else 0
     if cfg.moe_layers:  # router logits, and per choice the expert fc1 and fc2 outputs
-        mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * (2 * cfg.expert_ffn_hidden_size // tp + h))
+        per_choice = widths * cfg.expert_ffn_hidden_size // tp + h
+        mlp = max(mlp, (cfg.num_experts or 0) + cfg.moe_router_topk * per_choice)
     return tokens * e * (h + cfg.qkv_rows // tp + h + mlp)
 
 
