@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from core.settings import Settings, get_settings
+from core.settings import Settings, clear_settings, get_settings
 
 
 def load_settings() -> Settings:
     """Fresh settings from the environment (a command may have just set LLMJOBS_* variables)."""
-    get_settings.cache_clear()
+    clear_settings()
     return get_settings()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from typing import Annotated, Any
@@ -138,82 +137,21 @@ def worker(
             help="devices (CPU: slots) on this host; default: discovered through torch_npu / torch.cuda, 1 slot on CPU"
         ),
     ] = None,
-    concurrency: Annotated[int | None, typer.Option(help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="jobs at once (default LLMJOBS_WORKER_CONCURRENCY)")
+    ] = None,
 ) -> None:
     """A Celery worker for one host: registers its devices, heart-beats, runs the job nodes leased to it."""
     if device_type not in ("cpu", "cuda", "npu", "auto"):
         raise typer.BadParameter("choose cpu, cuda, npu or auto", param_hint="--device-type")
-    configured = (
-        devices
-        if devices is not None
-        else (int(os.environ["LLMJOBS_WORKER_DEVICES"]) if os.environ.get("LLMJOBS_WORKER_DEVICES") else None)
-    )
-    for key, value in (("WORKER_NAME", host), ("WORKER_CONCURRENCY", str(concurrency) if concurrency else None)):
-        if value is not None:
-            os.environ[f"LLMJOBS_{key}"] = value
     settings = load_settings()
+    overrides = {"worker_name": host, "worker_concurrency": concurrency}
+    settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     prepare(settings)
-    from core import structured_logs
-    from core.messaging import declare_queues, host_queue
-    from core.scheduler import schedule
-    from core.states import HostState
-    from worker.devices import device_memory_bytes, discover, host_address
-    from worker.hosts import HostHeartbeat, register_host, set_host_state
-    from worker.leases import sweep_host
-    from worker.node import STOPPING, finish_parked
-    from worker.tasks import celery_app
+    from worker.startup import inventory, run_worker
 
     try:
-        inventory = discover(device_type, configured)
+        found = inventory(settings, device_type, devices)
     except (ValueError, RuntimeError) as err:
         raise typer.BadParameter(str(err), param_hint="--device-type/--devices") from err
-    structured_logs.configure(settings.log_level, settings.log_format == "json")
-    name = settings.worker_name
-    queues = [settings.queue_for(inventory.device_type), host_queue(name)]
-    declare_queues(settings, queues)  # before consuming: survives another worker creating them at the same moment
-    register_host(
-        settings,
-        name=name,
-        device_type=inventory.device_type,
-        devices=len(inventory.device_ids),
-        queues=queues,
-        device_ids=inventory.device_ids,
-        address=host_address(settings.worker_address),
-        device_memory=device_memory_bytes(inventory.device_type, len(inventory.device_ids)),
-    )
-    finish_parked(settings, name)  # exits a previous worker parked while the database was away: store them
-    sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
-    schedule(settings)
-    beat = HostHeartbeat(
-        settings,
-        name,
-        on_beat=lambda: (
-            finish_parked(settings, name),
-            sweep_host(settings, name),
-            schedule(settings, if_changed=True),
-        ),
-        stopping=STOPPING,
-    )
-    beat.start()
-    threads = max(settings.worker_concurrency, len(inventory.device_ids) + 1)  # a thread per leased node, + a pass
-    try:
-        celery_app.worker_main(
-            [
-                "worker",
-                "-Q",
-                ",".join(queues),
-                "-n",
-                f"{name}@%h",
-                "--pool",
-                "threads",
-                "-c",
-                str(threads),
-                "--loglevel",
-                "INFO",
-                "--without-gossip",
-                "--without-mingle",
-            ]
-        )
-    finally:
-        beat.stop()
-        set_host_state(settings, name, HostState.down, pid=os.getpid())  # not when a newer worker took the host over
+    run_worker(settings, found)

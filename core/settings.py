@@ -275,6 +275,26 @@ class Settings(BaseSettings):
             path.mkdir(parents=True, exist_ok=True)
 
 
+_pinned: list[Settings] = []  # a command's own settings (use_settings), over the environment's
+
+
 @lru_cache
-def get_settings() -> Settings:
+def _from_environment() -> Settings:
     return Settings()
+
+
+def get_settings() -> Settings:
+    """This process's settings: the environment's, read once, or what a command pinned with ``use_settings``."""
+    return _pinned[-1] if _pinned else _from_environment()
+
+
+def use_settings(settings: Settings) -> None:
+    """Make ``settings`` what ``get_settings`` returns in this process (a command's options over the environment's),
+    rather than writing them back into ``os.environ``."""
+    _pinned[:] = [settings]
+
+
+def clear_settings() -> None:
+    """Forget pinned and cached settings: the next ``get_settings`` reads the environment again."""
+    _pinned.clear()
+    _from_environment.cache_clear()

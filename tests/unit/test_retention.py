@@ -16,7 +16,7 @@ from core.db import session_scope
 from core.jobs import add_event
 from core.models import Event, Job, LogLine, MetricPoint, Webhook, utcnow
 from core.retention import collect, keep_indices
-from core.settings import Settings, get_settings
+from core.settings import Settings, clear_settings
 from core_support import isolated_settings, make_job
 
 DAYS = {
@@ -99,7 +99,7 @@ def test_gc_command_runs_the_pass(tmp_path: Path) -> None:
     try:
         result = CliRunner().invoke(cli, ["gc"], env=env)
     finally:
-        get_settings.cache_clear()  # the command cached settings of this test's environment
+        clear_settings()  # the command cached settings of this test's environment
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["metric_points"] == 5
     assert counts(settings, old) == (0, 0, 0, False)

@@ -53,9 +53,9 @@ def test_worker_logs_carry_the_messages_request_and_job(tmp_path: Path, monkeypa
     monkeypatch.setenv("LLMJOBS_VAR_DIR", str(settings.var_dir))
     monkeypatch.setenv("LLMJOBS_DATABASE_URL", settings.database_url)
     from core.messaging import RUN_NODE_TASK
-    from core.settings import get_settings
+    from core.settings import clear_settings
 
-    get_settings.cache_clear()
+    clear_settings()
     from worker.tasks import celery_app
 
     out = io.StringIO()
@@ -66,7 +66,7 @@ def test_worker_logs_carry_the_messages_request_and_job(tmp_path: Path, monkeypa
         celery_app.tasks[RUN_NODE_TASK].apply(args=["job-1", 1, 0], headers={HEADER: "trace-7"})
     finally:
         logging.getLogger().removeHandler(handler)
-        get_settings.cache_clear()
+        clear_settings()
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     mine = [line for line in lines if line["logger"] == "worker.tasks"]
     assert mine and mine[0]["request_id"] == "trace-7" and mine[0]["job_id"] == "job-1", lines
