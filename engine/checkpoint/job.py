@@ -23,7 +23,8 @@ from engine.checkpoint.hf import HFCheckpoint, as_getter, copy_tokenizer, save_h
 from engine.checkpoint.layout import FINAL_NORM
 from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
-from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.checkpoint.megatron_read import MegatronCheckpoint
+from engine.checkpoint.megatron_write import save_mcore
 from engine.contract import layout
 from engine.contract.guard import check_output
 from engine.contract.lora_targets import resolve_targets

@@ -1,7 +1,7 @@
 """Which checkpoint format a path holds, and loading model weights from any of them as native tensors.
 
 - ``hf``: a directory with config.json and safetensors (``engine.checkpoint.hf``);
-- ``mcore``: Megatron/MindSpeed legacy layout, a tracker or ``iter_*``/``mp_rank_*`` folders (``engine.checkpoint.megatron``);
+- ``mcore``: Megatron/MindSpeed legacy layout, a tracker or ``iter_*``/``mp_rank_*`` folders (``engine.checkpoint.megatron_read``);
 - ``native``: the trainer's own distributed checkpoints (torch DCP ``.metadata``), read by ``engine.checkpoint.dcp``
   (owned by the trainer).
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint.hf import HFCheckpoint
-from engine.checkpoint.megatron import MegatronCheckpoint
+from engine.checkpoint.megatron_read import MegatronCheckpoint
 from engine.checkpoint.sources import WeightSource
 from engine.contract.inspect import TRACKER, Format, checkpoint_format
 from engine.contract.model_config import ModelConfig

@@ -231,7 +231,7 @@ class LoraOverlay:
         lora_r: int | None,
         rounding: str = "fp32",
     ):
-        from engine.checkpoint.megatron import RankFiles
+        from engine.checkpoint.megatron_read import RankFiles
 
         self.base, self.config, self.rounding = base, base.config, rounding
         self.lora = RankFiles(lora_dir)

@@ -1,6 +1,6 @@
 """Where a rank's weights come from: one typed protocol for every reader, and the seeded initial weights.
 
-``WeightSource`` is what the HF (``hf.HFCheckpoint``), Megatron (``megatron.MegatronCheckpoint``), training-checkpoint
+``WeightSource`` is what the HF (``hf.HFCheckpoint``), Megatron (``megatron_read.MegatronCheckpoint``), training-checkpoint
 (``dcp.DcpWeights``) and PEFT / LoRA overlay (``lora_merge.PeftOverlay`` / ``LoraOverlay``) readers implement: the
 model's config, a full native tensor, one TP rank's piece of it, and the LoRA modules it carries. Readers that can
 name file byte ranges for conversion's copy path also implement ``ByteRanges`` (HF) or ``RowSources`` (mcore).

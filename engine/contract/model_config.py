@@ -236,7 +236,7 @@ def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     """ModelConfig MoE fields from a Megatron checkpoint's ``args`` (ours carry the HF MoE attributes,
-    ``engine.checkpoint.megatron.build_args``; Megatron's own ``num_experts``/``moe_router_topk``/
+    ``engine.checkpoint.megatron_write.build_args``; Megatron's own ``num_experts``/``moe_router_topk``/
     ``moe_ffn_hidden_size``/``moe_aux_loss_coeff`` are read too); {} for a dense model or no args."""
     a = dict(getattr(args, "__dict__", None) or {})
     if not (a.get("num_experts") or a.get("num_local_experts")):

@@ -61,7 +61,8 @@ def given(path: str | None, field: str) -> str:
 
 def _mcore_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from engine.checkpoint.load import detect_format
-    from engine.checkpoint.megatron import MegatronCheckpoint, load_rank_file, resolve_iteration_dir
+    from engine.checkpoint.megatron_read import MegatronCheckpoint, load_rank_file
+    from engine.contract.inspect import resolve_iteration_dir
     from engine.model.lora import from_mindspeed_keys
 
     if detect_format(given(spec.load, "load")) == "mcore":  # adapters sharded like their base: TP/PP pieces glued

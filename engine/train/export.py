@@ -30,9 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.checkpoint.hf import save_hf, staging
 from engine.checkpoint.layout import OUTPUT, Slot, cut, pipeline_chunks, rank_dir_name, shard, split_rule
-from engine.checkpoint.megatron import MODEL_FILE, TRACKER, build_args, iteration_dir_name, rank_file_plan
+from engine.checkpoint.megatron_read import MODEL_FILE
+from engine.checkpoint.megatron_write import build_args, rank_file_plan
 from engine.checkpoint.sharded import native_name
 from engine.checkpoint.torchfile import TorchFileWriter
+from engine.contract.inspect import TRACKER, iteration_dir_name
 from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
 from engine.model.lora import to_mindspeed_keys
@@ -164,7 +166,7 @@ def _save_hf(cfg: ModelConfig, spec: TrainSpec, save: Path, dtype: torch.dtype) 
     """``<save>/hf`` from the checkpoint just written (merged onto its base for LoRA), streamed as ``convert`` does."""
     from engine.checkpoint.load import open_checkpoint
     from engine.checkpoint.lora_merge import LoraOverlay
-    from engine.checkpoint.megatron import MegatronCheckpoint
+    from engine.checkpoint.megatron_read import MegatronCheckpoint
     from engine.checkpoint.sources import SeededInit
 
     source: Any

@@ -93,8 +93,8 @@ def rank_keys(cfg: ModelConfig, spec: ModelSpec, pp_rank: int) -> list[str]:
 
 
 def rank_view(spec: ModelSpec) -> Any:
-    """This process's ``megatron.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
-    from engine.checkpoint.megatron import RankView
+    """This process's ``megatron_read.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
+    from engine.checkpoint.megatron_read import RankView
 
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     rank = int(os.environ.get("RANK", "0"))
@@ -114,7 +114,7 @@ def open_load(path: str, view: Any = None) -> LoadedWeights:
 
         ckpt = HFCheckpoint(path)
         return LoadedWeights("hf", ckpt.config, ckpt)
-    from engine.checkpoint.megatron import MegatronCheckpoint
+    from engine.checkpoint.megatron_read import MegatronCheckpoint
 
     try:
         mcore = MegatronCheckpoint(path, view=view)

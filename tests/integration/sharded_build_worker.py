@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.hf import save_hf
-from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.megatron_write import save_mcore
 from engine.checkpoint.sources import SeededInit
 from engine.contract.model_config import ModelConfig, preset
 from engine.contract.spec import TrainSpec

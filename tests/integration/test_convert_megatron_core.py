@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from convert_tiny import VOCAB, hf_logits, json_objects, tiny_hf  # noqa: E402
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
-from engine.checkpoint.megatron import save_mcore  # noqa: E402
+from engine.checkpoint.megatron_write import save_mcore  # noqa: E402
 from mcore_cpu_support import mcore_shape  # noqa: E402
 from torchrun_support import run_ok, torchrun  # noqa: E402
 

@@ -16,7 +16,7 @@ from moe_support import VOCAB, hf_config  # noqa: E402
 
 from convert_tiny import json_objects  # noqa: E402
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
-from engine.checkpoint.megatron import save_mcore  # noqa: E402
+from engine.checkpoint.megatron_write import save_mcore  # noqa: E402
 from mcore_cpu_support import mcore_shape  # noqa: E402
 from torchrun_support import run_ok, torchrun  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.megatron_write import save_mcore
 from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
 

@@ -23,7 +23,8 @@ from engine.checkpoint import dcp
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
 from engine.checkpoint.lora_merge import peft_deltas
-from engine.checkpoint.megatron import MODEL_FILE, load_rank_file, save_mcore
+from engine.checkpoint.megatron_read import MODEL_FILE, load_rank_file
+from engine.checkpoint.megatron_write import save_mcore
 from engine.checkpoint.safe_pickle import SafeLoadPlanner, load_torch_file
 from engine.cli import main
 from engine.contract.plan.shape import config_from_checkpoint

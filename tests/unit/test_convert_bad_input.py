@@ -12,7 +12,8 @@ import torch
 from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.job import run
-from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.checkpoint.megatron_read import MegatronCheckpoint
+from engine.checkpoint.megatron_write import save_mcore
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import ConvertSpec
 

@@ -14,7 +14,7 @@ from convert_tiny import read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
 from engine.checkpoint.layout import chunk_keys, pipeline_chunks, shard, split_rule
-from engine.checkpoint.megatron import build_args, save_mcore
+from engine.checkpoint.megatron_write import build_args, save_mcore
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ConvertSpec

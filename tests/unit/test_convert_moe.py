@@ -14,7 +14,8 @@ import torch
 from moe_support import hf_config
 
 from engine.checkpoint.hf import HFCheckpoint, save_hf
-from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.checkpoint.megatron_read import MegatronCheckpoint
+from engine.checkpoint.megatron_write import save_mcore
 from engine.cli import main
 from engine.contract.runfiles import EXIT_OK, BadInput
 

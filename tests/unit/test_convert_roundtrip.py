@@ -13,7 +13,8 @@ from convert_tiny import hf_logits, read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.layout import merge, pipeline_chunks, shard, shard_shape, split_rule
 from engine.checkpoint.load import detect_format, load_model_weights
-from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+from engine.checkpoint.megatron_read import MegatronCheckpoint
+from engine.checkpoint.megatron_write import save_mcore
 from engine.model.hf_mapping import native_keys
 
 

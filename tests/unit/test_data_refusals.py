@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from convert_tiny import tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run as convert
-from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.megatron_write import save_mcore
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import ConvertSpec, PreprocessSpec
 from engine.preprocess import run as preprocess

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from moe_support import write_hf_moe_dir  # noqa: E402
 
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
-from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore  # noqa: E402
+from engine.checkpoint.megatron_read import MegatronCheckpoint  # noqa: E402
+from engine.checkpoint.megatron_write import save_mcore  # noqa: E402
 from engine.checkpoint.sources import ExpertRanges, SeededInit, expert_range  # noqa: E402
 
 KEYS = ("decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.1.mlp.experts.linear_fc2.weight")

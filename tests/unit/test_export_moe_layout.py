@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
-from engine.checkpoint.megatron import MegatronCheckpoint  # noqa: E402
+from engine.checkpoint.megatron_read import MegatronCheckpoint  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402

@@ -107,7 +107,7 @@ def test_rank_coordinates_follow_the_mesh_order() -> None:
 
 def test_megatron_load_is_checked_at_submission(tmp_path: Path) -> None:
     """A Megatron ``load``'s shape (read from its ``args`` without torch) meets the same rule as an HF one."""
-    from engine.checkpoint.megatron import save_mcore
+    from engine.checkpoint.megatron_write import save_mcore
     from engine.model.qwen3 import Qwen3Model
 
     cfg = ModelConfig.from_hf({**BASE, "num_hidden_layers": 3})

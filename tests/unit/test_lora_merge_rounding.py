@@ -15,7 +15,7 @@ import torch
 from convert_tiny import read_hf, tiny_hf
 from engine.checkpoint.hf import HFCheckpoint
 from engine.checkpoint.job import run
-from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.megatron_write import save_mcore
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ConvertSpec
 from engine.model.lora import merge_lora_rounded

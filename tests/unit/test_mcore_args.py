@@ -10,7 +10,7 @@ import torch
 
 from convert_tiny import tiny_hf
 from engine.checkpoint.job import run
-from engine.checkpoint.megatron import build_args
+from engine.checkpoint.megatron_write import build_args
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ConvertSpec

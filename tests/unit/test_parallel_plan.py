@@ -144,7 +144,7 @@ def test_vocab_parallel_loss_equals_chunked_loss(one_rank_group: None) -> None:
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1)])
 def test_lora_export_is_cut_per_tp_pp_rank_like_mindspeed(tmp_path, tp: int, pp: int) -> None:
-    from engine.checkpoint.megatron import RankFiles
+    from engine.checkpoint.megatron_read import RankFiles
     from engine.model.lora import apply_lora, lora_state_dict
     from engine.train.export import _write_lora
 

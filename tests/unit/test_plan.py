@@ -194,7 +194,7 @@ def test_shape_from_megatron_args_without_torch(tmp_path: Path) -> None:
     """The mcore rank file's ``args`` are read by the allow-list unpickler; a planted class is never called."""
     import torch
 
-    from engine.checkpoint.megatron import save_mcore
+    from engine.checkpoint.megatron_write import save_mcore
     from engine.contract.plan.shape import config_from_checkpoint
     from engine.model.qwen3 import Qwen3Model
 

@@ -106,7 +106,8 @@ def test_megatron_args_carry_it() -> None:
 def test_conversion_carries_yarn_both_ways(tmp_path: Path) -> None:
     from convert_tiny import hf_logits, tiny_hf
     from engine.checkpoint.hf import HFCheckpoint, save_hf
-    from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+    from engine.checkpoint.megatron_read import MegatronCheckpoint
+    from engine.checkpoint.megatron_write import save_mcore
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
     config = json.loads((hf_dir / "config.json").read_text())

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from engine.checkpoint import sources
 from engine.checkpoint.hf import HFCheckpoint, save_hf
 from engine.checkpoint.layout import shard, split_rule
-from engine.checkpoint.megatron import save_mcore
+from engine.checkpoint.megatron_write import save_mcore
 from engine.checkpoint.sharded import _read_in_place, fill_parameter
 from engine.checkpoint.sources import SeededInit, SeededLoraInit
 from engine.contract.model_config import ModelConfig

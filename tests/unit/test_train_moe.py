@@ -252,7 +252,8 @@ def test_moe_hf_mcore_hf_round_trip_is_exact(tmp_path: Path) -> None:
     from transformers import Qwen3MoeForCausalLM
 
     from engine.checkpoint.hf import HFCheckpoint, save_hf
-    from engine.checkpoint.megatron import MegatronCheckpoint, save_mcore
+    from engine.checkpoint.megatron_read import MegatronCheckpoint
+    from engine.checkpoint.megatron_write import save_mcore
 
     src = _hf_moe_dir(tmp_path / "hf")
     ckpt = HFCheckpoint(src)
