@@ -18,14 +18,14 @@ from sqlalchemy.orm import Session
 from core.auth import Principal, load_visible
 from core.errors import ApiError
 from core.models import Job, MetricPoint
+from core.stored_spec import stored_spec
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STEP_METRICS = ("lm_loss", "val_lm_loss", "grad_norm")
 
 
 def save_dir(job: Job) -> Path:
-    spec = job.spec or {}
-    return Path(spec.get("save") or Path(job.run_dir) / "checkpoints")
+    return Path(stored_spec(job.spec).save or Path(job.run_dir) / "checkpoints")
 
 
 def _iteration(name: str) -> int | None:
@@ -150,7 +150,7 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
         job, chosen = _resolve(session, principal, ref, field)
         out[name] = chosen["model_path"]
         if chosen["lora"]:
-            base = (job.spec or {}).get("load")
+            base = stored_spec(job.spec).load
             if not base:
                 raise ApiError(
                     422,

@@ -23,6 +23,7 @@ from core.errors import ApiError
 from core.models import Event, Job
 from core.settings import Settings
 from core.states import TERMINAL, JobState
+from core.stored_spec import stored_spec
 from engine.contract.spec import EvalSpec
 
 
@@ -45,8 +46,7 @@ class Deployment:
 
 def served_name(job: Job) -> str:
     """The name clients pass as ``model``: as ``engine.serve.job.served_name`` decides it (the run dir is the id)."""
-    spec: dict[str, Any] = job.spec or {}
-    return str(spec.get("served_model_name") or job.name or job.id)
+    return stored_spec(job.spec).served_model_name or job.name or job.id
 
 
 def _ready_url(session: Session, job: Job) -> str | None:
@@ -64,10 +64,9 @@ def _ready_url(session: Session, job: Job) -> str | None:
 
 def _deployment(session: Session, job: Job) -> Deployment:
     created = int(job.created_at.timestamp()) if job.created_at else 0
-    spec: dict[str, Any] = job.spec or {}
-    adapters = {str(k): str(v) for k, v in (spec.get("lora_adapters") or {}).items()}
+    spec = stored_spec(job.spec)
     url = _ready_url(session, job)
-    return Deployment(job.id, job.team, served_name(job), job.state, url, created, str(spec.get("load")), adapters)
+    return Deployment(job.id, job.team, served_name(job), job.state, url, created, str(spec.load), spec.lora_adapters)
 
 
 def _live_serve_jobs(session: Session, principal: Principal) -> list[Job]:
@@ -87,10 +86,9 @@ def find_deployment(session: Session, principal: Principal, model: str) -> Deplo
     one of its adapters gives the deployment with ``adapter`` set."""
     found = []
     for job in _live_serve_jobs(session, principal):
-        spec: dict[str, Any] = job.spec or {}
         if model in (job.id, served_name(job)):
             found.append(_deployment(session, job))
-        elif model in (spec.get("lora_adapters") or {}):
+        elif model in stored_spec(job.spec).lora_adapters:
             found.append(dataclasses.replace(_deployment(session, job), adapter=model))
     return next((d for d in found if d.ready), found[0] if found else None)
 
@@ -124,8 +122,8 @@ def with_deployment_url(settings: Settings, team: str, spec: dict[str, Any]) -> 
     """At launch: an eval naming a ``deployment`` gets the URL of its current ready attempt (``deployment_url``) and
     the name that deployment's engine serves the chosen model under. RuntimeError (a retryable launch failure) when
     it is not ready now (restarting, or gone)."""
-    name = spec.get("deployment")
-    if spec.get("kind") != "eval" or not name:
+    name = stored_spec(spec).deployment
+    if stored_spec(spec).kind != "eval" or not name:
         return spec
     with session_scope(settings.database_url) as session:
         found = find_deployment(session, _team(team), str(name))

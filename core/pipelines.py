@@ -32,10 +32,10 @@ from core.pubsub import notify
 from core.scheduler import check_fits
 from core.settings import Settings
 from core.states import ACTIVE, TERMINAL, WAITING, JobState
+from core.stored_spec import stored_spec
 from engine.contract.spec import (
     PipelineSpec,
     PipelineStep,
-    Resources,
     find_references,
     first_error,
     parse_spec,
@@ -93,7 +93,7 @@ def decide(spec: PipelineSpec, children: Mapping[str, Any], stopping: bool = Fal
     decision: Decision | None = None
     views: list[StepView] = []
     for index, step in enumerate(spec.steps):
-        kind, child = str(step.spec.get("kind")), children.get(step.name)
+        kind, child = stored_spec(step.spec).kind, children.get(step.name)
         if decision is not None:  # after the step the pipeline is at: not run yet, or never (fail fast, cancel)
             later = "skipped" if decision.action == "finish" else "pending"
             views.append(StepView(step.name, kind, later, reason=decision.error if later == "skipped" else None))
@@ -324,7 +324,7 @@ def check_steps_fit(session: Session, settings: Settings, team: str, spec: Pipel
     """422 at submission if a step asks for resources no registered host set could ever give."""
     for index, step in enumerate(spec.steps):
         try:
-            check_fits(session, settings, team, Resources.model_validate(step.spec.get("resources") or {}))
+            check_fits(session, settings, team, stored_spec(step.spec).resources)
         except ApiError as err:
             field_name = f"steps.{index}.spec.{err.field}" if err.field else f"steps.{index}.spec.resources"
             raise ApiError(err.status, err.code, f"steps.{index}.spec.{err.message}", field_name) from None

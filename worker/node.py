@@ -42,6 +42,7 @@ from core.recovery import end_attempt, is_retryable, settle_cancel
 from core.scheduler import schedule
 from core.settings import Settings
 from core.states import NODE_STARTED, RUNNING, HostState, JobState, NodeState
+from core.stored_spec import stored_spec
 from engine.contract.runfiles import EXIT_BAD_INPUT, read_result
 from engine.contract.spec import parse_spec
 from worker.execute import log_tail, record_artifacts, write_spec
@@ -115,7 +116,7 @@ def node_work(job: Job, node: JobNode) -> NodeWork:
         job.id,
         node.attempt,
         node.node_rank,
-        int(job.spec["resources"]["nnodes"]),
+        stored_spec(job.spec).resources.nnodes,
         job.spec,
         Path(job.run_dir),
         list(node.devices),
@@ -213,7 +214,7 @@ def watch_node(
     settings: Settings, work: NodeWork, proc: Supervised, ingestor: RunIngestor | None
 ) -> tuple[int, str | None]:
     """Until the engine exits or must stop; returns (exit code, stop reason or None)."""
-    deadline = work.spec.get("run_deadline_s")
+    deadline = stored_spec(work.spec).run_deadline_s
     started = last_beat = time.monotonic()
     away_since: float | None = None
     while (code := proc.poll()) is None:
@@ -323,7 +324,7 @@ def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, erro
             work.attempt,
             retryable=False,
             error_code="run_deadline_exceeded",
-            message=f"run deadline of {work.spec.get('run_deadline_s')}s exceeded",
+            message=f"run deadline of {stored_spec(work.spec).run_deadline_s}s exceeded",
             log_tail=tail,
         )
     if code != 0:
@@ -433,7 +434,7 @@ def run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
         telemetry = start_telemetry(
             work.run_dir,
             work.node_rank,
-            work.spec["resources"]["device_type"],
+            stored_spec(work.spec).resources.device_type,
             work.devices,
             proc.pid,
             settings.telemetry_interval_s,

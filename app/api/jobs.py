@@ -22,6 +22,7 @@ from core.pubsub import notify
 from core.scheduler import check_fits, check_memory_fits
 from core.settings import Settings
 from core.states import JobState
+from core.stored_spec import stored_spec
 from engine.contract.spec import EvalSpec, JobBase, PipelineSpec, Resources, parse_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -171,7 +172,7 @@ def with_progress(session: Session, jobs: list[JobPublic]) -> list[JobPublic]:
             continue
         tokens, step, last = progress[job.id]
         job.trained_tokens, job.iteration = tokens, step
-        iters = job.spec.get("train_iters")
+        iters = stored_spec(job.spec).train_iters
         if job.finished_at is not None:
             job.estimated_finish = job.finished_at
         elif job.started_at is not None and isinstance(iters, int) and step > 0:
