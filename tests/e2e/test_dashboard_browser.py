@@ -6,6 +6,7 @@ reload, cancel, the hosts page, and min/max decimation keeping 100k-point series
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -170,15 +171,7 @@ def _chart_controls(page: Any, train_id: str) -> None:
     page.wait_for_selector(f'{loss}[data-x-axis="relative"]')
     assert page.is_disabled('#x-axis option[value="tokens"]') is False  # the train job reports `tokens`
     # Zoom to steps 2..5 (as a drag does), then a redraw as a live update would: the zoom stays.
-    over = page.locator('.chart[data-chart="Grad norm"] .u-over')
-    over.scroll_into_view_if_needed()
-    box = over.bounding_box()
-    page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + 20)
-    page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 20, steps=5)
-    page.mouse.up()
-    page.wait_for_function("document.querySelector('.chart[data-chart=\"Grad norm\"]').dataset.zoom !== ''")
-    zoom = page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom")
+    zoom = _drag_zoom(page, "Grad norm")
     page.select_option("#x-axis", "step")
     page.wait_for_selector(f'{loss}[data-x-axis="step"]')
     assert page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom") == zoom
@@ -531,6 +524,29 @@ def test_dashboard_end_to_end(page: Any, service: Service) -> None:  # noqa: F81
     page.click("#page-newer")
     page.wait_for_selector(f'tr[data-job="{train_b}"]')
     assert time.monotonic() - started < 450
+
+
+def _drag_zoom(page: Any, chart: str) -> str:
+    """Drag across the middle of ``chart`` (as a user zooms) and return its ``data-zoom``. On a loaded machine the
+    chart may still be laid out while the mouse moves, so the selection can miss every whole step; the drag is then
+    undone and made again (three tries), so the export below always has steps to check."""
+    selector = f'.chart[data-chart="{chart}"]'
+    for _ in range(3):
+        over = page.locator(f"{selector} .u-over")
+        over.scroll_into_view_if_needed()
+        box = over.bounding_box()
+        page.mouse.move(box["x"] + box["width"] * 0.25, box["y"] + 20)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.75, box["y"] + 20, steps=5)
+        page.mouse.up()
+        page.wait_for_function(f"document.querySelector('{selector}').dataset.zoom !== ''")
+        zoom = str(page.get_attribute(selector, "data-zoom"))
+        lo, hi = (float(v) for v in zoom.split(","))
+        if math.floor(hi) >= math.ceil(lo):
+            return zoom
+        page.dblclick(f"{selector} .u-over")
+        page.wait_for_function(f"document.querySelector('{selector}').dataset.zoom === ''")
+    raise AssertionError(f"three drags over {chart} selected no whole step (last {zoom})")
 
 
 def test_decimation_keeps_100k_point_series_fast_and_exact(strict_page: Any, service: Service) -> None:  # noqa: F811
