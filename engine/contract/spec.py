@@ -793,6 +793,12 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         description="--refer-model-iter: accepted for script parity; the reference is always the weights the run "
         "started from (ref_model or load), kept when a run resumes.",
     )
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="Stage dpo (TRL's name): compute the reference's log-probs of every pair once, before training, "
+        "store them beside the dataset (keyed by the dataset, the reference checkpoint and the numerics) and train "
+        "without the reference in memory; a later run with the same key reuses them.",
+    )
     is_instruction_dataset: bool = Field(
         False,
         description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from the loss).",
@@ -860,7 +866,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         """Preference knobs outside stage dpo, or ones its loss ignores, would silently do nothing: refused."""
         pref = ("is_pairwise_dataset", "dpo_loss_type", "dpo_beta", "dpo_label_smoothing", "pref_ftx", "simpo_gamma")
         if self.stage != "dpo":
-            for flag in (*pref, "ref_model", "refer_model_iter"):
+            for flag in (*pref, "ref_model", "refer_model_iter", "precompute_ref_log_probs"):
                 if flag in self.model_fields_set:
                     raise ValueError(f"{flag}: applies to stage dpo only (preference training); set stage: dpo")
             return self
@@ -876,6 +882,10 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError(f"ref_model: dpo_loss_type {self.dpo_loss_type} is reference-free; remove ref_model")
         if self.ref_model is not None and self.lora_r is not None:
             raise ValueError("ref_model: a LoRA run's reference is its base (load) with the adapters off")
+        if self.precompute_ref_log_probs and self.dpo_loss_type in REFERENCE_FREE_LOSSES:
+            raise ValueError(
+                f"precompute_ref_log_probs: dpo_loss_type {self.dpo_loss_type} is reference-free; nothing to precompute"
+            )
         if self.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "pipeline_model_parallel_size: stage dpo runs under data, tensor and expert parallel only for now; "

@@ -125,6 +125,12 @@ class Device:
         if acc is not None:
             acc.synchronize(self.index)
 
+    def empty_cache(self) -> None:
+        """Give cached, unused blocks back to the device (after a model is dropped); nothing on the CPU."""
+        acc = _accelerator(self.type)
+        if acc is not None:
+            acc.empty_cache()
+
     def memory_stats(self) -> dict[str, float]:
         """MB figures under the metric names of docs/architecture.md; on CPU all three are process RSS (max = peak RSS)."""
         acc = _accelerator(self.type)

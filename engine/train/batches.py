@@ -28,6 +28,7 @@ class Sample:
 
     input_ids: np.ndarray
     labels: np.ndarray
+    ref_logp: float | None = None  # stage dpo, precomputed: the reference's summed log-prob of this answer
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class MicroBatch:
     loss_labels: torch.Tensor  # (N,)
     seq_lens: list[int]  # real tokens per sample (after the shift)
     pairs: int = 0  # preference data: rows [chosen of each pair; rejected of each pair], ``pairs`` of each
+    ref_logps: torch.Tensor | None = None  # (rows,) fp32: the reference's precomputed row log-probs, when stored
 
     @property
     def loss_units(self) -> int:
@@ -67,6 +69,7 @@ class MicroBatch:
             labels=move(self.labels),
             loss_index=move(self.loss_index),
             loss_labels=move(self.loss_labels),
+            ref_logps=None if self.ref_logps is None else move(self.ref_logps),
         )
 
 
@@ -125,7 +128,10 @@ def collate_pairs(samples: Sequence[Sample], seq_length: int, variable_seq_lengt
     """Preference pairs ``[chosen_1, rejected_1, chosen_2, ...]`` as one padded batch ``[chosen; rejected]``, so
     both answers of every pair go through one forward (rows carry per-sequence sums: packing would merge them)."""
     chosen, rejected = samples[0::2], samples[1::2]
-    return dataclasses.replace(pad([*chosen, *rejected], seq_length, variable_seq_lengths), pairs=len(chosen))
+    rows = [*chosen, *rejected]
+    stored = [s.ref_logp for s in rows]
+    ref = None if None in stored else torch.tensor(stored, dtype=torch.float32)
+    return dataclasses.replace(pad(rows, seq_length, variable_seq_lengths), pairs=len(chosen), ref_logps=ref)
 
 
 def collate(samples: Sequence[Sample], seq_length: int, padding_free: bool, variable_seq_lengths: bool) -> MicroBatch:

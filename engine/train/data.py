@@ -30,7 +30,7 @@ from engine.contract.sampler import DistributedSampler
 from engine.train.batches import Sample
 
 
-class _Source:
+class Source:
     """One dataset: ``samples(i)`` -> the samples of row ``i`` (several for a pre-packed row).
 
     Pretraining text: a document longer than ``seq_length`` tokens is several rows, windows of ``seq_length``
@@ -42,6 +42,8 @@ class _Source:
     def __init__(self, prefix: str, seq_length: int, pairwise: bool = False):
         self.window_start: np.ndarray | None = None
         self.pairs: dict[str, IndexedDataset] | None = None
+        self.ref_logps: np.ndarray | None = None  # (pairs, 2) float32: precomputed (engine.train.reference_logps)
+        self.prefix = prefix
         self.instruction: InstructionDataset | None = None
         self.text: IndexedDataset | None = None
         try:  # a file that is not a Megatron index is the user's input, not a crash to retry
@@ -69,10 +71,11 @@ class _Source:
 
     def samples(self, i: int) -> list[Sample]:
         if self.pairs is not None:  # a pair is one row: [chosen, rejected] (``batches.collate_pairs``)
-            p = self.pairs
+            p, ref = self.pairs, self.ref_logps
+            chosen, rejected = (None, None) if ref is None else (float(ref[i, 0]), float(ref[i, 1]))
             return [
-                Sample(p["chosen_input_ids"][i], p["chosen_labels"][i]),
-                Sample(p["rejected_input_ids"][i], p["rejected_labels"][i]),
+                Sample(p["chosen_input_ids"][i], p["chosen_labels"][i], chosen),
+                Sample(p["rejected_input_ids"][i], p["rejected_labels"][i], rejected),
             ]
         if self.text is not None:
             if self.window_start is None:
@@ -113,7 +116,7 @@ def check_data_paths(paths: Sequence[str]) -> None:
 class TrainData:
     """Samples ``[start, start + num_samples)`` of all ``data_path`` datasets (one index space), in a seeded order."""
 
-    sources: list[_Source]
+    sources: list[Source]
     num_samples: int
     seed: int
     start: int = 0
@@ -125,10 +128,10 @@ class TrainData:
 
     @classmethod
     def open(cls, paths: Sequence[str], split: str, seed: int, seq_length: int, pairwise: bool = False) -> TrainData:
-        """The training share (samples of at most ``seq_length`` tokens; see ``_Source``); ``pairwise``: preference
+        """The training share (samples of at most ``seq_length`` tokens; see ``Source``); ``pairwise``: preference
         pairs, one pair per row."""
         check_data_paths(paths)
-        sources = [_Source(p, seq_length, pairwise) for p in paths]
+        sources = [Source(p, seq_length, pairwise) for p in paths]
         total = sum(len(s) for s in sources)
         n = split_counts(total, split)[0]
         if n < 1:

@@ -96,7 +96,11 @@ def dpo_loss(
     def loss(model: nn.Module, mb: MicroBatch) -> Losses:
         logps, tokens = row_logps(model, mb, chunk_size, vocab_parallel)
         p = mb.pairs
-        ref = reference.logps(mb, chunk_size) if reference is not None else None
+        ref = mb.ref_logps if mb.ref_logps is not None else None
+        if ref is None and reference is not None:
+            ref = reference.logps(mb, chunk_size)
+        if ref is None and cfg.loss_type not in REFERENCE_FREE:
+            raise RuntimeError(f"dpo_loss_type {cfg.loss_type}: no reference log-probs for this micro-batch")
         pair = PairLogps(
             logps[:p],
             logps[p:],

@@ -16,13 +16,14 @@ failed job with the same spec and expects it to continue where it stopped, optim
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,6 +61,9 @@ from engine.train.optim import LossScaler, build_optimizer
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
 from engine.train.step_runner import MicroBatchLoss, make_runner
+
+if TYPE_CHECKING:
+    from engine.train.dpo import Reference
 
 log = logging.getLogger("engine.train")
 
@@ -194,6 +198,8 @@ class Trainer:
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
         self.step_metrics: dict[int, dict[str, float]] = {}  # iteration -> lm_loss / val_lm_loss, for checkpoints
+        self.pass_reference: Reference | None = None  # stage dpo with precompute_ref_log_probs, until fit's pass
+        self.reference_tables: dict[str, Any] = {}
         self.mesh = build_mesh(device, plan.dims)
         _seed_everything(spec.seed)
         self.model = self._build_model()
@@ -241,7 +247,22 @@ class Trainer:
             self.device.torch_device,
         )
         vocab_parallel = self.mesh["tp"].size() > 1
+        if self.spec.precompute_ref_log_probs:  # used once by fit's pass, then dropped: training runs without it
+            self.pass_reference, ref = ref, None
         return dpo_loss(preference_config(self.spec), ref, self.spec.cross_entropy_chunk_size, vocab_parallel)
+
+    def _precompute_reference(self, data: TrainData) -> None:
+        """Every pair's reference log-probs into ``data`` (stored or reused), then the reference is freed."""
+        from engine.train.reference_logps import precompute
+
+        assert self.pass_reference is not None
+        plan, device = self.plan, self.device.torch_device
+        self.reference_tables = precompute(
+            self.pass_reference, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device
+        )
+        self.pass_reference = None
+        gc.collect()
+        self.device.empty_cache()
 
     def _restore(self) -> str | None:
         spec, plan = self.spec, self.plan
@@ -417,6 +438,8 @@ class Trainer:
         spec, plan = self.spec, self.plan
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length, pairwise=spec.is_pairwise_dataset)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
+        if self.pass_reference is not None:
+            self._precompute_reference(data)
         metrics = MetricsLogger(
             self.run,
             plan.cfg,
@@ -476,6 +499,7 @@ class Trainer:
             "global_batch_size": plan.global_batch_size,
             "lora": self.lora,
             "validation_samples": valid.num_samples if valid else 0,
+            **({"reference_logps": self.reference_tables} if self.reference_tables else {}),
             **metrics.summary(),
         }
         return outputs, summary

@@ -1,5 +1,6 @@
 """Stage dpo under data parallel (FSDP2 over gloo, torchrun, a frozen sharded reference) and under tensor parallel
-(vocab-parallel log-probs, sequence parallel; full and LoRA) and expert parallel (MoE) equals one process."""
+(vocab-parallel log-probs, sequence parallel; full and LoRA) and expert parallel (MoE), and with the reference's
+log-probs precomputed over two ranks, equals one process with the online reference."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
     "ep2": {"expert_model_parallel_size": 2, **MOE},
+    # the reference's log-probs computed by a pass over the pairs (each rank its share, summed over DP) and stored,
+    # against one process with the online reference
+    "dp2_precomputed": {"precompute_ref_log_probs": True},
+    "tp2_precomputed": {"tensor_model_parallel_size": 2, "precompute_ref_log_probs": True},
 }
 
 
@@ -24,7 +29,12 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
     data = write_pairwise_data(tmp_path / "data" / "pairs")
     spec = tiny_spec(data, stage="dpo", is_pairwise_dataset=True, train_iters=4, global_batch_size=8, lr_warmup_iters=0)
     two_ranks = {**spec, **LAYOUTS[layout]}
-    two_ranks_only = ("tensor_model_parallel_size", "sequence_parallel", "expert_model_parallel_size")
+    two_ranks_only = (
+        "tensor_model_parallel_size",
+        "sequence_parallel",
+        "expert_model_parallel_size",
+        "precompute_ref_log_probs",
+    )
     one_rank = {k: v for k, v in two_ranks.items() if k not in two_ranks_only}
     run_train(one_rank, tmp_path / "run1", 1)
     run_train(two_ranks, tmp_path / "run2", 2)

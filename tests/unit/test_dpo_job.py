@@ -253,3 +253,40 @@ def test_resumed_dpo_keeps_the_initial_reference(pairs: str, tmp_path: Path, mon
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def _exact(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row's figures that must repeat exactly (not timings or memory)."""
+    return {k: row[k] for k in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected")}
+
+
+def test_precomputed_reference_equals_the_online_one_and_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """precompute_ref_log_probs: with one pair per micro-batch the stored log-probs are the online reference's bit for
+    bit, so every step is identical; the table lands beside the dataset with a note of its key, and a second run
+    with the same dataset, reference and numerics reads it instead of computing it (and so does a resumed one)."""
+    from engine.train import reference_logps
+
+    data = write_pairwise_data(tmp_path / "data" / "pairs")
+    spec = _tiny_dpo(data, train_iters=3, micro_batch_size=1)
+    job.run(parse_spec(spec), RunDir(tmp_path / "online"))
+    online = metric_rows(tmp_path / "online")
+    _, summary = job.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "stored"))
+    stored = metric_rows(tmp_path / "stored")
+    assert [_exact(r) for r in online] == [_exact(r) for r in stored]
+    (where,) = summary["reference_logps"].values()
+    table = Path(where["stored"])
+    assert table.parent == Path(data + "_ref_logps") and table.with_suffix(".json").is_file()
+    assert np.load(table, allow_pickle=False).shape == (16, 2)
+
+    def no_second_pass(*args: Any) -> None:
+        raise AssertionError("the stored table should have been read")
+
+    monkeypatch.setattr(reference_logps, "_compute", no_second_pass)
+    _, again = job.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "again"))
+    assert next(iter(again["reference_logps"].values()))["reused"] == str(table)
+    assert [_exact(r) for r in metric_rows(tmp_path / "again")] == [_exact(r) for r in stored]
+    # another reference (another seed draws other initial weights) is another key: computed, not reused
+    with pytest.raises(AssertionError, match="stored table should have been read"):
+        job.run(parse_spec({**spec, "precompute_ref_log_probs": True, "seed": 8}), RunDir(tmp_path / "other"))

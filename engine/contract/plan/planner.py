@@ -145,11 +145,14 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
 
 
 def _preference_layout(spec: TrainSpec) -> dict[str, Any]:
-    """Stage dpo: pairs double the rows of a micro-batch; a frozen reference copy unless LoRA or reference-free."""
+    """Stage dpo: pairs double the rows of a micro-batch; a frozen reference copy unless LoRA, reference-free or
+    precomputed (``precompute_ref_log_probs``: the copy lives only in the pass before training, while the policy has
+    no gradients or optimizer state yet, so it never sets the peak)."""
     if spec.stage != "dpo":
         return {}
     free = spec.dpo_loss_type in REFERENCE_FREE_LOSSES
-    return {"rows_per_sample": 2, "reference_copy": not spec.is_lora and not free}
+    copy = not spec.is_lora and not free and not spec.precompute_ref_log_probs
+    return {"rows_per_sample": 2, "reference_copy": copy}
 
 
 def plan_spec(spec: ModelSpec, model: str | None = None, device_memory_bytes: int | None = None) -> MemoryPlan:
@@ -223,6 +226,8 @@ def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
     lay = plan.layout
     sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width) if plan.data else lay
     tries: list[tuple[str, Layout]] = []
+    if lay.reference_copy:  # stage dpo: the reference's log-probs computed once, before training
+        tries.append(("precompute_ref_log_probs true", dataclasses.replace(sized, reference_copy=False)))
     for mode in ("selective", "full"):
         if lay.recompute != mode and not (mode == "selective" and lay.recompute == "full"):
             tries.append((f"recompute_granularity {mode}", dataclasses.replace(sized, recompute=mode)))
