@@ -417,6 +417,27 @@ def vocab_parallel_sequence_logprobs(
     return sums, torch.bincount(seq, weights=labelled.float(), minlength=b).long()
 
 
+def vocab_parallel_row_logit_sums(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``engine.train.preference.row_logit_sums`` against a vocab-sharded head: the shards' column sums of the head
+    are summed over TP (one H-sized collective), then each labelled position's ``h · Σ_v W_v`` per row; identical on
+    every TP rank. Not differentiated."""
+    weight = cast(DTensor, weight)
+    mesh = weight.device_mesh
+    b, t = labels.shape
+    with torch.no_grad():
+        w_sum = weight.to_local().float().sum(0)
+        dist.all_reduce(w_sum, group=mesh.get_group())
+        full = hidden.redistribute(placements=[Replicate()]).to_local() if isinstance(hidden, DTensor) else hidden
+        h = full.reshape(-1, full.shape[-1])
+        if rows is None:
+            rows = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+        seq = torch.div(rows, t, rounding_mode="floor")
+        per_token = h.index_select(0, rows).float() @ w_sum
+        return torch.zeros(b, dtype=torch.float32, device=h.device).index_add(0, seq, per_token)
+
+
 def _token_losses(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

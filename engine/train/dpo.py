@@ -36,10 +36,18 @@ from engine.contract.spec import TrainSpec
 from engine.model.lora import adapters_disabled
 from engine.model.moe import paused_router_stats
 from engine.model.qwen3 import Qwen3Model
-from engine.parallel.tensor_parallel import vocab_parallel_sequence_logprobs
+from engine.parallel.tensor_parallel import vocab_parallel_row_logit_sums, vocab_parallel_sequence_logprobs
 from engine.train.batches import MicroBatch
+from engine.train.metrics import PER
 from engine.train.model_setup import build_rank_model, open_load, rank_view
-from engine.train.preference import REFERENCE_FREE, PairLogps, PreferenceConfig, preference_loss, sequence_logprobs
+from engine.train.preference import (
+    REFERENCE_FREE,
+    PairLogps,
+    PreferenceConfig,
+    preference_loss,
+    row_logit_sums,
+    sequence_logprobs,
+)
 from engine.train.step_runner import Losses, MicroBatchLoss
 
 # preference_loss's per-pair metrics -> TRL's DPOTrainer names
@@ -73,19 +81,36 @@ class Reference:
         off = adapters_disabled(self.module) if self.adapters_off else contextlib.nullcontext()
         # paused: a LoRA policy's MoE routing figures count its training forwards only
         with torch.no_grad(), off, paused_router_stats(self.module):
-            return row_logps(self.module, mb, chunk_size, self.vocab_parallel)[0]
+            return row_logps(self.module, mb, chunk_size, self.vocab_parallel).logps
+
+
+@dataclasses.dataclass
+class RowLogps:
+    """A micro-batch's rows: summed log-probs (differentiable), labelled tokens, and (the policy's only) the logits
+    summed over labelled positions and the vocabulary, with the vocabulary size."""
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+    logit_sums: torch.Tensor | None = None
+    vocab: int = 0
 
 
 def row_logps(
-    model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_parallel: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probs, labelled tokens) of each row of ``mb``; ``vocab_parallel``: the head is vocab-sharded over
-    TP (the hidden states may be sequence-sharded)."""
+    model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_parallel: bool = False, logits: bool = False
+) -> RowLogps:
+    """Each row of ``mb``: summed log-probs and labelled tokens, with ``logits`` the logit sums TRL reports too;
+    ``vocab_parallel``: the head is vocab-sharded over TP (the hidden states may be sequence-sharded)."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
     head = cast(Qwen3Model, model).output_weight()
     if vocab_parallel:
-        return vocab_parallel_sequence_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
-    return sequence_logprobs(hidden, head, mb.labels, chunk_size)
+        logps, tokens = vocab_parallel_sequence_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
+        sums = vocab_parallel_row_logit_sums(hidden, head, mb.labels, mb.loss_index) if logits else None
+        vocab = head.shape[0]  # a DTensor's global shape
+    else:
+        logps, tokens = sequence_logprobs(hidden, head, mb.labels, chunk_size)
+        sums = row_logit_sums(hidden, head, mb.labels) if logits else None
+        vocab = head.shape[0]
+    return RowLogps(logps, tokens, sums, vocab)
 
 
 def dpo_loss(
@@ -94,7 +119,8 @@ def dpo_loss(
     """The micro-batch loss of stage dpo: summed per-pair loss, with TRL's metrics as per-pair sums (``stats``)."""
 
     def loss(model: nn.Module, mb: MicroBatch) -> Losses:
-        logps, tokens = row_logps(model, mb, chunk_size, vocab_parallel)
+        rows = row_logps(model, mb, chunk_size, vocab_parallel, logits=True)
+        logps, tokens = rows.logps, rows.tokens
         p = mb.pairs
         ref = mb.ref_logps if mb.ref_logps is not None else None
         if ref is None and reference is not None:
@@ -111,8 +137,18 @@ def dpo_loss(
         )
         per_pair, metrics = preference_loss(cfg, pair)
         stats = {_TRL_NAMES[k]: v.sum().float() for k, v in metrics.items()}
-        stats["logps/chosen"] = pair.chosen.detach().sum().float()
-        stats["logps/rejected"] = pair.rejected.detach().sum().float()
+        # as the loss reads them (TRL's CPO/ORPO trainers too): summed, length-normalised for simpo and orpo
+        norm = cfg.loss_type in REFERENCE_FREE
+        for name, logp, n in (
+            ("chosen", pair.chosen, pair.chosen_tokens),
+            ("rejected", pair.rejected, pair.rejected_tokens),
+        ):
+            stats[f"logps/{name}"] = (logp.detach() / n if norm else logp.detach()).sum().float()
+        assert rows.logit_sums is not None
+        for name, half in (("chosen", slice(None, p)), ("rejected", slice(p, None))):
+            # TRL's mean over every labelled position and vocabulary entry: a sum and its count (metrics divides)
+            stats[f"logits/{name}"] = rows.logit_sums[half].sum()
+            stats[f"logits/{name}{PER}"] = (tokens[half].sum() * rows.vocab).float()
         return Losses(per_pair.sum().float(), stats=stats)
 
     return loss

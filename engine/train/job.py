@@ -424,14 +424,18 @@ class Trainer:
         spec, started = self.spec, time.perf_counter()
         batches = min(spec.eval_iters, -(-valid.num_samples // self.plan.global_batch_size))
         total = torch.zeros(2, dtype=torch.float64, device=self.device.torch_device)
+        stats: dict[str, float] = {}
         self.runner.module.eval()
         with torch.no_grad():
             for j in range(1, batches + 1):
-                total += eval_step(self.runner, self._batches(valid, j))
+                sums, named = eval_step(self.runner, self._batches(valid, j))
+                total += sums
+                for name, value in named.items():
+                    stats[name] = stats.get(name, 0.0) + float(value)
         self.runner.module.train()
         self.router.discard()  # validation forwards are not a training step's routing
         loss_sum, tokens = total.tolist()
-        row = metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started)
+        row = metrics.validation(iteration, loss_sum, tokens, time.perf_counter() - started, stats)
         self._note_step(iteration, "val_lm_loss", row["val_lm_loss"])
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:

@@ -99,11 +99,12 @@ def train_step(
     )
 
 
-def eval_step(runner: StepRunner, batches: Sequence[MicroBatch]) -> torch.Tensor:
-    """[summed token loss, labelled tokens] of one global batch, forward only, over every DP (and PP) rank.
+def eval_step(runner: StepRunner, batches: Sequence[MicroBatch]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """([summed loss, loss units], summed stats) of one global batch, forward only, over every DP (and PP) rank:
+    units are labelled tokens, or pairs for preference data, whose stats are the per-pair sums (rewards, log-probs).
 
     Call under ``torch.no_grad()`` with the model in eval mode; the loss is the training loss (same chunked CE,
     same TP/PP paths), summed rather than averaged so several batches combine exactly."""
     counts = _global_counts(batches, runner)
     losses = runner.reduce(runner.forward_only(batches))
-    return torch.stack([losses.token_sum.double(), counts[0]])
+    return torch.stack([losses.token_sum.double(), counts[0]]), losses.stats

@@ -32,6 +32,20 @@ from engine.train.router_stats import router_summary
 
 log = logging.getLogger("engine.train")
 
+PER = "#per"  # a stat named ``x#per`` is the count ``x`` is reported per (``reported_stats``)
+
+
+def reported_stats(sums: dict[str, float], units: float) -> dict[str, float]:
+    """Summed stats as reported: ``x`` over ``x#per`` where a stat has its own count (TRL's logits means over labelled
+    positions and the vocabulary), else over ``units`` (pairs: the preference figures are per-pair sums)."""
+    out = {}
+    for name, value in sums.items():
+        if name.endswith(PER):
+            continue
+        per = sums.get(name + PER, units)
+        out[name] = value / per if per else float("nan")
+    return out
+
 
 @dataclasses.dataclass
 class StepRecord:
@@ -115,8 +129,7 @@ class MetricsLogger:
         for r, n in zip(recs, numbers, strict=True):
             extra = 5 + len(r.extra_losses)
             row = {**self._metrics(r, *n[:5]), **dict(zip(sorted(r.extra_losses), n[5:extra], strict=True))}
-            units = n[1] or float("nan")  # preference stats are per-pair sums: reported as means over the pairs
-            row.update({k: v / units for k, v in zip(sorted(r.stats), n[extra : extra + len(r.stats)], strict=True)})
+            row.update(reported_stats(dict(zip(sorted(r.stats), n[extra : extra + len(r.stats)], strict=True)), n[1]))
             extra += len(r.stats)
             if r.router is not None:
                 width = r.router.shape[1]
@@ -223,12 +236,17 @@ class MetricsLogger:
             f"max reserved: {s['mem_reserved_mb']}"
         )
 
-    def validation(self, iteration: int, loss_sum: float, tokens: float, seconds: float) -> dict[str, Any]:
-        """Record one validation pass (summed token loss over ``tokens`` labelled tokens of the validation share)."""
+    def validation(
+        self, iteration: int, loss_sum: float, tokens: float, seconds: float, stats: dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        """Record one validation pass: the summed loss over ``tokens`` loss units of the validation share (labelled
+        tokens; pairs for stage dpo, whose summed ``stats`` are reported per pair as ``val_<name>``, TRL's
+        ``rewards/...`` and ``logps/...`` on held-out pairs)."""
         self.flush()  # training points first, so the streams stay in step order
         loss = loss_sum / tokens if tokens else float("nan")
         ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")  # Megatron caps the exponent at 20
         row = {"val_lm_loss": loss, "val_lm_ppl": ppl, "val_loss_tokens": int(tokens), "val_time_s": seconds}
+        row.update({f"val_{name}": value for name, value in reported_stats(stats or {}, tokens).items()})
         self.run.metric(iteration, row)
         self.last_validation = row
         if self.tb is not None and math.isfinite(loss):

@@ -77,6 +77,19 @@ def sequence_logprobs(
     return sums, torch.bincount(seq, minlength=b)
 
 
+def row_logit_sums(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's logits summed over its labelled positions and the whole vocabulary, (B,) fp32, without forming a
+    logit: a position's logits sum to ``h · Σ_v W_v``. Divided by (labelled tokens × vocabulary) it is TRL's
+    ``logits/chosen`` / ``logits/rejected``. Not differentiated (a reported figure)."""
+    b, t, h = hidden.shape
+    flat = labels.reshape(-1)
+    keep = (flat != IGNORE_INDEX).nonzero()[:, 0]
+    with torch.no_grad():
+        per_token = hidden.reshape(-1, h).index_select(0, keep).float() @ weight.float().sum(0)
+        seq = torch.div(keep, t, rounding_mode="floor")
+        return torch.zeros(b, dtype=torch.float32, device=hidden.device).index_add(0, seq, per_token)
+
+
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig:
     """The spec's preference settings (MindSpeed's names; ``simpo_gamma`` as LLaMA-Factory names it)."""

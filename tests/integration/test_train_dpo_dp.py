@@ -41,7 +41,7 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
     one, two = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run2")
     assert len(one) == len(two) == 4
     for a, b in zip(one, two, strict=True):
-        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected", "logits/chosen"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert b["rewards/accuracies"] == a["rewards/accuracies"]
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]

@@ -188,6 +188,13 @@ def test_dpo_job_equals_trl_over_three_steps(
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["rewards/accuracies"] == pytest.approx(b["rewards/accuracies"])
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-6)
+        # logits/*: DPOTrainer's mean over labelled positions and the vocabulary; TRL's CPOTrainer (SimPO here)
+        # averages over every position, prompt and padding included, which ours does not copy
+        same = ("logps/chosen", "logps/rejected") + (
+            () if "simpo_gamma" in ours_args else ("logits/chosen", "logits/rejected")
+        )
+        for name in same:
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +297,16 @@ def test_precomputed_reference_equals_the_online_one_and_is_reused(
     # another reference (another seed draws other initial weights) is another key: computed, not reused
     with pytest.raises(AssertionError, match="stored table should have been read"):
         job.run(parse_spec({**spec, "precompute_ref_log_probs": True, "seed": 8}), RunDir(tmp_path / "other"))
+
+
+def test_validation_reports_trls_metrics_on_held_out_pairs(pairs: str, tmp_path: Path) -> None:
+    """Held-out pairs get the training figures as val_*: the loss per pair, rewards and log-probs per pair."""
+    spec = _tiny_dpo(pairs, train_iters=2, split="75,25,0", eval_iters=1, eval_interval=2)
+    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    val = [r for r in metric_rows(tmp_path / "run") if "val_lm_loss" in r]
+    assert len(val) == 1 and val[0]["val_loss_tokens"] == 4  # 4 held-out pairs (one global batch)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert np.isfinite(val[0][f"val_{name}"]), name
+    margins = val[0]["val_rewards/margins"]
+    assert margins == pytest.approx(val[0]["val_rewards/chosen"] - val[0]["val_rewards/rejected"], rel=1e-5)
+    assert 0.0 <= val[0]["val_rewards/accuracies"] <= 1.0

@@ -142,6 +142,35 @@ def test_moe_metrics_chart_next_to_the_loss() -> None:
     }
 
 
+def test_preference_metrics_chart_beside_the_loss() -> None:
+    """Stage dpo: margin and accuracy get their own charts right after the loss, training and held-out pairs
+    together; the rewards and log-probs of both answers share one chart each."""
+    got = _run(f"""
+        const {{MAIN}} = await import("{(UI_JS / "chart_groups.js").as_uri()}");
+        const names = ["lm_loss", "val_lm_loss", "rewards/margins", "val_rewards/margins", "rewards/accuracies",
+                       "val_rewards/accuracies", "rewards/chosen", "rewards/rejected", "logps/chosen",
+                       "val_logps/rejected", "logits/chosen"];
+        console.log(JSON.stringify({{
+          titles: Object.fromEntries(names.map((n) => [n, (MAIN.find((g) => g.match(n)) || {{}}).title ?? null])),
+          order: MAIN.map((g) => g.title).slice(0, 4),
+        }}));
+    """)
+    assert got["order"] == ["Loss", "Expert load imbalance", "Reward margin", "Preference accuracy"]
+    assert got["titles"] == {
+        "lm_loss": "Loss",
+        "val_lm_loss": "Loss",
+        "rewards/margins": "Reward margin",
+        "val_rewards/margins": "Reward margin",
+        "rewards/accuracies": "Preference accuracy",
+        "val_rewards/accuracies": "Preference accuracy",
+        "rewards/chosen": "Rewards (chosen, rejected)",
+        "rewards/rejected": "Rewards (chosen, rejected)",
+        "logps/chosen": "Log-probs (chosen, rejected)",
+        "val_logps/rejected": "Log-probs (chosen, rejected)",
+        "logits/chosen": None,
+    }
+
+
 def test_deployment_metrics_share_charts_by_kind() -> None:
     """A serve job's metrics (engine/serve/stats.py) chart as the deployment's figures: throughput, latency, queue."""
     got = _run(f"""

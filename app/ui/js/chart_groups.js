@@ -6,6 +6,11 @@ export const MAIN = [
   {title: "Loss", match: (n) => /loss/.test(n) && !/scale|tokens/.test(n)},
   // MoE: max/mean tokens per expert, one series per MoE layer and the worst of them (engine/train/router_stats.py)
   {title: "Expert load imbalance", match: (n) => n.startsWith("expert_load_imbalance")},
+  // stage dpo (TRL's names, engine/train/dpo.py; val_ on held-out pairs): margin and accuracy next to the loss
+  {title: "Reward margin", match: (n) => /^(val_)?rewards\/margins$/.test(n)},
+  {title: "Preference accuracy", match: (n) => /^(val_)?rewards\/accuracies$/.test(n)},
+  {title: "Rewards (chosen, rejected)", match: (n) => /^(val_)?rewards\/(chosen|rejected)$/.test(n)},
+  {title: "Log-probs (chosen, rejected)", match: (n) => /^(val_)?logps\/(chosen|rejected)$/.test(n)},
   {title: "Grad norm", match: (n) => n === "grad_norm"},
   {title: "Learning rate", match: (n) => n === "lr"},
   {title: "Tokens/s", match: (n) => n === "tokens_per_s"},
