@@ -35,15 +35,51 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=64, vocab_size=151936, tie_word_embeddings=True)
-SMOKE_SHAPE = {**SHAPE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16}
-INTENTS = ["闲聊百科_知识查询", "天气_查询天气", "音乐_播放音乐", "导航_路线规划", "设备控制_打开空调", "闹钟_设置闹钟",
-           "视频_播放电视剧", "购物_查询订单", "翻译_中英翻译", "日程_添加提醒"]
-UTTERANCES = ["广州塔为什么也叫小蛮腰", "明天北京会下雨吗", "放一首周杰伦的歌", "去机场怎么走最快", "把客厅的空调打开",
-              "明早七点叫我起床", "我想看最新的那部电视剧", "我上周买的耳机到哪了", "帮我把这句话翻译成英文",
-              "下午三点提醒我开会", "今天心情不太好", "附近有什么好吃的"]
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+SMOKE_SHAPE = {
+    **SHAPE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+INTENTS = [
+    "闲聊百科_知识查询",
+    "天气_查询天气",
+    "音乐_播放音乐",
+    "导航_路线规划",
+    "设备控制_打开空调",
+    "闹钟_设置闹钟",
+    "视频_播放电视剧",
+    "购物_查询订单",
+    "翻译_中英翻译",
+    "日程_添加提醒",
+]
+UTTERANCES = [
+    "广州塔为什么也叫小蛮腰",
+    "明天北京会下雨吗",
+    "放一首周杰伦的歌",
+    "去机场怎么走最快",
+    "把客厅的空调打开",
+    "明早七点叫我起床",
+    "我想看最新的那部电视剧",
+    "我上周买的耳机到哪了",
+    "帮我把这句话翻译成英文",
+    "下午三点提醒我开会",
+    "今天心情不太好",
+    "附近有什么好吃的",
+]
 
 
 def _rss_mb() -> float:
@@ -63,16 +99,20 @@ def _tokenizer_dir() -> Path:
 
 
 def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
-    """Intent-classification preference pairs: the right label chosen, another rejected."""
+    """Intent-classification preference pairs with ``bench/train_step.py``'s seed-like prompts (a list of skills,
+    0-12 turns of history, the last utterance): the right label chosen, another rejected."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
-        history = "\n".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。" for _ in range(rng.randint(0, 6)))
+        history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, 12)))
+        skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
+        prompt = (
+            f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
+            "用户最后一句话所属的技能和意图是："
+        )
         right = rng.randrange(len(INTENTS))
         wrong = (right + rng.randrange(1, len(INTENTS))) % len(INTENTS)
-        prompt = (f"请你判读用户的意图，从以下类别中选择一个：{'、'.join(INTENTS)}。\n{history}\n"
-                  f"用户：{rng.choice(UTTERANCES)}\n意图：")
-        pairs.append({"prompt": prompt, "chosen": " " + INTENTS[right], "rejected": " " + INTENTS[wrong]})
+        pairs.append({"prompt": prompt, "chosen": INTENTS[right], "rejected": INTENTS[wrong]})
     return pairs
 
 
@@ -86,8 +126,14 @@ def tokenize(pairs: list[dict[str, str]]) -> list[dict[str, list[int]]]:
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    return [{"prompt_ids": ids(p["prompt"]), "chosen_ids": [*ids(p["chosen"]), eos],
-             "rejected_ids": [*ids(p["rejected"]), eos]} for p in pairs]
+    return [
+        {
+            "prompt_ids": ids(p["prompt"]),
+            "chosen_ids": [*ids(p["chosen"]), eos],
+            "rejected_ids": [*ids(p["rejected"]), eos],
+        }
+        for p in pairs
+    ]
 
 
 def write_model(shape: dict, seed: int, out: Path) -> None:
@@ -123,18 +169,35 @@ def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
     from engine.contract.spec import parse_spec
     from engine.train import job
 
-    spec = {"kind": "train", "stage": "dpo", "is_pairwise_dataset": True, "data_path": [str(work / "pairs")],
-            "load": str(work / "model"), "split": "100,0,0", "train_iters": steps, "lr": 1e-6,
-            "lr_decay_style": "constant", "weight_decay": 0.0, "clip_grad": 1.0, "seq_length": 1024,
-            "variable_seq_lengths": True, "micro_batch_size": mbs, "global_batch_size": gbs, "log_interval": 1,
-            "eval_iters": 0, "dpo_loss_type": "sigmoid", "dpo_beta": 0.1}
+    spec = {
+        "kind": "train",
+        "stage": "dpo",
+        "is_pairwise_dataset": True,
+        "data_path": [str(work / "pairs")],
+        "load": str(work / "model"),
+        "split": "100,0,0",
+        "train_iters": steps,
+        "lr": 1e-6,
+        "lr_decay_style": "constant",
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "seq_length": 1024,
+        "variable_seq_lengths": True,
+        "micro_batch_size": mbs,
+        "global_batch_size": gbs,
+        "log_interval": 1,
+        "eval_iters": 0,
+        "dpo_loss_type": "sigmoid",
+        "dpo_beta": 0.1,
+    }
     job.run(parse_spec(spec), RunDir(work / "run"))
     rows = [json.loads(line)["metrics"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     return [r["iteration_time_ms"] / 1000 for r in rows]
 
 
-def run_trl(work: Path, steps: int, mbs: int, gbs: int, tokens: list[dict[str, list[int]]],
-            pairs: list[dict[str, str]]) -> list[float]:
+def run_trl(
+    work: Path, steps: int, mbs: int, gbs: int, tokens: list[dict[str, list[int]]], pairs: list[dict[str, str]]
+) -> list[float]:
     """TRL's DPOTrainer on the same pairs and weights: each optimizer step's time (s), by a callback."""
     import copy
 
@@ -155,14 +218,31 @@ def run_trl(work: Path, steps: int, mbs: int, gbs: int, tokens: list[dict[str, l
     model = Qwen3ForCausalLM.from_pretrained(work / "model", attn_implementation="eager")
     clock = Clock()
     trainer = DPOTrainer(
-        model=model, ref_model=copy.deepcopy(model),
-        args=DPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=mbs,
-                       gradient_accumulation_steps=gbs // mbs, max_steps=steps, learning_rate=1e-6,
-                       lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
-                       report_to=[], use_cpu=True, save_strategy="no", bf16=False, loss_type=["sigmoid"], beta=0.1,
-                       max_length=None, dataloader_drop_last=True, seed=0),
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=DPOConfig(
+            output_dir=str(work / "trl"),
+            per_device_train_batch_size=mbs,
+            gradient_accumulation_steps=gbs // mbs,
+            max_steps=steps,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            bf16=False,
+            loss_type=["sigmoid"],
+            beta=0.1,
+            max_length=None,
+            dataloader_drop_last=True,
+            seed=0,
+        ),
         train_dataset=Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}),
-        processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()), callbacks=[clock],
+        processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()),
+        callbacks=[clock],
     )
     theirs = trainer.train_dataset
     for k in ("prompt_ids", "chosen_ids", "rejected_ids"):
@@ -201,8 +281,15 @@ def main() -> None:
     pairs = make_pairs(gbs, args.seed)  # one global batch: every step (an epoch) trains the same pairs on both sides
     tokens = tokenize(pairs)
     step_tokens = sum(2 * len(t["prompt_ids"]) + len(t["chosen_ids"]) + len(t["rejected_ids"]) for t in tokens)
-    print(json.dumps({"pairs": len(pairs), "tokens_per_step": step_tokens,
-                      "prompt_len_max": max(len(t["prompt_ids"]) for t in tokens)}))
+    print(
+        json.dumps(
+            {
+                "pairs": len(pairs),
+                "tokens_per_step": step_tokens,
+                "prompt_len_max": max(len(t["prompt_ids"]) for t in tokens),
+            }
+        )
+    )
     ctx = multiprocessing.get_context("spawn")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,14 +305,24 @@ def main() -> None:
     # Every step trains the same pairs: tokens/s of the fastest timed step (the least disturbed on a shared machine).
     tps = {side: step_tokens / min(r["step_s"][1:]) for side, r in results.items()}
     peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
-    print(json.dumps({
-        "bench": "dpo_step", "smoke": args.smoke,
-        "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
-        "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
-        "ours_tokens_per_s": round(tps["ours"], 1), "trl_tokens_per_s": round(tps["trl"], 1),
-        "ours_peak_mem_mb": round(peaks["ours"], 1), "trl_peak_mem_mb": round(peaks["trl"], 1),
-        "micro_batch_size": mbs, "global_batch_size": gbs, "repeats": args.repeats, "threads": args.threads,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "dpo_step",
+                "smoke": args.smoke,
+                "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
+                "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
+                "ours_tokens_per_s": round(tps["ours"], 1),
+                "trl_tokens_per_s": round(tps["trl"], 1),
+                "ours_peak_mem_mb": round(peaks["ours"], 1),
+                "trl_peak_mem_mb": round(peaks["trl"], 1),
+                "micro_batch_size": mbs,
+                "global_batch_size": gbs,
+                "repeats": args.repeats,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

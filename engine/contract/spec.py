@@ -886,11 +886,19 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError(
                 f"precompute_ref_log_probs: dpo_loss_type {self.dpo_loss_type} is reference-free; nothing to precompute"
             )
-        if self.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                "pipeline_model_parallel_size: stage dpo runs under data, tensor and expert parallel only for now; "
-                "set it to 1"
-            )
+        if self.pipeline_model_parallel_size > 1 and self.dpo_loss_type not in REFERENCE_FREE_LOSSES:
+            # a frozen copy would need a pipeline of its own; the policy's pipeline computes the reference's
+            # log-probs before its first step instead, when it still is the reference
+            if not self.precompute_ref_log_probs:
+                raise ValueError(
+                    f"pipeline_model_parallel_size: stage dpo with dpo_loss_type {self.dpo_loss_type} under pipeline "
+                    "parallelism needs precompute_ref_log_probs true (or a reference-free loss: simpo, orpo)"
+                )
+            if self.ref_model is not None:
+                raise ValueError(
+                    "ref_model: under pipeline parallelism the reference is the run's starting weights (load); "
+                    "remove ref_model or set pipeline_model_parallel_size 1"
+                )
         return self
 
     @model_validator(mode="after")

@@ -66,8 +66,11 @@ def _chunked_loss_and_grads(
         dlogits = dlogits.mul_(keep).to(weight.dtype)
         if gh is not None:
             gh[start : start + chunk_size] = dlogits @ weight  # (c, H)
-        if gw is not None:
-            gw += (dlogits.t() @ h).float()  # (V, H), accumulated in fp32
+        if gw is not None:  # (V, H), accumulated in fp32
+            if dlogits.dtype == gw.dtype:
+                gw.addmm_(dlogits.t(), h)  # into gw: no second vocab-sized buffer
+            else:
+                gw += (dlogits.t() @ h).float()
     return loss, gh, gw
 
 

@@ -143,6 +143,11 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
+    def use_loss(self, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
+        """The last stage's loss instead of the token CE from now on: ``(hidden, labels, head) -> summed loss``
+        (``make_loss_fn`` divides it by the step's normaliser); None: the token CE again."""
+        self._norm["loss"] = loss
+
     def step(
         self,
         input_ids: torch.Tensor,
@@ -183,15 +188,19 @@ def make_loss_fn(
     chunk_size: int = 1024,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward), the head
-    applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP)."""
+    applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP). ``norm["loss"]``, when
+    set, replaces the token CE: ``(hidden, labels, head) -> summed loss`` (stage dpo's per-pair loss)."""
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert last_part is not None  # the schedule calls loss_fn on the last stage only
         weight = last_part.output_weight()
+        if isinstance(weight, DTensor) and sequence_parallel:
+            assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
+            hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
+        custom = norm.get("loss")
+        if custom is not None:
+            return custom(hidden, labels, weight) / norm["tokens"]
         if isinstance(weight, DTensor):
-            if sequence_parallel:
-                assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
-                hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels, chunk_size)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
             flat = labels.reshape(-1)

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import deque
+from collections.abc import Sequence
 from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import SeededInit, WeightSource
@@ -102,15 +105,64 @@ def row_logps(
     ``vocab_parallel``: the head is vocab-sharded over TP (the hidden states may be sequence-sharded)."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
     head = cast(Qwen3Model, model).output_weight()
+    return rows_from_hidden(hidden, head, mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index)
+
+
+def rows_from_hidden(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    vocab_parallel: bool,
+    logits: bool,
+    loss_index: torch.Tensor | None = None,
+) -> RowLogps:
+    """``row_logps`` from the final hidden states (a pipeline's last stage has nothing else); ``loss_index`` the
+    labelled flat positions when known (else found from ``labels``)."""
     if vocab_parallel:
-        logps, tokens = vocab_parallel_sequence_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
-        sums = vocab_parallel_row_logit_sums(hidden, head, mb.labels, mb.loss_index) if logits else None
-        vocab = head.shape[0]  # a DTensor's global shape
+        logps, tokens = vocab_parallel_sequence_logprobs(hidden, head, labels, chunk_size, loss_index)
+        sums = vocab_parallel_row_logit_sums(hidden, head, labels, loss_index) if logits else None
     else:
-        logps, tokens = sequence_logprobs(hidden, head, mb.labels, chunk_size)
-        sums = row_logit_sums(hidden, head, mb.labels) if logits else None
-        vocab = head.shape[0]
-    return RowLogps(logps, tokens, sums, vocab)
+        logps, tokens = sequence_logprobs(hidden, head, labels, chunk_size)
+        sums = row_logit_sums(hidden, head, labels) if logits else None
+    return RowLogps(logps, tokens, sums, head.shape[0])  # a DTensor's shape is the global one
+
+
+def stat_names() -> list[str]:
+    """Every stat ``pair_losses`` reports, so ranks that compute none (a pipeline's other stages) carry zeros."""
+    names = [*_TRL_NAMES.values(), "logps/chosen", "logps/rejected"]
+    return sorted([*names, *(f"logits/{s}{per}" for s in ("chosen", "rejected") for per in ("", PER))])
+
+
+def pair_losses(cfg: PreferenceConfig, rows: RowLogps, pairs: int, ref: torch.Tensor | None) -> Losses:
+    """The summed per-pair loss of rows ``[chosen; rejected]`` (``pairs`` of each) and TRL's metrics as per-pair
+    sums (``stats``); ``ref`` the reference's row log-probs (None: reference-free)."""
+    if ref is None and cfg.loss_type not in REFERENCE_FREE:
+        raise RuntimeError(f"dpo_loss_type {cfg.loss_type}: no reference log-probs for this micro-batch")
+    logps, tokens, p = rows.logps, rows.tokens, pairs
+    pair = PairLogps(
+        logps[:p],
+        logps[p:],
+        tokens[:p],
+        tokens[p:],
+        None if ref is None else ref[:p],
+        None if ref is None else ref[p:],
+    )
+    per_pair, metrics = preference_loss(cfg, pair)
+    stats = {_TRL_NAMES[k]: v.sum().float() for k, v in metrics.items()}
+    # as the loss reads them (TRL's CPO/ORPO trainers too): summed, length-normalised for simpo and orpo
+    norm = cfg.loss_type in REFERENCE_FREE
+    for name, logp, n in (
+        ("chosen", pair.chosen, pair.chosen_tokens),
+        ("rejected", pair.rejected, pair.rejected_tokens),
+    ):
+        stats[f"logps/{name}"] = (logp.detach() / n if norm else logp.detach()).sum().float()
+    assert rows.logit_sums is not None
+    for name, half in (("chosen", slice(None, p)), ("rejected", slice(p, None))):
+        # TRL's mean over every labelled position and vocabulary entry: a sum and its count (metrics divides)
+        stats[f"logits/{name}"] = rows.logit_sums[half].sum()
+        stats[f"logits/{name}{PER}"] = (tokens[half].sum() * rows.vocab).float()
+    return Losses(per_pair.sum().float(), stats=stats)
 
 
 def dpo_loss(
@@ -120,38 +172,37 @@ def dpo_loss(
 
     def loss(model: nn.Module, mb: MicroBatch) -> Losses:
         rows = row_logps(model, mb, chunk_size, vocab_parallel, logits=True)
-        logps, tokens = rows.logps, rows.tokens
-        p = mb.pairs
-        ref = mb.ref_logps if mb.ref_logps is not None else None
+        ref = mb.ref_logps
         if ref is None and reference is not None:
             ref = reference.logps(mb, chunk_size)
-        if ref is None and cfg.loss_type not in REFERENCE_FREE:
-            raise RuntimeError(f"dpo_loss_type {cfg.loss_type}: no reference log-probs for this micro-batch")
-        pair = PairLogps(
-            logps[:p],
-            logps[p:],
-            tokens[:p],
-            tokens[p:],
-            None if ref is None else ref[:p],
-            None if ref is None else ref[p:],
-        )
-        per_pair, metrics = preference_loss(cfg, pair)
-        stats = {_TRL_NAMES[k]: v.sum().float() for k, v in metrics.items()}
-        # as the loss reads them (TRL's CPO/ORPO trainers too): summed, length-normalised for simpo and orpo
-        norm = cfg.loss_type in REFERENCE_FREE
-        for name, logp, n in (
-            ("chosen", pair.chosen, pair.chosen_tokens),
-            ("rejected", pair.rejected, pair.rejected_tokens),
-        ):
-            stats[f"logps/{name}"] = (logp.detach() / n if norm else logp.detach()).sum().float()
-        assert rows.logit_sums is not None
-        for name, half in (("chosen", slice(None, p)), ("rejected", slice(p, None))):
-            # TRL's mean over every labelled position and vocabulary entry: a sum and its count (metrics divides)
-            stats[f"logits/{name}"] = rows.logit_sums[half].sum()
-            stats[f"logits/{name}{PER}"] = (tokens[half].sum() * rows.vocab).float()
-        return Losses(per_pair.sum().float(), stats=stats)
+        return pair_losses(cfg, rows, mb.pairs, ref)
 
     return loss
+
+
+class PipelineDPOLoss:
+    """Stage dpo on a pipeline's last stage: the schedule hands the loss function each micro-batch's final hidden
+    states and (padded) labels in micro-batch order, so the pairs and precomputed reference log-probs of the step's
+    micro-batches are queued by ``begin`` and taken in that order; the stats are summed over the step. The
+    reference must be precomputed (or the loss reference-free): a frozen copy would need its own pipeline."""
+
+    def __init__(self, cfg: PreferenceConfig, chunk_size: int) -> None:
+        self.cfg, self.chunk_size = cfg, chunk_size
+        self.queue: deque[MicroBatch] = deque()
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None:
+        self.queue = deque(batches)
+        self.stats = {name: torch.zeros((), device=device) for name in stat_names()}
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        mb = self.queue.popleft()
+        rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=True)
+        ref = None if mb.ref_logps is None else mb.ref_logps.to(hidden.device)
+        losses = pair_losses(self.cfg, rows, mb.pairs, ref)
+        for name, value in losses.stats.items():
+            self.stats[name] = self.stats[name] + value.detach()
+        return losses.token_sum
 
 
 def build_reference(

@@ -60,10 +60,10 @@ from engine.train.model_setup import (
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
-from engine.train.step_runner import MicroBatchLoss, make_runner
+from engine.train.step_runner import MicroBatchLoss, PipelineLoss, PipelineRunner, make_runner
 
 if TYPE_CHECKING:
-    from engine.train.dpo import Reference
+    from engine.train.reference_logps import ModelForward
 
 log = logging.getLogger("engine.train")
 
@@ -198,13 +198,14 @@ class Trainer:
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
         self.step_metrics: dict[int, dict[str, float]] = {}  # iteration -> lm_loss / val_lm_loss, for checkpoints
-        self.pass_reference: Reference | None = None  # stage dpo with precompute_ref_log_probs, until fit's pass
+        self.pass_reference: ModelForward | None = None  # the reference for fit's precompute pass (not under PP)
+        self.precompute_pending = False
         self.reference_tables: dict[str, Any] = {}
         self.mesh = build_mesh(device, plan.dims)
         _seed_everything(spec.seed)
         self.model = self._build_model()
         self.runner = make_runner(
-            self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size, self._preference_loss()
+            self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size, *self._preference_losses()
         )
         pp = self.mesh["pp"]
         self.router = RouterTracker(self.model, self.runner.dp_group, pp.get_group() if pp.size() > 1 else None)
@@ -230,13 +231,19 @@ class Trainer:
             plan.cfg, self.mesh, spec, plan.global_batch_size, plan.seq_length, self.device.torch_device, base
         )
 
-    def _preference_loss(self) -> MicroBatchLoss | None:
-        """Stage dpo's micro-batch loss, with its reference built here (None: the LM loss)."""
+    def _preference_losses(self) -> tuple[MicroBatchLoss | None, PipelineLoss | None]:
+        """Stage dpo's loss, per micro-batch or on a pipeline's last stage, with its reference built here (Nones:
+        the LM loss). Under PP the reference is precomputed (from the policy's own pipeline before its first step)
+        or there is none (simpo, orpo): the spec refuses the rest."""
         if self.spec.stage != "dpo":
-            return None
-        from engine.train.dpo import build_reference, dpo_loss, preference_config
+            return None, None
+        from engine.train.dpo import PipelineDPOLoss, build_reference, dpo_loss, preference_config
+        from engine.train.reference_logps import ModelForward
 
-        plan = self.plan
+        plan, spec, chunk = self.plan, self.spec, self.spec.cross_entropy_chunk_size
+        self.precompute_pending = spec.precompute_ref_log_probs
+        if self.mesh["pp"].size() > 1:
+            return None, PipelineDPOLoss(preference_config(spec), chunk)
         ref = build_reference(
             self.spec,
             plan.cfg,
@@ -247,20 +254,23 @@ class Trainer:
             self.device.torch_device,
         )
         vocab_parallel = self.mesh["tp"].size() > 1
-        if self.spec.precompute_ref_log_probs:  # used once by fit's pass, then dropped: training runs without it
-            self.pass_reference, ref = ref, None
-        return dpo_loss(preference_config(self.spec), ref, self.spec.cross_entropy_chunk_size, vocab_parallel)
+        if spec.precompute_ref_log_probs and ref is not None:  # used once by fit's pass, then dropped
+            self.pass_reference, ref = ModelForward(ref, chunk), None
+        return dpo_loss(preference_config(spec), ref, chunk, vocab_parallel), None
 
     def _precompute_reference(self, data: TrainData) -> None:
         """Every pair's reference log-probs into ``data`` (stored or reused), then the reference is freed."""
-        from engine.train.reference_logps import precompute
+        from engine.train.reference_logps import Forward, PipelineForward, precompute
 
-        assert self.pass_reference is not None
         plan, device = self.plan, self.device.torch_device
+        forward: Forward | None = self.pass_reference
+        if isinstance(self.runner, PipelineRunner) and self.resumed_from is None:  # still the starting weights
+            micro_batches = plan.global_batch_size // (self.spec.micro_batch_size * plan.dims.dp)
+            forward = PipelineForward(self.runner, micro_batches, self.spec.cross_entropy_chunk_size)
         self.reference_tables = precompute(
-            self.pass_reference, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device
+            forward, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device
         )
-        self.pass_reference = None
+        self.pass_reference, self.precompute_pending = None, False
         gc.collect()
         self.device.empty_cache()
 
@@ -442,7 +452,7 @@ class Trainer:
         spec, plan = self.spec, self.plan
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length, pairwise=spec.is_pairwise_dataset)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
-        if self.pass_reference is not None:
+        if self.precompute_pending:
             self._precompute_reference(data)
         metrics = MetricsLogger(
             self.run,

@@ -58,7 +58,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = (d_logits @ weight.to(lse.dtype)).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
-                grad_weight += d_logits.t() @ h.to(lse.dtype)
+                grad_weight.addmm_(d_logits.t(), h.to(lse.dtype))  # in place: no second (V, H) buffer
         return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
 
 

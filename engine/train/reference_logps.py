@@ -23,12 +23,13 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from engine.contract.guard import check_output, check_path
 from engine.contract.indexed import PAIRWISE_FIELDS, instruction_prefix
@@ -36,9 +37,10 @@ from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import TrainSpec
 from engine.parallel.precision import compute_dtype
-from engine.train.batches import collate_pairs
+from engine.train.batches import MicroBatch, collate_pairs
 from engine.train.data import Source, TrainData
-from engine.train.dpo import Reference
+from engine.train.dpo import Reference, rows_from_hidden
+from engine.train.step_runner import PipelineRunner
 
 VERSION = 1  # bump when what a stored table means changes
 
@@ -126,25 +128,84 @@ def _save(places: Sequence[Path], table: np.ndarray, facts: dict[str, Any]) -> P
     return None
 
 
+class Forward(Protocol):
+    """Row log-probs of micro-batches: a list (one (rows,) tensor each) where this rank computes them, else None
+    (a pipeline's stages before the last)."""
+
+    group: int  # micro-batches per call (a pipeline step's count)
+
+    def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None: ...
+
+
+class ModelForward:
+    """The frozen reference (or a LoRA policy with its adapters off), one micro-batch a call."""
+
+    group = 1
+
+    def __init__(self, reference: Reference, chunk_size: int) -> None:
+        self.reference, self.chunk_size = reference, chunk_size
+
+    def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+        return [self.reference.logps(batches[0], self.chunk_size)]
+
+
+class _RowCapture:
+    """A pipeline's last-stage loss that records each micro-batch's row log-probs instead of a loss."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.rows: list[torch.Tensor] = []
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None:
+        self.rows = []
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=False)
+        self.rows.append(rows.logps.detach().float())
+        return rows.logps.sum() * 0.0
+
+
+class PipelineForward:
+    """Under PP: the policy's own pipeline, forward only, before its first step, when it still is the reference
+    (its starting weights; a LoRA policy's adapters are still zero), a pipeline step of micro-batches a call."""
+
+    def __init__(self, runner: PipelineRunner, micro_batches: int, chunk_size: int) -> None:
+        self.runner, self.group, self.capture = runner, micro_batches, _RowCapture(chunk_size)
+
+    def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+        with torch.no_grad(), self.runner.using(self.capture):
+            self.runner.forward_only(batches)
+        return list(self.capture.rows) if self.runner.pipeline.is_last else None
+
+
 def _compute(
-    reference: Reference, source: Source, spec: TrainSpec, seq_length: int, mesh: DeviceMesh, device: torch.device
+    forward: Forward, source: Source, spec: TrainSpec, seq_length: int, mesh: DeviceMesh, device: torch.device
 ) -> torch.Tensor:
-    """This DP rank's share of the table (zeros elsewhere), summed over DP: every rank gets the whole table."""
+    """This rank's share of the table (zeros elsewhere), summed over PP and DP: every rank gets the whole table."""
     pairs, mbs = len(source), spec.micro_batch_size
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     chunks = [range(c, min(pairs, c + mbs)) for c in range(0, pairs, mbs)]
     mine = chunks[dp_rank::dp]
-    forwards = -(-len(chunks) // dp)  # every rank runs as many forwards: the reference's shards gather in each
+    per_rank = -(-len(chunks) // dp)
+    calls = -(-per_rank // forward.group)  # equal on every rank: the reference's shards gather in each
     table = torch.zeros(pairs, 2, dtype=torch.float32, device=device)
-    for n in range(forwards):
-        rows = mine[n] if n < len(mine) else chunks[0]
-        samples = [s for i in rows for s in source.samples(i)]
-        mb = collate_pairs(samples, seq_length, spec.variable_seq_lengths).to(device)
-        logps = reference.logps(mb, spec.cross_entropy_chunk_size).float()
-        if n < len(mine):
-            k = len(rows)
-            table[rows.start : rows.stop, 0] = logps[:k]
-            table[rows.start : rows.stop, 1] = logps[k:]
+    for n in range(calls):
+        rows = [mine[i] if i < len(mine) else chunks[0] for i in range(n * forward.group, (n + 1) * forward.group)]
+        batches = []
+        for r in rows:  # a short last chunk is filled with pair 0 (a pipeline step's micro-batches are one size)
+            picks = [*r, *([0] * (mbs - len(r)))] if forward.group > 1 else list(r)
+            samples = [s for i in picks for s in source.samples(i)]
+            batches.append(collate_pairs(samples, seq_length, spec.variable_seq_lengths).to(device))
+        logps = forward(batches)
+        for i, (r, mb_logps) in enumerate(zip(rows, logps or [], strict=False)):
+            if n * forward.group + i >= len(mine):
+                continue
+            k, width = len(r), len(mb_logps) // 2
+            table[r.start : r.stop, 0] = mb_logps[:k]
+            table[r.start : r.stop, 1] = mb_logps[width : width + k]
+    if mesh["pp"].size() > 1:
+        dist.all_reduce(table, group=mesh["pp"].get_group())  # only the last stage's are non-zero
     if dp > 1:
         dist.all_reduce(table, group=mesh["dp"].get_group())
     return table
@@ -164,7 +225,7 @@ def _broadcast_cached(table: np.ndarray | None, pairs: int, device: torch.device
 
 
 def precompute(
-    reference: Reference,
+    forward: Forward | None,
     data: TrainData,
     spec: TrainSpec,
     cfg: ModelConfig,
@@ -174,7 +235,8 @@ def precompute(
     device: torch.device,
 ) -> dict[str, Any]:
     """Attach every pairwise source's reference log-probs to ``data`` (its validation share reads the same
-    sources); returns what was done per prefix (``stored``/``reused`` and where) for the run's summary."""
+    sources), computing with ``forward`` what is not stored (``forward`` None: refuse to, naming why); returns what
+    was done per prefix (``stored``/``reused`` and where) for the run's summary."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     done: dict[str, Any] = {}
     for source in data.sources:
@@ -185,8 +247,15 @@ def precompute(
             source.ref_logps = cached.cpu().numpy()
             done[source.prefix] = {"reused": str(places[0]), "key": key}
             continue
+        if forward is None:
+            raise BadInput(
+                f"precompute_ref_log_probs: no stored reference log-probs of {source.prefix} for this run's key, and "
+                "under pipeline parallelism they are computed from the starting weights only (this run resumed); "
+                "run it again from the start, or without pipeline parallelism",
+                "precompute_ref_log_probs",
+            )
         with torch.no_grad():
-            table = _compute(reference, source, spec, seq_length, mesh, device).cpu().numpy()
+            table = _compute(forward, source, spec, seq_length, mesh, device).cpu().numpy()
         source.ref_logps = table
         saved = _save(places, table, facts) if rank0 else None
         done[source.prefix] = {"stored": str(saved) if saved else None, "key": key}

@@ -17,8 +17,9 @@ micro-batch loss function (``MicroBatchLoss``) may return extra terms: they are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -159,6 +160,17 @@ class ModuleRunner:
         return losses.unstacked(values)
 
 
+class PipelineLoss(Protocol):
+    """A last-stage loss other than the token CE (stage dpo's ``engine.train.dpo.PipelineDPOLoss``): ``begin`` gets
+    the step's micro-batches in schedule order, each call one micro-batch's hidden states, padded labels and head."""
+
+    stats: dict[str, torch.Tensor]
+
+    def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None: ...
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor: ...
+
+
 class PipelineRunner:
     """Pipeline execution: the schedule runs every micro-batch through this rank's stages; the loss exists on the
     last stage (``make_loss_fn``, chunked as ``cross_entropy_chunk_size`` says) and is brought to every PP rank by
@@ -166,25 +178,45 @@ class PipelineRunner:
     layer attaches its gradient in the stage's own graph (``engine.model.moe.AuxLossScaler``), weighted per micro-batch
     by its routed tokens (``RouterTracker.set_token_weight``)."""
 
-    def __init__(self, module: PipelineModel, mesh: DeviceMesh) -> None:
-        self.module, self.mesh = module, mesh
+    def __init__(self, module: PipelineModel, mesh: DeviceMesh, loss: PipelineLoss | None = None) -> None:
+        self.module, self.mesh, self.loss = module, mesh, loss
         self.pipeline = module.pipeline
+        self.pipeline.use_loss(loss)
         self.dp_group = mesh["dp"].get_group()
         first = next(iter(self.pipeline.parts[0].parameters()))
         self.device = (first.to_local() if hasattr(first, "to_local") else first).device
 
     def forward_backward(self, batches: Sequence[MicroBatch], denominator: torch.Tensor, loss_scale: float) -> Losses:
         normaliser = float(denominator) / loss_scale
-        return Losses(self._run(batches, normaliser, train=True) * normaliser)
+        total = self._run(batches, normaliser, train=True) * normaliser
+        return Losses(total, stats=self._stats())
 
     def forward_only(self, batches: Sequence[MicroBatch]) -> Losses:
-        return Losses(self._run(batches, 1.0, train=False))
+        return Losses(self._run(batches, 1.0, train=False), stats=self._stats())
+
+    @contextlib.contextmanager
+    def using(self, loss: PipelineLoss) -> Iterator[None]:
+        """Run with ``loss`` on the last stage for a while (a pass over the data before training), then with this
+        runner's own again."""
+        previous, self.loss = self.loss, loss
+        self.pipeline.use_loss(loss)
+        try:
+            yield
+        finally:
+            self.loss = previous
+            self.pipeline.use_loss(previous)
+
+    def _stats(self) -> dict[str, torch.Tensor]:
+        """The custom loss's summed stats (zeros on the stages that compute none), else none."""
+        return {} if self.loss is None else dict(self.loss.stats)
 
     def _run(self, batches: Sequence[MicroBatch], normaliser: float, train: bool) -> torch.Tensor:
         """The sum over micro-batches of (token loss / normaliser): the last stage's, zeros elsewhere."""
         longest = max(mb.input_ids.shape[1] for mb in batches)
         width = min(self.module.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few shapes -> few schedules
         ids, labels, pos, seg = stack_micro_batches(batches, width)
+        if self.loss is not None:
+            self.loss.begin(batches, self.device)
         ids, labels, pos = ids.to(self.device), labels.to(self.device), pos.to(self.device)
         seg = None if seg is None else seg.to(self.device)
         out = self.pipeline.step(ids, labels, pos, seg, normaliser, train=train)
@@ -202,13 +234,19 @@ class PipelineRunner:
 
 
 def make_runner(
-    module: nn.Module, mesh: DeviceMesh, device: torch.device, chunk_size: int, loss_fn: MicroBatchLoss | None = None
+    module: nn.Module,
+    mesh: DeviceMesh,
+    device: torch.device,
+    chunk_size: int,
+    loss_fn: MicroBatchLoss | None = None,
+    pipeline_loss: PipelineLoss | None = None,
 ) -> StepRunner:
-    """The runner for the layout of ``mesh``: pipeline stages under PP > 1 (``module`` from ``build_pipeline_model``),
-    else one module, with ``loss_fn`` (preference training) or the LM loss (vocab-parallel under TP > 1)."""
+    """The runner for the layout of ``mesh``: pipeline stages under PP > 1 (``module`` from ``build_pipeline_model``)
+    with ``pipeline_loss`` (preference training) or the token CE on the last stage; else one module, with ``loss_fn``
+    (preference training) or the LM loss (vocab-parallel under TP > 1)."""
     if mesh["pp"].size() > 1:
         if not isinstance(module, PipelineModel):
             raise TypeError("pipeline_model_parallel_size > 1 needs the stages built by build_pipeline_model")
-        return PipelineRunner(module, mesh)
+        return PipelineRunner(module, mesh, pipeline_loss)
     loss_fn = loss_fn or lm_loss(mesh["tp"].size() > 1, chunk_size)
     return ModuleRunner(module, device, mesh["dp"].get_group(), loss_fn)

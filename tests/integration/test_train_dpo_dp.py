@@ -20,6 +20,9 @@ LAYOUTS = {
     # against one process with the online reference
     "dp2_precomputed": {"precompute_ref_log_probs": True},
     "tp2_precomputed": {"tensor_model_parallel_size": 2, "precompute_ref_log_probs": True},
+    # pipeline parallel: the reference's log-probs from the policy's own pipeline before its first step, or none
+    "pp2_precomputed": {"pipeline_model_parallel_size": 2, "precompute_ref_log_probs": True},
+    "pp2_simpo": {"pipeline_model_parallel_size": 2, "dpo_loss_type": "simpo"},
 }
 
 
@@ -33,6 +36,7 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
         "tensor_model_parallel_size",
         "sequence_parallel",
         "expert_model_parallel_size",
+        "pipeline_model_parallel_size",
         "precompute_ref_log_probs",
     )
     one_rank = {k: v for k, v in two_ranks.items() if k not in two_ranks_only}

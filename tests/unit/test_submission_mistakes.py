@@ -296,10 +296,10 @@ MISTAKES: list[tuple[str, dict[str, Any], str, str]] = [
         "sigmoid only",
     ),
     (
-        "stage dpo under PP 2",
+        "stage dpo under PP 2 with a frozen reference",
         train(stage="dpo", is_pairwise_dataset=True, pipeline_model_parallel_size=2, resources={"nproc_per_node": 2}),
         "pipeline_model_parallel_size",
-        "data, tensor and expert parallel only",
+        "needs precompute_ref_log_probs true (or a reference-free loss",
     ),
     (
         "stage dpo on instruction data",
