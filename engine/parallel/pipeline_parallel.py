@@ -143,8 +143,8 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
-    def use_loss(self, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
-        """The last stage's loss instead of the token CE from now on: ``(hidden, labels, head) -> summed loss``
+    def use_loss(self, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None) -> None:
+        """The last stage's loss instead of the token CE from now on: ``(hidden, labels, head, index) -> loss``
         (``make_loss_fn`` divides it by the step's normaliser); None: the token CE again."""
         self._norm["loss"] = loss
 
@@ -189,17 +189,22 @@ def make_loss_fn(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward), the head
     applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP). ``norm["loss"]``, when
-    set, replaces the token CE: ``(hidden, labels, head) -> summed loss`` (stage dpo's per-pair loss)."""
+    set, replaces the token CE: ``(hidden, labels, head, micro-batch index) -> summed loss`` (stage dpo's per-pair
+    loss); the labels then carry the micro-batch's index in a last column (``with_batch_index``): the schedule also
+    calls the loss once outside the step's order, to infer backward metadata, so the order of calls cannot tell."""
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert last_part is not None  # the schedule calls loss_fn on the last stage only
         weight = last_part.output_weight()
+        custom = norm.get("loss")
+        index = 0
+        if custom is not None:
+            index, labels = int(labels[0, -1]), labels[:, :-1]
         if isinstance(weight, DTensor) and sequence_parallel:
             assert tp_mesh is not None  # sequence parallelism runs over the TP mesh
             hidden = sequence_shard(hidden, tp_mesh, labels.shape[1])
-        custom = norm.get("loss")
         if custom is not None:
-            return custom(hidden, labels, weight) / norm["tokens"]
+            return custom(hidden, labels, weight, index) / norm["tokens"]
         if isinstance(weight, DTensor):
             loss_sum, _ = vocab_parallel_cross_entropy(hidden, weight, labels, chunk_size)
         else:  # only labelled rows reach the head (padding to the pipeline width costs nothing there)
@@ -439,6 +444,13 @@ def stack_micro_batches(
             s = mb.segment_ids if mb.segment_ids is not None else torch.zeros(rows, t, dtype=torch.int32)
             seg.append(torch.cat([s, s[:, -1:].expand(rows, extra)], dim=1))
     return torch.cat(ids), torch.cat(labels), torch.cat(pos), torch.cat(seg) if packed else None
+
+
+def with_batch_index(labels: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """Stacked labels with each row's micro-batch index appended as a last column (see ``make_loss_fn``)."""
+    rows = labels.shape[0] // micro_batches
+    index = torch.arange(micro_batches, dtype=labels.dtype, device=labels.device).repeat_interleave(rows)
+    return torch.cat([labels, index[:, None]], dim=1)
 
 
 def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
 from collections.abc import Sequence
 from typing import cast
 
@@ -182,26 +181,35 @@ def dpo_loss(
 
 class PipelineDPOLoss:
     """Stage dpo on a pipeline's last stage: the schedule hands the loss function each micro-batch's final hidden
-    states and (padded) labels in micro-batch order, so the pairs and precomputed reference log-probs of the step's
-    micro-batches are queued by ``begin`` and taken in that order; the stats are summed over the step. The
+    states and (padded) labels, so the pairs and precomputed reference log-probs of the step's
+    micro-batches are kept by ``begin`` and looked up by the index the labels carry; the stats are summed over the
+    step. The
     reference must be precomputed (or the loss reference-free): a frozen copy would need its own pipeline."""
 
     def __init__(self, cfg: PreferenceConfig, chunk_size: int) -> None:
         self.cfg, self.chunk_size = cfg, chunk_size
-        self.queue: deque[MicroBatch] = deque()
-        self.stats: dict[str, torch.Tensor] = {}
+        self.batches: Sequence[MicroBatch] = ()
+        self.device = torch.device("cpu")
+        self.per_batch: dict[int, dict[str, torch.Tensor]] = {}  # by index: a repeated call replaces, not adds
 
     def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None:
-        self.queue = deque(batches)
-        self.stats = {name: torch.zeros((), device=device) for name in stat_names()}
+        self.batches, self.device, self.per_batch = batches, device, {}
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        mb = self.queue.popleft()
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The step's stats summed over its micro-batches (zeros where this rank computed none)."""
+        out = {name: torch.zeros((), device=self.device) for name in stat_names()}
+        for stats in self.per_batch.values():
+            for name, value in stats.items():
+                out[name] = out[name] + value
+        return out
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, index: int) -> torch.Tensor:
+        mb = self.batches[index]
         rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=True)
         ref = None if mb.ref_logps is None else mb.ref_logps.to(hidden.device)
         losses = pair_losses(self.cfg, rows, mb.pairs, ref)
-        for name, value in losses.stats.items():
-            self.stats[name] = self.stats[name] + value.detach()
+        self.per_batch[index] = {name: value.detach() for name, value in losses.stats.items()}
         return losses.token_sum
 
 

@@ -154,15 +154,18 @@ class _RowCapture:
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
-        self.rows: list[torch.Tensor] = []
-        self.stats: dict[str, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        return {}
 
     def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None:
-        self.rows = []
+        self.rows = {}
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, index: int) -> torch.Tensor:
         rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=False)
-        self.rows.append(rows.logps.detach().float())
+        self.rows[index] = rows.logps.detach().float()
         return rows.logps.sum() * 0.0
 
 
@@ -176,7 +179,7 @@ class PipelineForward:
     def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None:
         with torch.no_grad(), self.runner.using(self.capture):
             self.runner.forward_only(batches)
-        return list(self.capture.rows) if self.runner.pipeline.is_last else None
+        return [self.capture.rows[i] for i in range(len(batches))] if self.runner.pipeline.is_last else None
 
 
 def _compute(

@@ -35,6 +35,7 @@ from engine.parallel.pipeline_parallel import (
     norm_parameters,
     pipeline_grad_norm,
     stack_micro_batches,
+    with_batch_index,
 )
 from engine.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from engine.train.batches import MicroBatch
@@ -162,13 +163,15 @@ class ModuleRunner:
 
 class PipelineLoss(Protocol):
     """A last-stage loss other than the token CE (stage dpo's ``engine.train.dpo.PipelineDPOLoss``): ``begin`` gets
-    the step's micro-batches in schedule order, each call one micro-batch's hidden states, padded labels and head."""
+    the step's micro-batches, each call one micro-batch's hidden states, padded labels, the head and the micro-batch's
+    index (a call may repeat: the schedule's metadata inference); ``stats`` the step's summed figures."""
 
-    stats: dict[str, torch.Tensor]
+    @property
+    def stats(self) -> dict[str, torch.Tensor]: ...
 
     def begin(self, batches: Sequence[MicroBatch], device: torch.device) -> None: ...
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, index: int) -> torch.Tensor: ...
 
 
 class PipelineRunner:
@@ -217,6 +220,7 @@ class PipelineRunner:
         ids, labels, pos, seg = stack_micro_batches(batches, width)
         if self.loss is not None:
             self.loss.begin(batches, self.device)
+            labels = with_batch_index(labels, len(batches))
         ids, labels, pos = ids.to(self.device), labels.to(self.device), pos.to(self.device)
         seg = None if seg is None else seg.to(self.device)
         out = self.pipeline.step(ids, labels, pos, seg, normaliser, train=train)
