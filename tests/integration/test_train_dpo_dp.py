@@ -23,6 +23,12 @@ LAYOUTS = {
     # pipeline parallel: the reference's log-probs from the policy's own pipeline before its first step, or none
     "pp2_precomputed": {"pipeline_model_parallel_size": 2, "precompute_ref_log_probs": True},
     "pp2_simpo": {"pipeline_model_parallel_size": 2, "dpo_loss_type": "simpo"},
+    "pp2_lora_precomputed": {
+        "pipeline_model_parallel_size": 2,
+        "precompute_ref_log_probs": True,
+        "lora_r": 4,
+        "lora_target_modules": ["linear_qkv", "linear_fc1"],
+    },
 }
 
 
