@@ -75,6 +75,7 @@ def create_job(
         idempotency_key=idempotency_key,
         body_hash=digest,
         queue=settings.queue_for(spec.resources.device_type),
+        resources=json.dumps(body["resources"], sort_keys=True),
         run_dir=str(settings.runs_path / job_id),
         max_restarts=settings.default_max_restarts if spec.max_restarts is None else spec.max_restarts,
         state=JobState.queued.value,

@@ -100,6 +100,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
     request_id: Mapped[str | None] = mapped_column(String(64))  # the submitting request's (core.structured_logs)
+    resources: Mapped[str | None] = mapped_column(Text)  # spec["resources"] as JSON text: what a pass reads
 
 
 class Attempt(Base):

@@ -358,7 +358,7 @@ def waiting_jobs(session: Session) -> list[Waiting]:
     waiting = Job.state.in_([s.value for s in WAITING]) & (Job.kind != "pipeline")  # a pipeline runs as its child jobs
     columns = (Job.id, Job.team, Job.state, Job.priority, Job.attempt_count, Job.request_id, Job.pending_reason)
     rows = session.connection().execute(  # plain rows: one per waiting job, on every pass
-        select(*columns, Job.created_at, Job.spec["resources"].as_string())
+        select(*columns, Job.created_at, func.coalesce(Job.resources, Job.spec["resources"].as_string()))
         .where(waiting)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
     )

@@ -42,3 +42,40 @@ def test_only_one_of_many_workers_claims_a_job(tmp_path: Path) -> None:
     with session_scope(settings.database_url) as session:
         job = session.get(Job, job_id)
         assert job is not None and job.state == "starting" and job.attempt_count == 1 and job.host == wins[0]
+
+
+def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Path) -> None:
+    """Migration 0007 copies each stored spec's resources into jobs.resources; a row without it (inserted by an
+    older replica during a rolling upgrade) is still read from its spec by the scheduler."""
+    import json
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text, update
+
+    from core.db import ALEMBIC_INI
+    from core.scheduler import waiting_jobs
+    from core.settings import REPO_ROOT
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    config = Config(str(ALEMBIC_INI))
+    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    config.attributes["database_url"] = url
+    command.upgrade(config, "0006")
+    spec = {"kind": "train", "resources": {"device_type": "cuda", "nnodes": 2, "nproc_per_node": 8}}
+    with get_engine(url).begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO jobs (id, team, kind, state, spec, metadata, priority, queue, run_dir, max_restarts, "
+                "attempt_count, created_at, updated_at) VALUES ('old', 't', 'train', 'queued', :spec, '{}', 0, 'q', "
+                "'r', 0, 0, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"
+            ),
+            {"spec": json.dumps(spec)},
+        )
+    command.upgrade(config, "head")
+    with session_scope(url) as session:
+        stored = session.get(Job, "old")
+        assert stored is not None and json.loads(stored.resources or "") == spec["resources"]
+        session.execute(update(Job).values(resources=None))  # as an older replica leaves it
+        (waiting,) = waiting_jobs(session)
+        assert json.loads(waiting.resources) == spec["resources"]
