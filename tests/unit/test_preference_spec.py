@@ -31,10 +31,15 @@ def test_dpo_spec_defaults_are_mindspeeds():
             "pipeline_model_parallel_size",
         ),
         (
-            {**DPO, "pipeline_model_parallel_size": 2, "resources": {"nproc_per_node": 2}, "ref_model": "r",
-             "precompute_ref_log_probs": True},
+            {
+                **DPO,
+                "pipeline_model_parallel_size": 2,
+                "resources": {"nproc_per_node": 2},
+                "ref_model": "r",
+                "precompute_ref_log_probs": True,
+            },
             "ref_model",
-        ),  # fmt: skip
+        ),
         ({**DPO, "dpo_loss_type": "simpo", "precompute_ref_log_probs": True}, "precompute_ref_log_probs"),
         ({**DPO, "dpo_loss_type": "kto"}, "dpo_loss_type"),
     ],
