@@ -35,7 +35,7 @@ class Coords(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
     """Degrees of each parallel dimension. World = dp × cp × pp × tp; EP is carved out of DP (Megatron's
-    expert-data-parallel = DP / EP). CP (context parallel) is always 1 for now."""
+    expert-data-parallel = DP / EP). CP (context parallel) splits each sequence; its ranks share their data."""
 
     dp: int = 1
     pp: int = 1
@@ -120,6 +120,7 @@ def check(
     """
     shape = Shape.of(model) if isinstance(model, ModelConfig) else model
     _check_tp(shape, dims.tp)
+    _check_cp(shape, dims.tp, dims.cp)
     _check_pp(shape, dims.pp, num_layer_list, vpp_layers)
     _check_ep(shape, dims.ep)
 
@@ -135,6 +136,18 @@ def _check_tp(shape: Shape, tp: int) -> None:
     for value, what in sizes:
         if value is not None and value % tp:
             raise LayoutError("tensor_model_parallel_size", f"TP {tp} does not divide the model's {value} {what}")
+
+
+def _check_cp(shape: Shape, tp: int, cp: int) -> None:
+    """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP × CP
+    ranks of a sequence must get whole heads and whole KV groups."""
+    if cp == 1:
+        return
+    for value, what in ((shape.num_attention_heads, "heads"), (shape.num_query_groups, "KV groups")):
+        if value is not None and value % (tp * cp):
+            raise LayoutError(
+                "context_parallel_size", f"TP {tp} × CP {cp} does not divide the model's {value} {what} (Ulysses)"
+            )
 
 
 def _check_pp(shape: Shape, pp: int, num_layer_list: list[int] | None, vpp_layers: int | None) -> None:

@@ -502,6 +502,7 @@ class ParallelArgs(_Strict):
             tp=self.tensor_model_parallel_size,
             pp=self.pipeline_model_parallel_size,
             ep=self.expert_model_parallel_size,
+            cp=getattr(self, "context_parallel_size", 1),  # a train spec's own field
         )
 
     @property
@@ -793,6 +794,23 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         description="--refer-model-iter: accepted for script parity; the reference is always the weights the run "
         "started from (ref_model or load), kept when a run resumes.",
     )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="--context-parallel-size: CP degree, ranks each sequence is split over (world = DP × CP × PP × "
+        "TP); each rank holds seq_length / CP tokens of every layer's activations. Ulysses: heads and KV groups must "
+        "divide by TP × CP.",
+    )
+    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"] = Field(
+        "ulysses_cp_algo",
+        description="--context-parallel-algo: ulysses_cp_algo (all-to-all of heads around attention) is the one "
+        "implemented; megatron_cp_algo (ring) and hybrid_cp_algo are refused for now.",
+    )
+    cp_attention_mask_type: Literal["causal", "general"] = Field(
+        "causal",
+        description="--cp-attention-mask-type: causal (packed samples keep their own causal blocks); general is "
+        "refused (an arbitrary mask is not taken).",
+    )
     precompute_ref_log_probs: bool = Field(
         False,
         description="Stage dpo (TRL's name): compute the reference's log-probs of every pair once, before training, "
@@ -899,6 +917,29 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                     "ref_model: under pipeline parallelism the reference is the run's starting weights (load); "
                     "remove ref_model or set pipeline_model_parallel_size 1"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> TrainSpec:
+        """What context parallelism composes with so far; the rest is refused by name rather than run wrongly."""
+        cp = self.context_parallel_size
+        if self.context_parallel_algo != "ulysses_cp_algo" and cp > 1:
+            raise ValueError(
+                f"context_parallel_algo: {self.context_parallel_algo} is not implemented; use ulysses_cp_algo"
+            )
+        if self.cp_attention_mask_type != "causal":
+            raise ValueError("cp_attention_mask_type: only causal is supported")
+        if cp == 1:
+            return self
+        conflicts = {
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size > 1,
+            "expert_model_parallel_size": self.expert_model_parallel_size > 1,
+            "num_experts": bool(self.num_experts),
+            "stage": self.stage == "dpo",
+        }
+        for field, clash in conflicts.items():
+            if clash:
+                raise ValueError(f"{field}: not supported with context_parallel_size > 1 yet")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ State-dict keys are the native keys of ``engine.model.hf_mapping``; the model ho
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,8 @@ class SelfAttention(nn.Module):
         self.q_layernorm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon)
         self.k_layernorm = RMSNorm(cfg.kv_channels, cfg.norm_epsilon)
         self.linear_proj = nn.Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, bias=False)
+        # q, k, v (B, heads, T, d) -> (B, T, heads, d); context parallelism wraps it (engine.parallel.context_parallel)
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan], torch.Tensor] = core_attention
 
     def forward(
         self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
@@ -78,7 +80,7 @@ class SelfAttention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # (B, groups_local, past+T, d)
-        out = core_attention(q, k, v, plan)  # (B, T, heads_local, d)
+        out = self.attend(q, k, v, plan)  # (B, T, heads_local, d)
         return self.linear_proj(out.reshape(b, t, -1))
 
 
@@ -148,6 +150,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embedding: Embedding | None = Embedding(cfg) if embedding else None
+        self.context_parallel = 1  # ranks a sequence is split over (engine.parallel.context_parallel)
         self.decoder = Decoder(cfg, layers, final_norm=head)
         self.output_layer: nn.Linear | None = (
             None if cfg.tie_word_embeddings or not head else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -189,7 +192,8 @@ class Qwen3Model(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(b, t, past, attention_mask, h.device)
         rope = rope_cos_sin(position_ids, self.cfg, h.dtype)
-        plan = plan_attention(h.device, t, past, segment_ids, attention_mask, batch=b)
+        # under context parallelism h holds 1/CP of the tokens; attention sees them all (segment_ids are whole)
+        plan = plan_attention(h.device, t * self.context_parallel, past, segment_ids, attention_mask, batch=b)
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))
         if self.decoder.final_layernorm is None:

@@ -1,7 +1,8 @@
-"""The dp × pp × tp DeviceMesh every parallelism step is applied over.
+"""The dp × (cp ×) pp × tp DeviceMesh every parallelism step is applied over.
 
-Row-major over (dp, pp, tp): tp varies fastest, so neighbouring ranks share a TP group and TP stays inside a node.
-Dimension names ``dp``, ``pp``, ``tp`` are what ``parallelize`` and the trainer look up.
+Row-major over (dp, cp, pp, tp): tp varies fastest, so neighbouring ranks share a TP group and TP stays inside a node.
+Dimension names ``dp``, ``pp``, ``tp`` (and ``cp`` with context parallelism, plus ``dp_cp``: the DP × CP ranks, which
+all hold different tokens of a step) are what ``parallelize`` and the trainer look up.
 A single process still gets a (1, 1, 1) mesh over a one-rank group, so FSDP2, DCP and collectives run the same code
 path at any world size.
 """
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from engine.contract.layout import ParallelDims
 from engine.parallel.device import Device
 
-__all__ = ["ParallelDims", "build_mesh", "ensure_process_group"]
+__all__ = ["ParallelDims", "batch_mesh", "build_mesh", "context_mesh", "ensure_process_group"]
 
 
 def ensure_process_group(device: Device) -> None:
@@ -24,8 +25,26 @@ def ensure_process_group(device: Device) -> None:
 
 
 def build_mesh(device: Device, dims: ParallelDims) -> DeviceMesh:
-    """The ("dp", "pp", "tp") mesh over every rank of the default group."""
+    """The ("dp", "pp", "tp") mesh over every rank of the default group; ("dp", "cp", "pp", "tp") with a flattened
+    "dp_cp" under context parallelism."""
     world = dist.get_world_size()
     if dims.world_size != world:
         raise ValueError(f"parallel dims {dims} need {dims.world_size} ranks, the job has {world}")
-    return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=("dp", "pp", "tp"))
+    if dims.cp == 1:
+        return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=("dp", "pp", "tp"))
+    shape, names = (dims.dp, dims.cp, dims.pp, dims.tp), ("dp", "cp", "pp", "tp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's name and way for the gradient-reduction mesh
+    return mesh
+
+
+def context_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ranks one sequence is split over, or None without context parallelism."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["cp"] if "cp" in names and mesh["cp"].size() > 1 else None
+
+
+def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that hold different tokens of a step (DP, times CP): gradients, loss units and token counts are
+    summed over them, and FSDP shards over them."""
+    return mesh["dp_cp"] if context_mesh(mesh) is not None else mesh["dp"]

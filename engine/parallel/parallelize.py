@@ -13,8 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.contract.spec import TrainSpec
 from engine.model.moe import moe_layers
 from engine.parallel.activation_checkpoint import apply_ac
+from engine.parallel.context_parallel import apply_context_parallel
 from engine.parallel.data_parallel import apply_fsdp
 from engine.parallel.expert_parallel import apply_expert_parallel, expert_mesh
+from engine.parallel.mesh import batch_mesh, context_mesh
 from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -28,12 +30,15 @@ def recompute_granularity(spec: TrainSpec) -> str | None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Module:
-    """Apply, in order, TP/SP, EP, activation checkpointing, compile and FSDP2 to ``model`` (in place; returned)."""
+    """Apply, in order, TP/SP, CP, EP, activation checkpointing, compile and FSDP2 to ``model`` (in place;
+    returned)."""
     # Under pipeline parallelism ``model`` is one stage's part (engine.parallel.pipeline_parallel.build_pipeline).
     dtypes = param_dtypes(spec)
     apply_param_dtypes(model, dtypes)  # fp32 main weights; a frozen (LoRA) base stored once in the compute dtype
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
+    if (cp := context_mesh(mesh)) is not None:
+        apply_context_parallel(model, cp)
     ep = int(getattr(spec, "expert_model_parallel_size", 1))
     edp_mesh = None
     if ep > 1:
@@ -48,9 +53,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Modul
         )
     # compile: not applied yet (CPU CI); it would go here, per decoder layer, after AC and before FSDP.
     dtype = dtypes.compute
-    dp = mesh["dp"]
+    dp = batch_mesh(mesh)  # DP, times CP: the ranks holding different tokens reduce their gradients together
     # One process in fp32 needs no sharding and no casts: keep the plain module (fastest on CPU). Otherwise FSDP2
-    # shards main weights, fp32 grads and Adam states over DP and casts each layer to the compute dtype just in time.
+    # shards main weights, fp32 grads and Adam states over DP (× CP) and casts each layer to the compute dtype just in
+    # time.
     if dp.size() > 1 or dtype != torch.float32:  # EP > 1 implies DP > 1
         # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
         # parameters per micro-batch, so stages keep them (docs/torch-distributed-on-gloo.md, PP × FSDP2 recipe).

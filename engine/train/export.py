@@ -38,6 +38,7 @@ from engine.contract.inspect import TRACKER, iteration_dir_name
 from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
 from engine.model.lora import to_mindspeed_keys
+from engine.parallel.mesh import batch_mesh
 from engine.parallel.tensor_parallel import full_tensor
 from engine.train.step_runner import StepRunner
 
@@ -122,7 +123,7 @@ def _write_own_rank_file(
     Every rank of a stage walks the same keys in the same order, so each ``full_tensor`` meets its peers."""
     tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
     t, p = mesh["tp"].get_local_rank(), mesh["pp"].get_local_rank()
-    writes = mesh["dp"].get_local_rank() == 0
+    writes = batch_mesh(mesh).get_local_rank() == 0  # DP (× CP) rank 0: the others hold the same weights
     chunks = pipeline_chunks(cfg.num_layers, pp, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)[p]
     grouped = bool(getattr(spec, "moe_grouped_gemm", False))  # MindSpeed's --moe-grouped-gemm: GroupedMLP tensors
     layers, vpp = spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage
@@ -156,7 +157,7 @@ def _write_own_rank_file(
 def _gather_adapters(module: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """Every LoRA adapter of the model, whole, on global rank 0 (empty elsewhere); collective."""
     mine = {k: _full(v).detach().cpu() for k, v in _stage_tensors(module).items() if ".lora_A." in k or ".lora_B." in k}
-    sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    sender = batch_mesh(mesh).get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if sender else {}, gathered, dst=0)
     return {k: v for part in gathered or [] for k, v in part.items()}

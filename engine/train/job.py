@@ -38,10 +38,10 @@ from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device, init_distributed
-from engine.parallel.mesh import ParallelDims, build_mesh, ensure_process_group
+from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
-from engine.train.batches import MicroBatch, collate, collate_pairs
+from engine.train.batches import MicroBatch, collate, collate_pairs, context_shard
 from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
@@ -356,6 +356,8 @@ class Trainer:
         else:
             batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
         self._check_planned(batches, data, iteration)
+        if (cp := context_mesh(self.mesh)) is not None:  # each CP rank its slice of every row
+            batches = [context_shard(mb, cp.size(), cp.get_local_rank()) for mb in batches]
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
+from engine.parallel.mesh import batch_mesh
 from engine.parallel.pipeline_parallel import (
     WIDTH_BUCKET,
     PipelineModel,
@@ -253,4 +254,4 @@ def make_runner(
             raise TypeError("pipeline_model_parallel_size > 1 needs the stages built by build_pipeline_model")
         return PipelineRunner(module, mesh, pipeline_loss)
     loss_fn = loss_fn or lm_loss(mesh["tp"].size() > 1, chunk_size)
-    return ModuleRunner(module, device, mesh["dp"].get_group(), loss_fn)
+    return ModuleRunner(module, device, batch_mesh(mesh).get_group(), loss_fn)
