@@ -1,0 +1,58 @@
+"""Context parallelism (Ulysses, torchrun over gloo) equals one process step by step: CP2 and CP4 on packed samples
+(each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), padded rows, and a CP2
+checkpoint resumed on one process continuing the same loss curve."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train_support import metric_rows, run_train, tiny_spec, write_instruction_data
+
+# KV groups 4 (one query head per group) so CP 4 gets whole groups
+FOUR_GROUPS = {"num_attention_heads": 4, "num_query_groups": 4}
+LAYOUTS = {
+    "cp2": ({"context_parallel_size": 2}, 2),
+    "cp4": ({"context_parallel_size": 4, **FOUR_GROUPS}, 4),
+    "cp2_dp2": ({"context_parallel_size": 2}, 4),
+    "cp2_padded": ({"context_parallel_size": 2, "padding_free": False, "variable_seq_lengths": True}, 2),
+}
+
+
+def _equal(one: list[dict], many: list[dict]) -> None:
+    assert len(one) == len(many) > 0
+    for a, b in zip(one, many, strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["tokens"] == a["tokens"] and b["loss_tokens"] == a["loss_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> None:
+    extra, nproc = LAYOUTS[layout]
+    data = write_instruction_data(tmp_path / "data" / "sft")
+    spec = tiny_spec(data, train_iters=4, use_distributed_optimizer=True)
+    one_rank = {**spec, **{k: v for k, v in extra.items() if k != "context_parallel_size"}}
+    run_train(one_rank, tmp_path / "run1", 1)
+    run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
+    one, many = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run_cp")
+    _equal(one, many)
+    assert one[-1]["lm_loss"] < one[0]["lm_loss"]
+
+
+@pytest.mark.slow
+def test_a_cp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
+    data = write_instruction_data(tmp_path / "data" / "sft")
+    spec = tiny_spec(data, train_iters=5, use_distributed_optimizer=True)
+    run_train({**spec, "save": str(tmp_path / "one")}, tmp_path / "run1", 1)
+    cp2 = {**spec, "context_parallel_size": 2, "save": str(tmp_path / "cp"), "save_interval": 3}
+    run_train(cp2, tmp_path / "run2", 2)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "cp" / "train_state", resumed / "train_state")
+    run_train({**spec, "save": str(resumed)}, tmp_path / "run3", 1)
+    one, after = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run3")
+    assert [r["iteration"] for r in after] == [4, 5]
+    _equal(one[3:], after)
