@@ -59,15 +59,17 @@ class ParallelDims:
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelDims:
         """The dims of ``world_size`` ranks; LayoutError when TP × PP (× CP) or EP do not fit."""
         if world_size % (tp * pp * cp):
+            field, cp_part = (
+                ("context_parallel_size", f" × CP ({cp})") if cp > 1 else ("tensor_model_parallel_size", "")
+            )
             raise LayoutError(
-                "tensor_model_parallel_size",
-                f"TP ({tp}) × PP ({pp}) must divide the world size ({world_size} = {_WORLD})",
+                field, f"TP ({tp}) × PP ({pp}){cp_part} must divide the world size ({world_size} = {_WORLD})"
             )
         dp = world_size // (tp * pp * cp)
         if dp % ep:
             raise LayoutError(
                 "expert_model_parallel_size",
-                f"EP {ep} must divide the data-parallel size {dp} (world size / (TP {tp} × PP {pp}))",
+                f"EP {ep} must divide the data-parallel size {dp} (world size / (TP {tp} × PP {pp}{' × CP ' + str(cp) if cp > 1 else ''}))",
             )
         return cls(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp)
 

@@ -1,5 +1,6 @@
 """Context parallelism (Ulysses, torchrun over gloo) equals one process step by step: CP2 and CP4 on packed samples
-(each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), padded rows, and a CP2
+(each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), CP2 × TP2 with sequence
+parallelism, padded rows, and a CP2
 checkpoint resumed on one process continuing the same loss curve."""
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ LAYOUTS = {
     "cp4": ({"context_parallel_size": 4, **FOUR_GROUPS}, 4),
     "cp2_dp2": ({"context_parallel_size": 2}, 4),
     "cp2_padded": ({"context_parallel_size": 2, "padding_free": False, "variable_seq_lengths": True}, 2),
+    "cp2_tp2_sp": (
+        {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True, **FOUR_GROUPS},
+        4,
+    ),
 }
 
 
@@ -35,7 +40,8 @@ def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> Non
     extra, nproc = LAYOUTS[layout]
     data = write_instruction_data(tmp_path / "data" / "sft")
     spec = tiny_spec(data, train_iters=4, use_distributed_optimizer=True)
-    one_rank = {**spec, **{k: v for k, v in extra.items() if k != "context_parallel_size"}}
+    cp_only = ("context_parallel_size", "tensor_model_parallel_size", "sequence_parallel")
+    one_rank = {**spec, **{k: v for k, v in extra.items() if k not in cp_only}}
     run_train(one_rank, tmp_path / "run1", 1)
     run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
     one, many = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run_cp")

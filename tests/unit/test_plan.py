@@ -332,3 +332,17 @@ def test_admission_decides_on_this_data(tmp_path: Path) -> None:
     message = str(err.value)
     assert "on this data (its largest micro-batch: 128 × " in message and "at the worst case" in message
     assert "it would fit with recompute_granularity" in message, message
+
+
+def test_context_parallel_splits_activations_and_lets_32k_fit() -> None:
+    """Issue 29: Qwen3-4B full SFT at 32K tokens on eight 64 GiB NPUs: every rank's activations for a whole sequence
+    (113 GiB) do not fit; split over CP 8 each rank holds 1/8 of them and FSDP shards the state over DP × CP."""
+    long = dict(seq_length=32768, micro_batch_size=1, global_batch_size=8, pipeline_model_parallel_size=1)
+    nodes = {"resources": {"device_type": "npu", "nproc_per_node": 8}}
+    whole = plan_spec(parse_spec(seed_full(**long, **nodes))).peak
+    split = plan_spec(parse_spec(seed_full(**long, **nodes, context_parallel_size=8))).peak
+    assert split.activations == pytest.approx(whole.activations / 8, rel=0.02)
+    assert split.optimizer == whole.optimizer  # eight shards either way: DP 8, or DP 1 × CP 8
+    with pytest.raises(DoesNotFit):
+        check_fits(parse_spec(seed_full(**long, **nodes)), 64 * 2**30)
+    check_fits(parse_spec(seed_full(**long, **nodes, context_parallel_size=8)), 64 * 2**30)

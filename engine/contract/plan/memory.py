@@ -67,6 +67,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel, carved out of dp
+    cp: int = 1  # context parallel (Ulysses): each rank holds seq / CP tokens of every activation
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     seq_length: int = 2048
@@ -93,7 +94,12 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def shards(self) -> int:
+        """Ranks FSDP shards weights, gradients and optimizer state over: DP, times CP (they hold other tokens)."""
+        return self.dp * self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -102,10 +108,10 @@ class Layout:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank (before sequence-parallel sharding)."""
+        """Tokens of one micro-batch on one rank (before sequence-parallel sharding; a CP rank's share)."""
         if self.batch_rows is not None and self.batch_width is not None:
-            return self.batch_rows * self.batch_width
-        return self.micro_batch_size * self.rows_per_sample * self.seq_length
+            return -(-self.batch_rows * self.batch_width // self.cp)
+        return -(-self.micro_batch_size * self.rows_per_sample * self.seq_length // self.cp)
 
     @property
     def mask_bytes(self) -> int:
@@ -375,8 +381,8 @@ def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int) -> int:
     bound, the whole trainable shard when smaller, or the largest tensor (the embedding or head) when larger."""
     if lay.device_type in FUSED_ADAMW_DEVICES:
         return 0
-    largest = cfg.vocab_size * cfg.hidden_size // lay.tp * 4 // lay.dp
-    return min(trainable * 4 // lay.dp, max(FOREACH_GROUP_BYTES, largest))
+    largest = cfg.vocab_size * cfg.hidden_size // lay.tp * 4 // lay.shards
+    return min(trainable * 4 // lay.shards, max(FOREACH_GROUP_BYTES, largest))
 
 
 def _fill_state(
@@ -384,7 +390,7 @@ def _fill_state(
 ) -> None:
     """params / main_params / grads / optimizer of one rank, and the transient gathered layers of FSDP.
     ``elsewhere``: base weights of the rank's layers that live on other EP ranks (never gathered here)."""
-    e, dp = lay.compute_bytes, lay.dp
+    e, dp = lay.compute_bytes, lay.shards
     trainable, frozen = m.trainable_params, m.num_params - m.trainable_params
     held_trainable = trainable - (elsewhere if lay.lora_r is None else 0)
     held_frozen = frozen - (elsewhere if lay.lora_r is not None else 0)

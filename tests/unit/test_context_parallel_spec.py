@@ -1,0 +1,82 @@
+"""Context parallelism's spec rules (refused by field name at submission) and each CP rank's share of a batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine.contract.constants import IGNORE_INDEX, PAD_ID
+from engine.contract.spec import parse_spec
+from engine.train.batches import Sample, context_shard, pack
+
+BASE: dict[str, Any] = {
+    "kind": "train",
+    "data_path": ["d"],
+    "train_iters": 1,
+    "lr": 1e-4,
+    "seq_length": 64,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "padded_vocab_size": 512,
+    "micro_batch_size": 1,
+    "global_batch_size": 2,
+}
+
+
+def test_cp_takes_its_share_of_the_world() -> None:
+    spec = parse_spec({**BASE, "context_parallel_size": 2, "resources": {"nproc_per_node": 4}})
+    dims = spec.parallel_dims
+    assert (dims.dp, dims.cp, dims.world_size) == (2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ({"context_parallel_size": 4, "resources": {"nproc_per_node": 4}}, "context_parallel_size", "2 KV groups"),
+        ({"context_parallel_size": 2, "resources": {"nproc_per_node": 3}}, "context_parallel_size", "world size"),
+        (
+            {
+                "context_parallel_size": 2,
+                "context_parallel_algo": "megatron_cp_algo",
+                "resources": {"nproc_per_node": 2},
+            },
+            "context_parallel_algo",
+            "use ulysses_cp_algo",
+        ),
+        ({"cp_attention_mask_type": "general"}, "cp_attention_mask_type", "only causal"),
+        (
+            {"context_parallel_size": 2, "pipeline_model_parallel_size": 2, "resources": {"nproc_per_node": 4}},
+            "pipeline_model_parallel_size",
+            "not supported with context_parallel_size",
+        ),
+    ],
+)
+def test_refused_by_name(extra: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_spec({**BASE, **extra})
+    assert field in str(err.value) and words in str(err.value), err.value
+
+
+def test_each_cp_rank_gets_its_slice_and_the_whole_segments() -> None:
+    samples = [Sample(np.arange(1, 6), np.arange(1, 6)), Sample(np.arange(6, 10), np.arange(6, 10))]
+    mb = pack(samples, 64)  # one row of 4 + 3 tokens after the shift: 7
+    parts = [context_shard(mb, 2, rank) for rank in (0, 1)]
+    assert [p.input_ids.shape[1] for p in parts] == [4, 4]  # padded to 8
+    whole = torch.cat([p.input_ids for p in parts], dim=1)
+    assert whole[0, :7].tolist() == mb.input_ids[0].tolist() and whole[0, 7] == PAD_ID
+    labels = torch.cat([p.labels for p in parts], dim=1)
+    assert labels[0, :7].tolist() == mb.labels[0].tolist() and labels[0, 7] == IGNORE_INDEX
+    assert torch.cat([p.position_ids for p in parts], dim=1)[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    for p in parts:  # attention sees every token: the segments stay whole (the pad joins the last sample)
+        assert p.segment_ids is not None and p.segment_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert sum(p.num_loss_tokens for p in parts) == mb.num_loss_tokens
+    assert parts[0].seq_lens == mb.seq_lens and parts[1].seq_lens == []  # each sample counted once over CP
