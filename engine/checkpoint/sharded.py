@@ -31,11 +31,13 @@ def native_name(name: str) -> str:
 
 
 def _dp_rows(param: torch.Tensor, rows: int) -> tuple[int, int]:
-    """The rows of the TP-local tensor this rank keeps under FSDP (``torch.chunk`` on dim 0 over the dp mesh)."""
+    """The rows of the TP-local tensor this rank keeps under FSDP (``torch.chunk`` on dim 0 over the dp mesh, or the
+    flattened dp_cp mesh under context parallelism)."""
     names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
-    if not isinstance(param, DTensor) or names is None or "dp" not in names:
+    fsdp = next((n for n in ("dp", "dp_cp") if names is not None and n in names), None)  # dp_cp: DP × CP
+    if not isinstance(param, DTensor) or names is None or fsdp is None:
         return 0, rows
-    dim = names.index("dp")
+    dim = names.index(fsdp)
     placement = param.placements[dim]
     if not (placement.is_shard() or isinstance(placement, StridedShard)):  # FSDP over a TP dim-0 shard: strided
         return 0, rows

@@ -462,7 +462,9 @@ def _token_losses(
         for start in range(0, h.shape[0], chunk_size)
         for tgt in [flat[start : start + chunk_size]]
     ]
-    per_token = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+    # no labelled row (a context-parallel slice of prompt tokens only): a zero-length loss still in the graph, so
+    # backward runs (and meets its peers' collectives) like on every other rank
+    per_token = torch.cat(parts) if parts else h.sum(dim=1).float() * 0.0
     return per_token, flat, rows
 
 

@@ -87,7 +87,7 @@ def _check_batch(spec: TrainSpec, dims: ParallelDims) -> int:
     if gbs % (spec.micro_batch_size * dims.dp):
         raise BadInput(
             f"global_batch_size: {gbs} is not divisible by micro_batch_size × DP ({spec.micro_batch_size} × {dims.dp}, "
-            f"DP = world size {dims.world_size} / (TP {dims.tp} × PP {dims.pp}))",
+            f"DP = world size {dims.world_size} / (TP {dims.tp} × PP {dims.pp} × CP {dims.cp}))",
             "global_batch_size",
         )
     return gbs
@@ -121,7 +121,7 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, ep = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size
     try:
-        dims = ParallelDims.from_world(world, tp, pp, ep)
+        dims = ParallelDims.from_world(world, tp, pp, ep, spec.context_parallel_size)
     except LayoutError as err:
         raise BadInput(str(err), err.field) from err
     gbs = _check_batch(spec, dims)
@@ -512,6 +512,7 @@ class Trainer:
             **({"warnings": warnings} if warnings else {}),
             "load_format": plan.loaded.format if plan.loaded else None,
             "world_size": plan.dims.world_size,
+            "parallel": {"dp": plan.dims.dp, "cp": plan.dims.cp, "pp": plan.dims.pp, "tp": plan.dims.tp},
             "global_batch_size": plan.global_batch_size,
             "lora": self.lora,
             "validation_samples": valid.num_samples if valid else 0,

@@ -5,6 +5,7 @@ checkpoint resumed on one process continuing the same loss curve."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> Non
     run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
     one, many = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run_cp")
     _equal(one, many)
+    parallel = json.loads((tmp_path / "run_cp" / "result.json").read_text())["summary"]["parallel"]
+    assert parallel["cp"] == extra["context_parallel_size"]  # the sequences were split, not the batch
+    assert parallel["dp"] * parallel["cp"] * parallel["tp"] == nproc
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]
 
 

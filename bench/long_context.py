@@ -1,0 +1,154 @@
+"""Long sequences: the planner's Qwen3-4B full-SFT table at 32K and 128K tokens on 8 × 64 GiB, and a measured CP2
+vs CP1 step on this CPU.
+
+1. Planner (``engine.contract.plan``): Qwen3-4B, bf16, full fine-tuning, distributed optimizer, one sample per
+   micro-batch of ``seq_length`` tokens (128K with YaRN 4 × 32K), 8 NPUs of 64 GiB: for each CP in 1, 2, 4, 8 (TP 1
+   and 2, where the heads allow) and each recompute mode, the per-rank peak; the lowest that fits is reported.
+2. Measured: a hidden-256, 4-layer Qwen3 (8 heads, 4 KV groups), one packed text sample of ``--seq`` tokens per
+   step, fp32, trained 3 steps by ``python -m engine train`` in one process and on two CP ranks (torchrun, gloo).
+   ``peak_mem_ratio`` = the largest CP2 rank's peak RSS over the one process's peak RSS, fixed costs included (the
+   Python process with torch, the weights and the optimizer state, which CP does not split: with these small weights
+   they are most of what stays); ``loss_equal`` compares the two runs' losses (rel 1e-5).
+
+Prints the table and the two runs, then ``{"bench": "long_context", ...}``. ``--smoke``: 512 tokens, planner at 32K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from engine.contract.indexed import IndexedDatasetWriter  # noqa: E402
+from engine.contract.plan import plan_spec  # noqa: E402
+from engine.contract.spec import parse_spec  # noqa: E402
+from train_support import QWEN3_4B  # noqa: E402
+
+GIB = 2**30
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+YARN = {
+    "rope_scaling_type": "yarn",
+    "rope_scaling_factor": 4.0,
+    "rope_scaling_original_max_position_embeddings": 32768,
+}
+
+
+def planner_rows(seq: int) -> list[dict[str, Any]]:
+    rows = []
+    for cp in (1, 2, 4, 8):
+        for tp in (1, 2):
+            if tp * cp > 8:
+                continue
+            for name, flags in RECOMPUTE.items():
+                spec = {
+                    "kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-5, "bf16": True,
+                    "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 8,
+                    "use_distributed_optimizer": True, "sequence_parallel": tp > 1,
+                    "tensor_model_parallel_size": tp, "context_parallel_size": cp,
+                    "resources": {"device_type": "npu", "nproc_per_node": 8},
+                    **QWEN3_4B, **flags, **(YARN if seq > 32768 else {}),
+                }  # fmt: skip
+                try:
+                    peak = plan_spec(parse_spec(spec)).peak
+                except ValueError as err:  # a layout the heads do not allow
+                    rows.append({"seq": seq, "cp": cp, "tp": tp, "recompute": name, "refused": str(err)[:120]})
+                    continue
+                gib = round(peak.total_bytes / GIB, 1)
+                rows.append({"seq": seq, "cp": cp, "tp": tp, "recompute": name, "peak_gib": gib, "fits": gib <= 64})
+    return rows
+
+
+def write_text(prefix: Path, tokens: int, docs: int, vocab: int) -> str:
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(str(prefix) + "_text_document")
+    for _ in range(docs):
+        writer.add_document(rng.integers(1, vocab, tokens + 1))
+    writer.finalize()
+    return str(prefix)
+
+
+def run(spec: dict[str, Any], run_dir: Path, nproc: int) -> list[dict[str, Any]]:
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [*(head if nproc > 1 else [sys.executable]), "-m", "engine", "train"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    if proc.returncode:
+        raise SystemExit(f"engine train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def measured(seq: int, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="llmjobs-long-") as tmp:
+        data = write_text(Path(tmp) / "text", seq, docs=steps * 2, vocab=4096)
+        spec = {
+            "kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": steps, "lr": 1e-3,
+            "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "eval_iters": 0,
+            "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 8,
+            "group_query_attention": True, "num_query_groups": 4, "kv_channels": 32, "padded_vocab_size": 4096,
+            "max_position_embeddings": max(seq, 4096), "seed": 1,
+        }  # fmt: skip
+        one = run(spec, Path(tmp) / "cp1", 1)
+        two = run({**spec, "context_parallel_size": 2, "resources": {"nproc_per_node": 2}}, Path(tmp) / "cp2", 2)
+    peaks = {name: max(r["mem_max_allocated_mb"] for r in rows[-1]["rank_metrics"].values())
+             for name, rows in (("cp1", one), ("cp2", two))}  # fmt: skip
+    fixed = {name: min(r["mem_allocated_mb"] for r in rows[0]["rank_metrics"].values())
+             for name, rows in (("cp1", one), ("cp2", two))}  # fmt: skip
+    losses = [(a["metrics"]["lm_loss"], b["metrics"]["lm_loss"]) for a, b in zip(one, two, strict=True)]
+    equal = all(abs(a - b) <= 1e-5 * abs(a) for a, b in losses)
+    return {
+        "seq": seq, "steps": steps, "cp1_peak_rss_mb": round(peaks["cp1"], 1), "cp2_peak_rss_mb": round(peaks["cp2"], 1),
+        "peak_rss_ratio": round(peaks["cp2"] / peaks["cp1"], 3), "cp1_after_step_rss_mb": round(fixed["cp1"], 1),
+        "loss_equal": equal, "losses": losses,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=8192, help="tokens of the measured sample")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="512 tokens, 2 steps, the planner at 32K only")
+    args = parser.parse_args()
+    if args.smoke:
+        args.seq, args.steps = 512, 2
+    table = []
+    for seq in (32768,) if args.smoke else (32768, 131072):
+        rows = planner_rows(seq)
+        table += rows
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    best = {}
+    for seq in sorted({r["seq"] for r in table}):
+        fitting = [r for r in table if r["seq"] == seq and r.get("fits")]
+        best[seq] = min(fitting, key=lambda r: r["peak_gib"]) if fitting else None
+    result = measured(args.seq, args.steps)
+    print(json.dumps(result), flush=True)
+    print(json.dumps({
+        "bench": "long_context", "smoke": args.smoke,
+        "best_fit": {str(k): v for k, v in best.items()},
+        "no_cp_no_recompute_peak_gib": {str(s): next(r["peak_gib"] for r in table if r["seq"] == s and r["cp"] == 1
+                                                    and r["tp"] == 1 and r["recompute"] == "none") for s in best},
+        "peak_mem_ratio": result["peak_rss_ratio"], "loss_equal": result["loss_equal"], "seq": result["seq"],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
