@@ -35,10 +35,14 @@ lint: $(STAMP)
 
 # Two pytest-xdist workers: most tests wait on child processes (torchrun ranks, the service, workers), so two at a time
 # fill the machine; the tests that share PostgreSQL's or Redis's one database run on one worker in turn (tests/conftest.py).
+# SERIAL_TESTS run after, in one process: schemathesis gives every case it generates its test function's node id, and
+# xdist, which schedules by node id, would run one case of each (tests/conftest.py refuses such duplicates under xdist).
 TEST_WORKERS ?= 2
+SERIAL_TESTS := tests/integration/test_api_fuzz.py
 
 test: setup
-	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup --ignore=$(SERIAL_TESTS)
+	$(PY) -m pytest -ra $(SERIAL_TESTS)
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow and not e2e"

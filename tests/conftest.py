@@ -4,6 +4,7 @@ LLMJOBS_REQUIRE_SERVICES=1 (set by .ci/run), which turns the skip into a failure
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 import os
 import socket
 from pathlib import Path
@@ -20,7 +21,11 @@ REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SHARED_SERVICES = {"postgres_url", "redis_url"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: it would run one of several items sharing a node id
+        repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
+        if repeated:
+            raise pytest.UsageError(f"node ids shared by several tests, run them outside xdist: {repeated[:3]}")
     for item in items:
         uses = SHARED_SERVICES & set(getattr(item, "fixturenames", ()))
         if uses or item.get_closest_marker("postgres") or item.get_closest_marker("redis"):
