@@ -4,9 +4,9 @@ LLMJOBS_REQUIRE_SERVICES=1 (set by .ci/run), which turns the skip into a failure
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
 import os
 import socket
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
