@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from engine.contract.constants import IGNORE_INDEX, PAD_ID
 from engine.contract.spec import parse_spec
 from engine.train.batches import Sample, context_shard, pack
+from train_support import TINY_SHAPE
 
 BASE: dict[str, Any] = {
     "kind": "train",
@@ -19,14 +20,7 @@ BASE: dict[str, Any] = {
     "train_iters": 1,
     "lr": 1e-4,
     "seq_length": 64,
-    "num_layers": 2,
-    "hidden_size": 64,
-    "ffn_hidden_size": 128,
-    "num_attention_heads": 4,
-    "group_query_attention": True,
-    "num_query_groups": 2,
-    "kv_channels": 16,
-    "padded_vocab_size": 512,
+    **TINY_SHAPE,
     "micro_batch_size": 1,
     "global_batch_size": 2,
 }
