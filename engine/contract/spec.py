@@ -934,7 +934,6 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         conflicts = {
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size > 1,
             "expert_model_parallel_size": self.expert_model_parallel_size > 1,
-            "num_experts": bool(self.num_experts),
             "stage": self.stage == "dpo",
         }
         for field, clash in conflicts.items():

@@ -55,7 +55,9 @@ def _dataset_facts(prefix: str) -> list[Any]:
     for field in PAIRWISE_FIELDS:
         base = Path(instruction_prefix(prefix, field))
         idx = base.with_name(base.name + ".idx")
-        facts += [hashlib.sha256(idx.read_bytes()).hexdigest(), _file_facts(base.with_name(base.name + ".bin"))]
+        with open(idx, "rb") as f:  # streamed: an index of millions of documents is hundreds of MB
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        facts += [digest, _file_facts(base.with_name(base.name + ".bin"))]
     return facts
 
 

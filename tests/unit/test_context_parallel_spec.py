@@ -48,6 +48,16 @@ def test_cp_takes_its_share_of_the_world() -> None:
         ),
         ({"cp_attention_mask_type": "general"}, "cp_attention_mask_type", "only causal"),
         (
+            {
+                "context_parallel_size": 2,
+                "num_experts": 4,
+                "moe_ffn_hidden_size": 32,
+                "resources": {"nproc_per_node": 2},
+            },
+            "context_parallel_size",
+            "MoE model",
+        ),
+        (
             {"context_parallel_size": 2, "pipeline_model_parallel_size": 2, "resources": {"nproc_per_node": 4}},
             "pipeline_model_parallel_size",
             "not supported with context_parallel_size",
@@ -74,3 +84,13 @@ def test_each_cp_rank_gets_its_slice_and_the_whole_segments() -> None:
         assert p.segment_ids is not None and p.segment_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert sum(p.num_loss_tokens for p in parts) == mb.num_loss_tokens
     assert parts[0].seq_lens == mb.seq_lens and parts[1].seq_lens == []  # each sample counted once over CP
+
+
+def test_an_moe_checkpoint_is_refused_under_cp_whatever_gives_its_shape() -> None:
+    """The rule lives in the one layout check: flags, a checkpoint read at submission and the loaded model alike."""
+    from engine.contract import layout
+
+    with pytest.raises(layout.LayoutError, match="MoE model") as err:
+        layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=8), layout.ParallelDims(cp=2))
+    assert err.value.field == "context_parallel_size"
+    layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0), layout.ParallelDims(cp=2))
