@@ -167,11 +167,13 @@ def _chart_controls(page: Any, train_id: str) -> None:
     page.check(f"{loss} input.log-y")
     page.wait_for_selector(f'{loss}[data-log-y="true"]')
     assert "logy=Loss" in page.url
+    # Zoom by a drag on the step axis (on the time axis a slow step on a loaded machine can take half the width),
+    # then redraw on another x axis and back, as a live update would: the zoom, kept in steps, stays.
+    zoom = _drag_zoom(page, "Grad norm")
     page.select_option("#x-axis", "relative")
     page.wait_for_selector(f'{loss}[data-x-axis="relative"]')
+    assert page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom") == zoom
     assert page.is_disabled('#x-axis option[value="tokens"]') is False  # the train job reports `tokens`
-    # Zoom to steps 2..5 (as a drag does), then a redraw as a live update would: the zoom stays.
-    zoom = _drag_zoom(page, "Grad norm")
     page.select_option("#x-axis", "step")
     page.wait_for_selector(f'{loss}[data-x-axis="step"]')
     assert page.get_attribute('.chart[data-chart="Grad norm"]', "data-zoom") == zoom
