@@ -77,8 +77,16 @@ def start_api(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[byt
     raise RuntimeError(f"the API did not start: {log.read_text()[-2000:]}")
 
 
-async def client_loop(client: httpx.AsyncClient, job_id: str, start: float, args: argparse.Namespace,
-                      shift: int, lat: dict[str, list[float]], errors: list[str], budget: list[int]) -> None:
+async def client_loop(
+    client: httpx.AsyncClient,
+    job_id: str,
+    start: float,
+    args: argparse.Namespace,
+    shift: int,
+    lat: dict[str, list[float]],
+    errors: list[str],
+    budget: list[int],
+) -> None:
     i = shift
     while time.monotonic() - start < args.warmup + args.seconds and budget[0] > 0:
         route = ROUTES[i % len(ROUTES)]
@@ -104,30 +112,45 @@ async def client_loop(client: httpx.AsyncClient, job_id: str, start: float, args
 
 
 def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1] if len(values) > 1 else float("nan")
+    return (
+        statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1] if len(values) > 1 else float("nan")
+    )
 
 
-async def load(base: str, token: str, job_id: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], list[str]]:
+async def load(
+    base: str, token: str, job_id: str, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], list[str]]:
     lat: dict[str, list[float]] = {r: [] for r in ROUTES}
     errors: list[str] = []
     budget = [args.max_requests]
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits,
-                                 timeout=30, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=30, trust_env=False
+    ) as client:
         start = time.monotonic()
-        await asyncio.gather(*(client_loop(client, job_id, start, args, k, lat, errors, budget)
-                               for k in range(args.clients)))
+        await asyncio.gather(
+            *(client_loop(client, job_id, start, args, k, lat, errors, budget) for k in range(args.clients))
+        )
     return lat, errors
 
 
 def run_load(args: argparse.Namespace, schema: str, tmp: Path) -> tuple[dict[str, list[float]], list[str]]:
     """Start the API on ``tmp`` and the schema, submit the first job, run the load; the API is stopped before the
     caller removes ``tmp`` (it writes its log and run files there until it exits)."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
-           "LLMJOBS_VAR_DIR": str(tmp), "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    settings = Settings(var_dir=tmp, database_url=env["LLMJOBS_DATABASE_URL"], broker_url="",
-                        redis_url=None, data_roots=[], runs_dir=None)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
+        "LLMJOBS_VAR_DIR": str(tmp),
+        "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    settings = Settings(
+        var_dir=tmp,
+        database_url=env["LLMJOBS_DATABASE_URL"],
+        broker_url="",
+        redis_url=None,
+        data_roots=[],
+        runs_dir=None,
+    )
     prepare(settings)
     area = ensure_team_areas(settings, "load").write[0]  # relative spec paths start in the team's area
     stage(area)
@@ -152,8 +175,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-requests", type=int, default=100_000)
-    parser.add_argument("--postgres", default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL",
-                                                             "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument(
+        "--postgres",
+        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    )
     parser.add_argument("--smoke", action="store_true", help="a seconds-long run of the same code path")
     args = parser.parse_args()
     if args.smoke:
@@ -174,7 +199,9 @@ def main() -> None:
         p50, p99 = pct(lat[route], 0.5), pct(lat[route], 0.99)
         figures[f"{route}_p50_ms"], figures[f"{route}_p99_ms"] = round(p50, 1), round(p99, 1)
         figures[f"{route}_per_s"] = round(len(lat[route]) / args.seconds, 1)
-        print(f"{route:8s} n={len(lat[route]):6d}  p50 {p50:8.1f} ms  p99 {p99:8.1f} ms  {len(lat[route]) / args.seconds:7.1f}/s")
+        print(
+            f"{route:8s} n={len(lat[route]):6d}  p50 {p50:8.1f} ms  p99 {p99:8.1f} ms  {len(lat[route]) / args.seconds:7.1f}/s"
+        )
     base_p99 = figures["healthz_p99_ms"]
     figures["get_p99_ratio"] = round(figures["get_p99_ms"] / base_p99, 2)
     figures["post_p99_ratio"] = round(figures["post_p99_ms"] / base_p99, 2)

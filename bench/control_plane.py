@@ -84,8 +84,17 @@ def train_spec(data: str, gang: tuple[int, int], name: str) -> dict[str, Any]:
     """A tiny train job on ``gang`` devices (the spec is checked at submission; it never runs)."""
     nnodes, nproc = gang
     return {
-        "kind": "train", "name": name, "data_path": [data], "split": "100,0,0", "train_iters": 4, "lr": 3e-3,
-        "seq_length": 64, "micro_batch_size": 1, "global_batch_size": 64, "seed": 7, **TINY_SHAPE,
+        "kind": "train",
+        "name": name,
+        "data_path": [data],
+        "split": "100,0,0",
+        "train_iters": 4,
+        "lr": 3e-3,
+        "seq_length": 64,
+        "micro_batch_size": 1,
+        "global_batch_size": 64,
+        "seed": 7,
+        **TINY_SHAPE,
         "resources": {"device_type": "cuda", "nnodes": nnodes, "nproc_per_node": nproc},
     }
 
@@ -213,8 +222,11 @@ def table_bytes(engine: sa.Engine, schema: str) -> dict[str, int]:
 def growth_per_1000(before: dict[str, int], after: dict[str, int], finished: int) -> dict[str, float]:
     """KiB per 1,000 finished jobs of each table that grew by 64 KiB or more, largest first."""
     grown = {t: after.get(t, 0) - before.get(t, 0) for t in after}
-    return {t: round(b / 1024 / finished * 1000, 1) for t, b in sorted(grown.items(), key=lambda i: -i[1])
-            if b >= 64 * 1024 and finished}
+    return {
+        t: round(b / 1024 / finished * 1000, 1)
+        for t, b in sorted(grown.items(), key=lambda i: -i[1])
+        if b >= 64 * 1024 and finished
+    }
 
 
 def count_finished(settings: Settings) -> int:
@@ -232,8 +244,9 @@ def queue_backlog(settings: Settings, data: str, jobs: int, rng: random.Random) 
         session.execute(sa.update(Job).values(dispatched_at=sa.func.now()))
 
 
-async def api_load(base: str, token: str, data: str, args: argparse.Namespace, rng: random.Random
-                   ) -> tuple[dict[str, list[float]], list[str], float]:
+async def api_load(
+    base: str, token: str, data: str, args: argparse.Namespace, rng: random.Random
+) -> tuple[dict[str, list[float]], list[str], float]:
     """``--clients`` clients, each cycling POST /v1/jobs, GET /v1/jobs/{id}, GET /healthz, paced so the submissions
     total ``--rate`` per second (closed loop: a client whose requests take longer goes as fast as it can, and the
     achieved rate is reported). Returns latencies, errors and the achieved submissions per second."""
@@ -241,8 +254,9 @@ async def api_load(base: str, token: str, data: str, args: argparse.Namespace, r
     errors: list[str] = []
     ids: list[str] = []
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits,
-                                 timeout=120, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=120, trust_env=False
+    ) as client:
         first = await client.post("/v1/jobs", json=train_spec(data, (1, 1), "first"))
         if first.status_code != 201:
             raise SystemExit(f"the first submission was refused ({first.status_code}): {first.text}")
@@ -286,7 +300,9 @@ async def api_load(base: str, token: str, data: str, args: argparse.Namespace, r
 
 def count_down(settings: Settings) -> int:
     with session_scope(settings.database_url) as session:
-        return int(session.scalar(sa.select(sa.func.count()).select_from(Host).where(Host.state != HostState.up.value)) or 0)
+        return int(
+            session.scalar(sa.select(sa.func.count()).select_from(Host).where(Host.state != HostState.up.value)) or 0
+        )
 
 
 def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]:
@@ -304,18 +320,37 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             # hosts beat every 5 s and the simulator may lag on 2 CPUs; one team submits the whole load, so the
             # per-team unfinished-job limit (default 200) is off; its priorities (the default, 0) are under the ceiling
             fast = {"LLMJOBS_HOST_STALE_AFTER_S": "60", "LLMJOBS_TEAM_MAX_ACTIVE_JOBS": "0"}
-            env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}, **fast,
-                   "LLMJOBS_VAR_DIR": tmp, "LLMJOBS_DATABASE_URL": url, "LLMJOBS_BROKER_URL": args.redis,
-                   "PYTHONPATH": str(ROOT)}
-            settings = Settings(var_dir=Path(tmp), database_url=url, broker_url=args.redis, redis_url=None,
-                                data_roots=[], runs_dir=None, host_stale_after_s=60, team_max_active_jobs=0)
+            env = {
+                **{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
+                **fast,
+                "LLMJOBS_VAR_DIR": tmp,
+                "LLMJOBS_DATABASE_URL": url,
+                "LLMJOBS_BROKER_URL": args.redis,
+                "PYTHONPATH": str(ROOT),
+            }
+            settings = Settings(
+                var_dir=Path(tmp),
+                database_url=url,
+                broker_url=args.redis,
+                redis_url=None,
+                data_roots=[],
+                runs_dir=None,
+                host_stale_after_s=60,
+                team_max_active_jobs=0,
+            )
             prepare(settings)
             data = tiny_data(settings)
             started = time.monotonic()
             for name in names:
-                register_host(settings, name=name, device_type="cuda", devices=DEVICES,
-                              queues=[settings.queue_for("cuda"), f"host.{name}"], address="127.0.0.1",
-                              device_memory=80 * 2**30)
+                register_host(
+                    settings,
+                    name=name,
+                    device_type="cuda",
+                    devices=DEVICES,
+                    queues=[settings.queue_for("cuda"), f"host.{name}"],
+                    address="127.0.0.1",
+                    device_memory=80 * 2**30,
+                )
             queue_backlog(settings, data, jobs, rng)
             setup_s = time.monotonic() - started
             with session_scope(settings.database_url) as session:
@@ -356,12 +391,19 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     finished = finished1 - finished0
     grown = sum(size1.values()) - sum(size0.values())
     row: dict[str, Any] = {
-        "hosts": hosts, "devices": hosts * DEVICES, "jobs_queued": jobs, "setup_s": round(setup_s, 1),
-        "submissions_per_s": round(achieved, 1), "load_average_1m": round(os.getloadavg()[0], 1),
-        "passes": len(clock.held_ms), "grants": clock.grants,
-        "schedule_p50_ms": round(pct(clock.held_ms, 0.5), 1), "schedule_p99_ms": round(pct(clock.held_ms, 0.99), 1),
+        "hosts": hosts,
+        "devices": hosts * DEVICES,
+        "jobs_queued": jobs,
+        "setup_s": round(setup_s, 1),
+        "submissions_per_s": round(achieved, 1),
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "passes": len(clock.held_ms),
+        "grants": clock.grants,
+        "schedule_p50_ms": round(pct(clock.held_ms, 0.5), 1),
+        "schedule_p99_ms": round(pct(clock.held_ms, 0.99), 1),
         "schedule_wait_p99_ms": round(pct(clock.wait_ms, 0.99), 1),
-        "nodes_finished": sim.nodes_done if sim else 0, "jobs_finished": finished,
+        "nodes_finished": sim.nodes_done if sim else 0,
+        "jobs_finished": finished,
         "heartbeat_lag_max_s": round(sim.beat_lag_s if sim else 0.0, 1),
         "reconcile_s": round(reconcile_s, 3),
         "hosts_judged_down_by_that_pass": hosts_judged_down,
@@ -393,7 +435,9 @@ def growth(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if a.get(key) and b.get(key) is not None:
                 factor = b[key] / a[key]
                 out[f"{key}_{a['hosts']}_to_{b['hosts']}"] = {
-                    "factor": round(factor, 2), "hosts_factor": hosts, "linear": factor <= 1.5 * hosts,
+                    "factor": round(factor, 2),
+                    "hosts_factor": hosts,
+                    "linear": factor <= 1.5 * hosts,
                 }
     return out
 
@@ -406,10 +450,15 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=20, help="concurrent API clients")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--runners", type=int, default=8, help="threads running the simulated nodes")
-    parser.add_argument("--postgres", default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL",
-                                                             "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
-    parser.add_argument("--redis", default=os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/5"),
-                        help="the broker (this run's queues are deleted after each scale)")
+    parser.add_argument(
+        "--postgres",
+        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    )
+    parser.add_argument(
+        "--redis",
+        default=os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/5"),
+        help="the broker (this run's queues are deleted after each scale)",
+    )
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
     if args.smoke:
@@ -418,12 +467,22 @@ def main() -> None:
     rows = [run_scale(args, hosts, hosts * args.jobs_per_host) for hosts in scales]
     top = rows[-1]
     curves = growth(rows)
-    print(json.dumps({
-        "bench": "control_plane", "smoke": args.smoke, "rate": args.rate, "seconds": args.seconds, "scales": rows,
-        "growth": curves,
-        "targets_met": top["schedule_p99_ms"] <= 200 and top["get_p99_ratio"] <= 2 and top["post_p99_ratio"] <= 4
-        and all(c["linear"] for c in curves.values()),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "control_plane",
+                "smoke": args.smoke,
+                "rate": args.rate,
+                "seconds": args.seconds,
+                "scales": rows,
+                "growth": curves,
+                "targets_met": top["schedule_p99_ms"] <= 200
+                and top["get_p99_ratio"] <= 2
+                and top["post_p99_ratio"] <= 4
+                and all(c["linear"] for c in curves.values()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-             num_key_value_heads=8, head_dim=128)
-SMOKE_SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)  # --smoke: the same conversions of a tiny model (2 MB)
+SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+SMOKE_SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)  # --smoke: the same conversions of a tiny model (2 MB)
 
 
 def generate(path: Path, shape: dict[str, int]) -> Path:
@@ -41,7 +55,9 @@ def generate(path: Path, shape: dict[str, int]) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    config = Qwen3Config(
+        **shape, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6
+    )
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
@@ -74,8 +90,12 @@ def convert(flags: list[str], run_dir: Path) -> dict:
     os.sync()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "engine", "convert", *flags, "--run-dir", str(run_dir)],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "convert", *flags, "--run-dir", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -93,11 +113,16 @@ def measure(name: str, src: Path, flags: list[str], work: Path, repeats: int) ->
     result = min(results, key=lambda r: r["seconds"])
     largest = result["largest_file_bytes"]
     row = {
-        "direction": name, "convert_s": result["seconds"], "convert_wall_s": result["wall_seconds"],
-        "cp_s": round(cp, 3), "time_ratio": round(result["seconds"] / cp, 3),
-        "peak_rss_mb": result["peak_rss_mb"], "largest_output_mb": round(largest / 2**20, 1),
+        "direction": name,
+        "convert_s": result["seconds"],
+        "convert_wall_s": result["wall_seconds"],
+        "cp_s": round(cp, 3),
+        "time_ratio": round(result["seconds"] / cp, 3),
+        "peak_rss_mb": result["peak_rss_mb"],
+        "largest_output_mb": round(largest / 2**20, 1),
         "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
-        "output_mb": round(result["bytes"] / 2**20, 1), "files": result["files"],
+        "output_mb": round(result["bytes"] / 2**20, 1),
+        "files": result["files"],
     }
     print(json.dumps(row), flush=True)
     return row
@@ -120,17 +145,47 @@ def main() -> None:
     hf = generate(work / "qwen3-0.6b-hf", SMOKE_SHAPE if args.smoke else SHAPE)
     mg, back = work / "mg-tp2pp2", work / "hf-back"
     rows = [
-        measure("hf->mg tp2pp2", hf, ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf),
-                                      "--save-dir", str(mg), "--target-tensor-parallel-size", "2",
-                                      "--target-pipeline-parallel-size", "2"], work, args.repeats),
-        measure("mg->hf", mg, ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg),
-                               "--save-dir", str(back)], work, args.repeats),
+        measure(
+            "hf->mg tp2pp2",
+            hf,
+            [
+                "--load-model-type",
+                "hf",
+                "--save-model-type",
+                "mg",
+                "--load-dir",
+                str(hf),
+                "--save-dir",
+                str(mg),
+                "--target-tensor-parallel-size",
+                "2",
+                "--target-pipeline-parallel-size",
+                "2",
+            ],
+            work,
+            args.repeats,
+        ),
+        measure(
+            "mg->hf",
+            mg,
+            ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg), "--save-dir", str(back)],
+            work,
+            args.repeats,
+        ),
     ]
     shutil.rmtree(mg)
     shutil.rmtree(back)
     print(json.dumps({"load_average_after": os.getloadavg()}))
-    print(json.dumps({"bench": "convert", "smoke": args.smoke, "time_ratio": max(r["time_ratio"] for r in rows),
-                      "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows)}))
+    print(
+        json.dumps(
+            {
+                "bench": "convert",
+                "smoke": args.smoke,
+                "time_ratio": max(r["time_ratio"] for r in rows),
+                "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -383,7 +383,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmjobs-faults-") as tmp:
         figures = FAULTS[args.fault](args, Path(tmp))
     print(
-        json.dumps({"bench": "faults", "smoke": args.smoke, "fault": args.fault, "runs": args.runs, **figures, "wall_s": round(time.monotonic() - started, 1)})
+        json.dumps(
+            {
+                "bench": "faults",
+                "smoke": args.smoke,
+                "fault": args.fault,
+                "runs": args.runs,
+                **figures,
+                "wall_s": round(time.monotonic() - started, 1),
+            }
+        )
     )
 
 

@@ -24,8 +24,16 @@ from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 
 PAD, STOPS = 151643, (151643, 151645)
-QUESTIONS = ["广州塔为什么也叫小蛮腰", "明天北京天气怎么样？", "播放周杰伦的歌", "turn off the kitchen lights please",
-             "给妈妈打电话", "设置一个早上七点的闹钟，别忘了", "hi", "what is the capital of France, and why?"]
+QUESTIONS = [
+    "广州塔为什么也叫小蛮腰",
+    "明天北京天气怎么样？",
+    "播放周杰伦的歌",
+    "turn off the kitchen lights please",
+    "给妈妈打电话",
+    "设置一个早上七点的闹钟，别忘了",
+    "hi",
+    "what is the capital of France, and why?",
+]
 
 
 def _tokenizer_dir() -> str:
@@ -37,8 +45,13 @@ def _prompts(batch: int) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
     out = []
     for i in range(batch):
-        msgs = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": f"请你判读用户的意图。交互历史：用户：{QUESTIONS[i % len(QUESTIONS)]}" * (1 + i % 3)}]
+        msgs = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": f"请你判读用户的意图。交互历史：用户：{QUESTIONS[i % len(QUESTIONS)]}" * (1 + i % 3),
+            },
+        ]
         out.append(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False))
     return out
 
@@ -70,6 +83,7 @@ def _run_ours(model: Qwen3Model, prompts: list[list[int]], new: int, device: tor
         gen = generate_batch(model, model.cfg, prompts, opts)
         _sync(device)
         return gen.num_generated, gen.tokens
+
     return go
 
 
@@ -77,8 +91,14 @@ def _run_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device:
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                  eos_token_id=list(STOPS), pad_token_id=PAD)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=list(STOPS),
+        pad_token_id=PAD,
+    )
 
     def go():
         with torch.inference_mode():
@@ -89,6 +109,7 @@ def _run_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device:
             cut = next((i for i, t in enumerate(row) if t in STOPS), None)
             rows.append(row if cut is None else row[:cut])
         return sum(len(r) + (len(r) < new) for r in rows), rows
+
     return go
 
 
@@ -124,15 +145,31 @@ def main() -> None:
     hf, ours = _models(args, device, dtype)
     prompts = _prompts(args.batch)
     t_ours, t_hf, (n_ours, rows_ours), (n_hf, rows_hf) = _measure(
-        _run_ours(ours, prompts, args.new_tokens, device), _run_hf(hf, prompts, args.new_tokens, device), args.reps)
+        _run_ours(ours, prompts, args.new_tokens, device), _run_hf(hf, prompts, args.new_tokens, device), args.reps
+    )
     ours_tps, hf_tps = n_ours / t_ours, n_hf / t_hf
     print(f"ours:         {n_ours} tokens in {t_ours:.3f} s = {ours_tps:.1f} tokens/s")
     print(f"transformers: {n_hf} tokens in {t_hf:.3f} s = {hf_tps:.1f} tokens/s")
-    print(json.dumps({"bench": "generate", "smoke": args.smoke, "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
-                      "tokens_per_s": round(ours_tps, 1), "transformers_tokens_per_s": round(hf_tps, 1),
-                      "same_tokens": rows_ours == rows_hf, "device": device.type, "dtype": str(dtype).split(".")[-1],
-                      "batch": args.batch, "new_tokens": args.new_tokens, "prompt_lengths": [len(p) for p in prompts],
-                      "layers": args.layers, "hidden": args.hidden, "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "bench": "generate",
+                "smoke": args.smoke,
+                "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
+                "tokens_per_s": round(ours_tps, 1),
+                "transformers_tokens_per_s": round(hf_tps, 1),
+                "same_tokens": rows_ours == rows_hf,
+                "device": device.type,
+                "dtype": str(dtype).split(".")[-1],
+                "batch": args.batch,
+                "new_tokens": args.new_tokens,
+                "prompt_lengths": [len(p) for p in prompts],
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ac", choices=["none", "selective", "full"], default="selective")
-    p.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"], default="bf16-mixed",
-                   help="bf16-mixed = fp32 master weights + bf16 autocast (Megatron --bf16); bf16 = pure bf16")
+    p.add_argument(
+        "--precision",
+        choices=["bf16-mixed", "bf16", "fp32"],
+        default="bf16-mixed",
+        help="bf16-mixed = fp32 master weights + bf16 autocast (Megatron --bf16); bf16 = pure bf16",
+    )
     p.add_argument("--chunk-size", type=int, default=4096, help="rows per cross-entropy chunk")
     p.add_argument("--smoke", action="store_true", help="CPU, qwen3-tiny, seq 64, one step: the script's code path")
     args = p.parse_args()
@@ -77,10 +81,14 @@ def build(args: argparse.Namespace, device: Device) -> tuple[Qwen3Model, torch.o
     return model, opt
 
 
-def step(model: Qwen3Model, opt: torch.optim.Optimizer, ids: torch.Tensor, args: argparse.Namespace,
-         device: Device) -> float:
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed"
-                else contextlib.nullcontext())
+def step(
+    model: Qwen3Model, opt: torch.optim.Optimizer, ids: torch.Tensor, args: argparse.Namespace, device: Device
+) -> float:
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if args.precision == "bf16-mixed"
+        else contextlib.nullcontext()
+    )
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     with autocast:
@@ -114,15 +122,30 @@ def main() -> None:
     tokens_per_s = args.mbs * args.seq * args.steps / seconds
     tflops = flops_per_token(cfg, args.seq) * tokens_per_s / 1e12
     peak = device.peak_tflops()
-    print(json.dumps({
-        "bench": "gpu_mfu", "smoke": args.smoke, "device": device.name(), "preset": args.preset, "params": cfg.num_params(),
-        "seq": args.seq, "mbs": args.mbs, "steps": args.steps, "ac": args.ac, "precision": args.precision,
-        "step_s": round(seconds / args.steps, 4), "tokens_per_s_per_device": round(tokens_per_s, 1),
-        "tflops_per_device": round(tflops, 2), "peak_tflops": peak,
-        "mfu": round(tflops / peak, 4) if peak else None,
-        "flops_per_token": flops_per_token(cfg, args.seq), "loss_last": round(losses[-1], 4),
-        **{k: round(v, 1) for k, v in device.memory_stats().items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_mfu",
+                "smoke": args.smoke,
+                "device": device.name(),
+                "preset": args.preset,
+                "params": cfg.num_params(),
+                "seq": args.seq,
+                "mbs": args.mbs,
+                "steps": args.steps,
+                "ac": args.ac,
+                "precision": args.precision,
+                "step_s": round(seconds / args.steps, 4),
+                "tokens_per_s_per_device": round(tokens_per_s, 1),
+                "tflops_per_device": round(tflops, 2),
+                "peak_tflops": peak,
+                "mfu": round(tflops / peak, 4) if peak else None,
+                "flops_per_token": flops_per_token(cfg, args.seq),
+                "loss_last": round(losses[-1], 4),
+                **{k: round(v, 1) for k, v in device.memory_stats().items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,10 @@ def main() -> None:
                     "one_process_ms": round(1000 * statistics.median(s[2] for s in ref[1:]), 1),
                     "max_rel_loss_diff": max(abs(p[0] - r[0]) / abs(r[0]) for p, r in zip(par, ref)),
                 }
-                print(f"{name:16s} {nproc} procs  step {report[name]['step_ms']:8.1f} ms   one process "
-                      f"{report[name]['one_process_ms']:8.1f} ms   loss rel diff {report[name]['max_rel_loss_diff']:.1e}")
+                print(
+                    f"{name:16s} {nproc} procs  step {report[name]['step_ms']:8.1f} ms   one process "
+                    f"{report[name]['one_process_ms']:8.1f} ms   loss rel diff {report[name]['max_rel_loss_diff']:.1e}"
+                )
     print(json.dumps({"bench": "parallel_layouts", "smoke": args.smoke, "layouts": report}))
 
 

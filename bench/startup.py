@@ -102,10 +102,25 @@ def write_data(prefix: Path, seq: int, vocab: int, n: int = 16) -> str:
 
 def lora_spec(ckpt: Path, data: str, save: Path, seq: int) -> dict[str, Any]:
     return {
-        "kind": "train", "load": str(ckpt), "data_path": [data], "split": "100,0,0", "train_iters": 1, "lr": 1e-4,
-        "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 2, "pipeline_model_parallel_size": 2,
-        "bf16": True, "use_distributed_optimizer": True, "lora_r": 16, "lora_alpha": 32, "finetune": True,
-        "eval_iters": 0, "log_interval": 1, "save": str(save), "seed": 1,
+        "kind": "train",
+        "load": str(ckpt),
+        "data_path": [data],
+        "split": "100,0,0",
+        "train_iters": 1,
+        "lr": 1e-4,
+        "seq_length": seq,
+        "micro_batch_size": 1,
+        "global_batch_size": 2,
+        "pipeline_model_parallel_size": 2,
+        "bf16": True,
+        "use_distributed_optimizer": True,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "finetune": True,
+        "eval_iters": 0,
+        "log_interval": 1,
+        "save": str(save),
+        "seed": 1,
         "resources": {"device_type": "cpu", "nnodes": 1, "nproc_per_node": 2},
     }
 
@@ -116,8 +131,18 @@ def run(spec: dict[str, Any], run_dir: Path, built_only: bool) -> tuple[list[dic
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "engine.train.measure", str(run_dir / "spec.json"), str(run_dir), *(["built"] if built_only else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "engine.train.measure",
+        str(run_dir / "spec.json"),
+        str(run_dir),
+        *(["built"] if built_only else []),
+    ]
     started = time.time()
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     total = time.time() - started
@@ -151,20 +176,35 @@ def main() -> None:
     rows = []
     for r, (m, shard) in enumerate(zip(ranks, shards)):
         reads = m["rchar"]
-        row = {"rank": r, "shard_mib": round(shard / MIB, 1), "fixed_rss_mib": round(m["baseline_bytes"] / MIB, 1),
-               "peak_rss_mib": round(m["peak_bytes"] / MIB, 1), "growth_mib": round(m["growth_bytes"] / MIB, 1),
-               "startup_rss_ratio": round(m["growth_bytes"] / shard, 3), "rchar_mib": round(reads / MIB, 1),
-               "read_bytes_mib": round(m["read_bytes"] / MIB, 1), "read_ratio": round(reads / shard, 3)}
+        row = {
+            "rank": r,
+            "shard_mib": round(shard / MIB, 1),
+            "fixed_rss_mib": round(m["baseline_bytes"] / MIB, 1),
+            "peak_rss_mib": round(m["peak_bytes"] / MIB, 1),
+            "growth_mib": round(m["growth_bytes"] / MIB, 1),
+            "startup_rss_ratio": round(m["growth_bytes"] / shard, 3),
+            "rchar_mib": round(reads / MIB, 1),
+            "read_bytes_mib": round(m["read_bytes"] / MIB, 1),
+            "read_ratio": round(reads / shard, 3),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(json.dumps({
-        "bench": "startup", "smoke": args.smoke, "layers": args.layers, "seq": args.seq,
-        "startup_rss_ratio": max(r["startup_rss_ratio"] for r in rows),
-        "read_ratio": max(r["read_ratio"] for r in rows),
-        "fixed_rss_mib": max(r["fixed_rss_mib"] for r in rows),
-        ("loaded_s" if args.built_only else "first_iteration_s"): round(first_s, 1), "total_s": round(total_s, 1),
-        "targets": {"startup_rss_ratio": 1.3, "read_ratio": 1.1},
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "startup",
+                "smoke": args.smoke,
+                "layers": args.layers,
+                "seq": args.seq,
+                "startup_rss_ratio": max(r["startup_rss_ratio"] for r in rows),
+                "read_ratio": max(r["read_ratio"] for r in rows),
+                "fixed_rss_mib": max(r["fixed_rss_mib"] for r in rows),
+                ("loaded_s" if args.built_only else "first_iteration_s"): round(first_s, 1),
+                "total_s": round(total_s, 1),
+                "targets": {"startup_rss_ratio": 1.3, "read_ratio": 1.1},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

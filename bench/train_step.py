@@ -36,15 +36,51 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SEQ_LENGTH = 800
-SHAPE = dict(num_layers=8, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8, num_query_groups=4,
-             kv_channels=64, vocab_size=151936, tie_word_embeddings=True)
-SMOKE_SHAPE = {**SHAPE, "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-               "num_query_groups": 2, "kv_channels": 16}  # --smoke: the real vocabulary (the samples' token ids)
-INTENTS = ["闲聊百科_知识查询", "天气_查询天气", "音乐_播放音乐", "导航_路线规划", "设备控制_打开空调", "闹钟_设置闹钟",
-           "视频_播放电视剧", "购物_查询订单", "翻译_中英翻译", "日程_添加提醒"]
-UTTERANCES = ["广州塔为什么也叫小蛮腰", "明天北京会下雨吗", "放一首周杰伦的歌", "去机场怎么走最快", "把客厅的空调打开",
-              "明早七点叫我起床", "我想看最新的那部电视剧", "我上周买的耳机到哪了", "帮我把这句话翻译成英文",
-              "下午三点提醒我开会", "今天心情不太好", "附近有什么好吃的"]
+SHAPE = dict(
+    num_layers=8,
+    hidden_size=512,
+    ffn_hidden_size=1536,
+    num_attention_heads=8,
+    num_query_groups=4,
+    kv_channels=64,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+SMOKE_SHAPE = {
+    **SHAPE,
+    "num_layers": 1,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+}  # --smoke: the real vocabulary (the samples' token ids)
+INTENTS = [
+    "闲聊百科_知识查询",
+    "天气_查询天气",
+    "音乐_播放音乐",
+    "导航_路线规划",
+    "设备控制_打开空调",
+    "闹钟_设置闹钟",
+    "视频_播放电视剧",
+    "购物_查询订单",
+    "翻译_中英翻译",
+    "日程_添加提醒",
+]
+UTTERANCES = [
+    "广州塔为什么也叫小蛮腰",
+    "明天北京会下雨吗",
+    "放一首周杰伦的歌",
+    "去机场怎么走最快",
+    "把客厅的空调打开",
+    "明早七点叫我起床",
+    "我想看最新的那部电视剧",
+    "我上周买的耳机到哪了",
+    "帮我把这句话翻译成英文",
+    "下午三点提醒我开会",
+    "今天心情不太好",
+    "附近有什么好吃的",
+]
 
 
 def _rss_mb() -> float:
@@ -69,11 +105,17 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     for _ in range(n):
         history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, 12)))
         skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
-        user = (f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
-                "用户最后一句话所属的技能和意图是：")
-        conversations.append([{"role": "system", "content": "You are a helpful assistant."},
-                              {"role": "user", "content": user},
-                              {"role": "assistant", "content": rng.choice(INTENTS)}])
+        user = (
+            f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
+            "用户最后一句话所属的技能和意图是："
+        )
+        conversations.append(
+            [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": rng.choice(INTENTS)},
+            ]
+        )
     encoded = encode_conversations(tok, conversations, "qwen3", "true")
     return [(ids[:SEQ_LENGTH].tolist(), labels[:SEQ_LENGTH].tolist()) for ids, labels in encoded]
 
@@ -105,8 +147,16 @@ class OursSide:
         self.model.init_weights(seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
         self.scheduler = Scheduler(self.optimizer, LRSchedule(1e-4, 1e-4, "constant", 10**6))
-        self.scaler = LossScaler(argparse.Namespace(fp16=False, loss_scale=None, initial_loss_scale=1.0,
-                                                    min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2))
+        self.scaler = LossScaler(
+            argparse.Namespace(
+                fp16=False,
+                loss_scale=None,
+                initial_loss_scale=1.0,
+                min_loss_scale=1.0,
+                loss_scale_window=1000,
+                hysteresis=2,
+            )
+        )
         self.state = TrainState()
         self.runner = ModuleRunner(self.model, torch.device("cpu"), None, lm_loss(False, chunk_size=1024))
 
@@ -116,10 +166,20 @@ class OursSide:
         from engine.train.batches import Sample, pack
         from engine.train.loop import train_step
 
-        batches = [pack([Sample(np.asarray(i), np.asarray(lab)) for i, lab in chunk[m:m + mbs]], SEQ_LENGTH)
-                   for m in range(0, len(chunk), mbs)]
-        rec = train_step(self.runner, self.optimizer, self.scheduler, self.scaler, batches, self.state,
-                         global_batch_size=len(chunk), clip_grad=1.0)
+        batches = [
+            pack([Sample(np.asarray(i), np.asarray(lab)) for i, lab in chunk[m : m + mbs]], SEQ_LENGTH)
+            for m in range(0, len(chunk), mbs)
+        ]
+        rec = train_step(
+            self.runner,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            batches,
+            self.state,
+            global_batch_size=len(chunk),
+            clip_grad=1.0,
+        )
         return float(rec.loss_sum / rec.counts[0])
 
 
@@ -152,7 +212,7 @@ class HFSide:
         items = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in chunk)  # labelled tokens after the shift
         total = 0.0
         for m in range(0, len(chunk), mbs):
-            part = chunk[m:m + mbs]
+            part = chunk[m : m + mbs]
             width = max(len(i) for i, _ in part)
             ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in part])
             labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in part])
@@ -196,9 +256,13 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
-                             "wait for its slowest thread (many small ops suffer more than a few large GEMMs)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
+        "wait for its slowest thread (many small ops suffer more than a few large GEMMs)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, batch 2, one timed step")
     args = parser.parse_args()
     if args.smoke:
@@ -208,28 +272,55 @@ def main() -> None:
     warmup, timed = samples[:gbs], samples[gbs:]
     lengths = sorted(len(i) for i, _ in samples)
     tokens = sum(len(i) for i, _ in timed)
-    print(json.dumps({"samples": len(samples), "min_len": lengths[0], "median_len": lengths[len(lengths) // 2],
-                      "max_len": lengths[-1], "tokens_per_step": tokens,
-                      "labelled_per_sample": sum(sum(t != -100 for t in lab) for _, lab in samples) / len(samples)}))
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "min_len": lengths[0],
+                "median_len": lengths[len(lengths) // 2],
+                "max_len": lengths[-1],
+                "tokens_per_step": tokens,
+                "labelled_per_sample": sum(sum(t != -100 for t in lab) for _, lab in samples) / len(samples),
+            }
+        )
+    )
     ctx = multiprocessing.get_context("spawn")
     results = {}
     for side in SIDES:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            results[side] = pool.submit(measure, side, [warmup] + [timed] * args.repeats, mbs, args.seed,
-                                        args.threads, SMOKE_SHAPE if args.smoke else SHAPE).result()
+            results[side] = pool.submit(
+                measure,
+                side,
+                [warmup] + [timed] * args.repeats,
+                mbs,
+                args.seed,
+                args.threads,
+                SMOKE_SHAPE if args.smoke else SHAPE,
+            ).result()
         print(json.dumps(results[side]))
     # The fastest repeat of the same batch: on a shared machine the minimum is the least disturbed measurement.
     tps = {side: tokens / min(r["step_s"]) for side, r in results.items()}
     peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
-    print(json.dumps({
-        "bench": "train_step", "smoke": args.smoke,
-        "tokens_per_s_ratio": round(tps["ours"] / tps["hf"], 3),
-        "peak_mem_ratio": round(peaks["ours"] / peaks["hf"], 3),
-        "ours_tokens_per_s": round(tps["ours"], 1), "hf_tokens_per_s": round(tps["hf"], 1),
-        "ours_peak_mem_mb": round(peaks["ours"], 1), "hf_peak_mem_mb": round(peaks["hf"], 1),
-        "first_loss_ours": round(results["ours"]["losses"][0], 5), "first_loss_hf": round(results["hf"]["losses"][0], 5),
-        "micro_batch_size": mbs, "global_batch_size": gbs, "repeats": args.repeats, "threads": args.threads,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "train_step",
+                "smoke": args.smoke,
+                "tokens_per_s_ratio": round(tps["ours"] / tps["hf"], 3),
+                "peak_mem_ratio": round(peaks["ours"] / peaks["hf"], 3),
+                "ours_tokens_per_s": round(tps["ours"], 1),
+                "hf_tokens_per_s": round(tps["hf"], 1),
+                "ours_peak_mem_mb": round(peaks["ours"], 1),
+                "hf_peak_mem_mb": round(peaks["hf"], 1),
+                "first_loss_ours": round(results["ours"]["losses"][0], 5),
+                "first_loss_hf": round(results["hf"]["losses"][0], 5),
+                "micro_batch_size": mbs,
+                "global_batch_size": gbs,
+                "repeats": args.repeats,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ service and the engine refuse the same layout with the same words.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from engine.contract.model_config import ModelConfig
 
 _WORLD = "resources.nnodes × resources.nproc_per_node"
+
+CpAlgo = Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"]
 
 
 class LayoutError(ValueError):
@@ -42,10 +44,30 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    cp_algo: CpAlgo = "ulysses_cp_algo"
+    ulysses_degree_in_cp: int | None = None  # hybrid_cp_algo only: the Ulysses ranks inside each ring member
 
     def __post_init__(self) -> None:
         if min(self.dp, self.pp, self.tp, self.ep, self.cp) < 1:
             raise ValueError(f"parallel sizes must be >= 1: {self}")
+        if self.cp > 1 and self.cp % self.ulysses_degree:
+            raise LayoutError(
+                "ulysses_degree_in_cp", f"{self.ulysses_degree} does not divide context_parallel_size {self.cp}"
+            )
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks of a sequence that swap tokens for heads (all of CP for Ulysses, none for the ring)."""
+        if self.cp_algo == "megatron_cp_algo":
+            return 1
+        if self.cp_algo == "hybrid_cp_algo":
+            return self.ulysses_degree_in_cp or 1
+        return self.cp
+
+    @property
+    def ring_degree(self) -> int:
+        """Ranks of a sequence that pass K/V blocks round a ring."""
+        return self.cp // self.ulysses_degree
         if self.dp % self.ep:
             raise LayoutError(
                 "expert_model_parallel_size", f"EP {self.ep} must divide the data-parallel size {self.dp}"
@@ -56,7 +78,16 @@ class ParallelDims:
         return self.dp * self.cp * self.pp * self.tp
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelDims:
+    def from_world(
+        cls,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        cp: int = 1,
+        cp_algo: CpAlgo = "ulysses_cp_algo",
+        ulysses_degree_in_cp: int | None = None,
+    ) -> ParallelDims:
         """The dims of ``world_size`` ranks; LayoutError when TP × PP (× CP) or EP do not fit."""
         if world_size % (tp * pp * cp):
             field, cp_part = (
@@ -71,7 +102,7 @@ class ParallelDims:
                 "expert_model_parallel_size",
                 f"EP {ep} must divide the data-parallel size {dp} (world size / (TP {tp} × PP {pp}{' × CP ' + str(cp) if cp > 1 else ''}))",
             )
-        return cls(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp)
+        return cls(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, cp_algo=cp_algo, ulysses_degree_in_cp=ulysses_degree_in_cp)
 
     def coords(self, rank: int) -> Coords:
         """Rank → coordinates, row-major over (dp, cp, pp, tp) as ``engine.parallel.mesh`` lays the mesh out:
@@ -122,7 +153,7 @@ def check(
     """
     shape = Shape.of(model) if isinstance(model, ModelConfig) else model
     _check_tp(shape, dims.tp)
-    _check_cp(shape, dims.tp, dims.cp)
+    _check_cp(shape, dims)
     _check_pp(shape, dims.pp, num_layer_list, vpp_layers)
     _check_ep(shape, dims.ep)
 
@@ -140,18 +171,25 @@ def _check_tp(shape: Shape, tp: int) -> None:
             raise LayoutError("tensor_model_parallel_size", f"TP {tp} does not divide the model's {value} {what}")
 
 
-def _check_cp(shape: Shape, tp: int, cp: int) -> None:
-    """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP × CP
-    ranks of a sequence must get whole heads and whole KV groups. MoE models are not run under CP yet: refused here,
-    where the shape is known whether it comes from flags, from a checkpoint at submission or from the loaded model."""
-    if cp == 1:
+def _check_cp(shape: Shape, dims: ParallelDims) -> None:
+    """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP ×
+    Ulysses ranks of a sequence must get whole heads and whole KV groups (the ring passes whole K/V blocks and needs
+    nothing of the heads). MoE models are not run under CP yet: refused here, where the shape is known whether it
+    comes from flags, from a checkpoint at submission or from the loaded model."""
+    if dims.cp == 1:
         return
     if shape.num_experts:
         raise LayoutError("context_parallel_size", "not supported for an MoE model (num_experts) yet; set it to 1")
+    tp, ulysses = dims.tp, dims.ulysses_degree
+    field, what_u = (
+        ("ulysses_degree_in_cp", "Ulysses degree")
+        if dims.cp_algo == "hybrid_cp_algo"
+        else ("context_parallel_size", "CP")
+    )
     for value, what in ((shape.num_attention_heads, "heads"), (shape.num_query_groups, "KV groups")):
-        if value is not None and value % (tp * cp):
+        if ulysses > 1 and value is not None and value % (tp * ulysses):
             raise LayoutError(
-                "context_parallel_size", f"TP {tp} × CP {cp} does not divide the model's {value} {what} (Ulysses)"
+                field, f"TP {tp} × {what_u} {ulysses} does not divide the model's {value} {what} (Ulysses)"
             )
 
 

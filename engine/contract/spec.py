@@ -502,7 +502,9 @@ class ParallelArgs(_Strict):
             tp=self.tensor_model_parallel_size,
             pp=self.pipeline_model_parallel_size,
             ep=self.expert_model_parallel_size,
-            cp=getattr(self, "context_parallel_size", 1),  # a train spec's own field
+            cp=getattr(self, "context_parallel_size", 1),  # a train spec's own fields
+            cp_algo=getattr(self, "context_parallel_algo", "ulysses_cp_algo"),
+            ulysses_degree_in_cp=getattr(self, "ulysses_degree_in_cp", None),
         )
 
     @property
@@ -801,10 +803,23 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         "TP); each rank holds seq_length / CP tokens of every layer's activations. Ulysses: heads and KV groups must "
         "divide by TP × CP.",
     )
-    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"] = Field(
+    context_parallel_algo: layout.CpAlgo = Field(
         "ulysses_cp_algo",
-        description="--context-parallel-algo: ulysses_cp_algo (all-to-all of heads around attention) is the one "
-        "implemented; megatron_cp_algo (ring) and hybrid_cp_algo are refused for now.",
+        description="--context-parallel-algo: ulysses_cp_algo (all-to-all of heads around attention; heads and KV "
+        "groups divide by TP × CP), megatron_cp_algo (ring attention: K/V blocks passed round the CP ranks, causal "
+        "load balance by head/tail chunks; any head count) or hybrid_cp_algo (Ulysses inside groups of "
+        "ulysses_degree_in_cp ranks, a ring across them).",
+    )
+    ulysses_degree_in_cp: int | None = Field(
+        None,
+        ge=2,
+        description="--ulysses-degree-in-cp: hybrid_cp_algo only; the Ulysses ranks inside each ring member (divides "
+        "context_parallel_size, below it; heads and KV groups divide by TP × this).",
+    )
+    use_cp_send_recv_overlap: bool = Field(
+        True,
+        description="--use-cp-send-recv-overlap: the ring sends the next K/V block while it computes the current one "
+        "(false: each transfer completes before the block's compute).",
     )
     cp_attention_mask_type: Literal["causal", "general"] = Field(
         "causal",
@@ -922,11 +937,16 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     @model_validator(mode="after")
     def _check_context_parallel(self) -> TrainSpec:
         """What context parallelism composes with so far; the rest is refused by name rather than run wrongly."""
-        cp = self.context_parallel_size
-        if self.context_parallel_algo != "ulysses_cp_algo" and cp > 1:
-            raise ValueError(
-                f"context_parallel_algo: {self.context_parallel_algo} is not implemented; use ulysses_cp_algo"
-            )
+        cp, hybrid = self.context_parallel_size, self.context_parallel_algo == "hybrid_cp_algo"
+        if self.ulysses_degree_in_cp is not None and not hybrid:
+            raise ValueError("ulysses_degree_in_cp: applies to context_parallel_algo hybrid_cp_algo only")
+        if hybrid and cp > 1:
+            u = self.ulysses_degree_in_cp
+            if u is None or u >= cp or cp % u:
+                raise ValueError(
+                    f"ulysses_degree_in_cp: hybrid_cp_algo needs a Ulysses degree that divides context_parallel_size "
+                    f"{cp} and is below it (got {u})"
+                )
         if self.cp_attention_mask_type != "causal":
             raise ValueError("cp_attention_mask_type: only causal is supported")
         if cp == 1:

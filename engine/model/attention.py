@@ -32,6 +32,8 @@ class AttentionPlan:
     cu_seqlens: torch.Tensor | None = None  # (n_docs + 1,) int32 over the flattened B*T tokens, varlen kernels only
     max_seqlen: int = 0
     seq_ends: list[int] | None = None  # cu_seqlens[1:] on the host (NPU kernel argument), read once per batch
+    # (B, T) packed-sample index of every token: ring context parallelism masks each K/V block from it (no T × T)
+    runs: torch.Tensor | None = None
 
 
 def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -79,10 +81,17 @@ def plan_attention(
     segment_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     batch: int = 1,
+    runs_only: bool = False,
 ) -> AttentionPlan:
-    """Choose kernel and masks once per forward."""
+    """Choose kernel and masks once per forward; ``runs_only`` (ring context parallelism, causal training rows):
+    no mask and no kernel, only the packed samples' run index."""
     if segment_ids is not None and (attention_mask is not None or past_len):
         raise ValueError("segment_ids: packed batches cannot be combined with attention_mask or a KV cache")
+    if runs_only:
+        if attention_mask is not None or past_len:
+            raise ValueError("attention_mask: ring context parallelism takes causal training rows only")
+        runs = None if segment_ids is None else segment_starts(segment_ids).cumsum(dim=1)
+        return AttentionPlan(is_causal=runs is None, runs=runs)
     if (
         segment_ids is None
         and attention_mask is None
@@ -117,7 +126,7 @@ def plan_attention(
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """q (B, nh, T, d), k/v (B, nkv, T_kv, d) -> (B, T, nh, d). GQA: query head h uses kv head h // (nh/nkv)."""
     if plan.kernel != "sdpa" or not q.dtype == k.dtype == v.dtype:
-        q, k, v = _kernel_inputs(q, k, v)
+        q, k, v = attention_inputs(q, k, v)
     if plan.kernel != "sdpa":
         return _VARLEN[plan.kernel](q, k, v, plan)
     gqa = k.shape[1] != q.shape[1]
@@ -139,8 +148,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     return out.transpose(1, 2)
 
 
-def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One dtype for the attention kernels. Under autocast q/k leave the fp32-weighted q/k RMSNorm in fp32 while v
+def attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One dtype for the attention kernels (and the ring's blocks). Under autocast q/k leave the fp32-weighted q/k RMSNorm in fp32 while v
     is bf16; the varlen kernels need one dtype, and casting here does not rely on SDPA being on autocast's list."""
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else v.dtype

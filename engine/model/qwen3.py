@@ -151,6 +151,7 @@ class Qwen3Model(nn.Module):
         self.cfg = cfg
         self.embedding: Embedding | None = Embedding(cfg) if embedding else None
         self.context_parallel = 1  # ranks a sequence is split over (engine.parallel.context_parallel)
+        self.ring_attention = False  # a ring among them: attention is planned by sample runs, not by a mask
         self.decoder = Decoder(cfg, layers, final_norm=head)
         self.output_layer: nn.Linear | None = (
             None if cfg.tie_word_embeddings or not head else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -193,7 +194,15 @@ class Qwen3Model(nn.Module):
             position_ids = default_position_ids(b, t, past, attention_mask, h.device)
         rope = rope_cos_sin(position_ids, self.cfg, h.dtype)
         # under context parallelism h holds 1/CP of the tokens; attention sees them all (segment_ids are whole)
-        plan = plan_attention(h.device, t * self.context_parallel, past, segment_ids, attention_mask, batch=b)
+        plan = plan_attention(
+            h.device,
+            t * self.context_parallel,
+            past,
+            segment_ids,
+            attention_mask,
+            batch=b,
+            runs_only=self.ring_attention,
+        )
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))
         if self.decoder.final_layernorm is None:

@@ -1,25 +1,35 @@
-"""Context parallelism, Ulysses style (DeepSpeed-Ulysses; MindSpeed's ``ulysses_cp_algo``): each of the CP ranks of
-a sequence holds ``T / CP`` of its tokens through every layer, and around attention an all-to-all swaps that for
-all ``T`` tokens of ``1 / CP`` of the heads (KV groups split the same way, so each rank's query heads keep their own
-groups), then back. Everything else in a layer is per token, so it runs on the local slice unchanged.
+"""Context parallelism: the CP ranks of a sequence each hold ``T / CP`` of its tokens through every layer; only
+attention needs the others'. Three ways, MindSpeed's ``context_parallel_algo``:
 
+- ``ulysses_cp_algo`` (DeepSpeed-Ulysses): around attention an all-to-all swaps the rank's tokens of every head for
+  all ``T`` tokens of ``1 / CP`` of the heads (KV groups split the same way, so each rank's query heads keep their own
+  groups), then back. Contiguous token slices.
+- ``megatron_cp_algo`` (ring, ``engine.parallel.ring_attention``): queries stay, K/V blocks go round the ranks.
+  Head/tail chunks for the causal load balance.
+- ``hybrid_cp_algo``: Ulysses inside groups of ``ulysses_degree_in_cp`` neighbouring ranks, a ring across the groups:
+  each group holds one ring member's head/tail tokens, split contiguously among its Ulysses ranks.
+
+``shard_index`` is which tokens a CP rank holds (``engine.train.batches.context_shard`` cuts the batch by it).
 Applied from outside, like the TP plan: each layer's ``self_attention.attend`` (``engine.model.attention.
-core_attention``) is wrapped, and the model plans its attention mask for ``CP × local`` tokens (the batch carries the
-full ``segment_ids``; ``engine.train.batches.context_shard`` cuts the rest). The all-to-alls are
-``torch.distributed.nn.functional.all_to_all_single`` (differentiable; gloo has it).
+core_attention``) is wrapped, and the model plans its attention for ``CP × local`` tokens (the batch carries the
+full ``segment_ids``). The all-to-alls are ``torch.distributed.nn.functional.all_to_all_single`` (differentiable;
+gloo has it).
 """
 
 from __future__ import annotations
 
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 
-from engine.model.attention import AttentionPlan, core_attention
+from engine.contract.layout import CpAlgo
+from engine.model.attention import AttentionPlan, attention_inputs, core_attention
+from engine.parallel.ring_attention import Ring, ring_attention, token_index
 
 
 def _to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
@@ -38,6 +48,20 @@ def _to_tokens(out: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t // cp, cp * hh, d)
 
 
+def shard_index(width: int, ring: int, ulysses: int, rank: int) -> np.ndarray:
+    """Positions of a row of ``width`` tokens (a multiple of ``2 × CP`` with a ring, of CP without) that CP rank
+    ``rank`` holds, CP = ring × ulysses with the Ulysses ranks of a ring member neighbours."""
+    member, part = divmod(rank, ulysses)
+    tokens = token_index(width, ring, member) if ring > 1 else np.arange(width)
+    n = len(tokens) // ulysses
+    return tokens[part * n : (part + 1) * n]
+
+
+def shard_multiple(ring: int, ulysses: int) -> int:
+    """What a row's width is padded to a multiple of, so that every CP rank gets the same number of tokens."""
+    return 2 * ring * ulysses if ring > 1 else ulysses
+
+
 class UlyssesAttention:
     """``core_attention`` over the whole sequence for a ``1 / CP`` share of the heads (see the module docstring)."""
 
@@ -49,14 +73,37 @@ class UlyssesAttention:
         return _to_tokens(core_attention(q, k, v, plan), self.group, self.cp)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
-    """Wrap every layer's attention of ``model`` (a ``Qwen3Model``) for Ulysses over ``cp_mesh``; in place."""
+class RingAttention:
+    """Ring attention over ``mesh``; with ``ulysses`` (hybrid) each ring member is that group's all-to-all of heads."""
+
+    def __init__(self, mesh: DeviceMesh, overlap: bool, ulysses: DeviceMesh | None = None) -> None:
+        self.ring = Ring(mesh.get_group(), mesh.size(), mesh.get_local_rank(), overlap)
+        self.ulysses = None if ulysses is None else (ulysses.get_group(), ulysses.size())
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        if self.ulysses is not None:
+            q, k, v = (_to_heads(x, *self.ulysses) for x in (q, k, v))
+        q, k, v = attention_inputs(q, k, v)  # one dtype: what the ring saves is bf16 under bf16 autocast
+        out = ring_attention(q, k, v, self.ring, plan.runs).transpose(1, 2)  # (B, T, heads, d)
+        return out if self.ulysses is None else _to_tokens(out, *self.ulysses)
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, overlap: bool = True) -> nn.Module:
+    """Wrap every layer's attention of ``model`` (a ``Qwen3Model``) for ``algo`` over ``mesh``'s CP dimensions
+    (``cp``; ``cp_ring`` × ``cp_ulysses`` for hybrid, as ``engine.parallel.mesh.build_mesh`` names them); in place."""
     from engine.model.qwen3 import Qwen3Model, SelfAttention
 
     qwen = cast(Qwen3Model, model)
-    attend = UlyssesAttention(cp_mesh)
+    attend: UlyssesAttention | RingAttention
+    if algo == "ulysses_cp_algo":
+        attend = UlyssesAttention(mesh["cp"])
+    elif algo == "megatron_cp_algo":
+        attend = RingAttention(mesh["cp"], overlap)
+    else:
+        attend = RingAttention(mesh["cp_ring"], overlap, mesh["cp_ulysses"])
     for module in qwen.modules():
         if isinstance(module, SelfAttention):
             module.attend = attend
-    qwen.context_parallel = cp_mesh.size()
+    qwen.context_parallel = mesh["cp"].size()
+    qwen.ring_attention = algo != "ulysses_cp_algo"
     return model

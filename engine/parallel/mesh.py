@@ -1,4 +1,5 @@
-"""The dp × (cp ×) pp × tp DeviceMesh every parallelism step is applied over.
+"""The dp × (cp ×) pp × tp DeviceMesh every parallelism step is applied over (hybrid context parallelism splits cp
+into cp_ring × cp_ulysses and flattens them back into cp).
 
 Row-major over (dp, cp, pp, tp): tp varies fastest, so neighbouring ranks share a TP group and TP stays inside a node.
 Dimension names ``dp``, ``pp``, ``tp`` (and ``cp`` with context parallelism, plus ``dp_cp``: the DP × CP ranks, which
@@ -32,9 +33,16 @@ def build_mesh(device: Device, dims: ParallelDims) -> DeviceMesh:
         raise ValueError(f"parallel dims {dims} need {dims.world_size} ranks, the job has {world}")
     if dims.cp == 1:
         return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=("dp", "pp", "tp"))
-    shape, names = (dims.dp, dims.cp, dims.pp, dims.tp), ("dp", "cp", "pp", "tp")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's name and way for the gradient-reduction mesh
+    if dims.cp_algo != "hybrid_cp_algo":
+        shape, names = (dims.dp, dims.cp, dims.pp, dims.tp), ("dp", "cp", "pp", "tp")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's name and way for the gradient-reduction mesh
+        return mesh
+    # hybrid: CP = ring × Ulysses, the Ulysses ranks of a ring member neighbours (the all-to-all is the busier link)
+    hybrid = (dims.dp, dims.ring_degree, dims.ulysses_degree, dims.pp, dims.tp)
+    mesh = init_device_mesh(device.type, hybrid, mesh_dim_names=("dp", "cp_ring", "cp_ulysses", "pp", "tp"))
+    mesh["cp_ring", "cp_ulysses"]._flatten("cp")
+    mesh["dp", "cp_ring", "cp_ulysses"]._flatten("dp_cp")
     return mesh
 
 

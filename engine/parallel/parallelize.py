@@ -37,8 +37,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Modul
     apply_param_dtypes(model, dtypes)  # fp32 main weights; a frozen (LoRA) base stored once in the compute dtype
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
-    if (cp := context_mesh(mesh)) is not None:
-        apply_context_parallel(model, cp)
+    if context_mesh(mesh) is not None:
+        apply_context_parallel(model, mesh, spec.context_parallel_algo, spec.use_cp_send_recv_overlap)
     ep = int(getattr(spec, "expert_model_parallel_size", 1))
     edp_mesh = None
     if ep > 1:

@@ -20,6 +20,7 @@ import torch
 
 from engine.contract.constants import IGNORE_INDEX, PAD_ID
 from engine.contract.lengths import padded_width
+from engine.parallel.context_parallel import shard_index, shard_multiple
 
 
 @dataclasses.dataclass
@@ -138,14 +139,15 @@ def collate(samples: Sequence[Sample], seq_length: int, padding_free: bool, vari
     return pack(samples, seq_length) if padding_free else pad(samples, seq_length, variable_seq_lengths)
 
 
-def context_shard(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
-    """This context-parallel rank's share of ``mb``: tokens ``[rank·T/CP, (rank+1)·T/CP)`` of every row (rows padded
-    at the end to a multiple of CP: pad tokens, no label, positions continuing, the row's last segment), with its
-    labels and loss positions; ``segment_ids`` stay whole, since attention sees every token
-    (``engine.parallel.context_parallel``). The real-token lengths stay on CP rank 0 only, so sums over the
-    DP × CP ranks count each sample once."""
+def context_shard(mb: MicroBatch, ring: int, ulysses: int, rank: int) -> MicroBatch:
+    """This context-parallel rank's share of ``mb`` (CP = ring × ulysses): the tokens
+    ``engine.parallel.context_parallel.shard_index`` gives it of every row (rows padded at the end to an equal share
+    per rank: pad tokens, no label, positions continuing, the row's last segment), with their labels, positions and
+    loss positions; ``segment_ids`` stay whole, since attention sees every token. The real-token lengths stay on CP
+    rank 0 only, so sums over the DP × CP ranks count each sample once."""
     t = mb.input_ids.shape[1]
-    width = -(-t // cp) * cp
+    multiple = shard_multiple(ring, ulysses)
+    width = -(-t // multiple) * multiple
     extra = width - t
     ids = np.pad(mb.input_ids.numpy(), ((0, 0), (0, extra)), constant_values=PAD_ID)
     labels = np.pad(mb.labels.numpy(), ((0, 0), (0, extra)), constant_values=IGNORE_INDEX)
@@ -155,8 +157,6 @@ def context_shard(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
     if mb.segment_ids is not None:
         s = mb.segment_ids.numpy()
         seg = torch.from_numpy(np.concatenate([s, np.repeat(s[:, -1:], extra, axis=1)], axis=1))
-    part = slice(rank * width // cp, (rank + 1) * width // cp)
-    local = _finish(
-        ids[:, part].copy(), pos[:, part].copy(), None, labels[:, part].copy(), mb.seq_lens if rank == 0 else []
-    )
+    part = shard_index(width, ring, ulysses, rank)
+    local = _finish(ids[:, part], pos[:, part], None, labels[:, part], mb.seq_lens if rank == 0 else [])
     return dataclasses.replace(local, segment_ids=seg, pairs=mb.pairs, ref_logps=mb.ref_logps)

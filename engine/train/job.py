@@ -121,7 +121,9 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, ep = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size
     try:
-        dims = ParallelDims.from_world(world, tp, pp, ep, spec.context_parallel_size)
+        dims = ParallelDims.from_world(
+            world, tp, pp, ep, spec.context_parallel_size, spec.context_parallel_algo, spec.ulysses_degree_in_cp
+        )
     except LayoutError as err:
         raise BadInput(str(err), err.field) from err
     gbs = _check_batch(spec, dims)
@@ -357,7 +359,8 @@ class Trainer:
             batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
         self._check_planned(batches, data, iteration)
         if (cp := context_mesh(self.mesh)) is not None:  # each CP rank its slice of every row
-            batches = [context_shard(mb, cp.size(), cp.get_local_rank()) for mb in batches]
+            ring, ulysses = self.plan.dims.ring_degree, self.plan.dims.ulysses_degree
+            batches = [context_shard(mb, ring, ulysses, cp.get_local_rank()) for mb in batches]
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())
@@ -512,7 +515,13 @@ class Trainer:
             **({"warnings": warnings} if warnings else {}),
             "load_format": plan.loaded.format if plan.loaded else None,
             "world_size": plan.dims.world_size,
-            "parallel": {"dp": plan.dims.dp, "cp": plan.dims.cp, "pp": plan.dims.pp, "tp": plan.dims.tp},
+            "parallel": {
+                "dp": plan.dims.dp,
+                "cp": plan.dims.cp,
+                "cp_algo": plan.dims.cp_algo if plan.dims.cp > 1 else None,
+                "pp": plan.dims.pp,
+                "tp": plan.dims.tp,
+            },
             "global_batch_size": plan.global_batch_size,
             "lora": self.lora,
             "validation_samples": valid.num_samples if valid else 0,

@@ -1,7 +1,8 @@
-"""Context parallelism (Ulysses, torchrun over gloo) equals one process step by step: CP2 and CP4 on packed samples
+"""Context parallelism (torchrun over gloo) equals one process step by step. Ulysses: CP2 and CP4 on packed samples
 (each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), CP2 × TP2 with sequence
-parallelism, padded rows, and a CP2
-checkpoint resumed on one process continuing the same loss curve."""
+parallelism, padded rows. Ring: CP2 and CP4 (a model of 2 KV groups, which Ulysses could not split 4 ways), CP2 × TP2
+with sequence parallelism on padded rows without the send/recv overlap. Hybrid: a ring of two Ulysses pairs. And a
+CP2 checkpoint resumed on one process continuing the same loss curve."""
 
 from __future__ import annotations
 
@@ -24,7 +25,35 @@ LAYOUTS = {
         {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True, **FOUR_GROUPS},
         4,
     ),
+    # the ring: K/V blocks round the ranks, head/tail chunks; any head count (2 KV groups on 4 ranks)
+    "ring_cp2": ({"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo"}, 2),
+    "ring_cp4": ({"context_parallel_size": 4, "context_parallel_algo": "megatron_cp_algo"}, 4),
+    "ring_cp2_tp2_sp_padded": (
+        {
+            "context_parallel_size": 2,
+            "context_parallel_algo": "megatron_cp_algo",
+            "use_cp_send_recv_overlap": False,
+            "tensor_model_parallel_size": 2,
+            "sequence_parallel": True,
+            "padding_free": False,
+            "variable_seq_lengths": True,
+        },
+        4,
+    ),
+    # hybrid: Ulysses pairs inside a ring of two
+    "hybrid_cp4": (
+        {"context_parallel_size": 4, "context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 2},
+        4,
+    ),
 }
+CP_ONLY = (
+    "context_parallel_size",
+    "context_parallel_algo",
+    "ulysses_degree_in_cp",
+    "use_cp_send_recv_overlap",
+    "tensor_model_parallel_size",
+    "sequence_parallel",
+)
 
 
 def _equal(one: list[dict], many: list[dict]) -> None:
@@ -41,14 +70,14 @@ def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> Non
     extra, nproc = LAYOUTS[layout]
     data = write_instruction_data(tmp_path / "data" / "sft")
     spec = tiny_spec(data, train_iters=4, use_distributed_optimizer=True)
-    cp_only = ("context_parallel_size", "tensor_model_parallel_size", "sequence_parallel")
-    one_rank = {**spec, **{k: v for k, v in extra.items() if k not in cp_only}}
+    one_rank = {**spec, **{k: v for k, v in extra.items() if k not in CP_ONLY}}
     run_train(one_rank, tmp_path / "run1", 1)
     run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
     one, many = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run_cp")
     _equal(one, many)
     parallel = json.loads((tmp_path / "run_cp" / "result.json").read_text())["summary"]["parallel"]
     assert parallel["cp"] == extra["context_parallel_size"]  # the sequences were split, not the batch
+    assert parallel["cp_algo"] == extra.get("context_parallel_algo", "ulysses_cp_algo")
     assert parallel["dp"] * parallel["cp"] * parallel["tp"] == nproc
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]
 

@@ -38,13 +38,31 @@ def test_cp_takes_its_share_of_the_world() -> None:
         ({"context_parallel_size": 4, "resources": {"nproc_per_node": 4}}, "context_parallel_size", "2 KV groups"),
         ({"context_parallel_size": 2, "resources": {"nproc_per_node": 3}}, "context_parallel_size", "world size"),
         (
+            {"context_parallel_size": 4, "context_parallel_algo": "hybrid_cp_algo", "resources": {"nproc_per_node": 4}},
+            "ulysses_degree_in_cp",
+            "divides context_parallel_size 4 and is below it (got None)",
+        ),
+        (
             {
-                "context_parallel_size": 2,
-                "context_parallel_algo": "megatron_cp_algo",
-                "resources": {"nproc_per_node": 2},
+                "context_parallel_size": 4,
+                "context_parallel_algo": "hybrid_cp_algo",
+                "ulysses_degree_in_cp": 4,
+                "num_query_groups": 4,
+                "resources": {"nproc_per_node": 4},
             },
-            "context_parallel_algo",
-            "use ulysses_cp_algo",
+            "ulysses_degree_in_cp",
+            "(got 4)",
+        ),
+        ({"ulysses_degree_in_cp": 2}, "ulysses_degree_in_cp", "hybrid_cp_algo only"),
+        (
+            {
+                "context_parallel_size": 8,
+                "context_parallel_algo": "hybrid_cp_algo",
+                "ulysses_degree_in_cp": 4,
+                "resources": {"nproc_per_node": 8},
+            },
+            "ulysses_degree_in_cp",
+            "TP 1 × Ulysses degree 4 does not divide the model's 2 KV groups",
         ),
         ({"cp_attention_mask_type": "general"}, "cp_attention_mask_type", "only causal"),
         (
@@ -70,10 +88,42 @@ def test_refused_by_name(extra: dict[str, Any], field: str, words: str) -> None:
     assert field in str(err.value) and words in str(err.value), err.value
 
 
+def test_the_ring_takes_any_head_count() -> None:
+    """Four ring ranks over a model of 2 KV groups: no head split, so no head rule (Ulysses would refuse it)."""
+    spec = parse_spec(
+        {
+            **BASE,
+            "context_parallel_size": 4,
+            "context_parallel_algo": "megatron_cp_algo",
+            "resources": {"nproc_per_node": 4},
+        }
+    )
+    dims = spec.parallel_dims
+    assert (dims.cp, dims.ring_degree, dims.ulysses_degree) == (4, 4, 1)
+    hybrid = {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 2}
+    dims = parse_spec({**BASE, "context_parallel_size": 4, **hybrid, "resources": {"nproc_per_node": 4}}).parallel_dims
+    assert (dims.ring_degree, dims.ulysses_degree) == (2, 2)
+
+
+def test_ring_and_hybrid_shards_are_head_tail_chunks() -> None:
+    """Ring ranks hold chunks r and 2·CP−1−r; under hybrid a ring member's chunks are split among its Ulysses ranks."""
+    samples = [Sample(np.arange(1, 12), np.arange(1, 12)), Sample(np.arange(20, 28), np.arange(20, 28))]
+    mb = pack(samples, 64)  # 10 + 7 = 17 tokens after the shift, padded to 24 (a multiple of 2 × CP 4)
+    ring = [context_shard(mb, 4, 1, rank).position_ids[0].tolist() for rank in range(4)]
+    assert ring[0] == [0, 1, 2, 11, 12, 13] and ring[3] == [9, 0, 1, 2, 3, 4]  # chunks 0+7 and 3+4
+    hybrid = [context_shard(mb, 2, 2, rank).input_ids[0] for rank in range(4)]
+    row = np.pad(mb.input_ids[0].numpy(), (0, 7), constant_values=PAD_ID)
+    expect = [np.r_[0:6], np.r_[18:24], np.r_[6:12], np.r_[12:18]]  # members: chunks 0+3, 1+2; halves to ranks
+    for rank, cols in enumerate(expect):
+        assert hybrid[rank].tolist() == row[cols].tolist()
+    parts = [context_shard(mb, 4, 1, rank) for rank in range(4)]
+    assert sum(p.num_loss_tokens for p in parts) == mb.num_loss_tokens
+
+
 def test_each_cp_rank_gets_its_slice_and_the_whole_segments() -> None:
     samples = [Sample(np.arange(1, 6), np.arange(1, 6)), Sample(np.arange(6, 10), np.arange(6, 10))]
     mb = pack(samples, 64)  # one row of 4 + 3 tokens after the shift: 7
-    parts = [context_shard(mb, 2, rank) for rank in (0, 1)]
+    parts = [context_shard(mb, 1, 2, rank) for rank in (0, 1)]
     assert [p.input_ids.shape[1] for p in parts] == [4, 4]  # padded to 8
     whole = torch.cat([p.input_ids for p in parts], dim=1)
     assert whole[0, :7].tolist() == mb.input_ids[0].tolist() and whole[0, 7] == PAD_ID

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from engine.contract.constants import RING_SCORE_TILE_BYTES
 from engine.contract.lora_targets import MEGATRON_TARGETS
 from engine.contract.model_config import ModelConfig
 
@@ -67,7 +68,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel, carved out of dp
-    cp: int = 1  # context parallel (Ulysses): each rank holds seq / CP tokens of every activation
+    cp: int = 1  # context parallel: each rank holds seq / CP tokens of every activation
+    ring: int = 1  # of which ring ranks (megatron/hybrid CP): attention by K/V blocks, no mask
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     seq_length: int = 2048
@@ -115,8 +117,9 @@ class Layout:
 
     @property
     def mask_bytes(self) -> int:
-        """The CPU attention's boolean block mask of one micro-batch: rows × width² (none on accelerators)."""
-        if self.device_type != "cpu":
+        """The CPU attention's boolean block mask of one micro-batch: rows × width² (none on accelerators, none
+        under ring attention, which masks each block from the samples' run index)."""
+        if self.device_type != "cpu" or self.ring > 1:
             return 0
         if self.batch_rows is not None and self.batch_width is not None:
             return self.batch_rows * self.batch_width**2
@@ -256,7 +259,7 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     fam = cfg.family
     q = e * a * d + 4 * a if fam.qk_norm else 0  # the q norm's input and rstd per head
     k = e * g * d + 4 * g if fam.qk_norm else 0
-    if lay.device_type == "cpu":  # sdpa with a block mask: k and v are expanded to every query head
+    if lay.device_type == "cpu" and lay.ring == 1:  # sdpa with a block mask: k and v expanded to every query head
         attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
     else:  # flash/varlen kernels: q, k, v, output (also linear_proj's input, a view of it), fp32 lse
         attn = 2 * e * a * d + 2 * e * g * d + 4 * a
@@ -335,6 +338,18 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: i
         per_mb = layers * full
     rope = 2 * tokens * cfg.kv_channels * lay.compute_bytes
     return per_mb + rope + lay.mask_bytes
+
+
+def ring_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
+    """Ring attention's backward beyond the saved activations (``engine.parallel.ring_attention``): K/V blocks in
+    flight (sent and received), their fp32 gradients travelling with them (two), the block's K/V expanded to every
+    query head in fp32, dq, q and dO in fp32, and about four score tiles. Under hybrid CP the ring holds ``Ulysses ×``
+    the tokens for ``1 / Ulysses`` of the heads: the same bytes."""
+    if lay.ring == 1:
+        return 0
+    e, a, g, d = lay.compute_bytes, cfg.num_attention_heads // lay.tp, cfg.num_query_groups // lay.tp, cfg.kv_channels
+    per_token = d * (2 * 2 * e * g + 2 * 2 * 4 * g + 2 * 4 * a + 3 * 4 * a)
+    return tokens * per_token + 4 * RING_SCORE_TILE_BYTES
 
 
 def recompute_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
@@ -460,7 +475,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             chunk_layers = max(len(c) for c in mine)
             m.micro_batches_in_flight = held
             m.activations = held * stage_activation_bytes(cfg, lay, chunk_layers, tokens)
-            m.activations += recompute_working_set(cfg, lay, tokens)
+            m.activations += recompute_working_set(cfg, lay, tokens) + ring_working_set(cfg, lay, tokens)
             if last:
                 head_trains = lay.lora_r is None
                 m.loss = loss_bytes(cfg, lay, head_trains)

@@ -115,6 +115,7 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
             "train": True,
             "ep": spec.expert_model_parallel_size,  # eval and serve run every expert on each rank
             "cp": spec.context_parallel_size,
+            "ring": spec.parallel_dims.ring_degree if spec.context_parallel_size > 1 else 1,
             "recompute": _recompute(spec),
             "recompute_method": spec.recompute_method,
             "recompute_num_layers": spec.recompute_num_layers,
