@@ -21,4 +21,4 @@ SERVE_METRICS_INTERVAL_S = 5.0  # seconds between two deployment-metrics points 
 REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"simpo", "orpo"})
 # Ring attention computes each K/V block's scores in row tiles of at most this many fp32 bytes (about four such
 # buffers live at once in backward: scores, probabilities, their gradient, a product); the planner counts the same.
-RING_SCORE_TILE_BYTES = 64 << 20
+RING_SCORE_TILE_BYTES = 32 << 20

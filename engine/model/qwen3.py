@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from engine.contract.model_config import ModelConfig
 from engine.model.attention import AttentionPlan, core_attention, plan_attention
@@ -152,6 +153,7 @@ class Qwen3Model(nn.Module):
         self.embedding: Embedding | None = Embedding(cfg) if embedding else None
         self.context_parallel = 1  # ranks a sequence is split over (engine.parallel.context_parallel)
         self.ring_attention = False  # a ring among them: attention is planned by sample runs, not by a mask
+        self.context_group: ProcessGroup | None = None  # their group: per-sequence sums are completed over it
         self.decoder = Decoder(cfg, layers, final_norm=head)
         self.output_layer: nn.Linear | None = (
             None if cfg.tie_word_embeddings or not head else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

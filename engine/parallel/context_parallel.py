@@ -105,5 +105,6 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, ove
         if isinstance(module, SelfAttention):
             module.attend = attend
     qwen.context_parallel = mesh["cp"].size()
+    qwen.context_group = mesh["cp"].get_group()
     qwen.ring_attention = algo != "ulysses_cp_algo"
     return model

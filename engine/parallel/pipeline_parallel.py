@@ -185,7 +185,7 @@ def make_loss_fn(
     norm: dict[str, Any],
     tp_mesh: DeviceMesh | None,
     sequence_parallel: bool,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Loss of one micro-batch on the last stage: summed token CE / global token count (before backward), the head
     applied ``chunk_size`` tokens at a time (``cross_entropy_chunk_size``, as without PP). ``norm["loss"]``, when
@@ -228,7 +228,7 @@ def build_pipeline(
     tp_mesh: DeviceMesh | None = None,
     sequence_parallel: bool = False,
     device: torch.device | None = None,
-    loss_chunk_size: int = 1024,
+    loss_chunk_size: int = 256,
 ) -> Pipeline:
     """Split ``model`` for this PP rank, parallelize each part (TP/AC/FSDP via ``parallelize_part``), build the
     schedule. ``model`` is the whole model, normally built on the meta device (each rank keeps only its parts, to be
@@ -513,6 +513,6 @@ def build_pipeline_model(
         tp_mesh=mesh["tp"],
         sequence_parallel=bool(spec.sequence_parallel),
         device=device,
-        loss_chunk_size=getattr(spec, "cross_entropy_chunk_size", 1024),
+        loss_chunk_size=getattr(spec, "cross_entropy_chunk_size", 256),
     )
     return PipelineModel(pipe, pipeline_width(seq_length, spec.micro_batch_size, bool(spec.padding_free)))

@@ -384,7 +384,7 @@ def vocab_parallel_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int = 4096,
+    chunk_size: int = 256,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, num_tokens)`` of final hidden states against a vocab-sharded head, fp32, labels -100 ignored.
@@ -403,7 +403,7 @@ def vocab_parallel_sequence_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int = 4096,
+    chunk_size: int = 256,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``engine.train.preference.sequence_logprobs`` against a vocab-sharded head: (summed log-probs (B,) fp32,

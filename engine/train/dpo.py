@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint import dcp
@@ -103,8 +105,23 @@ def row_logps(
     """Each row of ``mb``: summed log-probs and labelled tokens, with ``logits`` the logit sums TRL reports too;
     ``vocab_parallel``: the head is vocab-sharded over TP (the hidden states may be sequence-sharded)."""
     hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
-    head = cast(Qwen3Model, model).output_weight()
-    return rows_from_hidden(hidden, head, mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index)
+    qwen = cast(Qwen3Model, model)
+    rows = rows_from_hidden(hidden, qwen.output_weight(), mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index)
+    return rows if qwen.context_group is None else _over_context(rows, qwen.context_group)
+
+
+def _over_context(rows: RowLogps, group: dist.ProcessGroup) -> RowLogps:
+    """Under context parallelism a rank holds part of every row: its sums are completed over the CP group, so every
+    CP rank computes the whole pair loss. Its gradient comes back summed over the group (the all-reduce's backward),
+    which the step's pair count undoes: every CP rank counts the micro-batch's pairs, so the global count is CP ×."""
+    logps = all_reduce(rows.logps, group=group)  # differentiable
+    tokens = rows.tokens.clone()
+    dist.all_reduce(tokens, group=group)
+    sums = None
+    if rows.logit_sums is not None:
+        sums = rows.logit_sums.detach().clone()
+        dist.all_reduce(sums, group=group)
+    return RowLogps(logps, tokens, sums, rows.vocab)
 
 
 def rows_from_hidden(

@@ -5,7 +5,8 @@ Own options: ``--model PRESET`` (shape of a published Qwen3 when neither ``load`
 ``--device-memory-gib N`` (say whether every rank fits), ``--device-type npu`` (its attention kernel),
 ``--data-root DIR`` (where relative paths start, as the API resolves them: the team's area),
 ``--kind train|eval`` (default: from the script name, else
-train). A MindSpeed line may start with torchrun's own arguments: ``--nproc_per_node``/``--nnodes`` give the world
+train), ``--suggest`` (training: the context/tensor-parallel and recompute layouts of the same world that fit
+``--device-memory-gib``, best first; ``engine.contract.plan.suggest``). A MindSpeed line may start with torchrun's own arguments: ``--nproc_per_node``/``--nnodes`` give the world
 size, the rest of torchrun's arguments are dropped. Fields a plan does not need (data paths, iterations, lr) may be
 left out.
 """
@@ -24,7 +25,8 @@ from pydantic import ValidationError
 from engine.contract.guard import WRITE_ENV
 from engine.contract.plan.memory import MIB, RankMemory
 from engine.contract.plan.planner import MemoryPlan, plan_spec
-from engine.contract.spec import first_error
+from engine.contract.plan.suggest import candidates, suggestion_table
+from engine.contract.spec import TrainSpec, first_error
 
 _TORCHRUN_VALUE_FLAGS = {
     "--nproc_per_node",
@@ -170,6 +172,11 @@ def main(argv: list[str]) -> int:
         help="directory relative paths start at, as the API resolves them: your team's area, e.g. "
         "var/data/teams/default under make run (default: $LLMJOBS_DATA_AREAS' first entry, else the current directory)",
     )
+    own.add_argument(
+        "--suggest",
+        action="store_true",
+        help="train: also list the CP × TP × recompute layouts of this world that fit --device-memory-gib, best first",
+    )
     own.add_argument("-h", "--help", action="store_true")
     opts, rest = own.parse_known_args(argv)
     if opts.help:
@@ -190,5 +197,13 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(table(plan))
-    print(json.dumps(plan.as_json()))
+    if not opts.suggest:
+        print(json.dumps(plan.as_json()))
+        return 0
+    if not isinstance(spec, TrainSpec) or device is None:
+        print("error: --suggest needs a training job and --device-memory-gib", file=sys.stderr)
+        return 2
+    found = candidates(spec, opts.model, device)
+    print(suggestion_table(found, device))
+    print(json.dumps({**plan.as_json(), "suggestions": [c.as_json() for c in found if c.fits]}))
     return 0

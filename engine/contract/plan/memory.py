@@ -83,7 +83,7 @@ class Layout:
     recompute_num_layers: int | None = None
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = MEGATRON_TARGETS
-    loss_chunk: int = 1024
+    loss_chunk: int = 256  # cross_entropy_chunk_size
     device_type: str = "cpu"
     train: bool = True
     eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
