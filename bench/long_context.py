@@ -2,9 +2,9 @@
 vs CP1 step on this CPU.
 
 1. Planner (``engine.contract.plan``): Qwen3-4B, bf16, full fine-tuning, distributed optimizer, one sample per
-   micro-batch of ``seq_length`` tokens (128K with YaRN 4 × 32K), 8 NPUs of 64 GiB: for each CP in 1, 2, 4, 8 (TP 1
-   and 2, where the heads allow), Ulysses and ring, and each recompute mode, the per-rank peak; the lowest that fits
-   is reported.
+   micro-batch of ``seq_length`` tokens (128K with YaRN 4 × 32K), 8 NPUs of 64 GiB: every CP (Ulysses and ring) ×
+   TP × recompute layout of the 8 ranks, as ``python -m engine plan --suggest`` plans them; the lowest peak that
+   fits and the planner's first suggestion (cheapest recompute, then fewest ranks per sequence) are reported.
 2. Measured: a hidden-256, 4-layer Qwen3 (8 heads, 4 KV groups), one packed text sample of ``--seq`` tokens per
    step, fp32, trained 3 steps by ``python -m engine train`` in one process and on two CP ranks (torchrun, gloo),
    Ulysses and ring. ``peak_mem_ratio`` (the larger of the two algorithms') = the largest CP2 rank's peak allocated
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -32,17 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from engine.contract.indexed import IndexedDatasetWriter  # noqa: E402
-from engine.contract.plan import plan_spec  # noqa: E402
-from engine.contract.spec import parse_spec  # noqa: E402
+from engine.contract.plan.suggest import candidates  # noqa: E402
+from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
 from train_support import QWEN3_4B  # noqa: E402
 
 GIB = 2**30
-RECOMPUTE = {
-    "none": {},
-    "selective": {"recompute_granularity": "selective"},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-}
-ALGOS = ("ulysses_cp_algo", "megatron_cp_algo")
 YARN = {
     "rope_scaling_type": "yarn",
     "rope_scaling_factor": 4.0,
@@ -51,29 +45,20 @@ YARN = {
 
 
 def planner_rows(seq: int) -> list[dict[str, Any]]:
+    """Every CP × TP × recompute layout of the 8 ranks (``engine.contract.plan.suggest``, as ``python -m engine plan
+    --suggest``), ranked as it ranks them."""
+    spec = {
+        "kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-5, "bf16": True,
+        "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 8, "use_distributed_optimizer": True,
+        "resources": {"device_type": "npu", "nproc_per_node": 8}, **QWEN3_4B, **(YARN if seq > 32768 else {}),
+    }  # fmt: skip
     rows = []
-    for cp in (1, 2, 4, 8):
-        for tp in (1, 2):
-            if tp * cp > 8:
-                continue
-            for algo in ALGOS if cp > 1 else ALGOS[:1]:
-                for name, flags in RECOMPUTE.items():
-                    spec = {
-                        "kind": "train", "data_path": ["d"], "train_iters": 1, "lr": 1e-5, "bf16": True,
-                        "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 8,
-                        "use_distributed_optimizer": True, "sequence_parallel": tp > 1,
-                        "tensor_model_parallel_size": tp, "context_parallel_size": cp, "context_parallel_algo": algo,
-                        "resources": {"device_type": "npu", "nproc_per_node": 8},
-                        **QWEN3_4B, **flags, **(YARN if seq > 32768 else {}),
-                    }  # fmt: skip
-                    row = {"seq": seq, "cp": cp, "algo": algo if cp > 1 else None, "tp": tp, "recompute": name}
-                    try:
-                        peak = plan_spec(parse_spec(spec)).peak
-                    except ValueError as err:  # a layout the heads do not allow
-                        rows.append({**row, "refused": str(err)[:120]})
-                        continue
-                    gib = round(peak.total_bytes / GIB, 1)
-                    rows.append({**row, "peak_gib": gib, "fits": gib <= 64})
+    for c in candidates(cast(TrainSpec, parse_spec(spec)), None, 64 * GIB):
+        row: dict[str, Any] = {"seq": seq, "cp": c.cp, "algo": c.algo, "tp": c.tp, "recompute": c.recompute}
+        if c.peak_bytes is None:
+            rows.append({**row, "refused": (c.refused or "")[:120]})
+        else:
+            rows.append({**row, "peak_gib": round(c.peak_bytes / GIB, 1), "fits": c.fits})
     return rows
 
 
@@ -148,15 +133,16 @@ def main() -> None:
         table += rows
         for row in rows:
             print(json.dumps(row), flush=True)
-    best = {}
+    best, suggested = {}, {}
     for seq in sorted({r["seq"] for r in table}):
         fitting = [r for r in table if r["seq"] == seq and r.get("fits")]
         best[seq] = min(fitting, key=lambda r: r["peak_gib"]) if fitting else None
+        suggested[seq] = fitting[0] if fitting else None  # the planner's first suggestion
     result = measured(args.seq, args.steps)
     print(json.dumps(result), flush=True)
     print(json.dumps({
         "bench": "long_context", "smoke": args.smoke,
-        "best_fit": {str(k): v for k, v in best.items()},
+        "best_fit": {str(k): v for k, v in best.items()}, "suggested": {str(k): v for k, v in suggested.items()},
         "no_cp_no_recompute_peak_gib": {str(s): next(r["peak_gib"] for r in table if r["seq"] == s and r["cp"] == 1
                                                     and r["tp"] == 1 and r["recompute"] == "none") for s in best},
         "peak_mem_ratio": max(result["peak_mem_ratio_ulysses"], result["peak_mem_ratio_ring"]),

@@ -346,3 +346,48 @@ def test_context_parallel_splits_activations_and_lets_32k_fit() -> None:
     with pytest.raises(DoesNotFit):
         check_fits(parse_spec(seed_full(**long, **nodes)), 64 * 2**30)
     check_fits(parse_spec(seed_full(**long, **nodes, context_parallel_size=8)), 64 * 2**30)
+
+
+def test_the_ring_counts_its_blocks_and_no_mask() -> None:
+    """Issue 29: ring CP saves attention's q, k, v, output and lse like a flash kernel (never a T × T mask, on CPU
+    too), and adds its backward working set: blocks in flight, their fp32 gradients, expanded K/V, score tiles."""
+    long = dict(seq_length=32768, micro_batch_size=1, global_batch_size=8, pipeline_model_parallel_size=1)
+    nodes = {"resources": {"device_type": "npu", "nproc_per_node": 8}}
+    ulysses = plan_spec(parse_spec(seed_full(**long, **nodes, context_parallel_size=8))).peak
+    ring = plan_spec(
+        parse_spec(seed_full(**long, **nodes, context_parallel_size=8, context_parallel_algo="megatron_cp_algo"))
+    ).peak
+    tokens, d = 32768 // 8, 128  # per rank; Qwen3-4B: 32 heads, 8 KV groups of 128, bf16
+    working = tokens * d * (2 * 2 * 2 * 8 + 2 * 2 * 4 * 8 + 2 * 4 * 32 + 3 * 4 * 32) + 4 * (32 << 20)
+    assert ring.activations - ulysses.activations == working
+    cpu = {"resources": {"device_type": "cpu", "nproc_per_node": 8}}
+    cpu_ring = plan_spec(
+        parse_spec(seed_full(**long, **cpu, context_parallel_size=8, context_parallel_algo="megatron_cp_algo"))
+    ).peak
+    cpu_ulysses = plan_spec(parse_spec(seed_full(**long, **cpu, context_parallel_size=8))).peak
+    assert cpu_ulysses.activations - cpu_ring.activations > 32768**2 - working  # Ulysses' CPU mask is T × T
+
+
+def test_plan_suggest_lists_fitting_layouts_best_first() -> None:
+    """``python -m engine plan --suggest``: Qwen3-4B full SFT at 32K on 8 × 64 GiB does not fit as given (no CP, no
+    recompute); the suggestions all fit, cheapest recompute first, then the fewest ranks per sequence."""
+    line = [
+        "--nproc_per_node", "8", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
+        "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128",
+        "--padded-vocab-size", "151936", "--bf16", "--seq-length", "32768", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--use-distributed-optimizer", "--data-path", "x",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "plan", "--suggest", "--device-memory-gib", "64", "--device-type", "npu", *line],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["max_total_bytes"] > 64 * 2**30  # as given, it does not fit
+    found = last["suggestions"]
+    assert found and all(s["fits"] and s["peak_bytes"] <= 64 * 2**30 for s in found)
+    order = ["none", "selective", "full"]
+    keys = [(order.index(s["recompute"]), s["cp"] * s["tp"], s["peak_bytes"]) for s in found]
+    assert keys == sorted(keys)
+    assert found[0]["cp"] > 1 and "layouts that fit 64.00 GiB per device" in proc.stdout
