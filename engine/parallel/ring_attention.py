@@ -5,9 +5,9 @@ block travelling with the block and arriving home at the end. Nothing of the who
 
 Causal load balance (Megatron's head/tail split): the sequence is cut into ``2 × CP`` chunks and rank ``r`` holds
 chunks ``r`` and ``2·CP − 1 − r`` (``token_index``), so every rank does the same work. Its tokens are in increasing
-position order, so a block's useful part is a contiguous slice: of a block from an earlier rank every query sees only
-the first chunk, of a later rank only the second query chunk sees anything (``_useful``). Those halves are all that
-is computed, forward and backward.
+position order, so a block's useful part is one or two rectangles: of a block from an earlier rank every query sees
+only its first chunk, of a later rank only the second query chunk sees anything, and on the diagonal the head chunk
+sees only itself (``_useful``). Those parts are all that is computed, forward and backward.
 
 The block product is plain torch (scores in fp32, the same arithmetic as a math kernel), in row tiles of at most
 ``RING_SCORE_TILE_BYTES`` so its transient buffers do not grow with the sequence: what a fused kernel with a
@@ -72,20 +72,29 @@ class Ring:
         return received, reqs
 
 
-def _useful(q_idx: np.ndarray, k_idx: np.ndarray) -> tuple[slice, slice] | None:
-    """The query rows and key columns of a block that causality leaves anything to (both index vectors sorted)."""
-    lo = int(np.searchsorted(q_idx, k_idx[0]))
-    hi = int(np.searchsorted(k_idx, q_idx[-1], side="right"))
-    if lo >= len(q_idx) or hi == 0:
-        return None
-    return slice(lo, None), slice(0, hi)
+def _useful(q_idx: np.ndarray, k_idx: np.ndarray) -> list[tuple[slice, slice]]:
+    """The (query rows, key columns) rectangles of a block that causality leaves anything to: per query chunk (a
+    rank's head and tail chunks, each sorted), its rows from the first that sees the block's first key, and the keys
+    up to its last query. On the diagonal this skips the head chunk's view of the tail chunk, a quarter of the block;
+    two rectangles over the same keys are one."""
+    half = len(q_idx) // 2
+    rects: list[tuple[slice, slice]] = []
+    for start, stop in ((0, half), (half, len(q_idx))):
+        lo = start + int(np.searchsorted(q_idx[start:stop], k_idx[0]))
+        hi = int(np.searchsorted(k_idx, q_idx[stop - 1], side="right"))
+        if lo < stop and hi > 0:
+            if rects and rects[-1][1].stop == hi and rects[-1][0].stop == lo:
+                rects[-1] = (slice(rects[-1][0].start, stop), rects[-1][1])
+            else:
+                rects.append((slice(lo, stop), slice(0, hi)))
+    return rects
 
 
-def _tiles(rows: slice, t: int, row_bytes: int) -> list[slice]:
-    """``rows`` (from ``rows.start`` to ``t``) cut into tiles of at most ``RING_SCORE_TILE_BYTES`` of scores, so a
-    block's transient buffers stay bounded whatever the sequence length."""
+def _tiles(rows: slice, row_bytes: int) -> list[slice]:
+    """``rows`` cut into tiles of at most ``RING_SCORE_TILE_BYTES`` of scores, so a block's transient buffers stay
+    bounded whatever the sequence length."""
     step = max(1, RING_SCORE_TILE_BYTES // max(1, row_bytes))
-    return [slice(r, min(r + step, t)) for r in range(rows.start or 0, t, step)]
+    return [slice(r, min(r + step, rows.stop)) for r in range(rows.start, rows.stop, step)]
 
 
 def _mask(q_pos: np.ndarray, k_pos: np.ndarray, runs: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -171,11 +180,10 @@ def _ring_forward(
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None
         k_idx = ring.index(t, (ring.rank - step) % ring.size)
-        useful = _useful(q_idx, k_idx)
-        if useful is not None:
-            kc, vc = (x[..., useful[1], :] for x in kv)
-            for rows in _tiles(useful[0], t, b * h * kc.shape[2] * 4):
-                mask = _mask(q_idx[rows], k_idx[useful[1]], runs, q.device)
+        for block_rows, cols in _useful(q_idx, k_idx):
+            kc, vc = (x[..., cols, :] for x in kv)
+            for rows in _tiles(block_rows, b * h * kc.shape[2] * 4):
+                mask = _mask(q_idx[rows], k_idx[cols], runs, q.device)
                 o, l = _block_forward(q[..., rows, :], kc, vc, mask, scale)
                 _merge(out, lse, o, l, rows)
         if pending is not None:
@@ -206,11 +214,9 @@ def _ring_backward(
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None
         k_idx = ring.index(t, (ring.rank - step) % ring.size)
-        useful = _useful(q_idx, k_idx)
-        if useful is not None:
-            cols = useful[1]
+        for block_rows, cols in _useful(q_idx, k_idx):
             kc, vc = (_acc(_expand(x[..., cols, :], heads)) for x in kv)
-            for rows in _tiles(useful[0], t, q.shape[0] * heads * kc.shape[2] * 4):
+            for rows in _tiles(block_rows, q.shape[0] * heads * kc.shape[2] * 4):
                 s = _scores(q32[..., rows, :], kc, _mask(q_idx[rows], k_idx[cols], runs, q.device), scale)
                 p = torch.exp(s - lse[..., rows, None])  # lse is finite: every query sees itself
                 d_rows = dout32[..., rows, :]
