@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from engine.contract.constants import IGNORE_INDEX
-from engine.model.grad_fusion import fusable, grad_of
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -28,16 +27,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         ctx.save_for_backward(gh if gh is not None else torch.empty(0), gw if gw is not None else torch.empty(0))
         ctx.has = (gh is not None, gw is not None)
         ctx.weight_dtype = weight.dtype
-        ctx.fused = weight if gw is not None and fusable(weight) else None  # its gradient goes straight into .grad
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         gh, gw = ctx.saved_tensors
         d_hidden = gh * grad_loss.to(gh.dtype) if ctx.has[0] else None
-        if ctx.fused is not None:
-            grad_of(ctx.fused).add_(gw.mul_(grad_loss))  # gw is ours: scaled in place, no second (V, H) buffer
-            return d_hidden, None, None, None, None, None, None
         d_weight = (gw * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
         return d_hidden, d_weight, None, None, None, None, None
 

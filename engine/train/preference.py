@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.contract.constants import IGNORE_INDEX, REFERENCE_FREE_LOSSES
-from engine.model.grad_fusion import fusable, grad_of
 
 LossType = Literal["sigmoid", "hinge", "ipo", "simpo", "orpo"]
 REFERENCE_FREE = REFERENCE_FREE_LOSSES
@@ -42,18 +41,14 @@ class _TokenLogprobs(torch.autograd.Function):
             out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_size = chunk_size
-        ctx.fused = weight if fusable(weight) else None  # its gradient goes straight into .grad
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        fused = ctx.fused
         grad_weight = None
-        if fused is not None and fused.dtype == lse.dtype:  # accumulate in .grad itself: no vocab-sized buffer
-            grad_weight = grad_of(fused)
-        elif ctx.needs_input_grad[1] or fused is not None:
+        if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
@@ -67,10 +62,6 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = (d_logits @ weight.to(lse.dtype)).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(d_logits.t(), h.to(lse.dtype))  # in place: no second (V, H) buffer
-        if fused is not None:
-            if grad_weight is not None and grad_weight is not fused.grad:  # fp32 sum beside a lower precision
-                grad_of(fused).add_(grad_weight)
-            return grad_hidden, None, None, None
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 

@@ -379,9 +379,8 @@ def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
     # measured 3.0 chunks of extra RSS around ``chunked_cross_entropy`` on CPU
     logits = rows * v * (3 * 4 + (e if e != 4 else 0))
     hidden_grad = lay.tokens * cfg.hidden_size * e
-    # the fp32 head gradient accumulated in forward; under TP also backward's scaled copy (without TP it is scaled
-    # in place and added into .grad: engine.model.grad_fusion)
-    head_grad = (1 if lay.tp == 1 else 2) * v * cfg.hidden_size * 4 if head_trains else 0
+    # the fp32 head gradient accumulated in forward, plus its product being added, plus backward's scaled copy
+    head_grad = 2 * v * cfg.hidden_size * 4 if head_trains else 0
     return logits + hidden_grad + head_grad
 
 
