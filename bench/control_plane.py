@@ -5,7 +5,7 @@ broker (``--redis``, default db 5; this run's queues are deleted afterwards):
 
 - ``hosts`` simulated 8-device ``cuda`` hosts register (``worker.hosts.register_host``) and heart-beat as a worker
   does (``set_host_state``, then its housekeeping: ``finish_parked``, ``sweep_host``, a scheduling pass), one beat
-  per host every ``heartbeat_interval_s``;
+  per host every ``heartbeat_interval_s``, from two child processes (as each host's worker is its own process);
 - ``10 × hosts`` train jobs of mixed gang sizes (1×1 .. 4×8 devices) are queued first (``core.jobs.create_job``, the
   API's own insert, as if submitted earlier and already dispatched);
 - a real ``llmjobs api`` (its dispatcher and reconciler loops running) takes ``--rate`` submissions/s for
@@ -17,7 +17,8 @@ broker (``--redis``, default db 5; this run's queues are deleted afterwards):
   message still goes to Redis; the simulator reads ``job_nodes`` instead of consuming it.
 
 Figures per scale: ``schedule_p99_ms`` (one pass with the scheduler lock held, every pass this process ran: after
-node exits and on heartbeats), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
+node exits and on heartbeats), ``schedule_quiet_p99_ms`` (``--quiet-passes`` passes after the load, alone on the
+machine: the pass's own cost), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
 README's load table targets 2 and 4), ``reconcile_s`` (one ``reconcile_once`` at the end of the load, the hosts
 still heart-beating and the API up, with how many hosts it judged down),
 ``db_growth_mib_per_1000_finished`` (schema size growth during the load per 1,000 jobs finished, submissions
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -124,15 +126,54 @@ class PassClock:
 
         scheduler.lock, scheduler._pass = lock, timed_pass  # type: ignore[assignment]
 
+    def quiet(self, settings: Settings, passes: int) -> list[float]:
+        """``passes`` full passes with nothing else running (the load stopped): the pass's own cost at this scale,
+        next to the loaded figure, where 2 CPUs are shared with the API, PostgreSQL and every simulated host."""
+        first = len(self.held_ms)
+        for _ in range(passes):
+            scheduler.schedule(settings)
+        return self.held_ms[first:]
+
     def uninstall(self) -> None:
         scheduler.lock, scheduler._pass = self._lock, self._pass  # type: ignore[assignment]
 
 
-class SimulatedHosts:
-    """``names`` heart-beating as workers do; each node granted to them exits 0 at once through the worker's steps."""
+def guarded(errors: list[str], what: str, step: Callable[[], object]) -> None:
+    try:
+        step()
+    except Exception as err:  # noqa: BLE001 - counted and reported, the run goes on
+        errors.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
 
-    def __init__(self, settings: Settings, names: list[str], runners: int):
-        self.settings, self.names = settings, names
+
+def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> None:
+    """A child process: the heartbeat of ``names``, as a worker beats (state, parked exits, the lease sweep, a
+    scheduling pass), spread evenly over ``heartbeat_interval_s``. Its own process, as each host's worker is: in the
+    measuring process its threads would hold the GIL against the passes timed there. Sends its passes' times, the
+    largest beat lag and its errors to ``out`` when ``stop`` is set."""
+    clock, errors, lag = PassClock(), list[str](), 0.0
+    clock.install()
+    interval = settings.heartbeat_interval_s
+    last = {name: time.monotonic() for name in names}
+    while not stop.is_set():
+        round_start = time.monotonic()
+        for i, name in enumerate(names):
+            if stop.wait(max(0.0, round_start + interval * i / len(names) - time.monotonic())):
+                break
+            lag = max(lag, time.monotonic() - last[name] - interval)
+            last[name] = time.monotonic()
+            guarded(errors, "heartbeat", lambda n=name: set_host_state(settings, n, HostState.up))
+            guarded(errors, "finish_parked", lambda n=name: finish_parked(settings, n))
+            guarded(errors, "sweep_host", lambda n=name: sweep_host(settings, n))
+            guarded(errors, "heartbeat pass", lambda: scheduler.schedule(settings, backstop=True))
+    out.put({"held_ms": clock.held_ms, "wait_ms": clock.wait_ms, "grants": clock.grants, "lag": lag, "errors": errors})
+
+
+class SimulatedHosts:
+    """``names`` heart-beating as workers do (``beaters`` child processes); each node granted to them exits 0 at once
+    through the worker's steps (threads of this process)."""
+
+    def __init__(self, settings: Settings, names: list[str], runners: int, clock: PassClock, beaters: int = 2):
+        self.settings, self.names, self.clock = settings, names, clock
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(runners, thread_name_prefix="node")
         self.seen: set[int] = set()
@@ -140,40 +181,39 @@ class SimulatedHosts:
         self.errors: list[str] = []
         self.beat_lag_s = 0.0
         self.threads = [threading.Thread(target=self._watch, daemon=True)]
-        self.threads += [threading.Thread(target=self._beat, args=(i, 4), daemon=True) for i in range(4)]
+        spawn = multiprocessing.get_context("spawn")  # no forked copy of this process's pooled connections
+        self.beat_stop, self.beat_out = spawn.Event(), spawn.Queue()
+        self.beaters = [
+            spawn.Process(target=beat_hosts, args=(settings, names[i::beaters], self.beat_stop, self.beat_out))
+            for i in range(beaters)
+        ]
 
     def start(self) -> None:
+        for process in self.beaters:
+            process.start()
         for thread in self.threads:
             thread.start()
 
     def close(self) -> None:
+        if self.stop.is_set():
+            return
         self.stop.set()
+        self.beat_stop.set()
+        for _ in self.beaters:  # each child's passes join this process's clock
+            got = self.beat_out.get(timeout=120)
+            self.clock.held_ms += got["held_ms"]
+            self.clock.wait_ms += got["wait_ms"]
+            self.clock.grants += got["grants"]
+            self.beat_lag_s = max(self.beat_lag_s, got["lag"])
+            self.errors += got["errors"]
+        for process in self.beaters:
+            process.join(timeout=60)
         for thread in self.threads:
             thread.join(timeout=60)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _guard(self, what: str, step: Callable[[], object]) -> None:
-        try:
-            step()
-        except Exception as err:  # noqa: BLE001 - counted and reported, the run goes on
-            self.errors.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
-
-    def _beat(self, shard: int, shards: int) -> None:
-        """The heartbeat of every ``shards``-th host: state, parked exits, the lease sweep, a scheduling pass."""
-        mine = self.names[shard::shards]
-        interval = self.settings.heartbeat_interval_s
-        last = {name: time.monotonic() for name in mine}
-        while not self.stop.is_set():
-            round_start = time.monotonic()
-            for i, name in enumerate(mine):
-                if self.stop.wait(max(0.0, round_start + interval * i / len(mine) - time.monotonic())):
-                    return
-                self.beat_lag_s = max(self.beat_lag_s, time.monotonic() - last[name] - interval)
-                last[name] = time.monotonic()
-                self._guard("heartbeat", lambda n=name: set_host_state(self.settings, n, HostState.up))
-                self._guard("finish_parked", lambda n=name: finish_parked(self.settings, n))
-                self._guard("sweep_host", lambda n=name: sweep_host(self.settings, n))
-                self._guard("heartbeat pass", lambda: scheduler.schedule(self.settings, if_changed=True))
+        guarded(self.errors, what, step)
 
     def _watch(self) -> None:
         """Stands in for each host's queue: nodes assigned to a simulated host start at once."""
@@ -312,6 +352,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     with admin.connect() as connection:
         connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
     proc, sim, clock = None, None, PassClock()
+    passes, quiet = 0, list[float]()
     names = [f"sim-{i:04d}" for i in range(hosts)]
     settings: Settings | None = None
     try:
@@ -358,7 +399,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             engine = sa.create_engine(url)
             size0, finished0 = table_bytes(engine, schema), count_finished(settings)
             clock.install()
-            sim = SimulatedHosts(settings, names, args.runners)
+            sim = SimulatedHosts(settings, names, args.runners, clock)
             port = free_port()
             proc = start_api(env, port, Path(tmp) / "api.log")
             sim.start()
@@ -377,6 +418,8 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             proc = None
             size1, finished1 = table_bytes(engine, schema), count_finished(settings)
             engine.dispose()
+            passes = len(clock.held_ms)
+            quiet = clock.quiet(settings, args.quiet_passes)
     finally:
         clock.uninstall()
         if sim is not None:
@@ -397,11 +440,13 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "setup_s": round(setup_s, 1),
         "submissions_per_s": round(achieved, 1),
         "load_average_1m": round(os.getloadavg()[0], 1),
-        "passes": len(clock.held_ms),
+        "passes": passes,
         "grants": clock.grants,
-        "schedule_p50_ms": round(pct(clock.held_ms, 0.5), 1),
-        "schedule_p99_ms": round(pct(clock.held_ms, 0.99), 1),
+        "schedule_p50_ms": round(pct(clock.held_ms[:passes], 0.5), 1),
+        "schedule_p99_ms": round(pct(clock.held_ms[:passes], 0.99), 1),
         "schedule_wait_p99_ms": round(pct(clock.wait_ms, 0.99), 1),
+        "schedule_quiet_p50_ms": round(pct(quiet, 0.5), 1),
+        "schedule_quiet_p99_ms": round(pct(quiet, 0.99), 1),
         "nodes_finished": sim.nodes_done if sim else 0,
         "jobs_finished": finished,
         "heartbeat_lag_max_s": round(sim.beat_lag_s if sim else 0.0, 1),
@@ -459,6 +504,7 @@ def main() -> None:
         default=os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/5"),
         help="the broker (this run's queues are deleted after each scale)",
     )
+    parser.add_argument("--quiet-passes", type=int, default=20, help="passes timed after the load, nothing else running")
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
     if args.smoke:

@@ -275,6 +275,7 @@ class SchedulerLock(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
+    passed_at: Mapped[datetime | None]  # the last pass's start, anywhere: heartbeats' backstop passes wait on it
 
 
 class Webhook(Base):

@@ -134,6 +134,18 @@ class Settings(BaseSettings):
         description="Engine exit codes retried up to max_restarts (2 = bad input is never "
         "retried); a rank killed by a signal or a lost node always is.",
     )
+    schedule_window: int = Field(
+        200,
+        ge=1,
+        description="A scheduling pass considers at most this many waiting jobs of each team and gang shape (the "
+        "first by priority, then age); later ones are considered as those ahead of them start.",
+    )
+    schedule_backstop_s: float = Field(
+        5.0,
+        ge=0,
+        description="A host's heartbeat runs a backstop scheduling pass only when no pass has run anywhere for this "
+        "long (passes after a submission, a node's end or a worker's start always run).",
+    )
     rdzv_port_base: int = Field(29500, ge=1024, le=65000, description="Multi-node rendezvous ports start here ...")
     rdzv_port_count: int = Field(500, ge=1, description="... and the scheduler picks one of this many per job.")
     webhook_poll_s: float = Field(1.0, gt=0, description="How often the API's webhook sender looks for new events.")

@@ -59,7 +59,7 @@ def run_worker(settings: Settings, found: Inventory) -> None:
         on_beat=lambda: (
             finish_parked(settings, name),
             sweep_host(settings, name),
-            schedule(settings, if_changed=True),
+            schedule(settings, backstop=True),
         ),
         stopping=STOPPING,
     )

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from app.main import create_app
 from core.db import session_scope
 from core.jobs import request_cancel
-from core.models import Event, Host, Job, JobNode, Lease, utcnow
+from core.models import Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.reconciler import reconcile_once
 from core.recovery import recover
 from core.scheduler import behind_reason, schedule
@@ -363,8 +363,8 @@ def test_a_job_cancelled_while_the_pass_runs_gets_nothing(settings: Settings, mo
     gone, kept = job(settings), job(settings)
     read = scheduler.waiting_jobs
 
-    def read_then_cancel(session: Any) -> list[scheduler.Waiting]:
-        jobs = read(session)  # then a cancel lands (on SQLite the pass's lock makes it wait: the same session here)
+    def read_then_cancel(session: Any, window: int) -> list[scheduler.Waiting]:
+        jobs = read(session, window)  # then a cancel lands (on SQLite the pass's lock makes it wait: the same session here)
         session.execute(update(Job).where(Job.id == gone).values(state="cancelled"))
         return jobs
 
@@ -376,30 +376,31 @@ def test_a_job_cancelled_while_the_pass_runs_gets_nothing(settings: Settings, mo
     assert [g.job_id for g in schedule(settings)] == [late]
 
 
-def test_a_heartbeat_pass_is_skipped_until_something_could_start_a_job(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from core import scheduler
-
-    passes: list[int] = []
-    full = scheduler._pass
-    monkeypatch.setattr(scheduler, "_pass", lambda session, s: passes.append(1) or full(session, s))
+def test_a_heartbeat_pass_waits_while_a_pass_ran_recently_anywhere(settings: Settings) -> None:
+    """The backstop throttle: within ``schedule_backstop_s`` of any pass a heartbeat's pass is skipped even though
+    something changed; a plain pass always runs; past the interval the heartbeat passes again. Without a pass ever
+    (``passed_at`` unset) a heartbeat passes."""
+    settings = settings.model_copy(update={"schedule_backstop_s": 3600})
     add_host(settings, "h1", 1)
-    first, second = job(settings), job(settings)
-    assert [g.job_id for g in schedule(settings, if_changed=True)] == [first]  # nothing recorded yet: a full pass
-    assert schedule(settings, if_changed=True) == [] and len(passes) == 2  # started something: passes again
-    assert schedule(settings, if_changed=True) == [] and len(passes) == 2  # quiet and unchanged: skipped
-    finish(settings, first)  # a device freed
-    assert [g.job_id for g in schedule(settings, if_changed=True)] == [second]
-    schedule(settings, if_changed=True)
-    third = job(settings)  # a new job (it cannot start: the device is held) is a change
-    assert schedule(settings, if_changed=True) == [] and len(passes) == 5
-    assert schedule(settings, if_changed=True) == [] and len(passes) == 5
-    with session_scope(settings.database_url) as session:  # a host comes back from stale
-        session.execute(update(Host).values(heartbeat_at=utcnow() - timedelta(hours=1)))
-    schedule(settings, if_changed=True)
+    first = job(settings)
+    assert [g.job_id for g in schedule(settings, backstop=True)] == [first]
+    finish(settings, first)
+    second = job(settings)
+    assert schedule(settings, backstop=True) == []  # a pass ran a moment ago
+    assert rows(settings, second)[0].state == "queued"
     with session_scope(settings.database_url) as session:
-        session.execute(update(Host).values(heartbeat_at=utcnow()))
-    assert schedule(settings, if_changed=True) == [] and len(passes) == 7
-    assert schedule(settings) == [] and len(passes) == 8  # a plain pass always runs
-    assert rows(settings, third)[0].state == "queued"
+        session.execute(update(SchedulerLock).values(passed_at=utcnow() - timedelta(hours=2)))
+    assert [g.job_id for g in schedule(settings, backstop=True)] == [second]
+
+
+def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings) -> None:
+    """``schedule_window`` jobs of each team and gang shape per pass: the rest start in later passes, in order, and
+    another team's or another shape's jobs are considered at once however long one team's backlog is."""
+    settings = settings.model_copy(update={"schedule_window": 2})
+    add_host(settings, "h1", 8)
+    backlog = [job(settings) for _ in range(4)]
+    pair = job(settings, nproc=2)
+    other = job(settings, team="u")
+    assert sorted(g.job_id for g in schedule(settings)) == sorted([*backlog[:2], pair, other])
+    assert [g.job_id for g in schedule(settings)] == backlog[2:]
+    assert {r.state for r in rows(settings, *backlog)} == {"starting"}

@@ -77,5 +77,5 @@ def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Pat
         stored = session.get(Job, "old")
         assert stored is not None and json.loads(stored.resources or "") == spec["resources"]
         session.execute(update(Job).values(resources=None))  # as an older replica leaves it
-        (waiting,) = waiting_jobs(session)
+        (waiting,) = waiting_jobs(session, 200)
         assert json.loads(waiting.resources) == spec["resources"]
