@@ -174,12 +174,16 @@ def _check_tp(shape: Shape, tp: int) -> None:
 def _check_cp(shape: Shape, dims: ParallelDims) -> None:
     """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP ×
     Ulysses ranks of a sequence must get whole heads and whole KV groups (the ring passes whole K/V blocks and needs
-    nothing of the heads). MoE models are not run under CP yet: refused here, where the shape is known whether it
-    comes from flags, from a checkpoint at submission or from the loaded model."""
+    nothing of the heads). An MoE model under CP and PP together is refused here (a pipeline stage does not carry
+    the routing mask of CP's own padding), where the shape is known whether it comes from flags, from a checkpoint at
+    submission or from the loaded model."""
     if dims.cp == 1:
         return
-    if shape.num_experts:
-        raise LayoutError("context_parallel_size", "not supported for an MoE model (num_experts) yet; set it to 1")
+    if shape.num_experts and dims.pp > 1:
+        raise LayoutError(
+            "pipeline_model_parallel_size",
+            "an MoE model under pipeline parallelism with context parallelism is not supported yet; set one to 1",
+        )
     tp, ulysses = dims.tp, dims.ulysses_degree
     field, what_u = (
         ("ulysses_degree_in_cp", "Ulysses degree")

@@ -954,8 +954,8 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError("cp_attention_mask_type: only causal is supported")
         if cp == 1:
             return self
-        conflicts = {
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size > 1,
+        conflicts = {  # a DPO pipeline's last stage would complete row log-probs over CP: not built
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size > 1 and self.stage == "dpo",
             "expert_model_parallel_size": self.expert_model_parallel_size > 1,
             "precompute_ref_log_probs": self.precompute_ref_log_probs,
         }

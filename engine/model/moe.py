@@ -23,7 +23,8 @@ Load balancing (training): each MoE layer computes Megatron's switch loss ``E * 
 the top-k assignments that went to expert e, before dropping; P_e: mean router probability of e) and, when
 ``moe_aux_loss_coeff > 0``, attaches ``coeff * loss`` to its output with an autograd function whose backward feeds the
 loss's gradient in (Megatron's ``MoEAuxLossAutoScaler``). So the gradient reaches every layer wherever the LM loss is
-computed (a pipeline stage included) and the returned LM loss stays the LM loss. The values are kept per layer for
+computed (a pipeline stage included) and the returned LM loss stays the LM loss. Under context parallelism the
+assignment counts are completed over the CP ranks first (``_sequence_counts``). The values are kept per layer for
 reporting (``router_metrics``); ``hf_load_balancing_loss`` gives transformers' (differently aggregated) figure.
 """
 
@@ -36,6 +37,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
@@ -231,7 +233,7 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def switch_balance_loss(
-    probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int
+    probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int | torch.Tensor, topk: int
 ) -> torch.Tensor:
     """Megatron's ``switch_load_balancing_loss_func`` without the coefficient: E / (k T^2) * sum_e(sum_t p_te * n_e)
     = E * sum_e f_e P_e; 1.0 for a perfectly balanced router."""
@@ -294,6 +296,8 @@ class MoELayer(nn.Module):
         # None: weight 1, i.e. the plain sum ``lm_loss + coeff * sum_layers aux``.
         self.aux_loss_token_scale: torch.Tensor | float | None = None
         self.stats: RouterStats | None = None
+        # context parallelism (``engine.parallel.context_parallel``): the ranks holding the rest of these sequences
+        self.context_group: dist.ProcessGroup | None = None
         self.record_stats = True  # False: forwards are not counted (``paused_router_stats``)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,7 +308,12 @@ class MoELayer(nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return probs, top_w, top_i
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, counted: torch.Tensor | None = None, counted_tokens: int = 0
+    ) -> torch.Tensor:
+        """hidden (B, T, H) -> (B, T, H). ``counted`` (T,) bool with ``counted_tokens`` of the batch: the tokens the
+        load-balancing loss and the router figures count (context parallelism's own padding is routed but not
+        counted); None: every token."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # (N, H)
         n, k = x.shape[0], self.topk
@@ -327,12 +336,31 @@ class MoELayer(nn.Module):
         else:  # expert parallelism exchanges the rows themselves (``engine.parallel.expert_parallel``)
             y = self.experts(dispatch_rows(x, order, k), counts, row_weight)
         out = combine_rows(y, order, n, k).view(shape)  # back to tokens, summed over the k choices; dropped = 0
-        balance = switch_balance_loss(probs.sum(0), tokens_per_expert.to(probs.dtype), n, k)
-        self._record(probs, tokens_per_expert, balance, keep, n)
+        tokens, probs_sum, n_counted = tokens_per_expert, probs.sum(0), n
+        if counted is not None:
+            m = counted.expand(shape[0], -1).reshape(-1).to(probs.dtype)  # (N,)
+            tokens = torch.bincount(top_i.reshape(-1), m.repeat_interleave(k), minlength=self.num_experts)
+            probs_sum, n_counted = (probs * m[:, None]).sum(0), counted_tokens
+        routed, n_routed = self._sequence_counts(tokens, n_counted)
+        balance = switch_balance_loss(probs_sum, routed.to(probs.dtype), n_routed, k)
+        self._record(probs, tokens, balance, keep, n)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            scale = 1.0 if self.aux_loss_token_scale is None else self.aux_loss_token_scale * n
+            scale = 1.0 if self.aux_loss_token_scale is None else self.aux_loss_token_scale * n_routed
             out = AuxLossScaler.apply(out, balance * (self.aux_loss_coeff * scale))
         return out
+
+    @torch.no_grad()
+    def _sequence_counts(self, tokens_per_expert: torch.Tensor, n: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """The whole sequences' assignments per expert and counted tokens. Under context parallelism this rank
+        holds part of each sequence: both are summed over the CP ranks (one all-reduce), so each rank's switch loss is
+        its own probabilities against the sequences' counts, and the CP ranks' losses (and gradients, summed with the
+        rest over DP × CP) add up to the one-process loss — Megatron's ``switch_load_balancing_loss_func`` with the
+        TP × CP ``sequence_partition_group``."""
+        if self.context_group is None:
+            return tokens_per_expert, n
+        whole = torch.cat([tokens_per_expert.to(torch.float64), torch.tensor([n], dtype=torch.float64)])
+        dist.all_reduce(whole, group=self.context_group)
+        return whole[:-1], whole[-1].float()
 
     @torch.no_grad()
     def _record(

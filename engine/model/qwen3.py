@@ -119,6 +119,8 @@ class TransformerLayer(nn.Module):
         self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
     ) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x), rope, plan, kv_cache, layer_idx)
+        if isinstance(self.mlp, MoELayer) and plan.counted is not None:
+            return x + self.mlp(self.pre_mlp_layernorm(x), plan.counted, plan.counted_tokens)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
@@ -178,6 +180,7 @@ class Qwen3Model(nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
+        counted: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         input_ids: (B, T) token ids, or (B, T, H) hidden states when ``embedding`` was removed.
@@ -188,6 +191,8 @@ class Qwen3Model(nn.Module):
         kv_cache: appended to; ``kv_cache.length`` is the past length.
         return_hidden: return final-norm hidden states (B, T, H) instead of logits. Without a final norm (not
             the last pipeline stage) the layer output is returned.
+        counted: (T,) bool, the tokens of every row MoE routing figures count (context parallelism's shard of
+            rows it padded itself: ``engine.train.batches.context_shard``); None: all.
         """
         h = self.embedding(input_ids) if self.embedding is not None else input_ids  # (B, T, H)
         b, t = h.shape[:2]
@@ -205,6 +210,8 @@ class Qwen3Model(nn.Module):
             batch=b,
             runs_only=self.ring_attention,
         )
+        if counted is not None:  # one host read per forward, not one per MoE layer
+            plan.counted, plan.counted_tokens = counted.to(h.device), int(counted.sum()) * b
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))
         if self.decoder.final_layernorm is None:

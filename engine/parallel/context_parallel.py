@@ -91,6 +91,7 @@ class RingAttention:
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, overlap: bool = True) -> nn.Module:
     """Wrap every layer's attention of ``model`` (a ``Qwen3Model``) for ``algo`` over ``mesh``'s CP dimensions
     (``cp``; ``cp_ring`` × ``cp_ulysses`` for hybrid, as ``engine.parallel.mesh.build_mesh`` names them); in place."""
+    from engine.model.moe import moe_layers
     from engine.model.qwen3 import Qwen3Model, SelfAttention
 
     qwen = cast(Qwen3Model, model)
@@ -106,5 +107,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, ove
             module.attend = attend
     qwen.context_parallel = mesh["cp"].size()
     qwen.context_group = mesh["cp"].get_group()
+    for layer in moe_layers(qwen).values():  # routing counts completed over the sequence's ranks
+        layer.context_group = qwen.context_group
     qwen.ring_attention = algo != "ulysses_cp_algo"
     return model

@@ -13,6 +13,7 @@ trainer gathers those hidden states without a device->host sync (boolean masking
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from engine.contract.constants import IGNORE_INDEX, PAD_ID
 from engine.contract.lengths import padded_width
 from engine.parallel.context_parallel import shard_index, shard_multiple
+from engine.parallel.pipeline_parallel import WIDTH_BUCKET
 
 
 @dataclasses.dataclass
@@ -43,6 +45,7 @@ class MicroBatch:
     seq_lens: list[int]  # real tokens per sample (after the shift)
     pairs: int = 0  # preference data: rows [chosen of each pair; rejected of each pair], ``pairs`` of each
     ref_logps: torch.Tensor | None = None  # (rows,) fp32: the reference's precomputed row log-probs, when stored
+    counted: torch.Tensor | None = None  # (T,) bool: tokens MoE routing counts, when ``context_shard`` padded rows
 
     @property
     def loss_units(self) -> int:
@@ -71,6 +74,7 @@ class MicroBatch:
             loss_index=move(self.loss_index),
             loss_labels=move(self.loss_labels),
             ref_logps=None if self.ref_logps is None else move(self.ref_logps),
+            counted=None if self.counted is None else move(self.counted),
         )
 
 
@@ -139,15 +143,27 @@ def collate(samples: Sequence[Sample], seq_length: int, padding_free: bool, vari
     return pack(samples, seq_length) if padding_free else pad(samples, seq_length, variable_seq_lengths)
 
 
-def context_shard(mb: MicroBatch, ring: int, ulysses: int, rank: int) -> MicroBatch:
+def context_pipeline_width(batches: Sequence[MicroBatch], ring: int, ulysses: int) -> int:
+    """The one row width of a step's micro-batches under PP × CP: the longest, rounded up to a multiple of
+    ``WIDTH_BUCKET`` (few widths, few pipeline schedules) and of the CP shares (head/tail chunks alike on every rank)."""
+    unit = math.lcm(shard_multiple(ring, ulysses), WIDTH_BUCKET)
+    longest = max(mb.input_ids.shape[1] for mb in batches)
+    return -(-longest // unit) * unit
+
+
+def context_shard(mb: MicroBatch, ring: int, ulysses: int, rank: int, width: int | None = None) -> MicroBatch:
     """This context-parallel rank's share of ``mb`` (CP = ring × ulysses): the tokens
     ``engine.parallel.context_parallel.shard_index`` gives it of every row (rows padded at the end to an equal share
     per rank: pad tokens, no label, positions continuing, the row's last segment), with their labels, positions and
     loss positions; ``segment_ids`` stay whole, since attention sees every token. The real-token lengths stay on CP
-    rank 0 only, so sums over the DP × CP ranks count each sample once."""
+    rank 0 only, so sums over the DP × CP ranks count each sample once; ``counted`` marks the tokens that are not
+    this padding (MoE routing figures and the load-balancing loss skip it). ``width``: pad every row to it instead
+    (a pipeline's micro-batches share one width: padding a shard's end would put pad tokens among real ones)."""
     t = mb.input_ids.shape[1]
     multiple = shard_multiple(ring, ulysses)
-    width = -(-t // multiple) * multiple
+    width = width or -(-t // multiple) * multiple
+    if width % multiple or width < t:
+        raise ValueError(f"context_shard: width {width} is below {t} tokens or not a multiple of {multiple}")
     extra = width - t
     ids = np.pad(mb.input_ids.numpy(), ((0, 0), (0, extra)), constant_values=PAD_ID)
     labels = np.pad(mb.labels.numpy(), ((0, 0), (0, extra)), constant_values=IGNORE_INDEX)
@@ -159,4 +175,5 @@ def context_shard(mb: MicroBatch, ring: int, ulysses: int, rank: int) -> MicroBa
         seg = torch.from_numpy(np.concatenate([s, np.repeat(s[:, -1:], extra, axis=1)], axis=1))
     part = shard_index(width, ring, ulysses, rank)
     local = _finish(ids[:, part], pos[:, part], None, labels[:, part], mb.seq_lens if rank == 0 else [])
-    return dataclasses.replace(local, segment_ids=seg, pairs=mb.pairs, ref_logps=mb.ref_logps)
+    counted = torch.from_numpy(part < t) if extra else None  # this padding is CP's own: MoE routing skips it
+    return dataclasses.replace(local, segment_ids=seg, pairs=mb.pairs, ref_logps=mb.ref_logps, counted=counted)

@@ -104,7 +104,9 @@ def row_logps(
 ) -> RowLogps:
     """Each row of ``mb``: summed log-probs and labelled tokens, with ``logits`` the logit sums TRL reports too;
     ``vocab_parallel``: the head is vocab-sharded over TP (the hidden states may be sequence-sharded)."""
-    hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
+    hidden = model(
+        mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
+    )
     qwen = cast(Qwen3Model, model)
     rows = rows_from_hidden(hidden, qwen.output_weight(), mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index)
     return rows if qwen.context_group is None else _over_context(rows, qwen.context_group)

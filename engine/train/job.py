@@ -41,7 +41,7 @@ from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
-from engine.train.batches import MicroBatch, collate, collate_pairs, context_shard
+from engine.train.batches import MicroBatch, collate, collate_pairs, context_pipeline_width, context_shard
 from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
@@ -210,7 +210,9 @@ class Trainer:
             self.model, self.mesh, device.torch_device, spec.cross_entropy_chunk_size, *self._preference_losses()
         )
         pp = self.mesh["pp"]
-        self.router = RouterTracker(self.model, self.runner.dp_group, pp.get_group() if pp.size() > 1 else None)
+        self.router = RouterTracker(
+            self.model, self.runner.dp_group, pp.get_group() if pp.size() > 1 else None, plan.dims.cp
+        )
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = Scheduler(self.optimizer, schedule_from_spec(spec))
         self.scaler = LossScaler(spec)
@@ -360,7 +362,8 @@ class Trainer:
         self._check_planned(batches, data, iteration)
         if (cp := context_mesh(self.mesh)) is not None:  # each CP rank its slice of every row
             ring, ulysses = self.plan.dims.ring_degree, self.plan.dims.ulysses_degree
-            batches = [context_shard(mb, ring, ulysses, cp.get_local_rank()) for mb in batches]
+            width = None if self.plan.dims.pp == 1 else context_pipeline_width(batches, ring, ulysses)
+            batches = [context_shard(mb, ring, ulysses, cp.get_local_rank(), width) for mb in batches]
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())

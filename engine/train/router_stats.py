@@ -15,7 +15,9 @@ read on the host only at the metrics flush.
 
 Padding tokens are routed like any token (Megatron does the same): they count in the figures and the aux loss. So a
 pipeline run, which pads packed rows (``padding_free``) or ``variable_seq_lengths`` micro-batches to a bucketed
-width, routes a few more padding tokens than one process would; samples padded to ``seq_length`` route the same.
+width, routes a few more padding tokens than one process would, and so does context parallelism where a row's
+length is not a multiple of 2 × CP (``engine.train.batches.context_shard`` pads it); samples padded to ``seq_length``
+route the same.
 """
 
 from __future__ import annotations
@@ -33,16 +35,24 @@ class RouterTracker:
     ``layers``: every MoE layer of the whole model (global indices); ``modules``: those this rank holds (a pipeline
     stage holds some; a stage may hold none). Figures are summed over DP and gathered over pipeline stages (each
     layer's row comes from the one stage holding it), so every rank reports the one-process figures. TP ranks route
-    the same tokens (``engine.parallel.tensor_parallel.ExpertTensorParallel``) and count the same: no TP reduction."""
+    the same tokens (``engine.parallel.tensor_parallel.ExpertTensorParallel``) and count the same: no TP reduction.
+    Under context parallelism each rank counts its share of the tokens and its share of the switch loss (``engine.
+    model.moe.MoELayer._sequence_counts``): summed over DP × CP they are the one-process figures, the forwards (each
+    seen by every CP rank) divided by CP."""
 
     def __init__(
-        self, module: nn.Module, dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None
+        self,
+        module: nn.Module,
+        dp_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None = None,
+        context_parallel: int = 1,
     ) -> None:
         self.modules: dict[int, MoELayer] = moe_layers(module)
         cfg = getattr(module, "cfg", None)
         self.layers: list[int] = list(cfg.moe_layers) if cfg is not None else list(self.modules)
         self.num_experts = int(cfg.num_experts or 0) if cfg is not None and self.layers else 0
         self.dp_group, self.pp_group = dp_group, pp_group
+        self.context_parallel = context_parallel  # ``dp_group`` is DP × CP then: each forward counted CP times
         first = next(iter(module.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
 
@@ -80,6 +90,7 @@ class RouterTracker:
             dist.all_reduce(figures, group=self.dp_group)
             if self.pp_group is not None:
                 dist.all_reduce(figures, group=self.pp_group)
+        figures[:, -1] /= self.context_parallel
         return figures
 
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.model.loss import chunked_cross_entropy
 from engine.model.qwen3 import Qwen3Model
-from engine.parallel.mesh import batch_mesh
+from engine.parallel.mesh import batch_mesh, context_mesh
 from engine.parallel.pipeline_parallel import (
     WIDTH_BUCKET,
     PipelineModel,
@@ -116,7 +116,9 @@ def lm_loss(vocab_parallel: bool, chunk_size: int) -> MicroBatchLoss:
 def micro_batch_loss(model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_parallel: bool = False) -> torch.Tensor:
     """Sum of the token losses of one micro-batch (fp32 scalar). ``vocab_parallel``: the head is vocab-sharded
     over TP (and the hidden states may be sequence-sharded)."""
-    hidden = model(mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True)
+    hidden = model(
+        mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
+    )
     head = cast(Qwen3Model, model).output_weight()  # (V, H), or its vocab shard (a DTensor) under TP
     if vocab_parallel:
         return vocab_parallel_cross_entropy(hidden, head, mb.labels, chunk_size, mb.loss_index)[0]
@@ -186,7 +188,8 @@ class PipelineRunner:
         self.module, self.mesh, self.loss = module, mesh, loss
         self.pipeline = module.pipeline
         self.pipeline.use_loss(loss)
-        self.dp_group = mesh["dp"].get_group()
+        self.dp_group = batch_mesh(mesh).get_group()  # DP (× CP): the ranks holding different tokens
+        self.context = context_mesh(mesh) is not None
         first = next(iter(self.pipeline.parts[0].parameters()))
         self.device = (first.to_local() if hasattr(first, "to_local") else first).device
 
@@ -218,6 +221,8 @@ class PipelineRunner:
         """The sum over micro-batches of (token loss / normaliser): the last stage's, zeros elsewhere."""
         longest = max(mb.input_ids.shape[1] for mb in batches)
         width = min(self.module.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few shapes -> few schedules
+        if self.context:  # CP shards were cut from rows of one width already (``context_pipeline_width``)
+            width = longest
         ids, labels, pos, seg = stack_micro_batches(batches, width)
         if self.loss is not None:
             self.loss.begin(batches, self.device)

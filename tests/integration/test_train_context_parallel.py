@@ -1,7 +1,8 @@
 """Context parallelism (torchrun over gloo) equals one process step by step. Ulysses: CP2 and CP4 on packed samples
 (each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), CP2 × TP2 with sequence
 parallelism, padded rows. Ring: CP2 and CP4 (a model of 2 KV groups, which Ulysses could not split 4 ways), CP2 × TP2
-with sequence parallelism on padded rows without the send/recv overlap. Hybrid: a ring of two Ulysses pairs. And a
+with sequence parallelism on padded rows without the send/recv overlap. Hybrid: a ring of two Ulysses pairs. MoE
+(load-balancing loss on): Ulysses CP2, ring CP2 × TP2 with sequence parallelism. And a
 CP2 checkpoint resumed on one process continuing the same loss curve."""
 
 from __future__ import annotations
@@ -46,8 +47,48 @@ LAYOUTS = {
         4,
     ),
 }
+# MoE: two routed experts of four per token, the load-balancing loss on; rows padded to seq_length - 1 = 63 tokens,
+# which CP pads to 64 itself: that padding is routed but not counted (``MicroBatch.counted``)
+MOE = {
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "moe_layer_freq": [1, 0],
+    "moe_aux_loss_coeff": 0.01,
+    "padding_free": False,
+    "variable_seq_lengths": False,
+}
+LAYOUTS.update(
+    {
+        "moe_cp2": ({"context_parallel_size": 2, **MOE}, 2),
+        "moe_cp2_packed": ({"context_parallel_size": 2, **MOE, "padding_free": True}, 2),
+        # pipeline × CP: rows padded to one width before they are cut, so no pad lands among a shard's real tokens
+        "cp2_pp2": ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, 4),
+        "ring_cp2_pp2_padded": (
+            {
+                "context_parallel_size": 2,
+                "context_parallel_algo": "megatron_cp_algo",
+                "pipeline_model_parallel_size": 2,
+                "padding_free": False,
+                "variable_seq_lengths": True,
+            },
+            4,
+        ),
+        "moe_ring_cp2_tp2_sp": (
+            {
+                "context_parallel_size": 2,
+                "context_parallel_algo": "megatron_cp_algo",
+                "tensor_model_parallel_size": 2,
+                "sequence_parallel": True,
+                **MOE,
+            },
+            4,
+        ),
+    }
+)
 CP_ONLY = (
     "context_parallel_size",
+    "pipeline_model_parallel_size",
     "context_parallel_algo",
     "ulysses_degree_in_cp",
     "use_cp_send_recv_overlap",
@@ -62,6 +103,10 @@ def _equal(one: list[dict], many: list[dict]) -> None:
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["tokens"] == a["tokens"] and b["loss_tokens"] == a["loss_tokens"]
+        for key in ("load_balancing_loss", "expert_load_imbalance_max"):  # MoE: routing counted over the CP ranks
+            assert (key in b) == (key in a)
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -78,7 +123,7 @@ def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> Non
     parallel = json.loads((tmp_path / "run_cp" / "result.json").read_text())["summary"]["parallel"]
     assert parallel["cp"] == extra["context_parallel_size"]  # the sequences were split, not the batch
     assert parallel["cp_algo"] == extra.get("context_parallel_algo", "ulysses_cp_algo")
-    assert parallel["dp"] * parallel["cp"] * parallel["tp"] == nproc
+    assert parallel["dp"] * parallel["cp"] * parallel["tp"] * parallel.get("pp", 1) == nproc
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]
 
 
