@@ -376,10 +376,12 @@ def waiting_jobs(session: Session, window: int) -> list[Waiting]:
     turn = func.row_number().over(partition_by=(Job.team, resources), order_by=order).label("turn")
     columns = (Job.id, Job.team, Job.state, Job.priority, Job.attempt_count, Job.request_id, Job.pending_reason)
     ranked = select(*columns, Job.created_at, resources, turn).where(waiting).subquery()
+    r = ranked.c
     rows = session.connection().execute(  # plain rows: on every pass
-        select(*[ranked.c[c.name] for c in (*columns, Job.created_at)], ranked.c.resources)
-        .where(ranked.c.turn <= window)
-        .order_by(ranked.c.priority.desc(), ranked.c.created_at, ranked.c.id)
+        select(r.id, r.team, r.state, r.priority, r.attempt_count, r.request_id, r.pending_reason, r.created_at)
+        .add_columns(r.resources)
+        .where(r.turn <= window)
+        .order_by(r.priority.desc(), r.created_at, r.id)
     )
     return [Waiting(*row) for row in rows.all()]  # fetchall: iterating the result fetches row by row, 3x slower
 

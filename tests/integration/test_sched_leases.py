@@ -364,7 +364,7 @@ def test_a_job_cancelled_while_the_pass_runs_gets_nothing(settings: Settings, mo
     read = scheduler.waiting_jobs
 
     def read_then_cancel(session: Any, window: int) -> list[scheduler.Waiting]:
-        jobs = read(session, window)  # then a cancel lands (on SQLite the pass's lock makes it wait: the same session here)
+        jobs = read(session, window)  # then a cancel lands (on SQLite the pass's lock makes it wait: same session)
         session.execute(update(Job).where(Job.id == gone).values(state="cancelled"))
         return jobs
 

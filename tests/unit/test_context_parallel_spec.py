@@ -77,7 +77,13 @@ def test_cp_takes_its_share_of_the_world() -> None:
             "an MoE model under pipeline parallelism with context parallelism",
         ),
         (
-            {"context_parallel_size": 2, "expert_model_parallel_size": 2, "resources": {"nproc_per_node": 4}},
+            {
+                "context_parallel_size": 2,
+                "expert_model_parallel_size": 2,
+                "num_experts": 4,
+                "moe_ffn_hidden_size": 32,
+                "resources": {"nproc_per_node": 4},
+            },
             "expert_model_parallel_size",
             "not supported with context_parallel_size",
         ),
@@ -148,5 +154,8 @@ def test_an_moe_checkpoint_under_cp_and_pp_is_refused_whatever_gives_its_shape()
     assert err.value.field == "pipeline_model_parallel_size"
     layout.check(moe, layout.ParallelDims(cp=2))
     layout.check(moe, layout.ParallelDims(pp=2))
-    layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0, num_layers=4), layout.ParallelDims(cp=2, pp=2))
+    layout.check(
+        layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0, num_layers=4),
+        layout.ParallelDims(cp=2, pp=2),
+    )
     layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0), layout.ParallelDims(cp=2))
