@@ -69,11 +69,16 @@ def _wake(settings: Settings, queue: str, job_id: str, now: datetime, stale: dat
     queue that it stands for (never sent, or sent before ``stale``) counts as dispatched now."""
     if not send_waiting(settings, job_id, queue):
         return 0
+    stands_for = (
+        select(Job.id)
+        .where(Job.queue == queue, Job.state.in_([s.value for s in WAITING]), Job.created_at <= now)
+        .where(Job.dispatched_at.is_(None) | (Job.dispatched_at < stale))
+        .with_for_update(skip_locked=True)  # never wait on a pass's rows (a deadlock); skipped ones are woken again
+    )
     with session_scope(settings.database_url) as session:
         session.execute(
             update(Job)
-            .where(Job.queue == queue, Job.state.in_([s.value for s in WAITING]), Job.created_at <= now)
-            .where(Job.dispatched_at.is_(None) | (Job.dispatched_at < stale))
+            .where(Job.id.in_(stands_for))
             .values(dispatched_at=now)
             .execution_options(synchronize_session=False)
         )

@@ -387,9 +387,19 @@ def waiting_jobs(session: Session, window: int) -> list[Waiting]:
 
 
 def write_reasons(session: Session, reasons: list[dict[str, str]]) -> None:
-    """One statement for every changed pending reason of the pass (a job that moved on meanwhile keeps its own)."""
+    """One statement for every changed pending reason of the pass (a job that moved on meanwhile keeps its own).
+
+    A reason is advice: rows another transaction holds are skipped (``SKIP LOCKED``; SQLite locks the whole
+    database instead), their reasons written by a later pass. Waiting for them could deadlock: the reconciler marks
+    a queue's waiting jobs dispatched in one statement, locking rows in its scan order while the pass holds others."""
+    if not reasons:
+        return
+    db, free = session.connection(), set[str]()
+    for chunk in _chunks(sorted({r["job_id"] for r in reasons})):
+        free.update(db.scalars(select(Job.id).where(Job.id.in_(chunk)).with_for_update(skip_locked=True)))
+    reasons = [r for r in reasons if r["job_id"] in free]
     if reasons:
-        session.connection().execute(
+        db.execute(
             update(Job)
             .where(Job.id == bindparam("job_id"), Job.state == bindparam("job_state"))
             .values(pending_reason=bindparam("reason")),

@@ -404,3 +404,29 @@ def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings) ->
     assert sorted(g.job_id for g in schedule(settings)) == sorted([*backlog[:2], pair, other])
     assert [g.job_id for g in schedule(settings)] == backlog[2:]
     assert {r.state for r in rows(settings, *backlog)} == {"starting"}
+
+
+def test_a_pass_skips_the_reasons_of_rows_another_transaction_holds(settings: Settings) -> None:
+    """PostgreSQL: a waiting job's row held by another transaction (the reconciler marking a queue dispatched) does not
+    make the pass wait (which could deadlock); its reason is written by a later pass."""
+    if not settings.database_url.startswith("postgresql"):
+        pytest.skip("SQLite locks the whole database, not rows")
+    from sqlalchemy import create_engine
+
+    add_host(settings, "h1", 1)
+    running, held, free = job(settings), job(settings), job(settings)
+    assert [g.job_id for g in schedule(settings)] == [running]
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Job).where(Job.id.in_([held, free])).values(pending_reason=None))
+    other = create_engine(settings.database_url)
+    try:
+        with other.connect() as connection, connection.begin():
+            connection.execute(select(Job.id).where(Job.id == held).with_for_update())
+            began = time.monotonic()
+            assert schedule(settings) == []
+            assert time.monotonic() - began < 5
+        assert rows(settings, held)[0].pending_reason is None and rows(settings, free)[0].pending_reason
+        schedule(settings)
+        assert rows(settings, held)[0].pending_reason
+    finally:
+        other.dispose()
