@@ -8,6 +8,7 @@ service and the engine refuse the same layout with the same words.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, NamedTuple
 
 from engine.contract.model_config import ModelConfig
@@ -46,6 +47,7 @@ class ParallelDims:
     cp: int = 1
     cp_algo: CpAlgo = "ulysses_cp_algo"
     ulysses_degree_in_cp: int | None = None  # hybrid_cp_algo only: the Ulysses ranks inside each ring member
+    kv_head_repeat: bool = True  # MindSpeed-LLM's kv_head_repeat_before_uly_alltoall: Ulysses may repeat KV heads
 
     def __post_init__(self) -> None:
         if min(self.dp, self.pp, self.tp, self.ep, self.cp) < 1:
@@ -53,6 +55,10 @@ class ParallelDims:
         if self.cp > 1 and self.cp % self.ulysses_degree:
             raise LayoutError(
                 "ulysses_degree_in_cp", f"{self.ulysses_degree} does not divide context_parallel_size {self.cp}"
+            )
+        if self.dp % self.ep:
+            raise LayoutError(
+                "expert_model_parallel_size", f"EP {self.ep} must divide the data-parallel size {self.dp}"
             )
 
     @property
@@ -68,10 +74,6 @@ class ParallelDims:
     def ring_degree(self) -> int:
         """Ranks of a sequence that pass K/V blocks round a ring."""
         return self.cp // self.ulysses_degree
-        if self.dp % self.ep:
-            raise LayoutError(
-                "expert_model_parallel_size", f"EP {self.ep} must divide the data-parallel size {self.dp}"
-            )
 
     @property
     def world_size(self) -> int:
@@ -87,6 +89,7 @@ class ParallelDims:
         cp: int = 1,
         cp_algo: CpAlgo = "ulysses_cp_algo",
         ulysses_degree_in_cp: int | None = None,
+        kv_head_repeat: bool = True,
     ) -> ParallelDims:
         """The dims of ``world_size`` ranks; LayoutError when TP × PP (× CP) or EP do not fit."""
         if world_size % (tp * pp * cp):
@@ -102,7 +105,7 @@ class ParallelDims:
                 "expert_model_parallel_size",
                 f"EP {ep} must divide the data-parallel size {dp} (world size / (TP {tp} × PP {pp}{' × CP ' + str(cp) if cp > 1 else ''}))",
             )
-        return cls(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, cp_algo=cp_algo, ulysses_degree_in_cp=ulysses_degree_in_cp)
+        return cls(dp, pp, tp, ep, cp, cp_algo, ulysses_degree_in_cp, kv_head_repeat)
 
     def coords(self, rank: int) -> Coords:
         """Rank → coordinates, row-major over (dp, cp, pp, tp) as ``engine.parallel.mesh`` lays the mesh out:
@@ -173,8 +176,9 @@ def _check_tp(shape: Shape, tp: int) -> None:
 
 def _check_cp(shape: Shape, dims: ParallelDims) -> None:
     """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP ×
-    Ulysses ranks of a sequence must get whole heads and whole KV groups (the ring passes whole K/V blocks and needs
-    nothing of the heads). An MoE model under CP and PP together is refused here (a pipeline stage does not carry
+    Ulysses ranks of a sequence must get whole heads, and whole KV groups unless KV heads may be repeated (``kv_repeats``,
+    MindSpeed-LLM's ``kv_head_repeat_before_uly_alltoall``, on by default); the ring passes whole K/V blocks and needs
+    nothing of the heads. An MoE model under CP and PP together is refused here (a pipeline stage does not carry
     the routing mask of CP's own padding), where the shape is known whether it comes from flags, from a checkpoint at
     submission or from the loaded model."""
     if dims.cp == 1:
@@ -190,11 +194,23 @@ def _check_cp(shape: Shape, dims: ParallelDims) -> None:
         if dims.cp_algo == "hybrid_cp_algo"
         else ("context_parallel_size", "CP")
     )
-    for value, what in ((shape.num_attention_heads, "heads"), (shape.num_query_groups, "KV groups")):
+    checked = [(shape.num_attention_heads, "heads")]
+    if not dims.kv_head_repeat:  # else Ulysses repeats KV heads until they split (``kv_repeats``): heads suffice
+        checked.append((shape.num_query_groups, "KV groups"))
+    for value, what in checked:
         if ulysses > 1 and value is not None and value % (tp * ulysses):
+            hint = " (kv_head_repeat_before_uly_alltoall would repeat them)" if what == "KV groups" else ""
             raise LayoutError(
-                field, f"TP {tp} × {what_u} {ulysses} does not divide the model's {value} {what} (Ulysses)"
+                field, f"TP {tp} × {what_u} {ulysses} does not divide the model's {value} {what} (Ulysses){hint}"
             )
+
+
+def kv_repeats(kv_heads: int, ulysses: int) -> int:
+    """How many times Ulysses repeats each of a rank's ``kv_heads`` (after TP) so that they split evenly over
+    ``ulysses`` ranks: the least r with ``kv_heads × r`` a multiple of the degree (1 when they divide). MindSpeed-LLM
+    repeats every KV head to its whole query group instead; r divides the group size whenever the query heads split,
+    so the repeated heads keep each query head's own K/V."""
+    return ulysses // math.gcd(kv_heads, ulysses)
 
 
 def _check_pp(shape: Shape, pp: int, num_layer_list: list[int] | None, vpp_layers: int | None) -> None:

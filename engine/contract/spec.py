@@ -505,6 +505,7 @@ class ParallelArgs(_Strict):
             cp=getattr(self, "context_parallel_size", 1),  # a train spec's own fields
             cp_algo=getattr(self, "context_parallel_algo", "ulysses_cp_algo"),
             ulysses_degree_in_cp=getattr(self, "ulysses_degree_in_cp", None),
+            kv_head_repeat=getattr(self, "kv_head_repeat_before_uly_alltoall", True),
         )
 
     @property
@@ -800,13 +801,13 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         1,
         ge=1,
         description="--context-parallel-size: CP degree, ranks each sequence is split over (world = DP × CP × PP × "
-        "TP); each rank holds seq_length / CP tokens of every layer's activations. Ulysses: heads and KV groups must "
-        "divide by TP × CP.",
+        "TP); each rank holds seq_length / CP tokens of every layer's activations. Ulysses: heads must divide by "
+        "TP × CP (KV groups too unless kv_head_repeat_before_uly_alltoall).",
     )
     context_parallel_algo: layout.CpAlgo = Field(
         "ulysses_cp_algo",
-        description="--context-parallel-algo: ulysses_cp_algo (all-to-all of heads around attention; heads and KV "
-        "groups divide by TP × CP), megatron_cp_algo (ring attention: K/V blocks passed round the CP ranks, causal "
+        description="--context-parallel-algo: ulysses_cp_algo (all-to-all of heads around attention; heads divide "
+        "by TP × CP), megatron_cp_algo (ring attention: K/V blocks passed round the CP ranks, causal "
         "load balance by head/tail chunks; any head count) or hybrid_cp_algo (Ulysses inside groups of "
         "ulysses_degree_in_cp ranks, a ring across them).",
     )
@@ -814,7 +815,13 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         None,
         ge=2,
         description="--ulysses-degree-in-cp: hybrid_cp_algo only; the Ulysses ranks inside each ring member (divides "
-        "context_parallel_size, below it; heads and KV groups divide by TP × this).",
+        "context_parallel_size, below it; heads divide by TP × this, KV groups as for Ulysses).",
+    )
+    kv_head_repeat_before_uly_alltoall: bool = Field(
+        True,
+        description="--kv-head-repeat-before-uly-alltoall: Ulysses CP (and hybrid) repeats each KV head when a TP "
+        "rank's KV groups do not split over the Ulysses degree, as few times as the split needs (MindSpeed-LLM, where "
+        "it is on by default too, repeats them to every query head); false refuses such a layout.",
     )
     use_cp_send_recv_overlap: bool = Field(
         True,

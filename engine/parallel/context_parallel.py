@@ -3,7 +3,8 @@ attention needs the others'. Three ways, MindSpeed's ``context_parallel_algo``:
 
 - ``ulysses_cp_algo`` (DeepSpeed-Ulysses): around attention an all-to-all swaps the rank's tokens of every head for
   all ``T`` tokens of ``1 / CP`` of the heads (KV groups split the same way, so each rank's query heads keep their own
-  groups), then back. Contiguous token slices.
+  groups; KV heads fewer than the degree, or not a multiple of it, are repeated until they split), then back.
+  Contiguous token slices.
 - ``megatron_cp_algo`` (ring, ``engine.parallel.ring_attention``): queries stay, K/V blocks go round the ranks.
   Head/tail chunks for the causal load balance.
 - ``hybrid_cp_algo``: Ulysses inside groups of ``ulysses_degree_in_cp`` neighbouring ranks, a ring across the groups:
@@ -27,13 +28,17 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 
-from engine.contract.layout import CpAlgo
+from engine.contract.layout import CpAlgo, kv_repeats
 from engine.model.attention import AttentionPlan, attention_inputs, core_attention
 from engine.parallel.ring_attention import Ring, ring_attention, token_index
 
 
 def _to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
-    """(B, heads, T/CP, d) local tokens of every head -> (B, heads/CP, T, d) every token of this rank's heads."""
+    """(B, heads, T/CP, d) local tokens of every head -> (B, heads/CP, T, d) every token of this rank's heads. K/V
+    heads that do not split over ``cp`` are repeated first (``kv_repeats``; their gradients sum back through
+    ``repeat_interleave``), each copy next to its original, so query head i keeps K/V head i // group size."""
+    if (r := kv_repeats(x.shape[1], cp)) > 1:
+        x = x.repeat_interleave(r, dim=1)
     b, h, tl, d = x.shape
     send = x.reshape(b, cp, h // cp, tl, d).transpose(0, 1).contiguous()  # chunk j: the heads rank j keeps
     recv = all_to_all_single(torch.empty_like(send), send, group=group)  # chunk j: rank j's tokens of my heads

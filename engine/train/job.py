@@ -122,7 +122,14 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
     tp, pp, ep = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size
     try:
         dims = ParallelDims.from_world(
-            world, tp, pp, ep, spec.context_parallel_size, spec.context_parallel_algo, spec.ulysses_degree_in_cp
+            world,
+            tp,
+            pp,
+            ep,
+            spec.context_parallel_size,
+            spec.context_parallel_algo,
+            spec.ulysses_degree_in_cp,
+            spec.kv_head_repeat_before_uly_alltoall,
         )
     except LayoutError as err:
         raise BadInput(str(err), err.field) from err

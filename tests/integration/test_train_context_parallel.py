@@ -1,5 +1,5 @@
 """Context parallelism (torchrun over gloo) equals one process step by step. Ulysses: CP2 and CP4 on packed samples
-(each rank a quarter or half of every packed row), CP2 × DP2 (FSDP over the four ranks), CP2 × TP2 with sequence
+(each rank a quarter or half of every packed row; CP4 also over 2 KV groups, each repeated twice), CP2 × DP2 (FSDP over the four ranks), CP2 × TP2 with sequence
 parallelism, padded rows. Ring: CP2 and CP4 (a model of 2 KV groups, which Ulysses could not split 4 ways), CP2 × TP2
 with sequence parallelism on padded rows without the send/recv overlap. Hybrid: a ring of two Ulysses pairs. MoE
 (load-balancing loss on): Ulysses CP2, ring CP2 × TP2 with sequence parallelism. And a
@@ -20,6 +20,8 @@ FOUR_GROUPS = {"num_attention_heads": 4, "num_query_groups": 4}
 LAYOUTS = {
     "cp2": ({"context_parallel_size": 2}, 2),
     "cp4": ({"context_parallel_size": 4, **FOUR_GROUPS}, 4),
+    # 2 KV groups over 4 Ulysses ranks: each KV head repeated twice before the all-to-all
+    "cp4_kv_repeat": ({"context_parallel_size": 4}, 4),
     "cp2_dp2": ({"context_parallel_size": 2}, 4),
     "cp2_padded": ({"context_parallel_size": 2, "padding_free": False, "variable_seq_lengths": True}, 2),
     "cp2_tp2_sp": (

@@ -35,7 +35,16 @@ def test_cp_takes_its_share_of_the_world() -> None:
 @pytest.mark.parametrize(
     ("extra", "field", "words"),
     [
-        ({"context_parallel_size": 4, "resources": {"nproc_per_node": 4}}, "context_parallel_size", "2 KV groups"),
+        (
+            {
+                "context_parallel_size": 4,
+                "kv_head_repeat_before_uly_alltoall": False,
+                "resources": {"nproc_per_node": 4},
+            },
+            "context_parallel_size",
+            "2 KV groups (Ulysses) (kv_head_repeat_before_uly_alltoall would repeat them)",
+        ),
+        ({"context_parallel_size": 8, "resources": {"nproc_per_node": 8}}, "context_parallel_size", "4 heads"),
         ({"context_parallel_size": 2, "resources": {"nproc_per_node": 3}}, "context_parallel_size", "world size"),
         (
             {"context_parallel_size": 4, "context_parallel_algo": "hybrid_cp_algo", "resources": {"nproc_per_node": 4}},
@@ -59,6 +68,7 @@ def test_cp_takes_its_share_of_the_world() -> None:
                 "context_parallel_size": 8,
                 "context_parallel_algo": "hybrid_cp_algo",
                 "ulysses_degree_in_cp": 4,
+                "kv_head_repeat_before_uly_alltoall": False,
                 "resources": {"nproc_per_node": 8},
             },
             "ulysses_degree_in_cp",
@@ -93,6 +103,19 @@ def test_refused_by_name(extra: dict[str, Any], field: str, words: str) -> None:
     with pytest.raises(ValidationError) as err:
         parse_spec({**BASE, **extra})
     assert field in str(err.value) and words in str(err.value), err.value
+
+
+def test_ulysses_repeats_kv_heads_that_do_not_split() -> None:
+    """MindSpeed-LLM's kv_head_repeat_before_uly_alltoall (on by default): 2 KV groups over 4 Ulysses ranks are each
+    repeated twice; the least repeat that splits, and it always divides the query group when the heads split."""
+    from engine.contract.layout import kv_repeats
+
+    spec = parse_spec({**BASE, "context_parallel_size": 4, "resources": {"nproc_per_node": 4}})
+    assert spec.parallel_dims.ulysses_degree == 4
+    assert [kv_repeats(kv, 4) for kv in (1, 2, 4, 6, 8)] == [4, 2, 1, 2, 1]
+    assert kv_repeats(4, 8) == 2 and kv_repeats(3, 2) == 2
+    for heads, kv, u in ((32, 8, 16), (16, 8, 16), (40, 8, 20), (64, 4, 8)):
+        assert heads % u == 0 and (heads // kv) % kv_repeats(kv, u) == 0
 
 
 def test_the_ring_takes_any_head_count() -> None:
@@ -159,3 +182,14 @@ def test_an_moe_checkpoint_under_cp_and_pp_is_refused_whatever_gives_its_shape()
         layout.ParallelDims(cp=2, pp=2),
     )
     layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0), layout.ParallelDims(cp=2))
+
+
+def test_parallel_dims_refuse_an_ep_that_does_not_divide_dp_however_built() -> None:
+    """The EP rule holds for dims built directly (expert parallelism's own mesh check builds them so), not only
+    through ``from_world``."""
+    from engine.contract import layout
+
+    with pytest.raises(layout.LayoutError, match="EP 4 must divide the data-parallel size 2") as err:
+        layout.ParallelDims(dp=2, ep=4)
+    assert err.value.field == "expert_model_parallel_size"
+    assert layout.ParallelDims(dp=4, ep=2).ep == 2

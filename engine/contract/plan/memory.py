@@ -52,6 +52,7 @@ import dataclasses
 from typing import Any
 
 from engine.contract.constants import RING_SCORE_TILE_BYTES
+from engine.contract.layout import kv_repeats
 from engine.contract.lora_targets import MEGATRON_TARGETS
 from engine.contract.model_config import ModelConfig
 
@@ -262,7 +263,8 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     if lay.device_type == "cpu" and lay.ring == 1:  # sdpa with a block mask: k and v expanded to every query head
         attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
     else:  # flash/varlen kernels: q, k, v, output (also linear_proj's input, a view of it), fp32 lse
-        attn = 2 * e * a * d + 2 * e * g * d + 4 * a
+        ulysses = lay.cp // lay.ring  # KV heads that do not split over it are repeated first (layout.kv_repeats)
+        attn = 2 * e * a * d + 2 * e * g * kv_repeats(g, ulysses) * d + 4 * a
     mlp = fam.fc1_widths * e * f if _has_dense(cfg) else 0  # fc1's output (gate|up) only: SwiGLU is rebuilt
     if cfg.moe_layers:  # the largest layer's: an MoE one (engine.model.moe) where it is bigger
         mlp = max(mlp, moe_activation_bytes(cfg, lay))
@@ -344,10 +346,11 @@ def ring_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Ring attention's backward beyond the saved activations (``engine.parallel.ring_attention``): K/V blocks in
     flight (sent and received), their fp32 gradients travelling with them (two), the block's K/V expanded to every
     query head in fp32, dq, q and dO in fp32, and about four score tiles. Under hybrid CP the ring holds ``Ulysses ×``
-    the tokens for ``1 / Ulysses`` of the heads: the same bytes."""
+    the tokens for ``1 / Ulysses`` of the heads: the same bytes (KV heads repeated to split count repeated)."""
     if lay.ring == 1:
         return 0
     e, a, g, d = lay.compute_bytes, cfg.num_attention_heads // lay.tp, cfg.num_query_groups // lay.tp, cfg.kv_channels
+    g *= kv_repeats(g, lay.cp // lay.ring)
     per_token = d * (2 * 2 * e * g + 2 * 2 * 4 * g + 2 * 4 * a + 3 * 4 * a)
     return tokens * per_token + 4 * RING_SCORE_TILE_BYTES
 
