@@ -406,11 +406,11 @@ def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings) ->
     assert {r.state for r in rows(settings, *backlog)} == {"starting"}
 
 
+@pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_a_pass_skips_the_reasons_of_rows_another_transaction_holds(settings: Settings) -> None:
-    """PostgreSQL: a waiting job's row held by another transaction (the reconciler marking a queue dispatched) does not
-    make the pass wait (which could deadlock); its reason is written by a later pass."""
-    if not settings.database_url.startswith("postgresql"):
-        pytest.skip("SQLite locks the whole database, not rows")
+    """PostgreSQL (SQLite locks the whole database, not rows): a waiting job's row held by another transaction (the
+    reconciler marking a queue dispatched) does not make the pass wait (which could deadlock); its reason is written
+    by a later pass."""
     from sqlalchemy import create_engine
 
     add_host(settings, "h1", 1)

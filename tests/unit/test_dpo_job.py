@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix  # noqa: E402
+from dpo_support import trl_run, write_trl_pairs  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
@@ -39,86 +39,6 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     out = tmp_path_factory.mktemp("hf") / "tiny"
     model.save_pretrained(out)
     return model, out
-
-
-def _trl(
-    model: Any, tokenizer_dir: Path, tmp_path: Path, ref: Any = None, **args: Any
-) -> tuple[list[dict[str, float]], Any]:
-    """TRL's log history over STEPS steps of the whole 3-pair set, and its first batch (``ref``: the reference,
-    default the model). SimPO is TRL's ``CPOTrainer`` with ``cpo_alpha`` 0 (its ``DPOTrainer`` has no
-    reference-free loss)."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
-
-    simpo = args.get("loss_type") == "simpo"
-    common = dict(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=3,
-        max_steps=STEPS,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        bf16=False,  # TRL defaults to bf16 autocast, on CPU too
-        **args,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data = Dataset.from_dict(PAIRS)
-    if simpo:
-        trainer: Any = CPOTrainer(
-            model=copy.deepcopy(model),
-            args=CPOConfig(cpo_alpha=0.0, **common),
-            train_dataset=data,
-            processing_class=tokenizer,
-        )
-    else:
-        trainer = DPOTrainer(
-            model=copy.deepcopy(model),
-            ref_model=copy.deepcopy(model if ref is None else ref),
-            args=DPOConfig(**common),
-            train_dataset=data,
-            processing_class=tokenizer,
-        )
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h], batch
-
-
-def _rows(batch: dict[str, torch.Tensor]) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """(side, ids, labels) of each answer of TRL's batch: DPOTrainer's padded [chosen; rejected] with a
-    completion mask, or CPOTrainer's chosen_* / rejected_* with labels."""
-    if "completion_mask" in batch:
-        n = batch["input_ids"].shape[0] // 2
-        out = []
-        for row in range(2 * n):
-            real = batch["attention_mask"][row].bool()
-            ids = batch["input_ids"][row][real].numpy()
-            labels = np.where(batch["completion_mask"][row][real].numpy() == 1, ids, -100)
-            out.append(("chosen" if row < n else "rejected", ids, labels))
-        return out
-    return [
-        (side, batch[f"{side}_input_ids"][row][real].numpy(), batch[f"{side}_labels"][row][real].numpy())
-        for side in ("chosen", "rejected")
-        for row in range(batch[f"{side}_input_ids"].shape[0])
-        for real in [batch[f"{side}_attention_mask"][row].bool()]
-    ]
-
-
-def _write_pairs(batch: dict[str, torch.Tensor], prefix: Path) -> str:
-    """TRL's tokenized pairs in MindSpeed's pairwise layout (prompt tokens masked from the labels)."""
-    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
-    for side, ids, labels in _rows(batch):
-        writers[f"{side}_input_ids"].add_document(ids)
-        writers[f"{side}_labels"].add_document(labels)
-    for w in writers.values():
-        w.finalize()
-    return str(prefix)
 
 
 def _ours(data: str, load: Path, tmp_path: Path, **extra: Any) -> list[dict[str, Any]]:
@@ -156,8 +76,10 @@ def test_dpo_with_another_ref_model_equals_trl(
         for p in ref.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     ref.save_pretrained(tmp_path / "ref")
-    theirs, batch = _trl(model, qwen_tokenizer_dir, tmp_path, ref=ref, loss_type=["sigmoid"], beta=0.1)
-    ours = _ours(_write_pairs(batch, tmp_path / "pairs"), load, tmp_path, ref_model=str(tmp_path / "ref"))
+    theirs, batch = trl_run(
+        model, qwen_tokenizer_dir, tmp_path, PAIRS, STEPS, LR, ref=ref, loss_type=["sigmoid"], beta=0.1
+    )
+    ours = _ours(write_trl_pairs(batch, tmp_path / "pairs"), load, tmp_path, ref_model=str(tmp_path / "ref"))
     assert abs(ours[0]["rewards/margins"]) > 1e-3  # the reference differs from the policy at step 1
     for a, b in zip(ours, theirs, strict=True):
         assert a["lm_loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -180,8 +102,8 @@ def test_dpo_job_equals_trl_over_three_steps(
     hf_model: tuple[Any, Path], qwen_tokenizer_dir: Path, tmp_path: Path, trl_args: dict, ours_args: dict
 ) -> None:
     model, load = hf_model
-    theirs, batch = _trl(model, qwen_tokenizer_dir, tmp_path, **trl_args)
-    ours = _ours(_write_pairs(batch, tmp_path / "pairs"), load, tmp_path, **ours_args)
+    theirs, batch = trl_run(model, qwen_tokenizer_dir, tmp_path, PAIRS, STEPS, LR, **trl_args)
+    ours = _ours(write_trl_pairs(batch, tmp_path / "pairs"), load, tmp_path, **ours_args)
     assert len(ours) == len(theirs) == STEPS
     for a, b in zip(ours, theirs, strict=True):
         assert a["lm_loss"] == pytest.approx(b["loss"], rel=1e-5)

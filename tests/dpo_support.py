@@ -1,0 +1,100 @@
+"""TRL's side of the DPO exactness tests: its trainers run on a pair set, and its tokenized batch written in
+MindSpeed's pairwise layout so our jobs train on exactly TRL's tokens."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
+
+
+def trl_run(
+    model: Any,
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    pairs: dict[str, list[Any]],
+    steps: int,
+    lr: float,
+    ref: Any = None,
+    **args: Any,
+) -> tuple[list[dict[str, float]], Any]:
+    """TRL's log history over ``steps`` steps of the whole pair set (one batch of all of it, so no shuffle can
+    differ), and its first batch (``ref``: the reference, default the model). SimPO is TRL's ``CPOTrainer`` with ``cpo_alpha`` 0 (its ``DPOTrainer`` has no
+    reference-free loss)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    simpo = args.get("loss_type") == "simpo"
+    common = dict(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=len(pairs["chosen"]),
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        bf16=False,  # TRL defaults to bf16 autocast, on CPU too
+        **args,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = Dataset.from_dict(pairs)
+    if simpo:
+        trainer: Any = CPOTrainer(
+            model=copy.deepcopy(model),
+            args=CPOConfig(cpo_alpha=0.0, **common),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    else:
+        trainer = DPOTrainer(
+            model=copy.deepcopy(model),
+            ref_model=copy.deepcopy(model if ref is None else ref),
+            args=DPOConfig(**common),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], batch
+
+
+def trl_rows(batch: dict[str, torch.Tensor]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(side, ids, labels) of each answer of TRL's batch: DPOTrainer's padded [chosen; rejected] with a
+    completion mask, or CPOTrainer's chosen_* / rejected_* with labels."""
+    if "completion_mask" in batch:
+        n = batch["input_ids"].shape[0] // 2
+        out = []
+        for row in range(2 * n):
+            real = batch["attention_mask"][row].bool()
+            ids = batch["input_ids"][row][real].numpy()
+            labels = np.where(batch["completion_mask"][row][real].numpy() == 1, ids, -100)
+            out.append(("chosen" if row < n else "rejected", ids, labels))
+        return out
+    return [
+        (side, batch[f"{side}_input_ids"][row][real].numpy(), batch[f"{side}_labels"][row][real].numpy())
+        for side in ("chosen", "rejected")
+        for row in range(batch[f"{side}_input_ids"].shape[0])
+        for real in [batch[f"{side}_attention_mask"][row].bool()]
+    ]
+
+
+def write_trl_pairs(batch: dict[str, torch.Tensor], prefix: Path) -> str:
+    """TRL's tokenized pairs in MindSpeed's pairwise layout (prompt tokens masked from the labels)."""
+    writers = {f: IndexedDatasetWriter(instruction_prefix(prefix, f)) for f in PAIRWISE_FIELDS}
+    for side, ids, labels in trl_rows(batch):
+        writers[f"{side}_input_ids"].add_document(ids)
+        writers[f"{side}_labels"].add_document(labels)
+    for w in writers.values():
+        w.finalize()
+    return str(prefix)
