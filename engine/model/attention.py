@@ -107,6 +107,8 @@ def plan_attention(
     if segment_ids is not None:
         kernel = attention_kernel(device.type)
         if kernel == "sdpa":
+            if not segment_starts(segment_ids)[:, 1:].any():  # one sample per row (a host read): no T × T mask
+                return AttentionPlan()
             return AttentionPlan(mask=block_causal_mask(segment_ids), is_causal=False)
         cu, longest = cu_seqlens_from_segments(segment_ids)
         ends = cu[1:].tolist() if kernel == "npu_fusion" else None

@@ -103,6 +103,20 @@ def test_plain_batches_use_the_npu_kernel_as_one_sample_per_row(monkeypatch: pyt
     assert plan_attention(torch.device("cpu"), 1, past_len=4).kernel == "sdpa"  # decoding stays on SDPA
 
 
+def test_packed_rows_of_one_sample_each_need_no_mask() -> None:
+    """SDPA: rows that each hold one sample (a long sample per row, padding joined to it) are plain causal, without
+    the (B, 1, T, T) block mask: at 32K tokens that mask alone is 1 GiB per row."""
+    one = torch.tensor([[0, 0, 0, 0], [5, 5, 5, 5]])
+    plan = plan_attention(torch.device("cpu"), 4, segment_ids=one, batch=2)
+    assert plan.mask is None and plan.is_causal
+    two = torch.tensor([[0, 0, 1, 1], [5, 5, 5, 5]])
+    plan = plan_attention(torch.device("cpu"), 4, segment_ids=two, batch=2)
+    assert plan.mask is not None and not plan.is_causal and torch.equal(plan.mask, block_causal_mask(two))
+    q, k, v = (torch.randn(2, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    masked = attention.core_attention(q, k, v, attention.AttentionPlan(mask=block_causal_mask(one), is_causal=False))
+    assert torch.allclose(attention.core_attention(q, k, v, plan_attention(q.device, 4, segment_ids=one)), masked)
+
+
 @given(
     st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=3).filter(
         lambda rows: len({len(r) for r in rows}) == 1
