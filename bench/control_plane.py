@@ -504,7 +504,9 @@ def main() -> None:
         default=os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/5"),
         help="the broker (this run's queues are deleted after each scale)",
     )
-    parser.add_argument("--quiet-passes", type=int, default=20, help="passes timed after the load, nothing else running")
+    parser.add_argument(
+        "--quiet-passes", type=int, default=20, help="passes timed after the load, nothing else running"
+    )
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
     if args.smoke:

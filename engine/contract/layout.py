@@ -178,16 +178,10 @@ def _check_cp(shape: Shape, dims: ParallelDims) -> None:
     """Ulysses context parallelism swaps the sequence split for a head split around attention: each of the TP ×
     Ulysses ranks of a sequence must get whole heads, and whole KV groups unless KV heads may be repeated (``kv_repeats``,
     MindSpeed-LLM's ``kv_head_repeat_before_uly_alltoall``, on by default); the ring passes whole K/V blocks and needs
-    nothing of the heads. An MoE model under CP and PP together is refused here (a pipeline stage does not carry
-    the routing mask of CP's own padding), where the shape is known whether it comes from flags, from a checkpoint at
+    nothing of the heads. Checked here, where the shape is known whether it comes from flags, from a checkpoint at
     submission or from the loaded model."""
     if dims.cp == 1:
         return
-    if shape.num_experts and dims.pp > 1:
-        raise LayoutError(
-            "pipeline_model_parallel_size",
-            "an MoE model under pipeline parallelism with context parallelism is not supported yet; set one to 1",
-        )
     tp, ulysses = dims.tp, dims.ulysses_degree
     field, what_u = (
         ("ulysses_degree_in_cp", "Ulysses degree")

@@ -34,7 +34,7 @@ class AttentionPlan:
     seq_ends: list[int] | None = None  # cu_seqlens[1:] on the host (NPU kernel argument), read once per batch
     # (B, T) packed-sample index of every token: ring context parallelism masks each K/V block from it (no T × T)
     runs: torch.Tensor | None = None
-    # (T,) bool, the tokens MoE routing figures count, and how many of the batch that is: set (``Qwen3Model``) only
+    # (T,) or (B, T) bool, the tokens MoE routing figures count, and how many of the batch: set (``Qwen3Model``) only
     # when context parallelism padded the rows itself, so that padding weighs nothing one process would not route
     counted: torch.Tensor | None = None
     counted_tokens: int = 0

@@ -311,9 +311,9 @@ class MoELayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, counted: torch.Tensor | None = None, counted_tokens: int = 0
     ) -> torch.Tensor:
-        """hidden (B, T, H) -> (B, T, H). ``counted`` (T,) bool with ``counted_tokens`` of the batch: the tokens the
-        load-balancing loss and the router figures count (context parallelism's own padding is routed but not
-        counted); None: every token."""
+        """hidden (B, T, H) -> (B, T, H). ``counted`` (T,) or (B, T) bool with ``counted_tokens`` of the batch:
+        the tokens the load-balancing loss and the router figures count (context parallelism's own padding is routed
+        but not counted); None: every token."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # (N, H)
         n, k = x.shape[0], self.topk

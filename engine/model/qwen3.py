@@ -191,8 +191,8 @@ class Qwen3Model(nn.Module):
         kv_cache: appended to; ``kv_cache.length`` is the past length.
         return_hidden: return final-norm hidden states (B, T, H) instead of logits. Without a final norm (not
             the last pipeline stage) the layer output is returned.
-        counted: (T,) bool, the tokens of every row MoE routing figures count (context parallelism's shard of
-            rows it padded itself: ``engine.train.batches.context_shard``); None: all.
+        counted: (T,) bool for every row, or (B, T), the tokens MoE routing figures count (context parallelism's
+            shard of rows it padded itself: ``engine.train.batches.context_shard``); None: all.
         """
         h = self.embedding(input_ids) if self.embedding is not None else input_ids  # (B, T, H)
         b, t = h.shape[:2]
@@ -211,7 +211,8 @@ class Qwen3Model(nn.Module):
             runs_only=self.ring_attention,
         )
         if counted is not None:  # one host read per forward, not one per MoE layer
-            plan.counted, plan.counted_tokens = counted.to(h.device), int(counted.sum()) * b
+            rows = b if counted.dim() == 1 else 1
+            plan.counted, plan.counted_tokens = counted.to(h.device), int(counted.sum()) * rows
         for idx, layer in self.decoder.layers.items():
             h = layer(h, rope, plan, kv_cache, int(idx))
         if self.decoder.final_layernorm is None:

@@ -105,13 +105,17 @@ class StageModule(nn.Module):
         self.inferred = False
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        counted: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.sp_mesh is not None and self.part.embedding is None:  # x: this rank's sequence shard
             x = sequence_shard(x, self.sp_mesh, position_ids.shape[1])
         with contextlib.nullcontext() if self.inferred else paused_router_stats(self.part):
             self.inferred = True
-            out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True)
+            out = self.part(x, position_ids=position_ids, segment_ids=segment_ids, return_hidden=True, counted=counted)
         return out.to_local() if isinstance(out, DTensor) else out
 
 
@@ -156,6 +160,7 @@ class Pipeline:
         segment_ids: torch.Tensor | None,
         normaliser: float,
         train: bool = True,
+        counted: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward + backward of all micro-batches (stacked on dim 0); every micro-batch's summed token loss is
         divided by ``normaliser`` (the step's global token count) before backward. Returns the sum of those
@@ -164,10 +169,12 @@ class Pipeline:
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if segment_ids is not None:
             kwargs["segment_ids"] = segment_ids
+        if counted is not None:  # (rows, T) bool: the tokens MoE routing counts (context parallelism's padding not)
+            kwargs["counted"] = counted
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.is_first else ()
         target = labels if self.is_last else None
-        key = (tuple(input_ids.shape), segment_ids is not None)
+        key = (tuple(input_ids.shape), segment_ids is not None, counted is not None)
         if key not in self._schedules:
             self._schedules[key] = self.make_schedule()
         if train:

@@ -66,6 +66,8 @@ LAYOUTS.update(
         "moe_cp2_packed": ({"context_parallel_size": 2, **MOE, "padding_free": True}, 2),
         # pipeline × CP: rows padded to one width before they are cut, so no pad lands among a shard's real tokens
         "cp2_pp2": ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, 4),
+        # MoE in the first stage: CP's padding mask travels with the micro-batches through the schedule
+        "moe_cp2_pp2": ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2, **MOE}, 4),
         "ring_cp2_pp2_padded": (
             {
                 "context_parallel_size": 2,

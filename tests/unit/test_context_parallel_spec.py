@@ -78,17 +78,6 @@ def test_cp_takes_its_share_of_the_world() -> None:
         (
             {
                 "context_parallel_size": 2,
-                "num_experts": 4,
-                "moe_ffn_hidden_size": 32,
-                "pipeline_model_parallel_size": 2,
-                "resources": {"nproc_per_node": 4},
-            },
-            "pipeline_model_parallel_size",
-            "an MoE model under pipeline parallelism with context parallelism",
-        ),
-        (
-            {
-                "context_parallel_size": 2,
                 "expert_model_parallel_size": 2,
                 "num_experts": 4,
                 "moe_ffn_hidden_size": 32,
@@ -164,24 +153,6 @@ def test_each_cp_rank_gets_its_slice_and_the_whole_segments() -> None:
         assert p.segment_ids is not None and p.segment_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert sum(p.num_loss_tokens for p in parts) == mb.num_loss_tokens
     assert parts[0].seq_lens == mb.seq_lens and parts[1].seq_lens == []  # each sample counted once over CP
-
-
-def test_an_moe_checkpoint_under_cp_and_pp_is_refused_whatever_gives_its_shape() -> None:
-    """The rule lives in the one layout check: flags, a checkpoint read at submission and the loaded model alike. An
-    MoE model runs under CP alone and under PP alone; a dense one under both."""
-    from engine.contract import layout
-
-    moe = layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=8, num_layers=4)
-    with pytest.raises(layout.LayoutError, match="an MoE model under pipeline parallelism with context") as err:
-        layout.check(moe, layout.ParallelDims(cp=2, pp=2))
-    assert err.value.field == "pipeline_model_parallel_size"
-    layout.check(moe, layout.ParallelDims(cp=2))
-    layout.check(moe, layout.ParallelDims(pp=2))
-    layout.check(
-        layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0, num_layers=4),
-        layout.ParallelDims(cp=2, pp=2),
-    )
-    layout.check(layout.Shape(num_attention_heads=4, num_query_groups=2, num_experts=0), layout.ParallelDims(cp=2))
 
 
 def test_parallel_dims_refuse_an_ep_that_does_not_divide_dp_however_built() -> None:
