@@ -98,3 +98,28 @@ def write_trl_pairs(batch: dict[str, torch.Tensor], prefix: Path) -> str:
     for w in writers.values():
         w.finalize()
     return str(prefix)
+
+
+def trl_matched_spec(data: str, load: str, steps: int, lr: float, pairs: int, seq_length: int, **extra: Any) -> dict:
+    """Our stage-dpo train spec doing what ``trl_run`` does: every pair in one step, constant lr, no weight decay,
+    gradients clipped at 1.0, rows padded to the longest answer."""
+    return {
+        "kind": "train",
+        "data_path": [data],
+        "load": load,
+        "split": "100,0,0",
+        "stage": "dpo",
+        "is_pairwise_dataset": True,
+        "train_iters": steps,
+        "lr": lr,
+        "lr_decay_style": "constant",
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "seq_length": seq_length,
+        "variable_seq_lengths": True,
+        "micro_batch_size": pairs,
+        "global_batch_size": pairs,
+        "log_interval": 1,
+        "eval_iters": 0,
+        **extra,
+    }

@@ -432,13 +432,16 @@ class PipelineModel(nn.Module):
 
 def stack_micro_batches(
     batches: Sequence[Any], width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0:
+    ids, labels, positions, segment ids and the tokens MoE routing counts (``counted``: (rows, width) bool when
+    context parallelism padded any micro-batch itself, all True on the others; the pipeline pads none under CP).
 
     Padding: token 0, label -100, positions continuing, and (when any micro-batch is packed) the row's last
     segment id — pad tokens come after every real token, so under the causal mask no real token sees them."""
     packed = any(mb.segment_ids is not None for mb in batches)
-    ids, labels, pos, seg = [], [], [], []
+    with_counted = any(mb.counted is not None for mb in batches)
+    ids, labels, pos, seg, counted = [], [], [], [], []
     for mb in batches:
         rows, t = mb.input_ids.shape
         if t > width:
@@ -450,7 +453,16 @@ def stack_micro_batches(
         if packed:
             s = mb.segment_ids if mb.segment_ids is not None else torch.zeros(rows, t, dtype=torch.int32)
             seg.append(torch.cat([s, s[:, -1:].expand(rows, extra)], dim=1))
-    return torch.cat(ids), torch.cat(labels), torch.cat(pos), torch.cat(seg) if packed else None
+        if with_counted:
+            c = mb.counted if mb.counted is not None else torch.ones(t, dtype=torch.bool)
+            counted.append(F.pad(c, (0, extra), value=False).expand(rows, -1))
+    return (
+        torch.cat(ids),
+        torch.cat(labels),
+        torch.cat(pos),
+        torch.cat(seg) if packed else None,
+        torch.cat(counted) if with_counted else None,
+    )
 
 
 def with_batch_index(labels: torch.Tensor, micro_batches: int) -> torch.Tensor:

@@ -223,8 +223,7 @@ class PipelineRunner:
         width = min(self.module.width, -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET)  # few shapes -> few schedules
         if self.context:  # CP shards were cut from rows of one width already (``context_pipeline_width``)
             width = longest
-        ids, labels, pos, seg = stack_micro_batches(batches, width)
-        counted = stacked_counted(batches)
+        ids, labels, pos, seg, counted = stack_micro_batches(batches, width)
         if self.loss is not None:
             self.loss.begin(batches, self.device)
             labels = with_batch_index(labels, len(batches))
@@ -243,22 +242,6 @@ class PipelineRunner:
         dist.all_reduce(values, group=self.dp_group)
         dist.all_reduce(values, group=self.pipeline.pp_mesh.get_group())  # only the last stage's are non-zero
         return losses.unstacked(values)
-
-
-def stacked_counted(batches: Sequence[MicroBatch]) -> torch.Tensor | None:
-    """(rows of all micro-batches, T) bool: each micro-batch's ``counted`` tokens (context parallelism's own
-    padding left out) on every row, all True for one CP did not pad; None when none was padded. The rows split
-    with the micro-batches, as the schedule splits every stacked input."""
-    if all(mb.counted is None for mb in batches):
-        return None
-    return torch.cat(
-        [
-            (mb.counted if mb.counted is not None else torch.ones(mb.input_ids.shape[1], dtype=torch.bool)).expand(
-                mb.input_ids.shape[0], -1
-            )
-            for mb in batches
-        ]
-    )
 
 
 def make_runner(

@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from cli.demo import prepare_demo
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_token, team_dir
-from dpo_support import trl_run, write_trl_pairs
+from core_support import team_dir
+from demo_fixtures import demo_client, demo_settings
+from dpo_support import trl_matched_spec, trl_run, write_trl_pairs
 from sched_support import log_text, start_worker, stop_worker, wait_terminal
 
 pytestmark = pytest.mark.slow
@@ -32,15 +31,13 @@ DPO_ONLY = ("rewards/chosen", "rewards/rejected", "logits/chosen", "logits/rejec
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    settings = isolated_settings(tmp_path)
-    prepare_demo(team_dir(settings, "demo"))
-    return settings
+    return demo_settings(tmp_path)
 
 
 @pytest.fixture
 def api(settings: Settings) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    with TestClient(create_app(settings, reconcile=True)) as client:
-        yield client, auth(make_token(settings, "demo"))
+    with demo_client(settings) as client:
+        yield client
 
 
 def demo_pairs(demo: Path) -> dict[str, list[Any]]:
@@ -61,26 +58,7 @@ def upload(client: TestClient, headers: dict[str, str], local: Path, remote: str
 
 
 def run_job(client: TestClient, headers: dict[str, str], settings: Settings, data: str, **extra: Any) -> list[dict]:
-    spec = {
-        "kind": "train",
-        "data_path": [data],
-        "load": "demo/qwen3-tiny",
-        "split": "100,0,0",
-        "stage": "dpo",
-        "is_pairwise_dataset": True,
-        "train_iters": STEPS,
-        "lr": LR,
-        "lr_decay_style": "constant",
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "seq_length": 256,
-        "variable_seq_lengths": True,
-        "micro_batch_size": PAIRS,
-        "global_batch_size": PAIRS,
-        "log_interval": 1,
-        "eval_iters": 0,
-        **extra,
-    }
+    spec = trl_matched_spec(data, "demo/qwen3-tiny", STEPS, extra.pop("lr", LR), PAIRS, 256, **extra)
     answer = client.post("/v1/jobs", json=spec, headers=headers)
     assert answer.status_code == 201, answer.text
     job = wait_terminal(settings, answer.json()["id"], 300)

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
 from cli.demo import prepare_demo
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_token, team_dir
+from core_support import team_dir
+from demo_fixtures import demo_client, demo_settings
 from sched_support import log_text, start_worker, stop_worker, wait_terminal
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -44,15 +44,13 @@ def example(name: str) -> dict[str, Any]:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    settings = isolated_settings(tmp_path)
-    prepare_demo(team_dir(settings, "demo"))
-    return settings
+    return demo_settings(tmp_path)
 
 
 @pytest.fixture
 def api(settings: Settings) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    with TestClient(create_app(settings, reconcile=True)) as client:
-        yield client, auth(make_token(settings, "demo"))
+    with demo_client(settings) as client:
+        yield client
 
 
 def test_the_demo_has_a_test_split_and_a_tiny_model(settings: Settings) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from dpo_support import trl_run, write_trl_pairs  # noqa: E402
+from dpo_support import trl_matched_spec, trl_run, write_trl_pairs  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
@@ -42,26 +42,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 
 
 def _ours(data: str, load: Path, tmp_path: Path, **extra: Any) -> list[dict[str, Any]]:
-    spec = {
-        "kind": "train",
-        "data_path": [data],
-        "load": str(load),
-        "split": "100,0,0",
-        "stage": "dpo",
-        "is_pairwise_dataset": True,
-        "train_iters": STEPS,
-        "lr": LR,
-        "lr_decay_style": "constant",
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "seq_length": 64,
-        "variable_seq_lengths": True,
-        "micro_batch_size": 3,
-        "global_batch_size": 3,
-        "log_interval": 1,
-        "eval_iters": 0,
-        **extra,
-    }
+    spec = trl_matched_spec(data, str(load), STEPS, LR, len(PAIRS["chosen"]), 64, **extra)
     job.run(parse_spec(spec), RunDir(tmp_path / "run"))
     return metric_rows(tmp_path / "run")
 

@@ -80,11 +80,15 @@ def test_layout_check_names_the_flag() -> None:
 def test_stack_micro_batches_pads_to_one_width() -> None:
     a = pack([Sample([1, 2, 3, 4], [-100, 2, 3, 4]), Sample([5, 6, 7], [5, 6, 7])], seq_length=8)  # packed, 5 tokens
     b = pad([Sample([1, 2, 3], [1, 2, 3])], seq_length=8, to_longest=True)  # 2 tokens, no segments
-    ids, labels, pos, seg = stack_micro_batches([a, b], width=8)
+    ids, labels, pos, seg, counted = stack_micro_batches([a, b], width=8)
     assert ids.shape == labels.shape == pos.shape == seg.shape == (2, 8)
     assert labels[0, 5:].eq(-100).all() and labels[1, 2:].eq(-100).all()
     assert pos[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and pos[1].tolist() == list(range(8))
     assert seg[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]  # padding continues the last sample (after it, causal)
+    assert counted is None  # no micro-batch padded by context parallelism
+    a.counted = torch.tensor([True, True, True, True, False])  # CP's own pad at the end of a's row
+    counted = stack_micro_batches([a, b], width=8)[4]
+    assert counted is not None and counted.tolist() == [[True] * 4 + [False] * 4, [True] * 2 + [False] * 6]
     assert pipeline_width(seq_length=8, micro_batch_size=2, padding_free=True) == 14
     with pytest.raises(ValueError, match="^seq_length:"):
         stack_micro_batches([a], width=4)
