@@ -153,7 +153,8 @@ class TorchFileWriter:
                 f"{self.path}: expected {lazy.shape} {lazy.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         self._next(lazy)
-        self.writer.put((lazy, tensor.detach().contiguous()))
+        # to the host here: the writer thread turns bytes into numpy, which reads no accelerator memory
+        self.writer.put((lazy, tensor.detach().to("cpu").contiguous()))
 
     def write_segments(self, lazy: LazyTensor, segments: list[Piece]) -> None:
         """Queue file byte ranges (and in-memory pieces) whose concatenation is the bytes of ``lazy``."""
