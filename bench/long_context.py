@@ -63,10 +63,12 @@ def planner_rows(seq: int) -> list[dict[str, Any]]:
 
 
 def write_text(prefix: Path, tokens: int, docs: int, vocab: int) -> str:
+    """``docs`` documents of exactly ``tokens`` tokens: one ``seq_length`` row each (a document one token longer
+    would be two rows, the second a one-target window)."""
     rng = np.random.default_rng(0)
     writer = IndexedDatasetWriter(str(prefix) + "_text_document")
     for _ in range(docs):
-        writer.add_document(rng.integers(1, vocab, tokens + 1))
+        writer.add_document(rng.integers(1, vocab, tokens))
     writer.finalize()
     return str(prefix)
 
@@ -88,7 +90,7 @@ def run(spec: dict[str, Any], run_dir: Path, nproc: int) -> list[dict[str, Any]]
 
 def measured(seq: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="llmjobs-long-") as tmp:
-        data = write_text(Path(tmp) / "text", seq, docs=steps * 2, vocab=4096)
+        data = write_text(Path(tmp) / "text", seq, docs=steps, vocab=4096)
         spec = {
             "kind": "train", "data_path": [data], "split": "100,0,0", "train_iters": steps, "lr": 1e-3,
             "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "eval_iters": 0,

@@ -36,13 +36,19 @@ from engine.parallel.ring_attention import Ring, ring_attention, token_index
 def _to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
     """(B, heads, T/CP, d) local tokens of every head -> (B, heads/CP, T, d) every token of this rank's heads. K/V
     heads that do not split over ``cp`` are repeated first (``kv_repeats``; their gradients sum back through
-    ``repeat_interleave``), each copy next to its original, so query head i keeps K/V head i // group size."""
+    ``repeat_interleave``), each copy next to its original, so query head i keeps K/V head i // group size.
+
+    Chunks travel token-major, (B, T/CP, heads/CP, d) each, so the received buffer is already (B, T, heads/CP, d)
+    when B is 1 (packed rows): the result is a strided view of it, which the attention kernels read as is and save
+    for backward, instead of one more copy of every token."""
     if (r := kv_repeats(x.shape[1], cp)) > 1:
         x = x.repeat_interleave(r, dim=1)
     b, h, tl, d = x.shape
-    send = x.reshape(b, cp, h // cp, tl, d).transpose(0, 1).contiguous()  # chunk j: the heads rank j keeps
+    send = (
+        x.transpose(1, 2).reshape(b, tl, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    )  # chunk j: rank j's heads
     recv = all_to_all_single(torch.empty_like(send), send, group=group)  # chunk j: rank j's tokens of my heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * tl, d)
+    return recv.transpose(0, 1).reshape(b, cp * tl, h // cp, d).transpose(1, 2)
 
 
 def _to_tokens(out: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
