@@ -108,7 +108,8 @@ def row_logps(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
     qwen = cast(Qwen3Model, model)
-    rows = rows_from_hidden(hidden, qwen.output_weight(), mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index)
+    head = qwen.output_weight()
+    rows = rows_from_hidden(hidden, head, mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index, into_grad=True)
     return rows if qwen.context_group is None else _over_context(rows, qwen.context_group)
 
 
@@ -134,14 +135,17 @@ def rows_from_hidden(
     vocab_parallel: bool,
     logits: bool,
     loss_index: torch.Tensor | None = None,
+    into_grad: bool = False,
 ) -> RowLogps:
     """``row_logps`` from the final hidden states (a pipeline's last stage has nothing else); ``loss_index`` the
-    labelled flat positions when known (else found from ``labels``)."""
+    labelled flat positions when known (else found from ``labels``); ``into_grad``: a replicated head's gradient
+    goes straight into its ``.grad`` (``preference.sequence_logprobs``; micro-batches trained by ``.backward()``
+    one after another, not a pipeline schedule's)."""
     if vocab_parallel:
         logps, tokens = vocab_parallel_sequence_logprobs(hidden, head, labels, chunk_size, loss_index)
         sums = vocab_parallel_row_logit_sums(hidden, head, labels, loss_index) if logits else None
     else:
-        logps, tokens = sequence_logprobs(hidden, head, labels, chunk_size)
+        logps, tokens = sequence_logprobs(hidden, head, labels, chunk_size, into_grad=into_grad)
         sums = row_logit_sums(hidden, head, labels) if logits else None
     return RowLogps(logps, tokens, sums, head.shape[0])  # a DTensor's shape is the global one
 

@@ -30,7 +30,7 @@ class _TokenLogprobs(torch.autograd.Function):
     chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size):
+    def forward(ctx, hidden, weight, labels, chunk_size, into_grad):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         lse = torch.empty_like(out)
@@ -41,6 +41,7 @@ class _TokenLogprobs(torch.autograd.Function):
             out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_size = chunk_size
+        ctx.into_grad = into_grad and weight.is_leaf
         return out
 
     @staticmethod
@@ -49,7 +50,7 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            grad_weight = _weight_grad_buffer(weight, lse.dtype, ctx.into_grad)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]
@@ -62,19 +63,43 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = (d_logits @ weight.to(lse.dtype)).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(d_logits.t(), h.to(lse.dtype))  # in place: no second (V, H) buffer
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+        if grad_weight is None or grad_weight is weight.grad:
+            return grad_hidden, None, None, None, None  # already in weight.grad
+        if ctx.into_grad:  # a .grad of another dtype (bf16 parameters): add the fp32 sum once, rounded
+            weight.grad.add_(grad_weight.to(weight.dtype))
+            return grad_hidden, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def _weight_grad_buffer(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) -> torch.Tensor:
+    """Where backward sums the head's (V, H) gradient. ``into_grad``: straight into ``weight.grad`` (created if
+    absent), as Megatron's ``gradient_accumulation_fusion`` writes into ``main_grad``: with a tied embedding the
+    gradient returned to autograd would wait in its buffer through the whole backward for the embedding's (the
+    same parameter, used last), one (V, H) tensor more at the step's peak. Only for ``.backward()`` (``.grad``
+    is the destination); ``autograd.grad`` callers leave it off."""
+    if into_grad:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        if weight.grad.dtype == dtype:
+            return weight.grad
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
 
 
 def sequence_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 256
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 256,
+    into_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (B, T, H) final-norm states, weight (V, H) the head, labels (B, T) the next token at each position or
     ``IGNORE_INDEX`` -> (summed log-probs (B,) in fp32 or fp64, labelled tokens (B,)). Only labelled rows reach the
-    head."""
+    head. ``into_grad``: backward adds the head's gradient to ``weight.grad`` itself (``_weight_grad_buffer``)."""
     b, t, h = hidden.shape
     flat = labels.reshape(-1)
     keep = (flat != IGNORE_INDEX).nonzero()[:, 0]
-    token_logps = _TokenLogprobs.apply(hidden.reshape(-1, h).index_select(0, keep), weight, flat[keep], chunk_size)
+    rows = hidden.reshape(-1, h).index_select(0, keep)
+    token_logps = _TokenLogprobs.apply(rows, weight, flat[keep], chunk_size, into_grad)
     seq = torch.div(keep, t, rounding_mode="floor")
     sums = torch.zeros(b, dtype=token_logps.dtype, device=hidden.device).index_add(0, seq, token_logps)
     return sums, torch.bincount(seq, minlength=b)

@@ -72,8 +72,12 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
     # difference from the reference, so ~4e-7 apart in absolute terms
     absolute = 1e-6 if two_ranks.get("context_parallel_algo") == "megatron_cp_algo" else 1e-7
     for a, b in zip(one, two, strict=True):
-        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected", "logits/chosen"):
+        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=absolute), key
+        # a mean of logits over the vocabulary (~0.2 from terms of either sign) carries the last-bit rounding of
+        # the weights, which differ where one process sums the tied head's gradient into .grad and a vocab-parallel
+        # head returns it through autograd (preference._weight_grad_buffer)
+        assert b["logits/chosen"] == pytest.approx(a["logits/chosen"], rel=1e-5, abs=1e-5), "logits/chosen"
         assert b["rewards/accuracies"] == a["rewards/accuracies"]
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]
     if "context_parallel_size" in two_ranks:  # the sequences were split, not the pairs

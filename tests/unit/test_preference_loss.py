@@ -42,6 +42,35 @@ def test_sequence_logprobs_equal_full_logits_with_gradients() -> None:
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, theirs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gradient_added_into_grad_equals_autograd_with_a_tied_embedding(dtype: torch.dtype) -> None:
+    """``into_grad``: the head's gradient goes straight into ``weight.grad`` (not through autograd's buffer, where
+    a tied embedding's would keep it waiting); over two micro-batches the accumulated ``.grad`` is autograd's."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 16, dtype=dtype)
+    ids = [torch.randint(0, 50, (2, 6)) for _ in range(2)]
+    labels = [torch.randint(0, 50, (2, 6)) for _ in range(2)]
+
+    def backward(into_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = weight.clone().requires_grad_(True)
+        hooked: list[torch.Tensor] = []
+        w.register_hook(hooked.append)  # what reaches w through autograd
+        for i, y in zip(ids, labels, strict=True):
+            hidden = torch.tanh(F.embedding(i, w).float() * 3).to(dtype)  # the tied embedding, used first
+            sums, _ = sequence_logprobs(hidden, w, y, chunk_size=5, into_grad=into_grad)
+            (sums * torch.tensor([0.7, -1.3])).sum().backward()
+        assert w.grad is not None
+        return w.grad, hooked[-1]
+
+    ours, through_autograd = backward(True)
+    theirs, _ = backward(False)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+    # only the embedding's part went through autograd: rows of tokens never looked up got nothing there
+    unused = sorted(set(range(50)) - set(torch.cat(ids).flatten().tolist()))
+    assert unused and through_autograd[unused].abs().sum() == 0 and ours[unused].abs().sum() > 0
+
+
 @pytest.fixture(scope="module")
 def models() -> tuple[Any, Any]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
