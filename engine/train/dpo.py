@@ -140,9 +140,9 @@ def rows_from_hidden(
     """``row_logps`` from the final hidden states (a pipeline's last stage has nothing else); ``loss_index`` the
     labelled flat positions when known (else found from ``labels``); ``into_grad``: a replicated head's gradient
     goes straight into its ``.grad`` (``preference.sequence_logprobs``; micro-batches trained by ``.backward()``
-    one after another). Not under a pipeline schedule: ``torch.distributed.pipelining`` also runs backward passes
-    that must leave parameters alone (its first, over the shape-inference forward of empty tensors), and a gradient
-    written by hand would stay (a PP2 run's first step then had a non-finite grad norm)."""
+    one after another). Not under a pipeline schedule: there the last stage's first backward ran over non-finite
+    hidden states (seemingly the shape-inference forward of empty tensors) without reaching the parameters through
+    autograd, but a gradient written by hand stays (a PP2 run's first step then had a non-finite grad norm)."""
     if vocab_parallel:
         logps, tokens = vocab_parallel_sequence_logprobs(hidden, head, labels, chunk_size, loss_index)
         sums = vocab_parallel_row_logit_sums(hidden, head, labels, loss_index) if logits else None
