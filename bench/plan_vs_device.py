@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from engine.contract.indexed import IndexedDatasetWriter  # noqa: E402
+from long_context import write_text  # noqa: E402
+
 from train_support import QWEN3_4B, TINY_SHAPE  # noqa: E402
 
 MOE_4_LAYERS = {
@@ -50,16 +49,6 @@ CASES: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = {
 SMOKE = {"tiny_256": (TINY_SHAPE, 256, {})}
 
 
-def write_tokens(prefix: Path, seq: int, docs: int, vocab: int) -> str:
-    """``docs`` documents of exactly ``seq`` random tokens (one training row each)."""
-    writer = IndexedDatasetWriter(str(prefix) + "_text_document")
-    rng = np.random.default_rng(0)
-    for _ in range(docs):
-        writer.add_document(rng.integers(1, vocab, seq))
-    writer.finalize()
-    return str(prefix)
-
-
 def engine(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, check=False)
 
@@ -68,7 +57,7 @@ def measure(name: str, shape: dict[str, Any], seq: int, extra: dict[str, Any], d
     steps = 4
     spec = {
         "kind": "train", "split": "100,0,0", "train_iters": steps, "lr": 1e-5, "bf16": device != "cpu",
-        "data_path": [write_tokens(work / f"text{seq}", seq, steps, int(shape["padded_vocab_size"]))],
+        "data_path": [write_text(work / f"text{seq}", seq, steps, int(shape["padded_vocab_size"]))],
         "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 1, "log_interval": 1, "eval_iters": 0,
         "use_distributed_optimizer": True, "max_position_embeddings": max(seq, 4096), "seed": 1,
         "resources": {"device_type": device, "nproc_per_node": 1}, **shape, **extra,
