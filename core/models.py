@@ -28,6 +28,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from core.states import WAITING
+
 # BIGINT on PostgreSQL, INTEGER on SQLite (the only type SQLite auto-increments).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -101,6 +103,27 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None]
     request_id: Mapped[str | None] = mapped_column(String(64))  # the submitting request's (core.structured_logs)
     resources: Mapped[str | None] = mapped_column(Text)  # spec["resources"] as JSON text: what a pass reads
+
+
+# The rows a scheduling pass may start, as literal SQL: a query uses the partial index below only where its own
+# WHERE names these same terms (SQLite compares them term by term; PostgreSQL proves the implication at planning,
+# which a generic plan of bound parameters cannot), so ``core.scheduler`` renders them with these literals too.
+WAITING_ROWS = text(
+    f"state IN ({', '.join(repr(s.value) for s in sorted(WAITING, key=lambda s: s.value))}) AND kind != 'pipeline'"
+)
+
+# A pass reads the first ``schedule_window`` waiting jobs of each team and gang shape (``core.scheduler.waiting_jobs``):
+# in this order, per (team, resources), a few index entries each, however long the backlog behind them.
+Index(
+    "ix_jobs_waiting_turn",
+    Job.team,
+    Job.resources,
+    Job.priority.desc(),
+    Job.created_at,
+    Job.id,
+    postgresql_where=WAITING_ROWS,
+    sqlite_where=WAITING_ROWS,
+)
 
 
 class Attempt(Base):

@@ -13,7 +13,7 @@ from core.jobs import transition
 from core.models import Job, utcnow
 from core.pipelines import advance_all
 from core.recovery import recover
-from core.scheduler import schedule
+from core.scheduler import fill_resources, schedule
 from core.settings import Settings
 from core.states import WAITING, JobState
 
@@ -24,6 +24,8 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
     no host is marked down by its heartbeat age in this pass (see ``core.leadership.Leadership.led_for``)."""
     recover(settings, judge_hosts)
     advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)
+    with session_scope(settings.database_url) as session:
+        fill_resources(session)  # rows an older replica inserted, before the pass reads by resources
     schedule(settings)
     now = utcnow()
     expired, queues = _waiting(settings, now)

@@ -406,6 +406,52 @@ def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings) ->
     assert {r.state for r in rows(settings, *backlog)} == {"starting"}
 
 
+def test_waiting_jobs_are_the_first_of_each_team_and_shape_in_grant_order(settings: Settings) -> None:
+    """``waiting_jobs`` (a skip scan of ``ix_jobs_waiting_turn`` and one index range per team and shape) returns what
+    its rule says, checked against that rule over every row: of each (team, resources) the first ``window`` waiting
+    jobs by priority, then age, then id, all in that order; running jobs, pipelines and rows without resources are
+    not among them. Ties in priority and age are in the mix, and the teams and shapes interleave in the index."""
+    import random
+
+    from core.scheduler import waiting_jobs
+
+    rng, window = random.Random(7), 3
+    shapes = ['{"nnodes": 1, "nproc_per_node": 1}', '{"nnodes": 2, "nproc_per_node": 8}', '{"nproc_per_node": 4}']
+    base = utcnow() - timedelta(hours=1)
+    with session_scope(settings.database_url) as session:
+        for i in range(120):
+            session.add(
+                Job(
+                    id=f"j{i:03d}-{rng.randrange(1000):03d}",
+                    team=rng.choice(["a", "b", "c"]),
+                    kind=rng.choice(["train"] * 6 + ["pipeline"]),
+                    state=rng.choice(["queued", "queued", "retrying", "running", "succeeded"]),
+                    spec={},
+                    priority=rng.choice([0, 0, 5, 100]),
+                    queue="q",
+                    run_dir="r",
+                    created_at=base + timedelta(seconds=rng.randrange(20)),
+                    resources=rng.choice([*shapes, None]) if i % 17 == 0 else rng.choice(shapes),
+                )
+            )
+    with session_scope(settings.database_url) as session:
+        everything = session.scalars(select(Job)).all()
+        waiting = [
+            j for j in everything if j.state in ("queued", "retrying") and j.kind != "pipeline" and j.resources
+        ]
+        waiting.sort(key=lambda j: (-j.priority, j.created_at, j.id))
+        seen: dict[tuple[str, str | None], int] = {}
+        expected = []
+        for j in waiting:
+            seen[(j.team, j.resources)] = seen.get((j.team, j.resources), 0) + 1
+            if seen[(j.team, j.resources)] <= window:
+                expected.append(j.id)
+        got = waiting_jobs(session, window)
+    assert len(expected) > 15 and len(seen) > 6
+    assert [w.id for w in got] == expected
+    assert all(w.resources is not None for w in got)
+
+
 @pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_a_pass_skips_the_reasons_of_rows_another_transaction_holds(settings: Settings) -> None:
     """PostgreSQL (SQLite locks the whole database, not rows): a waiting job's row held by another transaction (the

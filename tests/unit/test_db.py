@@ -46,7 +46,8 @@ def test_only_one_of_many_workers_claims_a_job(tmp_path: Path) -> None:
 
 def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Path) -> None:
     """Migration 0007 copies each stored spec's resources into jobs.resources; a row without it (inserted by an
-    older replica during a rolling upgrade) is still read from its spec by the scheduler."""
+    older replica during a rolling upgrade) is filled from its spec by the reconciler's ``fill_resources``, after
+    which the scheduler reads it (its read goes by ``ix_jobs_waiting_turn``, keyed on the column)."""
     import json
 
     from alembic import command
@@ -54,7 +55,7 @@ def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Pat
     from sqlalchemy import text, update
 
     from core.db import ALEMBIC_INI
-    from core.scheduler import waiting_jobs
+    from core.scheduler import fill_resources, waiting_jobs
     from core.settings import REPO_ROOT
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
@@ -77,5 +78,7 @@ def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Pat
         stored = session.get(Job, "old")
         assert stored is not None and json.loads(stored.resources or "") == spec["resources"]
         session.execute(update(Job).values(resources=None))  # as an older replica leaves it
+        assert waiting_jobs(session, 200) == []
+        assert fill_resources(session) == 1
         (waiting,) = waiting_jobs(session, 200)
         assert json.loads(waiting.resources) == spec["resources"]
