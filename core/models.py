@@ -291,8 +291,9 @@ class JobNode(Base):
 
 
 class SchedulerLock(Base):
-    """A single row; every scheduling transaction updates it first, which serialises schedulers on both backends
-    (a row lock on PostgreSQL, the database write lock on SQLite)."""
+    """Row 1: every scheduling transaction updates it first, which serialises schedulers on both backends (a row
+    lock on PostgreSQL, the database write lock on SQLite). Row 2: its ``generation`` counts the passes asked for
+    while one ran (``core.scheduler.schedule``)."""
 
     __tablename__ = "scheduler_lock"
 

@@ -507,26 +507,87 @@ def send_node_messages(settings: Settings, grant_: Grant) -> None:
         send_run_node(settings, grant_.job_id, grant_.attempt, rank, host, grant_.request_id)
 
 
+LOCK_ROW, ASKED_ROW = 1, 2  # scheduler_lock rows: the lock every pass holds; the count of passes asked for meanwhile
+MAX_PASSES = 8  # per ``schedule`` call: a caller serves others' asks this often, then leaves the rest to the next pass
+
+
+def lock_is_free(session: Session) -> bool:
+    """Take the scheduler lock's row if no pass holds it; False (without waiting) if one does. PostgreSQL only
+    (``SKIP LOCKED``); SQLite has no row locks, a pass there waits for the database's write lock."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    held = select(SchedulerLock.id).where(SchedulerLock.id == LOCK_ROW).with_for_update(skip_locked=True)
+    return session.scalar(held) is not None
+
+
+def asked(session: Session) -> int | None:
+    return session.scalar(select(SchedulerLock.generation).where(SchedulerLock.id == ASKED_ROW))
+
+
+def ask_for_pass(settings: Settings) -> bool:
+    """Count one more pass asked for, in its own short transaction (another row than the lock's, so it never waits
+    for a pass); the pass running now runs once more when it sees the count changed. False: no such row."""
+    with session_scope(settings.database_url) as session:
+        moved = session.execute(
+            update(SchedulerLock)
+            .where(SchedulerLock.id == ASKED_ROW)
+            .values(generation=SchedulerLock.generation + 1)
+            .execution_options(synchronize_session=False)
+        )
+        return moved.rowcount == 1  # type: ignore[attr-defined]
+
+
 def schedule(settings: Settings, backstop: bool = False) -> list[Grant]:
-    """One scheduling pass; sends the granted nodes' messages after the commit. Returns the grants.
+    """Scheduling passes; sends the granted nodes' messages after each commit. Returns this call's grants.
+
+    Passes coalesce (PostgreSQL): a caller that finds a pass running does not queue behind it for one more pass that
+    finds nothing new (at 1,000 hosts, node exits arrive faster than passes end: workers waited seconds for the lock).
+    It counts an ask (``ask_for_pass``) and tries the lock once more (the running pass may have ended before the
+    ask); the pass running meanwhile read the count when it began and runs again when it changed, so each ask is
+    followed by a pass that began after it and sees what the asker committed. A caller runs at most
+    ``MAX_PASSES`` passes for others' asks; a pass by any process later serves the rest.
 
     ``backstop`` (a host heartbeat's pass: 200 a second at 1,000 hosts beating every 5 s): no pass, and no wait for
-    the scheduler lock, when any process ran a pass within ``schedule_backstop_s`` (one primary-key read). Events
-    that can start a job run their own full pass (a submission, a node's end, a worker's start, the reconciler), so
-    heartbeats only catch what no event announced (a host back from stale, a pass lost to a crash), within that
-    interval."""
+    the scheduler lock, when any process ran a pass within ``schedule_backstop_s`` (one primary-key read) or one is
+    running. Events that can start a job run their own full pass (a submission, a node's end, a worker's start, the
+    reconciler), so heartbeats only catch what no event announced (a host back from stale, a pass lost to a crash),
+    within that interval."""
     if backstop:
         with session_scope(settings.database_url) as session:
             if recently_passed(session, settings):
                 return []
-    with session_scope(settings.database_url) as session:
-        grants = _pass(session, settings)
+    grants: list[Grant] = []
+    has_asked = False
+    for _ in range(MAX_PASSES):
+        with session_scope(settings.database_url) as session:
+            ran = lock_is_free(session)
+            if ran:
+                seen = asked(session)
+                granted = _pass(session, settings)
+        if not ran:
+            if backstop or has_asked:
+                return grants  # the running pass began after this caller's commits, or it runs again for the ask
+            has_asked = True
+            if not ask_for_pass(settings):
+                with session_scope(settings.database_url) as session:  # no ask row (a database before 0010): wait
+                    granted = _pass(session, settings)
+                _send(settings, granted)
+                return grants + granted
+            continue
+        _send(settings, granted)
+        grants += granted
+        with session_scope(settings.database_url) as session:
+            if asked(session) == seen:
+                return grants
+    return grants
+
+
+def _send(settings: Settings, grants: list[Grant]) -> None:
     for granted in grants:
         try:
             send_node_messages(settings, granted)
         except Exception as err:  # noqa: BLE001 - the reconciler re-sends messages of nodes still assigned
             log.warning("sending the node messages of %s failed (will be re-sent): %s", granted.job_id, err)
-    return grants
 
 
 def check_fits(session: Session, settings: Settings, team: str, res: Resources) -> None:

@@ -452,6 +452,62 @@ def test_waiting_jobs_are_the_first_of_each_team_and_shape_in_grant_order(settin
     assert all(w.resources is not None for w in got)
 
 
+def asks(settings: Settings) -> int:
+    with session_scope(settings.database_url) as session:
+        return session.scalar(select(SchedulerLock.generation).where(SchedulerLock.id == 2)) or 0
+
+
+@pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_a_caller_finding_a_pass_running_asks_for_one_instead_of_waiting(settings: Settings) -> None:
+    """PostgreSQL: while the scheduler lock's row is held (a pass running), ``schedule`` returns at once having
+    counted an ask, and a heartbeat's backstop pass counts none; the next pass grants what waited."""
+    from sqlalchemy import create_engine
+
+    add_host(settings, "h1", 2)
+    waiting = job(settings)
+    before = asks(settings)
+    other = create_engine(settings.database_url)
+    try:
+        with other.connect() as connection, connection.begin():
+            connection.execute(select(SchedulerLock.id).where(SchedulerLock.id == 1).with_for_update())
+            began = time.monotonic()
+            assert schedule(settings) == []
+            assert schedule(settings, backstop=True) == []
+            assert time.monotonic() - began < 5
+            assert asks(settings) == before + 1
+        assert rows(settings, waiting)[0].state == "queued"
+        assert [g.job_id for g in schedule(settings)] == [waiting]
+    finally:
+        other.dispose()
+
+
+@pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+def test_the_running_pass_runs_again_for_an_ask_made_during_it(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a job submitted while a pass runs, whose own ``schedule`` call found the lock held and returned,
+    is started by the running caller's next pass (it saw the ask count move), not left for the reconciler."""
+    from core import scheduler
+
+    add_host(settings, "h1", 2)
+    first = job(settings)
+    real_pass, late = scheduler._pass, list[str]()
+    coalesced: list[list[Any]] = []
+
+    def pass_then_submit(session: Any, settings_: Settings) -> list[Any]:
+        grants = real_pass(session, settings_)
+        if not late:  # during the first pass, with the lock held: another caller submits and asks
+            late.append(job(settings))
+            caller = threading.Thread(target=lambda: coalesced.append(schedule(settings)))
+            caller.start()
+            caller.join(timeout=30)
+        return grants
+
+    monkeypatch.setattr(scheduler, "_pass", pass_then_submit)
+    assert [g.job_id for g in schedule(settings)] == [first, *late]
+    assert coalesced == [[]]
+
+
 @pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_a_pass_skips_the_reasons_of_rows_another_transaction_holds(settings: Settings) -> None:
     """PostgreSQL (SQLite locks the whole database, not rows): a waiting job's row held by another transaction (the
