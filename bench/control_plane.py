@@ -7,7 +7,9 @@ broker (``--redis``, default db 5; this run's queues are deleted afterwards):
   does (``set_host_state``, then its housekeeping: ``finish_parked``, ``sweep_host``, a scheduling pass), one beat
   per host every ``heartbeat_interval_s``, from two child processes (as each host's worker is its own process);
 - ``10 × hosts`` train jobs of mixed gang sizes (1×1 .. 4×8 devices) are queued first (``core.jobs.create_job``, the
-  API's own insert, as if submitted earlier and already dispatched);
+  API's own insert, as if submitted earlier and already dispatched), and untimed passes start the hosts' first jobs
+  from them (``fill_cluster``: the load begins on a full cluster; each measuring process's first pass, which
+  compiles its statements, is untimed too);
 - a real ``llmjobs api`` (its dispatcher and reconciler loops running) takes ``--rate`` submissions/s for
   ``--seconds`` s (``POST /v1/jobs``) from ``--clients`` clients that also send as many ``GET /v1/jobs/{id}`` and
   ``GET /healthz`` (paced closed loop: where the API cannot keep up, the achieved rate is reported, not a queue);
@@ -151,6 +153,7 @@ def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> Non
     measuring process its threads would hold the GIL against the passes timed there. Sends its passes' times, the
     largest beat lag and its errors to ``out`` when ``stop`` is set."""
     clock, errors, lag = PassClock(), list[str](), 0.0
+    scheduler.schedule(settings)  # untimed: this process's first pass compiles its statements
     clock.install()
     interval = settings.heartbeat_interval_s
     last = {name: time.monotonic() for name in names}
@@ -284,6 +287,16 @@ def queue_backlog(settings: Settings, data: str, jobs: int, rng: random.Random) 
         session.execute(sa.update(Job).values(dispatched_at=sa.func.now()))
 
 
+def fill_cluster(settings: Settings) -> int:
+    """Untimed passes until one starts nothing: the hosts take their first jobs from the backlog (the cluster as it
+    runs when the load begins: full, 10 x hosts jobs queued), and this process's statements are compiled. Returns
+    the jobs started."""
+    started = 0
+    while granted := scheduler.schedule(settings):
+        started += len(granted)
+    return started
+
+
 async def api_load(
     base: str, token: str, data: str, args: argparse.Namespace, rng: random.Random
 ) -> tuple[dict[str, list[float]], list[str], float]:
@@ -393,6 +406,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
                     device_memory=80 * 2**30,
                 )
             queue_backlog(settings, data, jobs, rng)
+            fill_cluster(settings)
             setup_s = time.monotonic() - started
             with session_scope(settings.database_url) as session:
                 token = create_token(session, team=TEAM)

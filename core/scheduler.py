@@ -475,6 +475,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     blocked: dict[str, str] = {}
     behind: dict[str, str] = {}  # job id -> its device type, which a job earlier in turn could not get
     planned: list[Planned] = []
+    started: dict[tuple[str, str | None], int] = {}  # per team and shape: all its window started, more may fit
     for job in jobs:
         res = resources_of(job.resources)
         kind = res.device_type
@@ -491,6 +492,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
             index.take(placement)
             usage[job.team] = held + res.world_size
             planned.append(Planned(job, kind, placement))
+            started[(job.team, job.resources)] = started.get((job.team, job.resources), 0) + 1
             continue
         if reason != job.pending_reason:
             reasons.append({"job_id": job.id, "job_state": job.state, "reason": reason})
@@ -499,6 +501,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
         if job.id in counts and (reason := behind_reason(counts[job.id], behind[job.id])) != job.pending_reason:
             reasons.append({"job_id": job.id, "job_state": job.state, "reason": reason})
     write_reasons(session, reasons)
+    session.info[WINDOW_USED_UP] = any(n >= settings.schedule_window for n in started.values())
     return grant_all(session, settings, planned)
 
 
@@ -507,8 +510,9 @@ def send_node_messages(settings: Settings, grant_: Grant) -> None:
         send_run_node(settings, grant_.job_id, grant_.attempt, rank, host, grant_.request_id)
 
 
+WINDOW_USED_UP = "llmjobs.window_used_up"  # a pass's ``session.info`` key: it started a whole window of one shape
 LOCK_ROW, ASKED_ROW = 1, 2  # scheduler_lock rows: the lock every pass holds; the count of passes asked for meanwhile
-MAX_PASSES = 8  # per ``schedule`` call: a caller serves others' asks this often, then leaves the rest to the next pass
+MAX_PASSES = 16  # per ``schedule`` call; a pass by any process later goes on (each event runs one)
 
 
 def lock_is_free(session: Session) -> bool:
@@ -544,8 +548,10 @@ def schedule(settings: Settings, backstop: bool = False) -> list[Grant]:
     finds nothing new (at 1,000 hosts, node exits arrive faster than passes end: workers waited seconds for the lock).
     It counts an ask (``ask_for_pass``) and tries the lock once more (the running pass may have ended before the
     ask); the pass running meanwhile read the count when it began and runs again when it changed, so each ask is
-    followed by a pass that began after it and sees what the asker committed. A caller runs at most
-    ``MAX_PASSES`` passes for others' asks; a pass by any process later serves the rest.
+    followed by a pass that began after it and sees what the asker committed. A pass that started every job of
+    one team and shape it read (``schedule_window`` of them) is followed by another at once: a pass reads a bounded
+    window, so its cost stays that of the teams and shapes waiting while a free cluster still fills in a few passes.
+    A caller runs at most ``MAX_PASSES`` passes; a pass by any process later serves the rest.
 
     ``backstop`` (a host heartbeat's pass: 200 a second at 1,000 hosts beating every 5 s): no pass, and no wait for
     the scheduler lock, when any process ran a pass within ``schedule_backstop_s`` (one primary-key read) or one is
@@ -564,6 +570,7 @@ def schedule(settings: Settings, backstop: bool = False) -> list[Grant]:
             if ran:
                 seen = asked(session)
                 granted = _pass(session, settings)
+                again = session.info.pop(WINDOW_USED_UP, False)
         if not ran:
             if backstop or has_asked:
                 return grants  # the running pass began after this caller's commits, or it runs again for the ask
@@ -576,6 +583,8 @@ def schedule(settings: Settings, backstop: bool = False) -> list[Grant]:
             continue
         _send(settings, granted)
         grants += granted
+        if again:
+            continue  # the jobs behind a window that all started may fit too
         with session_scope(settings.database_url) as session:
             if asked(session) == seen:
                 return grants

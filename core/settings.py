@@ -135,10 +135,11 @@ class Settings(BaseSettings):
         "retried); a rank killed by a signal or a lost node always is.",
     )
     schedule_window: int = Field(
-        200,
+        50,
         ge=1,
         description="A scheduling pass considers at most this many waiting jobs of each team and gang shape (the "
-        "first by priority, then age); later ones are considered as those ahead of them start.",
+        "first by priority, then age); later ones are considered as those ahead of them start, and a pass that "
+        "starts all of one shape's is followed at once by another. Pending reasons are written for these jobs.",
     )
     schedule_backstop_s: float = Field(
         5.0,

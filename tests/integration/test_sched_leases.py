@@ -393,17 +393,31 @@ def test_a_heartbeat_pass_waits_while_a_pass_ran_recently_anywhere(settings: Set
     assert [g.job_id for g in schedule(settings, backstop=True)] == [second]
 
 
-def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings) -> None:
-    """``schedule_window`` jobs of each team and gang shape per pass: the rest start in later passes, in order, and
-    another team's or another shape's jobs are considered at once however long one team's backlog is."""
+def test_a_pass_considers_a_window_of_each_team_and_shape(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``schedule_window`` jobs of each team and gang shape per pass: another team's or another shape's jobs are
+    considered at once however long one team's backlog is, and a pass that started a whole window is followed by
+    another in the same call, which starts the rest in order; a pass that did not (a job blocked) is not."""
+    from core import scheduler
+
     settings = settings.model_copy(update={"schedule_window": 2})
     add_host(settings, "h1", 8)
-    backlog = [job(settings) for _ in range(4)]
+    backlog = [job(settings) for _ in range(6)]
     pair = job(settings, nproc=2)
     other = job(settings, team="u")
-    assert sorted(g.job_id for g in schedule(settings)) == sorted([*backlog[:2], pair, other])
-    assert [g.job_id for g in schedule(settings)] == backlog[2:]
-    assert {r.state for r in rows(settings, *backlog)} == {"starting"}
+    real_pass, passes = scheduler._pass, list[list[str]]()
+
+    def counted(session: Any, settings_: Settings) -> list[Any]:
+        grants = real_pass(session, settings_)
+        passes.append([g.job_id for g in grants])
+        return grants
+
+    monkeypatch.setattr(scheduler, "_pass", counted)
+    granted = [g.job_id for g in schedule(settings)]
+    assert [sorted(p) for p in passes] == [sorted([*backlog[:2], pair, other]), sorted(backlog[2:4]), backlog[4:5]]
+    assert granted == [g for p in passes for g in p]
+    assert [r.state for r in rows(settings, *backlog)] == ["starting"] * 5 + ["queued"]
 
 
 def test_waiting_jobs_are_the_first_of_each_team_and_shape_in_grant_order(settings: Settings) -> None:
