@@ -1,7 +1,7 @@
 """Device scheduler: grants whole gangs of devices atomically, priorities first, teams in turn within a priority
 (the team holding the fewest devices next, ``fair_order``), FIFO within a team.
 
-One pass (``schedule``) is one transaction that first updates the single ``scheduler_lock`` row: on PostgreSQL that
+One pass (``_pass``) is one transaction that first updates ``scheduler_lock`` row 1: on PostgreSQL that
 row lock serialises concurrent schedulers (as SELECT ... FOR UPDATE would), on SQLite the first write takes the
 database write lock (as BEGIN IMMEDIATE would). Any process may run a pass (the API on submit and in its reconciler,
 every worker on start, after a job and on its heartbeat); the lock makes them safe, and ``uq_leases_host_device``
@@ -11,7 +11,8 @@ A pass reads the live hosts' free devices once into an in-memory index (``FreeIn
 its grants are written together at the end (``grant_all``: one UPDATE per 500 jobs, then every lease, node and event
 row as batches): one lease row per device and one ``job_nodes`` row per node, each job queued/retrying -> starting
 (attempt + 1). After the commit it sends each node's "run node" message to its host's queue. A heartbeat's pass is
-skipped while any pass ran recently (``schedule(backstop=True)``, ``scheduler_lock.passed_at``). A job that
+skipped while any pass ran recently (``schedule(backstop=True)``, ``scheduler_lock.passed_at``). Passes coalesce on
+PostgreSQL: a caller that finds one running asks for another instead of waiting (``schedule``). A job that
 does not fit waits with a ``pending_reason``; it also holds back the later jobs of its device type (no backfill), so
 a big gang job is never starved by small ones. A job that can never fit is refused at submission (``check_fits``).
 """
@@ -411,8 +412,9 @@ def waiting_jobs(session: Session, window: int) -> list[Waiting]:
     considered by the next pass. Read per shape from ``ix_jobs_waiting_turn`` (``window`` index entries each, many
     shapes to a statement), so a pass costs the teams and shapes waiting, not a backlog of 10,000 jobs."""
     db, rows = session.connection(), list[Any]()  # plain rows: on every pass
-    for chunk in _chunks(db.execute(_shapes_query()).all(), 100):
-        params = {f"{name}_{i}": value for i, shape in enumerate(chunk) for name, value in zip(("team", "resources"), shape)}
+    for chunk in _chunks(list(db.execute(_shapes_query()).tuples()), 100):
+        params = {f"team_{i}": team for i, (team, _) in enumerate(chunk)}
+        params.update((f"resources_{i}", raw) for i, (_, raw) in enumerate(chunk))
         rows += db.execute(_firsts_query(len(chunk), window), params).all()
     rows.sort(key=lambda row: (-row.priority, row.created_at, row.id))
     return [Waiting(*row) for row in rows]
@@ -428,7 +430,7 @@ def fill_resources(session: Session) -> int:
         .values(resources=Job.spec["resources"].as_string())
         .execution_options(synchronize_session=False)
     )
-    return filled.rowcount or 0
+    return filled.rowcount or 0  # type: ignore[attr-defined]
 
 
 def write_reasons(session: Session, reasons: list[dict[str, str]]) -> None:

@@ -393,9 +393,7 @@ def test_a_heartbeat_pass_waits_while_a_pass_ran_recently_anywhere(settings: Set
     assert [g.job_id for g in schedule(settings, backstop=True)] == [second]
 
 
-def test_a_pass_considers_a_window_of_each_team_and_shape(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_pass_considers_a_window_of_each_team_and_shape(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """``schedule_window`` jobs of each team and gang shape per pass: another team's or another shape's jobs are
     considered at once however long one team's backlog is, and a pass that started a whole window is followed by
     another in the same call, which starts the rest in order; a pass that did not (a job blocked) is not."""
@@ -450,9 +448,7 @@ def test_waiting_jobs_are_the_first_of_each_team_and_shape_in_grant_order(settin
             )
     with session_scope(settings.database_url) as session:
         everything = session.scalars(select(Job)).all()
-        waiting = [
-            j for j in everything if j.state in ("queued", "retrying") and j.kind != "pipeline" and j.resources
-        ]
+        waiting = [j for j in everything if j.state in ("queued", "retrying") and j.kind != "pipeline" and j.resources]
         waiting.sort(key=lambda j: (-j.priority, j.created_at, j.id))
         seen: dict[tuple[str, str | None], int] = {}
         expected = []
