@@ -575,7 +575,7 @@ def schedule(settings: Settings, backstop: bool = False) -> list[Grant]:
                 again = session.info.pop(WINDOW_USED_UP, False)
         if not ran:
             if backstop or has_asked:
-                return grants  # the running pass began after this caller's commits, or it runs again for the ask
+                return grants  # a heartbeat announces nothing; an asker is served by the running pass's next
             has_asked = True
             if not ask_for_pass(settings):
                 with session_scope(settings.database_url) as session:  # no ask row (a database before 0010): wait
