@@ -88,7 +88,7 @@ def run(spec: dict[str, Any], run_dir: Path, nproc: int) -> list[dict[str, Any]]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def measured(seq: int, steps: int) -> dict[str, Any]:
+def measured(seq: int, steps: int, algos: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="llmjobs-long-") as tmp:
         data = write_text(Path(tmp) / "text", seq, docs=steps, vocab=4096)
         spec = {
@@ -99,25 +99,23 @@ def measured(seq: int, steps: int) -> dict[str, Any]:
             "max_position_embeddings": max(seq, 4096), "seed": 1,
         }  # fmt: skip
         cp2 = {"context_parallel_size": 2, "resources": {"nproc_per_node": 2}}
-        runs = {
-            "cp1": run(spec, Path(tmp) / "cp1", 1),
-            "ulysses": run({**spec, **cp2}, Path(tmp) / "ulysses", 2),
-            "ring": run({**spec, **cp2, "context_parallel_algo": "megatron_cp_algo"}, Path(tmp) / "ring", 2),
-        }
+        names = {"ulysses": "ulysses_cp_algo", "ring": "megatron_cp_algo"}
+        runs = {"cp1": run(spec, Path(tmp) / "cp1", 1)}
+        for name in algos:
+            runs[name] = run({**spec, **cp2, "context_parallel_algo": names[name]}, Path(tmp) / name, 2)
     peaks = {name: max(r["mem_max_allocated_mb"] for r in rows[-1]["rank_metrics"].values())
              for name, rows in runs.items()}  # fmt: skip
     fixed = min(r["mem_allocated_mb"] for r in runs["cp1"][0]["rank_metrics"].values())
     losses = {name: [r["metrics"]["lm_loss"] for r in rows] for name, rows in runs.items()}
     equal = all(
         abs(a - b) <= 1e-5 * abs(a)
-        for name in ("ulysses", "ring")
+        for name in algos
         for a, b in zip(losses["cp1"], losses[name], strict=True)
     )
     return {
         "seq": seq, "steps": steps, **{f"{name}_peak_mb": round(p, 1) for name, p in peaks.items()},
-        "peak_mem_ratio_ulysses": round(peaks["ulysses"] / peaks["cp1"], 3),
-        "peak_mem_ratio_ring": round(peaks["ring"] / peaks["cp1"], 3), "cp1_after_step_mb": round(fixed, 1),
-        "loss_equal": equal, "losses": losses,
+        **{f"peak_mem_ratio_{name}": round(peaks[name] / peaks["cp1"], 3) for name in algos},
+        "cp1_after_step_mb": round(fixed, 1), "loss_equal": equal, "losses": losses,
     }  # fmt: skip
 
 
@@ -126,6 +124,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192, help="tokens of the measured sample")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="512 tokens, 2 steps, the planner at 32K only")
+    parser.add_argument(
+        "--algo", choices=("ulysses", "ring"), action="append", help="measure only these CP algorithms (default both)"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.seq, args.steps = 512, 2
@@ -140,15 +141,16 @@ def main() -> None:
         fitting = [r for r in table if r["seq"] == seq and r.get("fits")]
         best[seq] = min(fitting, key=lambda r: r["peak_gib"]) if fitting else None
         suggested[seq] = fitting[0] if fitting else None  # the planner's first suggestion
-    result = measured(args.seq, args.steps)
+    algos = args.algo or ["ulysses", "ring"]
+    result = measured(args.seq, args.steps, algos)
     print(json.dumps(result), flush=True)
     print(json.dumps({
         "bench": "long_context", "smoke": args.smoke,
         "best_fit": {str(k): v for k, v in best.items()}, "suggested": {str(k): v for k, v in suggested.items()},
         "no_cp_no_recompute_peak_gib": {str(s): next(r["peak_gib"] for r in table if r["seq"] == s and r["cp"] == 1
                                                     and r["tp"] == 1 and r["recompute"] == "none") for s in best},
-        "peak_mem_ratio": max(result["peak_mem_ratio_ulysses"], result["peak_mem_ratio_ring"]),
-        "peak_mem_ratio_ulysses": result["peak_mem_ratio_ulysses"], "peak_mem_ratio_ring": result["peak_mem_ratio_ring"],
+        "peak_mem_ratio": max(result[f"peak_mem_ratio_{name}"] for name in algos),
+        **{f"peak_mem_ratio_{name}": result[f"peak_mem_ratio_{name}"] for name in algos},
         "loss_equal": result["loss_equal"], "seq": result["seq"],
     }))  # fmt: skip
 

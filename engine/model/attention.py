@@ -94,7 +94,9 @@ def plan_attention(
     if runs_only:
         if attention_mask is not None or past_len:
             raise ValueError("attention_mask: ring context parallelism takes causal training rows only")
-        runs = None if segment_ids is None else segment_starts(segment_ids).cumsum(dim=1)
+        runs = None
+        if segment_ids is not None and segment_starts(segment_ids)[:, 1:].any():  # one sample per row: no masks
+            runs = segment_starts(segment_ids).cumsum(dim=1)
         return AttentionPlan(is_causal=runs is None, runs=runs)
     if (
         segment_ids is None

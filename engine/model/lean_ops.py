@@ -16,6 +16,7 @@ torch expression's, op for op, so results are bit-identical to it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,33 +103,55 @@ def swiglu(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Ten
 def recompute_activation(
     h: torch.Tensor, act: torch.Tensor, out: torch.Tensor, row_weight: torch.Tensor | None = None
 ) -> None:
-    """``act = swiglu(h, row_weight)`` was just consumed by fc2, giving ``out``: free act's memory now and rebuild
-    it in place when ``out``'s gradient arrives (before fc2's backward reads it; any module that saved act, LoRA's
-    adapters or a DTensor wrapping it included, sees the rebuilt values). Nothing is done outside autograd or for
-    tensor subclasses (their storage is not act's), nor in a forward run inside backward (an activation-checkpoint
-    recompute: the graph being differentiated is not the one ``out`` belongs to)."""
+    """``act = swiglu(h, row_weight)`` was just consumed by fc2, giving ``out``: free act until ``out``'s gradient
+    arrives (``free_until_grad``)."""
+    free_until_grad(act, out, lambda: swiglu_values(h, row_weight))
+
+
+def free_until_grad(act: torch.Tensor, out: torch.Tensor, values: Callable[[], torch.Tensor]) -> None:
+    """``act`` was just consumed by a module that saved it, giving ``out``: free act's memory now and rebuild it in
+    place from ``values()`` when ``out``'s gradient arrives (before that module's backward reads it; any module that
+    saved act, LoRA's adapters or a DTensor wrapping it included, sees the rebuilt values). Nothing is done outside
+    autograd or for tensor subclasses (their storage is not act's), nor in a forward run inside backward (an
+    activation-checkpoint recompute: the graph being differentiated is not the one ``out`` belongs to)."""
     if not (torch.is_grad_enabled() and out.requires_grad and type(act) is torch.Tensor and act.is_contiguous()):
         return
     if in_backward():
         return
     size = act.untyped_storage().nbytes()
     # The hook stays on out's grad_fn as long as out lives (a pipeline stage keeps its outputs): it must hold
-    # nothing once it has run, or fc1's output and the rebuilt product outlive backward.
-    held: list[Any] = [h, act, row_weight]
+    # nothing once it has run, or what ``values`` reads and the rebuilt tensor outlive backward.
+    held: list[Any] = [act, values]
 
     def rebuild(grad: torch.Tensor) -> None:
         if not held:
             return
-        h_, act_, row_weight_ = held
+        act_, values_ = held
         held.clear()
         storage = act_.untyped_storage()
         if storage.nbytes() != size:
             storage.resize_(size)
             with torch.no_grad():  # through .data: the same memory, but not a modification autograd must refuse
-                act_.data.copy_(swiglu_values(h_, row_weight_))
+                act_.data.copy_(values_())
 
     out.register_hook(rebuild)
     act.untyped_storage().resize_(0)
+
+
+_REBUILD = "_llmjobs_rebuild"
+
+
+def mark_rebuildable(t: torch.Tensor, values: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Tell ``t``'s consumer that ``values()`` rebuilds it (from tensors autograd keeps anyway), so that it may free
+    ``t`` until backward (``take_rebuild`` + ``free_until_grad``); returns ``t``."""
+    setattr(t, _REBUILD, values)
+    return t
+
+
+def take_rebuild(t: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """The rebuild ``mark_rebuildable`` attached to ``t``, detached from it (so ``t`` no longer holds its inputs)."""
+    values: Callable[[], torch.Tensor] | None = t.__dict__.pop(_REBUILD, None)
+    return values
 
 
 def swiglu_values(h: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engine.contract.model_config import ModelConfig
 from engine.model.attention import AttentionPlan, core_attention, plan_attention
 from engine.model.kv_cache import KVCache
 from engine.model.lean_ops import apply_rope as _rotate
-from engine.model.lean_ops import recompute_activation, rms_norm, swiglu
+from engine.model.lean_ops import free_until_grad, recompute_activation, rms_norm, swiglu, take_rebuild
 from engine.model.moe import MoELayer
 from engine.model.rope import Rope, rope_cos_sin
 
@@ -66,6 +66,9 @@ class SelfAttention(nn.Module):
         self.linear_proj = nn.Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, bias=False)
         # q, k, v (B, heads, T, d) -> (B, T, heads, d); context parallelism wraps it (engine.parallel.context_parallel)
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan], torch.Tensor] = core_attention
+        # An output that ``attend`` can rebuild (Ulysses' token-major copy of what attention saved) is freed from
+        # linear_proj's forward until its backward; off under activation checkpointing, which does not keep it.
+        self.free_attention_output = True
 
     def forward(
         self, x: torch.Tensor, rope: Rope, plan: AttentionPlan, kv_cache: KVCache | None = None, layer_idx: int = 0
@@ -82,7 +85,10 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)  # (B, groups_local, past+T, d)
         out = self.attend(q, k, v, plan)  # (B, T, heads_local, d)
-        return self.linear_proj(out.reshape(b, t, -1))
+        y = self.linear_proj(out.reshape(b, t, -1))
+        if (values := take_rebuild(out)) is not None and self.free_attention_output:
+            free_until_grad(out, y, values)
+        return y
 
 
 class MLP(nn.Module):

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from engine.model.moe import GroupedExperts
-from engine.model.qwen3 import MLP
+from engine.model.qwen3 import MLP, SelfAttention
 from engine.torch_compat import ALL_TO_ALL_OP, PROFILER_MARKER_OPS, checkpoint_wrapper
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ def apply_ac(
         for module in layers[keys[i]].modules():
             if isinstance(module, (MLP, GroupedExperts)):
                 module.free_activation = False  # the checkpoint frees the SwiGLU product already
+            if isinstance(module, SelfAttention):
+                module.free_attention_output = False  # nor a context-parallel attention output
         if granularity == "selective":
             context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
             wrapped = checkpoint_wrapper(layers[keys[i]], context_fn=context_fn, preserve_rng_state=False)

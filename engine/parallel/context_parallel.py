@@ -19,10 +19,11 @@ gloo has it).
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +31,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from engine.contract.layout import CpAlgo, kv_repeats
 from engine.model.attention import AttentionPlan, attention_inputs, core_attention
+from engine.model.lean_ops import mark_rebuildable
 from engine.parallel.ring_attention import Ring, ring_attention, token_index
 
 
@@ -52,11 +54,29 @@ def _to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
 
 
 def _to_tokens(out: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
-    """(B, T, heads/CP, d) attention output of this rank's heads -> (B, T/CP, heads, d) of its own tokens."""
+    """(B, T, heads/CP, d) attention output of this rank's heads -> (B, T/CP, heads, d) of its own tokens.
+
+    The result is marked rebuildable from ``out`` (which the attention kernel saves for its backward): the output
+    projection frees it until its backward, which then runs this all-to-all again without autograd. Otherwise a
+    rank would keep both, where one process keeps the attention output alone (Megatron's Ulysses keeps both)."""
+    tokens = _exchange_to_tokens(out, group, cp, all_to_all_single)
+    return mark_rebuildable(tokens, lambda: _exchange_to_tokens(out.detach(), group, cp, _all_to_all_values))
+
+
+def _exchange_to_tokens(out: torch.Tensor, group: ProcessGroup, cp: int, exchange: _Exchange) -> torch.Tensor:
     b, t, hh, d = out.shape
     send = out.reshape(b, cp, t // cp, hh, d).transpose(0, 1).contiguous()  # chunk j: rank j's tokens
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)  # chunk j: rank j's heads of my tokens
+    recv = exchange(torch.empty_like(send), send, group=group)  # chunk j: rank j's heads of my tokens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t // cp, cp * hh, d)
+
+
+class _Exchange(Protocol):
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor: ...
+
+
+def _all_to_all_values(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    dist.all_to_all_single(output, input, group=group)
+    return output
 
 
 def shard_index(width: int, ring: int, ulysses: int, rank: int) -> np.ndarray:

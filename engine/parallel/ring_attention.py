@@ -9,15 +9,19 @@ position order, so a block's useful part is one or two rectangles: of a block fr
 only its first chunk, of a later rank only the second query chunk sees anything, and on the diagonal the head chunk
 sees only itself (``_useful``). Those parts are all that is computed, forward and backward.
 
-The block product is plain torch (scores in fp32, the same arithmetic as a math kernel), in row tiles of at most
-``RING_SCORE_TILE_BYTES`` so its transient buffers do not grow with the sequence: what a fused kernel with a
-log-sum-exp output (flash attention, ``npu_fusion_attention``'s softmax outputs) would replace. Packed samples mask by
-their run index (``AttentionPlan.runs``), never by a (T, T) mask: at 128K tokens that would be 16 GB.
+Without packed samples every useful part of a block is either seen whole or the same positions on both sides
+(causal), and on CPU SDPA's fused kernel computes it with its log-sum-exp, forward and backward (the backward given
+the merged output and log-sum-exp, as flash attention's ring users do), in fp32 (fp64 stays fp64) and without a
+score buffer. Packed samples, and other devices, take the plain-torch block (scores in fp32, the same arithmetic as
+a math kernel) in row tiles of at most ``RING_SCORE_TILE_BYTES`` so its transient buffers do not grow with the
+sequence (what ``npu_fusion_attention``'s softmax outputs would replace on Ascend). Packed samples mask by their run
+index (``AttentionPlan.runs``), never by a (T, T) mask: at 128K tokens that would be 16 GB.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -95,6 +99,42 @@ def _tiles(rows: slice, row_bytes: int) -> list[slice]:
     bounded whatever the sequence length."""
     step = max(1, RING_SCORE_TILE_BYTES // max(1, row_bytes))
     return [slice(r, min(r + step, rows.stop)) for r in range(rows.start, rows.stop, step)]
+
+
+def _parts(
+    rows: slice,
+    cols: slice,
+    q_idx: np.ndarray,
+    k_idx: np.ndarray,
+    runs: torch.Tensor | None,
+    row_bytes: int,
+    device: torch.device,
+) -> list[tuple[slice, slice, bool | None]]:
+    """A useful rectangle as (rows, cols, causal) parts. On CPU without packed samples, every part is either seen
+    whole (``False``) or the same positions on both sides (``True``, top-left causal), which SDPA's fused CPU kernel
+    computes with its log-sum-exp and no score buffer: the rectangle whole when every key precedes every query, else
+    cut where the keys' positions jump (a rank's head and tail chunks). Otherwise (packed samples, other devices)
+    row tiles of at most ``RING_SCORE_TILE_BYTES`` of scores with ``causal`` None: the masked plain-torch block."""
+    q_pos, k_pos = q_idx[rows], k_idx[cols]
+    if device.type == "cpu" and runs is None:
+        if k_pos[-1] <= q_pos[0]:
+            return [(rows, cols, False)]
+        cuts = [cols.start, *(cols.start + 1 + np.flatnonzero(np.diff(k_pos) != 1)).tolist(), cols.stop]
+        parts = [slice(a, b) for a, b in itertools.pairwise(cuts)]
+        if all(k_idx[c][-1] <= q_pos[0] or np.array_equal(k_idx[c], q_pos) for c in parts):
+            return [(rows, c, not k_idx[c][-1] <= q_pos[0]) for c in parts]
+    return [(r, cols, None) for r in _tiles(rows, row_bytes * len(k_pos))]
+
+
+def _fused_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_block_forward`` of a part every query row sees something of, by SDPA's fused CPU kernel (fp32 or fp64)."""
+    heads = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _acc(q), _acc(_expand(k, heads)), _acc(_expand(v, heads)), 0.0, causal, scale=scale
+    )
+    return out, lse
 
 
 def _mask(q_pos: np.ndarray, k_pos: np.ndarray, runs: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -180,11 +220,14 @@ def _ring_forward(
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None
         k_idx = ring.index(t, (ring.rank - step) % ring.size)
-        for block_rows, cols in _useful(q_idx, k_idx):
-            kc, vc = (x[..., cols, :] for x in kv)
-            for rows in _tiles(block_rows, b * h * kc.shape[2] * 4):
-                mask = _mask(q_idx[rows], k_idx[cols], runs, q.device)
-                o, l = _block_forward(q[..., rows, :], kc, vc, mask, scale)
+        for block_rows, block_cols in _useful(q_idx, k_idx):
+            for rows, cols, causal in _parts(block_rows, block_cols, q_idx, k_idx, runs, b * h * 4, q.device):
+                kc, vc = (x[..., cols, :] for x in kv)
+                if causal is None:
+                    mask = _mask(q_idx[rows], k_idx[cols], runs, q.device)
+                    o, l = _block_forward(q[..., rows, :], kc, vc, mask, scale)
+                else:
+                    o, l = _fused_forward(q[..., rows, :], kc, vc, causal, scale)
                 _merge(out, lse, o, l, rows)
         if pending is not None:
             for req in pending[1]:
@@ -206,24 +249,36 @@ def _ring_backward(
     scale = q.shape[-1] ** -0.5
     t, heads, groups = q.shape[2], q.shape[1], k.shape[1]
     q_idx = ring.index(t)
-    dout32, q32 = _acc(dout), _acc(q)
-    delta = (dout32 * _acc(out)).sum(-1)  # (B, heads, t): rowsum(dO ∘ O)
+    dout32, q32, out32 = _acc(dout), _acc(q), _acc(out)
+    delta = (dout32 * out32).sum(-1)  # (B, heads, t): rowsum(dO ∘ O)
     dq = torch.zeros_like(q32)
     kv = [k.contiguous(), v.contiguous()]
     dkv = [torch.zeros(k.shape, dtype=q32.dtype, device=k.device) for _ in range(2)]
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None
         k_idx = ring.index(t, (ring.rank - step) % ring.size)
-        for block_rows, cols in _useful(q_idx, k_idx):
-            kc, vc = (_acc(_expand(x[..., cols, :], heads)) for x in kv)
-            for rows in _tiles(block_rows, q.shape[0] * heads * kc.shape[2] * 4):
-                s = _scores(q32[..., rows, :], kc, _mask(q_idx[rows], k_idx[cols], runs, q.device), scale)
-                p = torch.exp(s - lse[..., rows, None])  # lse is finite: every query sees itself
-                d_rows = dout32[..., rows, :]
-                ds = p * (torch.matmul(d_rows, vc.transpose(-1, -2)) - delta[..., rows, None])
-                dq[..., rows, :] += torch.matmul(ds, kc) * scale
-                dkv[0][..., cols, :] += _fold(torch.matmul(ds.transpose(-1, -2), q32[..., rows, :]) * scale, groups)
-                dkv[1][..., cols, :] += _fold(torch.matmul(p.transpose(-1, -2), d_rows), groups)
+        for block_rows, block_cols in _useful(q_idx, k_idx):
+            parts = _parts(block_rows, block_cols, q_idx, k_idx, runs, q.shape[0] * heads * 4, q.device)
+            for rows, cols, causal in parts:
+                kc, vc = (_acc(_expand(x[..., cols, :], heads)) for x in kv)
+                if causal is not None:
+                    dq_, dk_, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        dout32[..., rows, :], q32[..., rows, :], kc, vc, out32[..., rows, :], lse[..., rows],
+                        0.0, causal, scale=scale,
+                    )  # fmt: skip
+                else:
+                    s = _scores(q32[..., rows, :], kc, _mask(q_idx[rows], k_idx[cols], runs, q.device), scale)
+                    p = torch.exp(s - lse[..., rows, None])  # lse is finite: every query sees itself
+                    d_rows = dout32[..., rows, :]
+                    ds = p * (torch.matmul(d_rows, vc.transpose(-1, -2)) - delta[..., rows, None])
+                    dq_, dk_ = (
+                        torch.matmul(ds, kc) * scale,
+                        torch.matmul(ds.transpose(-1, -2), q32[..., rows, :]) * scale,
+                    )
+                    dv_ = torch.matmul(p.transpose(-1, -2), d_rows)
+                dq[..., rows, :] += dq_
+                dkv[0][..., cols, :] += _fold(dk_, groups)
+                dkv[1][..., cols, :] += _fold(dv_, groups)
         # the block's gradients go on with it; after the last step they arrive at the block's own rank
         sent, reqs = ring.shift(dkv)
         for req in reqs + (pending[1] if pending is not None else []):
