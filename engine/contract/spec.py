@@ -964,7 +964,6 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         conflicts = {  # a DPO pipeline's last stage would complete row log-probs over CP: not built
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size > 1 and self.stage == "dpo",
             "expert_model_parallel_size": self.expert_model_parallel_size > 1,
-            "precompute_ref_log_probs": self.precompute_ref_log_probs,
         }
         for field, clash in conflicts.items():
             if clash:

@@ -279,7 +279,7 @@ class Trainer:
             micro_batches = plan.global_batch_size // (self.spec.micro_batch_size * plan.dims.dp)
             forward = PipelineForward(self.runner, micro_batches, self.spec.cross_entropy_chunk_size)
         self.reference_tables = precompute(
-            forward, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device
+            forward, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device, self._context_shards
         )
         self.pass_reference, self.precompute_pending = None, False
         gc.collect()
@@ -367,16 +367,21 @@ class Trainer:
         else:
             batches = [collate(g, self.plan.seq_length, spec.padding_free, spec.variable_seq_lengths) for g in groups]
         self._check_planned(batches, data, iteration)
-        if (cp := context_mesh(self.mesh)) is not None:  # each CP rank its slice of every row
-            ring, ulysses = self.plan.dims.ring_degree, self.plan.dims.ulysses_degree
-            width = None if self.plan.dims.pp == 1 else context_pipeline_width(batches, ring, ulysses)
-            batches = [context_shard(mb, ring, ulysses, cp.get_local_rank(), width) for mb in batches]
+        batches = self._context_shards(batches)
         vocab = self.plan.cfg.vocab_size
         for mb in batches:
             top = int(mb.input_ids.max())
             if top >= vocab:
                 raise BadInput(f"data_path: token id {top} is outside the model's vocabulary ({vocab})", "data_path")
         return batches
+
+    def _context_shards(self, batches: list[MicroBatch]) -> list[MicroBatch]:
+        """Under context parallelism each CP rank's slice of every row (whole micro-batches otherwise)."""
+        if (cp := context_mesh(self.mesh)) is None:
+            return batches
+        ring, ulysses = self.plan.dims.ring_degree, self.plan.dims.ulysses_degree
+        width = None if self.plan.dims.pp == 1 else context_pipeline_width(batches, ring, ulysses)
+        return [context_shard(mb, ring, ulysses, cp.get_local_rank(), width) for mb in batches]
 
     def _check_planned(self, batches: list[MicroBatch], data: TrainData, iteration: int) -> None:
         """A micro-batch larger than the one admission planned on (``max_micro_batch_tokens``) is the data having

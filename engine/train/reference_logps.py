@@ -6,7 +6,8 @@ gives them), saved as ``<prefix>_ref_logps/<key>.npy`` (NumPy, read with ``allow
 what the key covers; where the dataset's folder is not writable for this job, under the run directory instead (used
 by this run only). The key hashes everything the numbers depend on: the four pairwise files (each ``.idx`` whole, the
 ``.bin`` size and mtime), the reference checkpoint's files (names, sizes, mtimes) or the seed it is drawn from, the
-model shape, the compute dtype, the device type, TP, the micro-batch size, ``seq_length``, padding and the loss chunk.
+model shape, the compute dtype, the device type, TP, CP (size and algorithm, when above 1), the micro-batch size,
+``seq_length``, padding and the loss chunk.
 
 The pass cuts pairs into micro-batches of ``micro_batch_size`` consecutive pairs, padded as training pads them, so
 with one pair per micro-batch a precomputed log-prob is the one an online reference computes, bit for bit. Chunk
@@ -21,7 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -82,6 +83,7 @@ def table_key(
         "dtype": str(compute_dtype(spec)),
         "device_type": device_type,
         "tp": tp,
+        **({"cp": [spec.context_parallel_size, spec.context_parallel_algo]} if spec.context_parallel_size > 1 else {}),
         "micro_batch_size": spec.micro_batch_size,
         "seq_length": seq_length,
         "variable_seq_lengths": spec.variable_seq_lengths,
@@ -139,6 +141,9 @@ class Forward(Protocol):
     def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None: ...
 
 
+Shard = Callable[[list[MicroBatch]], list[MicroBatch]]  # the job's cut of whole micro-batches for this rank
+
+
 class ModelForward:
     """The frozen reference (or a LoRA policy with its adapters off), one micro-batch a call."""
 
@@ -185,9 +190,17 @@ class PipelineForward:
 
 
 def _compute(
-    forward: Forward, source: Source, spec: TrainSpec, seq_length: int, mesh: DeviceMesh, device: torch.device
+    forward: Forward,
+    source: Source,
+    spec: TrainSpec,
+    seq_length: int,
+    mesh: DeviceMesh,
+    device: torch.device,
+    shard: Shard,
 ) -> torch.Tensor:
-    """This rank's share of the table (zeros elsewhere), summed over PP and DP: every rank gets the whole table."""
+    """This rank's share of the table (zeros elsewhere), summed over PP and DP: every rank gets the whole table.
+    CP ranks of one DP rank compute the same pairs, each on its slice of the rows (``shard``), and the reference
+    completes each row's sum over CP as in training."""
     pairs, mbs = len(source), spec.micro_batch_size
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     chunks = [range(c, min(pairs, c + mbs)) for c in range(0, pairs, mbs)]
@@ -202,7 +215,7 @@ def _compute(
             picks = [*r, *([0] * (mbs - len(r)))] if forward.group > 1 else list(r)
             samples = [s for i in picks for s in source.samples(i)]
             batches.append(collate_pairs(samples, seq_length, spec.variable_seq_lengths).to(device))
-        logps = forward(batches)
+        logps = forward(shard(batches))
         for i, (r, mb_logps) in enumerate(zip(rows, logps or [], strict=False)):
             if n * forward.group + i >= len(mine):
                 continue
@@ -238,6 +251,7 @@ def precompute(
     mesh: DeviceMesh,
     run: RunDir,
     device: torch.device,
+    shard: Shard,
 ) -> dict[str, Any]:
     """Attach every pairwise source's reference log-probs to ``data`` (its validation share reads the same
     sources), computing with ``forward`` what is not stored (``forward`` None: refuse to, naming why); returns what
@@ -260,7 +274,7 @@ def precompute(
                 "precompute_ref_log_probs",
             )
         with torch.no_grad():
-            table = _compute(forward, source, spec, seq_length, mesh, device).cpu().numpy()
+            table = _compute(forward, source, spec, seq_length, mesh, device, shard).cpu().numpy()
         source.ref_logps = table
         saved = _save(places, table, facts) if rank0 else None
         done[source.prefix] = {"stored": str(saved) if saved else None, "key": key}

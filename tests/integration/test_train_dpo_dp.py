@@ -1,6 +1,6 @@
 """Stage dpo under data parallel (FSDP2 over gloo, torchrun, a frozen sharded reference) and under tensor parallel
 (vocab-parallel log-probs, sequence parallel; full and LoRA) and expert parallel (MoE), and with the reference's
-log-probs precomputed over two ranks, and under context parallelism (Ulysses, ring), equals one process with the
+log-probs precomputed over two ranks, and under context parallelism (Ulysses, ring; precomputed too), equals one process with the
 online reference."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ LAYOUTS = {
     # context parallel: each rank half of every answer, the row sums completed over CP (frozen copy, reference-free,
     # LoRA with its base as the reference)
     "cp2": {"context_parallel_size": 2},
+    # the precompute pass under CP: each rank its slice of every pair's rows, the sums completed over CP
+    "cp2_precomputed": {"context_parallel_size": 2, "precompute_ref_log_probs": True},
     "ring_cp2_simpo": {
         "context_parallel_size": 2,
         "context_parallel_algo": "megatron_cp_algo",
