@@ -110,13 +110,16 @@ def row_logps(
     qwen = cast(Qwen3Model, model)
     head = qwen.output_weight()
     rows = rows_from_hidden(hidden, head, mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index, into_grad=True)
-    return rows if qwen.context_group is None else _over_context(rows, qwen.context_group)
+    return over_context(rows, qwen.context_group)
 
 
-def _over_context(rows: RowLogps, group: dist.ProcessGroup) -> RowLogps:
-    """Under context parallelism a rank holds part of every row: its sums are completed over the CP group, so every
-    CP rank computes the whole pair loss. Its gradient comes back summed over the group (the all-reduce's backward),
-    which the step's pair count undoes: every CP rank counts the micro-batch's pairs, so the global count is CP ×."""
+def over_context(rows: RowLogps, group: dist.ProcessGroup | None) -> RowLogps:
+    """Under context parallelism (``group`` the CP group; None: none) a rank holds part of every row: its sums are
+    completed over the CP group, so every CP rank computes the whole pair loss. Its gradient comes back summed over
+    the group (the all-reduce's backward), which the step's pair count undoes: every CP rank counts the micro-batch's
+    pairs, so the global count is CP ×."""
+    if group is None:
+        return rows
     logps = all_reduce(rows.logps, group=group)  # differentiable
     tokens = rows.tokens.clone()
     dist.all_reduce(tokens, group=group)
@@ -208,11 +211,11 @@ class PipelineDPOLoss:
     """Stage dpo on a pipeline's last stage: the schedule hands the loss function each micro-batch's final hidden
     states and (padded) labels, so the pairs and precomputed reference log-probs of the step's
     micro-batches are kept by ``begin`` and looked up by the index the labels carry; the stats are summed over the
-    step. The
+    step; under context parallelism the row sums are completed over ``context_group``. The
     reference must be precomputed (or the loss reference-free): a frozen copy would need its own pipeline."""
 
-    def __init__(self, cfg: PreferenceConfig, chunk_size: int) -> None:
-        self.cfg, self.chunk_size = cfg, chunk_size
+    def __init__(self, cfg: PreferenceConfig, chunk_size: int, context_group: dist.ProcessGroup | None = None) -> None:
+        self.cfg, self.chunk_size, self.context_group = cfg, chunk_size, context_group
         self.batches: Sequence[MicroBatch] = ()
         self.device = torch.device("cpu")
         self.per_batch: dict[int, dict[str, torch.Tensor]] = {}  # by index: a repeated call replaces, not adds
@@ -231,7 +234,10 @@ class PipelineDPOLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, index: int) -> torch.Tensor:
         mb = self.batches[index]
-        rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=True)
+        rows = over_context(
+            rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=True),
+            self.context_group,
+        )
         ref = None if mb.ref_logps is None else mb.ref_logps.to(hidden.device)
         losses = pair_losses(self.cfg, rows, mb.pairs, ref)
         self.per_batch[index] = {name: value.detach() for name, value in losses.stats.items()}

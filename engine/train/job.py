@@ -254,7 +254,7 @@ class Trainer:
         plan, spec, chunk = self.plan, self.spec, self.spec.cross_entropy_chunk_size
         self.precompute_pending = spec.precompute_ref_log_probs
         if self.mesh["pp"].size() > 1:
-            return None, PipelineDPOLoss(preference_config(spec), chunk)
+            return None, PipelineDPOLoss(preference_config(spec), chunk, self._context_group())
         ref = build_reference(
             self.spec,
             plan.cfg,
@@ -277,7 +277,8 @@ class Trainer:
         forward: Forward | None = self.pass_reference
         if isinstance(self.runner, PipelineRunner) and self.resumed_from is None:  # still the starting weights
             micro_batches = plan.global_batch_size // (self.spec.micro_batch_size * plan.dims.dp)
-            forward = PipelineForward(self.runner, micro_batches, self.spec.cross_entropy_chunk_size)
+            chunk = self.spec.cross_entropy_chunk_size
+            forward = PipelineForward(self.runner, micro_batches, chunk, self._context_group())
         self.reference_tables = precompute(
             forward, data, self.spec, plan.cfg, plan.seq_length, self.mesh, self.run, device, self._context_shards
         )
@@ -374,6 +375,10 @@ class Trainer:
             if top >= vocab:
                 raise BadInput(f"data_path: token id {top} is outside the model's vocabulary ({vocab})", "data_path")
         return batches
+
+    def _context_group(self) -> dist.ProcessGroup | None:
+        cp = context_mesh(self.mesh)
+        return None if cp is None else cp.get_group()
 
     def _context_shards(self, batches: list[MicroBatch]) -> list[MicroBatch]:
         """Under context parallelism each CP rank's slice of every row (whole micro-batches otherwise)."""

@@ -40,7 +40,7 @@ from engine.contract.spec import TrainSpec
 from engine.parallel.precision import compute_dtype
 from engine.train.batches import MicroBatch, collate_pairs
 from engine.train.data import Source, TrainData
-from engine.train.dpo import Reference, rows_from_hidden
+from engine.train.dpo import Reference, over_context, rows_from_hidden
 from engine.train.step_runner import PipelineRunner
 
 VERSION = 1  # bump when what a stored table means changes
@@ -159,8 +159,8 @@ class ModelForward:
 class _RowCapture:
     """A pipeline's last-stage loss that records each micro-batch's row log-probs instead of a loss."""
 
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
+    def __init__(self, chunk_size: int, context_group: dist.ProcessGroup | None) -> None:
+        self.chunk_size, self.context_group = chunk_size, context_group
         self.rows: dict[int, torch.Tensor] = {}
 
     @property
@@ -172,6 +172,7 @@ class _RowCapture:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, index: int) -> torch.Tensor:
         rows = rows_from_hidden(hidden, head, labels, self.chunk_size, isinstance(head, DTensor), logits=False)
+        rows = over_context(rows, self.context_group)
         self.rows[index] = rows.logps.detach().float()
         return rows.logps.sum() * 0.0
 
@@ -180,8 +181,10 @@ class PipelineForward:
     """Under PP: the policy's own pipeline, forward only, before its first step, when it still is the reference
     (its starting weights; a LoRA policy's adapters are still zero), a pipeline step of micro-batches a call."""
 
-    def __init__(self, runner: PipelineRunner, micro_batches: int, chunk_size: int) -> None:
-        self.runner, self.group, self.capture = runner, micro_batches, _RowCapture(chunk_size)
+    def __init__(
+        self, runner: PipelineRunner, micro_batches: int, chunk_size: int, context_group: dist.ProcessGroup | None
+    ) -> None:
+        self.runner, self.group, self.capture = runner, micro_batches, _RowCapture(chunk_size, context_group)
 
     def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None:
         with torch.no_grad(), self.runner.using(self.capture):

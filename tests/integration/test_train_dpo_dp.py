@@ -1,6 +1,7 @@
 """Stage dpo under data parallel (FSDP2 over gloo, torchrun, a frozen sharded reference) and under tensor parallel
 (vocab-parallel log-probs, sequence parallel; full and LoRA) and expert parallel (MoE), and with the reference's
-log-probs precomputed over two ranks, and under context parallelism (Ulysses, ring; precomputed too), equals one process with the
+log-probs precomputed over two ranks, and under context parallelism (Ulysses, ring; precomputed too; SimPO with PP
+on four ranks), equals one process with the
 online reference."""
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ LAYOUTS = {
     "cp2": {"context_parallel_size": 2},
     # the precompute pass under CP: each rank its slice of every pair's rows, the sums completed over CP
     "cp2_precomputed": {"context_parallel_size": 2, "precompute_ref_log_probs": True},
+    # CP × PP on four ranks: the last stage completes each row's sums over CP
+    "pp2_cp2_simpo": {
+        "pipeline_model_parallel_size": 2,
+        "context_parallel_size": 2,
+        "dpo_loss_type": "simpo",
+        "resources": {"nproc_per_node": 4},
+    },
     "ring_cp2_simpo": {
         "context_parallel_size": 2,
         "context_parallel_algo": "megatron_cp_algo",
@@ -64,10 +72,11 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
         "precompute_ref_log_probs",
         "context_parallel_size",
         "context_parallel_algo",
+        "resources",
     )
     one_rank = {k: v for k, v in two_ranks.items() if k not in two_ranks_only}
     run_train(one_rank, tmp_path / "run1", 1)
-    run_train(two_ranks, tmp_path / "run2", 2)
+    run_train(two_ranks, tmp_path / "run2", two_ranks.get("resources", {}).get("nproc_per_node", 2))
     one, two = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run2")
     assert len(one) == len(two) == 4
     # the ring's blockwise softmax rounds the ~−60-nat log-probs differently in fp32; rewards are 0.1 × their

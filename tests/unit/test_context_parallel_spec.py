@@ -78,6 +78,18 @@ def test_cp_takes_its_share_of_the_world() -> None:
         (
             {
                 "context_parallel_size": 2,
+                "pipeline_model_parallel_size": 2,
+                "stage": "dpo",
+                "is_pairwise_dataset": True,
+                "precompute_ref_log_probs": True,
+                "resources": {"nproc_per_node": 4},
+            },
+            "precompute_ref_log_probs",
+            "pipeline parallelism yet",
+        ),
+        (
+            {
+                "context_parallel_size": 2,
                 "expert_model_parallel_size": 2,
                 "num_experts": 4,
                 "moe_ffn_hidden_size": 32,
