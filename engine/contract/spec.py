@@ -961,8 +961,8 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError("cp_attention_mask_type: only causal is supported")
         if cp == 1:
             return self
-        if self.expert_model_parallel_size > 1:
-            raise ValueError("expert_model_parallel_size: not supported with context_parallel_size > 1 yet")
+        if self.expert_model_parallel_size > 1 and hybrid:
+            raise ValueError("expert_model_parallel_size: not supported with hybrid_cp_algo yet")
         if self.pipeline_model_parallel_size > 1 and self.stage == "dpo" and self.precompute_ref_log_probs:
             # the pass through the policy's own pipeline is not yet exact under CP (stage dpo's reference-free
             # losses are: simpo, orpo)

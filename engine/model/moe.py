@@ -177,6 +177,8 @@ class GroupedExperts(nn.Module):
         self.backend: str | None = None  # grouped_mm | padded | bmm | loop; None: ``grouped_backend`` decides
         self.free_activation = True  # as the dense MLP (``engine.model.qwen3.MLP``)
         self.gathers_rows = True  # False: the caller passes gathered rows (expert parallelism's hooks move them)
+        # CP ranks whose gradients of these experts ``engine.parallel.expert_parallel.reduce_over_context`` sums
+        self.context_group: dist.ProcessGroup | None = None
 
     def forward(
         self,

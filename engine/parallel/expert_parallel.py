@@ -114,15 +114,32 @@ def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
     # LoRAStacked shares its base weight with the StackedWeight it replaced; that module is no longer in the tree.
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, context: DeviceMesh | None = None) -> None:
     """Split every MoE layer's experts over the ``ep`` dimension of ``mesh`` (``expert_mesh``) and route their rows
-    with all-to-all over it (in place)."""
+    with all-to-all over it (in place). ``context``: the CP ranks, whose expert gradients ``reduce_over_context``
+    completes."""
     ep_mesh = mesh["ep"]
     ep = ep_mesh.size()
     for layer in moe_layers(model).values():
+        layer.experts.context_group = None if context is None else context.get_group()
         layout.check(layout.Shape(num_experts=layer.num_experts), layout.ParallelDims(dp=ep, ep=ep))
         _shard_experts(layer.experts, mesh)
         layer.experts.gathers_rows = False  # the hooks below exchange gathered rows
         hooks = AllToAllDispatch(ep_mesh.get_group(), layer.num_experts // ep)
         layer.experts.register_forward_pre_hook(hooks.dispatch)
         layer.experts.register_forward_hook(hooks.combine)
+
+
+def reduce_over_context(model: nn.Module) -> None:
+    """Under context parallelism with EP, sum each expert weight's gradient over the CP ranks (call after backward,
+    before the gradient norm). EP is carved out of DP, so FSDP shards the experts over the EDP ranks only; the CP ranks
+    of an EDP rank hold the same expert shards and routed different tokens to them (their other weights reduce over
+    DP × CP through FSDP). A DTensor's mesh cannot pair EDP × CP with EP in rank order, hence this separate sum."""
+    for module in model.modules():
+        group = getattr(module, "context_group", None) if isinstance(module, GroupedExperts) else None
+        if group is None:
+            continue
+        for param in module.parameters():
+            if param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)

@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Modul
     if ep > 1:
         experts_mesh = expert_mesh(mesh, ep)  # on every rank: a pipeline stage may hold no MoE layer
         if moe_layers(model):
-            apply_expert_parallel(model, experts_mesh)
+            apply_expert_parallel(model, experts_mesh, context_mesh(mesh))
             edp_mesh = experts_mesh["edp"]
     granularity = recompute_granularity(spec)
     if granularity:

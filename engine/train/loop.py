@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from engine.parallel.expert_parallel import reduce_over_context
 from engine.torch_compat import foreach_mul_
 from engine.train.batches import MicroBatch
 from engine.train.metrics import StepRecord
@@ -69,6 +70,7 @@ def train_step(
     if router:  # per routed token 1 / (global real tokens): the objective is lm_loss + coeff × sum_layers balance
         router.set_token_weight(scaler.scale / counts[1].clamp(min=1.0))
     losses = runner.forward_backward(batches, denominator, scaler.scale)
+    reduce_over_context(runner.module)  # experts under EP × CP
     if scaler.scale != 1.0:
         foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scaler.scale)
     grad_norm = runner.grad_norm()

@@ -89,14 +89,16 @@ def test_cp_takes_its_share_of_the_world() -> None:
         ),
         (
             {
-                "context_parallel_size": 2,
+                "context_parallel_size": 4,
+                "context_parallel_algo": "hybrid_cp_algo",
+                "ulysses_degree_in_cp": 2,
                 "expert_model_parallel_size": 2,
                 "num_experts": 4,
                 "moe_ffn_hidden_size": 32,
-                "resources": {"nproc_per_node": 4},
+                "resources": {"nproc_per_node": 8},
             },
             "expert_model_parallel_size",
-            "not supported with context_parallel_size",
+            "not supported with hybrid_cp_algo",
         ),
     ],
 )
