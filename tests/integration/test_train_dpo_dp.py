@@ -94,3 +94,16 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
     if "context_parallel_size" in two_ranks:  # the sequences were split, not the pairs
         parallel = json.loads((tmp_path / "run2" / "result.json").read_text())["summary"]["parallel"]
         assert (parallel["cp"], parallel["dp"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_a_pipeline_precomputed_reference_over_two_data_parallel_ranks_is_refused(tmp_path: Path) -> None:
+    """Not yet exact (training drifts from one process from the second step): refused by name, also when the spec
+    named no resources and torchrun gave the ranks (each rank exits 2; torchrun 1)."""
+    data = write_pairwise_data(tmp_path / "data" / "pairs")
+    spec = tiny_spec(data, stage="dpo", is_pairwise_dataset=True, train_iters=2, global_batch_size=8)
+    proc = run_train(
+        {**spec, "pipeline_model_parallel_size": 2, "precompute_ref_log_probs": True}, tmp_path / "run", 4, 1
+    )
+    assert "precompute_ref_log_probs" in proc.stdout + proc.stderr
+    assert "DP 2 × CP 1" in proc.stdout + proc.stderr

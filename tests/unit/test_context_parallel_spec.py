@@ -85,7 +85,18 @@ def test_cp_takes_its_share_of_the_world() -> None:
                 "resources": {"nproc_per_node": 4},
             },
             "precompute_ref_log_probs",
-            "pipeline parallelism yet",
+            "DP 1 × CP 2",
+        ),
+        (
+            {
+                "pipeline_model_parallel_size": 2,
+                "stage": "dpo",
+                "is_pairwise_dataset": True,
+                "precompute_ref_log_probs": True,
+                "resources": {"nproc_per_node": 4},
+            },
+            "precompute_ref_log_probs",
+            "DP 2 × CP 1",
         ),
         (
             {
