@@ -70,15 +70,6 @@ LAYOUTS.update(
         "moe_cp2_pp2": ({"context_parallel_size": 2, "pipeline_model_parallel_size": 2, **MOE}, 4),
         # experts split over EP 2 of the DP ranks; their gradients sum over EDP × CP
         "moe_cp2_ep2": ({"context_parallel_size": 2, "expert_model_parallel_size": 2, **MOE}, 4),
-        "moe_ring_cp2_ep2": (
-            {
-                "context_parallel_size": 2,
-                "context_parallel_algo": "megatron_cp_algo",
-                "expert_model_parallel_size": 2,
-                **MOE,
-            },
-            4,
-        ),
         "ring_cp2_pp2_padded": (
             {
                 "context_parallel_size": 2,
