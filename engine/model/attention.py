@@ -94,9 +94,9 @@ def plan_attention(
     if runs_only:
         if attention_mask is not None or past_len:
             raise ValueError("attention_mask: ring context parallelism takes causal training rows only")
-        runs = None
-        if segment_ids is not None and segment_starts(segment_ids)[:, 1:].any():  # one sample per row: no masks
-            runs = segment_starts(segment_ids).cumsum(dim=1)
+        starts = None if segment_ids is None else segment_starts(segment_ids)
+        # one sample per row (a host read): no run index, so the ring's blocks need no masks
+        runs = starts.cumsum(dim=1) if starts is not None and starts[:, 1:].any() else None
         return AttentionPlan(is_causal=runs is None, runs=runs)
     if (
         segment_ids is None
