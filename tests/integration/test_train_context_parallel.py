@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from train_support import metric_rows, run_train, tiny_spec, write_instruction_data
+from train_support import metric_rows, one_process_rows, run_train, tiny_spec, write_instruction_data
 
 # KV groups 4 (one query head per group) so CP 4 gets whole groups
 FOUR_GROUPS = {"num_attention_heads": 4, "num_query_groups": 4}
@@ -104,6 +104,12 @@ CP_ONLY = (
 )
 
 
+@pytest.fixture(scope="module")
+def shared_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One dataset for every layout of this module, so equal one-process specs run once (``one_process_rows``)."""
+    return write_instruction_data(tmp_path_factory.mktemp("cp-data") / "sft")
+
+
 def _equal(one: list[dict], many: list[dict]) -> None:
     assert len(one) == len(many) > 0
     for a, b in zip(one, many, strict=True):
@@ -118,14 +124,13 @@ def _equal(one: list[dict], many: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_context_parallel_equals_one_process(tmp_path: Path, layout: str) -> None:
+def test_context_parallel_equals_one_process(tmp_path: Path, shared_data: str, layout: str) -> None:
     extra, nproc = LAYOUTS[layout]
-    data = write_instruction_data(tmp_path / "data" / "sft")
-    spec = tiny_spec(data, train_iters=4, use_distributed_optimizer=True)
+    spec = tiny_spec(shared_data, train_iters=4, use_distributed_optimizer=True)
     one_rank = {**spec, **{k: v for k, v in extra.items() if k not in CP_ONLY}}
-    run_train(one_rank, tmp_path / "run1", 1)
+    one = one_process_rows(one_rank, tmp_path / "run1")
     run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
-    one, many = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run_cp")
+    many = metric_rows(tmp_path / "run_cp")
     _equal(one, many)
     parallel = json.loads((tmp_path / "run_cp" / "result.json").read_text())["summary"]["parallel"]
     assert parallel["cp"] == extra["context_parallel_size"]  # the sequences were split, not the batch

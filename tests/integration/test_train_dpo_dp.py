@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from train_support import metric_rows, run_train, tiny_spec, write_pairwise_data
+from train_support import metric_rows, one_process_rows, run_train, tiny_spec, write_pairwise_data
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [1, 0]}
 LAYOUTS = {
@@ -58,9 +58,14 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared_pairs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_pairwise_data(tmp_path_factory.mktemp("dpo-data") / "pairs")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> None:
+def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, shared_pairs: str, layout: str) -> None:
     data = write_pairwise_data(tmp_path / "data" / "pairs")
     spec = tiny_spec(data, stage="dpo", is_pairwise_dataset=True, train_iters=4, global_batch_size=8, lr_warmup_iters=0)
     two_ranks = {**spec, **LAYOUTS[layout]}
@@ -75,9 +80,11 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, layout: str) -> No
         "resources",
     )
     one_rank = {k: v for k, v in two_ranks.items() if k not in two_ranks_only}
-    run_train(one_rank, tmp_path / "run1", 1)
+    # the one-process run reads a dataset shared by every layout (run once per spec); the layout's own run keeps
+    # its own copy, beside which a precomputed reference table is written
+    one = one_process_rows({**one_rank, "data_path": [shared_pairs]}, tmp_path / "run1")
     run_train(two_ranks, tmp_path / "run2", two_ranks.get("resources", {}).get("nproc_per_node", 2))
-    one, two = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run2")
+    two = metric_rows(tmp_path / "run2")
     assert len(one) == len(two) == 4
     # the ring's blockwise softmax rounds the ~−60-nat log-probs differently in fp32; rewards are 0.1 × their
     # difference from the reference, so ~4e-7 apart in absolute terms
