@@ -12,7 +12,8 @@ broker (``--redis``, default db 5; this run's queues are deleted afterwards):
   compiles its statements, is untimed too);
 - a real ``llmjobs api`` (its dispatcher and reconciler loops running) takes ``--rate`` submissions/s for
   ``--seconds`` s (``POST /v1/jobs``) from ``--clients`` clients that also send as many ``GET /v1/jobs/{id}`` and
-  ``GET /healthz`` (paced closed loop: where the API cannot keep up, the achieved rate is reported, not a queue);
+  ``GET /healthz`` (paced closed loop: where the API cannot keep up, the achieved rate is reported, not a queue),
+  in a child process of their own (the API's users are not in a worker's process: see ``load_process``);
 - each node granted to a simulated host runs the worker's steps with no engine: claimed, running, exited 0 at once
   with a ``result.json`` (``worker.node.claim_node``, ``mark_running``, ``finish_node``, ``after_node``: the job
   succeeds, its leases are released and a scheduling pass follows, as on a real worker). The node's "run node"
@@ -351,6 +352,30 @@ async def api_load(
     return lat, errors, len(lat["post"]) / took
 
 
+def load_process(base: str, token: str, data: str, args: argparse.Namespace, seed: int, out: Any) -> None:
+    """A child process: ``api_load``, its figures sent to ``out``. The load's clients are the API's users, not the
+    worker: run in the measuring process, their event loop held the GIL against the passes timed in its node
+    threads (each statement's return waits for the interpreter), which no worker process has to share."""
+    try:
+        out.put(("ok", asyncio.run(api_load(base, token, data, args, random.Random(seed)))))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails the run
+        out.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def run_load(base: str, token: str, data: str, args: argparse.Namespace, seed: int) -> Any:
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    process = spawn.Process(target=load_process, args=(base, token, data, args, seed, out))
+    process.start()
+    try:
+        status, got = out.get(timeout=args.seconds + 600)
+    finally:
+        process.join(timeout=60)
+    if status != "ok":
+        raise SystemExit(f"the API load failed: {got}")
+    return got
+
+
 def count_down(settings: Settings) -> int:
     with session_scope(settings.database_url) as session:
         return int(
@@ -417,7 +442,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             port = free_port()
             proc = start_api(env, port, Path(tmp) / "api.log")
             sim.start()
-            lat, errors, achieved = asyncio.run(api_load(f"http://127.0.0.1:{port}", token, data, args, rng))
+            lat, errors, achieved = run_load(f"http://127.0.0.1:{port}", token, data, args, hosts)
             # one reconciler pass with the hosts still heart-beating and the API up: what the leader does every
             # interval. (Measured after the simulator stopped, every host whose beats lagged was judged dead and its
             # jobs recovered: a mass host-death pass, not the steady one.)
