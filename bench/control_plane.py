@@ -109,6 +109,7 @@ class PassClock:
 
     def __init__(self) -> None:
         self.held_ms: list[float] = []
+        self.pass_grants: list[int] = []  # per pass, beside held_ms: what the slowest passes did
         self.wait_ms: list[float] = []
         self.grants = 0
         self._local = threading.local()
@@ -124,6 +125,7 @@ class PassClock:
         def timed_pass(session: Any, settings: Settings) -> list[scheduler.Grant]:
             grants = self._pass(session, settings)
             self.held_ms.append((time.perf_counter() - self._local.locked) * 1000)
+            self.pass_grants.append(len(grants))
             self.grants += len(grants)
             return grants
 
@@ -169,7 +171,7 @@ def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> Non
             guarded(errors, "finish_parked", lambda n=name: finish_parked(settings, n))
             guarded(errors, "sweep_host", lambda n=name: sweep_host(settings, n))
             guarded(errors, "heartbeat pass", lambda: scheduler.schedule(settings, backstop=True))
-    out.put({"held_ms": clock.held_ms, "wait_ms": clock.wait_ms, "grants": clock.grants, "lag": lag, "errors": errors})
+    out.put({"held_ms": clock.held_ms, "pass_grants": clock.pass_grants, "wait_ms": clock.wait_ms, "grants": clock.grants, "lag": lag, "errors": errors})
 
 
 class SimulatedHosts:
@@ -206,6 +208,7 @@ class SimulatedHosts:
         for _ in self.beaters:  # each child's passes join this process's clock
             got = self.beat_out.get(timeout=120)
             self.clock.held_ms += got["held_ms"]
+            self.clock.pass_grants += got["pass_grants"]
             self.clock.wait_ms += got["wait_ms"]
             self.clock.grants += got["grants"]
             self.beat_lag_s = max(self.beat_lag_s, got["lag"])
@@ -483,6 +486,11 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "grants": clock.grants,
         "schedule_p50_ms": round(pct(clock.held_ms[:passes], 0.5), 1),
         "schedule_p99_ms": round(pct(clock.held_ms[:passes], 0.99), 1),
+        # the slowest 1% of passes: their times and how many gangs each granted
+        "slowest_passes_ms_grants": sorted(
+            ((round(ms, 1), n) for ms, n in zip(clock.held_ms[:passes], clock.pass_grants[:passes], strict=True)),
+            reverse=True,
+        )[: max(1, passes // 100)],
         "schedule_wait_p99_ms": round(pct(clock.wait_ms, 0.99), 1),
         "schedule_quiet_p50_ms": round(pct(quiet, 0.5), 1),
         "schedule_quiet_p99_ms": round(pct(quiet, 0.99), 1),
