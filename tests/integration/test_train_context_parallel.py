@@ -3,7 +3,8 @@
 parallelism, padded rows. Ring: CP2 and CP4 (a model of 2 KV groups, which Ulysses could not split 4 ways), CP2 × TP2
 with sequence parallelism on padded rows without the send/recv overlap. Hybrid: a ring of two Ulysses pairs. MoE
 (load-balancing loss on): Ulysses CP2, ring CP2 × TP2 with sequence parallelism. And a
-CP2 checkpoint resumed on one process continuing the same loss curve."""
+CP2 checkpoint resumed on one process continuing the same loss curve, and the CP2 run's HF export equal to the one
+process's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from train_support import metric_rows, one_process_rows, run_train, tiny_spec, write_instruction_data
 
@@ -126,7 +129,7 @@ def _equal(one: list[dict], many: list[dict]) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_equals_one_process(tmp_path: Path, shared_data: str, layout: str) -> None:
     extra, nproc = LAYOUTS[layout]
-    spec = tiny_spec(shared_data, train_iters=4, use_distributed_optimizer=True)
+    spec = tiny_spec(shared_data, train_iters=5, use_distributed_optimizer=True)
     one_rank = {**spec, **{k: v for k, v in extra.items() if k not in CP_ONLY}}
     one = one_process_rows(one_rank, tmp_path / "run1")
     run_train({**spec, **extra}, tmp_path / "run_cp", nproc)
@@ -143,9 +146,19 @@ def test_context_parallel_equals_one_process(tmp_path: Path, shared_data: str, l
 def test_a_cp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "data" / "sft")
     spec = tiny_spec(data, train_iters=5, use_distributed_optimizer=True)
-    run_train({**spec, "save": str(tmp_path / "one")}, tmp_path / "run1", 1)
-    cp2 = {**spec, "context_parallel_size": 2, "save": str(tmp_path / "cp"), "save_interval": 3}
+    run_train({**spec, "save": str(tmp_path / "one"), "save_hf": True}, tmp_path / "run1", 1)
+    cp2 = {**spec, "context_parallel_size": 2, "save": str(tmp_path / "cp"), "save_interval": 3, "save_hf": True}
     run_train(cp2, tmp_path / "run2", 2)
+    # the CP2 run's HF export: the same files and tensors as the one process's, up to the run's rounding
+    files = sorted(p.name for p in (tmp_path / "one" / "hf").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cp" / "hf").iterdir()) and "config.json" in files
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert shards
+    for name in shards:
+        a, b = load_file(tmp_path / "one" / "hf" / name), load_file(tmp_path / "cp" / "hf" / name)
+        assert a.keys() == b.keys() and a
+        for key, value in a.items():
+            torch.testing.assert_close(b[key], value, rtol=0, atol=1e-6)
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "cp" / "train_state", resumed / "train_state")
     run_train({**spec, "save": str(resumed)}, tmp_path / "run3", 1)
