@@ -612,19 +612,6 @@ class PreprocessSpec(JobBase):
         return self
 
 
-def pipeline_precompute_refusal(dims: layout.ParallelDims) -> str | None:
-    """Stage dpo's reference log-probs computed through the policy's own pipeline are exact on one DP × CP rank per
-    stage only: with more (FSDP over them) training drifts from one process from the second step (1e-5, then %),
-    a known bug not found yet; refused rather than run wrongly."""
-    if dims.pp > 1 and dims.dp * dims.cp > 1:
-        return (
-            f"precompute_ref_log_probs: under pipeline parallelism the reference's log-probs are not yet exact with "
-            f"more than one data- or context-parallel rank per stage (DP {dims.dp} × CP {dims.cp}); use a "
-            "reference-free loss (simpo, orpo), or pipeline_model_parallel_size 1"
-        )
-    return None
-
-
 class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     """``pretrain_gpt.py`` / ``posttrain_gpt.py`` under torchrun: pretraining, full and LoRA fine-tuning."""
 
@@ -955,12 +942,6 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                     "ref_model: under pipeline parallelism the reference is the run's starting weights (load); "
                     "remove ref_model or set pipeline_model_parallel_size 1"
                 )
-            try:
-                dims = self.parallel_dims
-            except layout.LayoutError:
-                return self  # the layout's own check names the field
-            if (message := pipeline_precompute_refusal(dims)) is not None:
-                raise ValueError(message)
         return self
 
     @model_validator(mode="after")

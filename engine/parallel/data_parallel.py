@@ -12,6 +12,7 @@ Both shard optimizer state; plain replicated DDP would only add memory on every 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -73,3 +74,15 @@ def apply_fsdp(
             # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; NCCL is zero-copy only for SUM anyway).
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def reshard_all(modules: Iterable[nn.Module]) -> None:
+    """Free the gathered parameters of every FSDP group under ``modules``. A forward-only pass leaves the groups kept
+    gathered after forward (``reshard_after_forward=False``: each stage's last layer, the root) gathered, with no
+    backward to reshard them: training that followed such a pass through a pipeline (stage dpo's reference pass)
+    drifted from one process from its second step, and resharding after the pass makes it equal again. torch's
+    pipeline schedule does the same after its own forward of metadata inference."""
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

@@ -36,7 +36,7 @@ from engine.contract.guard import check_output
 from engine.contract.layout import LayoutError
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
-from engine.contract.spec import TrainSpec, pipeline_precompute_refusal
+from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
@@ -133,9 +133,6 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
         )
     except LayoutError as err:
         raise BadInput(str(err), err.field) from err
-    refusal = pipeline_precompute_refusal(dims) if spec.stage == "dpo" and spec.precompute_ref_log_probs else None
-    if refusal is not None:
-        raise BadInput(refusal, "precompute_ref_log_probs")
     gbs = _check_batch(spec, dims)
     if spec.seq_length is None:
         raise BadInput("seq_length: required for training (the longest sample, in tokens)", "seq_length")

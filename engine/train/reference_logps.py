@@ -37,6 +37,7 @@ from engine.contract.indexed import PAIRWISE_FIELDS, instruction_prefix
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import TrainSpec
+from engine.parallel.data_parallel import reshard_all
 from engine.parallel.precision import compute_dtype
 from engine.train.batches import MicroBatch, collate_pairs
 from engine.train.data import Source, TrainData
@@ -189,6 +190,7 @@ class PipelineForward:
     def __call__(self, batches: list[MicroBatch]) -> list[torch.Tensor] | None:
         with torch.no_grad(), self.runner.using(self.capture):
             self.runner.forward_only(batches)
+        reshard_all(self.runner.pipeline.parts)  # before training's first step (``data_parallel.reshard_all``)
         return [self.capture.rows[i] for i in range(len(batches))] if self.runner.pipeline.is_last else None
 
 

@@ -77,29 +77,6 @@ def test_cp_takes_its_share_of_the_world() -> None:
         ({"cp_attention_mask_type": "general"}, "cp_attention_mask_type", "only causal"),
         (
             {
-                "context_parallel_size": 2,
-                "pipeline_model_parallel_size": 2,
-                "stage": "dpo",
-                "is_pairwise_dataset": True,
-                "precompute_ref_log_probs": True,
-                "resources": {"nproc_per_node": 4},
-            },
-            "precompute_ref_log_probs",
-            "DP 1 × CP 2",
-        ),
-        (
-            {
-                "pipeline_model_parallel_size": 2,
-                "stage": "dpo",
-                "is_pairwise_dataset": True,
-                "precompute_ref_log_probs": True,
-                "resources": {"nproc_per_node": 4},
-            },
-            "precompute_ref_log_probs",
-            "DP 2 × CP 1",
-        ),
-        (
-            {
                 "context_parallel_size": 4,
                 "context_parallel_algo": "hybrid_cp_algo",
                 "ulysses_degree_in_cp": 2,
