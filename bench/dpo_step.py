@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
+
 SHAPE = dict(
     hidden_size=512,
     intermediate_size=1536,
@@ -274,6 +276,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, 2 pairs, one timed step")
+    add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.micro_batch_size, args.global_batch_size = 1, 1, 2
@@ -290,6 +293,7 @@ def main() -> None:
             }
         )
     )
+    apply_to_children(args.malloc)  # each side's process starts with it
     ctx = multiprocessing.get_context("spawn")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -320,6 +324,7 @@ def main() -> None:
                 "global_batch_size": gbs,
                 "repeats": args.repeats,
                 "threads": args.threads,
+                "malloc": args.malloc,
             }
         )
     )

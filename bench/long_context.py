@@ -12,12 +12,9 @@ vs CP1 step on this CPU.
    Python process with torch, the weights and the optimizer state, which CP does not split: with these small weights
    they are most of what stays); ``loss_equal`` compares the two runs' losses (rel 1e-5).
 
-   Peak memory on CPU is the process's peak RSS, and glibc's malloc decides how much freed memory it keeps: its
-   mmap threshold rises to the largest block freed (up to 32 MiB), after which blocks below it come from heaps that
-   are rarely given back. Halving the sequence halves the activations' sizes, so more of CP's blocks fall under the
-   threshold and stay: a penalty the device allocators CP is for (``max_memory_allocated``) do not have. Both sides
-   therefore run with the threshold pinned at 128 KiB (``MALLOC_MMAP_THRESHOLD_``: freed tensors go back to the
-   system, so RSS follows the live tensors); ``--malloc default`` measures glibc's adaptive threshold instead.
+   Both sides run with glibc's mmap threshold pinned at 128 KiB (``bench/common/allocator.py``: RSS then follows the
+   live tensors; under glibc's adaptive threshold CP's halved activations fall under it and stay in its heaps, a
+   penalty the device allocators CP is for do not have); ``--malloc default`` measures glibc's own.
 
 Prints the table and the two runs, then ``{"bench": "long_context", ...}``. ``--smoke``: 512 tokens, planner at 32K.
 """
@@ -41,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from engine.contract.indexed import IndexedDatasetWriter  # noqa: E402
 from engine.contract.plan.suggest import candidates  # noqa: E402
 from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
+from bench.common.allocator import add_malloc_flag, malloc_env  # noqa: E402
 from train_support import QWEN3_4B  # noqa: E402
 
 GIB = 2**30
@@ -78,9 +76,6 @@ def write_text(prefix: Path, tokens: int, docs: int, vocab: int) -> str:
         writer.add_document(rng.integers(1, vocab, tokens))
     writer.finalize()
     return str(prefix)
-
-
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # 128 KiB: see the module docstring
 
 
 def run(spec: dict[str, Any], run_dir: Path, nproc: int, malloc_env: dict[str, str]) -> list[dict[str, Any]]:
@@ -138,10 +133,7 @@ def main() -> None:
     parser.add_argument(
         "--algo", choices=("ulysses", "ring"), action="append", help="measure only these CP algorithms (default both)"
     )
-    parser.add_argument(
-        "--malloc", choices=("pinned", "default"), default="pinned",
-        help="glibc's mmap threshold for both sides: pinned at 128 KiB (default) or glibc's adaptive one",
-    )  # fmt: skip
+    add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
         args.seq, args.steps = 512, 2
@@ -157,7 +149,7 @@ def main() -> None:
         best[seq] = min(fitting, key=lambda r: r["peak_gib"]) if fitting else None
         suggested[seq] = fitting[0] if fitting else None  # the planner's first suggestion
     algos = args.algo or ["ulysses", "ring"]
-    result = measured(args.seq, args.steps, algos, PINNED_MALLOC if args.malloc == "pinned" else {})
+    result = measured(args.seq, args.steps, algos, malloc_env(args.malloc))
     print(json.dumps(result), flush=True)
     print(json.dumps({
         "bench": "long_context", "smoke": args.smoke,
