@@ -16,8 +16,11 @@ POSTGRES_URL = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg:/
 REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-# Tests that touch the one shared PostgreSQL database or Redis run on one pytest-xdist worker, in turn; every other
-# test keeps its state in its own tmp_path and free ports, so `make test` spreads them over the machine's cores.
+# Tests that touch the one shared PostgreSQL database or Redis are meant to run on one pytest-xdist worker, in turn;
+# every other test keeps its state in its own tmp_path and free ports, so `make test` spreads them over the cores.
+# Known gap: with pytest 9 and pytest-xdist 3.8 the group has no effect (xdist rewrites item._nodeid, pytest 9 reads
+# the node id from item._id), so these tests run on both workers; each uses its own rows, schema or keys. Pinning
+# pytest 8 restores the grouping but showed three order- and timing-dependent failures not fixed yet (stop 38 note).
 SHARED_SERVICES = {"postgres_url", "redis_url"}
 
 

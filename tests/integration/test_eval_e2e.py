@@ -20,8 +20,7 @@ from engine.contract.model_config import preset
 from engine.contract.runfiles import EXIT_OK
 from engine.model.qwen3 import Qwen3Model
 
-# one xdist worker for the module: its two tests share the trained checkpoints (a module fixture, ~100 s)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("eval_e2e")]
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a helpful assistant."
 INTENTS = {

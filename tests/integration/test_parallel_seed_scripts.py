@@ -17,8 +17,7 @@ import torch
 
 from test_train_seed_scripts import FULL, _run, seed_assets  # noqa: F401  (fixture)
 
-# one xdist worker for the module: its tests share the seed assets and the one-process run (module fixtures)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel_seed_scripts")]
+pytestmark = pytest.mark.slow
 ITERS = 3  # enough to see the layouts stay together after optimizer steps; each CPU iteration costs seconds
 
 

@@ -26,8 +26,6 @@ from engine.model.qwen3 import Qwen3Model
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TRAIN_ITERS = 6
-# one xdist worker for the module: its tests share the seed assets (a module fixture: tokenizer, data, checkpoint)
-pytestmark = pytest.mark.xdist_group("train_seed_scripts")
 
 # The seed's flag lists, verbatim except the values noted in the module docstring ({...} are filled in).
 FULL = """
