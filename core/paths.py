@@ -9,10 +9,7 @@ path right before opening it). Relative paths in a spec are relative to the team
 
 from __future__ import annotations
 
-import os
 import re
-import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -98,38 +95,3 @@ def download_areas(settings: Settings, team: str, run_dir: Path) -> list[Path]:
         found += [team_area(settings, team, root), root.absolute() / TEAMS_DIR / check_team_name(team)]
     found += [run_dir.absolute(), run_dir.resolve()]
     return list(dict.fromkeys(found))
-
-
-class LinkInPath(OSError):
-    """A symbolic link met while walking a path that must not follow links; ``name`` is the link's name."""
-
-    def __init__(self, name: str):
-        super().__init__(f"{name!r} is a symbolic link")
-        self.name = name
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0)
-
-
-def lstat_at(name: str, dir_fd: int) -> os.stat_result:
-    """``name`` in directory ``dir_fd``, not followed; ``LinkInPath`` for a symbolic link."""
-    found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if stat.S_ISLNK(found.st_mode):
-        raise LinkInPath(name)
-    return found
-
-
-def open_dirs(base: Path, parts: Sequence[str]) -> list[int]:
-    """Descriptors of ``base`` and of each directory ``parts`` names below it, each opened inside the one before
-    with ``O_NOFOLLOW`` (a link met raises ``LinkInPath``; one swapped in after the look fails the open, never
-    followed). The caller closes them; on an error none stay open."""
-    opened = [os.open(base, os.O_RDONLY | os.O_DIRECTORY)]
-    try:
-        for part in parts:
-            lstat_at(part, opened[-1])
-            opened.append(os.open(part, _DIR_FLAGS, dir_fd=opened[-1]))
-    except BaseException:
-        for fd in opened:
-            os.close(fd)
-        raise
-    return opened

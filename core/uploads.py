@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from core.errors import ApiError
-from core.paths import LinkInPath, lstat_at, open_dirs, team_area, team_areas
+from core.paths import team_area, team_areas
 from core.settings import Settings
+from engine.contract.nofollow import LinkInPath, lstat_at, open_dirs
 
 UPLOADS = "uploads"
 MAX_PATH_CHARS = 1024

@@ -40,6 +40,7 @@ from engine.contract import layout
 from engine.contract.constants import REFERENCE_FREE_LOSSES
 from engine.contract.data_formats import HANDLERS, PAIRWISE_HANDLERS, TEMPLATES, check_map_keys, handler_format
 from engine.contract.lora_targets import resolve_targets
+from engine.contract.nofollow import links_below
 from engine.contract.retention import metric_name
 
 # ---------------------------------------------------------------- field types
@@ -63,7 +64,18 @@ def _resolve_in_roots(value: str | None, info: ValidationInfo, *, output: bool =
         where = ", ".join(map(str, roots)) + (f"; or, to read, {', '.join(map(str, readable))}" if readable else "")
         what = "an output" if output else "a path"
         raise ValueError(f"{what} {value!r} resolves outside your data area ({where})")
+    if not output and resolved.is_dir():
+        _refuse_links_out(value, resolved, [*roots, *readable])
     return str(resolved)
+
+
+def _refuse_links_out(value: str, folder: Path, areas: list[Path]) -> None:
+    """An input folder (a checkpoint, a tokenizer) holding a link that leads out of the caller's areas is refused:
+    the engine would read another team's files through it (``engine.contract.guard`` checks again at run time)."""
+    for link in links_below(folder):
+        if not within(link.resolve(), areas):
+            inside = link.relative_to(folder)
+            raise ValueError(f"{value!r} holds {str(inside)!r}, a symbolic link leading outside your data area")
 
 
 def within(path: Path, roots: list[Path]) -> bool:

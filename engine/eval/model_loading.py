@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
 from engine.checkpoint.sharded import fill_parts
 from engine.checkpoint.sources import TensorDict, WeightSource
+from engine.contract.guard import private_copy
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import EvalSpec, ServeSpec
@@ -88,7 +89,18 @@ def _mcore_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor]
 
 
 def read_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(adapter checkpoint tensors, recorded LoRA settings) of ``lora_load``: ours (DCP) or Megatron/MindSpeed."""
+    """(adapter checkpoint tensors, recorded LoRA settings) of ``lora_load``: ours (DCP) or Megatron/MindSpeed, read
+    from a copy made without following links (``engine.contract.guard.private_copy``: a link swapped into the folder
+    after the start-up check is refused, never read through)."""
+    lora = given(spec.lora_load, "lora_load")
+    with private_copy("lora_load", lora) as copy:
+        try:
+            return _read_adapters(spec.model_copy(update={"lora_load": copy}))
+        except BadInput as err:  # name the user's folder, not the private copy
+            raise BadInput(str(err).replace(copy, lora), field=err.field) from err
+
+
+def _read_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from engine.checkpoint.load import detect_format
 
     lora = given(spec.lora_load, "lora_load")
