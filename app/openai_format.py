@@ -10,8 +10,10 @@ the opening tag (``enable_thinking: false``) is all content. Tool calls: with ``
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -62,12 +64,60 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)  # json.loads reads NaN and Infinity
+
+
+def _is_strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_stream_options(v: Any) -> bool:
+    return isinstance(v, dict) and isinstance(v.get("include_usage", False), bool)
+
+
+_NUMBER, _INT = (_is_number, "a finite number"), (_is_int, "an integer")
+_STRING, _BOOL = ((lambda v: isinstance(v, str)), "a string"), ((lambda v: isinstance(v, bool)), "true or false")
+_OBJECT, _LIST = ((lambda v: isinstance(v, dict)), "an object"), ((lambda v: isinstance(v, list)), "a list")
+# The JSON type of every accepted field (null is taken as absent): checked before anything reaches an engine, so a
+# wrong type is a 400 naming its field, never a 500 halfway through an answer.
+_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"), _NUMBER),
+    **dict.fromkeys(("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "top_logprobs"), _INT),
+    "stop": ((lambda v: isinstance(v, str) or _is_strings(v)), "a string or a list of strings"),
+    "model": _STRING,
+    "user": _STRING,
+    "messages": _LIST,
+    "tools": _LIST,
+    "chat_template_kwargs": _OBJECT,
+    "tool_choice": ((lambda v: isinstance(v, (str, dict))), "a string or an object"),
+    "stream": _BOOL,
+    "stream_options": (_is_stream_options, 'an object such as {"include_usage": true}'),
+    "logprobs": _BOOL,  # chat's; /v1/completions takes an integer (below)
+    "prompt": ((lambda v: isinstance(v, str) or _is_strings(v)), "a string or a list of strings"),
+}
+_COMPLETION_TYPES = {**_TYPES, "logprobs": _INT}
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str], types: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise OpenAIError(400, f"{unknown[0]}: not supported by this server", unknown[0], "unsupported_parameter")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")
+    for name in sorted(body):
+        ok, kind = types[name]
+        if body[name] is not None and not ok(body[name]):
+            raise OpenAIError(400, f"{name}: must be {kind}, got {body[name]!r:.80}", name, "invalid_type")
+
+
+def _given(body: dict[str, Any], *names: str) -> Any:
+    """The first of ``names`` the body sets (not null), else None."""
+    return next((body[n] for n in names if body.get(n) is not None), None)
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -76,9 +126,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     """The engine request of a ``/v1/chat/completions`` body."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, _TYPES)
     out = {**_sampling(body), "messages": body.get("messages")}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _given(body, "max_completion_tokens", "max_tokens")
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
     if body.get("logprobs"):
@@ -91,16 +141,27 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     """The engine request of a ``/v1/completions`` body (one prompt string)."""
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, _COMPLETION_TYPES)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise OpenAIError(400, "prompt: one string is supported", "prompt")
-    out = {**_sampling(body), "prompt": prompt, "max_tokens": body.get("max_tokens", 16)}
+    max_tokens = _given(body, "max_tokens")
+    out = {**_sampling(body), "prompt": prompt, "max_tokens": 16 if max_tokens is None else max_tokens}
     if body.get("logprobs") is not None:
         out["logprobs"] = body["logprobs"]
     return out
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    """Whether a checked body asks for SSE chunks."""
+    return bool(body.get("stream"))
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """Whether a checked streaming body asks for the usage chunk (``stream_options.include_usage``)."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def new_id(prefix: str) -> str:

@@ -81,6 +81,12 @@ def list_deployments(session: Session, principal: Principal) -> list[Deployment]
     return [_deployment(session, job) for job in _live_serve_jobs(session, principal)]
 
 
+def ready_urls(session: Session) -> set[str]:
+    """The engine URLs of every team's ready deployments (the API's proxy closes its clients of any other URL)."""
+    running = session.scalars(select(Job).where(Job.kind == "serve", Job.state == JobState.running.value))
+    return {url for job in list(running) if (url := _ready_url(session, job)) is not None}
+
+
 def find_deployment(session: Session, principal: Principal, model: str) -> Deployment | None:
     """The deployment ``model`` names among the caller's team's live ones (a ready one first), or None; a name of
     one of its adapters gives the deployment with ``adapter`` set."""

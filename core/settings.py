@@ -104,6 +104,24 @@ class Settings(BaseSettings):
     team_max_uploads: int = Field(
         4, ge=0, description="File uploads one team may have in progress on one API replica; past it 429; 0 = no limit."
     )
+    team_max_chat_requests: int = Field(
+        64,
+        ge=0,
+        description="Chat/completion requests (the OpenAI routes) one team may have in progress on one API replica; "
+        "past it 429; 0 = no limit.",
+    )
+    engine_read_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="The OpenAI routes give up on an engine silent this long (before its answer, or between two of "
+        "its lines): 503 model_not_ready, or an error event in a stream already started.",
+    )
+    engine_unhealthy_ttl_s: float = Field(
+        10.0,
+        ge=0,
+        description="An engine that refused a connection or timed out is left out of GET /v1/models, and its "
+        "requests answered 503 at once, for this long; then the next request tries it again.",
+    )
     team_max_active_jobs: int = Field(
         200,
         ge=0,

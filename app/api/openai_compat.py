@@ -1,27 +1,35 @@
 """OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
 
-The request path (``docs/serving.md``): authenticate the team token, find the caller's team's deployment named by
-``model`` (``core.deployments``: another team's reads as missing, 404; one not ready yet is 503), translate the body
-to the engine's internal protocol (``app.openai_format``), POST it to the engine's own endpoint on its worker host
-(the URL its ``ready`` event gave) and stream the engine's JSON lines back as OpenAI objects, or SSE chunks ending
-``data: [DONE]``. A client that disconnects closes the upstream stream, and the engine cancels its sequences. Every
-error on these routes has OpenAI's shape.
+The request path (``docs/serving.md``): authenticate the team token (``request.state.principal`` when the auth
+middleware set it, else looked up here) BEFORE the body is read; take one of the team's request slots on this replica
+(``settings.team_max_chat_requests``, else 429 with Retry-After); read and type-check the body (``app.openai_format``:
+a wrong type is a 400 naming the field, before anything reaches an engine); find the caller's team's deployment named
+by ``model`` (``core.deployments``: another team's reads as missing, 404; one not ready yet is 503); POST it to the
+engine's own endpoint through this replica's pooled client for that URL (``app.engine_proxy``: connect and read
+timeouts, a silent or refusing engine is 503 ``model_not_ready`` and left out of ``/v1/models`` for a while) and
+stream the engine's JSON lines back as OpenAI objects, or SSE chunks ending ``data: [DONE]`` (an error after the
+stream began is one ``data: {"error": ...}`` event, then the end). A client that disconnects, streaming or not, closes
+the upstream answer, and the engine cancels its sequences; the slot is given back however the request ends. Every
+error on these routes has OpenAI's shape. Database look-ups run in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Annotated, Any, TypeVar
 
 import anyio
-import httpx
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import Receive, Scope, Send
 
 from app.api.deps import SettingsDep
+from app.engine_proxy import EngineProxy, EngineStream
 from app.openai_format import (
     OpenAIError,
     ReasoningSplitter,
@@ -29,27 +37,58 @@ from app.openai_format import (
     chat_request,
     chunk,
     completion_request,
+    include_usage,
     new_id,
     split_tool_calls,
     sse,
+    wants_stream,
 )
+from app.team_slots import TeamSlots
 from core.auth import Principal, authenticate
 from core.db import get_sessionmaker
 from core.deployments import Deployment, find_deployment, list_deployments
+from core.errors import ApiError
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1", tags=["openai"])
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Serving:
+    """What the OpenAI routes keep per app: the engine clients and the per-team request slots."""
+
+    proxy: EngineProxy
+    slots: TeamSlots
+
+
+def _serving(app: FastAPI) -> Serving:
+    serving: Serving | None = getattr(app.state, "openai_serving", None)
+    if serving is None:  # made on first use (no await in between: one per app)
+        settings: Settings = app.state.settings
+        slots = TeamSlots("chat requests", settings.team_max_chat_requests, settings.team_limit_retry_after_s)
+        serving = app.state.openai_serving = Serving(EngineProxy(settings), slots)
+    return serving
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    serving: Serving | None = getattr(app.state, "openai_serving", None)
+    if serving is not None:
+        await serving.proxy.aclose()  # the engine clients go with the app
+
+
+router = APIRouter(prefix="/v1", tags=["openai"], lifespan=_lifespan)
 _bearer = HTTPBearer(auto_error=False, description="A team token: pass it as the openai client's api_key.")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-ENGINE_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0)  # a long generation has no read limit
 
 
 def _error(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
-def _with_session(settings: Settings, work: Callable[[Any], Any]) -> Any:
+def _with_session(settings: Settings, work: Callable[[Any], T]) -> T:
     with get_sessionmaker(settings.database_url)() as session:
         return work(session)
 
@@ -63,11 +102,23 @@ def _principal(session: Any, credentials: HTTPAuthorizationCredentials | None) -
     return principal
 
 
-async def _ready(settings: Settings, credentials: HTTPAuthorizationCredentials | None, model: str) -> Deployment:
-    def lookup(session: Any) -> Deployment | None:
-        return find_deployment(session, _principal(session, credentials), model)
+async def _caller(request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """The caller, checked before anything of the body is read: the auth middleware's, else looked up here."""
+    principal = getattr(request.state, "principal", None)
+    if isinstance(principal, Principal):
+        return principal
+    return await anyio.to_thread.run_sync(_with_session, settings, lambda s: _principal(s, credentials))
 
-    dep = await anyio.to_thread.run_sync(_with_session, settings, lookup)
+
+def _take_slot(slots: TeamSlots, team: str) -> None:
+    try:
+        slots.acquire(team)
+    except ApiError as err:  # the same limit as the other per-team slots, answered in OpenAI's shape
+        raise OpenAIError(429, err.message, None, "too_many_requests", **(err.headers or {})) from err
+
+
+async def _ready(settings: Settings, principal: Principal, model: str) -> Deployment:
+    dep = await anyio.to_thread.run_sync(_with_session, settings, lambda s: find_deployment(s, principal, model))
     if dep is None:
         raise OpenAIError(404, f"model: no deployment {model!r} (see GET /v1/models)", "model", "model_not_found")
     if not dep.ready:
@@ -91,64 +142,59 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _engine_lines(dep: Deployment, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Open the engine's stream (errors raised before the first line is read); yields its JSON lines."""
-    client = httpx.AsyncClient(timeout=ENGINE_TIMEOUT)
-    try:
-        response = await client.send(client.build_request("POST", f"{dep.url}/v1/generate", json=payload), stream=True)
-    except httpx.HTTPError as err:
-        await client.aclose()
-        log.warning("deployment %s at %s: %s", dep.name, dep.url, err)
-        raise OpenAIError(
-            503, f"deployment {dep.name!r} is not answering", "model", "model_not_ready", **{"Retry-After": "5"}
-        ) from err
-    if response.status_code != 200:
-        raw = await response.aread()
-        await response.aclose()
-        await client.aclose()
-        raise _engine_error(response, raw)
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, ``work``'s result), or (False, None) when the client disconnected first: ``work`` is cancelled then."""
+    done: list[T] = []
+    failed: list[OpenAIError] = []
+    async with anyio.create_task_group() as group:
 
-    async def lines() -> AsyncIterator[dict[str, Any]]:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":  # the body is read: only this can come
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
         try:
-            async for line in response.aiter_lines():
-                if line:
-                    yield json.loads(line)
+            done.append(await work)
+        except OpenAIError as err:  # kept out of the task group's exception group
+            failed.append(err)
+        group.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return (True, done[0]) if done else (False, None)
+
+
+class _HeldStream(StreamingResponse):
+    """An SSE answer that gives back what it holds (the engine's answer, the team's slot) however it ends: the body
+    may never be iterated when the client left before it started."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[Any]]):
+        super().__init__(content, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            await response.aclose()
-            await client.aclose()
-
-    return lines()
-
-
-def _engine_error(response: httpx.Response, raw: bytes) -> OpenAIError:
-    try:
-        error = json.loads(raw)["error"]
-    except (ValueError, KeyError, TypeError):
-        error = {"message": f"engine answered {response.status_code}", "field": None}
-    if response.status_code == 429:
-        retry = response.headers.get("Retry-After", "1")
-        return OpenAIError(429, error["message"], None, "queue_full", **{"Retry-After": retry})
-    if response.status_code == 404:  # an adapter the engine does not hold (its spec changed under it)
-        return OpenAIError(404, error["message"], "model", "model_not_found")
-    status = 400 if response.status_code == 400 else 502
-    return OpenAIError(status, error["message"], error.get("field"), error.get("type"))
+            with anyio.CancelScope(shield=True):
+                await self._release()
 
 
 # ------------------------------------------------------------------ routes
 
 
 @router.get("/models")
-async def models(settings: SettingsDep, credentials: Credentials) -> JSONResponse:
-    """The caller's team's ready deployments and their LoRA adapters, as OpenAI's model list."""
-
-    def listing(session: Any) -> list[Deployment]:
-        return list_deployments(session, _principal(session, credentials))
-
+async def models(request: Request, settings: SettingsDep, credentials: Credentials) -> JSONResponse:
+    """The caller's team's ready deployments and their LoRA adapters, as OpenAI's model list (an engine that stopped
+    answering is left out for a while, see ``app.engine_proxy``)."""
     try:
-        deps = await anyio.to_thread.run_sync(_with_session, settings, listing)
+        principal = await _caller(request, settings, credentials)
+        deps = await anyio.to_thread.run_sync(_with_session, settings, lambda s: list_deployments(s, principal))
     except OpenAIError as err:
         return _error(err)
-    return JSONResponse({"object": "list", "data": [m for d in deps if d.ready for m in _model_objects(d)]})
+    proxy = _serving(request.app).proxy
+    listed = [d for d in deps if d.ready and proxy.healthy(d.url or "")]
+    return JSONResponse({"object": "list", "data": [m for d in listed for m in _model_objects(d)]})
 
 
 def _model_objects(dep: Deployment) -> list[dict[str, Any]]:
@@ -160,51 +206,63 @@ def _model_objects(dep: Deployment) -> list[dict[str, Any]]:
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(
-    request: Request, settings: SettingsDep, credentials: Credentials
-) -> JSONResponse | StreamingResponse:
+async def chat_completions(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     """OpenAI's chat completions on a deployment (``model``): Qwen3 chat template, thinking as reasoning_content."""
     return await _complete(request, settings, credentials, "chat")
 
 
 @router.post("/completions", response_model=None)
-async def completions(
-    request: Request, settings: SettingsDep, credentials: Credentials
-) -> JSONResponse | StreamingResponse:
+async def completions(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     """OpenAI's (legacy) text completions on a deployment (``model``): the prompt is tokenized as it is."""
     return await _complete(request, settings, credentials, "text")
 
 
 async def _complete(
     request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None, kind: str
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     try:
-        body = await _body(request)
-        payload = chat_request(body) if kind == "chat" else completion_request(body)
-        dep = await _ready(settings, credentials, body["model"])
-        if dep.adapter is not None:
-            payload["model"] = dep.adapter  # the engine applies this adapter to the request's sequences
-        lines = await _engine_lines(dep, payload)
+        principal = await _caller(request, settings, credentials)  # before the body is read
+        serving = _serving(request.app)
+        async with AsyncExitStack() as held:
+            _take_slot(serving.slots, principal.team)
+            held.callback(serving.slots.release, principal.team)
+            body = await _body(request)
+            payload = chat_request(body) if kind == "chat" else completion_request(body)
+            dep = await _ready(settings, principal, body["model"])
+            if dep.adapter is not None:
+                payload["model"] = dep.adapter  # the engine applies this adapter to the request's sequences
+            upstream = await serving.proxy.open(dep, payload)
+            held.push_async_callback(upstream.aclose)
+            rid, model = new_id("chatcmpl" if kind == "chat" else "cmpl"), dep.adapter or dep.name
+            n, tools = payload.get("n", 1), bool(body.get("tools"))
+            if wants_stream(body):  # the response holds the slot and the upstream answer from here
+                lines = _stream(kind, upstream, rid, model, n, include_usage(body))
+                return _HeldStream(lines, held.pop_all().aclose)
+            stayed, answer = await _unless_client_leaves(request, _collect(kind, upstream, rid, model, n, tools))
     except OpenAIError as err:
         return _error(err)
-    rid, model = new_id("chatcmpl" if kind == "chat" else "cmpl"), dep.adapter or dep.name
-    if body.get("stream"):
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(
-            _stream(kind, lines, rid, model, payload.get("n", 1), usage), media_type="text/event-stream"
-        )
-    return JSONResponse(await _collect(kind, lines, rid, model, payload.get("n", 1), bool(body.get("tools"))))
+    return JSONResponse(answer) if stayed else Response(status_code=499)  # 499: nobody is left to read it
 
 
 # ------------------------------------------------------------------ streaming
 
 
-async def _stream(
-    kind: str, lines: AsyncIterator[dict[str, Any]], rid: str, model: str, n: int, include_usage: bool
+async def _stream(kind: str, upstream: EngineStream, rid: str, model: str, n: int, usage: bool) -> AsyncIterator[bytes]:
+    try:
+        async for chunk_bytes in _chunks(kind, upstream, rid, model, n, usage):
+            yield chunk_bytes
+    except OpenAIError as err:  # the 200 is sent: the error is the stream's last event (the openai client raises it)
+        yield sse(err.body())
+        return
+    yield sse("[DONE]")
+
+
+async def _chunks(
+    kind: str, upstream: EngineStream, rid: str, model: str, n: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
     splitters = [ReasoningSplitter() for _ in range(n)]
     started: set[int] = set()
-    async for line in lines:
+    async for line in upstream.lines():
         if line["type"] in ("token", "finish"):
             i, final = line["index"], line["type"] == "finish"
             choice = _chat_delta(line, splitters[i], i not in started) if kind == "chat" else _text_delta(line)
@@ -219,7 +277,6 @@ async def _stream(
                 yield sse(chunk(kind, rid, model, [choice]))
         elif line["type"] == "done" and include_usage:
             yield sse(chunk(kind, rid, model, [], usage=line["usage"]))
-    yield sse("[DONE]")
 
 
 def _chat_delta(line: dict[str, Any], splitter: ReasoningSplitter, first: bool) -> dict[str, Any] | None:
@@ -258,14 +315,12 @@ def _text_logprobs(lines: list[dict[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------ whole answers
 
 
-async def _collect(
-    kind: str, lines: AsyncIterator[dict[str, Any]], rid: str, model: str, n: int, tools: bool
-) -> dict[str, Any]:
+async def _collect(kind: str, upstream: EngineStream, rid: str, model: str, n: int, tools: bool) -> dict[str, Any]:
     texts: list[str] = [""] * n
     tokens: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     usage: dict[str, Any] = {}
-    async for line in lines:
+    async for line in upstream.lines():
         if line["type"] == "token":
             texts[line["index"]] += line.get("text", "")
             if "logprob" in line:
