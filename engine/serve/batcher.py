@@ -12,6 +12,13 @@ or when cancelled (client gone, stop string seen by the caller); their slot is f
 Callers (the HTTP handler threads) ``submit`` the sequences of a request, sharing one ``events`` queue, and read
 ``(index, Pick)`` per new token, then ``(index, None)`` when choice ``index`` ends (its ``finish_reason`` set).
 Only the loop thread touches the model and the cache.
+
+Failures never leave a reader waiting: a sequence that cannot be sampled ends with ``finish_reason`` "error" (its
+``error`` set) and the others go on; an exception anywhere in a step ends every running sequence so, frees their
+slots and restarts the loop after ``RESTART_DELAY_S`` (``state`` "restarting", waiting sequences stay queued). A
+loop that failed ``MAX_CRASHES`` times within ``CRASH_WINDOW_S``, or once under tensor parallelism (the other
+ranks' collectives cannot be resynchronised), is ``dead``: it fails whatever is left and ends; the job then ends
+as failed (``engine.serve.job``), which the worker retries.
 """
 
 from __future__ import annotations
@@ -27,12 +34,21 @@ import torch
 
 from engine.eval.generate import last_logits
 from engine.serve.adapters import AdapterRows
-from engine.serve.sampling import Pick, RequestOptions, pick_token
+from engine.serve.sampling import Pick, RequestOptions, SamplingError, pick_token
 from engine.serve.slots import SlotCache
 from engine.serve.stats import ServeStats
 from engine.serve.tp_sync import Step, StepSync
 
 log = logging.getLogger(__name__)
+
+MAX_CRASHES = 3  # step failures within CRASH_WINDOW_S that end the loop for good
+CRASH_WINDOW_S = 60.0
+RESTART_DELAY_S = 1.0  # between a failed step and the next (read at use: tests shorten it)
+READY, RESTARTING, DEAD, STOPPED = "ready", "restarting", "dead", "stopped"
+
+
+class LoopDead(Exception):
+    """The loop has ended (failed for good or stopped): nothing more is served by this process."""
 
 
 class QueueFull(Exception):
@@ -57,6 +73,7 @@ class Sequence:
     prefilled: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with finish_reason "error" (safe to show the client)
     cancelled: bool = False
     events: queue.Queue[tuple[int, Pick | None]] = dataclasses.field(default_factory=queue.Queue)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -91,12 +108,17 @@ class Batcher:
         self.last_activity = time.monotonic()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
         self.window = ServeStats()  # the deployment metrics' current window (engine.serve.stats)
+        self.state = READY
+        self.error: str | None = None  # the last step failure, as "ExceptionType: message"
+        self._crashes: list[float] = []
 
     # ------------------------------------------------------------ callers' side
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue the sequences of one request, all or none; raises ``QueueFull``."""
+        """Queue the sequences of one request, all or none; raises ``QueueFull``, or ``LoopDead`` once it ended."""
         with self._wake:
+            if self.state in (DEAD, STOPPED):
+                raise LoopDead(f"the serving loop has {'failed' if self.state == DEAD else 'stopped'}")
             if len(self.waiting) + len(seqs) > self.max_waiting:
                 raise QueueFull(retry_after=1.0)
             for seq in seqs:
@@ -120,19 +142,55 @@ class Batcher:
     # ------------------------------------------------------------ the loop
 
     def run_forever(self) -> None:
-        """The loop thread's body: step while there is work, sleep on the condition otherwise."""
-        while not self._stop.is_set():
-            with self._wake:
-                if not self.busy:
-                    self._wake.wait(timeout=0.5)
-                    if self.sync is not None:
-                        self.sync.keep_alive()
-                    continue
-            self.step()
-        for seq in [*self.running, *self.waiting]:
-            self._finish(seq, "abort")
-        if self.sync is not None:
-            self.sync.lead(None)  # the other TP ranks' loops end with this one
+        """The loop thread's body: step while there is work, sleep on the condition otherwise; a failed step is
+        recovered from or ends the loop (see the module docstring)."""
+        try:
+            while not self._stop.is_set():
+                with self._wake:
+                    if not self.busy:
+                        self._wake.wait(timeout=0.5)
+                        if self.sync is not None:
+                            self.sync.keep_alive()
+                        continue
+                try:
+                    self.step()
+                except Exception as err:  # noqa: BLE001 - whatever failed, the readers must hear of it
+                    if not self._recover(err):
+                        return
+        finally:
+            self._end()
+
+    def _recover(self, err: Exception) -> bool:
+        """After a failed step: fail the running sequences, then restart (True) or give up (False)."""
+        log.exception("serving loop: a step failed")
+        now = time.monotonic()
+        self._crashes = [t for t in self._crashes if now - t < CRASH_WINDOW_S] + [now]
+        self.error = f"{type(err).__name__}: {err}"
+        self.state = RESTARTING  # before the readers hear: health is not ready by the time a client sees the error
+        for seq in list(self.running):
+            self._fail(seq, f"the engine failed while generating ({type(err).__name__}); retry the request")
+        if self.sync is not None or len(self._crashes) >= MAX_CRASHES:
+            self.state = DEAD
+            return False
+        self._stop.wait(RESTART_DELAY_S)
+        self.state = READY
+        return True
+
+    def _end(self) -> None:
+        """The loop has ended: nothing in flight stays unanswered, and followers are released when it is safe."""
+        dead = self.state == DEAD or not self._stop.is_set()  # ended without being asked to: it failed
+        self.state = DEAD if dead else STOPPED
+        with self._wake:
+            left = [*self.running, *self.waiting]
+            self.waiting.clear()
+        for seq in left:
+            if dead:
+                self._fail(seq, "the engine's serving loop has failed; retry the request")
+            else:
+                self._finish(seq, "abort")
+        if self.sync is not None and not dead:
+            self.sync.lead(None)  # the other TP ranks' loops end with this one (after a failure they may be
+            # inside a collective of the failed step: the job's failure ends them instead)
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -213,7 +271,13 @@ class Batcher:
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token, hand it to the reader and end the sequence if it is done."""
-        pick = pick_token(logits, seq.opts, seq.prompt, seq.output, seq.generator)
+        try:
+            pick = pick_token(logits, seq.opts, seq.prompt, seq.output, seq.generator)
+        except Exception as err:  # noqa: BLE001 - this sequence's fault (or its logits'): the others go on
+            log.warning("serving loop: sampling failed for one sequence: %s", err)
+            detail = str(err) if isinstance(err, SamplingError) else type(err).__name__
+            self._fail(seq, f"the engine could not sample the next token ({detail})")
+            return
         seq.output.append(pick.token)
         self.stats["generated_tokens"] += 1
         now = time.monotonic()
@@ -225,6 +289,10 @@ class Batcher:
             self._finish(seq, "stop")
         elif len(seq.output) >= seq.max_tokens or len(seq.prompt) + len(seq.output) >= self.cache.max_len:
             self._finish(seq, "length")
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.error = message
+        self._finish(seq, "error")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

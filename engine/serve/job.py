@@ -6,7 +6,9 @@ cache of ``max_num_seqs`` slots × ``max_model_len`` positions once, starts the 
 (``engine.serve.batcher``) and the engine's HTTP endpoint (``engine.serve.server``), then reports ``ready`` with the
 endpoint's URL in the event's data (the API routes requests there, ``docs/serving.md``) and in ``serve.json`` in the
 run directory. It runs until the worker stops it (cancel, delete) or, with ``idle_timeout_s``, until no request came
-for that long: then it ends successfully with the counts in ``result.json``.
+for that long: then it ends successfully with the counts in ``result.json``. A batching loop that failed for good
+(``engine.serve.batcher``) ends the job as failed within a second, its endpoint closed: the worker's recovery
+retries it (meanwhile the API finds no endpoint there and answers 503).
 
 The endpoint binds to ``LLMJOBS_SERVE_HOST`` (default 127.0.0.1: the API on the same host) and advertises
 ``LLMJOBS_SERVE_ADVERTISE_HOST`` (default: the bound address) to the API. Under tensor parallelism (one node, every
@@ -33,7 +35,7 @@ from engine.eval.model_loading import build_model
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.serve.adapters import apply_adapters, read_adapter
-from engine.serve.batcher import Batcher
+from engine.serve.batcher import DEAD, Batcher
 from engine.serve.server import Deployment, make_server
 from engine.serve.slots import SlotCache
 from engine.serve.tp_sync import StepSync
@@ -82,9 +84,22 @@ def _write_metrics(batcher: Batcher, run: RunDir, step: int, was_active: bool) -
     return active
 
 
-def _wait(batcher: Batcher, run: RunDir, idle_timeout_s: float | None, stop: threading.Event, every: float) -> None:
+class LoopFailed(RuntimeError):
+    """The batching loop ended on its own: the job fails (``engine_error``), and the worker retries it."""
+
+
+def _wait(
+    batcher: Batcher,
+    loop: threading.Thread,
+    run: RunDir,
+    idle_timeout_s: float | None,
+    stop: threading.Event,
+    every: float,
+) -> None:
     step, was_active, last = 0, False, time.monotonic()
     while not stop.wait(min(1.0, every)):
+        if batcher.state == DEAD or not loop.is_alive():  # never keep listening for a loop that is gone
+            raise LoopFailed(f"the serving loop failed and was not restarted; last failure: {batcher.error}")
         if time.monotonic() - last >= every:
             step, last = step + 1, time.monotonic()
             was_active = _write_metrics(batcher, run, step, was_active)
@@ -144,7 +159,7 @@ def run(
     run.event("ready", f"serving {name} at {url}", **facts)
     log.info("serving %s at %s (%d slots × %d positions)", name, url, spec.max_num_seqs, spec.max_model_len)
     try:
-        _wait(batcher, run, spec.idle_timeout_s, stop or threading.Event(), metrics_interval_s)
+        _wait(batcher, loop, run, spec.idle_timeout_s, stop or threading.Event(), metrics_interval_s)
     finally:
         server.shutdown()
         server.server_close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from engine.data.templates import ConversationError, encode_prompt
@@ -48,22 +49,47 @@ def adapter_index(body: dict[str, Any], served_name: str, adapters: dict[str, in
     raise BadRequest(f"model: {model!r} is not served here (it serves {have})", field="model", status=404)
 
 
+_INT_FIELDS = ("max_tokens", "top_k", "n", "seed", "logprobs")
+_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """A wrong type is a 400 naming the field (never a default, never a crash further on)."""
+    for name in _INT_FIELDS:
+        if name in values and (isinstance(values[name], bool) or not isinstance(values[name], int)):
+            raise BadRequest(f"{name}: must be an integer, got {_shown(values[name])}", field=name)
+    for name in _NUMBER_FIELDS:
+        value = values.get(name, 0.0)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (isinstance(value, float) and not math.isfinite(value)):  # JSON's NaN and Infinity
+            raise BadRequest(f"{name}: must be a finite number, got {_shown(value)}", field=name)
+    stop = values.get("stop", "")
+    if not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest(f"stop: must be a string or a list of strings, got {_shown(stop)}", field="stop")
+
+
 def parse_options(body: dict[str, Any]) -> RequestOptions:
-    """The sampling options of a request body; unknown fields are refused by name."""
+    """The sampling options of a request body; unknown fields and wrong types are refused by name."""
     unknown = sorted(set(body) - _OPTION_FIELDS - set(_PROMPT_FIELDS) - _OTHER_FIELDS)
     if unknown:
         raise BadRequest(f"{unknown[0]}: unknown field", field=unknown[0])
+    for name, kind in (("stream", bool), ("tools", list), ("model", str)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise BadRequest(f"{name}: must be a {kind.__name__}, got {_shown(body[name])}", field=name)
     values = {k: body[k] for k in _OPTION_FIELDS if body.get(k) is not None}
+    _check_types(values)
     if isinstance(values.get("stop"), str):
         values["stop"] = (values["stop"],)
     if "stop" in values:
         values["stop"] = tuple(values["stop"])
     try:
-        for name in ("max_tokens", "top_k", "n", "seed", "logprobs"):
-            if name in values and (isinstance(values[name], bool) or not isinstance(values[name], int)):
-                raise ValueError(f"{name}: must be an integer, got {values[name]!r}")
         return RequestOptions(**values)
-    except (TypeError, ValueError) as err:
+    except ValueError as err:
         raise BadRequest(str(err), field=str(err).split(":", 1)[0]) from err
 
 

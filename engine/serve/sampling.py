@@ -5,6 +5,11 @@ the negative ones) of every token seen in the prompt or the output; ``frequency_
 ``count × penalty`` and ``presence_penalty`` subtracts ``penalty`` once, for each token of the output so far.
 Temperature / top-k / top-p and the greedy rule are ``engine.eval.sampling``'s. Log-probabilities are those of the
 model's raw distribution (before penalties and filters), as vLLM reports by default.
+
+Every value the documented ranges admit gives a token: penalties can push a logit past fp32's range
+(``repetition_penalty`` 1e-300 divides by it), so the penalised scores are clamped to a finite band that even the
+coldest sampling temperature cannot overflow, and the sampler never sees ``inf``/``nan``. Logits the *model*
+made non-finite are its fault, not the request's: ``SamplingError``, which fails that sequence only.
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from collections import Counter
 
 import torch
 
-from engine.eval.sampling import SamplingParams, next_tokens
+from engine.eval.sampling import GREEDY_BELOW, SamplingParams, next_tokens
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+# |score| bound after penalties: divided by the coldest sampling temperature (GREEDY_BELOW) it stays finite, and the
+# softmax's ``x - max`` of two such values too
+SCORE_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW / 4
+
+
+class SamplingError(Exception):
+    """The model's logits for one sequence are not finite: that sequence cannot be sampled (a fault of the model)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +54,7 @@ class RequestOptions:
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0: off)"),
+            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "must be a 64-bit integer"),
             ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
             ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
@@ -64,7 +78,7 @@ class RequestOptions:
         params = self.sampling()
         if params.greedy:
             return None
-        seed = self.seed + index if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seed = (self.seed + index) % 2**64 if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
         return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -98,14 +112,17 @@ def pick_token(
     output: list[int],
     generator: torch.Generator | None,
 ) -> Pick:
-    """The next token of one sequence from its (V,) float logits."""
+    """The next token of one sequence from its (V,) float logits; ``SamplingError`` when they are not finite."""
     logits = logits.float()
-    token = int(next_tokens(apply_penalties(logits, opts, prompt, output)[None], opts.sampling(), generator)[0])
+    if not bool(torch.isfinite(logits).all()):
+        raise SamplingError("the model's logits are not finite")
+    scores = apply_penalties(logits, opts, prompt, output).clamp(-SCORE_LIMIT, SCORE_LIMIT)
+    token = int(next_tokens(scores[None], opts.sampling(), generator)[0])
     if opts.logprobs is None:
         return Pick(token)
     logp = torch.log_softmax(logits, dim=-1)
     top: list[tuple[int, float]] = []
     if opts.logprobs:
-        values, ids = torch.topk(logp, opts.logprobs)
+        values, ids = torch.topk(logp, min(opts.logprobs, logp.shape[-1]))
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return Pick(token, float(logp[token]), top)

@@ -1,10 +1,16 @@
 """The engine's own HTTP endpoint on the worker host: the standard library's ``ThreadingHTTPServer`` (the engine
 imports no web framework, see the import contracts in pyproject.toml), one thread per request.
 
-``GET /health`` answers the deployment's state; ``POST /v1/generate`` takes the internal protocol's request
-(``engine.serve.protocol``) and streams JSON lines as tokens come out of the ``Batcher``. The response body ends
-with the connection (HTTP/1.0 framing, no length needed). A client that goes away makes the next write fail: its
-sequences are cancelled and their slots freed.
+``GET /health`` answers the deployment's state: 200 while the batching loop serves, 503 while it restarts after a
+failure or once it is dead. ``POST /v1/generate`` takes the internal protocol's request (``engine.serve.protocol``)
+and streams JSON lines as tokens come out of the ``Batcher``. The response body ends with the connection (HTTP/1.0
+framing, no length needed).
+
+The status line waits for the request's first event, so a request that fails before its first token (a sampling
+failure, the loop failing) is a plain 500 ``{"error": ...}``; once tokens were sent, a failure is a last line
+``{"type": "error", "error": {"message", "field": null, "type": "engine_error"}}`` (no ``finish``/``done``).
+A client that goes away is noticed at the next write, or while nothing is written (queued, prefilling) by polling
+its socket for end-of-file: its sequences are cancelled and their slots freed.
 """
 
 from __future__ import annotations
@@ -12,16 +18,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
+import select
+import socket
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from engine.serve.batcher import Batcher, QueueFull, Sequence
+from engine.serve.batcher import READY, Batcher, LoopDead, QueueFull, Sequence
 from engine.serve.protocol import BadRequest, Detokenizer, adapter_index, parse_options, prompt_ids
+from engine.serve.sampling import Pick
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 << 20
+POLL_S = 0.5  # while no event comes, how often the client's socket is checked for a hang-up
+
+
+class ClientGone(Exception):
+    """The client closed its connection: its request is dropped."""
+
+
+class _Failed(Exception):
+    """A choice of the request ended in an error (``Sequence.error``): the request ends with it."""
 
 
 @dataclasses.dataclass
@@ -40,6 +60,8 @@ class Deployment:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.0"
+    _started = False  # whether this request's 200 and start line went out
+    _prompt_tokens = 0
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
@@ -63,9 +85,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, f"{self.path}: not found", None, "not_found")
         b = dep.batcher
         self._json(
-            200,
+            200 if b.state == READY else 503,
             {
-                "status": "ready",
+                "status": b.state,
+                "error": b.error,
                 "model": dep.served_model_name,
                 "max_model_len": dep.max_model_len,
                 "adapters": sorted(dep.adapters),
@@ -88,13 +111,32 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.deployment.batcher.submit(seqs)
         except QueueFull as err:
             return self._error(429, str(err), None, "rate_limit_error", **{"Retry-After": f"{err.retry_after:.0f}"})
+        except LoopDead as err:
+            return self._error(503, str(err), None, "engine_unavailable", **{"Retry-After": "5"})
+        self._started = False
         try:
             self._stream(seqs, len(prompt))
-        except (BrokenPipeError, ConnectionResetError):
+        except _Failed as err:
+            self._fail(str(err))
+        except (BrokenPipeError, ConnectionResetError, ClientGone):
             log.info("client gone: %d sequence(s) cancelled", len(seqs))
+        except Exception:  # noqa: BLE001 - a bug here must still end the request with an error, not a cut stream
+            log.exception("serving a request failed")
+            self._fail("the engine failed while answering; retry the request")
         finally:
             for seq in seqs:
                 seq.cancel()  # no-op for finished ones; frees the slots of a disconnected client
+
+    def _fail(self, message: str) -> None:
+        """End the request with an error: a 500 before the stream began, else its last line."""
+        error = {"message": message, "field": None, "type": "engine_error"}
+        try:
+            if self._started:
+                self._line({"type": "error", "error": error})
+            else:
+                self._json(500, {"error": error})
+        except OSError:
+            log.info("client gone before hearing of its error")
 
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -135,23 +177,47 @@ class _Handler(BaseHTTPRequestHandler):
         return seqs, prompt
 
     def _line(self, obj: dict[str, Any]) -> None:
+        if not self._started:  # the status line waits for the first event (see the module docstring)
+            self._started = True
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.end_headers()
+            self._line({"type": "start", "prompt_tokens": self._prompt_tokens})
         self.wfile.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
         self.wfile.flush()
 
+    def _client_gone(self) -> bool:
+        """Whether the client hung up: its socket reads as end-of-file (it sends nothing after its request)."""
+        conn = self.connection
+        try:
+            readable, _, _ = select.select([conn], [], [], 0)
+            return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _events(self, seqs: list[Sequence]) -> Iterator[tuple[int, Pick | None]]:
+        """The request's events, checking between them, while none comes, that the client is still there."""
+        while True:
+            try:
+                yield seqs[0].events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._client_gone():
+                    raise ClientGone from None
+
     def _stream(self, seqs: list[Sequence], prompt_tokens: int) -> None:
         tok = self.server.deployment.tokenizer
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.end_headers()
-        self._line({"type": "start", "prompt_tokens": prompt_tokens})
+        self._prompt_tokens = prompt_tokens
         detoks = [Detokenizer(tok, s.opts.stop) for s in seqs]
         open_choices, completion = set(range(len(seqs))), 0
+        events = self._events(seqs)
         while open_choices:
-            index, pick = seqs[0].events.get()
+            index, pick = next(events)
             if index not in open_choices:
                 continue  # a choice already cut by a stop string still sends its last tokens and its end
             seq, detok = seqs[index], detoks[index]
             if pick is None:
+                if seq.finish_reason == "error":
+                    raise _Failed(seq.error or "the engine failed while generating")
                 rest = detok.flush()
                 if rest:
                     self._line({"type": "token", "index": index, "token_id": None, "text": rest})

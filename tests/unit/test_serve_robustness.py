@@ -1,0 +1,322 @@
+"""A request cannot kill or wedge a deployment (issue 39, finding 2 and the engine's low items of finding 6).
+
+- Sampling: every value the documented ranges admit gives a valid token (``repetition_penalty`` 1e-300 made fp32
+  logits infinite and ``torch.multinomial`` raise, killing the batching thread); wrong types are a 400 naming the
+  field.
+- The loop: a failed step (a fault injected into the model's forward) fails the requests in flight with an error,
+  health is 503 while the loop restarts, and the next request answers; a loop that keeps failing ends the job as
+  failed with its endpoint closed.
+- A client that hangs up, streaming or while its request is queued, frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.contract.runfiles import RunDir
+from engine.contract.spec import ServeSpec
+from engine.serve import batcher as batcher_module
+from engine.serve.batcher import READY, Batcher, Sequence
+from engine.serve.job import LoopFailed, run
+from engine.serve.protocol import BadRequest, parse_options
+from engine.serve.sampling import MAX_LOGPROBS, RequestOptions, SamplingError, pick_token
+from engine.serve.slots import SlotCache
+
+V = 48
+PROMPT = [9707, 11, 1879, 0, 374]  # token ids of the real vocabulary (no stop token among them)
+
+# ------------------------------------------------------------------ sampling over the documented ranges
+
+_tiny_or_any = st.one_of(st.sampled_from([5e-324, 1e-300, 1e-30]), st.floats(0.0, 10.0, exclude_min=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=V, max_size=V),
+    temperature=st.one_of(st.sampled_from([0.0, 1e-300, 1e-3, 2.0]), st.floats(0.0, 2.0)),
+    top_p=st.one_of(st.sampled_from([5e-324, 1.0]), st.floats(0.0, 1.0, exclude_min=True)),
+    top_k=st.integers(0, V + 4),
+    presence=st.floats(-2.0, 2.0),
+    frequency=st.floats(-2.0, 2.0),
+    repetition=_tiny_or_any,
+    seen=st.lists(st.integers(0, V - 1), max_size=12),
+    output=st.lists(st.integers(0, V - 1), max_size=12),
+    logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
+    seed=st.integers(-(2**63), 2**64 - 1),
+)
+def test_pick_token_always_returns_a_valid_token(
+    logits, temperature, top_p, top_k, presence, frequency, repetition, seen, output, logprobs, seed
+) -> None:
+    opts = RequestOptions(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        logprobs=logprobs,
+        seed=seed,
+    )
+    pick = pick_token(torch.tensor(logits), opts, seen, output, opts.generator(0, torch.device("cpu")))
+    assert 0 <= pick.token < V
+    if logprobs is not None:
+        assert pick.logprob is not None and not math.isnan(pick.logprob) and pick.logprob <= 0
+
+
+def test_the_models_own_non_finite_logits_fail_that_sequence_only() -> None:
+    with pytest.raises(SamplingError, match="not finite"):
+        pick_token(torch.tensor([0.0, float("nan")]), RequestOptions(), [0], [], None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stop", [1, 2]),  # answered 200 with empty content and finish_reason null
+        ("stop", {"a": 1}),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("temperature", float("nan")),
+        ("presence_penalty", float("inf")),
+        ("repetition_penalty", [1.0]),
+        ("top_p", "0.5"),
+        ("n", 1.5),
+        ("max_tokens", "5"),
+        ("seed", 2**70),
+        ("logprobs", True),
+        ("top_k", 2.0),
+        ("stream", "yes"),
+        ("tools", "x"),
+        ("model", 5),
+    ],
+)
+def test_a_wrong_type_is_refused_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse_options({"prompt": "hi", field: value})
+    assert err.value.field == field and err.value.status == 400, str(err.value)
+
+
+def test_a_sequence_that_cannot_be_sampled_fails_alone(monkeypatch) -> None:
+    from engine.contract.model_config import preset
+    from engine.model.qwen3 import Qwen3Model
+
+    torch.manual_seed(0)
+    model = Qwen3Model(preset("qwen3-tiny")).eval()
+    original = Batcher._compute
+    calls = itertools.count()
+
+    def nan_once(self, *args, **kwargs):  # the model's forward gives NaN logits once: a model fault
+        logits = original(self, *args, **kwargs)
+        return logits * float("nan") if next(calls) == 0 else logits
+
+    monkeypatch.setattr(Batcher, "_compute", nan_once)
+    batcher = Batcher(model, SlotCache(model.cfg, 2, 32), set())
+    bad, good = Sequence([5, 6], RequestOptions(temperature=0.0), 4), Sequence([7, 8], RequestOptions(), 4)
+    batcher.submit([bad])
+    batcher.step()
+    batcher.submit([good])
+    while batcher.busy:
+        batcher.step()
+    assert bad.finish_reason == "error" and "not finite" in (bad.error or "")
+    assert good.finish_reason == "length" and len(good.output) == 4
+    assert batcher.state == READY and sorted(batcher.cache.free) == [0, 1]
+
+
+# ------------------------------------------------------------------ the engine, in this process
+
+
+class Engine:
+    """``engine.serve.job.run`` in a thread; ``outcome`` holds its summary or the exception it ended with."""
+
+    def __init__(self, run_dir: Path, **spec: Any) -> None:
+        self.rundir, self.stop = RunDir(run_dir), threading.Event()
+        self.outcome: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(ServeSpec(**spec),), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not (self.rundir.path / "serve.json").is_file():
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the engine never became ready"
+            time.sleep(0.2)
+        self.url = json.loads((self.rundir.path / "serve.json").read_text())["url"]
+
+    def _run(self, spec: ServeSpec) -> None:
+        try:
+            self.outcome["summary"] = run(spec, self.rundir, self.stop, 5.0)[1]
+        except Exception as err:  # noqa: BLE001 - the test reads it
+            self.outcome["error"] = err
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=10)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(serve_model_dir, qwen_tokenizer_dir, tmp_path_factory) -> Iterator[Engine]:
+    spec = {"load": str(serve_model_dir), "tokenizer_name_or_path": str(qwen_tokenizer_dir), "max_num_seqs": 2}
+    eng = Engine(tmp_path_factory.mktemp("run"), **spec, max_model_len=128)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def patient(monkeypatch) -> None:
+    """The module's engine survives every injected fault of these tests and restarts quickly."""
+    monkeypatch.setattr(batcher_module, "MAX_CRASHES", 100)
+    monkeypatch.setattr(batcher_module, "RESTART_DELAY_S", 0.1)
+
+
+def _faults(monkeypatch, fail: Callable[[int], bool], delay_s: float = 0.0) -> None:
+    """Fault injection at the model's forward: call ``i`` (from 0) raises when ``fail(i)``; each waits ``delay_s``."""
+    original, calls = Batcher._compute, itertools.count()
+
+    def compute(self, *args, **kwargs):
+        time.sleep(delay_s)
+        if fail(next(calls)):
+            raise RuntimeError("injected fault")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Batcher, "_compute", compute)
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=30) as r:
+        return r.status_code, [json.loads(line) for line in r.iter_lines() if line]
+
+
+def _answers(url: str) -> None:
+    status, lines = _post(url, {"prompt_token_ids": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert status == 200 and lines[-1]["type"] == "done", lines
+    assert [x["finish_reason"] for x in lines if x["type"] == "finish"] in (["length"], ["stop"])
+
+
+def test_the_1e300_repetition_penalty_replay_is_served(engine, patient) -> None:
+    for temperature in (1.0, 0.0):
+        body = {"prompt_token_ids": PROMPT, "repetition_penalty": 1e-300, "temperature": temperature, "seed": 1}
+        status, lines = _post(engine.url, {**body, "max_tokens": 6})
+        assert status == 200 and lines[-1]["type"] == "done", lines
+    assert engine.health().json()["status"] == "ready"
+    _answers(engine.url)
+
+
+def test_a_stop_list_of_non_strings_is_a_400(engine) -> None:
+    r = httpx.post(f"{engine.url}/v1/generate", json={"prompt": "hi", "stop": [1, 2]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "stop", r.text
+
+
+def test_a_failed_step_fails_the_request_health_drops_and_the_next_request_answers(
+    engine, patient, monkeypatch
+) -> None:
+    monkeypatch.setattr(batcher_module, "RESTART_DELAY_S", 3.0)  # long enough to see health while it restarts
+    _faults(monkeypatch, lambda i: i == 0)
+    status, lines = _post(engine.url, {"prompt_token_ids": PROMPT, "max_tokens": 4})
+    # before its first token: a plain 500 in the engine's error shape (the API relays it in OpenAI's)
+    assert status == 500 and lines[0]["error"]["type"] == "engine_error", lines
+    health = engine.health()
+    assert health.status_code == 503 and health.json()["status"] == "restarting"
+    assert "injected fault" in health.json()["error"]
+    deadline = time.monotonic() + 10
+    while engine.health().status_code != 200:
+        assert time.monotonic() < deadline, "the loop never came back"
+        time.sleep(0.1)
+    _answers(engine.url)
+
+
+def test_a_step_failing_mid_stream_ends_it_with_an_error_line(engine, patient, monkeypatch) -> None:
+    _faults(monkeypatch, lambda i: i == 2)  # prefill and one decode step pass: two tokens out, then the fault
+    status, lines = _post(engine.url, {"prompt_token_ids": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and [x["type"] for x in lines] == ["start", "token", "token", "error"], lines
+    assert lines[-1]["error"]["type"] == "engine_error"
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while engine.health().status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _answers(engine.url)
+
+
+def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    head = f"POST /v1/generate HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _wait_for(engine: Engine, ok: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    while not ok(health := engine.health().json()):
+        assert time.monotonic() < deadline, f"{what}: {health}"
+        time.sleep(0.05)
+    return health
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(engine, monkeypatch) -> None:
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 100, "temperature": 0}
+    status, lines = _post(engine.url, body)  # left alone, this request generates all 100 tokens
+    assert status == 200 and lines[-2]["finish_reason"] == "length", lines[-2:]
+    _faults(monkeypatch, lambda i: False, delay_s=0.05)  # slow steps: 100 tokens would take 5 s
+    before = engine.health().json()["generated_tokens"]
+    sock = _raw_request(engine.url, body)
+    reader = sock.makefile("rb")
+    while not reader.readline().startswith(b'{"type": "token"'):
+        pass
+    reader.close()
+    sock.close()  # as the API does when its client leaves, streaming or not (it always reads the engine's stream)
+    health = _wait_for(engine, lambda h: h["running"] == 0 and h["free_slots"] == 2, "the slot was not freed")
+    assert health["generated_tokens"] - before < 20
+
+
+def test_a_client_that_leaves_while_queued_is_dropped_before_it_runs(engine, monkeypatch) -> None:
+    _faults(monkeypatch, lambda i: False, delay_s=0.05)
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 100, "temperature": 0}
+    busy = [_raw_request(engine.url, body) for _ in range(2)]  # both slots
+    _wait_for(engine, lambda h: h["running"] == 2, "the slots were not taken")
+    queued = _raw_request(engine.url, body)
+    _wait_for(engine, lambda h: h["waiting"] == 1, "the third request was not queued")
+    queued.close()  # nothing was written to it yet: only polling its socket notices
+    health = _wait_for(engine, lambda h: h["waiting"] == 0, "the queued request was not dropped", timeout=3)
+    assert health["running"] == 2  # dropped while both slots were still busy: it never ran
+    for sock in busy:
+        sock.close()
+    _wait_for(engine, lambda h: h["running"] == 0 and h["free_slots"] == 2, "the slots were not freed")
+
+
+def test_a_loop_that_keeps_failing_ends_the_job_and_its_endpoint(
+    serve_model_dir, qwen_tokenizer_dir, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(batcher_module, "MAX_CRASHES", 2)
+    monkeypatch.setattr(batcher_module, "RESTART_DELAY_S", 0.05)
+    spec = {"load": str(serve_model_dir), "tokenizer_name_or_path": str(qwen_tokenizer_dir), "max_num_seqs": 1}
+    eng = Engine(tmp_path, **spec, max_model_len=32)
+    try:
+        _faults(monkeypatch, lambda i: True)
+        statuses = []
+        for _ in range(2):
+            status, lines = _post(eng.url, {"prompt_token_ids": PROMPT, "max_tokens": 2})
+            statuses.append(status)
+            assert lines[0]["error"]["type"] in ("engine_error", "engine_unavailable"), lines
+        assert statuses == [500, 500]
+        eng.thread.join(timeout=10)
+        assert isinstance(eng.outcome.get("error"), LoopFailed), eng.outcome  # the job fails: retried by recovery
+        assert "injected fault" in str(eng.outcome["error"])
+        with pytest.raises(httpx.ConnectError):  # nothing listens for a dead loop
+            eng.health()
+    finally:
+        eng.close()
