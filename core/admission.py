@@ -13,7 +13,6 @@ never imports torch. The engine still checks everything again when it runs (a fi
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from engine.contract.families import UnknownFamily, family_of_hf
 from engine.contract.flags import IGNORED_FLAGS
 from engine.contract.indexed import PAIRWISE_FIELDS, instruction_prefix
 from engine.contract.model_config import ModelConfig, hf_num_experts
-from engine.contract.plan.shape import config_from_checkpoint
+from engine.contract.plan.shape import check_sizes, checkpoint_config, read_json
+from engine.contract.runfiles import BadInput
 from engine.contract.spec import (
     REFERENCE_PLACEHOLDER_DIR,
     SPEC_CLASSES,
@@ -209,9 +209,11 @@ class _Inputs:
             raise _refuse(self.field(name), f"{path} is not a directory (a model or checkpoint directory)")
         if (p / "config.json").is_file():
             try:
-                config = json.loads((p / "config.json").read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                config = read_json(p / "config.json", name)
+            except OSError as err:
                 raise _refuse(self.field(name), f"{p / 'config.json'} is not readable JSON ({err})") from None
+            except BadInput as err:
+                raise _refuse(self.field(name), str(err)) from None
             if not isinstance(config, dict):
                 raise _refuse(self.field(name), f"{p / 'config.json'} is not a JSON object")
             try:  # a model family the engine does not run (engine.contract.families), named by its model_type
@@ -235,7 +237,10 @@ class _Inputs:
 def _check_layout(spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any] | None, where: str) -> None:
     """The engine's one layout rule (``engine.contract.layout``) over the ``load`` checkpoint's shape, whatever its
     kind (HF, Megatron, our own); the spec's own flags were checked by the schema with the same rule."""
-    shape = _checkpoint_shape(spec.load, config)
+    try:
+        shape = _checkpoint_shape(spec.load, config)
+    except BadInput as err:  # a file holding the shape refused, out of bounds or unreadable within the limits
+        raise _refuse(f"{where}load", str(err)) from None
     if shape is None:
         return
     ep = spec.expert_model_parallel_size if spec.kind == "train" else 1  # eval runs every expert on each rank
@@ -249,8 +254,10 @@ def _check_layout(spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any]
 
 def _checkpoint_shape(load: str | None, config: dict[str, Any] | None) -> layout.Shape | None:
     """The shape the layout rule reads: the HF config's (leniently, field by field, when it is not a whole Qwen3
-    config), else whatever the torch-free reader finds in the checkpoint; None when nothing can be told."""
+    config), else whatever the torch-free reader finds in the checkpoint; None when nothing can be told.
+    ``BadInput`` for a size out of range or a file refused or unreadable within the reader's limits."""
     if config:
+        check_sizes(config, "config.json", "load", lenient=True)  # before any size is computed with
         try:
             return layout.Shape.of(ModelConfig.from_hf(config))
         except (KeyError, ValueError, TypeError):
@@ -263,7 +270,7 @@ def _checkpoint_shape(load: str | None, config: dict[str, Any] | None) -> layout
             )
     if load is None:
         return None
-    cfg = config_from_checkpoint(load)
+    cfg = checkpoint_config(load)
     return layout.Shape.of(cfg) if cfg is not None else None
 
 

@@ -39,10 +39,16 @@ def _dcp_inside(p: Path) -> bool:
         return True
     tracker = p / TRACKER
     if tracker.is_file():
-        step = tracker.read_text().strip()
-        sub = p / (f"iter_{int(step):07d}" if step.isdigit() else step)
+        step = read_tracker(tracker)
+        sub = p / (f"iter_{int(step):07d}" if step.isascii() and step.isdigit() else step)
         return (sub / ".metadata").is_file()
     return any((d / ".metadata").is_file() for d in p.glob("iter_*"))
+
+
+def read_tracker(tracker: Path) -> str:
+    """The tracker's word (an iteration number or ``release``): its first 64 bytes, whatever the file's size."""
+    with tracker.open("rb") as f:
+        return f.read(64).decode("utf-8", "replace").strip()
 
 
 def iteration_dir_name(iteration: int | str) -> str:
@@ -65,7 +71,7 @@ def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str
             )
         log.warning("%s: no %s; using the newest directory %s", root, TRACKER, iters[-1].name)
         return iters[-1], int(iters[-1].name[5:])
-    text = tracker.read_text().strip()
+    text = read_tracker(tracker)
     if text == "release":
         if not (root / "release").is_dir():
             found = f" but the checkpoint has {', '.join(p.name for p in iters)}" if iters else ""
