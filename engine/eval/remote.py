@@ -8,7 +8,8 @@ and greedy decoding gives the loaded model's answers token for token.
 
 The stdlib's ``urllib`` speaks HTTP here: the engine depends on no web client library, and one JSON POST per prompt
 needs none. A 429 (the deployment's queue is full) waits its ``Retry-After`` and asks again; a 400/404 is the spec's
-fault (``BadInput`` naming ``deployment``); a deployment that does not answer is a retryable failure of the job.
+fault (``BadInput`` naming ``deployment``); a deployment that does not answer, answers 5xx or ends an answer with an
+error line is a retryable failure of the job (never an empty answer scored).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def _post(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
                 time.sleep(float(err.headers.get("Retry-After") or 1))
                 continue
             detail = json.loads(err.read() or b"{}").get("error", {}).get("message", err.reason)
+            if err.code >= 500:  # the deployment failed the request (engine.serve.server): not the spec's fault
+                raise RuntimeError(
+                    f"deployment: it failed a request ({err.code}): {detail}; the job is retried"
+                ) from err
             raise BadInput(
                 f"deployment: the deployment refused the request ({err.code}): {detail}", "deployment"
             ) from err
@@ -82,6 +87,8 @@ def generate_one(url: str, prompt_ids: list[int], opts: RemoteOptions) -> dict[s
             tokens.append(int(line["token_id"]))
         elif line.get("type") == "finish" and line.get("index", 0) == 0:
             generated = int(line.get("completion_tokens", len(tokens)))
+        elif line.get("type") == "error":
+            raise RuntimeError(f"deployment: its answer failed: {line['error']['message']}; the job is retried")
     cut = next((i for i, token in enumerate(tokens) if token in opts.stop_ids), None)
     if cut is None:
         return {"tokens": tokens, "finish_reason": "length", "generated": generated or len(tokens)}

@@ -10,9 +10,13 @@ the deployment's LoRA adapters (``lora_adapters``), else (absent, or the served 
 Response lines: ``{"type": "start", "prompt_tokens": N}``, then per token ``{"type": "token", "index": i, "token_id",
 "text" (the new text; held back while it may still become a stop string), and with ``logprobs`` ``"token_text"``,
 ``"logprob"``, ``"top_logprobs": [{"token_id", "text", "logprob"}]}``, per choice
-``{"type": "finish", "index": i, "finish_reason", "completion_tokens"}``, last ``{"type": "done", "usage": {...}}``.
-Errors before the stream: ``{"error": {"message", "field", "type"}}`` with 400 (bad request), 404 (``model`` names
-no adapter here) or 429 (queue full, ``Retry-After`` header).
+``{"type": "finish", "index": i, "finish_reason", "completion_tokens"}``, last ``{"type": "done", "usage": {...}}``;
+``{"type": "keepalive"}`` lines while a request waits (readers skip them).
+Errors before the stream: ``{"error": {"message", "field", "type"}}`` with 400 (bad request, a wrong type included),
+404 (``model`` names no adapter here), 429 (queue full, ``Retry-After`` header), 500 (``engine_error``: the request
+failed before its first token) or 503 (``engine_unavailable``: the batching loop has ended, ``Retry-After``).
+An error after the stream began is its last line, ``{"type": "error", "error": {"message", "field", "type"}}``,
+with no ``done`` (``engine.serve.server``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ framing, no length needed).
 The status line waits for the request's first event, so a request that fails before its first token (a sampling
 failure, the loop failing) is a plain 500 ``{"error": ...}``; once tokens were sent, a failure is a last line
 ``{"type": "error", "error": {"message", "field": null, "type": "engine_error"}}`` (no ``finish``/``done``).
+A request that waits (queued, a long prefill) gets a ``{"type": "keepalive"}`` line every ``KEEPALIVE_S``, so a
+reader's read timeout measures a silent engine, not a busy one.
 A client that goes away is noticed at the next write, or while nothing is written (queued, prefilling) by polling
 its socket for end-of-file: its sequences are cancelled and their slots freed.
 """
@@ -21,6 +23,7 @@ import logging
 import queue
 import select
 import socket
+import time
 from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY = 8 << 20
 POLL_S = 0.5  # while no event comes, how often the client's socket is checked for a hang-up
+KEEPALIVE_S = 10.0  # the longest silence on an answer: well under the API's read timeout (queued, long prefill)
 
 
 class ClientGone(Exception):
@@ -62,6 +66,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     _started = False  # whether this request's 200 and start line went out
     _prompt_tokens = 0
+    _last_write = 0.0
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
@@ -185,6 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._line({"type": "start", "prompt_tokens": self._prompt_tokens})
         self.wfile.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
         self.wfile.flush()
+        self._last_write = time.monotonic()
 
     def _client_gone(self) -> bool:
         """Whether the client hung up: its socket reads as end-of-file (it sends nothing after its request)."""
@@ -196,13 +202,18 @@ class _Handler(BaseHTTPRequestHandler):
             return True
 
     def _events(self, seqs: list[Sequence]) -> Iterator[tuple[int, Pick | None]]:
-        """The request's events, checking between them, while none comes, that the client is still there."""
+        """The request's events; while none comes, checks that the client is still there and, after
+        ``KEEPALIVE_S`` of silence, sends a ``keepalive`` line (the status line then goes out: a later failure is
+        an error line)."""
+        self._last_write = time.monotonic()
         while True:
             try:
                 yield seqs[0].events.get(timeout=POLL_S)
             except queue.Empty:
                 if self._client_gone():
                     raise ClientGone from None
+                if time.monotonic() - self._last_write >= KEEPALIVE_S:
+                    self._line({"type": "keepalive"})
 
     def _stream(self, seqs: list[Sequence], prompt_tokens: int) -> None:
         tok = self.server.deployment.tokenizer

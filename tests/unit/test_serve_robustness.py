@@ -29,7 +29,9 @@ from hypothesis import strategies as st
 
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ServeSpec
+from engine.eval.remote import RemoteOptions, generate_one
 from engine.serve import batcher as batcher_module
+from engine.serve import server as server_module
 from engine.serve.batcher import READY, Batcher, Sequence
 from engine.serve.job import LoopFailed, run
 from engine.serve.protocol import BadRequest, parse_options
@@ -250,6 +252,19 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_line(engine, patient, m
     _answers(engine.url)
 
 
+@pytest.mark.parametrize("failing_call", [0, 2])  # before the first token (a 500), after two (an error line)
+def test_an_eval_on_the_deployment_fails_retryably_not_with_an_empty_answer(
+    engine, patient, monkeypatch, failing_call
+) -> None:
+    opts = RemoteOptions(8, 0.0, 0, 1.0, 0, None, frozenset())
+    _faults(monkeypatch, lambda i: i == failing_call)
+    with pytest.raises(RuntimeError, match="the job is retried"):
+        generate_one(engine.url, PROMPT, opts)
+    monkeypatch.undo()
+    _wait_for(engine, lambda h: h["status"] == "ready", "the loop never came back")
+    assert len(generate_one(engine.url, PROMPT, opts)["tokens"]) > 0
+
+
 def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -296,6 +311,27 @@ def test_a_client_that_leaves_while_queued_is_dropped_before_it_runs(engine, mon
     for sock in busy:
         sock.close()
     _wait_for(engine, lambda h: h["running"] == 0 and h["free_slots"] == 2, "the slots were not freed")
+
+
+def test_a_waiting_request_gets_keepalive_lines(engine, monkeypatch) -> None:
+    """A queued request is not silent for longer than KEEPALIVE_S: the API's read timeout (which marks an engine
+    unhealthy) measures a hung engine, not a busy one."""
+    monkeypatch.setattr(server_module, "KEEPALIVE_S", 0.3)
+    _faults(monkeypatch, lambda i: False, delay_s=0.05)
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 100, "temperature": 0}
+    busy = [_raw_request(engine.url, body) for _ in range(2)]
+    _wait_for(engine, lambda h: h["running"] == 2, "the slots were not taken")
+    queued = _raw_request(engine.url, body)
+    reader = queued.makefile("rb")
+    assert reader.readline().startswith(b"HTTP/1.0 200")
+    while reader.readline() not in (b"\r\n", b""):
+        pass  # the headers
+    assert [json.loads(reader.readline())["type"] for _ in range(3)] == ["start", "keepalive", "keepalive"]
+    assert engine.health().json()["waiting"] == 1  # still queued: the lines came while it waited
+    reader.close()
+    for sock in [queued, *busy]:
+        sock.close()
+    _wait_for(engine, lambda h: h["running"] == 0 and h["waiting"] == 0, "the slots were not freed")
 
 
 def test_a_loop_that_keeps_failing_ends_the_job_and_its_endpoint(
