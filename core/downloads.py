@@ -1,7 +1,7 @@
 """What a job's artifact is on disk, for download: one file, or a set of files streamed as a tar archive.
 
 Only paths inside the job's team's areas or its run directory are served, and they are reached from there one
-directory at a time without following any symbolic link (``engine.contract.nofollow.open_dirs``, as upload deletion walks): a link
+directory at a time without following any symbolic link (``nofollow.open_dirs``, as upload deletion walks): a link
 planted among a team's outputs (to another team's file, to a secret) is refused, not followed, so an artifact row
 can never make the service read another file. The tar stream is written here with the
 standard library's ``TarInfo.tobuf`` headers and the files' bytes read in chunks: ``tarfile.add`` would buffer a

@@ -52,12 +52,16 @@ def open_dirs(base: Path, parts: Sequence[str]) -> list[int]:
     return opened
 
 
-def links_below(folder: Path) -> Iterator[Path]:
+def links_below(folder: Path, limit: int | None = None) -> Iterator[Path]:
     """Every symbolic link below directory ``folder``, in name order (links are listed, never followed or descended
-    into)."""
+    into); with ``limit``, only among the first ``limit`` entries."""
+    seen = 0
     for top, dirs, files in os.walk(folder):
         dirs.sort()
         for name in sorted((*dirs, *files)):
+            seen += 1
+            if limit is not None and seen > limit:
+                return
             if os.path.islink(os.path.join(top, name)):
                 yield Path(top) / name
 

@@ -69,10 +69,14 @@ def _resolve_in_roots(value: str | None, info: ValidationInfo, *, output: bool =
     return str(resolved)
 
 
+LINK_SCAN_ENTRIES = 100_000  # a submission looks at this many entries of an input folder; the engine at every one
+
+
 def _refuse_links_out(value: str, folder: Path, areas: list[Path]) -> None:
     """An input folder (a checkpoint, a tokenizer) holding a link that leads out of the caller's areas is refused:
-    the engine would read another team's files through it (``engine.contract.guard`` checks again at run time)."""
-    for link in links_below(folder):
+    the engine would read another team's files through it (``engine.contract.guard`` checks every entry again at run
+    time, and reads adapters without following links)."""
+    for link in links_below(folder, LINK_SCAN_ENTRIES):
         if not within(link.resolve(), areas):
             inside = link.relative_to(folder)
             raise ValueError(f"{value!r} holds {str(inside)!r}, a symbolic link leading outside your data area")

@@ -77,7 +77,8 @@ class MultiLoRALinear(nn.Module):
 
 
 def read_adapter(spec: ServeSpec, name: str, path: str) -> Adapters:
-    """Adapter ``name`` of ``lora_adapters``, read and checked as ``lora_load`` is (its own recorded r and alpha)."""
+    """Adapter ``name`` of ``lora_adapters``, read and checked as ``lora_load`` is (its own recorded r and alpha),
+    from a private copy made without following links (``engine.eval.model_loading.read_adapters``)."""
     field = f"lora_adapters.{name}"
     if is_peft_adapter(path):
         raise BadInput(f"{field}: an HF PEFT adapter is merged at load, so it cannot be chosen per request", field)

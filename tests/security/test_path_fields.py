@@ -146,6 +146,17 @@ def _constructed(cls: type[BaseModel], alpha: Path, **fields: Any) -> BaseModel:
     return cls.model_construct(**fields)
 
 
+def test_a_link_inside_the_teams_own_area_is_kept(settings: Settings, areas: tuple[Path, Path]) -> None:
+    """The rule is "no link leading out", not "no link": a folder linking to the team's own files passes both checks."""
+    alpha, _ = areas
+    (alpha / "tok" / "tokenizer.json").symlink_to(alpha / "in.jsonl")
+    spec = parse_spec(
+        {"kind": "eval", "load": "tok", "eval_data_path": "in.jsonl"}, **team_areas(settings, "alpha").context()
+    )
+    check_spec(spec)
+    assert [r.field for r in path_fields(spec)] == ["load", "eval_data_path"]
+
+
 def test_a_pipeline_steps_paths_are_walked_as_their_kinds(settings: Settings, areas: tuple[Path, Path]) -> None:
     alpha, beta = areas
     _, folder = _link_out(alpha, beta, output=False)
@@ -228,3 +239,29 @@ def test_private_copy_reads_a_plain_folder(areas: tuple[Path, Path]) -> None:
     assert not Path(copy).exists()
     with pytest.raises(BadInput, match="at most 0 MiB"), private_copy("lora_load", str(alpha / "lora"), budget=2):
         pass
+
+
+def test_a_real_adapter_reads_the_same_through_the_private_copy(
+    settings: Settings, areas: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA checkpoint as our train jobs save it, in alpha's area: with the job's areas set (the copy) and without
+    (the folder itself), the adapter reader gives the same tensors and settings."""
+    import torch
+
+    from convert_tiny import tiny_hf
+    from engine.serve.adapters import read_adapter
+    from tests.unit.serve_support import write_lora_checkpoint
+
+    alpha, _ = areas
+    hf = tiny_hf(alpha / "hf", tied=False, layers=2)
+    lora = write_lora_checkpoint(hf, alpha / "lora", 1, 4, 8.0, ["linear_qkv", "linear_fc2"])
+    spec = parse_spec({"kind": "serve", "load": str(hf), "lora_adapters": {"mine": str(lora)}})
+    assert isinstance(spec, ServeSpec)
+    check_spec(spec)
+    copied = read_adapter(spec, "mine", str(lora))
+    monkeypatch.delenv(WRITE_ENV)
+    direct = read_adapter(spec, "mine", str(lora))
+    assert (copied.r, copied.alpha, copied.targets) == (direct.r, direct.alpha, direct.targets)
+    assert (copied.r, copied.alpha) == (4, 8.0)
+    assert copied.lora.keys() == direct.lora.keys() and copied.lora
+    assert all(torch.equal(copied.lora[k], direct.lora[k]) for k in direct.lora)
