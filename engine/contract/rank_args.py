@@ -98,8 +98,14 @@ class ArgsUnpickler(SafeUnpickler):
         super().__init__(file, **kwargs)
         self.deadline = deadline
         read, readline = self._file_read, self._file_readline
-        self._file_read = lambda n=-1: self._budget(read, n)
-        self._file_readline = lambda: self._budget(readline, -1)
+
+        def budget_read(n: int = -1) -> bytes:
+            return self._budget(read, n)
+
+        def budget_readline(size: int = -1) -> bytes:
+            return self._budget(readline, size)
+
+        self._file_read, self._file_readline = budget_read, budget_readline
 
     def _budget(self, read: Any, n: int) -> bytes:
         """One read of the stream, never past ``MAX_PICKLE_BYTES`` in all (a frame's length is the file's word)."""
