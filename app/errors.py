@@ -39,6 +39,15 @@ def validation_response(errors: Iterable[Mapping[str, Any]], status: int = 422) 
     )
 
 
+def database_unavailable() -> JSONResponse:
+    """The database is down, restarting or unreachable: a retryable 503, not a 500 (the pool reconnects by itself)."""
+    return JSONResponse(
+        error_body("database_unavailable", "the database is not answering; retry shortly"),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -65,13 +74,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
     async def _database_away(request: Request, exc: DBAPIError) -> JSONResponse:
-        # The database is down, restarting or unreachable: a retryable 503, not a 500 (the pool reconnects by itself).
         log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(exc.orig).__name__)
-        return JSONResponse(
-            error_body("database_unavailable", "the database is not answering; retry shortly"),
-            status_code=503,
-            headers={"Retry-After": "5"},
-        )
+        return database_unavailable()
 
     @app.exception_handler(PoolTimeout)
     async def _pool_exhausted(request: Request, exc: PoolTimeout) -> JSONResponse:

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from app.api import downloads, files, health, hosts, jobs, observe, openai_compat, prometheus, webhooks
 from app.api_docs import document_refusals, install_docs
+from app.auth_first import AuthFirstMiddleware
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
@@ -93,6 +94,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_max_bytes=settings.upload_max_bytes
     )
     app.add_middleware(BodyTimeoutMiddleware, seconds=settings.body_read_timeout_s)  # a stalled body is cut off
+    # Outside every middleware that reads or limits a body: a caller without a valid token learns nothing about its
+    # body (no 400/413/422), and 405s carry the path's full Allow (app.auth_first).
+    app.add_middleware(AuthFirstMiddleware, api=app, database_url=settings.database_url)
     app.add_middleware(SecurityHeadersMiddleware)  # every answer gets the headers
     app.add_middleware(RequestIdMiddleware)  # X-Request-ID bound to the request's logs and its jobs
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: times every request

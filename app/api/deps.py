@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from app.auth_first import BAD_TOKEN, BEARER_CHALLENGE, MISSING_TOKEN
 from core.auth import Principal, authenticate
 from core.db import get_sessionmaker
 from core.errors import ApiError
@@ -36,14 +37,22 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def get_principal(
-    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request,
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
+    """The caller: as ``app.auth_first`` found it before the body was read, or (where that middleware did not run)
+    looked up here. ``_bearer`` stays a dependency: it is what marks the route as needing a token, for the OpenAPI
+    document and for the middleware."""
+    known = getattr(request.state, "principal", None)
+    if isinstance(known, Principal):
+        return known
     if credentials is None or credentials.scheme.lower() != "bearer":
-        raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer <token>)", "Authorization")
+        raise ApiError(401, "unauthorized", MISSING_TOKEN, "Authorization", BEARER_CHALLENGE)
     principal = authenticate(session, credentials.credentials)
     session.commit()  # hand the connection back: a route that reads a slow body or streams must not hold it
     if principal is None:
-        raise ApiError(401, "unauthorized", "invalid or revoked token", "Authorization")
+        raise ApiError(401, "unauthorized", BAD_TOKEN, "Authorization", BEARER_CHALLENGE)
     return principal
 
 
