@@ -66,7 +66,7 @@ def call(app: FastAPI, method: str, path: str, headers: dict[str, str], body: by
 
     sent_headers = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
     sent_headers.append((b"content-length", str(len(body)).encode()))
-    scope = {
+    scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
@@ -86,7 +86,7 @@ def call(app: FastAPI, method: str, path: str, headers: dict[str, str], body: by
 
 
 def _operations(doc: dict[str, Any], values: dict[str, str]) -> list[tuple[str, str, dict[str, Any]]]:
-    out = []
+    out: list[tuple[str, str, dict[str, Any]]] = []
     for template, operations in doc["paths"].items():
         path = template.format(**values)
         out.extend((method.upper(), path, op) for method, op in operations.items())
