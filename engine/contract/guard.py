@@ -176,18 +176,22 @@ def private_copy(field: str, path: str, budget: int = COPY_BUDGET) -> Iterator[s
     """An input directory as a copy only this process can change, made by walking it from its area without following
     any link (``engine.contract.nofollow``): what is read from the copy is what lay inside the area, whatever link is
     swapped in after ``check_spec``. A link anywhere on the way or inside is a BadInput naming ``field``, as is more
-    than ``budget`` bytes. Without areas in the environment (or for a file), ``path`` itself."""
+    than ``budget`` bytes. Without areas in the environment, ``path`` itself; for a file, its checked location."""
     areas = _areas()
-    if areas is None or not Path(path).is_dir():
+    if areas is None:
         yield path
         return
     resolved = check_path(field, path, output=False)
+    if not resolved.is_dir():
+        yield str(resolved)
+        return
     area = next(a for a in (p.resolve() for p in [*areas[0], *areas[1]]) if within(resolved, [a]))
     try:
         opened = open_dirs(area, resolved.relative_to(area).parts)
-    except LinkInPath as err:
+    except OSError as err:  # LinkInPath, or ELOOP: a link swapped in on the way since check_path
         raise BadInput(
-            f"{field}: {path} goes through {err.name!r}, a symbolic link; inputs are read without following links",
+            f"{field}: {path} could not be reached without following a link ({err}); inputs are read without "
+            "following links",
             field,
         ) from err
     try:
