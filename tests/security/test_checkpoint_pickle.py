@@ -11,6 +11,7 @@ import pickle
 import random
 import shutil
 import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -313,3 +314,92 @@ def test_dcp_metadata_naming_a_file_outside_the_checkpoint_is_refused(dcp_checkp
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(BadInput, match="outside its directory"):
         _load(dcp_checkpoint)
+
+
+# Issue 39, finding 6: GLOBAL torch._utils._rebuild_tensor_v2, then BUILD with a __dict__ state / a slot state.
+BUILD_ON_FUNCTION = [
+    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n}X\x05\x00\x00\x00pwnedK\x01sb.",
+    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x05\x00\x00\x00pwnedK\x01s\x86b.",
+]
+
+
+@pytest.mark.parametrize("raw", BUILD_ON_FUNCTION, ids=["dict_state", "slot_state"])
+def test_build_on_an_allowed_function_is_refused(tmp_path: Path, raw: bytes) -> None:
+    """BUILD would set ``_rebuild_tensor_v2.pwned`` for every later load in the process."""
+    (tmp_path / "f.pt").write_bytes(_legacy_bytes(raw_object=raw))
+    with pytest.raises(BadInput, match="attributes set on torch._utils._rebuild_tensor_v2"):
+        load_torch_file(tmp_path / "f.pt")
+    assert not hasattr(torch._utils._rebuild_tensor_v2, "pwned")
+
+
+def test_build_on_an_enum_member_a_call_returned_is_refused(tmp_path: Path) -> None:
+    """An enum "constructor" returns the one shared member: BUILD on it would change it for the process."""
+    raw = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x01\x85R"
+        b"}X\x05\x00\x00\x00pwnedK\x01sb."
+    )
+    with pytest.raises(BadInput, match="attributes set on"):
+        load_torch_file(io.BytesIO(_legacy_bytes(raw_object=raw)))
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    assert not any(hasattr(member, "pwned") for member in _MEM_FORMAT_ENCODING)
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_torch_save_default_protocol_sets_and_slices_load(tmp_path: Path, zip_format: bool) -> None:
+    """``torch.save`` writes protocol 2: ``set``/``frozenset``/``slice`` as ``__builtin__.*`` (refused before)."""
+    state = {"args": argparse.Namespace(ranks={0, 1}, frozen=frozenset({2}), cut=slice(1, 4, 2)), "w": torch.ones(2)}
+    torch.save(state, tmp_path / "f.pt", _use_new_zipfile_serialization=zip_format)
+    assert b"__builtin__\nset" in _pickle_of(tmp_path / "f.pt", zip_format)
+    loaded = load_torch_file(tmp_path / "f.pt")
+    assert (loaded["args"].ranks, loaded["args"].frozen, loaded["args"].cut) == ({0, 1}, frozenset({2}), slice(1, 4, 2))
+    assert torch.equal(loaded["w"], torch.ones(2))
+
+
+def _pickle_of(path: Path, zip_format: bool) -> bytes:
+    if not zip_format:
+        return path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x80\x02ccopy_reg\n_reconstructor\n.",  # protocol 0/1 object rebuilding: calls base.__new__ by name
+        b"\x80\x02c__builtin__\neval\n.",
+        b"\x80\x02c__builtin__\nreduce\n.",  # renamed to functools.reduce: off the list all the same
+    ],
+)
+def test_protocol_2_names_off_the_list_stay_refused(raw: bytes) -> None:
+    with pytest.raises(BadInput, match="refusing to unpickle"):
+        load_torch_file(io.BytesIO(_legacy_bytes(raw_object=raw)))
+
+
+def _call_pickle(call: bytes) -> bytes:
+    """``{"x": <call>}`` in protocol-2 opcodes."""
+    return b"\x80\x02}X\x01\x00\x00\x00x" + call + b"s."
+
+
+SHARED = b"]q\x00(h\x00h\x00e"  # l = []; l[:] = [l, l]: a list holding itself twice
+ALLOCATIONS = {
+    "bytes_of_a_size": b"c__builtin__\nbytes\n\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x01\x85R",
+    "bytearray_of_a_size": b"cbuiltins\nbytearray\nJ\x00e\xcd\x1d\x85R",
+    "list_of_a_range": b"cbuiltins\nlist\ncbuiltins\nrange\nJ\x00\xe1\xf5\x05\x85R\x85R",
+    "str_of_a_container": b"cbuiltins\nstr\n" + SHARED + b"\x85R",
+    "hex_encoding": b"c_codecs\nencode\nC\x01xX\x03\x00\x00\x00hex\x86R",
+    "ndarray_called": b"cnumpy\nndarray\nJ\x00\xe1\xf5\x05\x85\x85R",
+    "reconstruct_by_shape": b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nJ\x00\xe1\xf5\x05\x85C\x01b\x87R",
+    # one 64 KB bytes object memoised, then copied by bytearray() 100 times: 6.4 MB from a 64 KB file
+    "memo_copies": b"B\x00\x00\x01\x00"
+    + b"\x00" * 65536
+    + b"q\x01("
+    + b"cbuiltins\nbytearray\nh\x01\x85R" * 100
+    + b"l",
+}
+
+
+@pytest.mark.parametrize("call", ALLOCATIONS.values(), ids=ALLOCATIONS.keys())
+def test_calls_that_allocate_by_the_files_word_are_refused(call: bytes) -> None:
+    with pytest.raises(BadInput, match="no checkpoint writer makes it"):
+        load_torch_file(io.BytesIO(_legacy_bytes(raw_object=_call_pickle(call))))
