@@ -4,6 +4,7 @@ built to exhaust or crash its reader answers 422 naming ``load``, never 500, and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import tracemalloc
@@ -136,3 +137,29 @@ def test_hostile_rank_files_answer_422_through_the_submission_route(
         assert answer.json()["field"] == "load" and "model_optim_rng.pt" in answer.json()["message"]
         assert grown < 16 << 20, (name, grown)
     assert client.get("/v1/jobs", headers=auth(token)).json()["data"] == []
+
+
+def _hf_dir(root: Path, layers: int) -> None:
+    root.mkdir()
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8, "intermediate_size": 16}
+    config |= {"vocab_size": 16, "num_hidden_layers": layers, "num_local_experts": 4, "model_type": "qwen3_moe"}
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(b"")
+
+
+def test_other_shape_files_are_bounded_too(client: TestClient, settings: Settings) -> None:
+    """A config.json with 10**12 MoE layers (its per-layer pattern was built before: a hang), a 2 MB config.json,
+    and a tracker holding a digit ``int`` cannot read (a ValueError, 500 before; now the shape is unknown and the engine
+    names the tracker at run time)."""
+    token = make_token(settings, "alpha")
+    area = team_dir(settings, "alpha")
+    _hf_dir(area / "layers", 10**12)
+    _hf_dir(area / "huge", 2)
+    (area / "huge" / "config.json").write_text(json.dumps({"pad": "x" * (2 << 20)}))
+    _megatron_dir(area / "tracker", GOOD)
+    (area / "tracker" / "latest_checkpointed_iteration.txt").write_text("²")
+    for name, status in (("layers", 422), ("huge", 422), ("tracker", 201)):
+        body = {"kind": "serve", "load": name, "tokenizer_name_or_path": "tok"}
+        answer = client.post("/v1/jobs", json=body, headers=auth(token))
+        assert answer.status_code == status, (name, answer.text)
+        assert status == 201 or answer.json()["field"] == "load", answer.text
