@@ -29,7 +29,7 @@ RUNNERS: dict[str, str] = {
     "eval": "engine.eval.job:run",
     "serve": "engine.serve.job:run",
 }
-USAGE = "usage: python -m engine {preprocess,convert,train,eval,serve,plan} [--spec spec.json] [--run-dir DIR] [flags]"
+USAGE = "usage: python -m engine {preprocess,convert,train,eval,serve,plan,trace} [--spec spec.json] [--run-dir DIR] [flags]"
 
 
 def _runner(kind: str) -> Callable[..., tuple[dict[str, str], dict[str, Any]]]:
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.contract.plan.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv and argv[0] == "trace":  # fake tensors, fake process group: prints and exits
+        from engine.trace.cli import main as trace_main
+
+        return trace_main(argv[1:])
     if not argv or argv[0] not in RUNNERS:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,0 +1,119 @@
+"""``python -m engine trace``: the flags and ``--spec`` of ``python -m engine plan``, every rank's step traced on fake
+tensors of ``--device-type`` (cuda, npu), next to the planner's figure. Prints one row per traced rank and ends with
+one JSON line ``{"ranks": [{"rank": 0, "peak_bytes": ..., "planner_bytes": ..., "planner_vs_trace": ...}, ...]}``.
+
+Ranks: by default one per pipeline stage (TP rank 0, DP rank 0), the others reported as that rank's figure (its
+``traced_as``): TP ranks hold equal shards (heads, FFN width and vocabulary divide by TP; the layout check refuses
+the rest), FSDP2 pads every rank's shard to one size, and every DP/CP rank's micro-batch has the worst case's shape.
+``--all-ranks`` traces every rank anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.contract.layout import LayoutError, ParallelDims
+from engine.contract.plan.cli import _spec_from_args, default_data_root, split_torchrun
+from engine.contract.plan.memory import MIB
+from engine.contract.plan.planner import plan_spec
+from engine.contract.spec import TrainSpec, first_error
+
+
+def dims_of(spec: TrainSpec) -> ParallelDims:
+    return ParallelDims.from_world(
+        spec.resources.world_size,
+        spec.tensor_model_parallel_size,
+        spec.pipeline_model_parallel_size,
+        spec.expert_model_parallel_size,
+        spec.context_parallel_size,
+        spec.context_parallel_algo,
+        spec.ulysses_degree_in_cp,
+        spec.kv_head_repeat_before_uly_alltoall,
+    )
+
+
+def traced_ranks(dims: ParallelDims, all_ranks: bool) -> dict[int, int]:
+    """rank -> the rank whose trace stands for it (itself under ``all_ranks``): the first rank of its stage."""
+    per_stage = dims.tp
+    return {r: r if all_ranks else (r // per_stage) % dims.pp * per_stage for r in range(dims.world_size)}
+
+
+def trace_spec(spec: TrainSpec, model: str | None, all_ranks: bool = False) -> dict[str, Any]:
+    """The trace of every rank of a training spec, beside the planner's figures (one JSON object)."""
+    from engine.trace.backend import prepare
+    from engine.trace.step import trace_rank
+
+    started = time.perf_counter()
+    plan = plan_spec(spec, model)
+    prepare(spec.resources.device_type)
+    dims = dims_of(spec)
+    gbs = spec.global_batch_size or spec.micro_batch_size * dims.dp
+    stand_in = traced_ranks(dims, all_ranks)
+    traces = {r: trace_rank(spec, plan.cfg, dims, gbs, r) for r in sorted(set(stand_in.values()))}
+    rows = []
+    for rank, planned in enumerate(plan.ranks):
+        t = traces[stand_in[rank]]
+        row = {**t.as_json(), "rank": rank, "traced_as": stand_in[rank], "planner_bytes": planned.total_bytes}
+        row["planner_vs_trace"] = round(planned.total_bytes / t.peak_bytes - 1, 4) if t.peak_bytes else None
+        rows.append(row)
+    gaps = [abs(r["planner_vs_trace"]) for r in rows if r["planner_vs_trace"] is not None]
+    return {
+        "ranks": rows,
+        "max_peak_bytes": max(r["peak_bytes"] for r in rows),
+        "max_abs_planner_vs_trace": max(gaps) if gaps else None,
+        "host_tensors": sum(t.host_tensors for t in traces.values()),
+        "device_type": spec.resources.device_type,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "host_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+def _table(out: dict[str, Any]) -> str:
+    lines = ["rank  as  peak MiB  planner MiB  planner/trace-1  host tensors"]
+    for r in out["ranks"]:
+        lines.append(
+            f"{r['rank']:>4}  {r['traced_as']:>2}  {r['peak_bytes'] / MIB:>8,.0f}  {r['planner_bytes'] / MIB:>11,.0f}  "
+            f"{r['planner_vs_trace']:>+15.3f}  {r['host_tensors']:>12}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    own = argparse.ArgumentParser(prog="python -m engine trace", add_help=False)
+    own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
+    own.add_argument("--device-type", choices=("cuda", "npu"), default="npu")
+    own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
+    own.add_argument("--data-root", default=default_data_root())
+    own.add_argument("--all-ranks", action="store_true", help="trace every rank, not one per pipeline stage")
+    own.add_argument("-h", "--help", action="store_true")
+    opts, rest = own.parse_known_args(argv)
+    if opts.help:
+        print(__doc__)
+        return 0
+    flags, resources, _ = split_torchrun(rest)
+    resources["device_type"] = opts.device_type
+    try:
+        spec = _spec_from_args("train", flags, resources, opts.data_root)
+        if not isinstance(spec, TrainSpec):
+            print("error: kind: the trace runs training jobs only", file=sys.stderr)
+            return 2
+        out = trace_spec(spec, opts.model, opts.all_ranks)
+    except ValidationError as err:
+        print(f"error: {first_error(err, 'spec')}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, LayoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if opts.device_memory_gib:
+        out["device_memory_bytes"] = int(opts.device_memory_gib * 2**30)
+        out["fits"] = out["max_peak_bytes"] <= out["device_memory_bytes"]
+    print(_table(out))
+    print(json.dumps(out))
+    return 0

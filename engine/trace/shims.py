@@ -1,0 +1,148 @@
+"""What a fake step cannot run as torch wrote it, and what stands in for it (only while a trace runs).
+
+torch.distributed.pipelining's first step votes over the pipeline's ranks whether every stage's shapes are static
+(``_PipelineSchedule._warmup_p2p``: a send/recv chain, then ``.item()`` on the result), which a fake tensor cannot
+answer. The stand-in takes each stage's own vote: a job's pipeline ranks run the same code on micro-batches of one
+shape, so their votes agree. The attention plan's host reads of the batch's segment ids
+(``engine.model.attention.plan_attention``) are answered from the host batch (``SegmentOracle``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining._utils import (
+    InferenceMode,
+    _StageBackwardMeta,
+    _StageForwardMeta,
+    extract_tensor_metas,
+)
+
+
+def _local_vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool = False) -> None:
+    for stage in stages:
+        dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+        stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+
+@contextlib.contextmanager
+def fake_pipeline_peers(boundary: Callable[[tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]]) -> Iterator[None]:
+    """The pipeline's first-step exchanges with the other stages' ranks, answered locally. ``boundary``: the
+    (shape, dtype) of the activation a stage receives, from the micro-batch's ``position_ids`` shape: every stage
+    boundary of this engine is the hidden state (a sequence shard of it under sequence parallelism)."""
+    originals = (
+        schedules._PipelineSchedule._warmup_p2p,
+        PipelineStage._forward_metadata_inference,
+        PipelineStage._recv_meta,
+    )
+    infer = originals[1]
+
+    def forward_inference(
+        self: Any, args: Any, kwargs: dict[str, Any] | None = None, has_backward: bool = False
+    ) -> Any:
+        self._trace_positions = tuple((kwargs or {})["position_ids"].shape)
+        return infer(self, args, kwargs, has_backward)
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage > self.stage_index:  # the gradient of this stage's outputs: shaped as the outputs
+            return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
+        shape, dtype = boundary(self._trace_positions)
+        hidden = torch.empty(shape, dtype=dtype, device="meta", requires_grad=has_grad(self))
+        metas = extract_tensor_metas((hidden,))
+        assert metas is not None  # one tensor in, one meta out
+        return _StageForwardMeta(forward_metas=metas)
+
+    schedules._PipelineSchedule._warmup_p2p = _local_vote  # type: ignore[method-assign]
+    PipelineStage._forward_metadata_inference = forward_inference  # type: ignore[method-assign]
+    PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = originals[0]  # type: ignore[method-assign]
+        PipelineStage._forward_metadata_inference = originals[1]  # type: ignore[method-assign]
+        PipelineStage._recv_meta = originals[2]  # type: ignore[method-assign]
+
+
+def has_grad(stage: Any) -> bool:
+    return any(p.requires_grad for p in stage.submod.parameters()) or torch.is_grad_enabled()
+
+
+class SegmentOracle:
+    """The real segment ids behind the step's fake ones, by shape: the attention plan reads them on the host (sample
+    boundaries, the longest sample), which a fake tensor cannot answer. Every worst-case micro-batch has the same
+    layout, so a shape names one host tensor: a micro-batch's own, or the pipeline's padding of it to a wider row
+    (``stack_micro_batches``)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = [mb for mb in batches if mb.segment_ids is not None]
+
+    def host(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        for mb in self.batches:
+            seg = mb.segment_ids
+            if tuple(seg.shape) == shape:
+                return seg
+            if seg.shape[0] == shape[0] and seg.shape[1] <= shape[1]:
+                return torch.cat([seg, seg[:, -1:].expand(shape[0], shape[1] - seg.shape[1])], dim=1)
+        return None
+
+
+@contextlib.contextmanager
+def host_attention_plans(
+    oracle: SegmentOracle, paused: Callable[[], contextlib.AbstractContextManager[None]]
+) -> Iterator[None]:
+    """``plan_attention`` answered from the oracle's host segment ids (the kernel still chosen by the fake device's
+    type), its tensors then moved to the device as the engine's own would be."""
+    from engine.model import qwen3
+
+    original = qwen3.plan_attention
+
+    def planned(
+        device: torch.device,
+        q_len: int,
+        past_len: int = 0,
+        segment_ids: torch.Tensor | None = None,
+        *args: Any,
+        **kw: Any,
+    ) -> Any:
+        host = None if segment_ids is None else oracle.host(tuple(segment_ids.shape))
+        if host is None:
+            return original(device, q_len, past_len, segment_ids, *args, **kw)
+        with paused(), unset_fake_temporarily():
+            plan = original(device, q_len, past_len, host, *args, **kw)
+        moved = {
+            f.name: getattr(plan, f.name).to(device)
+            for f in dataclasses.fields(plan)
+            if isinstance(getattr(plan, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(plan, **moved)
+
+    qwen3.plan_attention = planned
+    try:
+        yield
+    finally:
+        qwen3.plan_attention = original
+
+
+@contextlib.contextmanager
+def host_batch_staging(paused: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+    """The pipeline runner pads and stacks the step's micro-batches on the host before moving them to the device
+    (``stack_micro_batches``): the data loader's work, not host tensors of the step."""
+    from engine.train import step_runner
+
+    original = step_runner.stack_micro_batches
+
+    def staged(*args: Any, **kwargs: Any) -> Any:
+        with paused():
+            return original(*args, **kwargs)
+
+    step_runner.stack_micro_batches = staged
+    try:
+        yield
+    finally:
+        step_runner.stack_micro_batches = original

@@ -1,0 +1,267 @@
+"""One rank's training step on fake tensors: built and run by the trainer's own code, measured by ``MemTracker``.
+
+The rank joins torch's fake process group (``fake_pg``: every collective returns at once, any world size in one
+process), builds the job's dp × (cp ×) pp × tp mesh on the device type, then, under ``FakeTensorMode``, the model
+(``build_rank_model`` with no weights to read), its step runner, optimizer and LR schedule, exactly as
+``engine.train.job.Trainer`` does, and runs one step at the worst-case micro-batch: every micro-batch of the rank
+(``global_batch_size / (micro_batch_size × DP)``) holds ``micro_batch_size`` samples of ``seq_length`` tokens.
+The step is ``engine.train.loop.train_step`` without its one host sync (the grad-norm finiteness check, which a fake
+tensor cannot answer): counts all-reduce, forward/backward through the runner (the pipeline schedule under PP),
+context/expert gradient reduction, grad norm, clipping, ``optimizer.step()``, scheduler step, ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from typing_extensions import Self
+
+from engine.contract.layout import ParallelDims
+from engine.contract.model_config import ModelConfig
+from engine.contract.spec import TrainSpec
+from engine.parallel.device import Device
+from engine.parallel.expert_parallel import reduce_over_context
+from engine.parallel.mesh import build_mesh
+from engine.parallel.parallelize import compute_dtype
+from engine.trace.shims import SegmentOracle, fake_pipeline_peers, host_attention_plans, host_batch_staging
+from engine.train.batches import MicroBatch, Sample, collate
+from engine.train.loop import _global_counts
+from engine.train.model_setup import build_rank_model
+from engine.train.optim import LossScaler, build_optimizer, clip_grads
+from engine.train.router_stats import RouterTracker
+from engine.train.schedule import Scheduler, schedule_from_spec
+from engine.train.step_runner import PipelineRunner, make_runner
+
+# MemTracker's kinds -> the names of the trace's breakdown (plan's parts where they match)
+KINDS = {
+    "Parameter": "params",
+    "Buffer": "buffers",
+    "Gradient": "grads",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+_COLLECTIVES = {
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "alltoall": "all_to_all",
+    "send": "send_recv",
+    "recv": "send_recv",
+    "broadcast": "broadcast",
+    "all_gather": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_to_all": "all_to_all",
+}
+
+
+@dataclasses.dataclass
+class RankTrace:
+    """What one rank's fake step measured (bytes)."""
+
+    rank: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    host_tensors: int
+    host_ops: dict[str, int]
+    host_syncs: dict[str, int]
+    collective_bytes_per_step: dict[str, int]
+    wall_s: float
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _StepWatch(TorchDispatchMode):
+    """Every op of the step: tensors it creates on the host (each one a host tensor the engine made inside the step,
+    where everything should live on the device), and the bytes each collective moves (its input tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_ops: dict[str, int] = {}
+        self.collectives: dict[str, int] = {}
+        self._entry_mode: Any = None
+        self._paused = False
+        self.label_rows: int | None = None  # labelled tokens of a worst-case micro-batch (the oracle's answer)
+        self.host_syncs: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The trace's own host work (``shims``) is not the step's."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def __enter__(self) -> Self:
+        self._entry_mode = active_fake_mode()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        if func is torch.ops.aten.nonzero.default and self._answers(args[0]):
+            # a device -> host sync in the engine (the output's length is data): answered from the host batch
+            self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
+            assert self.label_rows is not None
+            return torch.empty((self.label_rows, 1), dtype=torch.long, device=args[0].device)
+        out = func(*args, **(kwargs or {}))
+        if (
+            self._paused or active_fake_mode() is not self._entry_mode
+        ):  # DTensor's sharding propagation, not the step's own ops
+            return out
+        name = func._schema.name.split("::")[-1]
+        kind = next((k for key, k in _COLLECTIVES.items() if name.lstrip("_").startswith(key)), None)
+        if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
+            sent = sum(t.numel() * t.element_size() for t in _tensors(args) if t.device.type != "cpu")
+            self.collectives[kind] = self.collectives.get(kind, 0) + sent
+        # ``torch.tensor(values, device=...)`` lifts a host literal before copying it: host values, not a host tensor
+        if func is not torch.ops.aten.lift_fresh.default:
+            for t in _tensors(out):
+                if t.device.type == "cpu":
+                    self.host_ops[str(func)] = self.host_ops.get(str(func), 0) + 1
+        return out
+
+    def _answers(self, mask: Any) -> bool:
+        """A labelled-token mask of one micro-batch: the only data-dependent shape the oracle answers."""
+        on_device = mask.device.type != "cpu"
+        return (
+            self.label_rows is not None
+            and on_device
+            and mask.dtype == torch.bool
+            and mask.dim() == 1
+            and not self._paused
+        )
+
+
+class _StepTracker(MemTracker):
+    """MemTracker over a step that runs the rank's root module once per micro-batch: a root called again in forward
+    starts a new module record (MemTracker refuses a second iteration); the device-wide peak spans them all."""
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def worst_case_batches(spec: TrainSpec, cfg: ModelConfig, micro_batches: int, seed: int = 0) -> list[MicroBatch]:
+    """The rank's micro-batches at the worst case: ``micro_batch_size`` samples of ``seq_length`` labelled tokens
+    each, collated as the job collates (packed or padded), on the host as the data loader leaves them."""
+    assert spec.seq_length is not None
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(micro_batches):
+        samples = []
+        for _ in range(spec.micro_batch_size):
+            ids = rng.integers(0, cfg.vocab_size, spec.seq_length, dtype=np.int64)
+            samples.append(Sample(ids, ids.copy()))
+        out.append(collate(samples, spec.seq_length, spec.padding_free, spec.variable_seq_lengths))
+    return out
+
+
+def _one_step(
+    spec: TrainSpec,
+    cfg: ModelConfig,
+    dims: ParallelDims,
+    gbs: int,
+    device: Device,
+    mesh: Any,
+    batches: list[MicroBatch],
+) -> None:
+    """Build the rank's model, runner and optimizer, then run two steps: the first creates the optimizer state (Adam
+    makes it at its first ``step()``), so the second is a steady-state step, the one every later step repeats."""
+    assert spec.seq_length is not None
+    model = build_rank_model(cfg, mesh, spec, gbs, spec.seq_length, device.torch_device, None)
+    runner = make_runner(model, mesh, device.torch_device, spec.cross_entropy_chunk_size)
+    pp = mesh["pp"]
+    router = RouterTracker(model, runner.dp_group, pp.get_group() if pp.size() > 1 else None, dims.cp)
+    optimizer = build_optimizer(model, spec)
+    scheduler = Scheduler(optimizer, schedule_from_spec(spec))
+    scaler = LossScaler(spec)
+    params = [p for p in runner.module.parameters() if p.requires_grad]
+    for _ in range(2):
+        counts = _global_counts(batches, runner)
+        if router:
+            router.set_token_weight(scaler.scale / counts[1].clamp(min=1.0))
+        denominator = counts[0].clamp(min=1.0)
+        if isinstance(runner, PipelineRunner):  # it reads the count on the host (float()): a fake cannot answer
+            denominator = cast(torch.Tensor, float(max(1, sum(mb.loss_units for mb in batches))))
+        losses = runner.forward_backward(batches, denominator, scaler.scale)
+        reduce_over_context(runner.module)
+        grad_norm = runner.grad_norm()
+        clip_grads(params, spec.clip_grad, grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        runner.reduce(losses)
+
+
+def _boundary(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims) -> Any:
+    """(shape, dtype) of the hidden state one pipeline stage sends the next, for a micro-batch's positions shape."""
+    sp = dims.tp if spec.sequence_parallel else 1
+
+    def boundary(positions: tuple[int, ...]) -> tuple[tuple[int, ...], torch.dtype]:
+        rows, width = positions
+        return (rows, -(-width // sp), cfg.hidden_size), compute_dtype(spec)
+
+    return boundary
+
+
+def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, rank: int) -> RankTrace:
+    """Rank ``rank``'s peak over building its model and one training step, on fake tensors of the spec's device."""
+    started = time.perf_counter()
+    device = Device(spec.resources.device_type)
+    backend = f"cpu:fake,{device.type}:fake"  # the fake collectives for host and device tensors alike
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        mesh = build_mesh(device, dims)  # the mesh's rank table is a real host tensor: built before faking
+        batches = worst_case_batches(spec, cfg, gbs // (spec.micro_batch_size * dims.dp))
+        watch = _StepWatch()
+        watch.label_rows = batches[0].num_loss_tokens
+        with (
+            fake_pipeline_peers(_boundary(spec, cfg, dims)),
+            host_attention_plans(SegmentOracle(batches), watch.paused),
+            host_batch_staging(watch.paused),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            _StepTracker() as tracker,
+            watch,
+        ):
+            _one_step(spec, cfg, dims, gbs, device, mesh, batches)
+        snapshots = tracker.get_tracker_snapshot("peak")
+        peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
+    finally:
+        dist.destroy_process_group()
+    breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
+    return RankTrace(
+        rank=rank,
+        peak_bytes=int(peak.get("Total", 0)),
+        breakdown=breakdown,
+        host_tensors=sum(watch.host_ops.values()),
+        host_ops=watch.host_ops,
+        host_syncs=watch.host_syncs,
+        collective_bytes_per_step=watch.collectives,
+        wall_s=round(time.perf_counter() - started, 2),
+    )
