@@ -19,8 +19,10 @@ import httpx
 import pytest
 from engine_stub import Behaviour, StubEngine, stub_engine
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from openai_support import deploy, served
 
+from app.api import openai_compat
 from core.settings import Settings
 from core_support import isolated_settings, make_token
 from service_support import free_port
@@ -178,3 +180,18 @@ def test_one_pooled_client_per_engine_url_closed_with_the_app(tmp_path: Path, en
         assert proxy.urls() == [engine.url]
         client = proxy.client(engine.url)
     assert client.is_closed and proxy.urls() == []
+
+
+def test_the_token_is_checked_before_the_body_even_without_the_auth_middleware(tmp_path: Path) -> None:
+    settings = isolated_settings(tmp_path)
+    bare = FastAPI()  # the routes alone: no middleware authenticates first
+    bare.state.settings = settings
+    bare.include_router(openai_compat.router)
+    with TestClient(bare) as http:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}):
+                answer = http.post(path, content=b"{not json", headers=headers)
+                assert answer.status_code == 401, answer.text
+                assert _error(answer)["code"] in ("unauthorized", "invalid_api_key")
+        good = {"Authorization": f"Bearer {make_token(settings, 'alpha')}"}
+        assert http.post("/v1/chat/completions", content=b"{not json", headers=good).status_code == 400
