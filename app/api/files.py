@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from app.api.deps import PrincipalDep, SettingsDep
 from app.schemas import FileDeleted, FilePublic, ListPage
 from core import uploads
+from core.errors import ApiError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 FLUSH = 1 << 20
@@ -25,7 +26,7 @@ UPLOAD_BODY = {
     "requestBody": {
         "required": True,
         "description": "the file's bytes, as they are",
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}}},
     }
 }
 
@@ -45,6 +46,7 @@ def upload_slot(request: Request, principal: PrincipalDep) -> Iterator[None]:
         **ERRORS,
         200: {"description": "An existing file replaced (overwrite=true)", "model": FilePublic},
         409: {"description": "The file exists (and overwrite is false), or a part of the path is a file or directory"},
+        400: {"description": "The body is empty: an upload carries the file's bytes (no empty files)"},
         408: {"description": "The body stalled for body_read_timeout_s"},
         413: {"description": "Larger than the server's upload_max_bytes, or past the team's storage quota"},
         422: {"description": "The path is absolute, has '..' or empty parts, or goes through a symbolic link"},
@@ -76,6 +78,8 @@ async def upload_file(
                 await run_in_threadpool(upload.write, bytes(pending))
                 pending.clear()
         await run_in_threadpool(upload.write, bytes(pending))
+        if upload.size == 0:  # no body at all, or Content-Length: 0: over HTTP the two look the same
+            raise ApiError(400, "empty_body", "body: empty; send the file's bytes (empty files are not taken)", "body")
         replaced = await run_in_threadpool(upload.commit, overwrite)
     except BaseException:
         await run_in_threadpool(upload.discard)

@@ -25,6 +25,11 @@ from core.states import JobState
 from core.stored_spec import stored_spec
 from engine.contract.spec import EvalSpec, JobBase, PipelineSpec, Resources, parse_spec
 
+# What core.jobs takes ("" is the default), documented so that a client (and schemathesis) can tell beforehand; the
+# server's own 422 names the choices.
+SORT_PATTERN = rf"^$|^ *-?({'|'.join(service.SORTS)}) *$"
+_STATE = f"({'|'.join(s.value for s in JobState)})"
+STATE_PATTERN = rf"^$|^ *{_STATE}( *, *{_STATE})* *$"
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "No or bad token"}, 404: {"description": "No such job"}}
 SPEC_BODY = {
@@ -120,7 +125,10 @@ def list_jobs(
     request: Request,
     session: SessionDep,
     principal: PrincipalDep,
-    state: Annotated[str | None, Query(description="one state, or several comma-separated")] = None,
+    state: Annotated[
+        str | None,
+        Query(description="one state, or several comma-separated", json_schema_extra={"pattern": STATE_PATTERN}),
+    ] = None,
     kind: Annotated[Literal["preprocess", "convert", "train", "eval", "serve", "pipeline"] | None, Query()] = None,
     name: str | None = None,
     parent_id: str | None = None,
@@ -130,6 +138,7 @@ def list_jobs(
         str | None,
         Query(
             max_length=20,
+            json_schema_extra={"pattern": SORT_PATTERN},  # documented; parse_sort refuses the rest, naming the keys
             description=(
                 f"one of {', '.join(service.SORTS)}; prefix - for descending (default {service.DEFAULT_SORT}); "
                 "blanks last either way; paging with after= follows the same order"
