@@ -39,12 +39,12 @@ CONNECT_S, WRITE_S = 5.0, 30.0
 
 
 class EngineProxy:
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, prune_s: float = PRUNE_S):
+        self.settings, self.prune_s = settings, prune_s
         self.timeout = httpx.Timeout(connect=CONNECT_S, read=settings.engine_read_timeout_s, write=WRITE_S, pool=None)
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._down_until: dict[str, float] = {}
-        self._next_prune = time.monotonic() + PRUNE_S
+        self._pruned_at = time.monotonic()
 
     def healthy(self, url: str) -> bool:
         return self._down_until.get(url, 0.0) <= time.monotonic()
@@ -97,9 +97,9 @@ class EngineProxy:
         return EngineStream(self, dep, response)
 
     async def _prune(self) -> None:
-        if time.monotonic() < self._next_prune:
+        if time.monotonic() - self._pruned_at < self.prune_s:
             return
-        self._next_prune = time.monotonic() + PRUNE_S
+        self._pruned_at = time.monotonic()
         known = set(self._clients)  # before the look-up: a client made meanwhile is for a URL just found ready
         live = await anyio.to_thread.run_sync(_ready_urls, self.settings.database_url)
         for url in known - live:

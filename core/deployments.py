@@ -6,7 +6,9 @@ reported ``ready``: a restarted attempt (host lost, engine crashed) is not ready
 so a request never reaches the URL of a dead attempt. Names: a request's ``model`` matches a job's
 ``served_model_name``, else its name, else its id, or one of its ``lora_adapters`` (then the request goes to that
 job's engine, which applies the adapter, as vLLM's multi-LoRA serving does); only the caller's team's jobs are
-searched (another team's deployment reads as missing, never as forbidden).
+searched (another team's deployment reads as missing, never as forbidden). ``GET /v1/models`` lists ready ones only,
+less those whose engine was just found not answering (the API proxy's short unhealthy mark, ``app.engine_proxy``),
+so a deployment whose engine died drops out at its first failed request, before its job is seen to end.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class Serving:
 
 def _serving(app: FastAPI) -> Serving:
     serving: Serving | None = getattr(app.state, "openai_serving", None)
-    if serving is None:  # made on first use (no await in between: one per app)
+    if serving is None:  # at startup (the router's lifespan), or at first use in an app run without it
         settings: Settings = app.state.settings
         slots = TeamSlots("chat requests", settings.team_max_chat_requests, settings.team_limit_retry_after_s)
         serving = app.state.openai_serving = Serving(EngineProxy(settings), slots)
@@ -73,10 +73,9 @@ def _serving(app: FastAPI) -> Serving:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    serving = _serving(app)
     yield
-    serving: Serving | None = getattr(app.state, "openai_serving", None)
-    if serving is not None:
-        await serving.proxy.aclose()  # the engine clients go with the app
+    await serving.proxy.aclose()  # the engine clients go with the app
 
 
 router = APIRouter(prefix="/v1", tags=["openai"], lifespan=_lifespan)

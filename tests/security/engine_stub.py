@@ -21,6 +21,7 @@ class Behaviour:
     gap_s: float = 0.0  # between two token lines
     silent_after: int | None = None  # lines sent (0: not even the status line) before it goes silent
     cut_after: int | None = None  # token lines sent before the connection ends with no finish/done
+    fail_after: int | None = None  # token lines sent before an error line (its generation failed) ends the answer
 
 
 @dataclass
@@ -62,6 +63,10 @@ class _Handler(BaseHTTPRequestHandler):
                 stub.release.wait(60)
                 return
             if how.cut_after is not None and i >= how.cut_after:
+                return
+            if how.fail_after is not None and i >= how.fail_after:
+                error = {"message": "the engine failed while answering", "field": None, "type": "engine_error"}
+                self._line({"type": "error", "error": error})
                 return
             self._line({"type": "token", "index": 0, "token_id": 9, "text": "a"})
             time.sleep(how.gap_s)

@@ -23,6 +23,8 @@ from fastapi.testclient import TestClient
 from openai_support import deploy, served
 
 from app.api import openai_compat
+from core.db import session_scope
+from core.models import Job
 from core.settings import Settings
 from core_support import isolated_settings, make_token
 from service_support import free_port
@@ -195,3 +197,27 @@ def test_the_token_is_checked_before_the_body_even_without_the_auth_middleware(t
                 assert _error(answer)["code"] in ("unauthorized", "invalid_api_key")
         good = {"Authorization": f"Bearer {make_token(settings, 'alpha')}"}
         assert http.post("/v1/chat/completions", content=b"{not json", headers=good).status_code == 400
+
+
+def test_an_engine_failing_a_request_is_a_500_and_an_sse_error_event(api: Api, engine: StubEngine) -> None:
+    engine.behaviour = Behaviour(fail_after=1)  # one token, then the engine's error line
+    answer = api.chat("alpha", "alpha-chat")
+    assert answer.status_code == 500 and _error(answer)["code"] == "engine_error", answer.text
+    assert "failed while answering" in _error(answer)["message"]
+    with api.client("alpha") as http:
+        streamed = http.post("/v1/chat/completions", json={"model": "alpha-chat", "messages": MESSAGES, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith('"code": "engine_error"}}')
+    assert "[DONE]" not in streamed.text
+
+
+def test_the_client_of_a_deployment_gone_is_closed(api: Api, engine: StubEngine) -> None:
+    proxy = api.app.state.openai_serving.proxy
+    proxy.prune_s = 0  # look for gone deployments at every request
+    assert api.chat("alpha", "alpha-chat").status_code == 200
+    client = proxy.client(engine.url)
+    with session_scope(api.settings.database_url) as session:  # the job ends; another takes its place
+        session.query(Job).filter(Job.state == "running").update({"state": "cancelled"})  # beta's too: same URL
+    other = engine.url.replace("127.0.0.1", "localhost")  # the same stub under another URL
+    deploy(api.settings, "alpha", "alpha-next", other)
+    assert api.chat("alpha", "alpha-next").status_code == 200
+    assert client.is_closed and engine.url not in proxy.urls() and other in proxy.urls()
