@@ -12,6 +12,7 @@ never imports torch. The engine still checks everything again when it runs (a fi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable
 from pathlib import Path
@@ -243,9 +244,9 @@ def _check_layout(spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any]
         raise _refuse(f"{where}load", str(err)) from None
     if shape is None:
         return
-    ep = spec.expert_model_parallel_size if spec.kind == "train" else 1  # eval runs every expert on each rank
-    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    dims = layout.ParallelDims(dp=spec.data_parallel_size, tp=tp, pp=pp, ep=ep)
+    dims = spec.parallel_dims  # the one way a spec becomes dims (CP included)
+    if spec.kind != "train":
+        dims = dataclasses.replace(dims, ep=1)  # eval and serve run every expert on each rank
     try:
         layout.check(shape, dims, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
     except layout.LayoutError as err:

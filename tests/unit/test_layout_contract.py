@@ -47,6 +47,8 @@ CASES = [  # (config changes, layout flags, field, message)
      "expert_model_parallel_size", "EP 2 needs an MoE model (num_experts); the model is dense"),
     (MOE, {"expert_model_parallel_size": 8, "resources": {"nproc_per_node": 8}},
      "expert_model_parallel_size", "EP 8 does not divide the model's 4 experts (num_experts)"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 6}, {"context_parallel_size": 4, "resources": {"nproc_per_node": 4}},
+     "context_parallel_size", "TP 1 × CP 4 does not divide the model's 6 heads (Ulysses)"),
 ]  # fmt: skip
 
 
