@@ -57,6 +57,9 @@ IGNORED_FLAGS: dict[str, int | str] = {
     "moe-permutation-async-comm": 0,
     "use-fused-moe-token-permute-and-unpermute": 0,
 }
+# MindSpeed-LLM's ``--stage simpo`` flags, with its defaults: here SimPO is stage dpo with dpo_loss_type simpo, its
+# beta is dpo_beta and its margin simpo_gamma = gamma_beta_ratio × beta (MindSpeed subtracts the ratio before scaling).
+SIMPO_FLAGS = {"simpo-beta": 2.5, "gamma-beta-ratio": 1.4, "simpo-loss-type": "sigmoid", "simpo-label-smoothing": 0.0}
 # Fields that only exist in the JSON spec, never as flags (nested objects).
 _NOT_FLAGS = {"resources", "metadata", "kind", "steps"}
 
@@ -103,6 +106,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)
+    if kind == "train":  # MindSpeed's SimPO stage, translated by ``_simpo_stage``
+        for flag in SIMPO_FLAGS:
+            parser.add_argument(f"--{flag}", dest="_simpo_" + flag.replace("-", "_"), default=None)
     for flag, nargs in IGNORED_FLAGS.items():
         if flag.replace("-", "_") in cls.model_fields:
             continue
@@ -147,12 +153,34 @@ def spec_from_argv(kind: str, argv: Sequence[str]) -> tuple[JobBase, Path, list[
         elif not key.startswith("_"):
             # One list value like "4,4" is split by the spec's own validator; several stay a list.
             data[key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if kind == "train":
+        _simpo_stage(parser, ns, data)
     if ns._nproc:
         data.setdefault("resources", {})["nproc_per_node"] = ns._nproc
     _resources_from_torchrun(data)
     if ignored:
         log.warning("ignored flags (no effect in this engine): %s", " ".join(ignored))
     return parse_spec(data), Path(ns._run_dir) if ns._run_dir else default_run_dir(kind), ignored
+
+
+def _simpo_stage(parser: argparse.ArgumentParser, ns: argparse.Namespace, data: dict[str, Any]) -> None:
+    """MindSpeed's ``--stage simpo`` line as this engine's stage dpo with dpo_loss_type simpo (same loss: its
+    sigmoid SimPO with margin gamma_beta_ratio × beta); its flags without that stage are an error, not ignored."""
+    given = {f: getattr(ns, "_simpo_" + f.replace("-", "_")) for f in SIMPO_FLAGS}
+    if data.get("stage") != "simpo":
+        if any(v is not None for v in given.values()):
+            parser.error(f"--{next(f for f, v in given.items() if v is not None)}: applies to --stage simpo only")
+        return
+    value = {f: given[f] if given[f] is not None else default for f, default in SIMPO_FLAGS.items()}
+    if value["simpo-loss-type"] != "sigmoid":
+        parser.error(f"--simpo-loss-type: only sigmoid is supported, not {value['simpo-loss-type']!r}")
+    try:
+        beta, ratio, smoothing = (float(value[f]) for f in ("simpo-beta", "gamma-beta-ratio", "simpo-label-smoothing"))
+    except ValueError as err:
+        parser.error(f"--simpo-beta/--gamma-beta-ratio/--simpo-label-smoothing: {err}")
+    if smoothing:
+        parser.error("--simpo-label-smoothing: only 0 is supported")
+    data.update(stage="dpo", dpo_loss_type="simpo", dpo_beta=beta, simpo_gamma=ratio * beta)
 
 
 def default_run_dir(kind: str) -> Path:

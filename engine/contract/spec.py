@@ -857,7 +857,9 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     )
     is_instruction_dataset: bool = Field(
         False,
-        description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from the loss).",
+        description="--is-instruction-dataset: data_path holds preprocessed instruction data (prompt tokens masked from "
+        "the loss). With is_pairwise_dataset (as MindSpeed's DPO and SimPO scripts pass both) it means pairwise "
+        "instruction data, read as pairs.",
     )
     variable_seq_lengths: bool = Field(
         False, description="--variable-seq-lengths: pad each micro-batch to its longest sample, not to seq_length."
@@ -931,8 +933,6 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             return self
         if not self.is_pairwise_dataset:
             raise ValueError("is_pairwise_dataset: stage dpo trains on preference pairs; set is_pairwise_dataset true")
-        if self.is_instruction_dataset:
-            raise ValueError("is_instruction_dataset: stage dpo reads pairwise data (is_pairwise_dataset), not both")
         if self.dpo_label_smoothing and self.dpo_loss_type != "sigmoid":
             raise ValueError(f"dpo_label_smoothing: applies to dpo_loss_type sigmoid only, not {self.dpo_loss_type}")
         if "simpo_gamma" in self.model_fields_set and self.dpo_loss_type != "simpo":
