@@ -231,6 +231,27 @@ class _Inputs:
             )
         return None
 
+    def full_model(self, name: str, path: str | None) -> None:
+        """``path`` is not LoRA adapters alone (which load only over a base model, given in ``load``)."""
+        if path is None or self.pending(path):
+            return
+        held = inspect.contents(path)
+        if held is not None and held.needs_base_model:
+            raise _refuse(
+                self.field(name),
+                f"{path} holds LoRA adapters only; give the base model in {name} and this checkpoint in lora_load, "
+                'or name the checkpoint by reference ({"job": ID, "iteration": N}) to take the base from its run',
+            )
+
+    def adapters(self, name: str, path: str | None) -> None:
+        """``path`` exists and holds LoRA adapters (not a full model)."""
+        self.file_or_dir(name, path)
+        if path is None or self.pending(path):
+            return
+        held = inspect.contents(path)
+        if held is not None and not held.lora:
+            raise _refuse(self.field(name), f"{path} holds full weights, not LoRA adapters")
+
 
 # ---------------------------------------------------------------- checks by kind
 
@@ -287,10 +308,11 @@ def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
     if tp > 1 and spec.lora_adapters:
         raise _refuse(inputs.field("lora_adapters"), "per-request adapters are served with TP 1 only for now")
     config = inputs.checkpoint("load", spec.load)
+    inputs.full_model("load", spec.load)
     _check_layout(spec, config, inputs.where)
-    inputs.file_or_dir("lora_load", spec.lora_load)
+    inputs.adapters("lora_load", spec.lora_load)
     for name, path in spec.lora_adapters.items():
-        inputs.file_or_dir(f"lora_adapters.{name}", path)
+        inputs.adapters(f"lora_adapters.{name}", path)
     if spec.tokenizer_name_or_path is not None:
         inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
     elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
@@ -403,7 +425,8 @@ def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
             raise _refuse(inputs.field("tokenizer_name_or_path"), "required to read the test set of a deployment")
         return
     config = inputs.checkpoint("load", spec.load)
-    inputs.file_or_dir("lora_load", spec.lora_load)
+    inputs.full_model("load", spec.load)
+    inputs.adapters("lora_load", spec.lora_load)
     own = inputs.pending(spec.load) or (Path(spec.load) / "tokenizer_config.json").is_file()
     if spec.tokenizer_name_or_path is None and not own:
         raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")

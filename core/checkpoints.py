@@ -4,6 +4,8 @@ Read from disk each time (the directory is the truth: retention may have removed
 checkpoints ``<save>/train_state/iter_*`` (DCP: model, optimizer unless ``no_save_optim``, RNG; resumable) and the
 final export ``<save>/iter_*`` named by ``<save>/latest_checkpointed_iteration.txt`` (Megatron mcore, or LoRA
 adapters). Both load in eval (``load``) and convert (``load_dir``); LoRA-only ones need their base model as well.
+What each holds is read from its tensors (``engine.contract.inspect.contents``), and each has its own reference
+(``{"job", "iteration", "format"}``; without ``format`` the final export is meant over a training state).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from core.auth import Principal, load_visible
 from core.errors import ApiError
 from core.models import Job, MetricPoint
 from core.stored_spec import stored_spec
+from engine.contract import inspect
 
 TRACKER = "latest_checkpointed_iteration.txt"
+FORMATS = ("mcore", "training_state")
 STEP_METRICS = ("lm_loss", "val_lm_loss", "grad_norm")
 
 
@@ -43,14 +47,15 @@ def _training_states(save: Path) -> list[dict[str, Any]]:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError):
             continue
-        lora = bool(meta.get("trainable_only"))
+        held = inspect.contents(path) or inspect.FULL
         found.append(
             {
                 "iteration": iteration,
                 "format": "training_state",
                 "model_path": str(path),
                 "optimizer_path": str(path) if meta.get("has_optimizer") else None,
-                "lora": lora,
+                "lora": held.lora,
+                "needs_base_model": held.needs_base_model,
             }
         )
     return found
@@ -63,8 +68,17 @@ def _final(save: Path) -> list[dict[str, Any]]:
         return []
     if not text.isdigit() or not (save / f"iter_{int(text):07d}").is_dir():
         return []
-    lora = any((save / f"iter_{int(text):07d}").rglob("*lora*"))
-    return [{"iteration": int(text), "format": "mcore", "model_path": str(save), "optimizer_path": None, "lora": lora}]
+    held = inspect.contents(save) or inspect.FULL  # read from its tensors: a LoRA run's export holds adapters only
+    return [
+        {
+            "iteration": int(text),
+            "format": "mcore",
+            "model_path": str(save),
+            "optimizer_path": None,
+            "lora": held.lora,
+            "needs_base_model": held.needs_base_model,
+        }
+    ]
 
 
 def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
@@ -83,11 +97,13 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
     metrics: dict[int, dict[str, float | None]] = {}
     for step, name, value in session.execute(query).all() if iterations else []:
         metrics.setdefault(step, {})[name] = value
+    base = stored_spec(job.spec).load
     for item in items:
         item["metrics"] = metrics.get(item["iteration"], {})
-        item["evaluable"] = item["convertible"] = True
-        item["needs_base_model"] = item["lora"]
-        item["reference"] = {"job": job.id, "iteration": item["iteration"]}
+        # adapters alone load over the run's own base (a reference fills it in), so need one to be evaluated
+        item["evaluable"] = not item["needs_base_model"] or bool(base)
+        item["convertible"] = True
+        item["reference"] = {"job": job.id, "iteration": item["iteration"], "format": item["format"]}
     return items
 
 
@@ -95,8 +111,17 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
 REFERENCE_FIELDS = {"load": ("eval", "serve"), "load_dir": ("convert",)}
 
 
-def _pick(items: list[dict[str, Any]], iteration: Any, field: str) -> dict[str, Any]:
+def _pick(items: list[dict[str, Any]], iteration: Any, field: str, fmt: str | None = None) -> dict[str, Any]:
     matches = [c for c in items if c["iteration"] == iteration]
+    if fmt is not None and matches:
+        matches = [c for c in matches if c["format"] == fmt]
+        if not matches:
+            raise ApiError(
+                422,
+                "validation_error",
+                f"{field}.format: the job has no {fmt} checkpoint at iteration {iteration}",
+                f"{field}.format",
+            )
     if not matches:
         have = ", ".join(str(c["iteration"]) for c in items) or "none"
         raise ApiError(
@@ -149,7 +174,7 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
         field = f"{where}{name}"
         job, chosen = _resolve(session, principal, ref, field)
         out[name] = chosen["model_path"]
-        if chosen["lora"]:
+        if chosen["needs_base_model"]:
             base = stored_spec(job.spec).load
             if not base:
                 raise ApiError(
@@ -169,16 +194,22 @@ def expand_references(session: Session, principal: Principal, raw: Any, where: s
 
 def _resolve(session: Session, principal: Principal, ref: dict[str, Any], field: str) -> tuple[Job, dict[str, Any]]:
     """The train job and the checkpoint (as ``list_checkpoints`` lists it) that ``{"job", "iteration"}`` names."""
-    iteration = ref.get("iteration")
+    iteration, fmt = ref.get("iteration"), ref.get("format")
     if (
-        set(ref) != {"job", "iteration"}
+        not {"job", "iteration"} <= set(ref) <= {"job", "iteration", "format"}
         or not isinstance(ref["job"], str)
         or not isinstance(iteration, int)
         or isinstance(iteration, bool)
+        or fmt not in (None, *FORMATS)
     ):
-        raise ApiError(422, "validation_error", f'{field}: a path, or {{"job": ID, "iteration": N}}', field)
+        raise ApiError(
+            422,
+            "validation_error",
+            f'{field}: a path, or {{"job": ID, "iteration": N}} (optionally "format": "mcore" or "training_state")',
+            field,
+        )
     job = _referenced_job(session, principal, ref["job"], f"{field}.job")
-    return job, _pick(list_checkpoints(session, job), iteration, field)
+    return job, _pick(list_checkpoints(session, job), iteration, field, fmt)
 
 
 def _adapter_path(session: Session, principal: Principal, ref: dict[str, Any], field: str) -> str:

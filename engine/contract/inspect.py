@@ -1,13 +1,20 @@
 """The one torch-free checkpoint inspector: which format a directory holds, the Megatron tracker → iteration
-directory, and (``engine.contract.plan.shape``) the model shape of any checkpoint kind. Admission and the engine's loaders
+directory, what its tensors are (``contents``: LoRA adapters or full weights), and (``engine.contract.plan.shape``)
+the model shape of any checkpoint kind. Admission and the engine's loaders
 both call it, so a directory the service admits is one the engine can open.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import logging
 import os
+import pickletools
 import re
+import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -93,3 +100,92 @@ def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str
     if not path.is_dir():
         raise BadInput(f"{tracker}: says iteration {iteration} but {path} does not exist", field="load_dir")
     return path, iteration
+
+
+# ---------------------------------------------------------------- what a checkpoint holds
+
+_LORA_KEY = re.compile(r"(?:^|\.)lora_[AB](?:\.|$)")
+_BASE_KEY = re.compile(r"^(?:module\.)*(?:embedding|decoder|output_layer|model|lm_head)\.\S*(?:weight|bias)$")
+_PICKLE_LIMIT = 256 << 20  # a rank file's data.pkl: names and args, a few MB even for large models
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    """What a checkpoint's tensors are: LoRA adapters (``lora``), and whether it needs a base model to load
+    (adapters only, no base weights beside them)."""
+
+    lora: bool
+    needs_base_model: bool
+
+    @classmethod
+    def of_names(cls, names: Iterable[str]) -> Contents:
+        lora = base = False
+        for name in names:
+            if _LORA_KEY.search(name):
+                lora = True
+            elif _BASE_KEY.match(name):
+                base = True
+        return cls(lora=lora, needs_base_model=lora and not base)
+
+
+FULL = Contents(lora=False, needs_base_model=False)
+
+
+def contents(path: str | os.PathLike[str]) -> Contents | None:
+    """What the checkpoint at ``path`` holds, read from its tensors' names without torch and without unpickling:
+    an HF / PEFT directory's safetensors headers, our training state's ``meta.json`` (``trainable_only``: LoRA
+    adapters alone), a Megatron checkpoint's first rank file (its ``data.pkl`` scanned for key strings). None when
+    the path holds nothing this reads (absent, unknown, unreadable)."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    try:
+        if (p / "adapter_config.json").is_file():
+            return Contents(lora=True, needs_base_model=True)  # a PEFT adapter directory
+        if (p / "meta.json").is_file():
+            return _training_state(p / "meta.json")
+        tensors = sorted(p.glob("*.safetensors"))
+        if tensors:
+            return Contents.of_names(n for f in tensors for n in _safetensors_names(f))
+        rank_file = _first_rank_file(p)
+        return Contents.of_names(_pickle_strings(rank_file)) if rank_file else None
+    except (OSError, ValueError, zipfile.BadZipFile, BadInput):
+        return None
+
+
+def _training_state(meta: Path) -> Contents:
+    saved = json.loads(meta.read_bytes()[: 1 << 20])
+    lora = isinstance(saved, dict) and bool(saved.get("trainable_only"))
+    return Contents(lora=lora, needs_base_model=lora)
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 100 << 20:
+            raise ValueError(f"{path}: header of {size} bytes")
+        header = json.loads(f.read(size))
+    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+
+
+def _first_rank_file(root: Path) -> Path | None:
+    iter_dir = root if any(_RANK_DIR_RE.match(p.name) for p in root.iterdir()) else None
+    if iter_dir is None:
+        if (root / ".metadata").is_file():
+            return None
+        iter_dir, _ = resolve_iteration_dir(root)
+    ranks = sorted(d / "model_optim_rng.pt" for d in iter_dir.iterdir() if _RANK_DIR_RE.match(d.name))
+    return next((r for r in ranks if r.is_file()), None)
+
+
+def _pickle_strings(rank_file: Path) -> Iterator[str]:
+    """The strings a torch zip file's ``data.pkl`` holds (its state dict's keys among them), by walking the
+    opcodes (``pickletools.genops`` builds nothing and runs no code)."""
+    with zipfile.ZipFile(rank_file) as z:
+        name = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if name is None or z.getinfo(name).file_size > _PICKLE_LIMIT:
+            return
+        data = z.read(name)
+    for _, arg, _ in pickletools.genops(io.BytesIO(data)):
+        if isinstance(arg, str):
+            yield arg

@@ -118,7 +118,9 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     ]
     assert data[0]["metrics"] == {"lm_loss": 2.5, "val_lm_loss": 2.7} and data[2]["metrics"] == {"lm_loss": 1.5}
     assert data[0]["optimizer_path"] == data[0]["model_path"] and data[1]["optimizer_path"] is None
-    assert data[2]["model_path"] == str(save) and data[2]["reference"] == {"job": job_id, "iteration": 20}
+    assert data[2]["model_path"] == str(save)
+    assert data[2]["reference"] == {"job": job_id, "iteration": 20, "format": "mcore"}
+    assert data[1]["reference"] == {"job": job_id, "iteration": 20, "format": "training_state"}
     assert other.status_code == 404
 
 
