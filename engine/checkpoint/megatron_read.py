@@ -302,6 +302,7 @@ class MegatronCheckpoint:
     MindSpeed; another layout, e.g. our trainer's TP1 adapters-only save: re-cut to the base's shards). LoRA
     adapters found in either are merged when ``lora_alpha``/``lora_r`` are known (flags, else checkpoint args).
     ``hf_config``: an HF config.json dict for what the tensors cannot tell (epsilon, RoPE base, true vocab size).
+    ``field``: the spec field that named ``root`` (load_dir for convert, load for eval and serve), for messages.
     """
 
     merge_rounding = "fp32"  # engine.model.lora.MERGE_ROUNDINGS; the convert job sets spec.lora_merge_rounding
@@ -314,6 +315,7 @@ class MegatronCheckpoint:
         lora_r: int | None = None,
         hf_config: Mapping[str, Any] | None = None,
         view: RankView | None = None,
+        field: str = "load_dir",
     ):
         self.root = Path(root)
         self.view = view
@@ -342,9 +344,9 @@ class MegatronCheckpoint:
         names = [k for t in opened.values() for k in t if not k.endswith("_extra_state")]
         if names and all("lora" in k for k in names):  # a --lora-ckpt-filter checkpoint given as the base
             raise BadInput(
-                f"load_dir: {self.root} holds only LoRA adapters; give the base model as "
-                "--load-dir and the adapter as --lora-load",
-                field="load_dir",
+                f"{field}: {self.root} holds only LoRA adapters; give the base model as {field} and the adapters as "
+                "lora_load",
+                field=field,
             )
         for key in (EMBEDDING, FINAL_NORM):
             if key not in self.base.where:

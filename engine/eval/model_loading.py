@@ -67,7 +67,7 @@ def _mcore_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor]
     from engine.model.lora import from_mindspeed_keys
 
     if detect_format(given(spec.load, "load")) == "mcore":  # adapters sharded like their base: TP/PP pieces glued
-        ckpt = MegatronCheckpoint(given(spec.load, "load"), lora_dir=spec.lora_load)
+        ckpt = MegatronCheckpoint(given(spec.load, "load"), lora_dir=spec.lora_load, field="load")
         state = {
             f"{m}.lora_{ab}.weight": ckpt.lora_tensor(f"{m}.lora_{ab}.weight")
             for m in ckpt.lora_modules()
@@ -170,7 +170,7 @@ def check_adapters(
     r = ranks[0]
     if spec.lora_r is not None and spec.lora_r != r:
         raise BadInput(
-            f"lora_r: --lora-r is {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}", field="lora_r"
+            f"lora_r: {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}", field="lora_r"
         )
     alpha = spec.lora_alpha if spec.lora_alpha is not None else (recorded or {}).get("alpha")
     if alpha is None:
@@ -209,7 +209,7 @@ def peft_source(base: WeightSource, spec: EvalSpec | ServeSpec, dtype: torch.dty
     overlay = PeftOverlay(base, given(spec.lora_load, "lora_load"), spec.lora_alpha, dtype=dtype)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
         raise BadInput(
-            f"lora_r: --lora-r is {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
+            f"lora_r: {spec.lora_r} but the adapter in {spec.lora_load} has rank {overlay.facts['lora_r']}",
             field="lora_r",
         )
     return overlay

@@ -44,7 +44,7 @@ def test_lora_only_checkpoint_as_base_names_load_dir_and_lora_load(tmp_path):
         lora_r=2,
         lora_alpha=4,
     )
-    with pytest.raises(BadInput, match="give the base model as --load-dir and the adapter as --lora-load") as err:
+    with pytest.raises(BadInput, match="give the base model as load_dir and the adapters as lora_load") as err:
         convert(spec, RunDir(tmp_path / "run"))
     assert err.value.field == "load_dir"
 

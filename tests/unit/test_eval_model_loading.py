@@ -58,7 +58,7 @@ def test_lora_adapters_are_applied_unmerged_and_reproduce_the_trained_model() ->
 def test_lora_rank_flag_must_match_the_adapters() -> None:
     trained = _base()
     apply_lora(trained, r=4, alpha=8)
-    with pytest.raises(BadInput, match="lora_r: --lora-r is 8 but the adapters in adapters have rank 4"):
+    with pytest.raises(BadInput, match="lora_r: 8 but the adapters in adapters have rank 4"):
         check_adapters(_spec(lora_load="adapters", lora_r=8), lora_state_dict(trained))
     with pytest.raises(BadInput, match="holds no LoRA tensors"):
         check_adapters(_spec(lora_load="adapters"), _base().state_dict())
@@ -112,5 +112,5 @@ def test_peft_adapters_a_merge_cannot_reproduce_are_refused(tmp_path) -> None:
         build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "dora")))
     assert err.value.field == "lora_load"
     _peft_adapter(hf_dir, tmp_path / "plain", r=4, lora_alpha=8, target_modules=["q_proj"])
-    with pytest.raises(BadInput, match="lora_r: --lora-r is 8 but the adapter"):
+    with pytest.raises(BadInput, match="lora_r: 8 but the adapter"):
         build_model(_spec(load=str(hf_dir), lora_load=str(tmp_path / "plain"), lora_r=8))
