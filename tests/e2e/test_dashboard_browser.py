@@ -243,7 +243,8 @@ def _job_panels(page: Any, train_id: str) -> None:
     page.click('#checkpoints tr[data-iteration="3"] button[data-action="evaluate"]')
     page.wait_for_url(re.compile(r"#/submit"))
     draft = json.loads(page.input_value("#spec"))
-    assert draft["kind"] == "eval" and draft["load"].endswith("-ckpt") and draft["metadata"]["from_iteration"] == 3
+    assert draft["kind"] == "eval" and draft["load"] == {"job": train_id, "iteration": 3}
+    assert draft["metadata"]["from_iteration"] == "3"
     assert draft["hidden_size"] == TINY_TRAIN["hidden_size"]
 
     page.goto(page.url.split("#")[0] + f"#/jobs/{train_id}?tab=spec")

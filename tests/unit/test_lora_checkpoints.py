@@ -6,6 +6,8 @@ naming ``lora_load``, a full model as an adapter naming the adapter's field."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,45 @@ def test_a_lora_runs_checkpoints_are_usable_everywhere(settings: Settings) -> No
         body = answers[name].json()
         assert (answers[name].status_code, body["field"]) == (422, "load"), body
         assert "holds LoRA adapters only" in body["message"] and "lora_load" in body["message"]
+
+
+DRAFT = """
+const {CheckpointsPanel} = await import(process.argv[1]);
+const job = JSON.parse(process.argv[2]);
+console.log(JSON.stringify(CheckpointsPanel.prototype.draft.call({job}, "evaluate", {iteration: 20})));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the dashboard's module")
+def test_the_dashboards_evaluate_draft_is_accepted(settings: Settings) -> None:
+    """The checkpoint table's Evaluate button drafts a spec the API takes as it is (test set filled in): a LoRA
+    run's checkpoint by reference, evaluated over the run's base."""
+    from app.main import create_app
+
+    area = team_dir(settings, "alpha")
+    (area / "base").mkdir()
+    (area / "base" / "config.json").write_text("{}")
+    (area / "base" / "tokenizer_config.json").write_text("{}")
+    (area / "test.jsonl").write_text("{}\n")
+    save = area / "lora-run"
+    _rank_file(save, 20, _adapters())
+    spec = {"kind": "train", "save": str(save), "load": str(area / "base"), "lora_r": 2, "seq_length": 64}
+    job_id = make_job(settings, team="alpha")
+    with session_scope(settings.database_url) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec=spec))
+        session.commit()
+    panels = Path(__file__).resolve().parents[2] / "app" / "ui" / "js" / "views" / "panels.js"
+    job = json.dumps({"id": job_id, "name": "lora", "spec": spec})
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", DRAFT, str(panels), job], capture_output=True, text=True, check=True
+    )
+    draft = {**json.loads(out.stdout), "eval_data_path": "test.jsonl"}
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
+        answer = api.post("/v1/jobs", json=draft)
+    assert answer.status_code == 201, answer.text
+    stored = answer.json()["spec"]
+    assert (stored["load"], stored["lora_load"], stored["metadata"]["from_iteration"]) == (
+        str(area / "base"),
+        str(save),
+        "20",
+    )

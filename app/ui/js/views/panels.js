@@ -219,22 +219,25 @@ export class CheckpointsPanel {
             "Download as HF")))))));
   }
 
-  /** The spec the submit form opens with. The checkpoint root is the job's `save` (the engine loads its latest
-   * iteration); the iteration is in the name so the new job says which one it was made from. */
+  /** The spec the submit form opens with. The checkpoint is named by reference ({job, iteration}): the API puts
+   * its path in (and, for LoRA adapters, the run's base model in `load` with the adapters in `lora_load`). Metadata
+   * values are strings (the API's labels). */
   draft(action, c) {
     const spec = this.job.spec;
     const base = `${this.job.name || this.job.id.slice(0, 8)}-iter${c.iteration}`;
+    const ref = {job: this.job.id, iteration: c.iteration};
+    const from = {from_job: this.job.id, from_iteration: String(c.iteration)};
     const model = {};
     for (const k of ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups",
       "kv_channels", "qk_layernorm", "padded_vocab_size", "normalization", "position_embedding_type", "swiglu", "disable_bias_linear",
       "seq_length", "tokenizer_name_or_path"]) if (spec[k] !== undefined && spec[k] !== null) model[k] = spec[k];
     if (action === "evaluate") {
-      return {kind: "eval", name: `${base}-eval`, load: spec.save, eval_data_path: "<test set .jsonl under a data root>",
-        eval_mode: "generate", ...model, metadata: {from_job: this.job.id, from_iteration: c.iteration}};
+      return {kind: "eval", name: `${base}-eval`, load: ref, eval_data_path: "<test set .jsonl under a data root>",
+        eval_mode: "generate", ...model, metadata: from};
     }
     return {kind: "convert", name: `${base}-${action === "download" ? "hf-download" : "convert"}`, load_model_type: "mg",
-      save_model_type: "hf", load_dir: spec.save, save_dir: `${spec.save}-hf-iter${c.iteration}`,
-      metadata: {from_job: this.job.id, from_iteration: c.iteration, ...(action === "download" ? {purpose: "download"} : {})}};
+      save_model_type: "hf", load_dir: ref, save_dir: `${spec.save}-hf-iter${c.iteration}`,
+      metadata: {...from, ...(action === "download" ? {purpose: "download"} : {})}};
   }
 }
 
