@@ -1249,6 +1249,31 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 
 
+# Fields a serve spec inherits from the shared argument groups but that mean training only (batches and samples of
+# an optimizer step, regularisation, initialisation, optimizer sharding, pipeline stages): refused by name.
+SERVE_TRAINING_FIELDS: dict[str, str] = {
+    "micro_batch_size": "max_num_seqs",
+    "global_batch_size": "max_num_seqs",
+    "seq_length": "max_model_len",
+    "use_distributed_optimizer": "",
+    "num_layer_list": "",
+    "num_layers_per_virtual_pipeline_stage": "",
+    "sequence_parallel": "",
+    "hidden_dropout": "",
+    "attention_dropout": "",
+    "init_method_std": "",
+    "moe_aux_loss_coeff": "",
+    "moe_router_load_balancing_type": "",
+}
+
+
+def serve_training_field(name: str) -> str:
+    """The refusal of a training field in a serve spec, with the serve field meant when there is one."""
+    instead = SERVE_TRAINING_FIELDS[name]
+    hint = f"; did you mean {instead!r}?" if instead else ""
+    return f"{name}: a training field, not one of serving's{hint}"
+
+
 class ServeSpec(JobBase, ParallelArgs, ModelArgs):
     """``generate_qwen3_4b_ptd.sh`` as a service: the model behind an OpenAI-compatible API (``docs/serving.md``).
     Runs until cancelled, deleted or idle for ``idle_timeout_s``."""
@@ -1290,6 +1315,18 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
     max_model_len: int = Field(
         2048, ge=16, le=1_048_576, description="Prompt + generated tokens of one sequence at most (a slot's length)."
     )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=16,
+        le=1_048_576,
+        description=(
+            "Tokens one engine step runs at most (vLLM's knob): every decoding sequence's next token, then chunks of "
+            "waiting prompts in what is left; larger: faster first tokens for long prompts, slower steps."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the cached keys/values of a prompt prefix another request already computed."
+    )
     kv_cache_memory_fraction: float | None = Field(
         None,
         gt=0,
@@ -1307,6 +1344,9 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
     def _check_serve(self) -> ServeSpec:
         if self.prompt_type is not None and self.prompt_type.lower() not in TEMPLATES:
             raise ValueError(f"prompt_type: {self.prompt_type!r} is not supported; use one of {', '.join(TEMPLATES)}")
+        training = [f for f in SERVE_TRAINING_FIELDS if f in self.model_fields_set]
+        if training:
+            raise ValueError(serve_training_field(training[0]))
         if self.lora_load is None and self.lora_r is not None:
             raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
         if self.pipeline_model_parallel_size > 1:

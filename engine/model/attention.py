@@ -6,7 +6,8 @@ The caller builds one ``AttentionPlan`` per forward (``plan_attention``) and eve
   lengths, on CUDA torch's own flash varlen kernel (``torch.nn.attention.varlen.varlen_attn``) or else
   ``flash_attn_varlen_func`` when flash-attn is installed; otherwise SDPA with ONE boolean block mask
   (B, 1, T, T) built once per batch (1 byte per entry, shared by all layers and heads — never a float mask per head);
-- left padding and/or a KV cache: SDPA with a boolean (B, 1, T, T_kv) mask.
+- left padding and/or a KV cache: SDPA with a boolean (B, 1, T, T_kv) mask (or the serving cache's own, given
+  whole as a 4-D ``attention_mask``).
 The kernel choice comes from ``engine.model.kernels.attention_kernel``; head counts are read from tensor shapes, so
 a TP shard holding fewer heads works unchanged.
 """
@@ -115,6 +116,9 @@ def plan_attention(
         cu, longest = cu_seqlens_from_segments(segment_ids)
         ends = cu[1:].tolist() if kernel == "npu_fusion" else None
         return AttentionPlan(kernel=kernel, is_causal=False, cu_seqlens=cu, max_seqlen=longest, seq_ends=ends)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # serving (engine.serve.slots): the caller's (B, 1, T, T_kv) boolean mask, rows at their own lengths
+        return AttentionPlan(mask=attention_mask, is_causal=False)
     if attention_mask is not None:
         if attention_mask.shape[1] != past_len + q_len:
             raise ValueError(

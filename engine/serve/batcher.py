@@ -1,11 +1,14 @@
 """Continuous batching: one thread runs the model for every sequence in flight, one step at a time.
 
-Each iteration of the loop (``step``):
-1. admits waiting sequences (FIFO) into free slots of the ``SlotCache``;
-2. prefills one chunk (at most ``prefill_chunk`` tokens) of the oldest sequence still reading its prompt; when the
-   prompt is done, its first token is sampled from the chunk's last position;
-3. decodes one token for every sequence past its prompt, all in one batched forward.
-A long prompt therefore never stalls the others for more than one chunk, and a sequence joins or leaves the batch
+Each iteration of the loop (``step``) runs at most ``max_batched_tokens`` tokens (vLLM's ``max_num_batched_tokens``):
+1. admits *every* waiting sequence (FIFO) that finds a free slot of the ``SlotCache``; with prefix caching a
+   sequence starts after the longest prompt prefix some slot already holds (``engine.serve.slots``);
+2. decodes one token for every sequence past its prompt, all in one batched forward;
+3. spends what is left of the budget on prompt chunks, oldest sequence first (at most ``prefill_chunk`` tokens of
+   one sequence per step), in as few forwards as keep the right padding small; a sequence whose prompt is done
+   samples its first token from its chunk's last position.
+So a request that finds a free slot gets its first token within one step per budget of prompt tokens ahead of it,
+a long prompt never stalls the others for more than one budget, and a sequence joins or leaves the batch
 between any two steps. Sequences end on a stop token, at ``max_tokens``, at the slot's capacity (``max_model_len``)
 or when cancelled (client gone, stop string seen by the caller); their slot is freed at once.
 
@@ -37,6 +40,7 @@ from engine.serve.adapters import AdapterRows
 from engine.serve.sampling import Pick, RequestOptions, SamplingError, pick_token
 from engine.serve.slots import SlotCache
 from engine.serve.stats import ServeStats
+from engine.serve.structured import Constraint
 from engine.serve.tp_sync import Step, StepSync
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,7 @@ class Sequence:
     events: queue.Queue[tuple[int, Pick | None]] = dataclasses.field(default_factory=queue.Queue)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     last_token: float | None = None  # when its previous token was sampled (inter-token latency)
+    constraint: Constraint | None = None  # its grammar (structured output, engine.serve.structured), if any
 
     def cancel(self) -> None:
         """Ask the loop to drop this sequence (thread-safe: the loop reads the flag between steps)."""
@@ -96,10 +101,15 @@ class Batcher:
         max_waiting: int = 256,
         adapters: AdapterRows | None = None,
         sync: StepSync | None = None,
+        max_batched_tokens: int = 2048,
+        prefix_caching: bool = True,
     ) -> None:
         self.model, self.cache, self.stop_ids, self.adapters = model, cache, stop_ids, adapters
         self.sync = sync  # under TP: rank 0 broadcasts each forward for the other ranks to replay
         self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        self.max_batched_tokens = max_batched_tokens  # tokens per step, decodes first, prompt chunks in what is left
+        # under TP the followers' caches would need every prefix copy replayed too: not done yet, so off there
+        self.prefix_caching = prefix_caching and sync is None
         self.device = next(model.parameters()).device
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -107,6 +117,7 @@ class Batcher:
         self._stop = threading.Event()
         self.last_activity = time.monotonic()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.stats |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0}  # prompt tokens looked up / found cached
         self.window = ServeStats()  # the deployment metrics' current window (engine.serve.stats)
         self.state = READY
         self.error: str | None = None  # the last step failure, as "ExceptionType: message"
@@ -196,13 +207,29 @@ class Batcher:
     def step(self) -> None:
         self._drop_cancelled()
         self._admit()
-        prefilling = [s for s in self.running if s.prefilled < len(s.prompt)]
-        if prefilling:
-            self._prefill(prefilling[0])
         decoding = [s for s in self.running if s.prefilled == len(s.prompt) and s.finish_reason is None]
+        chunks = self._schedule_prefills(self.max_batched_tokens - len(decoding))
         if decoding:
-            self._decode(decoding)
+            self._run(decoding, [1] * len(decoding))
+        for group in _similar_sizes(chunks):
+            self._run([seq for seq, _ in group], [n for _, n in group])
         self.last_activity = time.monotonic()
+
+    def _schedule_prefills(self, budget: int) -> list[tuple[Sequence, int]]:
+        """The prompt chunks of this step, oldest sequence first, within what the decodes left of the token budget
+        (at least a quarter of it, so prompts progress even when the decodes take it all)."""
+        budget = max(budget, self.max_batched_tokens // 4, 1)
+        chunks = []
+        for seq in self.running:
+            left = len(seq.prompt) - seq.prefilled
+            if left <= 0:
+                continue
+            n = min(left, self.prefill_chunk, budget)
+            if n <= 0:
+                break
+            chunks.append((seq, n))
+            budget -= n
+        return chunks
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
@@ -213,66 +240,80 @@ class Batcher:
                 self._finish(seq, "abort")
 
     def _admit(self) -> None:
+        """Every waiting sequence that finds a free slot starts now; with prefix caching it starts after the
+        longest prefix some slot already holds (``engine.serve.slots``)."""
         with self._wake:
             while self.waiting and self.cache.free:
                 seq = self.waiting.popleft()
-                seq.slot = self.cache.acquire()
+                src, hit = self.cache.match(seq.prompt, seq.adapter) if self.prefix_caching else (None, 0)
+                if src is not None and src in self.cache.free:
+                    seq.slot = self.cache.acquire(src, keep=hit)
+                else:
+                    seq.slot = self.cache.acquire()
+                    assert seq.slot is not None  # a slot was free
+                    self.cache.adapter[seq.slot] = seq.adapter
+                    if src is not None:
+                        self.cache.copy_prefix(src, seq.slot, hit)
+                seq.prefilled = hit
+                self.stats["prefix_cache_queries"] += len(seq.prompt)
+                self.stats["prefix_cache_hits"] += hit
                 self.running.append(seq)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None):
+    def _run(self, seqs: list[Sequence], counts: list[int]) -> None:
+        """One forward: ``counts[i]`` new tokens of ``seqs[i]`` (its next prompt chunk, or its last output token),
+        then a token sampled for every sequence whose prompt is done."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot or 0)  # consecutive slots read as a slice
+        seqs, counts = [seqs[i] for i in order], [counts[i] for i in order]
+        tokens = [_next_input(s, n) for s, n in zip(seqs, counts, strict=True)]
+        width = max(counts)
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
         slots = [s.slot for s in seqs if s.slot is not None]
         adapters = [s.adapter for s in seqs]
-        if self.sync is not None:
-            self.sync.lead(Step(ids.tolist(), positions.tolist(), slots, adapters, mask is not None))
-        return self._compute(ids, positions, slots, adapters, mask)
+        if self.sync is not None:  # padding travels as position -1: a follower recovers each row's count
+            starts = [self.cache.lengths[s] for s in slots]
+            pos = [[st + k if k < n else -1 for k in range(width)] for st, n in zip(starts, counts, strict=True)]
+            self.sync.lead(Step(ids.tolist(), pos, slots, adapters, width == 1))
+        logits = self._compute(ids, slots, counts, adapters, tokens)
+        for row, seq in enumerate(seqs):
+            if seq.prefilled < len(seq.prompt):
+                seq.prefilled += counts[row]
+                if seq.prefilled < len(seq.prompt):
+                    continue
+            self._emit(seq, logits[row])
 
     def _compute(
         self,
         ids: torch.Tensor,
-        positions: torch.Tensor,
         slots: list[int],
+        counts: list[int],
         adapters: list[int],
-        mask: torch.Tensor | None,
+        tokens: list[list[int]],
     ) -> torch.Tensor:
+        """The forward itself (every TP rank runs it): (B, V) fp32 logits at each row's last real token."""
         if self.adapters is not None:
             self.adapters.set(adapters, self.device)
-        view = self.cache.view(slots, ids.shape[1])
-        hidden = self.model(ids, position_ids=positions, attention_mask=mask, kv_cache=view, return_hidden=True)
-        view.commit()
-        return last_logits(self.model, hidden)  # (B, V) fp32
+        view = self.cache.view(slots, counts)
+        hidden = self.model(
+            ids, position_ids=view.positions(), attention_mask=view.mask, kv_cache=view, return_hidden=True
+        )
+        view.commit(tokens)
+        last = torch.tensor(counts, device=hidden.device) - 1
+        return last_logits(self.model, hidden[torch.arange(len(counts), device=hidden.device), last][:, None])
 
     @torch.inference_mode()
     def replay(self, step: Step) -> None:
         """A TP follower: run rank 0's forward ``step`` on this rank's shard (``engine.serve.tp_sync``)."""
+        counts = [sum(p >= 0 for p in row) for row in step.positions]
         for slot, row in zip(step.slots, step.positions, strict=True):
             self.cache.lengths[slot] = row[0]  # where rank 0's slot stands: its first new position
         ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
-        mask = self.cache.decode_mask(step.slots) if step.decode else None
-        self._compute(ids, positions, step.slots, step.adapters, mask)
-
-    def _prefill(self, seq: Sequence) -> None:
-        assert seq.slot is not None
-        start, end = seq.prefilled, min(len(seq.prompt), seq.prefilled + self.prefill_chunk)
-        ids = torch.tensor([seq.prompt[start:end]], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
-        logits = self._forward(ids, positions, [seq], None)
-        seq.prefilled = end
-        if end == len(seq.prompt):
-            self._emit(seq, logits[0])
-
-    def _decode(self, seqs: list[Sequence]) -> None:
-        slots = [s.slot for s in seqs if s.slot is not None]
-        ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[self.cache.lengths[s]] for s in slots], device=self.device)
-        logits = self._forward(ids, positions, seqs, self.cache.decode_mask(slots))
-        for row, seq in enumerate(seqs):
-            self._emit(seq, logits[row])
+        tokens = [row[:n] for row, n in zip(step.ids, counts, strict=True)]
+        self._compute(ids, step.slots, counts, step.adapters, tokens)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token, hand it to the reader and end the sequence if it is done."""
         try:
-            pick = pick_token(logits, seq.opts, seq.prompt, seq.output, seq.generator)
+            pick = pick_token(logits, seq.opts, seq.prompt, seq.output, seq.generator, seq.constraint)
         except Exception as err:  # noqa: BLE001 - this sequence's fault (or its logits'): the others go on
             log.warning("serving loop: sampling failed for one sequence: %s", err)
             detail = str(err) if isinstance(err, SamplingError) else type(err).__name__
@@ -302,3 +343,23 @@ class Batcher:
         if seq in self.running:
             self.running.remove(seq)
         seq.events.put((seq.index, None))
+
+
+def _next_input(seq: Sequence, count: int) -> list[int]:
+    """The ids a forward feeds ``seq``: its next ``count`` prompt tokens, else its last sampled token."""
+    if seq.prefilled < len(seq.prompt):
+        return seq.prompt[seq.prefilled : seq.prefilled + count]
+    return seq.output[-1:]
+
+
+def _similar_sizes(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """Prompt chunks grouped into forwards whose right padding stays under half the group's real tokens: one
+    forward per group (a 20-token prompt is not padded to a 2,000-token one's chunk)."""
+    groups: list[list[tuple[Sequence, int]]] = []
+    for chunk in sorted(chunks, key=lambda c: -c[1]):
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * group[0][1] <= 1.5 * (sum(n for _, n in group) + chunk[1]):
+            group.append(chunk)
+        else:
+            groups.append([chunk])
+    return groups

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine.contract.constants import SERVE_METRICS_INTERVAL_S, SERVE_PREFILL_CHUNK
+from engine.contract.constants import SERVE_METRICS_INTERVAL_S
 from engine.contract.layout import LayoutError
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import ServeSpec
@@ -79,9 +79,15 @@ def _write_metrics(batcher: Batcher, run: RunDir, step: int, was_active: bool) -
     active = batcher.window.active or batcher.busy
     point = batcher.window.window(len(batcher.waiting), len(batcher.running), batcher.cache.usage())
     point |= {f"serve_{name}_total": float(value) for name, value in batcher.stats.items()}
+    point["serve_prefix_cache_hit_rate"] = prefix_cache_hit_rate(batcher.stats)
     if active or was_active:
         run.metric(step, point)
     return active
+
+
+def prefix_cache_hit_rate(stats: dict[str, int]) -> float:
+    """The share of the prompt tokens looked up so far that were found cached (0 before any prompt)."""
+    return stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"])
 
 
 class LoopFailed(RuntimeError):
@@ -132,10 +138,12 @@ def run(
         model,
         cache,
         stop_ids(tokenizer),
-        prefill_chunk=SERVE_PREFILL_CHUNK,
+        prefill_chunk=spec.max_num_batched_tokens,
         max_waiting=QUEUED_PER_SLOT * spec.max_num_seqs,
         adapters=selector,
         sync=StepSync(device.torch_device) if tp > 1 else None,
+        max_batched_tokens=spec.max_num_batched_tokens,
+        prefix_caching=spec.enable_prefix_caching,
     )
     if tp_mesh is not None and tp_mesh.get_local_rank() > 0:  # a TP follower: rank 0's steps, until it stops
         assert batcher.sync is not None
@@ -165,6 +173,7 @@ def run(
         server.server_close()
         batcher.stop()
         loop.join(timeout=30)
-    summary = {**batcher.stats, "served_model_name": name, "model": {"num_layers": cfg.num_layers, **info}}
+    summary = {**batcher.stats, "prefix_cache_hit_rate": prefix_cache_hit_rate(batcher.stats)}
+    summary |= {"served_model_name": name, "model": {"num_layers": cfg.num_layers, **info}}
     summary["tensor_model_parallel_size"] = tp
     return {"result": str(run.path / "result.json")}, summary

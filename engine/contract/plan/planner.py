@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from engine.contract.constants import REFERENCE_FREE_LOSSES, SERVE_PREFILL_CHUNK
+from engine.contract.constants import REFERENCE_FREE_LOSSES
 from engine.contract.lora_targets import MEGATRON_TARGETS, resolve_targets
 from engine.contract.model_config import ModelConfig
 from engine.contract.plan.data_shape import BatchShape, largest_micro_batch
@@ -125,7 +125,7 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
             **_preference_layout(spec),
         }
     elif isinstance(spec, ServeSpec):
-        seq, rows = max(1, SERVE_PREFILL_CHUNK // spec.max_num_seqs), spec.max_num_seqs
+        seq, rows = max(1, spec.max_num_batched_tokens // spec.max_num_seqs), spec.max_num_seqs
         kind = {"train": False, "eval_tokens": spec.max_model_len}
     else:
         kind = {"train": False, "eval_tokens": seq + spec.max_new_tokens}
