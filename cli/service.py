@@ -28,6 +28,34 @@ def admin_token(settings: Any) -> str:
     return token
 
 
+# CPU slots of the worker `serve` starts when LLMJOBS_WORKER_DEVICES is unset: a deployment holds its slot until it
+# is cancelled or idle, so one machine needs room for it, a training job and an eval (of the deployment) beside it.
+SERVE_CPU_SLOTS = 3
+
+
+def worker_devices(settings: Any) -> int:
+    """The devices (CPU: slots) of the worker ``serve`` starts: ``LLMJOBS_WORKER_DEVICES`` when set, else
+    ``SERVE_CPU_SLOTS`` on CPU (an accelerator host keeps the setting's default)."""
+    if "worker_devices" in settings.model_fields_set or settings.worker_device_type != "cpu":
+        return int(settings.worker_devices)
+    return SERVE_CPU_SLOTS
+
+
+def worker_argv(settings: Any) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "worker",
+        "--host",
+        settings.worker_name,
+        "--device-type",
+        settings.worker_device_type,
+        "--devices",
+        str(worker_devices(settings)),
+    ]
+
+
 def serve(
     host: Annotated[str | None, typer.Option(help="default LLMJOBS_HOST")] = None,
     port: Annotated[int | None, typer.Option(help="default LLMJOBS_PORT")] = None,
@@ -44,18 +72,7 @@ def serve(
     token = admin_token(settings)
     child = None
     if worker:
-        argv = [
-            sys.executable,
-            "-m",
-            "cli.main",
-            "worker",
-            "--host",
-            settings.worker_name,
-            "--device-type",
-            settings.worker_device_type,
-            "--devices",
-            str(settings.worker_devices),
-        ]
+        argv = worker_argv(settings)
         child = subprocess.Popen(argv, preexec_fn=preexec_die_with_parent())  # noqa: PLW1509 - only prctl, no lock
     url = f"http://{host or settings.host}:{port or settings.port}"
     typer.echo(

@@ -30,6 +30,7 @@ from engine.contract.plan.shape import check_sizes, checkpoint_config, read_json
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import (
     REFERENCE_PLACEHOLDER_DIR,
+    SERVE_TRAINING_FIELDS,
     SPEC_CLASSES,
     STEP_KINDS,
     ConvertSpec,
@@ -41,6 +42,7 @@ from engine.contract.spec import (
     ServeSpec,
     TrainSpec,
     parse_spec,
+    serve_training_field,
     substitute_references,
 )
 
@@ -74,6 +76,27 @@ SYNONYMS: dict[str, str] = {
     "device": "device_type",
     "accelerator": "device_type",
     "seed_value": "seed",
+}
+
+
+# What users of other servers (vLLM, TGI, the OpenAI API) call a serve field.
+SERVE_SYNONYMS: dict[str, str] = {
+    "max_batch_size": "max_num_seqs",
+    "batch_size": "max_num_seqs",
+    "max_concurrent_requests": "max_num_seqs",
+    "max_seq_len": "max_model_len",
+    "max_seq_length": "max_model_len",
+    "max_length": "max_model_len",
+    "context_length": "max_model_len",
+    "model_name": "served_model_name",
+    "gpu_memory_utilization": "kv_cache_memory_fraction",
+    "adapters": "lora_adapters",
+    "lora_modules": "lora_adapters",
+    "tp": "tensor_model_parallel_size",
+    "tensor_parallel_size": "tensor_model_parallel_size",
+    "model": "load",
+    "model_path": "load",
+    "tokenizer": "tokenizer_name_or_path",
 }
 
 
@@ -123,7 +146,14 @@ def check_fields(raw: Any, where: str = "") -> None:
         raise _refuse(f"{where}kind", f"{what}; use one of {kinds}{hint}")
     known = SPEC_CLASSES[kind].model_fields
     for name in raw:
+        if kind == "serve" and name in SERVE_TRAINING_FIELDS:
+            raise _refuse(f"{where}{name}", serve_training_field(name).split(": ", 1)[1])
         if name not in known:
+            if kind == "serve":
+                known = {k: v for k, v in known.items() if k not in SERVE_TRAINING_FIELDS}
+                guess = SERVE_SYNONYMS.get(name.lstrip("-").replace("-", "_").lower())
+                if guess is not None:
+                    raise _refuse(f"{where}{name}", f"unknown field; did you mean {guess!r}?")
             raise _unknown_field(name, known, where)
     if isinstance(raw.get("resources"), dict):
         for name in raw["resources"]:
@@ -310,6 +340,7 @@ def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
     config = inputs.checkpoint("load", spec.load)
     inputs.full_model("load", spec.load)
     _check_layout(spec, config, inputs.where)
+    _check_positions(spec, config, inputs.where, "max_model_len")
     inputs.adapters("lora_load", spec.lora_load)
     for name, path in spec.lora_adapters.items():
         inputs.adapters(f"lora_adapters.{name}", path)
@@ -363,11 +394,14 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
         )
 
 
-def _check_positions(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, where: str) -> None:
-    """A sample longer than the positions the model reaches (its RoPE tables, stretched by YaRN when the checkpoint
-    or the spec sets it) is refused, not run."""
+def _check_positions(
+    spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any] | None, where: str, field: str = "seq_length"
+) -> None:
+    """A sample (serving: a sequence, ``max_model_len``) longer than the positions the model reaches (its RoPE
+    tables, stretched by YaRN when the checkpoint or the spec sets it) is refused, not run."""
     positions = spec.max_position_embeddings or (config or {}).get("max_position_embeddings")
-    if spec.seq_length is None or not isinstance(positions, int) or spec.seq_length <= positions:
+    length = getattr(spec, field)
+    if length is None or not isinstance(positions, int) or length <= positions:
         return
     try:
         scaling = {**rope_scaling.from_hf(config or {}), **rope_scaling.from_flags(spec)}
@@ -376,18 +410,18 @@ def _check_positions(spec: TrainSpec | EvalSpec, config: dict[str, Any] | None, 
     if scaling.get("rope_scaling_type"):
         original = scaling.get("rope_scaling_original_max_position_embeddings") or positions
         stretched = int(original * scaling.get("rope_scaling_factor", 1.0))
-        if spec.seq_length <= stretched:
+        if length <= stretched:
             return
         raise _refuse(
-            f"{where}seq_length",
-            f"{spec.seq_length} is longer than the {stretched} positions YaRN reaches "
-            f"(rope_scaling_original_max_position_embeddings × rope_scaling_factor); lower seq_length or raise "
+            f"{where}{field}",
+            f"{length} is longer than the {stretched} positions YaRN reaches "
+            f"(rope_scaling_original_max_position_embeddings × rope_scaling_factor); lower {field} or raise "
             "rope_scaling_factor",
         )
     raise _refuse(
-        f"{where}seq_length",
-        f"{spec.seq_length} is longer than the model's {positions} positions (max_position_embeddings); lower "
-        "seq_length, or stretch the positions with rope_scaling_type yarn, rope_scaling_factor and "
+        f"{where}{field}",
+        f"{length} is longer than the model's {positions} positions (max_position_embeddings); lower "
+        f"{field}, or stretch the positions with rope_scaling_type yarn, rope_scaling_factor and "
         "rope_scaling_original_max_position_embeddings",
     )
 

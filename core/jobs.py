@@ -23,8 +23,9 @@ from core.models import Event, Job, new_id, utcnow
 from core.pages import fetch_page
 from core.settings import Settings
 from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
+from core.stored_spec import stored_spec
 from core.structured_logs import current_request_id
-from engine.contract.spec import JobBase, spec_to_json
+from engine.contract.spec import JobBase, ServeSpec, spec_to_json
 
 
 def body_hash(raw: Any) -> str:
@@ -61,6 +62,8 @@ def create_job(
     digest = body_hash(raw)
     if idempotency_key and (existing := find_by_key(session, team, idempotency_key)):
         return _replay(existing, digest), False
+    if isinstance(spec, ServeSpec):
+        check_served_names(session, team, spec)
     job_id = new_id()
     body = spec_to_json(spec)
     job = Job(
@@ -94,6 +97,32 @@ def create_job(
             raise
         return _replay(existing, digest), False
     return job, True
+
+
+def _names_served(served: str | None, adapters: Iterable[str], name: str | None, job_id: str | None) -> dict[str, str]:
+    """The ``model`` names a deployment answers (as ``core.deployments`` resolves them), each with its spec field."""
+    base = served or name or job_id
+    names = {base: "served_model_name" if served else "name"} if base else {}
+    return {**names, **{adapter: f"lora_adapters.{adapter}" for adapter in adapters}}
+
+
+def check_served_names(session: Session, team: str, spec: ServeSpec) -> None:
+    """409 naming the field when a name this deployment would answer to is one a live deployment of the team (queued,
+    starting, running, restarting) already answers to: requests would go to one of them only."""
+    mine = _names_served(spec.served_model_name, spec.lora_adapters, spec.name, None)
+    live = select(Job).where(Job.team == team, Job.kind == "serve", Job.state.not_in([s.value for s in TERMINAL]))
+    for job in session.scalars(live):
+        stored = stored_spec(job.spec)
+        theirs = _names_served(stored.served_model_name, stored.lora_adapters, job.name, job.id)
+        for name, field in mine.items():
+            if name in theirs:
+                raise ApiError(
+                    409,
+                    "conflict",
+                    f"{field}: {name!r} is already served by deployment {job.id} of your team; give another name, or "
+                    "cancel that deployment first",
+                    field,
+                )
 
 
 def add_event(
