@@ -4,6 +4,7 @@ submitted over the API to a real worker, in the README's order."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,46 @@ def test_examples_needing_only_the_demo_are_accepted(api: tuple[TestClient, dict
     # the others read what 01/02 write: refused at submission until then, naming the input
     answer = client.post("/v1/jobs", json=example("02-train-full"), headers=headers)
     assert answer.status_code == 422 and answer.json()["field"] == "data_path", answer.text
+
+
+def test_the_serve_example_takes_the_lora_runs_save(
+    settings: Settings, api: tuple[TestClient, dict[str, str]]
+) -> None:
+    """09 serves 03's LoRA save over the demo model: refused naming the adapter until 03 wrote it, then accepted
+    (its tensors read as LoRA adapters); its max_model_len fits the demo model's 2,048 positions."""
+    import torch
+
+    client, headers = api
+    spec = example("09-serve")
+    early = client.post("/v1/jobs", json=spec, headers=headers)
+    assert (early.status_code, early.json()["field"]) == (422, "lora_adapters.demo-lora"), early.text
+    rank = team_dir(settings, "demo") / "demo" / "out" / "train-lora" / "iter_0000020" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    torch.save({"model": {f"{qkv}.lora_{ab}.weight": torch.zeros(8, 64) for ab in "AB"}}, rank / "model_optim_rng.pt")
+    (rank.parents[1] / "latest_checkpointed_iteration.txt").write_text("20")
+    answer = client.post("/v1/jobs", json=spec, headers=headers)
+    assert answer.status_code == 201, answer.text
+
+
+def test_the_readmes_serving_section_uses_what_exists(settings: Settings) -> None:
+    """Every demo path the README's Serving section names is one the demo prepares or an example writes, and its
+    request bodies are examples/ files."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split("## Serving (OpenAI-compatible)", 1)[1].split("\n## ", 1)[0]
+    written = {
+        value
+        for p in EXAMPLES.glob("*.json")
+        for key in ("save", "save_dir", "output_prefix")
+        if isinstance(value := json.loads(p.read_text()).get(key), str)
+    }
+    demo = team_dir(settings, "demo")
+    named = set(re.findall(r'"(demo/[^"]*)"', section))
+    assert named, "the Serving section names no demo path"
+    for path in named:
+        assert (demo / path).exists() or path in written, path
+    for spec in re.findall(r"@(examples/[\w.-]+\.json)", section):
+        assert (EXAMPLES.parent / spec).is_file(), spec
 
 
 @pytest.mark.slow
