@@ -5,8 +5,12 @@ Request (``POST /v1/generate``), one prompt of:
     ``messages`` (chat turns, rendered with the deployment's ``prompt_type`` template, ``chat_template_kwargs``'s
     ``enable_thinking`` switching Qwen3's thinking; ``tools``, a list of tool definitions, rendered as Qwen3 does),
     ``prompt`` (text, tokenized as is) or ``prompt_token_ids``;
-plus the sampling fields of ``engine.serve.sampling.RequestOptions`` (``stop`` a string or a list) and ``model``: one of
-the deployment's LoRA adapters (``lora_adapters``), else (absent, or the served name) the base.
+plus the sampling fields of ``engine.serve.sampling.RequestOptions`` (``stop`` a string or a list), ``model``: one of
+the deployment's LoRA adapters (``lora_adapters``), else (absent, or the served name) the base, and ``structured``: a
+grammar every sampled token keeps to (``engine.serve.structured``: ``json_schema``, ``regex``, ``choice`` or ``lark``).
+``POST /tokenize`` takes ``messages`` or ``prompt`` (with ``chat_template_kwargs``, ``tools``, ``model``) and answers
+vLLM's ``{"count", "max_model_len", "tokens"}``; ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers
+``{"prompt": text}``.
 Response lines: ``{"type": "start", "prompt_tokens": N}``, then per token ``{"type": "token", "index": i, "token_id",
 "text" (the new text; held back while it may still become a stop string), and with ``logprobs`` ``"token_text"``,
 ``"logprob"``, ``"top_logprobs": [{"token_id", "text", "logprob"}]}``, per choice
@@ -28,10 +32,12 @@ from typing import Any
 
 from engine.data.templates import ConversationError, encode_prompt
 from engine.serve.sampling import RequestOptions
+from engine.serve.structured import StructuredError, grammar_of
 
 _OPTION_FIELDS = {f.name for f in dataclasses.fields(RequestOptions)}
 _PROMPT_FIELDS = ("messages", "prompt", "prompt_token_ids")
-_OTHER_FIELDS = {"chat_template_kwargs", "tools", "stream", "model"}
+_OTHER_FIELDS = {"chat_template_kwargs", "tools", "stream", "model", "structured"}
+TOKENIZE_FIELDS = {"messages", "prompt", "chat_template_kwargs", "tools", "model"}
 
 
 class BadRequest(Exception):
@@ -133,6 +139,43 @@ def _thinking(body: dict[str, Any]) -> str:
     if not isinstance(value, bool):
         raise BadRequest("chat_template_kwargs.enable_thinking: must be true or false", field="chat_template_kwargs")
     return "true" if value else "false"
+
+
+def thinking(body: dict[str, Any]) -> bool:
+    """Whether a chat request's answer may open with a thought (Qwen3's ``enable_thinking``, true by default)."""
+    return body.get("messages") is not None and _thinking(body) == "true"
+
+
+def structured_grammar(body: dict[str, Any]) -> str | None:
+    """The llguidance grammar of the body's ``structured`` field (None: free text); a bad one is a 400 naming it."""
+    if body.get("structured") is None:
+        return None
+    try:
+        return grammar_of(body["structured"])
+    except StructuredError as err:
+        raise BadRequest(str(err), field="structured") from err
+
+
+def tokenize_body(body: dict[str, Any]) -> None:
+    """A ``/tokenize`` body has only ``TOKENIZE_FIELDS`` (its prompt is read by ``prompt_ids``)."""
+    unknown = sorted(set(body) - TOKENIZE_FIELDS)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field", field=unknown[0])
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise BadRequest(f"tools: must be a list, got {_shown(body['tools'])}", field="tools")
+
+
+def detokenize_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
+    """The ``tokens`` of a ``/detokenize`` body: a list of ids in the vocabulary."""
+    unknown = sorted(set(body) - {"tokens", "model"})
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field", field=unknown[0])
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRequest("tokens: must be a list of token ids", field="tokens")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise BadRequest(f"tokens: ids must be in [0, {vocab_size})", field="tokens")
+    return ids
 
 
 def prompt_ids(body: dict[str, Any], tokenizer: Any, template: str, vocab_size: int) -> list[int]:

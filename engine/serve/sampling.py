@@ -6,6 +6,9 @@ the negative ones) of every token seen in the prompt or the output; ``frequency_
 Temperature / top-k / top-p and the greedy rule are ``engine.eval.sampling``'s. Log-probabilities are those of the
 model's raw distribution (before penalties and filters), as vLLM reports by default.
 
+A sequence with a grammar (``engine.serve.structured.Constraint``: ``response_format``, tool_choice ``required``)
+has the tokens it forbids set to -inf after the penalties, and the sampled token advances it.
+
 Every value the documented ranges admit gives a token: penalties can push a logit past fp32's range
 (``repetition_penalty`` 1e-300 divides by it), so the penalised scores are clamped to a finite band that even the
 coldest sampling temperature cannot overflow, and the sampler never sees ``inf``/``nan``. Logits the *model*
@@ -20,6 +23,7 @@ from collections import Counter
 import torch
 
 from engine.eval.sampling import GREEDY_BELOW, SamplingParams, next_tokens
+from engine.serve.structured import Constraint
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
@@ -111,13 +115,19 @@ def pick_token(
     prompt: list[int],
     output: list[int],
     generator: torch.Generator | None,
+    constraint: Constraint | None = None,
 ) -> Pick:
-    """The next token of one sequence from its (V,) float logits; ``SamplingError`` when they are not finite."""
+    """The next token of one sequence from its (V,) float logits, within ``constraint``'s grammar when it has one;
+    ``SamplingError`` when the logits are not finite."""
     logits = logits.float()
     if not bool(torch.isfinite(logits).all()):
         raise SamplingError("the model's logits are not finite")
     scores = apply_penalties(logits, opts, prompt, output).clamp(-SCORE_LIMIT, SCORE_LIMIT)
+    if constraint is not None:
+        scores = constraint.mask(scores)  # finite where allowed: the clamp came first
     token = int(next_tokens(scores[None], opts.sampling(), generator)[0])
+    if constraint is not None:
+        constraint.advance(token)
     if opts.logprobs is None:
         return Pick(token)
     logp = torch.log_softmax(logits, dim=-1)

@@ -2,7 +2,9 @@
 imports no web framework, see the import contracts in pyproject.toml), one thread per request.
 
 ``GET /health`` answers the deployment's state: 200 while the batching loop serves, 503 while it restarts after a
-failure or once it is dead. ``POST /v1/generate`` takes the internal protocol's request (``engine.serve.protocol``)
+failure or once it is dead. ``GET /metrics`` is the Prometheus exposition under vLLM's names (``engine.serve.prom``).
+``POST /tokenize`` / ``POST /detokenize`` answer vLLM's shapes with the deployment's tokenizer and template.
+``POST /v1/generate`` takes the internal protocol's request (``engine.serve.protocol``)
 and streams JSON lines as tokens come out of the ``Batcher``. The response body ends with the connection (HTTP/1.0
 framing, no length needed).
 
@@ -30,8 +32,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from engine.serve.batcher import READY, Batcher, LoopDead, QueueFull, Sequence
-from engine.serve.protocol import BadRequest, Detokenizer, adapter_index, parse_options, prompt_ids
+from engine.serve.prom import EngineMetrics, RequestRecord
+from engine.serve.protocol import (
+    BadRequest,
+    Detokenizer,
+    adapter_index,
+    detokenize_ids,
+    parse_options,
+    prompt_ids,
+    structured_grammar,
+    thinking,
+    tokenize_body,
+)
 from engine.serve.sampling import Pick
+from engine.serve.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +73,18 @@ class Deployment:
     max_model_len: int
     vocab_size: int
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)  # LoRA adapter name -> its index
+    grammars: Grammars = dataclasses.field(init=False)  # structured output (its tokenizer built at first use)
+    metrics: EngineMetrics = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        eos = end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, eos)
+        self.metrics = EngineMetrics(self.batcher, self.served_model_name)
+
+    def adapter_name(self, index: int) -> str:
+        """The name a request's adapter index is served as (the base's for 0), the metrics' ``model_name``."""
+        return next((n for n, i in self.adapters.items() if i == index), self.served_model_name)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -86,6 +112,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         dep = self.server.deployment
+        if self.path == "/metrics":
+            return self._raw(200, dep.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
         if self.path != "/health":
             return self._error(404, f"{self.path}: not found", None, "not_found")
         b = dep.batcher
@@ -104,7 +132,32 @@ class _Handler(BaseHTTPRequestHandler):
             },
         )
 
+    def _raw(self, status: int, data: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _tokens(self) -> None:
+        """``/tokenize`` and ``/detokenize`` (vLLM's shapes, see ``engine.serve.protocol``)."""
+        dep = self.server.deployment
+        try:
+            body = self._body()
+            adapter_index(body, dep.served_model_name, dep.adapters)
+            if self.path == "/detokenize":
+                ids = detokenize_ids(body, dep.vocab_size)
+                return self._json(200, {"prompt": dep.tokenizer.decode(ids)})
+            tokenize_body(body)
+            ids = prompt_ids(body, dep.tokenizer, dep.template, dep.vocab_size)
+        except BadRequest as err:
+            kind = "model_not_found" if err.status == 404 else "invalid_request_error"
+            return self._error(err.status, str(err), err.field, kind)
+        self._json(200, {"count": len(ids), "max_model_len": dep.max_model_len, "tokens": ids})
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        if self.path in ("/tokenize", "/detokenize"):
+            return self._tokens()
         if self.path != "/v1/generate":
             return self._error(404, f"{self.path}: not found", None, "not_found")
         try:
@@ -172,10 +225,12 @@ class _Handler(BaseHTTPRequestHandler):
                 f"{dep.max_model_len}",
                 field="max_tokens",
             )
+        grammar, think = structured_grammar(body), thinking(body)
         events: Any = None
         seqs = []
         for i in range(opts.n):
             seq = Sequence(prompt, opts, opts.max_tokens or room, index=i, adapter=adapter)
+            seq.constraint = dep.grammars.constraint(grammar, think) if grammar is not None else None
             events = events or seq.events
             seq.events = events  # one queue for the request: this thread reads every choice from it
             seqs.append(seq)
@@ -216,8 +271,10 @@ class _Handler(BaseHTTPRequestHandler):
                     self._line({"type": "keepalive"})
 
     def _stream(self, seqs: list[Sequence], prompt_tokens: int) -> None:
-        tok = self.server.deployment.tokenizer
+        dep = self.server.deployment
+        tok = dep.tokenizer
         self._prompt_tokens = prompt_tokens
+        record = RequestRecord(dep.metrics, dep.adapter_name(seqs[0].adapter), seqs[0].submitted)
         detoks = [Detokenizer(tok, s.opts.stop) for s in seqs]
         open_choices, completion = set(range(len(seqs))), 0
         events = self._events(seqs)
@@ -233,9 +290,11 @@ class _Handler(BaseHTTPRequestHandler):
                 if rest:
                     self._line({"type": "token", "index": index, "token_id": None, "text": rest})
                 self._finish(index, seq.finish_reason or "abort", len(seq.output))
+                record.finish(seq.finish_reason or "abort")
                 completion += len(seq.output)
                 open_choices.discard(index)
                 continue
+            record.token(index)
             line: dict[str, Any] = {
                 "type": "token",
                 "index": index,
@@ -252,9 +311,11 @@ class _Handler(BaseHTTPRequestHandler):
             if detok.stopped:
                 seq.cancel()
                 self._finish(index, "stop", len(detok.ids))
+                record.finish("stop")
                 completion += len(detok.ids)
                 open_choices.discard(index)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+        record.done(prompt_tokens, completion)
         self._line({"type": "done", "usage": {**usage, "total_tokens": prompt_tokens + completion}})
 
     def _finish(self, index: int, reason: str, tokens: int) -> None:
