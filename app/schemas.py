@@ -143,6 +143,7 @@ class MetricPointPublic(_FromRow):
     value: float | None = Field(description="null when the value was NaN or infinite")
     rank: int | None = Field(description="null for a job-wide value, else the rank it was measured on")
     time: datetime
+    attempt: int | None = Field(None, description="the attempt that measured it (null before the first started)")
 
 
 class MetricsPage(BaseModel):

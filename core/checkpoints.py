@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from core.auth import Principal, load_visible
 from core.errors import ApiError
 from core.models import Job, MetricPoint
+from core.records import redone
 from core.stored_spec import stored_spec
 from engine.contract import inspect
 
@@ -93,6 +94,7 @@ def list_checkpoints(session: Session, job: Job) -> list[dict[str, Any]]:
         MetricPoint.step.in_(iterations),
         MetricPoint.name.in_(STEP_METRICS),
         MetricPoint.rank.is_(None),
+        ~redone(MetricPoint),  # a step a retry did again: the latest attempt's value
     )
     metrics: dict[int, dict[str, float | None]] = {}
     for step, name, value in session.execute(query).all() if iterations else []:

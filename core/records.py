@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select
+from sqlalchemy.orm import Session, aliased
 
-from core.models import Artifact, Event, Job, LogLine, MetricPoint
+from core.models import Artifact, Attempt, Event, Job, LogLine, MetricPoint
 from core.pages import fetch_page
 
 
@@ -34,7 +35,7 @@ def metrics_page(
     """Points in (step, id) order. With ``after`` = the (step, id) of the previous page's last point, the next page
     starts right after it: no row is skipped or repeated whatever the limit. Without it, points of steps after
     ``since_step``, a page never ending inside a step unless one step fills it (kept for older clients)."""
-    query = select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step > since_step)
+    query = select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step > since_step, ~redone(MetricPoint))
     if after is not None:
         step, point_id = after
         query = query.where(or_(MetricPoint.step > step, and_(MetricPoint.step == step, MetricPoint.id > point_id)))
@@ -44,6 +45,34 @@ def metrics_page(
     if after is None and has_more and rows[0].step != rows[-1].step:
         rows = [r for r in rows if r.step != rows[-1].step]
     return rows, has_more
+
+
+def redone(point: type[MetricPoint]) -> ColumnElement[bool]:
+    """A point a later one of the same step, name and rank replaces: a step a retry did again (a resumed run
+    restarts from its last checkpoint) shows once, as its latest attempt measured it. Device telemetry (``sys_*``)
+    samples one step many times and is kept."""
+    newer = aliased(MetricPoint)
+    return and_(
+        ~point.name.startswith("sys_"),
+        exists().where(
+            newer.job_id == point.job_id,
+            newer.step == point.step,
+            newer.name == point.name,
+            or_(newer.rank == point.rank, and_(newer.rank.is_(None), point.rank.is_(None))),
+            newer.id > point.id,
+        ),
+    )
+
+
+def point_attempts(session: Session, job_id: str, points: list[MetricPoint]) -> list[int | None]:
+    """The attempt each point was measured in: the last attempt started at or before it (None before any)."""
+    starts = list(
+        session.execute(
+            select(Attempt.started_at, Attempt.number).where(Attempt.job_id == job_id).order_by(Attempt.started_at)
+        ).tuples()
+    )
+    times = [when for when, _ in starts]
+    return [starts[i - 1][1] if (i := bisect.bisect_right(times, p.time)) else None for p in points]
 
 
 def logs_page(

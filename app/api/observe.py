@@ -60,14 +60,19 @@ def list_metrics(
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     after: Annotated[str | None, Query(max_length=50, description="next_cursor of the previous page")] = None,
 ) -> MetricsPage:
-    """Metric points by step (job-wide values have rank null, per-rank values carry their rank). Page with
+    """Metric points by step (job-wide values have rank null, per-rank values carry their rank), each with the
+    attempt that measured it; a step a retry did again appears once, as its latest attempt measured it. Page with
     ``after=<next_cursor>``: no point is skipped or repeated, whatever the limit."""
     get_visible_job(session, job_id, principal)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     rows, has_more = records.metrics_page(
         session, job_id, since_step=since_step, names=wanted, limit=limit, after=_metric_cursor(after)
     )
-    data = [MetricPointPublic.model_validate(r) for r in rows]
+    attempts = records.point_attempts(session, job_id, rows)
+    data = [
+        MetricPointPublic.model_validate(r).model_copy(update={"attempt": a})
+        for r, a in zip(rows, attempts, strict=True)
+    ]
     cursor = f"{rows[-1].step}:{rows[-1].id}" if rows else after
     return MetricsPage(
         data=data, has_more=has_more, next_since_step=data[-1].step if data else None, next_cursor=cursor

@@ -78,11 +78,12 @@ def test_a_lora_runs_checkpoints_are_usable_everywhere(settings: Settings) -> No
         listed = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
         answers = {
             "adapter_ref": api.post("/v1/jobs", json={**serve, "lora_adapters": {"x": listed[1]["reference"]}}),
+            # each deployment answers to its own names (a live one's are refused)
             "adapter_readme_ref": api.post(
-                "/v1/jobs", json={**serve, "lora_adapters": {"x": {"job": job_id, "iteration": 20}}}
+                "/v1/jobs", json={**serve, "lora_adapters": {"x2": {"job": job_id, "iteration": 20}}}
             ),
-            "adapter_path": api.post("/v1/jobs", json={**serve, "lora_adapters": {"x": "lora-run"}}),
-            "adapter_full": api.post("/v1/jobs", json={**serve, "lora_adapters": {"x": "full-run"}}),
+            "adapter_path": api.post("/v1/jobs", json={**serve, "lora_adapters": {"x3": "lora-run"}}),
+            "adapter_full": api.post("/v1/jobs", json={**serve, "lora_adapters": {"x4": "full-run"}}),
             "eval_ref": api.post("/v1/jobs", json={**evaluate, "load": listed[1]["reference"]}),
             "eval_path": api.post("/v1/jobs", json={**evaluate, "load": "lora-run"}),
             "serve_path": api.post("/v1/jobs", json={**serve, "load": "lora-run"}),
@@ -98,7 +99,7 @@ def test_a_lora_runs_checkpoints_are_usable_everywhere(settings: Settings) -> No
     stored = answers["eval_ref"].json()["spec"]
     assert (stored["load"], stored["lora_load"]) == (str(area / "base"), str(save))
     full = answers["adapter_full"].json()
-    assert (answers["adapter_full"].status_code, full["field"]) == (422, "lora_adapters.x")
+    assert (answers["adapter_full"].status_code, full["field"]) == (422, "lora_adapters.x4")
     assert "full weights, not LoRA adapters" in full["message"]
     for name in ("eval_path", "serve_path"):
         body = answers[name].json()

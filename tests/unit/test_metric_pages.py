@@ -67,10 +67,39 @@ def test_cursor_pages_return_every_point_once(
     ]
     _store(settings, job_id, rows)  # inserted out of step order, as ingestion of several ranks does
     wanted = set(names.split(",")) if names else None
-    expected = sorted((r["step"], r["value"]) for r in rows if wanted is None or r["name"] in wanted)
+    latest = {(r["step"], r["name"], r["rank"]): r for r in rows}  # a point logged again replaces the earlier one
+    expected = sorted((r["step"], r["value"]) for r in latest.values() if wanted is None or r["name"] in wanted)
     got = _pages(client, token, job_id, limit, **({"names": names} if names else {}))
     assert sorted((p["step"], p["value"]) for p in got) == expected
     assert [p["step"] for p in got] == sorted(p["step"] for p in got)
+
+
+def test_a_redone_step_appears_once_with_its_attempt(client: TestClient, token: str, settings: Settings) -> None:
+    """A retry that resumes from an earlier checkpoint logs steps again: each shows once, as the latest attempt
+    measured it, and every point says which attempt that was; device telemetry keeps every sample."""
+    from datetime import datetime, timedelta, timezone
+
+    from core.models import Attempt
+
+    job_id = make_job(settings, team="alpha")
+    t0 = datetime.now(timezone.utc) - timedelta(minutes=10)
+    at = [t0 + timedelta(seconds=s) for s in range(10)]
+    with session_scope(settings.database_url) as session:
+        session.execute(insert(Attempt), [{"job_id": job_id, "number": 1, "started_at": at[0]}])
+        session.execute(insert(Attempt), [{"job_id": job_id, "number": 2, "started_at": at[5]}])
+        session.commit()
+    point = {"job_id": job_id, "name": "lm_loss", "rank": None}
+    _store(
+        settings,
+        job_id,
+        [{**point, "step": s, "value": 1.0, "time": at[s]} for s in (1, 2, 3)]  # attempt 1, then lost
+        + [{**point, "name": "sys_util_pct", "rank": 0, "step": 3, "value": v, "time": at[3]} for v in (5.0, 6.0)]
+        + [{**point, "step": s, "value": 2.0, "time": at[4 + s]} for s in (2, 3, 4)],  # attempt 2 resumed at 1
+    )
+    got = _pages(client, token, job_id, 100)
+    loss = [(p["step"], p["value"], p["attempt"]) for p in got if p["name"] == "lm_loss"]
+    assert loss == [(1, 1.0, 1), (2, 2.0, 2), (3, 2.0, 2), (4, 2.0, 2)]
+    assert [p["value"] for p in got if p["name"] == "sys_util_pct"] == [5.0, 6.0]
 
 
 def test_one_step_larger_than_the_limit_is_not_cut(client: TestClient, token: str, settings: Settings) -> None:
