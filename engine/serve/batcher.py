@@ -75,6 +75,7 @@ class Sequence:
     generator: torch.Generator | None = None
     slot: int | None = None
     prefilled: int = 0
+    cached: int = 0  # prompt tokens found in the prefix cache (not computed)
     output: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why it ended with finish_reason "error" (safe to show the client)
@@ -254,7 +255,7 @@ class Batcher:
                     self.cache.adapter[seq.slot] = seq.adapter
                     if src is not None:
                         self.cache.copy_prefix(src, seq.slot, hit)
-                seq.prefilled = hit
+                seq.prefilled = seq.cached = hit
                 self.stats["prefix_cache_queries"] += len(seq.prompt)
                 self.stats["prefix_cache_hits"] += hit
                 self.running.append(seq)

@@ -48,7 +48,7 @@ class SlotCache(KVCache):
         self.content: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose keys/values the slot holds
         self.adapter = [0] * num_slots  # the LoRA adapter the slot's keys/values went through
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]  # chained hash of each full block
-        self._index: dict[int, int] = {}  # block chain hash -> a slot holding that prefix
+        self._index: dict[int, set[int]] = {}  # block chain hash -> the slots holding that prefix
 
     def acquire(self, slot: int | None = None, keep: int = 0) -> int | None:
         """A free slot (``slot`` itself when given), holding its first ``keep`` positions (a cached prefix) and
@@ -76,10 +76,10 @@ class SlotCache(KVCache):
         chain = adapter
         for end in range(BLOCK, len(prompt), BLOCK):  # end < len(prompt): one token is always left
             chain = hash((chain, tuple(prompt[end - BLOCK : end])))
-            slot = self._index.get(chain)
-            if slot is None:
+            holders = self._index.get(chain)
+            if not holders:
                 break
-            found = (slot, end)
+            found = (min(holders), end)
         slot, n = found
         if slot is not None and (self.adapter[slot] != adapter or self.content[slot][:n] != prompt[:n]):
             return None, 0  # a hash collision or a stale entry: never reuse keys of other tokens
@@ -99,8 +99,10 @@ class SlotCache(KVCache):
         """The slot keeps its first ``keep`` positions (a multiple of BLOCK) and forgets the rest."""
         blocks = keep // BLOCK
         for chain in self._hashes[slot][blocks:]:
-            if self._index.get(chain) == slot:
-                del self._index[chain]
+            holders = self._index.get(chain, set())
+            holders.discard(slot)
+            if not holders:
+                self._index.pop(chain, None)
         del self._hashes[slot][blocks:]
         del self.content[slot][keep:]
         self.lengths[slot] = keep
@@ -114,7 +116,7 @@ class SlotCache(KVCache):
             start = len(hashes) * BLOCK
             chain = hash((hashes[-1] if hashes else self.adapter[slot], tuple(content[start : start + BLOCK])))
             hashes.append(chain)
-            self._index[chain] = slot
+            self._index.setdefault(chain, set()).add(slot)
 
     @staticmethod
     def _blocks(tokens: list[int]) -> list[list[int]]:
