@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -15,7 +15,17 @@ from app import openai_method
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.input_guard import check_metadata
 from app.schemas import JobDeleted, JobPublic, ListPage, PipelineStepPublic
-from core import admission, checkpoints, deployments, job_delete, paths, pipelines, records, team_limits
+from core import (
+    admission,
+    checkpoints,
+    deployments,
+    effective_spec,
+    job_delete,
+    paths,
+    pipelines,
+    records,
+    team_limits,
+)
 from core import jobs as service
 from core.errors import ApiError
 from core.pubsub import notify
@@ -171,6 +181,28 @@ def list_jobs(
 def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobPublic:
     """One job, with its state, error and result; a pipeline also lists its steps and their jobs."""
     return _public(session, service.get_visible_job(session, job_id, principal))
+
+
+class EffectiveField(BaseModel):
+    field: str
+    value: Any = Field(description="null when unset, or when the checkpoint that decides it was not read yet")
+    source: effective_spec.Source = Field(
+        description="set (by the submitted spec), checkpoint (read from the one it loads), checkpoint-unread, engine "
+        "(what this engine builds: Qwen3), default (the spec model's), unset"
+    )
+    description: str
+
+
+class EffectiveSpec(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EffectiveField]
+
+
+@router.get("/{job_id}/effective-spec", response_model=EffectiveSpec, responses=ERRORS)
+def get_effective_spec(job_id: str, session: SessionDep, principal: PrincipalDep) -> EffectiveSpec:
+    """Every field of the job's kind with the value it runs with and where that comes from (the Spec tab)."""
+    job = service.get_visible_job(session, job_id, principal)
+    return EffectiveSpec(data=[EffectiveField(**row) for row in effective_spec.effective_fields(job)])
 
 
 def with_progress(session: Session, jobs: list[JobPublic]) -> list[JobPublic]:

@@ -14,11 +14,14 @@ import os
 import pickletools
 import re
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.contract.runfiles import BadInput
+
+if TYPE_CHECKING:
+    from engine.contract.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +192,49 @@ def _pickle_strings(rank_file: Path) -> Iterator[str]:
     for _, arg, _ in pickletools.genops(io.BytesIO(data)):
         if isinstance(arg, str):
             yield arg
+
+
+# ---------------------------------------------------------------- the spec flags a checkpoint sets
+
+# spec flag -> (ModelConfig field, how the flag's value maps onto it)
+SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "num_layers": ("num_layers", int),
+    "hidden_size": ("hidden_size", int),
+    "ffn_hidden_size": ("ffn_hidden_size", int),
+    "num_attention_heads": ("num_attention_heads", int),
+    "kv_channels": ("kv_channels", int),
+    "padded_vocab_size": ("vocab_size", int),
+    "norm_epsilon": ("norm_epsilon", float),
+    "rotary_base": ("rotary_base", float),
+    "untie_embeddings_and_output_weights": ("tie_word_embeddings", lambda untie: not untie),
+    "num_experts": ("num_experts", int),
+    "moe_router_topk": ("moe_router_topk", int),
+    "moe_ffn_hidden_size": ("expert_ffn_hidden_size", int),
+    "moe_intermediate_size": ("expert_ffn_hidden_size", int),
+}
+# What this engine builds whatever the flags' Megatron defaults say (it runs Qwen3: RMSNorm, RoPE, SwiGLU, QK norm,
+# no linear biases); ``engine.train.model_setup.check_model_kind`` refuses an explicit flag asking for another.
+QWEN3_FLAGS: dict[str, Any] = {
+    "normalization": "RMSNorm",
+    "position_embedding_type": "rope",
+    "use_rotary_position_embeddings": True,
+    "swiglu": True,
+    "qk_layernorm": True,
+    "disable_bias_linear": True,
+}
+
+
+def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
+    """The spec's flags as the checkpoint's shape sets them (the inverse of ``SHAPE_FLAGS``, GQA and MoE too), for
+    the fields ``spec`` (a spec or its class) has. A run records them (a ``config`` event) and the API's effective
+    spec shows them, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
+    moe_only = {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_intermediate_size"}
+    flags: dict[str, Any] = {
+        flag: getattr(cfg, field) for flag, (field, _) in SHAPE_FLAGS.items() if cfg.is_moe or flag not in moe_only
+    }  # a dense checkpoint sets no MoE flag
+    flags["untie_embeddings_and_output_weights"] = not cfg.tie_word_embeddings
+    flags["group_query_attention"] = cfg.num_query_groups != cfg.num_attention_heads
+    flags["num_query_groups"] = cfg.num_query_groups
+    flags["max_position_embeddings"] = cfg.max_position_embeddings
+    fields = (spec if isinstance(spec, type) else type(spec)).model_fields
+    return {flag: value for flag, value in flags.items() if flag in fields}

@@ -33,6 +33,7 @@ from engine.checkpoint import dcp
 from engine.checkpoint.sources import SeededInit, WeightSource
 from engine.contract import owner
 from engine.contract.guard import check_output
+from engine.contract.inspect import checkpoint_flags
 from engine.contract.layout import LayoutError
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
@@ -51,7 +52,6 @@ from engine.train.model_setup import (
     build_rank_model,
     check_against_checkpoint,
     check_model_kind,
-    checkpoint_flags,
     config_from_flags,
     open_load,
     rank_view,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -23,28 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
 from engine.contract import rope_scaling
+from engine.contract.inspect import SHAPE_FLAGS
 from engine.contract.model_config import ModelConfig, moe_fields_from_flags
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import ModelSpec, TrainSpec
 
 Format = Literal["native", "hf", "mcore"]
 
-# spec flag -> (ModelConfig field, how the flag's value maps onto it)
-_SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "num_layers": ("num_layers", int),
-    "hidden_size": ("hidden_size", int),
-    "ffn_hidden_size": ("ffn_hidden_size", int),
-    "num_attention_heads": ("num_attention_heads", int),
-    "kv_channels": ("kv_channels", int),
-    "padded_vocab_size": ("vocab_size", int),
-    "norm_epsilon": ("norm_epsilon", float),
-    "rotary_base": ("rotary_base", float),
-    "untie_embeddings_and_output_weights": ("tie_word_embeddings", lambda untie: not untie),
-    "num_experts": ("num_experts", int),
-    "moe_router_topk": ("moe_router_topk", int),
-    "moe_ffn_hidden_size": ("expert_ffn_hidden_size", int),
-    "moe_intermediate_size": ("expert_ffn_hidden_size", int),
-}
+_SHAPE_FLAGS = SHAPE_FLAGS  # spec flag -> (ModelConfig field, how the flag's value maps onto it)
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -168,22 +153,6 @@ def check_against_checkpoint(spec: ModelSpec, cfg: ModelConfig, source: str) -> 
                 "drop the flag to take the checkpoint's value, or load a matching checkpoint",
                 flag,
             )
-
-
-def checkpoint_flags(cfg: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
-    """The spec's flags as the checkpoint's shape sets them (the inverse of ``_SHAPE_FLAGS``, GQA and MoE too), for
-    the fields ``spec`` has. The run records them (a ``config`` event) so the Spec tab shows the values taken from
-    the checkpoint, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
-    moe_only = {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_intermediate_size"}
-    flags: dict[str, Any] = {
-        flag: getattr(cfg, field) for flag, (field, _) in _SHAPE_FLAGS.items() if cfg.is_moe or flag not in moe_only
-    }  # a dense checkpoint sets no MoE flag
-    flags["untie_embeddings_and_output_weights"] = not cfg.tie_word_embeddings
-    flags["group_query_attention"] = cfg.num_query_groups != cfg.num_attention_heads
-    flags["num_query_groups"] = cfg.num_query_groups
-    flags["max_position_embeddings"] = cfg.max_position_embeddings
-    fields = type(spec).model_fields
-    return {flag: value for flag, value in flags.items() if flag in fields}
 
 
 def check_model_kind(spec: ModelSpec) -> None:

@@ -30,7 +30,22 @@ export function effectiveRows(schema, spec, recorded = null) {
 }
 
 const SOURCE_TEXT = {set: "set by you", checkpoint: "from the checkpoint", default: "default",
-  "checkpoint-unread": "from the checkpoint (read when the job starts)", unset: "not set"};
+  "checkpoint-unread": "from the checkpoint (read when the job starts)", engine: "what the engine builds (Qwen3)",
+  unset: "not set"};
+
+/** The API's effective spec (GET /v1/jobs/{id}/effective-spec: the spec model's defaults, the checkpoint's values
+ * read at the request, the engine's fixed Qwen3 choices), with what the run recorded from its checkpoint on top; null
+ * when the API does not answer (the rows then come from the schema). */
+async function serverRows(job, recorded) {
+  let rows;
+  try {
+    rows = (await api(`/v1/jobs/${encodeURIComponent(job.id)}/effective-spec`)).data;
+  } catch {
+    return null;
+  }
+  return rows.map((r) => r.source !== "set" && recorded && r.field in recorded
+    ? {...r, value: recorded[r.field], source: "checkpoint"} : r);
+}
 
 /** {values, from} of the run's last `config` event from its checkpoint, or null (no load, not started yet). */
 async function recordedConfig(job) {
@@ -51,22 +66,24 @@ export async function renderSpec(el, job, actions) {
     schema = schemaFor(await schemasOnce, job.kind);
   } catch { /* shown below as the raw spec only */ }
   const recorded = await recordedConfig(job);
+  const fromServer = await serverRows(job, recorded?.values);
   const onlySet = h("input", {type: "checkbox", id: "spec-only-set"});
   const table = h("table", {class: "summary-table spec-effective", id: "spec-effective"});
   const draw = () => {
-    const rows = schema ? effectiveRows(schema, job.spec, recorded?.values).filter((r) => !onlySet.checked || r.source === "set") : [];
+    const all = fromServer || (schema ? effectiveRows(schema, job.spec, recorded?.values) : []);
+    const rows = all.filter((r) => !onlySet.checked || r.source === "set");
     fill(table, h("caption", {}, "Effective configuration"),
       h("thead", {}, h("tr", {}, ["Field", "Value", "Source"].map((t) => h("th", {scope: "col"}, t)))),
       h("tbody", {}, rows.map((r) => h("tr", {dataset: {field: r.field, source: r.source}, class: `source-${r.source}`},
         h("th", {scope: "row", class: "mono", title: r.description}, r.field),
         h("td", {class: "mono small"}, r.value === null ? "—" : typeof r.value === "string" ? r.value : JSON.stringify(r.value)),
-        h("td", {class: "small", title: r.source === "checkpoint" ? recorded.from : ""}, SOURCE_TEXT[r.source])))));
+        h("td", {class: "small", title: r.source === "checkpoint" && recorded ? recorded.from : ""}, SOURCE_TEXT[r.source])))));
   };
   onlySet.addEventListener("change", draw);
   draw();
   fill(el, h("div", {class: "toolbar"}, actions, h("label", {class: "inline", for: "spec-only-set"}, onlySet, " only what was set"),
     h("span", {class: "muted small"}, "Bold rows were set in the submitted spec, ", h("span", {class: "from-checkpoint"}, "marked rows"),
       recorded ? ` were read from the checkpoint ${recorded.from}` : " come from the checkpoint", "; the rest are defaults.")),
-  schema ? table : null,
+  schema || fromServer ? table : null,
   h("details", {}, h("summary", {}, "Submitted spec (JSON)"), h("pre", {class: "json"}, JSON.stringify(job.spec, null, 2))));
 }
