@@ -17,7 +17,8 @@ export function renderChat(root, {query}) {
     thinking: h("input", {id: "chat-thinking", type: "checkbox", checked: query.get("thinking") !== "0"}),
     temperature: h("input", {id: "chat-temperature", type: "number", min: 0, max: 2, step: 0.1, value: query.get("temperature") || "0.7"}),
     topP: h("input", {id: "chat-top-p", type: "number", min: 0.01, max: 1, step: 0.05, value: "1"}),
-    maxTokens: h("input", {id: "chat-max-tokens", type: "number", min: 1, step: 1, value: "512"}),
+    // empty: each deployment generates up to its own max_model_len (prompt included), read from its spec below
+    maxTokens: h("input", {id: "chat-max-tokens", type: "number", min: 1, step: 1, value: "", placeholder: "up to max_model_len"}),
     compare: h("input", {id: "chat-compare", type: "checkbox", checked: picks.length > 1}),
     message: h("textarea", {id: "chat-message", rows: 3, placeholder: "Message (Ctrl+Enter sends)", "aria-label": "Message"}),
   };
@@ -61,7 +62,7 @@ export function renderChat(root, {query}) {
       thinking: controls.thinking.checked,
       temperature: Number(controls.temperature.value),
       top_p: Number(controls.topP.value),
-      max_tokens: Number(controls.maxTokens.value),
+      max_tokens: controls.maxTokens.value ? Number(controls.maxTokens.value) : undefined,
     };
     controls.message.value = "";
     panels.forEach((p) => p.ask(text, options, aborter.signal));
@@ -74,6 +75,7 @@ export function renderChat(root, {query}) {
   (async () => {
     try {
       models = (await api("/v1/models", {signal: aborter.signal})).data || [];
+      await readLimits(models, aborter.signal);
     } catch (err) {
       if (err.name !== "AbortError") fill(status, errorBox(err));
       return;
@@ -85,11 +87,32 @@ export function renderChat(root, {query}) {
   return () => aborter.abort();
 }
 
+/** Each model's ``maxModelLen``, from its deployment's effective spec (GET /v1/jobs/{job_id}/effective-spec); a
+ * deployment whose spec cannot be read keeps none (the engine still answers 400 past its length). */
+async function readLimits(models, signal) {
+  const jobs = [...new Set(models.map((m) => m.job_id).filter(Boolean))];
+  const limits = new Map();
+  await Promise.all(jobs.map(async (id) => {
+    try {
+      const rows = (await api(`/v1/jobs/${encodeURIComponent(id)}/effective-spec`, {signal})).data;
+      const row = rows.find((r) => r.field === "max_model_len");
+      if (row && typeof row.value === "number") limits.set(id, row.value);
+    } catch { /* left without a limit */ }
+  }));
+  for (const m of models) m.maxModelLen = limits.get(m.job_id) ?? null;
+}
+
+/** ``max_tokens`` for ``model``: the one asked for, never above the model's max_model_len. */
+export function maxTokensFor(model, asked) {
+  if (asked === undefined || !model?.maxModelLen) return asked;
+  return Math.min(asked, model.maxModelLen);
+}
+
 /** One model's conversation: its picker, its turns, and the request that streams its next answer. */
 function makePanel(index, picked, models, onPick) {
   const select = h("select", {class: "chat-model", dataset: {panel: String(index)}, onchange: onPick, "aria-label": `Model ${index + 1}`},
     models.map((m) => h("option", {value: m.id, selected: m.id === picked},
-      m.parent ? `${m.id} (adapter of ${m.parent})` : m.id)));
+      (m.parent ? `${m.id} (adapter of ${m.parent})` : m.id) + (m.maxModelLen ? ` · ${m.maxModelLen} tokens` : ""))));
   const log = h("div", {class: "chat-log", dataset: {panel: String(index)}});
   const note = h("div", {class: "muted small chat-note"});
   const history = [];
@@ -109,7 +132,9 @@ function makePanel(index, picked, models, onPick) {
       const started = performance.now();
       let first = null;
       try {
-        const answer = await stream(select.value, turn, options, signal, (a) => {
+        const model = models.find((m) => m.id === select.value);
+        const limited = {...options, max_tokens: maxTokensFor(model, options.max_tokens)};
+        const answer = await stream(select.value, turn, limited, signal, (a) => {
           if (first === null && (a.content || a.reasoning)) first = performance.now() - started;
           details.hidden = !a.reasoning;
           thought.textContent = a.reasoning;
