@@ -90,6 +90,9 @@ def end_attempt(
             )
             outcome = "retrying"
         else:
+            if retryable:  # the last of its retries: say so, not "retrying"
+                cause = message.removesuffix("; retrying")
+                message = f"gave up after {counted} of {job.max_restarts + 1} attempts: {cause}"
             ok = transition(
                 session,
                 job_id,
