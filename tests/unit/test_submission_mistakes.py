@@ -44,6 +44,23 @@ def _team_files(data: Path) -> None:
     (data / "llama" / "model.safetensors").write_bytes(b"")
     (data / "empty").mkdir()
     write_finished_run(data / "runs" / "old", "job-old", 20)
+    _full_and_adapters(data)
+
+
+def _full_and_adapters(data: Path) -> None:
+    """``full``: an HF model whose safetensors hold base weights; ``lora-save``: a LoRA run's final export (adapter
+    tensors only, Megatron layout), as engine.contract.inspect reads them."""
+    import torch
+
+    (data / "full").mkdir()
+    (data / "full" / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (data / "full" / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    rank = data / "lora-save" / "iter_0000020" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    torch.save({"model": {f"{qkv}.lora_{ab}.weight": torch.zeros(2, 2) for ab in "AB"}}, rank / "model_optim_rng.pt")
+    (data / "lora-save" / "latest_checkpointed_iteration.txt").write_text("20")
 
 
 def write_finished_run(save: Path, job_id: str, iteration: int) -> None:
@@ -67,6 +84,7 @@ def train(**extra: Any) -> dict[str, Any]:
 YARN = {"rope_scaling_type": "yarn", "rope_scaling_factor": 4.0, "rope_scaling_original_max_position_embeddings": 2048}
 PREPROCESS = {"kind": "preprocess", "input": "in.jsonl", "tokenizer_name_or_path": "tok", "output_prefix": "o/x"}
 EVAL = {"kind": "eval", "load": "hf", "eval_data_path": "in.jsonl", "tokenizer_name_or_path": "tok"}
+SERVE = {"kind": "serve", "load": "hf", "tokenizer_name_or_path": "tok"}
 CONVERT = {"kind": "convert", "load_model_type": "hf", "save_model_type": "mg", "load_dir": "hf", "save_dir": "o"}
 
 
@@ -307,6 +325,31 @@ MISTAKES: list[tuple[str, dict[str, Any], str, str]] = [
         "data_path",
         "is_pairwise_dataset: no",
     ),
+    (
+        "serve max_model_len over the positions",
+        {**SERVE, "max_model_len": 8192},
+        "max_model_len",
+        "model's 2048 positions",
+    ),
+    ("serve micro_batch_size", {**SERVE, "micro_batch_size": 8}, "micro_batch_size", "did you mean 'max_num_seqs'"),
+    ("serve max_batch_size", {**SERVE, "max_batch_size": 8}, "max_batch_size", "did you mean 'max_num_seqs'"),
+    ("serve seq_length", {**SERVE, "seq_length": 4096}, "seq_length", "did you mean 'max_model_len'"),
+    ("serve hidden_dropout", {**SERVE, "hidden_dropout": 0.1}, "hidden_dropout", "a training field"),
+    (
+        "serve adapter holding full weights",
+        {**SERVE, "lora_adapters": {"tuned": "full"}},
+        "lora_adapters.tuned",
+        "holds full weights, not LoRA adapters",
+    ),
+    (
+        "serve adapter that does not exist",
+        {**SERVE, "lora_adapters": {"tuned": "nope"}},
+        "lora_adapters.tuned",
+        "does not exist",
+    ),
+    ("serve load of adapters alone", {**SERVE, "load": "lora-save"}, "load", "give the base model in load"),
+    ("eval load of adapters alone", {**EVAL, "load": "lora-save"}, "load", "this checkpoint in lora_load"),
+    ("eval lora_load holding full weights", {**EVAL, "lora_load": "full"}, "lora_load", "holds full weights"),
 ]
 
 
