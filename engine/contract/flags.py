@@ -59,7 +59,12 @@ IGNORED_FLAGS: dict[str, int | str] = {
 }
 # MindSpeed-LLM's ``--stage simpo`` flags, with its defaults: here SimPO is stage dpo with dpo_loss_type simpo, its
 # beta is dpo_beta and its margin simpo_gamma = gamma_beta_ratio × beta (MindSpeed subtracts the ratio before scaling).
-SIMPO_FLAGS = {"simpo-beta": 2.5, "gamma-beta-ratio": 1.4, "simpo-loss-type": "sigmoid", "simpo-label-smoothing": 0.0}
+SIMPO_FLAGS: dict[str, float | str] = {
+    "simpo-beta": 2.5,
+    "gamma-beta-ratio": 1.4,
+    "simpo-loss-type": "sigmoid",
+    "simpo-label-smoothing": 0.0,
+}
 # Fields that only exist in the JSON spec, never as flags (nested objects).
 _NOT_FLAGS = {"resources", "metadata", "kind", "steps"}
 
@@ -175,7 +180,9 @@ def _simpo_stage(parser: argparse.ArgumentParser, ns: argparse.Namespace, data: 
     if value["simpo-loss-type"] != "sigmoid":
         parser.error(f"--simpo-loss-type: only sigmoid is supported, not {value['simpo-loss-type']!r}")
     try:
-        beta, ratio, smoothing = (float(value[f]) for f in ("simpo-beta", "gamma-beta-ratio", "simpo-label-smoothing"))
+        beta, ratio, smoothing = (
+            float(str(value[f])) for f in ("simpo-beta", "gamma-beta-ratio", "simpo-label-smoothing")
+        )
     except ValueError as err:
         parser.error(f"--simpo-beta/--gamma-beta-ratio/--simpo-label-smoothing: {err}")
     if smoothing:

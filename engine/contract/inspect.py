@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from engine.contract.runfiles import BadInput
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from engine.contract.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -224,7 +226,7 @@ QWEN3_FLAGS: dict[str, Any] = {
 }
 
 
-def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
+def checkpoint_flags(cfg: ModelConfig, spec: BaseModel | type[BaseModel]) -> dict[str, Any]:
     """The spec's flags as the checkpoint's shape sets them (the inverse of ``SHAPE_FLAGS``, GQA and MoE too), for
     the fields ``spec`` (a spec or its class) has. A run records them (a ``config`` event) and the API's effective
     spec shows them, where the schema's defaults (rotary_base 10000, ...) would otherwise be shown."""
@@ -236,5 +238,6 @@ def checkpoint_flags(cfg: ModelConfig, spec: Any) -> dict[str, Any]:
     flags["group_query_attention"] = cfg.num_query_groups != cfg.num_attention_heads
     flags["num_query_groups"] = cfg.num_query_groups
     flags["max_position_embeddings"] = cfg.max_position_embeddings
-    fields = (spec if isinstance(spec, type) else type(spec)).model_fields
+    cls = spec if isinstance(spec, type) else type(spec)
+    fields = cls.model_fields
     return {flag: value for flag, value in flags.items() if flag in fields}
