@@ -96,6 +96,26 @@ class EngineProxy:
         self._down_until.pop(dep.url, None)
         return EngineStream(self, dep, response)
 
+    async def call(
+        self, dep: Deployment, method: str, path: str, payload: dict[str, Any] | None = None
+    ) -> httpx.Response:
+        """One short exchange with the deployment's engine (``/tokenize``, ``/metrics``): its answer when it says 200,
+        else the OpenAIError to answer; a silent or refusing engine is marked as ``open`` marks it."""
+        assert dep.url is not None, "only a ready deployment is asked"
+        if not self.healthy(dep.url):
+            raise self.not_answering(dep)
+        try:
+            response = await self.client(dep.url).request(method, f"{dep.url}{path}", json=payload)
+        except (httpx.TimeoutException, httpx.NetworkError) as err:
+            log.warning("deployment %s at %s: %r; marked unhealthy", dep.name, dep.url, err)
+            self.mark_down(dep.url)
+            raise self.not_answering(dep) from err
+        except httpx.HTTPError as err:
+            raise OpenAIError(502, f"deployment {dep.name!r}: {err}", None, "engine_error") from err
+        if response.status_code != 200:
+            raise engine_error(response, response.content)
+        return response
+
     async def _prune(self) -> None:
         if time.monotonic() - self._pruned_at < self.prune_s:
             return

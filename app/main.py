@@ -111,6 +111,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         downloads.router,
         files.router,
         openai_compat.router,
+        openai_compat.root_router,
     ):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -3,8 +3,14 @@ chat / text completion objects and stream chunks, and OpenAI's error shape.
 
 Thinking: a Qwen3 answer that opens with ``<think>`` has its thought, up to ``</think>``, returned as
 ``reasoning_content`` and the rest as ``content`` (vLLM's ``qwen3`` reasoning parser convention); an answer without
-the opening tag (``enable_thinking: false``) is all content. Tool calls: with ``tools`` in the request, each
-``<tool_call>{"name", "arguments"}</tool_call>`` block of the content becomes an entry of ``tool_calls``.
+the opening tag (``enable_thinking: false``) is all content, less any stray ``</think>`` (a template that opened the
+thought in the prompt): that tag never reaches ``content``. Tool calls: ``app.openai_tools``.
+
+Structured output: ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}``; ``text`` is free) or vLLM's ``structured_outputs`` extra body field
+(one of ``choice``, ``regex``, ``json``) becomes the engine's ``structured`` grammar, enforced while decoding whatever
+``strict`` says; a missing schema is a 400 naming ``response_format``, a schema the engine cannot compile a 400
+naming the field it came from.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.openai_tools import ToolError, call_grammar, check_tools, chosen, split_tool_calls
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+__all__ = ["split_tool_calls"]  # re-exported: the whole-answer parser lives with the streaming one
 # Fields passed to the engine as they are (``engine.serve.sampling.RequestOptions``); OpenAI's defaults apply when
 # absent (temperature 1, top_p 1).
 SAMPLING_FIELDS = (
@@ -45,8 +53,14 @@ CHAT_FIELDS = {
     "tools",
     "tool_choice",
     "user",
+    "response_format",
+    "structured_outputs",
 }
-COMPLETION_FIELDS = {*SAMPLING_FIELDS, "model", "prompt", "stream", "stream_options", "max_tokens", "logprobs", "user"}
+COMPLETION_FIELDS = {
+    *SAMPLING_FIELDS,
+    *("model", "prompt", "stream", "stream_options", "max_tokens", "logprobs", "user"),
+    *("response_format", "structured_outputs"),
+}
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error"}
@@ -94,6 +108,8 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "messages": _LIST,
     "tools": _LIST,
     "chat_template_kwargs": _OBJECT,
+    "response_format": _OBJECT,
+    "structured_outputs": _OBJECT,
     "tool_choice": ((lambda v: isinstance(v, (str, dict))), "a string or an object"),
     "stream": _BOOL,
     "stream_options": (_is_stream_options, 'an object such as {"include_usage": true}'),
@@ -124,6 +140,63 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
 
 
+def _bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", param, "invalid_value")
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind != "json_schema":
+        raise _bad("response_format", "type must be text, json_object or json_schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise _bad("response_format", "json_schema.schema: required, a JSON schema object")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise _bad("response_format", "json_schema.strict: must be true or false")
+    return {"json_schema": spec["schema"]}
+
+
+def _structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
+    given = [k for k in ("choice", "regex", "json") if value.get(k) is not None]
+    if len(given) != 1 or set(value) - {"choice", "regex", "json"}:
+        raise _bad("structured_outputs", "give exactly one of choice, regex or json")
+    arg = value[given[0]]
+    if given[0] == "json":
+        arg = json.loads(arg) if isinstance(arg, str) else arg  # vLLM takes the schema as an object or its text
+        return {"json_schema": arg}
+    return {given[0]: arg}
+
+
+def structured(body: dict[str, Any], tool_grammar: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(the field it came from, the engine's ``structured`` value) of a checked body, or None: free text. At most
+    one of ``response_format`` (not text), ``structured_outputs`` and a forced tool call."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if body.get("response_format") is not None and (fmt := _response_format(body["response_format"])) is not None:
+        found.append(("response_format", fmt))
+    if body.get("structured_outputs") is not None:
+        try:
+            found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
+        except ValueError as err:
+            raise _bad("structured_outputs", f"json: not JSON: {err}") from err
+    if tool_grammar is not None:
+        found.append(("tool_choice", {"lark": tool_grammar}))
+    if len(found) > 1:
+        raise _bad(found[1][0], f"cannot be combined with {found[0][0]}")
+    return found[0] if found else None
+
+
+def tool_mode(body: dict[str, Any]) -> str:
+    """What the body's ``tool_choice`` asks of its ``tools`` (``app.openai_tools.chosen``), checked."""
+    try:
+        return chosen(body.get("tool_choice"), check_tools(body.get("tools") or [])) or "none"
+    except ToolError as err:
+        raise OpenAIError(400, str(err), err.param, "invalid_value") from err
+
+
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     """The engine request of a ``/v1/chat/completions`` body."""
     _check_fields(body, CHAT_FIELDS, _TYPES)
@@ -133,9 +206,15 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         out["max_tokens"] = max_tokens
     if body.get("logprobs"):
         out["logprobs"] = body.get("top_logprobs") or 0
-    for key in ("chat_template_kwargs", "tools"):
-        if body.get(key) is not None:
-            out[key] = body[key]
+    if body.get("chat_template_kwargs") is not None:
+        out["chat_template_kwargs"] = body["chat_template_kwargs"]
+    mode = tool_mode(body)
+    if mode != "none":  # tool_choice none: the tools are not shown to the model
+        out["tools"] = body["tools"]
+    forced = None if mode in ("none", "auto") else call_grammar(check_tools(body["tools"]), mode)
+    grammar = structured(body, forced)
+    if grammar is not None:
+        out["structured"] = grammar[1]
     return out
 
 
@@ -151,6 +230,9 @@ def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     out = {**_sampling(body), "prompt": prompt, "max_tokens": 16 if max_tokens is None else max_tokens}
     if body.get("logprobs") is not None:
         out["logprobs"] = body["logprobs"]
+    grammar = structured(body)
+    if grammar is not None:
+        out["structured"] = grammar[1]
     return out
 
 
@@ -194,34 +276,15 @@ class ReasoningSplitter:
                 keep = 0 if final else _partial_suffix(self.buffer, THINK_CLOSE)
                 reasoning, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
         if self.state == "content":
-            content, self.buffer = self.buffer, ""
+            text = self.buffer.replace(THINK_CLOSE, "")  # a stray closing tag (see the module docstring)
+            keep = 0 if final else _partial_suffix(text, THINK_CLOSE)
+            content, self.buffer = text[: len(text) - keep], text[len(text) - keep :]
         return reasoning, content
 
 
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that begins ``tag`` (held back until the next delta decides)."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
-
-
-def split_tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content without the tool-call blocks, OpenAI ``tool_calls``); a block that is not valid JSON stays text."""
-    calls: list[dict[str, Any]] = []
-    kept, rest = [], content
-    while (start := rest.find(TOOL_OPEN)) != -1 and (end := rest.find(TOOL_CLOSE, start)) != -1:
-        raw = rest[start + len(TOOL_OPEN) : end].strip()
-        try:
-            call = json.loads(raw)
-            name, args = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            kept.append(rest[: end + len(TOOL_CLOSE)])
-        else:
-            kept.append(rest[:start])
-            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            calls.append(
-                {"id": new_id("call"), "type": "function", "function": {"name": str(name), "arguments": arguments}}
-            )
-        rest = rest[end + len(TOOL_CLOSE) :]
-    return ("".join(kept) + rest).strip() if calls else content, calls
 
 
 def chat_logprobs(line: dict[str, Any]) -> dict[str, Any] | None:
@@ -244,3 +307,10 @@ def chunk(kind: str, rid: str, model: str, choices: list[dict[str, Any]], **extr
 def sse(obj: dict[str, Any] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
+
+
+def structured_origin(body: dict[str, Any]) -> str:
+    """The field of a body whose grammar the engine refused (see ``structured``)."""
+    if body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict):
+        return "tool_choice"
+    return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"

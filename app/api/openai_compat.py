@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+"""OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``; vLLM's
+``POST /tokenize`` and ``POST /detokenize`` (at the root, as vLLM serves them) and ``GET /v1/metrics`` (the team's
+deployments' Prometheus metrics under vLLM's names, ``engine.serve.prom``).
 
 The request path (``docs/serving.md``): authenticate the team token (``request.state.principal`` when the auth
 middleware set it, else looked up here) BEFORE the body is read; take one of the team's request slots on this replica
@@ -41,8 +43,12 @@ from app.openai_format import (
     new_id,
     split_tool_calls,
     sse,
+    structured_origin,
+    tool_mode,
     wants_stream,
 )
+from app.openai_metrics import merged_exposition
+from app.openai_tools import ToolCallStream
 from app.team_slots import TeamSlots
 from core.auth import Principal, authenticate
 from core.db import get_sessionmaker
@@ -79,6 +85,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 router = APIRouter(prefix="/v1", tags=["openai"], lifespan=_lifespan)
+root_router = APIRouter(tags=["openai"])  # vLLM's /tokenize and /detokenize sit at the root
 _bearer = HTTPBearer(auto_error=False, description="A team token: pass it as the openai client's api_key.")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
@@ -230,12 +237,12 @@ async def _complete(
             dep = await _ready(settings, principal, body["model"])
             if dep.adapter is not None:
                 payload["model"] = dep.adapter  # the engine applies this adapter to the request's sequences
-            upstream = await serving.proxy.open(dep, payload)
+            upstream = await _open(serving, dep, payload, body)
             held.push_async_callback(upstream.aclose)
             rid, model = new_id("chatcmpl" if kind == "chat" else "cmpl"), dep.adapter or dep.name
-            n, tools = payload.get("n", 1), bool(body.get("tools"))
+            n, tools = payload.get("n", 1), kind == "chat" and tool_mode(body) != "none"
             if wants_stream(body):  # the response holds the slot and the upstream answer from here
-                lines = _stream(kind, upstream, rid, model, n, include_usage(body))
+                lines = _stream(kind, upstream, rid, model, n, include_usage(body), tools)
                 return _HeldStream(lines, held.pop_all().aclose)
             stayed, answer = await _unless_client_leaves(request, _collect(kind, upstream, rid, model, n, tools))
     except OpenAIError as err:
@@ -243,12 +250,79 @@ async def _complete(
     return JSONResponse(answer) if stayed else Response(status_code=499)  # 499: nobody is left to read it
 
 
+async def _open(serving: Serving, dep: Deployment, payload: dict[str, Any], body: dict[str, Any]) -> EngineStream:
+    try:
+        return await serving.proxy.open(dep, payload)
+    except OpenAIError as err:
+        if err.param == "structured":  # the engine's name for the grammar: answer with the field it came from
+            err.param = structured_origin(body)
+            err.message = f"{err.param}: {err.message.split(': ', 1)[-1]}"
+        raise
+
+
+# ------------------------------------------------------------------ tokens and metrics
+
+
+@root_router.post("/tokenize", response_model=None)
+async def tokenize(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
+    """vLLM's ``/tokenize``: ``{"model", "messages" | "prompt", "chat_template_kwargs", "tools"}`` to ``{"count",
+    "max_model_len", "tokens"}``, with the deployment's own tokenizer and chat template."""
+    return await _tokens(request, settings, credentials, "/tokenize")
+
+
+@root_router.post("/detokenize", response_model=None)
+async def detokenize(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
+    """vLLM's ``/detokenize``: ``{"model", "tokens"}`` to ``{"prompt"}``."""
+    return await _tokens(request, settings, credentials, "/detokenize")
+
+
+async def _tokens(request: Request, settings: Settings, credentials: Any, path: str) -> Response:
+    try:
+        principal = await _caller(request, settings, credentials)
+        serving = _serving(request.app)
+        body = await _body(request)
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")
+        dep = await _ready(settings, principal, body["model"])
+        payload = (
+            {**body, "model": dep.adapter}
+            if dep.adapter is not None
+            else {k: v for k, v in body.items() if k != "model"}
+        )
+        answer = await serving.proxy.call(dep, "POST", path, payload)
+    except OpenAIError as err:
+        return _error(err)
+    return JSONResponse(answer.json())
+
+
+@router.get("/metrics", response_class=Response)
+async def deployment_metrics(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
+    """The caller's team's ready deployments' Prometheus metrics under vLLM's names (``vllm:num_requests_running``,
+    ``vllm:time_to_first_token_seconds``, ...), each sample labelled ``deployment`` and ``model_name`` (the base or
+    the LoRA adapter); an engine that does not answer is left out."""
+    try:
+        principal = await _caller(request, settings, credentials)
+        deps = await anyio.to_thread.run_sync(_with_session, settings, lambda s: list_deployments(s, principal))
+    except OpenAIError as err:
+        return _error(err)
+    proxy, texts = _serving(request.app).proxy, []
+    for dep in deps:
+        if dep.ready and dep.adapter is None and proxy.healthy(dep.url or ""):
+            try:
+                texts.append((await proxy.call(dep, "GET", "/metrics")).text)
+            except OpenAIError:
+                log.info("deployment %s: no metrics (not answering)", dep.name)
+    return Response(merged_exposition(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
 # ------------------------------------------------------------------ streaming
 
 
-async def _stream(kind: str, upstream: EngineStream, rid: str, model: str, n: int, usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    kind: str, upstream: EngineStream, rid: str, model: str, n: int, usage: bool, tools: bool
+) -> AsyncIterator[bytes]:
     try:
-        async for chunk_bytes in _chunks(kind, upstream, rid, model, n, usage):
+        async for chunk_bytes in _chunks(kind, upstream, rid, model, n, usage, tools):
             yield chunk_bytes
     except OpenAIError as err:  # the 200 is sent: the error is the stream's last event (the openai client raises it)
         yield sse(err.body())
@@ -257,38 +331,57 @@ async def _stream(kind: str, upstream: EngineStream, rid: str, model: str, n: in
 
 
 async def _chunks(
-    kind: str, upstream: EngineStream, rid: str, model: str, n: int, include_usage: bool
+    kind: str, upstream: EngineStream, rid: str, model: str, n: int, include_usage: bool, tools: bool
 ) -> AsyncIterator[bytes]:
     splitters = [ReasoningSplitter() for _ in range(n)]
+    calls = [ToolCallStream() if tools else None for _ in range(n)]
     started: set[int] = set()
     async for line in upstream.lines():
         if line["type"] in ("token", "finish"):
             i, final = line["index"], line["type"] == "finish"
-            choice = _chat_delta(line, splitters[i], i not in started) if kind == "chat" else _text_delta(line)
+            if kind == "chat":
+                choices = _chat_deltas(line, splitters[i], calls[i], i not in started)
+            else:
+                choices = [c for c in [_text_delta(line)] if c is not None]
             started.add(i)
-            if choice is not None or final:
-                choice = choice or {"index": i, "logprobs": None}
+            if final and not choices:
+                choices = [{"index": i, "logprobs": None}]
+            for k, choice in enumerate(choices):
                 if kind == "chat":
                     choice.setdefault("delta", {})
                 else:
                     choice.setdefault("text", "")
-                choice["finish_reason"] = line["finish_reason"] if final else None
+                last = final and k == len(choices) - 1
+                choice["finish_reason"] = _reason(line["finish_reason"], calls[i]) if last else None
                 yield sse(chunk(kind, rid, model, [choice]))
         elif line["type"] == "done" and include_usage:
             yield sse(chunk(kind, rid, model, [], usage=line["usage"]))
 
 
-def _chat_delta(line: dict[str, Any], splitter: ReasoningSplitter, first: bool) -> dict[str, Any] | None:
-    reasoning, content = splitter.push(line.get("text", ""), final=line["type"] == "finish")
+def _reason(reason: str, calls: ToolCallStream | None) -> str:
+    return "tool_calls" if calls is not None and calls.calls and reason == "stop" else reason
+
+
+def _chat_deltas(
+    line: dict[str, Any], splitter: ReasoningSplitter, calls: ToolCallStream | None, first: bool
+) -> list[dict[str, Any]]:
+    """The chunks' choices of one engine line: its reasoning / content delta, then one per tool-call delta."""
+    final = line["type"] == "finish"
+    reasoning, content = splitter.push(line.get("text", ""), final=final)
+    tool_deltas: list[dict[str, Any]] = []
+    if calls is not None:
+        content, tool_deltas = calls.push(content, final=final)
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if reasoning:
         delta["reasoning_content"] = reasoning
     if content:
         delta["content"] = content
     lp = chat_logprobs(line) if line["type"] == "token" else None
+    out = [{"index": line["index"], "delta": delta, "logprobs": {"content": [lp]} if lp else None}]
     if not delta and lp is None:
-        return None
-    return {"index": line["index"], "delta": delta, "logprobs": {"content": [lp]} if lp else None}
+        out = []
+    out += [{"index": line["index"], "delta": {"tool_calls": [d]}, "logprobs": None} for d in tool_deltas]
+    return out
 
 
 def _text_delta(line: dict[str, Any]) -> dict[str, Any] | None:
@@ -345,7 +438,8 @@ def _chat_choice(i: int, text: str, tokens: list[dict[str, Any]], reason: str | 
     if tools:
         message["content"], calls = split_tool_calls(content)
         if calls:
-            message["tool_calls"], reason = calls, "tool_calls"
+            message["tool_calls"] = calls
+            reason = "tool_calls" if reason == "stop" else reason
     logprobs = {"content": [chat_logprobs(x) for x in tokens]} if tokens else None
     return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
 

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 KINDS = ("json_schema", "regex", "choice", "lark")
 # json.dumps' layout, no free whitespace: a model cannot pad an answer with blanks until max_tokens (a schema's own
 # ``x-guidance`` options still override it)
-JSON_LAYOUT: llguidance.JsonCompileOptions = {
+JSON_LAYOUT: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -34,6 +34,8 @@ WRONG: dict[str, Any] = {
     "presence_penalty": float("nan"),
     "frequency_penalty": float("inf"),
     "repetition_penalty": "1e-300",
+    "response_format": "json_object",
+    "structured_outputs": ["yes", "no"],
 }
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"model": "m", "prompt": "hi"}
