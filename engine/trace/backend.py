@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from engine.trace import npu_kernels
+
 TRACE_DEVICE_TYPES = ("cuda", "npu")
 
 
@@ -120,8 +122,11 @@ def _register_npu() -> None:
     if name != "privateuseone":
         raise RuntimeError(f"device_type npu: torch's private-use backend is already {name!r} in this process")
     _setup_privateuseone_for_python_backend("npu", backend_module=FakeNpuModule())
-    # what ``engine.parallel.device.import_torch_npu`` imports: the fused kernels are added by ``npu_kernels``
-    sys.modules.setdefault("torch_npu", types.ModuleType("torch_npu", "fake torch_npu of a trace (engine.trace)"))
+    # what ``engine.parallel.device.import_torch_npu`` imports, with the fused kernels the engine calls (fake ops)
+    module = sys.modules.setdefault(
+        "torch_npu", types.ModuleType("torch_npu", "fake torch_npu of a trace (engine.trace)")
+    )
+    npu_kernels.install(module)
 
 
 def prepare(device_type: str) -> None:

@@ -98,7 +98,7 @@ def host_attention_plans(
 ) -> Iterator[None]:
     """``plan_attention`` answered from the oracle's host segment ids (the kernel still chosen by the fake device's
     type), its tensors then moved to the device as the engine's own would be."""
-    from engine.model import qwen3
+    from engine.model import attention, qwen3
 
     original = qwen3.plan_attention
 
@@ -111,6 +111,9 @@ def host_attention_plans(
         **kw: Any,
     ) -> Any:
         host = None if segment_ids is None else oracle.host(tuple(segment_ids.shape))
+        if segment_ids is None and _npu_plain_causal(device, past_len, *args, **kw):
+            # the NPU path gives plain causal rows one sample each (``plan_attention``): their ids are zeros
+            host = torch.zeros(kw.get("batch", args[1] if len(args) > 1 else 1), q_len, dtype=torch.long)
         if host is None:
             return original(device, q_len, past_len, segment_ids, *args, **kw)
         with paused(), unset_fake_temporarily():
@@ -123,10 +126,20 @@ def host_attention_plans(
         return dataclasses.replace(plan, **moved)
 
     qwen3.plan_attention = planned
+    attention._NPU_CAUSAL_MASK.clear()  # a fake mask cached by an earlier trace belongs to its fake mode
     try:
         yield
     finally:
         qwen3.plan_attention = original
+        attention._NPU_CAUSAL_MASK.clear()
+
+
+def _npu_plain_causal(device: torch.device, past_len: int, *args: Any, **kw: Any) -> bool:
+    from engine.model.kernels import attention_kernel
+
+    mask = kw.get("attention_mask", args[0] if args else None)
+    runs_only = kw.get("runs_only", args[2] if len(args) > 2 else False)
+    return mask is None and not past_len and not runs_only and attention_kernel(device.type) == "npu_fusion"
 
 
 @contextlib.contextmanager

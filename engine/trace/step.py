@@ -153,7 +153,33 @@ class _StepWatch(TorchDispatchMode):
 
 class _StepTracker(MemTracker):
     """MemTracker over a step that runs the rank's root module once per micro-batch: a root called again in forward
-    starts a new module record (MemTracker refuses a second iteration); the device-wide peak spans them all."""
+    starts a new module record (MemTracker refuses a second iteration); the device-wide peak spans them all.
+
+    ``module_hooks=False`` (pipeline parallelism): no module hooks. ModTracker's hooks (a multi-grad hook on every
+    module's inputs and outputs) abort the process in the pipeline stage's ``autograd.grad`` on the private-use
+    device: the autograd worker thread fails, and unwinding calls the Python device guard from a ``noexcept``
+    ``exchangeStream`` (``std::terminate``). Without them both stages trace; the stage's parameters and gradients
+    are then registered by ``track_model`` (phase is told by the autograd graph task, as MemTracker does anyway)."""
+
+    def __init__(self, module_hooks: bool = True) -> None:
+        super().__init__()
+        self.module_hooks = module_hooks
+
+    def __enter__(self) -> Self:
+        super().__enter__()
+        if not self.module_hooks:
+            self._mod_tracker.__exit__()  # the module hooks it just installed
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        if not self.module_hooks:
+            self._mod_tracker.__enter__()  # MemTracker's exit removes them
+        super().__exit__(*args)
+
+    def track_model(self, model: nn.Module) -> None:
+        """Parameters and their gradients counted as such where no module hook registers them."""
+        if not self.module_hooks:
+            self._track_module_params_and_buffers(model, install_grad_hooks=True)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -161,6 +187,13 @@ class _StepTracker(MemTracker):
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
+
+    def restart_peak(self) -> None:
+        """Measure the peak from here on (the steady-state step): the first step's optimizer creates Adam's state,
+        and on fake tensors torch's in-place fused AdamW runs as its out-of-place form, whose copies of every state
+        list (several times the state, transient) a device's in-place kernel never allocates."""
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -190,11 +223,14 @@ def _one_step(
     device: Device,
     mesh: Any,
     batches: list[MicroBatch],
+    tracker: _StepTracker,
 ) -> None:
     """Build the rank's model, runner and optimizer, then run two steps: the first creates the optimizer state (Adam
-    makes it at its first ``step()``), so the second is a steady-state step, the one every later step repeats."""
+    makes it at its first ``step()``), so the second is a steady-state step, the one every later step repeats; the
+    peak is measured over it."""
     assert spec.seq_length is not None
     model = build_rank_model(cfg, mesh, spec, gbs, spec.seq_length, device.torch_device, None)
+    tracker.track_model(model)
     runner = make_runner(model, mesh, device.torch_device, spec.cross_entropy_chunk_size)
     pp = mesh["pp"]
     router = RouterTracker(model, runner.dp_group, pp.get_group() if pp.size() > 1 else None, dims.cp)
@@ -202,7 +238,9 @@ def _one_step(
     scheduler = Scheduler(optimizer, schedule_from_spec(spec))
     scaler = LossScaler(spec)
     params = [p for p in runner.module.parameters() if p.requires_grad]
-    for _ in range(2):
+    for step in range(2):
+        if step:
+            tracker.restart_peak()
         counts = _global_counts(batches, runner)
         if router:
             router.set_token_weight(scaler.scale / counts[1].clamp(min=1.0))
@@ -246,10 +284,10 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             host_attention_plans(SegmentOracle(batches), watch.paused),
             host_batch_staging(watch.paused),
             FakeTensorMode(allow_non_fake_inputs=True),
-            _StepTracker() as tracker,
+            _StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,
         ):
-            _one_step(spec, cfg, dims, gbs, device, mesh, batches)
+            _one_step(spec, cfg, dims, gbs, device, mesh, batches, tracker)
         snapshots = tracker.get_tracker_snapshot("peak")
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
     finally:
