@@ -111,7 +111,7 @@ def resolve_iteration_dir(root: str | os.PathLike[str]) -> tuple[Path, int | str
 
 _LORA_KEY = re.compile(r"(?:^|\.)lora_[AB](?:\.|$)")
 _BASE_KEY = re.compile(r"^(?:module\.)*(?:embedding|decoder|output_layer|model|lm_head)\.\S*(?:weight|bias)$")
-_PICKLE_LIMIT = 256 << 20  # a rank file's data.pkl: names and args, a few MB even for large models
+_PICKLE_LIMIT = 16 << 20  # a rank file's data.pkl: names and args, well under 1 MB even for large models
 
 
 @dataclasses.dataclass(frozen=True)
