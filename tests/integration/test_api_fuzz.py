@@ -55,6 +55,8 @@ ACCEPTED_REFUSALS = {
     # a model, is OpenAI's 400.
     "POST /v1/chat/completions": (400,),
     "POST /v1/completions": (400,),
+    "POST /tokenize": (400,),
+    "POST /detokenize": (400,),
     # The URL's host must resolve, to public addresses only (the SSRF guard, core.net_guard).
     "POST /v1/webhooks": (422,),
 }
