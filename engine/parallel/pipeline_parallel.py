@@ -182,8 +182,8 @@ class Pipeline:
             sync_tied_grads(self)
         else:  # forward only (torch.distributed.pipelining switches the stages to eval and back by itself)
             self._schedules[key].eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if not self.is_last:
-            return torch.zeros(())
+        if not self.is_last:  # on the device, as the last stage's sum is: no host tensor inside the step
+            return torch.zeros((), device=input_ids.device)
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 

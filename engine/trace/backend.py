@@ -20,6 +20,7 @@ import torch
 from engine.trace import npu_kernels
 
 TRACE_DEVICE_TYPES = ("cuda", "npu")
+_RNG_STATE = torch.zeros(8, dtype=torch.uint8)
 
 
 class _Event:
@@ -103,7 +104,9 @@ class FakeNpuModule:
         pass
 
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
-        return torch.zeros(8, dtype=torch.uint8)  # the pipeline schedule forks the RNG around its shape inference
+        # the pipeline schedule forks the RNG around its shape inference: one host state made before any trace,
+        # so that the stand-in creates no host tensor inside the step
+        return _RNG_STATE
 
     def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
         pass

@@ -2,7 +2,7 @@
 
 torch.distributed.pipelining's first step votes over the pipeline's ranks whether every stage's shapes are static
 (``_PipelineSchedule._warmup_p2p``: a send/recv chain, then ``.item()`` on the result), which a fake tensor cannot
-answer. The stand-in takes each stage's own vote: a job's pipeline ranks run the same code on micro-batches of one
+answer, and exchanges each stage's tensor metadata (pickled into host tensors, ``send_object_list``). The stand-in takes each stage's own vote: a job's pipeline ranks run the same code on micro-batches of one
 shape, so their votes agree. The attention plan's host reads of the batch's segment ids
 (``engine.model.attention.plan_attention``) are answered from the host batch (``SegmentOracle``).
 """
@@ -40,6 +40,7 @@ def fake_pipeline_peers(boundary: Callable[[tuple[int, ...]], tuple[tuple[int, .
         schedules._PipelineSchedule._warmup_p2p,
         PipelineStage._forward_metadata_inference,
         PipelineStage._recv_meta,
+        PipelineStage._send_meta,
     )
     infer = originals[1]
 
@@ -61,12 +62,19 @@ def fake_pipeline_peers(boundary: Callable[[tuple[int, ...]], tuple[tuple[int, .
     schedules._PipelineSchedule._warmup_p2p = _local_vote  # type: ignore[method-assign]
     PipelineStage._forward_metadata_inference = forward_inference  # type: ignore[method-assign]
     PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign]
+    # the peers answer locally (``recv_meta``): nothing to send (torch pickles the metadata into a host tensor)
+    PipelineStage._send_meta = _no_send  # type: ignore[method-assign]
     try:
         yield
     finally:
         schedules._PipelineSchedule._warmup_p2p = originals[0]  # type: ignore[method-assign]
         PipelineStage._forward_metadata_inference = originals[1]  # type: ignore[method-assign]
         PipelineStage._recv_meta = originals[2]  # type: ignore[method-assign]
+        PipelineStage._send_meta = originals[3]  # type: ignore[method-assign]
+
+
+def _no_send(self: Any, meta: Any, dst_stage: int) -> None:
+    pass
 
 
 def has_grad(stage: Any) -> bool:
