@@ -142,9 +142,10 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     if plan.kernel != "sdpa":
         return _VARLEN[plan.kernel](q, k, v, plan)
     gqa = k.shape[1] != q.shape[1]
-    if gqa and plan.mask is not None:
+    if gqa and plan.mask is not None and q.device.type != "cpu":
         # With a mask, CUDA's memory-efficient kernel is the one that applies; SDPA's docstring says GQA works only
         # with the flash and math kernels, and math materialises (B, nh, T, T) scores. So expand k/v instead.
+        # (CPU's kernel takes GQA with a mask: measured equal, 4x faster than expanding at 32 decode rows.)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, nh, T_kv, d)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         gqa = False

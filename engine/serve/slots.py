@@ -147,8 +147,13 @@ class SlotView(KVCache):
         b = [i for i, n in enumerate(counts) for _ in range(n)]
         t = [k for n in counts for k in range(n)]
         self._b, self._t = torch.tensor(b, device=device), torch.tensor(t, device=device)
-        self._slot = torch.tensor([slots[i] for i in b], device=device)
-        self._col = torch.tensor([self.starts[i] + k for i, k in zip(b, t, strict=True)], device=device)
+        slot = torch.tensor([slots[i] for i in b], device=device)
+        col = torch.tensor([self.starts[i] + k for i, k in zip(b, t, strict=True)], device=device)
+        _, heads, length, _ = next(iter(parent.keys.values())).shape
+        # each (token, head)'s row in the buffer seen as (slots * heads * length, d): index_copy_ writes just those
+        # rows (an index_put over dims 0 and 2 costs as much as touching the whole buffer)
+        self._flat = (slot[:, None] * heads + torch.arange(heads, device=device)[None, :]) * length + col[:, None]
+        self._flat = self._flat.reshape(-1)
         lo = slots[0]
         self._range = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
         self._rows = torch.tensor(slots, device=device)
@@ -174,9 +179,10 @@ class SlotView(KVCache):
             keys[slot, :, start : start + n] = k[0, :, :n]
             values[slot, :, start : start + n] = v[0, :, :n]
         else:
-            # (B, n_kv, T, d) -> the real tokens' (N, n_kv, d), written at (slot, :, column)
-            keys[self._slot, :, self._col] = k[self._b, :, self._t]
-            values[self._slot, :, self._col] = v[self._b, :, self._t]
+            # (B, n_kv, T, d) -> the real tokens' (N * n_kv, d), written at (slot, head, column)
+            d = keys.shape[-1]
+            keys.view(-1, d).index_copy_(0, self._flat, k[self._b, :, self._t].reshape(-1, d).to(keys.dtype))
+            values.view(-1, d).index_copy_(0, self._flat, v[self._b, :, self._t].reshape(-1, d).to(values.dtype))
         if self._range is not None:
             return keys[self._range, :, : self.width], values[self._range, :, : self.width]
         return keys[:, :, : self.width][self._rows], values[:, :, : self.width][self._rows]
