@@ -273,17 +273,51 @@ class _Inputs:
                 'or name the checkpoint by reference ({"job": ID, "iteration": N}) to take the base from its run',
             )
 
-    def adapters(self, name: str, path: str | None) -> None:
-        """``path`` exists and holds LoRA adapters (not a full model)."""
+    def adapters(self, name: str, path: str | None, base: ModelConfig | None) -> None:
+        """``path`` exists, holds LoRA adapters (not a full model) and, where both shapes can be read, was trained on
+        a model of the base's shape (``base``: the ``load`` checkpoint's)."""
         self.file_or_dir(name, path)
         if path is None or self.pending(path):
             return
         held = inspect.contents(path)
         if held is not None and not held.lora:
             raise _refuse(self.field(name), f"{path} holds full weights, not LoRA adapters")
+        try:
+            trained = checkpoint_config(path, name) if base is not None else None
+        except BadInput:
+            return  # unreadable within the limits: the engine tells when it opens it
+        if trained is None or base is None:
+            return
+        for dim in ADAPTER_DIMS:
+            mine, theirs = getattr(trained, dim), getattr(base, dim)
+            if mine != theirs:
+                raise _refuse(
+                    self.field(name),
+                    f"{path} holds adapters for another model: {dim} {mine} there, {theirs} in the base (load)",
+                )
 
 
 # ---------------------------------------------------------------- checks by kind
+
+# what an adapter's tensors are shaped by: a LoRA checkpoint of another model's shape cannot wrap the base
+ADAPTER_DIMS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+)
+
+
+def _base_config(load: str | None, inputs: _Inputs) -> ModelConfig | None:
+    """The ``load`` checkpoint's shape as the torch-free reader tells it; None when it cannot be told."""
+    if load is None or inputs.pending(load):
+        return None
+    try:
+        return checkpoint_config(load)
+    except BadInput:
+        return None
 
 
 def _check_layout(spec: TrainSpec | EvalSpec | ServeSpec, config: dict[str, Any] | None, where: str) -> None:
@@ -341,9 +375,10 @@ def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
     inputs.full_model("load", spec.load)
     _check_layout(spec, config, inputs.where)
     _check_positions(spec, config, inputs.where, "max_model_len")
-    inputs.adapters("lora_load", spec.lora_load)
+    base = _base_config(spec.load, inputs) if spec.lora_load or spec.lora_adapters else None
+    inputs.adapters("lora_load", spec.lora_load, base)
     for name, path in spec.lora_adapters.items():
-        inputs.adapters(f"lora_adapters.{name}", path)
+        inputs.adapters(f"lora_adapters.{name}", path, base)
     if spec.tokenizer_name_or_path is not None:
         inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
     elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
@@ -460,7 +495,7 @@ def _check_eval(spec: EvalSpec, inputs: _Inputs) -> None:
         return
     config = inputs.checkpoint("load", spec.load)
     inputs.full_model("load", spec.load)
-    inputs.adapters("lora_load", spec.lora_load)
+    inputs.adapters("lora_load", spec.lora_load, _base_config(spec.load, inputs) if spec.lora_load else None)
     own = inputs.pending(spec.load) or (Path(spec.load) / "tokenizer_config.json").is_file()
     if spec.tokenizer_name_or_path is None and not own:
         raise _refuse(inputs.field("tokenizer_name_or_path"), f"required ({spec.load} holds no tokenizer)")

@@ -147,3 +147,33 @@ def test_the_dashboards_evaluate_draft_is_accepted(settings: Settings) -> None:
         str(save),
         "20",
     )
+
+
+def test_adapters_of_another_models_shape_are_refused(settings: Settings) -> None:
+    """An adapter's recorded model shape (its rank file's args, read without torch) must be the base's."""
+    import argparse
+
+    from app.main import create_app
+    from engine.contract.model_config import preset
+
+    area = team_dir(settings, "alpha")
+    tiny = preset("qwen3-tiny-tied")
+    (area / "base").mkdir()
+    (area / "base" / "config.json").write_text(json.dumps(tiny.to_hf()))
+    (area / "base" / "tokenizer_config.json").write_text("{}")
+    shape = {"num_layers": 2, "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2}
+    for name, hidden in (("same", tiny.hidden_size), ("wider", 2 * tiny.hidden_size)):
+        args = argparse.Namespace(
+            **shape, hidden_size=hidden, kv_channels=16, ffn_hidden_size=128, padded_vocab_size=256
+        )
+        rank = area / name / "iter_0000020" / "mp_rank_00"
+        rank.mkdir(parents=True)
+        torch.save({"args": args, "model": _adapters()}, rank / "model_optim_rng.pt")
+        (area / name / "latest_checkpointed_iteration.txt").write_text("20")
+    serve = {"kind": "serve", "load": "base"}
+    with TestClient(create_app(settings, reconcile=False), headers=auth(make_token(settings, "alpha"))) as api:
+        same = api.post("/v1/jobs", json={**serve, "lora_adapters": {"a": "same"}})
+        wider = api.post("/v1/jobs", json={**serve, "lora_adapters": {"b": "wider"}})
+    assert same.status_code == 201, same.text
+    assert (wider.status_code, wider.json()["field"]) == (422, "lora_adapters.b"), wider.text
+    assert "hidden_size 128 there, 64 in the base" in wider.json()["message"]
