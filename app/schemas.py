@@ -193,12 +193,18 @@ class CheckpointPublic(BaseModel):
     )
     model_path: str
     optimizer_path: str | None = Field(description="where the optimizer state is, if it was saved")
-    lora: bool = Field(description="adapters only: evaluate or convert it together with the base model")
-    needs_base_model: bool
+    lora: bool = Field(description="it holds LoRA adapters (read from its tensors)")
+    needs_base_model: bool = Field(
+        description="adapters only, no base weights: by reference as load, the run's base becomes load and this "
+        "lora_load"
+    )
     evaluable: bool
     convertible: bool
     metrics: dict[str, float | None] = Field(description="lm_loss, val_lm_loss, grad_norm at this iteration")
-    reference: dict[str, Any] = Field(description="{job, iteration}: this checkpoint by reference")
+    reference: dict[str, Any] = Field(
+        description="{job, iteration, format}: this checkpoint by reference (one per entry; without format the final "
+        "export is meant)"
+    )
 
 
 class Health(BaseModel):
