@@ -173,7 +173,7 @@ def run(
         server.server_close()
         batcher.stop()
         loop.join(timeout=30)
-    summary = {**batcher.stats, "prefix_cache_hit_rate": prefix_cache_hit_rate(batcher.stats)}
+    summary: dict[str, Any] = {**batcher.stats, "prefix_cache_hit_rate": prefix_cache_hit_rate(batcher.stats)}
     summary |= {"served_model_name": name, "model": {"num_layers": cfg.num_layers, **info}}
     summary["tensor_model_parallel_size"] = tp
     return {"result": str(run.path / "result.json")}, summary
