@@ -167,3 +167,26 @@ def host_batch_staging(paused: Callable[[], contextlib.AbstractContextManager[No
         yield
     finally:
         step_runner.stack_micro_batches = original
+
+
+@contextlib.contextmanager
+def local_tied_shape(fallback: tuple[int, ...] | None) -> Iterator[None]:
+    """The tied embedding's gradient shape, which the pipeline asks every stage for once (``all_gather_object``: a
+    pickled host exchange the fake process group cannot answer): a holder's own local shape, else ``fallback``
+    (the holders' shard, None when the embedding is frozen), as the holders would have answered."""
+    from engine.parallel import pipeline_parallel as pp
+
+    original = pp._local_embedding_shape
+
+    def answered(pipe: Any, ref: torch.Tensor | None) -> tuple[int, ...] | None:
+        if "shape" not in pipe._norm:
+            mine = None if ref is None or not ref.requires_grad else tuple(pp._local(ref).shape)
+            pipe._norm["shape"] = mine if ref is not None else fallback
+        shape: tuple[int, ...] | None = pipe._norm["shape"]
+        return shape
+
+    pp._local_embedding_shape = answered
+    try:
+        yield
+    finally:
+        pp._local_embedding_shape = original

@@ -38,7 +38,13 @@ from engine.parallel.device import Device
 from engine.parallel.expert_parallel import reduce_over_context
 from engine.parallel.mesh import build_mesh
 from engine.parallel.parallelize import compute_dtype
-from engine.trace.shims import SegmentOracle, fake_pipeline_peers, host_attention_plans, host_batch_staging
+from engine.trace.shims import (
+    SegmentOracle,
+    fake_pipeline_peers,
+    host_attention_plans,
+    host_batch_staging,
+    local_tied_shape,
+)
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.loop import _global_counts
 from engine.train.model_setup import build_rank_model
@@ -268,6 +274,16 @@ def _boundary(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims) -> Any:
     return boundary
 
 
+def _tied_shard(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims) -> tuple[int, ...] | None:
+    """The local gradient shape of a tied embedding on its holders (vocabulary over TP, then FSDP's dim-0 shard over
+    DP, padded to equal shards); None when LoRA freezes it."""
+    if spec.lora_r is not None:
+        return None
+    rows = cfg.vocab_size // dims.tp
+    shard = dims.dp if spec.use_distributed_optimizer else 1
+    return (-(-rows // shard), cfg.hidden_size)
+
+
 def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, rank: int) -> RankTrace:
     """Rank ``rank``'s peak over building its model and one training step, on fake tensors of the spec's device."""
     started = time.perf_counter()
@@ -283,6 +299,7 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             fake_pipeline_peers(_boundary(spec, cfg, dims)),
             host_attention_plans(SegmentOracle(batches), watch.paused),
             host_batch_staging(watch.paused),
+            local_tied_shape(_tied_shard(spec, cfg, dims)),
             FakeTensorMode(allow_non_fake_inputs=True),
             _StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,
