@@ -55,6 +55,11 @@ SMOKE = {
 }
 
 
+def _stage(r: dict[str, Any]) -> dict[str, Any]:
+    mib = {"peak_mib": round(r["peak_bytes"] / MIB), "planner_mib": round(r["planner_bytes"] / MIB)}
+    return {"rank": r["rank"], **mib, "planner_vs_trace": r["planner_vs_trace"]}
+
+
 def trace(name: str, flags: list[str]) -> dict[str, Any]:
     start = time.monotonic()
     run = subprocess.run(
@@ -73,11 +78,7 @@ def trace(name: str, flags: list[str]) -> dict[str, Any]:
         "traced_peak_mib": round(worst["peak_bytes"] / MIB),
         "planner_mib": round(worst["planner_bytes"] / MIB),
         "planner_vs_trace": worst["planner_vs_trace"],
-        "per_stage": [
-            {"rank": r["rank"], "peak_mib": round(r["peak_bytes"] / MIB), "planner_mib": round(r["planner_bytes"] / MIB),
-             "planner_vs_trace": r["planner_vs_trace"]}
-            for r in out["ranks"] if r["traced_as"] == r["rank"]
-        ],  # fmt: skip
+        "per_stage": [_stage(r) for r in out["ranks"] if r["traced_as"] == r["rank"]],
         "max_abs_planner_vs_trace": out["max_abs_planner_vs_trace"],
         "host_tensors": out["host_tensors"],
         "host_syncs": sum(sum(r["host_syncs"].values()) for r in out["ranks"] if r["traced_as"] == r["rank"]),
