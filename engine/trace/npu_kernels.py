@@ -18,7 +18,7 @@ sparse_mode 2-4's 2048 × 2048 mask), so a wrong call fails in the trace with to
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -298,7 +298,7 @@ def _rotary_mul_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     return dx, dr1 if ctx.needs_input_grad[1] else None, dr2 if ctx.needs_input_grad[2] else None, None
 
 
-_FAKES = {
+_FAKES: dict[str, Callable[..., Any]] = {
     "npu_fusion_attention": _fusion_attention_fake,
     "npu_fusion_attention_grad": _fusion_attention_grad_fake,
     "npu_rms_norm": _rms_norm_fake,
@@ -308,7 +308,7 @@ _FAKES = {
     "npu_rotary_mul": _rotary_mul_fake,
     "npu_rotary_mul_backward": _rotary_mul_backward_fake,
 }
-_AUTOGRAD = {
+_AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "npu_fusion_attention": (_fusion_attention_backward, _fusion_attention_setup),
     "npu_rms_norm": (_rms_norm_backward, _rms_norm_setup),
     "npu_swiglu": (_swiglu_backward, _swiglu_setup),
