@@ -280,6 +280,19 @@ async def _tokens(request: Request, settings: Settings, credentials: Any, path: 
     try:
         principal = await _caller(request, settings, credentials)
         serving = _serving(request.app)
+        _take_slot(serving.slots, principal.team)  # the engine's handler threads are shared: the same per-team bound
+        try:
+            return await _tokens_of(request, settings, principal, serving, path)
+        finally:
+            serving.slots.release(principal.team)
+    except OpenAIError as err:
+        return _error(err)
+
+
+async def _tokens_of(
+    request: Request, settings: Settings, principal: Principal, serving: Serving, path: str
+) -> Response:
+    try:
         body = await _body(request)
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")

@@ -276,7 +276,8 @@ def test_response_format_json_schema_on_the_real_engine(real_api) -> None:
 def test_tokenize_detokenize_and_metrics_through_the_api(real_api, qwen_tokenizer_dir) -> None:
     import httpx
 
-    _, base, token = real_api
+    client, base, token = real_api
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2)  # at least one request in the histograms
     auth = {"Authorization": f"Bearer {token}"}
     tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
     r = httpx.post(f"{base}/tokenize", json={"model": "tiny", "prompt": "Hello world"}, headers=auth, timeout=30)
