@@ -3,10 +3,10 @@
 Each iteration of the loop (``step``) runs at most ``max_batched_tokens`` tokens (vLLM's ``max_num_batched_tokens``):
 1. admits *every* waiting sequence (FIFO) that finds a free slot of the ``SlotCache``; with prefix caching a
    sequence starts after the longest prompt prefix some slot already holds (``engine.serve.slots``);
-2. decodes one token for every sequence past its prompt, all in one batched forward;
-3. spends what is left of the budget on prompt chunks, oldest sequence first (at most ``prefill_chunk`` tokens of
-   one sequence per step), in as few forwards as keep the right padding small; a sequence whose prompt is done
-   samples its first token from its chunk's last position.
+2. spends what the decodes leave of the budget on prompt chunks, oldest sequence first (at most ``prefill_chunk``
+   tokens of one sequence per step), in as few forwards as keep the right padding small; a sequence whose prompt is
+   done samples its first token from its chunk's last position;
+3. decodes one token for every sequence that was past its prompt, all in one batched forward.
 So a request that finds a free slot gets its first token within one step per budget of prompt tokens ahead of it,
 a long prompt never stalls the others for more than one budget, and a sequence joins or leaves the batch
 between any two steps. Sequences end on a stop token, at ``max_tokens``, at the slot's capacity (``max_model_len``)
@@ -210,10 +210,10 @@ class Batcher:
         self._admit()
         decoding = [s for s in self.running if s.prefilled == len(s.prompt) and s.finish_reason is None]
         chunks = self._schedule_prefills(self.max_batched_tokens - len(decoding))
+        for group in _similar_sizes(chunks):  # prompts first: a new request's first token does not wait a decode
+            self._run([seq for seq, _ in group], [n for _, n in group])
         if decoding:
             self._run(decoding, [1] * len(decoding))
-        for group in _similar_sizes(chunks):
-            self._run([seq for seq, _ in group], [n for _, n in group])
         self.last_activity = time.monotonic()
 
     def _schedule_prefills(self, budget: int) -> list[tuple[Sequence, int]]:
