@@ -190,3 +190,73 @@ def local_tied_shape(fallback: tuple[int, ...] | None) -> Iterator[None]:
         yield
     finally:
         pp._local_embedding_shape = original
+
+
+@contextlib.contextmanager
+def fake_activations_freed() -> Iterator[None]:
+    """``lean_ops.free_until_grad`` frees an activation's storage until backward for plain tensors only (a tensor
+    subclass's storage is not its own), and a fake tensor is a subclass: without this stand-in the trace would keep
+    every SwiGLU product and freed attention output that the device job frees. For fake tensors it does what the
+    engine's function does for plain ones (same conditions, storage resized to 0, rebuilt by a hook on ``out``'s
+    gradient); every other tensor goes to the engine's own function."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from engine.model import lean_ops, qwen3
+    from engine.torch_compat import in_backward
+
+    original = lean_ops.free_until_grad
+
+    def freed(act: torch.Tensor, out: torch.Tensor, values: Callable[[], torch.Tensor]) -> None:
+        if type(act) is not FakeTensor:
+            original(act, out, values)
+            return
+        if not (torch.is_grad_enabled() and out.requires_grad and act.is_contiguous()) or in_backward():
+            return
+        size = act.untyped_storage().nbytes()
+        held: list[Any] = [act, values]
+
+        def rebuild(grad: torch.Tensor) -> None:
+            if held:
+                act_, values_ = held
+                held.clear()
+                act_.untyped_storage().resize_(size)
+                with torch.no_grad():
+                    act_.data.copy_(values_())
+
+        out.register_hook(rebuild)
+        act.untyped_storage().resize_(0)
+
+    lean_ops.free_until_grad = freed
+    qwen3.free_until_grad = freed
+    try:
+        yield
+    finally:
+        lean_ops.free_until_grad = original
+        qwen3.free_until_grad = original
+
+
+@contextlib.contextmanager
+def host_mesh_coordinates() -> Iterator[None]:
+    """Device meshes made while the step is faked (FSDP2 joins its DP mesh and the TP mesh under TP:
+    ``DeviceMesh._concatenate``; sub-meshes by name) build their rank table from the host tables of the job's mesh,
+    then find this rank in it (``nonzero``), which a fake tensor cannot answer: they are made outside the fake mode,
+    on host tensors, as in a job."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate, getitem = DeviceMesh._concatenate, DeviceMesh.__getitem__
+
+    def concatenated(meshes: Any) -> Any:
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    def item(self: Any, names: Any) -> Any:
+        with unset_fake_temporarily():
+            return getitem(self, names)
+
+    DeviceMesh._concatenate = staticmethod(concatenated)  # type: ignore[method-assign, assignment]
+    DeviceMesh.__getitem__ = item  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign, assignment]
+        DeviceMesh.__getitem__ = getitem  # type: ignore[method-assign]

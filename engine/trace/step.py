@@ -40,9 +40,11 @@ from engine.parallel.mesh import build_mesh
 from engine.parallel.parallelize import compute_dtype
 from engine.trace.shims import (
     SegmentOracle,
+    fake_activations_freed,
     fake_pipeline_peers,
     host_attention_plans,
     host_batch_staging,
+    host_mesh_coordinates,
     local_tied_shape,
 )
 from engine.train.batches import MicroBatch, Sample, collate
@@ -300,6 +302,8 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             host_attention_plans(SegmentOracle(batches), watch.paused),
             host_batch_staging(watch.paused),
             local_tied_shape(_tied_shard(spec, cfg, dims)),
+            fake_activations_freed(),
+            host_mesh_coordinates(),
             FakeTensorMode(allow_non_fake_inputs=True),
             _StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,
