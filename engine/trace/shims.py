@@ -254,9 +254,9 @@ def host_mesh_coordinates() -> Iterator[None]:
             return getitem(self, names)
 
     DeviceMesh._concatenate = staticmethod(concatenated)  # type: ignore[method-assign, assignment]
-    DeviceMesh.__getitem__ = item  # type: ignore[method-assign, assignment]
+    DeviceMesh.__getitem__ = item  # type: ignore[method-assign]
     try:
         yield
     finally:
-        DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign, assignment]
+        DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
         DeviceMesh.__getitem__ = getitem  # type: ignore[method-assign]
