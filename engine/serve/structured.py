@@ -4,8 +4,9 @@ tokens that cannot continue it before each sample.
 The grammar engine is llguidance (``pip install llguidance``): one abi3 wheel with no Python dependencies (xgrammar
 pulls triton and tvm-ffi, outlines-core has no Lark and weaker JSON-schema coverage), vLLM's default structured
 output backend, JSON schema + regex + Lark in one matcher, built for untrusted grammars (bounded lexer/parser work
-per token), and it reads Qwen3's added tokens (``<tool_call>``) as the single tokens the model emits. A mask costs
-well under a millisecond per token on a CPU once the lexer is warm.
+per token), and it reads Qwen3's added tokens (``<tool_call>``) as the single tokens the model emits. Per token of a
+constrained sequence: llguidance's mask ~0.2 ms, unpacking it ~0.1 ms, applying it ~0.8 ms on this 2-core CPU
+(Qwen3's 152k vocabulary), on the loop thread.
 
 The request field (``structured`` in the internal protocol, filled by the API from ``response_format``,
 ``structured_outputs`` or ``tool_choice``) is an object with exactly one of ``json_schema`` (a schema object),
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -111,10 +113,10 @@ class Constraint:
         if self.state == "thinking":
             return scores
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        allowed = _unpack(self._bitmask[0], scores.shape[-1]).to(scores.device)
+        allowed = _unpack(self._bitmask[0], scores.shape[-1])
         if self.state == "first" and self.think is not None:
             allowed[self.think[0]] = True
-        return scores.masked_fill(~allowed, float("-inf"))
+        return scores.masked_fill(torch.from_numpy(~allowed).to(scores.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         if self.state == "first" and self.think is not None and token == self.think[0]:
@@ -128,10 +130,8 @@ class Constraint:
         self.matcher.consume_token(token)
 
 
-_BITS = torch.arange(8, dtype=torch.uint8)
-
-
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """llguidance's packed int32 mask (bit ``i % 32`` of word ``i // 32``, little-endian) as (vocab,) booleans."""
-    packed = bitmask.contiguous().view(torch.uint8)
-    return ((packed[:, None] >> _BITS) & 1).flatten()[:vocab].bool()
+def _unpack(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    """llguidance's packed int32 mask (bit ``i % 32`` of word ``i // 32``, little-endian) as (vocab,) booleans; ids
+    past the mask are forbidden. numpy's unpackbits: ~0.1 ms for Qwen3's vocabulary, torch's bit ops ~50x that."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    return np.pad(bits, (0, vocab - len(bits))) if len(bits) < vocab else bits
