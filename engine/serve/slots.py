@@ -12,12 +12,13 @@ slots' first ``W`` columns (a slice when the slots are consecutive, else one row
 k``. Keys are cached after RoPE, so where a key sits does not change it.
 
 **Prefix caching.** Each slot also remembers the tokens whose keys/values it holds (``content``): a released slot
-keeps them until it is reused. Every full block of ``BLOCK`` tokens is indexed by a chained hash (the block's tokens
-and every block before it, and the LoRA adapter they went through), so a new prompt finds the slot holding its
-longest cached prefix in one dict walk; ``match`` checks the tokens themselves (a hash collision never reuses wrong
-keys). The batcher then takes that slot itself when it is free (no copy) or copies the prefix's columns from the busy
-slot into a free one (``copy_prefix``), and prefills only the rest: a shared system prompt or the earlier turns of a
-conversation are computed once. At least one prompt token is always left to prefill, for the first token's logits.
+keeps them until it is reused (the lowest-numbered free slot first). Every full block of ``BLOCK`` tokens is indexed
+by a chained hash (the block's tokens and every block before it, and the LoRA adapter they went through), so a new
+prompt finds the slot holding its longest cached prefix in one dict walk; ``match`` checks the tokens themselves (a
+hash collision never reuses wrong keys). The batcher then takes that slot itself when it is free (no copy) or copies
+the prefix's columns from the busy slot into a free one (``copy_prefix``), and prefills only the rest: a shared
+system prompt or the earlier turns of a conversation are computed once. At least one prompt token is always left to
+prefill, for the first token's logits.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class SlotCache(KVCache):
     ) -> None:
         super().__init__(cfg, num_slots, max_len, dtype, device, num_kv_heads)
         self.lengths = [0] * num_slots
-        self.free = list(range(num_slots))  # least recently released first: reused first (LRU eviction)
+        # the lowest-numbered free slot is taken first: running rows stay consecutive and read as one slice (a
+        # gather of scattered rows costs more per step than recomputing an evicted prefix once)
+        self.free = list(range(num_slots))
         self.content: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose keys/values the slot holds
         self.adapter = [0] * num_slots  # the LoRA adapter the slot's keys/values went through
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]  # chained hash of each full block
@@ -55,7 +58,7 @@ class SlotCache(KVCache):
         nothing after; None when all are taken."""
         if not self.free:
             return None
-        slot = self.free.pop(0) if slot is None else self.free.pop(self.free.index(slot))
+        slot = self.free.pop(self.free.index(min(self.free) if slot is None else slot))
         self._truncate(slot, keep)
         return slot
 
