@@ -195,6 +195,7 @@ def child_api(var: str, model_dir: str, engine_url: str) -> None:
     from engine.contract.spec import parse_spec
 
     settings = Settings(var_dir=Path(var), database_url="", broker_url="", redis_url=None, data_roots=[], runs_dir=None)
+    settings.team_max_chat_requests = 0  # no per-team cap: 128 clients are one team here
     settings.ensure_dirs()
     upgrade_head(settings.database_url, secrets_box.keys(settings))
     raw = {"kind": "serve", "load": model_dir, "served_model_name": NAME}
