@@ -415,11 +415,29 @@ def run_node(settings: Settings, job_id: str, attempt: int, node_rank: int, host
         return "skipped" if work is None else run_claimed(settings, work, host)
 
 
+# Before an eval's launch gives up on the deployment it names (restarting after a lost host, or gone), it asks again
+# after each of these waits: the attempt fails only then, so its retries are not all spent within seconds.
+DEPLOYMENT_WAITS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+def spec_with_deployment(settings: Settings, team: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """``core.deployments.with_deployment_url``, asked again with backoff while the deployment is not ready."""
+    for wait in (*DEPLOYMENT_WAITS_S, None):
+        try:
+            return with_deployment_url(settings, team, spec)
+        except RuntimeError as err:
+            if wait is None or STOPPING.is_set():
+                raise
+            log.info("%s; asking again in %.0f s", err, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")  # the last round returns or raises
+
+
 def run_claimed(settings: Settings, work: NodeWork, host: str) -> str:
     """Launch, watch and finish a node this process has claimed."""
     job_id = work.job_id
     try:
-        write_spec(work.run_dir, with_deployment_url(settings, work.team, work.spec))
+        write_spec(work.run_dir, spec_with_deployment(settings, work.team, work.spec))
         ingestor = (
             RunIngestor(settings.database_url, job_id, work.run_dir, work.attempt, settings.redis_url)
             if work.node_rank == 0
