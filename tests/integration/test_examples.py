@@ -75,9 +75,7 @@ def test_examples_needing_only_the_demo_are_accepted(api: tuple[TestClient, dict
     assert answer.status_code == 422 and answer.json()["field"] == "data_path", answer.text
 
 
-def test_the_serve_example_takes_the_lora_runs_save(
-    settings: Settings, api: tuple[TestClient, dict[str, str]]
-) -> None:
+def test_the_serve_example_takes_the_lora_runs_save(settings: Settings, api: tuple[TestClient, dict[str, str]]) -> None:
     """09 serves 03's LoRA save over the demo model: refused naming the adapter until 03 wrote it, then accepted
     (its tensors read as LoRA adapters); its max_model_len fits the demo model's 2,048 positions."""
     import torch
