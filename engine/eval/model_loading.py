@@ -169,9 +169,7 @@ def check_adapters(
         raise BadInput(f"lora_load: adapters have mixed ranks {ranks}", field="lora_load")
     r = ranks[0]
     if spec.lora_r is not None and spec.lora_r != r:
-        raise BadInput(
-            f"lora_r: {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}", field="lora_r"
-        )
+        raise BadInput(f"lora_r: {spec.lora_r} but the adapters in {spec.lora_load} have rank {r}", field="lora_r")
     alpha = spec.lora_alpha if spec.lora_alpha is not None else (recorded or {}).get("alpha")
     if alpha is None:
         alpha = 32.0  # MindSpeed's default --lora-alpha
