@@ -6,8 +6,9 @@ Each row runs the trace in its own process (the private-use backend is renamed o
 largest traced peak over the ranks, the planner's figure for that rank, the largest ``|planner / trace - 1|`` over
 all ranks, host tensors and syncs inside the step, the trace's wall time and peak host RSS.
 
-Rows (Qwen3-4B, bf16, distributed optimizer, MBS 8 at seq 800): the seed's full-SFT line TP1 PP2 on 2 ranks (GBS 16:
-two micro-batches, what 1F1B holds in flight on stage 0; more only repeat the step) and 8 ranks as TP1 PP1 DP8.
+Rows (Qwen3-4B, bf16, distributed optimizer, MBS 8 at seq 800): the seed's full-SFT line TP1 PP2 on 2 ranks (GBS 24:
+three micro-batches, the fewest where 1F1B's stage 0 holds two in flight after a backward made the gradients; the
+seed's 16 only repeat that pattern) and 8 ranks as TP1 PP1 DP8.
 The issue's other rows do not trace yet (``NOT_TRACED`` says why; the last line lists them). ``--rows`` picks some;
 ``--smoke`` (CI, under a minute): a 2-layer model as DP2 and PP2.
 
@@ -34,7 +35,7 @@ MIB = 2**20
 QWEN3_4B_SFT = ["--model", "qwen3-4b", "--seq-length", "800", "--micro-batch-size", "8", "--bf16"]
 ROWS: dict[str, list[str]] = {
     "seed_full_tp1_pp2": [*QWEN3_4B_SFT, "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2",
-                          "--global-batch-size", "16", "--use-distributed-optimizer"],
+                          "--global-batch-size", "24", "--use-distributed-optimizer"],
     "qwen3_4b_dp8": [*QWEN3_4B_SFT, "--nproc-per-node", "8", "--global-batch-size", "64",
                      "--use-distributed-optimizer"],
 }  # fmt: skip
