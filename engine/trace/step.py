@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -159,6 +159,14 @@ class _StepWatch(TorchDispatchMode):
         )
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK: Any = _NoHook()
+
+
 class _StepTracker(MemTracker):
     """MemTracker over a step that runs the rank's root module once per micro-batch: a root called again in forward
     starts a new module record (MemTracker refuses a second iteration); the device-wide peak spans them all.
@@ -183,6 +191,13 @@ class _StepTracker(MemTracker):
         if not self.module_hooks:
             self._mod_tracker.__enter__()  # MemTracker's exit removes them
         super().__exit__(*args)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker hooks every parameter's gradient; a frozen one (LoRA's base) takes no hook: marked as hooked
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def track_model(self, model: nn.Module) -> None:
         """Parameters and their gradients counted as such where no module hook registers them."""
@@ -232,12 +247,14 @@ def _one_step(
     mesh: Any,
     batches: list[MicroBatch],
     tracker: _StepTracker,
+    building: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> None:
     """Build the rank's model, runner and optimizer, then run two steps: the first creates the optimizer state (Adam
     makes it at its first ``step()``), so the second is a steady-state step, the one every later step repeats; the
     peak is measured over it."""
     assert spec.seq_length is not None
-    model = build_rank_model(cfg, mesh, spec, gbs, spec.seq_length, device.torch_device, None)
+    with building():  # construction (LoRA makes its adapters on the host, then moves them), not the step
+        model = build_rank_model(cfg, mesh, spec, gbs, spec.seq_length, device.torch_device, None)
     tracker.track_model(model)
     runner = make_runner(model, mesh, device.torch_device, spec.cross_entropy_chunk_size)
     pp = mesh["pp"]
@@ -308,7 +325,7 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             _StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,
         ):
-            _one_step(spec, cfg, dims, gbs, device, mesh, batches, tracker)
+            _one_step(spec, cfg, dims, gbs, device, mesh, batches, tracker, watch.paused)
         snapshots = tracker.get_tracker_snapshot("peak")
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
     finally:
