@@ -41,7 +41,7 @@ ROWS: dict[str, list[str]] = {
 }  # fmt: skip
 # rows of the table that do not trace yet, and why (docs/device-trace.md)
 NOT_TRACED = {
-    "seed_lora_tp1_pp2": "LoRA on fake tensors: _apply() cannot swap RMSNorm.weight when the frozen base is cast",
+    "seed_lora_tp1_pp2": "LoRA under PP: to_empty() cannot swap a parameter something holds a weakref to",
     "qwen3_4b_tp8 / tp2_pp2_dp2 / cp2_tp2_pp2 / qwen3_8b_tp4_pp2": "under TP the norm weight reaching torch_npu's "
     "npu_rms_norm is a DTensor, and torch_npu registers no DTensor sharding strategy for it: the engine's NPU path "
     "fails here as it would on a device",

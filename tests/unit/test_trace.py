@@ -121,3 +121,13 @@ def test_both_pipeline_stages_trace_with_no_host_tensor() -> None:
     assert out["host_tensors"] == 0
     for rank in out["ranks"]:
         assert {"params", "activations", "optimizer"} <= set(rank["breakdown"])
+
+
+@pytest.mark.slow
+def test_lora_traces_with_its_frozen_base() -> None:
+    """LoRA over DP2: the frozen base takes no gradient hook (MemTracker used to refuse it), the adapters' Adam state
+    is all the optimizer holds, and building the adapters on the host is construction, not the step."""
+    out = trace_spec(tiny_spec(lora_r=4, lora_alpha=8), None)
+    rank = out["ranks"][0]
+    assert rank["peak_bytes"] > 0 and rank["breakdown"]["optimizer"] < rank["breakdown"]["params"] / 4
+    assert "aten.uniform_.default" not in rank["host_ops"]
