@@ -10,7 +10,8 @@ What autograd would save, and what these save instead, per token of a bf16 layer
   ``--recompute-activation-function``: one elementwise pass per layer in backward).
 - RoPE saves nothing but the shared cos/sin tables.
 On Ascend (``torch_npu`` loaded, NPU tensors) the fused ``npu_rms_norm`` / ``npu_swiglu`` / ``npu_rotary_mul``
-kernels run instead: they save the same (input and rstd; fc1's output; nothing). Every forward here is the plain
+kernels run instead: they save the same (input and rstd; fc1's output; nothing: ``npu_rotary_mul``'s own autograd
+would keep its input, so ``RopeFunction`` wraps it). Every forward here is the plain
 torch expression's, op for op, so results are bit-identical to it.
 """
 
@@ -186,10 +187,41 @@ def softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
     return Fp32Softmax.apply(logits)
 
 
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RopeFunction(torch.autograd.Function):
+    """Rotate-half RoPE through ``kernel`` (torch_npu's ``npu_rotary_mul`` on NPU), saving only cos/sin.
+
+    torch_npu's own autograd for ``npu_rotary_mul`` keeps x (q and k before RoPE: 2 (a + g) d bytes per token per
+    layer the planner does not count). RoPE is linear in x, and its transpose is the rotation the other way:
+    dx = rope(dy, cos, -sin) for tables whose halves repeat (cos = [c, c], sin = [s, s], as ``rope_cos_sin`` builds
+    them, YaRN's scale included), so backward needs only the tables.
+    cos/sin take no gradient here (``apply_rope`` sends tables that need one to the kernel's own autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: RopeKernel) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.kernel = kernel
+        return kernel(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        return ctx.kernel(dy, cos, -sin), None, None, None
+
+
+def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in plain torch (autograd saves only cos/sin: the products' other factors)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, n, T, d), cos/sin broadcastable to it: rotate-half RoPE (pairs (i, i + d/2), the HF/Qwen convention)."""
     npu = npu_fused_ops(x.device.type)
-    if npu is not None:
+    if npu is None:
+        return rope_math(x, cos, sin)
+    if cos.requires_grad or sin.requires_grad:
         return npu.npu_rotary_mul(x, cos, sin)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return RopeFunction.apply(x, cos, sin, npu.npu_rotary_mul)
