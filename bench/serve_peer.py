@@ -284,6 +284,16 @@ def start_peer(peer: subprocess.Popen[bytes], port: int, model_dir: Path) -> Sid
 
 
 def one(side: Side, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed request; a failed one counts in its wave's ``errors`` (with no tokens) instead of ending the run."""
+    import openai
+
+    try:
+        return _one(side, msgs, max_tokens)
+    except openai.APIError as err:
+        return {"text": None, "tokens": 0, "ttft": float("nan"), "gaps": [], "error": f"{type(err).__name__}: {err}"}
+
+
+def _one(side: Side, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     stamps: list[float] = []
     text, tokens = "", None
@@ -324,7 +334,7 @@ def wave(side: Side, prompts: list[list[dict[str, str]]], max_tokens: int) -> di
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda m: one(side, m, max_tokens), prompts))
     wall = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
+    ttft = [r["ttft"] for r in results if r["text"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
     return {
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
@@ -335,6 +345,7 @@ def wave(side: Side, prompts: list[list[dict[str, str]]], max_tokens: int) -> di
         "wall_s": wall,
         "load": [before, load()],
         "texts": [r["text"] for r in results],
+        "errors": [r["error"] for r in results if "error" in r],
     }
 
 
@@ -391,20 +402,25 @@ def main() -> None:
                             per_side[side.name].append(wave(side, prompts, args.max_tokens))
                             loads.append(load())
                     equal = sum(  # the peer's stream starts with the prompt's think block's "\n\n": stripped
-                        a.strip() == b.strip()
+                        a is not None and b is not None and a.strip() == b.strip()
                         for x, y in zip(per_side["ours"], per_side["peer"], strict=True)
                         for a, b in zip(x["texts"], y["texts"], strict=True)
                     )
                     row = {"prompt": kind, "clients": count, "waves": args.waves}
                     row |= {"ours": median_row(per_side["ours"]), "peer": median_row(per_side["peer"])}
                     row["outputs_equal"] = f"{equal}/{count * args.waves}"
+                    for name, waves in per_side.items():
+                        errors = [e for w in waves for e in w["errors"]]
+                        row[f"{name}_errors"] = len(errors)
+                        if errors:
+                            print(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
                     row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"], 3)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
             for side in sides:
                 side.close()
-        if not rows:
+        if not rows or any(r["ours_errors"] or r["peer_errors"] for r in rows):
             log.flush()
             sys.stderr.write((root / "sides.log").read_text(errors="replace")[-4000:])
     print(
