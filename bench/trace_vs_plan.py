@@ -38,6 +38,8 @@ ROWS: dict[str, list[str]] = {
                           "--global-batch-size", "24", "--use-distributed-optimizer"],
     "qwen3_4b_dp8": [*QWEN3_4B_SFT, "--nproc-per-node", "8", "--global-batch-size", "64",
                      "--use-distributed-optimizer"],
+    "qwen3_4b_tp8": [*QWEN3_4B_SFT, "--nproc-per-node", "8", "--tensor-model-parallel-size", "8",
+                     "--global-batch-size", "16", "--use-distributed-optimizer"],
 }  # fmt: skip
 # rows of the table that do not trace yet, and why (docs/device-trace.md)
 NOT_TRACED = {

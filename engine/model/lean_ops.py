@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from engine.model.kernels import npu_fused_ops
 from engine.torch_compat import in_backward
@@ -59,9 +60,26 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; the fused kernel on NPU."""
     npu = npu_fused_ops(x.device.type)
-    if npu is not None:
-        return npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
-    return RMSNormFunction.apply(x, weight, eps)
+    if npu is None:
+        return RMSNormFunction.apply(x, weight, eps)
+    if isinstance(x, DTensor):
+        return _npu_rms_norm_local(npu.npu_rms_norm, x, weight, eps)
+    return npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+
+
+def _npu_rms_norm_local(kernel: Callable[..., Any], x: DTensor, weight: torch.Tensor, eps: float) -> DTensor:
+    """Under TP, x and the norm weight are DTensors and DTensor has no sharding strategy for torch_npu's
+    ``npu_rms_norm``: run it on x's local rows and the replicated weight. Each row is normalised on its own, so x may
+    be sharded on any dim but the last; the weight's gradient is then a partial sum on every mesh dim that shards x."""
+    mesh, placements = x.device_mesh, x.placements
+    if any(p.is_partial() or p.is_shard(x.dim() - 1) for p in placements):
+        raise ValueError(f"rms_norm: x must be replicated or sharded off its last dim on NPU, got {placements}")
+    if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
+        raise ValueError("rms_norm: on NPU a DTensor x needs its norm weight as a DTensor on x's mesh")
+    w = weight.redistribute(mesh, [Replicate()] * mesh.ndim)
+    w_grad = [Partial() if p.is_shard() else Replicate() for p in placements]
+    y = kernel(x.to_local(), w.to_local(grad_placements=w_grad).to(x.dtype), epsilon=eps)[0]
+    return DTensor.from_local(y, mesh, placements, shape=x.shape, stride=x.stride())
 
 
 def _swiglu_math(h: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:

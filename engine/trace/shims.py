@@ -170,6 +170,25 @@ def host_batch_staging(paused: Callable[[], contextlib.AbstractContextManager[No
 
 
 @contextlib.contextmanager
+def sharding_propagation_paused(paused: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+    """DTensor's uncached sharding propagation (under TP, e.g. for ``linear_fc1``'s first call) runs ops on host
+    tensors in the step's fake mode to infer shapes: DTensor's bookkeeping, not host tensors of the step."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator.propagate_op_sharding_non_cached
+
+    def propagated(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with paused():
+            return original(self, *args, **kwargs)
+
+    ShardingPropagator.propagate_op_sharding_non_cached = propagated  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator.propagate_op_sharding_non_cached = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def local_tied_shape(fallback: tuple[int, ...] | None) -> Iterator[None]:
     """The tied embedding's gradient shape, which the pipeline asks every stage for once (``all_gather_object``: a
     pickled host exchange the fake process group cannot answer): a holder's own local shape, else ``fallback``

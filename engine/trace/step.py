@@ -46,6 +46,7 @@ from engine.trace.shims import (
     host_batch_staging,
     host_mesh_coordinates,
     local_tied_shape,
+    sharding_propagation_paused,
 )
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.loop import _global_counts
@@ -111,12 +112,13 @@ class _StepWatch(TorchDispatchMode):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The trace's own host work (``shims``) is not the step's."""
-        self._paused = True
+        """The trace's own host work (``shims``) is not the step's; nests (DTensor's propagation inside a paused
+        model build must not resume the watch when it ends)."""
+        was, self._paused = self._paused, True
         try:
             yield
         finally:
-            self._paused = False
+            self._paused = was
 
     def __enter__(self) -> Self:
         self._entry_mode = active_fake_mode()
@@ -318,6 +320,7 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             fake_pipeline_peers(_boundary(spec, cfg, dims)),
             host_attention_plans(SegmentOracle(batches), watch.paused),
             host_batch_staging(watch.paused),
+            sharding_propagation_paused(watch.paused),
             local_tied_shape(_tied_shard(spec, cfg, dims)),
             fake_activations_freed(),
             host_mesh_coordinates(),
