@@ -333,6 +333,10 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions by spec, and a spec's mesh compares equal across traces while its process
+        # groups die with this one: the next rank's trace would be handed this mesh (TP under PP failed so)
+        torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (thread-local)
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
     return RankTrace(
         rank=rank,

@@ -143,3 +143,20 @@ def test_tp2_traces_on_npu_with_the_fused_norm_on_local_tensors() -> None:
     rank = out["ranks"][0]
     assert {"params", "activations", "optimizer"} <= set(rank["breakdown"])
     assert rank["collective_bytes_per_step"]["all_reduce"] > 0
+
+
+@pytest.mark.slow
+def test_tp_under_pp_traces_both_stages_in_one_process() -> None:
+    """TP2 PP2: the second stage's trace used to be handed the first trace's TP mesh (DTensor's sharding cache keys
+    meshes by layout, and that mesh's process groups had died with its trace)."""
+    out = trace_spec(
+        tiny_spec(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            global_batch_size=8,
+            resources={"device_type": "npu", "nproc_per_node": 4},
+        ),
+        None,
+    )
+    assert [r["traced_as"] for r in out["ranks"]] == [0, 0, 2, 2]
+    assert out["host_tensors"] == 0
