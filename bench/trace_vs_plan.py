@@ -51,7 +51,8 @@ ROWS: dict[str, list[str]] = {
 # rows of the issue's table that do not trace yet, and why (docs/device-trace.md)
 NOT_TRACED = {
     "seed_lora_tp1_pp2": "LoRA under PP: to_empty() cannot swap a parameter something holds a weakref to",
-    "cp2_tp2_pp2 / qwen3_30b_a3b_ep8 / qwen3_4b_dpo / serve": "not tried",
+    "cp2_tp2_pp2": "npu_fusion_attention refuses Ulysses' call (actual_seq_qlen[-1] 254 for T 508), not investigated",
+    "qwen3_30b_a3b_ep8 / qwen3_4b_dpo / serve": "not tried",
 }
 TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--padded-vocab-size", "512",
