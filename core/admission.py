@@ -374,7 +374,7 @@ def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
     config = inputs.checkpoint("load", spec.load)
     inputs.full_model("load", spec.load)
     _check_layout(spec, config, inputs.where)
-    _check_positions(spec, config, inputs.where, "max_model_len")
+    _check_positions(spec, config or _stored_positions(spec.load), inputs.where, "max_model_len")
     base = _base_config(spec.load, inputs) if spec.lora_load or spec.lora_adapters else None
     inputs.adapters("lora_load", spec.lora_load, base)
     for name, path in spec.lora_adapters.items():
@@ -427,6 +427,16 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
             f"this service's ceiling of {settings.max_train_tokens} "
             "(max_train_tokens)",
         )
+
+
+def _stored_positions(load: str | None) -> dict[str, Any] | None:
+    """A checkpoint without an HF config.json (Megatron args, our meta.json): its positions as the config the check
+    reads, so serving refuses a ``max_model_len`` past them as it does for an HF model. A YaRN checkpoint gives none
+    (its stretched positions are not checked here: the engine reads the scaling from the same args)."""
+    cfg = checkpoint_config(load) if load is not None else None
+    if cfg is None or cfg.rope_scaling_type:
+        return None
+    return {"max_position_embeddings": cfg.max_position_embeddings}
 
 
 def _check_positions(

@@ -34,6 +34,7 @@ from engine.contract.runfiles import BadInput
 SHAPE_ARGS = (
     "num_layers",
     "hidden_size",
+    "max_position_embeddings",
     "num_attention_heads",
     "padded_vocab_size",
     "vocab_size",

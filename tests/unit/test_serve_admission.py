@@ -91,3 +91,30 @@ def test_training_only_fields_are_refused_by_the_spec_itself() -> None:
 
     with pytest.raises(ValidationError, match="hidden_dropout: a training field"):
         parse_spec(serve(hidden_dropout=0.1))
+
+
+def _megatron_base(root: Path, positions: int) -> None:
+    """A Megatron checkpoint with no config.json: its positions are only in the rank file's args."""
+    import argparse
+    import pickle
+    import zipfile
+
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=8, num_attention_heads=2, padded_vocab_size=16, max_position_embeddings=positions
+    )
+    rank = root / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    with zipfile.ZipFile(rank / "model_optim_rng.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"args": args, "iteration": 1}, protocol=2))
+        zf.writestr("archive/version", "3\n")
+
+
+def test_max_model_len_within_a_megatron_bases_positions(api: TestClient) -> None:
+    area = team_dir(api.app.state.test_settings, "alpha")  # type: ignore[attr-defined]
+    _megatron_base(area / "mcore", 2048)
+    refused = api.post("/v1/jobs", json=serve(load="mcore", max_model_len=4096))
+    assert (refused.status_code, refused.json()["field"]) == (422, "max_model_len"), refused.text
+    assert "2048 positions" in refused.json()["message"]
+    accepted = api.post("/v1/jobs", json=serve(load="mcore", max_model_len=2048))
+    assert accepted.status_code == 201, accepted.text

@@ -178,6 +178,7 @@ def _from_mcore_args(fields: dict[str, Any]) -> ModelConfig | None:
         kv_channels=get("kv_channels") or get("hidden_size") // heads,
         vocab_size=vocab,
         tie_word_embeddings=not get("untie_embeddings_and_output_weights"),
+        **({"max_position_embeddings": get("max_position_embeddings")} if get("max_position_embeddings") else {}),
         **moe_from_args(args, get("num_layers")),
         **rope_scaling.from_args(args),
     )
