@@ -77,6 +77,7 @@ class MetricPoint(TypedDict):
     value: float | None
     rank: int | None
     time: str
+    attempt: int | None
 
 
 class LogLine(TypedDict):

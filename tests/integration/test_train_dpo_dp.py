@@ -102,8 +102,11 @@ def test_dpo_on_two_ranks_matches_one_process(tmp_path: Path, shared_pairs: str,
     # difference from the reference, so ~4e-7 apart in absolute terms
     absolute = 1e-6 if two_ranks.get("context_parallel_algo") == "megatron_cp_algo" else 1e-7
     for a, b in zip(one, two, strict=True):
-        for key in ("lm_loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        for key in ("lm_loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=absolute), key
+        # TP2's reduce-scatters sum partial gradients in another order than one process's matmuls, and the norm of
+        # five steps' updates carries it: 1.5e-5 apart on some CPUs' kernels (seen on main 5a20898 too), 1e-6 on others
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-5), "grad_norm"
         # a mean of logits over the vocabulary (~0.2 from terms of either sign) carries the last-bit rounding of
         # the weights, which differ where one process sums the tied head's gradient into .grad and a vocab-parallel
         # head returns it through autograd (preference._weight_grad_buffer)
