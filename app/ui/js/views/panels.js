@@ -18,7 +18,7 @@ export class LogsPanel {
     this.onStreamChange = onStreamChange;
     this.select = h("select", {id: "log-stream", "aria-label": "Log stream (rank)", onchange: () => this.show(this.select.value)});
     this.follow = h("input", {type: "checkbox", id: "log-follow", checked: true});
-    this.pre = h("pre", {class: "log", tabindex: 0, "aria-label": "Log lines"});
+    this.pre = h("pre", {class: "log", role: "log", tabindex: 0, "aria-label": "Log lines"});
     this.note = h("span", {class: "muted small"});
     this.query = h("input", {type: "search", id: "log-search", placeholder: "search this stream", "aria-label": "Search the log (server side)"});
     this.hits = h("div", {class: "log-hits", id: "log-hits", "aria-live": "polite"});
