@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# A one-node Slurm (Debian 12: slurm-wlm 22.05 + munge) on this machine, for the Slurm pool tests.
+# Idempotent: run it again and it only starts what is not running. Needs root.
+#
+# No accounting database: AccountingStorageType=accounting_storage/none and JobCompType=jobcomp/filetxt. With that,
+# `sacct` answers an error (it reads only slurmdbd), so the tracker reads `squeue` (core.slurm.parse); finished jobs
+# stay in `squeue` for MinJobAge seconds, which is set long enough here for the tracker to see every end.
+set -euo pipefail
+
+if [[ $(id -u) -ne 0 ]]; then
+    echo "slurm-setup: must run as root" >&2
+    exit 1
+fi
+
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+fi
+
+# munge: a key readable by the munge user only, and the daemon.
+if [[ ! -s /etc/munge/munge.key ]]; then
+    mungekey --create --force
+fi
+chown munge:munge /etc/munge/munge.key
+chmod 0400 /etc/munge/munge.key
+install -d -o munge -g munge -m 0755 /run/munge
+install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
+if ! munge -n </dev/null >/dev/null 2>&1; then
+    runuser -u munge -- /usr/sbin/munged
+    for _ in $(seq 50); do munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
+fi
+
+host=$(hostname -s)
+node_line=$(slurmd -C | head -1)  # NodeName=<host> CPUs=... RealMemory=...: what slurmd will find
+install -d -o slurm -g slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+conf=/etc/slurm/slurm.conf
+wanted=$(cat <<EOF
+# written by scripts/slurm-setup.sh
+ClusterName=llmjobs
+SlurmctldHost=${host}
+SlurmUser=slurm
+SlurmdUser=root
+AuthType=auth/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+SchedulerType=sched/backfill
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=/var/log/slurm/jobcomp.log
+JobAcctGatherType=jobacct_gather/none
+MinJobAge=600
+KillWait=10
+InactiveLimit=0
+${node_line} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+)
+if [[ ! -f $conf ]] || [[ "$(cat "$conf")" != "$wanted" ]]; then
+    printf '%s\n' "$wanted" >"$conf"
+    restart=1
+fi
+# cgroup.conf is read by slurmd even with proctrack/linuxproc in 22.05; an empty one avoids its warnings.
+[[ -f /etc/slurm/cgroup.conf ]] || echo "CgroupPlugin=cgroup/v1" >/etc/slurm/cgroup.conf
+
+if [[ ${restart:-0} == 1 ]]; then
+    [[ -f /run/slurmctld.pid ]] && kill "$(cat /run/slurmctld.pid)" 2>/dev/null || true
+    [[ -f /run/slurmd.pid ]] && kill "$(cat /run/slurmd.pid)" 2>/dev/null || true
+    sleep 1
+fi
+pidof slurmctld >/dev/null || slurmctld
+pidof slurmd >/dev/null || slurmd
+
+for _ in $(seq 60); do
+    if scontrol ping 2>/dev/null | grep -q UP && sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+        break
+    fi
+    sleep 1
+done
+scontrol update NodeName="$host" State=RESUME >/dev/null 2>&1 || true  # a node left down by an earlier run
+if ! timeout 60 srun -N1 -n2 hostname; then
+    echo "slurm-setup: srun -N1 -n2 hostname did not run" >&2
+    tail -20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+    exit 1
+fi
+echo "slurm-setup: Slurm is up on ${host} (partition debug)"
