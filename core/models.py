@@ -103,6 +103,7 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None]
     request_id: Mapped[str | None] = mapped_column(String(64))  # the submitting request's (core.structured_logs)
     resources: Mapped[str | None] = mapped_column(Text)  # spec["resources"] as JSON text: what a pass reads
+    retry_not_before: Mapped[datetime | None]  # a retrying job waits for this (``core.recovery.retry_backoff``)
 
 
 # The rows a scheduling pass may start, as literal SQL: a query uses the partial index below only where its own
@@ -124,6 +125,18 @@ Index(
     postgresql_where=WAITING_ROWS,
     sqlite_where=WAITING_ROWS,
 )
+
+
+class ServedName(Base):
+    """A model name a live deployment answers to, unique per team: two deployments submitted at once cannot both
+    take it (``core.jobs.create_job``). Written with the serve job, deleted when the job ends (``core.jobs.transition``)."""
+
+    __tablename__ = "served_names"
+    __table_args__ = (Index("ix_served_names_job", "job_id"),)
+
+    team: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
 
 
 class Attempt(Base):
