@@ -4,12 +4,18 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup chromium run lint test test-fast bench bench-smoke clean
+.PHONY: setup lock chromium run lint test test-fast bench bench-smoke clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every installed package (dev tools included), so a tool's upgrade is a commit, not a surprise:
+# an unpinned pytest once turned `--dist loadgroup` into plain `load`. `make lock` rewrites it from the venv.
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
-	$(PY) -m pip install -q -e '.[dev,postgres,redis]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres,redis]'
 	@touch $(STAMP)
+
+lock: $(STAMP)
+	{ echo "# The exact versions \`make setup\` installs (pip constraints; regenerate on purpose with \`make lock\`)."; \
+	  $(PY) -m pip freeze --exclude-editable; } > constraints.txt
 
 setup: $(STAMP) chromium
 
