@@ -11,10 +11,33 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class SlurmPool(BaseModel):
+    """One Slurm partition jobs may name with ``resources.pool`` (``LLMJOBS_SLURM_POOLS``, JSON: name -> pool).
+    The service's runs_dir and the engine's Python must be on a filesystem the pool's nodes share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str = Field(min_length=1, description="sbatch --partition.")
+    gres_per_node: str | None = Field(None, description="sbatch --gres, site-specific (e.g. 'npu:8', 'gpu:a100:8').")
+    devices_per_node: int = Field(ge=1, le=64, description="Devices one node of the pool has.")
+    device_type: Literal["cpu", "cuda", "npu"] = Field("cpu", description="The pool's accelerator type.")
+    device_memory_gib: float | None = Field(None, gt=0, description="Memory of one device; the planner checks it.")
+    host_memory_gib: float | None = Field(None, gt=0, description="Memory of one node (sbatch --mem).")
+    account: str | None = Field(None, description="sbatch --account.")
+    qos: str | None = Field(None, description="sbatch --qos.")
+    time_limit: str | None = Field(None, description="sbatch --time (Slurm's syntax, e.g. '2-00:00:00').")
+    max_nodes: int = Field(1024, ge=1, description="Nodes one job of this pool may span.")
+    extra_sbatch: list[str] = Field(default_factory=list, description="More '--flag=value' lines for #SBATCH.")
+    constraint: str | None = Field(None, description="sbatch --constraint.")
+    requeue: bool = Field(True, description="sbatch --requeue: Slurm may requeue the job (preemption, node failure).")
+    python: str | None = Field(None, description="The engine's Python on the nodes; default the service's own.")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun's c10d rendezvous port on the head node.")
 
 
 class Settings(BaseSettings):
@@ -240,6 +263,12 @@ class Settings(BaseSettings):
     team_run_deadlines: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="Per-team overrides of default_run_deadline_s, e.g. 'research=86400'."
     )
+    slurm_pools: dict[str, SlurmPool] = Field(
+        default_factory=dict,
+        description="Slurm partitions jobs may run on (resources.pool), as JSON: name -> SlurmPool; see the README's "
+        "'Running on a Slurm cluster'. Run by `llmjobs slurm-agent`.",
+    )
+    slurm_poll_interval_s: float = Field(5.0, gt=0, description="How often the Slurm agent asks squeue/sacct.")
 
     @field_validator("data_roots", "webhook_allowed_hosts", "secret_keys", "shared_data_areas", mode="before")
     @classmethod
