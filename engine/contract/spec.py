@@ -203,6 +203,13 @@ class Resources(_Strict):
     nproc_per_node: int = Field(
         1, ge=1, le=64, description="Devices (processes) per host (torchrun --nproc-per-node); CPU: process slots."
     )
+    pool: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="A Slurm pool (the service's LLMJOBS_SLURM_POOLS) to run on instead of the pinned hosts; "
+        "None = the pinned hosts.",
+    )
 
     @property
     def world_size(self) -> int:
