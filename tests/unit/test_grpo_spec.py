@@ -1,0 +1,67 @@
+"""Stage grpo's spec: TRL's names and defaults, and every bad combination refused at submission naming its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from engine.contract.spec import TrainSpec, first_error, parse_spec
+
+BASE: dict[str, Any] = {
+    "kind": "train",
+    "data_path": ["d"],
+    "train_iters": 2,
+    "lr": 1e-3,
+    "seq_length": 64,
+    "stage": "grpo",
+    "micro_batch_size": 4,
+    "global_batch_size": 16,
+    "reward_funcs": [{"name": "exact_match"}],
+}
+
+
+def test_defaults_are_trls() -> None:
+    spec = parse_spec({**BASE, "global_batch_size": 16})
+    assert isinstance(spec, TrainSpec)
+    assert (spec.num_generations, spec.beta, spec.epsilon, spec.epsilon_high) == (8, 0.0, 0.2, None)
+    assert (spec.num_iterations, spec.max_completion_length, spec.temperature, spec.top_p) == (1, 512, 1.0, 1.0)
+    assert (spec.loss_type, spec.scale_rewards, spec.advantage_eps) == ("dapo", "group", 1e-4)
+    assert not spec.kl_clamp and not spec.mask_truncated_completions and spec.top_k is None
+    assert parse_spec({**BASE, "scale_rewards": False}).scale_rewards == "none"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"num_generations": 3}, "global_batch_size"),
+        ({"reward_funcs": []}, "reward_funcs"),
+        ({"reward_funcs": [{"name": "regex"}]}, "pattern"),
+        ({"reward_funcs": [{"name": "regex", "pattern": "(a"}]}, "pattern"),
+        ({"reward_funcs": [{"name": "json_schema", "json_schema": {"type": "nope"}}]}, "json_schema"),
+        ({"reward_funcs": [{"name": "exact_match", "pattern": "a"}]}, "pattern"),
+        ({"reward_funcs": [{"name": "exact_match"}, {"name": "exact_match"}]}, "reward_funcs"),
+        ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
+        ({"ref_model": "r"}, "ref_model"),
+        ({"kl_clamp": True}, "kl_clamp"),
+        ({"beta": 0.1, "ref_model": "r", "lora_r": 4}, "ref_model"),
+        ({"num_iterations": 2, "save_interval": 3}, "save_interval"),
+        ({"loss_type": "sigmoid"}, "loss_type"),
+        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
+        ({"stage": "sft", "num_generations": 4}, "num_generations"),
+        ({"stage": "sft", "reward_funcs": [{"name": "format"}]}, "reward_funcs"),
+    ],
+)
+def test_bad_grpo_specs_name_their_field(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_spec({**BASE, **extra})
+    assert first_error(err.value, "spec").split(":")[0].split(".")[-1] == field, first_error(err.value, "spec")
+
+
+def test_sft_and_dpo_specs_are_unchanged() -> None:
+    sft = {k: v for k, v in BASE.items() if k != "reward_funcs"}
+    spec = parse_spec({**sft, "stage": "sft"})
+    assert spec.stage == "sft"  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError):
+        parse_spec({**sft, "stage": "sft", "ref_model": "r"})  # still dpo's only
