@@ -635,6 +635,94 @@ class PreprocessSpec(JobBase):
         return self
 
 
+# ---------------------------------------------------------------- stage grpo: rule rewards
+
+RewardName = Literal["exact_match", "contains", "regex", "json_schema", "length", "format"]
+GRPO_FIELDS = (
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "num_iterations",
+    "loss_type",
+    "scale_rewards",
+    "advantage_eps",
+    "kl_clamp",
+    "mask_truncated_completions",
+    "reward_funcs",
+    "reward_weights",
+)
+
+
+def _scale_rewards(value: Any) -> Any:
+    """TRL's booleans: true is "group", false is "none"."""
+    if value is True:
+        return "group"
+    if value is False:
+        return "none"
+    return value
+
+
+class RewardFunc(_Strict):
+    """One built-in rule reward of stage grpo, scored on the completion's text (no user code runs on a worker)."""
+
+    name: RewardName = Field(
+        ...,
+        description="exact_match (1 if the answer equals the reference answer, whitespace-trimmed), contains (1 if "
+        "the answer contains the reference), regex (1 if pattern matches the answer), json_schema (1 if the answer "
+        "parses as JSON and validates against schema), length (DAPO's overlong penalty: 0 up to "
+        "max_completion_length - overlong_buffer tokens, then linearly down to -1 at max_completion_length), "
+        "format (1 if the completion is Qwen3's <think>...</think> block followed by a non-empty answer).",
+    )
+    label: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The name in the metrics (rewards/<label>/mean) and completions.jsonl; default the name.",
+    )
+    strip_thinking: bool = Field(
+        True,
+        description="Score the answer after the <think>...</think> block (exact_match, contains, regex, json_schema).",
+    )
+    pattern: str | None = Field(None, max_length=2000, description="regex: the pattern (Python `regex` syntax).")
+    json_schema: JsonObject | None = Field(None, description="json_schema: the JSON Schema the answer must satisfy.")
+    overlong_buffer: int | None = Field(
+        None, ge=1, description="length: the tokens before max_completion_length over which the penalty grows to -1."
+    )
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> RewardFunc:
+        needs = {"regex": "pattern", "json_schema": "json_schema", "length": "overlong_buffer"}
+        for name, field in needs.items():
+            if self.name == name and getattr(self, field) is None:
+                raise ValueError(f"{field}: reward {name} needs it")
+            if self.name != name and getattr(self, field) is not None:
+                raise ValueError(f"{field}: applies to reward {name} only, not {self.name}")
+        if self.pattern is not None:
+            import regex  # type: ignore[import-untyped]
+
+            try:
+                regex.compile(self.pattern)
+            except regex.error as err:
+                raise ValueError(f"pattern: not a valid regular expression ({err})") from err
+        if self.json_schema is not None:
+            import jsonschema  # type: ignore[import-untyped]
+
+            try:
+                jsonschema.validators.validator_for(self.json_schema).check_schema(self.json_schema)
+            except jsonschema.SchemaError as err:
+                raise ValueError(f"json_schema: not a valid JSON Schema ({err.message})") from err
+        return self
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
 class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     """``pretrain_gpt.py`` / ``posttrain_gpt.py`` under torchrun: pretraining, full and LoRA fine-tuning."""
 
@@ -782,10 +870,11 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     finetune: bool = Field(
         False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load."
     )
-    stage: Literal["sft", "dpo"] | None = Field(
+    stage: Literal["sft", "dpo", "grpo"] | None = Field(
         None,
         description="--stage: sft for supervised fine-tuning on instruction data; dpo for preference training on "
-        "pairwise data (is_pairwise_dataset), with the loss dpo_loss_type names.",
+        "pairwise data (is_pairwise_dataset), with the loss dpo_loss_type names; grpo for online RL with rule "
+        "rewards (reward_funcs) on the prompts of instruction data (TRL's GRPOTrainer fields).",
     )
     is_pairwise_dataset: bool = Field(
         False,
@@ -813,6 +902,51 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         None,
         description="--ref-model: the reference model's checkpoint (HF or Megatron; default: load). Not for LoRA "
         "(the reference is the base with the adapters off) nor for simpo/orpo.",
+    )
+    num_generations: int = Field(
+        8, ge=2, description="Stage grpo (TRL): completions sampled per prompt; global_batch_size counts completions."
+    )
+    max_completion_length: int = Field(512, ge=1, description="Stage grpo (TRL): the most tokens a completion has.")
+    temperature: float = Field(
+        1.0, gt=0, le=10, description="Stage grpo (TRL): sampling temperature; the loss's log-probs use it too."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Stage grpo (TRL): nucleus sampling mass (1: off).")
+    top_k: int | None = Field(None, ge=0, description="Stage grpo (TRL): sample among the k most likely (0/None: off).")
+    beta: float = Field(
+        0.0, ge=0, description="Stage grpo (TRL): weight of the k3 KL to the reference (0: no reference is built)."
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Stage grpo (TRL): the ratio's lower clip, 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0,
+        description="Stage grpo (TRL, DAPO's clip-higher): the upper clip, 1 + epsilon_high (default epsilon).",
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Stage grpo (TRL's mu): optimizer steps per batch of completions (each an iteration)."
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="Stage grpo (TRL): grpo (mean of per-sequence token means), bnpo (token mean per micro-batch), "
+        "dr_grpo (token sum / (completions × max_completion_length)), dapo (token sum / the global batch's tokens).",
+    )
+    scale_rewards: Annotated[Literal["group", "batch", "none"], BeforeValidator(_scale_rewards)] = Field(
+        "group",
+        description="Stage grpo (TRL): advantages divided by the group's std, the batch's std, or not at all (Dr. GRPO).",
+    )
+    advantage_eps: float = Field(
+        1e-4, ge=0, description="Stage grpo: added to the std (TRL's 1e-4; MindSpeed-RL and verl use 1e-6)."
+    )
+    kl_clamp: bool = Field(
+        False, description="Stage grpo (MindSpeed-RL): clamp ref - logp to ±20 and the k3 term to ±10."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Stage grpo (TRL): completions cut at max_completion_length take no part in the loss."
+    )
+    reward_funcs: list[RewardFunc] = Field(
+        default_factory=list, description="Stage grpo: the built-in rule rewards, summed with reward_weights."
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="Stage grpo (TRL): one weight per reward function (default 1 each)."
     )
     refer_model_iter: int = Field(
         1,
@@ -1023,7 +1157,8 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         """Preference knobs outside stage dpo, or ones its loss ignores, would silently do nothing: refused."""
         pref = ("is_pairwise_dataset", "dpo_loss_type", "dpo_beta", "dpo_label_smoothing", "pref_ftx", "simpo_gamma")
         if self.stage != "dpo":
-            for flag in (*pref, "ref_model", "refer_model_iter", "precompute_ref_log_probs"):
+            ref = () if self.stage == "grpo" else ("ref_model",)  # stage grpo's reference: _check_grpo
+            for flag in (*pref, *ref, "refer_model_iter", "precompute_ref_log_probs"):
                 if flag in self.model_fields_set:
                     raise ValueError(f"{flag}: applies to stage dpo only (preference training); set stage: dpo")
             return self
@@ -1054,6 +1189,62 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                     "ref_model: under pipeline parallelism the reference is the run's starting weights (load); "
                     "remove ref_model or set pipeline_model_parallel_size 1"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_grpo(self) -> TrainSpec:
+        """Stage grpo's fields: refused outside it, checked against each other and the batch inside it."""
+        if self.stage != "grpo":
+            for flag in GRPO_FIELDS:
+                if flag in self.model_fields_set:
+                    raise ValueError(f"{flag}: applies to stage grpo only (online RL); set stage: grpo")
+            return self
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs: stage grpo needs at least one reward function")
+        keys = [f.key for f in self.reward_funcs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("reward_funcs: two reward functions share a name; give one a label")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
+            )
+        gbs = self.global_batch_size or self.micro_batch_size
+        if gbs % self.num_generations:
+            raise ValueError(
+                f"global_batch_size: {gbs} completions per step is not a multiple of num_generations "
+                f"{self.num_generations} (each prompt's group is sampled whole)"
+            )
+        if self.ref_model is not None and self.beta == 0:
+            raise ValueError("ref_model: beta is 0, so no reference is used; set beta or remove ref_model")
+        if self.ref_model is not None and self.lora_r is not None:
+            raise ValueError("ref_model: a LoRA run's reference is its base (load) with the adapters off")
+        if self.kl_clamp and self.beta == 0:
+            raise ValueError("kl_clamp: clamps the KL term, which beta 0 leaves out; set beta or remove kl_clamp")
+        if self.save_interval is not None and self.save_interval % self.num_iterations:
+            raise ValueError(
+                f"save_interval: must be a multiple of num_iterations ({self.num_iterations}): a checkpoint falls "
+                "between batches of completions"
+            )
+        if self.seq_length is not None:
+            for f in self.reward_funcs:
+                if f.overlong_buffer is not None and f.overlong_buffer > self.max_completion_length:
+                    raise ValueError(
+                        f"overlong_buffer: {f.overlong_buffer} is beyond max_completion_length "
+                        f"{self.max_completion_length}"
+                    )
+        for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, flag) > 1:
+                raise ValueError(f"{flag}: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)")
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                "context_parallel_size: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)"
+            )
+        if self.resources.world_size > 1:
+            raise ValueError(
+                "resources.nproc_per_node: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)"
+            )
+        if self.eval_iters and "eval_iters" in self.model_fields_set:
+            raise ValueError("eval_iters: stage grpo has no validation loss; score the model with an eval job")
         return self
 
     @model_validator(mode="after")
