@@ -13,13 +13,13 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.auth import Principal, load_visible
 from core.errors import ApiError
-from core.models import Event, Job, new_id, utcnow
+from core.models import Event, Job, ServedName, new_id, utcnow
 from core.pages import fetch_page
 from core.settings import Settings
 from core.states import ALLOWED_FROM, TERMINAL, WAITING, JobState
@@ -57,8 +57,13 @@ def create_job(
     raw: Any,
     idempotency_key: str | None = None,
     parent_id: str | None = None,
+    retried: bool = False,
 ) -> tuple[Job, bool]:
-    """Insert a queued job and commit. Returns ``(job, created)``; a replayed Idempotency-Key returns the first job."""
+    """Insert a queued job and commit. Returns ``(job, created)``; a replayed Idempotency-Key returns the first job.
+
+    A serve job's names go into ``served_names`` in the same transaction, whose key (team, name) makes two
+    deployments submitted at once unable to both take a name: the loser's insert fails and it gets the same 409 as
+    the check read before it."""
     digest = body_hash(raw)
     if idempotency_key and (existing := find_by_key(session, team, idempotency_key)):
         return _replay(existing, digest), False
@@ -87,15 +92,32 @@ def create_job(
     )
     session.add(job)
     try:
-        session.flush()  # the row first: events reference it
+        session.flush()  # the row first: events and served names reference it
+        if isinstance(spec, ServeSpec):
+            session.add_all(_served_rows(team, spec, job.id))
         add_event(session, job.id, "state", "queued", data={"state": "queued"})
         session.commit()
     except IntegrityError:
-        session.rollback()  # lost a race with the same Idempotency-Key
-        existing = find_by_key(session, team, idempotency_key or "")
-        if existing is None:
+        session.rollback()  # lost a race with the same Idempotency-Key, or for a served name
+        existing = find_by_key(session, team, idempotency_key) if idempotency_key else None
+        if existing is not None:
+            return _replay(existing, digest), False
+        if not isinstance(spec, ServeSpec):
             raise
-        return _replay(existing, digest), False
+        check_served_names(session, team, spec)  # the winner is committed now: 409 naming the field it took
+        if retried:
+            raise
+        release_served_names(session, team, spec)  # names left by a job that ended outside ``transition``
+        return create_job(
+            session,
+            settings=settings,
+            team=team,
+            spec=spec,
+            raw=raw,
+            idempotency_key=idempotency_key,
+            parent_id=parent_id,
+            retried=True,
+        )
     return job, True
 
 
@@ -104,6 +126,24 @@ def _names_served(served: str | None, adapters: Iterable[str], name: str | None,
     base = served or name or job_id
     names = {base: "served_model_name" if served else "name"} if base else {}
     return {**names, **{adapter: f"lora_adapters.{adapter}" for adapter in adapters}}
+
+
+def _served_rows(team: str, spec: ServeSpec, job_id: str) -> list[ServedName]:
+    names = _names_served(spec.served_model_name, spec.lora_adapters, spec.name, job_id)
+    return [ServedName(team=team, name=name, job_id=job_id) for name in names]
+
+
+def release_served_names(session: Session, team: str, spec: ServeSpec) -> None:
+    """Delete the rows of ``spec``'s names held by jobs that ended without ``transition`` (none live holds them:
+    ``check_served_names`` passed), then commit."""
+    names = list(_names_served(spec.served_model_name, spec.lora_adapters, spec.name, None))
+    ended = select(Job.id).where(Job.state.in_([s.value for s in TERMINAL]))
+    session.execute(
+        delete(ServedName)
+        .where(ServedName.team == team, ServedName.name.in_(names), ServedName.job_id.in_(ended))
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
 
 
 def check_served_names(session: Session, team: str, spec: ServeSpec) -> None:
@@ -189,6 +229,10 @@ def transition(
         data={"state": target.value},
         level="error" if target is JobState.failed else "info",
     )
+    if target in TERMINAL:  # an ended deployment's names are free again (the job's own rows; none for other kinds)
+        session.execute(
+            delete(ServedName).where(ServedName.job_id == job_id).execution_options(synchronize_session=False)
+        )
     session.commit()
     return True
 
