@@ -21,6 +21,7 @@ from typing import Any
 from core.errors import ApiError
 from core.paths import team_areas
 from core.settings import Settings
+from core.slurm.pools import check_pool_memory
 from engine.contract import inspect, layout, owner, rope_scaling
 from engine.contract.families import UnknownFamily, family_of_hf
 from engine.contract.flags import IGNORED_FLAGS
@@ -574,6 +575,8 @@ def check_admissible(spec: JobBase, settings: Settings, team: str) -> None:
         _check_pipeline(spec, settings, team)
     else:
         _check_one(spec, _Inputs(""), settings)
+        if spec.resources.pool is not None:  # the planner against the Slurm pool's device memory
+            check_pool_memory(settings, spec)
 
 
 def apply_team_defaults(spec: JobBase, settings: Settings, team: str) -> None:

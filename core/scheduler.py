@@ -39,6 +39,7 @@ from core.errors import ApiError
 from core.messaging import send_run_node
 from core.models import WAITING_ROWS, Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
 from core.settings import Settings
+from core.slurm.pools import check_pool_fits
 from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
 from engine.contract.plan import DoesNotFit, check_registered_memory
 from engine.contract.plan.planner import DEVICE_MEMORY_KEY
@@ -480,6 +481,8 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     started: dict[tuple[str, str | None], int] = {}  # per team and shape: all its window started, more may fit
     for job in jobs:
         res = resources_of(job.resources)
+        if res.pool is not None:
+            continue  # a Slurm pool's job: Slurm schedules it (core.slurm, run by worker.slurm_agent)
         kind = res.device_type
         index = hosts.get(kind) or hosts.setdefault(kind, FreeIndex([]))
         limit, held = settings.device_limit(job.team), usage.get(job.team, 0)
@@ -604,6 +607,9 @@ def _send(settings: Settings, grants: list[Grant]) -> None:
 def check_fits(session: Session, settings: Settings, team: str, res: Resources) -> None:
     """Refuse (422) a request no registered host set could ever satisfy. With no host registered at all the cluster
     is still starting, so the job is accepted and waits with a pending reason."""
+    if res.pool is not None:  # a Slurm pool's job is checked against its pool
+        check_pool_fits(settings, res)
+        return
     limit = settings.device_limit(team)
     if limit and res.world_size > limit:
         raise ApiError(
@@ -649,6 +655,8 @@ def check_memory_fits(session: Session, spec: JobBase) -> None:
     rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
     not checked (``engine.contract.plan.check_registered_memory``). The plan decides on the job's data when it can read it;
     a job that fits only on its data gets ``max_micro_batch_tokens`` so the engine refuses a larger micro-batch."""
+    if spec.resources.pool is not None:
+        return  # checked against its pool's device memory (core.slurm.pools.check_pool_memory, by admission)
     kind = spec.resources.device_type
     largest = session.scalar(select(func.max(Host.info[DEVICE_MEMORY_KEY].as_float())).where(Host.device_type == kind))
     try:  # the largest device memory is all the check uses: one number, not every host's info, per submission
