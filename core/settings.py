@@ -71,6 +71,13 @@ class Settings(BaseSettings):
         "upload that would pass it is refused with 413 storage_quota_exceeded. 0: no quota.",
     )
     default_max_restarts: int = Field(2, ge=0, description="Retries after a retryable failure when a spec sets none.")
+    retry_backoff_s: float = Field(
+        10.0,
+        ge=0,
+        description="A retried job waits this long before its second attempt, twice as long before each next one "
+        "(up to retry_backoff_max_s); an attempt that started no process is retried at once. 0: no wait.",
+    )
+    retry_backoff_max_s: float = Field(300.0, ge=0, description="The longest wait between two attempts of a job.")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(
         30.0, gt=0, description="The reconciler re-sends a queued job's message after this."
