@@ -104,6 +104,8 @@ class Job(Base):
     request_id: Mapped[str | None] = mapped_column(String(64))  # the submitting request's (core.structured_logs)
     resources: Mapped[str | None] = mapped_column(Text)  # spec["resources"] as JSON text: what a pass reads
     retry_not_before: Mapped[datetime | None]  # a retrying job waits for this (``core.recovery.retry_backoff``)
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32))  # a Slurm pool's job: sbatch's id (core.slurm)
+    slurm_state: Mapped[str | None] = mapped_column(String(32))  # the last Slurm state read; tracked until final
 
 
 # The rows a scheduling pass may start, as literal SQL: a query uses the partial index below only where its own
@@ -124,6 +126,15 @@ Index(
     Job.id,
     postgresql_where=WAITING_ROWS,
     sqlite_where=WAITING_ROWS,
+)
+
+
+# The Slurm agent's live jobs (``core.slurm.tracker``): only Slurm pools' jobs are in it.
+Index(
+    "ix_jobs_slurm_live",
+    Job.slurm_state,
+    postgresql_where=text("slurm_job_id IS NOT NULL"),
+    sqlite_where=text("slurm_job_id IS NOT NULL"),
 )
 
 
