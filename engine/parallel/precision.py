@@ -44,9 +44,12 @@ def param_dtypes(spec: TrainSpec) -> ParamDtypes:
     """The run's dtypes from its ``bf16`` / ``fp16`` / ``lora_r`` flags."""
     compute = compute_dtype(spec)
     lora = getattr(spec, "lora_r", None) is not None
+    # --main-grads-dtype bf16 (precision-aware optimizer): trainable weights, hence their gradients, in bf16; the
+    # fp32 master lives in the optimizer (engine.train.precision_optimizer)
+    narrow = getattr(spec, "use_precision_aware_optimizer", False) and getattr(spec, "main_grads_dtype", "") == "bf16"
     return ParamDtypes(
         compute=compute,
-        trainable=torch.float32,
+        trainable=compute if narrow else torch.float32,
         frozen=compute,
         reduce=torch.float32,
         base=compute if lora else torch.float32,
