@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.contract.spec import TrainSpec
 from engine.parallel.device import has_fused_adamw
+from engine.train.precision_optimizer import PrecisionAwareAdamW, StateDtypes
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -57,13 +58,18 @@ def bounded_groups(groups: list[dict[str, Any]], limit_bytes: int = FOREACH_GROU
     return out
 
 
-def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     """AdamW with no full-size temporary: torch's fused kernel where the device has one (in place, per tensor list),
-    else foreach over groups of at most ``FOREACH_GROUP_BYTES``."""
+    else foreach over groups of at most ``FOREACH_GROUP_BYTES``; with ``use_precision_aware_optimizer`` the
+    precision-aware (and possibly offloaded) AdamW of ``engine.train.precision_optimizer``."""
     groups = param_groups(model, spec.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
     kwargs: dict[str, Any] = {"lr": spec.lr, "betas": (spec.adam_beta1, spec.adam_beta2), "eps": spec.adam_eps}
+    if spec.use_precision_aware_optimizer:
+        dtypes = StateDtypes.from_names(spec.main_params_dtype, spec.exp_avg_dtype, spec.exp_avg_sq_dtype)
+        fraction = spec.optimizer_offload_fraction if spec.optimizer_cpu_offload else 0.0
+        return PrecisionAwareAdamW(groups, dtypes=dtypes, offload_fraction=fraction, **kwargs)
     if has_fused_adamw(spec.resources.device_type):
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     return torch.optim.AdamW(bounded_groups(groups), foreach=True, **kwargs)
