@@ -58,6 +58,8 @@ class JobPublic(BaseModel):
     error: JobError | None
     result: dict[str, Any] | None
     host: str | None
+    slurm_job_id: str | None = Field(None, description="a Slurm pool's job (spec.resources.pool): its Slurm job id")
+    slurm_state: str | None = Field(None, description="a Slurm pool's job: the last Slurm state the agent read")
     run_dir: str
     created_at: datetime
     updated_at: datetime

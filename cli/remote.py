@@ -79,6 +79,7 @@ def status(job_id: str, as_json: Annotated[bool, typer.Option("--json", help="th
         ("progress", _progress(job)),
         ("estimated finish", job.get("estimated_finish")),
         ("attempts", job["attempt_count"]),
+        ("slurm job", " ".join(str(v) for v in (job.get("slurm_job_id"), job.get("slurm_state")) if v)),
     ]
     for step in job.get("steps") or []:
         lines.append((f"step {step.get('name')}", f"{step.get('state')} {step.get('job_id') or ''}".rstrip()))

@@ -128,6 +128,18 @@ def gc() -> None:
     typer.echo(json.dumps(collect(settings).as_dict()))
 
 
+def slurm_agent() -> None:
+    """Submit and follow the jobs of the Slurm pools (LLMJOBS_SLURM_POOLS, resources.pool): run it where sbatch works
+    and the service's runs_dir is on the pools' shared filesystem (a login node). Several may run; one leads."""
+    from worker.slurm_agent import run_forever
+
+    settings = load_settings()
+    prepare(settings)
+    if not settings.slurm_pools:
+        raise typer.BadParameter("LLMJOBS_SLURM_POOLS is empty: there is no Slurm pool to serve")
+    run_forever(settings)
+
+
 def reseal() -> None:
     """Re-encrypt every stored webhook secret under the newest of LLMJOBS_SECRET_KEYS (after putting a new key first),
     so an old key can be dropped; prints how many. Run where the database is reachable."""

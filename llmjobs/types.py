@@ -31,6 +31,8 @@ class Job(TypedDict):
     error: JobError | None
     result: dict[str, Any] | None
     host: str | None
+    slurm_job_id: str | None
+    slurm_state: str | None
     run_dir: str
     created_at: str
     updated_at: str
