@@ -81,12 +81,16 @@ def end_attempt(
         counted = used if free else max(used, attempt - FREE_UNSTARTED_ATTEMPTS)
         if retryable and counted <= job.max_restarts:
             note = f"not counted: attempt {attempt} started no process; " if free else ""
+            wait = 0.0 if free else retry_backoff(settings, counted)
+            not_before = utcnow() + timedelta(seconds=wait) if wait else None
+            after = f"; next attempt after {not_before:%Y-%m-%d %H:%M:%S} UTC" if not_before else ""
             ok = transition(
                 session,
                 job_id,
                 JobState.retrying,
                 only_from=RUNNING,
-                message=f"retrying: {message} ({note}{counted} of {job.max_restarts + 1} attempts used)",
+                message=f"retrying: {message} ({note}{counted} of {job.max_restarts + 1} attempts used){after}",
+                retry_not_before=not_before,
             )
             outcome = "retrying"
         else:
@@ -110,6 +114,15 @@ def end_attempt(
 
 
 FREE_UNSTARTED_ATTEMPTS = 3
+
+
+def retry_backoff(settings: Settings, failed: int) -> float:
+    """Seconds a job waits for its next attempt after ``failed`` attempts that started a process: retry_backoff_s,
+    doubled for each attempt after the first, at most retry_backoff_max_s. A cause that is gone for a while (a
+    deployment an eval reads from, a host coming back) then costs one attempt, not every attempt within seconds."""
+    if failed <= 0 or settings.retry_backoff_s <= 0:
+        return 0.0
+    return min(settings.retry_backoff_s * 2 ** min(failed - 1, 32), settings.retry_backoff_max_s)
 
 
 def _started(session: Session, job_id: str, attempt: int) -> bool:

@@ -14,7 +14,9 @@ row as batches): one lease row per device and one ``job_nodes`` row per node, ea
 skipped while any pass ran recently (``schedule(backstop=True)``, ``scheduler_lock.passed_at``). Passes coalesce on
 PostgreSQL: a caller that finds one running asks for another instead of waiting (``schedule``). A job that
 does not fit waits with a ``pending_reason``; it also holds back the later jobs of its device type (no backfill), so
-a big gang job is never starved by small ones. A job that can never fit is refused at submission (``check_fits``).
+a big gang job is never starved by small ones. A retried job that fits waits out its backoff (``retry_not_before``,
+set by ``core.recovery.end_attempt``) without holding others back. A job that can never fit is refused at submission
+(``check_fits``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Waiting:
     pending_reason: str | None
     created_at: datetime
     resources: str | None  # the spec's resources as JSON text: parsed once per distinct text (``resources_of``)
+    retry_not_before: datetime | None = None  # a retrying job's backoff (``core.recovery.retry_backoff``)
 
 
 @dataclass
@@ -305,6 +308,10 @@ def grant_all(session: Session, settings: Settings, planned: list[Planned]) -> l
     return grants
 
 
+def retry_reason(not_before: datetime, attempt: int) -> str:
+    return f"retrying after {not_before:%Y-%m-%d %H:%M:%S} UTC (attempt {attempt})"
+
+
 @lru_cache(maxsize=256)
 def _behind_text(shown: str, plural: bool, kind: str) -> str:
     return f"waiting behind {shown} job{'s' if plural else ''} (higher priority or queued earlier) for {kind} devices"
@@ -396,7 +403,7 @@ def _firsts_query(shapes: int, window: int) -> CompoundSelect:
     arm of a UNION."""
     order = (Job.priority.desc(), Job.created_at, Job.id)
     arms = [
-        select(*WAITING_COLUMNS, Job.created_at, Job.resources)
+        select(*WAITING_COLUMNS, Job.created_at, Job.resources, Job.retry_not_before)
         .where(WAITING_ROWS, Job.team == bindparam(f"team_{i}"), Job.resources == bindparam(f"resources_{i}"))
         .order_by(*order)
         .limit(window)
@@ -479,6 +486,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     behind: dict[str, str] = {}  # job id -> its device type, which a job earlier in turn could not get
     planned: list[Planned] = []
     started: dict[tuple[str, str | None], int] = {}  # per team and shape: all its window started, more may fit
+    now = utcnow()
     for job in jobs:
         res = resources_of(job.resources)
         if res.pool is not None:
@@ -493,6 +501,8 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
             continue
         elif (placement := index.place(res)) is None:
             reason, blocked[kind] = waiting_reason(res, index.hosts, settings), job.id
+        elif job.retry_not_before is not None and job.retry_not_before > now:  # fits, but waits out its backoff
+            reason = retry_reason(job.retry_not_before, job.attempt_count + 1)  # holding back no other job
         else:
             index.take(placement)
             usage[job.team] = held + res.world_size

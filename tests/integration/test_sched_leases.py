@@ -255,7 +255,7 @@ def test_a_claim_retried_after_its_lost_answer_takes_its_node(settings: Settings
 
 
 def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str | None) -> None:
-    settings = _settings(tmp_path, db_url, host_stale_after_s=5)
+    settings = _settings(tmp_path, db_url, host_stale_after_s=5, retry_backoff_s=0)  # backoff: test_retry_backoff
     add_host(settings, "h1", 1)
     add_host(settings, "h2", 1)
     j = job(settings, max_restarts=1)
