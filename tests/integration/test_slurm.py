@@ -1,0 +1,220 @@
+"""Slurm pools against the real one-node Slurm ``scripts/slurm-setup.sh`` starts (``.ci/run`` runs it first).
+
+The service (``llmjobs serve``) takes the jobs; ``llmjobs slurm-agent`` submits them with sbatch and follows them
+through squeue (this Slurm has no accounting database, so sacct answers an error and squeue serves). Skipped with
+the reason when Slurm is not here or its controller does not answer; a failure under LLMJOBS_REQUIRE_SERVICES=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from core.settings import REPO_ROOT
+from service_support import Service, serve
+from train_support import tiny_spec, write_instruction_data
+
+pytestmark = [pytest.mark.slow]
+TEAM_AREA = Path("data") / "teams" / "default"
+
+
+def _slurm_answers() -> str | None:
+    """Why Slurm cannot serve the tests, or None."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "Slurm is not installed (no sinfo/sbatch): run scripts/slurm-setup.sh as root"
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20, check=False)
+    except subprocess.TimeoutExpired:
+        return "the Slurm controller did not answer `scontrol ping` within 20 s"
+    if "UP" not in ping.stdout:
+        return f"the Slurm controller is not up (scontrol ping: {ping.stdout.strip() or ping.stderr.strip()})"
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20, check=False)
+    if not any(s.strip("*~#") in ("idle", "mixed", "allocated", "completing") for s in nodes.stdout.split()):
+        return f"no Slurm node is up (sinfo: {nodes.stdout.strip()})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    reason = _slurm_answers()
+    if reason is None:
+        return
+    if os.environ.get("LLMJOBS_REQUIRE_SERVICES") == "1":
+        pytest.fail(reason + " (LLMJOBS_REQUIRE_SERVICES=1)")
+    pytest.skip(reason)
+
+
+def _failing_python(var: Path) -> str:
+    """An 'engine interpreter' that exits 7: the pool whose jobs fail with a known exit code."""
+    path = var / "exit7.sh"
+    path.write_text("#!/bin/sh\necho 'engine: failing on purpose' >&2\nexit 7\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _partition() -> str:
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=True).stdout.split()
+    return next((p.rstrip("*") for p in out if p.endswith("*")), out[0].rstrip("*"))
+
+
+@pytest.fixture(scope="module")
+def pools(slurm: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    var = tmp_path_factory.mktemp("slurm-var")
+    partition = _partition()
+    return {
+        "var": var,
+        "pools": {
+            "local": {"partition": partition, "devices_per_node": 2, "device_type": "cpu", "time_limit": "10:00"},
+            "broken": {"partition": partition, "devices_per_node": 2, "python": _failing_python(var)},
+        },
+    }
+
+
+def _agent(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    script = Path(sys.executable).parent / "llmjobs"
+    argv = [str(script), "slurm-agent"] if script.exists() else [sys.executable, "-m", "cli.main", "slurm-agent"]
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Stack:
+    """The service and the agent, with what the tests need to restart the agent."""
+
+    def __init__(self, service: Service, env: dict[str, str]):
+        self.service, self.env = service, env
+        self.agent_log = service.var / "slurm-agent.log"
+        self.agent = _agent(env, self.agent_log)
+
+    def restart_agent(self) -> None:
+        _stop(self.agent)
+        self.agent = _agent(self.env, self.agent_log)
+
+
+@pytest.fixture(scope="module")
+def stack(pools: dict[str, Any]) -> Iterator[Stack]:
+    var: Path = pools["var"]
+    settings = {
+        "LLMJOBS_SLURM_POOLS": json.dumps(pools["pools"]),
+        "LLMJOBS_SLURM_POLL_INTERVAL_S": "1",
+        "LLMJOBS_RECONCILE_INTERVAL_S": "1",
+        "LLMJOBS_HEARTBEAT_INTERVAL_S": "1",
+    }
+    with serve(var, **settings) as service:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")}
+        env.update(LLMJOBS_VAR_DIR=str(var), **settings)
+        write_instruction_data(var / TEAM_AREA / "tiny" / "data")
+        stack = Stack(service, env)
+        try:
+            yield stack
+        finally:
+            _stop(stack.agent)
+
+
+def _wait(client: httpx.Client, job_id: str, done: Any, stack: Stack, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if done(job):
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"job {job_id} stuck in {job['state']} ({job.get('slurm_state')}, {job.get('pending_reason')}):\n"
+                f"{stack.agent_log.read_text()[-3000:]}"
+            )
+        time.sleep(0.5)
+
+
+def _squeue(slurm_job_id: str) -> tuple[str, str]:
+    """(name, state) of a Slurm job as squeue lists it (finished jobs too, for MinJobAge)."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "-j", slurm_job_id, "-o", "%j|%T"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    name, _, state = out.partition("|")
+    return name, state
+
+
+def _submit(client: httpx.Client, spec: dict[str, Any]) -> str:
+    answer = client.post("/v1/jobs", json=spec)
+    assert answer.status_code == 201, answer.text
+    return str(answer.json()["id"])
+
+
+def test_train_job_runs_in_slurm_and_streams_its_loss(stack: Stack) -> None:
+    spec = tiny_spec("tiny/data", resources={"pool": "local", "nproc_per_node": 2}, train_iters=6)
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["slurm_job_id"], stack, timeout=60)
+        name, _ = _squeue(job["slurm_job_id"])
+        assert name == f"llmjobs-{job_id}"
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack)
+        assert job["state"] == "succeeded", job
+        assert job["slurm_state"] == "COMPLETED"
+        assert _squeue(job["slurm_job_id"]) == (f"llmjobs-{job_id}", "COMPLETED")
+        points = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss"}).json()["data"]
+        steps = sorted({p["step"] for p in points if p["rank"] is None})
+        assert steps == [1, 2, 3, 4, 5, 6], points
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        states = [e["data"]["state"] for e in events if e["type"] == "state"]
+        assert states[-3:] == ["starting", "running", "succeeded"] or states[-2:] == ["starting", "succeeded"]
+        assert (Path(job["run_dir"]) / "logs" / "launcher.log").exists()  # srun's output of the one task
+    assert (Path(job["run_dir"]) / "slurm.sbatch").read_text().count("#SBATCH --job-name=llmjobs-") == 1
+
+
+def test_cancel_ends_the_slurm_job_cancelled(stack: Stack) -> None:
+    spec = tiny_spec("tiny/data", resources={"pool": "local", "nproc_per_node": 1}, train_iters=100_000)
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["state"] == "running", stack, timeout=120)
+        answer = client.post(f"/v1/jobs/{job_id}/cancel")
+        assert answer.status_code == 202, answer.text
+        job = _wait(client, job_id, lambda j: j["slurm_state"] == "CANCELLED", stack, timeout=90)
+        assert job["state"] == "cancelled"
+        assert _squeue(job["slurm_job_id"])[1] == "CANCELLED"
+
+
+def test_failing_job_fails_with_its_exit_code(stack: Stack) -> None:
+    spec = tiny_spec("tiny/data", resources={"pool": "broken", "nproc_per_node": 1})
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack, timeout=120)
+        assert job["state"] == "failed", job
+        assert job["slurm_state"] == "FAILED"
+        assert job["error"]["code"] == "slurm_failed"
+        assert "exit code 7" in job["error"]["message"]
+        assert "failing on purpose" in (job["error"]["log_tail"] or "")
+
+
+def test_a_pool_refuses_what_it_cannot_run(stack: Stack) -> None:
+    with stack.service.client() as client:
+        too_wide = client.post(
+            "/v1/jobs", json=tiny_spec("tiny/data", resources={"pool": "local", "nproc_per_node": 4})
+        )
+        unknown = client.post("/v1/jobs", json=tiny_spec("tiny/data", resources={"pool": "nowhere"}))
+    for answer in (too_wide, unknown):
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["field"] == "resources.pool", answer.text
