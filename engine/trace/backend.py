@@ -141,6 +141,14 @@ def prepare(device_type: str) -> None:
                 f"({torch.__version__}) is CPU-only, where autograd on fake CUDA tensors aborts the process. "
                 "Trace on npu here, or run the trace from an environment with torch's CUDA wheel"
             )
+        if not torch.cuda.is_available():
+            # measured with torch 2.13+cu130 and no driver: the forward runs on fake CUDA tensors (once the runtime
+            # calls FSDP2 makes are answered), the first backward fails in C++ (``hasPrimaryContext expects a valid
+            # device index``): autograd records CUDA streams, which needs a context (pytorch#92627)
+            raise ValueError(
+                "device_type: tracing on cuda needs a visible CUDA device (autograd on fake CUDA tensors needs a CUDA "
+                "context; nothing is allocated on it). Trace on npu here, or run the trace on a GPU host"
+            )
         return
     if device_type == "npu":
         _register_npu()
