@@ -18,7 +18,16 @@ from typing import Any
 
 from engine.contract.guard import check_spec
 from engine.contract.parent_death import die_with_launcher
-from engine.contract.runfiles import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, RunDir, setup_logging
+from engine.contract.runfiles import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_RETRYABLE,
+    BadInput,
+    RunDir,
+    setup_logging,
+)
+from engine.train.preempt import Preempted
 
 log = logging.getLogger("engine")
 
@@ -92,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         run.event("error", str(err), code="bad_input", field=err.field)
         return _finish(EXIT_BAD_INPUT)
+    except Preempted as err:  # Slurm's USR2: checkpoint saved, the job asks to be requeued
+        log.warning("%s", err)
+        run.event("warning", str(err), code="preempted", iteration=err.iteration)
+        return _finish(EXIT_RETRYABLE)
     except Exception as err:  # noqa: BLE001 - report every crash the same way
         log.error("%s failed:\n%s", kind, traceback.format_exc())
         run.event("error", f"{type(err).__name__}: {err}", code="engine_error")

@@ -42,6 +42,7 @@ from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
+from engine.train import preempt
 from engine.train.batches import MicroBatch, collate, collate_pairs, context_pipeline_width, context_shard
 from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
@@ -492,6 +493,7 @@ class Trainer:
         )
         start = self.state.iteration
         self._claim_save()
+        stop_on_usr2 = preempt.install()  # Slurm's warning before a time limit or preemption (engine.train.preempt)
         warnings = self._zero_steps_warning(start)
         self.runner.module.train()
         for iteration in range(start + 1, spec.train_iters + 1):
@@ -519,6 +521,11 @@ class Trainer:
                 self._validate(valid, iteration, metrics)  # as Megatron: every eval_interval and at the end
             if spec.save_interval and iteration % spec.save_interval == 0:
                 self._save(iteration)
+            if stop_on_usr2 and preempt.asked(self.device.torch_device):
+                if not (spec.save_interval and iteration % spec.save_interval == 0):
+                    self._save(iteration)
+                metrics.close()
+                raise preempt.Preempted(iteration)
         metrics.close()
         if spec.save:
             check_output("save", spec.save)
