@@ -247,6 +247,10 @@ class Trainer:
         """Stage dpo's loss, per micro-batch or on a pipeline's last stage, with its reference built here (Nones:
         the LM loss). Under PP the reference is precomputed (from the policy's own pipeline before its first step)
         or there is none (simpo, orpo): the spec refuses the rest."""
+        if self.spec.stage == "grpo":
+            from engine.train.grpo import grpo_loss
+
+            return grpo_loss(self.spec), None
         if self.spec.stage != "dpo":
             return None, None
         from engine.train.dpo import PipelineDPOLoss, build_reference, dpo_loss, preference_config
@@ -476,6 +480,10 @@ class Trainer:
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
+        if spec.stage == "grpo":  # rollouts, rewards and its own steps (engine.train.grpo)
+            from engine.train.grpo import GRPOLoop
+
+            return GRPOLoop(self).fit()
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length, pairwise=spec.is_pairwise_dataset)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         if self.precompute_pending:

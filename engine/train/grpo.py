@@ -1,0 +1,461 @@
+"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process so far.
+
+Iteration ``i`` is one optimizer step (TRL's step). Every ``num_iterations`` (μ) iterations a rollout samples
+``num_generations`` completions for each of ``global_batch_size / num_generations`` prompts (the data order's next
+ones) with the policy's current weights (``engine.train.grpo_rollout``), scores them (``engine.train.rewards``),
+computes group advantages, and, when μ > 1, the old policy's per-token log-probs (one no-grad forward of the same
+micro-batches, so the first pass's ratio is exactly 1), and when β > 0 the reference's (``engine.train.dpo``'s
+reference: a frozen copy, or a LoRA policy's base with the adapters off). The μ steps then train on that rollout.
+
+The loss (``engine.train.grpo_loss``): per-token log-probs of the tempered distribution (logits / temperature, as
+TRL), through the chunked head (never tokens × vocabulary at once); each micro-batch's numerator summed, divided by
+the global batch's denominator for ``loss_type`` before backward. Reported (TRL's names): ``lm_loss`` is the loss,
+``kl``, ``entropy``, ``clip_ratio/*`` token means over the step, the rollout's ``reward``, ``reward_std``,
+``rewards/<f>/mean|std``, ``frac_reward_zero_std`` and ``completions/*``. Every completion is kept in
+``completions.jsonl`` in the run directory (one row each, written when its rollout is made).
+
+Resume: checkpoints fall between rollouts (the spec holds save_interval to multiples of μ) and the sampler is seeded
+by (seed, rollout), so a resumed run repeats the rollout it would have made; completions.jsonl drops the rows of
+iterations after the checkpoint it resumed from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from engine.contract.constants import IGNORE_INDEX
+from engine.contract.guard import check_output
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import TrainSpec
+from engine.eval.sampling import SamplingParams
+from engine.model.qwen3 import Qwen3Model
+from engine.train.batches import MicroBatch, Sample, collate
+from engine.train.data import TrainData
+from engine.train.export import export_final
+from engine.train.grpo_loss import SurrogateConfig, aggregate, denominator, group_advantages, group_std_is_zero
+from engine.train.grpo_loss import token_terms as surrogate_terms
+from engine.train.grpo_rollout import Prompt, decode, prompt_of, rollout_generator
+from engine.train.metrics import PER, MetricsLogger, StepRecord
+from engine.train.optim import clip_grads
+from engine.train.preference import _TokenLogprobs
+from engine.train.rewards import Completion, build_rewards, score
+from engine.train.step_runner import Losses, MicroBatchLoss
+
+if TYPE_CHECKING:
+    from engine.train.dpo import Reference
+    from engine.train.job import Trainer
+
+COMPLETIONS = "completions.jsonl"
+STEP_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclasses.dataclass
+class GRPOMicroBatch(MicroBatch):
+    """A micro-batch of prompt + completion rows; per completion token (in ``loss_index`` order): its sequence in
+    the micro-batch, advantage, mask (0: a truncated completion under ``mask_truncated_completions``), and the old
+    policy's / reference's log-probs when the step needs them."""
+
+    sequences: int = 0
+    token_seq: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_token_logps: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> GRPOMicroBatch:
+        moved = super().to(device)
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return dataclasses.replace(
+            cast(GRPOMicroBatch, moved),
+            token_seq=move(self.token_seq),
+            advantages=move(self.advantages),
+            mask=move(self.mask),
+            old_logps=move(self.old_logps),
+            ref_token_logps=move(self.ref_token_logps),
+        )
+
+
+def token_logps(
+    model: nn.Module, mb: MicroBatch, chunk_size: int, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each completion token's log-prob under logits / temperature (fp32, differentiable), and with ``entropy``
+    each position's entropy of that distribution (detached), chunk by chunk through the head."""
+    hidden = model(
+        mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
+    )
+    head = cast(Qwen3Model, model).output_weight()
+    rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)
+    if temperature != 1.0:
+        rows = rows / temperature
+    logps = _TokenLogprobs.apply(rows, head, mb.loss_labels, chunk_size, False)
+    if not entropy:
+        return logps, None
+    with torch.no_grad():
+        parts = []
+        for start in range(0, rows.shape[0], chunk_size):
+            logits = (rows[start : start + chunk_size] @ head.t()).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        ent = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32)
+    return logps, ent
+
+
+def grpo_loss(spec: TrainSpec) -> MicroBatchLoss:
+    """The micro-batch loss of stage grpo: the numerator of ``loss_type``'s aggregation, with the step's stats as
+    token sums over their counts (``x`` and ``x#per``)."""
+    cfg = SurrogateConfig(spec.beta, spec.epsilon, spec.epsilon_high or spec.epsilon, spec.kl_clamp)
+    chunk, temperature, loss_type = spec.cross_entropy_chunk_size, spec.temperature, spec.loss_type
+
+    def loss(model: nn.Module, mb: MicroBatch) -> Losses:
+        g = cast(GRPOMicroBatch, mb)
+        assert g.token_seq is not None and g.advantages is not None and g.mask is not None
+        logp, ent = token_logps(model, g, chunk, temperature, entropy=True)
+        old = logp.detach() if g.old_logps is None else g.old_logps
+        adv = g.advantages[g.token_seq].to(logp.dtype)
+        terms = surrogate_terms(cfg, logp, old, adv, g.ref_token_logps)
+        numerator = aggregate(loss_type, terms.loss, g.mask.to(logp.dtype), g.token_seq, g.sequences)
+        m = g.mask.float()
+        tokens = m.sum()
+        zero = torch.zeros((), device=logp.device)
+        assert ent is not None
+        stats = {
+            "kl": zero if terms.kl is None else (terms.kl.float() * m).sum(),
+            "entropy": (ent * m).sum(),
+            "clip_ratio/low_mean": (terms.low_clipped.float() * m).sum(),
+            "clip_ratio/high_mean": (terms.high_clipped.float() * m).sum(),
+            "clip_ratio/region_mean": ((terms.low_clipped | terms.high_clipped).float() * m).sum(),
+        }
+        stats.update({f"{name}{PER}": tokens for name in STEP_STATS})
+        return Losses(numerator.float(), stats=stats)
+
+    return loss
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One batch of completions and everything the μ steps on it need."""
+
+    index: int
+    batches: list[GRPOMicroBatch]
+    denominator: float
+    real_tokens: float
+    sum_sq_len: float
+    stats: dict[str, float]
+
+
+def _nanstd(values: list[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).std()) if len(values) > 1 else float("nan")
+
+
+class GRPOLoop:
+    """Stage grpo's ``fit`` over a built ``Trainer`` (its model, runner, optimizer, schedule and checkpoints)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        from engine.eval.job import stop_ids
+        from engine.train.dpo import build_reference
+
+        self.t, spec = trainer, trainer.spec
+        self.spec = spec
+        self.tokenizer = self._tokenizer()
+        self.stop_ids = stop_ids(self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else min(self.stop_ids)
+        self.rewards = build_rewards(spec.reward_funcs, spec.max_completion_length)
+        self.weights = spec.reward_weights or [1.0] * len(self.rewards)
+        self.group = spec.num_generations
+        self.prompts_per_step = trainer.plan.global_batch_size // self.group
+        self.reference: Reference | None = None
+        if spec.beta != 0.0:
+            plan = trainer.plan
+            self.reference = build_reference(
+                spec, plan.cfg, trainer.mesh, trainer.model, plan.global_batch_size, plan.seq_length,
+                trainer.device.torch_device,
+            )  # fmt: skip
+        self.sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k or 0, top_p=spec.top_p)
+
+    def _tokenizer(self) -> Any:
+        from engine.data.tokenizer import load_tokenizer
+
+        spec = self.spec
+        path = spec.tokenizer_name_or_path or spec.load
+        if path is None:
+            raise BadInput(
+                "tokenizer_name_or_path: stage grpo decodes completions; give the tokenizer", "tokenizer_name_or_path"
+            )
+        try:
+            return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
+        except (OSError, ValueError) as err:
+            raise BadInput(f"tokenizer_name_or_path: no tokenizer at {path} ({err})", "tokenizer_name_or_path") from err
+
+    # -- rollouts
+
+    def _prompts(self, data: TrainData, rollout: int) -> list[Prompt]:
+        first = rollout * self.prompts_per_step
+        return [prompt_of(data, k, self.tokenizer) for k in range(first, first + self.prompts_per_step)]
+
+    def make_rollout(self, data: TrainData, rollout: int, iteration: int) -> Rollout:
+        t, spec = self.t, self.spec
+        prompts = self._prompts(data, rollout)
+        longest = max(len(p.ids) for p in prompts)
+        if longest + spec.max_completion_length > t.plan.seq_length:
+            raise BadInput(
+                f"seq_length: a prompt of {longest} tokens and max_completion_length {spec.max_completion_length} "
+                f"need {longest + spec.max_completion_length}, over seq_length {t.plan.seq_length}",
+                "seq_length",
+            )
+        rows = [p for p in prompts for _ in range(self.group)]
+        model = t.runner.module
+        model.eval()
+        decoded = decode(
+            model, t.plan.cfg, [p.ids for p in rows], spec.max_completion_length, self.stop_ids, self.pad_id,
+            self.sampling, rollout_generator(spec.seed, rollout, t.device.torch_device),
+        )  # fmt: skip
+        model.train()
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in decoded.completions]
+        completions = [
+            Completion(text, len(ids), cut, p.reference)
+            for text, ids, cut, p in zip(texts, decoded.completions, decoded.truncated, rows, strict=True)
+        ]
+        scores = score(self.rewards, completions)
+        per_func = torch.tensor(scores.values, dtype=torch.float32)
+        rewards = (per_func * torch.tensor(self.weights, dtype=torch.float32)[None]).sum(dim=1)
+        advantages = group_advantages(rewards, self.group, spec.scale_rewards, spec.advantage_eps)
+        batches = self._micro_batches(rows, decoded.completions, decoded.truncated, advantages)
+        self._old_and_reference(batches)
+        self._write_completions(iteration, rows, decoded.completions, decoded.truncated, texts, scores.values,
+                                rewards, advantages)  # fmt: skip
+        lengths = [len(c) for c in decoded.completions]
+        masked = [0.0 if (cut and spec.mask_truncated_completions) else 1.0 for cut in decoded.truncated]
+        tokens = sum(n * m for n, m in zip(lengths, masked, strict=True))
+        stats = self._rollout_stats(rewards, per_func, lengths, decoded.truncated, scores.failures)
+        real = [len(p.ids) + len(c) - 1 for p, c in zip(rows, decoded.completions, strict=True)]
+        denom = denominator(spec.loss_type, len(rows), len(batches), tokens, spec.max_completion_length)
+        return Rollout(rollout, batches, denom, float(sum(real)), float(sum(n * n for n in real)), stats)
+
+    def _micro_batches(
+        self, rows: list[Prompt], completions: list[list[int]], truncated: list[bool], advantages: torch.Tensor
+    ) -> list[GRPOMicroBatch]:
+        spec, out = self.spec, []
+        mbs = spec.micro_batch_size
+        for first in range(0, len(rows), mbs):
+            idx = range(first, min(first + mbs, len(rows)))
+            samples = []
+            for i in idx:
+                ids = rows[i].ids + completions[i]
+                labels = [IGNORE_INDEX] * len(rows[i].ids) + completions[i]
+                samples.append(Sample(torch.tensor(ids).numpy(), torch.tensor(labels).numpy()))
+            mb = collate(samples, self.t.plan.seq_length, spec.padding_free, spec.variable_seq_lengths)
+            counts = torch.tensor([len(completions[i]) for i in idx])
+            seq = torch.repeat_interleave(torch.arange(len(idx)), counts)
+            if seq.numel() != mb.num_loss_tokens:
+                raise RuntimeError("grpo: the micro-batch's labelled tokens are not its completions' tokens")
+            keep = [0.0 if (truncated[i] and spec.mask_truncated_completions) else 1.0 for i in idx]
+            mask = torch.tensor(keep, dtype=torch.float32)[seq]
+            fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
+            out.append(
+                GRPOMicroBatch(**fields, sequences=len(idx), token_seq=seq, advantages=advantages[list(idx)], mask=mask)
+            )
+        return out
+
+    @torch.no_grad()
+    def _old_and_reference(self, batches: list[GRPOMicroBatch]) -> None:
+        """The old policy's token log-probs (μ > 1) and the reference's (β > 0), before the rollout's first step."""
+        from engine.model.lora import adapters_disabled
+
+        spec, device = self.spec, self.t.device.torch_device
+        chunk = spec.cross_entropy_chunk_size
+        for mb in batches:
+            on = mb.to(device)
+            if spec.num_iterations > 1:
+                mb.old_logps = token_logps(self.t.runner.module, on, chunk, spec.temperature)[0].detach()
+            if self.reference is not None:
+                ref = self.reference
+                if ref.adapters_off:
+                    with adapters_disabled(ref.module):
+                        logp = token_logps(ref.module, on, chunk, spec.temperature)[0]
+                else:
+                    logp = token_logps(ref.module, on, chunk, spec.temperature)[0]
+                mb.ref_token_logps = logp.detach()
+
+    def _rollout_stats(
+        self,
+        rewards: torch.Tensor,
+        per_func: torch.Tensor,
+        lengths: list[int],
+        truncated: list[bool],
+        failures: dict[str, int],
+    ) -> dict[str, float]:
+        spec = self.spec
+        values = rewards.tolist()
+        stats: dict[str, float] = {
+            "reward": sum(values) / len(values),
+            "reward_std": _nanstd(values),
+            "frac_reward_zero_std": float(group_std_is_zero(rewards, self.group, spec.scale_rewards).float().mean()),
+        }
+        for j, r in enumerate(self.rewards):
+            column = per_func[:, j].tolist()
+            stats[f"rewards/{r.key}/mean"] = sum(column) / len(column)
+            stats[f"rewards/{r.key}/std"] = _nanstd(column)
+            stats[f"rewards/{r.key}/failures"] = float(failures[r.key])
+        done = [n for n, cut in zip(lengths, truncated, strict=True) if not cut]
+        stats.update(
+            {
+                "completions/mean_length": sum(lengths) / len(lengths),
+                "completions/min_length": float(min(lengths)),
+                "completions/max_length": float(max(lengths)),
+                "completions/clipped_ratio": sum(truncated) / len(truncated),
+                "completions/mean_terminated_length": sum(done) / len(done) if done else 0.0,
+                "completions/min_terminated_length": float(min(done)) if done else 0.0,
+                "completions/max_terminated_length": float(max(done)) if done else 0.0,
+            }
+        )
+        return stats
+
+    def _write_completions(
+        self,
+        iteration: int,
+        rows: list[Prompt],
+        completions: list[list[int]],
+        truncated: list[bool],
+        texts: list[str],
+        values: list[list[float]],
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> None:
+        if not self.t.run.is_writer:
+            return
+        keys = [r.key for r in self.rewards]
+        with open(self.t.run.path / COMPLETIONS, "a", encoding="utf-8") as f:
+            for i, p in enumerate(rows):
+                row = {
+                    "iteration": iteration,
+                    "prompt_id": p.index,
+                    "prompt_ids": p.ids,
+                    "completion_ids": completions[i],
+                    "completion": texts[i],
+                    "reward": float(rewards[i]),
+                    "rewards": dict(zip(keys, values[i], strict=True)),
+                    "advantage": float(advantages[i]),
+                    "truncated": truncated[i],
+                }
+                f.write(json.dumps(row) + "\n")
+
+    def _trim_completions(self, start: int) -> None:
+        """A resumed run drops the rows of iterations after its checkpoint (its earlier attempt's later rollouts)."""
+        path = self.t.run.path / COMPLETIONS
+        if not self.t.run.is_writer or not path.is_file():
+            return
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if json.loads(line)["iteration"] <= start]
+        if len(kept) != len(lines):
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    # -- steps
+
+    def step(self, rollout: Rollout) -> StepRecord:
+        t = self.t
+        started = time.perf_counter()
+        params = [p for p in t.runner.module.parameters() if p.requires_grad]
+        device = t.runner.device
+        denom = torch.tensor(rollout.denominator, dtype=torch.float64, device=device)
+        losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
+        if t.scaler.scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / t.scaler.scale)
+        grad_norm = t.runner.grad_norm()
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped:
+            clip_grads(params, t.spec.clip_grad, grad_norm)
+            t.optimizer.step()
+            t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.scaler.update(skipped)
+        losses = t.runner.reduce(losses)
+        t.state.iteration += 1
+        t.state.consumed_samples += t.plan.global_batch_size
+        t.state.skipped_iterations += int(skipped)
+        stats = dict(losses.stats)
+        for name, value in rollout.stats.items():
+            stats[name] = torch.tensor(value, device=device)
+            stats[name + PER] = torch.ones((), device=device)
+        counts = torch.tensor(
+            [rollout.denominator, rollout.real_tokens, rollout.sum_sq_len], dtype=torch.float64, device=device
+        )
+        return StepRecord(
+            iteration=t.state.iteration,
+            loss_sum=losses.token_sum,
+            counts=counts,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            lr=t.scheduler.lr,
+            loss_scale=t.scaler.scale,
+            elapsed_s=time.perf_counter() - started,
+            consumed_samples=t.state.consumed_samples,
+            stats=stats,
+        )
+
+    def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
+        t, spec, plan = self.t, self.spec, self.t.plan
+        data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length)
+        metrics = MetricsLogger(
+            t.run, plan.cfg, t.device, spec.train_iters, plan.global_batch_size, spec.log_interval,
+            spec.tensorboard_dir, t.lora,
+        )  # fmt: skip
+        start = t.state.iteration
+        if start % spec.num_iterations:
+            raise BadInput(
+                f"num_iterations: the checkpoint is at iteration {start}, inside a batch of {spec.num_iterations} "
+                "steps on one rollout; resume from a checkpoint between rollouts",
+                "num_iterations",
+            )
+        t._claim_save()
+        warnings = t._zero_steps_warning(start)
+        self._trim_completions(start)
+        t.runner.module.train()
+        rollout: Rollout | None = None
+        for iteration in range(start + 1, spec.train_iters + 1):
+            started = time.perf_counter()
+            index = (iteration - 1) // spec.num_iterations
+            if rollout is None or rollout.index != index:
+                rollout = self.make_rollout(data, index, iteration)
+            record = self.step(rollout)
+            record.elapsed_s = time.perf_counter() - started
+            metrics.record(record)
+            if spec.save_interval and iteration % spec.save_interval == 0:
+                t._note_step(iteration, "lm_loss", float(record.loss_sum) / rollout.denominator)
+            if iteration % spec.log_interval == 0:
+                t.run.progress(iteration, spec.train_iters, "iterations")
+            if spec.save_interval and iteration % spec.save_interval == 0:
+                t._save(iteration)
+        metrics.close()
+        if spec.save:
+            check_output("save", spec.save)
+        outputs = export_final(t.runner, t.mesh, plan.cfg, spec, plan.save, t.state.iteration, t.dtype)
+        outputs["completions"] = str(t.run.path / COMPLETIONS)
+        final = metrics.last
+        summary = {
+            "iterations": t.state.iteration,
+            "start_iteration": start,
+            "consumed_samples": t.state.consumed_samples,
+            "resumed_from": t.resumed_from,
+            "resumed_from_job": t._resumed_job(),
+            "trained_iterations": t.state.iteration - start,
+            **({"warnings": warnings} if warnings else {}),
+            "load_format": plan.loaded.format if plan.loaded else None,
+            "world_size": plan.dims.world_size,
+            "global_batch_size": plan.global_batch_size,
+            "lora": t.lora,
+            "final_reward": final.get("reward"),
+            **metrics.summary(),
+        }
+        return outputs, summary
