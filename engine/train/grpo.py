@@ -33,14 +33,13 @@ from engine.contract.constants import IGNORE_INDEX
 from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import TrainSpec
-from engine.eval.sampling import SamplingParams
 from engine.model.qwen3 import Qwen3Model
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.data import TrainData
 from engine.train.export import export_final
 from engine.train.grpo_loss import SurrogateConfig, aggregate, denominator, group_advantages, group_std_is_zero
 from engine.train.grpo_loss import token_terms as surrogate_terms
-from engine.train.grpo_rollout import Prompt, decode, prompt_of, rollout_generator
+from engine.train.grpo_rollout import Prompt, Sampling, decode, prompt_of, rollout_generator, stop_ids
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
 from engine.train.preference import _TokenLogprobs
@@ -160,7 +159,6 @@ class GRPOLoop:
     """Stage grpo's ``fit`` over a built ``Trainer`` (its model, runner, optimizer, schedule and checkpoints)."""
 
     def __init__(self, trainer: Trainer) -> None:
-        from engine.eval.job import stop_ids
         from engine.train.dpo import build_reference
 
         self.t, spec = trainer, trainer.spec
@@ -180,7 +178,7 @@ class GRPOLoop:
                 spec, plan.cfg, trainer.mesh, trainer.model, plan.global_batch_size, plan.seq_length,
                 trainer.device.torch_device,
             )  # fmt: skip
-        self.sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k or 0, top_p=spec.top_p)
+        self.sampling = Sampling(spec.temperature, spec.top_k or 0, spec.top_p)
 
     def _tokenizer(self) -> Any:
         from engine.data.tokenizer import load_tokenizer
