@@ -383,3 +383,69 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text)
     response_body: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[float] = mapped_column(Float)
+
+
+class MlflowExperiment(Base):
+    """An MLflow experiment of a team (``core.mlflow_store``): one a notebook created, or the grouping of the team's
+    jobs (a job's ``metadata.experiment``, else the team's name), made a row the first time the API reads it."""
+
+    __tablename__ = "mlflow_experiments"
+    __table_args__ = (UniqueConstraint("team", "name", name="uq_mlflow_experiments_team_name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    team: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(500))
+    artifact_location: Mapped[str] = mapped_column(Text, default="")
+    lifecycle_stage: Mapped[str] = mapped_column(String(16), default="active")
+    tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MlflowRun(Base):
+    """A run logged through the MLflow API (a notebook's); a job is a run too, read from its own rows."""
+
+    __tablename__ = "mlflow_runs"
+    __table_args__ = (Index("ix_mlflow_runs_team_experiment", "team", "experiment_id"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    team: Mapped[str] = mapped_column(String(64))
+    experiment_id: Mapped[int] = mapped_column(ForeignKey("mlflow_experiments.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(250), default="")
+    user_id: Mapped[str] = mapped_column(String(250), default="")
+    status: Mapped[str] = mapped_column(String(16), default="RUNNING")
+    lifecycle_stage: Mapped[str] = mapped_column(String(16), default="active")
+    start_time: Mapped[int] = mapped_column(BigInteger)  # epoch milliseconds, as MLflow sends them
+    end_time: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class MlflowParam(Base):
+    __tablename__ = "mlflow_params"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("mlflow_runs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(250), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class MlflowTag(Base):
+    __tablename__ = "mlflow_tags"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("mlflow_runs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(250), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class MlflowMetric(Base):
+    """One logged point. ``value`` is NULL for a non-finite one, which ``special`` names (NaN, Infinity, -Infinity):
+    SQLite keeps no NaN."""
+
+    __tablename__ = "mlflow_metrics"
+    __table_args__ = (Index("ix_mlflow_metrics_run_key", "run_id", "key", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("mlflow_runs.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(250))
+    value: Mapped[float | None] = mapped_column(Float)
+    special: Mapped[str | None] = mapped_column(String(16))
+    timestamp: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
