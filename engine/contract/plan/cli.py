@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from engine.contract.guard import WRITE_ENV
 from engine.contract.plan.memory import MIB, RankMemory
-from engine.contract.plan.planner import MemoryPlan, plan_spec
+from engine.contract.plan.planner import MemoryPlan, node_host_bytes, plan_spec
 from engine.contract.plan.suggest import candidates, suggestion_table
 from engine.contract.spec import TrainSpec, first_error
 
@@ -111,7 +111,7 @@ def _mib(n: int) -> str:
 
 
 HEAD = ("rank", "tp", "pp", "dp", "layers", "params", "main", "grads", "optim", "activ (mb)", "loss", "comm",
-        "opt step", "total MiB")  # fmt: skip
+        "opt step", "total MiB", "host MiB", "h<->d MiB/step")  # fmt: skip
 
 
 def _rows(ranks: list[RankMemory]) -> list[str]:
@@ -122,7 +122,7 @@ def _rows(ranks: list[RankMemory]) -> list[str]:
         rows.append(
             [str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank), layers, *map(_mib, parts)]
             + [f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm)]
-            + [_mib(r.optimizer_step), _mib(r.total_bytes)]
+            + [_mib(r.optimizer_step), _mib(r.total_bytes), _mib(r.host), _mib(r.host_traffic)]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
     return ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
@@ -157,6 +157,11 @@ def table(plan: MemoryPlan) -> str:
         if plan.data_peak is not None:
             verdicts.append(_verdict("this_data (decides)", plan.data_peak, device))
         lines.append(f"device memory {_mib(device)} MiB: " + "; ".join(verdicts))
+    host = node_host_bytes(plan.ranks, plan.layout)
+    if host:
+        limit = plan.host_memory_bytes
+        verdict = "" if not limit else f" of {_mib(limit)} MiB — " + ("fits" if host <= limit else "DOES NOT FIT")
+        lines.append(f"host memory per node (offloaded optimizer state): {_mib(host)} MiB{verdict}")
     return "\n".join(lines)
 
 
@@ -164,6 +169,7 @@ def main(argv: list[str]) -> int:
     own = argparse.ArgumentParser(prog="python -m engine plan", add_help=False)
     own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
     own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
+    own.add_argument("--host-memory-gib", type=float, help="memory of one host, to say whether offloaded state fits")
     own.add_argument("--kind", choices=("train", "eval"))
     own.add_argument("--device-type", choices=("cpu", "cuda", "npu"), help="resources.device_type (attention kernel)")
     own.add_argument(
@@ -190,6 +196,7 @@ def main(argv: list[str]) -> int:
         spec = _spec_from_args(kind, flags, resources, opts.data_root)
         device = int(opts.device_memory_gib * 2**30) if opts.device_memory_gib else None
         plan = plan_spec(spec, opts.model, device)
+        plan.host_memory_bytes = int(opts.host_memory_gib * 2**30) if opts.host_memory_gib else None
     except ValidationError as err:
         print(f"error: {first_error(err, 'spec')}", file=sys.stderr)
         return 2

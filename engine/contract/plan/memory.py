@@ -29,6 +29,10 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
   backward).
 - ``comm``: pipeline send/recv of one micro-batch's hidden states, FSDP's gathered layer and its reduce-scatter
   buffer, the sequence-parallel all-gather of a layer's input.
+- precision-aware optimizer and offload (``OptimizerBytes``, ``engine.train.precision_optimizer``): per trainable
+  element the stored weights (4, or 2 with bf16 main grads), the grads (``main_grads_dtype``), the moments in their
+  dtypes and, where the weights are not the master, the master in ``main_params_dtype``; the offloaded share of the
+  master and moments is host memory (``host``), its gradients down and weights back the traffic (``host_traffic``).
 - ``optimizer_step``: what the AdamW step allocates beyond its state (``engine.train.optim``): nothing with torch's
   fused kernel (CPU, CUDA: in place), else the foreach temporary (sqrt of v) of its largest parameter group, at most
   ``FOREACH_GROUP_BYTES`` or one tensor larger than that (NPU is planned so until torch_npu's fused kernel is
@@ -62,11 +66,48 @@ PARTS = ("params", "main_params", "grads", "optimizer", "activations", "loss", "
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerBytes:
+    """Bytes per trainable element of what the optimizer keeps, and the share of its state on the host."""
+
+    main_grads: int = 4
+    main_params: int = 4
+    exp_avg: int = 4
+    exp_avg_sq: int = 4
+    offload: float = 0.0
+    precision_aware: bool = False  # stepped by engine.train.precision_optimizer (slices), not torch's AdamW
+
+    @property
+    def weights(self) -> int:
+        """The stored trainable weights: bf16 with bf16 main grads (the gradient has the weight's dtype), else the
+        fp32 master itself."""
+        return self.main_grads
+
+    @property
+    def own_master(self) -> bool:
+        """Whether the optimizer holds a master copy beside the stored weights: where those are bf16 (the master is
+        fp32 or fp16, never bf16: Megatron's choices)."""
+        return self.weights != 4
+
+    def device_bytes(self) -> int:
+        """Per element on the device, for the state kept there: moments, and the master where it is a copy."""
+        return self.exp_avg + self.exp_avg_sq + (self.main_params if self.own_master else 0)
+
+    def host_bytes(self) -> int:
+        """Per element on the host, for the offloaded state: moments and the master (always a copy there)."""
+        return self.exp_avg + self.exp_avg_sq + self.main_params
+
+    def traffic_bytes(self) -> int:
+        """Per offloaded element per step: its gradient down, its updated weight back."""
+        return self.main_grads + self.weights
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """What the planner needs beyond the model shape; built from a spec by ``layout_from_spec``."""
 
     world_size: int
     tp: int = 1
+    nnodes: int = 1  # hosts the ranks span (their host memory is shared by a node's ranks)
     pp: int = 1
     ep: int = 1  # expert parallel, carved out of dp
     cp: int = 1  # context parallel: each rank holds seq / CP tokens of every activation
@@ -94,6 +135,10 @@ class Layout:
     # pairs included; None plans every micro-batch at ``seq_length`` (the worst case)
     batch_rows: int | None = None
     batch_width: int | None = None
+    # the optimizer's storage (``engine.train.precision_optimizer``), bytes per element: 4 each by default; a
+    # precision-aware run names them (main_grads 2: the trainable weights and their gradients stored in bf16, the
+    # master the optimizer's own copy); ``offload``: the share of the optimizer state held and stepped on the host
+    optim: OptimizerBytes = OptimizerBytes()
 
     @property
     def dp(self) -> int:
@@ -146,6 +191,8 @@ class RankMemory:
     optimizer_step: int = 0
     micro_batches_in_flight: int = 0
     reference: int = 0  # stage dpo's frozen reference model (``reference_bytes``)
+    host: int = 0  # host memory the rank's offloaded optimizer state (and its step's temporaries) takes
+    host_traffic: int = 0  # bytes copied host <-> device per step for the offloaded state
 
     @property
     def persistent_bytes(self) -> int:
@@ -169,6 +216,8 @@ class RankMemory:
         }
         out.update({f"{p}_bytes": getattr(self, p) for p in PARTS})
         out["optimizer_step_bytes"] = self.optimizer_step
+        out["host_bytes"] = self.host
+        out["host_traffic_bytes_per_step"] = self.host_traffic
         out["persistent_bytes"] = self.persistent_bytes
         out["micro_batches_in_flight"] = self.micro_batches_in_flight
         return out
@@ -394,9 +443,22 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # engine.parallel.device.has_fused_adamw 
 FOREACH_GROUP_BYTES = 256 * 2**20  # engine.train.optim's bound on a foreach group
 
 
-def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int) -> int:
+PRECISION_SLICE_NUMEL = 16 * 2**20  # engine.train.precision_optimizer.SLICE_NUMEL
+PRECISION_STEP_TEMPORARIES = 6  # fp32 slices alive at once there: g, p, m, v, sqrt(v), its quotient
+
+
+def precision_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int) -> int:
+    """The precision-aware step's fp32 temporaries: six slices of the largest tensor (at most ``SLICE_NUMEL``)."""
+    largest = cfg.vocab_size * cfg.hidden_size // lay.tp // lay.shards
+    return PRECISION_STEP_TEMPORARIES * 4 * min(PRECISION_SLICE_NUMEL, largest, trainable // lay.shards)
+
+
+def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int, precision_aware: bool = False) -> int:
     """The AdamW step's temporary on one rank: none when fused, else one foreach group's fp32 ``sqrt(v)``: the
-    bound, the whole trainable shard when smaller, or the largest tensor (the embedding or head) when larger."""
+    bound, the whole trainable shard when smaller, or the largest tensor (the embedding or head) when larger. The
+    precision-aware step's slices (``precision_step_bytes``) where the device steps any of the state."""
+    if precision_aware:
+        return precision_step_bytes(cfg, lay, trainable) if lay.optim.offload < 1 else 0
     if lay.device_type in FUSED_ADAMW_DEVICES:
         return 0
     largest = cfg.vocab_size * cfg.hidden_size // lay.tp * 4 // lay.shards
@@ -415,18 +477,23 @@ def _fill_state(
     mixed = e != 4
     resharding = dp > 1 and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
     gathered = 2 * per_layer_params * e if resharding else 0
+    opt = lay.optim
+    on_device = trainable - int(trainable * opt.offload)  # the optimizer state's share kept on the device
     if lay.lora_r is None:
         compute = held_trainable * e
         # fp32 one process: the params are the main weights; under FSDP the sharded fp32 weights are the main ones
         m.params = 0 if (not mixed and dp == 1) else (gathered if resharding else compute)
-        m.main_params = trainable * 4 // dp
     else:
         # the frozen base: its FSDP shard (in the compute dtype) plus, over DP, what is gathered of it for compute
         shard = frozen * e // dp
         m.params = shard + (gathered if resharding else held_frozen * e if dp > 1 else 0)
-        m.main_params = trainable * 4 // dp
-    m.grads = trainable * 4 // dp
-    m.optimizer = trainable * 8 // dp
+    # the stored trainable weights (the fp32 master, or bf16 with bf16 main grads) and the optimizer's own master
+    m.main_params = (trainable * opt.weights + (on_device * opt.main_params if opt.own_master else 0)) // dp
+    m.grads = trainable * opt.main_grads // dp
+    m.optimizer = on_device * (opt.exp_avg + opt.exp_avg_sq) // dp
+    offloaded = trainable - on_device
+    m.host = offloaded * opt.host_bytes() // dp
+    m.host_traffic = offloaded * opt.traffic_bytes() // dp
     if dp > 1:  # a layer's unsharded fp32 grads and its reduce-scatter output: the adapters' only under LoRA
         reduced = per_layer_params if lay.lora_r is None else per_layer_adapters
         m.comm += 2 * reduced * 4
@@ -468,7 +535,9 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             elsewhere = sum(expert_params(cfg, i) for i in layers) * (lay.ep - 1) // lay.ep
             adapters = 0 if lay.lora_r is None else lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
             _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere, adapters)
-            m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable)
+            m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable, lay.optim.precision_aware)
+            if lay.optim.offload > 0:  # the host steps its share in the same slices
+                m.host += precision_step_bytes(cfg, lay, trainable)
             m.reference = reference_bytes(cfg, lay, m)
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
             m.params = total * lay.compute_bytes

@@ -13,6 +13,7 @@ from engine.contract.plan.data_shape import BatchShape, largest_micro_batch
 from engine.contract.plan.memory import (
     GIB,
     Layout,
+    OptimizerBytes,
     RankMemory,
     kv_cache_bytes,
     plan_ranks,
@@ -33,6 +34,7 @@ class MemoryPlan:
     device_memory_bytes: int | None = None
     data: BatchShape | None = None
     data_ranks: list[RankMemory] | None = None
+    host_memory_bytes: int | None = None
 
     @property
     def peak(self) -> RankMemory:
@@ -62,6 +64,8 @@ class MemoryPlan:
             "this_data_ranks": None if self.data_ranks is None else [r.as_json() for r in self.data_ranks],
             "device_memory_bytes": self.device_memory_bytes,
             "fits": None if self.device_memory_bytes is None else self.decisive.total_bytes <= self.device_memory_bytes,
+            "host_bytes_per_node": node_host_bytes(self.ranks, lay),
+            "host_memory_bytes": self.host_memory_bytes,
             "model_source": self.source,
             "model": dataclasses.asdict(self.cfg),
             "num_params": self.cfg.num_params(),
@@ -122,6 +126,7 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
             "lora_r": spec.lora_r,
             "lora_targets": tuple(resolve_targets(spec.lora_target_modules)) if spec.lora_r else MEGATRON_TARGETS,
             "loss_chunk": spec.cross_entropy_chunk_size,
+            "optim": optimizer_bytes(spec),
             **_preference_layout(spec),
         }
     elif isinstance(spec, ServeSpec):
@@ -131,6 +136,7 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
         kind = {"train": False, "eval_tokens": seq + spec.max_new_tokens}
     return Layout(
         world_size=spec.resources.world_size,
+        nnodes=spec.resources.nnodes,
         tp=spec.tensor_model_parallel_size,
         pp=spec.pipeline_model_parallel_size,
         micro_batch_size=rows,
@@ -143,6 +149,23 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
         layers_per_virtual_stage=spec.num_layers_per_virtual_pipeline_stage,
         device_type=spec.resources.device_type,
         **kind,
+    )
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_bytes(spec: TrainSpec) -> OptimizerBytes:
+    """The optimizer's storage of a training spec (4 B each without the precision-aware optimizer)."""
+    if not spec.use_precision_aware_optimizer:
+        return OptimizerBytes()
+    return OptimizerBytes(
+        main_grads=DTYPE_BYTES[spec.main_grads_dtype],
+        main_params=DTYPE_BYTES[spec.main_params_dtype],
+        exp_avg=DTYPE_BYTES[spec.exp_avg_dtype],
+        exp_avg_sq=DTYPE_BYTES[spec.exp_avg_sq_dtype],
+        offload=spec.optimizer_offload_fraction if spec.optimizer_cpu_offload else 0.0,
+        precision_aware=True,
     )
 
 
@@ -172,6 +195,27 @@ def plan_spec(spec: ModelSpec, model: str | None = None, device_memory_bytes: in
         sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width)
         plan.data_ranks = plan_ranks(cfg, sized)
     return plan
+
+
+def node_host_bytes(ranks: list[RankMemory], lay: Layout) -> int:
+    """The most host memory one node's ranks take (offloaded optimizer state; a node holds consecutive ranks)."""
+    per_node = max(1, lay.world_size // max(1, lay.nnodes))
+    return max((sum(r.host for r in ranks[i : i + per_node]) for i in range(0, len(ranks), per_node)), default=0)
+
+
+def check_host_fits(plan: MemoryPlan, host_memory_bytes: int) -> None:
+    """``DoesNotFit`` naming optimizer_offload_fraction when one node's offloaded optimizer state exceeds its RAM."""
+    need = node_host_bytes(plan.ranks, plan.layout)
+    if need <= host_memory_bytes:
+        return
+    opt = plan.layout.optim
+    raise DoesNotFit(
+        "optimizer_offload_fraction",
+        f"the offloaded optimizer state of one node's ranks needs {_gib(need)} of host memory (offload fraction "
+        f"{opt.offload}, {opt.host_bytes()} B per offloaded parameter), but a host has {_gib(host_memory_bytes)}; "
+        "lower optimizer_offload_fraction, use bf16 moments (exp_avg_dtype, exp_avg_sq_dtype) or more nodes",
+        plan,
+    )
 
 
 def _gib(n: int) -> str:
@@ -233,6 +277,14 @@ def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
     for mode in ("selective", "full"):
         if lay.recompute != mode and not (mode == "selective" and lay.recompute == "full"):
             tries.append((f"recompute_granularity {mode}", dataclasses.replace(sized, recompute=mode)))
+    if lay.compute_bytes == 2 and lay.lora_r is None and not lay.optim.precision_aware:
+        aware = "use_precision_aware_optimizer with exp_avg_dtype/exp_avg_sq_dtype bf16"
+        options = {
+            aware: OptimizerBytes(exp_avg=2, exp_avg_sq=2, precision_aware=True),
+            aware + " and main_grads_dtype bf16": OptimizerBytes(2, 4, 2, 2, precision_aware=True),
+            aware + ", optimizer_cpu_offload": OptimizerBytes(4, 4, 2, 2, offload=1.0, precision_aware=True),
+        }
+        tries += [(label, dataclasses.replace(sized, optim=optim)) for label, optim in options.items()]
     mbs = lay.micro_batch_size // 2
     while mbs >= 1:
         tries.append((f"micro_batch_size {mbs}", dataclasses.replace(lay, micro_batch_size=mbs)))
@@ -245,10 +297,16 @@ def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
     return out
 
 
-def check_fits(spec: ModelSpec, device_memory_bytes: int, model: str | None = None) -> MemoryPlan:
+def check_fits(
+    spec: ModelSpec, device_memory_bytes: int, model: str | None = None, host_memory_bytes: int | None = None
+) -> MemoryPlan:
     """The plan, or ``DoesNotFit`` naming what to change when the decisive rank (on this job's data when it could be
-    read, else at the worst case) exceeds ``device_memory_bytes``."""
+    read, else at the worst case) exceeds ``device_memory_bytes``, or one node's offloaded optimizer state exceeds
+    ``host_memory_bytes`` (when given)."""
     plan = plan_spec(spec, model, device_memory_bytes)
+    plan.host_memory_bytes = host_memory_bytes
+    if host_memory_bytes is not None:
+        check_host_fits(plan, host_memory_bytes)
     worst = plan.decisive
     if spec.kind == "serve":
         _check_kv_share(spec, plan, device_memory_bytes)
@@ -263,6 +321,7 @@ def check_fits(spec: ModelSpec, device_memory_bytes: int, model: str | None = No
             "(resources, tensor_model_parallel_size, pipeline_model_parallel_size"
             + ("" if lay.distributed_optimizer else ", use_distributed_optimizer")
             + ")"
+            + (f"; it would fit with {' or '.join(remedies)}" if remedies else "")
         )
     else:
         field = "micro_batch_size"
@@ -281,6 +340,7 @@ def check_fits(spec: ModelSpec, device_memory_bytes: int, model: str | None = No
 
 
 DEVICE_MEMORY_KEY = "device_memory_bytes"  # in a registered host's ``info``: the memory of one of its devices
+HOST_MEMORY_KEY = "host_memory_bytes"  # in a registered host's ``info``: its RAM
 
 
 def check_registered_memory(spec: JobBase, host_infos: Iterable[dict[str, Any] | None]) -> MemoryPlan | None:
@@ -289,10 +349,12 @@ def check_registered_memory(spec: JobBase, host_infos: Iterable[dict[str, Any] |
     (``info["device_memory_bytes"]``), or when the shape cannot be told before the run (the engine checks it then)."""
     if not isinstance(spec, TrainSpec | EvalSpec | ServeSpec) or (isinstance(spec, EvalSpec) and spec.remote):
         return None  # no model of its own (an eval through a deployment loads none here)
-    sizes = [int(info[DEVICE_MEMORY_KEY]) for info in host_infos if info and info.get(DEVICE_MEMORY_KEY)]
+    infos = [info for info in host_infos if info]
+    sizes = [int(info[DEVICE_MEMORY_KEY]) for info in infos if info.get(DEVICE_MEMORY_KEY)]
     if not sizes:
         return None
+    hosts = [int(info[HOST_MEMORY_KEY]) for info in infos if info.get(HOST_MEMORY_KEY)]
     try:
-        return check_fits(spec, max(sizes))
+        return check_fits(spec, max(sizes), host_memory_bytes=max(hosts) if hosts else None)
     except ShapeUnknown:
         return None

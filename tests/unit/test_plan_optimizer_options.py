@@ -1,0 +1,119 @@
+"""The planner counts the precision-aware optimizer and its offload (issue 42): bytes per parameter per option,
+host bytes and traffic, Qwen3-32B full SFT on 8 × 64 GiB NPUs, the host-memory refusal and ``--suggest``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.contract.plan.memory import GIB, Layout, OptimizerBytes, plan_ranks, precision_step_bytes
+from engine.contract.plan.planner import (
+    HOST_MEMORY_KEY,
+    DoesNotFit,
+    check_fits,
+    check_registered_memory,
+    plan_spec,
+)
+from engine.contract.plan.shape import preset
+from engine.contract.plan.suggest import candidates
+from engine.contract.spec import parse_spec
+
+AWARE = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+QWEN3_32B_SHAPE = {  # the flags of MindSpeed-LLM's Qwen3-32B script: admission plans from them
+    "num_layers": 64,
+    "hidden_size": 5120,
+    "ffn_hidden_size": 25600,
+    "num_attention_heads": 64,
+    "group_query_attention": True,
+    "num_query_groups": 8,
+    "kv_channels": 128,
+    "padded_vocab_size": 151936,
+}
+
+
+def _qwen3_32b(**fields: Any) -> Any:
+    spec = {
+        "kind": "train",
+        "data_path": ["unused"],
+        "train_iters": 1,
+        "lr": 0.0,
+        "bf16": True,
+        "seq_length": 4096,
+        "micro_batch_size": 1,
+        "global_batch_size": 64,
+        "sequence_parallel": True,
+        "use_distributed_optimizer": True,
+        "resources": {"nproc_per_node": 8, "device_type": "npu"},
+        **fields,
+    }
+    return parse_spec(spec)
+
+
+@pytest.mark.parametrize(
+    ("optim", "device", "host", "traffic"),
+    [
+        (OptimizerBytes(), 18, 0, 0),  # bf16 copy 2 + fp32 master 4 + fp32 grads 4 + m, v 8
+        (OptimizerBytes(exp_avg=2, exp_avg_sq=2, precision_aware=True), 14, 0, 0),
+        (OptimizerBytes(2, 4, 2, 2, precision_aware=True), 14, 0, 0),  # bf16 weights 2 + copy 2 + grads 2 + master 4
+        (OptimizerBytes(2, 2, 2, 2, precision_aware=True), 12, 0, 0),  # fp16 master
+        (OptimizerBytes(4, 4, 2, 2, offload=1.0, precision_aware=True), 10, 8, 8),  # master + moments on the host
+        (OptimizerBytes(2, 4, 2, 2, offload=1.0, precision_aware=True), 6, 8, 4),
+        (OptimizerBytes(4, 4, 4, 4, offload=0.5, precision_aware=True), 14, 6, 4),
+    ],
+)
+def test_bytes_per_parameter(optim: OptimizerBytes, device: int, host: int, traffic: int):
+    """One rank, bf16: the persistent bytes per trainable parameter of each option."""
+    cfg = preset("qwen3-0.6b")
+    lay = Layout(world_size=1, compute_bytes=2, optim=optim)
+    (rank,) = plan_ranks(cfg, lay)
+    n = rank.trainable_params
+    assert rank.persistent_bytes / n == pytest.approx(device, abs=1e-3)
+    step_temporaries = precision_step_bytes(cfg, lay, n) if optim.offload else 0  # the host's step slices
+    assert (rank.host - step_temporaries) / n == pytest.approx(host, abs=1e-3)
+    assert rank.host_traffic / n == pytest.approx(traffic, abs=1e-3)
+
+
+def test_qwen3_32b_tp8_sp_precision_aware_fits_60_gib():
+    """The done-when: bf16 grads and moments, full recompute, every rank at most 60 GiB of a 64 GiB NPU."""
+    plain = plan_spec(_qwen3_32b(tensor_model_parallel_size=8, recompute_granularity="full"), "qwen3-32b")
+    assert plain.peak.total_bytes > 64 * GIB  # without it the node cannot hold the job
+    spec = _qwen3_32b(tensor_model_parallel_size=8, recompute_granularity="full", main_grads_dtype="bf16", **AWARE)
+    plan = check_fits(spec, 64 * GIB, "qwen3-32b")
+    assert all(r.total_bytes <= 60 * GIB for r in plan.ranks) and all(r.host == 0 for r in plan.ranks)
+
+
+def test_qwen3_32b_tp4_pp2_offload_fits_with_host_bytes():
+    spec = _qwen3_32b(
+        tensor_model_parallel_size=4, pipeline_model_parallel_size=2, use_precision_aware_optimizer=True, **OFFLOAD
+    )
+    plan = check_fits(spec, 64 * GIB, "qwen3-32b", host_memory_bytes=512 * GIB)
+    for r in plan.ranks:
+        assert r.optimizer == 0 and r.host >= r.trainable_params * 12  # fp32 master + fp32 m, v on the host
+        assert r.host_traffic == r.trainable_params * 8  # fp32 grads down, fp32 weights back
+    assert plan.as_json()["host_bytes_per_node"] == sum(r.host for r in plan.ranks)
+
+
+def test_offloaded_state_over_host_memory_is_refused_naming_the_field():
+    spec = _qwen3_32b(
+        tensor_model_parallel_size=4, pipeline_model_parallel_size=2, use_precision_aware_optimizer=True, **OFFLOAD
+    )
+    spec = spec.model_copy(update=QWEN3_32B_SHAPE)
+    with pytest.raises(DoesNotFit) as err:
+        check_registered_memory(spec, [{"device_memory_bytes": 64 * GIB, HOST_MEMORY_KEY: 256 * GIB}])
+    assert err.value.field == "optimizer_offload_fraction" and "host memory" in str(err.value)
+    # a host that reports no RAM is not checked on it; one with room accepts the job
+    assert check_registered_memory(spec, [{"device_memory_bytes": 64 * GIB}]) is not None
+    assert check_registered_memory(spec, [{"device_memory_bytes": 64 * GIB, HOST_MEMORY_KEY: 512 * GIB}]) is not None
+
+
+def test_suggest_proposes_the_optimizer_options_when_nothing_else_fits():
+    """No CP × TP × recompute layout of 8 NPUs holds Qwen3-32B's fp32 Adam: the least change that fits is offered
+    (bf16 moments), never an option that is not needed."""
+    spec = _qwen3_32b(tensor_model_parallel_size=8)
+    found = [c for c in candidates(spec, "qwen3-32b", 64 * GIB) if c.fits]
+    assert found and {c.optimizer for c in found} == {"bf16 moments"}
+    small = _qwen3_32b(tensor_model_parallel_size=8, **{**QWEN3_32B_SHAPE, "num_layers": 8})
+    fitting = [c for c in candidates(small, None, 64 * GIB) if c.fits]
+    assert fitting and all(c.optimizer == "as given" for c in fitting)
