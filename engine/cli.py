@@ -27,7 +27,7 @@ from engine.contract.runfiles import (
     RunDir,
     setup_logging,
 )
-from engine.train.preempt import Preempted
+from engine.train.preempt import REQUEUE_REQUEST, Preempted
 
 log = logging.getLogger("engine")
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as err:  # Slurm's USR2: checkpoint saved, the job asks to be requeued
         log.warning("%s", err)
         run.event("warning", str(err), code="preempted", iteration=err.iteration)
+        (run.path / REQUEUE_REQUEST).write_text(f"{err.iteration}\n")
         return _finish(EXIT_RETRYABLE)
     except Exception as err:  # noqa: BLE001 - report every crash the same way
         log.error("%s failed:\n%s", kind, traceback.format_exc())

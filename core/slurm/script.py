@@ -22,6 +22,7 @@ NODE_RANK = "@@SLURM_NODEID@@"
 SLURM_JOB = "@@SLURM_JOB_ID@@"
 _VARIABLES = {HEAD: "${LLMJOBS_HEAD}", NODE_RANK: "${SLURM_NODEID}", SLURM_JOB: "${SLURM_JOB_ID}"}
 WARNING_SIGNAL = "USR2@90"  # USR1 is NCCL's
+REQUEUE_REQUEST = "requeue.request"  # engine.train.preempt.REQUEUE_REQUEST: the ranks saved and ask for a requeue
 
 
 def job_name(job_id: str) -> str:
@@ -81,15 +82,17 @@ def render(
     lines += ["set -u"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
     task_log = run_dir / "logs" / ("launcher.log" if nnodes == 1 else "launcher-node%t.log")
+    request = shlex.quote(str(run_dir / REQUEUE_REQUEST))
     requeue = (
         [
-            f'if [ "$code" -eq {EXIT_RETRYABLE} ]; then',
+            f'if [ "$code" -eq {EXIT_RETRYABLE} ] || [ -e {request} ]; then',
             '    echo "llmjobs: the engine saved a checkpoint and asks for a requeue"',
+            f"    rm -f {request}",
             '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
             "fi",
         ]
         if pool.requeue
-        else []
+        else [f"rm -f {request}"]
     )
     lines += [
         "export SLURM_EXPORT_ENV=ALL  # srun hands this script's environment to its tasks",

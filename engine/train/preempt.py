@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 _ASKED = threading.Event()
+# Left in the run directory by the stopping ranks: the batch script requeues the job when it finds it (torchrun
+# reports any failed rank as exit 1, so EXIT_RETRYABLE does not reach the script). Named in core.slurm.script too.
+REQUEUE_REQUEST = "requeue.request"
 
 
 class Preempted(Exception):

@@ -218,3 +218,31 @@ def test_a_pool_refuses_what_it_cannot_run(stack: Stack) -> None:
     for answer in (too_wide, unknown):
         assert answer.status_code == 422, answer.text
         assert answer.json()["field"] == "resources.pool", answer.text
+
+
+def test_usr2_saves_requeues_and_resumes(stack: Stack) -> None:
+    """Slurm's warning (``--signal=USR2@90``, sent here at once with scancel): the ranks save, the job is requeued
+    in Slurm (retrying in the API) and its second run resumes from that checkpoint and succeeds."""
+    spec = tiny_spec("tiny/data", resources={"pool": "local", "nproc_per_node": 2}, train_iters=60, max_restarts=2)
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["state"] == "running", stack, timeout=120)
+        deadline = time.monotonic() + 120
+        while not client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss"}).json()["data"]:
+            assert time.monotonic() < deadline, "no loss before the signal"
+            time.sleep(0.3)
+        subprocess.run(["scancel", "--signal=USR2", job["slurm_job_id"]], check=True)
+        _wait(client, job_id, lambda j: j["state"] in ("retrying", "queued") or j["attempt_count"] > 1, stack)
+        # Slurm holds a requeued job back about two minutes (its begin time); let it start now
+        subprocess.run(["scontrol", "update", f"JobId={job['slurm_job_id']}", "StartTime=now"], check=False)
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack, timeout=400)
+        assert job["state"] == "succeeded", job
+        assert job["attempt_count"] == 2
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+    states = [e["data"]["state"] for e in events if e["type"] == "state"]
+    assert "retrying" in states, states
+    saved = [e["data"]["iteration"] for e in events if e["type"] == "checkpoint"]
+    assert saved, events
+    summary = job["result"]["summary"]
+    assert summary["start_iteration"] == saved[0] > 0
+    assert summary["iterations"] == 60
