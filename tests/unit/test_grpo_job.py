@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from engine.contract.indexed import IndexedDatasetWriter, instruction_prefix  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
-from engine.contract.spec import parse_spec  # noqa: E402
+from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
-from train_support import metric_rows  # noqa: E402
+from train_support import metric_rows  # type: ignore[import-not-found]  # noqa: E402
 
 QUESTIONS = ["Say yes or no.", "Name a colour.", "What is 2+2?", "Greet me."]
 ANSWERS = ["yes", "blue", "4", "hello"]
@@ -42,8 +42,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) ->
 
     root = tmp_path_factory.mktemp("grpo")
     torch.manual_seed(0)
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    config = Qwen3Config(vocab_size=151936, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, **shape)
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+    )  # fmt: skip
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(root / "policy")
     ref = copy.deepcopy(model)
@@ -101,7 +103,7 @@ def _spec(setup: dict[str, Any], steps: int, **extra: Any) -> dict[str, Any]:
 
 
 def _run(spec: dict[str, Any], run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    job.run(parse_spec(spec), RunDir(run_dir))
+    job.run(cast(TrainSpec, parse_spec(spec)), RunDir(run_dir))
     rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     return metric_rows(run_dir), rows
 
