@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from core import peft_shapes
 from core.errors import ApiError
 from core.paths import team_areas
 from core.settings import Settings
@@ -274,15 +275,20 @@ class _Inputs:
                 'or name the checkpoint by reference ({"job": ID, "iteration": N}) to take the base from its run',
             )
 
-    def adapters(self, name: str, path: str | None, base: ModelConfig | None) -> None:
+    def adapters(self, name: str, path: str | None, base: ModelConfig | None, per_request: bool = False) -> None:
         """``path`` exists, holds LoRA adapters (not a full model) and, where both shapes can be read, was trained on
-        a model of the base's shape (``base``: the ``load`` checkpoint's)."""
+        a model of the base's shape (``base``: the ``load`` checkpoint's); a PEFT adapter folder's factors are read
+        from its safetensors header. ``per_request``: chosen per request by ``model`` (serve's ``lora_adapters``),
+        which a PEFT adapter cannot be (the engine merges it into the base at load)."""
         self.file_or_dir(name, path)
         if path is None or self.pending(path):
             return
         held = inspect.contents(path)
         if held is not None and not held.lora:
             raise _refuse(self.field(name), f"{path} holds full weights, not LoRA adapters")
+        if peft_shapes.is_peft_adapter(path):
+            self.peft_adapter(name, path, base, per_request)
+            return
         try:
             trained = checkpoint_config(path, name) if base is not None else None
         except BadInput:
@@ -296,6 +302,21 @@ class _Inputs:
                     self.field(name),
                     f"{path} holds adapters for another model: {dim} {mine} there, {theirs} in the base (load)",
                 )
+
+    def peft_adapter(self, name: str, path: str, base: ModelConfig | None, per_request: bool) -> None:
+        """A Hugging Face PEFT adapter folder: readable, its LoRA factors as wide as the base's projections."""
+        try:
+            why = peft_shapes.mismatch(path, base) if base is not None else None
+        except peft_shapes.NotAnAdapter as err:
+            raise _refuse(self.field(name), f"not a PEFT adapter the engine can load: {err}") from None
+        if why is not None:
+            raise _refuse(self.field(name), f"{path} holds adapters for another model: {why}")
+        if per_request:
+            raise _refuse(
+                self.field(name),
+                f"{path} is an HF PEFT adapter, which is merged into the base at load, so it cannot be chosen per "
+                "request; give it as lora_load (one adapter for every request)",
+            )
 
 
 # ---------------------------------------------------------------- checks by kind
@@ -379,7 +400,7 @@ def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
     base = _base_config(spec.load, inputs) if spec.lora_load or spec.lora_adapters else None
     inputs.adapters("lora_load", spec.lora_load, base)
     for name, path in spec.lora_adapters.items():
-        inputs.adapters(f"lora_adapters.{name}", path, base)
+        inputs.adapters(f"lora_adapters.{name}", path, base, per_request=True)
     if spec.tokenizer_name_or_path is not None:
         inputs.directory("tokenizer_name_or_path", spec.tokenizer_name_or_path, "a Hugging Face tokenizer directory")
     elif not inputs.pending(spec.load) and not (Path(spec.load) / "tokenizer_config.json").is_file():
