@@ -1,12 +1,14 @@
 """Continuous batching: one thread runs the model for every sequence in flight, one step at a time.
 
-Each iteration of the loop (``step``) runs at most ``max_batched_tokens`` tokens (vLLM's ``max_num_batched_tokens``):
+Each iteration of the loop (``step``) runs ONE forward of at most ``max_batched_tokens`` tokens (vLLM's
+``max_num_batched_tokens``) that carries prompt chunks and decode tokens together (``engine.serve.slots.SlotView``:
+a flat token batch with per-sequence positions and slots, attention masked per sequence):
 1. admits *every* waiting sequence (FIFO) that finds a free slot of the ``SlotCache``; with prefix caching a
    sequence starts after the longest prompt prefix some slot already holds (``engine.serve.slots``);
-2. spends what the decodes leave of the budget on prompt chunks, oldest sequence first (at most ``prefill_chunk``
-   tokens of one sequence per step), in as few forwards as keep the right padding small; a sequence whose prompt is
-   done samples its first token from its chunk's last position;
-3. decodes one token for every sequence that was past its prompt, all in one batched forward.
+2. schedules one token for every sequence past its prompt, and prompt chunks, oldest sequence first (at most
+   ``prefill_chunk`` tokens of one sequence per step), in what the decodes leave of the budget;
+3. runs them in one forward; every sequence whose prompt is done samples a token from its last position (a new
+   sequence its first, from its chunk's last).
 So a request that finds a free slot gets its first token within one step per budget of prompt tokens ahead of it,
 a long prompt never stalls the others for more than one budget, and a sequence joins or leaves the batch
 between any two steps. Sequences end on a stop token, at ``max_tokens``, at the slot's capacity (``max_model_len``)
@@ -14,7 +16,8 @@ or when cancelled (client gone, stop string seen by the caller); their slot is f
 
 Callers (the HTTP handler threads) ``submit`` the sequences of a request, sharing one ``events`` queue, and read
 ``(index, Pick)`` per new token, then ``(index, None)`` when choice ``index`` ends (its ``finish_reason`` set).
-Only the loop thread touches the model and the cache.
+Only the loop thread touches the model and the cache: a LoRA adapter loaded into a running deployment is added
+there, between two steps (``call``), and an unloaded one leaves once no sequence uses it (``retire_adapter``).
 
 Failures never leave a reader waiting: a sequence that cannot be sampled ends with ``finish_reason`` "error" (its
 ``error`` set) and the others go on; an exception anywhere in a step ends every running sequence so, frees their
@@ -32,13 +35,16 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from engine.eval.generate import last_logits
-from engine.serve.adapters import AdapterRows
+from engine.serve.adapters import AdapterRows, remove_adapter
 from engine.serve.sampling import Pick, RequestOptions, SamplingError, pick_token
-from engine.serve.slots import SlotCache
+from engine.serve.slots import SlotCache, install_flat_attention
 from engine.serve.stats import ServeStats
 from engine.serve.structured import Constraint
 from engine.serve.tp_sync import Step, StepSync
@@ -49,6 +55,7 @@ MAX_CRASHES = 3  # step failures within CRASH_WINDOW_S that end the loop for goo
 CRASH_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0  # between a failed step and the next (read at use: tests shorten it)
 READY, RESTARTING, DEAD, STOPPED = "ready", "restarting", "dead", "stopped"
+_NO_PLAN = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D attention_mask: the model plans no attention itself
 
 
 class LoopDead(Exception):
@@ -112,6 +119,7 @@ class Batcher:
         # under TP the followers' caches would need every prefix copy replayed too: not done yet, so off there
         self.prefix_caching = prefix_caching and sync is None
         self.device = next(model.parameters()).device
+        self.flat = install_flat_attention(model)  # attention per row of the flat batch (engine.serve.slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = threading.Condition()
@@ -123,6 +131,8 @@ class Batcher:
         self.state = READY
         self.error: str | None = None  # the last step failure, as "ExceptionType: message"
         self._crashes: list[float] = []
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()  # run on the loop thread (``call``)
+        self._retiring: set[int] = set()  # unloaded adapters, dropped from the model once no sequence uses them
 
     # ------------------------------------------------------------ callers' side
 
@@ -142,6 +152,37 @@ class Batcher:
             self.last_activity = time.monotonic()
             self._wake.notify()
 
+    def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
+        """Run ``fn`` on the loop thread between two steps (the model changes only there: a LoRA adapter loaded into
+        a running deployment) and return its result or raise its exception; ``LoopDead`` once the loop ended."""
+        done: Future[Any] = Future()
+        with self._wake:
+            if self.state in (DEAD, STOPPED):
+                raise LoopDead(f"the serving loop has {'failed' if self.state == DEAD else 'stopped'}")
+            self._calls.append((fn, done))
+            self._wake.notify()
+        return done.result(timeout=timeout)
+
+    def retire_adapter(self, index: int) -> None:
+        """Drop adapter ``index`` from the model once no running or waiting sequence uses it (its name was already
+        taken away from new requests)."""
+        with self._wake:
+            self._retiring.add(index)
+            self._wake.notify()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, done = self._calls.popleft()
+            try:
+                done.set_result(fn())
+            except Exception as err:  # noqa: BLE001 - the caller hears of it
+                done.set_exception(err)
+        if self._retiring and self.adapters is not None:
+            used = {s.adapter for s in [*self.running, *self.waiting]}
+            for index in self._retiring - used:
+                remove_adapter(self.model, index)
+                self._retiring.discard(index)
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
@@ -158,7 +199,10 @@ class Batcher:
         recovered from or ends the loop (see the module docstring)."""
         try:
             while not self._stop.is_set():
+                self._run_calls()
                 with self._wake:
+                    if self._calls:
+                        continue
                     if not self.busy:
                         self._wake.wait(timeout=0.5)
                         if self.sync is not None:
@@ -195,6 +239,8 @@ class Batcher:
         with self._wake:
             left = [*self.running, *self.waiting]
             self.waiting.clear()
+            while self._calls:  # state is set: no call is queued after this
+                self._calls.popleft()[1].set_exception(LoopDead("the serving loop has ended"))
         for seq in left:
             if dead:
                 self._fail(seq, "the engine's serving loop has failed; retry the request")
@@ -210,10 +256,8 @@ class Batcher:
         self._admit()
         decoding = [s for s in self.running if s.prefilled == len(s.prompt) and s.finish_reason is None]
         chunks = self._schedule_prefills(self.max_batched_tokens - len(decoding))
-        for group in _similar_sizes(chunks):  # prompts first: a new request's first token does not wait a decode
-            self._run([seq for seq, _ in group], [n for _, n in group])
-        if decoding:
-            self._run(decoding, [1] * len(decoding))
+        if decoding or chunks:  # one forward: the decodes and the prompt chunks, flattened
+            self._run(decoding + [seq for seq, _ in chunks], [1] * len(decoding) + [n for _, n in chunks])
         self.last_activity = time.monotonic()
 
     def _schedule_prefills(self, budget: int) -> list[tuple[Sequence, int]]:
@@ -266,15 +310,12 @@ class Batcher:
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot or 0)  # consecutive slots read as a slice
         seqs, counts = [seqs[i] for i in order], [counts[i] for i in order]
         tokens = [_next_input(s, n) for s, n in zip(seqs, counts, strict=True)]
-        width = max(counts)
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
         slots = [s.slot for s in seqs if s.slot is not None]
         adapters = [s.adapter for s in seqs]
-        if self.sync is not None:  # padding travels as position -1: a follower recovers each row's count
+        if self.sync is not None:
             starts = [self.cache.lengths[s] for s in slots]
-            pos = [[st + k if k < n else -1 for k in range(width)] for st, n in zip(starts, counts, strict=True)]
-            self.sync.lead(Step(ids.tolist(), pos, slots, adapters, width == 1))
-        logits = self._compute(ids, slots, counts, adapters, tokens)
+            self.sync.lead(Step(tokens, slots, starts, adapters))
+        logits = self._compute(slots, adapters, tokens)
         ready: list[tuple[int, Sequence]] = []
         for row, seq in enumerate(seqs):
             if seq.prefilled < len(seq.prompt):
@@ -305,34 +346,32 @@ class Batcher:
             else:
                 self._take(seq, Pick(token))
 
-    def _compute(
-        self,
-        ids: torch.Tensor,
-        slots: list[int],
-        counts: list[int],
-        adapters: list[int],
-        tokens: list[list[int]],
-    ) -> torch.Tensor:
-        """The forward itself (every TP rank runs it): (B, V) fp32 logits at each row's last real token."""
-        if self.adapters is not None:
-            self.adapters.set(adapters, self.device)
+    def _compute(self, slots: list[int], adapters: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """The forward itself (every TP rank runs it): row ``i``'s ``tokens[i]`` appended to slot ``slots[i]``, all
+        rows flattened into one (1, N) batch (``engine.serve.slots.SlotView``); (B, V) fp32 logits at each row's
+        last token."""
+        counts = [len(t) for t in tokens]
+        if self.adapters is not None:  # one adapter index per token of the flat batch
+            self.adapters.set([a for a, n in zip(adapters, counts, strict=True) for _ in range(n)], self.device)
         view = self.cache.view(slots, counts)
-        hidden = self.model(
-            ids, position_ids=view.positions(), attention_mask=view.mask, kv_cache=view, return_hidden=True
-        )
+        ids = torch.tensor([[t for row in tokens for t in row]], dtype=torch.long, device=self.device)
+        self.flat.view = view
+        try:
+            # a 4-D mask: the model plans nothing (a (1,1,1,1) stand-in); attention is masked per row by the view
+            hidden = self.model(
+                ids, position_ids=view.positions(), attention_mask=_NO_PLAN, kv_cache=view, return_hidden=True
+            )
+        finally:
+            self.flat.view = None
         view.commit(tokens)
-        last = torch.tensor(counts, device=hidden.device) - 1
-        return last_logits(self.model, hidden[torch.arange(len(counts), device=hidden.device), last][:, None])
+        return last_logits(self.model, hidden[0, view.last.to(hidden.device)][:, None])
 
     @torch.inference_mode()
     def replay(self, step: Step) -> None:
         """A TP follower: run rank 0's forward ``step`` on this rank's shard (``engine.serve.tp_sync``)."""
-        counts = [sum(p >= 0 for p in row) for row in step.positions]
-        for slot, row in zip(step.slots, step.positions, strict=True):
-            self.cache.lengths[slot] = row[0]  # where rank 0's slot stands: its first new position
-        ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
-        tokens = [row[:n] for row, n in zip(step.ids, counts, strict=True)]
-        self._compute(ids, step.slots, counts, step.adapters, tokens)
+        for slot, start in zip(step.slots, step.starts, strict=True):
+            self.cache.lengths[slot] = start  # where rank 0's slot stands
+        self._compute(step.slots, step.adapters, step.tokens)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token, hand it to the reader and end the sequence if it is done."""
@@ -392,16 +431,3 @@ def _next_input(seq: Sequence, count: int) -> list[int]:
     if seq.prefilled < len(seq.prompt):
         return seq.prompt[seq.prefilled : seq.prefilled + count]
     return seq.output[-1:]
-
-
-def _similar_sizes(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-    """Prompt chunks grouped into forwards whose right padding stays under half the group's real tokens: one
-    forward per group (a 20-token prompt is not padded to a 2,000-token one's chunk)."""
-    groups: list[list[tuple[Sequence, int]]] = []
-    for chunk in sorted(chunks, key=lambda c: -c[1]):
-        group = groups[-1] if groups else None
-        if group and (len(group) + 1) * group[0][1] <= 1.5 * (sum(n for _, n in group) + chunk[1]):
-            group.append(chunk)
-        else:
-            groups.append([chunk])
-    return groups

@@ -152,7 +152,7 @@ def run(
         return {}, {"replayed_steps": replayed, "tensor_model_parallel_size": tp}
     name = served_name(spec, run)
     template = spec.prompt_type or "qwen3"
-    deployment = Deployment(batcher, tokenizer, template, name, spec.max_model_len, cfg.vocab_size, indices)
+    deployment = Deployment(batcher, tokenizer, template, name, spec.max_model_len, cfg.vocab_size, indices, spec)
     server = make_server(deployment, os.environ.get("LLMJOBS_SERVE_HOST", "127.0.0.1"))
     host, port = server.server_address[:2]
     url = f"http://{os.environ.get('LLMJOBS_SERVE_ADVERTISE_HOST', host)}:{port}"

@@ -25,12 +25,17 @@ import logging
 import queue
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from engine.contract.guard import check_path
+from engine.contract.runfiles import BadInput
+from engine.contract.spec import ServeSpec
+from engine.serve.adapters import AdapterRows, add_adapter, read_adapter
 from engine.serve.batcher import READY, Batcher, LoopDead, QueueFull, Sequence
 from engine.serve.prom import EngineMetrics, RequestRecord
 from engine.serve.protocol import (
@@ -73,14 +78,59 @@ class Deployment:
     max_model_len: int
     vocab_size: int
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)  # LoRA adapter name -> its index
+    spec: ServeSpec | None = None  # the job's spec: adapters loaded at run time are read as its lora_adapters are
     grammars: Grammars = dataclasses.field(init=False)  # structured output (its tokenizer built at first use)
     metrics: EngineMetrics = dataclasses.field(init=False)
+    _lock: threading.Lock = dataclasses.field(init=False, default_factory=threading.Lock)
+    _next_index: int = dataclasses.field(init=False, default=0)
 
     def __post_init__(self) -> None:
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         eos = end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id
         self.grammars = Grammars(self.tokenizer, self.vocab_size, eos)
         self.metrics = EngineMetrics(self.batcher, self.served_model_name)
+        # an index is never reused: the prefix cache keys blocks by adapter index, so an unloaded adapter's cached
+        # keys can never be taken for a later adapter's
+        self._next_index = max(self.adapters.values(), default=0) + 1
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: LoRA checkpoint ``path`` served as ``name`` from the next request on,
+        read and checked as a ``lora_adapters`` entry (inside the job's data areas, from a private copy made without
+        following links); BadRequest naming ``lora_name`` or ``lora_path``."""
+        if self.spec is None or self.batcher.sync is not None:
+            raise BadRequest("lora_path: adapters are loaded at run time only with tensor parallelism 1", "lora_path")
+        with self._lock:
+            if name == self.served_model_name or name in self.adapters:
+                raise BadRequest(f"lora_name: {name!r} is already served by this deployment", "lora_name")
+            index, self._next_index = self._next_index, self._next_index + 1
+        try:
+            check_path("lora_path", path, output=False)
+            adapters = read_adapter(self.spec, name, path)
+            batcher = self.batcher
+            device = batcher.device
+
+            def attach() -> None:  # on the loop thread, between two forwards
+                if batcher.adapters is None:
+                    batcher.adapters = AdapterRows()
+                add_adapter(batcher.model, batcher.adapters, index, name, adapters, device)
+
+            batcher.call(attach)
+        except BadInput as err:
+            raise BadRequest(str(err).replace(f"lora_adapters.{name}", "lora_path", 1), "lora_path") from err
+        with self._lock:
+            if name in self.adapters:  # a concurrent load of the same name won: this one's copy goes
+                self.batcher.retire_adapter(index)
+                raise BadRequest(f"lora_name: {name!r} is already served by this deployment", "lora_name")
+            self.adapters[name] = index
+
+    def unload_adapter(self, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``: ``name`` is refused from now on; its tensors leave the model once the
+        requests already using it end. BadRequest (404) when no adapter has that name."""
+        with self._lock:
+            index = self.adapters.pop(name, None)
+        if index is None:
+            raise BadRequest(f"lora_name: no adapter {name!r} is loaded", "lora_name", status=404)
+        self.batcher.retire_adapter(index)
 
     def adapter_name(self, index: int) -> str:
         """The name a request's adapter index is served as (the base's for 0), the metrics' ``model_name``."""
@@ -155,9 +205,37 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(err.status, str(err), err.field, kind)
         self._json(200, {"count": len(ids), "max_model_len": dep.max_model_len, "tokens": ids})
 
+    def _lora(self) -> None:
+        """vLLM's ``/v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter``
+        ``{"lora_name"}``; 200 with vLLM's text, else an error naming the field."""
+        dep = self.server.deployment
+        try:
+            body = self._body()
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name.strip() or len(name) > 255:
+                raise BadRequest("lora_name: a name of 1 to 255 characters is required", "lora_name")
+            if self.path == "/v1/unload_lora_adapter":
+                dep.unload_adapter(name)
+                return self._raw(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
+            path = body.get("lora_path")
+            if not isinstance(path, str) or not path:
+                raise BadRequest("lora_path: the adapter checkpoint's path is required", "lora_path")
+            dep.load_adapter(name, path)
+        except BadRequest as err:
+            kind = "not_found" if err.status == 404 else "invalid_request_error"
+            return self._error(err.status, str(err), err.field, kind)
+        except LoopDead as err:
+            return self._error(503, str(err), None, "engine_unavailable", **{"Retry-After": "5"})
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint must still be answered
+            log.exception("loading a LoRA adapter failed")
+            return self._error(500, "lora_path: the adapter could not be loaded", "lora_path", "engine_error")
+        self._raw(200, f"Success: LoRA adapter '{name}' added successfully.".encode(), "text/plain")
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         if self.path in ("/tokenize", "/detokenize"):
             return self._tokens()
+        if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return self._lora()
         if self.path != "/v1/generate":
             return self._error(404, f"{self.path}: not found", None, "not_found")
         try:

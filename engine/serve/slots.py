@@ -4,12 +4,16 @@ and a prefix index over what the slots hold.
 ``engine.model.kv_cache.KVCache`` keeps one fill level for the whole batch (left-padded batches decode in lockstep).
 A serving batch changes every step: sequences join and leave, and each sits at its own length. ``SlotCache`` holds
 the buffers of ``num_slots`` rows (allocated once, sized by the job's ``max_num_seqs`` × ``max_model_len``) and the
-length of each slot; ``view`` hands the model a ``KVCache`` over some slots for one forward, where row ``i`` appends
-``counts[i]`` new tokens after what its slot holds (decode steps: 1 each; prefill chunks: several, right-padded to
-the longest). Every row is written in place at its own positions and read back *right-padded*: the model sees the
-slots' first ``W`` columns (a slice when the slots are consecutive, else one row gather, never a shift) and a
-(B, 1, T, W) boolean mask that lets query ``k`` of row ``i`` (position ``start_i + k``) see columns ``<= start_i +
-k``. Keys are cached after RoPE, so where a key sits does not change it.
+length of each slot; ``view`` hands the model a ``KVCache`` over some slots for ONE forward that carries prompt
+chunks and decode tokens together, as vLLM's chunked prefill does: row ``i`` appends ``counts[i]`` new tokens after
+what its slot holds, and every row's tokens are flattened into one (1, N) batch with per-token positions, so the
+linear layers see N real tokens and no padding. Each new key/value is written in place at its (slot, column) (one
+``index_copy_`` into the flat buffer); attention runs per group of rows of similar counts (a decode group, one
+token per row; prompt chunks of similar length), each group's queries against its slots' first ``W`` columns (a
+slice when the slots are consecutive, else one row gather) with a (B, 1, T, W) boolean mask that lets query ``k`` of
+row ``i`` (position ``start_i + k``) see columns ``<= start_i + k``. The model's attention modules reach the view
+through their ``attend`` seam (``install_flat_attention``). Keys are cached after RoPE, so where a key sits does not
+change it.
 
 **Prefix caching.** Each slot also remembers the tokens whose keys/values it holds (``content``): a released slot
 keeps them until it is reused (the lowest-numbered free slot first). Every full block of ``BLOCK`` tokens is indexed
@@ -23,10 +27,14 @@ prefill, for the first token's logits.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.contract.model_config import ModelConfig
+from engine.model.attention import AttentionPlan, core_attention
 from engine.model.kv_cache import KVCache
+from engine.model.qwen3 import SelfAttention
 
 BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 
@@ -136,7 +144,12 @@ class SlotCache(KVCache):
 
 
 class SlotView(KVCache):
-    """The ``KVCache`` of one forward over some slots of a ``SlotCache`` (see the module docstring)."""
+    """The ``KVCache`` of one mixed forward over some slots of a ``SlotCache``: row ``i`` appends ``counts[i]``
+    tokens (a prompt chunk, or one decode token) after what slot ``slots[i]`` holds, all rows' tokens flattened into
+    one (1, N) batch in row order. ``update`` writes every new key/value at its (slot, column) in one
+    ``index_copy_`` and hands the layer the whole buffers; ``attend`` (installed on the model by
+    ``install_flat_attention``) then runs attention per group of rows of similar counts, each row's queries against
+    its own slot's columns, masked causally from the row's start (see the module docstring)."""
 
     def __init__(self, parent: SlotCache, slots: list[int], counts: list[int]) -> None:  # no super(): shares buffers
         self.parent, self.slots, self.counts = parent, slots, counts
@@ -144,54 +157,67 @@ class SlotView(KVCache):
         self.max_len = parent.max_len
         self.starts = [parent.lengths[s] for s in slots]
         device = next(iter(parent.keys.values())).device
-        self.new = max(counts)  # T: the batch's query columns (rows with fewer new tokens are right-padded)
-        self.width = max(s + n for s, n in zip(self.starts, counts, strict=True))  # W: key columns read back
-        # the real new tokens, flattened: batch row, query column, slot, cache column
-        b = [i for i, n in enumerate(counts) for _ in range(n)]
-        t = [k for n in counts for k in range(n)]
-        self._b, self._t = torch.tensor(b, device=device), torch.tensor(t, device=device)
-        slot = torch.tensor([slots[i] for i in b], device=device)
-        col = torch.tensor([self.starts[i] + k for i, k in zip(b, t, strict=True)], device=device)
+        self.offsets = list(itertools.accumulate(counts, initial=0))  # row i's tokens: offsets[i] .. offsets[i + 1]
+        self.tokens = self.offsets[-1]  # N
+        rows = [i for i, n in enumerate(counts) for _ in range(n)]
+        cols = [self.starts[i] + k for i, n in enumerate(counts) for k in range(n)]
+        self._positions = torch.tensor(cols, device=device)[None]  # (1, N)
+        slot = torch.tensor([slots[i] for i in rows], device=device)
         _, heads, length, _ = next(iter(parent.keys.values())).shape
         # each (token, head)'s row in the buffer seen as (slots * heads * length, d): index_copy_ writes just those
         # rows (an index_put over dims 0 and 2 costs as much as touching the whole buffer)
-        self._flat = (slot[:, None] * heads + torch.arange(heads, device=device)[None, :]) * length + col[:, None]
-        self._flat = self._flat.reshape(-1)
-        lo = slots[0]
-        self._range = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
-        self._rows = torch.tensor(slots, device=device)
-        start = torch.tensor(self.starts, device=device)
-        query_pos = start[:, None] + torch.arange(self.new, device=device)[None, :]  # (B, T)
-        cols = torch.arange(self.width, device=device)
-        self.mask = (cols[None, None, :] <= query_pos[:, :, None])[:, None]  # (B, 1, T, W)
+        flat = (slot[:, None] * heads + torch.arange(heads, device=device)[None, :]) * length
+        self._flat = (flat + self._positions[0][:, None]).reshape(-1)
+        self.last = torch.tensor([o - 1 for o in self.offsets[1:]], device=device)  # each row's last token
+        self.groups = [_Group(self, members, device) for members in similar_sizes(counts)]
 
     def positions(self) -> torch.Tensor:
-        """(B, T) position ids: each row's new tokens after its slot's length (padding continues the count)."""
-        start = torch.tensor(self.starts, device=self._b.device)
-        return start[:, None] + torch.arange(self.new, device=self._b.device)[None, :]
+        """(1, N) position ids: each row's new tokens after its slot's length."""
+        return self._positions
 
     @property
     def length(self) -> int:
-        """The past length the model plans attention with: the key columns before the query columns."""
-        return self.width - self.new
+        """0: the model plans no attention of its own for a flat batch (``attend`` masks per row)."""
+        return 0
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (1, n_kv, N, d): written at their slots' columns; returns the layer's whole buffers."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if len(self.slots) == 1:
-            slot, start, n = self.slots[0], self.starts[0], self.counts[0]
-            keys[slot, :, start : start + n] = k[0, :, :n]
-            values[slot, :, start : start + n] = v[0, :, :n]
+            slot, start = self.slots[0], self.starts[0]
+            keys[slot, :, start : start + self.tokens] = k[0]
+            values[slot, :, start : start + self.tokens] = v[0]
         else:
-            # (B, n_kv, T, d) -> the real tokens' (N * n_kv, d), written at (slot, head, column)
             d = keys.shape[-1]
-            keys.view(-1, d).index_copy_(0, self._flat, k[self._b, :, self._t].reshape(-1, d).to(keys.dtype))
-            values.view(-1, d).index_copy_(0, self._flat, v[self._b, :, self._t].reshape(-1, d).to(values.dtype))
-        if self._range is not None:
-            return keys[self._range, :, : self.width], values[self._range, :, : self.width]
-        return keys[:, :, : self.width][self._rows], values[:, :, : self.width][self._rows]
+            keys.view(-1, d).index_copy_(0, self._flat, k[0].transpose(0, 1).reshape(-1, d).to(keys.dtype))
+            values.view(-1, d).index_copy_(0, self._flat, v[0].transpose(0, 1).reshape(-1, d).to(values.dtype))
+        return keys, values
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q (1, nh, N, d) and a layer's whole buffers -> (1, N, nh, d): each group of rows one attention call."""
+        queries = q[0].transpose(0, 1)  # (N, nh, d)
+        n, heads, d = queries.shape
+        out: torch.Tensor | None = None
+        for g in self.groups:
+            qg = queries if g.whole else queries.index_select(0, g.gather)
+            qg = qg.reshape(g.batch, g.new, heads, d).transpose(1, 2)  # (B, nh, T, d)
+            if g.span is not None:
+                kg, vg = keys[g.span, :, : g.width], values[g.span, :, : g.width]
+            else:
+                kg, vg = keys[:, :, : g.width][g.rows], values[:, :, : g.width][g.rows]
+            og = core_attention(qg, kg, vg, g.plan).reshape(g.batch * g.new, heads, d)  # (B * T, nh, d)
+            if g.whole:
+                return og[None]
+            if g.pick is not None:
+                og = og.index_select(0, g.pick)
+            if out is None:
+                out = og.new_empty(n, heads, d)
+            out.index_copy_(0, g.scatter, og)
+        assert out is not None  # a view has at least one row
+        return out[None]
 
     def commit(self, tokens: list[list[int]]) -> None:
-        """After the forward: each slot now holds its new tokens (``tokens[i]``, row i's real ids)."""
+        """After the forward: each slot now holds its new tokens (``tokens[i]``, row i's ids)."""
         for s, start, ids in zip(self.slots, self.starts, tokens, strict=True):
             self.parent.lengths[s] = start + len(ids)
             self.parent._append(s, ids)
@@ -201,3 +227,71 @@ class SlotView(KVCache):
 
     def crop(self, length: int) -> None:
         raise RuntimeError("crop: a slot view cannot be cropped")
+
+
+class _Group:
+    """Rows of one ``SlotView`` whose attention runs as one right-padded (B, nh, T, d) call: their queries gathered
+    from the flat tokens, their slots' first ``width`` columns read (a slice when the slots are consecutive), a
+    (B, 1, T, W) mask letting query ``k`` of row ``i`` see columns ``<= start_i + k``."""
+
+    def __init__(self, view: SlotView, members: list[int], device: torch.device) -> None:
+        counts = [view.counts[i] for i in members]
+        starts = [view.starts[i] for i in members]
+        slots = [view.slots[i] for i in members]
+        self.batch, self.new = len(members), max(counts)
+        self.width = max(s + n for s, n in zip(starts, counts, strict=True))
+        # query k of row i is flat token offsets[i] + k; padding repeats the row's last token (its output unused)
+        gather = [
+            view.offsets[i] + min(k, n - 1) for i, n in zip(members, counts, strict=True) for k in range(self.new)
+        ]
+        self.whole = gather == list(range(view.tokens))  # the group is the whole batch, in order, unpadded
+        self.gather = torch.tensor(gather, device=device)
+        real = [r * self.new + k for r, n in enumerate(counts) for k in range(n)]
+        self.pick = None if len(real) == len(gather) else torch.tensor(real, device=device)
+        self.scatter = torch.tensor(
+            [view.offsets[i] + k for i in members for k in range(view.counts[i])], device=device
+        )
+        lo = slots[0]
+        self.span = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+        self.rows = torch.tensor(slots, device=device)
+        query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(self.new, device=device)[None, :]
+        mask = (torch.arange(self.width, device=device)[None, None, :] <= query_pos[:, :, None])[:, None]
+        # CPU SDPA takes GQA with a mask directly (no k/v expansion); core_attention expands elsewhere
+        self.plan = AttentionPlan(mask=mask, is_causal=False, native_gqa=True)
+
+
+def similar_sizes(counts: list[int]) -> list[list[int]]:
+    """Row indices grouped so that right-padding each group to its longest row stays under half its real tokens
+    (a 20-token prompt chunk is not padded to a 2,000-token one; decode rows, 1 token each, form one group); each
+    group in row order."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * counts[group[0]] <= 1.5 * (sum(counts[j] for j in group) + counts[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
+
+
+class FlatAttention:
+    """Installed as every attention module's ``attend`` (``install_flat_attention``): while a ``SlotView`` is
+    current (one serving forward) attention runs per row through it, otherwise as the model's own."""
+
+    def __init__(self) -> None:
+        self.view: SlotView | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        if self.view is None:
+            return core_attention(q, k, v, plan)
+        return self.view.attend(q, k, v)
+
+
+def install_flat_attention(model: torch.nn.Module) -> FlatAttention:
+    """Route every ``SelfAttention`` of ``model`` through one ``FlatAttention`` (a module's ``attend`` is the seam
+    context parallelism wraps too)."""
+    flat = FlatAttention()
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.attend = flat
+    return flat

@@ -2,10 +2,10 @@
 
 Under TP every rank holds a shard of each layer, so every forward is collective: all ranks must run the same forward
 on the same token ids in the same order. Only rank 0 runs the HTTP endpoint and the ``Batcher``; before each forward
-it broadcasts what the forward needs (``Step``: the ids and positions, the cache slots, each row's LoRA adapter,
-whether it is a decode step) and the other ranks run exactly that on their shard and their own cache
-(``Batcher.replay``). A slot's fill level travels in its positions, so the followers' caches need no slot
-bookkeeping of their own. Sampling needs the whole vocabulary's logits, which ``last_logits`` all-gathers on every
+it broadcasts what the forward needs (``Step``: each row's new token ids, cache slot, fill level and LoRA
+adapter) and the other ranks run exactly that on their shard and their own cache
+(``Batcher.replay``). A slot's fill level travels with it, so the followers' caches need no slot bookkeeping
+of their own. Sampling needs the whole vocabulary's logits, which ``last_logits`` all-gathers on every
 rank; only rank 0 samples. While idle, rank 0 sends a keep-alive well within the process group's timeout; ``None``
 ends the followers' loop when rank 0 stops.
 """
@@ -24,13 +24,13 @@ KEEP_ALIVE_S = 60.0  # the process group's collectives time out after 30 minutes
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One forward of the serving loop, as the followers replay it."""
+    """One forward of the serving loop, as the followers replay it: row ``i`` appends ``tokens[i]`` (a prompt chunk
+    or one decode token) to slot ``slots[i]``, which holds ``starts[i]`` positions, through adapter ``adapters[i]``."""
 
-    ids: list[list[int]]
-    positions: list[list[int]]
+    tokens: list[list[int]]
     slots: list[int]
+    starts: list[int]
     adapters: list[int]
-    decode: bool  # a decode step (one token per slot, masked), else a prefill chunk of one slot
 
 
 _PING = "ping"
