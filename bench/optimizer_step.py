@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.allocator import add_malloc_flag, malloc_env  # noqa: E402
 from engine.train.precision_optimizer import PrecisionAwareAdamW, StateDtypes  # noqa: E402
 
-SIDES = {
+SIDES: dict[str, dict[str, Any]] = {
     "torch_adamw": {},
     "bf16_moments": {"dtypes": StateDtypes(torch.float32, torch.bfloat16, torch.bfloat16)},
     "bf16_grads_moments": {"dtypes": StateDtypes(torch.float32, torch.bfloat16, torch.bfloat16), "weights": "bf16"},
