@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -108,7 +110,9 @@ class Stack:
         self.agent = _agent(env, self.agent_log)
 
     def restart_agent(self) -> None:
-        _stop(self.agent)
+        """SIGKILL the agent (no goodbye) and start another."""
+        os.killpg(self.agent.pid, signal.SIGKILL)
+        self.agent.wait()
         self.agent = _agent(self.env, self.agent_log)
 
 
@@ -246,3 +250,44 @@ def test_usr2_saves_requeues_and_resumes(stack: Stack) -> None:
     summary = job["result"]["summary"]
     assert summary["start_iteration"] == saved[0] > 0
     assert summary["iterations"] == 60
+
+
+def test_agent_killed_mid_job_loses_and_repeats_nothing(stack: Stack) -> None:
+    """The agent holds nothing Slurm and the database do not: a new one re-reads both and ingests the run files from
+    where the old one stored them (``slurm-ingest.json``), so every loss point is stored exactly once."""
+    spec = tiny_spec("tiny/data", resources={"pool": "local", "nproc_per_node": 1}, train_iters=80)
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        _wait(client, job_id, lambda j: j["state"] == "running", stack, timeout=120)
+        deadline = time.monotonic() + 120
+        while not client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss"}).json()["data"]:
+            assert time.monotonic() < deadline, "no loss before the restart"
+            time.sleep(0.2)
+        assert _squeue(client.get(f"/v1/jobs/{job_id}").json()["slurm_job_id"])[1] == "RUNNING"  # mid-job
+        stack.restart_agent()
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack)
+        assert job["state"] == "succeeded", job
+        assert job["attempt_count"] == 1
+    with sqlite3.connect(stack.service.var / "llmjobs.db") as db:
+        steps = [
+            row[0]
+            for row in db.execute(
+                "SELECT step FROM metric_points WHERE job_id = ? AND name = 'lm_loss' AND rank IS NULL ORDER BY step",
+                (job_id,),
+            )
+        ]
+    assert steps == list(range(1, 81))
+
+
+def test_preprocess_job_runs_in_slurm(stack: Stack) -> None:
+    """The README's demo preprocess job (its data is what ``llmjobs serve`` puts in the team area), on the pool."""
+    text = (REPO_ROOT / "README.md").read_text()
+    found = re.search(r"-d '(\{.*?\})'", text, re.DOTALL)
+    assert found, "README quick start lost its curl example"
+    spec = {**json.loads(found.group(1)), "output_prefix": "demo/out/slurm", "resources": {"pool": "local"}}
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack)
+    assert job["state"] == "succeeded", job
+    assert job["slurm_state"] == "COMPLETED"
+    assert job["result"]["summary"]["samples_written"] > 0
