@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 SACCT_FIELDS = "JobID,State,ExitCode,NodeList,Reason"
 SQUEUE_FORMAT = "JobID:|,State:|,exit_code:|,NodeList:|,Reason:|"  # ':|' = no padding, '|' after each field
 COMMAND_TIMEOUT_S = 30.0
+# sbatch's words for a controller that is busy or away (try again later), not for a job it refuses
+UNAVAILABLE = ("Unable to contact slurm controller", "Socket timed out", "temporarily unable", "Resource temporarily")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def submit(script: str, cwd: str) -> str:
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise SlurmUnavailable(f"sbatch: {err}") from err
+    if done.returncode != 0 and any(words in done.stderr for words in UNAVAILABLE):
+        raise SlurmUnavailable(f"sbatch: {done.stderr.strip()}")  # the job stays queued; the agent backs off
     if done.returncode != 0:
         raise SubmitRefused(done.stderr.strip() or f"sbatch exited {done.returncode}")
     return done.stdout.strip().split(";", 1)[0]  # '<id>[;<cluster>]'
