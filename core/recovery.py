@@ -81,7 +81,7 @@ def end_attempt(
         counted = used if free else max(used, attempt - FREE_UNSTARTED_ATTEMPTS)
         if retryable and counted <= job.max_restarts:
             note = f"not counted: attempt {attempt} started no process; " if free else ""
-            wait = 0.0 if free else retry_backoff(settings, counted)
+            wait = 0.0 if free or error_code in SERVICE_STOPS else retry_backoff(settings, counted)
             not_before = utcnow() + timedelta(seconds=wait) if wait else None
             after = f"; next attempt after {not_before:%Y-%m-%d %H:%M:%S} UTC" if not_before else ""
             ok = transition(
@@ -114,6 +114,9 @@ def end_attempt(
 
 
 FREE_UNSTARTED_ATTEMPTS = 3
+# Attempts the service ended, not the job (a worker shutting down stops its engines): no backoff, the job resumes as
+# soon as a worker takes it again (its host is down until then).
+SERVICE_STOPS = frozenset({"worker_stopped"})
 
 
 def retry_backoff(settings: Settings, failed: int) -> float:

@@ -107,6 +107,20 @@ def test_an_attempt_that_started_no_process_is_retried_at_once(tmp_path: Path) -
     assert [(g.job_id, g.attempt) for g in schedule(settings)] == [(job_id, 2)]
 
 
+def test_an_attempt_the_service_stopped_is_retried_at_once(tmp_path: Path) -> None:
+    """A worker shutting down (a service restart) ends its attempts: not the job's failure, so no backoff."""
+    settings = isolated_settings(tmp_path, retry_backoff_s=60)
+    _host(settings, 2)
+    job_id = make_job(settings, resources={"nproc_per_node": 1}, max_restarts=2)
+    assert [g.job_id for g in schedule(settings)] == [job_id]
+    with session_scope(settings.database_url) as session:
+        session.execute(update(JobNode).where(JobNode.job_id == job_id).values(started_at=utcnow()))
+        session.commit()
+    stopped = end_attempt(settings, job_id, 1, retryable=True, error_code="worker_stopped", message="shutdown")
+    assert stopped == "retrying" and _job(settings, job_id).retry_not_before is None
+    assert [(g.job_id, g.attempt) for g in schedule(settings)] == [(job_id, 2)]
+
+
 def create_app_for(settings: Settings):  # type: ignore[no-untyped-def]
     from app.main import create_app
 
