@@ -75,7 +75,8 @@ class Settings(BaseSettings):
         10.0,
         ge=0,
         description="A retried job waits this long before its second attempt, twice as long before each next one "
-        "(up to retry_backoff_max_s); an attempt that started no process is retried at once. 0: no wait.",
+        "(up to retry_backoff_max_s); an attempt that started no process, or that a worker shutdown stopped, is "
+        "retried at once. 0: no wait.",
     )
     retry_backoff_max_s: float = Field(300.0, ge=0, description="The longest wait between two attempts of a job.")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
