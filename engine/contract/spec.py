@@ -867,6 +867,26 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     tensorboard_dir: OutputPath | None = Field(
         None, description="--tensorboard-dir: write TensorBoard event files here as well."
     )
+    report_to: list[Literal["mlflow"]] = Field(
+        default_factory=list,
+        description=(
+            'Trackers the service mirrors the job to while it runs (not the engine): ["mlflow"] sends its params, '
+            "every metric point with its step and its final state to mlflow_tracking_uri, batched and retried; a "
+            "tracker that is down never slows or fails the job (a warning event instead)."
+        ),
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        max_length=2000,
+        pattern=r"^https?://[^\s]+$",
+        description="The MLflow tracking server report_to mlflow sends to (http or https).",
+    )
+    mlflow_experiment: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description="The experiment of the mirrored run (default: the job's metadata.experiment, else its team).",
+    )
     finetune: bool = Field(
         False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load."
     )
@@ -1100,6 +1120,12 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         "frees the same device bytes (the optimizer state lives on the host) and steps on the host instead of "
         "swapping the state back to the device for the step.",
     )
+
+    @model_validator(mode="after")
+    def _check_report_to(self) -> TrainSpec:
+        if "mlflow" in self.report_to and not self.mlflow_tracking_uri:
+            raise ValueError('mlflow_tracking_uri: required with report_to ["mlflow"]')
+        return self
 
     @model_validator(mode="after")
     def _check_optimizer_precision(self) -> TrainSpec:
