@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from core.settings import REPO_ROOT
-from service_support import Service, serve
+from service_support import Service, free_port, serve
 from train_support import tiny_spec, write_instruction_data
 
 pytestmark = [pytest.mark.slow]
@@ -79,6 +79,8 @@ def pools(slurm: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         "pools": {
             "local": {"partition": partition, "devices_per_node": 2, "device_type": "cpu", "time_limit": "10:00"},
             "broken": {"partition": partition, "devices_per_node": 2, "python": _failing_python(var)},
+            # scripts/slurm-setup.sh's two NodeNames on this host (a slurmd each)
+            "two": {"partition": "two", "devices_per_node": 1, "max_nodes": 2, "rdzv_port": free_port()},
         },
     }
 
@@ -291,3 +293,25 @@ def test_preprocess_job_runs_in_slurm(stack: Stack) -> None:
     assert job["state"] == "succeeded", job
     assert job["slurm_state"] == "COMPLETED"
     assert job["result"]["summary"]["samples_written"] > 0
+
+
+def test_train_job_spans_two_slurm_nodes(stack: Stack) -> None:
+    """One torchrun per node (srun, --ntasks-per-node=1) meeting at the first node's c10d rendezvous."""
+    nodes = subprocess.run(["sinfo", "-h", "-p", "two", "-o", "%D"], capture_output=True, text=True, check=False)
+    if nodes.stdout.strip() != "2":
+        pytest.fail(f"partition two of scripts/slurm-setup.sh is missing (sinfo: {nodes.stdout or nodes.stderr})")
+    spec = tiny_spec("tiny/data", resources={"pool": "two", "nnodes": 2, "nproc_per_node": 1}, train_iters=4)
+    with stack.service.client() as client:
+        job_id = _submit(client, spec)
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack)
+        assert job["state"] == "succeeded", job
+        points = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "lm_loss"}).json()["data"]
+    assert sorted({p["step"] for p in points if p["rank"] is None}) == [1, 2, 3, 4]
+    assert job["result"]["summary"]["world_size"] == 2
+    assert job["host"] == f"{_host()}-n[1-2]"  # Slurm's node list of the allocation
+    logs = sorted(p.name for p in (Path(job["run_dir"]) / "logs").glob("launcher-node*.log"))
+    assert logs == ["launcher-node0.log", "launcher-node1.log"]
+
+
+def _host() -> str:
+    return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
