@@ -24,7 +24,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         loss, gh, gw = _chunked_loss_and_grads(
             hidden, weight, labels, chunk_size, ignore_index, grad_hidden, grad_weight
         )
-        ctx.save_for_backward(gh if gh is not None else torch.empty(0), gw if gw is not None else torch.empty(0))
+        none = torch.empty(0, device=hidden.device)  # placeholder of a gradient not wanted (LoRA's frozen head)
+        ctx.save_for_backward(gh if gh is not None else none, gw if gw is not None else none)
         ctx.has = (gh is not None, gw is not None)
         ctx.weight_dtype = weight.dtype
         return loss

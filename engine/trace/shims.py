@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._utils import (
@@ -279,3 +280,30 @@ def host_mesh_coordinates() -> Iterator[None]:
     finally:
         DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
         DeviceMesh.__getitem__ = getitem  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def swappable_fake_parameters() -> Iterator[None]:
+    """``Module._apply`` (``to_empty``) swaps a parameter that is a fake tensor for its new one
+    (``torch.utils.swap_tensors``, where a job's plain meta parameter takes ``.data =``), and a swap refuses a tensor
+    that something holds a weak reference to: the fake mode's converter memoises by weak reference every fake it
+    wraps around a meta result, the old parameter and the new one alike. A plain fake parameter is one FSDP leaves
+    alone (LoRA's frozen base on one DP rank, its ``ignored_params``). Both tensors' memo entries are dropped before
+    the swap (a cache of meta -> fake wrappers, which nothing reads back for a parameter)."""
+    import torch.utils
+
+    original = torch.utils.swap_tensors
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        mode = active_fake_mode()
+        if mode is not None:
+            memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+            for key in [k for k, v in memo.items() if v is t1 or v is t2]:
+                del memo[key]
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original

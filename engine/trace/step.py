@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -36,7 +37,7 @@ from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device
 from engine.parallel.expert_parallel import reduce_over_context
-from engine.parallel.mesh import build_mesh
+from engine.parallel.mesh import build_mesh, context_mesh
 from engine.parallel.parallelize import compute_dtype
 from engine.trace.shims import (
     SegmentOracle,
@@ -47,8 +48,9 @@ from engine.trace.shims import (
     host_mesh_coordinates,
     local_tied_shape,
     sharding_propagation_paused,
+    swappable_fake_parameters,
 )
-from engine.train.batches import MicroBatch, Sample, collate
+from engine.train.batches import MicroBatch, Sample, collate, context_pipeline_width, context_shard
 from engine.train.loop import _global_counts
 from engine.train.model_setup import build_rank_model
 from engine.train.optim import LossScaler, build_optimizer, clip_grads
@@ -109,6 +111,9 @@ class _StepWatch(TorchDispatchMode):
         self._paused = False
         self.label_rows: int | None = None  # labelled tokens of a worst-case micro-batch (the oracle's answer)
         self.host_syncs: dict[str, int] = {}
+        # (width, counted tokens per row) of the rank's CP shards that context parallelism padded, else None
+        self.counted_row: tuple[int, int] | None = None
+        self._counted_sums: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -127,6 +132,13 @@ class _StepWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
+        if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) in self._counted_sums:
+            # ``Qwen3Model.forward`` reads the count of the tokens MoE routing counts (``int(counted.sum())``, once
+            # per forward under context parallelism's padding): answered from the host shard
+            ref, value = self._counted_sums[id(args[0])]
+            if ref() is args[0]:
+                self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
+                return value
         if func is torch.ops.aten.nonzero.default and self._answers(args[0]):
             # a device -> host sync in the engine (the output's length is data): answered from the host batch
             self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
@@ -137,6 +149,8 @@ class _StepWatch(TorchDispatchMode):
             self._paused or active_fake_mode() is not self._entry_mode
         ):  # DTensor's sharding propagation, not the step's own ops
             return out
+        if self.counted_row is not None and func.overloadpacket is torch.ops.aten.sum:
+            self._remember_counted_sum(args, out)
         name = func._schema.name.split("::")[-1]
         kind = next((k for key, k in _COLLECTIVES.items() if name.lstrip("_").startswith(key)), None)
         if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
@@ -148,6 +162,15 @@ class _StepWatch(TorchDispatchMode):
                 if t.device.type == "cpu":
                     self.host_ops[str(func)] = self.host_ops.get(str(func), 0) + 1
         return out
+
+    def _remember_counted_sum(self, args: Any, out: Any) -> None:
+        """A whole sum of a device ``counted`` mask (bool, rows of the shard's width): its value from the host."""
+        mask = args[0]
+        assert self.counted_row is not None
+        width, per_row = self.counted_row
+        whole = len(args) == 1 or args[1] is None
+        if whole and mask.dtype == torch.bool and mask.device.type != "cpu" and mask.shape[-1] == width:
+            self._counted_sums[id(out)] = (weakref.ref(out), mask.numel() // width * per_row)
 
     def _answers(self, mask: Any) -> bool:
         """A labelled-token mask of one micro-batch: the only data-dependent shape the oracle answers."""
@@ -240,6 +263,17 @@ def worst_case_batches(spec: TrainSpec, cfg: ModelConfig, micro_batches: int, se
     return out
 
 
+def context_shards(batches: list[MicroBatch], dims: ParallelDims, mesh: Any) -> list[MicroBatch]:
+    """Under context parallelism the rank's share of every row, cut as the job cuts it (``Trainer._context_shards``:
+    one row width for the pipeline's micro-batches under PP), whole rows otherwise. The model plans its attention
+    for CP × the local width with the whole segment ids the shard carries."""
+    if (cp := context_mesh(mesh)) is None:
+        return batches
+    ring, ulysses = dims.ring_degree, dims.ulysses_degree
+    width = None if dims.pp == 1 else context_pipeline_width(batches, ring, ulysses)
+    return [context_shard(mb, ring, ulysses, cp.get_local_rank(), width) for mb in batches]
+
+
 def _one_step(
     spec: TrainSpec,
     cfg: ModelConfig,
@@ -313,9 +347,11 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         mesh = build_mesh(device, dims)  # the mesh's rank table is a real host tensor: built before faking
-        batches = worst_case_batches(spec, cfg, gbs // (spec.micro_batch_size * dims.dp))
+        batches = context_shards(worst_case_batches(spec, cfg, gbs // (spec.micro_batch_size * dims.dp)), dims, mesh)
         watch = _StepWatch()
         watch.label_rows = batches[0].num_loss_tokens
+        if (counted := batches[0].counted) is not None:
+            watch.counted_row = (counted.shape[-1], int(counted.sum()))
         with (
             fake_pipeline_peers(_boundary(spec, cfg, dims)),
             host_attention_plans(SegmentOracle(batches), watch.paused),
@@ -324,6 +360,7 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             local_tied_shape(_tied_shard(spec, cfg, dims)),
             fake_activations_freed(),
             host_mesh_coordinates(),
+            swappable_fake_parameters(),
             FakeTensorMode(allow_non_fake_inputs=True),
             _StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,

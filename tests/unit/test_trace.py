@@ -160,3 +160,37 @@ def test_tp_under_pp_traces_both_stages_in_one_process() -> None:
     )
     assert [r["traced_as"] for r in out["ranks"]] == [0, 0, 2, 2]
     assert out["host_tensors"] == 0
+
+
+@pytest.mark.slow
+def test_ulysses_cp_under_tp_and_pp_traces_on_the_shards_the_job_cuts() -> None:
+    """CP2 (Ulysses) TP2 PP2: the trace cuts each rank's CP share as the job does (``context_shard`` at the
+    pipeline's one width), so the fused attention gets T = CP × local tokens with cumulative lengths ending at T
+    (the whole rows used to reach it: actual_seq_qlen[-1] = 254 for T = 508). The per-forward read of the tokens MoE
+    routing counts (CP padded 254 to 256) is answered from the host shard and reported as a sync."""
+    spec = tiny_spec(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        context_parallel_size=2,
+        context_parallel_algo="ulysses_cp_algo",
+        global_batch_size=8,
+        resources={"device_type": "npu", "nproc_per_node": 8},
+    )
+    out = trace_spec(spec, None)
+    assert [r["traced_as"] for r in out["ranks"]] == [0, 0, 2, 2, 0, 0, 2, 2]
+    assert out["host_tensors"] == 0
+    stage0 = out["ranks"][0]
+    assert stage0["collective_bytes_per_step"]["all_to_all"] > 0
+    assert stage0["host_syncs"]["aten._local_scalar_dense.default"] > 0
+
+
+@pytest.mark.slow
+def test_lora_under_pp_traces_with_no_host_tensor() -> None:
+    """LoRA TP1 PP2 on 2 ranks (the seed's LoRA line): the frozen base is left out of FSDP (one DP rank), so its
+    parameters are plain fake tensors, which ``to_empty`` swaps (the fake mode's weak references used to refuse the
+    swap); the loss's placeholder for the frozen head's gradient is made on the device (was a host tensor)."""
+    out = trace_spec(tiny_spec(lora_r=4, lora_alpha=8, pipeline_model_parallel_size=2, global_batch_size=8), None)
+    assert [r["traced_as"] for r in out["ranks"]] == [0, 1]
+    assert out["host_tensors"] == 0
+    for rank in out["ranks"]:
+        assert rank["breakdown"]["optimizer"] < rank["breakdown"]["params"] / 4
