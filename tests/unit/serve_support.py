@@ -55,7 +55,7 @@ def write_lora_checkpoint(hf_dir: Path, save: Path, seed: int, r: int, alpha: fl
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        meta = {"lora": {"r": r, "alpha": alpha, "targets": targets}}
+        meta = {"lora": {"r": r, "alpha": alpha, "targets": targets}, "trainable_only": True}  # as train jobs write
         return dcp.save(save, 1, model, None, meta, trainable_only=True, save_rng=False)
     finally:
         dist.destroy_process_group()
