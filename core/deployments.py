@@ -4,8 +4,9 @@ A ``serve`` job's engine reports ``ready`` with its endpoint's URL (``engine.ser
 event with the attempt it belongs to. A deployment is *ready* when its job is running and its current attempt has
 reported ``ready``: a restarted attempt (host lost, engine crashed) is not ready again until its own engine says so,
 so a request never reaches the URL of a dead attempt. Names: a request's ``model`` matches a job's
-``served_model_name``, else its name, else its id, or one of its ``lora_adapters`` (then the request goes to that
-job's engine, which applies the adapter, as vLLM's multi-LoRA serving does); only the caller's team's jobs are
+``served_model_name``, else its name, else its id, or one of its ``lora_adapters`` or of the adapters loaded into
+its running engine since (``core.live_adapters``; then the request goes to that job's engine, which applies the
+adapter, as vLLM's multi-LoRA serving does); only the caller's team's jobs are
 searched (another team's deployment reads as missing, never as forbidden). ``GET /v1/models`` lists ready ones only,
 less those whose engine was just found not answering (the API proxy's short unhealthy mark, ``app.engine_proxy``),
 so a deployment whose engine died drops out at its first failed request, before its job is seen to end.
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 from core.auth import Principal
 from core.db import session_scope
 from core.errors import ApiError
+from core.live_adapters import loaded_adapters
 from core.models import Event, Job
 from core.settings import Settings
 from core.states import TERMINAL, JobState
@@ -68,7 +70,10 @@ def _deployment(session: Session, job: Job) -> Deployment:
     created = int(job.created_at.timestamp()) if job.created_at else 0
     spec = stored_spec(job.spec)
     url = _ready_url(session, job)
-    return Deployment(job.id, job.team, served_name(job), job.state, url, created, str(spec.load), spec.lora_adapters)
+    adapters = spec.lora_adapters
+    if url is not None:  # and those loaded into its current attempt since (core.live_adapters)
+        adapters = {**adapters, **loaded_adapters(session, job)}
+    return Deployment(job.id, job.team, served_name(job), job.state, url, created, str(spec.load), adapters)
 
 
 def _live_serve_jobs(session: Session, principal: Principal) -> list[Job]:
@@ -96,8 +101,8 @@ def find_deployment(session: Session, principal: Principal, model: str) -> Deplo
     for job in _live_serve_jobs(session, principal):
         if model in (job.id, served_name(job)):
             found.append(_deployment(session, job))
-        elif model in stored_spec(job.spec).lora_adapters:
-            found.append(dataclasses.replace(_deployment(session, job), adapter=model))
+        elif model in (dep := _deployment(session, job)).adapters:
+            found.append(dataclasses.replace(dep, adapter=model))
     return next((d for d in found if d.ready), found[0] if found else None)
 
 
