@@ -22,6 +22,7 @@ from app.auth_first import AuthFirstMiddleware
 from app.errors import install_error_handlers
 from app.input_guard import InputGuardMiddleware
 from app.limits import BodyLimitMiddleware
+from app.openai_adapters import router as lora_adapters_router
 from app.request_ids import RequestIdMiddleware
 from app.request_metrics import RequestMetricsMiddleware
 from app.security_headers import SecurityHeadersMiddleware
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         files.router,
         openai_compat.router,
         openai_compat.root_router,
+        lora_adapters_router,
     ):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
