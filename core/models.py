@@ -449,3 +449,19 @@ class MlflowMetric(Base):
     special: Mapped[str | None] = mapped_column(String(16))
     timestamp: Mapped[int] = mapped_column(BigInteger)
     step: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class MlflowReport(Base):
+    """Where a ``report_to: ["mlflow"]`` job's mirror stands (``core.mlflow_report``): its run on the remote server,
+    the last metric point sent, and the backoff after a failed send."""
+
+    __tablename__ = "mlflow_reports"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    remote_run_id: Mapped[str | None] = mapped_column(String(64))
+    params_sent: Mapped[bool] = mapped_column(Boolean, default=False)
+    cursor: Mapped[int] = mapped_column(BigInteger, default=0)  # metric_points.id of the last point sent
+    finished: Mapped[bool] = mapped_column(Boolean, default=False)
+    failures: Mapped[int] = mapped_column(Integer, default=0)  # in a row; 0 after a send that worked
+    next_try_at: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
