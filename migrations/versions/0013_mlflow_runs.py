@@ -1,5 +1,6 @@
 """MLflow tracking tables: a team's experiments and the runs a notebook logs through /api/2.0/mlflow/ (their params,
-tags and metric points); jobs are runs too, read from their own rows (``core.mlflow_store``).
+tags and metric points); jobs are runs too, read from their own rows (``core.mlflow_store``); and where each
+``report_to: ["mlflow"]`` job's mirror to a remote MLflow server stands (``core.mlflow_report``).
 
 Revision ID: 0013
 Revises: 0012
@@ -68,9 +69,21 @@ def upgrade() -> None:
         sa.Column("step", sa.BigInteger(), nullable=False),
     )
     op.create_index("ix_mlflow_metrics_run_key", "mlflow_metrics", ["run_id", "key", "id"])
+    op.create_table(
+        "mlflow_reports",
+        sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column("remote_run_id", sa.String(64), nullable=True),
+        sa.Column("params_sent", sa.Boolean(), nullable=False),
+        sa.Column("cursor", sa.BigInteger(), nullable=False),
+        sa.Column("finished", sa.Boolean(), nullable=False),
+        sa.Column("failures", sa.Integer(), nullable=False),
+        sa.Column("next_try_at", WHEN, nullable=True),
+        sa.Column("last_error", sa.Text(), nullable=True),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("mlflow_reports")
     op.drop_index("ix_mlflow_metrics_run_key", table_name="mlflow_metrics")
     op.drop_table("mlflow_metrics")
     op.drop_table("mlflow_tags")
