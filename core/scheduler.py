@@ -44,7 +44,7 @@ from core.settings import Settings
 from core.slurm.pools import check_pool_fits
 from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, sources
 from engine.contract.plan import DoesNotFit, check_registered_memory
-from engine.contract.plan.planner import DEVICE_MEMORY_KEY
+from engine.contract.plan.planner import DEVICE_MEMORY_KEY, HOST_MEMORY_KEY
 from engine.contract.spec import JobBase, Resources
 
 log = logging.getLogger(__name__)
@@ -668,9 +668,14 @@ def check_memory_fits(session: Session, spec: JobBase) -> None:
     if spec.resources.pool is not None:
         return  # checked against its pool's device memory (core.slurm.pools.check_pool_memory, by admission)
     kind = spec.resources.device_type
-    largest = session.scalar(select(func.max(Host.info[DEVICE_MEMORY_KEY].as_float())).where(Host.device_type == kind))
-    try:  # the largest device memory is all the check uses: one number, not every host's info, per submission
-        plan = check_registered_memory(spec, [{DEVICE_MEMORY_KEY: int(largest)}] if largest else [])
+    largest, ram = session.execute(
+        select(
+            func.max(Host.info[DEVICE_MEMORY_KEY].as_float()), func.max(Host.info[HOST_MEMORY_KEY].as_float())
+        ).where(Host.device_type == kind)
+    ).one()
+    info = {DEVICE_MEMORY_KEY: int(largest), **({HOST_MEMORY_KEY: int(ram)} if ram else {})} if largest else None
+    try:  # the largest device memory and host RAM are all the check uses: two numbers, not every host's info
+        plan = check_registered_memory(spec, [info] if info else [])
     except DoesNotFit as err:
         raise ApiError(422, "does_not_fit", str(err), err.field) from err
     if plan is not None and plan.data is not None and plan.peak.total_bytes > (plan.device_memory_bytes or 0):

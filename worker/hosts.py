@@ -12,7 +12,7 @@ from core.db import session_scope
 from core.models import Host, utcnow
 from core.settings import Settings
 from core.states import HostState
-from engine.contract.plan.planner import DEVICE_MEMORY_KEY
+from engine.contract.plan.planner import DEVICE_MEMORY_KEY, HOST_MEMORY_KEY
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ def register_host(
     device_ids: list[int] | None = None,
     address: str | None = None,
     device_memory: int | None = None,
+    host_memory: int | None = None,
 ) -> None:
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name) or Host(name=name)
@@ -36,6 +37,8 @@ def register_host(
         host.info = {"platform": platform.platform(), "python": platform.python_version(), "node": platform.node()}
         if device_memory:  # read by the API's memory check at submission
             host.info[DEVICE_MEMORY_KEY] = device_memory
+        if host_memory:  # the host's RAM: an offloaded optimizer state (optimizer_cpu_offload) must fit it
+            host.info[HOST_MEMORY_KEY] = host_memory
         session.add(host)
 
 

@@ -11,7 +11,7 @@ from core.messaging import declare_queues, host_queue
 from core.scheduler import schedule
 from core.settings import Settings, use_settings
 from core.states import HostState
-from worker.devices import Inventory, device_memory_bytes, discover, host_address
+from worker.devices import Inventory, device_memory_bytes, discover, host_address, host_memory_bytes
 from worker.hosts import HostHeartbeat, register_host, set_host_state
 from worker.leases import sweep_host
 from worker.node import STOPPING, finish_parked
@@ -39,6 +39,7 @@ def _register(settings: Settings, found: Inventory) -> list[str]:
         device_ids=found.device_ids,
         address=host_address(settings.worker_address),
         device_memory=device_memory_bytes(found.device_type, len(found.device_ids)),
+        host_memory=host_memory_bytes() or None,
     )
     finish_parked(settings, name)  # exits a previous worker parked while the database was away: store them
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
