@@ -17,7 +17,7 @@ and the prompts whose texts the two sides agree on. ``uptime``'s load average is
 The last line is one JSON object: the rows (each side's medians over its waves) and the loads.
 
     .venv/bin/python bench/serve_peer.py [--clients 1,8,32,128] [--prompts 20,500,2000,shared] [--waves 2]
-        [--max-tokens 64] [--smoke]
+        [--rows 2000x8,2000x32,500x1 (instead of the prompts × clients grid)] [--max-tokens 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -360,6 +360,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="20,500,2000,shared", help="prompt tokens per request, or 'shared'")
     parser.add_argument("--waves", type=int, default=2, help="waves per side and row (A B, B A, ...)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--rows", help="explicit PROMPTxCLIENTS rows instead of --prompts × --clients, e.g. 2000x8,2000x32,500x1"
+    )
     parser.add_argument("--smoke", action="store_true", help="one 2-client wave of 20-token prompts per side")
     parser.add_argument("--child-engine", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--child-api", nargs=3, help=argparse.SUPPRESS)
@@ -370,9 +373,10 @@ def main() -> None:
     if args.child_api:
         return child_api(*args.child_api)
     if args.smoke:
-        args.clients, args.prompts, args.waves, args.max_tokens = "2", "20", 1, 8
-    clients = [int(c) for c in args.clients.split(",")]
-    kinds = args.prompts.split(",")
+        args.clients, args.prompts, args.waves, args.max_tokens, args.rows = "2", "20", 1, 8, None
+    grid = [(k, int(c)) for k in args.prompts.split(",") for c in args.clients.split(",")]
+    plan = [(k, int(c)) for k, _, c in (r.partition("x") for r in args.rows.split(","))] if args.rows else grid
+    kinds = [k for k, _ in plan]
     longest = max(1000 + 40 if k == "shared" else int(k) for k in kinds)
     max_len = longest + 64 + args.max_tokens  # the chat template's tokens and the answer
     from transformers import AutoTokenizer
@@ -384,7 +388,10 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         try:
             peer, port = spawn_peer(model_dir, max_len, log)  # both sides start at once: they load in parallel
-            sides = [start_ours(root, model_dir, max(clients), max_len, log), start_peer(peer, port, model_dir)]
+            sides = [
+                start_ours(root, model_dir, max(c for _, c in plan), max_len, log),
+                start_peer(peer, port, model_dir),
+            ]
         except RuntimeError:
             log.flush()
             sys.stderr.write((root / "sides.log").read_text(errors="replace")[-4000:])
@@ -393,30 +400,29 @@ def main() -> None:
         try:
             for side in sides:  # warm-up: first-request costs are not throughput
                 one(side, [{"role": "user", "content": "hello"}], 2)
-            for kind in kinds:
-                for count in clients:
-                    per_side: dict[str, list[dict[str, Any]]] = {"ours": [], "peer": []}
-                    for w in range(args.waves):
-                        prompts = make_prompts(tok, kind, count, seed=1000 * w + count)
-                        for side in sides if w % 2 == 0 else sides[::-1]:
-                            per_side[side.name].append(wave(side, prompts, args.max_tokens))
-                            loads.append(load())
-                    equal = sum(  # the peer's stream starts with the prompt's think block's "\n\n": stripped
-                        a is not None and b is not None and a.strip() == b.strip()
-                        for x, y in zip(per_side["ours"], per_side["peer"], strict=True)
-                        for a, b in zip(x["texts"], y["texts"], strict=True)
-                    )
-                    row = {"prompt": kind, "clients": count, "waves": args.waves}
-                    row |= {"ours": median_row(per_side["ours"]), "peer": median_row(per_side["peer"])}
-                    row["outputs_equal"] = f"{equal}/{count * args.waves}"
-                    for name, waves in per_side.items():
-                        errors = [e for w in waves for e in w["errors"]]
-                        row[f"{name}_errors"] = len(errors)
-                        if errors:
-                            print(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
-                    row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"], 3)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            for kind, count in plan:
+                per_side: dict[str, list[dict[str, Any]]] = {"ours": [], "peer": []}
+                for w in range(args.waves):
+                    prompts = make_prompts(tok, kind, count, seed=1000 * w + count)
+                    for side in sides if w % 2 == 0 else sides[::-1]:
+                        per_side[side.name].append(wave(side, prompts, args.max_tokens))
+                        loads.append(load())
+                equal = sum(  # the peer's stream starts with the prompt's think block's "\n\n": stripped
+                    a is not None and b is not None and a.strip() == b.strip()
+                    for x, y in zip(per_side["ours"], per_side["peer"], strict=True)
+                    for a, b in zip(x["texts"], y["texts"], strict=True)
+                )
+                row = {"prompt": kind, "clients": count, "waves": args.waves}
+                row |= {"ours": median_row(per_side["ours"]), "peer": median_row(per_side["peer"])}
+                row["outputs_equal"] = f"{equal}/{count * args.waves}"
+                for name, waves in per_side.items():
+                    errors = [e for w in waves for e in w["errors"]]
+                    row[f"{name}_errors"] = len(errors)
+                    if errors:
+                        print(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
+                row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         finally:
             for side in sides:
                 side.close()
