@@ -97,6 +97,21 @@ class Settings(BaseSettings):
     host_stale_after_s: float = Field(
         30.0, gt=0, description="A host without a heartbeat for this long counts as down."
     )
+    host_absent_after_s: float = Field(
+        6.0,
+        gt=0,
+        description="A host whose worker's presence is gone (its database session ended: SIGKILL, the host vanished; "
+        "or, on one machine, its pid) and whose heartbeat is this old goes down at once, without waiting for "
+        "host_stale_after_s. Never less than heartbeat_interval_s + 1.",
+    )
+    presence_interval_s: float = Field(
+        1.0, gt=0, description="How often the leading API replica checks silent hosts' presence (host_absent_after_s)."
+    )
+    worker_presence_lock: bool = Field(
+        True,
+        description="PostgreSQL: each worker holds a session advisory lock on a connection of its own while it runs "
+        "(one more connection per host), so its death is seen in seconds (host_absent_after_s).",
+    )
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
     database_away_deadline_s: float = Field(
         3600.0,
