@@ -10,17 +10,17 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
+from core.host_verdicts import judge_hosts
 from core.jobs import transition
 from core.messaging import send_run_node
-from core.models import Host, Job, JobNode, Lease, utcnow
+from core.models import Job, JobNode, Lease, utcnow
 from core.nodes import move_nodes
-from core.scheduler import is_live
 from core.settings import Settings
-from core.states import NODE_ACTIVE, NODE_STARTED, RUNNING, HostState, JobState, NodeState, sources
+from core.states import NODE_STARTED, RUNNING, JobState, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -167,34 +167,13 @@ def settle_cancel(settings: Settings, job_id: str) -> bool:
         )
 
 
-def mark_host_down(session: Session, host: Host) -> bool:
-    """up -> down, unless a heartbeat arrived since ``host`` was read (compare-and-set on state and heartbeat)."""
-    moved = session.execute(
-        update(Host)
-        .where(Host.name == host.name, Host.state.in_(sources(HostState.down)), Host.heartbeat_at == host.heartbeat_at)
-        .values(state=HostState.down.value)
-        .execution_options(synchronize_session=False)
-    )
-    return moved.rowcount == 1  # type: ignore[attr-defined]
-
-
 def mark_dead_hosts(settings: Settings) -> list[tuple[str, int, str]]:
-    """Hosts past host_stale_after_s go down; their active nodes are lost. Returns (job, attempt, message) to end.
+    """Hosts judged down (a worker gone by its presence, or silent past host_stale_after_s: ``core.host_verdicts``);
+    their active nodes are lost. Returns (job, attempt, message) to end.
 
     Their leases stay: only the host's worker can check that the processes are gone (it does when it comes back).
     """
-    ended = []
-    with session_scope(settings.database_url) as session:
-        for host in list(session.scalars(select(Host).where(Host.state == HostState.up.value))):
-            if not is_live(host, settings) and mark_host_down(session, host):
-                log.warning("host %s stopped heart-beating (last %s); marked down", host.name, host.heartbeat_at)
-        down = select(Host.name).where(Host.state == HostState.down.value)
-        active = [s.value for s in NODE_ACTIVE]
-        for node in list(session.scalars(select(JobNode).where(JobNode.host.in_(down), JobNode.state.in_(active)))):
-            reason = f"host {node.host} stopped heart-beating"
-            if move_nodes(session, NodeState.lost, JobNode.id == node.id, finished_at=utcnow(), reason=reason):
-                ended.append((node.job_id, node.attempt, f"node {node.node_rank} lost: {reason}"))
-    return ended
+    return judge_hosts(settings).ended
 
 
 def resend_lost_messages(settings: Settings) -> int:
