@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from core.leadership import Leadership, run_when_leader
-from core.reconciler import reconcile_once
+from core.reconciler import reconcile_once, service_watch, watch_hosts
 from core.retention import collect
 from core.settings import Settings
 from core.webhooks import send_forever
@@ -35,10 +35,20 @@ def start_loops(settings: Settings, *, run: bool = True) -> BackgroundLoops:
     if not run:
         return loops
 
-    def reconcile() -> None:  # hosts are judged only by a leader that has watched them long enough
-        reconcile_once(settings, judge_hosts=leader.led_for() >= settings.host_stale_after_s)
+    def reconcile() -> None:  # hosts are judged by the host pass below, which watches its own lag
+        reconcile_once(settings, judge_hosts=False)
+
+    watch = service_watch(settings)
 
     loops.tasks = [
+        asyncio.create_task(  # absent workers in seconds, silent hosts only while this process keeps up
+            run_when_leader(
+                leader,
+                settings.presence_interval_s,
+                lambda: watch_hosts(settings, watch, leader.led_for()),
+                "host pass",
+            )
+        ),
         asyncio.create_task(run_when_leader(leader, settings.reconcile_interval_s, reconcile, "reconcile")),
         asyncio.create_task(send_forever(settings, leader)),
         asyncio.create_task(

@@ -108,9 +108,9 @@ class PresenceLock:
             log.debug("presence of %s: closing: %s", self.host, err)
 
 
-def presence_kind(database_url: str, lock_held: bool) -> dict[str, str]:
+def presence_kind(by_lock: bool) -> dict[str, str]:
     """What a worker records in ``hosts.info`` at registration: how its presence is read."""
-    if lock_held:
+    if by_lock:
         return {PRESENCE_KEY: "session"}
     return {PRESENCE_KEY: "pid", "node": platform.node()}
 

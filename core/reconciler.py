@@ -9,10 +9,11 @@ from sqlalchemy import select, update
 
 from core.db import session_scope
 from core.dispatch import send_waiting
+from core.host_verdicts import ServiceWatch, Verdicts, judge_hosts, presence_grace_s
 from core.jobs import transition
 from core.models import Job, utcnow
 from core.pipelines import advance_all
-from core.recovery import recover
+from core.recovery import end_attempt, recover
 from core.scheduler import fill_resources, schedule
 from core.settings import Settings
 from core.states import WAITING, JobState
@@ -85,3 +86,25 @@ def _wake(settings: Settings, queue: str, job_id: str, now: datetime, stale: dat
             .execution_options(synchronize_session=False)
         )
     return 1
+
+
+def service_watch(settings: Settings) -> ServiceWatch:
+    """The watch of this process's host passes: a gap of a heartbeat interval (or five passes) means it fell behind."""
+    return ServiceWatch(max(settings.heartbeat_interval_s, 5 * settings.presence_interval_s))
+
+
+def watch_hosts(settings: Settings, watch: ServiceWatch, led_for: float = float("inf")) -> Verdicts:
+    """One host pass (the leader's, every ``presence_interval_s``): absent workers go down once this process has
+    watched long enough for every live worker to hold its presence again, silent ones once it has kept up for
+    ``host_stale_after_s``; their nodes' attempts end (retryable). A fleet-wide heartbeat lag starts the watch over."""
+    watch.tick()
+    watched = min(led_for, watch.kept_up_for())
+    verdicts = judge_hosts(
+        settings, stale_ok=watched >= settings.host_stale_after_s, absent_ok=watched >= presence_grace_s(settings)
+    )
+    if verdicts.behind:
+        watch.behind()
+    for job_id, attempt, message in verdicts.ended:
+        end_attempt(settings, job_id, attempt, retryable=True, error_code="node_lost", message=message)
+    watch.tick()  # a pass that took longer than the gap (a starved database) counts as falling behind
+    return verdicts

@@ -8,7 +8,10 @@ import platform
 import threading
 from collections.abc import Callable
 
+from sqlalchemy import update
+
 from core.db import session_scope
+from core.host_presence import PresenceLock
 from core.models import Host, utcnow
 from core.settings import Settings
 from core.states import HostState
@@ -28,7 +31,10 @@ def register_host(
     address: str | None = None,
     device_memory: int | None = None,
     host_memory: int | None = None,
+    presence: dict[str, str] | None = None,
 ) -> None:
+    """Insert or refresh the host's row, up; ``presence`` (``core.host_presence.presence_kind``) says how the
+    control plane may tell, within seconds, that this worker is gone."""
     with session_scope(settings.database_url) as session:
         host = session.get(Host, name) or Host(name=name)
         host.device_type, host.devices, host.queue = device_type, devices, ",".join(queues)
@@ -39,6 +45,7 @@ def register_host(
             host.info[DEVICE_MEMORY_KEY] = device_memory
         if host_memory:  # the host's RAM: an offloaded optimizer state (optimizer_cpu_offload) must fit it
             host.info[HOST_MEMORY_KEY] = host_memory
+        host.info.update(presence or {})
         session.add(host)
 
 
@@ -46,12 +53,29 @@ def set_host_state(settings: Settings, name: str, state: HostState, pid: int | N
     """Stamp ``state`` and a heartbeat; with ``pid``, only while that process is the host's registered worker (a
     worker replaced by a newer one on the same host, still finishing after a restart, must neither mark the host
     down nor keep it alive). Returns whether it stamped."""
+    where = [Host.name == name] + ([Host.pid == pid] if pid is not None else [])
+    with session_scope(settings.database_url) as session:  # one statement: no read first, no row held longer
+        stamped = session.execute(
+            update(Host)
+            .where(*where)
+            .values(state=state.value, heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        return bool(stamped.rowcount)  # type: ignore[attr-defined]
+
+
+def beat_many(settings: Settings, names: list[str]) -> int:
+    """Heartbeats of several hosts in one statement (a simulated fleet, an agent serving many hosts): up, now."""
+    if not names:
+        return 0
     with session_scope(settings.database_url) as session:
-        host = session.get(Host, name)
-        if host is None or (pid is not None and host.pid != pid):
-            return False
-        host.state, host.heartbeat_at = state.value, utcnow()
-        return True
+        stamped = session.execute(
+            update(Host)
+            .where(Host.name.in_(names))
+            .values(state=HostState.up.value, heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        return int(stamped.rowcount)  # type: ignore[attr-defined]
 
 
 class HostHeartbeat(threading.Thread):
@@ -63,10 +87,12 @@ class HostHeartbeat(threading.Thread):
         name: str,
         on_beat: Callable[[], object] | None = None,
         stopping: threading.Event | None = None,
+        presence: PresenceLock | None = None,
     ):
         super().__init__(name=f"heartbeat-{name}", daemon=True)
         self.settings, self.host, self.on_beat, self.stopping = settings, name, on_beat, stopping
         self.pid = os.getpid()  # the worker that registered the host (register_host stores its pid)
+        self.presence = presence  # held before each beat: taken again after a lost session
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -74,6 +100,8 @@ class HostHeartbeat(threading.Thread):
             if self.stopping is not None and self.stopping.is_set():
                 return  # the worker shuts down and has marked its host down: beating would bring it back up
             try:
+                if self.presence is not None:
+                    self.presence.hold()  # before the stamp: a fresh heartbeat always comes with the lock held
                 if not set_host_state(self.settings, self.host, HostState.up, pid=self.pid):
                     log.warning("host %s: another worker registered it since; this one no longer beats", self.host)
                     continue  # its housekeeping (the lease sweep) would judge the new worker's nodes as orphans
@@ -84,3 +112,5 @@ class HostHeartbeat(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        if self.presence is not None:
+            self.presence.release()

@@ -194,13 +194,38 @@ STOPPING = threading.Event()  # the worker shuts down: every node it runs stops 
 
 
 def shut_down(settings: Settings, host: str) -> None:
-    """The worker shuts down: mark its host down first (no scheduling pass grants it the retries; the next worker on
-    it registers it up again), then stop its engines."""
+    """The worker shuts down, saying goodbye: mark its host down first (no scheduling pass grants it the retries; the
+    next worker on it registers it up again), end at once the attempts of nodes it was sent but had not claimed (they
+    would wait for the next worker), then stop its engines (each settles its attempt, ``worker_stopped``)."""
     try:
-        set_host_state(settings, host, HostState.down, pid=os.getpid())
+        if set_host_state(settings, host, HostState.down, pid=os.getpid()):
+            release_unclaimed(settings, host)
     except Exception as err:  # noqa: BLE001 - the database may be away; stopping the engines matters more
         log.warning("could not mark host %s down on shutdown: %s", host, err)
     stop_engines()
+
+
+def release_unclaimed(settings: Settings, host: str) -> int:
+    """The attempts with a node assigned to ``host`` and not yet claimed end now as retryable (no backoff: the
+    service stopped, not the job); returns how many ended."""
+    with session_scope(settings.database_url) as session:
+        waiting = session.execute(
+            select(JobNode.job_id, JobNode.attempt, JobNode.node_rank)
+            .where(JobNode.host == host, JobNode.state == NodeState.assigned.value)
+            .distinct()
+        ).all()
+    ended = 0
+    for job_id, attempt, rank in waiting:
+        outcome = end_attempt(
+            settings,
+            job_id,
+            attempt,
+            retryable=True,
+            error_code="worker_stopped",
+            message=f"the worker on {host} stopped before it launched node {rank}",
+        )
+        ended += outcome != "superseded"
+    return ended
 
 
 def stop_engines() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from core import structured_logs
+from core.host_presence import PresenceLock, is_postgres, presence_kind
 from core.messaging import declare_queues, host_queue
 from core.scheduler import schedule
 from core.settings import Settings, use_settings
@@ -26,7 +27,16 @@ def inventory(settings: Settings, device_type: str, devices: int | None) -> Inve
     return discover(device_type, configured)
 
 
-def _register(settings: Settings, found: Inventory) -> list[str]:
+def presence_lock(settings: Settings) -> PresenceLock | None:
+    """The worker's presence lock (PostgreSQL, unless ``worker_presence_lock`` is off), taken before it registers."""
+    if not settings.worker_presence_lock or not is_postgres(settings.database_url):
+        return None
+    lock = PresenceLock(settings.database_url, settings.worker_name)
+    lock.hold()  # a previous worker of this host may still hold it: the heartbeat takes it once that one is gone
+    return lock
+
+
+def _register(settings: Settings, found: Inventory, presence: PresenceLock | None = None) -> list[str]:
     name = settings.worker_name
     queues = [settings.queue_for(found.device_type), host_queue(name)]
     declare_queues(settings, queues)  # before consuming: survives another worker creating them at the same moment
@@ -40,6 +50,7 @@ def _register(settings: Settings, found: Inventory) -> list[str]:
         address=host_address(settings.worker_address),
         device_memory=device_memory_bytes(found.device_type, len(found.device_ids)),
         host_memory=host_memory_bytes() or None,
+        presence=presence_kind(by_lock=presence is not None),
     )
     finish_parked(settings, name)  # exits a previous worker parked while the database was away: store them
     sweep_host(settings, name)  # what a previous worker on this host left: kill it, mark it lost, free the devices
@@ -52,7 +63,8 @@ def run_worker(settings: Settings, found: Inventory) -> None:
     use_settings(settings)  # the task module (worker.tasks) reads the same settings
     structured_logs.configure(settings.log_level, settings.log_format == "json")
     name = settings.worker_name
-    queues = _register(settings, found)
+    presence = presence_lock(settings)
+    queues = _register(settings, found, presence)
     schedule(settings)
     beat = HostHeartbeat(
         settings,
@@ -63,6 +75,7 @@ def run_worker(settings: Settings, found: Inventory) -> None:
             schedule(settings, backstop=True),
         ),
         stopping=STOPPING,
+        presence=presence,
     )
     beat.start()
     threads = max(settings.worker_concurrency, len(found.device_ids) + 1)  # a thread per leased node, + a pass
