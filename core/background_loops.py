@@ -1,4 +1,4 @@
-"""The API process's singleton loops: the reconciler, the webhook sender and the retention pass.
+"""The API process's singleton loops: the reconciler, the webhook sender, the retention pass and the MLflow mirror.
 
 Every API replica starts them; only the replica holding the leadership (``core.leadership``) runs a pass, so N
 replicas never reconcile or send twice. The web layer only starts and stops them (``app.main``'s lifespan).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from core import mlflow_report
 from core.leadership import Leadership, run_when_leader
 from core.reconciler import reconcile_once, service_watch, watch_hosts
 from core.retention import collect
@@ -53,6 +54,11 @@ def start_loops(settings: Settings, *, run: bool = True) -> BackgroundLoops:
         asyncio.create_task(send_forever(settings, leader)),
         asyncio.create_task(
             run_when_leader(leader, settings.retention_interval_s, lambda: collect(settings), "retention pass")
+        ),
+        asyncio.create_task(  # report_to mlflow: jobs mirrored to their MLflow servers (core.mlflow_report)
+            run_when_leader(
+                leader, mlflow_report.INTERVAL_S, lambda: mlflow_report.report_once(settings), "mlflow report"
+            )
         ),
     ]
     return loops
