@@ -1,0 +1,257 @@
+"""One GRPO step: this engine's stage grpo vs TRL's ``GRPOTrainer``, same model, prompts and settings.
+
+CPU, fp32, one intra-op thread per side, each side in its own fresh process. Model: ``bench/dpo_step.py``'s Qwen3
+shape (random weights saved once as an HF checkpoint both sides load; ``--smoke``: its one-layer hidden-64 shape).
+Prompts: ``bench/dpo_step.py``'s seed-like intent questions in Qwen3's chat template; the reward is an exact match of
+the answer with the intent label (a Python function on TRL's side, ``exact_match`` on ours). Both sides: ``--prompts``
+prompts × ``--num-generations`` completions a step (one micro-batch), ``--max-completion-length`` new tokens at
+temperature 1, beta 0 (TRL's default: no reference), loss dapo, AdamW, clip 1.0, constant LR. A random model
+almost never stops, so both sides decode the full completion length and train on equal token counts.
+
+Ours times its rollout (generation, scoring, advantages) and its optimizer step separately (the job's
+``GRPOLoop`` methods, wrapped with a clock); TRL's step (generation inside) by a callback. One warm-up step, then
+``--repeats`` timed steps, the fastest counted. tokens/s: generation = completion tokens / generation time;
+step = (prompt + completion tokens) / the whole step. Peak memory = peak RSS minus RSS after imports. Prints one
+JSON line per side, then ``{"bench":"grpo_step",...}``. Run: ``.venv/bin/python bench/grpo_step.py [--smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
+from bench.dpo_step import (  # noqa: E402
+    INTENTS,
+    SHAPE,
+    SMOKE_SHAPE,
+    UTTERANCES,
+    _peak_mb,
+    _rss_mb,
+    _tokenizer_dir,
+    write_model,
+)
+
+
+def make_prompts(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
+        question = f"技能：{skills}\n用户：{rng.choice(UTTERANCES)}\n用户最后一句话所属的技能和意图是："
+        out.append({"question": question, "answer": rng.choice(INTENTS)})
+    return out
+
+
+def write_prompts(prompts: list[dict[str, str]], prefix: Path) -> tuple[str, int]:
+    """The prompts as instruction data (chat-templated prompt, the label as the assistant turn); (prefix, the
+    prompts' total tokens)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from engine.contract.indexed import IndexedDatasetWriter, instruction_prefix
+
+    tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    writers = {
+        f: IndexedDatasetWriter(instruction_prefix(str(prefix), f)) for f in ("input_ids", "attention_mask", "labels")
+    }
+    total = 0
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p["question"]}], add_generation_prompt=True,
+                                       tokenize=False)  # fmt: skip
+        prompt, reply = tok.encode(text), tok.encode(p["answer"] + "<|im_end|>")
+        total += len(prompt)
+        writers["input_ids"].add_document(np.array(prompt + reply))
+        writers["attention_mask"].add_document(np.ones(len(prompt) + len(reply)))
+        writers["labels"].add_document(np.array([-100] * len(prompt) + reply))
+    for w in writers.values():
+        w.finalize()
+    return str(prefix), total
+
+
+def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[str, list[float]]:
+    from engine.contract.runfiles import RunDir
+    from engine.contract.spec import TrainSpec, parse_spec
+    from engine.train import grpo, job
+
+    times: dict[str, list[float]] = {"generation_s": [], "train_s": []}
+
+    def clocked(method: Any, key: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = method(*args, **kwargs)
+            times[key].append(time.perf_counter() - started)
+            return out
+
+        return wrapper
+
+    grpo.GRPOLoop.make_rollout = clocked(grpo.GRPOLoop.make_rollout, "generation_s")  # type: ignore[method-assign]
+    grpo.GRPOLoop.step = clocked(grpo.GRPOLoop.step, "train_s")  # type: ignore[method-assign]
+    spec = {
+        "kind": "train",
+        "stage": "grpo",
+        "data_path": [str(work / "prompts")],
+        "load": str(work / "model"),
+        "tokenizer_name_or_path": str(_tokenizer_dir()),
+        "split": "100,0,0",
+        "train_iters": steps,
+        "lr": 1e-6,
+        "lr_decay_style": "constant",
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "seq_length": 1024,
+        "variable_seq_lengths": True,
+        "micro_batch_size": prompts * g,
+        "global_batch_size": prompts * g,
+        "num_generations": g,
+        "max_completion_length": length,
+        "log_interval": 1,
+        "reward_funcs": [{"name": "exact_match"}],
+    }
+    job.run(cast(TrainSpec, parse_spec(spec)), RunDir(work / "run"))
+    return times
+
+
+def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, length: int) -> dict[str, list[float]]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.times.append(time.perf_counter() - self.started)
+
+    def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+    model = Qwen3ForCausalLM.from_pretrained(work / "model")
+    clock = Clock()
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p["question"]}] for p in prompts],
+            "answer": [p["answer"] for p in prompts],
+        }
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=exact_match,
+        args=GRPOConfig(
+            output_dir=str(work / "trl"),
+            per_device_train_batch_size=len(prompts) * g,
+            num_generations=g,
+            max_completion_length=length,
+            temperature=1.0,
+            beta=0.0,
+            loss_type="dapo",
+            max_steps=steps,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            bf16=False,
+            seed=0,
+        ),
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()),
+        callbacks=[clock],
+    )
+    trainer.train()
+    return {"step_s": clock.times}
+
+
+def measure(side: str, work: str, steps: int, prompts: list, g: int, length: int, threads: int) -> dict:
+    """In a fresh process: import both stacks (neither side pays for the other's imports), run, report."""
+    import torch
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    torch.set_num_threads(threads)
+    rss0 = _rss_mb()
+    if side == "ours":
+        times = run_ours(Path(work) / "ours", steps, len(prompts), g, length)
+        times["step_s"] = [a + b for a, b in zip(times["generation_s"], times["train_s"], strict=True)]
+    else:
+        times = run_trl(Path(work) / "trl", steps, prompts, g, length)
+    return {"side": side, **times, "peak_mem_mb": _peak_mb() - rss0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up step")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts a step")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8")
+    add_malloc_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.num_generations, args.max_completion_length = 1, 4, 8
+    g, length, steps = args.num_generations, args.max_completion_length, 1 + args.repeats
+    prompts = make_prompts(args.prompts * steps, args.seed)
+    apply_to_children(args.malloc)
+    ctx = multiprocessing.get_context("spawn")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for side in ("ours", "trl"):
+            (work / side).mkdir()
+            write_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed, work / side / "model")
+        _, prompt_tokens = write_prompts(prompts, work / "ours" / "prompts")
+        per_step_prompt_tokens = prompt_tokens / steps * g  # each prompt's tokens feed its g completions
+        completion_tokens = args.prompts * g * length
+        print(json.dumps({"prompts_per_step": args.prompts, "completion_tokens_per_step": completion_tokens}))
+        for side in ("ours", "trl"):
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                job = pool.submit(measure, side, tmp, steps, prompts, g, length, args.threads)
+                results[side] = job.result()
+            print(json.dumps(results[side]))
+    step_tokens = per_step_prompt_tokens + completion_tokens
+    tps = {side: step_tokens / min(r["step_s"][1:]) for side, r in results.items()}
+    peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
+    ours = results["ours"]
+    print(
+        json.dumps(
+            {
+                "bench": "grpo_step",
+                "smoke": args.smoke,
+                "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
+                "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
+                "ours_step_tokens_per_s": round(tps["ours"], 1),
+                "trl_step_tokens_per_s": round(tps["trl"], 1),
+                "ours_generation_tokens_per_s": round(completion_tokens / min(ours["generation_s"][1:]), 1),
+                "ours_train_tokens_per_s": round(step_tokens / min(ours["train_s"][1:]), 1),
+                "ours_peak_mem_mb": round(peaks["ours"], 1),
+                "trl_peak_mem_mb": round(peaks["trl"], 1),
+                "num_generations": g,
+                "max_completion_length": length,
+                "repeats": args.repeats,
+                "threads": args.threads,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
