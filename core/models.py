@@ -465,3 +465,22 @@ class MlflowReport(Base):
     failures: Mapped[int] = mapped_column(Integer, default=0)  # in a row; 0 after a send that worked
     next_try_at: Mapped[datetime | None]
     last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class Sweep(Base):
+    """A hyperparameter search (``core.sweeps``): its trials are ordinary train jobs labelled ``sweep`` = this id; the
+    Optuna study is rebuilt from them each pass, with what samplers and pruners remember kept in ``trial_attrs``."""
+
+    __tablename__ = "sweeps"
+    __table_args__ = (Index("ix_sweeps_team_created", "team", "created_at"), Index("ix_sweeps_state", "state"))
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    team: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running | succeeded | failed | cancelled
+    trial_attrs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # job id -> Optuna system attrs
+    pruned: Mapped[list[str]] = mapped_column(JSON, default=list)  # job ids stopped by the pruner
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
