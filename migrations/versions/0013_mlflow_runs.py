@@ -1,6 +1,6 @@
 """MLflow tracking tables: a team's experiments and the runs a notebook logs through /api/2.0/mlflow/ (their params,
 tags and metric points); jobs are runs too, read from their own rows (``core.mlflow_store``); and where each
-``report_to: ["mlflow"]`` job's mirror to a remote MLflow server stands (``core.mlflow_report``).
+``report_to: ["mlflow"]`` job's mirror to a remote MLflow server stands (``core.mlflow_report``); and sweeps (``core.sweeps``), whose trials are train jobs.
 
 Revision ID: 0013
 Revises: 0012
@@ -80,9 +80,27 @@ def upgrade() -> None:
         sa.Column("next_try_at", WHEN, nullable=True),
         sa.Column("last_error", sa.Text(), nullable=True),
     )
+    op.create_table(
+        "sweeps",
+        sa.Column("id", sa.String(36), primary_key=True),
+        sa.Column("team", sa.String(64), nullable=False),
+        sa.Column("name", sa.String(200), nullable=False),
+        sa.Column("spec", sa.JSON(), nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("trial_attrs", sa.JSON(), nullable=False),
+        sa.Column("pruned", sa.JSON(), nullable=False),
+        sa.Column("result", sa.JSON(), nullable=True),
+        sa.Column("created_at", WHEN, nullable=False),
+        sa.Column("finished_at", WHEN, nullable=True),
+    )
+    op.create_index("ix_sweeps_team_created", "sweeps", ["team", "created_at"])
+    op.create_index("ix_sweeps_state", "sweeps", ["state"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_sweeps_state", table_name="sweeps")
+    op.drop_index("ix_sweeps_team_created", table_name="sweeps")
+    op.drop_table("sweeps")
     op.drop_table("mlflow_reports")
     op.drop_index("ix_mlflow_metrics_run_key", table_name="mlflow_metrics")
     op.drop_table("mlflow_metrics")
