@@ -29,12 +29,12 @@ def job_name(job_id: str) -> str:
     return f"llmjobs-{job_id}"
 
 
-def _word(arg: str) -> str:
-    """One shell word: literal text quoted, the placeholders left for the shell to expand."""
-    if not any(p in arg for p in _VARIABLES):
+def shell_word(arg: str, variables: Mapping[str, str] = _VARIABLES) -> str:
+    """One shell word: literal text quoted, the placeholders replaced by ``variables`` (shell expansions)."""
+    if not any(p in arg for p in variables):
         return shlex.quote(arg)
     out = arg.replace('"', '\\"').replace("$", "\\$").replace("`", "\\`")
-    for placeholder, variable in _VARIABLES.items():
+    for placeholder, variable in variables.items():
         out = out.replace(placeholder, variable)
     return f'"{out}"'
 
@@ -101,7 +101,7 @@ def render(
         'echo "llmjobs: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}"',
         f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 --open-mode=append --output={shlex.quote(str(task_log))} \\",
         '    bash -c \'trap "" USR2; exec "$@"\' llmjobs-engine \\',
-        "    " + " ".join(_word(a) for a in argv),
+        "    " + " ".join(shell_word(a) for a in argv),
         "code=$?",
         *requeue,
         'exit "$code"',
