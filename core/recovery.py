@@ -20,6 +20,7 @@ from core.messaging import send_run_node
 from core.models import Job, JobNode, Lease, utcnow
 from core.nodes import move_nodes
 from core.settings import Settings
+from core.slurm.states import is_final
 from core.states import NODE_STARTED, RUNNING, JobState, NodeState
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ def settle_cancel(settings: Settings, job_id: str) -> bool:
         job = session.get(Job, job_id)
         if job is None or job.state != JobState.cancelling.value or job.kind == "pipeline":  # settled by its steps
             return False
+        if job.slurm_job_id is not None and not is_final(job.slurm_state or ""):
+            return False  # a Slurm pool's job: settled by the Slurm agent once Slurm says it ended (core.slurm)
         drop_unlaunched(session, job_id, job.attempt_count)
         busy = session.scalar(
             select(JobNode.id)
