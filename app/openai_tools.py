@@ -8,15 +8,20 @@
   such blocks (one, for a named function) whose ``arguments`` follow the function's ``parameters`` schema
   (``engine.serve.structured``, after Qwen3's thought when thinking is on), so the answer is always a call.
 - Parsing: whole answers with ``split_tool_calls``; streams with ``ToolCallStream``, which passes content through,
-  holds back what could still open a block, and sends each call once its block closes: a delta with its ``index``,
-  ``id``, ``type`` and ``name`` (``arguments`` ""), then one with its ``arguments``, the same JSON string a whole
-  answer has. A block that is not valid JSON stays text, in both. A choice that made a call finishes with
+  holds back what could still open a block, and sends each call as it is written, as OpenAI and vLLM stream them:
+  a delta with its ``index``, ``id``, ``type`` and ``name`` (``arguments`` "") once ``{"name": "...", "arguments": ``
+  is written, then the arguments piece by piece (what could still be the block's closing ``}`` or tag held back),
+  adding up to the same JSON string a whole answer has (arguments written as an object are kept as written). A
+  block that does not start that way is sent whole when it closes, and stays text if it is not valid JSON, in both;
+  a block whose arguments were already streamed and then turn out broken (cut by ``max_tokens``) keeps the deltas
+  sent (vLLM's streaming parser does the same). A choice that made a call finishes with
   ``tool_calls``. Calls inside a thought are part of the thought (``reasoning_content``), as vLLM's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
@@ -89,15 +94,51 @@ def _call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _call(raw: str, index: int) -> dict[str, Any] | None:
-    """The OpenAI tool call of a block's text, or None when it is not ``{"name", "arguments"}`` JSON."""
+    """The OpenAI tool call of a block's text, or None when it is not ``{"name", "arguments"}`` JSON. Arguments
+    written as an object are kept as the model wrote them (what a stream sends piece by piece adds up to it)."""
     try:
         call = json.loads(raw.strip())
         name, args = call["name"], call.get("arguments", {})
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    written = _written_arguments(raw)
+    if isinstance(args, str):
+        arguments = args
+    elif written is not None and written[0] == name:
+        arguments = written[1]
+    else:
+        arguments = json.dumps(args, ensure_ascii=False)
     fn = {"name": str(name), "arguments": arguments}
     return {"index": index, "id": f"call-{secrets.token_hex(12)}", "type": "function", "function": fn}
+
+
+# a block's start up to its arguments' value, when the model writes name first (Qwen3's hermes format)
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[{\[])')
+# what may still end a block whose arguments are being streamed: the outer "}" and a part of the closing tag
+_TAIL = re.compile(r"\s*\}?\s*$")
+
+
+def _header(block: str) -> tuple[str, int] | None:
+    """(the function's name, where its arguments' value starts) once a block's text has got that far."""
+    m = _HEADER.match(block)
+    if m is None:
+        return None
+    try:
+        return str(json.loads(m.group(1))), m.end()
+    except ValueError:
+        return None
+
+
+def _written_arguments(block: str) -> tuple[str, str] | None:
+    """(name, the arguments object's JSON text as written) of a ``{"name", "arguments"}`` block; None otherwise."""
+    head = _header(block)
+    if head is None:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(block, head[1])
+    except ValueError:
+        return None
+    return (head[0], block[head[1] : end]) if block[end:].strip() == "}" else None
 
 
 def split_tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
@@ -123,6 +164,7 @@ class ToolCallStream:
         self.calls = 0
         self._blank = ""  # blank content held back (see ``_unblank``)
         self._sent = False  # whether any non-blank content went out
+        self._streaming: tuple[int, int] | None = None  # the open call's (arguments' start, characters sent)
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.buffer += text
@@ -142,19 +184,61 @@ class ToolCallStream:
                 )
             at = self.buffer.find(TOOL_CLOSE)
             if at == -1:
-                if final:  # an unclosed block stays text
-                    content, self.buffer = content + TOOL_OPEN + self.buffer, ""
+                if self._streaming is not None:
+                    deltas += self._arguments()
+                elif not final:
+                    deltas += self._open()
+                if final:  # an unclosed block stays text, unless its call was already being sent
+                    content += TOOL_OPEN + self.buffer if self._streaming is None else ""
+                    self._streaming, self.buffer = None, ""
                 break
-            call = _call(self.buffer[:at], self.calls)
-            if call is None:
-                content += TOOL_OPEN + self.buffer[: at + len(TOOL_CLOSE)]
-            else:
-                self.calls += 1
-                arguments = call["function"]["arguments"]
-                deltas += [{**call, "function": {**call["function"], "arguments": ""}}]
-                deltas += [{"index": call["index"], "function": {"arguments": arguments}}]
+            deltas += self._close(at) if self._streaming is not None else []
+            if self._streaming is None:
+                call = _call(self.buffer[:at], self.calls)
+                if call is None:
+                    content += TOOL_OPEN + self.buffer[: at + len(TOOL_CLOSE)]
+                else:
+                    self.calls += 1
+                    arguments = call["function"]["arguments"]
+                    deltas += [{**call, "function": {**call["function"], "arguments": ""}}]
+                    deltas += [{"index": call["index"], "function": {"arguments": arguments}}]
+            self._streaming = None
             self.buffer, self.in_call = self.buffer[at + len(TOOL_CLOSE) :], False
         return self._unblank(content, final), deltas
+
+    def _open(self) -> list[dict[str, Any]]:
+        """The open block's first delta (index, id, name) once its name is written, then what its arguments have."""
+        head = _header(self.buffer)
+        if head is None:
+            return []
+        fn = {"name": head[0], "arguments": ""}
+        call = {"index": self.calls, "id": f"call-{secrets.token_hex(12)}", "type": "function", "function": fn}
+        self.calls += 1
+        self._streaming = (head[1], 0)
+        return [call, *self._arguments()]
+
+    def _arguments(self) -> list[dict[str, Any]]:
+        """The open call's arguments written since the last delta, less what may still be the block's end."""
+        assert self._streaming is not None
+        start, sent = self._streaming
+        written = self.buffer[start:]
+        written = written[: len(written) - _partial_suffix(written, TOOL_CLOSE)]
+        tail = _TAIL.search(written)
+        return self._send(written[: tail.start()] if tail else written, start, sent)
+
+    def _close(self, at: int) -> list[dict[str, Any]]:
+        """The streamed call's last arguments delta: its arguments as the whole answer gives them."""
+        assert self._streaming is not None
+        start, sent = self._streaming
+        call = _call(self.buffer[:at], self.calls - 1)
+        written = call["function"]["arguments"] if call is not None else self.buffer[start:at].rstrip()
+        return self._send(written if written.startswith(self.buffer[start : start + sent]) else "", start, sent)
+
+    def _send(self, written: str, start: int, sent: int) -> list[dict[str, Any]]:
+        if len(written) <= sent:
+            return []
+        self._streaming = (start, len(written))
+        return [{"index": self.calls - 1, "function": {"arguments": written[sent:]}}]
 
     def _unblank(self, content: str, final: bool) -> str:
         """Blank text waits until something else follows it; around calls it is dropped (``split_tool_calls``

@@ -57,6 +57,8 @@ SCRIPT = f"<think>{THOUGHT}</think>\n\n{CALLS}"
         "no calls here <tool_ but a tag's start\n",
         '<tool_call>\n{"name": broken}\n</tool_call> and text',
         "\nhello <tool_call>{unclosed",
+        '<tool_call>{"name":"play","arguments":{"room" : "kitchen","volume":4} }</tool_call>',  # spacing as written
+        '<tool_call>\n{"arguments": {}, "name": "stop"}\n</tool_call>',  # arguments first: sent when it closes
     ],
 )
 def test_streamed_tool_calls_add_up_to_the_whole_answers(text: str) -> None:
@@ -71,6 +73,15 @@ def test_streamed_tool_calls_add_up_to_the_whole_answers(text: str) -> None:
         assert content == want_content, (size, content)
         calls = _accumulate(deltas)
         assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+
+
+def test_arguments_stream_as_they_are_written() -> None:
+    stream, deltas, closed_at = ToolCallStream(), [], CALLS.index("</tool_call>")
+    for at, char in enumerate(CALLS):
+        deltas += [(at, d) for d in stream.push(char)[1]]
+    pieces = [(at, d["function"]["arguments"]) for at, d in deltas if d["index"] == 0 and "name" not in d["function"]]
+    assert len(pieces) > 5 and pieces[0][0] < closed_at  # piece by piece, before the block closes
+    assert "".join(p for _, p in pieces) == '{"room": "kitchen", "volume": 4}'
 
 
 def _accumulate(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
