@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Query, Request
+from pydantic import BaseModel, Field
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
 from app.api.jobs import ERRORS
@@ -86,6 +89,71 @@ def _metric_cursor(after: str | None) -> tuple[int, int] | None:
     if not (step.isdigit() and point_id.isdigit()) or int(step) > INT32_MAX or int(point_id) > INT64_MAX:
         raise ApiError(400, "invalid_cursor", f"after: {after!r} is not a next_cursor of this endpoint", "after")
     return int(step), int(point_id)
+
+
+class CompletionRow(BaseModel):
+    """One completion of a stage grpo rollout, as the engine wrote it to the run's completions.jsonl."""
+
+    iteration: int = Field(description="the first iteration that trained on its rollout")
+    prompt_id: int = Field(description="the dataset row of its prompt")
+    prompt_ids: list[int]
+    completion_ids: list[int] = Field(description="the token ids the loss saw (up to and including the stop token)")
+    completion: str
+    reward: float = Field(description="the weighted sum of the reward functions")
+    rewards: dict[str, float] = Field(description="each reward function's score, by name")
+    advantage: float
+    truncated: bool = Field(description="cut at max_completion_length (no stop token)")
+
+
+class CompletionsPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[CompletionRow]
+    has_more: bool
+    next_offset: int = Field(description="pass as offset for the next page")
+
+
+@router.get("/completions", response_model=CompletionsPage, responses=ERRORS)
+def list_completions(
+    job_id: str,
+    session: SessionDep,
+    principal: PrincipalDep,
+    step: Annotated[
+        int | None,
+        Query(ge=1, le=INT32_MAX, description="only the rollout iteration step trained on (default: every rollout)"),
+    ] = None,
+    offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="rows of the selection to skip")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> CompletionsPage:
+    """A stage grpo job's completions (its run's completions.jsonl), oldest first; with ``step``, those of the
+    rollout that iteration trained on (under num_iterations > 1 one rollout serves several iterations). Empty for
+    any other job, or before its first rollout."""
+    job = get_visible_job(session, job_id, principal)
+    path = Path(job.run_dir) / "completions.jsonl"
+    if not path.is_file():
+        return CompletionsPage(data=[], has_more=False, next_offset=offset)
+    selected: list[dict[str, Any]] = []  # the rows of the selection from offset on, one more than a page at most
+    seen, made = 0, None
+    with open(path, encoding="utf-8") as f:  # rows are in iteration order: read no further than needed
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if step is not None:
+                if row["iteration"] > step:
+                    break
+                if row["iteration"] != made:  # a later rollout still at or before step: start over with it
+                    made, seen, selected = row["iteration"], 0, []
+            seen += 1
+            if seen > offset:
+                selected.append(row)
+            if step is None and len(selected) > limit:
+                break
+    page = selected[:limit]
+    return CompletionsPage(
+        data=[CompletionRow.model_validate(r) for r in page],
+        has_more=len(selected) > limit,
+        next_offset=offset + len(page),
+    )
 
 
 @router.get("/logs", response_model=LogsPage, responses=ERRORS)
