@@ -198,9 +198,11 @@ def test_cancel_ends_the_slurm_job_cancelled(stack: Stack) -> None:
         job = _wait(client, job_id, lambda j: j["state"] == "running", stack, timeout=120)
         answer = client.post(f"/v1/jobs/{job_id}/cancel")
         assert answer.status_code == 202, answer.text
-        job = _wait(client, job_id, lambda j: j["slurm_state"] == "CANCELLED", stack, timeout=90)
-        assert job["state"] == "cancelled"
+        job = _wait(client, job_id, lambda j: j["state"] == "cancelled", stack, timeout=90)
+        assert job["slurm_state"] == "CANCELLED"  # settled only once Slurm ended it
         assert _squeue(job["slurm_job_id"])[1] == "CANCELLED"
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        assert [e["data"]["state"] for e in events if e["type"] == "state"][-2:] == ["cancelling", "cancelled"]
 
 
 def test_failing_job_fails_with_its_exit_code(stack: Stack) -> None:
