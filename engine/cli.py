@@ -25,6 +25,7 @@ from engine.contract.runfiles import (
     EXIT_RETRYABLE,
     BadInput,
     RunDir,
+    is_disk_full,
     setup_logging,
 )
 from engine.train.preempt import REQUEUE_REQUEST, Preempted
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         (run.path / REQUEUE_REQUEST).write_text(f"{err.iteration}\n")
         return _finish(EXIT_RETRYABLE)
     except Exception as err:  # noqa: BLE001 - report every crash the same way
+        if is_disk_full(err):  # retryable once space returns; the previous checkpoint is intact
+            log.error("%s: no space left: %s", kind, err)
+            run.event("error", f"disk full: {err}", code="disk_full")
+            return _finish(EXIT_RETRYABLE)
         log.error("%s failed:\n%s", kind, traceback.format_exc())
         run.event("error", f"{type(err).__name__}: {err}", code="engine_error")
         return _finish(EXIT_FAILED)

@@ -18,6 +18,7 @@ other than the last one being written (readers keep an incomplete last line for 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -33,6 +34,33 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # an error in the engine; retryable up to max_restarts
 EXIT_BAD_INPUT = 2  # the spec or the input data is wrong; never retried
 EXIT_RETRYABLE = 75  # EX_TEMPFAIL: a transient fault (lost peer, timeout); retry from the last checkpoint
+
+
+class DiskFull(Exception):
+    """No room on a filesystem the job writes to (ENOSPC/EDQUOT, or a checkpoint refused before it starts):
+    reported with code ``disk_full`` and exit code 75 (retryable once space returns). Nothing was left half-written:
+    the previous checkpoint stays the latest."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps: its cause, context, or a DCP CheckpointException's per-rank failures) is a
+    full disk or an exceeded quota."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
 
 
 class BadInput(Exception):
