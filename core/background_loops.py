@@ -1,4 +1,5 @@
-"""The API process's singleton loops: the reconciler, the webhook sender, the retention pass and the MLflow mirror.
+"""The API process's singleton loops: the reconciler, the webhook sender, the retention pass, the MLflow mirror
+and the sweeps' driver.
 
 Every API replica starts them; only the replica holding the leadership (``core.leadership``) runs a pass, so N
 replicas never reconcile or send twice. The web layer only starts and stops them (``app.main``'s lifespan).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from core import mlflow_report
+from core import mlflow_report, sweeps
 from core.leadership import Leadership, run_when_leader
 from core.reconciler import reconcile_once, service_watch, watch_hosts
 from core.retention import collect
@@ -59,6 +60,9 @@ def start_loops(settings: Settings, *, run: bool = True) -> BackgroundLoops:
             run_when_leader(
                 leader, mlflow_report.INTERVAL_S, lambda: mlflow_report.report_once(settings), "mlflow report"
             )
+        ),
+        asyncio.create_task(  # sweeps: prune, start new trials, name the best (core.sweeps)
+            run_when_leader(leader, sweeps.INTERVAL_S, lambda: sweeps.drive_all(settings), "sweeps")
         ),
     ]
     return loops
