@@ -354,6 +354,8 @@ def settle(settings: Settings, work: NodeWork, code: int, stop: str | None, erro
         )
     if code != 0:
         name = "bad_input" if code == EXIT_BAD_INPUT else ("killed" if code < 0 else "engine_error")
+        if ((error or {}).get("data") or {}).get("code") == "disk_full":
+            name = "disk_full"  # retryable (exit 75) once space returns; the previous checkpoint is intact
         return end_attempt(
             settings,
             work.job_id,

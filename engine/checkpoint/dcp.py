@@ -8,8 +8,10 @@ Layout under a ``save`` directory::
                                                              counters, model config, LoRA settings (rank 0)
     <save>/train_state/iter_0000100/rng_rank{R}.pt           each rank's Python/NumPy/torch RNG states
 
-Atomic: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it and only then rewrites the
-tracker (temp file + rename). A crash mid-save leaves a ``.tmp`` directory that is ignored and removed on the next
+Atomic: every rank writes into ``iter_XXXXXXX.tmp`` (files fsynced); once every rank says its writes succeeded, rank
+0 fsyncs the directory, renames it and only then rewrites the tracker (temp file, fsync, rename). A save is refused
+before it starts when the filesystem lacks room for one the size of the latest (``no_room``), and a write failing on
+any rank (a disk filling up) fails the save on every rank and removes its ``.tmp``: never a half checkpoint. A crash mid-save leaves a ``.tmp`` directory that is ignored and removed on the next
 save, and the tracker still names the previous complete checkpoint. Retention (``prune``, after a save is complete
 and the tracker names it) renames a doomed ``iter_*`` to ``.trash`` before removing it, so a crash mid-delete leaves
 no half checkpoint that looks complete; the next save removes the leftover. DCP reshards on load (FSDP2 dp2 -> one process
@@ -44,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from engine.contract.owner import META, STATE_DIR, TRACKER, latest_state
+from engine.contract.runfiles import DiskFull
 from engine.parallel.pipeline_parallel import dcp_state_view
 
 TRASH = ".trash"
@@ -115,36 +118,123 @@ def save(
     trainable_only: bool = False,
     save_rng: bool = True,
 ) -> Path:
-    """Write one checkpoint collectively (every rank calls this); returns the final ``iter_*`` directory."""
+    """Write one checkpoint collectively (every rank calls this); returns the final ``iter_*`` directory.
+
+    Refused before it starts (``DiskFull``, on every rank) when the filesystem has no room for a checkpoint the size
+    of the latest one. A write that fails on any rank (a disk filling up mid-save) fails on every rank: the partial
+    ``.tmp`` is removed and the tracker still names the previous checkpoint. Every file is on disk (fsync) before the
+    directory is renamed, and the tracker is replaced last."""
     root = state_root(save_dir)
     final = root / iter_name(iteration)
     tmp = root / (iter_name(iteration) + ".tmp")
     rank = dist.get_rank()
+    refused = ""
     if rank == 0:
         for stale in (*root.glob("iter_*.tmp"), *root.glob("iter_*" + TRASH)):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+        refused = no_room(root)
+    if _any_rank(bool(refused)):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFull(refused or "checkpoint refused before it started: no room on rank 0's filesystem")
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model, options=_options(trainable_only))}
     state, _ = dcp_state_view(state, model, "save")  # TP/PP layout -> the native global tensors
-    dcp.save(state, checkpoint_id=str(tmp))
-    if save_rng:
-        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    dist.barrier()
+    failure: BaseException | None = None
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
+        if save_rng:
+            _write_synced(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(_rng_state(), f))
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it (below) before anyone raises
+        failure = err
+    if _any_rank(failure is not None):  # instead of a barrier: a rank that failed alone would hang the others
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the tracker names the previous checkpoint
+        if failure is not None:
+            raise failure
+        raise (
+            DiskFull(f"checkpoint at iteration {iteration}: another rank's write failed")
+            if _disk_low(root)
+            else (RuntimeError(f"checkpoint at iteration {iteration}: another rank's write failed"))
+        )
     if rank == 0:
-        (tmp / META).write_text(json.dumps({**meta, "iteration": iteration, "has_optimizer": optimizer is not None}))
-        if final.exists():  # the same iteration saved again (a resumed run): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        tracker_tmp = root / (TRACKER + ".tmp")
-        tracker_tmp.write_text(str(iteration))
-        os.replace(tracker_tmp, root / TRACKER)
-    dist.barrier()
+        try:
+            meta_text = json.dumps({**meta, "iteration": iteration, "has_optimizer": optimizer is not None})
+            _write_synced(tmp / META, lambda f: f.write(meta_text.encode()))
+            _fsync_dir(tmp)
+            if final.exists():  # the same iteration saved again (a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            tracker_tmp = root / (TRACKER + ".tmp")
+            _write_synced(tracker_tmp, lambda f: f.write(str(iteration).encode()))
+            os.replace(tracker_tmp, root / TRACKER)
+            _fsync_dir(root)
+        except Exception as err:  # noqa: BLE001 - told to the other ranks below
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = err
+    if _any_rank(failure is not None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"checkpoint at iteration {iteration}: rank 0 could not publish it")
     return final
+
+
+# A checkpoint starts only if the filesystem has room for one the size of the latest, with this margin.
+ROOM_MARGIN = 1.1
+
+
+def no_room(root: Path) -> str:
+    """Why a new checkpoint under ``root`` would not fit (free space below the latest checkpoint's size times
+    ``ROOM_MARGIN``), or "" (room, or no checkpoint yet to size it by)."""
+    latest_dir = latest(root.parent)
+    if latest_dir is None:
+        return ""
+    needed = int(sum(f.stat().st_size for f in latest_dir.rglob("*") if f.is_file()) * ROOM_MARGIN)
+    free = shutil.disk_usage(root).free
+    if free >= needed:
+        return ""
+    return (
+        f"checkpoint refused before it started: {free / 2**20:.1f} MiB free under {root}, "
+        f"a checkpoint needs about {needed / 2**20:.1f} MiB (the latest, {latest_dir.name}, stays the latest)"
+    )
+
+
+def _disk_low(root: Path) -> bool:
+    try:
+        return shutil.disk_usage(root).free < 2**20
+    except OSError:
+        return False
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective: every rank calls it)."""
+    device = {"nccl": "cuda", "hccl": "npu"}.get(str(dist.get_backend()), "cpu")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _write_synced(path: Path, write: Any) -> None:
+    """``write(file)`` then flush and fsync: on disk before anything names it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def complete_checkpoints(save_dir: str | os.PathLike[str]) -> dict[int, Path]:
