@@ -103,7 +103,7 @@ def end_attempt(
                 job_id,
                 JobState.failed,
                 only_from=RUNNING,
-                error_code="retries_exhausted" if retryable else error_code,
+                error_code="retries_exhausted" if retryable and error_code not in NAMED_WHEN_EXHAUSTED else error_code,
                 error_message=message,
                 error_log_tail=log_tail,
                 message=message,
@@ -118,6 +118,8 @@ FREE_UNSTARTED_ATTEMPTS = 3
 # Attempts the service ended, not the job (a worker shutting down stops its engines): no backoff, the job resumes as
 # soon as a worker takes it again (its host is down until then).
 SERVICE_STOPS = frozenset({"worker_stopped"})
+# Retryable causes a person must act on: a job that gives up on them keeps their code (not retries_exhausted).
+NAMED_WHEN_EXHAUSTED = frozenset({"disk_full"})
 
 
 def retry_backoff(settings: Settings, failed: int) -> float:
