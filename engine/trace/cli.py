@@ -23,7 +23,7 @@ from engine.contract.layout import LayoutError, ParallelDims
 from engine.contract.plan.cli import _spec_from_args, default_data_root, split_torchrun
 from engine.contract.plan.memory import MIB
 from engine.contract.plan.planner import plan_spec
-from engine.contract.spec import TrainSpec, first_error
+from engine.contract.spec import ServeSpec, TrainSpec, first_error
 
 
 def dims_of(spec: TrainSpec) -> ParallelDims:
@@ -45,18 +45,25 @@ def traced_ranks(dims: ParallelDims, all_ranks: bool) -> dict[int, int]:
     return {r: r if all_ranks else (r // per_stage) % dims.pp * per_stage for r in range(dims.world_size)}
 
 
-def trace_spec(spec: TrainSpec, model: str | None, all_ranks: bool = False) -> dict[str, Any]:
-    """The trace of every rank of a training spec, beside the planner's figures (one JSON object)."""
+def trace_spec(spec: TrainSpec | ServeSpec, model: str | None, all_ranks: bool = False) -> dict[str, Any]:
+    """The trace of every rank of a training (or serve) spec, beside the planner's figures (one JSON object)."""
     from engine.trace.backend import prepare
     from engine.trace.step import trace_rank
 
     started = time.perf_counter()
     plan = plan_spec(spec, model)
     prepare(spec.resources.device_type)
-    dims = dims_of(spec)
-    gbs = spec.global_batch_size or spec.micro_batch_size * dims.dp
-    stand_in = traced_ranks(dims, all_ranks)
-    traces = {r: trace_rank(spec, plan.cfg, dims, gbs, r) for r in sorted(set(stand_in.values()))}
+    if isinstance(spec, ServeSpec):
+        from engine.trace.serve import trace_serve
+
+        traced = trace_serve(spec, plan.cfg)
+        stand_in = dict.fromkeys(range(spec.resources.world_size), 0)
+        traces = {0: traced}
+    else:
+        dims = dims_of(spec)
+        gbs = spec.global_batch_size or spec.micro_batch_size * dims.dp
+        stand_in = traced_ranks(dims, all_ranks)
+        traces = {r: trace_rank(spec, plan.cfg, dims, gbs, r) for r in sorted(set(stand_in.values()))}
     rows = []
     for rank, planned in enumerate(plan.ranks):
         t = traces[stand_in[rank]]
@@ -101,8 +108,8 @@ def main(argv: list[str]) -> int:
     resources["device_type"] = opts.device_type
     try:
         spec = _spec_from_args("train", flags, resources, opts.data_root)
-        if not isinstance(spec, TrainSpec):
-            print("error: kind: the trace runs training jobs only", file=sys.stderr)
+        if not isinstance(spec, TrainSpec | ServeSpec):
+            print("error: kind: the trace runs training and serve jobs", file=sys.stderr)
             return 2
         out = trace_spec(spec, opts.model, opts.all_ranks)
     except ValidationError as err:

@@ -122,7 +122,8 @@ def host_attention_plans(
         host = None if segment_ids is None else oracle.host(tuple(segment_ids.shape))
         if segment_ids is None and _npu_plain_causal(device, past_len, *args, **kw):
             # the NPU path gives plain causal rows one sample each (``plan_attention``): their ids are zeros
-            host = torch.zeros(kw.get("batch", args[1] if len(args) > 1 else 1), q_len, dtype=torch.long)
+            with unset_fake_temporarily():  # a host tensor, not one of the step's fakes
+                host = torch.zeros(kw.get("batch", args[1] if len(args) > 1 else 1), q_len, dtype=torch.long)
         if host is None:
             return original(device, q_len, past_len, segment_ids, *args, **kw)
         with paused(), unset_fake_temporarily():
@@ -258,12 +259,12 @@ def fake_activations_freed() -> Iterator[None]:
 @contextlib.contextmanager
 def host_mesh_coordinates() -> Iterator[None]:
     """Device meshes made while the step is faked (FSDP2 joins its DP mesh and the TP mesh under TP:
-    ``DeviceMesh._concatenate``; sub-meshes by name) build their rank table from the host tables of the job's mesh,
+    ``DeviceMesh._concatenate``; sub-meshes by name; EP's split of DP, ``_unflatten``) build their rank table from the host tables of the job's mesh,
     then find this rank in it (``nonzero``), which a fake tensor cannot answer: they are made outside the fake mode,
     on host tensors, as in a job."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    concatenate, getitem = DeviceMesh._concatenate, DeviceMesh.__getitem__
+    concatenate, getitem, unflatten = DeviceMesh._concatenate, DeviceMesh.__getitem__, DeviceMesh._unflatten
 
     def concatenated(meshes: Any) -> Any:
         with unset_fake_temporarily():
@@ -273,13 +274,19 @@ def host_mesh_coordinates() -> Iterator[None]:
         with unset_fake_temporarily():
             return getitem(self, names)
 
+    def unflattened(self: Any, *args: Any, **kwargs: Any) -> Any:  # EP's dp -> (dp / ep, ep) split
+        with unset_fake_temporarily():
+            return unflatten(self, *args, **kwargs)
+
     DeviceMesh._concatenate = staticmethod(concatenated)  # type: ignore[method-assign, assignment]
     DeviceMesh.__getitem__ = item  # type: ignore[method-assign]
+    DeviceMesh._unflatten = unflattened  # type: ignore[method-assign]
     try:
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
         DeviceMesh.__getitem__ = getitem  # type: ignore[method-assign]
+        DeviceMesh._unflatten = unflatten  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -50,13 +50,20 @@ from engine.trace.shims import (
     sharding_propagation_paused,
     swappable_fake_parameters,
 )
-from engine.train.batches import MicroBatch, Sample, collate, context_pipeline_width, context_shard
+from engine.train.batches import (
+    MicroBatch,
+    Sample,
+    collate,
+    collate_pairs,
+    context_pipeline_width,
+    context_shard,
+)
 from engine.train.loop import _global_counts
 from engine.train.model_setup import build_rank_model
 from engine.train.optim import LossScaler, build_optimizer, clip_grads
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
-from engine.train.step_runner import PipelineRunner, make_runner
+from engine.train.step_runner import MicroBatchLoss, PipelineRunner, make_runner
 
 # MemTracker's kinds -> the names of the trace's breakdown (plan's parts where they match)
 KINDS = {
@@ -99,7 +106,11 @@ class RankTrace:
         return dataclasses.asdict(self)
 
 
-class _StepWatch(TorchDispatchMode):
+def _gone() -> None:  # a weak reference whose tensor is gone
+    return None
+
+
+class StepWatch(TorchDispatchMode):
     """Every op of the step: tensors it creates on the host (each one a host tensor the engine made inside the step,
     where everything should live on the device), and the bytes each collective moves (its input tensors)."""
 
@@ -113,7 +124,10 @@ class _StepWatch(TorchDispatchMode):
         self.host_syncs: dict[str, int] = {}
         # (width, counted tokens per row) of the rank's CP shards that context parallelism padded, else None
         self.counted_row: tuple[int, int] | None = None
-        self._counted_sums: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # MoE: (EP degree, rows one MoE layer routes per forward: tokens × top-k, experts per EP rank), else None
+        self.ep_rows: tuple[int, int, int] | None = None
+        self._scalars: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._ep_sums: dict[int, weakref.ref[torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -132,13 +146,18 @@ class _StepWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
-        if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) in self._counted_sums:
-            # ``Qwen3Model.forward`` reads the count of the tokens MoE routing counts (``int(counted.sum())``, once
-            # per forward under context parallelism's padding): answered from the host shard
-            ref, value = self._counted_sums[id(args[0])]
+        if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) in self._scalars:
+            # a host read of a value the host batch gives (``_remember_counted_sum``, ``_remember_ep_splits``)
+            ref, value = self._scalars[id(args[0])]
             if ref() is args[0]:
                 self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
                 return value
+        if func is torch.ops.aten.bincount.default and self._counts_rows(args, kwargs or {}):
+            # DPO's per-sequence token counts (``preference.sequence_logprobs``: ``bincount`` of each kept token's
+            # row, all below ``minlength`` = the rows): the output's length is data, a device -> host sync
+            self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
+            minlength = args[2] if len(args) > 2 else (kwargs or {})["minlength"]
+            return torch.empty((minlength,), dtype=torch.long, device=args[0].device)
         if func is torch.ops.aten.nonzero.default and self._answers(args[0]):
             # a device -> host sync in the engine (the output's length is data): answered from the host batch
             self.host_syncs[str(func)] = self.host_syncs.get(str(func), 0) + 1
@@ -151,6 +170,8 @@ class _StepWatch(TorchDispatchMode):
             return out
         if self.counted_row is not None and func.overloadpacket is torch.ops.aten.sum:
             self._remember_counted_sum(args, out)
+        if self.ep_rows is not None:
+            self._remember_ep_splits(func, args, out)
         name = func._schema.name.split("::")[-1]
         kind = next((k for key, k in _COLLECTIVES.items() if name.lstrip("_").startswith(key)), None)
         if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
@@ -170,7 +191,31 @@ class _StepWatch(TorchDispatchMode):
         width, per_row = self.counted_row
         whole = len(args) == 1 or args[1] is None
         if whole and mask.dtype == torch.bool and mask.device.type != "cpu" and mask.shape[-1] == width:
-            self._counted_sums[id(out)] = (weakref.ref(out), mask.numel() // width * per_row)
+            self._scalars[id(out)] = (weakref.ref(out), mask.numel() // width * per_row)
+
+    def _remember_ep_splits(self, func: Any, args: Any, out: Any) -> None:
+        """MoE's host reads of the routing, answered as balanced routing (each rank's ``rows``, tokens × top-k, split
+        evenly over the EP ranks and the experts; the planner's assumption): expert parallelism's all-to-all splits
+        (``AllToAllDispatch.dispatch``: ``counts.reshape(ep, local).sum(1).tolist()``, rows sent to and received from
+        each EP rank, per MoE layer) and the padded expert kernel's busiest expert (``int(counts.max())``)."""
+        assert self.ep_rows is not None
+        ep, rows, local = self.ep_rows
+        if func is torch.ops.aten.max.default:  # ``GroupedExperts``' padded kernel: the busiest local expert's rows
+            counts = args[0]
+            if counts.dim() == 1 and counts.shape[0] == local and counts.dtype == torch.long:
+                self._scalars[id(out)] = (weakref.ref(out), -(-rows // local))
+        elif func is torch.ops.aten.sum.dim_IntList and ep > 1:
+            counts = args[0]
+            if counts.dim() == 2 and counts.shape[0] == ep and counts.dtype == torch.long and list(args[1]) == [1]:
+                self._ep_sums[id(out)] = weakref.ref(out)
+        elif func is torch.ops.aten.unbind.int and self._ep_sums.get(id(args[0]), _gone)() is args[0]:
+            for i, element in enumerate(out):  # the first ``rows % ep`` ranks take one row more
+                self._scalars[id(element)] = (weakref.ref(element), rows // ep + (i < rows % ep))
+
+    def _counts_rows(self, args: Any, kwargs: dict[str, Any]) -> bool:
+        minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+        weights = args[1] if len(args) > 1 else kwargs.get("weights")
+        return bool(minlength) and weights is None and args[0].device.type != "cpu" and not self._paused
 
     def _answers(self, mask: Any) -> bool:
         """A labelled-token mask of one micro-batch: the only data-dependent shape the oracle answers."""
@@ -192,7 +237,7 @@ class _NoHook:
 _NO_HOOK: Any = _NoHook()
 
 
-class _StepTracker(MemTracker):
+class StepTracker(MemTracker):
     """MemTracker over a step that runs the rank's root module once per micro-batch: a root called again in forward
     starts a new module record (MemTracker refuses a second iteration); the device-wide peak spans them all.
 
@@ -254,12 +299,16 @@ def worst_case_batches(spec: TrainSpec, cfg: ModelConfig, micro_batches: int, se
     assert spec.seq_length is not None
     rng = np.random.default_rng(seed)
     out = []
+    pairs = spec.stage == "dpo"  # a pair's chosen and rejected answers, each a whole sequence
     for _ in range(micro_batches):
         samples = []
-        for _ in range(spec.micro_batch_size):
+        for _ in range(spec.micro_batch_size * (2 if pairs else 1)):
             ids = rng.integers(0, cfg.vocab_size, spec.seq_length, dtype=np.int64)
             samples.append(Sample(ids, ids.copy()))
-        out.append(collate(samples, spec.seq_length, spec.padding_free, spec.variable_seq_lengths))
+        if pairs:  # the job's order: chosen_1, rejected_1, chosen_2, ...
+            out.append(collate_pairs(samples, spec.seq_length, spec.variable_seq_lengths))
+        else:
+            out.append(collate(samples, spec.seq_length, spec.padding_free, spec.variable_seq_lengths))
     return out
 
 
@@ -274,6 +323,29 @@ def context_shards(batches: list[MicroBatch], dims: ParallelDims, mesh: Any) -> 
     return [context_shard(mb, ring, ulysses, cp.get_local_rank(), width) for mb in batches]
 
 
+def _preference_loss(
+    spec: TrainSpec, cfg: ModelConfig, mesh: Any, model: nn.Module, gbs: int, device: Device
+) -> MicroBatchLoss | None:
+    """Stage dpo's loss with its reference model built as ``Trainer._preference_losses`` builds it (a frozen copy of
+    the policy in the compute dtype, sharded like it; LoRA's reference is the policy with its adapters off); None
+    for the LM loss. Under PP the job precomputes the reference's log-probs instead: not traced."""
+    if spec.stage != "dpo":
+        return None
+    from engine.train import dpo
+
+    if mesh["pp"].size() > 1 or spec.precompute_ref_log_probs:
+        raise ValueError("stage: the trace runs dpo with its reference model in the step (no PP, no precompute)")
+    assert spec.seq_length is not None
+    seeded = dpo.SeededInit
+    dpo.SeededInit = lambda *_: None  # type: ignore[assignment,misc]  # left unfilled, as the policy is: no values
+    try:
+        ref = dpo.build_reference(spec, cfg, mesh, model, gbs, spec.seq_length, device.torch_device)
+    finally:
+        dpo.SeededInit = seeded  # type: ignore[misc]
+    chunk = spec.cross_entropy_chunk_size
+    return dpo.dpo_loss(dpo.preference_config(spec), ref, chunk, mesh["tp"].size() > 1)
+
+
 def _one_step(
     spec: TrainSpec,
     cfg: ModelConfig,
@@ -282,7 +354,7 @@ def _one_step(
     device: Device,
     mesh: Any,
     batches: list[MicroBatch],
-    tracker: _StepTracker,
+    tracker: StepTracker,
     building: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> None:
     """Build the rank's model, runner and optimizer, then run two steps: the first creates the optimizer state (Adam
@@ -292,7 +364,9 @@ def _one_step(
     with building():  # construction (LoRA makes its adapters on the host, then moves them), not the step
         model = build_rank_model(cfg, mesh, spec, gbs, spec.seq_length, device.torch_device, None)
     tracker.track_model(model)
-    runner = make_runner(model, mesh, device.torch_device, spec.cross_entropy_chunk_size)
+    with building():
+        losses_fn = _preference_loss(spec, cfg, mesh, model, gbs, device)
+    runner = make_runner(model, mesh, device.torch_device, spec.cross_entropy_chunk_size, losses_fn)
     pp = mesh["pp"]
     router = RouterTracker(model, runner.dp_group, pp.get_group() if pp.size() > 1 else None, dims.cp)
     optimizer = build_optimizer(model, spec)
@@ -348,8 +422,11 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
     try:
         mesh = build_mesh(device, dims)  # the mesh's rank table is a real host tensor: built before faking
         batches = context_shards(worst_case_batches(spec, cfg, gbs // (spec.micro_batch_size * dims.dp)), dims, mesh)
-        watch = _StepWatch()
+        watch = StepWatch()
         watch.label_rows = batches[0].num_loss_tokens
+        if cfg.moe_layers and cfg.num_experts:
+            rows = batches[0].input_ids.numel() * cfg.moe_router_topk
+            watch.ep_rows = (dims.ep, rows, cfg.num_experts // dims.ep)
         if (counted := batches[0].counted) is not None:
             watch.counted_row = (counted.shape[-1], int(counted.sum()))
         with (
@@ -362,7 +439,7 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             host_mesh_coordinates(),
             swappable_fake_parameters(),
             FakeTensorMode(allow_non_fake_inputs=True),
-            _StepTracker(module_hooks=dims.pp == 1) as tracker,
+            StepTracker(module_hooks=dims.pp == 1) as tracker,
             watch,
         ):
             _one_step(spec, cfg, dims, gbs, device, mesh, batches, tracker, watch.paused)

@@ -194,3 +194,36 @@ def test_lora_under_pp_traces_with_no_host_tensor() -> None:
     assert out["host_tensors"] == 0
     for rank in out["ranks"]:
         assert rank["breakdown"]["optimizer"] < rank["breakdown"]["params"] / 4
+
+
+@pytest.mark.slow
+def test_dpo_traces_with_its_reference_model() -> None:
+    """Stage dpo over DP2: micro-batches of pairs (chosen and rejected rows), the frozen reference copy built as the
+    trainer builds it (its weights left unfilled, as the policy's are), the plain causal rows planned on the host.
+    DPO's per-sequence token counts (``bincount``) are device -> host syncs, reported."""
+    out = trace_spec(tiny_spec(stage="dpo", is_pairwise_dataset=True), None)
+    assert out["host_tensors"] == 0
+    rank = out["ranks"][0]
+    assert rank["host_syncs"]["aten.bincount.default"] > 0
+    # the reference's bf16 copy beside the policy: more than the policy's own fp32 shard of the weights
+    sft = trace_spec(tiny_spec(), None)["ranks"][0]
+    assert rank["breakdown"]["params"] > sft["breakdown"]["params"] * 1.2
+
+
+@pytest.mark.slow
+def test_moe_under_expert_parallelism_traces_with_balanced_routing() -> None:
+    """EP4 over 4 DP ranks: the EP mesh split out of DP (``DeviceMesh._unflatten``) on host tables, the all-to-all
+    splits and the padded expert kernel's busiest expert (host reads of the routing) answered as balanced routing."""
+    spec = tiny_spec(
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        expert_model_parallel_size=4,
+        global_batch_size=8,
+        resources={"device_type": "npu", "nproc_per_node": 4},
+    )
+    out = trace_spec(spec, None)
+    assert out["host_tensors"] == 0
+    rank = out["ranks"][0]
+    assert rank["collective_bytes_per_step"]["all_to_all"] > 0
+    assert rank["host_syncs"]["aten._local_scalar_dense.default"] > 0
