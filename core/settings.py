@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         "retried at once. 0: no wait.",
     )
     retry_backoff_max_s: float = Field(300.0, ge=0, description="The longest wait between two attempts of a job.")
+    admission_trace_s: float = Field(
+        0.0,
+        ge=0,
+        description="Admission traces a job's step on fake device tensors (python -m engine trace, a child process) "
+        "instead of planning it, for features the planner has no model of (engine.trace.admission: MoE on npu), "
+        "within this many seconds; over it, or when the trace fails, the planner decides. 0: the planner alone.",
+    )
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
     redispatch_after_s: float = Field(
         30.0, gt=0, description="The reconciler re-sends a queued job's message after this."
