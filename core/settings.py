@@ -83,7 +83,7 @@ class Settings(BaseSettings):
         0.0,
         ge=0,
         description="Admission traces a job's step on fake device tensors (python -m engine trace, a child process) "
-        "instead of planning it, for features the planner has no model of (engine.trace.admission: MoE on npu), "
+        "instead of planning it, for features the planner has no model of (engine.contract.trace_admission: MoE on npu), "
         "within this many seconds; over it, or when the trace fails, the planner decides. 0: the planner alone.",
     )
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM -> SIGKILL grace period on cancel.")
