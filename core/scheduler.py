@@ -46,6 +46,7 @@ from core.states import NODE_ACTIVE, WAITING, HostState, JobState, NodeState, so
 from engine.contract.plan import DoesNotFit, check_registered_memory
 from engine.contract.plan.planner import DEVICE_MEMORY_KEY, HOST_MEMORY_KEY
 from engine.contract.spec import JobBase, Resources
+from engine.contract.trace_admission import admit_by_trace
 
 log = logging.getLogger(__name__)
 
@@ -660,11 +661,13 @@ def check_fits(session: Session, settings: Settings, team: str, res: Resources) 
         )
 
 
-def check_memory_fits(session: Session, spec: JobBase) -> None:
+def check_memory_fits(session: Session, spec: JobBase, settings: Settings | None = None) -> None:
     """422 ``does_not_fit`` (naming the field to change, with the per-rank breakdown) when the planner's peak for a
     rank exceeds the device memory every host of the job's device type registered; hosts that registered none are
     not checked (``engine.contract.plan.check_registered_memory``). The plan decides on the job's data when it can read it;
-    a job that fits only on its data gets ``max_micro_batch_tokens`` so the engine refuses a larger micro-batch."""
+    a job that fits only on its data gets ``max_micro_batch_tokens`` so the engine refuses a larger micro-batch.
+    With ``settings.admission_trace_s`` a job using a feature the planner has no model of is traced instead
+    (``engine.contract.trace_admission``), the planner deciding when the trace runs over that budget or fails."""
     if spec.resources.pool is not None:
         return  # checked against its pool's device memory (core.slurm.pools.check_pool_memory, by admission)
     kind = spec.resources.device_type
@@ -674,6 +677,12 @@ def check_memory_fits(session: Session, spec: JobBase) -> None:
         ).where(Host.device_type == kind)
     ).one()
     info = {DEVICE_MEMORY_KEY: int(largest), **({HOST_MEMORY_KEY: int(ram)} if ram else {})} if largest else None
+    if largest and settings is not None and settings.admission_trace_s:
+        traced = admit_by_trace(spec, int(largest), settings.admission_trace_s)
+        if traced is not None and not traced.fits:
+            raise ApiError(422, "does_not_fit", traced.message(), "resources")
+        if traced is not None:
+            return
     try:  # the largest device memory and host RAM are all the check uses: two numbers, not every host's info
         plan = check_registered_memory(spec, [info] if info else [])
     except DoesNotFit as err:
