@@ -11,7 +11,7 @@ Features the planner has no model of (``trace_features``):
   expert padded to the busiest one) or the per-expert loop (``engine.model.moe.GroupedExperts``), whose saved
   tensors and padding the planner does not count. The trace runs that kernel at balanced routing.
 
-No torch import here: the API process calls it; the child process does the tracing.
+In the contract (torch-free, what the API and core may import): the child process does the tracing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.contract.plan.planner import plan_spec
 from engine.contract.spec import JobBase, ServeSpec, TrainSpec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: ``python -m engine`` runs from it
 TRACEABLE_DEVICES = ("npu",)  # cuda needs a CUDA build of torch and a visible GPU (docs/device-trace.md)
 
 
