@@ -89,11 +89,20 @@ def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def _fp32_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` (foreach, L2) with every per-tensor norm accumulated and returned in fp32,
+    as Megatron's ``get_grad_norm_fp32`` (``multi_tensor_l2norm``) does: bf16 main grads (``main_grads_dtype``) must
+    not give a bf16-rounded norm, nor a bf16 sum of squares. For fp32 gradients it is torch's computation."""
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(list(norms)), 2.0)
+
+
 def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of all gradients across every rank (a 0-d tensor; no host sync)."""
+    """Global L2 norm of all gradients across every rank, in fp32 whatever the gradients' dtype (a 0-d tensor; no
+    host sync)."""
     norms = []
     for group in _by_mesh(grads(params)):
-        norm = torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=True)
+        norm = _fp32_norm(group)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # sharded grads: the partial norms are reduced across the mesh here
         norms.append(norm)

@@ -14,7 +14,16 @@ Offload: the first parameters (model order) holding ``offload_fraction`` of the 
 the host and are stepped there: each slice of the gradient is copied down, the fp32 arithmetic runs on the host, the
 updated slice is copied back into the parameter. The arithmetic is the device path's, so on one device kind the two
 are bit-identical. State tensors are DTensors wherever the parameter is one (DCP reshards them) and keep their dtype
-through ``load_state_dict`` (torch's would cast every state tensor to the parameter's dtype and device).
+through ``load_state_dict`` (torch's would cast every state tensor to the parameter's dtype and device). A replicated
+parameter's gradient still ``Partial`` over TP (a norm weight under sequence parallelism) is reduced first: torch's
+AdamW does that implicitly through DTensor dispatch, the local arithmetic here must ask for it.
+
+The gradient norm with bf16 main grads (``main_grads_dtype`` bf16): ``engine.train.optim.total_grad_norm`` takes each
+gradient's L2 norm accumulated and returned in fp32 (``torch._foreach_norm(..., dtype=float32)``), then combines the
+per-tensor norms, the DP/TP shards (DTensor) and the pipeline stages in fp32. Megatron does the same:
+``get_grad_norm_fp32`` runs ``multi_tensor_l2norm`` (fp32 accumulation and output) over the grads, bf16 ones included,
+and all-reduces the fp32 sum of squares. Clipping then scales the bf16 gradients in place (rounded to bf16), as
+Megatron's ``clip_grad_by_total_norm_fp32`` scales its grads before the optimizer reads them.
 """
 
 from __future__ import annotations
@@ -57,6 +66,15 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
     return local
+
+
+def _placed_like(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``param``'s placements: a replicated weight's gradient may still be ``Partial`` (a norm under
+    sequence parallelism: each TP rank holds its tokens' share), and its local piece is not the gradient until
+    reduced. torch's AdamW reduces it implicitly (DTensor dispatch); this step works on local tensors, so here."""
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def offloaded_params(params: list[torch.Tensor], fraction: float) -> set[int]:
@@ -138,7 +156,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         assert param.grad is not None  # step() skips parameters without one
         flat = {
             "param": _local(param).view(-1),
-            "grad": _local(param.grad).view(-1),
+            "grad": _local(_placed_like(param, param.grad)).view(-1),
             **{k: _local(state[k]).view(-1) for k in STATE_KEYS if k in state},
         }
         master = flat.get("main_param", flat["param"])
