@@ -23,6 +23,7 @@ from pathlib import Path
 
 from core.leadership import Leadership
 from core.paths import team_areas
+from core.pipelines import advance_parent
 from core.pubsub import notify
 from core.settings import Settings
 from core.slurm import tracker
@@ -166,6 +167,7 @@ class SlurmAgent:
             row = self.started(row, job)  # it ran between two polls
             self.finish_ingest(row)
             self.end(row, job, step)
+            advance_parent(settings, row.job_id)  # the next step of its pipeline, if it is one
         notify(settings.redis_url, row.job_id, state=1)
 
     def started(self, row: SlurmRow, job: SlurmJob) -> SlurmRow:
@@ -174,6 +176,7 @@ class SlurmAgent:
         attempt = tracker.start(self.settings, row, job.nodes)
         if attempt is None:
             return row
+        advance_parent(self.settings, row.job_id)  # a pipeline runs once its step does
         return replace(row, state=JobState.starting.value, attempt=attempt)
 
     def end(self, row: SlurmRow, job: SlurmJob, step: Outcome) -> None:
@@ -231,6 +234,7 @@ class SlurmAgent:
                 message=f"Slurm job {row.slurm_job_id} is no longer known to Slurm and left no result",
                 log_tail=log_tail(Path(row.run_dir)),
             )
+        advance_parent(self.settings, row.job_id)
 
     # ------------------------------------------------------------------ run files
 

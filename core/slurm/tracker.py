@@ -4,6 +4,7 @@ a cancel racing a Slurm state or a re-read after a restart changes nothing that 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ from core.slurm.states import FINAL
 from core.states import ACTIVE, RUNNING, WAITING, JobState
 
 SUBMITTED = "SUBMITTED"  # slurm_state between sbatch's answer and the first read of the queue
-POOL_MARK = '"pool":'  # in jobs.resources (the request's resources as JSON text) of a pool's job only
+# jobs.resources is the spec's resources as JSON text (json.dumps): every job has "pool", only a pool's job a string
+POOL_MARK = '"pool": "'
 CANCEL_STATES = (JobState.cancelling.value, JobState.cancelled.value)
 
 
@@ -56,12 +58,13 @@ def to_submit(settings: Settings, limit: int = 100) -> list[SlurmRow]:
             .where(
                 Job.state.in_([s.value for s in WAITING]),
                 Job.slurm_job_id.is_(None),
+                Job.kind != "pipeline",  # its steps run as jobs of their own
                 Job.resources.contains(POOL_MARK),
             )
             .order_by(Job.priority.desc(), Job.created_at)
             .limit(limit)
         )
-        return [_row(job) for job in jobs]
+        return [_row(job) for job in jobs if json.loads(job.resources or "{}").get("pool")]
 
 
 def live(settings: Settings) -> list[SlurmRow]:

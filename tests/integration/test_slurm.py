@@ -23,8 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
+from convert_tiny import REAL_VOCAB_FLAGS, real_vocab_qwen3
 from core.settings import REPO_ROOT
-from service_support import Service, free_port, serve
+from service_support import Service, free_port, seed_chain_steps, serve, team_area
 from train_support import tiny_spec, write_instruction_data
 
 pytestmark = [pytest.mark.slow]
@@ -317,3 +318,50 @@ def test_train_job_spans_two_slurm_nodes(stack: Stack) -> None:
 
 def _host() -> str:
     return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_seed_chain_pipeline_runs_every_step_in_slurm(stack: Stack, qwen_tokenizer_dir: Path) -> None:
+    """preprocess -> convert hf->mg -> train -> convert mg->hf -> eval, each step a Slurm job of the pool."""
+    team_area(stack.service.var, "pipe", qwen_tokenizer_dir, train=32, test=8, write_hf=real_vocab_qwen3)
+    train = {
+        "kind": "train",
+        "tokenizer_name_or_path": "pipe/tok",
+        "finetune": True,
+        "split": "100,0,0",
+        "seq_length": 128,
+        "micro_batch_size": 4,
+        "global_batch_size": 4,
+        "train_iters": 3,
+        "lr": 1e-3,
+        "log_interval": 1,
+        **REAL_VOCAB_FLAGS,
+    }
+    steps = seed_chain_steps("pipe", train, eval_batch_size=8, model_flags=REAL_VOCAB_FLAGS)
+    for step in steps:
+        step["spec"]["resources"] = {"pool": "local"}
+    with stack.service.client() as client:
+        pipeline_id = _submit(client, {"kind": "pipeline", "name": "slurm-chain", "steps": steps})
+        job = _wait(client, pipeline_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack, 600)
+        children = {s["name"]: client.get(f"/v1/jobs/{s['job_id']}").json() for s in job["steps"] if s["job_id"]}
+        assert job["state"] == "succeeded", (job["error"], job["steps"], [c["error"] for c in children.values()])
+    assert list(children) == ["prep", "hf2mg", "train", "mg2hf", "eval"]
+    for child in children.values():
+        assert child["slurm_job_id"] and child["slurm_state"] == "COMPLETED", child
+        assert _squeue(child["slurm_job_id"])[0] == f"llmjobs-{child['id']}"
+    assert children["eval"]["result"]["summary"]["total"] == 8
+
+
+def test_a_job_without_a_pool_stays_on_the_pinned_hosts(stack: Stack) -> None:
+    """The agent takes only jobs naming a pool: this one runs on ``llmjobs serve``'s own worker."""
+    with stack.service.client() as client:
+        job_id = _submit(client, tiny_spec("tiny/data", train_iters=2))
+        job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack)
+    assert job["state"] == "succeeded", job
+    assert job["slurm_job_id"] is None and job["slurm_state"] is None
+    listed = subprocess.run(
+        ["squeue", "-h", "--states=all", "-n", f"llmjobs-{job_id}", "-o", "%i"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert listed.stdout.strip() == ""
