@@ -134,6 +134,20 @@ def test_state_dict_round_trip_keeps_dtypes_and_master():
     assert all(torch.equal(p, q) for p, q in zip(params, again, strict=True))
 
 
+def test_grad_norm_of_bf16_grads_is_fp32():
+    """Megatron's get_grad_norm_fp32: fp32 accumulation and result from bf16 main grads (torch's would be bf16)."""
+    from engine.train.optim import total_grad_norm
+
+    params, grads = _problem(torch.bfloat16)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g * 37
+    norm = total_grad_norm(params)
+    exact = float(torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in params])))
+    assert norm.dtype == torch.float32 and float(norm) == pytest.approx(exact, rel=1e-6)
+    bf16 = torch.nn.utils.get_total_norm([p.grad for p in params])
+    assert bf16.dtype == torch.bfloat16 and abs(float(bf16) - exact) > 100 * abs(float(norm) - exact)
+
+
 # ------------------------------------------------------------------ a training run
 
 
