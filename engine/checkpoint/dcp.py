@@ -28,7 +28,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from engine.contract.owner import META, STATE_DIR, TRACKER, latest_state
-from engine.contract.runfiles import DiskFull
+from engine.contract.runfiles import DiskFull, is_disk_full
 from engine.parallel.pipeline_parallel import dcp_state_view
 
 TRASH = ".trash"
@@ -149,18 +149,14 @@ def save(
         dcp.save(state, checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
         if save_rng:
             _write_synced(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(_rng_state(), f))
-    except Exception as err:  # noqa: BLE001 - every rank must learn of it (below) before anyone raises
+    except BaseException as err:  # DCP's CheckpointException is a BaseException; every rank must learn of it first
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
         failure = err
     if _any_rank(failure is not None):  # instead of a barrier: a rank that failed alone would hang the others
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the tracker names the previous checkpoint
-        if failure is not None:
-            raise failure
-        raise (
-            DiskFull(f"checkpoint at iteration {iteration}: another rank's write failed")
-            if _disk_low(root)
-            else (RuntimeError(f"checkpoint at iteration {iteration}: another rank's write failed"))
-        )
+        _raise(failure, f"checkpoint at iteration {iteration}: another rank's write failed", root)
     if rank == 0:
         try:
             meta_text = json.dumps({**meta, "iteration": iteration, "has_optimizer": optimizer is not None})
@@ -177,10 +173,25 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             failure = err
     if _any_rank(failure is not None):
-        if failure is not None:
-            raise failure
-        raise RuntimeError(f"checkpoint at iteration {iteration}: rank 0 could not publish it")
+        _raise(failure, f"checkpoint at iteration {iteration}: rank 0 could not publish it", root)
     return final
+
+
+def _raise(failure: BaseException | None, elsewhere: str, root: Path) -> NoReturn:
+    """A failed save's error: ``DiskFull`` for a full disk (this rank's, or another rank's when this filesystem is
+    nearly full too), else this rank's own error, else ``elsewhere`` (another rank failed)."""
+    if failure is not None:
+        if is_disk_full(failure):
+            raise DiskFull(f"checkpoint write failed: {_first_line(failure)}") from failure
+        raise failure
+    if _disk_low(root):
+        raise DiskFull(elsewhere)
+    raise RuntimeError(elsewhere)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if "No space" in line or "quota" in line]
+    return lines[-1].strip() if lines else str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 # A checkpoint starts only if the filesystem has room for one the size of the latest, with this margin.
