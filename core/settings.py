@@ -119,6 +119,18 @@ class Settings(BaseSettings):
         description="PostgreSQL: each worker holds a session advisory lock on a connection of its own while it runs "
         "(one more connection per host), so its death is seen in seconds (host_absent_after_s).",
     )
+    disk_wait_below_bytes: int = Field(
+        2 * 2**30,
+        ge=0,
+        description="High watermark: while a data root has less free space than this, new jobs that write under it "
+        "(save, save_dir, output_prefix) wait, with a pending_reason naming the root. 0: off.",
+    )
+    disk_warn_below_bytes: int = Field(
+        2**30,
+        ge=0,
+        description="Low watermark: while a data root has less free space than this, each running job that writes "
+        "under it gets a disk_low event (webhook job.disk_low). 0: off.",
+    )
     ingest_interval_s: float = Field(0.5, gt=0, description="How often the worker copies run files into the database.")
     database_away_deadline_s: float = Field(
         3600.0,
