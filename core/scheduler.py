@@ -37,6 +37,7 @@ from sqlalchemy import CompoundSelect, Select, bindparam, case, func, insert, se
 from sqlalchemy.orm import Session, aliased
 
 from core.db import session_scope
+from core.disk_watch import held_jobs
 from core.errors import ApiError
 from core.messaging import send_run_node
 from core.models import WAITING_ROWS, Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
@@ -488,6 +489,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     planned: list[Planned] = []
     started: dict[tuple[str, str | None], int] = {}  # per team and shape: all its window started, more may fit
     now = utcnow()
+    disk_held = held_jobs(session, settings, [j.id for j in jobs])  # {} unless a data root is nearly full
     for job in jobs:
         res = resources_of(job.resources)
         if res.pool is not None:
@@ -497,6 +499,8 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
         limit, held = settings.device_limit(job.team), usage.get(job.team, 0)
         if limit and held + res.world_size > limit:
             reason = f"team {job.team} holds {held} of its {limit} devices; this job needs {res.world_size}"
+        elif job.id in disk_held:  # its outputs' data root is below disk_wait_below_bytes: holding back no other job
+            reason = disk_held[job.id]
         elif kind in blocked:
             behind[job.id] = kind
             continue
