@@ -21,7 +21,7 @@ from core.models import Event, Job, Webhook, WebhookDelivery, utcnow
 from core.settings import Settings
 from core.states import DeliveryState
 
-EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint"]
+EventType = Literal["job.succeeded", "job.failed", "job.cancelled", "job.checkpoint", "job.disk_low"]
 TERMINAL_EVENTS: tuple[EventType, ...] = ("job.succeeded", "job.failed", "job.cancelled")
 EVENT_TYPES: tuple[EventType, ...] = get_args(EventType)
 FAN_OUT_BATCH = 500
@@ -31,6 +31,8 @@ def event_type(event: Event) -> str | None:
     """The webhook type of an ``events`` row, or None when it is not one we announce."""
     if event.type == "checkpoint":
         return "job.checkpoint"
+    if event.type == "disk_low":  # a data root the running job writes to is nearly full (core.disk_watch)
+        return "job.disk_low"
     state = (event.data or {}).get("state") if event.type == "state" else None
     return f"job.{state}" if f"job.{state}" in TERMINAL_EVENTS else None
 
