@@ -280,6 +280,14 @@ def log_batch(
     session.commit()
 
 
+def delete_tag(session: Session, team: str, run_id: str, key: str) -> None:
+    run = writable_run(session, team, run_id)
+    gone = session.execute(delete(MlflowTag).where(MlflowTag.run_id == run.id, MlflowTag.key == key))
+    if not gone.rowcount:  # type: ignore[attr-defined]
+        raise MlflowError.missing(f"No tag with name: {key} in run with id {run_id}")
+    session.commit()
+
+
 def _metric_row(run_id: str, point: Point) -> MlflowMetric:
     value: float | None = point.value
     special = None

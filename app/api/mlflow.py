@@ -247,3 +247,20 @@ def get_metric_history(
         session, principal.team, _run_ref(run_id, run_uuid), metric_key, max_results, page_token
     )
     return {"metrics": points, **({"next_page_token": token} if token else {})}
+
+
+class DeleteTag(RunRef):
+    key: str
+
+
+@router.post("/runs/delete-tag")
+def delete_tag(body: DeleteTag, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    store.delete_tag(session, principal.team, body.ref(), body.key)
+    return {}
+
+
+# Last: every other MLflow call (artifacts, models, traces, deleting runs or experiments) answers in MLflow's shape,
+# so the client reports "not supported" rather than an unparsed 404.
+@router.api_route("/{rest:path}", methods=["GET", "POST", "PATCH", "DELETE"])
+def not_supported(rest: str, principal: PrincipalDep) -> dict[str, Any]:
+    raise MlflowError(404, "ENDPOINT_NOT_FOUND", f"/api/2.0/mlflow/{rest} is not supported by this server")

@@ -87,6 +87,13 @@ def test_another_team_and_bad_input_get_mlflow_errors(client: TestClient, token:
     status, body = call(client, token, "POST", "runs/search", json={"experiment_ids": ["0"], "page_token": "zz"})
     assert (status, body["error_code"]) == (400, "INVALID_PARAMETER_VALUE")
     assert client.get(f"{API}/runs/get", params={"run_id": run_id}).status_code == 401
+    call(client, token, "POST", "runs/set-tag", json={"run_id": run_id, "key": "k", "value": "v"})
+    assert call(client, token, "POST", "runs/delete-tag", json={"run_id": run_id, "key": "k"}) == (200, {})
+    status, body = call(client, token, "POST", "runs/delete-tag", json={"run_id": run_id, "key": "k"})
+    assert (status, body["error_code"]) == (404, "RESOURCE_DOES_NOT_EXIST")
+    status, body = call(client, token, "POST", "runs/delete", json={"run_id": run_id})
+    assert (status, body["error_code"]) == (404, "ENDPOINT_NOT_FOUND") and "not supported" in body["message"]
+    assert client.post(f"{API}/runs/delete", json={"run_id": run_id}).status_code == 401
 
 
 def test_a_job_is_a_run_of_its_experiment(client: TestClient, token: str, settings: Settings) -> None:
