@@ -3,6 +3,7 @@ loss stream the median pruner reads; the sweep ends naming its best trial and th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from core_support import auth, fresh_postgres_database, isolated_settings, make_
 from sched_support import start_worker, stop_worker, train_spec, write_tiny_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+TRIALS = int(os.environ.get("LLMJOBS_SWEEP_TRIALS", "4"))  # 12 for the figure in the issue
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def test_a_sweep_of_real_trials_names_its_best(settings: Settings, tmp_path: Pat
         "base": {**base, "save": None},
         "space": {"lr": {"low": 1e-4, "high": 3e-2, "log": True}},
         "metric": "lm_loss",
-        "max_trials": 4,
+        "max_trials": TRIALS,
         "max_parallel": 2,
         "sampler": "random",
         "pruner": "median",
@@ -51,7 +53,7 @@ def test_a_sweep_of_real_trials_names_its_best(settings: Settings, tmp_path: Pat
             created = client.post("/v1/sweeps", json=body, headers=headers)
             assert created.status_code == 201, created.text
             sweep_id = created.json()["id"]
-            deadline = time.monotonic() + 480
+            deadline = time.monotonic() + 120 * TRIALS
             while drive(settings, sweep_id) == "running":  # the leader's loop, in the test's hands
                 assert time.monotonic() < deadline, client.get(f"/v1/sweeps/{sweep_id}", headers=headers).text
                 time.sleep(1)
@@ -61,7 +63,7 @@ def test_a_sweep_of_real_trials_names_its_best(settings: Settings, tmp_path: Pat
     elapsed = time.monotonic() - started
     assert sweep["state"] == "succeeded", sweep
     states = [t["state"] for t in sweep["trials"]]
-    assert len(states) == 4 and set(states) <= {"succeeded", "pruned"}
+    assert len(states) == TRIALS and set(states) <= {"succeeded", "pruned"}
     done = {t["job_id"]: t["value"] for t in sweep["trials"] if t["state"] == "succeeded"}
     result = sweep["result"]
     assert result["best_job"] == min(done, key=lambda job: done[job]) and result["best_value"] == min(done.values())
