@@ -489,7 +489,7 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     planned: list[Planned] = []
     started: dict[tuple[str, str | None], int] = {}  # per team and shape: all its window started, more may fit
     now = utcnow()
-    disk_held = held_jobs(session, settings, [j.id for j in jobs])  # {} unless a data root is nearly full
+    disk_held = held_jobs(session, settings, [j.id for j in waiting])  # {} unless a data root is nearly full
     for job in jobs:
         res = resources_of(job.resources)
         if res.pool is not None:
