@@ -17,7 +17,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core import jobs as service
@@ -187,10 +187,11 @@ def drive(settings: Settings, sweep_id: str, dispatch_now: bool = True) -> str:
             if stop:
                 job = session.get(Job, job_id)
                 if job is not None and JobState(job.state) not in TERMINAL:
-                    service.add_event(
-                        session, job_id, "pruned", f"pruned by sweep {sweep.name} at step {frozen.last_step}"
-                    )
+                    why = f"pruned by sweep {sweep.name} at step {frozen.last_step}"
+                    service.add_event(session, job_id, "pruned", why)
                     service.request_cancel(session, job)
+                    # its own terminal reason: the job ends cancelled with error_code pruned (the cancel keeps it)
+                    session.execute(update(Job).where(Job.id == job_id).values(error_code="pruned", error_message=why))
                 pruned.append(job_id)
         if len(pruned) > len(sweep.pruned or []):  # the trials pruned just now count as pruned from here on
             sweep.trial_attrs, sweep.pruned = dict(attrs), list(pruned)

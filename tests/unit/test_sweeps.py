@@ -109,7 +109,7 @@ def test_trials_are_pruned_from_their_metrics_and_the_best_is_named(
     with session_scope(settings.database_url) as session:
         for job_id in pruned:
             job = session.get(Job, job_id)
-            assert job is not None and job.state == "cancelled" and job.kind == "train"
+            assert job is not None and job.state == "cancelled" and job.kind == "train" and job.error_code == "pruned"
             assert session.scalar(select(Event.id).where(Event.job_id == job_id, Event.type == "pruned"))
         trial = session.get(Job, best["job_id"])
         assert trial is not None and trial.name == "lr-search/0"
