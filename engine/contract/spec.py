@@ -29,10 +29,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -210,6 +212,14 @@ class Resources(_Strict):
         description="A Slurm pool (the service's LLMJOBS_SLURM_POOLS) to run on instead of the pinned hosts; "
         "None = the pinned hosts.",
     )
+
+    @model_serializer(mode="wrap")
+    def _no_pool_for_pinned_hosts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A pinned hosts' job stores no ``pool``: its resources read (and group in the scheduler) as before pools."""
+        data: dict[str, Any] = handler(self)
+        if data.get("pool") is None:
+            data.pop("pool", None)
+        return data
 
     @property
     def world_size(self) -> int:
