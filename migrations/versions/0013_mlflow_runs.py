@@ -38,9 +38,7 @@ def upgrade() -> None:
         "mlflow_runs",
         sa.Column("id", sa.String(32), primary_key=True),
         sa.Column("team", sa.String(64), nullable=False),
-        sa.Column(
-            "experiment_id", BIG_ID, sa.ForeignKey("mlflow_experiments.id", ondelete="CASCADE"), nullable=False
-        ),
+        sa.Column("experiment_id", BIG_ID, sa.ForeignKey("mlflow_experiments.id", ondelete="CASCADE"), nullable=False),
         sa.Column("name", sa.String(250), nullable=False),
         sa.Column("user_id", sa.String(250), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
@@ -52,9 +50,7 @@ def upgrade() -> None:
     for table in ("mlflow_params", "mlflow_tags"):
         op.create_table(
             table,
-            sa.Column(
-                "run_id", sa.String(32), sa.ForeignKey("mlflow_runs.id", ondelete="CASCADE"), primary_key=True
-            ),
+            sa.Column("run_id", sa.String(32), sa.ForeignKey("mlflow_runs.id", ondelete="CASCADE"), primary_key=True),
             sa.Column("key", sa.String(250), primary_key=True),
             sa.Column("value", sa.Text(), nullable=False),
         )
