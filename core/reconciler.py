@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.db import session_scope
+from core.disk_watch import warn_running
 from core.dispatch import send_waiting
 from core.host_verdicts import ServiceWatch, Verdicts, judge_hosts, presence_grace_s
 from core.jobs import transition
@@ -24,6 +25,7 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
     deadlines, wake workers for jobs still waiting. Returns the number of messages re-sent. ``judge_hosts=False``:
     no host is marked down by its heartbeat age in this pass (see ``core.leadership.Leadership.led_for``)."""
     recover(settings, judge_hosts)
+    warn_running(settings)  # running jobs whose data root is below disk_warn_below_bytes: a disk_low event each
     advance_all(settings)  # pipelines whose step ended where no worker advanced them (lost host, deadline, cancel)
     with session_scope(settings.database_url) as session:
         fill_resources(session)  # rows an older replica inserted, before the pass reads by resources

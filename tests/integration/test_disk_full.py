@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from sqlalchemy import select
 
-from core_support import isolated_settings, team_dir
+from core import disk_watch
+from core.db import session_scope
+from core.models import Event
+from core.scheduler import schedule
+from core.webhooks import event_type
+from core_support import isolated_settings, make_job, team_dir
 from engine.checkpoint import dcp
 from engine.contract.runfiles import is_disk_full
 from sched_support import (
@@ -30,6 +36,7 @@ from sched_support import (
     wait_checkpointed,
     wait_terminal,
 )
+from worker.hosts import register_host
 
 
 @contextlib.contextmanager
@@ -122,3 +129,37 @@ def test_a_training_jobs_disk_fills_up_and_it_ends_disk_full(tmp_path: Path) -> 
         assert meta["iteration"] == int(kept.name[5:]) and weights
         assert all(torch.isfinite(t).all() for t in weights.values())
     assert job_row(settings, job_id).attempt_count == 1
+
+
+def test_watermarks_hold_new_writers_and_tell_running_ones(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        settings = isolated_settings(
+            tmp_path / "var",
+            data_roots=[tmp_path / "data", disk],
+            disk_wait_below_bytes=3 * 2**20,
+            disk_warn_below_bytes=2 * 2**20,
+        )
+        register_host(settings, name="h1", device_type="cpu", devices=2, queues=["q"])
+        writes_there = make_job(settings, output_prefix=str(disk / "teams" / "t" / "out"))
+        writes_elsewhere = make_job(settings, output_prefix=str(tmp_path / "data" / "teams" / "t" / "out"))
+        fill(disk, leave=int(2.5 * 2**20))  # below the high watermark, above the low one
+        disk_watch.forget_cache()
+        assert [g.job_id for g in schedule(settings)] == [writes_elsewhere]
+        held = job_row(settings, writes_there)
+        assert held.state == "queued"
+        assert (held.pending_reason or "").startswith(f"data root {disk} has ")
+        assert "below disk_wait_below_bytes" in (held.pending_reason or "")
+        assert disk_watch.warn_running(settings) == 0  # above the low watermark: nobody is told
+
+        (disk / "filler").unlink()  # space freed: the held job starts
+        disk_watch.forget_cache()
+        assert [g.job_id for g in schedule(settings)] == [writes_there]
+
+        fill(disk, leave=2**20)  # below the low watermark while it runs: told once
+        disk_watch.forget_cache()
+        assert disk_watch.warn_running(settings) == 1
+        assert disk_watch.warn_running(settings) == 0
+        with session_scope(settings.database_url) as session:
+            [told] = session.scalars(select(Event).where(Event.type == "disk_low")).all()
+            assert told.job_id == writes_there and event_type(told) == "job.disk_low"
+            assert told.data["root"] == str(disk) and told.data["free_bytes"] < 2 * 2**20
