@@ -8,8 +8,11 @@ all ranks, host tensors and syncs inside the step, the trace's wall time and pea
 
 Rows (Qwen3-4B, bf16, distributed optimizer, MBS 8 at seq 800): the seed's full-SFT line TP1 PP2 on 2 ranks (GBS 24:
 three micro-batches, the fewest where 1F1B's stage 0 holds two in flight after a backward made the gradients; the
-seed's 16 only repeat that pattern), 8 ranks as TP1 PP1 DP8, as TP8 and as TP2 PP2 DP2; Qwen3-8B as TP4 PP2 (GBS 24).
-The issue's other rows do not trace yet (``NOT_TRACED`` says why; the last line lists them). ``--rows`` picks some;
+seed's 16 only repeat that pattern), the seed's LoRA line (TP1 PP2, seq 2048, MBS 4, GBS 12: three micro-batches),
+8 ranks as TP1 PP1 DP8, as TP8, as TP2 PP2 DP2 and as Ulysses CP2 TP2 PP2 (GBS 24); Qwen3-8B as TP4 PP2 (GBS 24);
+Qwen3-30B-A3B as EP8 over DP8 (seq 4096, MBS 1, balanced routing); Qwen3-4B DPO over DP2 (MBS 2 pairs, GBS 8, the
+reference model in the step); a Qwen3-4B serve job (32 slots × 8,192 positions, its largest step). What does not
+trace is in ``NOT_TRACED`` (the last line lists it). ``--rows`` picks some;
 ``--smoke`` (CI, under a minute): a 2-layer model as DP2 and PP2.
 
     python bench/trace_vs_plan.py                    # the real-size table (minutes of CPU per row)
@@ -25,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,12 +59,26 @@ ROWS: dict[str, list[str]] = {
                          "--nproc-per-node", "8", "--tensor-model-parallel-size", "4",
                          "--pipeline-model-parallel-size", "2", "--global-batch-size", "24",
                          "--use-distributed-optimizer"],
+    "qwen3_30b_a3b_ep8": ["--model", "qwen3-30b-a3b", "--seq-length", "4096", "--micro-batch-size", "1", "--bf16",
+                          "--nproc-per-node", "8", "--expert-model-parallel-size", "8", "--global-batch-size", "8",
+                          "--use-distributed-optimizer"],
+    "qwen3_4b_dpo_dp2": ["--model", "qwen3-4b", "--seq-length", "800", "--micro-batch-size", "2", "--bf16",
+                         "--nproc-per-node", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
+                         "--stage", "dpo", "--is-pairwise-dataset"],
+    "qwen3_4b_serve": ["--model", "qwen3-4b", "--spec", "SERVE_SPEC"],
 }  # fmt: skip
+# the serve row's spec (a JSON file written per run: the flags' parser is training's)
+SERVE_SPEC = {
+    "kind": "serve",
+    "load": "unused-by-trace",
+    "bf16": True,
+    "max_num_seqs": 32,
+    "max_model_len": 8192,
+    "resources": {"device_type": "npu", "nproc_per_node": 1},
+}
 # rows of the issue's table that do not trace yet, and why (docs/device-trace.md)
 NOT_TRACED = {
-    "seed_lora_tp1_pp2": "LoRA under PP: to_empty() cannot swap a parameter something holds a weakref to",
-    "cp2_tp2_pp2": "npu_fusion_attention refuses Ulysses' call (actual_seq_qlen[-1] 254 for T 508), not investigated",
-    "qwen3_30b_a3b_ep8 / qwen3_4b_dpo / serve": "not tried",
+    "cuda (every row)": "needs a CUDA build of torch and a visible GPU: autograd over fake CUDA tensors needs a context",
 }
 TINY = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--padded-vocab-size", "512",
@@ -79,13 +97,17 @@ def _stage(r: dict[str, Any]) -> dict[str, Any]:
 
 def trace(name: str, flags: list[str]) -> dict[str, Any]:
     start = time.monotonic()
-    run = subprocess.run(
-        [sys.executable, "-m", "engine", "trace", "--device-type", "npu", *flags],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "serve.json"
+        spec.write_text(json.dumps(SERVE_SPEC))
+        args = [str(spec) if f == "SERVE_SPEC" else f for f in flags]
+        run = subprocess.run(
+            [sys.executable, "-m", "engine", "trace", "--device-type", "npu", *args, "--data-root", tmp],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
     if run.returncode:
         return {"row": name, "error": (run.stderr or run.stdout).strip().splitlines()[-1][:500]}
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.contract.spec import TrainSpec, parse_spec
+from engine.contract.spec import ServeSpec, TrainSpec, parse_spec
 from engine.trace.backend import prepare
 from engine.trace.cli import trace_spec, traced_ranks
 
@@ -227,3 +227,59 @@ def test_moe_under_expert_parallelism_traces_with_balanced_routing() -> None:
     rank = out["ranks"][0]
     assert rank["collective_bytes_per_step"]["all_to_all"] > 0
     assert rank["host_syncs"]["aten._local_scalar_dense.default"] > 0
+
+
+MOE = {
+    "num_experts": 8,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 64,
+    "expert_model_parallel_size": 2,
+    "global_batch_size": 4,
+}
+
+
+def test_admission_traces_only_what_the_planner_has_no_model_of_and_within_its_budget() -> None:
+    """MoE on npu (the padded expert kernel) is traced; a dense job is not; a trace over the budget leaves the
+    decision to the planner (None)."""
+    from engine.contract.trace_admission import admit_by_trace, trace_features
+
+    moe = tiny_spec(**MOE)
+    assert trace_features(moe) == ["moe_expert_kernel"] and trace_features(tiny_spec()) == []
+    assert admit_by_trace(tiny_spec(), 2**20, 600) is None
+    assert admit_by_trace(moe, 2**30, 0.5) is None
+
+
+@pytest.mark.slow
+def test_admission_by_trace_decides_on_the_traced_peak() -> None:
+    """Within the budget the child process's traced peak decides, and a refusal says it was traced and why."""
+    from engine.contract.trace_admission import admit_by_trace
+
+    verdict = admit_by_trace(tiny_spec(**MOE), 2**20, 600)
+    assert verdict is not None and verdict.peak_bytes > 2**20 and not verdict.fits
+    assert "traced, not planned: the planner has no model of moe_expert_kernel" in verdict.message()
+
+
+@pytest.mark.slow
+def test_serve_traces_the_model_and_the_whole_kv_cache_at_its_largest_step() -> None:
+    """A serve job under TP2: the serving model built by ``build_model`` (no checkpoint read), the slot cache of
+    max_num_seqs × max_model_len, and the serving forward at its largest step, on the device with no host tensor."""
+    spec = parse_spec(
+        {
+            "kind": "serve",
+            "load": "unused",
+            "bf16": True,
+            "max_num_seqs": 4,
+            "max_model_len": 256,
+            "tensor_model_parallel_size": 2,
+            "resources": {"device_type": "npu", "nproc_per_node": 2},
+            **TINY,
+        }
+    )
+    assert isinstance(spec, ServeSpec)
+    out = trace_spec(spec, None)
+    assert out["host_tensors"] == 0 and [r["traced_as"] for r in out["ranks"]] == [0, 0]
+    rank = out["ranks"][0]
+    # the cache alone: layers × (k, v) × slots × KV heads per rank × positions × head dim × bf16
+    cache = 2 * 2 * 4 * 1 * 256 * 32 * 2
+    assert rank["breakdown"]["activations"] > cache
+    assert rank["collective_bytes_per_step"]["all_reduce"] > 0
