@@ -43,19 +43,21 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
                 error_message=f"not started within start_deadline_s={deadline}: {reason}",
                 message="start deadline exceeded",
             )
-    stale = now - timedelta(seconds=settings.redispatch_after_s)
-    return sum(_wake(settings, queue, job_id, now, stale) for queue, job_id in queues.items())
+    return sum(_wake(settings, queue, job_id, now) for queue, job_id in queues.items())
 
 
 def _waiting(settings: Settings, now: datetime) -> tuple[list[tuple[str, Any, str | None]], dict[str, str]]:
-    """Waiting jobs past their start deadline (id, deadline, pending reason), and per queue the first waiting job
-    whose message is missing or older than ``redispatch_after_s``. Reads columns, not whole rows: this runs over
-    every waiting job on every pass."""
+    """Waiting jobs past their start deadline (id, deadline, pending reason), and per queue that needs a wake its
+    first waiting job: a queue needs one when a job of it was never sent, or when its latest message (the newest
+    ``dispatched_at`` of its waiting jobs) is older than ``redispatch_after_s``. Reads columns, not whole rows: this
+    runs over every waiting job on every pass."""
     stale = now - timedelta(seconds=settings.redispatch_after_s)
     columns = (Job.id, Job.state, Job.queue, Job.spec["start_deadline_s"], Job.created_at, Job.updated_at)
     rows = select(*columns, Job.dispatched_at, Job.pending_reason).where(Job.state.in_([s.value for s in WAITING]))
     expired: list[tuple[str, Any, str | None]] = []
-    queues: dict[str, str] = {}
+    first: dict[str, str] = {}
+    latest: dict[str, datetime] = {}
+    never: set[str] = set()
     with session_scope(settings.database_url) as session:
         for job_id, state, queue, deadline, created, updated, dispatched, reason in session.execute(
             rows.order_by(Job.created_at, Job.id)
@@ -63,21 +65,28 @@ def _waiting(settings: Settings, now: datetime) -> tuple[list[tuple[str, Any, st
             since = updated if state == JobState.retrying.value else created  # a retry waits anew
             if deadline and (now - since).total_seconds() > deadline:
                 expired.append((job_id, deadline, reason))
-            elif dispatched is None or dispatched < stale:
-                queues.setdefault(queue, job_id)
+                continue
+            first.setdefault(queue, job_id)
+            if dispatched is None:
+                never.add(queue)
+            elif queue not in latest or dispatched > latest[queue]:
+                latest[queue] = dispatched
+    queues = {q: j for q, j in first.items() if q in never or q not in latest or latest[q] < stale}
     return expired, queues
 
 
-def _wake(settings: Settings, queue: str, job_id: str, now: datetime, stale: datetime) -> int:
+def _wake(settings: Settings, queue: str, job_id: str, now: datetime) -> int:
     """One "job waits" message per queue: each one makes a worker run a whole scheduling pass (for every job), so one
-    per queue does what one per job did, without N passes for N waiting jobs. On success every waiting job of the
-    queue that it stands for (never sent, or sent before ``stale``) counts as dispatched now."""
+    per queue does what one per job did, without N passes for N waiting jobs. On success the queue's jobs never sent
+    and ``job_id`` (its first: the queue's latest message, see ``_waiting``) count as dispatched now; the others'
+    rows are not rewritten (at 10,000 waiting jobs, restamping each every ``redispatch_after_s`` was most of the
+    database's growth)."""
     if not send_waiting(settings, job_id, queue):
         return 0
     stands_for = (
         select(Job.id)
         .where(Job.queue == queue, Job.state.in_([s.value for s in WAITING]), Job.created_at <= now)
-        .where(Job.dispatched_at.is_(None) | (Job.dispatched_at < stale))
+        .where(Job.dispatched_at.is_(None) | (Job.id == job_id))
         .with_for_update(skip_locked=True)  # never wait on a pass's rows (a deadlock); skipped ones are woken again
     )
     with session_scope(settings.database_url) as session:
