@@ -117,3 +117,18 @@ def test_suggest_proposes_the_optimizer_options_when_nothing_else_fits():
     small = _qwen3_32b(tensor_model_parallel_size=8, **{**QWEN3_32B_SHAPE, "num_layers": 8})
     fitting = [c for c in candidates(small, None, 64 * GIB) if c.fits]
     assert fitting and all(c.optimizer == "as given" for c in fitting)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 8), (2, 2), (2, 4), (4, 2)])
+def test_moe_under_tp_and_ep_holds_its_experts_tp_slice(tp: int, ep: int):
+    """The bf16 weights a rank holds under TP × EP: its TP slice of the dense parts and of 1/EP of the experts (the
+    experts held elsewhere were once subtracted without the TP cut: negative params for TP4 EP4 on Qwen3-235B)."""
+    from engine.contract.plan.memory import layer_params
+
+    spec = _qwen3_32b(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, use_distributed_optimizer=False)
+    plan = plan_spec(spec, "qwen3-30b-a3b")
+    cfg = plan.cfg
+    vocab = cfg.vocab_size * cfg.hidden_size // tp
+    held = sum(layer_params(cfg, tp, i, ep=ep) for i in range(cfg.num_layers)) + 2 * vocab + cfg.hidden_size
+    for r in plan.ranks:
+        assert r.params == held * 2 and min(r.as_json()[k] for k in ("params_bytes", "persistent_bytes")) > 0

@@ -532,7 +532,8 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
         total, trainable = _rank_params(cfg, lay, layers, first, last)
         m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
         if lay.train:
-            elsewhere = sum(expert_params(cfg, i) for i in layers) * (lay.ep - 1) // lay.ep
+            # this rank's TP slice of its layers' experts held by the other EP ranks (layer_params cuts experts by TP)
+            elsewhere = sum(expert_params(cfg, i) // lay.tp for i in layers) * (lay.ep - 1) // lay.ep
             adapters = 0 if lay.lora_r is None else lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
             _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere, adapters)
             m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable, lay.optim.precision_aware)
