@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from core import secrets_box
 from core.auth import create_token
@@ -101,3 +104,13 @@ def team_dir(settings: Settings, team: str) -> Path:
     from core.paths import ensure_team_areas
 
     return ensure_team_areas(settings, team).write[0]
+
+
+def require_tool(found: object, what: str) -> None:
+    """A real component a test needs (the MLflow server, Slurm): skip when absent, fail under LLMJOBS_REQUIRE_SERVICES=1
+    (.ci/run installs and starts them with the repository's scripts), as conftest's require_service does."""
+    if found:
+        return
+    if os.environ.get("LLMJOBS_REQUIRE_SERVICES") == "1":
+        pytest.fail(what + " (LLMJOBS_REQUIRE_SERVICES=1)")
+    pytest.skip(what)

@@ -28,7 +28,7 @@ from core.db import session_scope
 from core.jobs import transition
 from core.settings import REPO_ROOT, Settings
 from core.states import JobState
-from core_support import auth, claim, isolated_settings, make_token, team_dir
+from core_support import auth, claim, isolated_settings, make_token, require_tool, team_dir
 from engine.contract.runfiles import RunDir
 from service_support import free_port
 from worker.ingest import RunIngestor
@@ -45,10 +45,14 @@ def mlflow_python() -> str | None:
 
 
 PYTHON = mlflow_python()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(PYTHON is None, reason="no interpreter with the mlflow client (set LLMJOBS_MLFLOW_PYTHON)"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_client() -> None:
+    require_tool(
+        PYTHON, "no interpreter with the mlflow client: run scripts/mlflow-setup.sh or set LLMJOBS_MLFLOW_PYTHON"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from core.mlflow_report import report_once
 from core.models import Event, Job
 from core.settings import REPO_ROOT, Settings
 from core.states import JobState
-from core_support import claim, isolated_settings, make_job
+from core_support import claim, isolated_settings, make_job, require_tool
 from engine.contract.runfiles import RunDir
 from service_support import free_port
 from worker.ingest import RunIngestor
@@ -38,10 +38,12 @@ def mlflow_cli() -> Path | None:
 
 
 CLI = mlflow_cli()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(CLI is None, reason="no mlflow server (set LLMJOBS_MLFLOW_PYTHON to a python with mlflow)"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_server_installed() -> None:
+    require_tool(CLI, "no mlflow server: run scripts/mlflow-setup.sh or set LLMJOBS_MLFLOW_PYTHON")
 
 
 @pytest.fixture(scope="module")
