@@ -123,7 +123,7 @@ def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[
 
 
 def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, length: int) -> dict[str, list[float]]:
-    from datasets import Dataset
+    from datasets import Dataset  # type: ignore[import-untyped]
     from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -137,7 +137,7 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             self.times.append(time.perf_counter() - self.started)
 
-    def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
 
     model = Qwen3ForCausalLM.from_pretrained(work / "model")
