@@ -420,7 +420,8 @@ def main() -> None:
                     row[f"{name}_errors"] = len(errors)
                     if errors:
                         print(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
-                row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / row["peer"]["tokens_per_s"], 3)
+                peer_rate = row["peer"]["tokens_per_s"]  # 0 when every peer request failed
+                row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / peer_rate, 3) if peer_rate else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
