@@ -519,6 +519,17 @@ def kv_cache_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
     return rows * cfg.kv_channels * lay.compute_bytes
 
 
+def gqa_expansion_bytes(cfg: ModelConfig, lay: Layout) -> int:
+    """Attention over the cache with a mask (``engine.model.attention.core_attention``): off CPU SDPA's masked kernels
+    take no GQA, so one layer's keys and values are repeated to every query head for the step's rows over the whole
+    cache width, transient (measured by ``python -m engine trace`` on a serve job: 4 GiB for Qwen3-4B, 32 slots ×
+    8,192 positions). On CPU serving hands SDPA the GQA directly: not counted there."""
+    heads, groups = cfg.num_attention_heads // lay.tp, cfg.num_query_groups // lay.tp
+    if lay.device_type == "cpu" or groups >= heads:
+        return 0
+    return 2 * lay.micro_batch_size * heads * lay.eval_tokens * cfg.kv_channels * lay.compute_bytes
+
+
 def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
     """Predicted memory of every rank, in global rank order (rank = (dp · PP + pp) · TP + tp, mesh dp × pp × tp)."""
     stages = stage_layers(cfg, lay)
@@ -556,6 +567,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             m.activations += max(0, lora_backward_working_set(cfg, lay, tokens) - m.loss)
         else:
             m.activations = kv_cache_bytes(cfg, lay, len(layers)) + layer_activation_bytes(cfg, lay, tokens)
+            m.activations += gqa_expansion_bytes(cfg, lay)
             if last:
                 m.loss = lay.micro_batch_size * cfg.vocab_size // lay.tp * 4
         if lay.pp > 1:
