@@ -58,6 +58,8 @@ ACCEPTED_REFUSALS = {
     "POST /v1/completions": (400,),
     "POST /tokenize": (400,),
     "POST /detokenize": (400,),
+    "POST /v1/load_lora_adapter": (400,),
+    "POST /v1/unload_lora_adapter": (400,),
     # The URL's host must resolve, to public addresses only (the SSRF guard, core.net_guard).
     "POST /v1/webhooks": (422,),
 }
