@@ -123,7 +123,7 @@ def judge_hosts(settings: Settings, *, stale_ok: bool = True, absent_ok: bool = 
             stale = stale_ok and not out.behind and age > limit
             if (host.name in absent or stale) and mark_host_down(session, host):
                 why = "its worker is gone (presence lost)" if host.name in absent else "stopped heart-beating"
-                log.warning("host %s %s (last heartbeat %.1f s ago); marked down", host.name, why, age)
+                log.warning("host %s: %s (last heartbeat %.1f s ago); marked down", host.name, why, age)
                 out.down.append(host.name)
         if out.behind and any(ages[h.name] > settings.host_stale_after_s for h in silent):
             log.warning(
