@@ -125,7 +125,8 @@ def _submit(
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines
         job, created = pipelines.submit(session, settings, team, spec, raw, key)
         return _public(session, job), created
-    check_memory_fits(session, spec, settings)  # 422 when a rank would not fit any registered device (engine.contract.plan)
+    # 422 when a rank would not fit any registered device (engine.contract.plan; traced under admission_trace_s)
+    check_memory_fits(session, spec, settings)
     job, created = service.create_job(session, settings=settings, team=team, spec=spec, raw=raw, idempotency_key=key)
     return JobPublic.from_row(job), created
 
