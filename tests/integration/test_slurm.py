@@ -365,3 +365,37 @@ def test_a_job_without_a_pool_stays_on_the_pinned_hosts(stack: Stack) -> None:
         check=True,
     )
     assert listed.stdout.strip() == ""
+
+
+def test_serve_job_on_a_pool_answers_through_the_api(stack: Stack, qwen_tokenizer_dir: Path) -> None:
+    """A deployment in Slurm: its engine reports ready with its URL (the run directory's events), the API routes an
+    OpenAI request to it, and a cancel ends it in Slurm."""
+    area = stack.service.var / TEAM_AREA / "serve"
+    shutil.copytree(qwen_tokenizer_dir, area / "tok")
+    real_vocab_qwen3(area / "hf")
+    body = {
+        "kind": "serve",
+        "load": "serve/hf",
+        "tokenizer_name_or_path": "serve/tok",
+        "served_model_name": "slurm-chat",
+        "max_num_seqs": 2,
+        "max_model_len": 128,
+        "resources": {"pool": "local"},
+    }
+    with stack.service.client() as client:
+        job_id = _submit(client, body)
+        deadline = time.monotonic() + 240
+        while [m["id"] for m in client.get("/v1/models").json()["data"]] != ["slurm-chat"]:
+            job = client.get(f"/v1/jobs/{job_id}").json()
+            assert job["state"] in ("queued", "starting", "running"), job
+            assert time.monotonic() < deadline, f"never ready:\n{stack.agent_log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        answer = client.post(
+            "/v1/chat/completions",
+            json={"model": "slurm-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] >= 1
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+        job = _wait(client, job_id, lambda j: j["state"] == "cancelled", stack, timeout=90)
+    assert job["slurm_state"] == "CANCELLED"
