@@ -151,6 +151,23 @@ def check_served_names(session: Session, team: str, spec: ServeSpec) -> None:
     starting, running, restarting) already answers to: requests would go to one of them only."""
     mine = _names_served(spec.served_model_name, spec.lora_adapters, spec.name, None)
     live = select(Job).where(Job.team == team, Job.kind == "serve", Job.state.not_in([s.value for s in TERMINAL]))
+    # adapters loaded into a running deployment (core.live_adapters) are in served_names only, not in its spec
+    held = session.execute(
+        select(ServedName.name, ServedName.job_id).where(
+            ServedName.team == team,
+            ServedName.name.in_(list(mine)),
+            ServedName.job_id.in_(live.with_only_columns(Job.id)),
+        )
+    ).first()
+    if held is not None:
+        field = mine[held.name]
+        raise ApiError(
+            409,
+            "conflict",
+            f"{field}: {held.name!r} is already served by deployment {held.job_id} of your team; give another name, or "
+            "unload or cancel it first",
+            field,
+        )
     for job in session.scalars(live):
         stored = stored_spec(job.spec)
         theirs = _names_served(stored.served_model_name, stored.lora_adapters, job.name, job.id)

@@ -16,6 +16,7 @@ from alembic.config import Config
 from sqlalchemy import select, text
 
 import core.jobs
+import core.live_adapters
 from core.db import ALEMBIC_INI, get_engine, session_scope
 from core.errors import ApiError
 from core.jobs import create_job, transition
@@ -120,6 +121,17 @@ def test_a_name_left_by_a_job_ended_outside_transition_is_taken_over(settings: S
     with session_scope(settings.database_url) as session:
         live = session.scalar(select(Job.id).where(Job.state == "queued"))
     assert _rows(settings) == [("demo-chat", live)]
+
+
+def test_a_name_loaded_into_a_running_deployment_is_taken(settings: Settings) -> None:
+    """An adapter loaded at run time (POST /v1/load_lora_adapter) is a served_names row only, not in any spec: a new
+    deployment taking its name is the same 409 (it raised an IntegrityError twice, a 500, before)."""
+    assert _submit(settings, _serve(served_model_name="demo-chat")) == (201, None)
+    with session_scope(settings.database_url) as session:
+        (job_id,) = session.scalars(select(Job.id))
+        core.live_adapters.reserve_name(session, "alpha", "jazz", job_id)
+    assert _submit(settings, _serve(served_model_name="r", lora_adapters={"jazz": "a"})) == (409, "lora_adapters.jazz")
+    assert _submit(settings, _serve(served_model_name="jazz")) == (409, "served_model_name")
 
 
 def test_migration_backfills_the_live_deployments_names(tmp_path: Path) -> None:
