@@ -33,7 +33,7 @@ from engine.parallel.mesh import build_mesh
 from engine.serve.batcher import Batcher  # imported outside the fake mode: its module makes a host tensor
 from engine.serve.slots import SlotCache
 from engine.trace.shims import host_mesh_coordinates, sharding_propagation_paused, swappable_fake_parameters
-from engine.trace.step import KINDS, RankTrace, StepTracker, StepWatch
+from engine.trace.step import RankTrace, StepTracker, StepWatch, end_fake_group, rank_trace
 
 
 @contextlib.contextmanager
@@ -91,16 +91,5 @@ def trace_serve(spec: ServeSpec, cfg: ModelConfig, rank: int = 0) -> RankTrace:
         snapshots = tracker.get_tracker_snapshot("peak")
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
     finally:
-        dist.destroy_process_group()
-        torch._C._clear_DTensor_sharding_propagator_cache()
-    breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
-    return RankTrace(
-        rank=rank,
-        peak_bytes=int(peak.get("Total", 0)),
-        breakdown=breakdown,
-        host_tensors=sum(watch.host_ops.values()),
-        host_ops=watch.host_ops,
-        host_syncs=watch.host_syncs,
-        collective_bytes_per_step=watch.collectives,
-        wall_s=round(time.perf_counter() - started, 2),
-    )
+        end_fake_group()
+    return rank_trace(rank, peak, watch, started)

@@ -446,11 +446,21 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
         snapshots = tracker.get_tracker_snapshot("peak")
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
     finally:
-        dist.destroy_process_group()
-        # DTensor caches sharding decisions by spec, and a spec's mesh compares equal across traces while its process
-        # groups die with this one: the next rank's trace would be handed this mesh (TP under PP failed so)
-        torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (thread-local)
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        end_fake_group()
+    return rank_trace(rank, peak, watch, started)
+
+
+def end_fake_group() -> None:
+    """Destroy the trace's fake process group and forget DTensor's sharding decisions: they are cached by spec, and a
+    spec's mesh compares equal across traces while its process groups die with this one, so the next rank's trace
+    would be handed this mesh (TP under PP failed so)."""
+    dist.destroy_process_group()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (thread-local)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float) -> RankTrace:
+    """One rank's figures from MemTracker's peak snapshot and the step's watch."""
     breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
     return RankTrace(
         rank=rank,
