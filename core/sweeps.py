@@ -233,6 +233,11 @@ def drive_all(settings: Settings) -> int:
     return len(ids)
 
 
+def team_sweeps(session: Session, team: str) -> list[Sweep]:
+    """A team's sweeps, newest first."""
+    return list(session.scalars(select(Sweep).where(Sweep.team == team).order_by(Sweep.created_at.desc())))
+
+
 def cancel(session: Session, sweep: Sweep) -> None:
     """Stop the sweep: its unfinished trials are cancelled, the finished ones kept."""
     if sweep.state != "running":

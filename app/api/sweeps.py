@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
@@ -43,7 +42,7 @@ async def create_sweep(
 
 @router.get("")
 def list_sweeps(session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    rows = session.scalars(select(Sweep).where(Sweep.team == principal.team).order_by(Sweep.created_at.desc()))
+    rows = sweeps.team_sweeps(session, principal.team)
     data = [{"id": s.id, "name": s.name, "state": s.state, "result": s.result} for s in rows]
     return {"data": data, "has_more": False}
 
