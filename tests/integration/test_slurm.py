@@ -139,6 +139,12 @@ def stack(pools: dict[str, Any]) -> Iterator[Stack]:
             _stop(stack.agent)
 
 
+def _launcher_log(job: dict[str, Any]) -> str:
+    """The tail of srun's output of the job's one task (what a failure message should show)."""
+    path = Path(job["run_dir"]) / "logs" / "launcher.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
 def _wait(client: httpx.Client, job_id: str, done: Any, stack: Stack, timeout: float = 240) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -245,9 +251,10 @@ def test_usr2_saves_requeues_and_resumes(stack: Stack) -> None:
         # Slurm holds a requeued job back about two minutes (its begin time); let it start now
         subprocess.run(["scontrol", "update", f"JobId={job['slurm_job_id']}", "StartTime=now"], check=False)
         job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack, timeout=400)
-        assert job["state"] == "succeeded", job
-        assert job["attempt_count"] == 2
         events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        said = [(e["type"], e["message"]) for e in events]
+        assert job["state"] == "succeeded", json.dumps({"job": job, "events": said, "log": _launcher_log(job)})
+        assert job["attempt_count"] == 2
     states = [e["data"]["state"] for e in events if e["type"] == "state"]
     assert "retrying" in states, states
     saved = [e["data"]["iteration"] for e in events if e["type"] == "checkpoint"]
