@@ -248,8 +248,10 @@ def test_usr2_saves_requeues_and_resumes(stack: Stack) -> None:
             time.sleep(0.3)
         subprocess.run(["scancel", "--signal=USR2", job["slurm_job_id"]], check=True)
         _wait(client, job_id, lambda j: j["state"] in ("retrying", "queued") or j["attempt_count"] > 1, stack)
-        # Slurm holds a requeued job back about two minutes (its begin time); let it start now
-        subprocess.run(["scontrol", "update", f"JobId={job['slurm_job_id']}", "StartTime=now"], check=False)
+        # Slurm holds a requeued job back about two minutes (its begin time); let it start in a few seconds: slurmd
+        # refuses a credential made in the same second as the old run's revocation ("Killing non-startable batch
+        # JobId=…: Job credential revoked" in slurmctld.log, the job FAILED; seen with StartTime=now)
+        subprocess.run(["scontrol", "update", f"JobId={job['slurm_job_id']}", "StartTime=now+3"], check=False)
         job = _wait(client, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), stack, timeout=400)
         events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
         said = [(e["type"], e["message"]) for e in events]
