@@ -6,7 +6,8 @@ validation detail and made the API parse what it sent. ``AuthFirstMiddleware`` r
 middlewares: it matches the request against the app's routes (in the router's order), answers 405 with an ``Allow``
 listing every method of the path (Starlette's own 405 names only the first route's), and for a route that declares a
 bearer security dependency (what the OpenAPI document lists as ``security``) authenticates the token off the event
-loop and answers 401 (OpenAI's error shape on the OpenAI routes) without touching the body. The principal found is
+loop and answers 401 (OpenAI's error shape on the OpenAI routes, MLflow's ``{"error_code": "UNAUTHENTICATED"}`` under
+/api/2.0/mlflow/, so its client raises a clear error) without touching the body. The principal found is
 left in ``request.state.principal`` for ``app.api.deps.get_principal``. A path no route matches passes on (404).
 """
 
@@ -36,6 +37,7 @@ MISSING_TOKEN = "missing bearer token (Authorization: Bearer <token>)"
 BAD_TOKEN = "invalid or revoked token"
 OPENAI_MISSING_TOKEN = "missing bearer token (the openai client's api_key: a team token)"
 OPENAI_TAG = "openai"
+MLFLOW_TAG = "mlflow"
 BEARER_CHALLENGE = {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 names the scheme it wants
 
 
@@ -47,6 +49,7 @@ class RouteEntry:
     methods: frozenset[str]
     secured: bool
     openai: bool
+    mlflow: bool = False
 
 
 def _dependencies(dependant: Any) -> Iterator[Any]:
@@ -67,8 +70,10 @@ def route_table(api: FastAPI) -> list[RouteEntry]:
     for route in iter_route_contexts(api.routes):
         methods, regex = getattr(route, "methods", None), getattr(route, "path_regex", None)
         if methods and regex is not None:
-            openai = OPENAI_TAG in (getattr(route, "tags", None) or ())
-            table.append(RouteEntry(regex, frozenset(methods), needs_token(route), openai))
+            tags = getattr(route, "tags", None) or ()
+            table.append(
+                RouteEntry(regex, frozenset(methods), needs_token(route), OPENAI_TAG in tags, MLFLOW_TAG in tags)
+            )
     return table
 
 
@@ -87,16 +92,19 @@ def _lookup(database_url: str, token: str) -> Principal | None:
         return authenticate(session, token)
 
 
-def _unauthorized(openai: bool, missing: bool) -> JSONResponse:
+def _unauthorized(entry: RouteEntry, missing: bool) -> JSONResponse:
     headers = BEARER_CHALLENGE
-    if openai:
+    message = MISSING_TOKEN if missing else BAD_TOKEN
+    if entry.mlflow:  # MLflow's code for "who are you?" (its ErrorCode UNAUTHENTICATED, HTTP 401)
+        return JSONResponse({"error_code": "UNAUTHENTICATED", "message": message}, status_code=401, headers=headers)
+    if entry.openai:
         err = (
             OpenAIError(401, OPENAI_MISSING_TOKEN, None, "unauthorized")
             if missing
             else OpenAIError(401, BAD_TOKEN, None, "invalid_api_key")
         )
         return JSONResponse(err.body(), status_code=401, headers=headers)
-    body = error_body("unauthorized", MISSING_TOKEN if missing else BAD_TOKEN, "Authorization")
+    body = error_body("unauthorized", message, "Authorization")
     return JSONResponse(body, status_code=401, headers=headers)
 
 
@@ -147,12 +155,12 @@ class AuthFirstMiddleware:
         """None when the token is good (the principal stored in the request's state); otherwise the answer."""
         token = bearer_token(scope)
         if token is None:
-            return _unauthorized(entry.openai, missing=True)
+            return _unauthorized(entry, missing=True)
         try:
             principal = await anyio.to_thread.run_sync(_lookup, self.database_url, token)
         except (OperationalError, InterfaceError, PoolTimeout):
             return database_unavailable()  # retryable, as app.errors answers it on any route
         if principal is None:
-            return _unauthorized(entry.openai, missing=False)
+            return _unauthorized(entry, missing=False)
         scope.setdefault("state", {})["principal"] = principal
         return None

@@ -25,3 +25,7 @@ class MlflowError(Exception):
     @classmethod
     def exists(cls, message: str) -> MlflowError:
         return cls(400, "RESOURCE_ALREADY_EXISTS", message)
+
+    @classmethod
+    def denied(cls, message: str) -> MlflowError:
+        return cls(403, "PERMISSION_DENIED", message)

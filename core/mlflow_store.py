@@ -154,7 +154,7 @@ def writable_run(session: Session, team: str, run_id: str) -> MlflowRun:
     if run is not None:
         return run
     if _job(session, team, run_id) is not None:
-        raise MlflowError.invalid(
+        raise MlflowError.denied(
             f"run {run_id} is a job of the service: its params, metrics and tags come from the job and cannot be "
             "logged here"
         )

@@ -3,8 +3,9 @@ this service, ``MLFLOW_TRACKING_TOKEN`` = a team token) lists, filters and reads
 own runs beside them (``core.mlflow_store``).
 
 Errors keep MLflow's shape ``{"error_code", "message"}`` (the client branches on the code): ``MlflowRoute`` answers
-them itself, so the app's own error handlers never rewrite them. A missing or bad token is still the service's 401,
-answered before the body is read (``app.auth_first``)."""
+them itself, so the app's own error handlers never rewrite them. A missing or bad token is a 401
+``UNAUTHENTICATED`` answered before the body is read (``app.auth_first``); writing to a job's run is a 403
+``PERMISSION_DENIED`` (the service writes it), as MLflow's own codes for those two."""
 
 from __future__ import annotations
 

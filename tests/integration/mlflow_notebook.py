@@ -1,7 +1,8 @@
 """What a notebook does with the official ``mlflow`` client, run by ``test_mlflow_api.py`` in an interpreter that has
 it (MLFLOW_TRACKING_URI / MLFLOW_TRACKING_TOKEN in the environment). Prints what it saw as one JSON object.
 
-usage: python mlflow_notebook.py log EXPERIMENT | read EXPERIMENT JOB_EXPERIMENT JOB_ID | outsider EXPERIMENT RUN_ID"""
+usage: python mlflow_notebook.py log EXPERIMENT | read EXPERIMENT JOB_EXPERIMENT JOB_ID | outsider EXPERIMENT RUN_ID
+       | stranger EXPERIMENT"""
 
 from __future__ import annotations
 
@@ -96,7 +97,22 @@ def outsider(experiment: str, run_id: str) -> dict[str, Any]:
     }
 
 
+def stranger(experiment: str) -> dict[str, Any]:
+    """With a token the service does not know (MLFLOW_TRACKING_TOKEN set by the caller)."""
+    client = MlflowClient()
+    try:
+        client.search_runs(["0"])
+    except MlflowException as err:
+        search = {"code": str(err.error_code), "message": err.message}
+    return {"search": search, "set_experiment": error_code(lambda: mlflow.set_experiment(experiment))}
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
-    calls: dict[str, Callable[..., dict[str, Any]]] = {"log": log, "read": read, "outsider": outsider}
+    calls: dict[str, Callable[..., dict[str, Any]]] = {
+        "log": log,
+        "read": read,
+        "outsider": outsider,
+        "stranger": stranger,
+    }
     print(json.dumps(calls[mode](*args)))

@@ -144,7 +144,7 @@ def test_the_mlflow_client_logs_searches_and_reads_jobs(service: tuple[str, Sett
     assert job["tags"]["llmjobs.state"] == "succeeded" and job["tags"]["owner"] == "ana"
     assert job["tags"]["mlflow.runName"] == "prep-1"
     assert job["metrics"]["lm_loss"] == 2.0 and job["history"] == [[1, 2.5], [2, 2.0]]
-    assert seen["job_run_read_only"] == "INVALID_PARAMETER_VALUE"
+    assert seen["job_run_read_only"] == "PERMISSION_DENIED"
 
     other = notebook(url, beta, "outsider", "nb-exp", logged["runs"]["a"])
     assert other == {
@@ -154,6 +154,10 @@ def test_the_mlflow_client_logs_searches_and_reads_jobs(service: tuple[str, Sett
         "log": "RESOURCE_DOES_NOT_EXIST",
     }
     assert notebook(url, beta, "outsider", "jobs-exp", job_id)["get_run"] == "RESOURCE_DOES_NOT_EXIST"
+
+    unknown = notebook(url, "llmj_revoked-or-made-up", "stranger", "nb-exp")
+    assert unknown["search"]["code"] == "UNAUTHENTICATED" and "invalid or revoked token" in unknown["search"]["message"]
+    assert unknown["set_experiment"] == "UNAUTHENTICATED"
 
 
 @pytest.mark.parametrize(("field", "count"), [("metrics", 1001), ("params", 101), ("tags", 101)])

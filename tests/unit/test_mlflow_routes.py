@@ -86,7 +86,10 @@ def test_another_team_and_bad_input_get_mlflow_errors(client: TestClient, token:
     assert (status, body["error_code"]) == (400, "INVALID_PARAMETER_VALUE") and "value" in body["message"]
     status, body = call(client, token, "POST", "runs/search", json={"experiment_ids": ["0"], "page_token": "zz"})
     assert (status, body["error_code"]) == (400, "INVALID_PARAMETER_VALUE")
-    assert client.get(f"{API}/runs/get", params={"run_id": run_id}).status_code == 401
+    anonymous = client.get(f"{API}/runs/get", params={"run_id": run_id})
+    assert (anonymous.status_code, anonymous.json()["error_code"]) == (401, "UNAUTHENTICATED")
+    status, body = call(client, "llmj_not-a-token", "POST", "runs/create", json={"experiment_id": "0"})
+    assert (status, body["error_code"]) == (401, "UNAUTHENTICATED") and "invalid" in body["message"]
     call(client, token, "POST", "runs/set-tag", json={"run_id": run_id, "key": "k", "value": "v"})
     assert call(client, token, "POST", "runs/delete-tag", json={"run_id": run_id, "key": "k"}) == (200, {})
     status, body = call(client, token, "POST", "runs/delete-tag", json={"run_id": run_id, "key": "k"})
@@ -120,7 +123,7 @@ def test_a_job_is_a_run_of_its_experiment(client: TestClient, token: str, settin
     _, default = call(client, token, "POST", "runs/search", json={"experiment_ids": ["0"]})
     assert [r["info"]["run_id"] for r in default["runs"]] == [other]
     status, body = call(client, token, "POST", "runs/set-tag", json={"run_id": job_id, "key": "k", "value": "v"})
-    assert (status, body["error_code"]) == (400, "INVALID_PARAMETER_VALUE")
+    assert (status, body["error_code"]) == (403, "PERMISSION_DENIED") and "is a job of the service" in body["message"]
 
 
 def view(name: str, start: int, **data: Any) -> RunView:
