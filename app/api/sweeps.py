@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from core import paths, sweeps
+from core import paths, sweeps, tracking
 from core.auth import load_visible
 from core.errors import ApiError
 from core.models import Sweep
@@ -31,6 +31,7 @@ async def create_sweep(
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
     areas = paths.ensure_team_areas(settings, principal.team)
     spec = parse_sweep(raw, dict(areas.context()))
+    await run_in_threadpool(tracking.check_uri, settings, spec.base.get("mlflow_tracking_uri"), "base.")
     sweep = Sweep(team=principal.team, name=spec.name, spec=spec.model_dump(mode="json"), trial_attrs={}, pruned=[])
     session.add(sweep)
     session.commit()
