@@ -15,9 +15,10 @@ import json
 from typing import Any
 from urllib.parse import parse_qsl, unquote_to_bytes
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import ApiError, error_body
+from app.http_middleware import HttpMiddleware
 from app.limits import is_upload
 from core.settings import Settings
 
@@ -159,16 +160,10 @@ def check_metadata(raw: Any, settings: Settings) -> None:
             )
 
 
-class InputGuardMiddleware:
+class InputGuardMiddleware(HttpMiddleware):
     """Runs ``check_url_parts`` and (for bodies) ``check_json_body`` before the app; answers refusals itself."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             check_url_parts(scope)
             if scope.get("method") not in _BODY_METHODS or is_upload(scope):  # an upload is a file, not JSON

@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.http_middleware import HttpMiddleware, StartWatch
 from core.errors import ApiError, error_body
 
 
@@ -27,14 +28,12 @@ def is_upload(scope: Scope) -> bool:
     return scope.get("method") == "PUT" and str(scope.get("path", "")).startswith(UPLOAD_PREFIX)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, max_bytes: int, upload_max_bytes: int | None = None):
-        self.app, self.default_max, self.upload_max = app, max_bytes, upload_max_bytes or max_bytes
+        super().__init__(app)
+        self.default_max, self.upload_max = max_bytes, upload_max_bytes or max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         max_bytes = self.upload_max if is_upload(scope) else self.default_max
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
@@ -42,7 +41,6 @@ class BodyLimitMiddleware:
             await self._refuse(send, max_bytes)
             return
         seen = 0
-        started = False
 
         async def limited_receive() -> Message:
             nonlocal seen
@@ -53,15 +51,11 @@ class BodyLimitMiddleware:
                     raise BodyTooLarge(max_bytes)
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watch = StartWatch(send)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, watch)
         except BodyTooLarge:
-            if not started:
+            if not watch.started:
                 await self._refuse(send, max_bytes)
 
     async def _refuse(self, send: Send, max_bytes: int) -> None:

@@ -3,22 +3,17 @@ records (``core.structured_logs``) and echo it in the answer; a job submitted by
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from app.asgi_headers import adding_headers
+from app.http_middleware import HttpMiddleware
 from core.structured_logs import accept_request_id, bound
 
 HEADER = b"x-request-id"
 
 
-class RequestIdMiddleware:
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestIdMiddleware(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope.get("headers") or []).get(HEADER)
         request_id = accept_request_id(given.decode("latin-1") if given else None)
         with bound(request_id=request_id):

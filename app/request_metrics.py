@@ -7,17 +7,16 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.http_middleware import HttpMiddleware
 from core.metrics_registry import ServiceMetrics
 
 
-class RequestMetricsMiddleware:
+class RequestMetricsMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics):
-        self.app, self.metrics = app, metrics
+        super().__init__(app)
+        self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started, status = time.perf_counter(), 500
 
         async def remember(message: Message) -> None:

@@ -9,9 +9,10 @@ A pure ASGI middleware, outermost, so error answers of the other middlewares (41
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from app.asgi_headers import adding_headers
+from app.http_middleware import HttpMiddleware
 
 _BASE = (
     "default-src 'self'; script-src 'self'; img-src 'self' data:; font-src 'self'; connect-src 'self'; "
@@ -32,13 +33,7 @@ def csp_for(path: str) -> str:
     return DOCS_CSP if path in DOCS_PATHS else STRICT_CSP
 
 
-class SecurityHeadersMiddleware:
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class SecurityHeadersMiddleware(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         extra = {b"content-security-policy": csp_for(scope.get("path", "")).encode(), **HEADERS}
         await self.app(scope, receive, adding_headers(send, extra))

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.http_middleware import HttpMiddleware, StartWatch
 from core.errors import ApiError, error_body
 
 
@@ -22,17 +23,15 @@ class BodyTimeout(ApiError):
         super().__init__(408, "request_timeout", f"the request body stalled: nothing arrived for {seconds:g} s")
 
 
-class BodyTimeoutMiddleware:
+class BodyTimeoutMiddleware(HttpMiddleware):
     """Each read of the request body must return within ``seconds``; after the body, reads (a streaming response
     waiting for the client to go) are not timed."""
 
     def __init__(self, app: ASGIApp, seconds: float):
-        self.app, self.seconds = app, seconds
+        super().__init__(app)
+        self.seconds = seconds
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_done = False
 
         async def timed_receive() -> Message:
@@ -46,17 +45,11 @@ class BodyTimeoutMiddleware:
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watch = StartWatch(send)
         try:
-            await self.app(scope, timed_receive, tracking_send)
+            await self.app(scope, timed_receive, watch)
         except BodyTimeout as err:  # raised where no exception handler answers (a middleware reading the body)
-            if not started:
+            if not watch.started:
                 await JSONResponse(error_body(err.code, err.message), status_code=err.status)(scope, receive, send)
 
 
