@@ -22,7 +22,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -77,15 +78,9 @@ class EngineProxy:
         if not self.healthy(dep.url):
             raise self.not_answering(dep)
         client = self.client(dep.url)
-        try:
+        with self._reaching(dep):
             request = client.build_request("POST", f"{dep.url}/v1/generate", json=payload)
             response = await client.send(request, stream=True)
-        except (httpx.TimeoutException, httpx.NetworkError) as err:
-            log.warning("deployment %s at %s: %r; marked unhealthy", dep.name, dep.url, err)
-            self.mark_down(dep.url)
-            raise self.not_answering(dep) from err
-        except httpx.HTTPError as err:
-            raise OpenAIError(502, f"deployment {dep.name!r}: {err}", None, "engine_error") from err
         if response.status_code != 200:
             raw = await response.aread()
             await response.aclose()
@@ -104,17 +99,25 @@ class EngineProxy:
         assert dep.url is not None, "only a ready deployment is asked"
         if not self.healthy(dep.url):
             raise self.not_answering(dep)
-        try:
+        with self._reaching(dep):
             response = await self.client(dep.url).request(method, f"{dep.url}{path}", json=payload)
+        if response.status_code != 200:
+            raise engine_error(response, response.content)
+        return response
+
+    @contextmanager
+    def _reaching(self, dep: Deployment) -> Iterator[None]:
+        """Around an exchange with ``dep``'s engine: a silent one is marked down and answered 503 (``not_answering``),
+        any other transport error is a 502."""
+        assert dep.url is not None, "only a ready deployment is reached"
+        try:
+            yield
         except (httpx.TimeoutException, httpx.NetworkError) as err:
             log.warning("deployment %s at %s: %r; marked unhealthy", dep.name, dep.url, err)
             self.mark_down(dep.url)
             raise self.not_answering(dep) from err
         except httpx.HTTPError as err:
             raise OpenAIError(502, f"deployment {dep.name!r}: {err}", None, "engine_error") from err
-        if response.status_code != 200:
-            raise engine_error(response, response.content)
-        return response
 
     async def _prune(self) -> None:
         if time.monotonic() - self._pruned_at < self.prune_s:

@@ -19,6 +19,7 @@ import anyio
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -45,9 +46,7 @@ ENGINE_TIMEOUT_S = 300.0  # reading and copying a checkpoint on the worker host
 async def load_lora_adapter(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     """vLLM's load: LoRA checkpoint ``lora_path`` served as ``lora_name`` by the deployment (``model``)."""
     try:
-        principal = await _caller(request, settings, credentials)
-        body = _fields(await _body(request), LOAD_FIELDS)
-        name = _name(body)
+        principal, body, name = await _adapter_request(request, settings, credentials, LOAD_FIELDS)
         if not isinstance(body.get("lora_path"), (str, dict)) or not body["lora_path"]:
             raise OpenAIError(400, "lora_path: a path or a {job, iteration} reference is required", "lora_path")
         dep, path = await anyio.to_thread.run_sync(
@@ -70,9 +69,7 @@ async def load_lora_adapter(request: Request, settings: SettingsDep, credentials
 async def unload_lora_adapter(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     """vLLM's unload: ``lora_name`` is no longer served; its name is the team's to give again."""
     try:
-        principal = await _caller(request, settings, credentials)
-        body = _fields(await _body(request), UNLOAD_FIELDS)
-        name = _name(body)
+        principal, body, name = await _adapter_request(request, settings, credentials, UNLOAD_FIELDS)
         dep, loaded = await anyio.to_thread.run_sync(
             _with_session, settings, lambda s: _holder(s, principal, name, body.get("model"))
         )
@@ -92,6 +89,15 @@ async def unload_lora_adapter(request: Request, settings: SettingsDep, credentia
     except OpenAIError as err:
         return _error(err)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _adapter_request(
+    request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None, allowed: set[str]
+) -> tuple[Principal, dict[str, Any], str]:
+    """The caller, the body (``allowed`` fields only) and the adapter's name of a load or unload request."""
+    principal = await _caller(request, settings, credentials)
+    body = _fields(await _body(request), allowed)
+    return principal, body, _name(body)
 
 
 def _fields(body: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
