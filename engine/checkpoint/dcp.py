@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from engine.checkpoint.durable import fsync_dir, write_synced
 from engine.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_torch_file
 from engine.contract.owner import META, STATE_DIR, TRACKER, latest_state
 from engine.contract.runfiles import DiskFull, is_disk_full
@@ -148,7 +149,7 @@ def save(
     try:
         dcp.save(state, checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
         if save_rng:
-            _write_synced(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(_rng_state(), f))
+            write_synced(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(_rng_state(), f))
     except BaseException as err:  # DCP's CheckpointException is a BaseException; every rank must learn of it first
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
@@ -160,15 +161,15 @@ def save(
     if rank == 0:
         try:
             meta_text = json.dumps({**meta, "iteration": iteration, "has_optimizer": optimizer is not None})
-            _write_synced(tmp / META, lambda f: f.write(meta_text.encode()))
-            _fsync_dir(tmp)
+            write_synced(tmp / META, lambda f: f.write(meta_text.encode()))
+            fsync_dir(tmp)
             if final.exists():  # the same iteration saved again (a resumed run): replace it whole
                 shutil.rmtree(final)
             os.replace(tmp, final)
             tracker_tmp = root / (TRACKER + ".tmp")
-            _write_synced(tracker_tmp, lambda f: f.write(str(iteration).encode()))
+            write_synced(tracker_tmp, lambda f: f.write(str(iteration).encode()))
             os.replace(tracker_tmp, root / TRACKER)
-            _fsync_dir(root)
+            fsync_dir(root)
         except Exception as err:  # noqa: BLE001 - told to the other ranks below
             shutil.rmtree(tmp, ignore_errors=True)
             failure = err
@@ -229,23 +230,6 @@ def _any_rank(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
-
-
-def _write_synced(path: Path, write: Any) -> None:
-    """``write(file)`` then flush and fsync: on disk before anything names it."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(save_dir: str | os.PathLike[str]) -> dict[int, Path]:

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import torch
 
+from engine.checkpoint.durable import fsync_dir, fsync_tree
 from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
 from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
@@ -389,10 +390,14 @@ def copy_tokenizer(src: str | os.PathLike[str], out_dir: str | os.PathLike[str])
 class staging:
     """Write into ``<out>/.staging-<pid>/``, then move each file into ``out`` (config/index/tracker files last).
 
-    A crash leaves only the hidden staging directory: nothing half-written under a final name.
+    A failure while writing (a full disk) removes the staging directory and publishes nothing. Everything staged is
+    fsynced before the first rename and each rename is synced, so a crash mid-publish never leaves a completion
+    marker (index, config, tracker) naming bytes not on disk. A tracker already in ``out`` keeps naming its own
+    checkpoint until the new one replaces it in one rename, unless the staged set replaces the directory it names.
     """
 
     LAST = ("model.safetensors.index.json", "config.json", "latest_checkpointed_iteration.txt")
+    TRACKER = "latest_checkpointed_iteration.txt"
 
     def __init__(self, out: Path, name: str | None = None):
         self.out = out
@@ -410,15 +415,28 @@ class staging:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        for name in (self.out / INDEX, self.out / "latest_checkpointed_iteration.txt"):
-            name.unlink(missing_ok=True)  # the old completion markers go first
-        if (self.tmp / INDEX).exists():  # shards of an earlier conversion would pollute the directory
-            for old in self.out.glob("model-?????-of-?????.safetensors"):
-                old.unlink()
+        try:
+            fsync_tree(self.tmp)  # a full disk can surface only here (delayed allocation): nothing published yet
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self._drop_stale_markers()
         entries = sorted(self.tmp.iterdir(), key=lambda p: p.name in self.LAST)
         for entry in entries:
             target = self.out / entry.name
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
             os.replace(entry, target)
+            fsync_dir(self.out)
         self.tmp.rmdir()
+        fsync_dir(self.out)
+
+    def _drop_stale_markers(self) -> None:
+        """Unlink the completion markers the publish is about to make wrong: the index (its shards get replaced one
+        by one), and the tracker only when a staged directory replaces one it may name."""
+        (self.out / INDEX).unlink(missing_ok=True)
+        if (self.tmp / INDEX).exists():  # shards of an earlier conversion would pollute the directory
+            for old in self.out.glob("model-?????-of-?????.safetensors"):
+                old.unlink()
+        if any(e.is_dir() and (self.out / e.name).exists() for e in self.tmp.iterdir()):
+            (self.out / self.TRACKER).unlink(missing_ok=True)

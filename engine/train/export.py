@@ -19,7 +19,6 @@ path, from the files just written (and, for LoRA, the base it was trained on): o
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +85,16 @@ def _write_lora(
         "iteration": iteration,
     }
     args = argparse.Namespace(**{**vars(args), **extra})
-    it_dir = save / iteration_dir_name(iteration)
-    for name, models in lora_rank_states(adapters, cfg, tp, pp, layers, vpp).items():
-        rank_dir = it_dir / name
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        tmp = rank_dir / (MODEL_FILE + ".tmp")
-        chunks = {k: to_mindspeed_keys(v) for k, v in models.items()}
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, **chunks}, tmp)
-        os.replace(tmp, rank_dir / MODEL_FILE)
-    tracker = save / (TRACKER + ".tmp")
-    tracker.write_text(str(iteration))
-    os.replace(tracker, save / TRACKER)
-    return it_dir
+    with staging(save, name=".staging-export") as tmp:  # published whole (files synced, tracker last) or not at all
+        for name, models in lora_rank_states(adapters, cfg, tp, pp, layers, vpp).items():
+            rank_dir = tmp / iteration_dir_name(iteration) / name
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            chunks = {k: to_mindspeed_keys(v) for k, v in models.items()}
+            torch.save(
+                {"args": args, "checkpoint_version": 3.0, "iteration": iteration, **chunks}, rank_dir / MODEL_FILE
+            )
+        (tmp / TRACKER).write_text(str(iteration))
+    return save / iteration_dir_name(iteration)
 
 
 def _stage_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
