@@ -21,6 +21,7 @@ from typing import Any
 from core import peft_shapes
 from core.errors import ApiError
 from core.paths import team_areas
+from core.reward_hosts import check_http_rewards, stamp_allowed_hosts
 from core.settings import Settings
 from core.slurm.pools import check_pool_memory
 from engine.contract import inspect, layout, owner, rope_scaling
@@ -433,6 +434,7 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
     _check_layout(spec, config, where)
     _check_positions(spec, config, where)
     _check_resume(spec, inputs)
+    check_http_rewards(spec, settings, where)
     if settings.max_train_iters and spec.train_iters > settings.max_train_iters:
         raise _refuse(
             f"{where}train_iters",
@@ -601,7 +603,9 @@ def check_admissible(spec: JobBase, settings: Settings, team: str) -> None:
 
 
 def apply_team_defaults(spec: JobBase, settings: Settings, team: str) -> None:
-    """A team's default run deadline on a spec that sets none (stored with the spec, so the worker enforces it)."""
+    """A team's default run deadline on a spec that sets none, and the admin's allow decision for stage grpo's http
+    reward URLs (both stored with the spec, so the worker enforces them)."""
+    stamp_allowed_hosts(spec, settings)
     deadline = settings.run_deadline_for(team)
     if spec.run_deadline_s is None and deadline and not isinstance(spec, PipelineSpec):
         spec.run_deadline_s = float(deadline)  # assignment marks the field set, so spec_to_json keeps it

@@ -38,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.contract import layout
+from engine.contract import layout, net_rules
 from engine.contract.constants import REFERENCE_FREE_LOSSES
 from engine.contract.data_formats import HANDLERS, PAIRWISE_HANDLERS, TEMPLATES, check_map_keys, handler_format
 from engine.contract.lora_targets import resolve_targets
@@ -647,7 +647,9 @@ class PreprocessSpec(JobBase):
 
 # ---------------------------------------------------------------- stage grpo: rule rewards
 
-RewardName = Literal["exact_match", "contains", "regex", "json_schema", "length", "format"]
+RewardName = Literal["exact_match", "contains", "regex", "json_schema", "length", "format", "http"]
+HTTP_REWARD_FIELDS = ("url", "timeout_s", "retries", "batch_size", "allowed_hosts")
+HTTP_REWARD_MAX_URL = 2048
 GRPO_FIELDS = (
     "num_generations",
     "max_completion_length",
@@ -686,7 +688,9 @@ class RewardFunc(_Strict):
         "the answer contains the reference), regex (1 if pattern matches the answer), json_schema (1 if the answer "
         "parses as JSON and validates against schema), length (DAPO's overlong penalty: 0 up to "
         "max_completion_length - overlong_buffer tokens, then linearly down to -1 at max_completion_length), "
-        "format (1 if the completion is Qwen3's <think>...</think> block followed by a non-empty answer).",
+        "format (1 if the completion is Qwen3's <think>...</think> block followed by a non-empty answer), http (the "
+        'team\'s own reward service at url scores batches: POST {"items": [{prompt, completion, reference}]} answered '
+        '{"rewards": [number or null]}).',
     )
     label: str | None = Field(
         None,
@@ -703,6 +707,27 @@ class RewardFunc(_Strict):
     overlong_buffer: int | None = Field(
         None, ge=1, description="length: the tokens before max_completion_length over which the penalty grows to -1."
     )
+    url: str | None = Field(
+        None,
+        max_length=HTTP_REWARD_MAX_URL,
+        description="http: the reward service's URL (https; a private or reserved address only where an admin lists "
+        "the host in webhook_allowed_hosts).",
+    )
+    timeout_s: float = Field(10.0, gt=0, le=300, description="http: seconds one POST may take.")
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="http: further tries of a failed batch (backoff 0.5 s, doubling); then it scores NaN.",
+    )
+    batch_size: int = Field(64, ge=1, le=4096, description="http: completions per POST.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="http: set by the service at submission (whatever a submitter writes is replaced): the entries "
+        "of the admin's webhook_allowed_hosts that let url reach a non-public address; the worker re-checks every "
+        "address it connects to against them.",
+    )
 
     @model_validator(mode="after")
     def _check_reward(self) -> RewardFunc:
@@ -712,6 +737,15 @@ class RewardFunc(_Strict):
                 raise ValueError(f"{field}: reward {name} needs it")
             if self.name != name and getattr(self, field) is not None:
                 raise ValueError(f"{field}: applies to reward {name} only, not {self.name}")
+        if self.name == "http" and self.url is None:
+            raise ValueError("url: reward http needs it")
+        if self.name != "http" and self.model_fields_set & set(HTTP_REWARD_FIELDS):
+            field = min(self.model_fields_set & set(HTTP_REWARD_FIELDS))
+            raise ValueError(f"{field}: applies to reward http only, not {self.name}")
+        if self.url is not None:
+            net_rules.parse(
+                self.url, HTTP_REWARD_MAX_URL
+            )  # "url: ..." (the address is checked at submission and per POST)
         if self.pattern is not None:
             import regex  # type: ignore[import-untyped]
 

@@ -43,7 +43,7 @@ from engine.train.grpo_rollout import Prompt, Sampling, decode, prompt_of, rollo
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
 from engine.train.preference import _TokenLogprobs
-from engine.train.rewards import Completion, build_rewards, score
+from engine.train.rewards import Completion, build_rewards, json_rewards, score
 from engine.train.step_runner import Losses, MicroBatchLoss
 
 if TYPE_CHECKING:
@@ -152,7 +152,10 @@ class Rollout:
 
 
 def _nanstd(values: list[float]) -> float:
-    return float(torch.tensor(values, dtype=torch.float64).std()) if len(values) > 1 else float("nan")
+    """TRL's nanstd: the Bessel-corrected std of the scored values (NaN: an http reward's failed batch)."""
+    column = torch.tensor(values, dtype=torch.float64)
+    kept = column[~column.isnan()]
+    return float(kept.std()) if kept.numel() > 1 else float("nan")
 
 
 class GRPOLoop:
@@ -219,13 +222,15 @@ class GRPOLoop:
         )  # fmt: skip
         model.train()
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in decoded.completions]
+        prompt_texts = {p.index: self.tokenizer.decode(p.ids) for p in rows}  # as the model saw it (http rewards)
         completions = [
-            Completion(text, len(ids), cut, p.reference)
+            Completion(text, len(ids), cut, p.reference, prompt_texts[p.index])
             for text, ids, cut, p in zip(texts, decoded.completions, decoded.truncated, rows, strict=True)
         ]
         scores = score(self.rewards, completions)
         per_func = torch.tensor(scores.values, dtype=torch.float32)
-        rewards = (per_func * torch.tensor(self.weights, dtype=torch.float32)[None]).sum(dim=1)
+        # TRL's nansum: an unscored (NaN) reward adds nothing to the weighted sum
+        rewards = (per_func * torch.tensor(self.weights, dtype=torch.float32)[None]).nansum(dim=1)
         advantages = group_advantages(rewards, self.group, spec.scale_rewards, spec.advantage_eps)
         batches = self._micro_batches(rows, decoded.completions, decoded.truncated, advantages)
         self._old_and_reference(batches)
@@ -301,7 +306,7 @@ class GRPOLoop:
         }
         for j, r in enumerate(self.rewards):
             column = per_func[:, j].tolist()
-            stats[f"rewards/{r.key}/mean"] = sum(column) / len(column)
+            stats[f"rewards/{r.key}/mean"] = float(per_func[:, j].nanmean())  # TRL's nanmean
             stats[f"rewards/{r.key}/std"] = _nanstd(column)
             stats[f"rewards/{r.key}/failures"] = float(failures[r.key])
         done = [n for n, cut in zip(lengths, truncated, strict=True) if not cut]
@@ -341,7 +346,7 @@ class GRPOLoop:
                     "completion_ids": completions[i],
                     "completion": texts[i],
                     "reward": float(rewards[i]),
-                    "rewards": dict(zip(keys, values[i], strict=True)),
+                    "rewards": json_rewards(keys, values[i]),
                     "advantage": float(advantages[i]),
                     "truncated": truncated[i],
                 }

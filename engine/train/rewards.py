@@ -5,19 +5,23 @@ Each scores one completion (its text, its token count, whether it was cut at ``m
 the prompt's reference answer (the dataset's assistant turn) and returns a float. ``strip_thinking`` scores the
 answer after Qwen3's ``<think>...</think>`` block (a completion still inside its thinking block has an empty
 answer). A regex match is time-bounded (the ``regex`` package's ``timeout``): a pattern that backtracks for too
-long scores 0 and is counted as a failure, never stalling the step.
+long scores 0 and is counted as a failure, never stalling the step. ``http`` rewards (the team's own service,
+``engine.train.http_rewards``) score whole batches; a batch that fails scores NaN (TRL's None), which the weighted
+sum skips (``nansum``), and is counted as failures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 
 import jsonschema  # type: ignore[import-untyped]
 import regex  # type: ignore[import-untyped]
 
 from engine.contract.spec import RewardFunc
+from engine.train.http_rewards import HttpReward
 
 REGEX_TIMEOUT_S = 0.5
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -39,11 +43,13 @@ class Completion:
     tokens: int
     truncated: bool
     reference: str
+    prompt: str = ""  # the prompt as the model saw it (its chat template), for http rewards
 
 
 @dataclasses.dataclass
 class Scores:
-    """(completions × functions) rewards, and per function the completions whose scoring failed (scored 0)."""
+    """(completions × functions) rewards, and per function the completions whose scoring failed (a rule reward's
+    scored 0, an http reward's NaN)."""
 
     values: list[list[float]]
     failures: dict[str, int]
@@ -91,22 +97,38 @@ class RuleReward:
         raise ValueError(f"reward_funcs: unknown reward {name!r}")
 
 
-def build_rewards(funcs: Sequence[RewardFunc], max_completion_length: int) -> list[RuleReward]:
-    return [RuleReward(f, max_completion_length) for f in funcs]
+Reward = RuleReward | HttpReward
 
 
-def score(rewards: Sequence[RuleReward], completions: Sequence[Completion]) -> Scores:
-    """Every completion by every function; a function that fails on a completion (a regex timeout) scores 0 there
-    and is counted."""
-    failures = {r.key: 0 for r in rewards}
-    values = []
+def build_rewards(funcs: Sequence[RewardFunc], max_completion_length: int) -> list[Reward]:
+    return [HttpReward(f) if f.name == "http" else RuleReward(f, max_completion_length) for f in funcs]
+
+
+def _rule_column(reward: RuleReward, completions: Sequence[Completion]) -> tuple[list[float], int]:
+    column, failures = [], 0
     for c in completions:
-        row = []
-        for r in rewards:
-            try:
-                row.append(r(c))
-            except TimeoutError:
-                failures[r.key] += 1
-                row.append(0.0)
-        values.append(row)
-    return Scores(values, failures)
+        try:
+            column.append(reward(c))
+        except TimeoutError:
+            failures += 1
+            column.append(0.0)
+    return column, failures
+
+
+def score(rewards: Sequence[Reward], completions: Sequence[Completion]) -> Scores:
+    """Every completion by every function; a rule that fails on a completion (a regex timeout) scores 0 there, an
+    http batch that fails scores NaN; both are counted."""
+    failures, columns = {}, []
+    for r in rewards:
+        if isinstance(r, HttpReward):
+            items = [{"prompt": c.prompt, "completion": c.text, "reference": c.reference} for c in completions]
+            column, failures[r.key] = r.score(items)
+        else:
+            column, failures[r.key] = _rule_column(r, completions)
+        columns.append(column)
+    return Scores([list(row) for row in zip(*columns, strict=True)], failures)
+
+
+def json_rewards(keys: Sequence[str], row: Sequence[float]) -> dict[str, float | None]:
+    """One completion's per-function rewards for completions.jsonl: null where unscored (NaN is not JSON)."""
+    return {k: (None if math.isnan(v) else v) for k, v in zip(keys, row, strict=True)}

@@ -115,7 +115,7 @@ def _fake_dns(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list[str]]) ->
         ip = answers[host].pop(0) if len(answers[host]) > 1 else answers[host][0]
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, int(port or 443)))]
 
-    monkeypatch.setattr(net_guard.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)  # every resolver (net_guard, the engine) asks it
 
 
 def test_dns_rebinding_to_loopback_is_not_followed(
