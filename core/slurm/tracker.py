@@ -156,26 +156,23 @@ def run(settings: Settings, row: SlurmRow) -> bool:
         )
 
 
-def _end_attempt(session: Any, row: SlurmRow, exit_code: int | None, outcome: str) -> None:
-    session.execute(
-        update(Attempt)
-        .where(Attempt.job_id == row.job_id, Attempt.number == row.attempt, Attempt.finished_at.is_(None))
-        .values(exit_code=exit_code, finished_at=utcnow(), outcome=outcome)
-        .execution_options(synchronize_session=False)
-    )
+def _end(
+    settings: Settings, row: SlurmRow, state: JobState, exit_code: int | None, outcome: str, **fields: Any
+) -> bool:
+    """Close the row's attempt with ``outcome`` and move the job to the terminal ``state``, in one transaction."""
+    with session_scope(settings.database_url) as session:
+        session.execute(
+            update(Attempt)
+            .where(Attempt.job_id == row.job_id, Attempt.number == row.attempt, Attempt.finished_at.is_(None))
+            .values(exit_code=exit_code, finished_at=utcnow(), outcome=outcome)
+            .execution_options(synchronize_session=False)
+        )
+        return transition(session, row.job_id, state, only_from=[*WAITING, *ACTIVE], **fields)
 
 
 def succeed(settings: Settings, row: SlurmRow, result: dict[str, Any]) -> bool:
-    with session_scope(settings.database_url) as session:
-        _end_attempt(session, row, 0, "ok")
-        return transition(
-            session,
-            row.job_id,
-            JobState.succeeded,
-            only_from=[*WAITING, *ACTIVE],
-            result=result,
-            message=f"{result.get('kind', 'job')} succeeded (Slurm job {row.slurm_job_id})",
-        )
+    message = f"{result.get('kind', 'job')} succeeded (Slurm job {row.slurm_job_id})"
+    return _end(settings, row, JobState.succeeded, 0, "ok", result=result, message=message)
 
 
 def fail(
@@ -187,28 +184,11 @@ def fail(
     exit_code: int | None = None,
     log_tail: str | None = None,
 ) -> bool:
-    with session_scope(settings.database_url) as session:
-        _end_attempt(session, row, exit_code, "error")
-        return transition(
-            session,
-            row.job_id,
-            JobState.failed,
-            only_from=[*WAITING, *ACTIVE],
-            error_code=error_code,
-            error_message=message,
-            error_log_tail=log_tail,
-            message=message,
-        )
+    fields = {"error_code": error_code, "error_message": message, "error_log_tail": log_tail, "message": message}
+    return _end(settings, row, JobState.failed, exit_code, "error", **fields)
 
 
 def cancelled(settings: Settings, row: SlurmRow) -> bool:
     """cancelled, whatever the job was (a cancel through the API, or scancel by the cluster's users)."""
-    with session_scope(settings.database_url) as session:
-        _end_attempt(session, row, None, "cancelled")
-        return transition(
-            session,
-            row.job_id,
-            JobState.cancelled,
-            only_from=[*WAITING, *ACTIVE],
-            message=f"Slurm job {row.slurm_job_id} cancelled",
-        )
+    message = f"Slurm job {row.slurm_job_id} cancelled"
+    return _end(settings, row, JobState.cancelled, None, "cancelled", message=message)
