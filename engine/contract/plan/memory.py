@@ -130,7 +130,8 @@ class Layout:
     train: bool = True
     eval_tokens: int = 0  # eval: prompt + new tokens per sequence (KV cache length)
     rows_per_sample: int = 1  # stage dpo: 2 (a pair's chosen and rejected answers run in one forward)
-    reference_copy: bool = False  # stage dpo with a frozen second model (not LoRA, not reference-free)
+    reference_copy: bool = False  # stage dpo with a frozen second model (not LoRA, not reference-free); grpo with beta
+    generation_rows: int = 0  # stage grpo: completions one rank decodes at once (its groups: global_batch_size / DP)
     # the largest micro-batch the job's data forms (``engine.contract.plan.data_shape``): rows × width padded positions,
     # pairs included; None plans every micro-batch at ``seq_length`` (the worst case)
     batch_rows: int | None = None
@@ -190,7 +191,8 @@ class RankMemory:
     comm: int = 0
     optimizer_step: int = 0
     micro_batches_in_flight: int = 0
-    reference: int = 0  # stage dpo's frozen reference model (``reference_bytes``)
+    reference: int = 0  # stage dpo's (grpo's with beta) frozen reference model (``reference_bytes``)
+    generation: int = 0  # stage grpo's rollout working set (``generation_bytes``): not alive with the activations
     host: int = 0  # host memory the rank's offloaded optimizer state (and its step's temporaries) takes
     host_traffic: int = 0  # bytes copied host <-> device per step for the offloaded state
 
@@ -200,8 +202,10 @@ class RankMemory:
 
     @property
     def total_bytes(self) -> int:
-        """Peak: the persistent state plus the larger of the forward/backward and optimizer-step working sets."""
-        return self.persistent_bytes + max(self.activations + self.loss + self.comm, self.optimizer_step)
+        """Peak: the persistent state plus the largest of the forward/backward, optimizer-step and (stage grpo)
+        generation working sets."""
+        working = max(self.activations + self.loss + self.comm, self.optimizer_step, self.generation)
+        return self.persistent_bytes + working
 
     def as_json(self) -> dict[str, Any]:
         out = {
@@ -216,6 +220,7 @@ class RankMemory:
         }
         out.update({f"{p}_bytes": getattr(self, p) for p in PARTS})
         out["optimizer_step_bytes"] = self.optimizer_step
+        out["generation_bytes"] = self.generation
         out["host_bytes"] = self.host
         out["host_traffic_bytes_per_step"] = self.host_traffic
         out["persistent_bytes"] = self.persistent_bytes
@@ -519,6 +524,25 @@ def kv_cache_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
     return rows * cfg.kv_channels * lay.compute_bytes
 
 
+def generation_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
+    """Stage grpo's rollout (``engine.train.grpo_rollout.decode``): the rank's ``generation_rows`` completions decoded
+    in one batch through a KV cache of prompt + max_completion_length positions (at most ``seq_length``, which the
+    engine holds them to), in the dtype of the model's first parameter (decode's choice: the stored trainable
+    weights', fp32 under bf16 unless precision-aware; a LoRA run's frozen base in the compute dtype) with the TP
+    rank's KV heads; plus the prefill's no-grad transient (one layer's working set over every row's prompt, its CPU
+    mask) and the last position's logits. 0 otherwise."""
+    if not lay.generation_rows:
+        return 0
+    e = lay.compute_bytes if lay.lora_r is not None else max(lay.compute_bytes, lay.optim.weights)
+    gen = dataclasses.replace(
+        lay, micro_batch_size=lay.generation_rows, eval_tokens=lay.seq_length, cp=1, ring=1, compute_bytes=e
+    )
+    rows, width = lay.generation_rows, lay.seq_length
+    cache = kv_cache_bytes(cfg, gen, layers) + gqa_expansion_bytes(cfg, gen)
+    prefill = layer_activation_bytes(cfg, gen, rows * width) + (rows * width**2 if lay.device_type == "cpu" else 0)
+    return cache + prefill + rows * cfg.vocab_size // lay.tp * 4
+
+
 def gqa_expansion_bytes(cfg: ModelConfig, lay: Layout) -> int:
     """Attention over the cache with a mask (``engine.model.attention.core_attention``): off CPU SDPA's masked kernels
     take no GQA, so one layer's keys and values are repeated to every query head for the step's rows over the whole
@@ -551,6 +575,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             if lay.optim.offload > 0:  # the host steps its share in the same slices
                 m.host += precision_step_bytes(cfg, lay, trainable)
             m.reference = reference_bytes(cfg, lay, m)
+            m.generation = generation_bytes(cfg, lay, len(layers))
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
             m.params = total * lay.compute_bytes
         tokens = lay.tokens

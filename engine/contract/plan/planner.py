@@ -172,7 +172,14 @@ def optimizer_bytes(spec: TrainSpec) -> OptimizerBytes:
 def _preference_layout(spec: TrainSpec) -> dict[str, Any]:
     """Stage dpo: pairs double the rows of a micro-batch; a frozen reference copy unless LoRA, reference-free or
     precomputed (``precompute_ref_log_probs``: the copy lives only in the pass before training, while the policy has
-    no gradients or optimizer state yet, so it never sets the peak)."""
+    no gradients or optimizer state yet, so it never sets the peak). Stage grpo: each rank decodes its groups'
+    completions at once (``generation_rows``), and beta != 0 keeps a frozen reference (none under LoRA)."""
+    if spec.stage == "grpo":
+        dp = spec.resources.world_size // (
+            spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size * spec.context_parallel_size
+        )
+        rows = (spec.global_batch_size or spec.micro_batch_size * dp) // max(1, dp)
+        return {"generation_rows": rows, "reference_copy": spec.beta != 0 and not spec.is_lora}
     if spec.stage != "dpo":
         return {}
     free = spec.dpo_loss_type in REFERENCE_FREE_LOSSES
@@ -234,6 +241,7 @@ def breakdown(r: RankMemory) -> str:
         ("comm", r.comm),
         ("reference model", r.reference),
         ("optimizer step", r.optimizer_step),
+        ("generation", r.generation),
     ]
     return ", ".join(f"{name} {_gib(v)}" for name, v in parts if v)
 
@@ -322,6 +330,14 @@ def check_fits(
             + ("" if lay.distributed_optimizer else ", use_distributed_optimizer")
             + ")"
             + (f"; it would fit with {' or '.join(remedies)}" if remedies else "")
+        )
+    elif worst.generation > max(worst.activations + worst.loss + worst.comm, worst.optimizer_step):
+        field = "global_batch_size"
+        advice = (
+            f"stage grpo's generation overflows the device: {lay.generation_rows} completions per rank decoded at "
+            f"once through a KV cache of seq_length {lay.seq_length} positions ({_gib(worst.generation)}); lower "
+            "global_batch_size (fewer prompts per step) or seq_length (prompt + max_completion_length), or spread "
+            "the groups over more data-parallel ranks"
         )
     else:
         field = "micro_batch_size"
