@@ -100,7 +100,9 @@ class CompletionRow(BaseModel):
     completion_ids: list[int] = Field(description="the token ids the loss saw (up to and including the stop token)")
     completion: str
     reward: float = Field(description="the weighted sum of the reward functions")
-    rewards: dict[str, float] = Field(description="each reward function's score, by name")
+    rewards: dict[str, float | None] = Field(
+        description="each reward function's score, by name; null where an http reward's batch failed (TRL's None)"
+    )
     advantage: float
     truncated: bool = Field(description="cut at max_completion_length (no stop token)")
 
