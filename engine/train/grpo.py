@@ -337,12 +337,14 @@ class GRPOLoop:
         if not self.t.run.is_writer:
             return
         keys = [r.key for r in self.rewards]
+        prompts = {p.index: self.tokenizer.decode(p.ids) for p in rows}  # as the model saw it, template included
         with open(self.t.run.path / COMPLETIONS, "a", encoding="utf-8") as f:
             for i, p in enumerate(rows):
                 row = {
                     "iteration": iteration,
                     "prompt_id": p.index,
                     "prompt_ids": p.ids,
+                    "prompt": prompts[p.index],
                     "completion_ids": completions[i],
                     "completion": texts[i],
                     "reward": float(rewards[i]),
