@@ -20,7 +20,8 @@ from engine.contract.model_config import preset
 from engine.contract.runfiles import EXIT_OK
 from engine.model.qwen3 import Qwen3Model
 
-pytestmark = pytest.mark.slow
+# the module's fixture (two trainings) lands on whichever test runs first: 86 s under CI load
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SYSTEM = "You are a helpful assistant."
 INTENTS = {

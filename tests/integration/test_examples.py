@@ -114,6 +114,7 @@ def test_the_readmes_serving_section_uses_what_exists(settings: Settings) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # every example in turn on one worker: 262 s under CI load
 def test_every_example_succeeds_in_order(
     settings: Settings, tmp_path: Path, api: tuple[TestClient, dict[str, str]]
 ) -> None:
