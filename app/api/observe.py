@@ -97,6 +97,7 @@ class CompletionRow(BaseModel):
     iteration: int = Field(description="the first iteration that trained on its rollout")
     prompt_id: int = Field(description="the dataset row of its prompt")
     prompt_ids: list[int]
+    prompt: str | None = Field(None, description="the prompt's text as the model saw it (its chat template included)")
     completion_ids: list[int] = Field(description="the token ids the loss saw (up to and including the stop token)")
     completion: str
     reward: float = Field(description="the weighted sum of the reward functions")
