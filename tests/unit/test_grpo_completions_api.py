@@ -24,7 +24,7 @@ def settings(tmp_path: Path) -> Settings:
 
 def _row(iteration: int, i: int) -> dict:
     return {
-        "iteration": iteration, "prompt_id": i // 4, "prompt_ids": [1, 2], "completion_ids": [3, i],
+        "iteration": iteration, "prompt_id": i // 4, "prompt_ids": [1, 2], "prompt": f"p{i // 4}", "completion_ids": [3, i],
         "completion": f"c{i}", "reward": float(i % 2), "rewards": {"exact_match": float(i % 2), "http": None if i == 7 else 0.5},  # null: a failed http batch
         "advantage": 0.5 - i % 2, "truncated": False,
     }  # fmt: skip
