@@ -40,7 +40,10 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # Two pytest-xdist workers: most tests wait on child processes (torchrun ranks, the service, workers), so two at a time
-# fill the machine; the tests that share PostgreSQL's or Redis's one database run on one worker in turn (tests/conftest.py).
+# fill the machine. Every run is in a random order (pytest-randomly, pinned): the header prints
+# `Using --randomly-seed=N`, and `make test PYTEST_ARGS=--randomly-seed=N` replays that order; a test that passes only
+# after another fails some day, not never. The tests on PostgreSQL or Redis keep to their own databases and keys
+# (tests/conftest.py checks it), so they need no worker of their own and xdist spreads them like any other.
 # SERIAL_TESTS run after, in one process: schemathesis gives every case it generates its test function's node id, and
 # xdist, which schedules by node id, would run one case of each (tests/conftest.py refuses such duplicates under xdist).
 # The chat-flood replay holds another team's p99 under 1 s: on 2 cores it needs the machine to itself.
@@ -50,10 +53,13 @@ SERIAL_TESTS := tests/integration/test_api_fuzz.py tests/security/test_openai_fl
 # first backward of a process, so these run first in a process of their own (an xdist worker has run CPU backwards).
 TRACE_TESTS := tests/unit/test_trace.py tests/unit/test_npu_rope.py
 
+PYTEST_ARGS ?=
+
 test: setup
-	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup $(addprefix --ignore=,$(SERIAL_TESTS) $(TRACE_TESTS))
-	$(PY) -m pytest -ra $(TRACE_TESTS)
-	$(PY) -m pytest -ra $(SERIAL_TESTS)
+	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS) \
+	  $(addprefix --ignore=,$(SERIAL_TESTS) $(TRACE_TESTS))
+	$(PY) -m pytest -ra $(PYTEST_ARGS) $(TRACE_TESTS)
+	$(PY) -m pytest -ra $(PYTEST_ARGS) $(SERIAL_TESTS)
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow and not e2e"

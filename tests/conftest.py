@@ -7,6 +7,7 @@ import importlib.util
 import os
 import socket
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,12 +17,14 @@ POSTGRES_URL = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg:/
 REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-# Tests that touch the one shared PostgreSQL database or Redis are meant to run on one pytest-xdist worker, in turn;
-# every other test keeps its state in its own tmp_path and free ports, so `make test` spreads them over the cores.
-# Known gap: with pytest 9 and pytest-xdist 3.8 the group has no effect (xdist rewrites item._nodeid, pytest 9 reads
-# the node id from item._id), so these tests run on both workers; each uses its own rows, schema or keys. Pinning
-# pytest 8 restores the grouping but showed three order- and timing-dependent failures not fixed yet (stop 38 note).
-SHARED_SERVICES = {"postgres_url", "redis_url"}
+# PostgreSQL and Redis are servers shared by both xdist workers, every order pytest-randomly picks, and the other runs
+# on this machine. So a test on them works in a space of its own: a PostgreSQL database made for it
+# (`core_support.fresh_postgres_database`, dropped after) and Redis keys named by uuids (job ids, a queue prefix); none
+# waits for another or depends on which ran first, and no worker of their own is needed. `postgres_url` is the server's
+# address to create such a database from, never a database to use. Checked twice: at collection, a module that asks
+# for a shared server must make its space as above (ISOLATION); after each test on PostgreSQL, the shared database
+# must still hold no table.
+ISOLATION = {"postgres_url": "fresh_postgres_database(", "redis_url": "uuid"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,9 +33,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if repeated:
             raise pytest.UsageError(f"node ids shared by several tests, run them outside xdist: {repeated[:3]}")
     for item in items:
-        uses = SHARED_SERVICES & set(getattr(item, "fixturenames", ()))
-        if uses or item.get_closest_marker("postgres") or item.get_closest_marker("redis"):
-            item.add_marker(pytest.mark.xdist_group("shared-services"))
+        for fixture in ISOLATION.keys() & set(getattr(item, "fixturenames", ())):
+            source = Path(str(item.fspath)).read_text()
+            if ISOLATION[fixture] not in source:
+                raise pytest.UsageError(
+                    f"{item.nodeid} asks for {fixture} but its module never calls {ISOLATION[fixture]!r}: give the "
+                    "test a database or keys of its own (tests/conftest.py, ISOLATION)"
+                )
+
+
+@pytest.fixture(autouse=True)
+def _shared_database_stays_empty(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on PostgreSQL, the shared database holds no table: one there means a test used it as its own."""
+    yield
+    if "postgres_url" not in request.fixturenames:
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(request.getfixturevalue("postgres_url"))
+    try:
+        with engine.connect() as connection:
+            tables = connection.execute(sa.text(SHARED_TABLES)).scalars().all()
+    finally:
+        engine.dispose()
+    assert not tables, f"the shared database holds {sorted(tables)[:5]}: a test wrote into it, not into its own"
+
+
+SHARED_TABLES = (
+    "SELECT table_schema || '.' || table_name FROM information_schema.tables "
+    "WHERE table_schema NOT IN ('pg_catalog', 'information_schema')"
+)
 
 
 def _reachable(url: str) -> bool:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from core.db import ALEMBIC_INI, REPO_ROOT, migration_lock
+from core_support import fresh_postgres_database
 
 PROCESSES = 6
 ROUNDS = 20
@@ -75,47 +77,24 @@ def _head(url: str) -> Any:
         engine.dispose()
 
 
-def _rounds(make_db: Any, drop_db: Any, var_dir: Path) -> list[list[int | None]]:
+def _rounds(database: Callable[[int], AbstractContextManager[str]], var_dir: Path) -> list[list[int | None]]:
     results = []
     for number in range(ROUNDS):
-        url = make_db(number)
-        try:
+        with database(number) as url:
             if number % 2:
                 _upgrade_to(url, "0003")
             codes = _race(url, var_dir)
             results.append(codes)
             assert codes == [0] * PROCESSES, f"round {number}: exit codes {codes}"
             assert _head(url) == [_script_head()]
-        finally:
-            drop_db(url)
     return results
 
 
 def test_sqlite_start_race(tmp_path: Path) -> None:
-    def make_db(number: int) -> str:
-        return f"sqlite:///{tmp_path}/round{number}/llmjobs.db"
-
-    results = _rounds(make_db, lambda url: None, tmp_path)
+    results = _rounds(lambda number: nullcontext(f"sqlite:///{tmp_path}/round{number}/llmjobs.db"), tmp_path)
     print(f"sqlite: {len(results)} rounds x {PROCESSES} processes, all exited 0")
 
 
 def test_postgres_start_race(postgres_url: str, tmp_path: Path) -> None:
-    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    base = make_url(postgres_url)
-
-    def make_db(number: int) -> str:
-        name = f"{base.database}_race{number}"
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-        return base.set(database=name).render_as_string(hide_password=False)
-
-    def drop_db(url: str) -> None:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
-
-    try:
-        results = _rounds(make_db, drop_db, tmp_path)
-    finally:
-        admin.dispose()
+    results = _rounds(lambda number: fresh_postgres_database(postgres_url), tmp_path)
     print(f"postgresql: {len(results)} rounds x {PROCESSES} processes, all exited 0")
