@@ -25,10 +25,10 @@ import logging
 import zlib
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import lru_cache
+from functools import lru_cache, partial
 from heapq import heapify, heappop, heappush
 from itertools import groupby
 from typing import Any
@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 class HostView:
     name: str
     address: str
-    free: list[int]
+    free_count: int
     total: int
+    free: list[int] | None = None  # the free device ids: read only for hosts a placement looks at (``FreeIndex``)
 
 
 @dataclass(slots=True)
@@ -105,61 +106,97 @@ def is_live(host: Host, settings: Settings) -> bool:
 
 
 def live_hosts(session: Session, settings: Settings) -> dict[str, list[HostView]]:
-    """Every live host's free devices, per device type, in a few reads per pass whatever the number of waiting jobs:
-    the live hosts, the count of leased devices per host (aggregated in the database), then the leased device ids of
-    only the hosts with some free (in a busy cluster a few: reading every lease of 1,000 full hosts was a third of a
-    pass). The counts are joined here, not in SQL: on tables whose statistics lag their churn (a fresh database, a
-    burst of registrations) PostgreSQL joined 1,000 hosts to the lease aggregate by a nested loop, 45 ms a pass."""
+    """Every live host's count of free devices, per device type, in two reads per pass whatever the number of
+    waiting jobs: the live hosts and the count of leased devices per host (aggregated in the database). Which
+    devices are free is read later, only for the hosts a placement considers (``free_ids``): reading every lease and
+    device list of 1,000 fragmented hosts on every pass was most of a pass's CPU time. The counts are joined here,
+    not in SQL: on tables whose statistics lag their churn (a fresh database, a burst of registrations) PostgreSQL
+    joined 1,000 hosts to the lease aggregate by a nested loop, 45 ms a pass."""
     db = session.connection()  # plain rows, without the ORM's per-row work: these reads scale with the cluster
     cutoff = utcnow() - timedelta(seconds=settings.host_stale_after_s)
     live = (Host.state == HostState.up.value) & (Host.heartbeat_at > cutoff)  # is_live, in SQL
     held = dict(db.execute(select(Lease.host, func.count()).group_by(Lease.host)).all())
     columns = (Host.name, Host.device_type, Host.address, Host.devices)
     views: dict[str, list[HostView]] = {}
-    with_free: dict[str, HostView] = {}
     for name, kind, address, devices in db.execute(select(*columns).where(live).order_by(Host.name)).all():
-        view = HostView(name, address or "127.0.0.1", [], devices)
-        if devices > held.get(name, 0):  # a host registers ``devices == len(device_ids)``
-            with_free[name] = view
-        views.setdefault(kind, []).append(view)
-    for chunk in _chunks(sorted(with_free)):  # device ids (JSON) and leases of only these hosts
+        # a host registers ``devices == len(device_ids)``
+        views.setdefault(kind, []).append(HostView(name, address or "127.0.0.1", devices - held.get(name, 0), devices))
+    return views
+
+
+def free_ids(session: Session, hosts: list[HostView]) -> None:
+    """Fill ``free`` (the free device ids) of ``hosts``: their device ids and leases, in two reads per 500 hosts."""
+    db, by_name = session.connection(), {h.name: h for h in hosts}
+    for chunk in _chunks(sorted(by_name)):
         taken: dict[str, set[int]] = {}
         for name, device in db.execute(select(Lease.host, Lease.device).where(Lease.host.in_(chunk))).all():
             taken.setdefault(name, set()).add(device)
         for name, device_ids in db.execute(select(Host.name, Host.device_ids).where(Host.name.in_(chunk))).all():
-            view = with_free[name]
+            view = by_name[name]
             ids = range(view.total) if device_ids is None else device_ids
             view.free = [d for d in ids if d not in taken.get(name, ())]
-    return views
+            view.free_count = len(view.free)  # the leases as read now (a lease released since the count)
 
 
 class FreeIndex:
     """The live hosts of one device type by their number of free devices (name order within a number), updated as
     the pass grants: a placement looks at the few counts that fit instead of sorting every host, so a pass granting
-    G gangs over H hosts costs about G·log H, not G·H."""
+    G gangs over H hosts costs about G·log H, not G·H. The free device ids of a host are read when a placement first
+    looks at it (``load``: ``free_ids``), with those of up to ``PREFETCH`` other hosts of the buckets it looks at,
+    so a pass that fills many hosts reads them in a few batches."""
 
-    def __init__(self, hosts: list[HostView]):
-        self.hosts = hosts  # name order; each view's ``free`` is kept current
+    PREFETCH = 64
+
+    def __init__(self, hosts: list[HostView], load: Callable[[list[HostView]], None] | None = None):
+        self.hosts = hosts  # name order; each view's ``free_count`` (and ``free`` once read) is kept current
+        self.load = load
         self.by_free: dict[int, list[HostView]] = {}
         for host in hosts:
-            self.by_free.setdefault(len(host.free), []).append(host)
+            if host.free_count > 0:
+                self.by_free.setdefault(host.free_count, []).append(host)
 
     def place(self, res: Resources) -> list[tuple[HostView, list[int]]] | None:
         """``nnodes`` distinct hosts with ``nproc_per_node`` free devices each, fullest first (best fit), or None."""
-        counts = sorted(c for c in self.by_free if c >= res.nproc_per_node)
-        if sum(len(self.by_free[c]) for c in counts) < res.nnodes:
-            return None
-        chosen = [host for c in counts for host in self.by_free[c][: res.nnodes]][: res.nnodes]
-        return [(host, host.free[: res.nproc_per_node]) for host in chosen]
+        while True:
+            counts = sorted(c for c in self.by_free if c >= res.nproc_per_node)
+            if sum(len(self.by_free[c]) for c in counts) < res.nnodes:
+                return None
+            chosen = [host for c in counts for host in self.by_free[c][: res.nnodes]][: res.nnodes]
+            unread = [host for host in chosen if host.free is None]
+            if not unread:
+                return [(host, (host.free or [])[: res.nproc_per_node]) for host in chosen]
+            self._read(unread, counts)  # the counts may have moved (a lease taken or released since): look again
+
+    def _read(self, unread: list[HostView], counts: list[int]) -> None:
+        names = {h.name for h in unread}
+        more = (h for c in counts for h in self.by_free[c] if h.free is None and h.name not in names)
+        batch = unread + [h for h, _ in zip(more, range(self.PREFETCH), strict=False)]
+        before = {h.name: h.free_count for h in batch}
+        if self.load is None:
+            raise RuntimeError("FreeIndex: hosts without device ids and no loader")
+        self.load(batch)
+        for host in batch:
+            host.free = host.free if host.free is not None else []
+            if host.free_count != before[host.name]:
+                self._move(host, before[host.name])
+
+    def _move(self, host: HostView, old: int) -> None:
+        """Re-file ``host`` from bucket ``old`` to its ``free_count`` now."""
+        bucket = self.by_free.get(old, [])
+        at = bisect_left(bucket, host.name, key=_name)
+        if at < len(bucket) and bucket[at] is host:
+            del bucket[at]
+        if old in self.by_free and not bucket:
+            del self.by_free[old]
+        if host.free_count > 0:
+            insort(self.by_free.setdefault(host.free_count, []), host, key=_name)
 
     def take(self, placement: list[tuple[HostView, list[int]]]) -> None:
         for host, devices in placement:
-            bucket = self.by_free[len(host.free)]
-            del bucket[bisect_left(bucket, host.name, key=_name)]
-            if not bucket:
-                del self.by_free[len(host.free)]
-            host.free = [d for d in host.free if d not in devices]
-            insort(self.by_free.setdefault(len(host.free), []), host, key=_name)
+            old = host.free_count
+            host.free = [d for d in host.free or [] if d not in devices]
+            host.free_count = len(host.free)
+            self._move(host, old)
 
 
 def _name(host: HostView) -> str:
@@ -171,7 +208,7 @@ def team_usage(session: Session) -> dict[str, int]:
 
 
 def _free_summary(hosts: list[HostView], limit: int = 5) -> str:
-    parts = [f"host {h.name} has {len(h.free)} free" for h in hosts[:limit]]
+    parts = [f"host {h.name} has {h.free_count} free" for h in hosts[:limit]]
     return "; ".join(parts) + (f"; {len(hosts) - limit} more hosts" if len(hosts) > limit else "")
 
 
@@ -184,7 +221,7 @@ def waiting_reason(res: Resources, hosts: list[HostView], settings: Settings) ->
         )
     if res.nnodes == 1:
         return f"waiting for {res.nproc_per_node} free {kind} devices on one host; {_free_summary(hosts)}"
-    enough = sum(len(h.free) >= res.nproc_per_node for h in hosts)
+    enough = sum(h.free_count >= res.nproc_per_node for h in hosts)
     return (
         f"waiting for {res.nnodes} hosts with {res.nproc_per_node} free {kind} devices each ({enough} have enough); "
         f"{_free_summary(hosts)}"
@@ -483,7 +520,8 @@ def _pass(session: Session, settings: Settings) -> list[Grant]:
     usage = team_usage(session)
     waiting = waiting_jobs(session, settings.schedule_window)
     jobs = fair_order(waiting, usage)
-    hosts = {kind: FreeIndex(views) for kind, views in live_hosts(session, settings).items()}
+    load = partial(free_ids, session)
+    hosts = {kind: FreeIndex(views, load) for kind, views in live_hosts(session, settings).items()}
     blocked: dict[str, str] = {}
     behind: dict[str, str] = {}  # job id -> its device type, which a job earlier in turn could not get
     planned: list[Planned] = []

@@ -1,6 +1,7 @@
 """The scheduler's in-memory parts against plain reference versions, over random inputs: ``fair_order`` (a heap of
 team turns) yields what a scan of every team per step yields while the consumer grants, and ``FreeIndex`` places
-exactly as sorting every host by (free devices, name) does, never handing out a device twice."""
+exactly as sorting every host by (free devices, name) does, never handing out a device twice, reading each host's
+device ids once and only when a placement looks at it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 from collections import deque
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from functools import partial
 from itertools import groupby
 
 from core.scheduler import FreeIndex, HostView, Waiting, behind_counts, fair_order
@@ -65,19 +67,33 @@ def test_fair_order_lets_a_small_team_in_within_its_priority() -> None:
 
 
 def reference_place(res: Resources, hosts: list[HostView]) -> list[tuple[str, list[int]]] | None:
-    fitting = sorted((h for h in hosts if len(h.free) >= res.nproc_per_node), key=lambda h: (len(h.free), h.name))
+    free = {h.name: h.free or [] for h in hosts}
+    fitting = sorted(
+        (h for h in hosts if len(free[h.name]) >= res.nproc_per_node), key=lambda h: (len(free[h.name]), h.name)
+    )
     if len(fitting) < res.nnodes:
         return None
-    return [(h.name, h.free[: res.nproc_per_node]) for h in fitting[: res.nnodes]]
+    return [(h.name, free[h.name][: res.nproc_per_node]) for h in fitting[: res.nnodes]]
+
+
+def read_ids(truth: dict[str, list[int]], loaded: list[str], batch: list[HostView]) -> None:
+    """``core.scheduler.free_ids`` over ``truth`` (the leases in the database), counting each host read."""
+    for view in batch:
+        assert view.free is None, "a host's ids are read once"
+        view.free = list(truth[view.name])
+        loaded.append(view.name)
 
 
 def test_free_index_places_best_fit_like_a_full_sort_and_never_twice() -> None:
     for seed in range(20):
         rng = random.Random(seed)
         names = sorted(f"h{i:03d}" for i in range(rng.randrange(1, 60)))
-        hosts = [HostView(n, "a", sorted(rng.sample(range(8), rng.randrange(9))), 8) for n in names]
-        mirror = [HostView(h.name, h.address, list(h.free), h.total) for h in hosts]
-        index, taken = FreeIndex(hosts), set()
+        truth = {n: sorted(rng.sample(range(8), rng.randrange(9))) for n in names}  # the leases in the database
+        hosts = [HostView(n, "a", len(truth[n]), 8) for n in names]  # counts only: ids read when looked at
+        mirror = [HostView(n, "a", len(truth[n]), 8, list(truth[n])) for n in names]
+        loaded: list[str] = []
+
+        index, taken = FreeIndex(hosts, partial(read_ids, truth, loaded)), set()
         for _ in range(200):
             res = Resources(nnodes=rng.choice([1, 1, 2, 4]), nproc_per_node=rng.choice([1, 2, 4, 8]))
             want = reference_place(res, mirror)
@@ -92,8 +108,9 @@ def test_free_index_places_best_fit_like_a_full_sort_and_never_twice() -> None:
                     assert (host.name, d) not in taken
                     taken.add((host.name, d))
                 view = next(m for m in mirror if m.name == host.name)
-                view.free = [d for d in view.free if d not in devices]
-            assert sorted(len(h.free) for h in hosts) == sorted(len(m.free) for m in mirror)
+                view.free = [d for d in view.free or [] if d not in devices]
+            assert sorted(h.free_count for h in hosts) == sorted(len(m.free or []) for m in mirror)
+        assert len(loaded) == len(set(loaded))
 
 
 def test_behind_counts_follow_priority_then_age_per_device_type() -> None:
