@@ -22,10 +22,13 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    select,
     text,
 )
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.ext.hybrid import hybrid_property
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator
 
 from core.states import WAITING
@@ -79,7 +82,8 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(16))
     name: Mapped[str | None] = mapped_column(String(200))
     state: Mapped[str] = mapped_column(String(16), default="queued")
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # the spec lives in ``job_specs`` (written once; see ``spec`` below): this row is rewritten on every update
+    spec_row: Mapped[JobSpec | None] = relationship(lazy="selectin", cascade="all, delete-orphan", passive_deletes=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -106,6 +110,30 @@ class Job(Base):
     retry_not_before: Mapped[datetime | None]  # a retrying job waits for this (``core.recovery.retry_backoff``)
     slurm_job_id: Mapped[str | None] = mapped_column(String(32))  # a Slurm pool's job: sbatch's id (core.slurm)
     slurm_state: Mapped[str | None] = mapped_column(String(32))  # the last Slurm state read; tracked until final
+
+    @hybrid_property
+    def spec(self) -> dict[str, Any]:
+        """The spec as admitted at submission (``job_specs``); in SQL, a correlated read of it."""
+        return self.spec_row.spec if self.spec_row is not None else {}
+
+    @spec.inplace.setter
+    def _spec_set(self, value: dict[str, Any]) -> None:
+        self.spec_row = JobSpec(spec=value)
+
+    @spec.inplace.expression
+    @classmethod
+    def _spec_sql(cls) -> ColumnElement[Any]:
+        return select(JobSpec.spec).where(JobSpec.job_id == cls.id).scalar_subquery()
+
+
+class JobSpec(Base):
+    """A job's spec, written once with the job. A table of its own: the job row is updated several times per job and
+    PostgreSQL writes a new version of the whole row on each update (migration 0014)."""
+
+    __tablename__ = "job_specs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 # The rows a scheduling pass may start, as literal SQL: a query uses the partial index below only where its own

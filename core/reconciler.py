@@ -12,7 +12,7 @@ from core.disk_watch import warn_running
 from core.dispatch import send_waiting
 from core.host_verdicts import ServiceWatch, Verdicts, judge_hosts, presence_grace_s
 from core.jobs import transition
-from core.models import Job, utcnow
+from core.models import Job, JobSpec, utcnow
 from core.pipelines import advance_all
 from core.recovery import end_attempt, recover
 from core.scheduler import fill_resources, schedule
@@ -52,8 +52,12 @@ def _waiting(settings: Settings, now: datetime) -> tuple[list[tuple[str, Any, st
     ``dispatched_at`` of its waiting jobs) is older than ``redispatch_after_s``. Reads columns, not whole rows: this
     runs over every waiting job on every pass."""
     stale = now - timedelta(seconds=settings.redispatch_after_s)
-    columns = (Job.id, Job.state, Job.queue, Job.spec["start_deadline_s"], Job.created_at, Job.updated_at)
-    rows = select(*columns, Job.dispatched_at, Job.pending_reason).where(Job.state.in_([s.value for s in WAITING]))
+    columns = (Job.id, Job.state, Job.queue, JobSpec.spec["start_deadline_s"], Job.created_at, Job.updated_at)
+    rows = (
+        select(*columns, Job.dispatched_at, Job.pending_reason)
+        .outerjoin(JobSpec, JobSpec.job_id == Job.id)
+        .where(Job.state.in_([s.value for s in WAITING]))
+    )
     expired: list[tuple[str, Any, str | None]] = []
     first: dict[str, str] = {}
     latest: dict[str, datetime] = {}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import select
 
 from core.db import get_engine, session_scope
 from core.jobs import transition
@@ -82,3 +83,42 @@ def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Pat
         assert fill_resources(session) == 1
         (waiting,) = waiting_jobs(session, 200)
         assert json.loads(waiting.resources) == spec["resources"]
+
+
+def test_job_specs_move_to_their_table_and_back(tmp_path: Path) -> None:
+    """Migration 0014 moves each spec out of the job row (rewritten on every update) into ``job_specs``, keeps the
+    waiting-turn index's order on SQLite's table rebuild, and its downgrade moves the specs back."""
+    import json
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text
+
+    from core.db import ALEMBIC_INI
+    from core.settings import REPO_ROOT
+
+    url = f"sqlite:///{tmp_path / 'specs.db'}"
+    config = Config(str(ALEMBIC_INI))
+    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    config.attributes["database_url"] = url
+    command.upgrade(config, "0013")
+    spec = {"kind": "train", "train_iters": 4, "resources": {"device_type": "cpu", "nnodes": 1, "nproc_per_node": 1}}
+    insert = (
+        "INSERT INTO jobs (id, team, kind, state, spec, metadata, priority, queue, run_dir, max_restarts, "
+        "attempt_count, created_at, updated_at) VALUES ('a', 't', 'train', 'queued', :spec, '{}', 0, 'q', 'r', 0, 0, "
+        "'2026-01-01 00:00:00', '2026-01-01 00:00:00')"
+    )
+    with get_engine(url).begin() as connection:
+        connection.execute(text(insert), {"spec": json.dumps(spec)})
+    command.upgrade(config, "0014_job_specs")
+    with session_scope(url) as session:
+        job = session.get(Job, "a")
+        assert job is not None and job.spec == spec
+        assert session.scalar(select(Job.spec["train_iters"].as_integer())) == 4
+        index = session.scalar(text("SELECT sql FROM sqlite_master WHERE name = 'ix_jobs_waiting_turn'"))
+        assert "priority DESC" in index
+        assert "spec" not in [c[1] for c in session.execute(text("PRAGMA table_info(jobs)"))]
+    command.downgrade(config, "0013")
+    with get_engine(url).begin() as connection:
+        assert json.loads(connection.scalar(text("SELECT spec FROM jobs WHERE id = 'a'"))) == spec
+        assert connection.scalar(text("SELECT count(*) FROM sqlite_master WHERE name = 'job_specs'")) == 0
