@@ -43,6 +43,7 @@ import torch
 
 from engine.eval.generate import last_logits
 from engine.serve.adapters import AdapterRows, remove_adapter
+from engine.serve.greedy_head import GreedyHead
 from engine.serve.sampling import Pick, RequestOptions, SamplingError, pick_token
 from engine.serve.slots import SlotCache, install_flat_attention
 from engine.serve.stats import ServeStats
@@ -111,6 +112,7 @@ class Batcher:
         sync: StepSync | None = None,
         max_batched_tokens: int = 2048,
         prefix_caching: bool = True,
+        bf16_greedy_head: bool = True,
     ) -> None:
         self.model, self.cache, self.stop_ids, self.adapters = model, cache, stop_ids, adapters
         self.sync = sync  # under TP: rank 0 broadcasts each forward for the other ranks to replay
@@ -120,6 +122,8 @@ class Batcher:
         self.prefix_caching = prefix_caching and sync is None
         self.device = next(model.parameters()).device
         self.flat = install_flat_attention(model)  # attention per row of the flat batch (engine.serve.slots)
+        # plain greedy rows' tokens from a bf16 head pass and an fp32 re-score (exact; engine.serve.greedy_head)
+        self.greedy_head = GreedyHead.for_model(model) if bf16_greedy_head and sync is None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = threading.Condition()
@@ -315,7 +319,7 @@ class Batcher:
         if self.sync is not None:
             starts = [self.cache.lengths[s] for s in slots]
             self.sync.lead(Step(tokens, slots, starts, adapters))
-        logits = self._compute(slots, adapters, tokens)
+        hidden = self._compute(slots, adapters, tokens)
         ready: list[tuple[int, Sequence]] = []
         for row, seq in enumerate(seqs):
             if seq.prefilled < len(seq.prompt):
@@ -323,33 +327,33 @@ class Batcher:
                 if seq.prefilled < len(seq.prompt):
                     continue
             ready.append((row, seq))
-        self._emit_all(ready, logits)
+        self._emit_all(ready, hidden)
 
-    def _emit_all(self, ready: list[tuple[int, Sequence]], logits: torch.Tensor) -> None:
-        """A token for each ``(row, seq)``: the plain greedy rows' argmax in one batched op (checked finite, as
-        ``pick_token`` checks them: per row it costs more than the forward at 32 rows of a 151k vocabulary),
-        the others through ``pick_token``."""
+    def _emit_all(self, ready: list[tuple[int, Sequence]], hidden: torch.Tensor) -> None:
+        """A token for each ``(row, seq)`` from ``hidden`` (B, H), every row's last state: plain greedy rows from the
+        bf16 greedy head where it decides, the other plain greedy rows by one batched argmax of their fp32 logits,
+        the rest through ``pick_token``. Only rows that need them get fp32 logits (under TP every row: each rank
+        all-gathers the head over the step's rows, as ``replay`` does)."""
         plain = [(row, seq) for row, seq in ready if _plain_greedy(seq)]
         fast: dict[int, int] = {}
-        if plain:
-            index = [row for row, _ in plain]
-            rows = logits if index == list(range(len(logits))) else logits[torch.tensor(index, device=logits.device)]
-            # a row's sum is finite only if all its logits are (a finite row whose sum overflows only takes the
-            # slow path, where pick_token checks it exactly)
-            finite = torch.isfinite(rows.sum(dim=-1)).tolist()
-            best = rows.argmax(dim=-1).tolist()
-            fast = {id(seq): tok for (_, seq), ok, tok in zip(plain, finite, best, strict=True) if ok}
+        if plain and self.greedy_head is not None:
+            picks = self.greedy_head.argmax(_take_rows(hidden, [row for row, _ in plain]))
+            fast = {id(seq): tok for (_, seq), tok in zip(plain, picks, strict=True) if tok is not None}
+        need = list(range(len(hidden))) if self.sync is not None else [r for r, s in ready if id(s) not in fast]
+        logits = last_logits(self.model, _take_rows(hidden, need)[:, None]) if need else hidden[:0]
+        at = {row: i for i, row in enumerate(need)}
+        fast |= _batched_argmax([(at[row], seq) for row, seq in plain if id(seq) not in fast], logits)
         for row, seq in ready:
             token = fast.get(id(seq))
             if token is None:
-                self._emit(seq, logits[row])
+                self._emit(seq, logits[at[row]])
             else:
                 self._take(seq, Pick(token))
 
     def _compute(self, slots: list[int], adapters: list[int], tokens: list[list[int]]) -> torch.Tensor:
         """The forward itself (every TP rank runs it): row ``i``'s ``tokens[i]`` appended to slot ``slots[i]``, all
-        rows flattened into one (1, N) batch (``engine.serve.slots.SlotView``); (B, V) fp32 logits at each row's
-        last token."""
+        rows flattened into one (1, N) batch (``engine.serve.slots.SlotView``); (B, H) final hidden states at each
+        row's last token (the head is applied by ``_emit_all`` to the rows that need it)."""
         counts = [len(t) for t in tokens]
         if self.adapters is not None:  # one adapter index per token of the flat batch
             self.adapters.set([a for a, n in zip(adapters, counts, strict=True) for _ in range(n)], self.device)
@@ -364,14 +368,15 @@ class Batcher:
         finally:
             self.flat.view = None
         view.commit(tokens)
-        return last_logits(self.model, hidden[0, view.last.to(hidden.device)][:, None])
+        return hidden[0, view.last.to(hidden.device)]
 
     @torch.inference_mode()
     def replay(self, step: Step) -> None:
         """A TP follower: run rank 0's forward ``step`` on this rank's shard (``engine.serve.tp_sync``)."""
         for slot, start in zip(step.slots, step.starts, strict=True):
             self.cache.lengths[slot] = start  # where rank 0's slot stands
-        self._compute(step.slots, step.adapters, step.tokens)
+        hidden = self._compute(step.slots, step.adapters, step.tokens)
+        last_logits(self.model, hidden[:, None])  # the head's all-gather, which rank 0's _emit_all joins
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token, hand it to the reader and end the sequence if it is done."""
@@ -424,6 +429,26 @@ def _plain_greedy(seq: Sequence) -> bool:
         and not opts.presence_penalty
         and opts.logprobs is None
     )
+
+
+def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]``, without a copy when ``rows`` is all of them in order."""
+    if rows == list(range(len(x))):
+        return x
+    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]
+
+
+def _batched_argmax(rows: list[tuple[int, Sequence]], logits: torch.Tensor) -> dict[int, int]:
+    """``{id(seq): argmax of logits[i]}`` for ``(i, seq)`` in ``rows`` whose logits are finite, in one batched op
+    (per row it costs more than the forward at 32 rows of a 151k vocabulary); a row left out takes ``pick_token``,
+    which checks it exactly."""
+    if not rows:
+        return {}
+    picked = _take_rows(logits, [i for i, _ in rows])
+    # a row's sum is finite only if all its logits are (a finite row whose sum overflows only takes the slow path)
+    finite = torch.isfinite(picked.sum(dim=-1)).tolist()
+    best = picked.argmax(dim=-1).tolist()
+    return {id(seq): tok for (_, seq), ok, tok in zip(rows, finite, best, strict=True) if ok}
 
 
 def _next_input(seq: Sequence, count: int) -> list[int]:
