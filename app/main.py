@@ -16,7 +16,20 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import start_http_server
 from pydantic import TypeAdapter
 
-from app.api import downloads, files, health, hosts, jobs, mlflow, observe, openai_compat, prometheus, sweeps, webhooks
+from app.api import (
+    downloads,
+    files,
+    health,
+    hosts,
+    jobs,
+    mlflow,
+    observe,
+    openai_compat,
+    prometheus,
+    sweeps,
+    team_settings,
+    webhooks,
+)
 from app.api_docs import document_refusals, install_docs
 from app.auth_first import AuthFirstMiddleware
 from app.errors import install_error_handlers
@@ -110,6 +123,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True, reconc
         webhooks.router,
         mlflow.router,  # MLflow's tracking API (a notebook's mlflow client)
         sweeps.router,  # hyperparameter sweeps (core.sweeps)
+        team_settings.secrets_router,  # a team's sealed secrets (core.team_secrets)
+        team_settings.teams_router,  # a team's report_to default (core.tracking)
         prometheus.router,
         downloads.router,
         files.router,

@@ -141,8 +141,9 @@ def slurm_agent() -> None:
 
 
 def reseal() -> None:
-    """Re-encrypt every stored webhook secret under the newest of LLMJOBS_SECRET_KEYS (after putting a new key first),
-    so an old key can be dropped; prints how many. Run where the database is reachable."""
+    """Re-encrypt every stored webhook secret and team secret under the newest of LLMJOBS_SECRET_KEYS (after putting a
+    new key first), so an old key can be dropped; prints how many. Run where the database is reachable."""
+    from core import team_secrets
     from core.db import session_scope
     from core.webhooks import reseal_secrets
 
@@ -151,10 +152,11 @@ def reseal() -> None:
     try:
         with session_scope(settings.database_url) as session:
             count = reseal_secrets(session, settings)
+            teams = team_secrets.reseal_all(session, settings)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"re-encrypted {count} webhook secret(s) under the newest key")
+    typer.echo(f"re-encrypted {count} webhook secret(s) and {teams} team secret(s) under the newest key")
 
 
 def worker(

@@ -6,6 +6,8 @@ job-wide metric points (as the worker ingested them) after the last one sent, up
 end the final state. Where it stands is a ``mlflow_reports`` row, so a restarted or new leader picks up from there.
 Nothing here touches the job: a server that is down, slow or refusing costs one warning event per outage and a
 backoff (doubling to 5 minutes), never the training; the URL is checked like a webhook's (``core.net_guard``).
+The bearer token is the team secret the spec names (``mlflow_token_secret``, ``core.team_secrets``): opened here, for
+the requests of one pass, and sent nowhere else (the job's row, its spec and the worker never hold it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import httpx
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from core import net_guard
+from core import net_guard, team_secrets
 from core.db import session_scope
 from core.jobs import add_event
 from core.mlflow_jobs import experiment_of, flatten, millis
@@ -45,8 +47,9 @@ class Unreachable(Exception):
 class Tracker:
     """The few MLflow REST calls the mirror makes, each to the address ``core.net_guard`` checked just now."""
 
-    def __init__(self, settings: Settings, base_url: str):
+    def __init__(self, settings: Settings, base_url: str, token: str | None = None):
         self.settings, self.base = settings, base_url.rstrip("/")
+        self.auth = {"authorization": f"Bearer {token}"} if token else {}
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         try:
@@ -60,7 +63,7 @@ class Tracker:
                     target.url,
                     json=body if method == "POST" else None,
                     params=body if method == "GET" else None,
-                    headers={"host": target.host_header},
+                    headers={"host": target.host_header, **self.auth},
                     extensions={"sni_hostname": target.host},
                 )
         except httpx.HTTPError as err:
@@ -172,6 +175,13 @@ def reporting_jobs(session: Session, now: datetime) -> list[Job]:
     return list(session.scalars(query.order_by(Job.created_at)))
 
 
+def tracker(session: Session, settings: Settings, job: Job) -> Tracker:
+    """The job's tracking server, with the token of the team secret its spec names (opened now)."""
+    secret = job.spec.get("mlflow_token_secret")
+    token = team_secrets.reveal(session, settings, job.team, str(secret)) if secret else None
+    return Tracker(settings, str(job.spec["mlflow_tracking_uri"]), token)
+
+
 def report_once(settings: Settings) -> int:
     """One pass over the jobs to mirror; returns how many were sent to without an error."""
     sent = 0
@@ -186,7 +196,7 @@ def report_once(settings: Settings) -> int:
             if report.next_try_at is not None and report.next_try_at > now:
                 continue
             try:
-                _send(session, Tracker(settings, str(job.spec["mlflow_tracking_uri"])), job, report)
+                _send(session, tracker(session, settings, job), job, report)
             except (Unreachable, KeyError, ValueError) as err:
                 _failed(session, job, report, err, now)
                 continue

@@ -512,3 +512,30 @@ class Sweep(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class TeamSecret(Base):
+    """A value a team stores for the service to use on its behalf (the token ``report_to`` sends to a tracking
+    server), sealed at rest by ``core.secrets_box``; the API never answers it back (``core.team_secrets``)."""
+
+    __tablename__ = "team_secrets"
+
+    team: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)  # fernet:<token>
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TeamTracking(Base):
+    """A team's default ``report_to`` (set by an admin): filled into a train spec field by field where the spec sets
+    none (``core.tracking``)."""
+
+    __tablename__ = "team_tracking"
+
+    team: Mapped[str] = mapped_column(String(64), primary_key=True)
+    report_to: Mapped[list[str]] = mapped_column(JSON, default=list)
+    mlflow_tracking_uri: Mapped[str | None] = mapped_column(String(2000))
+    mlflow_experiment: Mapped[str | None] = mapped_column(String(500))
+    mlflow_token_secret: Mapped[str | None] = mapped_column(String(100))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)

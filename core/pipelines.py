@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import jobs as service
+from core import tracking
 from core.admission import apply_team_defaults
 from core.db import session_scope
 from core.dispatch import dispatch
@@ -203,6 +204,7 @@ def _create_child(
     except ValidationError as err:
         raise StepError(first_error(err, f"steps.{decision.index}.spec")) from None
     apply_team_defaults(child_spec, settings, parent.team)  # each step is bounded as the same job alone would be
+    tracking.fill(session, parent.team, child_spec)  # the team's report_to default, as the same job alone would get
     key = f"pipeline:{parent.id}:{spec.steps[decision.index].name}"
     child, created = service.create_job(
         session,

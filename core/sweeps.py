@@ -21,6 +21,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core import jobs as service
+from core import tracking
 from core.admission import apply_team_defaults
 from core.db import session_scope
 from core.dispatch import dispatch
@@ -134,6 +135,7 @@ def _create_trial_job(
     body["metadata"] |= {SWEEP_LABEL: sweep.id, TRIAL_LABEL: str(number)}
     child = parse_spec(body, **team_areas(settings, sweep.team).context())
     apply_team_defaults(child, settings, sweep.team)  # each trial is bounded as the same job alone would be
+    tracking.fill(session, sweep.team, child)  # the team's report_to default, as the same job alone would get
     job, _ = service.create_job(
         session, settings=settings, team=sweep.team, spec=child, raw=body, idempotency_key=f"sweep:{sweep.id}:{number}"
     )

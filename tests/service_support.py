@@ -38,6 +38,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread of this process on a free port; yields its URL."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def _serve_command() -> list[str]:
     script = Path(sys.executable).parent / "llmjobs"  # what `make run` runs
     return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "cli.main", "serve"]

@@ -121,7 +121,7 @@ def _submit(
     team_limits.check_active_jobs(session, settings, team, key)  # 429 past team_max_active_jobs
     if isinstance(spec, EvalSpec):  # a deployment it names: the team's, ready; its tokenizer fills the spec's
         deployments.attach_eval(session, team, spec)
-    tracking.check_spec(settings, spec)  # report_to's server: the webhook address rule, 422 naming the field
+    tracking.prepare(session, settings, team, spec)  # report_to: the team's defaults, the server's address, the token
     admission.check_admissible(spec, settings, team)  # what the engine would refuse before its first step (reads files)
     admission.apply_team_defaults(spec, settings, team)
     if isinstance(spec, PipelineSpec):  # its steps run as child jobs, driven by core.pipelines

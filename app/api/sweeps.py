@@ -31,7 +31,7 @@ async def create_sweep(
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {err}", None) from err
     areas = paths.ensure_team_areas(settings, principal.team)
     spec = parse_sweep(raw, dict(areas.context()))
-    await run_in_threadpool(tracking.check_uri, settings, spec.base.get("mlflow_tracking_uri"), "base.")
+    await run_in_threadpool(tracking.check_sweep_base, session, settings, principal.team, spec.base)
     sweep = Sweep(team=principal.team, name=spec.name, spec=spec.model_dump(mode="json"), trial_attrs={}, pruned=[])
     session.add(sweep)
     session.commit()

@@ -916,7 +916,8 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         description=(
             'Trackers the service mirrors the job to while it runs (not the engine): ["mlflow"] sends its params, '
             "every metric point with its step and its final state to mlflow_tracking_uri, batched and retried; a "
-            "tracker that is down never slows or fails the job (a warning event instead)."
+            "tracker that is down never slows or fails the job (a warning event instead). Unset fields take the "
+            "team's default (GET /v1/teams/{team}/tracking); mlflow_tracking_uri is required then."
         ),
     )
     mlflow_tracking_uri: str | None = Field(
@@ -930,6 +931,12 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         min_length=1,
         max_length=500,
         description="The experiment of the mirrored run (default: the job's metadata.experiment, else its team).",
+    )
+    mlflow_token_secret: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$",
+        description="The name of the team's secret (PUT /v1/secrets/{name}) whose value report_to mlflow sends as "
+        "its bearer token; the token itself never goes in a spec.",
     )
     finetune: bool = Field(
         False, description="--finetune: load only the weights (iteration 0, fresh optimizer and RNG) from load."
@@ -1164,12 +1171,6 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
         "frees the same device bytes (the optimizer state lives on the host) and steps on the host instead of "
         "swapping the state back to the device for the step.",
     )
-
-    @model_validator(mode="after")
-    def _check_report_to(self) -> TrainSpec:
-        if "mlflow" in self.report_to and not self.mlflow_tracking_uri:
-            raise ValueError('mlflow_tracking_uri: required with report_to ["mlflow"]')
-        return self
 
     @model_validator(mode="after")
     def _check_optimizer_precision(self) -> TrainSpec:

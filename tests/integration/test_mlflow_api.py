@@ -13,15 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from app.main import create_app
 from core.db import session_scope
@@ -30,7 +27,7 @@ from core.settings import REPO_ROOT, Settings
 from core.states import JobState
 from core_support import auth, claim, isolated_settings, make_token, require_tool, team_dir
 from engine.contract.runfiles import RunDir
-from service_support import free_port
+from service_support import serve_in_thread
 from worker.ingest import RunIngestor
 
 NOTEBOOK = Path(__file__).with_name("mlflow_notebook.py")
@@ -61,21 +58,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Set
     data = team_dir(settings, "alpha")
     (data / "in.jsonl").write_text('{"text": "hi"}\n')
     (data / "tok").mkdir()
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, migrate=False, reconcile=False), port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", settings
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(create_app(settings, migrate=False, reconcile=False)) as url:
+        yield url, settings
 
 
 def notebook(url: str, token: str, *args: str) -> Any:
