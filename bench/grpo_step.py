@@ -8,11 +8,14 @@ prompts × ``--num-generations`` completions a step (one micro-batch), ``--max-c
 temperature 1, beta 0 (TRL's default: no reference), loss dapo, AdamW, clip 1.0, constant LR. A random model
 almost never stops, so both sides decode the full completion length and train on equal token counts.
 
-Ours times its rollout (generation, scoring, advantages) and its optimizer step separately (the job's
-``GRPOLoop`` methods, wrapped with a clock); TRL's step (generation inside) by a callback. One warm-up step, then
-``--repeats`` timed steps, the fastest counted. tokens/s: generation = completion tokens / generation time;
-step = (prompt + completion tokens) / the whole step. Peak memory = peak RSS minus RSS after imports. Prints one
-JSON line per side, then ``{"bench":"grpo_step",...}``. Run: ``.venv/bin/python bench/grpo_step.py [--smoke]``.
+Both sides time generation and training apart: ours its rollout (generation, scoring, advantages, old log-probs) and
+its optimizer step (the job's ``GRPOLoop.make_rollout`` and ``step``, wrapped with a clock); TRL's the same part of
+its step (``GRPOTrainer._generate_and_score_completions``, wrapped) and the rest of the step (a callback's clock).
+One warm-up step, then ``--repeats`` timed steps, the fastest counted; the sides alternate A B A B over ``--rounds``
+fresh processes each, the best round counted. tokens/s: generation = completion tokens / generation time; training
+and step = (prompt + completion tokens) / training time and / the whole step. Peak memory = peak RSS minus RSS
+after imports (the largest over rounds). Prints one JSON line per run, then ``{"bench":"grpo_step",...}``.
+Run: ``.venv/bin/python bench/grpo_step.py [--smoke]``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -127,6 +131,17 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
     from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    generation: list[float] = []
+    inner = GRPOTrainer._generate_and_score_completions
+
+    def generate_clocked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = inner(self, *args, **kwargs)
+        generation.append(time.perf_counter() - started)
+        return out
+
+    GRPOTrainer._generate_and_score_completions = generate_clocked  # type: ignore[method-assign]
+
     class Clock(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -176,7 +191,10 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
         callbacks=[clock],
     )
     trainer.train()
-    return {"step_s": clock.times}
+    if len(generation) != len(clock.times):
+        raise RuntimeError(f"TRL generated {len(generation)} times in {len(clock.times)} steps")
+    train = [step - gen for step, gen in zip(clock.times, generation, strict=True)]
+    return {"generation_s": generation, "train_s": train, "step_s": clock.times}
 
 
 def measure(side: str, work: str, steps: int, prompts: list, g: int, length: int, threads: int) -> dict:
@@ -203,16 +221,19 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side, alternating A B A B")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8, one round"
+    )
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.num_generations, args.max_completion_length = 1, 4, 8
+        args.repeats, args.num_generations, args.max_completion_length, args.rounds = 1, 4, 8, 1
     g, length, steps = args.num_generations, args.max_completion_length, 1 + args.repeats
     prompts = make_prompts(args.prompts * steps, args.seed)
     apply_to_children(args.malloc)
     ctx = multiprocessing.get_context("spawn")
-    results = {}
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for side in ("ours", "trl"):
@@ -222,28 +243,39 @@ def main() -> None:
         per_step_prompt_tokens = prompt_tokens / steps * g  # each prompt's tokens feed its g completions
         completion_tokens = args.prompts * g * length
         print(json.dumps({"prompts_per_step": args.prompts, "completion_tokens_per_step": completion_tokens}))
-        for side in ("ours", "trl"):
-            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                job = pool.submit(measure, side, tmp, steps, prompts, g, length, args.threads)
-                results[side] = job.result()
-            print(json.dumps(results[side]))
+        for _ in range(args.rounds):
+            for side in ("ours", "trl"):
+                for stale in ("run", "trl"):  # a fresh run directory each round (ours would resume from it)
+                    shutil.rmtree(work / side / stale, ignore_errors=True)
+                with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                    job = pool.submit(measure, side, tmp, steps, prompts, g, length, args.threads)
+                    runs[side].append(job.result())
+                print(json.dumps(runs[side][-1]))
     step_tokens = per_step_prompt_tokens + completion_tokens
-    tps = {side: step_tokens / min(r["step_s"][1:]) for side, r in results.items()}
-    peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
-    ours = results["ours"]
+
+    def best(side: str, key: str) -> float:
+        return min(min(r[key][1:]) for r in runs[side])
+
+    tokens = {"generation_s": completion_tokens, "train_s": step_tokens, "step_s": step_tokens}
+    tps = {(side, key): n / best(side, key) for side in runs for key, n in tokens.items()}
+    peaks = {side: max(r["peak_mem_mb"] for r in runs[side]) for side in runs}
     print(
         json.dumps(
             {
                 "bench": "grpo_step",
                 "smoke": args.smoke,
-                "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
+                "tokens_per_s_ratio": round(tps["ours", "step_s"] / tps["trl", "step_s"], 3),
+                "generation_tokens_per_s_ratio": round(tps["ours", "generation_s"] / tps["trl", "generation_s"], 3),
+                "train_tokens_per_s_ratio": round(tps["ours", "train_s"] / tps["trl", "train_s"], 3),
                 "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
-                "ours_step_tokens_per_s": round(tps["ours"], 1),
-                "trl_step_tokens_per_s": round(tps["trl"], 1),
-                "ours_generation_tokens_per_s": round(completion_tokens / min(ours["generation_s"][1:]), 1),
-                "ours_train_tokens_per_s": round(step_tokens / min(ours["train_s"][1:]), 1),
+                **{
+                    f"{side}_{key.removesuffix('_s')}_tokens_per_s": round(tps[side, key], 1)
+                    for side in runs
+                    for key in tokens
+                },
                 "ours_peak_mem_mb": round(peaks["ours"], 1),
                 "trl_peak_mem_mb": round(peaks["trl"], 1),
+                "rounds": args.rounds,
                 "num_generations": g,
                 "max_completion_length": length,
                 "repeats": args.repeats,
