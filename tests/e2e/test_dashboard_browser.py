@@ -926,3 +926,46 @@ def test_chat_page_streams_answers_and_compares_two_models(page: Any, service: S
     page.fill("#chat-message", "again")
     page.click("#chat-send")
     page.locator(".chat-log[data-panel='1'] .chat-msg.assistant.error", has_text="429: the queue is full").wait_for()
+
+
+def test_completions_tab_pages_a_grpo_run_s_completions(page: Any, service: Service) -> None:  # noqa: F811
+    """The job page's completions tab reads GET /v1/jobs/{id}/completions from the real API: each row's prompt,
+    completion (cut ones marked), reward, per-function scores ("—" for an http reward's failed batch) and
+    advantage, 50 a page with Next / Previous, or one rollout by iteration. The rows are written where a stage grpo
+    run writes them (its run directory's completions.jsonl); the tab button shows for stage grpo jobs only."""
+    body, _ = readme_example()
+    name = f"completions-{uuid.uuid4().hex[:6]}"
+    with service.client() as client:
+        job = client.post("/v1/jobs", json={**body, "name": name, "output_prefix": f"demo/out/{name}"}).json()
+    rows = [
+        {
+            "iteration": it, "prompt_id": i // 4, "prompt_ids": [1, 2, 3], "prompt": f"<|im_start|>user\nq{i // 4}",
+            "completion_ids": [4, i], "completion": ("long " * 40 if i == 1 else f"answer {i}"),
+            "reward": float(i % 2), "rewards": {"exact_match": float(i % 2), "http": None if i == 2 else 0.5},
+            "advantage": 0.5 - i % 2, "truncated": i == 3,
+        }
+        for it in (1, 2) for i in range(40)
+    ]  # fmt: skip
+    run = Path(job["run_dir"])
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page.goto(f"{service.url}/")
+    page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    page.goto(f"{service.url}/#/jobs/{job['id']}?tab=completions")
+    page.wait_for_selector("#completions-table tbody tr")
+    assert page.locator('button[data-tab="completions"]').is_hidden()  # a preprocess job: no tab of its own
+    table = page.locator("#completions-table")
+    assert table.locator("tbody tr").count() == 50 and page.inner_text("#completions-note") == "completions 1–50"
+    headers = table.locator("thead th").all_text_contents()  # (inner text is upper-cased by the style)
+    assert headers == ["Iteration", "Prompt", "Completion", "Reward", "exact_match", "http", "Advantage"]
+    third = table.locator("tbody tr").nth(2).locator("td").all_text_contents()
+    assert third[0] == "1" and "q0" in third[1] and third[2] == "answer 2" and third[4:] == ["0", "—", "0.5"]
+    assert "truncated" in table.locator("tbody tr").nth(3).inner_text()
+    assert table.locator("tbody tr").nth(1).locator("details").count() == 1  # a long completion opens on demand
+    page.click("#completions-next")
+    page.wait_for_selector("#completions-note:has-text('completions 51–80')")
+    assert table.locator("tbody tr").count() == 30 and page.locator("#completions-next").is_disabled()
+    page.fill("#completions-step", "2")
+    page.click(".completions-panel button[type=submit]")
+    page.wait_for_selector("#completions-note:has-text('completions 1–40')")
+    assert set(table.locator("tbody tr").evaluate_all("rows => rows.map((r) => r.dataset.iteration)")) == {"2"}

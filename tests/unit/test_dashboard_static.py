@@ -67,6 +67,7 @@ def test_every_module_import_resolves(client: TestClient) -> None:
     # Every view, the chart stack and the stream client are reachable from the entry point.
     for name in (
         "views/job.js",
+        "views/completions.js",
         "views/jobs.js",
         "views/submit.js",
         "views/hosts.js",

@@ -9,10 +9,11 @@ import {JobStream} from "../sse.js";
 import {MetricStore} from "../series.js";
 import {MetricsPanel} from "./metrics_panel.js";
 import {ArtifactsPanel, CheckpointsPanel, EventsPanel, LogsPanel} from "./panels.js";
+import {CompletionsPanel, hasCompletions} from "./completions.js";
 import {renderSpec} from "./spec_panel.js";
 import {errorBox, every, keyValues, stateBadge, viewFromQuery, viewToQuery} from "./widgets.js";
 
-const TABS = ["metrics", "logs", "events", "checkpoints", "artifacts", "spec"];
+const TABS = ["metrics", "logs", "events", "checkpoints", "completions", "artifacts", "spec"];
 export const DRAFT_KEY = "llmjobs.draft";
 
 export function renderJob(root, {params: [jobId], query}) {
@@ -26,8 +27,9 @@ export function renderJob(root, {params: [jobId], query}) {
   const openDraft = (spec) => { sessionStorage.setItem(DRAFT_KEY, JSON.stringify(spec, null, 2)); go("#/submit"); };
   const checkpoints = new CheckpointsPanel(store, openDraft);
   const artifacts = new ArtifactsPanel(jobId);
-  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, checkpoints: checkpoints.el, artifacts: artifacts.el,
-    spec: h("div")};
+  const completions = new CompletionsPanel(jobId);  // stage grpo only (its tab is hidden for other jobs)
+  const panels = {metrics: metrics.el, logs: logs.el, events: events.el, checkpoints: checkpoints.el,
+    completions: completions.el, artifacts: artifacts.el, spec: h("div")};
   let job = null;
   let progress = null;  // the last progress event's data {done, total, unit}
   let stopped = false;
@@ -52,6 +54,7 @@ export function renderJob(root, {params: [jobId], query}) {
     for (const [name, el] of Object.entries(panels)) el.hidden = name !== tab;
     metrics.setVisible(tab === "metrics");
     if (tab === "artifacts") artifacts.load();
+    if (tab === "completions") completions.load();
     if (tab === "logs") logs.scroll();
     if (tab === "checkpoints" && job) checkpoints.render(job);
   }
@@ -65,6 +68,7 @@ export function renderJob(root, {params: [jobId], query}) {
     }
     renderHead();
     renderOverview();
+    tabBar.querySelector('[data-tab="completions"]').hidden = !hasCompletions(job);
     if (job.kind === "pipeline") metrics.empty.textContent = "A pipeline's metrics, logs and artifacts belong to its steps' jobs (linked above).";
     renderSpec(panels.spec, job, h("button", {onclick: () => openDraft(job.spec)}, "Edit & resubmit"));
     checkpoints.render(job);
