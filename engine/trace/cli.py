@@ -1,6 +1,8 @@
 """``python -m engine trace``: the flags and ``--spec`` of ``python -m engine plan``, every rank's step traced on fake
 tensors of ``--device-type`` (cuda, npu), next to the planner's figure. Prints one row per traced rank and ends with
 one JSON line ``{"ranks": [{"rank": 0, "peak_bytes": ..., "planner_bytes": ..., "planner_vs_trace": ...}, ...]}``.
+Each rank also has its host peak over the step (``host_peak_bytes``: the optimizer state ``optimizer_cpu_offload``
+keeps there and the host step's fp32 slices) beside the planner's ``planner_host_bytes``.
 
 Ranks: by default one per pipeline stage (TP rank 0, DP rank 0), the others reported as that rank's figure (its
 ``traced_as``): TP ranks hold equal shards (heads, FFN width and vocabulary divide by TP; the layout check refuses
@@ -69,6 +71,9 @@ def trace_spec(spec: TrainSpec | ServeSpec, model: str | None, all_ranks: bool =
         t = traces[stand_in[rank]]
         row = {**t.as_json(), "rank": rank, "traced_as": stand_in[rank], "planner_bytes": planned.total_bytes}
         row["planner_vs_trace"] = round(planned.total_bytes / t.peak_bytes - 1, 4) if t.peak_bytes else None
+        row["planner_host_bytes"] = planned.host  # the offloaded optimizer state (and its step's slices)
+        offloaded = planned.host and t.host_peak_bytes  # else the host holds only the step counters' scalars
+        row["host_planner_vs_trace"] = round(planned.host / t.host_peak_bytes - 1, 4) if offloaded else None
         rows.append(row)
     gaps = [abs(r["planner_vs_trace"]) for r in rows if r["planner_vs_trace"] is not None]
     return {
@@ -83,11 +88,12 @@ def trace_spec(spec: TrainSpec | ServeSpec, model: str | None, all_ranks: bool =
 
 
 def _table(out: dict[str, Any]) -> str:
-    lines = ["rank  as  peak MiB  planner MiB  planner/trace-1  host tensors"]
+    lines = ["rank  as  peak MiB  planner MiB  planner/trace-1  host MiB  planner host MiB  host tensors"]
     for r in out["ranks"]:
         lines.append(
             f"{r['rank']:>4}  {r['traced_as']:>2}  {r['peak_bytes'] / MIB:>8,.0f}  {r['planner_bytes'] / MIB:>11,.0f}  "
-            f"{r['planner_vs_trace']:>+15.3f}  {r['host_tensors']:>12}"
+            f"{r['planner_vs_trace']:>+15.3f}  {r['host_peak_bytes'] / MIB:>8,.0f}  "
+            f"{r['planner_host_bytes'] / MIB:>16,.0f}  {r['host_tensors']:>12}"
         )
     return "\n".join(lines)
 

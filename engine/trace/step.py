@@ -101,6 +101,7 @@ class RankTrace:
     host_syncs: dict[str, int]
     collective_bytes_per_step: dict[str, int]
     wall_s: float
+    host_peak_bytes: int = 0  # the host's peak over the step: the offloaded optimizer state and its step's slices
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -445,9 +446,10 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
             _one_step(spec, cfg, dims, gbs, device, mesh, batches, tracker, watch.paused)
         snapshots = tracker.get_tracker_snapshot("peak")
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
+        host = next((v for d, v in snapshots.items() if d.type == "cpu"), {"Total": 0})
     finally:
         end_fake_group()
-    return rank_trace(rank, peak, watch, started)
+    return rank_trace(rank, peak, watch, started, int(host.get("Total", 0)))
 
 
 def end_fake_group() -> None:
@@ -459,8 +461,8 @@ def end_fake_group() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
-def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float) -> RankTrace:
-    """One rank's figures from MemTracker's peak snapshot and the step's watch."""
+def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float, host_peak: int = 0) -> RankTrace:
+    """One rank's figures from MemTracker's peak snapshot of the device (and the host's peak) and the step's watch."""
     breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
     return RankTrace(
         rank=rank,
@@ -471,4 +473,5 @@ def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float
         host_syncs=watch.host_syncs,
         collective_bytes_per_step=watch.collectives,
         wall_s=round(time.perf_counter() - started, 2),
+        host_peak_bytes=host_peak,
     )

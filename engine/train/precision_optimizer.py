@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SLICE_NUMEL = 16 * 2**20  # elements per slice of the fp32 arithmetic (five fp32 temporaries: 320 MiB at most)
+SLICE_NUMEL = 16 * 2**20  # elements per slice of the fp32 arithmetic (at most six fp32 temporaries: 384 MiB)
 HOST = torch.device("cpu")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "main_param")
 
@@ -60,11 +61,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the state of ``param``: a DTensor with the parameter's mesh and placements when it is one."""
+    """``local`` as the state of ``param``: a DTensor with the parameter's mesh and placements when it is one, its
+    local tensor left where it is. ``DTensor.from_local`` would move a host tensor to the mesh's device type, so on an
+    accelerator the offloaded state of every sharded parameter landed back on the device (the device trace showed it);
+    FSDP2's own CPU offload wraps its host shards the same way (``_from_local_no_grad``)."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        meta = TensorMeta(param.shape, param.stride(), local.dtype)
+        return DTensor(local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta), requires_grad=False)
     return local
 
 

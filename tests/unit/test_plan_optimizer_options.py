@@ -70,7 +70,7 @@ def test_bytes_per_parameter(optim: OptimizerBytes, device: int, host: int, traf
     (rank,) = plan_ranks(cfg, lay)
     n = rank.trainable_params
     assert rank.persistent_bytes / n == pytest.approx(device, abs=1e-3)
-    step_temporaries = precision_step_bytes(cfg, lay, n) if optim.offload else 0  # the host's step slices
+    step_temporaries = precision_step_bytes(cfg, lay, n, host=True) if optim.offload else 0  # the host's step slices
     assert (rank.host - step_temporaries) / n == pytest.approx(host, abs=1e-3)
     assert rank.host_traffic / n == pytest.approx(traffic, abs=1e-3)
 

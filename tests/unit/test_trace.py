@@ -283,3 +283,35 @@ def test_serve_traces_the_model_and_the_whole_kv_cache_at_its_largest_step() -> 
     cache = 2 * 2 * 4 * 1 * 256 * 32 * 2
     assert rank["breakdown"]["activations"] > cache
     assert rank["collective_bytes_per_step"]["all_reduce"] > 0
+
+
+PRECISION_AWARE = {
+    "use_precision_aware_optimizer": True,
+    "main_grads_dtype": "bf16",
+    "exp_avg_dtype": "bf16",
+    "exp_avg_sq_dtype": "bf16",
+}
+OFFLOAD = {"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", [PRECISION_AWARE, OFFLOAD, {**PRECISION_AWARE, **OFFLOAD}])
+def test_optimizer_options_trace_as_the_planner_counts_them(option: dict[str, Any]) -> None:
+    """Issue 42: the trace steps the job's optimizer (``build_optimizer``: the precision-aware AdamW, its master,
+    bf16 weights and grads, the offloaded share on the host). Over FSDP2 (DP2) the optimizer state left on the
+    device and the host's peak (offloaded master and moments, the step's fp32 slices) match the planner's within
+    5 %; with offload nothing of the state stays on the device (``DTensor.from_local`` used to move it back)."""
+    from engine.contract.plan.planner import plan_spec
+
+    spec = tiny_spec(seq_length=32, micro_batch_size=1, global_batch_size=4, **option)
+    row = trace_spec(spec, None)["ranks"][0]
+    planned = plan_spec(spec, None).ranks[0]
+    master = planned.main_params - planned.grads  # bf16 weights: main_params = weights + the optimizer's master
+    on_device = planned.optimizer + (master if option.get("main_grads_dtype") == "bf16" else 0)
+    if option.get("optimizer_cpu_offload"):
+        assert "optimizer" not in row["breakdown"] and on_device == planned.optimizer == 0
+        assert abs(row["host_planner_vs_trace"]) <= 0.05
+        assert row["host_peak_bytes"] > planned.trainable_params // 2 * 8  # DP2: master and bf16 moments at least
+    else:
+        assert row["breakdown"]["optimizer"] == pytest.approx(on_device, rel=0.05)
+        assert row["host_planner_vs_trace"] is None and row["host_peak_bytes"] < 2**10  # the step counters only

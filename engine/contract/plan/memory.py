@@ -449,13 +449,22 @@ FOREACH_GROUP_BYTES = 256 * 2**20  # engine.train.optim's bound on a foreach gro
 
 
 PRECISION_SLICE_NUMEL = 16 * 2**20  # engine.train.precision_optimizer.SLICE_NUMEL
-PRECISION_STEP_TEMPORARIES = 6  # fp32 slices alive at once there: g, p, m, v, sqrt(v), its quotient
 
 
-def precision_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int) -> int:
-    """The precision-aware step's fp32 temporaries: six slices of the largest tensor (at most ``SLICE_NUMEL``)."""
+def precision_step_slices(opt: OptimizerBytes, host: bool) -> int:
+    """fp32 slices alive at once in the precision-aware step: ``sqrt(v)`` and its quotient, plus an fp32 copy of each
+    operand not already an fp32 tensor where the step runs (the gradient on the host always, on the device where
+    bf16; the master where fp16; each 16-bit moment); an fp32 operand is used in place (``.float()`` returns it)."""
+    grad_copy = host or opt.main_grads != 4
+    return 2 + grad_copy + (opt.main_params != 4) + (opt.exp_avg != 4) + (opt.exp_avg_sq != 4)
+
+
+def precision_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int, host: bool = False) -> int:
+    """The precision-aware step's fp32 temporaries on the device (``host``: on the host, for the offloaded share):
+    ``precision_step_slices`` slices of the largest tensor, at most ``SLICE_NUMEL`` elements each."""
     largest = cfg.vocab_size * cfg.hidden_size // lay.tp // lay.shards
-    return PRECISION_STEP_TEMPORARIES * 4 * min(PRECISION_SLICE_NUMEL, largest, trainable // lay.shards)
+    slices = precision_step_slices(lay.optim, host)
+    return slices * 4 * min(PRECISION_SLICE_NUMEL, largest, trainable // lay.shards)
 
 
 def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int, precision_aware: bool = False) -> int:
@@ -573,7 +582,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere, adapters)
             m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable, lay.optim.precision_aware)
             if lay.optim.offload > 0:  # the host steps its share in the same slices
-                m.host += precision_step_bytes(cfg, lay, trainable)
+                m.host += precision_step_bytes(cfg, lay, trainable, host=True)
             m.reference = reference_bytes(cfg, lay, m)
             m.generation = generation_bytes(cfg, lay, len(layers))
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
