@@ -14,7 +14,8 @@ import pytest
 
 from torchrun_support import launch_worker
 
-pytestmark = pytest.mark.slow
+# four- and eight-rank torchrun layouts: the slowest 99 s at load ~15 on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 RTOL = 1e-5

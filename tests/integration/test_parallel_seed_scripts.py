@@ -17,7 +17,8 @@ import torch
 
 from test_train_seed_scripts import FULL, _run, seed_assets  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.slow
+# the module's assets (102 s at load ~15) land on whichever test runs first, then up to 4 torchrun ranks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 ITERS = 3  # enough to see the layouts stay together after optimizer steps; each CPU iteration costs seconds
 
 

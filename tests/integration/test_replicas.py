@@ -24,7 +24,8 @@ from core_support import auth, fresh_postgres_database, isolated_settings, make_
 from replica_support import delivered_count, leader_pid, start_api, stop_api, terminal, wait, webhook_receiver
 from sched_support import start_worker, stop_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+# two API replicas, workers and a SIGKILLed leader: 71 s under CI load
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(240)]
 JOBS = 12
 
 

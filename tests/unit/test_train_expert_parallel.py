@@ -107,6 +107,7 @@ def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # four layouts of up to eight ranks: 69 s under CI load
 def test_ep2_with_tp2_with_pp2_and_with_both_jobs_equal_one_process(data: str, tmp_path: Path) -> None:
     """EP2×TP2 (sequence parallel) and EP2×PP2 jobs on four ranks and an EP2×TP2×PP2 job on eight (dp 2 = ep 2):
     built on meta, each rank filling only its experts' rows (their TP slice under TP), equal one process step for
