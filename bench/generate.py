@@ -2,7 +2,8 @@
 
 Same random Qwen3 weights (loaded into both through ``engine.model.hf_mapping``), same chat-template prompts of
 different lengths (left-padded), same batch, same number of new tokens, both greedy with a KV cache, in one run.
-Prints one line per side and a closing JSON line ``{"bench": "generate", "tokens_per_s_ratio": ours / theirs, ...}``.
+The two sides alternate run by run (``--reps`` pairs, ``bench/common/pairs.py``). Prints one line per side and a
+closing JSON line ``{"bench": "generate", "tokens_per_s_ratio": median of the pairs' ours / theirs, ...}``.
 
     .venv/bin/python bench/generate.py [--device cpu|cuda] [--batch 8] [--new-tokens 32] [--layers 4] [--hidden 256]
 """
@@ -12,11 +13,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
 from engine.eval.generate import DecodeOptions, generate_batch
 from engine.contract.model_config import ModelConfig
@@ -113,16 +119,12 @@ def _run_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device:
     return go
 
 
-def _measure(ours, theirs, reps: int) -> tuple[float, float, tuple, tuple]:
-    """Best time of each side over ``reps`` rounds, the two sides alternating so both see the same machine load."""
+def _measure(ours, theirs, reps: int) -> list[dict[str, tuple[float, tuple]]]:
+    """``reps`` pairs of timed runs, the two sides alternating (``bench/common/pairs.py``) so that each pair's two
+    runs see about the same machine load."""
+    sides = {"ours": ours, "hf": theirs}
     ours(), theirs()  # warm-up
-    best_ours = best_theirs = float("inf")
-    for _ in range(reps):
-        t, out_ours = _timed(ours)
-        best_ours = min(best_ours, t)
-        t, out_theirs = _timed(theirs)
-        best_theirs = min(best_theirs, t)
-    return best_ours, best_theirs, out_ours, out_theirs
+    return alternate(lambda side: _timed(sides[side]), ("ours", "hf"), reps, log=lambda _: None)
 
 
 def main() -> None:
@@ -135,27 +137,29 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="pairs of timed runs (ours, HF; then HF, ours; ...)")
     parser.add_argument("--smoke", action="store_true", help="2 layers, 4 new tokens, one rep: the same code path")
     args = parser.parse_args()
     if args.smoke:
-        args.layers, args.hidden, args.new_tokens, args.reps = 2, 64, 4, 1
+        args.layers, args.hidden, args.new_tokens, args.reps = 2, 64, 4, 2
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     hf, ours = _models(args, device, dtype)
     prompts = _prompts(args.batch)
-    t_ours, t_hf, (n_ours, rows_ours), (n_hf, rows_hf) = _measure(
+    rounds = _measure(
         _run_ours(ours, prompts, args.new_tokens, device), _run_hf(hf, prompts, args.new_tokens, device), args.reps
     )
-    ours_tps, hf_tps = n_ours / t_ours, n_hf / t_hf
-    print(f"ours:         {n_ours} tokens in {t_ours:.3f} s = {ours_tps:.1f} tokens/s")
-    print(f"transformers: {n_hf} tokens in {t_hf:.3f} s = {hf_tps:.1f} tokens/s")
+    tps = [{side: out[0] / t for side, (t, out) in pair.items()} for pair in rounds]
+    (n_ours, rows_ours), (n_hf, rows_hf) = rounds[-1]["ours"][1], rounds[-1]["hf"][1]
+    ours_tps, hf_tps = statistics.median(t["ours"] for t in tps), statistics.median(t["hf"] for t in tps)
+    print(f"ours:         {n_ours} tokens a run, median {ours_tps:.1f} tokens/s over {len(tps)} runs")
+    print(f"transformers: {n_hf} tokens a run, median {hf_tps:.1f} tokens/s over {len(tps)} runs")
     print(
         json.dumps(
             {
                 "bench": "generate",
                 "smoke": args.smoke,
-                "tokens_per_s_ratio": round(ours_tps / hf_tps, 3),
+                **pair_ratios("tokens_per_s_ratio", [t["ours"] / t["hf"] for t in tps]),
                 "tokens_per_s": round(ours_tps, 1),
                 "transformers_tokens_per_s": round(hf_tps, 1),
                 "same_tokens": rows_ours == rows_hf,

@@ -11,7 +11,8 @@ line also reports that block with ``experts_implementation="grouped_mm"`` (``vs_
 
 Timing: both sides in this process, one intra-op thread by default (``--threads``; on a shared machine a second
 thread makes each op wait for the slower one), one warm-up, then ``--repeats`` timed runs per side interleaved;
-tokens/s = tokens / the fastest run (the least disturbed). Our layer is also timed with each expert-matmul backend
+tokens/s = tokens / the median run; the ratios are the median over the rounds of each round's ratio, with min, max
+and count (``bench/common/pairs.py``). Our layer is also timed with each expert-matmul backend
 (``grouped_mm`` = torch._grouped_mm, ``loop`` over non-empty experts, padded ``bmm``); all variants are timed
 interleaved with the transformers block; the ratios use the automatic choice (``engine.model.moe.grouped_backend``),
 which is what the model runs.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common.pairs import pair_ratios  # noqa: E402
 
 from engine.contract.model_config import ModelConfig
 from engine.model.loss import chunked_cross_entropy
@@ -84,15 +87,21 @@ def best_time(fn: Callable[[], None], device: torch.device) -> float:
     return clock() - start
 
 
-def interleaved(sides: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Fastest seconds per side; one warm-up each, then the sides alternate so load changes hit all alike."""
+def interleaved(sides: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per side and round; one warm-up each, then every side once a round, so that a load change hits the
+    sides of a round alike: the ratios are taken round by round (``bench/common/pairs.py``)."""
     for fn in sides.values():
         best_time(fn, device)
-    best = {name: float("inf") for name in sides}
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
-            best[name] = min(best[name], best_time(fn, device))
-    return best
+            times[name].append(best_time(fn, device))
+    return times
+
+
+def per_round(times: dict[str, list[float]], name: str, slow: str, fast: str) -> dict[str, float | int]:
+    """The median over the rounds of ``slow``'s time / ``fast``'s (a tokens/s ratio of fast over slow), with spread."""
+    return pair_ratios(name, [a / b for a, b in zip(times[slow], times[fast], strict=True)])
 
 
 def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
@@ -135,7 +144,8 @@ def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     auto = grouped_backend(x, HIDDEN, 2 * EXPERT_FFN, EXPERT_FFN)
     sides = {"hf": run(hf), "hf_grouped_mm": run(hf_grouped), "ours": run(ours)}
     sides |= {b: run(ours, b) for b in ("grouped_mm", "bmm", "loop")}
-    times = interleaved(sides, args.repeats, device)
+    rounds = interleaved(sides, args.repeats, device)
+    times = {name: statistics.median(t) for name, t in rounds.items()}
     backends = {b: round(args.tokens / times[b], 1) for b in ("grouped_mm", "bmm", "loop")}
     result = {
         "what": "moe_layer_fwd_bwd",
@@ -147,9 +157,11 @@ def layer_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         "hf_grouped_mm_tokens_per_s": round(args.tokens / times["hf_grouped_mm"], 1),
         "ours_tokens_per_s_by_backend": backends,
     }
-    result["tokens_per_s_ratio"] = round(times["hf"] / times["ours"], 3)
-    result["vs_hf_grouped_mm_ratio"] = round(times["hf_grouped_mm"] / times["ours"], 3)
-    return result
+    return (
+        result
+        | per_round(rounds, "tokens_per_s_ratio", "hf", "ours")
+        | per_round(rounds, "vs_hf_grouped_mm_ratio", "hf_grouped_mm", "ours")
+    )
 
 
 def model_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
@@ -176,7 +188,8 @@ def model_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         hf(ids, labels=ids).loss.backward()
         hf.zero_grad(set_to_none=True)
 
-    times = interleaved({"hf": hf_step, "ours": ours_step}, max(1, args.repeats // 2), device)
+    rounds = interleaved({"hf": hf_step, "ours": ours_step}, max(2, args.repeats // 2), device)
+    times = {name: statistics.median(t) for name, t in rounds.items()}
     tokens = 2 * seq
     return {
         "what": "moe_model_step",
@@ -184,7 +197,7 @@ def model_bench(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         "layers": 2,
         "ours_tokens_per_s": round(tokens / times["ours"], 1),
         "hf_tokens_per_s": round(tokens / times["hf"], 1),
-        "tokens_per_s_ratio": round(times["hf"] / times["ours"], 3),
+        **per_round(rounds, "tokens_per_s_ratio", "hf", "ours"),
     }
 
 
@@ -211,10 +224,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--smoke", action="store_true", help="256 tokens, one timed run: the same code path")
+    parser.add_argument("--smoke", action="store_true", help="256 tokens, two timed rounds: the same code path")
     args = parser.parse_args()
     if args.smoke:
-        args.tokens, args.repeats = 256, 1
+        args.tokens, args.repeats = 256, 2
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -236,11 +249,10 @@ def main() -> None:
                 "hidden": HIDDEN,
                 "expert_ffn": EXPERT_FFN,
                 "backend": layer["backend"],
-                "tokens_per_s_ratio": layer["tokens_per_s_ratio"],
-                "vs_hf_grouped_mm_ratio": layer["vs_hf_grouped_mm_ratio"],
+                **{k: v for k, v in layer.items() if k.startswith(("tokens_per_s_ratio", "vs_hf_grouped_mm_ratio"))},
                 "ours_tokens_per_s": layer["ours_tokens_per_s"],
                 "hf_tokens_per_s": layer["hf_tokens_per_s"],
-                "model_tokens_per_s_ratio": model["tokens_per_s_ratio"],
+                **{f"model_{k}": v for k, v in model.items() if k.startswith("tokens_per_s_ratio")},
                 "model_ours_tokens_per_s": model["ours_tokens_per_s"],
                 "model_hf_tokens_per_s": model["hf_tokens_per_s"],
             }

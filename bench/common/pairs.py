@@ -1,0 +1,40 @@
+"""The two sides of a side-by-side benchmark, run pair by pair (a helper of ``bench/``, not a benchmark).
+
+On a shared machine the load changes within minutes: with each side in one block, ``bench/train_step.py`` gave 3.87×
+and then 1.42× twenty minutes apart, because one side ran under a different load than the other. Here each pair runs
+both sides one right after the other (A B, then B A, so neither side always runs second), each pair's ratio compares
+runs made under about the same load, and the figure is the median of the pairwise ratios, reported with its spread
+(min, max) and the number of pairs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def alternate(
+    run: Callable[[str], T], sides: tuple[str, str], pairs: int, log: Callable[[T], None] = print
+) -> list[dict[str, T]]:
+    """``run(side)`` for both sides in each of ``pairs`` pairs, the order flipped every pair; each result is logged."""
+    rounds = []
+    for number in range(pairs):
+        results = {}
+        for side in sides if number % 2 == 0 else sides[::-1]:
+            results[side] = run(side)
+            log(results[side])
+        rounds.append(results)
+    return rounds
+
+
+def pair_ratios(name: str, ratios: list[float], digits: int = 3) -> dict[str, float | int]:
+    """``{name: median, name_min, name_max, name_pairs}`` of one ratio per pair."""
+    return {
+        name: round(statistics.median(ratios), digits),
+        f"{name}_min": round(min(ratios), digits),
+        f"{name}_max": round(max(ratios), digits),
+        f"{name}_pairs": len(ratios),
+    }
