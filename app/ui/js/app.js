@@ -11,6 +11,8 @@ import {renderSubmit} from "./views/submit.js";
 import {renderHosts} from "./views/hosts.js";
 import {renderCompare} from "./views/compare.js";
 import {renderChat} from "./views/chat.js";
+import {renderRuns} from "./views/runs.js";
+import {renderSweeps} from "./views/sweeps.js";
 
 const ROUTES = [
   [/^\/login$/, renderLogin, "login"],
@@ -20,6 +22,9 @@ const ROUTES = [
   [/^\/hosts$/, renderHosts, "hosts"],
   [/^\/compare$/, renderCompare, "compare"],
   [/^\/chat$/, renderChat, "chat"],
+  [/^\/runs$/, renderRuns, "runs"],
+  [/^\/sweeps$/, renderSweeps, "sweeps"],
+  [/^\/sweeps\/([^/]+)$/, renderSweeps, "sweeps"],
 ];
 
 let cleanup = null;
