@@ -14,10 +14,13 @@ about ``prompt`` tokens (random words; the "shared" row puts one 1,000-token sys
 questions, which our prefix cache computes once). Per wave: generated tokens/s (completion tokens over the wave's
 wall time), time to first token p50/p99, inter-token gaps p50/p99 (over every stream's consecutive content chunks),
 and the prompts whose texts the two sides agree on. ``uptime``'s load average is read before and after each wave.
+Each row also lists, wave by wave, our tokens/s over the peer's, both TTFT p99s and the load (``per_wave``): on a
+shared machine the load moves between waves, and a pair of waves run back to back compares like with like.
 The last line is one JSON object: the rows (each side's medians over its waves) and the loads.
 
     .venv/bin/python bench/serve_peer.py [--clients 1,8,32,128] [--prompts 20,500,2000,shared] [--waves 2]
-        [--rows 2000x8,2000x32,500x1 (instead of the prompts × clients grid)] [--max-tokens 64] [--smoke]
+        [--rows 2000x8,2000x32,500x1 (instead of the prompts × clients grid)] [--max-tokens 64] [--threads N]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -244,11 +247,22 @@ class Side:
                 proc.kill()
 
 
-def start_ours(root: Path, model_dir: Path, slots: int, max_len: int, log: Any) -> Side:
+def side_env(threads: int) -> dict[str, str]:
+    """The environment of a side's processes: with ``threads`` > 0, that many OpenMP threads (both sides alike)."""
+    env = dict(os.environ)
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def start_ours(root: Path, model_dir: Path, slots: int, max_len: int, log: Any, threads: int = 0) -> Side:
     me = [sys.executable, __file__]
     run_dir = root / "run"
     engine = subprocess.Popen(
-        [*me, "--child-engine", str(model_dir), str(run_dir), str(slots), str(max_len)], stdout=log, stderr=log
+        [*me, "--child-engine", str(model_dir), str(run_dir), str(slots), str(max_len)],
+        stdout=log,
+        stderr=log,
+        env=side_env(threads),
     )
     while not (run_dir / "serve.json").is_file():
         if engine.poll() is not None:
@@ -266,13 +280,13 @@ def start_ours(root: Path, model_dir: Path, slots: int, max_len: int, log: Any) 
     return Side("ours", [engine, api], facts["url"], facts["token"], NAME)
 
 
-def spawn_peer(model_dir: Path, max_len: int, log: Any) -> tuple[subprocess.Popen[bytes], int]:
+def spawn_peer(model_dir: Path, max_len: int, log: Any, threads: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
     exe = Path(sys.executable).with_name("transformers")
     cmd = [str(exe), "serve", str(model_dir), "--continuous-batching", "--device", "cpu", "--dtype", "float32"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len), "--log-level", "warning"]
     cmd += ["--chat-template-kwargs", '{"enable_thinking": false}']
-    return subprocess.Popen(cmd, stdout=log, stderr=log), port
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env=side_env(threads)), port
 
 
 def start_peer(peer: subprocess.Popen[bytes], port: int, model_dir: Path) -> Side:
@@ -354,6 +368,19 @@ def median_row(waves: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(statistics.median(w[k] for w in waves), 4) for k in keys}
 
 
+def per_wave(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Wave by wave (the two sides ran one right after the other, under about the same load): tokens/s ratio,
+    TTFT p99 of each side and the load average."""
+    return [
+        {
+            "ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3) if b["tokens_per_s"] else None,
+            "ttft_p99_s": [round(a["ttft_p99_s"], 3), round(b["ttft_p99_s"], 3)],
+            "load": round(max(*a["load"], *b["load"]), 1),
+        }
+        for a, b in zip(ours, peer, strict=True)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", default="1,8,32,128")
@@ -362,6 +389,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--rows", help="explicit PROMPTxCLIENTS rows instead of --prompts × --clients, e.g. 2000x8,2000x32,500x1"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of both sides' model processes (0: the machine's default; on a shared, loaded CPU "
+        "two OpenMP threads per process wait on each other far longer than one thread computes)",
     )
     parser.add_argument("--smoke", action="store_true", help="one 2-client wave of 20-token prompts per side")
     parser.add_argument("--child-engine", nargs=4, help=argparse.SUPPRESS)
@@ -387,9 +421,11 @@ def main() -> None:
         model_dir = write_model(root / "model")
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         try:
-            peer, port = spawn_peer(model_dir, max_len, log)  # both sides start at once: they load in parallel
+            peer, port = spawn_peer(
+                model_dir, max_len, log, args.threads
+            )  # both sides start at once: they load in parallel
             sides = [
-                start_ours(root, model_dir, max(c for _, c in plan), max_len, log),
+                start_ours(root, model_dir, max(c for _, c in plan), max_len, log, args.threads),
                 start_peer(peer, port, model_dir),
             ]
         except RuntimeError:
@@ -422,6 +458,7 @@ def main() -> None:
                         print(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
                 peer_rate = row["peer"]["tokens_per_s"]  # 0 when every peer request failed
                 row["ratio_tokens_per_s"] = round(row["ours"]["tokens_per_s"] / peer_rate, 3) if peer_rate else None
+                row["per_wave"] = per_wave(per_side["ours"], per_side["peer"])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -436,6 +473,7 @@ def main() -> None:
                 "bench": "serve_peer",
                 "smoke": args.smoke,
                 "max_tokens": args.max_tokens,
+                "threads": args.threads,
                 "load_min": min(loads),
                 "load_max": max(loads),
                 "rows": rows,
