@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from core.errors import ApiError
 from core.reward_hosts import check_http_rewards, stamp_allowed_hosts
-from core_support import isolated_settings
+from core.settings import Settings
+from core_support import auth, isolated_settings, team_dir
 from engine.contract.spec import RewardFunc, TrainSpec, first_error, parse_spec
 from engine.train.http_rewards import HttpReward
 from engine.train.rewards import Completion, build_rewards, json_rewards, score
 from tests.unit.test_grpo_spec import BASE
+from train_support import TINY_SHAPE
 
 
 class Service:
@@ -215,3 +218,25 @@ def test_bad_http_reward_fields_are_named(reward: dict[str, Any], field: str) ->
     with pytest.raises(ValidationError) as err:
         parse_spec({**SPEC, "reward_funcs": [reward]})
     assert first_error(err.value, "spec").split(":")[0].split(".")[-1] == field, first_error(err.value, "spec")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    settings = isolated_settings(tmp_path)
+    for suffix in (".bin", ".idx"):  # the data_path prefix "d" exists (admission checks inputs)
+        (team_dir(settings, "alpha") / f"d{suffix}").write_bytes(b"")
+    return settings
+
+
+def test_the_api_refuses_a_private_url_and_stores_the_allow_decision(client: TestClient, token: str) -> None:
+    """Through POST /v1/jobs: 422 naming the reward's url; a public URL is admitted and the stored spec's
+    allowed_hosts is the service's decision (none), not the submitter's."""
+    spec = {**SPEC, **TINY_SHAPE}
+    http = {"name": "http", "url": "http://127.0.0.1:9/score"}
+    refused = client.post("/v1/jobs", json={**spec, "reward_funcs": [http]}, headers=auth(token))
+    assert refused.status_code == 422 and refused.json()["field"] == "reward_funcs.0.url", refused.text
+    public = {"name": "http", "url": "https://8.8.8.8/score", "allowed_hosts": ["0.0.0.0/0"]}
+    created = client.post("/v1/jobs", json={**spec, "reward_funcs": [public]}, headers=auth(token))
+    assert created.status_code == 201, created.text
+    stored = client.get(f"/v1/jobs/{created.json()['id']}", headers=auth(token)).json()["spec"]
+    assert stored["reward_funcs"][0]["allowed_hosts"] == []
