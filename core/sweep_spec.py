@@ -15,7 +15,10 @@ from engine.contract.spec import TrainSpec, first_error, parse_spec
 
 Scalar = bool | int | float | str
 # Fields a trial may not vary: what makes it a trial of this sweep, where it runs, where it writes.
-FIXED_FIELDS = {"kind", "name", "metadata", "resources", "priority", "save", "report_to", "mlflow_tracking_uri"}
+FIXED_FIELDS = {
+    *("kind", "name", "metadata", "resources", "priority", "save"),
+    *("report_to", "mlflow_tracking_uri", "mlflow_experiment", "mlflow_token_secret"),  # where every trial reports
+}
 
 
 class Dimension(BaseModel):

@@ -47,6 +47,7 @@ def sweep_body(**extra: Any) -> dict[str, Any]:
     [
         ({"space": {"bogus": {"choices": [1]}}}, "space.bogus", "not a train spec field"),
         ({"space": {"resources": {"choices": [1]}}}, "space.resources", "not a train spec field"),
+        ({"space": {"mlflow_token_secret": {"choices": ["a", "b"]}}}, "space.mlflow_token_secret", "not a train"),
         ({"space": {"global_batch_size": {"choices": [4, 3]}}}, "base.global_batch_size", "divisible"),
         ({"space": {"lr": {"low": 0.1, "high": 0.01}}}, "space.lr", "low < high"),
         ({"sampler": "grid"}, "space.lr", "needs choices"),
