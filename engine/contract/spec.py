@@ -1303,16 +1303,16 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                         f"overlong_buffer: {f.overlong_buffer} is beyond max_completion_length "
                         f"{self.max_completion_length}"
                     )
-        for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        for flag in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, flag) > 1:
-                raise ValueError(f"{flag}: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)")
+                raise ValueError(f"{flag}: stage grpo runs under DP and TP only so far (no PP, EP or CP yet)")
         if self.context_parallel_size > 1:
+            raise ValueError("context_parallel_size: stage grpo runs under DP and TP only so far (no PP, EP or CP yet)")
+        dp = max(1, self.resources.world_size // self.tensor_model_parallel_size)  # PP and CP are 1 here
+        if (gbs // self.num_generations) % dp:
             raise ValueError(
-                "context_parallel_size: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)"
-            )
-        if self.resources.world_size > 1:
-            raise ValueError(
-                "resources.nproc_per_node: stage grpo runs on one process so far (no TP, PP, EP, CP or DP yet)"
+                f"global_batch_size: {gbs // self.num_generations} prompts per step ({gbs} completions / "
+                f"num_generations {self.num_generations}) do not split over DP {dp} (each rank samples whole groups)"
             )
         if self.eval_iters and "eval_iters" in self.model_fields_set:
             raise ValueError("eval_iters: stage grpo has no validation loss; score the model with an eval job")

@@ -417,6 +417,38 @@ def vocab_parallel_sequence_logprobs(
     return sums, torch.bincount(seq, weights=labelled.float(), minlength=b).long()
 
 
+def vocab_parallel_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """Each selected row's log p(label) (N,) fp32 against a vocab-sharded head, identical on every TP rank (stage
+    grpo's per-token log-probs); arguments as ``vocab_parallel_cross_entropy``."""
+    return -_token_losses(hidden, weight, labels, chunk_size, rows)[0]
+
+
+@torch.no_grad()
+def vocab_parallel_token_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Each selected row's entropy of softmax(h @ W^T) (N,) fp32 against a vocab-sharded head: per chunk the max,
+    Σ exp and Σ exp·logit are completed over TP, so no rank holds more than its vocabulary slice."""
+    weight = cast(DTensor, weight)
+    group = weight.device_mesh.get_group()
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()]).to_local()
+    h, w = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), weight.to_local()
+    parts = []
+    for start in range(0, h.shape[0], chunk_size):
+        logits = (h[start : start + chunk_size] @ w.t()).float()
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top[:, None]
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+        dist.all_reduce(sums, group=group)
+        parts.append(sums[0].log() - sums[1] / sums[0])  # H = log Z - E[shifted logit]
+    return torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+
+
 def vocab_parallel_row_logit_sums(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor | None = None
 ) -> torch.Tensor:

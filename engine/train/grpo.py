@@ -1,4 +1,4 @@
-"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process so far.
+"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process or under DP and TP.
 
 Iteration ``i`` is one optimizer step (TRL's step). Every ``num_iterations`` (μ) iterations a rollout samples
 ``num_generations`` completions for each of ``global_batch_size / num_generations`` prompts (the data order's next
@@ -14,6 +14,14 @@ the global batch's denominator for ``loss_type`` before backward. Reported (TRL'
 ``rewards/<f>/mean|std``, ``frac_reward_zero_std`` and ``completions/*``. Every completion is kept in
 ``completions.jsonl`` in the run directory (one row each, written when its rollout is made).
 
+Data parallel (FSDP2 as training lays it out): each DP rank samples and scores its share of the rollout's prompts
+(whole groups, each group with its own generator: the token ids one process would sample), the ranks' completions
+and rewards are gathered so every rank computes every advantage (``scale_rewards`` batch too), the rollout's metrics
+and ``loss_type``'s denominator over the whole batch, then each rank trains on its own rows; FSDP sums the
+gradients, so the step equals one process's. Tensor parallel (sequence parallel too): every TP rank decodes the same
+rows on its shard of the policy (``engine.train.grpo_rollout``), and the log-probs and entropies go through the
+vocab-parallel head (``engine.parallel.tensor_parallel``), the same figures on every TP rank.
+
 Resume: checkpoints fall between rollouts (the spec holds save_interval to multiples of μ) and the sampler is seeded
 by (seed, rollout), so a resumed run repeats the rollout it would have made; completions.jsonl drops the rows of
 iterations after the checkpoint it resumed from.
@@ -27,19 +35,31 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import TrainSpec
 from engine.model.qwen3 import Qwen3Model
+from engine.parallel.data_parallel import reshard_all
+from engine.parallel.tensor_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.data import TrainData
 from engine.train.export import export_final
 from engine.train.grpo_loss import SurrogateConfig, aggregate, denominator, group_advantages, group_std_is_zero
 from engine.train.grpo_loss import token_terms as surrogate_terms
-from engine.train.grpo_rollout import Prompt, Sampling, decode, prompt_of, rollout_generator, stop_ids
+from engine.train.grpo_rollout import (
+    DecodeOptions,
+    Prompt,
+    Sampling,
+    decode,
+    group_generator,
+    prompt_of,
+    stop_ids,
+)
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
 from engine.train.preference import _TokenLogprobs
@@ -87,14 +107,19 @@ def token_logps(
     model: nn.Module, mb: MicroBatch, chunk_size: int, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each completion token's log-prob under logits / temperature (fp32, differentiable), and with ``entropy``
-    each position's entropy of that distribution (detached), chunk by chunk through the head."""
+    each position's entropy of that distribution (detached), chunk by chunk through the head (vocab-parallel
+    under TP: the same figures on every TP rank)."""
     hidden = model(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
     head = cast(Qwen3Model, model).output_weight()
-    rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)
     if temperature != 1.0:
-        rows = rows / temperature
+        hidden = hidden / temperature
+    if isinstance(head, DTensor):
+        logps = vocab_parallel_token_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
+        ent = vocab_parallel_token_entropy(hidden, head, mb.loss_index, chunk_size) if entropy else None
+        return logps, ent
+    rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)
     logps = _TokenLogprobs.apply(rows, head, mb.loss_labels, chunk_size, False)
     if not entropy:
         return logps, None
@@ -140,6 +165,18 @@ def grpo_loss(spec: TrainSpec) -> MicroBatchLoss:
 
 
 @dataclasses.dataclass
+class Scored:
+    """Completions (token ids up to and including the stop token), whether each was cut, their texts, their
+    (completions × functions) rewards and the failed scorings per function: one DP rank's share, or the rollout's."""
+
+    completions: list[list[int]]
+    truncated: list[bool]
+    texts: list[str]
+    values: list[list[float]]
+    failures: dict[str, int]
+
+
+@dataclasses.dataclass
 class Rollout:
     """One batch of completions and everything the μ steps on it need."""
 
@@ -181,7 +218,21 @@ class GRPOLoop:
                 spec, plan.cfg, trainer.mesh, trainer.model, plan.global_batch_size, plan.seq_length,
                 trainer.device.torch_device,
             )  # fmt: skip
-        self.sampling = Sampling(spec.temperature, spec.top_k or 0, spec.top_p)
+        dims = trainer.plan.dims
+        self.dp, self.dp_rank = dims.dp, trainer.mesh["dp"].get_local_rank()
+        self.dp_group = trainer.mesh["dp"].get_group()
+        if self.prompts_per_step % self.dp:
+            raise BadInput(
+                f"global_batch_size: {self.prompts_per_step} prompts per step ({trainer.plan.global_batch_size} "
+                f"completions / num_generations {self.group}) do not split over DP {self.dp} (a prompt's group is "
+                "sampled and scored on one rank)",
+                "global_batch_size",
+            )
+        sampling = Sampling(spec.temperature, spec.top_k or 0, spec.top_p)
+        self.decoding = DecodeOptions(
+            spec.max_completion_length, frozenset(self.stop_ids), self.pad_id, sampling, self.group,
+            together=dims.world_size > 1, tp=dims.tp,
+        )  # fmt: skip
 
     def _tokenizer(self) -> Any:
         from engine.data.tokenizer import load_tokenizer
@@ -204,7 +255,7 @@ class GRPOLoop:
         return [prompt_of(data, k, self.tokenizer) for k in range(first, first + self.prompts_per_step)]
 
     def make_rollout(self, data: TrainData, rollout: int, iteration: int) -> Rollout:
-        t, spec = self.t, self.spec
+        t, spec, group = self.t, self.spec, self.group
         prompts = self._prompts(data, rollout)
         longest = max(len(p.ids) for p in prompts)
         if longest + spec.max_completion_length > t.plan.seq_length:
@@ -213,13 +264,16 @@ class GRPOLoop:
                 f"need {longest + spec.max_completion_length}, over seq_length {t.plan.seq_length}",
                 "seq_length",
             )
-        rows = [p for p in prompts for _ in range(self.group)]
+        share = len(prompts) // self.dp
+        first = self.dp_rank * share  # this DP rank's groups: prompts [first, first + share) of the rollout
+        rows = [p for p in prompts[first : first + share] for _ in range(group)]
+        device = t.device.torch_device
+        opts = dataclasses.replace(self.decoding, width=longest)
+        generators = [group_generator(spec.seed, rollout, first + k, device) for k in range(share)]
         model = t.runner.module
         model.eval()
-        decoded = decode(
-            model, t.plan.cfg, [p.ids for p in rows], spec.max_completion_length, self.stop_ids, self.pad_id,
-            self.sampling, rollout_generator(spec.seed, rollout, t.device.torch_device),
-        )  # fmt: skip
+        decoded = decode(model, t.plan.cfg, [p.ids for p in rows], opts, generators)
+        reshard_all([model])
         model.train()
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in decoded.completions]
         prompt_texts = {p.index: self.tokenizer.decode(p.ids) for p in rows}  # as the model saw it (http rewards)
@@ -227,22 +281,42 @@ class GRPOLoop:
             Completion(text, len(ids), cut, p.reference, prompt_texts[p.index])
             for text, ids, cut, p in zip(texts, decoded.completions, decoded.truncated, rows, strict=True)
         ]
-        scores = score(self.rewards, completions)
-        per_func = torch.tensor(scores.values, dtype=torch.float32)
+        scores = score(self.rewards, completions)  # each DP rank scores its own share (http rewards: one request)
+        mine = Scored(decoded.completions, decoded.truncated, texts, scores.values, scores.failures)
+        whole = self._gather(mine)
+        all_rows = [p for p in prompts for _ in range(group)]
+        per_func = torch.tensor(whole.values, dtype=torch.float32)
         # TRL's nansum: an unscored (NaN) reward adds nothing to the weighted sum
         rewards = (per_func * torch.tensor(self.weights, dtype=torch.float32)[None]).nansum(dim=1)
-        advantages = group_advantages(rewards, self.group, spec.scale_rewards, spec.advantage_eps)
-        batches = self._micro_batches(rows, decoded.completions, decoded.truncated, advantages)
+        advantages = group_advantages(rewards, group, spec.scale_rewards, spec.advantage_eps)
+        own = advantages[first * group : (first + share) * group]
+        batches = self._micro_batches(rows, decoded.completions, decoded.truncated, own)
         self._old_and_reference(batches)
-        self._write_completions(iteration, rows, decoded.completions, decoded.truncated, texts, scores.values,
-                                rewards, advantages)  # fmt: skip
-        lengths = [len(c) for c in decoded.completions]
-        masked = [0.0 if (cut and spec.mask_truncated_completions) else 1.0 for cut in decoded.truncated]
+        self._write_completions(iteration, all_rows, whole, rewards, advantages)
+        lengths = [len(c) for c in whole.completions]
+        masked = [0.0 if (cut and spec.mask_truncated_completions) else 1.0 for cut in whole.truncated]
         tokens = sum(n * m for n, m in zip(lengths, masked, strict=True))
-        stats = self._rollout_stats(rewards, per_func, lengths, decoded.truncated, scores.failures)
-        real = [len(p.ids) + len(c) - 1 for p, c in zip(rows, decoded.completions, strict=True)]
-        denom = denominator(spec.loss_type, len(rows), len(batches), tokens, spec.max_completion_length)
+        stats = self._rollout_stats(rewards, per_func, lengths, whole.truncated, whole.failures)
+        real = [len(p.ids) + len(c) - 1 for p, c in zip(all_rows, whole.completions, strict=True)]
+        micro_batches = len(batches) * self.dp  # every DP rank holds as many
+        denom = denominator(spec.loss_type, len(all_rows), micro_batches, tokens, spec.max_completion_length)
         return Rollout(rollout, batches, denom, float(sum(real)), float(sum(n * n for n in real)), stats)
+
+    def _gather(self, mine: Scored) -> Scored:
+        """The whole rollout's completions and scores, in prompt order, from every DP rank's share."""
+        if self.dp == 1:
+            return mine
+        parts: list[Scored | None] = [None] * self.dp
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        whole = Scored([], [], [], [], {key: 0 for key in mine.failures})
+        for part in cast(list[Scored], parts):
+            whole.completions += part.completions
+            whole.truncated += part.truncated
+            whole.texts += part.texts
+            whole.values += part.values
+            for key, n in part.failures.items():
+                whole.failures[key] += n
+        return whole
 
     def _micro_batches(
         self, rows: list[Prompt], completions: list[list[int]], truncated: list[bool], advantages: torch.Tensor
@@ -288,6 +362,8 @@ class GRPOLoop:
                 else:
                     logp = token_logps(ref.module, on, chunk, spec.temperature)[0]
                 mb.ref_token_logps = logp.detach()
+        # forward-only passes leave FSDP's kept-gathered groups gathered (``reshard_all``)
+        reshard_all([self.t.runner.module] + ([self.reference.module] if self.reference is not None else []))
 
     def _rollout_stats(
         self,
@@ -324,15 +400,7 @@ class GRPOLoop:
         return stats
 
     def _write_completions(
-        self,
-        iteration: int,
-        rows: list[Prompt],
-        completions: list[list[int]],
-        truncated: list[bool],
-        texts: list[str],
-        values: list[list[float]],
-        rewards: torch.Tensor,
-        advantages: torch.Tensor,
+        self, iteration: int, rows: list[Prompt], whole: Scored, rewards: torch.Tensor, advantages: torch.Tensor
     ) -> None:
         if not self.t.run.is_writer:
             return
@@ -345,12 +413,12 @@ class GRPOLoop:
                     "prompt_id": p.index,
                     "prompt_ids": p.ids,
                     "prompt": prompts[p.index],
-                    "completion_ids": completions[i],
-                    "completion": texts[i],
+                    "completion_ids": whole.completions[i],
+                    "completion": whole.texts[i],
                     "reward": float(rewards[i]),
-                    "rewards": json_rewards(keys, values[i]),
+                    "rewards": json_rewards(keys, whole.values[i]),
                     "advantage": float(advantages[i]),
-                    "truncated": truncated[i],
+                    "truncated": whole.truncated[i],
                 }
                 f.write(json.dumps(row) + "\n")
 
@@ -458,6 +526,7 @@ class GRPOLoop:
             **({"warnings": warnings} if warnings else {}),
             "load_format": plan.loaded.format if plan.loaded else None,
             "world_size": plan.dims.world_size,
+            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp},
             "global_batch_size": plan.global_batch_size,
             "lora": t.lora,
             "final_reward": final.get("reward"),

@@ -8,8 +8,14 @@ Decoding runs on the policy's own weights (no second copy) through the model's K
 ``engine.eval.generate`` lays it out (left padding, positions from the mask, last-position logits only) and sampled
 as ``engine.eval.sampling`` samples (temperature, then top-k, then top-p: ``transformers``' order). Both are
 restated here, not imported: ``engine.eval`` imports ``engine.train``. A completion is its tokens up to and including the first
-stop token, or ``max_completion_length`` tokens (truncated), as TRL's completion mask has it. The sampler's
-generator is seeded with (seed, rollout index), so a resumed run samples exactly what it would have.
+stop token, or ``max_completion_length`` tokens (truncated), as TRL's completion mask has it. Each prompt's group
+is sampled by its own generator, seeded with (seed, rollout, the prompt's place in the rollout), so a resumed run
+samples exactly what it would have, and a DP rank decoding its share of the groups samples what one process would.
+
+Under data parallel each rank decodes its share of the groups, padded to the whole rollout's longest prompt, and
+the ranks step together until every rank's rows have stopped (FSDP's forwards are collective). Under tensor
+parallel every TP rank decodes the same rows on its shard: the head's logits are all-gathered, the same generators
+draw the same tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.model_config import ModelConfig
@@ -36,8 +44,11 @@ class Sampling:
     top_p: float = 1.0  # 1: off
 
 
-def next_tokens(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of (B, V) logits: temperature, top-k, top-p (``engine.eval.sampling.filter_logits``)."""
+def next_tokens(
+    logits: torch.Tensor, s: Sampling, generators: Sequence[torch.Generator | None], group: int
+) -> torch.Tensor:
+    """One token per row of (B, V) logits: temperature, top-k, top-p (``engine.eval.sampling.filter_logits``);
+    rows ``[g·group, (g+1)·group)`` are drawn with ``generators[g]`` (one per prompt's group)."""
     logits = logits.float() / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
@@ -47,7 +58,12 @@ def next_tokens(logits: torch.Tensor, s: Sampling, generator: torch.Generator | 
         drop_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - s.top_p)
         drop_sorted[..., -1] = False  # the most likely token stays
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    parts = [
+        torch.multinomial(probs[g * group : (g + 1) * group], num_samples=1, generator=gen)
+        for g, gen in enumerate(generators)
+    ]
+    return torch.cat(parts).squeeze(-1)
 
 
 def stop_ids(tokenizer: Any) -> set[int]:
@@ -56,8 +72,10 @@ def stop_ids(tokenizer: Any) -> set[int]:
     return {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+def _left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device, width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(width, *(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
@@ -67,7 +85,15 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.devic
 
 
 def _last_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return (hidden[:, -1] @ cast(Qwen3Model, model).output_weight().t()).float()
+    """(B, T, H) -> (B, V) fp32 logits of the last position; a vocab-parallel head's (TP) all-gathered over the
+    vocabulary, so every TP rank samples from the same logits (``engine.eval.generate.last_logits``)."""
+    weight = cast(Qwen3Model, model).output_weight()
+    if isinstance(hidden, DTensor):  # sequence parallel: each TP rank holds a slice of the positions
+        hidden = hidden.full_tensor()
+    if not isinstance(weight, DTensor):
+        return (hidden[:, -1] @ weight.t()).float()
+    local = (hidden[:, -1] @ weight.to_local().t()).float()
+    return DTensor.from_local(local, weight.device_mesh, [Shard(-1)], run_check=False).full_tensor()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +118,10 @@ def prompt_of(data: TrainData, position: int, tokenizer: Any) -> Prompt:
     return Prompt(row, ids, reference)
 
 
-def rollout_generator(seed: int, rollout: int, device: torch.device) -> torch.Generator:
-    """The sampler's generator of one rollout: a function of (seed, rollout) alone, so a resume repeats it."""
-    mixed = int(np.random.SeedSequence([seed % 2**63, rollout]).generate_state(1, dtype=np.uint64)[0])
+def group_generator(seed: int, rollout: int, prompt: int, device: torch.device) -> torch.Generator:
+    """The sampler's generator of one prompt's group in one rollout (``prompt``: its position in the rollout): a
+    function of (seed, rollout, prompt) alone, so a resume repeats it and a DP rank draws what one process would."""
+    mixed = int(np.random.SeedSequence([seed % 2**63, rollout, prompt]).generate_state(1, dtype=np.uint64)[0])
     return torch.Generator(device=device).manual_seed(mixed)
 
 
@@ -104,33 +131,54 @@ class Decoded:
     truncated: list[bool]
 
 
-@torch.inference_mode()
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    max_new: int
+    stop_ids: frozenset[int]
+    pad_id: int
+    sampling: Sampling
+    group: int  # consecutive rows sharing one generator (a prompt's num_generations)
+    width: int = 0  # left-pad prompts to at least this (the whole rollout's longest: every rank pads alike)
+    together: bool = False  # ranks decode in lockstep (their forwards are collective): stop when all are done
+    tp: int = 1  # the model's tensor-parallel size: a TP rank caches num_query_groups / TP KV heads
+
+
+def _all_done(done: torch.Tensor, together: bool) -> bool:
+    """Every row stopped: this rank's, or with ``together`` every rank's (one all-reduce per token)."""
+    if not together:
+        return bool(done.all())
+    left = (~done).sum().reshape(1)
+    dist.all_reduce(left)
+    return int(left) == 0
+
+
+@torch.no_grad()
 def decode(
     model: torch.nn.Module,
     cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
-    max_new: int,
-    stop_ids: set[int],
-    pad_id: int,
-    sampling: Sampling,
-    generator: torch.Generator | None,
+    opts: DecodeOptions,
+    generators: Sequence[torch.Generator | None],
 ) -> Decoded:
-    """Sample one completion per prompt, all rows in one batch, through a KV cache."""
+    """Sample one completion per prompt, all rows in one batch, through a KV cache. ``no_grad``, not
+    ``inference_mode``: FSDP keeps the root's gathered parameters after forward for the training step that follows,
+    and inference tensors could not take part in its autograd."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    ids, mask = _left_pad(prompts, pad_id, device)
+    ids, mask = _left_pad(prompts, opts.pad_id, device, opts.width)
     pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-    cache = KVCache(cfg, ids.shape[0], ids.shape[1] + max_new, dtype, device)
+    kv_heads = cfg.num_query_groups // opts.tp
+    cache = KVCache(cfg, ids.shape[0], ids.shape[1] + opts.max_new, dtype, device, num_kv_heads=kv_heads)
     hidden = model(ids, position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    stop = torch.tensor(sorted(opts.stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     out: list[torch.Tensor] = []
-    for t in range(max_new):
-        token = next_tokens(_last_logits(model, hidden), sampling, generator)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
+    for t in range(opts.max_new):
+        token = next_tokens(_last_logits(model, hidden), opts.sampling, generators, opts.group)
+        token = torch.where(done, torch.full_like(token, opts.pad_id), token)
         out.append(token)
         done = done | torch.isin(token, stop)
-        if bool(done.all()) or t + 1 == max_new:
+        if t + 1 == opts.max_new or _all_done(done, opts.together):
             break
         pos = pos[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -138,7 +186,7 @@ def decode(
     rows = torch.stack(out, dim=1).tolist()
     completions, truncated = [], []
     for row in rows:
-        cut = next((i for i, tok in enumerate(row) if tok in stop_ids), None)
+        cut = next((i for i, tok in enumerate(row) if tok in opts.stop_ids), None)
         completions.append(row if cut is None else row[: cut + 1])
         truncated.append(cut is None)
     return Decoded(completions, truncated)

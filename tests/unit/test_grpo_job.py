@@ -15,19 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from engine.contract.indexed import IndexedDatasetWriter, instruction_prefix  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402
+from grpo_support import tiny_qwen3, write_prompts  # type: ignore[import-not-found]  # noqa: E402
 from train_support import metric_rows  # type: ignore[import-not-found]  # noqa: E402
 
-QUESTIONS = ["Say yes or no.", "Name a colour.", "What is 2+2?", "Greet me."]
-ANSWERS = ["yes", "blue", "4", "hello"]
 G, GBS, MAX_LEN, TEMPERATURE, LR, BETA = 4, 8, 8, 0.9, 3e-2, 0.04
 # rewards that differ among random completions: an ASCII vowel in the text, the text's length parity
 REWARDS = [
@@ -38,36 +35,16 @@ REWARDS = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("grpo")
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = Qwen3ForCausalLM(config)
+    model = tiny_qwen3()
     model.save_pretrained(root / "policy")
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     ref.save_pretrained(root / "ref")
-    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
-    writers = {
-        f: IndexedDatasetWriter(instruction_prefix(root / "data", f)) for f in ("input_ids", "attention_mask", "labels")
-    }
-    for question, answer in zip(QUESTIONS, ANSWERS, strict=True):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = tok.encode(text)
-        reply = tok.encode(answer + "<|im_end|>")
-        writers["input_ids"].add_document(np.array(prompt + reply))
-        writers["attention_mask"].add_document(np.ones(len(prompt) + len(reply)))
-        writers["labels"].add_document(np.array([-100] * len(prompt) + reply))
-    for w in writers.values():
-        w.finalize()
+    write_prompts(root / "data", qwen_tokenizer_dir)
     return {"root": root, "model": model, "ref": ref, "tokenizer": str(qwen_tokenizer_dir)}
 
 

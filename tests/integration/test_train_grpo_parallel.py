@@ -1,0 +1,103 @@
+"""Stage grpo on two ranks equals one process: under data parallel (FSDP2 over gloo, torchrun) each rank samples
+its share of the prompts' groups with the groups' own generators, so the completions the two ranks write are the
+very token ids one process writes (asserted, not fed), and on them the step's loss, grad norm, rewards and
+advantages equal the one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens,
+grpo: its sequences) and batch-scaled advantages (the ranks' rewards gathered)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from grpo_support import tiny_qwen3, write_prompts
+from train_support import metric_rows, run_train
+
+# two engine runs per case (the first of a case runs its one-process side too): ~90 s on a quiet host, past
+# 300 s under a load average of 70
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REWARDS = [
+    {"name": "regex", "pattern": "[aeiou]", "strip_thinking": False},
+    {"name": "regex", "label": "even", "pattern": r"^(..)*$", "strip_thinking": False},
+]
+CASES = {
+    # one rollout, two steps on it (the ratio moves off 1), a reference, batch-scaled advantages, dapo's token count
+    "dapo_batch_beta_mu2": {"loss_type": "dapo", "scale_rewards": "batch", "beta": 0.04, "num_iterations": 2},
+    # two rollouts (the second from updated weights), per-sequence means, group advantages
+    "grpo_group_two_rollouts": {"loss_type": "grpo", "scale_rewards": "group"},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("grpo-parallel")
+    torch.manual_seed(0)
+    tiny_qwen3().save_pretrained(root / "policy")
+    write_prompts(root / "data", qwen_tokenizer_dir)
+    return {"root": root, "tokenizer": str(qwen_tokenizer_dir)}
+
+
+def _spec(setup: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "train", "stage": "grpo", "data_path": [str(setup["root"] / "data")],
+        "load": str(setup["root"] / "policy"), "tokenizer_name_or_path": setup["tokenizer"], "split": "100,0,0",
+        "seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8, "num_generations": 4,
+        "max_completion_length": 8, "temperature": 0.9, "train_iters": 2, "lr": 3e-2, "lr_decay_style": "constant",
+        "weight_decay": 0.0, "clip_grad": 1.0, "log_interval": 1, "seed": 3, "reward_funcs": REWARDS,
+        "variable_seq_lengths": True, **extra,
+    }  # fmt: skip
+
+
+def _completions(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+
+
+LAYOUTS = {
+    "dp2": {},
+    # generation on the TP-sharded policy: each rank caches its KV heads, the head's logits are all-gathered
+    "tp2": {"tensor_model_parallel_size": 2},
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+}
+_ONE_PROCESS: dict[str, Path] = {}
+
+
+def _one_process(spec: dict[str, Any], run_dir: Path) -> Path:
+    """The one-process run of ``spec``, once per test process (every layout compares with it)."""
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _ONE_PROCESS:
+        run_train(spec, run_dir, 1)
+        _ONE_PROCESS[key] = run_dir
+    return _ONE_PROCESS[key]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: Path, case: str, layout: str) -> None:
+    one_spec = _spec(setup, **CASES[case])
+    one_dir = _one_process(one_spec, tmp_path / "one")
+    run_train({**one_spec, **LAYOUTS[layout], "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
+    one, two = _completions(one_dir), _completions(tmp_path / "two")
+    assert len(one) == len(two) == 8 * (2 // one_spec.get("num_iterations", 1))
+    for a, b in zip(one, two, strict=True):
+        assert (a["iteration"], a["prompt_id"], a["completion_ids"]) == (
+            b["iteration"],
+            b["prompt_id"],
+            b["completion_ids"],
+        )
+        assert b["reward"] == a["reward"]
+        assert b["advantage"] == pytest.approx(a["advantage"], rel=1e-6, abs=1e-7)
+    assert len({tuple(r["completion_ids"]) for r in one}) > 1  # sampled, not one repeated completion
+    rows_one, rows_two = metric_rows(one_dir), metric_rows(tmp_path / "two")
+    assert len(rows_one) == len(rows_two) == 2
+    for a, b in zip(rows_one, rows_two, strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5, abs=1e-7), "lm_loss"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), "grad_norm"
+        for key in ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "completions/mean_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert a["grad_norm"] > 0
+    parallel = json.loads((tmp_path / "two" / "result.json").read_text())["summary"]["parallel"]
+    assert parallel == ({"dp": 1, "tp": 2} if "tensor_model_parallel_size" in LAYOUTS[layout] else {"dp": 2, "tp": 1})
