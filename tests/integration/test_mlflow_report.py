@@ -17,16 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from core.db import session_scope
-from core.jobs import transition
+from core.jobs import create_job, transition
 from core.mlflow_report import report_once
 from core.models import Event, Job
 from core.settings import REPO_ROOT, Settings
 from core.states import JobState
-from core_support import claim, isolated_settings, make_job, require_tool
+from core_support import claim, isolated_settings, require_tool
 from engine.contract.runfiles import RunDir
+from engine.contract.spec import parse_spec
 from service_support import free_port
 from worker.ingest import RunIngestor
 
@@ -72,13 +73,14 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def train_job(settings: Settings, uri: str, **spec: Any) -> str:
-    """A running train job asking for report_to mlflow (its stored spec as the API stores one)."""
-    job_id = make_job(settings, "alpha", name="lora-r8", metadata={"experiment": "from-label"})
-    body = {"kind": "train", "data_path": ["data/x"], "lr": 0.0003, "lora_r": 8, "report_to": ["mlflow"]}
-    body |= {"mlflow_tracking_uri": uri, "resources": {"device_type": "cpu", "nnodes": 1, "nproc_per_node": 1}}
+def train_job(settings: Settings, uri: str, team: str = "alpha", **spec: Any) -> str:
+    """A running train job asking for report_to mlflow, stored as the API stores one."""
+    raw = {"kind": "train", "name": "lora-r8", "metadata": {"experiment": "from-label"}, "data_path": ["data/x"]}
+    raw |= {"train_iters": 2, "lr": 0.0003, "lora_r": 8, "report_to": ["mlflow"], "mlflow_tracking_uri": uri}
+    raw |= {"resources": {"device_type": "cpu", "nnodes": 1, "nproc_per_node": 1}, **spec}
     with session_scope(settings.database_url) as session:
-        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec=body | spec))
+        job, _ = create_job(session, settings=settings, team=team, spec=parse_spec(raw), raw=raw)
+        job_id = job.id
     assert claim(settings, job_id, "h0")
     with session_scope(settings.database_url) as session:
         assert transition(session, job_id, JobState.running)

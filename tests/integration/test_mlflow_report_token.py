@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -15,15 +14,13 @@ from sqlalchemy import select
 from app.main import create_app
 from core import team_secrets
 from core.db import session_scope
-from core.jobs import create_job, transition
 from core.mlflow_report import report_once
 from core.models import Event, Job
 from core.settings import Settings
-from core.states import JobState
-from core_support import auth, claim, isolated_settings, make_token
+from core_support import auth, isolated_settings, make_token
 from engine.contract.runfiles import RunDir
-from engine.contract.spec import parse_spec
 from service_support import serve_in_thread
+from test_mlflow_report import train_job
 from worker.ingest import RunIngestor
 
 
@@ -34,26 +31,13 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Settings]]:
         yield url, settings  # runs the report pass itself
 
 
-def reporting_job(settings: Settings, uri: str, **spec: Any) -> str:
-    """A running train job of team beta asking for report_to mlflow (stored as the API stores one)."""
-    raw = {"kind": "train", "name": "lora-tok", "data_path": ["data/x"], "lr": 0.001, "train_iters": 2}
-    raw |= {"report_to": ["mlflow"], "mlflow_tracking_uri": uri, **spec}
-    with session_scope(settings.database_url) as session:
-        job, _ = create_job(session, settings=settings, team="beta", spec=parse_spec(raw), raw=raw)
-        job_id = job.id
-    assert claim(settings, job_id, "h0")
-    with session_scope(settings.database_url) as session:
-        assert transition(session, job_id, JobState.running)
-    return job_id
-
-
 def test_the_named_secret_is_the_bearer_token(served: tuple[str, Settings], tmp_path: Path) -> None:
     url, settings = served
     receiver = make_token(settings, "alpha")  # the tracking server's account: a token of team alpha there
     with session_scope(settings.database_url) as session:
         team_secrets.put(session, settings, "beta", "tracker", receiver)
-    job_id = reporting_job(settings, url, mlflow_token_secret="tracker", mlflow_experiment="mirrored")
-    anonymous = reporting_job(settings, url, mlflow_experiment="anonymous")  # no secret: the server says 401
+    job_id = train_job(settings, url, "beta", mlflow_token_secret="tracker", mlflow_experiment="mirrored")
+    anonymous = train_job(settings, url, "beta", mlflow_experiment="anonymous")  # no secret: the server says 401
     run = RunDir(tmp_path / "run")
     ingest = RunIngestor(settings.database_url, job_id, run.path, attempt=1)  # reads what is written after it starts
     run.metric(1, {"lm_loss": 2.0})
