@@ -13,8 +13,10 @@ pairs padded to their longest answer, ``--global-batch-size`` pairs a step, Adam
 Ours runs the real job (``engine.train.job``) on the pairs written as MindSpeed's pairwise dataset; TRL runs
 ``DPOTrainer.train``. The pairs are one global batch, so every step (an epoch) trains the same pairs on both sides.
 One warm-up step, then ``--repeats`` timed steps; tokens/s = real tokens of a step (prompt and answer of both sides
-of every pair) / the fastest timed step. Peak memory = peak RSS minus RSS after imports (two models,
-grads, Adam state, activations, logits). Prints one JSON line per side, then
+of every pair) / the fastest timed step. Each side runs in fresh processes, ``--pairs`` pairs of them (ours, TRL;
+then TRL, ours; ...: ``bench/common/pairs.py``); the ratios are the median of the pairs' ratios, with min, max and
+count. Peak memory = peak RSS minus RSS after imports (two models,
+grads, Adam state, activations, logits). Prints one JSON line per process, then
 ``{"bench":"dpo_step","tokens_per_s_ratio":...,"peak_mem_ratio":...}``. Run: ``.venv/bin/python bench/dpo_step.py``.
 """
 
@@ -36,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
 SHAPE = dict(
     hidden_size=512,
@@ -192,8 +195,9 @@ def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
         "dpo_loss_type": "sigmoid",
         "dpo_beta": 0.1,
     }
-    job.run(parse_spec(spec), RunDir(work / "run"))
-    rows = [json.loads(line)["metrics"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = Path(tempfile.mkdtemp(prefix="run", dir=work))  # a fresh run directory for each process of each pair
+    job.run(parse_spec(spec), RunDir(run))
+    rows = [json.loads(line)["metrics"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r["iteration_time_ms"] / 1000 for r in rows]
 
 
@@ -271,6 +275,7 @@ def measure(side: str, work: str, steps: int, mbs: int, gbs: int, threads: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and TRL's (A B, B A, ...)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs per micro-batch")
     parser.add_argument("--global-batch-size", type=int, default=8, help="pairs per step")
     parser.add_argument("--seed", type=int, default=0)
@@ -279,7 +284,7 @@ def main() -> None:
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.micro_batch_size, args.global_batch_size = 1, 1, 2
+        args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 1
     mbs, gbs, steps = args.micro_batch_size, args.global_batch_size, 1 + args.repeats
     pairs = make_pairs(gbs, args.seed)  # one global batch: every step (an epoch) trains the same pairs on both sides
     tokens = tokenize(pairs)
@@ -295,31 +300,33 @@ def main() -> None:
     )
     apply_to_children(args.malloc)  # each side's process starts with it
     ctx = multiprocessing.get_context("spawn")
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for side in ("ours", "trl"):
             (work / side).mkdir()
             write_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed, work / side / "model")
         write_pairs(tokens, work / "ours" / "pairs")
-        for side in ("ours", "trl"):
+
+        def run(side: str) -> dict:
             with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                results[side] = pool.submit(measure, side, tmp, steps, mbs, gbs, args.threads, tokens, pairs).result()
-            print(json.dumps(results[side]))
-    # Every step trains the same pairs: tokens/s of the fastest timed step (the least disturbed on a shared machine).
-    tps = {side: step_tokens / min(r["step_s"][1:]) for side, r in results.items()}
-    peaks = {side: r["peak_mem_mb"] for side, r in results.items()}
+                return pool.submit(measure, side, tmp, steps, mbs, gbs, args.threads, tokens, pairs).result()
+
+        rounds = alternate(run, ("ours", "trl"), args.pairs, log=lambda r: print(json.dumps(r)))
+    # Every step trains the same pairs: tokens/s of a process's fastest timed step (the least disturbed on a shared
+    # machine); the ratios are the median of the pairs' ratios.
+    tps = [{side: step_tokens / min(r["step_s"][1:]) for side, r in pair.items()} for pair in rounds]
+    peaks = [{side: r["peak_mem_mb"] for side, r in pair.items()} for pair in rounds]
     print(
         json.dumps(
             {
                 "bench": "dpo_step",
                 "smoke": args.smoke,
-                "tokens_per_s_ratio": round(tps["ours"] / tps["trl"], 3),
-                "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
-                "ours_tokens_per_s": round(tps["ours"], 1),
-                "trl_tokens_per_s": round(tps["trl"], 1),
-                "ours_peak_mem_mb": round(peaks["ours"], 1),
-                "trl_peak_mem_mb": round(peaks["trl"], 1),
+                **pair_ratios("tokens_per_s_ratio", [t["ours"] / t["trl"] for t in tps]),
+                **pair_ratios("peak_mem_ratio", [p["ours"] / p["trl"] for p in peaks]),
+                "ours_tokens_per_s": [round(t["ours"], 1) for t in tps],
+                "trl_tokens_per_s": [round(t["trl"], 1) for t in tps],
+                "ours_peak_mem_mb": [round(p["ours"], 1) for p in peaks],
+                "trl_peak_mem_mb": [round(p["trl"], 1) for p in peaks],
                 "micro_batch_size": mbs,
                 "global_batch_size": gbs,
                 "repeats": args.repeats,
