@@ -270,7 +270,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, batch 2, one timed step")
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 2
+        args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 1
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     samples = make_samples(2 * gbs, args.seed)
     warmup, timed = samples[:gbs], samples[gbs:]
