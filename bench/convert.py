@@ -1,7 +1,7 @@
 """Conversion benchmark: a Qwen3-0.6B-shaped bf16 checkpoint, hf -> mg (TP2 PP2) and mg -> hf, against ``cp -r``.
 
-Each conversion runs (best of ``--repeats``, alternating with the copy) as ``python -m engine convert`` in a fresh
-process (as a job does); its time is the job's own ``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
+Each conversion runs (``--repeats`` pairs, each the copy and then the conversion: ``bench/common/pairs.py``) as
+``python -m engine convert`` in a fresh process (as a job does); its time is the job's own ``summary.seconds`` (open, read, convert, write; interpreter start-up excluded and reported separately) and is
 compared with ``cp -r`` of the conversion's input directory in the same run, so both see the same disk and page
 cache. Peak memory is the child's peak RSS (VmHWM, interpreter and torch included) against the largest file
 the conversion writes. Same-dtype conversions copy most bytes as they are (``engine.checkpoint.fastcopy``), so the
@@ -11,7 +11,8 @@ under ``--work-dir`` for later runs.
 
     .venv/bin/python bench/convert.py [--work-dir /tmp/llmjobs-bench-convert] [--smoke]
 
-Last line: {"bench":"convert","time_ratio":...,"peak_rss_ratio":...} (the worse of the two directions).
+Last line: {"bench":"convert","time_ratio":...,"peak_rss_ratio":...} (the worse of the two directions; the time ratio is
+the median of the pairs' ratios, with their min, max and count).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
 
 SHAPE = dict(
@@ -104,20 +107,21 @@ def convert(flags: list[str], run_dir: Path) -> dict:
 
 
 def measure(name: str, src: Path, flags: list[str], work: Path, repeats: int) -> dict:
-    """Best of ``repeats`` alternating runs of each, so a burst of load from other processes hits both alike."""
-    cps, results = [], []
-    for _ in range(repeats):
-        cps.append(copy_seconds(src, work / "cp-target"))
-        results.append(convert(flags, work / f"run-{name}"))
-    cp = min(cps)
-    result = min(results, key=lambda r: r["seconds"])
+    """``repeats`` pairs of the copy and the conversion, so that a burst of load from other processes hits both alike;
+    the time ratio is the median of the pairs', the memory figures the largest run's."""
+    sides = {
+        "cp": lambda: {"seconds": copy_seconds(src, work / "cp-target")},
+        "convert": lambda: convert(flags, work / f"run-{name}"),
+    }
+    rounds = alternate(lambda side: sides[side](), ("cp", "convert"), repeats, log=lambda _: None)
+    result = max((r["convert"] for r in rounds), key=lambda r: r["peak_rss_mb"])
     largest = result["largest_file_bytes"]
     row = {
         "direction": name,
-        "convert_s": result["seconds"],
-        "convert_wall_s": result["wall_seconds"],
-        "cp_s": round(cp, 3),
-        "time_ratio": round(result["seconds"] / cp, 3),
+        "convert_s": [r["convert"]["seconds"] for r in rounds],
+        "convert_wall_s": [r["convert"]["wall_seconds"] for r in rounds],
+        "cp_s": [round(r["cp"]["seconds"], 3) for r in rounds],
+        **pair_ratios("time_ratio", [r["convert"]["seconds"] / r["cp"]["seconds"] for r in rounds]),
         "peak_rss_mb": result["peak_rss_mb"],
         "largest_output_mb": round(largest / 2**20, 1),
         "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
@@ -131,8 +135,8 @@ def measure(name: str, src: Path, flags: list[str], work: Path, repeats: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="/tmp/llmjobs-bench-convert")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat: the same code path in seconds")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of the copy and the conversion")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one pair: the same code path in seconds")
     args = parser.parse_args()
     work = Path(args.work_dir) / ("smoke" if args.smoke else "")
     if args.smoke:
@@ -181,7 +185,7 @@ def main() -> None:
             {
                 "bench": "convert",
                 "smoke": args.smoke,
-                "time_ratio": max(r["time_ratio"] for r in rows),
+                **{k: v for k, v in max(rows, key=lambda r: r["time_ratio"]).items() if k.startswith("time_ratio")},
                 "peak_rss_ratio": max(r["peak_rss_ratio"] for r in rows),
             }
         )
