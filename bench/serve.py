@@ -5,8 +5,9 @@ Both sides decode greedily with the same weights (the demo model, ``cli.demo.wri
 ``max_tokens``. The service side is real: ``create_app`` under uvicorn on a free port with a SQLite database, a team
 token, and a ``serve`` deployment whose engine (``engine.serve.job.run``) runs in this process; requests go
 client -> API -> engine endpoint -> batching loop. Figures: ``throughput_ratio`` (generated tokens/s, served over
-one by one; target >= 4), TTFT p50/p99 of the served requests, ``greedy_equal`` (prompts whose streamed text
-equals transformers' greedy text; must equal ``prompts``). Ends with one JSON line.
+one by one, the median of ``--pairs`` pairs of waves, served then one by one, then the other way round:
+``bench/common/pairs.py``; target >= 4), TTFT p50/p99 of the served requests, ``greedy_equal`` (prompts whose
+streamed text equals transformers' greedy text; must equal ``prompts``). Ends with one JSON line.
 
     .venv/bin/python bench/serve.py [--clients 32] [--max-tokens 64] [--smoke]
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,9 @@ import openai
 import torch
 import uvicorn
 from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
 from app.main import create_app
 from cli.demo import intent_samples, tokenizer_source, write_tiny_model
@@ -47,21 +53,26 @@ def _messages(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": s["messages"][-2]["content"]}] for s in intent_samples(count, seed=5)]
 
 
-def _baseline(model_dir: Path, prompts: list[list[dict[str, str]]], max_tokens: int) -> tuple[list[str], int, float]:
+def _baseline(model_dir: Path, prompts: list[list[dict[str, str]]], max_tokens: int) -> Callable[[], dict[str, Any]]:
+    """The baseline's wave: the prompts one by one through ``generate``; its texts, tokens and seconds."""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stop = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
-    texts, produced, start = [], 0, time.perf_counter()
-    for msgs in prompts:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False, return_dict=False)
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=stop
-            )
-        new = out[0, len(ids) :].tolist()
-        produced += len(new)
-        texts.append(tok.decode([t for t in new if t not in stop], skip_special_tokens=True))
-    return texts, produced, time.perf_counter() - start
+
+    def wave() -> dict[str, Any]:
+        texts, produced, start = [], 0, time.perf_counter()
+        for msgs in prompts:
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False, return_dict=False)
+            with torch.no_grad():
+                out = hf.generate(
+                    input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=stop
+                )
+            new = out[0, len(ids) :].tolist()
+            produced += len(new)
+            texts.append(tok.decode([t for t in new if t not in stop], skip_special_tokens=True))
+        return {"side": "baseline", "texts": texts, "tokens": produced, "seconds": time.perf_counter() - start}
+
+    return wave
 
 
 def _start_engine(model_dir: Path, run_dir: Path, slots: int) -> tuple[str, threading.Event, threading.Thread]:
@@ -125,43 +136,62 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--smoke", action="store_true", help="4 clients, 8 tokens: seconds, same code path")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of waves, served and one by one (A B, B A, ...)")
+    parser.add_argument("--smoke", action="store_true", help="4 clients, 8 tokens, one pair: seconds, same code path")
     args = parser.parse_args()
+    if args.smoke:
+        args.pairs = 1
     clients, max_tokens = (4, 8) if args.smoke else (args.clients, args.max_tokens)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = write_tiny_model(root / "model", tokenizer_source(), seed=0)
         prompts = _messages(clients)
-        expected, base_tokens, base_s = _baseline(model_dir, prompts, max_tokens)
+        baseline = _baseline(model_dir, prompts, max_tokens)
         engine_url, stop, engine = _start_engine(model_dir, root / "run", clients)
         api_url, token, server = _start_api(root / "var", model_dir, engine_url)
         client = openai.OpenAI(base_url=api_url, api_key=token, max_retries=0, timeout=600)
         _one(client, prompts[0], 2)  # warm-up: first-request costs are not throughput
-        start = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            results = list(pool.map(lambda m: _one(client, m, max_tokens), prompts))
-        served_s = time.perf_counter() - start
+
+        def served() -> dict[str, Any]:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                results = list(pool.map(lambda m: _one(client, m, max_tokens), prompts))
+            return {"side": "served", "results": results, "seconds": time.perf_counter() - start}
+
+        waves = {"served": served, "baseline": baseline}
+        rounds = alternate(lambda side: waves[side](), ("served", "baseline"), args.pairs, log=_log)
         server.should_exit = True
         stop.set()
         engine.join(timeout=30)
-    served_tokens = sum(r["tokens"] for r in results)
-    ttft = [r["ttft"] for r in results]
+    rates = [
+        {
+            "served": sum(r["tokens"] for r in pair["served"]["results"]) / pair["served"]["seconds"],
+            "baseline": pair["baseline"]["tokens"] / pair["baseline"]["seconds"],
+        }
+        for pair in rounds
+    ]
+    ttft = [r["ttft"] for pair in rounds for r in pair["served"]["results"]]
+    expected = rounds[0]["baseline"]["texts"]
     figures = {
         "bench": "serve",
         "clients": clients,
         "max_tokens": max_tokens,
-        "served_tokens_per_s": served_tokens / served_s,
-        "baseline_tokens_per_s": base_tokens / base_s,
-        "throughput_ratio": (served_tokens / served_s) / (base_tokens / base_s),
+        "served_tokens_per_s": [round(r["served"], 1) for r in rates],
+        "baseline_tokens_per_s": [round(r["baseline"], 1) for r in rates],
+        **pair_ratios("throughput_ratio", [r["served"] / r["baseline"] for r in rates]),
         "ttft_p50_s": _percentile(ttft, 0.5),
         "ttft_p99_s": _percentile(ttft, 0.99),
-        "greedy_equal": sum(r["text"] == e for r, e in zip(results, expected, strict=True)),
+        "greedy_equal": sum(r["text"] == e for r, e in zip(rounds[0]["served"]["results"], expected, strict=True)),
         "prompts": clients,
         "smoke": args.smoke,
     }
-    print(f"served: {served_tokens} tokens in {served_s:.2f} s; one by one: {base_tokens} tokens in {base_s:.2f} s")
     print(json.dumps(figures))
+
+
+def _log(wave: dict[str, Any]) -> None:
+    tokens = wave["tokens"] if wave["side"] == "baseline" else sum(r["tokens"] for r in wave["results"])
+    print(f"{wave['side']}: {tokens} tokens in {wave['seconds']:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
