@@ -124,6 +124,8 @@ class Batcher:
         self.flat = install_flat_attention(model)  # attention per row of the flat batch (engine.serve.slots)
         # plain greedy rows' tokens from a bf16 head pass and an fp32 re-score (exact; engine.serve.greedy_head)
         self.greedy_head = GreedyHead.for_model(model) if bf16_greedy_head and sync is None else None
+        if self.greedy_head is not None:
+            log.info("serving loop: plain greedy rows take the bf16 greedy head (engine.serve.greedy_head)")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = threading.Condition()
