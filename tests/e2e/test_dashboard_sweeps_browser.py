@@ -11,7 +11,7 @@ import re
 import uuid
 from typing import Any
 
-from test_dashboard_browser import browser, page  # noqa: F401 - chromium and a page with its error checks
+from test_dashboard_browser import browser, page, strict_page  # noqa: F401 - chromium, pages with error checks
 from test_service_e2e import Service, readme_example, service  # noqa: F401 - the module-scoped `llmjobs serve`
 
 SWEEP_ID = "00000000-0000-4000-8000-000000000048"
@@ -115,3 +115,18 @@ def test_runs_list_groups_jobs_and_notebook_runs(page: Any, service: Service) ->
     by_label = page.locator(f"section.run-group[data-group='a-{tag}'] tbody tr")
     assert by_label.count() == 3  # two jobs and the notebook run tagged arm=a-<tag>
     assert page.locator(f"section.run-group[data-group='b-{tag}'] tbody tr").count() == 1
+
+
+def test_both_pages_render_under_the_dashboards_csp(strict_page: Any, service: Service) -> None:  # noqa: F811
+    """With the page's own Content-Security-Policy (the fixture fails on any console error): the scatter's SVG and
+    the grouped tables are built with DOM calls only."""
+    body = json.dumps(fake_sweep())
+    strict_page.route(
+        re.compile(rf".*/v1/sweeps/{SWEEP_ID}$"),
+        lambda r: r.fulfill(status=200, content_type="application/json", body=body),
+    )
+    strict_page.goto(service.url + "/")
+    strict_page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
+    for route, selector in ((f"#/sweeps/{SWEEP_ID}", "svg.scatter circle.best"), ("#/runs", "section.run-group")):
+        strict_page.goto(f"{service.url}/{route}")
+        strict_page.wait_for_selector(selector)
