@@ -14,16 +14,20 @@ QUESTIONS = ["Say yes or no.", "Name a colour.", "What is 2+2?", "Greet me."]
 ANSWERS = ["yes", "blue", "4", "hello"]
 
 
-def tiny_qwen3() -> Any:
+def tiny_qwen3(moe: bool = False) -> Any:
     """A random-weight ``Qwen3ForCausalLM``: 2 layers, width 32, 4 heads over 2 KV groups, the 151,936-token
-    vocabulary (the real tokenizer's ids), an untied head; seed it before calling."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    vocabulary (the real tokenizer's ids), an untied head; ``moe``: a ``Qwen3MoeForCausalLM`` whose layers both
+    route to 4 experts (top 2, FFN 32). Seed it before calling."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
-    )  # fmt: skip
-    return Qwen3ForCausalLM(config)
+    shape: dict[str, Any] = {
+        "vocab_size": 151936, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "tie_word_embeddings": False,
+    }  # fmt: skip
+    if not moe:
+        return Qwen3ForCausalLM(Qwen3Config(**shape))
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": []}
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **experts, norm_topk_prob=True))
 
 
 def write_prompts(prefix: Path, tokenizer_dir: Path) -> None:

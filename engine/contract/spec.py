@@ -1303,12 +1303,17 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                         f"overlong_buffer: {f.overlong_buffer} is beyond max_completion_length "
                         f"{self.max_completion_length}"
                     )
-        for flag in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
-            if getattr(self, flag) > 1:
-                raise ValueError(f"{flag}: stage grpo runs under DP and TP only so far (no PP, EP or CP yet)")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "pipeline_model_parallel_size: stage grpo decodes token by token on the policy's own weights, which "
+                "the pipeline schedule does not run (no PP or CP yet; DP, TP and EP do)"
+            )
         if self.context_parallel_size > 1:
-            raise ValueError("context_parallel_size: stage grpo runs under DP and TP only so far (no PP, EP or CP yet)")
-        dp = max(1, self.resources.world_size // self.tensor_model_parallel_size)  # PP and CP are 1 here
+            raise ValueError(
+                "context_parallel_size: stage grpo's decoding keeps each sequence's KV cache whole on one rank, which "
+                "context parallelism splits (no PP or CP yet; DP, TP and EP do)"
+            )
+        dp = max(1, self.resources.world_size // self.tensor_model_parallel_size)  # PP and CP are 1 here; EP is in DP
         if (gbs // self.num_generations) % dp:
             raise ValueError(
                 f"global_batch_size: {gbs // self.num_generations} prompts per step ({gbs} completions / "

@@ -440,7 +440,10 @@ class GRPOLoop:
         params = [p for p in t.runner.module.parameters() if p.requires_grad]
         device = t.runner.device
         denom = torch.tensor(rollout.denominator, dtype=torch.float64, device=device)
+        if t.router:  # MoE: one routed token's aux loss weighs as in SFT (loss scale / the batch's real tokens)
+            t.router.set_token_weight(t.scaler.scale / max(rollout.real_tokens, 1.0))
         losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
+        t.router.discard()  # the rollout's decoding and this step's figures are not reported (dense: a no-op)
         if t.scaler.scale != 1.0:
             for p in params:
                 if p.grad is not None:
@@ -526,7 +529,7 @@ class GRPOLoop:
             **({"warnings": warnings} if warnings else {}),
             "load_format": plan.loaded.format if plan.loaded else None,
             "world_size": plan.dims.world_size,
-            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp},
+            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp, "ep": plan.dims.ep},
             "global_batch_size": plan.global_batch_size,
             "lora": t.lora,
             "final_reward": final.get("reward"),

@@ -37,14 +37,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) ->
     root = tmp_path_factory.mktemp("grpo-parallel")
     torch.manual_seed(0)
     tiny_qwen3().save_pretrained(root / "policy")
+    tiny_qwen3(moe=True).save_pretrained(root / "policy_moe")
     write_prompts(root / "data", qwen_tokenizer_dir)
     return {"root": root, "tokenizer": str(qwen_tokenizer_dir)}
 
 
-def _spec(setup: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _spec(setup: dict[str, Any], moe: bool, **extra: Any) -> dict[str, Any]:
     return {
         "kind": "train", "stage": "grpo", "data_path": [str(setup["root"] / "data")],
-        "load": str(setup["root"] / "policy"), "tokenizer_name_or_path": setup["tokenizer"], "split": "100,0,0",
+        "load": str(setup["root"] / ("policy_moe" if moe else "policy")), "tokenizer_name_or_path": setup["tokenizer"], "split": "100,0,0",
         "seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8, "num_generations": 4,
         "max_completion_length": 8, "temperature": 0.9, "train_iters": 2, "lr": 3e-2, "lr_decay_style": "constant",
         "weight_decay": 0.0, "clip_grad": 1.0, "log_interval": 1, "seed": 3, "reward_funcs": REWARDS,
@@ -61,6 +62,9 @@ LAYOUTS = {
     # generation on the TP-sharded policy: each rank caches its KV heads, the head's logits are all-gathered
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    # a Qwen3-MoE's experts split over the two DP ranks: each rank's decode and training tokens reach every expert
+    # through the all-to-all (the ranks step together), the aux loss weighted per routed token as in SFT
+    "ep2": {"expert_model_parallel_size": 2},
 }
 _ONE_PROCESS: dict[str, Path] = {}
 
@@ -77,7 +81,7 @@ def _one_process(spec: dict[str, Any], run_dir: Path) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: Path, case: str, layout: str) -> None:
-    one_spec = _spec(setup, **CASES[case])
+    one_spec = _spec(setup, "expert_model_parallel_size" in LAYOUTS[layout], **CASES[case])
     one_dir = _one_process(one_spec, tmp_path / "one")
     run_train({**one_spec, **LAYOUTS[layout], "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
     one, two = _completions(one_dir), _completions(tmp_path / "two")
@@ -100,4 +104,5 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert a["grad_norm"] > 0
     parallel = json.loads((tmp_path / "two" / "result.json").read_text())["summary"]["parallel"]
-    assert parallel == ({"dp": 1, "tp": 2} if "tensor_model_parallel_size" in LAYOUTS[layout] else {"dp": 2, "tp": 1})
+    tp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "expert"))
+    assert parallel == {"dp": 2 // tp, "tp": tp, "ep": ep}
