@@ -11,10 +11,11 @@ almost never stops, so both sides decode the full completion length and train on
 Both sides time generation and training apart: ours its rollout (generation, scoring, advantages, old log-probs) and
 its optimizer step (the job's ``GRPOLoop.make_rollout`` and ``step``, wrapped with a clock); TRL's the same part of
 its step (``GRPOTrainer._generate_and_score_completions``, wrapped) and the rest of the step (a callback's clock).
-One warm-up step, then ``--repeats`` timed steps, the fastest counted; the sides alternate A B A B over ``--rounds``
-fresh processes each, the best round counted. tokens/s: generation = completion tokens / generation time; training
-and step = (prompt + completion tokens) / training time and / the whole step. Peak memory = peak RSS minus RSS
-after imports (the largest over rounds). Prints one JSON line per run, then ``{"bench":"grpo_step",...}``.
+One warm-up step, then ``--repeats`` timed steps, the fastest counted. Each side runs in fresh processes, ``--pairs``
+pairs of them (ours, TRL; then TRL, ours; ...: ``bench/common/pairs.py``); every ratio is the median of the pairs'
+ratios, with min, max and count. tokens/s: generation = completion tokens / generation time; training and step =
+(prompt + completion tokens) / training time and / the whole step. Peak memory = peak RSS minus RSS after imports.
+Prints one JSON line per process, then ``{"bench":"grpo_step",...}``.
 Run: ``.venv/bin/python bench/grpo_step.py [--smoke]``.
 """
 
@@ -26,6 +27,7 @@ import json
 import multiprocessing
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ from typing import Any, cast
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 from bench.dpo_step import (  # noqa: E402
     INTENTS,
     SHAPE,
@@ -221,19 +224,18 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side, alternating A B A B")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and TRL's (A B, B A, ...)")
     parser.add_argument(
-        "--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8, one round"
+        "--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8, 2 pairs"
     )
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.num_generations, args.max_completion_length, args.rounds = 1, 4, 8, 1
+        args.repeats, args.num_generations, args.max_completion_length, args.pairs = 1, 4, 8, 2
     g, length, steps = args.num_generations, args.max_completion_length, 1 + args.repeats
     prompts = make_prompts(args.prompts * steps, args.seed)
     apply_to_children(args.malloc)
     ctx = multiprocessing.get_context("spawn")
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for side in ("ours", "trl"):
@@ -243,39 +245,43 @@ def main() -> None:
         per_step_prompt_tokens = prompt_tokens / steps * g  # each prompt's tokens feed its g completions
         completion_tokens = args.prompts * g * length
         print(json.dumps({"prompts_per_step": args.prompts, "completion_tokens_per_step": completion_tokens}))
-        for _ in range(args.rounds):
-            for side in ("ours", "trl"):
-                for stale in ("run", "trl"):  # a fresh run directory each round (ours would resume from it)
-                    shutil.rmtree(work / side / stale, ignore_errors=True)
-                with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                    job = pool.submit(measure, side, tmp, steps, prompts, g, length, args.threads)
-                    runs[side].append(job.result())
-                print(json.dumps(runs[side][-1]))
+
+        def run(side: str) -> dict[str, Any]:
+            for stale in ("run", "trl"):  # a fresh run directory for each process (ours would resume from it)
+                shutil.rmtree(work / side / stale, ignore_errors=True)
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                return pool.submit(measure, side, tmp, steps, prompts, g, length, args.threads).result()
+
+        pairs = alternate(run, ("ours", "trl"), args.pairs, log=lambda r: print(json.dumps(r)))
     step_tokens = per_step_prompt_tokens + completion_tokens
-
-    def best(side: str, key: str) -> float:
-        return min(min(r[key][1:]) for r in runs[side])
-
     tokens = {"generation_s": completion_tokens, "train_s": step_tokens, "step_s": step_tokens}
-    tps = {(side, key): n / best(side, key) for side in runs for key, n in tokens.items()}
-    peaks = {side: max(r["peak_mem_mb"] for r in runs[side]) for side in runs}
+
+    def tps(result: dict[str, Any], key: str) -> float:
+        """tokens/s of a process's fastest timed step (the least disturbed on a shared machine)."""
+        return tokens[key] / min(result[key][1:])
+
+    ratios = {key: [tps(p["ours"], key) / tps(p["trl"], key) for p in pairs] for key in tokens}
+    mem = [p["ours"]["peak_mem_mb"] / p["trl"]["peak_mem_mb"] for p in pairs]
     print(
         json.dumps(
             {
                 "bench": "grpo_step",
                 "smoke": args.smoke,
-                "tokens_per_s_ratio": round(tps["ours", "step_s"] / tps["trl", "step_s"], 3),
-                "generation_tokens_per_s_ratio": round(tps["ours", "generation_s"] / tps["trl", "generation_s"], 3),
-                "train_tokens_per_s_ratio": round(tps["ours", "train_s"] / tps["trl", "train_s"], 3),
-                "peak_mem_ratio": round(peaks["ours"] / peaks["trl"], 3),
+                **pair_ratios("tokens_per_s_ratio", ratios["step_s"]),
+                **pair_ratios("generation_tokens_per_s_ratio", ratios["generation_s"]),
+                **pair_ratios("train_tokens_per_s_ratio", ratios["train_s"]),
+                **pair_ratios("peak_mem_ratio", mem),
                 **{
-                    f"{side}_{key.removesuffix('_s')}_tokens_per_s": round(tps[side, key], 1)
-                    for side in runs
+                    f"{side}_{key.removesuffix('_s')}_tokens_per_s": round(
+                        statistics.median(tps(p[side], key) for p in pairs), 1
+                    )
+                    for side in ("ours", "trl")
                     for key in tokens
                 },
-                "ours_peak_mem_mb": round(peaks["ours"], 1),
-                "trl_peak_mem_mb": round(peaks["trl"], 1),
-                "rounds": args.rounds,
+                **{
+                    f"{side}_peak_mem_mb": round(statistics.median(p[side]["peak_mem_mb"] for p in pairs), 1)
+                    for side in ("ours", "trl")
+                },
                 "num_generations": g,
                 "max_completion_length": length,
                 "repeats": args.repeats,
