@@ -1,4 +1,4 @@
-"""Stage grpo on two ranks equals one process: under data parallel (FSDP2 over gloo, torchrun) each rank samples
+"""Stage grpo on two ranks equals one process (and a DP2 run resumes bit-identically): under data parallel (FSDP2 over gloo, torchrun) each rank samples
 its share of the prompts' groups with the groups' own generators, so the completions the two ranks write are the
 very token ids one process writes (asserted, not fed), and on them the step's loss, grad norm, rewards and
 advantages equal the one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens,
@@ -106,3 +106,24 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
     parallel = json.loads((tmp_path / "two" / "result.json").read_text())["summary"]["parallel"]
     tp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "expert"))
     assert parallel == {"dp": 2 // tp, "tp": tp, "ep": ep}
+
+
+def test_a_dp2_run_resumed_from_its_checkpoint_continues_bit_identically(setup: dict[str, Any], tmp_path: Path) -> None:
+    """Each group's sampler is a function of (seed, rollout, prompt), so a DP2 run stopped after its first rollout and
+    resumed from that checkpoint samples and trains exactly as the run that never stopped."""
+    extra = {"beta": 0.04, "save_interval": 1, "resources": {"nproc_per_node": 2}}
+    whole = {**_spec(setup, False, **extra), "train_iters": 3, "save": str(tmp_path / "a")}
+    run_train(whole, tmp_path / "whole", 2)
+    part = {**whole, "save": str(tmp_path / "b")}
+    run_train({**part, "train_iters": 1}, tmp_path / "part", 2)
+    run_train(part, tmp_path / "part", 2)
+    assert _completions(tmp_path / "part") == _completions(tmp_path / "whole")
+    ours, theirs = metric_rows(tmp_path / "whole"), metric_rows(tmp_path / "part")
+    assert [r["iteration"] for r in theirs] == [1, 2, 3]
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a["lm_loss"], a["grad_norm"], a["reward"], a["kl"]) == (
+            b["lm_loss"],
+            b["grad_norm"],
+            b["reward"],
+            b["kl"],
+        )
