@@ -1,8 +1,11 @@
-"""Stage grpo on two ranks equals one process (and a DP2 run resumes bit-identically): under data parallel (FSDP2 over gloo, torchrun) each rank samples
-its share of the prompts' groups with the groups' own generators, so the completions the two ranks write are the
-very token ids one process writes (asserted, not fed), and on them the step's loss, grad norm, rewards and
-advantages equal the one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens,
-grpo: its sequences) and batch-scaled advantages (the ranks' rewards gathered)."""
+"""Stage grpo on two ranks (torchrun, gloo) equals one process, and a DP2 run resumes bit-identically.
+
+Under data parallel (FSDP2) each rank samples its share of the prompts' groups with the groups' own generators; under
+tensor parallel (with or without SP) both ranks decode every row on their shards; under expert parallel (Qwen3-MoE)
+the ranks' decoding meets in the all-to-all. Either way the completions the run writes are the very token ids one
+process writes (asserted, not fed), and on them the steps' loss, grad norm, rewards and advantages equal the
+one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens, grpo: its sequences)
+and batch-scaled advantages (the ranks' rewards gathered)."""
 
 from __future__ import annotations
 
