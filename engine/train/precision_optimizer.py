@@ -181,6 +181,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             master[piece].copy_(p)
             if master is not flat["param"]:  # the weights are the stored master rounded (Megatron's copy back)
                 flat["param"][piece].copy_(master[piece])
+            del g, p, m, v, denom  # freed before the next slice allocates its own (the trace saw one slice more)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then each state tensor put back in this optimizer's dtype and place from the saved value
