@@ -43,6 +43,14 @@ from engine.contract.lora_targets import resolve_targets
 from engine.model.moe import StackedWeight, expert_matmul, local_weight
 
 
+def reset_lora_pair(a: torch.Tensor, b: torch.Tensor, fan_in: int, generator: torch.Generator | None = None) -> None:
+    """A as ``nn.Linear``'s default (kaiming-uniform, a=sqrt(5)), as PEFT; B = 0: the adapter starts as a no-op."""
+    bound = 1.0 / math.sqrt(fan_in)
+    with torch.no_grad():
+        a.uniform_(-bound, bound, generator=generator)
+        b.zero_()
+
+
 class LoRALinear(nn.Linear):
     """``nn.Linear`` plus a low-rank update; ``weight`` (and ``bias``) are the base layer's own Parameters."""
 
@@ -59,11 +67,7 @@ class LoRALinear(nn.Linear):
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A as ``nn.Linear``'s default (kaiming-uniform, a=sqrt(5)), as PEFT; B = 0."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
-            self.lora_B.weight.zero_()
+        reset_lora_pair(self.lora_A.weight, self.lora_B.weight, self.in_features, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
@@ -108,11 +112,7 @@ class LoRAStacked(nn.Module):
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Every expert's A as ``nn.Linear``'s default (kaiming-uniform, a=sqrt(5)), drawn in one go; B = 0."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
-            self.lora_B.weight.zero_()
+        reset_lora_pair(self.lora_A.weight, self.lora_B.weight, self.in_features, generator)  # every expert at once
 
     def project(self, x: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
         base = expert_matmul(x, local_weight(self.weight), counts, backend)
