@@ -68,7 +68,10 @@ LAYOUTS = {
     # a Qwen3-MoE's experts split over the two DP ranks: each rank's decode and training tokens reach every expert
     # through the all-to-all (the ranks step together), the aux loss weighted per routed token as in SFT
     "ep2": {"expert_model_parallel_size": 2},
+    # LoRA (both sides): the reference of beta > 0 is the base with the adapters off, under TP too
+    "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
 }
+BOTH_SIDES = ("lora_r", "lora_target_modules")  # a layout's keys the one-process run takes too
 _ONE_PROCESS: dict[str, Path] = {}
 
 
@@ -84,7 +87,8 @@ def _one_process(spec: dict[str, Any], run_dir: Path) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: Path, case: str, layout: str) -> None:
-    one_spec = _spec(setup, "expert_model_parallel_size" in LAYOUTS[layout], **CASES[case])
+    both = {k: v for k, v in LAYOUTS[layout].items() if k in BOTH_SIDES}
+    one_spec = _spec(setup, "expert_model_parallel_size" in LAYOUTS[layout], **CASES[case], **both)
     one_dir = _one_process(one_spec, tmp_path / "one")
     run_train({**one_spec, **LAYOUTS[layout], "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
     one, two = _completions(one_dir), _completions(tmp_path / "two")
