@@ -38,6 +38,12 @@ reconciler pass <= 1 s; database growth <= 10 MiB per 1,000 finished jobs at eve
     python bench/control_plane.py                       # 10, 100, 1000 hosts, 50 submissions/s for 60 s each
     python bench/control_plane.py --hosts 1000 --seconds 30
     python bench/control_plane.py --smoke               # 10 hosts, 100 jobs, 3 s (CI)
+    python bench/control_plane.py --hosts 1000 --seconds 120 --starve 120   # the starvation run
+
+``--starve S``: for the load's first ``S`` seconds twice as many spinning processes as CPUs run at normal priority
+beside the API, the scheduler and PostgreSQL (a CPU hog: they are starved, not deprioritised); the figures must
+still show no host judged down and no node lost. Then one host (``sim-0000``) stops beating and
+``stopped_host_judged_down_after_s`` says how long the service took to judge it down (None: it never did).
 
 Last line: {"bench": "control_plane", "scales": [...], "growth": {...}, "targets_met": ...}.
 """
@@ -169,12 +175,13 @@ def lowest_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> None:
+def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any, silenced: Any = None) -> None:
     """A child process at the lowest priority: the heartbeat of ``names``, each every ``heartbeat_interval_s``, the
     hosts due in each ``BEAT_SLOT_S`` stamped in one statement (``worker.hosts.beat_many``: recorded without
     contention), and the backstop scheduling pass a worker's beat runs, in a thread of its own so it never delays a
     stamp (each host's worker is its own process; their sweeps run in the parent, ``SimulatedHosts._housekeep``). Sends its passes' times, each beat's lag (its commit time past its due time) and its errors to ``out``
-    when ``stop`` is set."""
+    when ``stop`` is set. Once ``silenced`` is set, ``SILENCED`` (if among ``names``) beats no more: a host that
+    really stopped."""
     lowest_priority()
     clock, errors, lags = PassClock(), list[str](), list[float]()
     scheduler.schedule(settings)  # untimed: this process's first pass compiles its statements
@@ -197,6 +204,8 @@ def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> Non
     while not stop.wait(BEAT_SLOT_S):
         now = time.monotonic()
         batch = [name for name in names if due[name] <= now]
+        if silenced is not None and silenced.is_set():
+            batch = [name for name in batch if name != SILENCED]
         if not batch:
             continue
         guarded(errors, "heartbeat", lambda b=batch: beat_many(settings, b))
@@ -221,6 +230,7 @@ def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any) -> Non
 
 
 BEAT_SLOT_S = 0.25
+SILENCED = "sim-0000"  # the host that stops beating after a starvation run (``--starve``)
 
 
 class SimulatedHosts:
@@ -240,9 +250,11 @@ class SimulatedHosts:
             threading.Thread(target=self._housekeep, daemon=True),
         ]
         spawn = multiprocessing.get_context("spawn")  # no forked copy of this process's pooled connections
-        self.beat_stop, self.beat_out = spawn.Event(), spawn.Queue()
+        self.beat_stop, self.beat_out, self.silenced = spawn.Event(), spawn.Queue(), spawn.Event()
         self.beaters = [
-            spawn.Process(target=beat_hosts, args=(settings, names[i::beaters], self.beat_stop, self.beat_out))
+            spawn.Process(
+                target=beat_hosts, args=(settings, names[i::beaters], self.beat_stop, self.beat_out, self.silenced)
+            )
             for i in range(beaters)
         ]
 
@@ -447,6 +459,33 @@ def run_load(base: str, token: str, data: str, args: argparse.Namespace, seed: i
     return got
 
 
+def hog(seconds: float) -> None:
+    """A child process spinning at normal priority for ``seconds``: the CPU hog beside the API and PostgreSQL."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def start_hogs(seconds: float) -> list[Any]:
+    """Twice as many spinning processes as CPUs, for ``seconds``: the API, the scheduler and PostgreSQL starved."""
+    spawn = multiprocessing.get_context("spawn")
+    hogs = [spawn.Process(target=hog, args=(seconds,), daemon=True) for _ in range(2 * (os.cpu_count() or 1))]
+    for process in hogs:
+        process.start()
+    return hogs
+
+
+def wait_down(settings: Settings, name: str, timeout: float) -> float | None:
+    """Seconds until ``name`` reads down (not up), or None after ``timeout``."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        with session_scope(settings.database_url) as session:
+            if session.scalar(sa.select(Host.state).where(Host.name == name)) != HostState.up.value:
+                return round(time.monotonic() - began, 1)
+        time.sleep(0.5)
+    return None
+
+
 def count_lost(settings: Settings) -> int:
     with session_scope(settings.database_url) as session:
         lost = sa.select(sa.func.count()).select_from(JobNode).where(JobNode.state == NodeState.lost.value)
@@ -468,6 +507,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
     proc, sim, clock = None, None, PassClock()
     passes, quiet, quiet_cpu, judged_during, lost_during, started_jobs = 0, list[float](), list[float](), 0, 0, 0
+    stopped_down_s: float | None = None
     names = [f"sim-{i:04d}" for i in range(hosts)]
     settings: Settings | None = None
     try:
@@ -522,7 +562,10 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             port = free_port()
             proc = start_api(env, port, Path(tmp) / "api.log")
             sim.start()
+            hogs = start_hogs(args.starve) if args.starve else []
             lat, errors, achieved = run_load(f"http://127.0.0.1:{port}", token, data, args, hosts)
+            for process in hogs:
+                process.join(timeout=args.starve + 60)
             # one reconciler pass with the hosts still heart-beating and the API up: what the leader does every
             # interval. (Measured after the simulator stopped, every host whose beats lagged was judged dead and its
             # jobs recovered: a mass host-death pass, not the steady one.)
@@ -531,15 +574,19 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             reconcile_once(settings)
             reconcile_s = time.perf_counter() - began
             hosts_judged_down = count_down(settings) - down0
+            judged_during = (Path(tmp) / "api.log").read_text(errors="replace").count("; marked down")
+            lost_during = count_lost(settings)
+            if args.starve:  # then one host really stops: judged down once the service has caught up
+                sim.silenced.set()
+                stopped_down_s = wait_down(settings, SILENCED, 3 * settings.host_stale_after_s + 60)
             sim.close()
             proc.terminate()
             proc.wait(timeout=60)
             proc = None
             size1, finished1 = table_bytes(engine, schema), count_finished(settings)
             engine.dispose()
-            # the API's leader judged the hosts every presence_interval_s through the load (core.host_verdicts)
-            judged_during = (Path(tmp) / "api.log").read_text(errors="replace").count("; marked down")
-            lost_during = count_lost(settings)
+            # the API's leader judged the hosts every presence_interval_s through the load (core.host_verdicts):
+            # counted above, before any host was stopped on purpose
             passes = len(clock.held_ms)
             quiet, quiet_cpu = clock.quiet(settings, args.quiet_passes)
     finally:
@@ -584,6 +631,8 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "heartbeat_lag_max_s": round(max(sim.beat_lags), 2) if sim and sim.beat_lags else None,
         "hosts_judged_down_during_load": judged_during,
         "nodes_lost": lost_during,
+        "starved_s": args.starve,
+        "stopped_host_judged_down_after_s": stopped_down_s if args.starve else None,
         "reconcile_s": round(reconcile_s, 3),
         "hosts_judged_down_by_that_pass": hosts_judged_down,
         "db_growth_mib": round(grown / 2**20, 2),
@@ -623,6 +672,8 @@ def targets_met(rows: list[dict[str, Any]], curves: dict[str, Any]) -> dict[str,
     )
     met["api_ratios"] = top["get_p99_ratio"] <= 2 and top["post_p99_ratio"] <= 4
     met["linear"] = all(c["linear"] for c in curves.values())
+    if top.get("starved_s"):  # the starvation run: the stopped host is judged down once the service caught up
+        met["stopped_host_judged_down"] = top["stopped_host_judged_down_after_s"] is not None
     met["all"] = all(met.values())
     return met
 
@@ -673,6 +724,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--quiet-passes", type=int, default=20, help="passes timed after the load, nothing else running"
+    )
+    parser.add_argument(
+        "--starve",
+        type=float,
+        default=0.0,
+        help="a CPU hog (2 spinning processes per CPU, normal priority) for this many seconds from the load's start; "
+        "then one host stops beating and the time until it is judged down is reported",
     )
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
