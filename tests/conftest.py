@@ -32,12 +32,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
         if repeated:
             raise pytest.UsageError(f"node ids shared by several tests, run them outside xdist: {repeated[:3]}")
+    sources: dict[Path, str] = {}
     for item in items:
         for fixture in ISOLATION.keys() & set(getattr(item, "fixturenames", ())):
-            source = Path(str(item.fspath)).read_text()
+            source = sources.get(item.path) or sources.setdefault(item.path, item.path.read_text())
             if ISOLATION[fixture] not in source:
                 raise pytest.UsageError(
-                    f"{item.nodeid} asks for {fixture} but its module never calls {ISOLATION[fixture]!r}: give the "
+                    f"{item.nodeid} asks for {fixture} but its module has no {ISOLATION[fixture]!r}: give the "
                     "test a database or keys of its own (tests/conftest.py, ISOLATION)"
                 )
 
