@@ -75,7 +75,7 @@ def test_the_grpo_example_runs_and_keeps_its_completions(
     assert len(rows) == spec["train_iters"] * spec["global_batch_size"]
     for row in rows:
         assert set(row) == {
-            "iteration", "prompt_id", "prompt_ids", "completion_ids", "completion", "reward", "rewards",
+            "iteration", "prompt_id", "prompt_ids", "prompt", "completion_ids", "completion", "reward", "rewards",
             "advantage", "truncated",
         }  # fmt: skip
         assert 1 <= len(row["completion_ids"]) <= spec["max_completion_length"]
