@@ -47,6 +47,17 @@ def make_job(settings: Settings, team: str = "t", **fields: Any) -> str:
         return job.id
 
 
+def set_job_spec(session: Any, job_id: str, spec: dict[str, Any], **fields: Any) -> None:
+    """Turn a stored job into another kind for a test: its row's ``fields`` and its spec (``job_specs``, migration 0014:
+    the spec is not a column of ``jobs``, so ``update(Job).values(spec=...)`` cannot set it)."""
+    from sqlalchemy import update
+
+    from core.models import Job, JobSpec
+
+    session.execute(update(Job).where(Job.id == job_id).values(kind=spec["kind"], **fields))
+    session.merge(JobSpec(job_id=job_id, spec=spec))
+
+
 @contextmanager
 def fresh_postgres_database(server_url: str) -> Iterator[str]:
     """A new, empty database on the server of ``server_url`` for one test session; dropped afterwards."""

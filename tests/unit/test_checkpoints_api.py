@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert, update
+from sqlalchemy import insert
 
 from core.db import session_scope
-from core.models import Job, MetricPoint
+from core.models import MetricPoint
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_job, make_token, team_dir
+from core_support import auth, isolated_settings, make_job, make_token, set_job_spec, team_dir
 
 
 @pytest.fixture
@@ -34,9 +34,7 @@ def test_checkpoints_of_a_train_job(settings: Settings) -> None:
     (save / "latest_checkpointed_iteration.txt").write_text("20")
     job_id = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
-        session.execute(
-            update(Job).where(Job.id == job_id).values(kind="train", spec={"kind": "train", "save": str(save)})
-        )
+        set_job_spec(session, job_id, {"kind": "train", "save": str(save)})
         session.execute(
             insert(MetricPoint),
             [
@@ -142,7 +140,7 @@ def test_serve_adapters_by_reference(settings: Settings) -> None:
         jobs[name] = make_job(settings, team="alpha")
         with session_scope(settings.database_url) as session:
             spec = {"kind": "train", "save": str(root), "load": str(area / "base")}
-            session.execute(update(Job).where(Job.id == jobs[name]).values(kind="train", spec=spec))
+            set_job_spec(session, jobs[name], spec)
             session.commit()
     (area / "base").mkdir()
     (area / "base" / "config.json").write_text("{}")

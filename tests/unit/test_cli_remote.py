@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert, update
+from sqlalchemy import insert
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
@@ -18,10 +18,10 @@ from cli import remote
 from cli.main import cli
 from core.db import session_scope
 from core.jobs import transition
-from core.models import Artifact, Job, LogLine, MetricPoint
+from core.models import Artifact, LogLine, MetricPoint
 from core.settings import Settings
 from core.states import JobState
-from core_support import auth, isolated_settings, make_job, make_token, team_dir
+from core_support import auth, isolated_settings, make_job, make_token, set_job_spec, team_dir
 from llmjobs import Client
 
 
@@ -163,7 +163,7 @@ def test_issue_27_cli_details(api: TestClient, settings: Settings, tmp_path: Pat
     train = make_job(settings, team="alpha", name="sweep")
     with session_scope(settings.database_url) as session:
         spec = {"kind": "train", "train_iters": 20}
-        session.execute(update(Job).where(Job.id == train).values(kind="train", spec=spec))
+        set_job_spec(session, train, spec)
         rows = [{"job_id": train, "step": s, "name": "tokens", "value": 64.0, "rank": None} for s in (1, 2, 3)]
         session.execute(insert(MetricPoint), rows)
         session.commit()

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from sqlalchemy import update
 
 from core.db import session_scope
-from core.models import Job
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_job, make_token, team_dir
+from core_support import auth, isolated_settings, make_job, make_token, set_job_spec, team_dir
 from engine.contract import inspect
 
 QKV = "decoder.layers.{}.self_attention.linear_qkv"
@@ -70,7 +68,7 @@ def test_a_lora_runs_checkpoints_are_usable_everywhere(settings: Settings) -> No
     job_id = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
         spec = {"kind": "train", "save": str(save), "load": str(area / "base"), "lora_r": 2}
-        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec=spec))
+        set_job_spec(session, job_id, spec)
         session.commit()
     serve = {"kind": "serve", "load": "base", "tokenizer_name_or_path": "tok"}
     evaluate = {"kind": "eval", "tokenizer_name_or_path": "tok", "eval_data_path": "test.jsonl"}
@@ -130,7 +128,7 @@ def test_the_dashboards_evaluate_draft_is_accepted(settings: Settings) -> None:
     spec = {"kind": "train", "save": str(save), "load": str(area / "base"), "lora_r": 2, "seq_length": 64}
     job_id = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
-        session.execute(update(Job).where(Job.id == job_id).values(kind="train", spec=spec))
+        set_job_spec(session, job_id, spec)
         session.commit()
     panels = Path(__file__).resolve().parents[2] / "app" / "ui" / "js" / "views" / "panels.js"
     job = json.dumps({"id": job_id, "name": "lora", "spec": spec})

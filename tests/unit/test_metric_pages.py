@@ -15,7 +15,7 @@ from sqlalchemy import insert
 from core.db import session_scope
 from core.models import Event, MetricPoint
 from core.settings import Settings
-from core_support import auth, isolated_settings, make_job
+from core_support import auth, isolated_settings, make_job, set_job_spec
 
 
 @pytest.fixture
@@ -137,18 +137,10 @@ def test_train_jobs_carry_trained_tokens_and_estimated_finish(
 ) -> None:
     from datetime import datetime, timedelta, timezone
 
-    from sqlalchemy import update
-
-    from core.models import Job
-
     job_id = make_job(settings, team="alpha")
     start = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=40)  # step 4 is "now"
     with session_scope(settings.database_url) as session:
-        session.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(kind="train", state="running", started_at=start, spec={"kind": "train", "train_iters": 10})
-        )
+        set_job_spec(session, job_id, {"kind": "train", "train_iters": 10}, state="running", started_at=start)
         session.commit()
     rows = [
         {
