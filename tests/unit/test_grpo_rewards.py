@@ -45,5 +45,7 @@ def test_a_backtracking_regex_is_time_bounded() -> None:
     rewards = build_rewards([RewardFunc(name="regex", pattern=r"(a|aa)+c", strip_thinking=False)], 100)
     started = time.monotonic()
     scores = score(rewards, [_c("a" * 60), _c("aac")])
-    assert time.monotonic() - started < 5
+    # unbounded, (a|aa)+c on 60 a's backtracks ~fib(60) times (hours); the bound is the timeout plus slack for a loaded
+    # machine (9.2 s was seen at load 20 under a 5 s bound)
+    assert time.monotonic() - started < 30
     assert scores.values == [[0.0], [1.0]] and scores.failures == {"regex": 1}
