@@ -21,7 +21,8 @@ import torch
 
 from train_support import metric_rows, run_train, tiny_spec, write_instruction_data
 
-pytestmark = pytest.mark.slow
+# each test launches 4-7 trainings under torchrun (20-40 s each under CI's load; 180 s was hit once at load ~20)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RTOL = 1e-5
 BF16_RTOL = {"lm_loss": 2e-4, "grad_norm": 1e-2}
