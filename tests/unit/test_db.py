@@ -108,8 +108,13 @@ def test_job_specs_move_to_their_table_and_back(tmp_path: Path) -> None:
         "attempt_count, created_at, updated_at) VALUES ('a', 't', 'train', 'queued', :spec, '{}', 0, 'q', 'r', 0, 0, "
         "'2026-01-01 00:00:00', '2026-01-01 00:00:00')"
     )
+    event = (  # a row referencing the job (ON DELETE CASCADE): SQLite's rebuild of jobs must not delete it
+        "INSERT INTO events (job_id, time, type, level, message, data) VALUES ('a', '2026-01-01 00:00:00', 'queued', "
+        "'info', 'kept', '{}')"
+    )
     with get_engine(url).begin() as connection:
         connection.execute(text(insert), {"spec": json.dumps(spec)})
+        connection.execute(text(event))
     command.upgrade(config, "0014_job_specs")
     with session_scope(url) as session:
         job = session.get(Job, "a")
@@ -118,7 +123,9 @@ def test_job_specs_move_to_their_table_and_back(tmp_path: Path) -> None:
         index = session.scalar(text("SELECT sql FROM sqlite_master WHERE name = 'ix_jobs_waiting_turn'"))
         assert "priority DESC" in index
         assert "spec" not in [c[1] for c in session.execute(text("PRAGMA table_info(jobs)"))]
+        assert session.scalar(text("SELECT message FROM events WHERE job_id = 'a'")) == "kept"
     command.downgrade(config, "0013")
     with get_engine(url).begin() as connection:
         assert json.loads(connection.scalar(text("SELECT spec FROM jobs WHERE id = 'a'"))) == spec
+        assert connection.scalar(text("SELECT message FROM events WHERE job_id = 'a'")) == "kept"
         assert connection.scalar(text("SELECT count(*) FROM sqlite_master WHERE name = 'job_specs'")) == 0
