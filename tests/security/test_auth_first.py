@@ -111,7 +111,12 @@ def test_every_operation_answers_401_before_reading_the_body(
     app: FastAPI, settings: Settings, bad_headers: list[dict[str, str]]
 ) -> None:
     doc = TestClient(app).get("/openapi.json").json()
-    values = {"job_id": make_job(settings, team="alpha"), "webhook_id": str(uuid.uuid4()), "name": "log"}
+    values = {
+        "job_id": make_job(settings, team="alpha"),
+        "webhook_id": str(uuid.uuid4()),
+        "name": "log",
+        "team": "alpha",
+    }
     values["path"] = "in.jsonl"
     operations = _operations(doc, values)
     assert len(operations) >= 25 and ("POST", "/v1/chat/completions") in {(m, p) for m, p, _ in operations}

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert, update
+from sqlalchemy import insert
 
 from core.db import session_scope
-from core.models import Event, Job
-from core_support import isolated_settings, make_job
+from core.models import Event
+from core_support import isolated_settings, make_job, set_job_spec
 from worker import node
 
 EVAL = {"kind": "eval", "deployment": "demo-chat", "eval_data_path": "t.jsonl", "tokenizer_name_or_path": "tok"}
@@ -24,8 +24,7 @@ def test_a_deployment_back_within_the_waits_is_used(tmp_path: Path, monkeypatch:
     serve = make_job(settings, team="alpha")
     with session_scope(settings.database_url) as session:
         spec = {"kind": "serve", "load": "m", "served_model_name": "demo-chat"}
-        values = {"kind": "serve", "spec": spec, "state": "running", "attempt_count": 1}
-        session.execute(update(Job).where(Job.id == serve).values(**values))
+        set_job_spec(session, serve, spec, state="running", attempt_count=1)
         session.commit()
 
     def ready() -> None:  # the deployment's engine comes up while the eval waits
