@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engine.contract import rope_scaling
 from engine.contract.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 from engine.contract.families import Family, family_for, family_of_hf
-
-if TYPE_CHECKING:
-    from engine.contract.spec import ModelArgs
 
 QWEN3_VOCAB = 151936
 
@@ -252,11 +249,35 @@ def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
     return moe_from_hf(hf)
 
 
-def moe_fields_from_flags(spec: ModelArgs, base: ModelConfig | None = None) -> dict[str, Any]:
+class MoeFlags(Protocol):
+    """A spec's MoE flags (``engine.contract.spec.ModelArgs`` has them): named here, not imported, because the spec
+    package imports this module (through ``engine.contract.layout``)."""
+
+    @property
+    def num_experts(self) -> int | None: ...
+    @property
+    def moe_router_topk(self) -> int: ...
+    @property
+    def moe_ffn_hidden_size(self) -> int | None: ...
+    @property
+    def moe_intermediate_size(self) -> int | None: ...
+    @property
+    def moe_layer_freq(self) -> int | list[int]: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def moe_aux_loss_coeff(self) -> float | None: ...
+    @property
+    def moe_router_load_balancing_type(self) -> str: ...
+    @property
+    def moe_expert_capacity_factor(self) -> float | None: ...
+
+
+def moe_fields_from_flags(spec: MoeFlags, base: ModelConfig | None = None) -> dict[str, Any]:
     """ModelConfig MoE fields from a spec's Megatron/MindSpeed flags (``engine.contract.spec.ModelArgs``), to pass to
     ``ModelConfig(...)`` (a from-scratch model) or ``cfg.replace(...)`` (a loaded one, ``base``: only the training
     knobs then; the expert shape comes from the checkpoint). Empty for a dense model."""
-    num_experts = getattr(spec, "num_experts", None) or (base.num_experts if base is not None else None)
+    num_experts = spec.num_experts or (base.num_experts if base is not None else None)
     if not num_experts:
         return {}
     coeff = spec.moe_aux_loss_coeff

@@ -12,10 +12,7 @@ transformers implements it (``engine.model.rope`` computes the tables; parity wi
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.contract.spec import ModelArgs
+from typing import Any
 
 SUPPORTED = ("yarn",)
 
@@ -73,8 +70,10 @@ def from_args(args: Any) -> dict[str, Any]:
     return {field: a[field] for field in FIELDS if a.get(field) is not None}
 
 
-def from_flags(spec: ModelArgs) -> dict[str, Any]:
-    """ModelConfig rope-scaling fields a spec sets (each flag overrides the checkpoint's value; {} if none)."""
+def from_flags(spec: object) -> dict[str, Any]:
+    """ModelConfig rope-scaling fields a spec sets (each flag overrides the checkpoint's value; {} if none). ``spec``
+    is any object with the ``rope_scaling_*`` flags as attributes (``engine.contract.spec.ModelArgs``): this module
+    sits below the spec package, which imports it, so it names no spec class (a spec lacks some of ``FIELDS``)."""
     return {field: getattr(spec, field) for field in FIELDS if getattr(spec, field, None) is not None}
 
 
