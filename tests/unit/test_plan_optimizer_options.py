@@ -75,10 +75,35 @@ def test_bytes_per_parameter(optim: OptimizerBytes, device: int, host: int, traf
     assert rank.host_traffic / n == pytest.approx(traffic, abs=1e-3)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("main_grads", [4, 2])  # fp32 stored weights (a bf16 cast), bf16 ones (FSDP2 copies)
+def test_fsdp_holds_the_same_gathered_layers_and_buffers_at_one_dp_rank(world_size: int, main_grads: int):
+    """A bf16 run is under FSDP2 at one DP rank too (engine.parallel.parallelize), and FSDP2 at world size 1 holds
+    what it holds over DP > 1: with reshard-after-forward (distributed optimizer, no PP) two layers' compute copies,
+    not the whole model's (the traced Qwen3-32B TP8 SP row: 49,103 MiB; the whole copy planned 56,062), and a
+    layer's fp32 reduce-scatter input and output."""
+    from engine.contract.plan.memory import layer_params
+
+    cfg = preset("qwen3-0.6b")
+    optim = OptimizerBytes(main_grads, 4, 4, 4, precision_aware=main_grads == 2)
+    lay = Layout(world_size=world_size, compute_bytes=2, distributed_optimizer=True, optim=optim)
+    (rank, *_) = plan_ranks(cfg, lay)
+    per_layer = layer_params(cfg, 1)
+    assert rank.params == 2 * per_layer * 2
+    assert rank.comm >= 2 * per_layer * 4
+    # without reshard-after-forward every weight's compute copy stays from forward to backward, at DP 1 too
+    (kept, *_) = plan_ranks(cfg, Layout(world_size=world_size, compute_bytes=2, optim=optim))
+    assert kept.params == kept.trainable_params * 2
+    # fp32 at one rank: no FSDP, no copy, no reduce-scatter buffers
+    if world_size == 1:
+        (plain,) = plan_ranks(cfg, Layout(world_size=1, compute_bytes=4, distributed_optimizer=True))
+        assert plain.params == 0 and plain.comm < 2 * per_layer * 4
+
+
 def test_qwen3_32b_tp8_sp_precision_aware_fits_60_gib():
     """The done-when: bf16 grads and moments, full recompute, every rank at most 60 GiB of a 64 GiB NPU."""
     plain = plan_spec(_qwen3_32b(tensor_model_parallel_size=8, recompute_granularity="full"), "qwen3-32b")
-    assert plain.peak.total_bytes > 64 * GIB  # without it the node cannot hold the job
+    assert plain.peak.total_bytes > 60 * GIB  # without it no rank stays under the issue's bar
     spec = _qwen3_32b(tensor_model_parallel_size=8, recompute_granularity="full", main_grads_dtype="bf16", **AWARE)
     plan = check_fits(spec, 64 * GIB, "qwen3-32b")
     assert all(r.total_bytes <= 60 * GIB for r in plan.ranks) and all(r.host == 0 for r in plan.ranks)
@@ -109,10 +134,11 @@ def test_offloaded_state_over_host_memory_is_refused_naming_the_field():
 
 
 def test_suggest_proposes_the_optimizer_options_when_nothing_else_fits():
-    """No CP × TP × recompute layout of 8 NPUs holds Qwen3-32B's fp32 Adam: the least change that fits is offered
-    (bf16 moments), never an option that is not needed."""
+    """No CP × TP × recompute layout of 8 NPUs holds Qwen3-32B's fp32 Adam under the issue's 60 GiB bar (full
+    recompute plans at 63.1 GiB): the least change that fits is offered (bf16 moments), never an option that is not
+    needed."""
     spec = _qwen3_32b(tensor_model_parallel_size=8)
-    found = [c for c in candidates(spec, "qwen3-32b", 64 * GIB) if c.fits]
+    found = [c for c in candidates(spec, "qwen3-32b", 60 * GIB) if c.fits]
     assert found and {c.optimizer for c in found} == {"bf16 moments"}
     small = _qwen3_32b(tensor_model_parallel_size=8, **{**QWEN3_32B_SHAPE, "num_layers": 8})
     fitting = [c for c in candidates(small, None, 64 * GIB) if c.fits]

@@ -4,8 +4,9 @@ The accounting is Megatron's bf16 + distributed-optimizer scheme (``megatron/tra
 counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this engine implements it:
 
 - ``params``: the weights compute reads — bf16/fp16 (2 B) in a mixed-precision run, fp32 (4 B) otherwise. Under
-  data parallelism FSDP2 gathers them per layer from the sharded fp32 main weights; they stay gathered for the whole
-  step under PP or without ``use_distributed_optimizer`` (reshard-after-forward off), else about two layers are.
+  data parallelism, and in every mixed-precision run (one DP rank too), FSDP2 gathers them per layer from the sharded
+  main weights; they stay gathered for the whole step under PP or without ``use_distributed_optimizer``
+  (reshard-after-forward off), else about two layers are.
 - ``main_params``: fp32 master weights of a mixed-precision run (the fp32 ``params`` themselves in an fp32 run).
 - ``grads``: fp32 gradient accumulation; ``optimizer``: Adam m and v in fp32. ``main_params``, ``grads`` and
   ``optimizer`` are divided over the DP ranks when DP > 1 (FSDP2 is this engine's data parallelism and always
@@ -489,7 +490,12 @@ def _fill_state(
     held_trainable = trainable - (elsewhere if lay.lora_r is None else 0)
     held_frozen = frozen - (elsewhere if lay.lora_r is not None else 0)
     mixed = e != 4
-    resharding = dp > 1 and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
+    # engine.parallel.parallelize applies FSDP2 over DP > 1 and to every mixed-precision run, one DP rank included;
+    # at one rank FSDP2 still copies each group into its unsharded buffer (the cast, or a copy where the stored
+    # dtype is the compute one) and frees it on reshard, and still fills its reduce-scatter input and output: the
+    # same bytes as over DP > 1 (torch/distributed/fsdp/_fully_shard: wait_for_unshard, foreach_reduce at world 1).
+    fsdp = dp > 1 or mixed
+    resharding = fsdp and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
     gathered = 2 * per_layer_params * e if resharding else 0
     opt = lay.optim
     on_device = trainable - int(trainable * opt.offload)  # the optimizer state's share kept on the device
@@ -500,7 +506,8 @@ def _fill_state(
     else:
         # the frozen base: its FSDP shard (in the compute dtype) plus, over DP, what is gathered of it for compute
         shard = frozen * e // dp
-        m.params = shard + (gathered if resharding else held_frozen * e if dp > 1 else 0)
+        # one DP rank: FSDP ignores the frozen base (engine.parallel.data_parallel), nothing of it is gathered
+        m.params = shard + ((gathered if resharding else held_frozen * e) if dp > 1 else 0)
     # the stored trainable weights (the fp32 master, or bf16 with bf16 main grads) and the optimizer's own master
     m.main_params = (trainable * opt.weights + (on_device * opt.main_params if opt.own_master else 0)) // dp
     m.grads = trainable * opt.main_grads // dp
@@ -508,7 +515,7 @@ def _fill_state(
     offloaded = trainable - on_device
     m.host = offloaded * opt.host_bytes() // dp
     m.host_traffic = offloaded * opt.traffic_bytes() // dp
-    if dp > 1:  # a layer's unsharded fp32 grads and its reduce-scatter output: the adapters' only under LoRA
+    if fsdp:  # a layer's unsharded fp32 grads and its reduce-scatter output: the adapters' only under LoRA
         reduced = per_layer_params if lay.lora_r is None else per_layer_adapters
         m.comm += 2 * reduced * 4
 
