@@ -3,8 +3,8 @@ and a prefix index over what the slots hold.
 
 ``engine.model.kv_cache.KVCache`` keeps one fill level for the whole batch (left-padded batches decode in lockstep).
 A serving batch changes every step: sequences join and leave, and each sits at its own length. ``SlotCache`` holds
-the buffers of ``num_slots`` rows (allocated once, sized by the job's ``max_num_seqs`` × ``max_model_len``) and the
-length of each slot; ``view`` hands the model a ``KVCache`` over some slots for ONE forward that carries prompt
+the buffers of the job's ``max_num_seqs`` rows of ``max_model_len`` positions (allocated once) and the length of each
+slot; ``view`` hands the model a ``KVCache`` over some slots for ONE forward that carries prompt
 chunks and decode tokens together, as vLLM's chunked prefill does: row ``i`` appends ``counts[i]`` new tokens after
 what its slot holds, and every row's tokens are flattened into one (1, N) batch with per-token positions, so the
 linear layers see N real tokens and no padding. Each new key/value is written in place at its (slot, column) (one
@@ -40,25 +40,25 @@ BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 
 
 class SlotCache(KVCache):
-    """``num_slots`` rows of ``max_len`` positions per layer; ``lengths[s]`` is what slot ``s`` holds."""
+    """``max_num_seqs`` rows of ``max_model_len`` positions per layer; ``lengths[s]`` is what slot ``s`` holds."""
 
     def __init__(
         self,
         cfg: ModelConfig,
-        num_slots: int,
-        max_len: int,
+        max_num_seqs: int,
+        max_model_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_kv_heads: int | None = None,
     ) -> None:
-        super().__init__(cfg, num_slots, max_len, dtype, device, num_kv_heads)
-        self.lengths = [0] * num_slots
+        super().__init__(cfg, max_num_seqs, max_model_len, dtype, device, num_kv_heads)
+        self.lengths = [0] * max_num_seqs
         # the lowest-numbered free slot is taken first: running rows stay consecutive and read as one slice (a
         # gather of scattered rows costs more per step than recomputing an evicted prefix once)
-        self.free = list(range(num_slots))
-        self.content: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose keys/values the slot holds
-        self.adapter = [0] * num_slots  # the LoRA adapter the slot's keys/values went through
-        self._hashes: list[list[int]] = [[] for _ in range(num_slots)]  # chained hash of each full block
+        self.free = list(range(max_num_seqs))
+        self.content: list[list[int]] = [[] for _ in range(max_num_seqs)]  # tokens whose keys/values the slot holds
+        self.adapter = [0] * max_num_seqs  # the LoRA adapter the slot's keys/values went through
+        self._hashes: list[list[int]] = [[] for _ in range(max_num_seqs)]  # chained hash of each full block
         self._index: dict[int, set[int]] = {}  # block chain hash -> the slots holding that prefix
 
     def acquire(self, slot: int | None = None, keep: int = 0) -> int | None:
