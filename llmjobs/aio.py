@@ -5,7 +5,6 @@ Kept as a line-by-line twin of ``llmjobs.client`` rather than generated from it:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -14,10 +13,10 @@ from typing import Any, cast
 import anyio
 import httpx
 from httpx_sse import aconnect_sse
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 from llmjobs import _common as c
-from llmjobs.errors import ApiConnectionError, WaitTimeout, error_from, unreachable
+from llmjobs.errors import WaitTimeout, error_from, unreachable
 from llmjobs.types import (
     TERMINAL_STATES,
     Artifact,
@@ -69,59 +68,25 @@ class AsyncClient:
                 response = await self.http.request(method, path, **kwargs)
             except httpx.HTTPError as err:
                 raise unreachable(self.url, err) from err
-            if retry and response.status_code in c.RETRY_STATUSES and attempt < self.max_retries:
-                await anyio.sleep(c.retry_delay(response.headers, attempt))
-                attempt += 1
-                continue
-            if response.status_code >= 400:
-                raise error_from(response)
-            return response.json()
+            delay = c.resend_delay(response, retry, attempt, self.max_retries)
+            if delay is None:
+                return c.answer(response)
+            await anyio.sleep(delay)
+            attempt += 1
 
     # jobs
     async def create_job(self, spec: Mapping[str, Any] | str | bytes, *, idempotency_key: str | None = None) -> Job:
         """Submit a spec (a mapping, or JSON text); a replay with the same ``idempotency_key`` returns the same job."""
         return cast(Job, await self.request("POST", "/v1/jobs", **c.spec_request(spec, idempotency_key)))
 
-    async def jobs_page(
-        self,
-        *,
-        state: str | None = None,
-        kind: str | None = None,
-        name: str | None = None,
-        parent_id: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        after: str | None = None,
-        limit: int = 20,
-    ) -> Page:
-        """One page of the team's jobs, newest first."""
-        params = {
-            **c.job_filters(state, kind, name, parent_id, metadata),
-            "limit": limit,
-            **({"after": after} if after else {}),
-        }
+    async def jobs_page(self, *, after: str | None = None, limit: int = 20, **filters: Unpack[c.JobFilters]) -> Page:
+        """One page of the team's jobs, newest first (``filters``: state, kind, name, parent_id, metadata)."""
+        params = c.jobs_query(filters, after, limit)
         return cast(Page, await self.request("GET", "/v1/jobs", params=params))
 
-    async def list_jobs(
-        self,
-        *,
-        state: str | None = None,
-        kind: str | None = None,
-        name: str | None = None,
-        parent_id: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        page_size: int = 100,
-    ) -> AsyncIterator[Job]:
+    def list_jobs(self, *, page_size: int = 100, **filters: Unpack[c.JobFilters]) -> AsyncIterator[Job]:
         """Every matching job, newest first, fetched page by page as the iteration goes."""
-        after: str | None = None
-        while True:
-            page = await self.jobs_page(
-                state=state, kind=kind, name=name, parent_id=parent_id, metadata=metadata, after=after, limit=page_size
-            )
-            for item in page["data"]:
-                yield item
-            if not page["has_more"] or page["last_id"] is None:
-                return
-            after = str(page["last_id"])
+        return self._pages(c.Pages("/v1/jobs", c.jobs_query(filters, None, page_size)))
 
     async def get_job(self, job_id: str) -> Job:
         return cast(Job, await self.request("GET", c.job_path(job_id)))
@@ -147,23 +112,13 @@ class AsyncClient:
             await anyio.sleep(poll_interval)
 
     # what a job records
-    async def events(
+    def events(
         self, job_id: str, *, types: str | None = None, after: int = 0, page_size: int = 1000
     ) -> AsyncIterator[Event]:
         """The job's events, oldest first (``types``: comma-separated, e.g. "state,checkpoint")."""
-        while True:
-            page = await self.request(
-                "GET",
-                c.job_path(job_id, "/events"),
-                params={"after": after, "limit": page_size, **({"type": types} if types else {})},
-            )
-            for item in page["data"]:
-                yield item
-            if not page["has_more"]:
-                return
-            after = page["last_id"]
+        return self._pages(c.events_pages(job_id, types, after, page_size))
 
-    async def logs(
+    def logs(
         self,
         job_id: str,
         *,
@@ -174,34 +129,11 @@ class AsyncClient:
         page_size: int = 5000,
     ) -> AsyncIterator[LogLine]:
         """Log lines of one stream (default the launcher's: every rank; ``rank=0`` or ``stream="rank0"``: one)."""
-        while True:
-            page = await self.request(
-                "GET",
-                c.job_path(job_id, "/logs"),
-                params={"offset": offset, "limit": page_size, **c.log_params(stream, rank, q)},
-            )
-            for item in page["data"]:
-                yield item
-            offset = page["next_offset"]
-            if not page["has_more"]:
-                return
+        return self._pages(c.logs_pages(job_id, stream, rank, q, offset, page_size))
 
-    async def metrics(
-        self, job_id: str, *, names: str | None = None, page_size: int = 10000
-    ) -> AsyncIterator[MetricPoint]:
+    def metrics(self, job_id: str, *, names: str | None = None, page_size: int = 10000) -> AsyncIterator[MetricPoint]:
         """Every metric point by step (``names``: comma-separated), paged by ``next_cursor``: none lost."""
-        cursor: dict[str, str] = {}
-        while True:
-            page = await self.request(
-                "GET",
-                c.job_path(job_id, "/metrics"),
-                params={"limit": page_size, **cursor, **({"names": names} if names else {})},
-            )
-            for item in page["data"]:
-                yield item
-            if not page["has_more"]:
-                return
-            cursor = {"after": page["next_cursor"]}
+        return self._pages(c.metrics_pages(job_id, names, page_size))
 
     async def stream(
         self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
@@ -209,37 +141,25 @@ class AsyncClient:
         """The job's live Server-Sent Events until its ``end`` message; after a dropped connection or a 502/503/504
         answer it reconnects (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or
         repeated."""
-        failures = 0
+        resume = c.Resume(self.url, job_id, last_event_id, retries)
         while True:
-            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-            wait: Mapping[str, str] = {}  # the Retry-After of a "not now" answer
+            lost: httpx.TransportError | None = None
             try:
                 async with aconnect_sse(
-                    self.http, "GET", c.job_path(job_id, "/stream"), headers=headers, timeout=None
+                    self.http, "GET", resume.path, headers=resume.headers(), timeout=None
                 ) as source:
                     if source.response.status_code >= 400:
                         await source.response.aread()
-                        if source.response.status_code not in c.RETRY_STATUSES or failures >= retries:
-                            raise error_from(source.response)
-                        wait = source.response.headers
+                        resume.refused(source.response)
                     else:
                         async for sse in source.aiter_sse():
-                            if not sse.data:  # a keep-alive comment
-                                continue
-                            failures = 0
-                            last_event_id = sse.id or last_event_id
-                            message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
-                            yield message
-                            if message.event == "end":
-                                return
+                            if (message := resume.message(sse.event, sse.data, sse.id)) is not None:
+                                yield message
+                                if message.event == "end":
+                                    return
             except httpx.TransportError as err:
-                if failures >= retries:
-                    raise unreachable(self.url, err) from err
-            else:
-                if failures >= retries:  # closed again and again without an end message
-                    raise ApiConnectionError(f"the stream of {job_id} closed before its end message")
-            await anyio.sleep(c.retry_delay(wait, failures))
-            failures += 1
+                lost = err
+            await anyio.sleep(resume.lost(lost))
 
     async def checkpoints(self, job_id: str) -> list[Checkpoint]:
         """A train job's checkpoints, oldest first, with the loss at each."""
@@ -268,6 +188,17 @@ class AsyncClient:
             raise unreachable(self.url, err) from err
         return written
 
+    async def _pages(self, pages: c.Pages) -> AsyncIterator[Any]:
+        """Every item of a paged list, each page fetched when the iteration reaches it."""
+        params = pages.params
+        while True:
+            page = await self.request("GET", pages.path, params=params)
+            for item in page["data"]:
+                yield item
+            if (following := pages.following(params, page)) is None:
+                return
+            params = following
+
     # files
     async def upload(self, local: str | os.PathLike[str], path: str, *, overwrite: bool = False) -> File:
         """Stream the local file to ``path`` in the team's upload area; the answer has its ``server_path`` (name it
@@ -277,12 +208,7 @@ class AsyncClient:
             return cast(
                 File,
                 await self.request(
-                    "PUT",
-                    c.file_path(path),
-                    content=_chunks(body),
-                    timeout=None,
-                    params={"overwrite": str(overwrite).lower()},
-                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                    "PUT", c.file_path(path), content=_chunks(body), **c.upload_request(size, overwrite)
                 ),
             )
 
@@ -294,21 +220,9 @@ class AsyncClient:
             await self.upload(file, c.join(path, rel), overwrite=overwrite) for file, rel in c.tree(Path(local_dir))
         ]
 
-    async def files(self, *, prefix: str | None = None, page_size: int = 1000) -> AsyncIterator[File]:
+    def files(self, *, prefix: str | None = None, page_size: int = 1000) -> AsyncIterator[File]:
         """The team's uploaded files, by path."""
-        after: str | None = None
-        while True:
-            params = {
-                "limit": page_size,
-                **({"prefix": prefix} if prefix else {}),
-                **({"after": after} if after else {}),
-            }
-            page = await self.request("GET", "/v1/files", params=params)
-            for item in page["data"]:
-                yield item
-            if not page["has_more"]:
-                return
-            after = page["last_id"]
+        return self._pages(c.files_pages(prefix, page_size))
 
     async def delete_file(self, path: str) -> FileDeleted:
         """Delete one uploaded file of the team (directories it leaves empty go too); ``NotFound`` if there is none."""

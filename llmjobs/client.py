@@ -8,7 +8,6 @@ stream in chunks. Errors are ``llmjobs.errors`` exceptions carrying the API's ``
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Generator, Iterator, Mapping
@@ -17,10 +16,10 @@ from typing import Any, cast
 
 import httpx
 from httpx_sse import connect_sse
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 from llmjobs import _common as c
-from llmjobs.errors import ApiConnectionError, WaitTimeout, error_from, unreachable
+from llmjobs.errors import WaitTimeout, error_from, unreachable
 from llmjobs.types import (
     TERMINAL_STATES,
     Artifact,
@@ -73,58 +72,25 @@ class Client:
                 response = self.http.request(method, path, **kwargs)
             except httpx.HTTPError as err:
                 raise unreachable(self.url, err) from err
-            if retry and response.status_code in c.RETRY_STATUSES and attempt < self.max_retries:
-                time.sleep(c.retry_delay(response.headers, attempt))
-                attempt += 1
-                continue
-            if response.status_code >= 400:
-                raise error_from(response)
-            return response.json()
+            delay = c.resend_delay(response, retry, attempt, self.max_retries)
+            if delay is None:
+                return c.answer(response)
+            time.sleep(delay)
+            attempt += 1
 
     # jobs
     def create_job(self, spec: Mapping[str, Any] | str | bytes, *, idempotency_key: str | None = None) -> Job:
         """Submit a spec (a mapping, or JSON text); a replay with the same ``idempotency_key`` returns the same job."""
         return cast(Job, self.request("POST", "/v1/jobs", **c.spec_request(spec, idempotency_key)))
 
-    def jobs_page(
-        self,
-        *,
-        state: str | None = None,
-        kind: str | None = None,
-        name: str | None = None,
-        parent_id: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        after: str | None = None,
-        limit: int = 20,
-    ) -> Page:
-        """One page of the team's jobs, newest first."""
-        params = {
-            **c.job_filters(state, kind, name, parent_id, metadata),
-            "limit": limit,
-            **({"after": after} if after else {}),
-        }
+    def jobs_page(self, *, after: str | None = None, limit: int = 20, **filters: Unpack[c.JobFilters]) -> Page:
+        """One page of the team's jobs, newest first (``filters``: state, kind, name, parent_id, metadata)."""
+        params = c.jobs_query(filters, after, limit)
         return cast(Page, self.request("GET", "/v1/jobs", params=params))
 
-    def list_jobs(
-        self,
-        *,
-        state: str | None = None,
-        kind: str | None = None,
-        name: str | None = None,
-        parent_id: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        page_size: int = 100,
-    ) -> Iterator[Job]:
+    def list_jobs(self, *, page_size: int = 100, **filters: Unpack[c.JobFilters]) -> Iterator[Job]:
         """Every matching job, newest first, fetched page by page as the iteration goes."""
-        after: str | None = None
-        while True:
-            page = self.jobs_page(
-                state=state, kind=kind, name=name, parent_id=parent_id, metadata=metadata, after=after, limit=page_size
-            )
-            yield from page["data"]
-            if not page["has_more"] or page["last_id"] is None:
-                return
-            after = str(page["last_id"])
+        return self._pages(c.Pages("/v1/jobs", c.jobs_query(filters, None, page_size)))
 
     def get_job(self, job_id: str) -> Job:
         return cast(Job, self.request("GET", c.job_path(job_id)))
@@ -152,16 +118,7 @@ class Client:
         self, job_id: str, *, types: str | None = None, after: int = 0, page_size: int = 1000
     ) -> Iterator[Event]:
         """The job's events, oldest first (``types``: comma-separated, e.g. "state,checkpoint")."""
-        while True:
-            page = self.request(
-                "GET",
-                c.job_path(job_id, "/events"),
-                params={"after": after, "limit": page_size, **({"type": types} if types else {})},
-            )
-            yield from page["data"]
-            if not page["has_more"]:
-                return
-            after = page["last_id"]
+        return self._pages(c.events_pages(job_id, types, after, page_size))
 
     def logs(
         self,
@@ -174,30 +131,11 @@ class Client:
         page_size: int = 5000,
     ) -> Iterator[LogLine]:
         """Log lines of one stream (default the launcher's: every rank; ``rank=0`` or ``stream="rank0"``: one)."""
-        while True:
-            page = self.request(
-                "GET",
-                c.job_path(job_id, "/logs"),
-                params={"offset": offset, "limit": page_size, **c.log_params(stream, rank, q)},
-            )
-            yield from page["data"]
-            offset = page["next_offset"]
-            if not page["has_more"]:
-                return
+        return self._pages(c.logs_pages(job_id, stream, rank, q, offset, page_size))
 
     def metrics(self, job_id: str, *, names: str | None = None, page_size: int = 10000) -> Iterator[MetricPoint]:
         """Every metric point by step (``names``: comma-separated), paged by ``next_cursor``: none lost."""
-        cursor: dict[str, str] = {}
-        while True:
-            page = self.request(
-                "GET",
-                c.job_path(job_id, "/metrics"),
-                params={"limit": page_size, **cursor, **({"names": names} if names else {})},
-            )
-            yield from page["data"]
-            if not page["has_more"]:
-                return
-            cursor = {"after": page["next_cursor"]}
+        return self._pages(c.metrics_pages(job_id, names, page_size))
 
     def stream(
         self, job_id: str, *, last_event_id: str | None = None, retries: int = len(c.RETRY_DELAYS_S)
@@ -205,37 +143,23 @@ class Client:
         """The job's live Server-Sent Events until its ``end`` message; after a dropped connection or a 502/503/504
         answer it reconnects (up to ``retries`` times in a row) with ``Last-Event-ID``, so nothing is missed or
         repeated."""
-        failures = 0
+        resume = c.Resume(self.url, job_id, last_event_id, retries)
         while True:
-            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-            wait: Mapping[str, str] = {}  # the Retry-After of a "not now" answer
+            lost: httpx.TransportError | None = None
             try:
-                with connect_sse(
-                    self.http, "GET", c.job_path(job_id, "/stream"), headers=headers, timeout=None
-                ) as source:
+                with connect_sse(self.http, "GET", resume.path, headers=resume.headers(), timeout=None) as source:
                     if source.response.status_code >= 400:
                         source.response.read()
-                        if source.response.status_code not in c.RETRY_STATUSES or failures >= retries:
-                            raise error_from(source.response)
-                        wait = source.response.headers
+                        resume.refused(source.response)
                     else:
                         for sse in source.iter_sse():
-                            if not sse.data:  # a keep-alive comment
-                                continue
-                            failures = 0
-                            last_event_id = sse.id or last_event_id
-                            message = StreamMessage(sse.event or "message", json.loads(sse.data), sse.id or None)
-                            yield message
-                            if message.event == "end":
-                                return
+                            if (message := resume.message(sse.event, sse.data, sse.id)) is not None:
+                                yield message
+                                if message.event == "end":
+                                    return
             except httpx.TransportError as err:
-                if failures >= retries:
-                    raise unreachable(self.url, err) from err
-            else:
-                if failures >= retries:  # closed again and again without an end message
-                    raise ApiConnectionError(f"the stream of {job_id} closed before its end message")
-            time.sleep(c.retry_delay(wait, failures))
-            failures += 1
+                lost = err
+            time.sleep(resume.lost(lost))
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         """A train job's checkpoints, oldest first, with the loss at each."""
@@ -264,6 +188,16 @@ class Client:
             raise unreachable(self.url, err) from err
         return written
 
+    def _pages(self, pages: c.Pages) -> Iterator[Any]:
+        """Every item of a paged list, each page fetched when the iteration reaches it."""
+        params = pages.params
+        while True:
+            page = self.request("GET", pages.path, params=params)
+            yield from page["data"]
+            if (following := pages.following(params, page)) is None:
+                return
+            params = following
+
     # files
     def upload(self, local: str | os.PathLike[str], path: str, *, overwrite: bool = False) -> File:
         """Stream the local file to ``path`` in the team's upload area; the answer has its ``server_path`` (name it
@@ -272,14 +206,7 @@ class Client:
         with open(local, "rb") as body:
             return cast(
                 File,
-                self.request(
-                    "PUT",
-                    c.file_path(path),
-                    content=body,
-                    timeout=None,
-                    params={"overwrite": str(overwrite).lower()},
-                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
-                ),
+                self.request("PUT", c.file_path(path), content=body, **c.upload_request(size, overwrite)),
             )
 
     def upload_dir(
@@ -290,18 +217,7 @@ class Client:
 
     def files(self, *, prefix: str | None = None, page_size: int = 1000) -> Iterator[File]:
         """The team's uploaded files, by path."""
-        after: str | None = None
-        while True:
-            params = {
-                "limit": page_size,
-                **({"prefix": prefix} if prefix else {}),
-                **({"after": after} if after else {}),
-            }
-            page = self.request("GET", "/v1/files", params=params)
-            yield from page["data"]
-            if not page["has_more"]:
-                return
-            after = page["last_id"]
+        return self._pages(c.files_pages(prefix, page_size))
 
     def delete_file(self, path: str) -> FileDeleted:
         """Delete one uploaded file of the team (directories it leaves empty go too); ``NotFound`` if there is none."""
