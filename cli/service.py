@@ -97,10 +97,13 @@ def _uvicorn(settings: Any, host: str | None, port: int | None) -> None:
     from app.main import create_app
     from app.timeouts import with_header_timeout
     from core import structured_logs
+    from core.gc_tuning import settle_heap
 
     structured_logs.configure(settings.log_level, settings.log_format == "json")
+    app = create_app(settings, migrate=False)
+    settle_heap()  # the started app out of the collector's reach: no full collection inside a scheduling pass
     uvicorn.run(
-        create_app(settings, migrate=False),
+        app,
         host=host or settings.host,
         port=port or settings.port,
         log_config=None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from core import structured_logs
+from core.gc_tuning import settle_heap
 from core.host_presence import PresenceLock, is_postgres, presence_kind
 from core.messaging import declare_queues, host_queue
 from core.scheduler import schedule
@@ -82,6 +83,7 @@ def run_worker(settings: Settings, found: Inventory) -> None:
     from worker.tasks import celery_app  # builds the Celery app from the settings pinned above
 
     argv = ["worker", "-Q", ",".join(queues), "-n", f"{name}@%h", "--pool", "threads", "-c", str(threads)]
+    settle_heap()  # the started worker out of the collector's reach: no full collection inside a scheduling pass
     try:
         celery_app.worker_main([*argv, "--loglevel", "INFO", "--without-gossip", "--without-mingle"])
     finally:
