@@ -384,16 +384,7 @@ def _checkpoint_shape(load: str | None, config: dict[str, Any] | None) -> layout
 
 
 def _check_serve(spec: ServeSpec, inputs: _Inputs) -> None:
-    """As eval's model and tokenizer checks; serving shards by TP only, on one node (``engine.serve.job``)."""
-    tp, res = spec.tensor_model_parallel_size, spec.resources
-    if res.world_size != tp or res.nnodes != 1:
-        raise _refuse(
-            inputs.field("tensor_model_parallel_size"),
-            f"serving runs on one node with every rank a TP rank: resources.nproc_per_node must equal "
-            f"tensor_model_parallel_size ({tp}), nnodes 1",
-        )
-    if tp > 1 and spec.lora_adapters:
-        raise _refuse(inputs.field("lora_adapters"), "per-request adapters are served with TP 1 only for now")
+    """As eval's model and tokenizer checks (serving's ranks rule is the spec's: ``ServeSpec._check_ranks``)."""
     config = inputs.checkpoint("load", spec.load)
     inputs.full_model("load", spec.load)
     _check_layout(spec, config, inputs.where)

@@ -27,13 +27,12 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.contract.constants import SERVE_METRICS_INTERVAL_S
-from engine.contract.layout import LayoutError
-from engine.contract.runfiles import BadInput, RunDir
+from engine.contract.runfiles import RunDir
 from engine.contract.spec import ServeSpec
 from engine.eval.job import spec_tokenizer, stop_ids
 from engine.eval.model_loading import build_model
 from engine.parallel.device import Device, init_distributed
-from engine.parallel.mesh import ParallelDims, build_mesh
+from engine.parallel.mesh import build_mesh
 from engine.serve.adapters import apply_adapters, read_adapter
 from engine.serve.batcher import DEAD, Batcher
 from engine.serve.server import Deployment, make_server
@@ -45,27 +44,10 @@ log = logging.getLogger(__name__)
 QUEUED_PER_SLOT = 4  # waiting sequences allowed per slot before requests are refused (429)
 
 
-def _check_layout(spec: ServeSpec) -> None:
-    """Serving shards by TP only: one node, every rank a TP rank (rank 0 runs the endpoint and the loop)."""
-    tp = spec.tensor_model_parallel_size
-    if spec.resources.world_size != tp or spec.resources.nnodes != 1:
-        raise BadInput(
-            f"tensor_model_parallel_size: serving runs on one node with every rank a TP rank; got TP {tp} on "
-            f"{spec.resources.nnodes} × {spec.resources.nproc_per_node} ranks",
-            field="tensor_model_parallel_size",
-        )
-    if tp > 1 and spec.lora_adapters:
-        raise BadInput("lora_adapters: per-request adapters are served with TP 1 only for now", field="lora_adapters")
-
-
 def _tp_mesh(spec: ServeSpec, device: Device) -> DeviceMesh | None:
     if spec.tensor_model_parallel_size == 1:
         return None
-    try:
-        dims = ParallelDims.from_world(spec.resources.world_size, tp=spec.tensor_model_parallel_size)
-    except LayoutError as err:
-        raise BadInput(str(err), field=err.field) from err
-    return build_mesh(device, dims)["tp"]
+    return build_mesh(device, spec.parallel_dims)["tp"]  # the spec checked the dims when it was parsed
 
 
 def served_name(spec: ServeSpec, run: RunDir) -> str:
@@ -123,7 +105,6 @@ def run(
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Entry point for ``python -m engine serve`` (see the module docstring); ``stop`` ends it (tests); a metrics
     point every ``metrics_interval_s`` while requests come (``engine.serve.stats``)."""
-    _check_layout(spec)
     tokenizer = spec_tokenizer(spec)
     device = init_distributed(spec.resources.device_type)
     tp_mesh = _tp_mesh(spec, device)

@@ -36,6 +36,23 @@ def test_spec_fields_and_checks() -> None:
             parse_spec(serve(**bad))
 
 
+def test_serving_runs_on_one_node_with_every_rank_a_tp_rank() -> None:
+    """The one copy of serving's ranks rule is the spec's: the API and the engine both parse the spec."""
+    res = {"device_type": "npu", "nproc_per_node": 4}
+    assert parse_spec(serve(tensor_model_parallel_size=4, resources=res)).parallel_dims.tp == 4
+    for bad, field in [
+        ({"tensor_model_parallel_size": 2, "resources": res}, "tensor_model_parallel_size: serving runs on one node"),
+        ({"tensor_model_parallel_size": 2, "resources": {**res, "nproc_per_node": 2, "nnodes": 2}}, "nnodes 1"),
+        ({"tensor_model_parallel_size": 1, "resources": {**res, "nproc_per_node": 1, "nnodes": 2}}, "got 2 × 1"),
+        (
+            {"tensor_model_parallel_size": 2, "resources": {**res, "nproc_per_node": 2}, "lora_adapters": {"a": "/b"}},
+            "lora_adapters: per-request adapters are served with TP 1",
+        ),
+    ]:
+        with pytest.raises(ValidationError, match=field):
+            parse_spec(serve(**bad))
+
+
 def test_plan_counts_the_kv_cache_the_engine_allocates() -> None:
     small = plan_spec(parse_spec(serve(max_num_seqs=1, max_model_len=1024))).peak
     big = plan_spec(parse_spec(serve(max_num_seqs=16, max_model_len=4096))).peak

@@ -123,6 +123,7 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
         if self.pipeline_model_parallel_size > 1:
             raise ValueError("pipeline_model_parallel_size: serving does not pipeline a model; use 1")
+        self._check_ranks()
         if self.lora_adapters and self.lora_load is not None:
             raise ValueError("lora_adapters: give lora_load (one adapter for every request) or lora_adapters, not both")
         for name in self.lora_adapters:
@@ -131,3 +132,16 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
                     f"lora_adapters: {name!r} must be a model name (letters, digits, ._:/-) other than served_model_name"
                 )
         return self
+
+    def _check_ranks(self) -> None:
+        """Serving shards by TP only: one node, every rank a TP rank (rank 0 runs the endpoint and the loop); the one
+        copy of the rule, for the API and the engine alike."""
+        tp, res = self.tensor_model_parallel_size, self.resources
+        if res.world_size != tp or res.nnodes != 1:
+            raise ValueError(
+                "tensor_model_parallel_size: serving runs on one node with every rank a TP rank: "
+                f"resources.nproc_per_node must equal tensor_model_parallel_size ({tp}), nnodes 1; got "
+                f"{res.nnodes} × {res.nproc_per_node} ranks"
+            )
+        if tp > 1 and self.lora_adapters:
+            raise ValueError("lora_adapters: per-request adapters are served with TP 1 only for now")
