@@ -110,11 +110,21 @@ def judge_hosts(settings: Settings, *, stale_ok: bool = True, absent_ok: bool = 
     out = Verdicts()
     now = utcnow()
     with session_scope(settings.database_url) as session:
-        up = list(session.scalars(select(Host).where(Host.state == HostState.up.value)))
-        ages = {h.name: (now - h.heartbeat_at).total_seconds() for h in up}
+        # every up host's age from two columns; whole rows (their info, read for the presence rules) only of the
+        # silent few: at 1,000 hosts, building 1,000 ORM rows with their JSON was most of this pass
+        beats = session.execute(select(Host.name, Host.heartbeat_at).where(Host.state == HostState.up.value)).all()
+        ages = {name: (now - beat).total_seconds() for name, beat in beats}
         out.heartbeat_lag_s = statistics.median_low(ages.values()) if ages else 0.0
         out.behind = fleet_behind(settings, list(ages.values()))
-        silent = [h for h in up if ages[h.name] > absent_after_s(settings)]
+        quiet = sorted(name for name, age in ages.items() if age > absent_after_s(settings))
+        rows = [
+            h
+            for i in range(0, len(quiet), 500)
+            for h in session.scalars(select(Host).where(Host.name.in_(quiet[i : i + 500])))
+        ]
+        for host in rows:  # as read now: a beat since the first read counts (the verdict compares this heartbeat)
+            ages[host.name] = (now - host.heartbeat_at).total_seconds()
+        silent = [h for h in rows if h.state == HostState.up.value and ages[h.name] > absent_after_s(settings)]
         absent = absent_hosts(session, silent) if silent and absent_ok else set()
         present = _present(session, silent, absent)
         for host in silent:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Text, cast, func, select, update
 
 from core.db import session_scope
 from core.disk_watch import warn_running
@@ -49,34 +49,40 @@ def reconcile_once(settings: Settings, judge_hosts: bool = True) -> int:
 def _waiting(settings: Settings, now: datetime) -> tuple[list[tuple[str, Any, str | None]], dict[str, str]]:
     """Waiting jobs past their start deadline (id, deadline, pending reason), and per queue that needs a wake its
     first waiting job: a queue needs one when a job of it was never sent, or when its latest message (the newest
-    ``dispatched_at`` of its waiting jobs) is older than ``redispatch_after_s``. Reads columns, not whole rows: this
-    runs over every waiting job on every pass."""
-    stale = now - timedelta(seconds=settings.redispatch_after_s)
-    columns = (Job.id, Job.state, Job.queue, JobSpec.spec["start_deadline_s"], Job.created_at, Job.updated_at)
-    rows = (
-        select(*columns, Job.dispatched_at, Job.pending_reason)
-        .outerjoin(JobSpec, JobSpec.job_id == Job.id)
-        .where(Job.state.in_([s.value for s in WAITING]))
-    )
+    ``dispatched_at`` of its waiting jobs) is older than ``redispatch_after_s``. This runs over every waiting job on
+    every pass, so the database does the counting: one row per queue, not one per waiting job (at 1,000 hosts, 10,000
+    waiting rows read with their specs were most of a reconciler pass), and only the specs that set a deadline."""
+    waiting = Job.state.in_([s.value for s in WAITING])
+    # a stored spec holds only the fields its user set (``spec_to_json``): a text match finds the few with a deadline
+    # without decoding every spec's JSON; the value read from those decides
+    has_deadline = cast(JobSpec.spec, Text).like('%"start_deadline_s"%')
+    columns = (Job.id, Job.state, JobSpec.spec["start_deadline_s"], Job.created_at, Job.updated_at, Job.pending_reason)
     expired: list[tuple[str, Any, str | None]] = []
-    first: dict[str, str] = {}
-    latest: dict[str, datetime] = {}
-    never: set[str] = set()
     with session_scope(settings.database_url) as session:
-        for job_id, state, queue, deadline, created, updated, dispatched, reason in session.execute(
-            rows.order_by(Job.created_at, Job.id)
+        for job_id, state, deadline, created, updated, reason in session.execute(
+            select(*columns)
+            .join(JobSpec, JobSpec.job_id == Job.id)
+            .where(waiting, has_deadline)
+            .order_by(Job.created_at, Job.id)
         ):
             since = updated if state == JobState.retrying.value else created  # a retry waits anew
             if deadline and (now - since).total_seconds() > deadline:
                 expired.append((job_id, deadline, reason))
-                continue
-            first.setdefault(queue, job_id)
-            if dispatched is None:
-                never.add(queue)
-            elif queue not in latest or dispatched > latest[queue]:
-                latest[queue] = dispatched
-    queues = {q: j for q, j in first.items() if q in never or q not in latest or latest[q] < stale}
-    return expired, queues
+        live = waiting & Job.id.notin_([e[0] for e in expired]) if expired else waiting
+        stale = now - timedelta(seconds=settings.redispatch_after_s)
+        per_queue = select(Job.queue, func.count(Job.id) - func.count(Job.dispatched_at), func.max(Job.dispatched_at))
+        due = [
+            queue
+            for queue, never, latest in session.execute(per_queue.where(live).group_by(Job.queue))
+            if never or latest is None or latest < stale
+        ]
+        first = {
+            queue: session.scalar(
+                select(Job.id).where(live, Job.queue == queue).order_by(Job.created_at, Job.id).limit(1)
+            )
+            for queue in due
+        }
+    return expired, {queue: job_id for queue, job_id in first.items() if job_id is not None}
 
 
 def _wake(settings: Settings, queue: str, job_id: str, now: datetime) -> int:
