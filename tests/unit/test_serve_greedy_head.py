@@ -156,3 +156,23 @@ def test_sampled_rows_and_logprobs_are_untouched(dense) -> None:
     picks = [[pick for _, pick in list(s.events.queue) if pick is not None] for s in (plain[1], with_it[1])]
     assert [(p.token, p.logprob, p.top) for p in picks[0]] == [(p.token, p.logprob, p.top) for p in picks[1]]
     assert all(p.logprob is not None and len(p.top or []) == 2 for p in picks[1])
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 4096 + 77])
+def test_the_candidates_are_every_token_within_the_margin(vocab: int) -> None:
+    """The block-maxima pass finds exactly the tokens whose bf16 logit is within the margin of the row's best (a
+    vocabulary shorter than a block, a multiple of it, one with a shorter last block), and the pick is fp32's."""
+    weight, h = _rows(vocab, 64, 0.05, seed=vocab)
+    head = GreedyHead(weight)
+    low = torch.nn.functional.linear(h.bfloat16(), head.low)
+    margin = head.margin(h)
+    safe = torch.ones(len(h), dtype=torch.bool)
+    safe[3] = False  # an unsafe row has none
+    rows, ids = greedy_head._within(low, margin * 4, safe)
+    exact = low.double()
+    want = (exact >= exact.amax(dim=1, keepdim=True) - 4 * margin.double()[:, None]).nonzero().tolist()
+    assert sorted(zip(rows.tolist(), ids.tolist(), strict=True)) == [(r, v) for r, v in want if r != 3]
+    assert len(want) > 2 * len(h)  # rows with several candidates, not only each row's best
+    picks, full = head.argmax(h), (h @ weight.t()).argmax(dim=1).tolist()
+    assert sum(p is not None for p in picks) >= len(h) // 2
+    assert all(p is None or p == f for p, f in zip(picks, full, strict=True))
