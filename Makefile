@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed
 
 # constraints.txt pins every installed package (dev tools included), so a tool's upgrade is a commit, not a surprise:
 # an unpinned pytest once turned `--dist loadgroup` into plain `load`. `make lock` rewrites it from the venv.
+# scripts/pip-install.sh installs through uv (same pins, same indexes, several times faster), or pip without it.
 $(STAMP): pyproject.toml constraints.txt
-	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip setuptools wheel; }
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres,redis]'
+	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && scripts/pip-install.sh $(PY) -q --upgrade pip setuptools wheel; }
+	scripts/pip-install.sh $(PY) -q -c constraints.txt -e '.[dev,postgres,redis]'
 	@touch $(STAMP)
 
 lock: $(STAMP)

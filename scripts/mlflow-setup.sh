@@ -10,5 +10,5 @@ if [ -x "$VENV/bin/mlflow" ] && "$VENV/bin/python" -c "import mlflow, sys; sys.e
   exit 0
 fi
 python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "mlflow==$VERSION"
+scripts/pip-install.sh "$VENV/bin/python" -q "mlflow==$VERSION"
 "$VENV/bin/mlflow" --version
