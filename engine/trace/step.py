@@ -448,17 +448,43 @@ def trace_rank(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims, gbs: int, 
         peak = next((v for d, v in snapshots.items() if d.type == device.type), {"Total": 0})
         host = next((v for d, v in snapshots.items() if d.type == "cpu"), {"Total": 0})
     finally:
-        end_fake_group()
+        end_fake_group(device.torch_device)
     return rank_trace(rank, peak, watch, started, int(host.get("Total", 0)))
 
 
-def end_fake_group() -> None:
+def end_fake_group(device: torch.device | None = None) -> None:
     """Destroy the trace's fake process group and forget DTensor's sharding decisions: they are cached by spec, and a
-    spec's mesh compares equal across traces while its process groups die with this one, so the next rank's trace
-    would be handed this mesh (TP under PP failed so)."""
+    spec's mesh compares equal across traces (same world rank map, layout and names: stage 1's TP mesh of ranks 2, 3
+    equals stage 0's of ranks 0, 1) while its process groups die with this one, so the next rank's trace would be
+    handed this mesh (TP under PP failed so; with SP in the backward's reduce-scatters, on the device's thread)."""
     dist.destroy_process_group()
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's (thread-local)
+    _clear_in_backward_thread(device)
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+class _ClearShardingCache(torch.autograd.Function):
+    """Identity whose backward clears the C++ fast path's sharding cache of the thread running it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return grad
+
+
+def _clear_in_backward_thread(device: torch.device | None) -> None:
+    """The C++ sharding cache is per thread, and the autograd engine runs an accelerator's backward on its own
+    thread: the gradients' shardings (SP's reduce-scatters) were cached there on the last trace's meshes. A
+    one-element backward on the device clears that thread's cache too (a CPU backward runs on the caller's)."""
+    if device is None or device.type == "cpu":
+        return
+    with FakeTensorMode():
+        x = torch.zeros(1, device=device, requires_grad=True)
+        _ClearShardingCache.apply(x).sum().backward()
 
 
 def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float, host_peak: int = 0) -> RankTrace:

@@ -163,6 +163,24 @@ def test_tp_under_pp_traces_both_stages_in_one_process() -> None:
 
 
 @pytest.mark.slow
+def test_sequence_parallel_tp_under_pp_traces_both_stages() -> None:
+    """TP2 PP2 with SP: the second stage's backward reduce-scatters used to run on the first trace's TP group ("Could
+    not resolve the process group registered under the name 7"): the npu backward runs on the autograd engine's
+    device thread, whose C++ sharding cache (per thread) still held the first trace's meshes."""
+    spec = tiny_spec(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        sequence_parallel=True,
+        global_batch_size=8,
+        resources={"device_type": "npu", "nproc_per_node": 4},
+    )
+    out = trace_spec(spec, None)
+    assert [r["traced_as"] for r in out["ranks"]] == [0, 0, 2, 2]
+    assert out["host_tensors"] == 0
+    assert all(out["ranks"][i]["collective_bytes_per_step"]["reduce_scatter"] > 0 for i in (0, 2))
+
+
+@pytest.mark.slow
 def test_ulysses_cp_under_tp_and_pp_traces_on_the_shards_the_job_cuts() -> None:
     """CP2 (Ulysses) TP2 PP2: the trace cuts each rank's CP share as the job does (``context_shard`` at the
     pipeline's one width), so the fused attention gets T = CP × local tokens with cumulative lengths ending at T
