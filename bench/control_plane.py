@@ -1,7 +1,8 @@
 """Control-plane scale: scheduling passes, API latency, reconciler passes and database growth at 10 -> 1,000 hosts.
 
-Per scale (``--hosts 10,100,1000``), on a fresh schema of the local PostgreSQL (dropped afterwards) and Redis as the
-broker (``--redis``, default db 5; this run's queues are deleted afterwards):
+Per scale (``--hosts 10,100,1000``), on a database of its own created on the PostgreSQL server ``--postgres`` names
+(``bench_cp_<random>``, dropped afterwards with its connections: never the tests' shared ``test`` database) and Redis
+as the broker (``--redis``, default db 5; this run's queues are deleted afterwards):
 
 - ``hosts`` simulated 8-device ``cuda`` hosts register (``worker.hosts.register_host``) and heart-beat, one beat per
   host every ``heartbeat_interval_s``: from two child processes, the hosts due in each 0.25 s stamped in one
@@ -27,9 +28,12 @@ node exits and on heartbeats) and ``schedule_cpu_p99_ms`` (the same passes' own 
 control plane's cost whatever else shares the CPUs), ``schedule_quiet_p99_ms`` (``--quiet-passes`` passes after the load, alone on the
 machine: the pass's own cost), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
 README's load table targets 2 and 4), ``reconcile_s`` (one ``reconcile_once`` at the end of the load, the hosts
-still heart-beating and the API up, with how many hosts it judged down),
-``db_growth_mib_per_1000_finished`` (schema size growth during the load per 1,000 jobs finished, submissions
-included), ``heartbeat_lag_p99_s`` (a beat's commit past its due time), ``hosts_judged_down_during_load`` (the
+still heart-beating and the API up, with how many hosts it judged down; ``reconcile_cpu_s`` its own CPU time),
+``db_growth_mib_per_1000_finished`` (the database's growth during the load, every table's
+``pg_total_relation_size`` with indexes and TOAST, dead rows included, less the submissions' own rows, per 1,000 jobs
+finished: a submission's rows (job, spec, event and their index entries) are measured on the backlog's inserts
+(``submission_kib``) and ``jobs_submitted`` times that is subtracted, since submissions outrun finished jobs 3-4 to 1
+here and are not what a job's run costs; ``db_growth_with_submissions_mib_per_1000_finished`` keeps them), ``heartbeat_lag_p99_s`` (a beat's commit past its due time), ``hosts_judged_down_during_load`` (the
 API leader's host verdicts through the load, ``host_stale_after_s`` as deployed: 30 s) and ``nodes_lost``. ``growth`` gives each figure's factor from one scale to the next against the host factor
 (``linear`` when it grows no faster than the hosts do, with 50% slack). Targets (``TARGETS``, issue 47) at the largest
 scale: pass CPU p99 <= 50 ms, wall p99 <= 200 ms, heartbeat lag p99 <= 5 s, no host judged down, no node lost,
@@ -38,6 +42,7 @@ reconciler pass <= 1 s; database growth <= 10 MiB per 1,000 finished jobs at eve
     python bench/control_plane.py                       # 10, 100, 1000 hosts, 50 submissions/s for 60 s each
     python bench/control_plane.py --hosts 1000 --seconds 30
     python bench/control_plane.py --smoke               # 10 hosts, 100 jobs, 3 s (CI)
+    python bench/control_plane.py --hosts 1000 --gc default   # the measuring processes without core.gc_tuning
     python bench/control_plane.py --hosts 1000 --seconds 120 --starve 120   # the starvation run
 
 ``--starve S``: for the load's first ``S`` seconds twice as many spinning processes as CPUs run at normal priority
@@ -75,12 +80,13 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
-from api_load import free_port, pct, schema_url, start_api  # noqa: E402
+from api_load import free_port, pct, start_api  # noqa: E402
 
 from cli.env import prepare  # noqa: E402
 from core import scheduler  # noqa: E402
 from core.auth import create_token  # noqa: E402
-from core.db import session_scope  # noqa: E402
+from core.db import get_engine, session_scope  # noqa: E402
+from core.gc_tuning import settle_heap  # noqa: E402
 from core.jobs import create_job  # noqa: E402
 from core.models import Host, Job, JobNode  # noqa: E402
 from core.paths import team_areas  # noqa: E402
@@ -175,7 +181,9 @@ def lowest_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any, silenced: Any = None) -> None:
+def beat_hosts(
+    settings: Settings, names: list[str], stop: Any, out: Any, silenced: Any = None, settle: bool = True
+) -> None:
     """A child process at the lowest priority: the heartbeat of ``names``, each every ``heartbeat_interval_s``, the
     hosts due in each ``BEAT_SLOT_S`` stamped in one statement (``worker.hosts.beat_many``: recorded without
     contention), and the backstop scheduling pass a worker's beat runs, in a thread of its own so it never delays a
@@ -185,6 +193,8 @@ def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any, silenc
     lowest_priority()
     clock, errors, lags = PassClock(), list[str](), list[float]()
     scheduler.schedule(settings)  # untimed: this process's first pass compiles its statements
+    if settle:  # as a worker does once started (``core.gc_tuning``)
+        settle_heap()
     clock.install()
     interval = settings.heartbeat_interval_s
     chores: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -237,7 +247,15 @@ class SimulatedHosts:
     """``names`` heart-beating as workers do (``beaters`` child processes); each node granted to them exits 0 at once
     through the worker's steps (threads of this process)."""
 
-    def __init__(self, settings: Settings, names: list[str], runners: int, clock: PassClock, beaters: int = 2):
+    def __init__(
+        self,
+        settings: Settings,
+        names: list[str],
+        runners: int,
+        clock: PassClock,
+        beaters: int = 2,
+        settle: bool = True,
+    ):
         self.settings, self.names, self.clock = settings, names, clock
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(runners, thread_name_prefix="node")
@@ -253,7 +271,8 @@ class SimulatedHosts:
         self.beat_stop, self.beat_out, self.silenced = spawn.Event(), spawn.Queue(), spawn.Event()
         self.beaters = [
             spawn.Process(
-                target=beat_hosts, args=(settings, names[i::beaters], self.beat_stop, self.beat_out, self.silenced)
+                target=beat_hosts,
+                args=(settings, names[i::beaters], self.beat_stop, self.beat_out, self.silenced, settle),
             )
             for i in range(beaters)
         ]
@@ -334,15 +353,20 @@ class SimulatedHosts:
         self.nodes_done += 1
 
 
-def table_bytes(engine: sa.Engine, schema: str) -> dict[str, int]:
+def table_bytes(engine: sa.Engine) -> dict[str, int]:
     """Each table's size with its indexes and TOAST (``pg_total_relation_size``), dead rows included: what the load
     costs on disk until a vacuum reclaims it."""
     query = sa.text(
         "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
-        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relkind IN ('r', 'm')"
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind IN ('r', 'm')"
     )
     with engine.connect() as connection:
-        return {name: int(size) for name, size in connection.execute(query, {"s": schema})}
+        return {name: int(size) for name, size in connection.execute(query)}
+
+
+def count_jobs(engine: sa.Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.scalar(sa.select(sa.func.count()).select_from(Job)) or 0)
 
 
 def growth_per_1000(before: dict[str, int], after: dict[str, int], finished: int) -> dict[str, float]:
@@ -361,12 +385,16 @@ def count_finished(settings: Settings) -> int:
 
 
 def queue_backlog(settings: Settings, data: str, jobs: int, rng: random.Random) -> None:
-    """``jobs`` queued jobs, inserted as the API inserts them, already dispatched (as if submitted earlier)."""
+    """``jobs`` queued jobs, inserted as the API inserts them (``mark_dispatched``: as if submitted earlier)."""
     context = team_areas(settings, TEAM).context()
     with session_scope(settings.database_url) as session:
         for i in range(jobs):
             raw = train_spec(data, rng.choice(GANGS), f"backlog-{i}")
             create_job(session, settings=settings, team=TEAM, spec=parse_spec(raw, **context), raw=raw)
+
+
+def mark_dispatched(settings: Settings) -> None:
+    with session_scope(settings.database_url) as session:
         session.execute(sa.update(Job).values(dispatched_at=sa.func.now()))
 
 
@@ -501,10 +529,12 @@ def count_down(settings: Settings) -> int:
 
 def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]:
     rng = random.Random(hosts)
-    schema = f"bench_cp_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
+    # a database of its own on the server ``--postgres`` names (never the tests' shared one), dropped afterwards
+    database = f"bench_cp_{uuid.uuid4().hex[:10]}"
+    server = sa.engine.make_url(args.postgres)
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        connection.execute(sa.text(f'CREATE DATABASE "{database}"'))
     proc, sim, clock = None, None, PassClock()
     passes, quiet, quiet_cpu, judged_during, lost_during, started_jobs = 0, list[float](), list[float](), 0, 0, 0
     stopped_down_s: float | None = None
@@ -512,7 +542,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     settings: Settings | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="llmjobs-cp-") as tmp:
-            url = schema_url(args.postgres, schema)
+            url = server.set(database=database).render_as_string(hide_password=False)
             # host_stale_after_s as deployed (30 s): the host verdicts must hold under the load. One team submits the
             # whole load, so the per-team unfinished-job limit (default 200) is off; its priorities (the default, 0)
             # are under the ceiling
@@ -547,7 +577,13 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
                     address="127.0.0.1",
                     device_memory=80 * 2**30,
                 )
+            engine = sa.create_engine(url)
+            empty = sum(table_bytes(engine).values())
             queue_backlog(settings, data, jobs, rng)
+            # what one submission's own rows take (its job, spec and event rows with their index entries), measured
+            # on the backlog's inserts: the load's submissions are subtracted from the growth at this rate
+            submission_bytes = (sum(table_bytes(engine).values()) - empty) / jobs
+            mark_dispatched(settings)
             # the backlog takes minutes at 1,000 hosts, past host_stale_after_s: without a beat here the fill found
             # no live host and the cluster filled during the measured load instead (passes of hundreds of grants)
             beat_many(settings, names)
@@ -555,10 +591,11 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             setup_s = time.monotonic() - started
             with session_scope(settings.database_url) as session:
                 token = create_token(session, team=TEAM)
-            engine = sa.create_engine(url)
-            size0, finished0 = table_bytes(engine, schema), count_finished(settings)
+            size0, finished0, jobs0 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            if args.gc == "settled":  # this process's passes stand for a worker's: settled as a worker settles
+                settle_heap()
             clock.install()
-            sim = SimulatedHosts(settings, names, args.runners, clock)
+            sim = SimulatedHosts(settings, names, args.runners, clock, settle=args.gc == "settled")
             port = free_port()
             proc = start_api(env, port, Path(tmp) / "api.log")
             sim.start()
@@ -570,9 +607,9 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             # interval. (Measured after the simulator stopped, every host whose beats lagged was judged dead and its
             # jobs recovered: a mass host-death pass, not the steady one.)
             down0 = count_down(settings)
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             reconcile_once(settings)
-            reconcile_s = time.perf_counter() - began
+            reconcile_s, reconcile_cpu_s = time.perf_counter() - began, time.thread_time() - began_cpu
             hosts_judged_down = count_down(settings) - down0
             judged_during = (Path(tmp) / "api.log").read_text(errors="replace").count("; marked down")
             lost_during = count_lost(settings)
@@ -583,7 +620,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             proc.terminate()
             proc.wait(timeout=60)
             proc = None
-            size1, finished1 = table_bytes(engine, schema), count_finished(settings)
+            size1, finished1, jobs1 = table_bytes(engine), count_finished(settings), count_jobs(engine)
             engine.dispose()
             # the API's leader judged the hosts every presence_interval_s through the load (core.host_verdicts):
             # counted above, before any host was stopped on purpose
@@ -595,13 +632,16 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             sim.close()
         if proc is not None:
             proc.kill()
-        with admin.connect() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        if settings is not None:
+            get_engine(settings.database_url).dispose()  # this process's pooled connections, before the drop
+        with admin.connect() as connection:  # FORCE: a child process's connection left behind does not keep it
+            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
         admin.dispose()
         queues = [f"host.{name}" for name in names] + ([settings.queue_for("cuda")] if settings else [])
         redis.Redis.from_url(args.redis).delete(*queues)  # the messages nobody consumed: only this run's queues
-    finished = finished1 - finished0
+    finished, submitted = finished1 - finished0, jobs1 - jobs0
     grown = sum(size1.values()) - sum(size0.values())
+    grown_by_finishing = grown - submitted * submission_bytes  # the submissions' own rows are not the jobs' runs
     row: dict[str, Any] = {
         "hosts": hosts,
         "devices": hosts * DEVICES,
@@ -634,10 +674,17 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "starved_s": args.starve,
         "stopped_host_judged_down_after_s": stopped_down_s if args.starve else None,
         "reconcile_s": round(reconcile_s, 3),
+        "reconcile_cpu_s": round(reconcile_cpu_s, 3),  # its own CPU time (this thread), whatever shares the CPUs
         "hosts_judged_down_by_that_pass": hosts_judged_down,
         "db_growth_mib": round(grown / 2**20, 2),
-        "db_growth_mib_per_1000_finished": round(grown / 2**20 / finished * 1000, 2) if finished else None,
+        "jobs_submitted": submitted,
+        "submission_kib": round(submission_bytes / 1024, 2),
+        "db_growth_mib_per_1000_finished": round(grown_by_finishing / 2**20 / finished * 1000, 2) if finished else None,
+        "db_growth_with_submissions_mib_per_1000_finished": round(grown / 2**20 / finished * 1000, 2)
+        if finished
+        else None,
         "db_growth_kib_per_1000_finished_by_table": growth_per_1000(size0, size1, finished),
+        "gc": args.gc,
         "errors": len(errors) + len(sim.errors if sim else []),
     }
     for route, values in lat.items():
@@ -715,7 +762,8 @@ def main() -> None:
     parser.add_argument("--runners", type=int, default=8, help="threads running the simulated nodes")
     parser.add_argument(
         "--postgres",
-        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"),
+        help="a PostgreSQL server (the database named is only where this run creates and drops its own)",
     )
     parser.add_argument(
         "--redis",
@@ -731,6 +779,13 @@ def main() -> None:
         default=0.0,
         help="a CPU hog (2 spinning processes per CPU, normal priority) for this many seconds from the load's start; "
         "then one host stops beating and the time until it is judged down is reported",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("settled", "default"),
+        default="settled",
+        help="the measuring processes' garbage collector: settled after start-up as the API and workers do "
+        "(core.gc_tuning.settle_heap), or CPython's default (the comparison)",
     )
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
