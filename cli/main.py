@@ -7,35 +7,43 @@ tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
 from cli import chat, local, remote, service
 from cli.tokens import token_cli
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Qwen3 fine-tuning job service.")
-cli.command()(service.serve)
-cli.command()(service.api)
-cli.command()(service.worker)
-cli.command()(service.gc)
-cli.command()(service.reseal)
-cli.command("slurm-agent")(service.slurm_agent)
-cli.command()(local.run)
-cli.command()(remote.submit)
-cli.command("list")(remote.list_)
-cli.command()(remote.status)
-cli.command()(remote.logs)
-cli.command()(remote.metrics)
-cli.command()(remote.cancel)
-cli.command()(remote.events)
-cli.command()(remote.artifacts)
-cli.command()(remote.wait)
-cli.command()(remote.delete)
-cli.command()(remote.download)
-cli.command()(remote.checkpoints)
-cli.command()(remote.upload)
-cli.command()(remote.files)
-cli.command("delete-file")(remote.delete_file)
-cli.command()(chat.chat)
+# Every command in the order `llmjobs --help` lists them; named as its function unless a name is given.
+COMMANDS: list[tuple[Callable[..., Any], str | None]] = [
+    (service.serve, None),
+    (service.api, None),
+    (service.worker, None),
+    (service.gc, None),
+    (service.reseal, None),
+    (service.slurm_agent, "slurm-agent"),
+    (local.run, None),
+    (remote.submit, None),
+    (remote.list_, "list"),
+    (remote.status, None),
+    (remote.logs, None),
+    (remote.metrics, None),
+    (remote.cancel, None),
+    (remote.events, None),
+    (remote.artifacts, None),
+    (remote.wait, None),
+    (remote.delete, None),
+    (remote.download, None),
+    (remote.checkpoints, None),
+    (remote.upload, None),
+    (remote.files, None),
+    (remote.delete_file, "delete-file"),
+    (chat.chat, None),
+]
+for command, name in COMMANDS:
+    cli.command(name)(command)
 cli.add_typer(token_cli, name="token")
 
 
