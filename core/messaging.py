@@ -85,6 +85,26 @@ def send_schedule(settings: Settings, job_id: str, queue: str, request_id: str |
     get_celery(settings.broker_url).send_task(SCHEDULE_TASK, args=[job_id], queue=queue, headers=_headers(request_id))
 
 
+def waiting_in_queue(settings: Settings, hosts: list[str]) -> set[str] | None:
+    """Which of ``hosts`` still have a message waiting in their queue (one pipelined ``LLEN`` per host, one round
+    trip), on a Redis broker; None on any other broker (unknown). A node whose host's queue is not empty has not
+    lost its message: its worker has not got to it yet, and a copy would only queue behind it."""
+    if not settings.broker_url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+
+    client = redis.Redis.from_url(settings.broker_url)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for host in hosts:
+            pipe.llen(
+                host_queue(host)
+            )  # kombu's Redis transport keeps a queue's waiting messages in a list of its name
+        return {host for host, length in zip(hosts, pipe.execute(), strict=True) if length}
+    finally:
+        client.close()
+
+
 def send_run_node(
     settings: Settings, job_id: str, attempt: int, node_rank: int, host: str, request_id: str | None = None
 ) -> None:
