@@ -168,8 +168,8 @@ def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
 def _to_mcore(
     spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
 ) -> tuple[Path, list[Path]]:
-    tp, pp, ep = spec.target_tensor_parallel_size, spec.target_pipeline_parallel_size, spec.target_expert_parallel_size
-    dims = layout.ParallelDims(dp=ep, tp=tp, pp=pp, ep=ep)  # a checkpoint has no DP: the least world EP fits in
+    dims = spec.target_parallel_dims
+    tp, pp, ep = dims.tp, dims.pp, dims.ep
     try:
         layout.check(cfg, dims, spec.num_layer_list, spec.num_layers_per_virtual_pipeline_stage)
     except layout.LayoutError as err:  # a convert job names its layout target_*

@@ -20,13 +20,7 @@ from engine.parallel.mesh import batch_mesh, context_mesh
 from engine.parallel.precision import apply_param_dtypes, compute_dtype, param_dtypes
 from engine.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["compute_dtype", "parallelize", "recompute_granularity"]
-
-
-def recompute_granularity(spec: TrainSpec) -> str | None:
-    if getattr(spec, "recompute_granularity", None):
-        return spec.recompute_granularity
-    return "selective" if getattr(spec, "recompute_activations", False) else None
+__all__ = ["compute_dtype", "parallelize"]
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Module:
@@ -36,21 +30,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Modul
     dtypes = param_dtypes(spec)
     apply_param_dtypes(model, dtypes)  # fp32 main weights; a frozen (LoRA) base stored once in the compute dtype
     if mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(getattr(spec, "sequence_parallel", False)))
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=spec.sequence_parallel)
     if context_mesh(mesh) is not None:
         apply_context_parallel(model, mesh, spec.context_parallel_algo, spec.use_cp_send_recv_overlap)
-    ep = int(getattr(spec, "expert_model_parallel_size", 1))
+    ep = spec.expert_model_parallel_size
     edp_mesh = None
     if ep > 1:
         experts_mesh = expert_mesh(mesh, ep)  # on every rank: a pipeline stage may hold no MoE layer
         if moe_layers(model):
             apply_expert_parallel(model, experts_mesh, context_mesh(mesh))
             edp_mesh = experts_mesh["edp"]
-    granularity = recompute_granularity(spec)
-    if granularity:
-        apply_ac(
-            model, granularity, getattr(spec, "recompute_method", None), getattr(spec, "recompute_num_layers", None)
-        )
+    if spec.recompute:
+        apply_ac(model, spec.recompute, spec.recompute_method, spec.recompute_num_layers)
     # compile: not applied yet (CPU CI); it would go here, per decoder layer, after AC and before FSDP.
     dtype = dtypes.compute
     dp = batch_mesh(mesh)  # DP, times CP: the ranks holding different tokens reduce their gradients together
@@ -60,7 +51,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: TrainSpec) -> nn.Modul
     if dp.size() > 1 or dtype != torch.float32:  # EP > 1 implies DP > 1
         # Pipeline stages run several micro-batches per step: resharding after each forward would re-gather the
         # parameters per micro-batch, so stages keep them (docs/torch-distributed-on-gloo.md, PP × FSDP2 recipe).
-        reshard = bool(getattr(spec, "use_distributed_optimizer", False)) and mesh["pp"].size() == 1
+        reshard = spec.use_distributed_optimizer and mesh["pp"].size() == 1
         apply_fsdp(
             model,
             dp,

@@ -33,9 +33,9 @@ class ParamDtypes:
 
 def compute_dtype(spec: ModelSpec) -> torch.dtype:
     """The dtype matmuls run in: bf16 / fp16 from the spec, else fp32."""
-    if getattr(spec, "bf16", False):
+    if spec.bf16:
         return torch.bfloat16
-    if getattr(spec, "fp16", False):
+    if spec.fp16:
         return torch.float16
     return torch.float32
 
@@ -43,10 +43,10 @@ def compute_dtype(spec: ModelSpec) -> torch.dtype:
 def param_dtypes(spec: TrainSpec) -> ParamDtypes:
     """The run's dtypes from its ``bf16`` / ``fp16`` / ``lora_r`` flags."""
     compute = compute_dtype(spec)
-    lora = getattr(spec, "lora_r", None) is not None
+    lora = spec.is_lora
     # --main-grads-dtype bf16 (precision-aware optimizer): trainable weights, hence their gradients, in bf16; the
     # fp32 master lives in the optimizer (engine.train.precision_optimizer)
-    narrow = getattr(spec, "use_precision_aware_optimizer", False) and getattr(spec, "main_grads_dtype", "") == "bf16"
+    narrow = spec.use_precision_aware_optimizer and spec.main_grads_dtype == "bf16"
     return ParamDtypes(
         compute=compute,
         trainable=compute if narrow else torch.float32,

@@ -28,19 +28,6 @@ from engine.contract.plan.planner import plan_spec
 from engine.contract.spec import ServeSpec, TrainSpec, first_error
 
 
-def dims_of(spec: TrainSpec) -> ParallelDims:
-    return ParallelDims.from_world(
-        spec.resources.world_size,
-        spec.tensor_model_parallel_size,
-        spec.pipeline_model_parallel_size,
-        spec.expert_model_parallel_size,
-        spec.context_parallel_size,
-        spec.context_parallel_algo,
-        spec.ulysses_degree_in_cp,
-        spec.kv_head_repeat_before_uly_alltoall,
-    )
-
-
 def traced_ranks(dims: ParallelDims, all_ranks: bool) -> dict[int, int]:
     """rank -> the rank whose trace stands for it (itself under ``all_ranks``): the first rank of its stage."""
     per_stage = dims.tp
@@ -62,8 +49,8 @@ def trace_spec(spec: TrainSpec | ServeSpec, model: str | None, all_ranks: bool =
         stand_in = dict.fromkeys(range(spec.resources.world_size), 0)
         traces = {0: traced}
     else:
-        dims = dims_of(spec)
-        gbs = spec.global_batch_size or spec.micro_batch_size * dims.dp
+        dims = spec.parallel_dims
+        gbs = spec.effective_global_batch_size
         stand_in = traced_ranks(dims, all_ranks)
         traces = {r: trace_rank(spec, plan.cfg, dims, gbs, r) for r in sorted(set(stand_in.values()))}
     rows = []

@@ -63,12 +63,10 @@ def test_fsdp_dp2_step_traces_on_npu_with_no_host_tensor() -> None:
 
 def test_ranks_of_a_stage_stand_for_each_other() -> None:
     spec = tiny_spec(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, resources={"nproc_per_node": 8})
-    from engine.trace.cli import dims_of
-
-    stand_in = traced_ranks(dims_of(spec), all_ranks=False)
+    stand_in = traced_ranks(spec.parallel_dims, all_ranks=False)
     assert sorted(set(stand_in.values())) == [0, 2]  # rank = (dp · PP + pp) · TP + tp
     assert stand_in[7] == 2 and stand_in[4] == 0
-    assert traced_ranks(dims_of(spec), all_ranks=True)[7] == 7
+    assert traced_ranks(spec.parallel_dims, all_ranks=True)[7] == 7
 
 
 @pytest.mark.skipif(torch.cuda._is_compiled(), reason="a CUDA build of torch traces on cuda")

@@ -308,3 +308,9 @@ class ParallelArgs(_Strict):
     @property
     def data_parallel_size(self) -> int:
         return self.parallel_dims.dp
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        """Samples per optimizer step: ``global_batch_size``, else ``micro_batch_size`` × DP (Megatron's default);
+        the one copy of the rule."""
+        return self.global_batch_size or self.micro_batch_size * self.parallel_dims.dp

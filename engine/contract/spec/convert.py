@@ -9,6 +9,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.contract import layout
 from engine.contract.spec.common import (
     DataPath,
     IntList,
@@ -113,6 +114,14 @@ class ConvertSpec(JobBase):
             "for bf16 weights 10-20 % of merged values differ from fp32 by one rounding step)."
         ),
     )
+
+    @property
+    def target_parallel_dims(self) -> layout.ParallelDims:
+        """The output's layout as dims: a checkpoint has no DP, so the least world its EP fits in (DP = EP)."""
+        ep = self.target_expert_parallel_size
+        return layout.ParallelDims(
+            dp=ep, tp=self.target_tensor_parallel_size, pp=self.target_pipeline_parallel_size, ep=ep
+        )
 
     @model_validator(mode="after")
     def _check_convert(self) -> ConvertSpec:

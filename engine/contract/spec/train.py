@@ -536,7 +536,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
             raise ValueError(
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward functions"
             )
-        gbs = self.global_batch_size or self.micro_batch_size
+        gbs = self.effective_global_batch_size
         if gbs % self.num_generations:
             raise ValueError(
                 f"global_batch_size: {gbs} completions per step is not a multiple of num_generations "
@@ -570,7 +570,7 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                 "context_parallel_size: stage grpo's decoding keeps each sequence's KV cache whole on one rank, which "
                 "context parallelism splits (no PP or CP yet; DP, TP and EP do)"
             )
-        dp = max(1, self.resources.world_size // self.tensor_model_parallel_size)  # PP and CP are 1 here; EP is in DP
+        dp = self.parallel_dims.dp  # PP and CP are 1 here; EP is carved out of DP
         if (gbs // self.num_generations) % dp:
             raise ValueError(
                 f"global_batch_size: {gbs // self.num_generations} prompts per step ({gbs} completions / "
@@ -631,3 +631,11 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
     def is_lora(self) -> bool:
         """A LoRA fine-tune: ``lora_r`` (the LoRA rank) selects it."""
         return self.lora_r is not None
+
+    @property
+    def recompute(self) -> Literal["full", "selective"] | None:
+        """The activation recomputation the run does: ``recompute_granularity``, else selective when Megatron's alias
+        ``recompute_activations`` is set; the one copy of the rule."""
+        if self.recompute_granularity:
+            return self.recompute_granularity
+        return "selective" if self.recompute_activations else None
