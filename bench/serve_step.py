@@ -4,8 +4,9 @@ Qwen3, hidden 512, 8 layers, the real 151,936-token vocabulary; built here, not 
 
 Two batchers over copies of the same model, the same prompts, prefilled; then ``--steps`` decode steps each,
 alternating A (full fp32 head) and B (greedy head). Per side, the median step and its parts: the layers' forward
-(``Batcher._compute``), the head and the picks (``Batcher._emit_all``; on B the greedy head alone too). Checks that
-both decoded the same tokens. The last line is one JSON object.
+(``Batcher._compute``), the head and the picks (``Batcher._emit_all``; on B the greedy head alone too), and the step's
+CPU time (``step_cpu``, all threads: on a loaded machine wall times swing with the other processes, CPU time much
+less). Checks that both decoded the same tokens. The last line is one JSON object.
 
     .venv/bin/python bench/serve_step.py [--seqs 32] [--steps 6] [--threads N] [--smoke]
 """
@@ -80,7 +81,7 @@ def main() -> None:
         batcher.submit(seqs)
         batcher.step()  # the prompts
         batcher.step()  # a first decode (warm)
-        times = parts[name] = {"step": [], "layers": [], "head_and_picks": [], "greedy_head": []}
+        times = parts[name] = {"step": [], "step_cpu": [], "layers": [], "head_and_picks": [], "greedy_head": []}
         batcher._compute = _timed(times["layers"], batcher._compute)  # type: ignore[method-assign]
         batcher._emit_all = _timed(times["head_and_picks"], batcher._emit_all)  # type: ignore[method-assign]
         if batcher.greedy_head is not None:
@@ -89,9 +90,10 @@ def main() -> None:
         sides[name] = (batcher, seqs)
     for _ in range(args.steps):  # A B A B
         for name, (batcher, _) in sides.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             batcher.step()
             parts[name]["step"].append(time.perf_counter() - start)
+            parts[name]["step_cpu"].append(time.process_time() - cpu)  # every thread's CPU: steadier under load
     medians = {n: {k: round(statistics.median(v), 4) for k, v in p.items() if v} for n, p in parts.items()}
     same = [s.output for s in sides["full_fp32_head"][1]] == [s.output for s in sides["bf16_greedy_head"][1]]
     for name, row in medians.items():
