@@ -33,6 +33,7 @@ from app.openai_format import OpenAIError
 from core.db import session_scope
 from core.deployments import Deployment, ready_urls
 from core.settings import Settings
+from engine.contract.serve_request import ServeRequest
 
 log = logging.getLogger(__name__)
 PRUNE_S = 60.0  # how often the clients of deployments that went away are closed
@@ -71,15 +72,15 @@ class EngineProxy:
             client = self._clients[url] = httpx.AsyncClient(timeout=self.timeout, limits=limits)
         return client
 
-    async def open(self, dep: Deployment, payload: dict[str, Any]) -> EngineStream:
-        """POST ``payload`` to the deployment's engine; its answer's lines once it says 200, else an OpenAIError."""
+    async def open(self, dep: Deployment, generation: ServeRequest) -> EngineStream:
+        """POST ``generation`` to the deployment's engine; its answer's lines once it says 200, else an OpenAIError."""
         assert dep.url is not None, "only a ready deployment is proxied"
         await self._prune()
         if not self.healthy(dep.url):
             raise self.not_answering(dep)
         client = self.client(dep.url)
         with self._reaching(dep):
-            request = client.build_request("POST", f"{dep.url}/v1/generate", json=payload)
+            request = client.build_request("POST", f"{dep.url}/v1/generate", json=generation.to_json())
             response = await client.send(request, stream=True)
         if response.status_code != 200:
             raw = await response.aread()

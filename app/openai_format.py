@@ -16,29 +16,31 @@ naming the field it came from.
 from __future__ import annotations
 
 import json
-import math
 import secrets
 import time
-from collections.abc import Callable
 from typing import Any
 
 from app.openai_tools import ToolError, call_grammar, check_tools, chosen, split_tool_calls
+from engine.contract.serve_request import (
+    BOOL,
+    INTEGER,
+    LIST,
+    OBJECT,
+    OPTION_FIELDS,
+    OPTION_KINDS,
+    STRING,
+    STRINGS,
+    Kind,
+    RequestError,
+    SamplingOptions,
+    ServeRequest,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 __all__ = ["split_tool_calls"]  # re-exported: the whole-answer parser lives with the streaming one
-# Fields passed to the engine as they are (``engine.serve.sampling.RequestOptions``); OpenAI's defaults apply when
-# absent (temperature 1, top_p 1).
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "n",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+# The serving request's options passed as they are (``engine.contract.serve_request.SamplingOptions``: a field added
+# there is accepted here); ``max_tokens`` and ``logprobs`` have OpenAI's own spellings (below).
+SAMPLING_FIELDS = tuple(name for name in OPTION_FIELDS if name not in ("max_tokens", "logprobs"))
 CHAT_FIELDS = {
     *SAMPLING_FIELDS,
     "model",
@@ -78,66 +80,61 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)  # json.loads reads NaN and Infinity
-
-
-def _is_strings(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
 def _is_stream_options(v: Any) -> bool:
     return isinstance(v, dict) and isinstance(v.get("include_usage", False), bool)
 
 
-_NUMBER, _INT = (_is_number, "a finite number"), (_is_int, "an integer")
-_STRING, _BOOL = ((lambda v: isinstance(v, str)), "a string"), ((lambda v: isinstance(v, bool)), "true or false")
-_OBJECT, _LIST = ((lambda v: isinstance(v, dict)), "an object"), ((lambda v: isinstance(v, list)), "a list")
-# The JSON type of every accepted field (null is taken as absent): checked before anything reaches an engine, so a
-# wrong type is a 400 naming its field, never a 500 halfway through an answer.
-_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"), _NUMBER),
-    **dict.fromkeys(("top_k", "seed", "n", "max_tokens", "max_completion_tokens", "top_logprobs"), _INT),
-    "stop": ((lambda v: isinstance(v, str) or _is_strings(v)), "a string or a list of strings"),
-    "model": _STRING,
-    "user": _STRING,
-    "messages": _LIST,
-    "tools": _LIST,
-    "chat_template_kwargs": _OBJECT,
-    "response_format": _OBJECT,
-    "structured_outputs": _OBJECT,
-    "tool_choice": ((lambda v: isinstance(v, (str, dict))), "a string or an object"),
-    "stream": _BOOL,
-    "stream_options": (_is_stream_options, 'an object such as {"include_usage": true}'),
-    "logprobs": _BOOL,  # chat's; /v1/completions takes an integer (below)
-    "prompt": ((lambda v: isinstance(v, str) or _is_strings(v)), "a string or a list of strings"),
+# The JSON type of every accepted field (null is taken as absent), the serving request's own for its options:
+# checked before anything reaches an engine, so a wrong type is a 400 naming its field, never a 500 halfway through
+# an answer.
+_TYPES: dict[str, Kind] = {
+    **{name: OPTION_KINDS[name] for name in SAMPLING_FIELDS},
+    **dict.fromkeys(("max_tokens", "max_completion_tokens", "top_logprobs"), INTEGER),
+    "model": STRING,
+    "user": STRING,
+    "messages": LIST,
+    "tools": LIST,
+    "chat_template_kwargs": OBJECT,
+    "response_format": OBJECT,
+    "structured_outputs": OBJECT,
+    "tool_choice": Kind("a string or an object", lambda v: isinstance(v, (str, dict))),
+    "stream": BOOL,
+    "stream_options": Kind('an object such as {"include_usage": true}', _is_stream_options),
+    "logprobs": BOOL,  # chat's; /v1/completions takes an integer (below)
+    "prompt": STRINGS,
 }
-_COMPLETION_TYPES = {**_TYPES, "logprobs": _INT}
+_COMPLETION_TYPES = {**_TYPES, "logprobs": INTEGER}
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str], types: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+def _refused(err: RequestError, param: str | None = None) -> OpenAIError:
+    """The serving request's refusal in OpenAI's shape, naming ``param`` (the body's spelling of the field)."""
+    param = param or err.field
+    return OpenAIError(400, f"{param}: {str(err).split(': ', 1)[1]}", param, err.code)
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str], types: dict[str, Kind]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise OpenAIError(400, f"{unknown[0]}: not supported by this server", unknown[0], "unsupported_parameter")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")
     for name in sorted(body):
-        ok, kind = types[name]
-        if body[name] is not None and not ok(body[name]):
-            raise OpenAIError(400, f"{name}: must be {kind}, got {body[name]!r:.80}", name, "invalid_type")
+        if body[name] is not None:
+            try:
+                types[name].check(name, body[name])
+            except RequestError as err:
+                raise _refused(err) from err
 
 
-def _given(body: dict[str, Any], *names: str) -> Any:
-    """The first of ``names`` the body sets (not null), else None."""
-    return next((body[n] for n in names if body.get(n) is not None), None)
-
-
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    return {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+def _options(body: dict[str, Any], spelled: dict[str, str | None]) -> SamplingOptions:
+    """The serving request's options of a checked body: ``SAMPLING_FIELDS`` as they are, and each option of
+    ``spelled`` from the body's field it names (None: absent); a value out of range is a 400 naming that field."""
+    values = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    values |= {name: body[field] for name, field in spelled.items() if field and body.get(field) is not None}
+    try:
+        return SamplingOptions.from_json(values)
+    except RequestError as err:
+        raise _refused(err, spelled.get(err.field)) from err
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -197,43 +194,36 @@ def tool_mode(body: dict[str, Any]) -> str:
         raise OpenAIError(400, str(err), err.param, "invalid_value") from err
 
 
-def chat_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The engine request of a ``/v1/chat/completions`` body."""
+def chat_request(body: dict[str, Any]) -> ServeRequest:
+    """The serving request of a ``/v1/chat/completions`` body."""
     _check_fields(body, CHAT_FIELDS, _TYPES)
-    out = {**_sampling(body), "messages": body.get("messages")}
-    max_tokens = _given(body, "max_completion_tokens", "max_tokens")
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    if body.get("logprobs"):
-        out["logprobs"] = body.get("top_logprobs") or 0
-    if body.get("chat_template_kwargs") is not None:
-        out["chat_template_kwargs"] = body["chat_template_kwargs"]
+    max_tokens = next((n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None), None)
+    values = {**body, "top_logprobs": body.get("top_logprobs") or 0}  # read only when logprobs is true
+    options = _options(values, {"max_tokens": max_tokens, "logprobs": "top_logprobs" if body.get("logprobs") else None})
     mode = tool_mode(body)
-    if mode != "none":  # tool_choice none: the tools are not shown to the model
-        out["tools"] = body["tools"]
     forced = None if mode in ("none", "auto") else call_grammar(check_tools(body["tools"]), mode)
     grammar = structured(body, forced)
-    if grammar is not None:
-        out["structured"] = grammar[1]
-    return out
+    return ServeRequest(
+        options=options,
+        messages=body.get("messages"),
+        tools=body["tools"] if mode != "none" else None,  # tool_choice none: the tools are not shown to the model
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        structured=grammar[1] if grammar is not None else None,
+    )
 
 
-def completion_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The engine request of a ``/v1/completions`` body (one prompt string)."""
+def completion_request(body: dict[str, Any]) -> ServeRequest:
+    """The serving request of a ``/v1/completions`` body (one prompt string; OpenAI's default max_tokens 16)."""
     _check_fields(body, COMPLETION_FIELDS, _COMPLETION_TYPES)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise OpenAIError(400, "prompt: one string is supported", "prompt")
-    max_tokens = _given(body, "max_tokens")
-    out = {**_sampling(body), "prompt": prompt, "max_tokens": 16 if max_tokens is None else max_tokens}
-    if body.get("logprobs") is not None:
-        out["logprobs"] = body["logprobs"]
+    values = {**body, "max_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"]}
+    options = _options(values, {"max_tokens": "max_tokens", "logprobs": "logprobs"})
     grammar = structured(body)
-    if grammar is not None:
-        out["structured"] = grammar[1]
-    return out
+    return ServeRequest(options=options, prompt=prompt, structured=grammar[1] if grammar is not None else None)
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

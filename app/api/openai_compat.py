@@ -55,6 +55,7 @@ from core.db import get_sessionmaker
 from core.deployments import Deployment, find_deployment, list_deployments
 from core.errors import ApiError
 from core.settings import Settings
+from engine.contract.serve_request import ServeRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,14 +234,14 @@ async def _complete(
             _take_slot(serving.slots, principal.team)
             held.callback(serving.slots.release, principal.team)
             body = await _body(request)
-            payload = chat_request(body) if kind == "chat" else completion_request(body)
+            generation = chat_request(body) if kind == "chat" else completion_request(body)
             dep = await _ready(settings, principal, body["model"])
-            if dep.adapter is not None:
-                payload["model"] = dep.adapter  # the engine applies this adapter to the request's sequences
-            upstream = await _open(serving, dep, payload, body)
+            if dep.adapter is not None:  # the engine applies this adapter to the request's sequences
+                generation = dataclasses.replace(generation, model=dep.adapter)
+            upstream = await _open(serving, dep, generation, body)
             held.push_async_callback(upstream.aclose)
             rid, model = new_id("chatcmpl" if kind == "chat" else "cmpl"), dep.adapter or dep.name
-            n, tools = payload.get("n", 1), kind == "chat" and tool_mode(body) != "none"
+            n, tools = generation.options.n, kind == "chat" and tool_mode(body) != "none"
             if wants_stream(body):  # the response holds the slot and the upstream answer from here
                 lines = _stream(kind, upstream, rid, model, n, include_usage(body), tools)
                 return _HeldStream(lines, held.pop_all().aclose)
@@ -250,9 +251,9 @@ async def _complete(
     return JSONResponse(answer) if stayed else Response(status_code=499)  # 499: nobody is left to read it
 
 
-async def _open(serving: Serving, dep: Deployment, payload: dict[str, Any], body: dict[str, Any]) -> EngineStream:
+async def _open(serving: Serving, dep: Deployment, generation: ServeRequest, body: dict[str, Any]) -> EngineStream:
     try:
-        return await serving.proxy.open(dep, payload)
+        return await serving.proxy.open(dep, generation)
     except OpenAIError as err:
         if err.param == "structured":  # the engine's name for the grammar: answer with the field it came from
             err.param = structured_origin(body)

@@ -13,4 +13,6 @@ here imports torch or the rest of the engine, directly or indirectly).
   allow-list unpickler.
 - ``indexed``, ``sampler``, ``lengths``: Megatron indexed datasets, the trainer's sample order, rows and padding.
 - ``plan``: the memory planner (admission and ``engine plan``).
+- ``serve_request``: the serving request (``ServeRequest``), typed once for the API's OpenAI routes, the engine's
+  server and a remote eval.
 """

@@ -215,15 +215,7 @@ def _decode_remote(
     spec: EvalSpec, tokenizer: Any, lines: list[TestLine], run: RunDir
 ) -> tuple[list[dict[str, Any]], int, float]:
     """The test set generated through ``deployment_url`` (``engine.eval.remote``): (records, tokens, seconds)."""
-    opts = RemoteOptions(
-        max_tokens=spec.max_new_tokens,
-        temperature=0.0 if spec.greedy else spec.temperature,
-        top_k=spec.top_k,
-        top_p=spec.top_p or 1.0,
-        seed=spec.seed,
-        model=spec.deployment,
-        stop_ids=frozenset(stop_ids(tokenizer)),
-    )
+    opts = RemoteOptions.of_spec(spec, frozenset(stop_ids(tokenizer)))
     start, produced = time.perf_counter(), 0
 
     def done(i: int, record: dict[str, Any]) -> None:

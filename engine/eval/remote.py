@@ -1,10 +1,10 @@
 """Generation through a running deployment: an eval's test prompts sent to ``python -m engine serve``.
 
 Each prompt's token ids (rendered by the eval, with its template, exactly as a loaded model would get them) are POSTed
-to ``<deployment_url>/v1/generate`` in the engine's own protocol (``engine.serve.protocol``: ``prompt_token_ids``,
-JSON lines back with every token's id), ``concurrency`` at a time so the deployment batches them continuously. Tokens
-are cut at the first stop token as ``engine.eval.generate`` cuts them, so scoring is the same code on the same ids,
-and greedy decoding gives the loaded model's answers token for token.
+to ``<deployment_url>/v1/generate`` in the engine's own protocol (``engine.contract.serve_request.ServeRequest``
+with ``prompt_token_ids``; JSON lines back with every token's id), ``concurrency`` at a time so the deployment
+batches them continuously. Tokens are cut at the first stop token as ``engine.eval.generate`` cuts them, so scoring
+is the same code on the same ids, and greedy decoding gives the loaded model's answers token for token.
 
 The stdlib's ``urllib`` speaks HTTP here: the engine depends on no web client library, and one JSON POST per prompt
 needs none. A 429 (the deployment's queue is full) waits its ``Retry-After`` and asks again; a 400/404 is the spec's
@@ -24,38 +24,48 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.contract.runfiles import BadInput
+from engine.contract.serve_request import RequestError, SamplingOptions, ServeRequest
+from engine.contract.spec import EvalSpec
 
 TIMEOUT_S = 600.0  # one prompt's whole generation
 MAX_QUEUE_WAITS = 120
 
 
+_SPEC_FIELDS = {"max_tokens": "max_new_tokens"}  # the eval spec's name of a serving request field
+
+
 @dataclasses.dataclass(frozen=True)
 class RemoteOptions:
-    """What every request asks for: the eval's decoding settings in the serve protocol's terms."""
+    """What every request asks for: the eval's decoding settings as the contract's serving request."""
 
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float  # the serve protocol's "off" is 1.0 (eval's is 0)
-    seed: int
+    options: SamplingOptions
     model: str | None  # the deployment's served name or one of its adapters (None: its base)
     stop_ids: frozenset[int]
 
-    def body(self, prompt_ids: list[int]) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "prompt_token_ids": prompt_ids,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seed": self.seed,
-        }
-        return body if self.model is None else {**body, "model": self.model}
+    @classmethod
+    def of_spec(cls, spec: EvalSpec, stop_ids: frozenset[int]) -> RemoteOptions:
+        """The eval's decoding settings in the serving request's terms (its top_p "off" is 1.0, eval's 0); one the
+        serving request refuses (a temperature over 2) is ``BadInput`` naming the eval spec's field."""
+        try:
+            options = SamplingOptions(
+                max_tokens=spec.max_new_tokens,
+                temperature=0.0 if spec.greedy else spec.temperature,
+                top_k=spec.top_k,
+                top_p=spec.top_p or 1.0,
+                seed=spec.seed,
+            )
+        except RequestError as err:
+            field = _SPEC_FIELDS.get(err.field, err.field)
+            raise BadInput(f"{field}: {str(err).split(': ', 1)[1]} on a deployment", field) from err
+        return cls(options, spec.deployment, stop_ids)
+
+    def request(self, prompt_ids: list[int]) -> ServeRequest:
+        return ServeRequest(options=self.options, prompt_token_ids=prompt_ids, model=self.model)
 
 
-def _post(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _post(url: str, generation: ServeRequest) -> Iterator[dict[str, Any]]:
     """The JSON lines of one generation; a full queue is waited out."""
-    data = json.dumps(body).encode()
+    data = json.dumps(generation.to_json()).encode()
     for _ in range(MAX_QUEUE_WAITS):
         request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
         try:
@@ -82,7 +92,7 @@ def generate_one(url: str, prompt_ids: list[int], opts: RemoteOptions) -> dict[s
     """One prompt's answer: ``tokens`` (cut before the first stop token), ``finish_reason``, ``generated``."""
     tokens: list[int] = []
     generated = 0
-    for line in _post(url.rstrip("/") + "/v1/generate", opts.body(prompt_ids)):
+    for line in _post(url.rstrip("/") + "/v1/generate", opts.request(prompt_ids)):
         if line.get("type") == "token" and line.get("index", 0) == 0:
             tokens.append(int(line["token_id"]))
         elif line.get("type") == "finish" and line.get("index", 0) == 0:

@@ -5,9 +5,10 @@ Request (``POST /v1/generate``), one prompt of:
     ``messages`` (chat turns, rendered with the deployment's ``prompt_type`` template, ``chat_template_kwargs``'s
     ``enable_thinking`` switching Qwen3's thinking; ``tools``, a list of tool definitions, rendered as Qwen3 does),
     ``prompt`` (text, tokenized as is) or ``prompt_token_ids``;
-plus the sampling fields of ``engine.serve.sampling.RequestOptions`` (``stop`` a string or a list), ``model``: one of
-the deployment's LoRA adapters (``lora_adapters``), else (absent, or the served name) the base, and ``structured``: a
-grammar every sampled token keeps to (``engine.serve.structured``: ``json_schema``, ``regex``, ``choice`` or ``lark``).
+plus the sampling fields (``stop`` a string or a list), ``model``: one of the deployment's LoRA adapters
+(``lora_adapters``), else (absent, or the served name) the base, and ``structured``: a grammar every sampled token
+keeps to (``engine.serve.structured``: ``json_schema``, ``regex``, ``choice`` or ``lark``): the fields, JSON types,
+ranges and defaults of ``engine.contract.serve_request.ServeRequest``, the one type the API and a remote eval build.
 ``POST /tokenize`` takes ``messages`` or ``prompt`` (with ``chat_template_kwargs``, ``tools``, ``model``) and answers
 vLLM's ``{"count", "max_model_len", "tokens"}``; ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers
 ``{"prompt": text}``.
@@ -25,18 +26,14 @@ with no ``done`` (``engine.serve.server``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from typing import Any
 
+from engine.contract.serve_request import PROMPT_FIELDS, RequestError, ServeRequest
 from engine.data.templates import ConversationError, encode_prompt
 from engine.serve.sampling import RequestOptions
 from engine.serve.structured import StructuredError, grammar_of
 
-_OPTION_FIELDS = {f.name for f in dataclasses.fields(RequestOptions)}
-_PROMPT_FIELDS = ("messages", "prompt", "prompt_token_ids")
-_OTHER_FIELDS = {"chat_template_kwargs", "tools", "stream", "model", "structured"}
 TOKENIZE_FIELDS = {"messages", "prompt", "chat_template_kwargs", "tools", "model"}
 
 
@@ -59,48 +56,23 @@ def adapter_index(body: dict[str, Any], served_name: str, adapters: dict[str, in
     raise BadRequest(f"model: {model!r} is not served here (it serves {have})", field="model", status=404)
 
 
-_INT_FIELDS = ("max_tokens", "top_k", "n", "seed", "logprobs")
-_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_types(values: dict[str, Any]) -> None:
-    """A wrong type is a 400 naming the field (never a default, never a crash further on)."""
-    for name in _INT_FIELDS:
-        if name in values and (isinstance(values[name], bool) or not isinstance(values[name], int)):
-            raise BadRequest(f"{name}: must be an integer, got {_shown(values[name])}", field=name)
-    for name in _NUMBER_FIELDS:
-        value = values.get(name, 0.0)
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or (isinstance(value, float) and not math.isfinite(value)):  # JSON's NaN and Infinity
-            raise BadRequest(f"{name}: must be a finite number, got {_shown(value)}", field=name)
-    stop = values.get("stop", "")
-    if not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadRequest(f"stop: must be a string or a list of strings, got {_shown(stop)}", field="stop")
+def parse_request(body: dict[str, Any]) -> ServeRequest:
+    """A generation body as the contract's ``ServeRequest``: an unknown field, a wrong type or a value out of range
+    is a 400 naming the field (never a default, never a crash further on)."""
+    try:
+        return ServeRequest.from_json(body)
+    except RequestError as err:
+        raise BadRequest(str(err), field=err.field) from err
 
 
 def parse_options(body: dict[str, Any]) -> RequestOptions:
-    """The sampling options of a request body; unknown fields and wrong types are refused by name."""
-    unknown = sorted(set(body) - _OPTION_FIELDS - set(_PROMPT_FIELDS) - _OTHER_FIELDS)
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: unknown field", field=unknown[0])
-    for name, kind in (("stream", bool), ("tools", list), ("model", str)):
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise BadRequest(f"{name}: must be a {kind.__name__}, got {_shown(body[name])}", field=name)
-    values = {k: body[k] for k in _OPTION_FIELDS if body.get(k) is not None}
-    _check_types(values)
-    if isinstance(values.get("stop"), str):
-        values["stop"] = (values["stop"],)
-    if "stop" in values:
-        values["stop"] = tuple(values["stop"])
-    try:
-        return RequestOptions(**values)
-    except ValueError as err:
-        raise BadRequest(str(err), field=str(err).split(":", 1)[0]) from err
+    """The sampling options of a request body (the whole body checked, ``parse_request``)."""
+    return RequestOptions.of(parse_request(body).options)
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -180,7 +152,7 @@ def detokenize_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
 
 def prompt_ids(body: dict[str, Any], tokenizer: Any, template: str, vocab_size: int) -> list[int]:
     """The prompt's token ids from whichever of ``messages`` / ``prompt`` / ``prompt_token_ids`` the body has."""
-    given = [k for k in _PROMPT_FIELDS if body.get(k) is not None]
+    given = [k for k in PROMPT_FIELDS if body.get(k) is not None]
     if len(given) != 1:
         raise BadRequest("messages: give exactly one of messages, prompt or prompt_token_ids", field="messages")
     if given[0] == "messages":

@@ -22,11 +22,10 @@ from collections import Counter
 
 import torch
 
+from engine.contract.serve_request import SamplingOptions
 from engine.eval.sampling import GREEDY_BELOW, SamplingParams, next_tokens
 from engine.serve.structured import Constraint
 
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 # |score| bound after penalties: divided by the coldest sampling temperature (GREEDY_BELOW) it stays finite, and the
 # softmax's ``x - max`` of two such values too
 SCORE_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW / 4
@@ -36,43 +35,13 @@ class SamplingError(Exception):
     """The model's logits for one sequence are not finite: that sequence cannot be sampled (a fault of the model)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestOptions:
-    """What one generation request asks for (the internal protocol's fields, checked here)."""
+class RequestOptions(SamplingOptions):
+    """A request's sampling options (``engine.contract.serve_request``: their fields, defaults and checks) with the
+    engine's side: the sampler's parameters and each choice's generator. It adds no field."""
 
-    max_tokens: int | None = None  # None: up to max_model_len
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0: off)"),
-            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "must be a 64-bit integer"),
-            ("n", 1 <= self.n <= 16, "must be in [1, 16]"),
-            ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            (
-                "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                f"must be in [0, {MAX_LOGPROBS}]",
-            ),
-        ]
-        for field, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{field}: {rule}, got {getattr(self, field)!r}")
+    @classmethod
+    def of(cls, options: SamplingOptions) -> RequestOptions:
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed or 0)

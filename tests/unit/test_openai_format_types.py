@@ -72,7 +72,7 @@ def test_right_types_and_nulls_pass() -> None:
         "logprobs": True,
         "top_logprobs": 2,
     }
-    assert chat_request(body) == {
+    assert chat_request(body).to_json() == {
         "stop": ["a", "b"],
         "temperature": 0,
         "top_p": 0.5,
@@ -80,7 +80,7 @@ def test_right_types_and_nulls_pass() -> None:
         "max_tokens": 4,
         "logprobs": 2,
     }
-    assert completion_request({**TEXT, "logprobs": 0, "stop": "x", "max_tokens": None})["max_tokens"] == 16
+    assert completion_request({**TEXT, "logprobs": 0, "stop": "x", "max_tokens": None}).options.max_tokens == 16
     with pytest.raises(OpenAIError) as err:
         chat_request({**CHAT, "stream_options": {"include_usage": "yes"}})
     assert err.value.param == "stream_options"

@@ -133,11 +133,11 @@ def openai_error() -> type[Exception]:
 
 def test_tool_choice_none_shows_no_tools_and_a_named_one_forces_its_call() -> None:
     base = {"model": "m", "messages": MESSAGES, "tools": TOOLS}
-    assert "tools" not in chat_request({**base, "tool_choice": "none"})
+    assert chat_request({**base, "tool_choice": "none"}).tools is None
     auto = chat_request(base)
-    assert auto["tools"] == TOOLS and "structured" not in auto
-    named = chat_request({**base, "tool_choice": {"type": "function", "function": {"name": "play"}}})
-    assert '"const": "play"' in named["structured"]["lark"] and '"stop"' not in named["structured"]["lark"]
+    assert auto.tools == TOOLS and auto.structured is None
+    named = chat_request({**base, "tool_choice": {"type": "function", "function": {"name": "play"}}}).structured
+    assert named is not None and '"const": "play"' in named["lark"] and '"stop"' not in named["lark"]
 
 
 # ------------------------------------------------------------------ a scripted engine behind the API

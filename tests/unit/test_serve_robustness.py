@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.contract.runfiles import RunDir
+from engine.contract.serve_request import MAX_LOGPROBS, SamplingOptions
 from engine.contract.spec import ServeSpec
 from engine.eval.remote import RemoteOptions, generate_one
 from engine.serve import batcher as batcher_module
@@ -35,7 +36,7 @@ from engine.serve import server as server_module
 from engine.serve.batcher import READY, Batcher, Sequence
 from engine.serve.job import LoopFailed, run
 from engine.serve.protocol import BadRequest, parse_options
-from engine.serve.sampling import MAX_LOGPROBS, RequestOptions, SamplingError, pick_token
+from engine.serve.sampling import RequestOptions, SamplingError, pick_token
 from engine.serve.slots import SlotCache
 
 V = 48
@@ -256,7 +257,7 @@ def test_a_step_failing_mid_stream_ends_it_with_an_error_line(engine, patient, m
 def test_an_eval_on_the_deployment_fails_retryably_not_with_an_empty_answer(
     engine, patient, monkeypatch, failing_call
 ) -> None:
-    opts = RemoteOptions(8, 0.0, 0, 1.0, 0, None, frozenset())
+    opts = RemoteOptions(SamplingOptions(max_tokens=8, temperature=0.0, seed=0), None, frozenset())
     _faults(monkeypatch, lambda i: i == failing_call)
     with pytest.raises(RuntimeError, match="the job is retried"):
         generate_one(engine.url, PROMPT, opts)
