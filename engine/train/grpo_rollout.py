@@ -6,9 +6,9 @@ including ``<|im_start|>assistant\\n`` and whatever the template put there, e.g.
 
 Decoding runs on the policy's own weights (no second copy) through the model's KV cache, laid out as
 ``engine.eval.generate`` lays it out (left padding, positions from the mask, last-position logits only) and sampled
-as ``engine.eval.sampling`` samples (temperature, then top-k, then top-p: ``transformers``' order). Both are
-restated here, not imported: ``engine.eval`` imports ``engine.train``. A completion is its tokens up to and including the first
-stop token, or ``max_completion_length`` tokens (truncated), as TRL's completion mask has it. Each prompt's group
+by ``engine.train.grpo_sampling`` (temperature, then top-k, then top-p: ``transformers``' order, by inverse CDF).
+The layout is restated here, not imported: ``engine.eval`` imports ``engine.train``. A completion is its tokens up to
+and including the first stop token, or ``max_completion_length`` tokens (truncated), as TRL's completion mask has it. Each prompt's group
 is sampled by its own generator, seeded with (seed, rollout, the prompt's place in the rollout), so a resumed run
 samples exactly what it would have, and a DP rank decoding its share of the groups samples what one process would.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,38 +32,10 @@ from torch.distributed.tensor import DTensor, Shard
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
+from engine.model.decoder_lm import decoder_lm
 from engine.model.kv_cache import KVCache
-from engine.model.qwen3 import Qwen3Model
 from engine.train.data import TrainData
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-
-
-def next_tokens(
-    logits: torch.Tensor, s: Sampling, generators: Sequence[torch.Generator | None], group: int
-) -> torch.Tensor:
-    """One token per row of (B, V) logits: temperature, top-k, top-p (``engine.eval.sampling.filter_logits``);
-    rows ``[g·group, (g+1)·group)`` are drawn with ``generators[g]`` (one per prompt's group)."""
-    logits = logits.float() / s.temperature
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0.0 < s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        drop_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - s.top_p)
-        drop_sorted[..., -1] = False  # the most likely token stays
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    parts = [
-        torch.multinomial(probs[g * group : (g + 1) * group], num_samples=1, generator=gen)
-        for g, gen in enumerate(generators)
-    ]
-    return torch.cat(parts).squeeze(-1)
+from engine.train.grpo_sampling import Sampling, draw_uniforms, next_tokens
 
 
 def stop_ids(tokenizer: Any) -> set[int]:
@@ -87,7 +59,7 @@ def _left_pad(
 def _last_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """(B, T, H) -> (B, V) fp32 logits of the last position; a vocab-parallel head's (TP) all-gathered over the
     vocabulary, so every TP rank samples from the same logits (``engine.eval.generate.last_logits``)."""
-    weight = cast(Qwen3Model, model).output_weight()
+    weight = decoder_lm(model).output_weight()
     if isinstance(hidden, DTensor):  # sequence parallel: each TP rank holds a slice of the positions
         hidden = hidden.full_tensor()
     if not isinstance(weight, DTensor):
@@ -173,8 +145,9 @@ def decode(
     stop = torch.tensor(sorted(opts.stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     out: list[torch.Tensor] = []
+    uniforms = draw_uniforms(generators, opts.group, opts.max_new, device)
     for t in range(opts.max_new):
-        token = next_tokens(_last_logits(model, hidden), opts.sampling, generators, opts.group)
+        token = next_tokens(_last_logits(model, hidden), opts.sampling, uniforms[t])
         token = torch.where(done, torch.full_like(token, opts.pad_id), token)
         out.append(token)
         done = done | torch.isin(token, stop)
