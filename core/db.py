@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, Select, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from core.settings import REPO_ROOT
+
+log = logging.getLogger(__name__)
 
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 # PostgreSQL SQLSTATEs of a server that is going or not yet there (class 08 is every connection exception):
@@ -67,6 +70,19 @@ def session_scope(url: str) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def each_row(url: str, ids: Select[str], step: Callable[[str], object], what: str) -> int:
+    """One pass of a leader's loop: ``step`` for every id the query selects now, each on its own (one that raises is
+    logged with ``what`` and the others go on). Returns how many it looked at."""
+    with session_scope(url) as session:
+        found = list(session.scalars(ids))
+    for row_id in found:
+        try:
+            step(row_id)
+        except Exception:  # noqa: BLE001 - one broken row must not stop the others
+            log.exception("%s %s failed", what, row_id)
+    return len(found)
 
 
 def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:

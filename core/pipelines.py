@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from core import jobs as service
 from core import tracking
 from core.admission import apply_team_defaults
-from core.db import session_scope
+from core.db import each_row, session_scope
 from core.dispatch import dispatch
 from core.errors import ApiError
 from core.models import Job
@@ -310,16 +310,8 @@ def advance_parent(settings: Settings, job_id: str) -> None:
 
 def advance_all(settings: Settings) -> int:
     """One pass over every unfinished pipeline (the reconciler's safety net). Returns how many it looked at."""
-    with session_scope(settings.database_url) as session:
-        ids = list(
-            session.scalars(select(Job.id).where(Job.kind == "pipeline", Job.state.notin_([s.value for s in TERMINAL])))
-        )
-    for pipeline_id in ids:
-        try:
-            advance(settings, pipeline_id)
-        except Exception:  # noqa: BLE001 - one broken pipeline must not stop the others
-            log.exception("advancing pipeline %s failed", pipeline_id)
-    return len(ids)
+    unfinished = select(Job.id).where(Job.kind == "pipeline", Job.state.notin_([s.value for s in TERMINAL]))
+    return each_row(settings.database_url, unfinished, lambda job_id: advance(settings, job_id), "advancing pipeline")
 
 
 def check_steps_fit(session: Session, settings: Settings, team: str, spec: PipelineSpec) -> None:

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from core import jobs as service
 from core import tracking
 from core.admission import apply_team_defaults
-from core.db import session_scope
+from core.db import each_row, session_scope
 from core.dispatch import dispatch
 from core.models import Job, MetricPoint, Sweep, utcnow
 from core.paths import team_areas
@@ -225,14 +225,8 @@ def drive(settings: Settings, sweep_id: str, dispatch_now: bool = True) -> str:
 
 def drive_all(settings: Settings) -> int:
     """One pass over every running sweep (the leader's loop). Returns how many it looked at."""
-    with session_scope(settings.database_url) as session:
-        ids = list(session.scalars(select(Sweep.id).where(Sweep.state == "running")))
-    for sweep_id in ids:
-        try:
-            drive(settings, sweep_id)
-        except Exception:  # noqa: BLE001 - one broken sweep must not stop the others
-            log.exception("driving sweep %s failed", sweep_id)
-    return len(ids)
+    running = select(Sweep.id).where(Sweep.state == "running")
+    return each_row(settings.database_url, running, lambda sweep_id: drive(settings, sweep_id), "driving sweep")
 
 
 def team_sweeps(session: Session, team: str) -> list[Sweep]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import select
 
-from core.db import get_engine, session_scope
+from core.db import each_row, get_engine, session_scope
 from core.jobs import transition
 from core.models import Base, Event, Job
 from core.states import JobState
@@ -33,6 +34,24 @@ def test_terminal_state_is_final(tmp_path: Path) -> None:
         assert job is not None and job.state == "cancelled" and job.finished_at is not None
         states = [e.data["state"] for e in session.query(Event).filter_by(job_id=job_id).order_by(Event.id)]
     assert states == ["queued", "cancelled"]
+
+
+def test_each_row_steps_through_every_selected_row_past_one_that_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = isolated_settings(tmp_path)
+    ids = sorted(make_job(settings) for _ in range(3))
+    seen: list[str] = []
+
+    def step(job_id: str) -> None:
+        seen.append(job_id)
+        if job_id == ids[1]:
+            raise RuntimeError("broken")
+
+    assert each_row(settings.database_url, select(Job.id).order_by(Job.id), step, "checking job") == 3
+    assert seen == ids  # the one after the broken row still ran
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [f"checking job {ids[1]} failed"]
+    assert each_row(settings.database_url, select(Job.id).where(Job.id == "none"), step, "checking job") == 0
 
 
 def test_only_one_of_many_workers_claims_a_job(tmp_path: Path) -> None:
