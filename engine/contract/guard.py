@@ -68,12 +68,12 @@ class PathField:
     prefix: bool = False
 
 
-def _kind_of(annotation: Any, metadata: Sequence[Any] = ()) -> str | None:
+def _kind_of(annotation: object, metadata: Sequence[object] = ()) -> str | None:
     """'output', 'input', 'prefixes' or None: what the path validators on this type itself (its annotation, or
     metadata pydantic moved out of it) say it is; a type only holding paths (a list, a dict) is None here."""
     funcs = {getattr(m, "func", None) for m in metadata}
     if typing.get_origin(annotation) is typing.Annotated:
-        funcs |= {getattr(m, "func", None) for m in annotation.__metadata__}
+        funcs |= {getattr(m, "func", None) for m in getattr(annotation, "__metadata__", ())}
     if _resolve_output in funcs:
         return "output"
     if _resolve_list_in_roots in funcs:

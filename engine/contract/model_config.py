@@ -203,7 +203,7 @@ class ModelConfig:
             "router_aux_loss_coef": self.moe_aux_loss_coeff,
         }
 
-    def replace(self, **changes: Any) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:  # Any: each field has its own type (mypy checks them)
         return dataclasses.replace(self, **changes)
 
 
@@ -231,7 +231,7 @@ def moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def moe_from_args(args: Any, num_layers: int) -> dict[str, Any]:
+def moe_from_args(args: object, num_layers: int) -> dict[str, Any]:
     """ModelConfig MoE fields from a Megatron checkpoint's ``args`` (ours carry the HF MoE attributes,
     ``engine.checkpoint.megatron_write.build_args``; Megatron's own ``num_experts``/``moe_router_topk``/
     ``moe_ffn_hidden_size``/``moe_aux_loss_coeff`` are read too); {} for a dense model or no args."""

@@ -12,7 +12,7 @@ transformers implements it (``engine.model.rope`` computes the tables; parity wi
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 SUPPORTED = ("yarn",)
 
@@ -28,6 +28,32 @@ HF_KEYS: dict[str, str] = {
 }
 FIELDS = ("rope_scaling_type", *HF_KEYS)
 DEFAULTS = {"rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0}  # transformers' and MindSpeed's
+
+
+class RopeConfig(Protocol):
+    """The RoPE fields of a model shape (``engine.contract.model_config.ModelConfig`` has them; that module imports
+    this one, so the shape is named here)."""
+
+    @property
+    def rotary_base(self) -> float: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def rope_scaling_type(self) -> str | None: ...
+    @property
+    def rope_scaling_factor(self) -> float: ...
+    @property
+    def rope_scaling_original_max_position_embeddings(self) -> int | None: ...
+    @property
+    def rope_scaling_beta_fast(self) -> float: ...
+    @property
+    def rope_scaling_beta_slow(self) -> float: ...
+    @property
+    def rope_scaling_mscale(self) -> float | None: ...
+    @property
+    def rope_scaling_mscale_all_dim(self) -> float | None: ...
+    @property
+    def rope_scaling_attention_factor(self) -> float | None: ...
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +76,7 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def to_hf(cfg: Any) -> dict[str, Any] | None:
+def to_hf(cfg: RopeConfig) -> dict[str, Any] | None:
     """HF's ``rope_scaling`` dict for ``cfg`` (None without scaling), as Qwen3's model cards write it."""
     if cfg.rope_scaling_type is None:
         return None
@@ -77,7 +103,7 @@ def from_flags(spec: object) -> dict[str, Any]:
     return {field: getattr(spec, field) for field in FIELDS if getattr(spec, field, None) is not None}
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RopeConfig) -> None:
     """Raise ValueError naming the field when ``cfg``'s rope-scaling fields cannot describe a YaRN model."""
     if cfg.rope_scaling_type is None:
         return
@@ -92,12 +118,19 @@ def check(cfg: Any) -> None:
         raise ValueError(f"rope_scaling_factor: must be >= 1 with yarn, got {cfg.rope_scaling_factor}")
 
 
-def max_positions(cfg: Any) -> int:
+def _original(cfg: RopeConfig) -> int:
+    """The pre-trained length YaRN stretches (``check`` refuses a scaled config without it)."""
+    if not cfg.rope_scaling_original_max_position_embeddings:
+        raise ValueError("rope_scaling_original_max_position_embeddings: required with rope_scaling_type yarn")
+    return cfg.rope_scaling_original_max_position_embeddings
+
+
+def max_positions(cfg: RopeConfig) -> int:
     """The longest position ``cfg`` reaches: ``max_position_embeddings``, or with YaRN the original length
     stretched by the factor when that is longer (Qwen3 keeps 40,960 in its config and reaches 131,072)."""
     if cfg.rope_scaling_type is None:
         return int(cfg.max_position_embeddings)
-    stretched = int(cfg.rope_scaling_original_max_position_embeddings * cfg.rope_scaling_factor)
+    stretched = int(_original(cfg) * cfg.rope_scaling_factor)
     return max(int(cfg.max_position_embeddings), stretched)
 
 
@@ -105,7 +138,7 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def attention_factor(cfg: Any) -> float:
+def attention_factor(cfg: RopeConfig) -> float:
     """The factor YaRN multiplies cos/sin by (the paper's ``sqrt(1/t)``; 1.0 without scaling)."""
     if cfg.rope_scaling_type is None:
         return 1.0
@@ -117,13 +150,12 @@ def attention_factor(cfg: Any) -> float:
     return _mscale(factor)
 
 
-def correction_range(cfg: Any, dim: int) -> tuple[float, float]:
+def correction_range(cfg: RopeConfig, dim: int) -> tuple[float, float]:
     """YaRN's band of rotary dimensions between extrapolation (fast) and interpolation (slow), truncated to whole
     dimensions as transformers does by default."""
 
     def dim_at(rotations: float) -> float:
-        original = cfg.rope_scaling_original_max_position_embeddings
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(cfg.rotary_base))
+        return (dim * math.log(_original(cfg) / (rotations * 2 * math.pi))) / (2 * math.log(cfg.rotary_base))
 
     low = math.floor(dim_at(cfg.rope_scaling_beta_fast))
     high = math.ceil(dim_at(cfg.rope_scaling_beta_slow))

@@ -71,7 +71,7 @@ class BadInput(Exception):
         self.field = field
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: object) -> object:
     """JSON has no NaN/Inf: write them as strings so a reader never fails on a bad loss."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -103,7 +103,7 @@ class RunDir:
         with self._lock, open(self.path / name, "a", encoding="utf-8") as f:
             f.write(line)
 
-    def event(self, type: str, message: str = "", **data: Any) -> None:
+    def event(self, type: str, message: str = "", **data: object) -> None:
         self._append("events.jsonl", {"time": time.time(), "type": type, "message": message, "data": data})
 
     def progress(self, done: int, total: int | None, unit: str, message: str = "") -> None:
@@ -123,7 +123,7 @@ class RunDir:
             record["rank_metrics"] = {str(r): m for r, m in rank_metrics.items()}
         self._append("metrics.jsonl", record)
 
-    def write_json(self, name: str, obj: Any) -> Path:
+    def write_json(self, name: str, obj: object) -> Path:
         """Write ``name`` atomically (temp file + rename) so a crash never leaves half a file."""
         target = self.path / name
         tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")

@@ -88,14 +88,14 @@ OutputPath = Annotated[str, AfterValidator(_resolve_output), AfterValidator(_out
 """A path a job writes: strictly below one of the caller's own areas (never a shared read-only one)."""
 
 
-def _split_list(value: Any) -> Any:
+def _split_list(value: object) -> object:
     """Accept MindSpeed's comma/space separated strings ("4,4" or "a b") for list fields."""
     if isinstance(value, str):
         return [v for v in value.replace(",", " ").split() if v]
     return value
 
 
-def _json_object(value: Any) -> Any:
+def _json_object(value: object) -> object:
     if isinstance(value, str):
         try:
             return json.loads(value)
@@ -104,7 +104,7 @@ def _json_object(value: Any) -> Any:
     return value
 
 
-def _tristate(value: Any) -> Any:
+def _tristate(value: object) -> object:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -125,7 +125,7 @@ def _is_number(value: str) -> bool:
     return True
 
 
-def _layer_freq(value: Any) -> Any:
+def _layer_freq(value: object) -> object:
     """Megatron's ``--moe-layer-freq``: an int, or a 0/1 per layer as "[1,0,1]" / "1,0,1" / a list. Megatron's
     Python-expression form ("([1]*3+[0])*2") is refused: user input is never evaluated."""
     if isinstance(value, str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     Field,
@@ -38,7 +38,7 @@ GRPO_FIELDS = (
 )
 
 
-def _scale_rewards(value: Any) -> Any:
+def _scale_rewards(value: object) -> object:
     """TRL's booleans: true is "group", false is "none"."""
     if value is True:
         return "group"

@@ -17,6 +17,7 @@ from pydantic import (
     ValidationInfo,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from engine.contract.spec.common import (
     JobBase,
@@ -51,7 +52,7 @@ def _placeholder_path(base: Path, ref: str, key: str) -> str:
     return str(base / REFERENCE_PLACEHOLDER_DIR / ref / key)
 
 
-def find_references(value: Any, where: str = "") -> list[tuple[str, str, str]]:
+def find_references(value: object, where: str = "") -> list[tuple[str, str, str]]:
     """``(field, step, output key)`` for every ``${steps.<step>.outputs.<key>}`` in a step spec (strings anywhere)."""
     if isinstance(value, dict):
         return [ref for k, v in value.items() for ref in find_references(v, f"{where}.{k}" if where else str(k))]
@@ -65,7 +66,7 @@ def find_references(value: Any, where: str = "") -> list[tuple[str, str, str]]:
     return [(where, m.group(1), m.group(2)) for m in REFERENCE.finditer(value)]
 
 
-def substitute_references(value: Any, resolve: Callable[[str, str], str]) -> Any:
+def substitute_references(value: Any, resolve: Callable[[str, str], str]) -> Any:  # Any: JSON in, the same shape out
     """A copy of ``value`` with every reference replaced by ``resolve(step, key)``."""
     if isinstance(value, dict):
         return {k: substitute_references(v, resolve) for k, v in value.items()}
@@ -83,7 +84,7 @@ FIELD_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.
 _EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
 
 
-def error_message(item: Any) -> str:
+def error_message(item: ErrorDetails) -> str:
     """pydantic's message of one error; a string sent where a number or boolean belongs (refused by the strict API)
     says what to send instead."""
     expected = _EXPECTED.get(str(item.get("type")))
