@@ -215,7 +215,7 @@ SHAPE_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "moe_intermediate_size": ("expert_ffn_hidden_size", int),
 }
 # What this engine builds whatever the flags' Megatron defaults say (it runs Qwen3: RMSNorm, RoPE, SwiGLU, QK norm,
-# no linear biases); ``engine.train.model_setup.check_model_kind`` refuses an explicit flag asking for another.
+# no linear biases); ``engine.load.weights.check_model_kind`` refuses an explicit flag asking for another.
 QWEN3_FLAGS: dict[str, Any] = {
     "normalization": "RMSNorm",
     "position_embedding_type": "rope",

@@ -1,4 +1,4 @@
-"""Batched autoregressive decoding for ``engine.model.qwen3.Qwen3Model``: left padding, KV cache, stop tokens.
+"""Batched autoregressive decoding for a ``engine.model.decoder_lm.DecoderLM``: left padding, KV cache, stop tokens.
 
 The layout follows ``transformers``' ``generate`` so that greedy outputs match it token for token: prompts are
 left-padded, position ids are ``cumsum(attention_mask) - 1`` (so every prompt starts at position 0 whatever its
@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.eval.sampling import SamplingParams, next_tokens
-from engine.model.qwen3 import Qwen3Model
+from engine.model.decoder_lm import decoder_lm
 
 
 @dataclasses.dataclass
@@ -76,7 +75,7 @@ def _head(last: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def last_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """(B, T, H) -> (B, V) for the last position only; under TP every rank gets the full (B, V) logits."""
     last = hidden[:, -1]  # (B, H)
-    weight = cast(Qwen3Model, model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
+    weight = decoder_lm(model).output_weight()  # (V, H), or a vocab-sharded DTensor (V/TP local rows) under TP
     if not isinstance(weight, DTensor):
         return _head(last, weight)
     # Vocab-parallel head: local (B, V/TP) logits, all-gathered on the vocab dim so that sampling sees the

@@ -37,10 +37,10 @@ from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
 from engine.eval.loss_eval import gather_objects, run_loss_eval
-from engine.eval.model_loading import build_model
 from engine.eval.remote import RemoteOptions, generate_remote
 from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
+from engine.load.inference import build_model
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
 

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,8 +29,8 @@ from engine.contract.spec import EvalSpec
 from engine.data.formats import Converter, FormatError
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record
 from engine.data.templates import ConversationError, encode_conversation
+from engine.model.decoder_lm import decoder_lm
 from engine.model.loss import chunked_cross_entropy
-from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 
 log = logging.getLogger(__name__)
@@ -99,9 +99,7 @@ def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size:
     hidden = model(
         batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"], return_hidden=True
     )
-    loss_sum, tokens = chunked_cross_entropy(
-        hidden, cast(Qwen3Model, model).output_weight(), batch["targets"], chunk_size
-    )
+    loss_sum, tokens = chunked_cross_entropy(hidden, decoder_lm(model).output_weight(), batch["targets"], chunk_size)
     return float(loss_sum), int(tokens)
 
 

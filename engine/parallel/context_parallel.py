@@ -19,7 +19,7 @@ gloo has it).
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -120,12 +120,13 @@ class RingAttention:
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, overlap: bool = True) -> nn.Module:
-    """Wrap every layer's attention of ``model`` (a ``Qwen3Model``) for ``algo`` over ``mesh``'s CP dimensions
+    """Wrap every layer's attention of ``model`` (a ``DecoderLM``) for ``algo`` over ``mesh``'s CP dimensions
     (``cp``; ``cp_ring`` × ``cp_ulysses`` for hybrid, as ``engine.parallel.mesh.build_mesh`` names them); in place."""
+    from engine.model.decoder_lm import decoder_lm
     from engine.model.moe import moe_layers
-    from engine.model.qwen3 import Qwen3Model, SelfAttention
+    from engine.model.qwen3 import SelfAttention
 
-    qwen = cast(Qwen3Model, model)
+    lm = decoder_lm(model)
     attend: UlyssesAttention | RingAttention
     if algo == "ulysses_cp_algo":
         attend = UlyssesAttention(mesh["cp"])
@@ -133,12 +134,12 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, ove
         attend = RingAttention(mesh["cp"], overlap)
     else:
         attend = RingAttention(mesh["cp_ring"], overlap, mesh["cp_ulysses"])
-    for module in qwen.modules():
+    for module in model.modules():
         if isinstance(module, SelfAttention):
             module.attend = attend
-    qwen.context_parallel = mesh["cp"].size()
-    qwen.context_group = mesh["cp"].get_group()
-    for layer in moe_layers(qwen).values():  # routing counts completed over the sequence's ranks
-        layer.context_group = qwen.context_group
-    qwen.ring_attention = algo != "ulysses_cp_algo"
+    lm.context_parallel = mesh["cp"].size()
+    lm.context_group = mesh["cp"].get_group()
+    for layer in moe_layers(model).values():  # routing counts completed over the sequence's ranks
+        layer.context_group = lm.context_group
+    lm.ring_attention = algo != "ulysses_cp_algo"
     return model

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from engine.contract.layout import ParallelDims
 from engine.parallel.device import Device
 
-__all__ = ["ParallelDims", "batch_mesh", "build_mesh", "context_mesh", "ensure_process_group"]
+__all__ = ["ParallelDims", "batch_mesh", "build_mesh", "context_mesh", "ensure_process_group", "mesh_dims"]
 
 
 def ensure_process_group(device: Device) -> None:
@@ -56,3 +56,12 @@ def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks that hold different tokens of a step (DP, times CP): gradients, loss units and token counts are
     summed over them, and FSDP shards over them."""
     return mesh["dp_cp"] if context_mesh(mesh) is not None else mesh["dp"]
+
+
+def mesh_dims(mesh: DeviceMesh) -> ParallelDims:
+    """The DP, CP, PP and TP sizes ``mesh`` was built with (``build_mesh`` read back), for ``ParallelDims.coords``
+    where only the mesh is at hand; EP is no mesh dimension (it is carved out of DP), so it reads 1 here."""
+    cp = context_mesh(mesh)
+    return ParallelDims(
+        dp=mesh["dp"].size(), pp=mesh["pp"].size(), tp=mesh["tp"].size(), cp=1 if cp is None else cp.size()
+    )

@@ -1,6 +1,6 @@
 """Several LoRA adapters over one base, chosen per sequence (vLLM's multi-LoRA serving, exact rather than merged).
 
-A serve job's ``lora_adapters`` (``{name: checkpoint}``) are read with eval's loader (``engine.eval.model_loading``:
+A serve job's ``lora_adapters`` (``{name: checkpoint}``) are read with the shared loader (``engine.load.adapters``:
 our training checkpoints or MindSpeed's, checked the same way as one ``lora_load``) and kept apart from the base:
 each targeted ``nn.Linear`` becomes a ``MultiLoRALinear`` holding every adapter's (A, B, alpha/r). Adapter index 0
 is the base itself (no delta), adapter ``i`` is the i-th name.
@@ -28,7 +28,7 @@ from torch import nn
 from engine.checkpoint.lora_merge import is_peft_adapter
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import ServeSpec
-from engine.eval.model_loading import Adapters, check_adapters, read_adapters
+from engine.load.adapters import Adapters, check_adapters, read_adapters
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class MultiLoRALinear(nn.Module):
 
 def read_adapter(spec: ServeSpec, name: str, path: str) -> Adapters:
     """Adapter ``name`` of ``lora_adapters``, read and checked as ``lora_load`` is (its own recorded r and alpha),
-    from a private copy made without following links (``engine.eval.model_loading.read_adapters``)."""
+    from a private copy made without following links (``engine.load.adapters.read_adapters``)."""
     field = f"lora_adapters.{name}"
     if is_peft_adapter(path):
         raise BadInput(f"{field}: an HF PEFT adapter is merged at load, so it cannot be chosen per request", field)

@@ -1,6 +1,6 @@
 """The ``serve`` job kind: ``python -m engine serve`` (the seed's ``generate_qwen3_4b_ptd.sh``, as a service).
 
-Loads the model as ``eval`` does (``engine.eval.model_loading.build_model``: any of our checkpoint formats, LoRA
+Loads the model as ``eval`` does (``engine.load.inference.build_model``: any of our checkpoint formats, LoRA
 adapters unmerged; ``lora_adapters`` kept apart and chosen per request, ``engine.serve.adapters``), allocates the KV
 cache of ``max_num_seqs`` slots × ``max_model_len`` positions once, starts the batching loop
 (``engine.serve.batcher``) and the engine's HTTP endpoint (``engine.serve.server``), then reports ``ready`` with the
@@ -30,7 +30,7 @@ from engine.contract.constants import SERVE_METRICS_INTERVAL_S
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ServeSpec
 from engine.eval.job import spec_tokenizer, stop_ids
-from engine.eval.model_loading import build_model
+from engine.load.inference import build_model
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import build_mesh
 from engine.serve.adapters import apply_adapters, read_adapter

@@ -1,7 +1,7 @@
 """A serve job's memory on fake tensors: the serving model and its KV cache built as ``engine.serve.job.run`` builds
 them, and one decode step at a full cache.
 
-The model comes from ``engine.eval.model_loading.build_model`` (meta build, TP sharding without SP, materialised in
+The model comes from ``engine.load.inference.build_model`` (meta build, TP sharding without SP, materialised in
 the serving dtype) with the planner's model config in place of a checkpoint's (no weights are read: the values are
 fakes); the cache is ``engine.serve.slots.SlotCache`` of ``max_num_seqs`` slots × ``max_model_len`` positions per
 layer; the step is the serving loop's forward (``Batcher._compute``, under ``torch.inference_mode`` as the loop runs
@@ -26,8 +26,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from engine.contract.layout import ParallelDims
 from engine.contract.model_config import ModelConfig
 from engine.contract.spec import ServeSpec
-from engine.eval import model_loading
-from engine.eval.model_loading import build_model
+from engine.load import inference
+from engine.load.inference import build_model
 from engine.parallel.device import Device
 from engine.parallel.mesh import build_mesh
 from engine.serve.batcher import Batcher  # imported outside the fake mode: its module makes a host tensor
@@ -44,13 +44,13 @@ def config_only_checkpoint(cfg: ModelConfig) -> Iterator[None]:
     class _ConfigOnly:
         config = cfg
 
-    originals = model_loading.open_source, model_loading.fill_parts
-    model_loading.open_source = lambda *_a, **_k: _ConfigOnly()  # type: ignore[assignment]
-    model_loading.fill_parts = lambda *_a, **_k: None
+    originals = inference.open_source, inference.fill_parts
+    inference.open_source = lambda *_a, **_k: _ConfigOnly()  # type: ignore[assignment]
+    inference.fill_parts = lambda *_a, **_k: None
     try:
         yield
     finally:
-        model_loading.open_source, model_loading.fill_parts = originals
+        inference.open_source, inference.fill_parts = originals
 
 
 def _step_at_full_cache(spec: ServeSpec, cfg: ModelConfig, device: Device, tp_mesh: Any) -> None:

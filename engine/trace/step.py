@@ -35,6 +35,7 @@ from typing_extensions import Self
 from engine.contract.layout import ParallelDims
 from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
 from engine.parallel.device import Device
 from engine.parallel.expert_parallel import reduce_over_context
 from engine.parallel.mesh import build_mesh, context_mesh
@@ -59,7 +60,6 @@ from engine.train.batches import (
     context_shard,
 )
 from engine.train.loop import _global_counts
-from engine.train.model_setup import build_rank_model
 from engine.train.optim import LossScaler, build_optimizer, clip_grads
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -37,13 +36,15 @@ from engine.checkpoint.sources import SeededInit, WeightSource
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
+from engine.load.weights import open_load, rank_view
+from engine.model.decoder_lm import decoder_lm
 from engine.model.lora import adapters_disabled
 from engine.model.moe import paused_router_stats
-from engine.model.qwen3 import Qwen3Model
+from engine.parallel.mesh import mesh_dims
 from engine.parallel.tensor_parallel import vocab_parallel_row_logit_sums, vocab_parallel_sequence_logprobs
 from engine.train.batches import MicroBatch
 from engine.train.metrics import PER
-from engine.train.model_setup import build_rank_model, open_load, rank_view
 from engine.train.preference import (
     REFERENCE_FREE,
     PairLogps,
@@ -107,10 +108,10 @@ def row_logps(
     hidden = model(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
-    qwen = cast(Qwen3Model, model)
-    head = qwen.output_weight()
+    lm = decoder_lm(model)
+    head = lm.output_weight()
     rows = rows_from_hidden(hidden, head, mb.labels, chunk_size, vocab_parallel, logits, mb.loss_index, into_grad=True)
-    return over_context(rows, qwen.context_group)
+    return over_context(rows, lm.context_group)
 
 
 def over_context(rows: RowLogps, group: dist.ProcessGroup | None) -> RowLogps:
@@ -260,7 +261,7 @@ def build_reference(
     if spec.is_lora:
         return Reference(policy, adapters_off=True, vocab_parallel=vocab_parallel)
     path = spec.ref_model or spec.load
-    loaded = open_load(path, rank_view(spec)) if path is not None else None
+    loaded = open_load(path, rank_view(spec, mesh_dims(mesh), dist.get_rank())) if path is not None else None
     if loaded is not None and spec.ref_model is not None:
         mine, theirs = dataclasses.asdict(cfg), dataclasses.asdict(loaded.config)
         differ = [k for k in ("num_layers", "hidden_size", "vocab_size", "num_attention_heads") if mine[k] != theirs[k]]

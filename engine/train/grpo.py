@@ -43,7 +43,7 @@ from engine.contract.constants import IGNORE_INDEX
 from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import TrainSpec
-from engine.model.qwen3 import Qwen3Model
+from engine.model.decoder_lm import decoder_lm
 from engine.parallel.data_parallel import reshard_all
 from engine.parallel.tensor_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
 from engine.train.batches import MicroBatch, Sample, collate
@@ -112,7 +112,7 @@ def token_logps(
     hidden = model(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
-    head = cast(Qwen3Model, model).output_weight()
+    head = decoder_lm(model).output_weight()
     if temperature != 1.0:
         hidden = hidden / temperature
     if isinstance(head, DTensor):

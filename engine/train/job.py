@@ -2,7 +2,7 @@
 
 Order of work: check every input (data files, checkpoint format and shape, batch arithmetic) before touching a
 device -> start the process group and the dp×pp×tp mesh -> build this rank's part on the meta device (PP split, LoRA,
-TP, recompute, FSDP), materialise it and read only its own slices of ``load`` (``model_setup.build_rank_model``) ->
+TP, recompute, FSDP), materialise it and read only its own slices of ``load`` (``engine.load.rank_model``) ->
 optimizer, LR schedule, loss scaler -> resume from ``<save>/train_state`` if an earlier attempt left a checkpoint ->
 iterate -> final checkpoint in the seed's Megatron layout (+ HF on request).
 
@@ -38,6 +38,16 @@ from engine.contract.layout import LayoutError
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
+from engine.load.weights import (
+    LoadedWeights,
+    check_against_checkpoint,
+    check_model_kind,
+    config_from_flags,
+    open_load,
+    rank_view,
+    with_spec_flags,
+)
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
 from engine.parallel.parallelize import compute_dtype
@@ -48,16 +58,6 @@ from engine.train.data import TrainData, check_data_paths, rank_positions
 from engine.train.export import export_final
 from engine.train.loop import TrainState, eval_step, train_step
 from engine.train.metrics import MetricsLogger
-from engine.train.model_setup import (
-    LoadedWeights,
-    build_rank_model,
-    check_against_checkpoint,
-    check_model_kind,
-    config_from_flags,
-    open_load,
-    rank_view,
-    with_spec_flags,
-)
 from engine.train.optim import LossScaler, build_optimizer
 from engine.train.router_stats import RouterTracker
 from engine.train.schedule import Scheduler, schedule_from_spec
@@ -102,11 +102,11 @@ def _tokenizer_vocab(spec: TrainSpec) -> int | None:
     return len(load_tokenizer(spec.tokenizer_name_or_path))
 
 
-def _model_config(spec: TrainSpec) -> tuple[ModelConfig, LoadedWeights | None]:
+def _model_config(spec: TrainSpec, dims: ParallelDims) -> tuple[ModelConfig, LoadedWeights | None]:
     check_model_kind(spec)
     if spec.load is None:
         return config_from_flags(spec, _tokenizer_vocab(spec)), None
-    loaded = open_load(spec.load, rank_view(spec))
+    loaded = open_load(spec.load, rank_view(spec, dims))
     check_against_checkpoint(spec, loaded.config, f"{spec.load} ({loaded.format})")
     if loaded.format == "native" and loaded.meta and loaded.meta.get("trainable_only"):
         raise BadInput(
@@ -143,7 +143,7 @@ def plan_run(spec: TrainSpec, run: RunDir) -> Plan:
             "lr_decay_style",
         )
     check_data_paths(spec.data_path)
-    cfg, loaded = _model_config(spec)
+    cfg, loaded = _model_config(spec, dims)
     check_parallel_layout(spec, cfg, dims, gbs)
     if loaded is not None:  # the values the Spec tab marks "from the checkpoint" (those the user left unset)
         run.event(

@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.model.decoder_lm import decoder_lm
 from engine.model.loss import chunked_cross_entropy
-from engine.model.qwen3 import Qwen3Model
 from engine.parallel.mesh import batch_mesh, context_mesh
 from engine.parallel.pipeline_parallel import (
     WIDTH_BUCKET,
@@ -119,7 +119,7 @@ def micro_batch_loss(model: nn.Module, mb: MicroBatch, chunk_size: int, vocab_pa
     hidden = model(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
-    head = cast(Qwen3Model, model).output_weight()  # (V, H), or its vocab shard (a DTensor) under TP
+    head = decoder_lm(model).output_weight()  # (V, H), or its vocab shard (a DTensor) under TP
     if vocab_parallel:
         return vocab_parallel_cross_entropy(hidden, head, mb.labels, chunk_size, mb.loss_index)[0]
     # Only rows with a label go through the head: the indices were computed on the host, so no device sync here.

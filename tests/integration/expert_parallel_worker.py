@@ -23,12 +23,12 @@ from engine.checkpoint.sharded import native_name
 from engine.checkpoint.sources import SeededInit
 from engine.contract.model_config import preset
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
 from engine.model.moe import router_metrics
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.torch_compat import compute_local_shape_and_global_offset
-from engine.train.model_setup import build_rank_model
 from gloo_worker_support import run_ranks
 
 SEQ, SEED, VOCAB = 24, 5, 256

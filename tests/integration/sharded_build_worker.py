@@ -25,13 +25,14 @@ from engine.checkpoint.megatron_write import save_mcore
 from engine.checkpoint.sources import SeededInit
 from engine.contract.model_config import ModelConfig, preset
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
+from engine.load.weights import open_load, rank_view
 from engine.model.lora import apply_lora
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
 from engine.parallel.pipeline_parallel import build_pipeline_model
-from engine.train.model_setup import build_rank_model, open_load, rank_view
 from gloo_worker_support import run_ranks
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, VOCAB, SEED = 34, 8, 2, 256, 11
@@ -130,9 +131,10 @@ def compare(opts: dict[str, Any], work: Path) -> dict[str, Any]:
     world = dist.get_world_size()
     spec = make_spec(opts, world)
     cfg = model_config(opts)
-    mesh = build_mesh(Device("cpu"), ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"]))
+    dims = ParallelDims(dp=opts["dp"], pp=opts["pp"], tp=opts["tp"])
+    mesh = build_mesh(Device("cpu"), dims)
     path = write_checkpoint(opts, cfg, work)
-    base = SeededInit(cfg, spec.seed) if path is None else open_load(path, rank_view(spec)).source
+    base = SeededInit(cfg, spec.seed) if path is None else open_load(path, rank_view(spec, dims)).source
     new = build_rank_model(cfg, mesh, spec, GLOBAL_BATCH, SEQ, torch.device("cpu"), base)
     opened = [f"{f.parent.name}/{f.name}" for f in base.opened_files()] if opts["src"] == "mcore" else []
     old = old_build(opts, cfg, spec, mesh, path)

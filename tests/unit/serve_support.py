@@ -43,7 +43,7 @@ def write_lora_checkpoint(hf_dir: Path, save: Path, seed: int, r: int, alpha: fl
     import torch.distributed as dist
 
     from engine.checkpoint import dcp
-    from engine.eval.model_loading import build_model
+    from engine.load.inference import build_model
     from engine.model.lora import apply_lora
 
     model, _, _ = build_model(ServeSpec(load=str(hf_dir)))
@@ -66,7 +66,7 @@ def merged_hf_model(hf_dir: Path, lora: Path) -> Any:
     the reference a served adapter must decode like."""
     from transformers import Qwen3ForCausalLM
 
-    from engine.eval.model_loading import build_model
+    from engine.load.inference import build_model
     from engine.model.hf_mapping import hf_from_native
     from engine.model.lora import merge_into
 

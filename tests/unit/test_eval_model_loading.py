@@ -13,7 +13,7 @@ from engine.checkpoint.sources import TensorDict
 from engine.contract.model_config import preset
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import parse_spec
-from engine.eval.model_loading import check_adapters, wrap_adapters
+from engine.load.adapters import check_adapters, wrap_adapters
 from engine.model.lora import LoRALinear, apply_lora, lora_state_dict
 from engine.model.qwen3 import Qwen3Model
 
@@ -79,7 +79,7 @@ def _peft_adapter(hf_dir, out, **config):
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
 def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool) -> None:
     from convert_tiny import tiny_hf
-    from engine.eval.model_loading import build_model
+    from engine.load.inference import build_model
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
     # q and v only (PEFT's classic targets: k gets no delta), o and the MLP's gate/down
@@ -104,7 +104,7 @@ def test_hf_peft_adapter_is_merged_and_gives_peft_logits(tmp_path, rslora: bool)
 
 def test_peft_adapters_a_merge_cannot_reproduce_are_refused(tmp_path) -> None:
     from convert_tiny import tiny_hf
-    from engine.eval.model_loading import build_model
+    from engine.load.inference import build_model
 
     hf_dir = tiny_hf(tmp_path / "hf", tied=False, layers=2)
     _peft_adapter(hf_dir, tmp_path / "dora", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"])

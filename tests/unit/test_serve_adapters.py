@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from engine.contract.model_config import preset
 from engine.contract.runfiles import BadInput
-from engine.eval.model_loading import Adapters
+from engine.load.adapters import Adapters
 from engine.model.hf_mapping import native_from_hf
 from engine.model.lora import apply_lora, lora_state_dict
 from engine.model.qwen3 import Qwen3Model

@@ -18,12 +18,13 @@ from engine.checkpoint.sharded import _read_in_place, fill_parameter
 from engine.checkpoint.sources import SeededInit, SeededLoraInit
 from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
+from engine.load.rank_model import build_rank_model
+from engine.load.weights import open_load
 from engine.model.lora import apply_lora
 from engine.model.qwen3 import Qwen3Model
 from engine.parallel.device import Device
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.parallelize import parallelize
-from engine.train.model_setup import build_rank_model, open_load
 
 
 def _cfg(tied: bool, moe: bool = False) -> ModelConfig:

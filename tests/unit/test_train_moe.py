@@ -95,7 +95,7 @@ def test_moe_full_finetune_from_flags(data: str, tmp_path: Path, monkeypatch: py
         torch.testing.assert_close(hf(ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-4)
     assert hf.config.num_experts_per_tok == 2 and hf.config.mlp_only_layers == [1]
     # the final mcore export reads back with the same shape and weights (what convert / eval load)
-    from engine.train.model_setup import open_load
+    from engine.load.weights import open_load
 
     mcore = open_load(outputs["checkpoint"])
     assert mcore.format == "mcore" and mcore.config == cfg

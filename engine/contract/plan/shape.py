@@ -6,10 +6,10 @@ NumPy global inert, in a child process under a byte, time and memory budget: ``e
 named preset, else the spec's Megatron flags with Megatron's defaults. Every size taken from a file is checked by
 type and range before it is computed with (``check_sizes``).
 The checkpoint's shape wins over shape flags: the trainer refuses a disagreement before any work
-(``engine.train.model_setup.check_against_checkpoint``).
+(``engine.load.weights.check_against_checkpoint``).
 
 ``config_from_flags`` is the one rule for a model built from flags: the trainer calls it too
-(``engine.train.model_setup.config_from_flags`` turns ``ShapeUnknown`` into its ``BadInput``).
+(``engine.load.weights.config_from_flags`` turns ``ShapeUnknown`` into its ``BadInput``).
 """
 
 from __future__ import annotations

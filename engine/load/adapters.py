@@ -1,20 +1,10 @@
-"""Build the model an eval job runs: checkpoint (any of our formats) + model-shape flags + optional LoRA adapters.
+"""LoRA adapters of ``lora_load`` (eval, serve): read, checked against the spec, wrapped onto the model.
 
-The checkpoint decides the shape when it carries one (HF ``config.json``, Megatron ``args``, our training
-checkpoints); shape flags given on the command line must then agree with it, as Megatron's
-``check_checkpoint_args`` insists — a mismatch is a ``BadInput`` naming the flag (the trainer's
-``engine.train.model_setup`` rules, shared), never a silent reshape or a shape error deep inside
-``load_state_dict``. A checkpoint without a shape (an mcore checkpoint saved without ``args``) takes it from the
-flags.
-
-LoRA adapters (``lora_load``) are applied on the loaded base with ``engine.model.lora`` and never merged into it, so
-what is evaluated is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter
-checkpoint overrides the base, ``X.base_layer.weight`` read as ``X.weight``). A Hugging Face PEFT adapter directory
-(trained with ``peft`` elsewhere) is merged into the base instead, as each weight is read (``lora_merge.PeftOverlay``):
-its q/k/v adapters have separate A matrices, which no unmerged fused LoRA of the same rank can hold.
-
-The model is built on the ``meta`` device and filled in the dtype it runs in from the checkpoint's reader
-(``engine.checkpoint.sources.WeightSource``), one tensor at a time.
+Adapters are applied on the loaded base with ``engine.model.lora`` and never merged into it, so what is evaluated
+is exactly what was trained (MindSpeed's "independent" mode: every non-adapter tensor in the adapter checkpoint
+overrides the base, ``X.base_layer.weight`` read as ``X.weight``). A Hugging Face PEFT adapter directory (trained
+with ``peft`` elsewhere) is merged into the base instead, as each weight is read (``lora_merge.PeftOverlay``): its
+q/k/v adapters have separate A matrices, which no unmerged fused LoRA of the same rank can hold.
 """
 
 from __future__ import annotations
@@ -23,41 +13,22 @@ import dataclasses
 import logging
 import re
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
-from engine.checkpoint.lora_merge import PeftOverlay, is_peft_adapter
-from engine.checkpoint.sharded import fill_parts
-from engine.checkpoint.sources import TensorDict, WeightSource
+from engine.checkpoint.lora_merge import PeftOverlay
+from engine.checkpoint.sources import WeightSource
 from engine.contract.guard import private_copy
-from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.contract.spec import EvalSpec, ServeSpec
-from engine.dtypes import DTYPES
-from engine.model import families
-from engine.model.qwen3 import Qwen3Model
-from engine.parallel.tensor_parallel import apply_tensor_parallel
-from engine.train.model_setup import check_against_checkpoint, check_model_kind, with_rope_flags
+from engine.load.weights import given, refield
 
 log = logging.getLogger(__name__)
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[ABab])(?:\.default)?\.weight$")
 # Megatron's local linear layers save an ``_extra_state`` entry (None) next to their weights; nothing to load.
 _SKIP_SUFFIXES = ("._extra_state",)
-
-
-def _refield(err: BadInput, field: str) -> BadInput:
-    """The checkpoint readers speak of ``load_dir`` (the convert job's flag); name this job's flag instead."""
-    return BadInput(str(err) if str(err).startswith(field) else f"{field}: {err}", field=field)
-
-
-def given(path: str | None, field: str) -> str:
-    """A path this loader needs (an eval through a deployment has no ``load``; it never reaches here)."""
-    if path is None:
-        raise BadInput(f"{field}: required to load the model", field=field)
-    return path
 
 
 def _mcore_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -114,7 +85,7 @@ def _read_adapters(spec: EvalSpec | ServeSpec) -> tuple[dict[str, torch.Tensor],
         if fmt == "mcore":
             return _mcore_adapters(spec)
     except BadInput as err:
-        raise _refield(err, "lora_load") from err
+        raise refield(err, "lora_load") from err
     raise BadInput(
         f"lora_load: {spec.lora_load} is an HF model directory, not a LoRA checkpoint (give the adapters "
         "saved by a LoRA training job, ours or MindSpeed's)",
@@ -211,63 +182,3 @@ def peft_source(base: WeightSource, spec: EvalSpec | ServeSpec, dtype: torch.dty
             field="lora_r",
         )
     return overlay
-
-
-def open_source(path: str, field: str = "load") -> WeightSource:
-    """The reader of an HF directory, a Megatron checkpoint or one of our training checkpoints (no tensor read)."""
-    from engine.checkpoint.load import open_checkpoint
-
-    try:
-        return open_checkpoint(path)[1]
-    except BadInput as err:
-        raise _refield(err, field) from err
-    except FileNotFoundError as err:
-        raise BadInput(f"{field}: {err}", field=field) from err
-
-
-def build_model(
-    spec: EvalSpec | ServeSpec,
-    vocab_hint: int | None = None,
-    tp_mesh: DeviceMesh | None = None,
-    device: torch.device | str = "cpu",
-) -> tuple[Qwen3Model, ModelConfig, dict[str, Any]]:
-    """The eval model, in eval mode and in the dtype it runs in, plus facts for the summary.
-
-    Built on the meta device (LoRA adapters wrapped there, then sharded over ``tp_mesh`` when given), materialised
-    on ``device`` in the run's dtype and filled tensor by tensor from the checkpoint's reader, each rank reading
-    only its TP pieces: a bf16 model is never built in fp32 first, and no rank holds a tensor it does not own."""
-    check_model_kind(spec)
-    load = given(spec.load, "load")
-    source: WeightSource = open_source(load)
-    cfg = source.config
-    check_against_checkpoint(spec, cfg, load)
-    cfg = with_rope_flags(spec, cfg)
-    dtype = DTYPES["bf16" if spec.bf16 else "fp16" if spec.fp16 else "fp32"]
-    info: dict[str, Any] = {}
-    adapters: Adapters | None = None
-    if spec.lora_load and is_peft_adapter(spec.lora_load):
-        overlay = peft_source(source, spec, dtype)
-        info.update(overlay.facts)
-        source = overlay
-    elif spec.lora_load:
-        adapters = check_adapters(spec, *read_adapters(spec))
-        info.update(adapters.facts())
-    with torch.device("meta"):
-        model = cast(Qwen3Model, families.build_model(cfg))  # generation reads Qwen3Model's decode methods
-    info["num_params"] = sum(p.numel() for p in model.parameters())
-    lora: WeightSource | None = None
-    if adapters is not None:
-        wrap_adapters(model, adapters)
-        source = TensorDict(cfg, adapters.base, fallback=source)
-        lora = TensorDict(cfg, adapters.lora)
-    if tp_mesh is not None:
-        try:
-            apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)  # decoding needs no SP
-        except ValueError as err:
-            raise BadInput(str(err), field="tensor_model_parallel_size") from err
-    model = model.to(dtype).to_empty(device=device)
-    try:
-        fill_parts([model], source, lora)
-    except (KeyError, ValueError) as err:
-        raise BadInput(f"load: checkpoint {spec.load} does not fit the model: {err}", field="load") from err
-    return model.eval(), cfg, info

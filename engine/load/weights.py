@@ -1,31 +1,30 @@
-"""Model shape and initial weights of a training run, checked before any work.
+"""What ``load`` holds and how the spec's shape agrees with it, checked before any work (train, eval, serve).
 
 ``load`` is told apart by contents: our own training checkpoint (``engine.checkpoint.dcp``: a ``train_state`` dir
 or one of its ``iter_*``), an HF directory (config.json + safetensors) or a Megatron mcore checkpoint (tracker file /
 ``iter_*`` / ``mp_rank_*`` with ``model_optim_rng.pt``), by the rule conversion uses
 (``engine.checkpoint.load.detect_format``). The shape comes from the checkpoint; shape flags the user set explicitly
-must agree with it (Megatron's ``check_checkpoint_args``), else the run stops with a BadInput naming the flag. Without ``load`` the shape comes from the flags, with Megatron's defaults.
-
-``build_rank_model`` builds what one rank trains: its part on the ``meta`` device (PP split -> TP -> activation
-checkpointing -> FSDP), ``to_empty`` on the device, then only its own slices filled (``engine.checkpoint.sharded``).
+must agree with it (Megatron's ``check_checkpoint_args``), else the run stops with a BadInput naming the flag. Without
+``load`` the shape comes from the flags, with Megatron's defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.checkpoint import dcp
 from engine.checkpoint.sources import WeightSource
 from engine.contract import rope_scaling
 from engine.contract.inspect import SHAPE_FLAGS
+from engine.contract.layout import ParallelDims
 from engine.contract.model_config import ModelConfig, moe_fields_from_flags
 from engine.contract.runfiles import BadInput
-from engine.contract.spec import ModelSpec, TrainSpec
+from engine.contract.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine.checkpoint.megatron_read import RankView
 
 Format = Literal["native", "hf", "mcore"]
 
@@ -77,17 +76,16 @@ def rank_keys(cfg: ModelConfig, spec: ModelSpec, pp_rank: int) -> list[str]:
     return keys
 
 
-def rank_view(spec: ModelSpec) -> Any:
-    """This process's ``megatron_read.RankView`` from torchrun's RANK and the spec's TP/PP (mesh order dp, pp, tp)."""
+def rank_view(spec: ModelSpec, dims: ParallelDims, rank: int | None = None) -> RankView:
+    """Rank ``rank``'s ``megatron_read.RankView`` (default: torchrun's RANK), its TP and PP coordinates those of
+    ``dims`` (``ParallelDims.coords``: the mesh's own order)."""
     from engine.checkpoint.megatron_read import RankView
 
-    tp, pp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size
-    rank = int(os.environ.get("RANK", "0"))
-    pp_rank = (rank // tp) % pp
-    return RankView(tp, rank % tp, pp, pp_rank, lambda cfg: rank_keys(cfg, spec, pp_rank))
+    at = dims.coords(int(os.environ.get("RANK", "0")) if rank is None else rank)
+    return RankView(dims.tp, at.tp, dims.pp, at.pp, lambda cfg: rank_keys(cfg, spec, at.pp))
 
 
-def open_load(path: str, view: Any = None) -> LoadedWeights:
+def open_load(path: str, view: RankView | None = None) -> LoadedWeights:
     """Open ``load`` without reading tensor data (headers and pickles only); an mcore checkpoint opens only the
     rank files ``view`` (``rank_view``) needs."""
     fmt = detect_format(path)
@@ -176,44 +174,25 @@ def check_model_kind(spec: ModelSpec) -> None:
         )
 
 
-def build_rank_model(
-    cfg: ModelConfig,
-    mesh: DeviceMesh,
-    spec: TrainSpec,
-    global_batch_size: int,
-    seq_length: int,
-    device: torch.device,
-    base: WeightSource | None,
-    frozen: bool = False,
-) -> torch.nn.Module:
-    """This rank's model: built on meta, split/sharded, materialised on ``device``, filled from ``base`` (None: left
-    empty for a DCP restore) and, for LoRA (``spec.lora_r``), adapters seeded as ``apply_lora(seed=spec.seed)``
-    would on the full model. ``frozen``: no parameter needs a gradient (a reference model), so every one is stored
-    in the compute dtype. Returns the module (a ``PipelineModel`` under PP)."""
-    from engine.checkpoint.sharded import fill_parts
-    from engine.checkpoint.sources import SeededLoraInit
-    from engine.model.families import build_model
-    from engine.parallel.parallelize import parallelize
-    from engine.parallel.pipeline_parallel import build_pipeline_model
+def refield(err: BadInput, field: str) -> BadInput:
+    """The checkpoint readers speak of ``load_dir`` (the convert job's flag); name this job's flag instead."""
+    return BadInput(str(err) if str(err).startswith(field) else f"{field}: {err}", field=field)
 
-    with torch.device("meta"):
-        model: torch.nn.Module = build_model(cfg)
-    model.requires_grad_(not frozen)
-    adapted: list[str] = []
-    if spec.lora_r is not None:  # spelled out so mypy narrows lora_r to int (is_lora cannot)
-        from engine.model.lora import apply_lora
 
-        adapted = apply_lora(model, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_target_modules)
-    if mesh["pp"].size() > 1:
-        model = build_pipeline_model(
-            model, mesh, spec, global_batch_size, seq_length, lambda part: parallelize(part, mesh, spec), device=device
-        )
-        parts: list[torch.nn.Module] = list(model.pipeline.parts)
-    else:
-        model = parallelize(model, mesh, spec)
-        parts = [model]
-    for part in parts:
-        part.to_empty(device=device)
-    lora = SeededLoraInit(cfg, adapted, spec.lora_r, spec.seed) if adapted and spec.lora_r is not None else None
-    fill_parts(parts, base, lora)
-    return model
+def given(path: str | None, field: str) -> str:
+    """A path this loader needs (an eval through a deployment has no ``load``; it never reaches here)."""
+    if path is None:
+        raise BadInput(f"{field}: required to load the model", field=field)
+    return path
+
+
+def open_source(path: str, field: str = "load") -> WeightSource:
+    """The reader of an HF directory, a Megatron checkpoint or one of our training checkpoints (no tensor read)."""
+    from engine.checkpoint.load import open_checkpoint
+
+    try:
+        return open_checkpoint(path)[1]
+    except BadInput as err:
+        raise refield(err, field) from err
+    except FileNotFoundError as err:
+        raise BadInput(f"{field}: {err}", field=field) from err
