@@ -54,12 +54,12 @@ from engine.train.grpo_loss import token_terms as surrogate_terms
 from engine.train.grpo_rollout import (
     DecodeOptions,
     Prompt,
-    Sampling,
     decode,
     group_generator,
     prompt_of,
     stop_ids,
 )
+from engine.train.grpo_sampling import Sampling
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
 from engine.train.preference import _TokenLogprobs
@@ -120,17 +120,39 @@ def token_logps(
         ent = vocab_parallel_token_entropy(hidden, head, mb.loss_index, chunk_size) if entropy else None
         return logps, ent
     rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)
-    logps = _TokenLogprobs.apply(rows, head, mb.loss_labels, chunk_size, False)
+    # into .grad while training (a tied head's gradient does not wait beside the embedding's: one (V, H) less)
+    into_grad = torch.is_grad_enabled()
     if not entropy:
-        return logps, None
-    with torch.no_grad():
-        parts = []
-        for start in range(0, rows.shape[0], chunk_size):
-            logits = (rows[start : start + chunk_size] @ head.t()).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            parts.append(-(logp.exp() * logp).sum(-1))
-        ent = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32)
+        return _TokenLogprobs.apply(rows, head, mb.loss_labels, chunk_size, into_grad), None
+    logps, ent = _TokenLogprobsEntropy.apply(rows, head, mb.loss_labels, chunk_size, into_grad)
     return logps, ent
+
+
+class _TokenLogprobsEntropy(_TokenLogprobs):
+    """``_TokenLogprobs`` that also returns each row's entropy (detached) from the same chunks' logits: one pass
+    through the head instead of two. Backward is ``_TokenLogprobs``' (the entropy takes no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, into_grad):  # type: ignore[no-untyped-def, override]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        lse, ent = torch.empty_like(out), torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = (hidden[rows] @ weight.t()).to(acc)
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
+            # H = lse - sum(p · logits), p = exp(logits - lse)
+            ent[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size = chunk_size
+        ctx.into_grad = into_grad and weight.is_leaf
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent):  # type: ignore[no-untyped-def, override]
+        return _TokenLogprobs.backward(ctx, grad_out)
 
 
 def grpo_loss(spec: TrainSpec) -> MicroBatchLoss:
