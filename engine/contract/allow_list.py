@@ -35,7 +35,7 @@ import io
 import math
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any, ClassVar
 
 from engine.contract.runfiles import BadInput
@@ -110,10 +110,10 @@ TORCH_FAMILY = ("torch", "numpy")
 class PickledEnum:
     """An inert stand-in for a Megatron enum member: keeps the pickled value, runs nothing."""
 
-    def __init__(self, value: Any = None, *rest: Any) -> None:
+    def __init__(self, value: object = None, *rest: object) -> None:
         self.value = value
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         self.state = state
 
     def __repr__(self) -> str:
@@ -151,7 +151,7 @@ TorchValue = Callable[[str], Any]  # torch.<name> -> the dtype/layout/storage cl
 
 def allowed_global(
     module: str, name: str, path: object = "", field: str | None = "load_dir", torch_value: TorchValue | None = None
-) -> Any:
+) -> Any:  # Any: the global itself (a class or function the stream names), as find_class returns it
     """The object ``module.name`` may stand for in a checkpoint pickle; ``BadInput`` naming it otherwise. ``torch``
     values resolve only through ``torch_value``, which a process reading tensors supplies
     (``engine.checkpoint.safe_pickle.torch_value``); without it they are refused."""
@@ -165,7 +165,7 @@ def allowed_global(
     return obj
 
 
-def _storage_id(pid: Any) -> bool:
+def _storage_id(pid: object) -> bool:
     """A tensor storage's persistent id: ``("storage", ...)`` (zip and legacy formats), never a "module" id."""
     return not isinstance(pid, tuple) or (bool(pid) and pid[0] in ("storage", b"storage"))
 
@@ -181,7 +181,7 @@ _TENSOR_REBUILDERS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_paramet
 BUILD_SLACK = 1 << 16
 
 
-def _name_of(func: Any) -> tuple[str, str]:
+def _name_of(func: object) -> tuple[str, str]:
     return getattr(func, "__module__", None) or "", getattr(func, "__name__", None) or type(func).__name__
 
 
@@ -191,7 +191,7 @@ def _items(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return sum(len(v) for v in values if isinstance(v, _CONCRETE))
 
 
-def _why_refused(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def _why_refused(func: object, args: tuple[object, ...], kwargs: dict[str, object]) -> str | None:
     """Why ``func(*args, **kwargs)`` may not run in a load; None when it may."""
     values = (*args, *kwargs.values())
     module, name = _name_of(func)
@@ -216,7 +216,7 @@ def _why_refused(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> st
     return None
 
 
-def _numel(shape: Any) -> int | None:
+def _numel(shape: object) -> int | None:
     if isinstance(shape, int):
         return shape
     if isinstance(shape, tuple) and all(isinstance(d, int) for d in shape):
@@ -245,7 +245,7 @@ class SafeUnpickler(pickle._Unpickler):
     proto: int
     fix_imports: bool
 
-    def __init__(self, file: IO[bytes], **kwargs: Any) -> None:
+    def __init__(self, file: IO[bytes], **kwargs: Any) -> None:  # Any: pickle.Unpickler's keyword options
         super().__init__(file, **kwargs)
         self.bytes_read = 0
         self.items_built = 0
@@ -268,15 +268,15 @@ class SafeUnpickler(pickle._Unpickler):
         """``module.name`` as ``pickle`` would resolve it (Python 2 names in protocol 0-2 pickles renamed)."""
         return python3_name(module, name) if self.proto < 3 and self.fix_imports else (module, name)
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # Any: as pickle.Unpickler's (a global the stream names)
         module, name = self.python3_name(module, name)
         return allowed_global(module, name, self.path, self.field, self.torch_value)
 
-    def torch_value(self, name: str) -> Any:
+    def torch_value(self, name: str) -> object:
         """``torch.<name>`` on the list; None here (torch-free), resolved by the torch-reading subclass."""
         return None
 
-    def load(self) -> Any:
+    def load(self) -> Any:  # Any: as pickle.Unpickler's (whatever the file holds)
         """As ``pickle.Unpickler.load``; a malformed stream raises ``UnpicklingError`` as the C unpickler's does
         (the Python one lets an unknown opcode's ``KeyError`` or an empty stack's ``IndexError`` out)."""
         try:
@@ -284,7 +284,7 @@ class SafeUnpickler(pickle._Unpickler):
         except (KeyError, IndexError, TypeError, AttributeError, struct.error, AssertionError) as err:
             raise pickle.UnpicklingError(f"malformed pickle ({type(err).__name__}: {err})") from err
 
-    def _check_call(self, func: Any, args: Any, kwargs: Any = None) -> None:
+    def _check_call(self, func: object, args: object, kwargs: object = None) -> None:
         args = args if isinstance(args, tuple) else ()
         kwargs = kwargs if isinstance(kwargs, dict) else {}
         why = _why_refused(func, args, kwargs)
@@ -312,7 +312,7 @@ class SafeUnpickler(pickle._Unpickler):
         _PY_DISPATCH[pickle.NEWOBJ_EX[0]](self)
         self._made_by_call()
 
-    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
+    def _instantiate(self, klass: object, args: Iterable[object]) -> None:  # INST and OBJ
         self._check_call(klass, tuple(args))
         super()._instantiate(klass, args)  # type: ignore[misc]
         self._made_by_call()
@@ -352,8 +352,8 @@ def load(
     path: object = "",
     field: str | None = "load_dir",
     unpickler_class: type[SafeUnpickler] = SafeUnpickler,
-    **kwargs: Any,
-) -> Any:
+    **kwargs: Any,  # pickle.Unpickler's keyword options
+) -> Any:  # Any: as pickle.load's (whatever the file holds; callers check its shape)
     """``pickle.load`` through the allow-list."""
     unpickler = unpickler_class(file, **kwargs)
     unpickler.path, unpickler.field = path, field
@@ -365,7 +365,7 @@ def loads(
     path: object = "",
     field: str | None = "load_dir",
     unpickler_class: type[SafeUnpickler] = SafeUnpickler,
-    **kwargs: Any,
-) -> Any:
+    **kwargs: Any,  # pickle.Unpickler's keyword options
+) -> Any:  # Any: as pickle.loads's
     """``pickle.loads`` through the allow-list."""
     return load(io.BytesIO(data), path, field, unpickler_class, **kwargs)

@@ -69,7 +69,7 @@ SIMPO_FLAGS: dict[str, float | str] = {
 _NOT_FLAGS = {"resources", "metadata", "kind", "steps"}
 
 
-def _unwrap(annotation: Any) -> tuple[Any, bool]:
+def _unwrap(annotation: object) -> tuple[Any, bool]:  # Any: a type form (a class, Literal[...], ...)
     """(inner type, is_list) of a field annotation, looking through Optional/Annotated."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:

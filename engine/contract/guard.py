@@ -81,7 +81,9 @@ def _kind_of(annotation: object, metadata: Sequence[object] = ()) -> str | None:
     return "input" if _resolve_in_roots in funcs else None
 
 
-def _paths(value: Any, annotation: Any, metadata: Sequence[Any], field: str) -> list[PathField]:
+def _paths(
+    value: Any, annotation: object, metadata: Sequence[object], field: str
+) -> list[PathField]:  # Any: a field's value, walked by its annotation
     """The paths in ``value``, a field's value typed ``annotation``: found by type at any depth (optional, unions,
     lists, dict values, nested models), each named by its place (``lora_adapters.<name>``, ``<list>.<index>``)."""
     if value is None:

@@ -299,7 +299,9 @@ def moe_fields_from_flags(spec: MoeFlags, base: ModelConfig | None = None) -> di
     return fields
 
 
-def _preset(layers: int, hidden: int, ffn: int, heads: int, groups: int, tied: bool, **kw: Any) -> ModelConfig:
+def _preset(
+    layers: int, hidden: int, ffn: int, heads: int, groups: int, tied: bool, **kw: Any
+) -> ModelConfig:  # Any: ModelConfig's fields
     return ModelConfig(layers, hidden, ffn, heads, groups, kw.pop("kv_channels", 128), tie_word_embeddings=tied, **kw)
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,13 +75,13 @@ _MAX_TEXT = 200  # characters of a text field or an error sent back
 class _Inert:
     """What only torch builds (tensors, storages, dtypes, NumPy arrays): takes anything, builds nothing."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+    def __call__(self, *args: object, **kwargs: object) -> _Inert:
         return _Inert()
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         pass
 
 
@@ -95,7 +96,7 @@ class ArgsUnpickler(SafeUnpickler):
 
     metastack: list[list[Any]]
 
-    def __init__(self, file: IO[bytes], deadline: float, **kwargs: Any) -> None:
+    def __init__(self, file: IO[bytes], deadline: float, **kwargs: Any) -> None:  # Any: pickle.Unpickler's options
         super().__init__(file, **kwargs)
         self.deadline = deadline
         read, readline = self._file_read, self._file_readline
@@ -108,7 +109,7 @@ class ArgsUnpickler(SafeUnpickler):
 
         self._file_read, self._file_readline = budget_read, budget_readline
 
-    def _budget(self, read: Any, n: int) -> bytes:
+    def _budget(self, read: Callable[..., bytes], n: int) -> bytes:
         """One read of the stream, never past ``MAX_PICKLE_BYTES`` in all (a frame's length is the file's word)."""
         if self._args_whole():
             raise _ArgsFound
@@ -133,7 +134,7 @@ class ArgsUnpickler(SafeUnpickler):
             and type(stack[2]) is str
         )
 
-    def args(self) -> Any:
+    def args(self) -> Any:  # Any: Megatron's args namespace as pickled (its fields are read by name)
         """The ``args`` of the file: read up to its end, or up to the moment ``args`` is whole."""
         try:
             obj = self.load()
@@ -141,10 +142,10 @@ class ArgsUnpickler(SafeUnpickler):
             return self.stack[1]
         return obj.get("args") if isinstance(obj, dict) else None
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> None:
         return None
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # Any: as pickle.Unpickler's (a global the stream names)
         module, name = self.python3_name(module, name)
         if module.split(".")[0] in TORCH_FAMILY:
             if not on_list(module, name):
@@ -153,7 +154,7 @@ class ArgsUnpickler(SafeUnpickler):
         return super().find_class(module, name)
 
 
-def _sendable(value: Any) -> Any:
+def _sendable(value: object) -> object:
     """A field's value as JSON the parent validates; what is not a scalar is named by its type."""
     if value is None or isinstance(value, (bool, int, float)):
         return value
@@ -164,7 +165,7 @@ def _sendable(value: Any) -> Any:
     return {"unreadable": type(value).__name__[:_MAX_TEXT]}
 
 
-def _shape_fields(args: Any) -> dict[str, Any] | None:
+def _shape_fields(args: object) -> dict[str, Any] | None:
     if not isinstance(args, argparse.Namespace):
         return None
     given = vars(args)

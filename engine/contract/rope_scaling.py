@@ -88,7 +88,7 @@ def to_hf(cfg: RopeConfig) -> dict[str, Any] | None:
     return out
 
 
-def from_args(args: Any) -> dict[str, Any]:
+def from_args(args: object) -> dict[str, Any]:
     """ModelConfig rope-scaling fields from a Megatron checkpoint's ``args`` (MindSpeed's names; {} if none)."""
     a = dict(getattr(args, "__dict__", None) or {})
     if a.get("rope_scaling_type") in (None, "", "default"):
