@@ -98,7 +98,7 @@ class ConversationError(ValueError):
 # ---------------------------------------------------------------- validation
 
 
-def normalize_thinking(mode: Any) -> ThinkingMode:
+def normalize_thinking(mode: object) -> ThinkingMode:
     """Accept True/False/None or the strings true/false/none (any case)."""
     if mode is None:
         return "none"
@@ -110,7 +110,7 @@ def normalize_thinking(mode: Any) -> ThinkingMode:
     return text  # type: ignore[return-value]
 
 
-def parse_tools(value: Any) -> list[dict[str, Any]]:
+def parse_tools(value: object) -> list[dict[str, Any]]:
     """Tool definitions (a JSON string or a list) as ``[{"type": "function", "function": {...}}]``.
 
     A bare function definition is wrapped as MindSpeed's ``QwenToolUtils.tool_formatter`` and transformers' callers
@@ -123,10 +123,13 @@ def parse_tools(value: Any) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             raise ConversationError(f"tools: not valid JSON: {err.msg} at character {err.pos}") from err
     tools = value if isinstance(value, list) else [value]
+    checked: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("function", tool).get("name"), str):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None  # {"function": "x"} is refused too
+        if not isinstance(tool, dict) or not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ConversationError(f"tools: entry {i} must be an object with a name (a function definition)")
-    return [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools]
+        checked.append(tool if tool.get("type") == "function" else {"type": "function", "function": tool})
+    return checked
 
 
 def check_conversation(messages: Sequence[dict[str, Any]], need_response: bool = True) -> list[dict[str, str]]:
@@ -440,7 +443,7 @@ def _check_template(template: str) -> str:
 
 
 def encode_conversations(
-    tokenizer: Any, conversations: Sequence[Sequence[dict[str, Any]]], template: str, enable_thinking: Any = "none"
+    tokenizer: Any, conversations: Sequence[Sequence[dict[str, Any]]], template: str, enable_thinking: object = "none"
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Batch form of ``encode_conversation``. Raises ``ConversationError`` naming the first bad conversation's turn."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)
@@ -453,7 +456,7 @@ def encode_conversations(
 
 
 def encode_conversation(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: Any = "none"
+    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: object = "none"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and labels (-100 on every non-assistant token) of one conversation; see the module docstring."""
     return encode_conversations(tokenizer, [messages], template, enable_thinking)[0]
@@ -481,7 +484,7 @@ def encode_pair(
     chosen: dict[str, Any],
     rejected: dict[str, Any],
     template: str,
-    enable_thinking: Any = "none",
+    enable_thinking: object = "none",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt ids, chosen answer ids, rejected answer ids) of a preference pair, as MindSpeed's pairwise handlers
     encode it (``data_handler.py::AlpacaStylePairwiseHandler._filter``, ``Template.encode_oneturn``): the prompt is
@@ -511,7 +514,7 @@ def encode_pair(
 
 
 def encode_prompt(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: Any = "none"
+    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: object = "none"
 ) -> list[int]:
     """Prompt ids for generating the next assistant turn (a trailing assistant turn is dropped first)."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)

@@ -223,3 +223,12 @@ def test_hf_tool_call_ids_equal_apply_chat_template(tok):
     ]
     assert ids.tolist() == hf_ids(tok, hf_conv)
     assert "weather" in trained_text(tok, ids, labels) and "sunny" not in trained_text(tok, ids, labels)
+
+
+def test_tool_definitions_without_a_named_function_are_refused_by_name() -> None:
+    from engine.data.templates import parse_tools
+
+    assert parse_tools('{"name": "f"}') == [{"type": "function", "function": {"name": "f"}}]
+    for bad in ([{"function": "x"}], [{"function": {"description": "no name"}}], ["f"]):
+        with pytest.raises(ConversationError, match="tools: entry 0 must be an object with a name"):
+            parse_tools(bad)
