@@ -32,15 +32,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.contract.layout import LayoutError
 from engine.contract.runfiles import BadInput, RunDir
-from engine.contract.spec import EvalSpec, ServeSpec
-from engine.data.tokenizer import load_tokenizer
+from engine.contract.spec import EvalSpec
 from engine.eval.dataset import TestLine, TestSet, read_test_set
 from engine.eval.generate import DecodeOptions, generate
 from engine.eval.loss_eval import gather_objects, run_loss_eval
 from engine.eval.remote import RemoteOptions, generate_remote
-from engine.eval.sampling import SamplingParams
 from engine.eval.scoring import Scoreboard
 from engine.load.inference import build_model
+from engine.load.tokenizer import spec_tokenizer, stop_ids
+from engine.model.sampling import SamplingParams
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
 
@@ -48,23 +48,6 @@ log = logging.getLogger(__name__)
 
 PREDICTIONS = "predictions.jsonl"
 MAX_REPORTED_BAD_LINES = 50
-
-
-def spec_tokenizer(spec: EvalSpec | ServeSpec) -> Any:
-    """The job's tokenizer: ``tokenizer_name_or_path``, else the one saved with the checkpoint ``load``."""
-    path = spec.tokenizer_name_or_path or spec.load
-    if path is None or (spec.tokenizer_name_or_path is None and not (Path(path) / "tokenizer_config.json").is_file()):
-        raise BadInput(
-            "tokenizer_name_or_path: required (the checkpoint directory holds no tokenizer)",
-            field="tokenizer_name_or_path",
-        )
-    return load_tokenizer(path, use_fast=not spec.tokenizer_not_use_fast)
-
-
-def stop_ids(tokenizer: Any) -> set[int]:
-    """Token ids that end an assistant turn: ``<|im_end|>`` and the tokenizer's EOS."""
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return {t for t in (im_end, tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
 
 
 def _decode_options(spec: EvalSpec, tokenizer: Any, tp_size: int) -> DecodeOptions:

@@ -4,6 +4,7 @@
 - ``rank_model``: one training rank's part of the model (PP split, TP, recompute, FSDP), filled with its slices.
 - ``adapters``: LoRA adapters of ``lora_load`` read, checked against the spec and wrapped onto the model.
 - ``inference``: the model eval and serve run (meta build, adapters, TP without SP, filled in its dtype).
+- ``tokenizer``: the tokenizer of a job that loads a model, and the ids that end an assistant turn.
 The model itself is ``engine.model`` (seen through ``engine.model.decoder_lm.DecoderLM``); the readers are
 ``engine.checkpoint``; the transforms ``engine.parallel``.
 """

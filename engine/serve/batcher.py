@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine.eval.generate import last_logits
+from engine.parallel.vocab_head import last_logits
 from engine.serve.adapters import AdapterRows, remove_adapter
 from engine.serve.greedy_head import GreedyHead
 from engine.serve.sampling import Pick, RequestOptions, SamplingError, pick_token

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from engine.contract.constants import SERVE_METRICS_INTERVAL_S
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import ServeSpec
-from engine.eval.job import spec_tokenizer, stop_ids
 from engine.load.inference import build_model
+from engine.load.tokenizer import spec_tokenizer, stop_ids
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import build_mesh
 from engine.serve.adapters import apply_adapters, read_adapter

@@ -1,9 +1,9 @@
-"""Per-request sampling for serving: OpenAI's parameters on top of ``engine.eval.sampling``.
+"""Per-request sampling for serving: OpenAI's parameters on top of ``engine.model.sampling``.
 
 The penalties follow vLLM's (and OpenAI's) definitions: ``repetition_penalty`` divides the positive logits (multiplies
 the negative ones) of every token seen in the prompt or the output; ``frequency_penalty`` subtracts
 ``count × penalty`` and ``presence_penalty`` subtracts ``penalty`` once, for each token of the output so far.
-Temperature / top-k / top-p and the greedy rule are ``engine.eval.sampling``'s. Log-probabilities are those of the
+Temperature / top-k / top-p and the greedy rule are ``engine.model.sampling``'s. Log-probabilities are those of the
 model's raw distribution (before penalties and filters), as vLLM reports by default.
 
 A sequence with a grammar (``engine.serve.structured.Constraint``: ``response_format``, tool_choice ``required``)
@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from engine.contract.serve_request import SamplingOptions
-from engine.eval.sampling import GREEDY_BELOW, SamplingParams, next_tokens
+from engine.model.sampling import GREEDY_BELOW, SamplingParams, next_tokens
 from engine.serve.structured import Constraint
 
 # |score| bound after penalties: divided by the coldest sampling temperature (GREEDY_BELOW) it stays finite, and the

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from engine.eval.sampling import SamplingParams, filter_logits, next_tokens
+from engine.model.sampling import SamplingParams, filter_logits, next_tokens
 
 
 def _logits(seed: int = 0, b: int = 4, v: int = 50) -> torch.Tensor:

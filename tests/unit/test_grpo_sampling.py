@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.eval.sampling import SamplingParams, filter_logits
+from engine.model.sampling import SamplingParams, filter_logits
 from engine.train.grpo_sampling import BLOCK, Sampling, draw_uniforms, next_tokens
 
 
