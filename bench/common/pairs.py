@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -37,4 +37,21 @@ def pair_ratios(name: str, ratios: list[float], digits: int = 3) -> dict[str, fl
         f"{name}_min": round(min(ratios), digits),
         f"{name}_max": round(max(ratios), digits),
         f"{name}_pairs": len(ratios),
+    }
+
+
+def speed_and_memory(
+    rounds: list[dict[str, dict[str, Any]]], baseline: str, tokens_per_s: Callable[[dict[str, Any]], float]
+) -> dict[str, Any]:
+    """A training bench's figures, ours against ``baseline`` (each side's result holds ``peak_mem_mb``;
+    ``tokens_per_s`` reads its speed): the pairwise tokens/s and peak-memory ratios, and each side's figures."""
+    tps = [{side: tokens_per_s(r) for side, r in pair.items()} for pair in rounds]
+    peaks = [{side: r["peak_mem_mb"] for side, r in pair.items()} for pair in rounds]
+    return {
+        **pair_ratios("tokens_per_s_ratio", [t["ours"] / t[baseline] for t in tps]),
+        **pair_ratios("peak_mem_ratio", [p["ours"] / p[baseline] for p in peaks]),
+        "ours_tokens_per_s": [round(t["ours"], 1) for t in tps],
+        f"{baseline}_tokens_per_s": [round(t[baseline], 1) for t in tps],
+        "ours_peak_mem_mb": [round(p["ours"], 1) for p in peaks],
+        f"{baseline}_peak_mem_mb": [round(p[baseline], 1) for p in peaks],
     }
