@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
-
 SHAPE = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -96,6 +95,7 @@ def convert(flags: list[str], run_dir: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "engine", "convert", *flags, "--run-dir", str(run_dir)],
         env=env,
+        check=False,
         capture_output=True,
         text=True,
     )
@@ -104,6 +104,19 @@ def convert(flags: list[str], run_dir: Path) -> dict:
         raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "result.json").read_text())["summary"]
     return {**summary, "wall_seconds": round(wall, 3)}
+
+
+def output_figures(result: dict) -> dict:
+    """A conversion's peak memory against its largest output file (what a streaming conversion must hold at least),
+    and its output (``bench/convert_moe.py`` reports the same)."""
+    largest = result["largest_file_bytes"]
+    return {
+        "peak_rss_mb": result["peak_rss_mb"],
+        "largest_output_mb": round(largest / 2**20, 1),
+        "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
+        "output_mb": round(result["bytes"] / 2**20, 1),
+        "files": result["files"],
+    }
 
 
 def measure(name: str, src: Path, flags: list[str], work: Path, repeats: int) -> dict:
@@ -115,18 +128,13 @@ def measure(name: str, src: Path, flags: list[str], work: Path, repeats: int) ->
     }
     rounds = alternate(lambda side: sides[side](), ("cp", "convert"), repeats, log=lambda _: None)
     result = max((r["convert"] for r in rounds), key=lambda r: r["peak_rss_mb"])
-    largest = result["largest_file_bytes"]
     row = {
         "direction": name,
         "convert_s": [r["convert"]["seconds"] for r in rounds],
         "convert_wall_s": [r["convert"]["wall_seconds"] for r in rounds],
         "cp_s": [round(r["cp"]["seconds"], 3) for r in rounds],
         **pair_ratios("time_ratio", [r["convert"]["seconds"] / r["cp"]["seconds"] for r in rounds]),
-        "peak_rss_mb": result["peak_rss_mb"],
-        "largest_output_mb": round(largest / 2**20, 1),
-        "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
-        "output_mb": round(result["bytes"] / 2**20, 1),
-        "files": result["files"],
+        **output_figures(result),
     }
     print(json.dumps(row), flush=True)
     return row

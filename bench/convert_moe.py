@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.convert import convert, output_figures  # noqa: E402  (one conversion run and its figures, as the dense bench)
 
 
 def generate(path: Path, layers: int, shape: str = "qwen3-235b-a22b") -> Path:
@@ -64,36 +63,9 @@ def generate(path: Path, layers: int, shape: str = "qwen3-235b-a22b") -> Path:
     return path
 
 
-def convert(flags: list[str], run_dir: Path) -> dict:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(flags[flags.index("--save-dir") + 1], ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine", "convert", "--model-type-hf", "qwen3-moe", *flags, "--run-dir", str(run_dir)],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"convert failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "result.json").read_text())["summary"]
-    return {**summary, "wall_seconds": round(time.perf_counter() - start, 3)}
-
-
 def measure(name: str, flags: list[str], work: Path) -> dict:
-    result = convert(flags, work / f"run-{name.replace(' ', '_').replace('>', '')}")
-    largest = result["largest_file_bytes"]
-    row = {
-        "direction": name,
-        "seconds": result["seconds"],
-        "peak_rss_mb": result["peak_rss_mb"],
-        "largest_output_mb": round(largest / 2**20, 1),
-        "peak_rss_ratio": round(result["peak_rss_mb"] * 2**20 / largest, 3),
-        "output_mb": round(result["bytes"] / 2**20, 1),
-        "files": result["files"],
-    }
+    result = convert(["--model-type-hf", "qwen3-moe", *flags], work / f"run-{name.replace(' ', '_').replace('>', '')}")
+    row = {"direction": name, "seconds": result["seconds"], **output_figures(result)}
     print(json.dumps(row), flush=True)
     return row
 
