@@ -13,18 +13,15 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from engine.model.decoder_lm import decoder_lm
 from engine.model.moe import GroupedExperts
 from engine.model.qwen3 import MLP, SelfAttention
 from engine.torch_compat import ALL_TO_ALL_OP, PROFILER_MARKER_OPS, checkpoint_wrapper
-
-if TYPE_CHECKING:
-    from engine.model.qwen3 import Qwen3Model
 
 # Outputs of these ops are kept in selective mode; everything else is recomputed.
 _SAVE_OPS = {
@@ -51,7 +48,7 @@ def apply_ac(
     model: nn.Module, granularity: str, method: str | None = None, recompute_num_layers: int | None = None
 ) -> list[int]:
     """Wrap ``model.decoder.layers`` in place; returns the indices (in layer order) that recompute."""
-    layers = cast("Qwen3Model", model).decoder.layers
+    layers = decoder_lm(model).decoder.layers
     keys = list(layers.keys())
     chosen = _layers_to_wrap(len(keys), method if granularity == "full" else None, recompute_num_layers)
     if granularity == "selective":

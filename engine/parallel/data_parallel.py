@@ -13,17 +13,14 @@ Both shard optimizer state; plain replicated DDP would only add memory on every 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engine.model.decoder_lm import decoder_lm
 from engine.model.moe import moe_layers
-
-if TYPE_CHECKING:
-    from engine.model.qwen3 import Qwen3Model
 
 
 def apply_fsdp(
@@ -44,7 +41,7 @@ def apply_fsdp(
     # One DP rank: sharding a frozen parameter (LoRA's base, already in the compute dtype) saves nothing, and FSDP
     # would keep its unsharded all-gather output next to it, a second copy of the base (2.2 GB per 4B PP stage).
     frozen = {p for p in model.parameters() if not p.requires_grad} if dp_mesh.size() == 1 else None
-    layers = list(cast("Qwen3Model", model).decoder.layers.values())
+    layers = list(decoder_lm(model).decoder.layers.values())
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed first in backward: keep them gathered (torchtitan does the same).
         last = i == len(layers) - 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,11 +57,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from engine.contract import layout
 from engine.contract.constants import IGNORE_INDEX
+from engine.model.decoder_lm import decoder_lm
 from engine.model.moe import MoELayer
 from engine.torch_compat import StridedShard, colwise_prepare_output_fn, compute_local_shape_and_global_offset
-
-if TYPE_CHECKING:
-    from engine.model.qwen3 import Qwen3Model
 
 
 def _place(param: torch.Tensor, mesh: DeviceMesh, placement: Placement | str) -> DTensor:
@@ -332,11 +330,11 @@ def top_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
     """Shard ``model`` (a whole ``Qwen3Model`` or a pipeline stage of it) over the 1-D ``tp_mesh`` in place."""
-    qwen = cast("Qwen3Model", model)
-    layout.check(qwen.cfg, layout.ParallelDims(tp=tp_mesh.size()))
+    lm = decoder_lm(model)
+    layout.check(lm.cfg, layout.ParallelDims(tp=tp_mesh.size()))
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, top_plan(model, sequence_parallel))
-    for layer in qwen.decoder.layers.values():
+    for layer in lm.decoder.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel, isinstance(layer.mlp, MoELayer)))
     # SequenceParallel re-creates parameters with requires_grad=True (measured trap): restore the frozen set.
     for name, p in model.named_parameters():
