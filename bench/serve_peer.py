@@ -20,7 +20,7 @@ The last line is one JSON object: the rows (each side's medians over its waves) 
 
     .venv/bin/python bench/serve_peer.py [--clients 1,8,32,128] [--prompts 20,500,2000,shared] [--waves 2]
         [--rows 2000x8,2000x32,500x1 (instead of the prompts × clients grid)] [--max-tokens 64] [--threads N]
-        [--smoke]
+        [--our-threads N (our engine's alone: 1 is what the worker gives a CPU engine)] [--smoke]
 """
 
 from __future__ import annotations
@@ -397,6 +397,12 @@ def main() -> None:
         help="OMP_NUM_THREADS of both sides' model processes (0: the machine's default; on a shared, loaded CPU "
         "two OpenMP threads per process wait on each other far longer than one thread computes)",
     )
+    parser.add_argument(
+        "--our-threads",
+        type=int,
+        help="OMP_NUM_THREADS of our engine alone (default: --threads); 1 is how the worker launches a CPU engine "
+        "(worker/launcher.py), the peer keeping --threads",
+    )
     parser.add_argument("--smoke", action="store_true", help="one 2-client wave of 20-token prompts per side")
     parser.add_argument("--child-engine", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--child-api", nargs=3, help=argparse.SUPPRESS)
@@ -411,6 +417,7 @@ def main() -> None:
     grid = [(k, int(c)) for k in args.prompts.split(",") for c in args.clients.split(",")]
     plan = [(k, int(c)) for k, _, c in (r.partition("x") for r in args.rows.split(","))] if args.rows else grid
     kinds = [k for k, _ in plan]
+    our_threads = args.threads if args.our_threads is None else args.our_threads
     longest = max(1000 + 40 if k == "shared" else int(k) for k in kinds)
     max_len = longest + 64 + args.max_tokens  # the chat template's tokens and the answer
     from transformers import AutoTokenizer
@@ -425,7 +432,7 @@ def main() -> None:
                 model_dir, max_len, log, args.threads
             )  # both sides start at once: they load in parallel
             sides = [
-                start_ours(root, model_dir, max(c for _, c in plan), max_len, log, args.threads),
+                start_ours(root, model_dir, max(c for _, c in plan), max_len, log, our_threads),
                 start_peer(peer, port, model_dir),
             ]
         except RuntimeError:
@@ -474,6 +481,7 @@ def main() -> None:
                 "smoke": args.smoke,
                 "max_tokens": args.max_tokens,
                 "threads": args.threads,
+                "our_threads": our_threads,
                 "load_min": min(loads),
                 "load_max": max(loads),
                 "rows": rows,
