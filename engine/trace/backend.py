@@ -13,7 +13,6 @@ import contextlib
 import functools
 import sys
 import types
-from typing import Any
 
 import torch
 
@@ -24,13 +23,13 @@ _RNG_STATE = torch.zeros(8, dtype=torch.uint8)
 
 
 class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: object = None) -> None:
         pass
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: object = None) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -43,16 +42,16 @@ class _Event:
 class _Stream:
     """FSDP2 asks the device module for streams it orders its copies and collectives on: nothing runs here."""
 
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+    def __init__(self, device: object = None, priority: int = 0, **kwargs: object) -> None:
         self.device, self.priority = torch.device("npu", 0), priority
 
-    def wait_stream(self, other: Any) -> None:
+    def wait_stream(self, other: object) -> None:
         pass
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: object) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> Any:
+    def record_event(self, event: object = None) -> object:
         return event or _Event()
 
     def synchronize(self) -> None:
@@ -82,19 +81,19 @@ class FakeNpuModule:
     def current_device(self) -> int:
         return 0
 
-    def set_device(self, device: Any) -> None:
+    def set_device(self, device: object) -> None:
         pass
 
-    def current_stream(self, device: Any = None) -> _Stream:
+    def current_stream(self, device: object = None) -> _Stream:
         return _Stream()
 
-    def default_stream(self, device: Any = None) -> _Stream:
+    def default_stream(self, device: object = None) -> _Stream:
         return _Stream()
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+    def stream(self, stream: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def synchronize(self, device: Any = None) -> None:
+    def synchronize(self, device: object = None) -> None:
         pass
 
     def _is_in_bad_fork(self) -> bool:
@@ -103,12 +102,12 @@ class FakeNpuModule:
     def manual_seed_all(self, seed: int) -> None:
         pass
 
-    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+    def get_rng_state(self, device: object = None) -> torch.Tensor:
         # the pipeline schedule forks the RNG around its shape inference: one host state made before any trace,
         # so that the stand-in creates no host tensor inside the step
         return _RNG_STATE
 
-    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+    def set_rng_state(self, state: torch.Tensor, device: object = None) -> None:
         pass
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:

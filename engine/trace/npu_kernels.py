@@ -138,7 +138,7 @@ def _fusion_attention_fake(
 
 
 def _fusion_attention_grad_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: torch.Tensor, *args: Any, **kwargs: Any
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: torch.Tensor, *args: object, **kwargs: object
 ) -> tuple[torch.Tensor, ...]:
     _check(dy.shape == query.shape, "npu_fusion_attention_grad", "dy must be shaped as query")
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), query.new_empty([0])
@@ -167,6 +167,7 @@ _ATTENTION_ARGS = [
 ]
 
 
+# ctx: Any below: autograd's context object, which carries the attributes a setup gives it (ctx.args, ctx.dim)
 def _fusion_attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
     args = dict(zip(_ATTENTION_ARGS, inputs, strict=True))
     ctx.args = {k: v for k, v in args.items() if not isinstance(v, torch.Tensor) and v is not None}
@@ -176,7 +177,7 @@ def _fusion_attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any
     ctx.save_for_backward(*tensors, smax, ssum, sout, out)
 
 
-def _fusion_attention_backward(ctx: Any, dy: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
+def _fusion_attention_backward(ctx: Any, dy: torch.Tensor, *unused: object) -> tuple[Any, ...]:
     q, k, v, pse, padding_mask, mask, smax, ssum, sout, out = ctx.saved_tensors
     a = ctx.args
     dq, dk, dv, _ = torch.ops.npu.npu_fusion_attention_grad(
@@ -232,7 +233,7 @@ def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) 
     ctx.save_for_backward(inputs[0], inputs[1], output[1])
 
 
-def _rms_norm_backward(ctx: Any, dy: torch.Tensor, _drstd: Any) -> tuple[Any, ...]:
+def _rms_norm_backward(ctx: Any, dy: torch.Tensor, _drstd: object) -> tuple[Any, ...]:
     x, gamma, rstd = ctx.saved_tensors
     dx, dgamma = torch.ops.npu.npu_rms_norm_backward(dy, x, gamma, rstd)
     return dx, dgamma, None
@@ -254,7 +255,7 @@ def _swiglu_backward_fake(grad_output: torch.Tensor, x: torch.Tensor, dim: int =
     return x.new_empty(x.shape)
 
 
-def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: object) -> None:
     ctx.save_for_backward(inputs[0])
     ctx.dim = inputs[1]
 
@@ -287,7 +288,7 @@ def _rotary_mul_backward_fake(
     return x.new_empty(x.shape), r1.new_empty(r1.shape), r2.new_empty(r2.shape)
 
 
-def _rotary_mul_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+def _rotary_mul_setup(ctx: Any, inputs: tuple[Any, ...], output: object) -> None:
     ctx.save_for_backward(*inputs[:3])
     ctx.mode = inputs[3]
 
@@ -317,7 +318,7 @@ _AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 
 
 @functools.cache
-def register() -> Any:
+def register() -> torch.library.Library:
     """Define the ops under torch_npu's namespace (``torch.ops.npu``) once per process; returns the library."""
     lib = torch.library.Library("npu", "FRAGMENT")
     for name, schema in _SCHEMAS.items():
@@ -328,7 +329,7 @@ def register() -> Any:
     return lib
 
 
-def install(module: Any) -> None:
+def install(module: object) -> None:
     """Expose the fused kernels on the stand-in ``torch_npu`` module, as torch_npu exposes its ops."""
     register()
     for name in FUSED:
