@@ -78,11 +78,10 @@ def _size(engine: sa.Engine) -> int:
 def _counts(engine: sa.Engine) -> tuple[int, int]:
     with engine.connect() as connection:
         connection.execute(sa.text("SELECT pg_stat_force_next_flush()"))
-        return tuple(  # type: ignore[return-value]
-            connection.execute(
-                sa.text("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'hosts'")
-            ).one()
-        )
+        updated, hot = connection.execute(
+            sa.text("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'hosts'")
+        ).one()
+        return int(updated), int(hot)
 
 
 def test_heartbeats_stay_on_their_page_after_0016_and_not_before(pg_database: str, tmp_path: Path) -> None:
