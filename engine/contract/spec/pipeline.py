@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +17,6 @@ from pydantic import (
     ValidationInfo,
     model_validator,
 )
-from pydantic_core import ErrorDetails
 
 from engine.contract.spec.common import (
     JobBase,
@@ -84,7 +83,7 @@ FIELD_MESSAGE = re.compile(r"^(?:Value error, )?([a-z_][a-z0-9_.]*): (.*)$", re.
 _EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
 
 
-def error_message(item: ErrorDetails) -> str:
+def error_message(item: Mapping[str, object]) -> str:
     """pydantic's message of one error; a string sent where a number or boolean belongs (refused by the strict API)
     says what to send instead."""
     expected = _EXPECTED.get(str(item.get("type")))
