@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from engine.checkpoint.hf import HFCheckpoint, as_getter, copy_tokenizer, save_hf
@@ -166,7 +167,7 @@ def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
 
 
 def _to_mcore(
-    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
+    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype, progress: _Progress
 ) -> tuple[Path, list[Path]]:
     dims = spec.target_parallel_dims
     tp, pp, ep = dims.tp, dims.pp, dims.ep
@@ -192,7 +193,7 @@ def _to_mcore(
 
 
 def _to_hf(
-    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any, progress: _Progress
+    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype, progress: _Progress
 ) -> tuple[Path, list[Path]]:
     out, reference = _hf_target(spec)
     if spec.load_model_type == "hf" and reference is None:
@@ -206,7 +207,7 @@ def _to_hf(
     return out, files
 
 
-def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: Any) -> tuple[Path, list[Path]]:
+def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype) -> tuple[Path, list[Path]]:
     if not hasattr(source, "lora_modules"):
         raise BadInput("save_lora_to_hf: adapters are read from Megatron checkpoints only", field="save_lora_to_hf")
     r = spec.lora_r or source.lora_r
