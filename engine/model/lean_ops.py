@@ -32,6 +32,7 @@ class RMSNormFunction(torch.autograd.Function):
     """y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), normalised in fp32 (fp64 for fp64 input)."""
 
     @staticmethod
+    # ctx: Any: autograd's context, which carries what forward saves for backward (torch types it so)
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.to(_norm_dtype(x))
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -92,6 +93,7 @@ class SwiGLUFunction(torch.autograd.Function):
     """h = [gate; up] (last dim) -> silu(gate) * up (* row_weight, the MoE routing weight of each row)."""
 
     @staticmethod
+    # ctx: Any: autograd's context, which carries what forward saves for backward (torch types it so)
     def forward(ctx: Any, h: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(h, row_weight)
         return _swiglu_math(h, row_weight)
@@ -187,6 +189,7 @@ class Fp32Softmax(torch.autograd.Function):
     probabilities autograd keeps) and recomputing the probabilities in backward (the MoE router's)."""
 
     @staticmethod
+    # ctx: Any: autograd's context, which carries what forward saves for backward (torch types it so)
     def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(logits)
         return torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -218,6 +221,7 @@ class RopeFunction(torch.autograd.Function):
     cos/sin take no gradient here (``apply_rope`` sends tables that need one to the kernel's own autograd)."""
 
     @staticmethod
+    # ctx: Any: autograd's context, which carries what forward saves for backward (torch types it so)
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: RopeKernel) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.kernel = kernel

@@ -74,11 +74,11 @@ def fake_pipeline_peers(boundary: Callable[[tuple[int, ...]], tuple[tuple[int, .
         PipelineStage._send_meta = originals[3]  # type: ignore[method-assign]
 
 
-def _no_send(self: Any, meta: Any, dst_stage: int) -> None:
+def _no_send(self: object, meta: object, dst_stage: int) -> None:
     pass
 
 
-def has_grad(stage: Any) -> bool:
+def has_grad(stage: PipelineStage) -> bool:
     return any(p.requires_grad for p in stage.submod.parameters()) or torch.is_grad_enabled()
 
 
