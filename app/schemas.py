@@ -1,4 +1,4 @@
-"""API response schemas (pydantic), kept apart from the ORM tables. Request bodies are the specs in engine/contract/spec.py."""
+"""API response schemas (pydantic), kept apart from the ORM tables. Request bodies are the specs in engine/contract/spec/."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Generate the README's reference tables: the job spec (the pydantic models in engine/contract/spec.py) and the
+"""Generate the README's reference tables: the job spec (the pydantic models in engine/contract/spec/) and the
 configuration (``core.settings.Settings``, as ``LLMJOBS_*`` variables).
 
 ``python -m app.spec_reference`` rewrites the blocks between the markers in README.md; ``--check`` exits 1 when the

@@ -1,4 +1,4 @@
-"""The README's job spec and configuration references are generated from engine/contract/spec.py and core/settings.py and
+"""The README's job spec and configuration references are generated from engine/contract/spec/ and core/settings.py and
 must be current."""
 
 from __future__ import annotations
