@@ -10,7 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+# the checkout: the folder holding pyproject.toml (wherever tests/unit/ places this file)
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 PACKAGES = ("app", "cli", "core", "engine", "worker")
 THE_PROPERTIES = "engine/contract/spec/"  # ParallelArgs.parallel_dims, ConvertSpec.target_parallel_dims
 # Known places, each with the reason it does not read spec.parallel_dims yet; the list only shrinks.
