@@ -54,7 +54,7 @@ SERIAL_TESTS := tests/integration/test_api_fuzz.py tests/security/test_openai_fl
 # first backward of a process, so these run first in a process of their own (an xdist worker has run CPU backwards),
 # and in file order: shuffled, a CPU backward of test_npu_rope.py ran before the fake device existed and 14 of them
 # failed on that assert (seed 11).
-TRACE_TESTS := tests/unit/test_trace.py tests/unit/test_npu_rope.py
+TRACE_TESTS := tests/unit/engine/trace/test_trace.py tests/unit/engine/trace/test_npu_rope.py
 
 PYTEST_ARGS ?=
 

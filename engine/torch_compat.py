@@ -1,5 +1,5 @@
 """Every private torch name the engine uses, in one place, so a torch upgrade that drops or changes one breaks here
-(and in tests/unit/test_torch_compat.py, one test per name) rather than deep inside a training run.
+(and in tests/unit/engine/test_torch_compat.py, one test per name) rather than deep inside a training run.
 
 Pinned torch: 2.13 (pyproject). Each name, and why no public API does the job:
 

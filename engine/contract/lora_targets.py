@@ -1,6 +1,6 @@
 """The modules LoRA may wrap, by Megatron or HF name, without torch: the API checks ``lora_target_modules`` at
 submission (``engine.contract.spec``) and the API process never imports torch, so the table is written out here rather than
-derived from ``hf_mapping`` (which needs torch); ``tests/unit/test_lora.py`` holds it equal to that key map."""
+derived from ``hf_mapping`` (which needs torch); ``tests/unit/engine/model/test_lora.py`` holds it equal to that key map."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 STEPS, LR, PAIRS = 3, 1e-3, 4
 BOTH = ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 # DPOTrainer's rewards and logits (mean over labelled positions and the vocabulary); CPOTrainer averages its logits
-# over every position, prompt and padding included, which ours does not copy (tests/unit/test_dpo_job.py)
+# over every position, prompt and padding included, which ours does not copy (tests/unit/engine/train/test_dpo_job.py)
 DPO_ONLY = ("rewards/chosen", "rewards/rejected", "logits/chosen", "logits/rejected")
 
 

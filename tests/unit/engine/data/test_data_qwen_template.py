@@ -30,7 +30,7 @@ from engine.data.tokenizer import load_tokenizer
 from engine.eval.dataset import read_test_set
 from engine.preprocess import run
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus"
 SYS = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 TOOL_TEXT = (
     "You have access to the following tools:\n> Tool Name: get_weather\nTool Description: Current weather for a city\n"

@@ -20,7 +20,7 @@ from engine.data.templates import IGNORE_INDEX
 from engine.data.truncation import infer_max_len, infer_seqlen, limit_sample, pairs_of
 from engine.preprocess import run
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus"
 IM_END = 151645
 
 

@@ -17,7 +17,7 @@ from engine.data.formats import iter_conversations
 from engine.data.templates import IGNORE_INDEX, encode_conversation
 from engine.data.tokenizer import load_tokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "thought_markers.jsonl"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus" / "thought_markers.jsonl"
 EMPTY = "<think>\n\n</think>\n\n"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from moe_support import write_hf_moe_dir  # noqa: E402
 
 from engine.contract.model_config import ModelConfig  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[3]))
 from engine.contract.model_config import preset  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402

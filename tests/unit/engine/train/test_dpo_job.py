@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[3]))
 from dpo_support import trl_matched_spec, trl_run, write_trl_pairs  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402

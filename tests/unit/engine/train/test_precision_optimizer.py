@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.checkpoint.safe_pickle import SafeFileSystemReader  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import first_error, parse_spec  # noqa: E402
@@ -172,7 +172,7 @@ def _final_weights(save: Path) -> dict[str, torch.Tensor]:
 
 def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **flags: object) -> None:
     """A 6-step run vs the same run crashed after its iteration-3 checkpoint and re-queued: equal losses, grad norms
-    and final weights, bit for bit (``tests/unit/test_train_job.py``'s crash, with exact equality)."""
+    and final weights, bit for bit (``tests/unit/engine/train/test_train_job.py``'s crash, with exact equality)."""
     spec = tiny_spec(data, train_iters=6, save_interval=3, lr=1e-3, **flags)
     job.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
     original = job.Trainer._save

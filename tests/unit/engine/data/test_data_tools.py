@@ -25,7 +25,7 @@ from engine.data.templates import (
 )
 from engine.data.tokenizer import load_tokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "tools_sharegpt.jsonl"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus" / "tools_sharegpt.jsonl"
 MAP_KEYS = {"tools": "tools"}
 WEATHER = {
     "name": "get_weather",

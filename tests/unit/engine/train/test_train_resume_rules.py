@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.contract import owner  # noqa: E402
 from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
 from engine.contract.spec import OUTPUT_KEYS, parse_spec  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron_read import MegatronCheckpoint  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402

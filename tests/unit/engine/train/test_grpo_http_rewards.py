@@ -26,7 +26,7 @@ from core_support import auth, isolated_settings, team_dir
 from engine.contract.spec import RewardFunc, TrainSpec, first_error, parse_spec
 from engine.train.http_rewards import HttpReward
 from engine.train.rewards import Completion, build_rewards, json_rewards, score
-from tests.unit.test_grpo_spec import BASE
+from tests.unit.engine.contract.test_grpo_spec import BASE
 from train_support import TINY_SHAPE
 
 

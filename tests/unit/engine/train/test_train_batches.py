@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.contract.constants import IGNORE_INDEX  # noqa: E402
 from engine.contract.model_config import preset  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402

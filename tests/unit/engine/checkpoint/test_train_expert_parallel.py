@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from moe_support import write_hf_moe_dir  # noqa: E402
 
 from train_support import TINY_SHAPE, metric_rows, run_train, tiny_spec, write_instruction_data  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from test_precision_optimizer import (  # noqa: E402
     CASES,
     PRECISION_AWARE,

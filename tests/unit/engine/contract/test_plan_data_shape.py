@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.contract.indexed import IndexedDatasetWriter, boundaries_prefix, instruction_prefix  # noqa: E402
 from engine.contract.plan import data_shape  # noqa: E402
 from engine.train.batches import collate, collate_pairs  # noqa: E402

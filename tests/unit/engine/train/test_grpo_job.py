@@ -18,7 +18,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[3]))
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
 from engine.train import job  # noqa: E402

@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.contract import rope_scaling
 from engine.contract.model_config import ModelConfig
 from engine.model.rope import inverse_frequencies, rope_cos_sin
-from tests.unit.test_model_qwen3 import VOCAB, hf_pair
+from tests.unit.engine.model.test_model_qwen3 import VOCAB, hf_pair
 
 YARN = {
     "rope_scaling_type": "yarn",

@@ -19,7 +19,7 @@ from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import ConvertSpec, PreprocessSpec
 from engine.preprocess import run as preprocess
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus"
 
 
 def test_lora_only_checkpoint_as_base_names_load_dir_and_lora_load(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.checkpoint.hf import save_hf  # noqa: E402
 from engine.contract.model_config import ModelConfig  # noqa: E402
 from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
@@ -21,7 +21,7 @@ from engine.model.qwen3 import Qwen3Model  # noqa: E402
 from engine.train import job  # noqa: E402
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture(scope="module")

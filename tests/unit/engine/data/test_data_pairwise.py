@@ -32,7 +32,7 @@ with warnings.catch_warnings():
         IndexedDataset as MegatronIndexedDataset,
     )
 
-CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "corpus"
 FIELDS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 EMPTY = "<think>\n\n</think>\n\n"
 

@@ -19,7 +19,7 @@ from engine.contract.plan import plan_spec
 from engine.contract.plan.memory import layer_activation_bytes
 from engine.contract.spec import parse_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _bench() -> ModuleType:

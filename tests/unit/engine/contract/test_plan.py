@@ -17,7 +17,7 @@ from engine.contract.plan.memory import MIB, in_flight
 from engine.contract.spec import parse_spec
 from train_support import QWEN3_4B, write_instruction_data
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def seed_full(**extra: Any) -> dict[str, Any]:
