@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from core.errors import ApiError
+from core.errors import team_limit_reached
 
 
 class TeamSlots:
@@ -24,13 +24,8 @@ class TeamSlots:
         with self._lock:
             held = self._held.get(team, 0)
             if self.limit and held >= self.limit:
-                raise ApiError(
-                    429,
-                    "too_many_requests",
-                    f"team {team} has {held} {self.what} open, its limit; close one or retry later",
-                    None,
-                    headers={"Retry-After": str(self.retry_after_s)},
-                )
+                message = f"team {team} has {held} {self.what} open, its limit; close one or retry later"
+                raise team_limit_reached("too_many_requests", message, self.retry_after_s)
             self._held[team] = held + 1
 
     def release(self, team: str) -> None:

@@ -20,6 +20,11 @@ class ApiError(Exception):
         self.headers = headers  # sent with the answer, e.g. Retry-After of a 429
 
 
+def team_limit_reached(code: str, message: str, retry_after_s: int) -> ApiError:
+    """429 for a team at one of its limits: the count frees itself in time, so the client is told when to retry."""
+    return ApiError(429, code, message, None, headers={"Retry-After": str(retry_after_s)})
+
+
 def error_body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"code": code, "message": message, "field": field, **extra}
 

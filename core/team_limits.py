@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from core.errors import ApiError
+from core.errors import ApiError, team_limit_reached
 from core.jobs import find_by_key
 from core.models import Job
 from core.settings import Settings
@@ -35,13 +35,10 @@ def check_active_jobs(session: Session, settings: Settings, team: str, idempoten
         .where(Job.team == team, Job.parent_id.is_(None), Job.state.not_in([s.value for s in TERMINAL]))
     )
     if unfinished is not None and unfinished >= limit:
-        raise ApiError(
-            429,
-            "too_many_jobs",
-            f"team {team} has {unfinished} unfinished jobs, its limit (team_max_active_jobs); retry when some finish",
-            None,
-            headers={"Retry-After": str(settings.team_limit_retry_after_s)},
+        message = (
+            f"team {team} has {unfinished} unfinished jobs, its limit (team_max_active_jobs); retry when some finish"
         )
+        raise team_limit_reached("too_many_jobs", message, settings.team_limit_retry_after_s)
 
 
 def check_priority(settings: Settings, team: str, raw: Any) -> None:
