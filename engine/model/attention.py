@@ -175,19 +175,23 @@ def _to_tnd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # (B, n, T, d) -> (B*T, n, d)
 
 
+_VarlenInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def _varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> _VarlenInputs:
+    """The positional arguments both varlen kernels take: packed (B*T, n, d) q/k/v, then the same sequence bounds
+    and longest length for queries and keys (self-attention)."""
+    assert plan.cu_seqlens is not None  # attention_plan sets it for the varlen kernels
+    bounds = (plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen)
+    return (_to_tnd(q), _to_tnd(k), _to_tnd(v), *bounds)
+
+
 def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn  # present: attention_kernel checked
 
     b, nh, t, d = q.shape
-    assert plan.cu_seqlens is not None  # attention_plan sets it for the varlen kernels
     out = varlen_attn(
-        _to_tnd(q),
-        _to_tnd(k),
-        _to_tnd(v),
-        plan.cu_seqlens,
-        plan.cu_seqlens,
-        plan.max_seqlen,
-        plan.max_seqlen,
+        *_varlen_inputs(q, k, v, plan),
         scale=d**-0.5,
         window_size=(-1, 0),
         enable_gqa=k.shape[1] != nh,  # (-1, 0) = causal
@@ -201,13 +205,7 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atten
 
     b, nh, t, d = q.shape
     out = flash_attn_varlen_func(
-        _to_tnd(q),
-        _to_tnd(k),
-        _to_tnd(v),
-        plan.cu_seqlens,
-        plan.cu_seqlens,
-        plan.max_seqlen,
-        plan.max_seqlen,
+        *_varlen_inputs(q, k, v, plan),
         softmax_scale=d**-0.5,
         causal=True,
     )  # (B*T, nh, d)
