@@ -51,6 +51,25 @@ class KVCache:
         self._filled[layer_idx] = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
+    def repeat_rows(self, repeats: int, max_len: int) -> KVCache:
+        """A cache of ``max_len`` positions holding each row ``repeats`` times in a row, filled as far as this one:
+        rows sharing one prompt (stage grpo's group) prefill it once and decode apart."""
+        if max_len < self.length:
+            raise ValueError(f"max_len: {max_len} positions cannot hold the {self.length} cached")
+        out = KVCache.__new__(KVCache)
+        out.max_len = max_len
+        out._filled = dict(self._filled)
+        out.keys, out.values = {}, {}
+        for mine, theirs in ((self.keys, out.keys), (self.values, out.values)):
+            for i, buf in mine.items():
+                b, heads, _, dim = buf.shape
+                big = torch.zeros((b * repeats, heads, max_len, dim), dtype=buf.dtype, device=buf.device)
+                n = self._filled[i]
+                # a broadcast copy into a view: no repeated temporary
+                big.view(b, repeats, heads, max_len, dim)[:, :, :, :n] = buf[:, None, :, :n]
+                theirs[i] = big
+        return out
+
     def reset(self) -> None:
         """Forget everything (buffers are reused, not freed)."""
         self._filled = dict.fromkeys(self._filled, 0)

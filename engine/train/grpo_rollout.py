@@ -113,6 +113,7 @@ class DecodeOptions:
     width: int = 0  # left-pad prompts to at least this (the whole rollout's longest: every rank pads alike)
     together: bool = False  # ranks decode in lockstep (their forwards are collective): stop when all are done
     tp: int = 1  # the model's tensor-parallel size: a TP rank caches num_query_groups / TP KV heads
+    share_prompts: bool = True  # a group's rows with one prompt: prefill it once (off: every row, as a check)
 
 
 def _all_done(done: torch.Tensor, together: bool) -> bool:
@@ -140,8 +141,27 @@ def decode(
     ids, mask = _left_pad(prompts, opts.pad_id, device, opts.width)
     pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     kv_heads = cfg.num_query_groups // opts.tp
-    cache = KVCache(cfg, ids.shape[0], ids.shape[1] + opts.max_new, dtype, device, num_kv_heads=kv_heads)
-    hidden = model(ids, position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
+    length = ids.shape[1] + opts.max_new
+    group = opts.group
+    shared = (
+        opts.share_prompts
+        and group > 1
+        and len(prompts) % group == 0
+        and all(prompts[i] == prompts[i - i % group] for i in range(len(prompts)))
+    )
+    if shared:  # each group's rows share its prompt: prefill it once, then each row decodes on its own copy
+        once = KVCache(cfg, ids.shape[0] // group, ids.shape[1], dtype, device, num_kv_heads=kv_heads)
+        firsts = slice(None, None, group)
+        hidden = model(ids[firsts], position_ids=pos[firsts], attention_mask=mask[firsts], kv_cache=once,
+                       return_hidden=True)  # fmt: skip
+        cache = once.repeat_rows(group, length)
+        del once
+        if isinstance(hidden, DTensor):  # sequence parallel: each TP rank holds a slice of the positions
+            hidden = hidden.full_tensor()
+        hidden = hidden[:, -1:].repeat_interleave(group, dim=0)
+    else:
+        cache = KVCache(cfg, ids.shape[0], length, dtype, device, num_kv_heads=kv_heads)
+        hidden = model(ids, position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
     stop = torch.tensor(sorted(opts.stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     out: list[torch.Tensor] = []
