@@ -133,7 +133,7 @@ class _TokenLogprobsEntropy(_TokenLogprobs):
     through the head instead of two. Backward is ``_TokenLogprobs``' (the entropy takes no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, into_grad):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, hidden, weight, labels, chunk_size, into_grad):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         lse, ent = torch.empty_like(out), torch.empty_like(out)
@@ -151,7 +151,7 @@ class _TokenLogprobsEntropy(_TokenLogprobs):
         return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out, grad_ent):  # type: ignore[no-untyped-def, override]
+    def backward(ctx, grad_out, grad_ent):  # type: ignore[override]
         return _TokenLogprobs.backward(ctx, grad_out)
 
 
