@@ -12,7 +12,6 @@ the rest), FSDP2 pads every rank's shard to one size, and every DP/CP rank's mic
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.contract.layout import LayoutError, ParallelDims
-from engine.contract.plan.cli import _spec_from_args, default_data_root, split_torchrun
+from engine.contract.plan.cli import _spec_from_args, default_data_root, own_parser, parse_command
 from engine.contract.plan.memory import MIB
 from engine.contract.plan.planner import plan_spec
 from engine.contract.spec import ServeSpec, TrainSpec, first_error
@@ -86,18 +85,14 @@ def _table(out: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    own = argparse.ArgumentParser(prog="python -m engine trace", add_help=False)
-    own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
+    own = own_parser("python -m engine trace")
     own.add_argument("--device-type", choices=("cuda", "npu"), default="npu")
-    own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
     own.add_argument("--data-root", default=default_data_root())
     own.add_argument("--all-ranks", action="store_true", help="trace every rank, not one per pipeline stage")
-    own.add_argument("-h", "--help", action="store_true")
-    opts, rest = own.parse_known_args(argv)
+    opts, flags, resources, _ = parse_command(own, argv)
     if opts.help:
         print(__doc__)
         return 0
-    flags, resources, _ = split_torchrun(rest)
     resources["device_type"] = opts.device_type
     try:
         spec = _spec_from_args("train", flags, resources, opts.data_root)

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.contract.guard import WRITE_ENV
-from engine.contract.plan.memory import MIB, RankMemory
+from engine.contract.plan.memory import MIB, Layout, RankMemory
 from engine.contract.plan.planner import MemoryPlan, node_host_bytes, plan_spec
 from engine.contract.plan.suggest import candidates, suggestion_table
 from engine.contract.spec import TrainSpec, first_error
@@ -77,6 +77,24 @@ def split_torchrun(argv: list[str]) -> tuple[list[str], dict[str, Any], str | No
     return rest, resources, tokens[script_at] if script_at is not None else None
 
 
+def own_parser(prog: str) -> argparse.ArgumentParser:
+    """The options ``plan`` and ``trace`` share; ``-h`` is answered by the caller with its module docstring."""
+    own = argparse.ArgumentParser(prog=prog, add_help=False)
+    own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
+    own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
+    own.add_argument("-h", "--help", action="store_true")
+    return own
+
+
+def parse_command(
+    own: argparse.ArgumentParser, argv: list[str]
+) -> tuple[argparse.Namespace, list[str], dict[str, Any], str | None]:
+    """(own options, engine flags, resources, script name): ``own``'s options may stand anywhere on a pasted
+    MindSpeed line; what they leave is split by ``split_torchrun``."""
+    opts, rest = own.parse_known_args(argv)
+    return (opts, *split_torchrun(rest))
+
+
 def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data_root: str | None = None) -> Any:
     from engine.contract.flags import build_parser
     from engine.contract.spec import parse_spec
@@ -114,17 +132,27 @@ HEAD = ("rank", "tp", "pp", "dp", "layers", "params", "main", "grads", "optim", 
         "opt step", "total MiB", "host MiB", "h<->d MiB/step")  # fmt: skip
 
 
-def _rows(ranks: list[RankMemory]) -> list[str]:
-    rows = [list(HEAD)]
+def _batch(lay: Layout) -> str:
+    """The header's batch, in the spec's words: a serve job's max_num_seqs, else the micro-batches."""
+    if lay.max_num_seqs is not None:
+        return f"max_num_seqs {lay.max_num_seqs}"
+    return f"MBS {lay.micro_batch_size} × {lay.micro_batches} micro-batches"
+
+
+def _rows(ranks: list[RankMemory], cp: int = 1) -> list[str]:
+    """The table: one row per rank (its CP rank in a column of its own under context parallelism)."""
+    head = list(HEAD) if cp == 1 else [*HEAD[:4], "cp", *HEAD[4:]]
+    rows = [head]
     for r in ranks:
         layers = f"{r.layers[0]}-{r.layers[-1]}" if r.layers else "-"
         parts = (r.params, r.main_params, r.grads, r.optimizer)
+        at = [str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank)] + ([str(r.cp_rank)] if cp > 1 else [])
         rows.append(
-            [str(r.rank), str(r.tp_rank), str(r.pp_rank), str(r.dp_rank), layers, *map(_mib, parts)]
+            [*at, layers, *map(_mib, parts)]
             + [f"{_mib(r.activations)} ({r.micro_batches_in_flight})", _mib(r.loss), _mib(r.comm)]
             + [_mib(r.optimizer_step), _mib(r.total_bytes), _mib(r.host), _mib(r.host_traffic)]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
 
 
@@ -136,21 +164,21 @@ def _verdict(name: str, worst: RankMemory, device: int) -> str:
 def table(plan: MemoryPlan) -> str:
     """The per-rank plan at the worst case and, when the job's data was read, on it; the verdict per device."""
     cfg, lay = plan.cfg, plan.layout
+    cp = f" CP {lay.dims.cp}" if lay.dims.cp > 1 else ""
     header = (
         f"model ({plan.source}): {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn "
         f"{cfg.ffn_hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_query_groups}, vocab "
-        f"{cfg.vocab_size}; TP {lay.tp} PP {lay.pp} DP {lay.dp}, MBS {lay.micro_batch_size} × "
-        f"{lay.micro_batches} micro-batches, seq {lay.seq_length}, "
+        f"{cfg.vocab_size}; TP {lay.dims.tp} PP {lay.dims.pp} DP {lay.dims.dp}{cp}, {_batch(lay)}, seq {lay.seq_length}, "
         f"{'bf16/fp16' if lay.compute_bytes == 2 else 'fp32'}"
         f"{', LoRA r=' + str(lay.lora_r) if lay.lora_r else ''}"
     )
     lines = [header]
     if plan.data_ranks is not None and plan.data is not None:
         lines.append(f"worst_case (every micro-batch at seq_length {lay.seq_length}):")
-    lines += _rows(plan.ranks)
+    lines += _rows(plan.ranks, lay.dims.cp)
     if plan.data_ranks is not None and plan.data is not None:
         lines.append(f"this_data (its largest micro-batch: {plan.data.describe()}):")
-        lines += _rows(plan.data_ranks)
+        lines += _rows(plan.data_ranks, lay.dims.cp)
     device = plan.device_memory_bytes
     if device:
         verdicts = [_verdict("worst_case", plan.peak, device)]
@@ -166,9 +194,7 @@ def table(plan: MemoryPlan) -> str:
 
 
 def main(argv: list[str]) -> int:
-    own = argparse.ArgumentParser(prog="python -m engine plan", add_help=False)
-    own.add_argument("--model", help="model preset (qwen3-0.6b … qwen3-32b) when load/flags do not give the shape")
-    own.add_argument("--device-memory-gib", type=float, help="memory of one device, to say whether every rank fits")
+    own = own_parser("python -m engine plan")
     own.add_argument("--host-memory-gib", type=float, help="memory of one host, to say whether offloaded state fits")
     own.add_argument("--kind", choices=("train", "eval"))
     own.add_argument("--device-type", choices=("cpu", "cuda", "npu"), help="resources.device_type (attention kernel)")
@@ -183,12 +209,10 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="train: also list the CP × TP × recompute layouts of this world that fit --device-memory-gib, best first",
     )
-    own.add_argument("-h", "--help", action="store_true")
-    opts, rest = own.parse_known_args(argv)
+    opts, flags, resources, script = parse_command(own, argv)
     if opts.help:
         print(__doc__)
         return 0
-    flags, resources, script = split_torchrun(rest)
     if opts.device_type:
         resources["device_type"] = opts.device_type
     kind = opts.kind or ("eval" if script and "inference" in script else "train")
