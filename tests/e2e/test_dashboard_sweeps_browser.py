@@ -2,7 +2,7 @@
 
 The runs list reads real jobs and a real notebook run logged through the MLflow API. The sweep page reads a sweep
 answered by a Playwright route (a real sweep's trials would be training jobs; the sweep API itself is tested by
-tests/unit/test_sweeps.py and tests/integration/test_sweep_worker.py)."""
+tests/unit/core/test_sweeps.py and tests/integration/test_sweep_worker.py)."""
 
 from __future__ import annotations
 

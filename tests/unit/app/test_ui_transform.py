@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-UI_JS = Path(__file__).resolve().parents[2] / "app" / "ui" / "js"
+UI_JS = Path(__file__).resolve().parents[3] / "app" / "ui" / "js"
 NODE = shutil.which("node")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-CHAT = Path(__file__).resolve().parents[2] / "app" / "ui" / "js" / "views" / "chat.js"
+CHAT = Path(__file__).resolve().parents[3] / "app" / "ui" / "js" / "views" / "chat.js"
 SCRIPT = """
 const {maxTokensFor} = await import(process.argv[1]);
 console.log(JSON.stringify([

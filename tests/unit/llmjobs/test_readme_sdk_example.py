@@ -10,7 +10,7 @@ from typing import Any
 
 from llmjobs.client import StreamMessage
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
 
 
 def _stream_loop() -> str:

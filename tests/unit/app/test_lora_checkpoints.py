@@ -130,7 +130,7 @@ def test_the_dashboards_evaluate_draft_is_accepted(settings: Settings) -> None:
     with session_scope(settings.database_url) as session:
         set_job_spec(session, job_id, spec)
         session.commit()
-    panels = Path(__file__).resolve().parents[2] / "app" / "ui" / "js" / "views" / "panels.js"
+    panels = Path(__file__).resolve().parents[3] / "app" / "ui" / "js" / "views" / "panels.js"
     job = json.dumps({"id": job_id, "name": "lora", "spec": spec})
     out = subprocess.run(
         ["node", "--input-type=module", "-e", DRAFT, str(panels), job], capture_output=True, text=True, check=True

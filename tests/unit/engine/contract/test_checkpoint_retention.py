@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from core_support import auth, isolated_settings, make_token  # noqa: E402
 from engine.checkpoint import dcp  # noqa: E402
 from engine.contract.retention import metric_name, to_delete  # noqa: E402

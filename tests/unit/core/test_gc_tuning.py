@@ -12,7 +12,7 @@ import pytest
 
 from core.gc_tuning import GEN0_THRESHOLD, settle_heap
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = """
 import gc, json, time, weakref
