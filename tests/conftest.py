@@ -13,6 +13,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from suite_order import longest_modules_first
+
 POSTGRES_URL = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -32,6 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
         if repeated:
             raise pytest.UsageError(f"node ids shared by several tests, run them outside xdist: {repeated[:3]}")
+        items[:] = longest_modules_first(items)  # xdist's schedule (tests/suite_order.py, Makefile)
     sources: dict[Path, str] = {}
     for item in items:
         for fixture in ISOLATION.keys() & set(getattr(item, "fixturenames", ())):
