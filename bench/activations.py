@@ -49,13 +49,13 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model.attention import plan_attention
 from engine.contract.model_config import ModelConfig, preset
+from engine.contract.plan.memory import Layout, layer_activation_bytes, stage_activation_bytes
+from engine.model.attention import plan_attention
 from engine.model.moe import GroupedExperts
 from engine.model.qwen3 import Qwen3Model
 from engine.model.rope import rope_cos_sin
 from engine.parallel.activation_checkpoint import apply_ac
-from engine.contract.plan.memory import Layout, layer_activation_bytes, stage_activation_bytes
 
 MODES = ("none", "selective", "full")
 
@@ -161,9 +161,7 @@ def measure_transformers(cfg: ModelConfig, seq: int) -> float:
 
 def planned(cfg: ModelConfig, mode: str, seq: int) -> float:
     """The planner's bytes per token for one layer (flash-kernel attention, as measured here)."""
-    lay = Layout(
-        world_size=1, seq_length=seq, compute_bytes=2, device_type="npu", recompute=None if mode == "none" else mode
-    )
+    lay = Layout(seq_length=seq, compute_bytes=2, device_type="npu", recompute=None if mode == "none" else mode)
     if mode == "none":
         return layer_activation_bytes(cfg, lay, seq) / seq
     # one layer's kept bytes: stage_activation_bytes less the per-forward RoPE tables it adds

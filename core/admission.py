@@ -432,9 +432,7 @@ def _check_train(spec: TrainSpec, inputs: _Inputs, settings: Settings) -> None:
             f"{spec.train_iters} is over this service's ceiling of "
             f"{settings.max_train_iters} iterations (max_train_iters)",
         )
-    tokens = (
-        spec.train_iters * (spec.global_batch_size or spec.micro_batch_size * spec.data_parallel_size) * spec.seq_length
-    )
+    tokens = spec.train_iters * spec.effective_global_batch_size * spec.seq_length
     if settings.max_train_tokens and tokens > settings.max_train_tokens:
         raise _refuse(
             f"{where}train_iters",

@@ -63,8 +63,9 @@ class ParallelDims:
 
     @property
     def ulysses_degree(self) -> int:
-        """Ranks of a sequence that swap tokens for heads (all of CP for Ulysses, none for the ring)."""
-        if self.cp_algo == "megatron_cp_algo":
+        """Ranks of a sequence that swap tokens for heads (all of CP for Ulysses, none for the ring; 1 without CP,
+        where a hybrid spec's ``ulysses_degree_in_cp`` has nothing to split)."""
+        if self.cp_algo == "megatron_cp_algo" or self.cp == 1:
             return 1
         if self.cp_algo == "hybrid_cp_algo":
             return self.ulysses_degree_in_cp or 1

@@ -57,7 +57,7 @@ import dataclasses
 from typing import Any
 
 from engine.contract.constants import RING_SCORE_TILE_BYTES
-from engine.contract.layout import kv_repeats
+from engine.contract.layout import ParallelDims, kv_repeats
 from engine.contract.lora_targets import MEGATRON_TARGETS
 from engine.contract.model_config import ModelConfig
 
@@ -104,17 +104,14 @@ class OptimizerBytes:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What the planner needs beyond the model shape; built from a spec by ``layout_from_spec``."""
+    """What the planner adds to a job's parallel dims (``dims``: the spec's ``parallel_dims``, the one way a spec
+    becomes dims) to predict its memory; built from a spec by ``layout_from_spec``."""
 
-    world_size: int
-    tp: int = 1
+    dims: ParallelDims = dataclasses.field(default_factory=ParallelDims)  # one rank unless given
     nnodes: int = 1  # hosts the ranks span (their host memory is shared by a node's ranks)
-    pp: int = 1
-    ep: int = 1  # expert parallel, carved out of dp
-    cp: int = 1  # context parallel: each rank holds seq / CP tokens of every activation
-    ring: int = 1  # of which ring ranks (megatron/hybrid CP): attention by K/V blocks, no mask
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
+    micro_batch_size: int = 1  # train and eval: the sequences of one forward on a rank
+    max_num_seqs: int | None = None  # serve: the KV-cache slots decoded together (its forward's and cache's rows)
+    global_batch_size: int = 1  # the spec's effective_global_batch_size
     seq_length: int = 2048
     compute_bytes: int = 4  # 2 for bf16/fp16
     distributed_optimizer: bool = False
@@ -143,35 +140,35 @@ class Layout:
     optim: OptimizerBytes = OptimizerBytes()
 
     @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.cp)
+    def rows(self) -> int:
+        """Sequences of one forward on a rank: a serve job's ``max_num_seqs``, else ``micro_batch_size``."""
+        return self.micro_batch_size if self.max_num_seqs is None else self.max_num_seqs
 
     @property
     def shards(self) -> int:
         """Ranks FSDP shards weights, gradients and optimizer state over: DP, times CP (they hold other tokens)."""
-        return self.dp * self.cp
+        return self.dims.dp * self.dims.cp
 
     @property
     def micro_batches(self) -> int:
-        gbs = self.global_batch_size or self.micro_batch_size * self.dp
-        return max(1, gbs // (self.micro_batch_size * self.dp))
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dims.dp))
 
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (before sequence-parallel sharding; a CP rank's share)."""
         if self.batch_rows is not None and self.batch_width is not None:
-            return -(-self.batch_rows * self.batch_width // self.cp)
-        return -(-self.micro_batch_size * self.rows_per_sample * self.seq_length // self.cp)
+            return -(-self.batch_rows * self.batch_width // self.dims.cp)
+        return -(-self.rows * self.rows_per_sample * self.seq_length // self.dims.cp)
 
     @property
     def mask_bytes(self) -> int:
         """The CPU attention's boolean block mask of one micro-batch: rows × width² (none on accelerators, none
         under ring attention, which masks each block from the samples' run index)."""
-        if self.device_type != "cpu" or self.ring > 1:
+        if self.device_type != "cpu" or self.dims.ring_degree > 1:
             return 0
         if self.batch_rows is not None and self.batch_width is not None:
             return self.batch_rows * self.batch_width**2
-        return self.micro_batch_size * self.seq_length**2
+        return self.rows * self.seq_length**2
 
 
 @dataclasses.dataclass
@@ -192,6 +189,7 @@ class RankMemory:
     comm: int = 0
     optimizer_step: int = 0
     micro_batches_in_flight: int = 0
+    cp_rank: int = 0  # its context-parallel rank (it holds 1/CP of each sequence)
     reference: int = 0  # stage dpo's (grpo's with beta) frozen reference model (``reference_bytes``)
     generation: int = 0  # stage grpo's rollout working set (``generation_bytes``): not alive with the activations
     host: int = 0  # host memory the rank's offloaded optimizer state (and its step's temporaries) takes
@@ -208,13 +206,15 @@ class RankMemory:
         working = max(self.activations + self.loss + self.comm, self.optimizer_step, self.generation)
         return self.persistent_bytes + working
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, cp: int = 1) -> dict[str, Any]:
+        """The rank's figures; ``cp_rank`` only under context parallelism (``cp``: its degree)."""
         out = {
             "rank": self.rank,
             "total_bytes": self.total_bytes,
             "tp_rank": self.tp_rank,
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
+            **({"cp_rank": self.cp_rank} if cp > 1 else {}),
             "layers": [self.layers[0], self.layers[-1]] if self.layers else [],
             "num_params": self.num_params,
             "trainable_params": self.trainable_params,
@@ -237,7 +237,7 @@ def stage_layers(cfg: ModelConfig, lay: Layout) -> list[list[int]]:
     if lay.num_layer_list is not None:
         counts = list(lay.num_layer_list)
     else:
-        per = lay.layers_per_virtual_stage or cfg.num_layers // lay.pp
+        per = lay.layers_per_virtual_stage or cfg.num_layers // lay.dims.pp
         counts = [per] * (cfg.num_layers // per)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
@@ -286,8 +286,8 @@ def lora_layer_params(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...
 
 def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool) -> tuple[int, int]:
     """(all parameters, trainable parameters) of one rank."""
-    base = sum(layer_params(cfg, lay.tp, i) for i in layers)
-    vocab_rows = cfg.vocab_size * cfg.hidden_size // lay.tp
+    base = sum(layer_params(cfg, lay.dims.tp, i) for i in layers)
+    vocab_rows = cfg.vocab_size * cfg.hidden_size // lay.dims.tp
     if first:
         base += vocab_rows
     if last:
@@ -296,7 +296,7 @@ def _rank_params(cfg: ModelConfig, lay: Layout, layers: list[int], first: bool, 
             base += vocab_rows  # untied head, or a tied model's copy on the last stage (Megatron's rule)
     if lay.lora_r is None:
         return base, base
-    adapters = sum(lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets, i) for i in layers)
+    adapters = sum(lora_layer_params(cfg, lay.dims.tp, lay.lora_r, lay.lora_targets, i) for i in layers)
     return base + adapters, adapters
 
 
@@ -307,7 +307,7 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Bytes autograd saves for one decoder layer over ``tokens`` tokens, without recompute, as
     ``engine.model.qwen3`` with ``engine.model.lean_ops`` saves them (bench/activations.py counts them on the meta
     device and checks this figure within 5 %)."""
-    e, tp = lay.compute_bytes, lay.tp
+    e, tp = lay.compute_bytes, lay.dims.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
     a, g, d = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.kv_channels
     sp = tp if lay.sequence_parallel else 1
@@ -315,10 +315,12 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     fam = cfg.family
     q = e * a * d + 4 * a if fam.qk_norm else 0  # the q norm's input and rstd per head
     k = e * g * d + 4 * g if fam.qk_norm else 0
-    if lay.device_type == "cpu" and lay.ring == 1:  # sdpa with a block mask: k and v expanded to every query head
+    if (
+        lay.device_type == "cpu" and lay.dims.ring_degree == 1
+    ):  # sdpa with a block mask: k and v expanded to every query head
         attn = 5 * e * a * d + 4 * a  # q, k, v (expanded), output, lse, proj input
     else:  # flash/varlen kernels: q, k, v, output (also linear_proj's input, a view of it), fp32 lse
-        ulysses = lay.cp // lay.ring  # KV heads that do not split over it are repeated first (layout.kv_repeats)
+        ulysses = lay.dims.ulysses_degree  # KV heads that do not split over it are repeated first (layout.kv_repeats)
         attn = 2 * e * a * d + 2 * e * g * kv_repeats(g, ulysses) * d + 4 * a
     mlp = fam.fc1_widths * e * f if _has_dense(cfg) else 0  # fc1's output (gate|up) only: SwiGLU is rebuilt
     if cfg.moe_layers:  # the largest layer's: an MoE one (engine.model.moe) where it is bigger
@@ -348,7 +350,7 @@ def lora_backward_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int
     training the not-yet-written weight gradients, counted whole, cover it; with frozen weights nothing does."""
     if lay.lora_r is None:
         return 0
-    f = (cfg.expert_ffn_hidden_size * cfg.moe_router_topk if cfg.moe_layers else cfg.ffn_hidden_size) // lay.tp
+    f = (cfg.expert_ffn_hidden_size * cfg.moe_router_topk if cfg.moe_layers else cfg.ffn_hidden_size) // lay.dims.tp
     return LORA_BACKWARD_FFN_COPIES * f * lay.compute_bytes * tokens
 
 
@@ -362,16 +364,16 @@ def moe_activation_bytes(cfg: ModelConfig, lay: Layout) -> int:
     as the router's input) in backward (``engine.model.gathered_matmul``), except where the rows themselves are
     kept: expert parallelism exchanges gathered rows, and LoRA-adapted experts save them for the adapters."""
     e, topk = lay.compute_bytes, cfg.moe_router_topk
-    fe, ne = cfg.expert_ffn_hidden_size // lay.tp, cfg.num_experts or 0
+    fe, ne = cfg.expert_ffn_hidden_size // lay.dims.tp, cfg.num_experts or 0
     router = min(e, 4) * ne + 8 * topk + 4 * topk + 4 + 8 * topk
     adapted = lay.lora_r is not None and any(t in ("linear_fc1", "linear_fc2") for t in lay.lora_targets)
-    rows = cfg.hidden_size if lay.ep > 1 or adapted else 0
+    rows = cfg.hidden_size if lay.dims.ep > 1 or adapted else 0
     return router + topk * e * (rows + cfg.family.fc1_widths * fe + 1)
 
 
 def _selective_bytes(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     """Selective recompute keeps the layer input and every matmul output (``engine.parallel.activation_checkpoint``)."""
-    e, tp = lay.compute_bytes, lay.tp
+    e, tp = lay.compute_bytes, lay.dims.tp
     h, f = cfg.hidden_size, cfg.ffn_hidden_size // tp
     widths = cfg.family.fc1_widths
     mlp = widths * f + h if _has_dense(cfg) else 0
@@ -387,7 +389,7 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, layers: int, tokens: i
     full = layer_activation_bytes(cfg, lay, tokens) + adapters
     if lay.recompute == "full":
         kept = layers if lay.recompute_method != "block" else min(layers, lay.recompute_num_layers or layers)
-        boundary = tokens * lay.compute_bytes * cfg.hidden_size // (lay.tp if lay.sequence_parallel else 1)
+        boundary = tokens * lay.compute_bytes * cfg.hidden_size // (lay.dims.tp if lay.sequence_parallel else 1)
         per_mb = kept * boundary + (layers - kept) * full
     elif lay.recompute == "selective":
         per_mb = layers * (_selective_bytes(cfg, lay, tokens) + adapters)
@@ -402,10 +404,15 @@ def ring_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
     flight (sent and received), their fp32 gradients travelling with them (two), the block's K/V expanded to every
     query head in fp32, dq, q and dO in fp32, and about four score tiles. Under hybrid CP the ring holds ``Ulysses ×``
     the tokens for ``1 / Ulysses`` of the heads: the same bytes (KV heads repeated to split count repeated)."""
-    if lay.ring == 1:
+    if lay.dims.ring_degree == 1:
         return 0
-    e, a, g, d = lay.compute_bytes, cfg.num_attention_heads // lay.tp, cfg.num_query_groups // lay.tp, cfg.kv_channels
-    g *= kv_repeats(g, lay.cp // lay.ring)
+    e, a, g, d = (
+        lay.compute_bytes,
+        cfg.num_attention_heads // lay.dims.tp,
+        cfg.num_query_groups // lay.dims.tp,
+        cfg.kv_channels,
+    )
+    g *= kv_repeats(g, lay.dims.ulysses_degree)
     per_token = d * (2 * 2 * e * g + 2 * 2 * 4 * g + 2 * 4 * a + 3 * 4 * a)
     return tokens * per_token + 4 * RING_SCORE_TILE_BYTES
 
@@ -422,16 +429,16 @@ def recompute_working_set(cfg: ModelConfig, lay: Layout, tokens: int) -> int:
 def in_flight(lay: Layout, pp_rank: int, chunks: int) -> int:
     """Micro-batch activations (in units of one chunk of layers) a pipeline rank holds at its peak."""
     m = lay.micro_batches
-    if lay.pp == 1:
+    if lay.dims.pp == 1:
         return 1
     if chunks == 1:  # 1F1B: stage p runs PP - p forwards before its first backward
-        return min(m, lay.pp - pp_rank)
-    warmup = (lay.pp - pp_rank - 1) * 2 + (chunks - 1) * lay.pp  # Megatron's interleaved warm-up
+        return min(m, lay.dims.pp - pp_rank)
+    warmup = (lay.dims.pp - pp_rank - 1) * 2 + (chunks - 1) * lay.dims.pp  # Megatron's interleaved warm-up
     return min(m * chunks, warmup + 1)
 
 
 def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
-    e, v = lay.compute_bytes, cfg.vocab_size // lay.tp
+    e, v = lay.compute_bytes, cfg.vocab_size // lay.dims.tp
     rows = min(lay.loss_chunk, lay.tokens)
     # a chunk's fp32 logits and, at the peak, two more buffers of that size (logsumexp's shifted copy, its exp):
     # measured 3.0 chunks of extra RSS around ``chunked_cross_entropy`` on CPU
@@ -463,7 +470,7 @@ def precision_step_slices(opt: OptimizerBytes, host: bool) -> int:
 def precision_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int, host: bool = False) -> int:
     """The precision-aware step's fp32 temporaries on the device (``host``: on the host, for the offloaded share):
     ``precision_step_slices`` slices of the largest tensor, at most ``SLICE_NUMEL`` elements each."""
-    largest = cfg.vocab_size * cfg.hidden_size // lay.tp // lay.shards
+    largest = cfg.vocab_size * cfg.hidden_size // lay.dims.tp // lay.shards
     slices = precision_step_slices(lay.optim, host)
     return slices * 4 * min(PRECISION_SLICE_NUMEL, largest, trainable // lay.shards)
 
@@ -476,7 +483,7 @@ def optimizer_step_bytes(cfg: ModelConfig, lay: Layout, trainable: int, precisio
         return precision_step_bytes(cfg, lay, trainable) if lay.optim.offload < 1 else 0
     if lay.device_type in FUSED_ADAMW_DEVICES:
         return 0
-    largest = cfg.vocab_size * cfg.hidden_size // lay.tp * 4 // lay.shards
+    largest = cfg.vocab_size * cfg.hidden_size // lay.dims.tp * 4 // lay.shards
     return min(trainable * 4 // lay.shards, max(FOREACH_GROUP_BYTES, largest))
 
 
@@ -495,7 +502,7 @@ def _fill_state(
     # dtype is the compute one) and frees it on reshard, and still fills its reduce-scatter input and output: the
     # same bytes as over DP > 1 (torch/distributed/fsdp/_fully_shard: wait_for_unshard, foreach_reduce at world 1).
     fsdp = dp > 1 or mixed
-    resharding = fsdp and lay.distributed_optimizer and lay.pp == 1  # FSDP reshards after forward
+    resharding = fsdp and lay.distributed_optimizer and lay.dims.pp == 1  # FSDP reshards after forward
     gathered = 2 * per_layer_params * e if resharding else 0
     opt = lay.optim
     on_device = trainable - int(trainable * opt.offload)  # the optimizer state's share kept on the device
@@ -528,15 +535,15 @@ def reference_bytes(cfg: ModelConfig, lay: Layout, m: RankMemory) -> int:
     if not lay.reference_copy:
         return 0
     e = lay.compute_bytes
-    gathered = 2 * layer_params(cfg, lay.tp, ep=lay.ep) * e if lay.dp > 1 else 0
+    gathered = 2 * layer_params(cfg, lay.dims.tp, ep=lay.dims.ep) * e if lay.dims.dp > 1 else 0
     forward = layer_activation_bytes(cfg, lay, lay.tokens) + min(lay.loss_chunk, lay.tokens) * cfg.vocab_size * 4
-    return m.num_params * e // lay.dp + gathered + forward
+    return m.num_params * e // lay.dims.dp + gathered + forward
 
 
 def kv_cache_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
-    """Keys and values of ``layers`` layers for ``micro_batch_size`` rows of ``eval_tokens`` positions on one TP rank
-    (eval's batch; a serve job's ``max_num_seqs`` slots of ``max_model_len``)."""
-    rows = 2 * layers * lay.micro_batch_size * lay.eval_tokens * (cfg.num_query_groups // lay.tp)
+    """Keys and values of ``layers`` layers for ``Layout.rows`` rows of ``eval_tokens`` positions on one TP rank
+    (eval's ``micro_batch_size``; a serve job's ``max_num_seqs`` slots of ``max_model_len``)."""
+    rows = 2 * layers * lay.rows * lay.eval_tokens * (cfg.num_query_groups // lay.dims.tp)
     return rows * cfg.kv_channels * lay.compute_bytes
 
 
@@ -550,13 +557,14 @@ def generation_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
     if not lay.generation_rows:
         return 0
     e = lay.compute_bytes if lay.lora_r is not None else max(lay.compute_bytes, lay.optim.weights)
+    whole = dataclasses.replace(lay.dims, cp=1)  # decode runs whole sequences: no context parallelism
     gen = dataclasses.replace(
-        lay, micro_batch_size=lay.generation_rows, eval_tokens=lay.seq_length, cp=1, ring=1, compute_bytes=e
+        lay, dims=whole, micro_batch_size=lay.generation_rows, eval_tokens=lay.seq_length, compute_bytes=e
     )
     rows, width = lay.generation_rows, lay.seq_length
     cache = kv_cache_bytes(cfg, gen, layers) + gqa_expansion_bytes(cfg, gen)
     prefill = layer_activation_bytes(cfg, gen, rows * width) + (rows * width**2 if lay.device_type == "cpu" else 0)
-    return cache + prefill + rows * cfg.vocab_size // lay.tp * 4
+    return cache + prefill + rows * cfg.vocab_size // lay.dims.tp * 4
 
 
 def gqa_expansion_bytes(cfg: ModelConfig, lay: Layout) -> int:
@@ -564,29 +572,30 @@ def gqa_expansion_bytes(cfg: ModelConfig, lay: Layout) -> int:
     take no GQA, so one layer's keys and values are repeated to every query head for the step's rows over the whole
     cache width, transient (measured by ``python -m engine trace`` on a serve job: 4 GiB for Qwen3-4B, 32 slots ×
     8,192 positions). On CPU serving hands SDPA the GQA directly: not counted there."""
-    heads, groups = cfg.num_attention_heads // lay.tp, cfg.num_query_groups // lay.tp
+    heads, groups = cfg.num_attention_heads // lay.dims.tp, cfg.num_query_groups // lay.dims.tp
     if lay.device_type == "cpu" or groups >= heads:
         return 0
-    return 2 * lay.micro_batch_size * heads * lay.eval_tokens * cfg.kv_channels * lay.compute_bytes
+    return 2 * lay.rows * heads * lay.eval_tokens * cfg.kv_channels * lay.compute_bytes
 
 
 def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
-    """Predicted memory of every rank, in global rank order (rank = (dp · PP + pp) · TP + tp, mesh dp × pp × tp)."""
+    """Predicted memory of every rank, in global rank order (its coordinates ``ParallelDims.coords``'s, the mesh's)."""
     stages = stage_layers(cfg, lay)
-    chunks = len(stages) // lay.pp
+    chunks = len(stages) // lay.dims.pp
     out: list[RankMemory] = []
-    for rank in range(lay.world_size):
-        tp_rank, pp_rank, dp_rank = rank % lay.tp, (rank // lay.tp) % lay.pp, rank // (lay.tp * lay.pp)
-        mine = [stages[v * lay.pp + pp_rank] for v in range(chunks)]
+    for rank in range(lay.dims.world_size):
+        at = lay.dims.coords(rank)
+        pp_rank = at.pp
+        mine = [stages[v * lay.dims.pp + pp_rank] for v in range(chunks)]
         layers = [i for chunk in mine for i in chunk]
-        first, last = pp_rank == 0, pp_rank == lay.pp - 1
+        first, last = pp_rank == 0, pp_rank == lay.dims.pp - 1
         total, trainable = _rank_params(cfg, lay, layers, first, last)
-        m = RankMemory(rank, tp_rank, pp_rank, dp_rank, layers, total, trainable if lay.train else 0)
+        m = RankMemory(rank, at.tp, pp_rank, at.dp, layers, total, trainable if lay.train else 0, cp_rank=at.cp)
         if lay.train:
             # this rank's TP slice of its layers' experts held by the other EP ranks (layer_params cuts experts by TP)
-            elsewhere = sum(expert_params(cfg, i) // lay.tp for i in layers) * (lay.ep - 1) // lay.ep
-            adapters = 0 if lay.lora_r is None else lora_layer_params(cfg, lay.tp, lay.lora_r, lay.lora_targets)
-            _fill_state(m, lay, layer_params(cfg, lay.tp, ep=lay.ep), elsewhere, adapters)
+            elsewhere = sum(expert_params(cfg, i) // lay.dims.tp for i in layers) * (lay.dims.ep - 1) // lay.dims.ep
+            adapters = 0 if lay.lora_r is None else lora_layer_params(cfg, lay.dims.tp, lay.lora_r, lay.lora_targets)
+            _fill_state(m, lay, layer_params(cfg, lay.dims.tp, ep=lay.dims.ep), elsewhere, adapters)
             m.optimizer_step = optimizer_step_bytes(cfg, lay, trainable, lay.optim.precision_aware)
             if lay.optim.offload > 0:  # the host steps its share in the same slices
                 m.host += precision_step_bytes(cfg, lay, trainable, host=True)
@@ -610,12 +619,14 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             m.activations = kv_cache_bytes(cfg, lay, len(layers)) + layer_activation_bytes(cfg, lay, tokens)
             m.activations += gqa_expansion_bytes(cfg, lay)
             if last:
-                m.loss = lay.micro_batch_size * cfg.vocab_size // lay.tp * 4
-        if lay.pp > 1:
-            m.comm += 2 * tokens * cfg.hidden_size * lay.compute_bytes // (lay.tp if lay.sequence_parallel else 1)
-        if lay.tp > 1 and lay.sequence_parallel:
+                m.loss = lay.rows * cfg.vocab_size // lay.dims.tp * 4
+        if lay.dims.pp > 1:
+            m.comm += 2 * tokens * cfg.hidden_size * lay.compute_bytes // (lay.dims.tp if lay.sequence_parallel else 1)
+        if lay.dims.tp > 1 and lay.sequence_parallel:
             m.comm += tokens * cfg.hidden_size * lay.compute_bytes
-        if lay.train and lay.ep > 1 and cfg.moe_layers:  # the all-to-all: rows (+ weight) sent, received, regrouped
+        if (
+            lay.train and lay.dims.ep > 1 and cfg.moe_layers
+        ):  # the all-to-all: rows (+ weight) sent, received, regrouped
             m.comm += 3 * tokens * cfg.moe_router_topk * (cfg.hidden_size + 1) * lay.compute_bytes
         out.append(m)
     return out

@@ -52,16 +52,16 @@ class MemoryPlan:
         return self.data_peak or self.peak
 
     def as_json(self) -> dict[str, Any]:
-        lay, data_peak = self.layout, self.data_peak
+        lay, data_peak, cp = self.layout, self.data_peak, self.layout.dims.cp
         return {
-            "ranks": [r.as_json() for r in self.ranks],
+            "ranks": [r.as_json(cp) for r in self.ranks],
             "max_total_bytes": self.decisive.total_bytes,
             "worst_case_bytes": self.peak.total_bytes,
             "this_data_bytes": None if data_peak is None else data_peak.total_bytes,
             "this_data_batch": None
             if self.data is None
             else {**dataclasses.asdict(self.data), "tokens": self.data.tokens},
-            "this_data_ranks": None if self.data_ranks is None else [r.as_json() for r in self.data_ranks],
+            "this_data_ranks": None if self.data_ranks is None else [r.as_json(cp) for r in self.data_ranks],
             "device_memory_bytes": self.device_memory_bytes,
             "fits": None if self.device_memory_bytes is None else self.decisive.total_bytes <= self.device_memory_bytes,
             "host_bytes_per_node": node_host_bytes(self.ranks, lay),
@@ -71,15 +71,14 @@ class MemoryPlan:
             "num_params": self.cfg.num_params(),
             "active_params": self.cfg.num_params(active=True),
             "layout": {
-                "world_size": lay.world_size,
-                "tp": lay.tp,
-                "pp": lay.pp,
-                "dp": lay.dp,
+                "world_size": lay.dims.world_size,
+                "tp": lay.dims.tp,
+                "pp": lay.dims.pp,
+                "dp": lay.dims.dp,
                 "virtual_chunks": (len(self.ranks[0].layers) // max(1, lay.layers_per_virtual_stage or 0))
                 if lay.layers_per_virtual_stage
                 else 1,
-                "micro_batch_size": lay.micro_batch_size,
-                "micro_batches": lay.micro_batches,
+                **_batch_json(lay),
                 "seq_length": lay.seq_length,
                 "compute_bytes": lay.compute_bytes,
                 "distributed_optimizer": lay.distributed_optimizer,
@@ -102,45 +101,36 @@ class DoesNotFit(ValueError):
         self.field, self.plan = field, plan
 
 
-def _recompute(spec: TrainSpec) -> str | None:
-    if spec.recompute_granularity:
-        return spec.recompute_granularity
-    return "selective" if spec.recompute_activations else None
-
-
 def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
     """The planner's view of a TrainSpec/EvalSpec/ServeSpec (world size from ``resources``). A serve job is planned as
     eval with ``max_num_seqs`` rows of ``max_model_len`` cached positions, its activations those of one prefill chunk
     (spread over the rows)."""
-    seq, rows = spec.seq_length or cfg.max_position_embeddings, spec.micro_batch_size
+    seq, dims = spec.seq_length or cfg.max_position_embeddings, spec.parallel_dims
     kind: dict[str, Any]
     if isinstance(spec, TrainSpec):
         kind = {
             "train": True,
-            "ep": spec.expert_model_parallel_size,  # eval and serve run every expert on each rank
-            "cp": spec.context_parallel_size,
-            "ring": spec.parallel_dims.ring_degree if spec.context_parallel_size > 1 else 1,
-            "recompute": _recompute(spec),
+            "micro_batch_size": spec.micro_batch_size,
+            "recompute": spec.recompute,
             "recompute_method": spec.recompute_method,
             "recompute_num_layers": spec.recompute_num_layers,
             "lora_r": spec.lora_r,
-            "lora_targets": tuple(resolve_targets(spec.lora_target_modules)) if spec.lora_r else MEGATRON_TARGETS,
+            "lora_targets": tuple(resolve_targets(spec.lora_target_modules)) if spec.is_lora else MEGATRON_TARGETS,
             "loss_chunk": spec.cross_entropy_chunk_size,
             "optim": optimizer_bytes(spec),
             **_preference_layout(spec),
         }
-    elif isinstance(spec, ServeSpec):
-        seq, rows = max(1, spec.max_num_batched_tokens // spec.max_num_seqs), spec.max_num_seqs
-        kind = {"train": False, "eval_tokens": spec.max_model_len}
-    else:
-        kind = {"train": False, "eval_tokens": seq + spec.max_new_tokens}
+    else:  # eval and serve run every expert on each rank
+        dims = dataclasses.replace(dims, ep=1)
+        if isinstance(spec, ServeSpec):
+            seq = max(1, spec.max_num_batched_tokens // spec.max_num_seqs)
+            kind = {"train": False, "max_num_seqs": spec.max_num_seqs, "eval_tokens": spec.max_model_len}
+        else:
+            kind = {"train": False, "micro_batch_size": spec.micro_batch_size, "eval_tokens": seq + spec.max_new_tokens}
     return Layout(
-        world_size=spec.resources.world_size,
+        dims=dims,
         nnodes=spec.resources.nnodes,
-        tp=spec.tensor_model_parallel_size,
-        pp=spec.pipeline_model_parallel_size,
-        micro_batch_size=rows,
-        global_batch_size=spec.global_batch_size,
+        global_batch_size=spec.effective_global_batch_size,
         seq_length=seq,
         compute_bytes=2 if (spec.bf16 or spec.fp16) else 4,
         distributed_optimizer=spec.use_distributed_optimizer,
@@ -150,6 +140,23 @@ def layout_from_spec(spec: ModelSpec, cfg: ModelConfig) -> Layout:
         device_type=spec.resources.device_type,
         **kind,
     )
+
+
+def _batch_json(lay: Layout) -> dict[str, int]:
+    """The plan's batch in the spec's own words: a serve job's ``max_num_seqs``, else the micro-batches."""
+    if lay.max_num_seqs is not None:
+        return {"max_num_seqs": lay.max_num_seqs}
+    return {"micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches}
+
+
+def _batch_text(lay: Layout) -> str:
+    """The batch for messages, in the spec's own words."""
+    name, rows = (
+        ("max_num_seqs", lay.max_num_seqs)
+        if lay.max_num_seqs is not None
+        else ("micro_batch_size", lay.micro_batch_size)
+    )
+    return f"{name} {rows}"
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -175,10 +182,7 @@ def _preference_layout(spec: TrainSpec) -> dict[str, Any]:
     no gradients or optimizer state yet, so it never sets the peak). Stage grpo: each rank decodes its groups'
     completions at once (``generation_rows``), and beta != 0 keeps a frozen reference (none under LoRA)."""
     if spec.stage == "grpo":
-        dp = spec.resources.world_size // (
-            spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size * spec.context_parallel_size
-        )
-        rows = (spec.global_batch_size or spec.micro_batch_size * dp) // max(1, dp)
+        rows = spec.effective_global_batch_size // spec.parallel_dims.dp
         return {"generation_rows": rows, "reference_copy": spec.beta != 0 and not spec.is_lora}
     if spec.stage != "dpo":
         return {}
@@ -196,8 +200,7 @@ def plan_spec(spec: ModelSpec, model: str | None = None, device_memory_bytes: in
     lay = layout_from_spec(spec, cfg)
     plan = MemoryPlan(cfg, source, lay, plan_ranks(cfg, lay), device_memory_bytes)
     if isinstance(spec, TrainSpec):
-        gbs = lay.global_batch_size or lay.micro_batch_size * lay.dp
-        plan.data = largest_micro_batch(spec, gbs, lay.seq_length)
+        plan.data = largest_micro_batch(spec, spec.effective_global_batch_size, lay.seq_length)
     if plan.data is not None:
         sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width)
         plan.data_ranks = plan_ranks(cfg, sized)
@@ -206,7 +209,7 @@ def plan_spec(spec: ModelSpec, model: str | None = None, device_memory_bytes: in
 
 def node_host_bytes(ranks: list[RankMemory], lay: Layout) -> int:
     """The most host memory one node's ranks take (offloaded optimizer state; a node holds consecutive ranks)."""
-    per_node = max(1, lay.world_size // max(1, lay.nnodes))
+    per_node = max(1, lay.dims.world_size // max(1, lay.nnodes))
     return max((sum(r.host for r in ranks[i : i + per_node]) for i in range(0, len(ranks), per_node)), default=0)
 
 
@@ -274,9 +277,9 @@ def _figures(plan: MemoryPlan) -> str:
     )
 
 
-def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
+def _remedies(plan: MemoryPlan, spec: TrainSpec, device_memory_bytes: int) -> list[str]:
     """Single changes that would make the job fit, each with its new peak: recompute, then smaller micro-batches
-    (planned at their worst case, so what is offered surely fits)."""
+    (planned at their worst case, so what is offered surely fits; the global batch the spec would then have)."""
     lay = plan.layout
     sized = dataclasses.replace(lay, batch_rows=plan.data.rows, batch_width=plan.data.width) if plan.data else lay
     tries: list[tuple[str, Layout]] = []
@@ -295,7 +298,8 @@ def _remedies(plan: MemoryPlan, device_memory_bytes: int) -> list[str]:
         tries += [(label, dataclasses.replace(sized, optim=optim)) for label, optim in options.items()]
     mbs = lay.micro_batch_size // 2
     while mbs >= 1:
-        tries.append((f"micro_batch_size {mbs}", dataclasses.replace(lay, micro_batch_size=mbs)))
+        gbs = spec.model_copy(update={"micro_batch_size": mbs}).effective_global_batch_size
+        tries.append((f"micro_batch_size {mbs}", dataclasses.replace(lay, micro_batch_size=mbs, global_batch_size=gbs)))
         mbs //= 2
     out = []
     for label, tried in tries:
@@ -321,9 +325,9 @@ def check_fits(
     if worst.total_bytes <= device_memory_bytes:
         return plan
     lay = plan.layout
-    remedies = _remedies(plan, device_memory_bytes) if lay.train else []
+    remedies = _remedies(plan, spec, device_memory_bytes) if isinstance(spec, TrainSpec) else []
     if worst.persistent_bytes > device_memory_bytes:
-        field = "resources" if lay.dp > 1 or lay.world_size == 1 else "pipeline_model_parallel_size"
+        field = "resources" if lay.dims.dp > 1 or lay.dims.world_size == 1 else "pipeline_model_parallel_size"
         advice = (
             "weights and optimizer state alone exceed the device: spread them over more devices "
             "(resources, tensor_model_parallel_size, pipeline_model_parallel_size"
@@ -339,17 +343,20 @@ def check_fits(
             "global_batch_size (fewer prompts per step) or seq_length (prompt + max_completion_length), or spread "
             "the groups over more data-parallel ranks"
         )
-    else:
-        field = "micro_batch_size"
+    else:  # a serve job's rows are its max_num_seqs (micro_batch_size is a training field it refuses)
+        field = "micro_batch_size" if lay.max_num_seqs is None else "max_num_seqs"
+        length = "seq_length" if lay.max_num_seqs is None else "max_num_batched_tokens"
         advice = (
             "activations overflow the device: "
-            + (f"it would fit with {' or '.join(remedies)}" if remedies else "lower micro_batch_size or seq_length")
+            + (f"it would fit with {' or '.join(remedies)}" if remedies else f"lower {field} or {length}")
             + ", or raise pipeline_model_parallel_size / tensor_model_parallel_size"
         )
+    dims = lay.dims
+    cp, cp_rank = (f" × CP {dims.cp}", f", CP {worst.cp_rank}") if dims.cp > 1 else ("", "")
     message = (
-        f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}) needs {_figures(plan)}, "
-        f"but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
-        f"TP {lay.tp} × PP {lay.pp} × DP {lay.dp}, micro_batch_size {lay.micro_batch_size}, "
+        f"rank {worst.rank} (TP {worst.tp_rank}, PP {worst.pp_rank}, DP {worst.dp_rank}{cp_rank}) needs "
+        f"{_figures(plan)}, but a device has {_gib(device_memory_bytes)} ({breakdown(worst)}; "
+        f"TP {dims.tp} × PP {dims.pp} × DP {dims.dp}{cp}, {_batch_text(lay)}, "
         f"seq_length {lay.seq_length}); {advice}"
     )
     raise DoesNotFit(field, message, plan)

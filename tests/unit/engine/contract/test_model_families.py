@@ -59,7 +59,7 @@ def test_the_planner_reads_the_family_anatomy(monkeypatch: pytest.MonkeyPatch) -
     h, f = qwen.hidden_size, qwen.ffn_hidden_size
     assert layer_params(qwen, 1) - layer_params(other, 1) == h * f  # the gate matrix
     assert qwen.num_params() - other.num_params() == qwen.num_layers * h * f
-    lay, tokens = Layout(world_size=1, device_type="cuda"), 16
+    lay, tokens = Layout(device_type="cuda"), 16
     a, g, d, e = qwen.num_attention_heads, qwen.num_query_groups, qwen.kv_channels, lay.compute_bytes
     qk = e * a * d + 4 * a + e * g * d + 4 * g  # the q and k norms' inputs and rstd
     gate = e * f  # fc1's second output

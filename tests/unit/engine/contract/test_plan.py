@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from engine.contract.layout import ParallelDims
 from engine.contract.model_config import preset
 from engine.contract.plan import DoesNotFit, Layout, check_fits, plan_ranks, plan_spec
 from engine.contract.plan.cli import split_torchrun
@@ -80,10 +81,10 @@ def test_recompute_and_micro_batch_scale_activations() -> None:
 
 
 def test_interleaved_schedule_holds_megatron_warmup_chunks() -> None:
-    lay = Layout(world_size=4, pp=4, micro_batch_size=1, global_batch_size=8, layers_per_virtual_stage=1)
+    lay = Layout(dims=ParallelDims(pp=4), micro_batch_size=1, global_batch_size=8, layers_per_virtual_stage=1)
     assert [in_flight(lay, p, chunks=2) for p in range(4)] == [11, 9, 7, 5]
     ranks = plan_ranks(
-        preset("qwen3-tiny"), Layout(world_size=2, pp=2, global_batch_size=4, layers_per_virtual_stage=1)
+        preset("qwen3-tiny"), Layout(dims=ParallelDims(pp=2), global_batch_size=4, layers_per_virtual_stage=1)
     )
     assert [r.layers for r in ranks] == [[0], [1]]
 

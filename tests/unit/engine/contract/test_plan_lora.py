@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.contract.layout import ParallelDims
 from engine.contract.model_config import preset
 from engine.contract.plan import Layout, plan_ranks
 from engine.contract.plan.memory import (
@@ -16,7 +17,7 @@ from engine.contract.plan.memory import (
 )
 
 CFG = preset("qwen3-4b")
-FULL = Layout(world_size=2, pp=2, micro_batch_size=2, global_batch_size=8, seq_length=256, compute_bytes=2)
+FULL = Layout(dims=ParallelDims(pp=2), micro_batch_size=2, global_batch_size=8, seq_length=256, compute_bytes=2)
 LORA = dataclasses.replace(FULL, lora_r=16)
 
 
@@ -44,9 +45,9 @@ def test_lora_backward_working_set_overlaps_the_loss() -> None:
 
 
 def test_frozen_base_counted_once_and_dp_buffers_for_adapters_only() -> None:
-    one = plan_ranks(CFG, dataclasses.replace(LORA, world_size=1, pp=1))[0]
+    one = plan_ranks(CFG, dataclasses.replace(LORA, dims=ParallelDims()))[0]
     assert one.params == (one.num_params - one.trainable_params) * 2  # one bf16 copy, no gathered one
-    dp2 = dataclasses.replace(LORA, world_size=2, pp=1, global_batch_size=4)
+    dp2 = dataclasses.replace(LORA, dims=ParallelDims(dp=2), global_batch_size=4)
     full_dp2 = dataclasses.replace(dp2, lora_r=None)
     adapters = lora_layer_params(CFG, 1, 16, LORA.lora_targets)
     assert plan_ranks(CFG, dp2)[0].comm == 2 * adapters * 4

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from engine.contract.layout import ParallelDims
 from engine.contract.plan.memory import GIB, Layout, OptimizerBytes, plan_ranks, precision_step_bytes
 from engine.contract.plan.planner import (
     HOST_MEMORY_KEY,
@@ -66,7 +67,7 @@ def _qwen3_32b(**fields: Any) -> Any:
 def test_bytes_per_parameter(optim: OptimizerBytes, device: int, host: int, traffic: int):
     """One rank, bf16: the persistent bytes per trainable parameter of each option."""
     cfg = preset("qwen3-0.6b")
-    lay = Layout(world_size=1, compute_bytes=2, optim=optim)
+    lay = Layout(compute_bytes=2, optim=optim)
     (rank,) = plan_ranks(cfg, lay)
     n = rank.trainable_params
     assert rank.persistent_bytes / n == pytest.approx(device, abs=1e-3)
@@ -86,17 +87,17 @@ def test_fsdp_holds_the_same_gathered_layers_and_buffers_at_one_dp_rank(world_si
 
     cfg = preset("qwen3-0.6b")
     optim = OptimizerBytes(main_grads, 4, 4, 4, precision_aware=main_grads == 2)
-    lay = Layout(world_size=world_size, compute_bytes=2, distributed_optimizer=True, optim=optim)
+    lay = Layout(dims=ParallelDims(dp=world_size), compute_bytes=2, distributed_optimizer=True, optim=optim)
     (rank, *_) = plan_ranks(cfg, lay)
     per_layer = layer_params(cfg, 1)
     assert rank.params == 2 * per_layer * 2
     assert rank.comm >= 2 * per_layer * 4
     # without reshard-after-forward every weight's compute copy stays from forward to backward, at DP 1 too
-    (kept, *_) = plan_ranks(cfg, Layout(world_size=world_size, compute_bytes=2, optim=optim))
+    (kept, *_) = plan_ranks(cfg, Layout(dims=ParallelDims(dp=world_size), compute_bytes=2, optim=optim))
     assert kept.params == kept.trainable_params * 2
     # fp32 at one rank: no FSDP, no copy, no reduce-scatter buffers
     if world_size == 1:
-        (plain,) = plan_ranks(cfg, Layout(world_size=1, compute_bytes=4, distributed_optimizer=True))
+        (plain,) = plan_ranks(cfg, Layout(compute_bytes=4, distributed_optimizer=True))
         assert plain.params == 0 and plain.comm < 2 * per_layer * 4
 
 
