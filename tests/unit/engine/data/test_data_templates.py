@@ -120,7 +120,7 @@ def test_qwen_template_has_no_thinking_rules(tok):
     ids, labels = encode_conversation(tok, [SYSTEM, USER, ANSWER], "qwen", "false")
     text = tok.decode(ids.tolist())
     assert "<think>" not in text
-    # MindSpeed's qwen: the answer ends with <|im_end|> and no newline (tests/unit/test_data_qwen_template.py)
+    # MindSpeed's qwen: the answer ends with <|im_end|> and no newline (tests/unit/engine/data/test_data_qwen_template.py)
     assert text == hf_text(tok, [SYSTEM, USER, ANSWER]).replace(EMPTY_THOUGHT, "").removesuffix("\n")
     assert trained_text(tok, ids, labels) == "闲聊百科_知识查询<|im_end|>"
 
