@@ -1,6 +1,6 @@
 """The model-family seam: torch-free descriptors (engine.contract.families) and their runtime builders
 (engine.model.families); the planner reads a family's anatomy. Submission refusing another family by name:
-tests/unit/test_submission_mistakes.py."""
+tests/unit/app/test_submission_mistakes.py."""
 
 from __future__ import annotations
 
