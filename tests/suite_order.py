@@ -19,9 +19,9 @@ def longest_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
     Why: the xdist stage ends when its last test does, and a 5-minute test drawn near the end of the random order keeps
     one worker busy while the other has nothing left (longest-first is the classic fix). The sort is stable, so the
     order within each rank of length, and within each module, is still pytest-randomly's (same seed, same order: it
-    documents stable sorts on top of its shuffle as reproducible). Modules stay whole so module fixtures start once
-    per worker. With the Makefile's `--maxschedchunk 1` xdist hands each worker one test at a time in this order;
-    without it the first worker's first chunk (an eighth of the suite) would hold every long test."""
+    documents stable sorts on top of its shuffle as reproducible). With the Makefile's `--dist loadfile
+    --no-loadscope-reorder` xdist hands a free worker the next whole module in this order (without
+    `--no-loadscope-reorder` it would sort modules by their number of tests instead)."""
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
