@@ -402,6 +402,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # the listen backlog (socketserver's default is 5): a burst of 32 clients connecting at once was reset
+    # ("Connection reset by peer") beyond it before the accept loop caught up
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], deployment: Deployment) -> None:
         super().__init__(address, _Handler)
