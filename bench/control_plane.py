@@ -6,10 +6,10 @@ as the broker (``--redis``, default db 5; this run's queues are deleted afterwar
 
 - ``hosts`` simulated 8-device ``cuda`` hosts register (``worker.hosts.register_host``) and heart-beat, one beat per
   host every ``heartbeat_interval_s``: from two child processes, the hosts due in each 0.25 s stamped in one
-  statement (``beat_many``) and a backstop scheduling pass after each as a worker's beat runs; their housekeeping
-  (``finish_parked``, ``sweep_host``) in a thread beside the simulated nodes. The simulator and the API's load
-  clients run at the lowest CPU priority (nice 19: they stand for other machines), so the API, the scheduler and
-  PostgreSQL get the CPU they need on a shared 2-core machine;
+  statement (``beat_many``); the rest of each beat (``finish_parked``, ``sweep_host``, then the backstop scheduling
+  pass) where that host's nodes run (``run_nodes``). The simulator and the API's load clients run at the lowest CPU
+  priority (nice 19: they stand for other machines), so the API, the scheduler and PostgreSQL get the CPU they need
+  on a shared 2-core machine;
 - ``10 × hosts`` train jobs of mixed gang sizes (1×1 .. 4×8 devices) are queued first (``core.jobs.create_job``, the
   API's own insert, as if submitted earlier and already dispatched), and untimed passes start the hosts' first jobs
   from them (``fill_cluster``: the load begins on a full cluster; each measuring process's first pass, which
@@ -20,12 +20,17 @@ as the broker (``--redis``, default db 5; this run's queues are deleted afterwar
   in a child process of their own (the API's users are not in a worker's process: see ``load_process``);
 - each node granted to a simulated host runs the worker's steps with no engine: claimed, running, exited 0 at once
   with a ``result.json`` (``worker.node.claim_node``, ``mark_running``, ``finish_node``, ``after_node``: the job
-  succeeds, its leases are released and a scheduling pass follows, as on a real worker). The node's "run node"
-  message still goes to Redis; the simulator reads ``job_nodes`` instead of consuming it.
+  succeeds, its leases are released and a scheduling pass follows, as on a real worker), at normal priority, in
+  ``--runners`` child processes (each for a share of the hosts, one node at a time: a pass shares its interpreter
+  with no other node's steps, as in a worker on its own host). The node's "run node" message still goes to Redis;
+  the simulator reads ``job_nodes`` instead of consuming it.
 
 Figures per scale: ``schedule_p99_ms`` (one pass with the scheduler lock held, every pass this process ran: after
 node exits and on heartbeats) and ``schedule_cpu_p99_ms`` (the same passes' own CPU time, ``time.thread_time``: the
-control plane's cost whatever else shares the CPUs), ``schedule_quiet_p99_ms`` (``--quiet-passes`` passes after the load, alone on the
+control plane's cost whatever else shares the CPUs), ``schedule_wall_split_ms`` (where the wall time of the median
+and of the slowest 1% of passes went: own CPU, runnable waiting for a CPU (``/proc/thread-self/schedstat``), off the
+CPU (PostgreSQL's answers, row locks, the GIL) and inside statements), ``schedule_p99_ms_by_where`` (after a node's
+exit, a beat's backstop, the reconciler), ``schedule_quiet_p99_ms`` (``--quiet-passes`` passes after the load, alone on the
 machine: the pass's own cost), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
 README's load table targets 2 and 4), ``reconcile_s`` (one ``reconcile_once`` at the end of the load, the hosts
 still heart-beating and the API up, with how many hosts it judged down; ``reconcile_cpu_s`` its own CPU time),
@@ -33,7 +38,9 @@ still heart-beating and the API up, with how many hosts it judged down; ``reconc
 ``pg_total_relation_size`` with indexes and TOAST, dead rows included, less the submissions' own rows, per 1,000 jobs
 finished: a submission's rows (job, spec, event and their index entries) are measured on the backlog's inserts
 (``submission_kib``) and ``jobs_submitted`` times that is subtracted, since submissions outrun finished jobs 3-4 to 1
-here and are not what a job's run costs; ``db_growth_with_submissions_mib_per_1000_finished`` keeps them), ``heartbeat_lag_p99_s`` (a beat's commit past its due time), ``hosts_judged_down_during_load`` (the
+here and are not what a job's run costs; ``db_growth_with_submissions_mib_per_1000_finished`` keeps them; by
+table with and without each table's share of the submissions, and ``db_row_writes_per_finished_job``: each table's
+inserts, updates, HOT updates (no new index entries) and deletes, ``pg_stat_user_tables``), ``heartbeat_lag_p99_s`` (a beat's commit past its due time), ``hosts_judged_down_during_load`` (the
 API leader's host verdicts through the load, ``host_stale_after_s`` as deployed: 30 s) and ``nodes_lost``. ``growth`` gives each figure's factor from one scale to the next against the host factor
 (``linear`` when it grows no faster than the hosts do, with 50% slack). Targets (``TARGETS``, issue 47) at the largest
 scale: pass CPU p99 <= 50 ms, wall p99 <= 200 ms, heartbeat lag p99 <= 5 s, no host judged down, no node lost,
@@ -61,15 +68,14 @@ import itertools
 import json
 import multiprocessing
 import os
-import queue
 import random
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -125,17 +131,42 @@ def train_spec(data: str, gang: tuple[int, int], name: str) -> dict[str, Any]:
     }
 
 
+def runqueue_ns() -> int:
+    """This thread's time spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``'s second field): the
+    part of a pass's wall time the kernel gave to other processes. 0 where the kernel does not report it."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 class PassClock:
-    """Times every scheduling pass of this process: from the scheduler lock taken to the pass's end (and the wait)."""
+    """Times every scheduling pass of this process: from the scheduler lock taken to the pass's end (and the wait),
+    and splits each pass's wall time: its own CPU time (``time.thread_time``), its time runnable but waiting for a
+    CPU (``runqueue_ns``), the rest off the CPU (waiting on PostgreSQL's answers, a row lock, or this interpreter's
+    GIL), and beside them the time inside its statements (cursor execute, their client-side CPU included)."""
+
+    SERIES = ("held_ms", "cpu_ms", "runq_ms", "db_ms", "where", "pass_grants", "wait_ms")
 
     def __init__(self) -> None:
         self.held_ms: list[float] = []
         self.cpu_ms: list[float] = []  # beside held_ms: the pass's own CPU time (time.thread_time), load or not
+        self.runq_ms: list[float] = []  # beside held_ms: runnable, waiting for a CPU
+        self.db_ms: list[float] = []  # beside held_ms: inside its statements' cursor.execute
+        self.where: list[str] = []  # beside held_ms: which step ran it (``label``)
         self.pass_grants: list[int] = []  # per pass, beside held_ms: what the slowest passes did
         self.wait_ms: list[float] = []
         self.grants = 0
+        self.label = "node"  # set by the caller before a pass: "node" (after a node's exit), "backstop", "quiet"
         self._local = threading.local()
         self._lock, self._pass = scheduler.lock, scheduler._pass
+
+    def _before_statement(self, *args: Any) -> None:
+        self._local.statement = time.perf_counter()
+
+    def _after_statement(self, *args: Any) -> None:
+        if getattr(self._local, "db", None) is not None and getattr(self._local, "statement", None) is not None:
+            self._local.db += time.perf_counter() - self._local.statement
 
     def install(self) -> None:
         def lock(session: Any) -> None:
@@ -143,29 +174,52 @@ class PassClock:
             self._lock(session)
             self._local.locked = time.perf_counter()
             self._local.cpu = time.thread_time()
+            self._local.runq = runqueue_ns()
+            self._local.db = 0.0
             self.wait_ms.append((self._local.locked - began) * 1000)
 
         def timed_pass(session: Any, settings: Settings) -> list[scheduler.Grant]:
             grants = self._pass(session, settings)
             self.held_ms.append((time.perf_counter() - self._local.locked) * 1000)
             self.cpu_ms.append((time.thread_time() - self._local.cpu) * 1000)
+            self.runq_ms.append((runqueue_ns() - self._local.runq) / 1e6)
+            self.db_ms.append(self._local.db * 1000)
+            self._local.db = None
+            self.where.append(self.label)
             self.pass_grants.append(len(grants))
             self.grants += len(grants)
             return grants
 
         scheduler.lock, scheduler._pass = lock, timed_pass  # type: ignore[assignment]
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", self._before_statement)
+        sa.event.listen(sa.engine.Engine, "after_cursor_execute", self._after_statement)
+
+    def merge(self, got: dict[str, Any]) -> None:
+        """Add a child process's passes (``figures``) to this clock."""
+        for name in self.SERIES:
+            getattr(self, name).extend(got[name])
+        self.grants += got["grants"]
+
+    def figures(self) -> dict[str, Any]:
+        return {**{name: getattr(self, name) for name in self.SERIES}, "grants": self.grants}
 
     def quiet(self, settings: Settings, passes: int) -> tuple[list[float], list[float]]:
         """``passes`` full passes with nothing else running (the load stopped): the pass's own cost at this scale
         (wall, CPU), next to the loaded figure, where 2 CPUs are shared with the API, PostgreSQL and every simulated
         host."""
-        first = len(self.held_ms)
+        first, self.label = len(self.held_ms), "quiet"
         for _ in range(passes):
             scheduler.schedule(settings)
         return self.held_ms[first:], self.cpu_ms[first:]
 
     def uninstall(self) -> None:
         scheduler.lock, scheduler._pass = self._lock, self._pass  # type: ignore[assignment]
+        for name, listener in (
+            ("before_cursor_execute", self._before_statement),
+            ("after_cursor_execute", self._after_statement),
+        ):
+            if sa.event.contains(sa.engine.Engine, name, listener):
+                sa.event.remove(sa.engine.Engine, name, listener)
 
 
 def guarded(errors: list[str], what: str, step: Callable[[], object]) -> None:
@@ -178,37 +232,28 @@ def guarded(errors: list[str], what: str, step: Callable[[], object]) -> None:
 def lowest_priority() -> None:
     """This process (or thread, on Linux) at the lowest CPU priority: the simulated hosts and the API's clients
     stand for other machines; here they must not take the CPU from the API, the scheduler and PostgreSQL."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    at_priority(19)
 
 
-def beat_hosts(
-    settings: Settings, names: list[str], stop: Any, out: Any, silenced: Any = None, settle: bool = True
-) -> None:
+def at_priority(nice: int) -> None:
+    """This thread's nice value (Linux: per thread). Going back up to 0 needs CAP_SYS_NICE; without it the thread
+    stays where it was (the run then under-states what a worker's own steps get, never the control plane's cost)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except PermissionError:
+        pass
+
+
+def beat_hosts(settings: Settings, names: list[str], stop: Any, out: Any, silenced: Any = None) -> None:
     """A child process at the lowest priority: the heartbeat of ``names``, each every ``heartbeat_interval_s``, the
     hosts due in each ``BEAT_SLOT_S`` stamped in one statement (``worker.hosts.beat_many``: recorded without
-    contention), and the backstop scheduling pass a worker's beat runs, in a thread of its own so it never delays a
-    stamp (each host's worker is its own process; their sweeps run in the parent, ``SimulatedHosts._housekeep``). Sends its passes' times, each beat's lag (its commit time past its due time) and its errors to ``out``
-    when ``stop`` is set. Once ``silenced`` is set, ``SILENCED`` (if among ``names``) beats no more: a host that
-    really stopped."""
+    contention). The rest of a worker's beat (its housekeeping and backstop pass) runs where the nodes run
+    (``run_nodes``). Sends each beat's lag (its commit time past its due time) and its errors to ``out`` when
+    ``stop`` is set. Once ``silenced`` is set, ``SILENCED`` (if among ``names``) beats no more: a host that really
+    stopped."""
     lowest_priority()
-    clock, errors, lags = PassClock(), list[str](), list[float]()
-    scheduler.schedule(settings)  # untimed: this process's first pass compiles its statements
-    if settle:  # as a worker does once started (``core.gc_tuning``)
-        settle_heap()
-    clock.install()
+    errors, lags = list[str](), list[float]()
     interval = settings.heartbeat_interval_s
-    chores: queue.SimpleQueue[str] = queue.SimpleQueue()
-
-    def housekeeping() -> None:  # the backstop pass a worker's beat runs (its sweep runs where the nodes run)
-        while not stop.is_set():
-            try:
-                chores.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            guarded(errors, "heartbeat pass", lambda: scheduler.schedule(settings, backstop=True))
-
-    helper = threading.Thread(target=housekeeping, daemon=True)
-    helper.start()
     began = time.monotonic()
     due = {name: began + interval * i / len(names) for i, name in enumerate(names)}
     while not stop.wait(BEAT_SLOT_S):
@@ -223,29 +268,79 @@ def beat_hosts(
         for name in batch:
             lags.append(max(0.0, done - due[name]))
             due[name] += interval * max(1, int((done - due[name]) // interval) + 1)  # a missed beat is not made up
-            if chores.qsize() < len(names):  # housekeeping that falls behind is skipped, not queued without end
-                chores.put(name)
-    helper.join(timeout=10)
-    out.put(
-        {
-            "held_ms": clock.held_ms,
-            "cpu_ms": clock.cpu_ms,
-            "pass_grants": clock.pass_grants,
-            "wait_ms": clock.wait_ms,
-            "grants": clock.grants,
-            "lags": lags,
-            "errors": errors,
-        }
-    )
+    out.put({"kind": "beats", "lags": lags, "errors": errors})
+
+
+def run_nodes(settings: Settings, names: list[str], stop: Any, out: Any, settle: bool = True) -> None:
+    """A child process standing for the workers of ``names``: each node granted to them runs the worker's steps
+    with no engine (``run_node``), one at a time in this process's one thread, so a node's scheduling pass never
+    waits for this interpreter's lock behind another node's steps, as on a real cluster, where each host's worker
+    is a process of its own on its own host. (With every node of the fleet in one process's thread pool beside the
+    simulator's housekeeping threads at the lowest priority, a pass mostly waited for the GIL: held by a thread the
+    kernel had descheduled.) Between nodes, each host's beat housekeeping as its worker does it: parked exits and
+    the lease sweep at the lowest priority (they stand for other machines), then the backstop pass at normal
+    priority, timed like the others. Sends the passes' times, the nodes run and the errors to ``out``."""
+    clock, errors, mine, seen, done = PassClock(), list[str](), set(names), set[int](), 0
+    scheduler.schedule(settings)  # untimed: this process's first pass compiles its statements
+    if settle:  # as a worker does once started (``core.gc_tuning``)
+        settle_heap()
+    clock.install()
+    interval = settings.heartbeat_interval_s
+    began = time.monotonic()
+    due = {name: began + interval * i / len(names) for i, name in enumerate(names)}
+    while not stop.wait(0.1):
+        try:
+            with session_scope(settings.database_url) as session:
+                assigned = session.execute(
+                    sa.select(JobNode.id, JobNode.job_id, JobNode.attempt, JobNode.node_rank, JobNode.host).where(
+                        JobNode.state == NodeState.assigned.value
+                    )
+                ).all()
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"watch: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        for node_id, job_id, attempt, rank, host in assigned:
+            if host in mine and node_id not in seen and not stop.is_set():
+                seen.add(node_id)
+                clock.label = "node"
+                guarded(errors, "node", lambda a=(job_id, attempt, rank, host): run_node(settings, *a))
+                done += 1
+        now = time.monotonic()
+        for name in [n for n in names if due[n] <= now]:
+            if stop.is_set() or time.monotonic() - now > HOUSEKEEPING_SLICE_S:
+                break  # back to the nodes: the hosts left wait for the next round (a missed round is not made up)
+            due[name] += interval * max(1, int((now - due[name]) // interval) + 1)  # a missed round is not made up
+            at_priority(19)
+            guarded(errors, "finish_parked", lambda n=name: finish_parked(settings, n))
+            guarded(errors, "sweep_host", lambda n=name: sweep_host(settings, n))
+            at_priority(0)
+            clock.label = "backstop"
+            guarded(errors, "heartbeat pass", lambda: scheduler.schedule(settings, backstop=True))
+    out.put({"kind": "nodes", **clock.figures(), "nodes_done": done, "errors": errors})
+
+
+def run_node(settings: Settings, job_id: str, attempt: int, rank: int, host: str) -> None:
+    """``worker.node.run_node`` with the engine replaced by an immediate exit 0."""
+    with running_here(node_token(job_id, attempt, rank)):
+        work = claim_node(settings, job_id, attempt, rank, host)
+        if work is None:
+            return
+        mark_running(settings, work, os.getpid(), ["simulated"], host)
+        if rank == 0:
+            work.run_dir.mkdir(parents=True, exist_ok=True)
+            (work.run_dir / "result.json").write_text(json.dumps({"kind": "train", "outputs": {}, "summary": {}}))
+        finish_node(settings, work, 0, None, None, time.monotonic() + 60)
+        after_node(settings, job_id)
 
 
 BEAT_SLOT_S = 0.25
+HOUSEKEEPING_SLICE_S = 0.05  # at most this long on housekeeping between two looks for granted nodes
 SILENCED = "sim-0000"  # the host that stops beating after a starvation run (``--starve``)
 
 
 class SimulatedHosts:
-    """``names`` heart-beating as workers do (``beaters`` child processes); each node granted to them exits 0 at once
-    through the worker's steps (threads of this process)."""
+    """``names`` heart-beating as workers do (``beaters`` child processes at the lowest priority); their nodes run
+    the worker's steps in ``runners`` child processes (``run_nodes``), each for a share of the hosts."""
 
     def __init__(
         self,
@@ -256,101 +351,80 @@ class SimulatedHosts:
         beaters: int = 2,
         settle: bool = True,
     ):
-        self.settings, self.names, self.clock = settings, names, clock
-        self.stop = threading.Event()
-        self.pool = ThreadPoolExecutor(runners, thread_name_prefix="node")
-        self.seen: set[int] = set()
+        self.clock = clock
         self.nodes_done = 0
         self.errors: list[str] = []
         self.beat_lags: list[float] = []
-        self.threads = [
-            threading.Thread(target=self._watch, daemon=True),
-            threading.Thread(target=self._housekeep, daemon=True),
-        ]
+        self.closed = False
         spawn = multiprocessing.get_context("spawn")  # no forked copy of this process's pooled connections
-        self.beat_stop, self.beat_out, self.silenced = spawn.Event(), spawn.Queue(), spawn.Event()
-        self.beaters = [
-            spawn.Process(
-                target=beat_hosts,
-                args=(settings, names[i::beaters], self.beat_stop, self.beat_out, self.silenced, settle),
-            )
+        self.stop, self.out, self.silenced = spawn.Event(), spawn.Queue(), spawn.Event()
+        self.children = [
+            spawn.Process(target=beat_hosts, args=(settings, names[i::beaters], self.stop, self.out, self.silenced))
             for i in range(beaters)
+        ] + [
+            spawn.Process(target=run_nodes, args=(settings, names[i::runners], self.stop, self.out, settle))
+            for i in range(runners)
         ]
 
     def start(self) -> None:
-        for process in self.beaters:
+        for process in self.children:
             process.start()
-        for thread in self.threads:
-            thread.start()
 
     def close(self) -> None:
-        if self.stop.is_set():
+        if self.closed:
             return
+        self.closed = True
         self.stop.set()
-        self.beat_stop.set()
-        for _ in self.beaters:  # each child's passes join this process's clock
-            got = self.beat_out.get(timeout=120)
-            self.clock.held_ms += got["held_ms"]
-            self.clock.cpu_ms += got["cpu_ms"]
-            self.clock.pass_grants += got["pass_grants"]
-            self.clock.wait_ms += got["wait_ms"]
-            self.clock.grants += got["grants"]
-            self.beat_lags += got["lags"]
+        for _ in self.children:  # each child's figures join this process's
+            got = self.out.get(timeout=180)
             self.errors += got["errors"]
-        for process in self.beaters:
+            if got["kind"] == "beats":
+                self.beat_lags += got["lags"]
+            else:
+                self.clock.merge(got)
+                self.nodes_done += got["nodes_done"]
+        for process in self.children:
             process.join(timeout=60)
-        for thread in self.threads:
-            thread.join(timeout=60)
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _guard(self, what: str, step: Callable[[], object]) -> None:
-        guarded(self.errors, what, step)
 
-    def _watch(self) -> None:
-        """Stands in for each host's queue: nodes assigned to a simulated host start at once."""
-        lowest_priority()  # this thread only: the simulated nodes' own steps (their passes) run at normal priority
-        while not self.stop.wait(0.2):
-            try:
-                with session_scope(self.settings.database_url) as session:
-                    rows = session.execute(
-                        sa.select(JobNode.id, JobNode.job_id, JobNode.attempt, JobNode.node_rank, JobNode.host).where(
-                            JobNode.state == NodeState.assigned.value
-                        )
-                    ).all()
-            except Exception as err:  # noqa: BLE001
-                self.errors.append(f"watch: {err}")
-                continue
-            for node_id, job_id, attempt, rank, host in rows:
-                if node_id not in self.seen:
-                    self.seen.add(node_id)
-                    self.pool.submit(self._guard, "node", lambda a=(job_id, attempt, rank, host): self._run(*a))
+def p99_by_where(clock: PassClock, passes: int) -> dict[str, list[float]]:
+    """Per step that ran them (``PassClock.label``): the passes' wall p99 (the one pass's time where only one ran)
+    and how many ran."""
+    out: dict[str, list[float]] = {}
+    for where, count in sorted(Counter(clock.where[:passes]).items()):
+        times = [ms for ms, at in zip(clock.held_ms[:passes], clock.where[:passes], strict=True) if at == where]
+        out[where] = [round(pct(times, 0.99) if len(times) > 1 else times[0], 1), count]
+    return out
 
-    def _housekeep(self) -> None:
-        """Each host's housekeeping as its worker does it on a beat (parked exits, the lease sweep), here where the
-        simulated nodes run (the sweep reads this process's running nodes), at the lowest priority."""
-        lowest_priority()
-        interval = self.settings.heartbeat_interval_s
-        while not self.stop.is_set():
-            began = time.monotonic()
-            for i, name in enumerate(self.names):
-                if self.stop.wait(max(0.0, began + interval * i / len(self.names) - time.monotonic())):
-                    return
-                self._guard("finish_parked", lambda n=name: finish_parked(self.settings, n))
-                self._guard("sweep_host", lambda n=name: sweep_host(self.settings, n))
 
-    def _run(self, job_id: str, attempt: int, rank: int, host: str) -> None:
-        """``worker.node.run_node`` with the engine replaced by an immediate exit 0."""
-        with running_here(node_token(job_id, attempt, rank)):
-            work = claim_node(self.settings, job_id, attempt, rank, host)
-            if work is None:
-                return
-            mark_running(self.settings, work, os.getpid(), ["simulated"], host)
-            if rank == 0:
-                work.run_dir.mkdir(parents=True, exist_ok=True)
-                (work.run_dir / "result.json").write_text(json.dumps({"kind": "train", "outputs": {}, "summary": {}}))
-            finish_node(self.settings, work, 0, None, None, time.monotonic() + 60)
-            after_node(self.settings, job_id)
-        self.nodes_done += 1
+def mean_of(values: list[float], picked: list[int]) -> float:
+    return round(sum(values[i] for i in picked) / len(picked), 1)
+
+
+def wall_split(clock: PassClock, passes: int) -> dict[str, dict[str, float]]:
+    """Where the wall time of the loaded passes went: the mean of each part over the passes at the median (the
+    middle 10%) and over the slowest 1%: own CPU, runnable waiting for a CPU, off the CPU (PostgreSQL's answers, a
+    row lock, the GIL) and, overlapping the first and third, inside statements."""
+    order = sorted(range(passes), key=lambda i: clock.held_ms[i])
+    groups = {"median": order[int(passes * 0.45) : max(int(passes * 0.55), int(passes * 0.45) + 1)]}
+    groups["slowest_1pct"] = order[-max(1, passes // 100) :]
+    out: dict[str, dict[str, float]] = {}
+    for name, picked in groups.items():
+        if not picked:
+            continue
+        wall, cpu, runq = (
+            mean_of(clock.held_ms, picked),
+            mean_of(clock.cpu_ms, picked),
+            mean_of(clock.runq_ms, picked),
+        )
+        out[name] = {
+            "wall": wall,
+            "cpu": cpu,
+            "runqueue": runq,
+            "off_cpu": round(wall - cpu - runq, 1),
+            "in_statements": mean_of(clock.db_ms, picked),
+        }
+    return out
 
 
 def table_bytes(engine: sa.Engine) -> dict[str, int]:
@@ -369,14 +443,48 @@ def count_jobs(engine: sa.Engine) -> int:
         return int(connection.scalar(sa.select(sa.func.count()).select_from(Job)) or 0)
 
 
-def growth_per_1000(before: dict[str, int], after: dict[str, int], finished: int) -> dict[str, float]:
-    """KiB per 1,000 finished jobs of each table that grew by 64 KiB or more, largest first."""
-    grown = {t: after.get(t, 0) - before.get(t, 0) for t in after}
+def growth_per_1000(
+    before: dict[str, int],
+    after: dict[str, int],
+    finished: int,
+    submitted: int = 0,
+    per_submission: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """KiB per 1,000 finished jobs of each table that grew by 64 KiB or more, largest first; with ``per_submission``
+    (each table's bytes per submission), less ``submitted`` times those."""
+    per_submission = per_submission or {}
+    grown = {t: after.get(t, 0) - before.get(t, 0) - submitted * per_submission.get(t, 0.0) for t in after}
     return {
         t: round(b / 1024 / finished * 1000, 1)
         for t, b in sorted(grown.items(), key=lambda i: -i[1])
-        if b >= 64 * 1024 and finished
+        if abs(b) >= 64 * 1024 and finished
     }
+
+
+def table_writes(engine: sa.Engine) -> dict[str, dict[str, int]]:
+    """Each table's rows inserted, updated (and of those, HOT: no new index entries, the new version on the same
+    page), deleted so far (``pg_stat_user_tables``): which writes make the growth."""
+    query = sa.text(
+        "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables "
+        "WHERE schemaname = 'public'"
+    )
+    with engine.connect() as connection:
+        connection.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
+        return {
+            row[0]: {"ins": row[1], "upd": row[2], "hot": row[3], "del": row[4]} for row in connection.execute(query)
+        }
+
+
+def writes_per_job(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], finished: int
+) -> dict[str, Any]:
+    """Each written table's row writes during the load per finished job (submissions' inserts included)."""
+    out: dict[str, Any] = {}
+    for table, counts in sorted(after.items()):
+        delta = {k: v - before.get(table, {}).get(k, 0) for k, v in counts.items()}
+        if finished and any(delta.values()):
+            out[table] = {k: round(v / finished, 2) for k, v in delta.items()}
+    return out
 
 
 def count_finished(settings: Settings) -> int:
@@ -578,11 +686,14 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
                     device_memory=80 * 2**30,
                 )
             engine = sa.create_engine(url)
-            empty = sum(table_bytes(engine).values())
+            empty_by_table = table_bytes(engine)
+            empty = sum(empty_by_table.values())
             queue_backlog(settings, data, jobs, rng)
             # what one submission's own rows take (its job, spec and event rows with their index entries), measured
             # on the backlog's inserts: the load's submissions are subtracted from the growth at this rate
-            submission_bytes = (sum(table_bytes(engine).values()) - empty) / jobs
+            backlog = table_bytes(engine)
+            submission_bytes = (sum(backlog.values()) - empty) / jobs
+            submission_by_table = {t: (b - empty_by_table.get(t, 0)) / jobs for t, b in backlog.items()}
             mark_dispatched(settings)
             # the backlog takes minutes at 1,000 hosts, past host_stale_after_s: without a beat here the fill found
             # no live host and the cluster filled during the measured load instead (passes of hundreds of grants)
@@ -592,6 +703,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             with session_scope(settings.database_url) as session:
                 token = create_token(session, team=TEAM)
             size0, finished0, jobs0 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            writes0 = table_writes(engine)
             if args.gc == "settled":  # this process's passes stand for a worker's: settled as a worker settles
                 settle_heap()
             clock.install()
@@ -607,6 +719,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             # interval. (Measured after the simulator stopped, every host whose beats lagged was judged dead and its
             # jobs recovered: a mass host-death pass, not the steady one.)
             down0 = count_down(settings)
+            clock.label = "reconciler"
             began, began_cpu = time.perf_counter(), time.thread_time()
             reconcile_once(settings)
             reconcile_s, reconcile_cpu_s = time.perf_counter() - began, time.thread_time() - began_cpu
@@ -620,7 +733,9 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             proc.terminate()
             proc.wait(timeout=60)
             proc = None
+            time.sleep(1.0)  # the backends' table counters reach pg_stat_user_tables within a second
             size1, finished1, jobs1 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            writes1 = table_writes(engine)
             engine.dispose()
             # the API's leader judged the hosts every presence_interval_s through the load (core.host_verdicts):
             # counted above, before any host was stopped on purpose
@@ -662,6 +777,8 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             reverse=True,
         )[: max(1, passes // 100)],
         "schedule_wait_p99_ms": round(pct(clock.wait_ms, 0.99), 1),
+        "schedule_wall_split_ms": wall_split(clock, passes),
+        "schedule_p99_ms_by_where": p99_by_where(clock, passes),
         "schedule_quiet_p50_ms": round(pct(quiet, 0.5), 1),
         "schedule_quiet_p99_ms": round(pct(quiet, 0.99), 1),
         "schedule_quiet_cpu_p99_ms": round(pct(quiet_cpu, 0.99), 1),
@@ -684,6 +801,15 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         if finished
         else None,
         "db_growth_kib_per_1000_finished_by_table": growth_per_1000(size0, size1, finished),
+        # the same less each table's share of the submissions' rows (what job_specs, written once at submission, and
+        # the other tables grow by per finished job beyond the submissions)
+        "db_growth_kib_per_1000_finished_by_table_less_submissions": growth_per_1000(
+            size0, size1, finished, submitted, submission_by_table
+        ),
+        "submission_kib_by_table": {
+            t: round(b / 1024, 2) for t, b in sorted(submission_by_table.items(), key=lambda i: -i[1]) if b >= 16
+        },
+        "db_row_writes_per_finished_job": writes_per_job(writes0, writes1, finished),
         "gc": args.gc,
         "errors": len(errors) + len(sim.errors if sim else []),
     }
@@ -759,7 +885,13 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0, help="submissions per second (as many GETs and /healthz)")
     parser.add_argument("--clients", type=int, default=20, help="concurrent API clients")
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--runners", type=int, default=8, help="threads running the simulated nodes")
+    parser.add_argument(
+        "--runners",
+        type=int,
+        default=2,
+        help="child processes running the simulated nodes (one node at a time each, at normal priority: as many "
+        "as the pool's threads held the GIL before, so the simulator's own steps take no more CPU than they did)",
+    )
     parser.add_argument(
         "--postgres",
         default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"),
