@@ -358,17 +358,21 @@ class SimulatedHosts:
         self.closed = False
         spawn = multiprocessing.get_context("spawn")  # no forked copy of this process's pooled connections
         self.stop, self.out, self.silenced = spawn.Event(), spawn.Queue(), spawn.Event()
-        self.children = [
+        self.beaters = [
             spawn.Process(target=beat_hosts, args=(settings, names[i::beaters], self.stop, self.out, self.silenced))
             for i in range(beaters)
-        ] + [
+        ]
+        self.runners = [
             spawn.Process(target=run_nodes, args=(settings, names[i::runners], self.stop, self.out, settle))
             for i in range(runners)
         ]
+        self.children: list[Any] = []
 
-    def start(self) -> None:
-        for process in self.children:
+    def start(self, beats: bool = True, nodes: bool = True) -> None:
+        """Start the heart-beating children, the node-running ones, or both."""
+        for process in (self.beaters if beats else []) + (self.runners if nodes else []):
             process.start()
+            self.children.append(process)
 
     def close(self) -> None:
         if self.closed:
@@ -702,15 +706,24 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             setup_s = time.monotonic() - started
             with session_scope(settings.database_url) as session:
                 token = create_token(session, team=TEAM)
-            size0, finished0, jobs0 = table_bytes(engine), count_finished(settings), count_jobs(engine)
-            writes0 = table_writes(engine)
             if args.gc == "settled":  # this process's passes stand for a worker's: settled as a worker settles
                 settle_heap()
             clock.install()
             sim = SimulatedHosts(settings, names, args.runners, clock, settle=args.gc == "settled")
             port = free_port()
             proc = start_api(env, port, Path(tmp) / "api.log")
-            sim.start()
+            sim.start(nodes=False)  # the hosts beat: live through the submissions-only phase
+            api_submission_bytes = None
+            if args.submission_seconds:  # what a submission costs through the API, with no job finishing meanwhile
+                before, submitted0 = table_bytes(engine), count_jobs(engine)
+                phase = argparse.Namespace(**{**vars(args), "seconds": args.submission_seconds})
+                run_load(f"http://127.0.0.1:{port}", token, data, phase, hosts + 1)
+                time.sleep(1.0)  # the dispatcher's last wake
+                taken = count_jobs(engine) - submitted0
+                api_submission_bytes = (sum(table_bytes(engine).values()) - sum(before.values())) / taken
+            size0, finished0, jobs0 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            writes0 = table_writes(engine)
+            sim.start(beats=False)
             hogs = start_hogs(args.starve) if args.starve else []
             lat, errors, achieved = run_load(f"http://127.0.0.1:{port}", token, data, args, hosts)
             for process in hogs:
@@ -796,6 +809,14 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "db_growth_mib": round(grown / 2**20, 2),
         "jobs_submitted": submitted,
         "submission_kib": round(submission_bytes / 1024, 2),
+        # one submission's whole cost through the API (its rows, the dispatcher's mark, the passes' reasons), from
+        # --submission-seconds of submissions before any node ran, and the growth per finished job less that
+        "submission_kib_through_api": round(api_submission_bytes / 1024, 2) if api_submission_bytes else None,
+        "db_growth_less_api_submissions_mib_per_1000_finished": round(
+            (grown - submitted * api_submission_bytes) / 2**20 / finished * 1000, 2
+        )
+        if finished and api_submission_bytes
+        else None,
         "db_growth_mib_per_1000_finished": round(grown_by_finishing / 2**20 / finished * 1000, 2) if finished else None,
         "db_growth_with_submissions_mib_per_1000_finished": round(grown / 2**20 / finished * 1000, 2)
         if finished
@@ -919,10 +940,16 @@ def main() -> None:
         help="the measuring processes' garbage collector: settled after start-up as the API and workers do "
         "(core.gc_tuning.settle_heap), or CPython's default (the comparison)",
     )
+    parser.add_argument(
+        "--submission-seconds",
+        type=float,
+        default=10.0,
+        help="submissions only (no node runs) for this long before the load: one submission's cost through the API",
+    )
     parser.add_argument("--smoke", action="store_true", help="10 hosts, 100 jobs, 10 submissions/s for 3 s")
     args = parser.parse_args()
     if args.smoke:
-        args.hosts, args.rate, args.seconds, args.clients = "10", 10.0, 3.0, 4
+        args.hosts, args.rate, args.seconds, args.clients, args.submission_seconds = "10", 10.0, 3.0, 4, 2.0
     scales = [int(h) for h in args.hosts.split(",")]
     rows = [run_scale(args, hosts, hosts * args.jobs_per_host) for hosts in scales]
     curves = growth(rows)
