@@ -10,7 +10,7 @@ without special tokens; answer + ``<|im_end|>``); the TRL side checks its own to
 Both sides: sigmoid loss, beta 0.1, the reference a frozen copy of the starting weights (TRL: ``ref_model`` a copy;
 ours: ``build_reference``'s frozen model, not LoRA and not precomputed), micro-batches of ``--micro-batch-size``
 pairs padded to their longest answer, ``--global-batch-size`` pairs a step, AdamW, clip 1.0, constant LR.
-Ours runs the real job (``engine.train.job``) on the pairs written as MindSpeed's pairwise dataset; TRL runs
+Ours runs the real job (``engine.train.entry``) on the pairs written as MindSpeed's pairwise dataset; TRL runs
 ``DPOTrainer.train``. The pairs are one global batch, so every step (an epoch) trains the same pairs on both sides.
 One warm-up step, then ``--repeats`` timed steps; tokens/s = real tokens of a step (prompt and answer of both sides
 of every pair) / the fastest timed step. Each side runs in fresh processes, ``--pairs`` pairs of them (ours, TRL;
@@ -129,7 +129,7 @@ def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
     """Our job on the pairs: each iteration's time (ms, Megatron's iteration time) from its metrics."""
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import parse_spec
-    from engine.train import job
+    from engine.train import entry
 
     spec = {
         "kind": "train",
@@ -153,7 +153,7 @@ def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
         "dpo_beta": 0.1,
     }
     run = Path(tempfile.mkdtemp(prefix="run", dir=work))  # a fresh run directory for each process of each pair
-    job.run(parse_spec(spec), RunDir(run))
+    entry.run(parse_spec(spec), RunDir(run))
     rows = [json.loads(line)["metrics"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r["iteration_time_ms"] / 1000 for r in rows]
 

@@ -34,7 +34,7 @@ log = logging.getLogger("engine")
 
 RUNNERS: dict[str, str] = {
     "preprocess": "engine.preprocess:run",
-    "train": "engine.train.job:run",
+    "train": "engine.train.entry:run",
     "convert": "engine.checkpoint.job:run",
     "eval": "engine.eval.job:run",
     "serve": "engine.serve.job:run",

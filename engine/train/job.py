@@ -1,4 +1,5 @@
-"""The ``train`` job: ``run(spec, run) -> (outputs, summary)``, on one process or under torchrun with data parallel.
+"""The ``train`` job's trainer (``engine.train.entry.run(spec, run) -> (outputs, summary)`` builds and runs it), on one
+process or under torchrun with data parallel.
 
 Order of work: check every input (data files, checkpoint format and shape, batch arithmetic) before touching a
 device -> start the process group and the dp×pp×tp mesh -> build this rank's part on the meta device (PP split, LoRA,
@@ -48,8 +49,8 @@ from engine.load.weights import (
     rank_view,
     with_spec_flags,
 )
-from engine.parallel.device import Device, init_distributed
-from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh, ensure_process_group
+from engine.parallel.device import Device
+from engine.parallel.mesh import ParallelDims, build_mesh, context_mesh
 from engine.parallel.parallelize import compute_dtype
 from engine.parallel.pipeline_parallel import check_parallel_layout
 from engine.train import preempt
@@ -202,8 +203,13 @@ def _seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, spec: TrainSpec, run: RunDir, plan: Plan, device: Device):
+    def __init__(
+        self, spec: TrainSpec, run: RunDir, plan: Plan, device: Device, stage_loss: MicroBatchLoss | None = None
+    ):
+        # stage_loss: a stage's own micro-batch loss handed in by ``engine.train.entry`` (stage grpo's), so this
+        # module names no stage loop built on it (no import circle with engine.train.grpo)
         self.spec, self.run, self.plan, self.device = spec, run, plan, device
+        self.stage_loss = stage_loss
         self.lora = spec.is_lora
         self.dtype = compute_dtype(spec)
         self.state = TrainState()
@@ -247,10 +253,8 @@ class Trainer:
         """Stage dpo's loss, per micro-batch or on a pipeline's last stage, with its reference built here (Nones:
         the LM loss). Under PP the reference is precomputed (from the policy's own pipeline before its first step)
         or there is none (simpo, orpo): the spec refuses the rest."""
-        if self.spec.stage == "grpo":
-            from engine.train.grpo import grpo_loss
-
-            return grpo_loss(self.spec), None
+        if self.stage_loss is not None:
+            return self.stage_loss, None
         if self.spec.stage != "dpo":
             return None, None
         from engine.train.dpo import PipelineDPOLoss, build_reference, dpo_loss, preference_config
@@ -480,10 +484,6 @@ class Trainer:
 
     def fit(self) -> tuple[dict[str, str], dict[str, Any]]:
         spec, plan = self.spec, self.plan
-        if spec.stage == "grpo":  # rollouts, rewards and its own steps (engine.train.grpo)
-            from engine.train.grpo import GRPOLoop
-
-            return GRPOLoop(self).fit()
         data = TrainData.open(spec.data_path, spec.split, spec.seed, plan.seq_length, pairwise=spec.is_pairwise_dataset)
         valid = data.validation(spec.split) if spec.eval_iters > 0 else None
         if self.precompute_pending:
@@ -564,17 +564,3 @@ class Trainer:
             **metrics.summary(),
         }
         return outputs, summary
-
-
-def run(spec: TrainSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
-    plan = plan_run(spec, run)
-    device = init_distributed(spec.resources.device_type)
-    own_group = not dist.is_initialized()
-    ensure_process_group(device)
-    try:
-        return Trainer(spec, run, plan, device).fit()
-    finally:
-        # A group this call started for a plain single process is torn down here (in-process callers, tests);
-        # under torchrun the CLI tears down and os._exit()s (the gloo exit-crash trap).
-        if own_group and dist.is_initialized():
-            dist.destroy_process_group()

@@ -5,7 +5,7 @@ run stops once every rank has built and loaded its model (start-up alone: on a C
 real-size bf16 iteration takes hours). Each rank starts the process
 group, warms up torch and gloo (one step of a small model, an all-reduce) so their fixed costs land in the baseline,
 takes the baseline RSS and I/O counters, resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` 5), runs the
-trainer's own entry point (``engine.train.job.run``) and writes ``RUN_DIR/measure_rank{R}.json``: baseline RSS (the
+trainer's own entry point (``engine.train.entry.run``) and writes ``RUN_DIR/measure_rank{R}.json``: baseline RSS (the
 interpreter's fixed cost), peak RSS (``VmHWM``) and its growth over the baseline, and the growth of ``/proc/self/io``
 ``read_bytes`` (from storage) and ``rchar`` (through read syscalls, page cache included).
 
@@ -69,12 +69,13 @@ def _build_only(spec: TrainSpec, run_dir: Any) -> None:
 
     from engine.parallel.device import init_distributed
     from engine.parallel.mesh import ensure_process_group
-    from engine.train.job import Trainer, plan_run
+    from engine.train.entry import build_trainer
+    from engine.train.job import plan_run
 
     plan = plan_run(spec, run_dir)
     device = init_distributed(spec.resources.device_type)
     ensure_process_group(device)
-    Trainer(spec, run_dir, plan, device)
+    build_trainer(spec, run_dir, plan, device)
     dist.barrier()
     (run_dir.path / "built.json").write_text(json.dumps({"time": time.time()}))
 
@@ -85,7 +86,7 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
 
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import TrainSpec, load_spec_file
-    from engine.train.job import run
+    from engine.train.entry import run
 
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

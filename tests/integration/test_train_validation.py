@@ -15,7 +15,7 @@ from engine.contract.indexed import InstructionDataset
 from engine.contract.lengths import split_counts
 from engine.contract.runfiles import RunDir
 from engine.contract.spec import parse_spec
-from engine.train import job
+from engine.train import entry
 from train_support import run_train, tiny_spec, write_instruction_data
 
 
@@ -54,7 +54,7 @@ def test_validation_share_is_scored_every_interval_and_at_the_end(
     assert split_counts(48, "2,1,0") == (32, 16) and split_counts(48, "100,0,0") == (48, 0)
     assert split_counts(1000, "969, 30, 1") == (969, 30)  # Megatron's default split
     with caplog.at_level(logging.INFO, logger="engine.train"):
-        _, summary = job.run(parse_spec(_spec(data, tmp_path / "ckpt")), RunDir(tmp_path / "run"))
+        _, summary = entry.run(parse_spec(_spec(data, tmp_path / "ckpt")), RunDir(tmp_path / "run"))
     rows = _validation_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [2, 4]
     assert all(r["val_loss_tokens"] == rows[0]["val_loss_tokens"] > 0 for r in rows)  # the same samples each time

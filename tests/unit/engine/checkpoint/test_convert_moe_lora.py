@@ -20,7 +20,7 @@ from engine.contract.runfiles import EXIT_OK, RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.lora import apply_lora, load_lora_state_dict  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import entry  # noqa: E402
 from train_support import TINY_SHAPE, tiny_spec, write_instruction_data  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def test_expert_lora_merges_into_the_trained_model(tmp_path: Path) -> None:
     spec["save"] = str(tmp_path / "lora")
     for key in TINY_SHAPE:  # the shape comes from the checkpoint
         spec.pop(key, None)
-    job.run(parse_spec(spec), RunDir(tmp_path / "train"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "train"))
     rank_file = tmp_path / "lora" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
     saved = torch.load(rank_file, weights_only=False)
     assert "decoder.layers.1.mlp.experts.linear_fc2.lora_B.default.weight" in saved["model"]

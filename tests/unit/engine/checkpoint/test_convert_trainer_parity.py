@@ -16,7 +16,7 @@ from engine.contract.runfiles import RunDir
 from engine.contract.spec import ConvertSpec, parse_spec
 from engine.model.lora import apply_lora, load_lora_state_dict
 from engine.model.qwen3 import Qwen3Model
-from engine.train import job as train
+from engine.train import entry as train
 from train_support import TINY_SHAPE, tiny_spec, write_instruction_data
 
 IDS = torch.randint(1, 512, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ from engine.checkpoint.hf import HFCheckpoint  # noqa: E402
 from engine.checkpoint.megatron_read import MegatronCheckpoint  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import entry  # noqa: E402
 from train_support import tiny_spec, write_instruction_data  # noqa: E402
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [1, 0]}
@@ -23,7 +23,7 @@ def test_grouped_export_is_mindspeeds_layout(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "data" / "sft", n=8)
     spec = tiny_spec(data, **MOE, moe_grouped_gemm=True, train_iters=2, global_batch_size=4)
     spec.update(save=str(tmp_path / "save"), save_hf=True)
-    outputs, _ = job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    outputs, _ = entry.run(parse_spec(spec), RunDir(tmp_path / "run"))
     stored = torch.load(Path(outputs["checkpoint_dir"]) / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     model = stored["model"]
     assert model["decoder.layers.0.mlp.experts.weight1"].shape == (64, 4 * 2 * 32)  # (H, E·2F)

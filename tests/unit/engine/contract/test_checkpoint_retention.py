@@ -116,7 +116,7 @@ def test_prune_on_disk_leaves_unfinished_and_doomed_dirs_out(tmp_path: Path) -> 
 
 def test_training_keeps_the_last_two(tmp_path: Path) -> None:
     from engine.contract.runfiles import RunDir
-    from engine.train import job
+    from engine.train import entry
     from train_support import tiny_spec, write_instruction_data
 
     data = write_instruction_data(tmp_path / "data" / "sft", n=16)
@@ -129,7 +129,7 @@ def test_training_keeps_the_last_two(tmp_path: Path) -> None:
         save=str(tmp_path / "save"),
         eval_iters=0,
     )
-    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "run"))
     root = dcp.state_root(tmp_path / "save")
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000003", dcp.TRACKER]
     meta = json.loads((root / "iter_0000003" / dcp.META).read_text())

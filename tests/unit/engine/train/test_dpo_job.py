@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).parents[3]))
 from dpo_support import trl_matched_spec, trl_run, write_trl_pairs  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import (
+    entry,  # noqa: E402
+    job,  # noqa: E402
+)
 from train_support import metric_rows, tiny_spec, write_pairwise_data  # noqa: E402
 
 PAIRS = {
@@ -43,7 +46,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 
 def _ours(data: str, load: Path, tmp_path: Path, **extra: Any) -> list[dict[str, Any]]:
     spec = trl_matched_spec(data, str(load), STEPS, LR, len(PAIRS["chosen"]), 64, **extra)
-    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "run"))
     return metric_rows(tmp_path / "run")
 
 
@@ -134,7 +137,7 @@ def test_adapters_disabled_run_the_base_exactly() -> None:
 
 def test_lora_dpo_trains_against_the_base(pairs: str, tmp_path: Path) -> None:
     spec = _tiny_dpo(pairs, train_iters=4, lora_r=4, lora_alpha=8, lora_target_modules=["linear_qkv", "linear_fc1"])
-    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "run"))
     rows = metric_rows(tmp_path / "run")
     # B = 0 at the start: the policy is its base, so step 1 is ln 2 with zero rewards, whatever the base
     assert rows[0]["lm_loss"] == pytest.approx(np.log(2), rel=1e-6) and rows[0]["rewards/margins"] == 0
@@ -143,7 +146,7 @@ def test_lora_dpo_trains_against_the_base(pairs: str, tmp_path: Path) -> None:
 
 def test_resumed_dpo_keeps_the_initial_reference(pairs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _tiny_dpo(pairs, train_iters=4, save_interval=2)
-    job.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
+    entry.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
     straight = metric_rows(tmp_path / "run_a")
     original = job.Trainer._save
 
@@ -154,9 +157,9 @@ def test_resumed_dpo_keeps_the_initial_reference(pairs: str, tmp_path: Path, mon
 
     monkeypatch.setattr(job.Trainer, "_save", save_then_crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b"))
+        entry.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b"))
     monkeypatch.setattr(job.Trainer, "_save", original)
-    job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
+    entry.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
     after = metric_rows(tmp_path / "run_b2")
     assert [r["iteration"] for r in after] == [3, 4]
     for a, b in zip(straight[2:], after, strict=True):  # a reference taken from the resumed weights would differ
@@ -180,9 +183,9 @@ def test_precomputed_reference_equals_the_online_one_and_is_reused(
 
     data = write_pairwise_data(tmp_path / "data" / "pairs")
     spec = _tiny_dpo(data, train_iters=3, micro_batch_size=1)
-    job.run(parse_spec(spec), RunDir(tmp_path / "online"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "online"))
     online = metric_rows(tmp_path / "online")
-    _, summary = job.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "stored"))
+    _, summary = entry.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "stored"))
     stored = metric_rows(tmp_path / "stored")
     assert [_exact(r) for r in online] == [_exact(r) for r in stored]
     (where,) = summary["reference_logps"].values()
@@ -194,18 +197,18 @@ def test_precomputed_reference_equals_the_online_one_and_is_reused(
         raise AssertionError("the stored table should have been read")
 
     monkeypatch.setattr(reference_logps, "_compute", no_second_pass)
-    _, again = job.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "again"))
+    _, again = entry.run(parse_spec({**spec, "precompute_ref_log_probs": True}), RunDir(tmp_path / "again"))
     assert next(iter(again["reference_logps"].values()))["reused"] == str(table)
     assert [_exact(r) for r in metric_rows(tmp_path / "again")] == [_exact(r) for r in stored]
     # another reference (another seed draws other initial weights) is another key: computed, not reused
     with pytest.raises(AssertionError, match="stored table should have been read"):
-        job.run(parse_spec({**spec, "precompute_ref_log_probs": True, "seed": 8}), RunDir(tmp_path / "other"))
+        entry.run(parse_spec({**spec, "precompute_ref_log_probs": True, "seed": 8}), RunDir(tmp_path / "other"))
 
 
 def test_validation_reports_trls_metrics_on_held_out_pairs(pairs: str, tmp_path: Path) -> None:
     """Held-out pairs get the training figures as val_*: the loss per pair, rewards and log-probs per pair."""
     spec = _tiny_dpo(pairs, train_iters=2, split="75,25,0", eval_iters=1, eval_interval=2)
-    job.run(parse_spec(spec), RunDir(tmp_path / "run"))
+    entry.run(parse_spec(spec), RunDir(tmp_path / "run"))
     val = [r for r in metric_rows(tmp_path / "run") if "val_lm_loss" in r]
     assert len(val) == 1 and val[0]["val_loss_tokens"] == 4  # 4 held-out pairs (one global batch)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[3]))
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import TrainSpec, parse_spec  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import entry  # noqa: E402
 from grpo_support import tiny_qwen3, write_prompts  # type: ignore[import-not-found]  # noqa: E402
 from train_support import metric_rows  # type: ignore[import-not-found]  # noqa: E402
 
@@ -80,7 +80,7 @@ def _spec(setup: dict[str, Any], steps: int, **extra: Any) -> dict[str, Any]:
 
 
 def _run(spec: dict[str, Any], run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    job.run(cast(TrainSpec, parse_spec(spec)), RunDir(run_dir))
+    entry.run(cast(TrainSpec, parse_spec(spec)), RunDir(run_dir))
     rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     return metric_rows(run_dir), rows
 

@@ -18,7 +18,10 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.checkpoint.safe_pickle import SafeFileSystemReader  # noqa: E402
 from engine.contract.runfiles import RunDir  # noqa: E402
 from engine.contract.spec import first_error, parse_spec  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import (
+    entry,  # noqa: E402
+    job,  # noqa: E402
+)
 from engine.train.precision_optimizer import PrecisionAwareAdamW, StateDtypes  # noqa: E402
 from train_support import metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
@@ -174,7 +177,7 @@ def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.Monke
     """A 6-step run vs the same run crashed after its iteration-3 checkpoint and re-queued: equal losses, grad norms
     and final weights, bit for bit (``tests/unit/engine/train/test_train_job.py``'s crash, with exact equality)."""
     spec = tiny_spec(data, train_iters=6, save_interval=3, lr=1e-3, **flags)
-    job.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
+    entry.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
     original = job.Trainer._save
 
     def save_then_crash(self: job.Trainer, iteration: int) -> None:
@@ -184,9 +187,9 @@ def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(job.Trainer, "_save", save_then_crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b"))
+        entry.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b"))
     monkeypatch.setattr(job.Trainer, "_save", original)
-    job.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
+    entry.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
     straight, after = metric_rows(tmp_path / "run_a"), metric_rows(tmp_path / "run_b2")
     assert [r["iteration"] for r in after] == [4, 5, 6]
     for a, b in zip(straight[3:], after, strict=True):

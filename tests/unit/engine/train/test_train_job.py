@@ -18,7 +18,10 @@ from engine.contract.model_config import ModelConfig  # noqa: E402
 from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import (
+    entry,  # noqa: E402
+    job,  # noqa: E402
+)
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -40,7 +43,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(spec: dict, run_dir: Path):
-    return job.run(parse_spec(spec), RunDir(run_dir))
+    return entry.run(parse_spec(spec), RunDir(run_dir))
 
 
 def test_resume_equals_uninterrupted_run(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -20,7 +20,10 @@ from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
 from engine.contract.spec import parse_spec  # noqa: E402
 from engine.model.moe import router_metrics  # noqa: E402
 from engine.model.qwen3 import Qwen3Model  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import (
+    entry,  # noqa: E402
+    job,  # noqa: E402
+)
 from engine.train.step_runner import micro_batch_loss  # noqa: E402
 from train_support import TINY_SHAPE, metric_rows, tiny_spec, write_instruction_data  # noqa: E402
 
@@ -50,7 +53,7 @@ def _train_capturing(spec: dict, run_dir: Path, monkeypatch: pytest.MonkeyPatch)
         return real(runner, optimizer, scheduler, scaler, batches, state, **kw)
 
     monkeypatch.setattr(job, "train_step", capture)
-    outputs, _ = job.run(parse_spec(spec), RunDir(run_dir))
+    outputs, _ = entry.run(parse_spec(spec), RunDir(run_dir))
     return outputs, first
 
 

@@ -24,7 +24,7 @@ from engine.parallel.device import Device  # noqa: E402
 from engine.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from engine.parallel.parallelize import parallelize  # noqa: E402
 from engine.parallel.precision import param_dtypes  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import entry  # noqa: E402
 from engine.train.batches import MicroBatch, Sample, pad  # noqa: E402
 from engine.train.loop import TrainState, train_step  # noqa: E402
 from engine.train.optim import LossScaler, build_optimizer  # noqa: E402
@@ -219,7 +219,7 @@ def test_tiny_job_losses_unchanged(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "d" / "sft")
     for name, flags in {"fp32": {}, "lora_bf16": {"bf16": True, "lora_r": 4, "lora_alpha": 8}}.items():
         spec = parse_spec(tiny_spec(data, train_iters=4, save=str(tmp_path / name / "save"), **flags))
-        job.run(spec, RunDir(tmp_path / name / "run"))
+        entry.run(spec, RunDir(tmp_path / name / "run"))
         rows = metric_rows(tmp_path / name / "run")
         loss_rel, norm_rel = TOLERANCE[name]
         for row, (loss, norm) in zip(rows, BEFORE[name], strict=True):

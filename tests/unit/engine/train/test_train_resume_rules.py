@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 from engine.contract import owner  # noqa: E402
 from engine.contract.runfiles import BadInput, RunDir  # noqa: E402
 from engine.contract.spec import OUTPUT_KEYS, parse_spec  # noqa: E402
-from engine.train import job  # noqa: E402
+from engine.train import entry  # noqa: E402
 from train_support import tiny_spec, write_instruction_data  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 def _as_job(monkeypatch: pytest.MonkeyPatch, job_id: str, spec: dict, run_dir: Path) -> tuple[dict, dict]:
     monkeypatch.setenv(owner.JOB_ID_ENV, job_id)
-    return job.run(parse_spec(spec), RunDir(run_dir))
+    return entry.run(parse_spec(spec), RunDir(run_dir))
 
 
 def test_another_jobs_run_needs_resume_auto_and_a_retry_of_zero_steps_warns(
@@ -72,7 +72,7 @@ def test_a_fresh_save_is_claimed_and_a_run_without_marker_is_anothers(
     save = tmp_path / "ckpt"
     spec = tiny_spec(data, train_iters=1, save_interval=1, save=str(save))
     monkeypatch.delenv(owner.JOB_ID_ENV, raising=False)
-    job.run(parse_spec(spec), RunDir(tmp_path / "standalone"))  # the engine run by hand: owner null
+    entry.run(parse_spec(spec), RunDir(tmp_path / "standalone"))  # the engine run by hand: owner null
     assert owner.saved_run(save).job_id is None  # type: ignore[union-attr]
     (save / owner.OWNER_FILE).unlink()  # as a run from before owners were recorded
     with pytest.raises(BadInput, match="no recorded job") as refused:
