@@ -109,7 +109,7 @@ _COMPLETION_TYPES = {**_TYPES, "logprobs": INTEGER}
 def _refused(err: RequestError, param: str | None = None) -> OpenAIError:
     """The serving request's refusal in OpenAI's shape, naming ``param`` (the body's spelling of the field)."""
     param = param or err.field
-    return OpenAIError(400, f"{param}: {str(err).split(': ', 1)[1]}", param, err.code)
+    return OpenAIError(400, f"{param}: {err.detail}", param, err.code)
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str], types: dict[str, Kind]) -> None:

@@ -30,7 +30,7 @@ class RequestError(ValueError):
 
     def __init__(self, field: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(f"{field}: {message}")
-        self.field, self.code = field, code
+        self.field, self.detail, self.code = field, message, code
 
 
 def _is_int(v: Any) -> bool:

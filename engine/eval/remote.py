@@ -56,7 +56,7 @@ class RemoteOptions:
             )
         except RequestError as err:
             field = _SPEC_FIELDS.get(err.field, err.field)
-            raise BadInput(f"{field}: {str(err).split(': ', 1)[1]} on a deployment", field) from err
+            raise BadInput(f"{field}: {err.detail} on a deployment", field) from err
         return cls(options, spec.deployment, stop_ids)
 
     def request(self, prompt_ids: list[int]) -> ServeRequest:
