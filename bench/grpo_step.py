@@ -89,7 +89,7 @@ def write_prompts(prompts: list[dict[str, str]], prefix: Path) -> tuple[str, int
 def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[str, list[float]]:
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import TrainSpec, parse_spec
-    from engine.train import grpo, job
+    from engine.train import entry, grpo
 
     times: dict[str, list[float]] = {"generation_s": [], "train_s": []}
 
@@ -125,7 +125,7 @@ def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[
         "log_interval": 1,
         "reward_funcs": [{"name": "exact_match"}],
     }
-    job.run(cast(TrainSpec, parse_spec(spec)), RunDir(work / "run"))
+    entry.run(cast(TrainSpec, parse_spec(spec)), RunDir(work / "run"))
     return times
 
 
