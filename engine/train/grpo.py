@@ -542,18 +542,8 @@ class GRPOLoop:
         outputs["completions"] = str(t.run.path / COMPLETIONS)
         final = metrics.last
         summary = {
-            "iterations": t.state.iteration,
-            "start_iteration": start,
-            "consumed_samples": t.state.consumed_samples,
-            "resumed_from": t.resumed_from,
-            "resumed_from_job": t._resumed_job(),
-            "trained_iterations": t.state.iteration - start,
-            **({"warnings": warnings} if warnings else {}),
-            "load_format": plan.loaded.format if plan.loaded else None,
-            "world_size": plan.dims.world_size,
+            **t._run_summary(start, warnings),
             "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp, "ep": plan.dims.ep},
-            "global_batch_size": plan.global_batch_size,
-            "lora": t.lora,
             "final_reward": final.get("reward"),
             **metrics.summary(),
         }

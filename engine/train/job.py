@@ -358,6 +358,23 @@ class Trainer:
         self.run.event("warning", note, trained_iterations=0)
         return [note]
 
+    def _run_summary(self, start: int, warnings: list[str]) -> dict[str, Any]:
+        """What every stage's result says of its run: the iterations (and what it resumed), the load, the world."""
+        plan = self.plan
+        return {
+            "iterations": self.state.iteration,
+            "start_iteration": start,
+            "consumed_samples": self.state.consumed_samples,
+            "resumed_from": self.resumed_from,
+            "resumed_from_job": self._resumed_job(),
+            "trained_iterations": self.state.iteration - start,
+            **({"warnings": warnings} if warnings else {}),
+            "load_format": plan.loaded.format if plan.loaded else None,
+            "world_size": plan.dims.world_size,
+            "global_batch_size": plan.global_batch_size,
+            "lora": self.lora,
+        }
+
     # -- loop
 
     def _batches(self, data: TrainData, iteration: int) -> list[MicroBatch]:
@@ -541,15 +558,7 @@ class Trainer:
         if spec.tensorboard_dir:
             outputs["tensorboard"] = spec.tensorboard_dir
         summary = {
-            "iterations": self.state.iteration,
-            "start_iteration": start,
-            "consumed_samples": self.state.consumed_samples,
-            "resumed_from": self.resumed_from,
-            "resumed_from_job": self._resumed_job(),
-            "trained_iterations": self.state.iteration - start,
-            **({"warnings": warnings} if warnings else {}),
-            "load_format": plan.loaded.format if plan.loaded else None,
-            "world_size": plan.dims.world_size,
+            **self._run_summary(start, warnings),
             "parallel": {
                 "dp": plan.dims.dp,
                 "cp": plan.dims.cp,
@@ -557,8 +566,6 @@ class Trainer:
                 "pp": plan.dims.pp,
                 "tp": plan.dims.tp,
             },
-            "global_batch_size": plan.global_batch_size,
-            "lora": self.lora,
             "validation_samples": valid.num_samples if valid else 0,
             **({"reference_logps": self.reference_tables} if self.reference_tables else {}),
             **metrics.summary(),
