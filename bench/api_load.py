@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cli.env import prepare  # noqa: E402
 from core.auth import create_token  # noqa: E402
-from core.paths import ensure_team_areas  # noqa: E402
 from core.db import session_scope  # noqa: E402
+from core.paths import ensure_team_areas  # noqa: E402
 from core.settings import Settings  # noqa: E402
 
 ROUTES = ("healthz", "get", "post")
@@ -66,7 +66,7 @@ def start_api(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[byt
     argv = [sys.executable, "-m", "cli.main", "api", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # a cold start (imports, migrations) took over 60 s at load 12
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
@@ -75,6 +75,28 @@ def start_api(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[byt
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"the API did not start: {log.read_text()[-2000:]}")
+
+
+async def timed(
+    client: httpx.AsyncClient, route: str, job_id: str, spec: dict[str, Any]
+) -> tuple[float, httpx.Response | None, str | None]:
+    """One request of the load's mix (``route``: GET /healthz, GET /v1/jobs/{job_id} or POST /v1/jobs with
+    ``spec``): its latency (ms), its answer, and what went wrong (a transport error or a status other than 200/201),
+    if anything did."""
+    began = time.monotonic()
+    try:
+        if route == "healthz":
+            response = await client.get("/healthz")
+        elif route == "get":
+            response = await client.get(f"/v1/jobs/{job_id}")
+        else:
+            response = await client.post("/v1/jobs", json=spec)
+    except httpx.HTTPError as err:
+        return (time.monotonic() - began) * 1000, None, f"{route}: {type(err).__name__}"
+    took = (time.monotonic() - began) * 1000
+    if response.status_code not in (200, 201):
+        return took, response, f"{route}: {response.status_code} {response.text[:200]}"
+    return took, response, None
 
 
 async def client_loop(
@@ -92,23 +114,12 @@ async def client_loop(
         route = ROUTES[i % len(ROUTES)]
         i += 1
         budget[0] -= 1
-        began = time.monotonic()
-        try:
-            if route == "healthz":
-                response = await client.get("/healthz")
-            elif route == "get":
-                response = await client.get(f"/v1/jobs/{job_id}")
-            else:
-                response = await client.post("/v1/jobs", json={**SPEC, "name": f"load-{i}"})
-            ok = response.status_code in (200, 201)
-        except httpx.HTTPError as err:
-            ok, response = False, None
-            errors.append(f"{route}: {type(err).__name__}")
-        took = time.monotonic() - began
-        if not ok and response is not None:
-            errors.append(f"{route}: {response.status_code} {response.text[:200]}")
-        if ok and began - start >= args.warmup:
-            lat[route].append(took * 1000)
+        counted = time.monotonic() - start >= args.warmup
+        took, _, error = await timed(client, route, job_id, {**SPEC, "name": f"load-{i}"})
+        if error is not None:
+            errors.append(error)
+        elif counted:
+            lat[route].append(took)
 
 
 def pct(values: list[float], q: float) -> float:

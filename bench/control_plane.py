@@ -86,7 +86,7 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
-from api_load import free_port, pct, start_api  # noqa: E402
+from api_load import free_port, pct, start_api, timed  # noqa: E402
 
 from cli.env import prepare  # noqa: E402
 from core import scheduler  # noqa: E402
@@ -539,22 +539,14 @@ async def api_load(
         ids.append(first.json()["id"])
 
         async def one(route: str, i: int) -> None:
-            began = time.monotonic()
-            try:
-                if route == "healthz":
-                    response = await client.get("/healthz")
-                elif route == "get":
-                    response = await client.get(f"/v1/jobs/{rng.choice(ids)}")
-                else:
-                    response = await client.post("/v1/jobs", json=train_spec(data, rng.choice(GANGS), f"load-{i}"))
-            except httpx.HTTPError as err:
-                errors.append(f"{route}: {type(err).__name__}")
+            job_id = rng.choice(ids) if route == "get" else ""
+            spec = train_spec(data, rng.choice(GANGS), f"load-{i}") if route == "post" else {}
+            took, response, error = await timed(client, route, job_id, spec)
+            if error is not None:
+                errors.append(error)
                 return
-            if response.status_code not in (200, 201):
-                errors.append(f"{route}: {response.status_code} {response.text[:200]}")
-                return
-            lat[route].append((time.monotonic() - began) * 1000)
-            if route == "post":
+            lat[route].append(took)
+            if route == "post" and response is not None:
                 ids.append(response.json()["id"])
 
         start = time.monotonic()
