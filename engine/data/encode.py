@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from engine.data.templates import (
 )
 from engine.data.tokenizer import load_tokenizer
 from engine.data.truncation import limit_sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Chunk = list[tuple[str, int, Any]]  # (file, number, payload) from readers.iter_raw
 
@@ -93,11 +96,13 @@ def _limit(
     return ids, labels
 
 
-def instruction_eod(tokenizer: Any, template: str | None) -> int:
+def instruction_eod(tokenizer: PreTrainedTokenizerBase, template: str | None) -> int:
     """MindSpeed's ``tokenizer.eod`` for instruction data: qwen/qwen3 replace the eos token with ``<|im_end|>``
     (``replace_eos`` in ``configs/finetune/templates.json``); ``hf`` keeps the tokenizer's own eos."""
     if template in ("qwen", "qwen3"):
-        return int(tokenizer.convert_tokens_to_ids(IM_END))
+        eod = tokenizer.convert_tokens_to_ids(IM_END)
+        assert isinstance(eod, int)  # one token in, one id out
+        return eod
     return int(tokenizer.eos_token_id)
 
 

@@ -135,7 +135,7 @@ class Converter:
             answers.append({"role": "assistant", "content": _require(value[0], "content", f"{key}: ")})
         return self._sharegpt(prompt_record), answers
 
-    def _sharegpt_answer(self, value: Any, key: str) -> dict[str, str]:
+    def _sharegpt_answer(self, value: object, key: str) -> dict[str, str]:
         tags = self.tags
         if not isinstance(value, dict):
             raise FormatError(f"{key!r} must be a message object, got {type(value).__name__}")
@@ -209,7 +209,7 @@ def _function_turn(turn: dict[str, Any], i: int) -> dict[str, str]:
     return {"role": "function", "content": json.dumps(calls, ensure_ascii=False)}
 
 
-def _is_system(turn: Any, tags: dict[str, str]) -> bool:
+def _is_system(turn: object, tags: dict[str, str]) -> bool:
     return isinstance(turn, dict) and turn.get(tags["role_tag"]) == tags.get("system_tag")
 
 

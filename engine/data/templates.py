@@ -62,12 +62,15 @@ import json
 import re
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.data_formats import TEMPLATES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ThinkingMode = Literal["true", "false", "none"]
 
@@ -346,7 +349,7 @@ def _assemble(segments: list[tuple[str, bool]], ids_of: dict[str, list[int]]) ->
     return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
 
 
-def _tokenize_unique(tokenizer: Any, texts: Iterable[str]) -> dict[str, list[int]]:
+def _tokenize_unique(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> dict[str, list[int]]:
     """One batched fast-tokenizer call over the distinct pieces (system prompts repeat across a dataset)."""
     unique = list(dict.fromkeys(texts))
     encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
@@ -383,16 +386,23 @@ def _hf_kwargs(thinking: ThinkingMode, messages: list[dict[str, str]]) -> dict[s
     return {**_hf_tools(messages), **({} if thinking == "none" else {"enable_thinking": thinking == "true"})}
 
 
-def _hf_render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool, **kwargs: Any) -> str:
+def _hf_render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    generation: bool,
+    **kwargs: Any,  # Any: the chat template's own variables (tools, enable_thinking), as transformers types them
+) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConversationError("template hf: the tokenizer has no chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
+    assert isinstance(text, str)  # tokenize=False: the rendered text
+    return text
 
 
 _TURN_END: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def _hf_turn_end(tokenizer: Any) -> str:
+def _hf_turn_end(tokenizer: PreTrainedTokenizerBase) -> str:
     """The text the template writes after an assistant message (e.g. ``<|im_end|>\\n``), found with a sentinel."""
     if tokenizer not in _TURN_END:
         sentinel = "\x1fLLMJOBS\x1f"
@@ -403,7 +413,9 @@ def _hf_turn_end(tokenizer: Any) -> str:
     return _TURN_END[tokenizer]
 
 
-def _hf_encode(tokenizer: Any, messages: list[dict[str, str]], thinking: ThinkingMode) -> tuple[np.ndarray, np.ndarray]:
+def _hf_encode(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], thinking: ThinkingMode
+) -> tuple[np.ndarray, np.ndarray]:
     hf_msgs = _hf_messages(messages)
     kwargs = _hf_kwargs(thinking, messages)
     text = _hf_render(tokenizer, hf_msgs, False, **kwargs)
@@ -443,7 +455,10 @@ def _check_template(template: str) -> str:
 
 
 def encode_conversations(
-    tokenizer: Any, conversations: Sequence[Sequence[dict[str, Any]]], template: str, enable_thinking: object = "none"
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Sequence[Sequence[dict[str, Any]]],
+    template: str,
+    enable_thinking: object = "none",
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Batch form of ``encode_conversation``. Raises ``ConversationError`` naming the first bad conversation's turn."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)
@@ -456,7 +471,10 @@ def encode_conversations(
 
 
 def encode_conversation(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: object = "none"
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    template: str,
+    enable_thinking: object = "none",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and labels (-100 on every non-assistant token) of one conversation; see the module docstring."""
     return encode_conversations(tokenizer, [messages], template, enable_thinking)[0]
@@ -479,7 +497,7 @@ def _qwen3_oneturn(messages: list[dict[str, str]], thinking: ThinkingMode) -> li
 
 
 def encode_pair(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompt: Sequence[dict[str, Any]],
     chosen: dict[str, Any],
     rejected: dict[str, Any],
@@ -514,7 +532,10 @@ def encode_pair(
 
 
 def encode_prompt(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], template: str, enable_thinking: object = "none"
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    template: str,
+    enable_thinking: object = "none",
 ) -> list[int]:
     """Prompt ids for generating the next assistant turn (a trailing assistant turn is dropped first)."""
     name, thinking = _check_template(template), normalize_thinking(enable_thinking)

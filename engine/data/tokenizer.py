@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.contract.runfiles import BadInput
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @lru_cache(maxsize=4)
-def load_tokenizer(path: str | os.PathLike[str], use_fast: bool = True) -> Any:
+def load_tokenizer(path: str | os.PathLike[str], use_fast: bool = True) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in directory ``path`` (tokenizer.json / vocab files / tokenizer_config.json).
 
     Cached per process: the preprocessing workers and evaluation call this repeatedly.

@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.contract.runfiles import BadInput
 from engine.data.formats import Converter, FormatError
 from engine.data.readers import RecordError, input_files, iter_raw, parse_record
 from engine.data.templates import ConversationError, encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BadLinePolicy = Literal["skip", "error"]
 
@@ -60,9 +63,9 @@ def _last_user(messages: Sequence[dict[str, Any]]) -> str:
 
 
 def _parse_line(
-    payload: Any,
+    payload: str | dict[str, Any],
     converter: Converter,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     template: str,
     enable_thinking: str,
     max_prompt_tokens: int | None,
@@ -85,7 +88,7 @@ def _parse_line(
 
 def read_test_set(
     path: str | os.PathLike[str],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     template: str = "qwen3",
     enable_thinking: str = "none",

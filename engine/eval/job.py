@@ -24,13 +24,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.contract.layout import LayoutError
+from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput, RunDir
 from engine.contract.spec import EvalSpec
 from engine.eval.dataset import TestLine, TestSet, read_test_set
@@ -44,13 +45,16 @@ from engine.model.sampling import SamplingParams
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ParallelDims, build_mesh
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 PREDICTIONS = "predictions.jsonl"
 MAX_REPORTED_BAD_LINES = 50
 
 
-def _decode_options(spec: EvalSpec, tokenizer: Any, tp_size: int) -> DecodeOptions:
+def _decode_options(spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, tp_size: int) -> DecodeOptions:
     stops = stop_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     temperature = 0.0 if spec.greedy else spec.temperature
@@ -80,7 +84,7 @@ def _report_bad_lines(run: RunDir, testset: TestSet, policy: str) -> None:
 
 def _decode(
     model: torch.nn.Module,
-    cfg: Any,
+    cfg: ModelConfig,
     lines: list[TestLine],
     opts: DecodeOptions,
     batch_size: int,
@@ -123,13 +127,14 @@ def _write_predictions(run: RunDir, rows: list[dict[str, Any]]) -> Path:
 
 
 def _score(
-    spec: EvalSpec, tokenizer: Any, lines: list[TestLine], records: list[dict[str, Any]]
+    spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, lines: list[TestLine], records: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], Scoreboard]:
     board = Scoreboard(spec.answer_normalization, top_confusions=spec.top_confusions)
     rows = []
     for rec in sorted(records, key=lambda r: lines[r["index"]].number):
         line = lines[rec["index"]]
         output = tokenizer.decode(rec["tokens"], skip_special_tokens=False)
+        assert isinstance(output, str)  # one sequence in, one text out
         answer, correct = board.add(output, line.reference)
         rows.append(
             {
@@ -174,7 +179,7 @@ def _mesh(spec: EvalSpec, device: Device) -> tuple[DeviceMesh | None, int, int]:
     return mesh["tp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
-def _test_set(spec: EvalSpec, tokenizer: Any, run: RunDir) -> TestSet:
+def _test_set(spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, run: RunDir) -> TestSet:
     testset = read_test_set(
         spec.eval_data_path,
         tokenizer,
@@ -195,7 +200,7 @@ def _test_set(spec: EvalSpec, tokenizer: Any, run: RunDir) -> TestSet:
 
 
 def _decode_remote(
-    spec: EvalSpec, tokenizer: Any, lines: list[TestLine], run: RunDir
+    spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, lines: list[TestLine], run: RunDir
 ) -> tuple[list[dict[str, Any]], int, float]:
     """The test set generated through ``deployment_url`` (``engine.eval.remote``): (records, tokens, seconds)."""
     opts = RemoteOptions.of_spec(spec, frozenset(stop_ids(tokenizer)))
@@ -250,7 +255,7 @@ def run(spec: EvalSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
 def _report(
     spec: EvalSpec,
     run: RunDir,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     testset: TestSet,
     gathered: list[tuple[list[dict[str, Any]], int, float]],
     world: int,

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from engine.data.templates import ConversationError, encode_conversation
 from engine.model.decoder_lm import decoder_lm
 from engine.model.loss import chunked_cross_entropy
 from engine.parallel.device import Device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def _indexed_rows(prefix: str, limit: int | None) -> Iterator[Row]:
         yield np.asarray(s.input_ids), np.asarray(s.labels), np.asarray(s.boundaries)
 
 
-def _conversation_rows(spec: EvalSpec, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
+def _conversation_rows(spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, bad: list[dict[str, Any]]) -> Iterator[Row]:
     try:
         converter = Converter("SharegptStyleInstructionHandler", spec.map_keys)
         files = input_files(spec.eval_data_path)
@@ -103,14 +106,19 @@ def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size:
     return float(loss_sum), int(tokens)
 
 
-def _rows(spec: EvalSpec, tokenizer: Any, bad: list[dict[str, Any]]) -> Iterator[Row]:
+def _rows(spec: EvalSpec, tokenizer: PreTrainedTokenizerBase, bad: list[dict[str, Any]]) -> Iterator[Row]:
     if is_indexed(spec.eval_data_path):
         return _indexed_rows(spec.eval_data_path, spec.eval_data_size)
     return _conversation_rows(spec, tokenizer, bad)
 
 
 def run_loss_eval(
-    spec: EvalSpec, run: RunDir, model: torch.nn.Module, tokenizer: Any, device: Device, info: dict[str, Any]
+    spec: EvalSpec,
+    run: RunDir,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    device: Device,
+    info: dict[str, Any],
 ) -> tuple[dict[str, str], dict[str, Any]]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -150,10 +158,13 @@ def run_loss_eval(
     return ({"result": str(run.path / "result.json")} if run.is_writer else {}), summary
 
 
-def gather_objects(obj: Any) -> list[Any]:
+T = TypeVar("T")
+
+
+def gather_objects(obj: T) -> list[T]:
     """``obj`` of every rank, in rank order (just ``[obj]`` without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out = [obj] * dist.get_world_size()  # every place overwritten by the gather
     dist.all_gather_object(out, obj)
     return out

@@ -94,7 +94,7 @@ _FLAGS = ("swiglu", "group_query_attention", "untie_embeddings_and_output_weight
 _MAX_JSON_BYTES = 1 << 20  # a config.json / meta.json is a few KB
 
 
-def _why_bad(name: str, value: Any) -> str | None:
+def _why_bad(name: str, value: object) -> str | None:
     """Why a shape field's value cannot be used (None: it can, or it is unset)."""
     if value is None:
         return None
@@ -108,11 +108,11 @@ def _why_bad(name: str, value: Any) -> str | None:
     if name == "mlp_only_layers":
         ok = type(value) is list and all(type(i) is int and 0 <= i < 4096 for i in value)
         return None if ok else "not a list of layer numbers"
-    ok = type(value) in (int, float) and math.isfinite(value)
+    ok = (type(value) is int or type(value) is float) and math.isfinite(value)
     return None if ok else "not a finite number"
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if isinstance(value, dict) and "unreadable" in value:
         return f"a {value['unreadable']}"
     return f"{value!r:.60}"
