@@ -8,7 +8,8 @@ listing every method of the path (Starlette's own 405 names only the first route
 bearer security dependency (what the OpenAPI document lists as ``security``) authenticates the token off the event
 loop and answers 401 (OpenAI's error shape on the OpenAI routes, MLflow's ``{"error_code": "UNAUTHENTICATED"}`` under
 /api/2.0/mlflow/, so its client raises a clear error) without touching the body. The principal found is
-left in ``request.state.principal`` for ``app.api.deps.get_principal``. A path no route matches passes on (404).
+left in ``request.state.principal`` for ``app.api.deps.get_principal``; on the OpenAI routes it is remembered a few
+seconds (``app.lookup_cache``, which says how a revoke reaches it). A path no route matches passes on (404).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app import lookup_cache
 from app.errors import database_unavailable
 from app.openai_format import OpenAIError
 from core.auth import Principal, authenticate
@@ -157,10 +159,19 @@ class AuthFirstMiddleware:
         if token is None:
             return _unauthorized(entry, missing=True)
         try:
-            principal = await anyio.to_thread.run_sync(_lookup, self.database_url, token)
+            principal = await self._principal(token, entry)
         except (OperationalError, InterfaceError, PoolTimeout):
             return database_unavailable()  # retryable, as app.errors answers it on any route
         if principal is None:
             return _unauthorized(entry, missing=False)
         scope.setdefault("state", {})["principal"] = principal
         return None
+
+    async def _principal(self, token: str, entry: RouteEntry) -> Principal | None:
+        """The token's principal; on the OpenAI routes remembered a few seconds (``app.lookup_cache``: their hot
+        path, where a revoke by another process takes up to ``TTL_S``)."""
+        if not entry.openai:
+            return await anyio.to_thread.run_sync(_lookup, self.database_url, token)
+        key = lookup_cache.principal_key(self.database_url, token)
+        found, _ = await lookup_cache.PRINCIPALS.remembered(key, lambda: _lookup(self.database_url, token))
+        return found

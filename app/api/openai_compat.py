@@ -6,7 +6,8 @@ The request path (``docs/serving.md``): authenticate the team token (``request.s
 middleware set it, else looked up here) BEFORE the body is read; take one of the team's request slots on this replica
 (``settings.team_max_chat_requests``, else 429 with Retry-After); read and type-check the body (``app.openai_format``:
 a wrong type is a 400 naming the field, before anything reaches an engine); find the caller's team's deployment named
-by ``model`` (``core.deployments``: another team's reads as missing, 404; one not ready yet is 503); POST it to the
+by ``model`` (``core.deployments``: another team's reads as missing, 404; one not ready yet is 503; a ready one is
+remembered a few seconds, ``app.lookup_cache``, and looked up afresh when its engine refuses); POST it to the
 engine's own endpoint through this replica's pooled client for that URL (``app.engine_proxy``: connect and read
 timeouts, a silent or refusing engine is 503 ``model_not_ready`` and left out of ``/v1/models`` for a while) and
 stream the engine's JSON lines back as OpenAI objects, or SSE chunks ending ``data: [DONE]`` (an error after the
@@ -25,11 +26,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
 import anyio
+import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import Receive, Scope, Send
 
+from app import lookup_cache
 from app.api.deps import SettingsDep
 from app.engine_proxy import EngineProxy, EngineStream
 from app.openai_format import (
@@ -124,8 +127,32 @@ def _take_slot(slots: TeamSlots, team: str) -> None:
         raise OpenAIError(429, err.message, None, "too_many_requests", **(err.headers or {})) from err
 
 
-async def _ready(settings: Settings, principal: Principal, model: str) -> Deployment:
-    dep = await anyio.to_thread.run_sync(_with_session, settings, lambda s: find_deployment(s, principal, model))
+async def _on_deployment(
+    settings: Settings, principal: Principal, model: str, use: Callable[[Deployment], Awaitable[T]]
+) -> tuple[Deployment, T]:
+    """``use`` on the ready deployment ``model`` names. A remembered one whose engine refuses (503: stopped, moved to
+    a new attempt) or lacks the adapter (404) is forgotten and looked up again, so the answer is the database's."""
+    key = lookup_cache.deployment_key(settings.database_url, principal, model)
+    dep, remembered = await _ready(settings, principal, model, key)
+    try:
+        return dep, await use(dep)
+    except OpenAIError as err:
+        if not remembered or err.status not in (404, 503):
+            raise
+    lookup_cache.DEPLOYMENTS.discard(key)
+    dep, _ = await _ready(settings, principal, model, key)
+    return dep, await use(dep)
+
+
+async def _ready(
+    settings: Settings, principal: Principal, model: str, key: tuple[str, str, bool, str]
+) -> tuple[Deployment, bool]:
+    """The ready deployment, and whether it was remembered; an OpenAIError when it is missing or not ready."""
+    dep, remembered = await lookup_cache.DEPLOYMENTS.remembered(
+        key,
+        lambda: _with_session(settings, lambda s: find_deployment(s, principal, model)),
+        keep=lambda d: d.ready,
+    )
     if dep is None:
         raise OpenAIError(404, f"model: no deployment {model!r} (see GET /v1/models)", "model", "model_not_found")
     if not dep.ready:
@@ -136,7 +163,7 @@ async def _ready(settings: Settings, principal: Principal, model: str) -> Deploy
             "model_not_ready",
             **{"Retry-After": "5"},
         )
-    return dep
+    return dep, remembered
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -235,10 +262,9 @@ async def _complete(
             held.callback(serving.slots.release, principal.team)
             body = await _body(request)
             generation = chat_request(body) if kind == "chat" else completion_request(body)
-            dep = await _ready(settings, principal, body["model"])
-            if dep.adapter is not None:  # the engine applies this adapter to the request's sequences
-                generation = dataclasses.replace(generation, model=dep.adapter)
-            upstream = await _open(serving, dep, generation, body)
+            dep, upstream = await _on_deployment(
+                settings, principal, body["model"], lambda d: _open(serving, d, generation, body)
+            )
             held.push_async_callback(upstream.aclose)
             rid, model = new_id("chatcmpl" if kind == "chat" else "cmpl"), dep.adapter or dep.name
             n, tools = generation.options.n, kind == "chat" and tool_mode(body) != "none"
@@ -252,6 +278,8 @@ async def _complete(
 
 
 async def _open(serving: Serving, dep: Deployment, generation: ServeRequest, body: dict[str, Any]) -> EngineStream:
+    if dep.adapter is not None:  # the engine applies this adapter to the request's sequences
+        generation = dataclasses.replace(generation, model=dep.adapter)
     try:
         return await serving.proxy.open(dep, generation)
     except OpenAIError as err:
@@ -297,13 +325,14 @@ async def _tokens_of(
         body = await _body(request)
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise OpenAIError(400, "model: required (a deployment's name, see GET /v1/models)", "model")
-        dep = await _ready(settings, principal, body["model"])
-        payload = (
-            {**body, "model": dep.adapter}
-            if dep.adapter is not None
-            else {k: v for k, v in body.items() if k != "model"}
-        )
-        answer = await serving.proxy.call(dep, "POST", path, payload)
+
+        def ask(dep: Deployment) -> Awaitable[httpx.Response]:
+            base = {k: v for k, v in body.items() if k != "model"}
+            return serving.proxy.call(
+                dep, "POST", path, base if dep.adapter is None else {**body, "model": dep.adapter}
+            )
+
+        _, answer = await _on_deployment(settings, principal, body["model"], ask)
     except OpenAIError as err:
         return _error(err)
     return JSONResponse(answer.json())

@@ -193,3 +193,58 @@ def test_an_eval_names_a_ready_deployment_of_its_team(service, engine_url, qwen_
     aimed = {**body, "deployment": None, "deployment_url": "http://169.254.169.254/"}  # workers never POST where told
     refused = http.post("/v1/jobs", json=aimed, headers=headers)
     assert refused.status_code == 422 and refused.json()["field"] == "deployment_url", refused.text
+
+
+def test_remembered_token_and_deployment_follow_revokes_and_stops(
+    service, engine_url, serve_model_dir, qwen_tokenizer_dir, monkeypatch
+) -> None:
+    """``app.lookup_cache``: a request's principal and deployment are remembered, yet a cancel or a revoke made in
+    this process is seen by the very next request; another process's revoke (a write no session of this process
+    makes) once the remembered entry expired."""
+    from sqlalchemy import update
+
+    from app import lookup_cache
+    from core.auth import Principal, hash_token, revoke_token
+    from core.db import get_engine
+    from core.models import ApiToken
+
+    monkeypatch.setattr(lookup_cache.PRINCIPALS, "ttl_s", 60.0)  # nothing expires by itself on a slow machine
+    monkeypatch.setattr(lookup_cache.DEPLOYMENTS, "ttl_s", 60.0)
+    http, _ = service
+    settings = http.app.state.settings
+    raw = {"kind": "serve", "load": str(serve_model_dir), "served_model_name": "cached-chat"}
+    raw["tokenizer_name_or_path"] = str(qwen_tokenizer_dir)
+    with session_scope(settings.database_url) as session:
+        job, _ = create_job(session, settings=settings, team="alpha", spec=parse_spec(raw), raw=raw)
+        session.query(Job).filter(Job.id == job.id).update({"state": "running", "attempt_count": 1})
+        session.add(Event(job_id=job.id, attempt=1, type="ready", data={"url": engine_url}))
+    token = make_token(settings, "alpha")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=token, http_client=http, max_retries=0)
+
+    def ask() -> object:
+        return client.chat.completions.create(model="cached-chat", messages=MESSAGES, max_tokens=2, temperature=0)
+
+    ask()
+    alpha = Principal(team="alpha", admin=False, token_id=0)
+    assert lookup_cache.DEPLOYMENTS.get(lookup_cache.deployment_key(settings.database_url, alpha, "cached-chat"))
+    assert lookup_cache.PRINCIPALS.get(lookup_cache.principal_key(settings.database_url, token))
+    assert http.post(f"/v1/jobs/{job.id}/cancel", headers={"Authorization": f"Bearer {token}"}).status_code == 202
+    with pytest.raises(openai.InternalServerError) as stopping:  # its engine still answers: not served all the same
+        ask()
+    assert stopping.value.status_code == 503 and "cancelling" in stopping.value.message
+    with session_scope(settings.database_url) as session:
+        assert revoke_token(session, token) == 1
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+    other = make_token(settings, "alpha")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=other, http_client=http, max_retries=0)
+    client.models.list()
+    with get_engine(settings.database_url).begin() as conn:  # as `token revoke` writes it from another process
+        conn.execute(
+            update(ApiToken).where(ApiToken.token_hash == hash_token(other)).values(revoked_at=ApiToken.created_at)
+        )
+    client.models.list()  # still remembered: another process's revoke is bounded by the TTL alone
+    monkeypatch.setattr(lookup_cache.PRINCIPALS, "ttl_s", 0.0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
