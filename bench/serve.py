@@ -31,19 +31,19 @@ import uvicorn
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common.pairs import alternate, pair_ratios  # noqa: E402
-
 from app.main import create_app
+from bench.common.chat_stream import pct, stream_chat  # noqa: E402
+from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 from cli.demo import intent_samples, tokenizer_source, write_tiny_model
+from core import secrets_box
 from core.auth import create_token
 from core.db import session_scope, upgrade_head
 from core.jobs import create_job
 from core.models import Event, Job
 from core.settings import Settings
 from engine.contract.runfiles import RunDir
-from engine.serve.job import run as serve_run
 from engine.contract.spec import parse_spec
-from core import secrets_box
+from engine.serve.job import run as serve_run
 
 NAME = "bench-chat"
 
@@ -106,32 +106,6 @@ def _start_api(var: Path, model_dir: Path, engine_url: str) -> tuple[str, str, u
     return f"http://127.0.0.1:{port}/v1", token, server
 
 
-def _one(client: openai.OpenAI, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    first, text, tokens = None, "", 0
-    stream = client.chat.completions.create(
-        model=NAME,
-        messages=msgs,  # type: ignore[arg-type]
-        stream=True,
-        temperature=0,
-        max_tokens=max_tokens,
-        stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
-    for c in stream:
-        if c.choices and c.choices[0].delta.content:
-            first = first or time.perf_counter()
-            text += c.choices[0].delta.content
-        if c.usage:
-            tokens = c.usage.completion_tokens
-    return {"text": text, "tokens": tokens, "ttft": (first or time.perf_counter()) - start}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -151,12 +125,12 @@ def main() -> None:
         engine_url, stop, engine = _start_engine(model_dir, root / "run", clients)
         api_url, token, server = _start_api(root / "var", model_dir, engine_url)
         client = openai.OpenAI(base_url=api_url, api_key=token, max_retries=0, timeout=600)
-        _one(client, prompts[0], 2)  # warm-up: first-request costs are not throughput
+        stream_chat(client, NAME, prompts[0], 2)  # warm-up: first-request costs are not throughput
 
         def served() -> dict[str, Any]:
             start = time.perf_counter()
             with ThreadPoolExecutor(clients) as pool:
-                results = list(pool.map(lambda m: _one(client, m, max_tokens), prompts))
+                results = list(pool.map(lambda m: stream_chat(client, NAME, m, max_tokens), prompts))
             return {"side": "served", "results": results, "seconds": time.perf_counter() - start}
 
         waves = {"served": served, "baseline": baseline}
@@ -180,8 +154,8 @@ def main() -> None:
         "served_tokens_per_s": [round(r["served"], 1) for r in rates],
         "baseline_tokens_per_s": [round(r["baseline"], 1) for r in rates],
         **pair_ratios("throughput_ratio", [r["served"] / r["baseline"] for r in rates]),
-        "ttft_p50_s": _percentile(ttft, 0.5),
-        "ttft_p99_s": _percentile(ttft, 0.99),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p99_s": pct(ttft, 0.99),
         "greedy_equal": sum(r["text"] == e for r, e in zip(rounds[0]["served"]["results"], expected, strict=True)),
         "prompts": clients,
         "smoke": args.smoke,

@@ -26,7 +26,6 @@ The last line is one JSON object: the rows (each side's medians over its waves) 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import random
@@ -44,6 +43,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from bench.common.chat_stream import pct, stream_chat  # noqa: E402
 
 NAME = "peer-bench"
 WORDS = [
@@ -302,40 +303,9 @@ def one(side: Side, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, An
     import openai
 
     try:
-        return _one(side, msgs, max_tokens)
+        return stream_chat(side.client, side.model, msgs, max_tokens)
     except openai.APIError as err:
         return {"text": None, "tokens": 0, "ttft": float("nan"), "gaps": [], "error": f"{type(err).__name__}: {err}"}
-
-
-def _one(side: Side, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    stamps: list[float] = []
-    text, tokens = "", None
-    stream = side.client.chat.completions.create(
-        model=side.model,
-        messages=msgs,  # type: ignore[arg-type]
-        stream=True,
-        temperature=0,
-        max_tokens=max_tokens,
-        stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter())
-            text += chunk.choices[0].delta.content
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    ttft = (stamps[0] if stamps else time.perf_counter()) - start
-    return {"text": text, "tokens": tokens if tokens is not None else len(stamps), "ttft": ttft, "gaps": gaps}
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def load() -> float:
