@@ -29,19 +29,14 @@ import multiprocessing
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
-from bench.common.memory import peak_mb as _peak_mb  # noqa: E402
-from bench.common.memory import rss_mb as _rss_mb  # noqa: E402
+from bench.common.memory import peak_mb  # noqa: E402
 from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
-
-# UTTERANCES, _tokenizer_dir, _peak_mb and _rss_mb are also imported from here by bench/grpo_step.py
-from bench.common.seed_data import INTENTS, UTTERANCES, intent_question  # noqa: E402, F401
+from bench.common.seed_data import INTENTS, intent_question  # noqa: E402
 from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
 
 SHAPE = dict(
@@ -165,43 +160,24 @@ def run_trl(
     import copy
 
     from datasets import Dataset
-    from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            self.times.append(time.perf_counter() - self.started)
+    from bench.common.trl import StepClock, matched_args
 
     model = Qwen3ForCausalLM.from_pretrained(work / "model", attn_implementation="eager")
-    clock = Clock()
+    clock = StepClock()
     trainer = DPOTrainer(
         model=model,
         ref_model=copy.deepcopy(model),
         args=DPOConfig(
-            output_dir=str(work / "trl"),
+            **matched_args(work, steps),
             per_device_train_batch_size=mbs,
             gradient_accumulation_steps=gbs // mbs,
-            max_steps=steps,
-            learning_rate=1e-6,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            bf16=False,
             loss_type=["sigmoid"],
             beta=0.1,
             max_length=None,
             dataloader_drop_last=True,
-            seed=0,
         ),
         train_dataset=Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")}),
         processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()),
@@ -215,18 +191,15 @@ def run_trl(
 
 
 def measure(side: str, work: str, steps: int, mbs: int, gbs: int, threads: int, tokens: list, pairs: list) -> dict:
-    """In a fresh process: import both stacks (neither side pays for the other's imports), run, report."""
-    import torch
-    import transformers  # noqa: F401
-    import trl  # noqa: F401
+    """In a fresh process: import both stacks, run, report."""
+    from bench.common.trl import start_side
 
-    torch.set_num_threads(threads)
-    rss0 = _rss_mb()
+    rss0 = start_side(threads)
     if side == "ours":
         times = run_ours(Path(work) / "ours", steps, mbs, gbs)
     else:
         times = run_trl(Path(work) / "trl", steps, mbs, gbs, tokens, pairs)
-    return {"side": side, "step_s": times, "peak_mem_mb": _peak_mb() - rss0}
+    return {"side": side, "step_s": times, "peak_mem_mb": peak_mb() - rss0}
 
 
 def main() -> None:

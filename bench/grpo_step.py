@@ -37,17 +37,11 @@ from typing import Any, cast
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
+from bench.common.memory import peak_mb  # noqa: E402
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
-from bench.dpo_step import (  # noqa: E402
-    INTENTS,
-    SHAPE,
-    SMOKE_SHAPE,
-    UTTERANCES,
-    _peak_mb,
-    _rss_mb,
-    _tokenizer_dir,
-    write_model,
-)
+from bench.common.seed_data import INTENTS, UTTERANCES  # noqa: E402
+from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
+from bench.dpo_step import SHAPE, SMOKE_SHAPE, write_model  # noqa: E402
 
 
 def make_prompts(n: int, seed: int) -> list[dict[str, str]]:
@@ -131,8 +125,10 @@ def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[
 
 def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, length: int) -> dict[str, list[float]]:
     from datasets import Dataset  # type: ignore[import-untyped]
-    from transformers import AutoTokenizer, Qwen3ForCausalLM, TrainerCallback
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
+
+    from bench.common.trl import StepClock, matched_args
 
     generation: list[float] = []
     inner = GRPOTrainer._generate_and_score_completions
@@ -145,21 +141,11 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
 
     GRPOTrainer._generate_and_score_completions = generate_clocked  # type: ignore[method-assign]
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            self.times.append(time.perf_counter() - self.started)
-
     def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
 
     model = Qwen3ForCausalLM.from_pretrained(work / "model")
-    clock = Clock()
+    clock = StepClock()
     data = Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": p["question"]}] for p in prompts],
@@ -170,24 +156,13 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
         model=model,
         reward_funcs=exact_match,
         args=GRPOConfig(
-            output_dir=str(work / "trl"),
+            **matched_args(work, steps),
             per_device_train_batch_size=len(prompts) * g,
             num_generations=g,
             max_completion_length=length,
             temperature=1.0,
             beta=0.0,
             loss_type="dapo",
-            max_steps=steps,
-            learning_rate=1e-6,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            bf16=False,
-            seed=0,
         ),
         train_dataset=data,
         processing_class=AutoTokenizer.from_pretrained(_tokenizer_dir()),
@@ -201,19 +176,16 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
 
 
 def measure(side: str, work: str, steps: int, prompts: list, g: int, length: int, threads: int) -> dict:
-    """In a fresh process: import both stacks (neither side pays for the other's imports), run, report."""
-    import torch
-    import transformers  # noqa: F401
-    import trl  # noqa: F401
+    """In a fresh process: import both stacks, run, report."""
+    from bench.common.trl import start_side
 
-    torch.set_num_threads(threads)
-    rss0 = _rss_mb()
+    rss0 = start_side(threads)
     if side == "ours":
         times = run_ours(Path(work) / "ours", steps, len(prompts), g, length)
         times["step_s"] = [a + b for a, b in zip(times["generation_s"], times["train_s"], strict=True)]
     else:
         times = run_trl(Path(work) / "trl", steps, prompts, g, length)
-    return {"side": side, **times, "peak_mem_mb": _peak_mb() - rss0}
+    return {"side": side, **times, "peak_mem_mb": peak_mb() - rss0}
 
 
 def main() -> None:

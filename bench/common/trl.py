@@ -1,0 +1,56 @@
+"""TRL's side of the training benchmarks (a helper of ``bench/``, not a benchmark): the trainer settings that match
+our train specs and a clock on each optimizer step. Imports ``transformers``: import it inside a side's process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+def matched_args(work: Path, steps: int) -> dict[str, Any]:
+    """``TrainingArguments`` doing what the benches' specs do: ``steps`` steps at a constant lr 1e-6, no weight decay,
+    gradients clipped at 1.0, fp32 on CPU (TRL defaults to bf16 autocast, on CPU too), a log line a step, nothing
+    saved or reported."""
+    return {
+        "output_dir": str(work / "trl"),
+        "max_steps": steps,
+        "learning_rate": 1e-6,
+        "lr_scheduler_type": "constant",
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "bf16": False,
+        "seed": 0,
+    }
+
+
+class StepClock(TrainerCallback):
+    """Each optimizer step's wall time (s), from the trainer's step callbacks."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.started = 0.0
+
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        self.times.append(time.perf_counter() - self.started)
+
+
+def start_side(threads: int) -> float:
+    """A side's fresh process before it runs: both stacks imported (neither side pays for the other's imports), its
+    intra-op threads set; returns its RSS (MiB), the base of its peak memory."""
+    import torch
+    import trl  # noqa: F401
+
+    from bench.common.memory import rss_mb
+
+    torch.set_num_threads(threads)
+    return rss_mb()
