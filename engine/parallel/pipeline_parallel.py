@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.contract import layout
 from engine.contract.constants import IGNORE_INDEX, PAD_ID
+from engine.contract.model_config import ModelConfig
 from engine.contract.spec import TrainSpec
 from engine.model.loss import chunked_cross_entropy
 from engine.model.moe import paused_router_stats
@@ -43,6 +45,35 @@ if TYPE_CHECKING:
     from engine.model.qwen3 import Qwen3Model
 
 WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
+
+StageLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class StepNorm(TypedDict, total=False):
+    """What the last stage's loss reads from the step: set by the pipeline, read inside the schedule."""
+
+    tokens: float  # the step's global token count (the loss's divisor)
+    loss: StageLoss | None  # a stage loss replacing the token CE (``Pipeline.use_loss``)
+    shape: tuple[int, ...] | None  # the tied embedding's local gradient shape, asked once
+
+
+class StageBatch(Protocol):
+    """A micro-batch as the pipeline stacks it (``engine.train.batches.MicroBatch``)."""
+
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+    @property
+    def labels(self) -> torch.Tensor: ...
+    @property
+    def position_ids(self) -> torch.Tensor: ...
+    @property
+    def segment_ids(self) -> torch.Tensor | None: ...
+    @property
+    def counted(self) -> torch.Tensor | None: ...
+
+
+# ids, labels, positions, segment ids (packed rows), counted tokens (context parallelism's padding)
+StackedBatches = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def stage_layers(
@@ -137,17 +168,18 @@ class Pipeline:
     trainer pads each step to a bucketed width, so only a few shapes ever occur."""
 
     parts: list[Qwen3Model]  # model parts in stage order (native FQNs), for the optimizer / checkpoints
-    make_schedule: Callable[[], Any]
+    make_schedule: Callable[[], _PipelineSchedule]
     is_first: bool
     is_last: bool
     pp_mesh: DeviceMesh
-    _norm: dict[str, Any] = dataclasses.field(default_factory=dict)  # "tokens": global token count of the step
-    _schedules: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    _norm: StepNorm = dataclasses.field(default_factory=lambda: StepNorm())
+    # one schedule per (micro-batch shape, packed, counted)
+    _schedules: dict[tuple[tuple[int, ...], bool, bool], _PipelineSchedule] = dataclasses.field(default_factory=dict)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
-    def use_loss(self, loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None) -> None:
+    def use_loss(self, loss: StageLoss | None) -> None:
         """The last stage's loss instead of the token CE from now on: ``(hidden, labels, head, index) -> loss``
         (``make_loss_fn`` divides it by the step's normaliser); None: the token CE again."""
         self._norm["loss"] = loss
@@ -189,7 +221,7 @@ class Pipeline:
 
 def make_loss_fn(
     last_part: Qwen3Model | None,
-    norm: dict[str, Any],
+    norm: StepNorm,
     tp_mesh: DeviceMesh | None,
     sequence_parallel: bool,
     chunk_size: int = 256,
@@ -255,10 +287,10 @@ def build_pipeline(
     group = pp_mesh.get_group()
     device = device or _local(next(iter(parts[0].parameters()))).device
     last_part = parts[-1] if stage_ids[-1] == n_stages - 1 else None
-    norm: dict[str, Any] = {"tokens": 1.0}  # set by every step before the schedule runs
+    norm = StepNorm(tokens=1.0)  # set by every step before the schedule runs
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None, loss_chunk_size)
 
-    def make_schedule() -> Any:
+    def make_schedule() -> _PipelineSchedule:
         stages = [
             PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
             for part, s in zip(parts, stage_ids, strict=True)
@@ -319,7 +351,7 @@ def _local_embedding_shape(pipe: Pipeline, ref: torch.Tensor | None) -> tuple[in
     """The local gradient shape of the tied weight (the same on its two holders), None when it is frozen; asked
     once, then cached."""
     if "shape" not in pipe._norm:
-        shapes: list[Any] = [None] * pipe.pp_mesh.size()
+        shapes: list[tuple[int, ...] | None] = [None] * pipe.pp_mesh.size()
         mine = None if ref is None or not ref.requires_grad else tuple(_local(ref).shape)
         dist.all_gather_object(shapes, mine, group=pipe.pp_mesh.get_group())
         pipe._norm["shape"] = next((s for s in shapes if s is not None), None)
@@ -353,8 +385,10 @@ _COPY_KEY, _NATIVE_KEY = "output_layer.weight", "embedding.word_embeddings.weigh
 
 
 def dcp_state_view(
-    state: dict[str, Any], modules: nn.Module | Sequence[nn.Module], mode: str
-) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
+    state: dict[str, Any],  # Any: a model + optimizer state tree (tensors, numbers, FQN lists), as DCP types it
+    modules: nn.Module | Sequence[nn.Module],
+    mode: str,
+) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:  # Any: state trees as above
     """A (nested or flattened) model + optimizer state dict as DCP must see it on this rank, and ``finish()``.
 
     - A tied model's last-stage ``output_layer`` copy is not a native tensor: on save it is left out (the embedding
@@ -368,10 +402,10 @@ def dcp_state_view(
     parts = [modules] if isinstance(modules, nn.Module) else list(modules)
     copy_here = any(_has_copy(m) for m in parts)
 
-    def is_copy(name: Any) -> bool:
+    def is_copy(name: object) -> TypeGuard[str]:
         return copy_here and isinstance(name, str) and _COPY_KEY in name
 
-    def rename(obj: Any) -> Any:
+    def rename(obj: object) -> object:
         if isinstance(obj, dict):
             kept = {k: v for k, v in obj.items() if not (mode == "save" and is_copy(k))}
             return {(k.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(k) else k): rename(v) for k, v in kept.items()}
@@ -380,10 +414,13 @@ def dcp_state_view(
             return [v.replace(_COPY_KEY, _NATIVE_KEY) if is_copy(v) else rename(v) for v in kept_items]
         return obj
 
-    view, restore = dcp_view(rename(state))
+    renamed = rename(state)
+    assert isinstance(renamed, dict)  # a dict renamed is a dict
+    view, restore = dcp_view(renamed)
 
-    def merge(original: Any, loaded: Any) -> Any:
+    def merge(original: object, loaded: object) -> object:
         if isinstance(original, dict):
+            assert isinstance(loaded, dict)  # the view has the state's shape
             return {
                 k: merge(v, loaded[_NATIVE_KEY.join(k.split(_COPY_KEY)) if is_copy(k) else k])
                 for k, v in original.items()
@@ -397,9 +434,11 @@ def dcp_state_view(
             return original  # tensors were loaded in place (or restored); FQN strings keep this rank's names
         return loaded
 
-    def finish() -> dict[str, Any]:
+    def finish() -> dict[str, Any]:  # Any: the state tree, as DCP types it
         restore()
-        return merge(state, view)
+        merged = merge(state, view)
+        assert isinstance(merged, dict)  # a dict merged is a dict
+        return merged
 
     return view, finish
 
@@ -426,13 +465,11 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "pipeline", pipe)
         self.width = width  # the widest micro-batch a step can have; steps pad to a multiple of WIDTH_BUCKET
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("a pipeline rank runs through engine.train.step_runner.PipelineRunner, not forward()")
 
 
-def stack_micro_batches(
-    batches: Sequence[Any], width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def stack_micro_batches(batches: Sequence[StageBatch], width: int) -> StackedBatches:
     """Micro-batches (``engine.train.batches.MicroBatch``) padded to ``width`` columns and stacked on dim 0:
     ids, labels, positions, segment ids and the tokens MoE routing counts (``counted``: (rows, width) bool when
     context parallelism padded any micro-batch itself, all True on the others; the pipeline pads none under CP).
@@ -481,7 +518,7 @@ def pipeline_width(seq_length: int, micro_batch_size: int, padding_free: bool) -
 # ------------------------------------------------------------------ spec -> pipeline (the trainer's entry points)
 
 
-def check_parallel_layout(spec: TrainSpec, cfg: Any, dims: Any, global_batch_size: int) -> None:
+def check_parallel_layout(spec: TrainSpec, cfg: ModelConfig, dims: layout.ParallelDims, global_batch_size: int) -> None:
     """BadInput (naming the flag) for a TP/PP layout this model and batch cannot use; run before any work."""
     from engine.contract.runfiles import BadInput
 

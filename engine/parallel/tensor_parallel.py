@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -93,8 +93,15 @@ class ColumnParallel(ColwiseParallel):
     ``gate_up=True`` (fused ``[gate; up]`` fc1) base and B use ``_StridedShard(0, split_factor=2)`` so that rank k
     holds ``[gate_k; up_k]`` (Megatron's per-rank layout) while the global tensor keeps the native ``[gate; up]``."""
 
-    def __init__(self, *, gate_up: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        gate_up: bool = False,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         rows: Placement | str = "gate_up" if gate_up else Shard(0)
         self.placements = {"": rows, "lora_A": Replicate(), "lora_B": rows, "bias": Shard(0)}
 
@@ -120,8 +127,14 @@ class RowParallel(RowwiseParallel):
     its input dim (r, in/TP), B replicated (out, r). The adapter's partial sums join the base output's partial sums,
     so the one reduce(-scatter) of the row-parallel output also reduces the adapter path."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self.placements = {"": Shard(1), "lora_A": Shard(1), "lora_B": Replicate(), "bias": Replicate()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -195,7 +208,7 @@ class _Replicated(ParallelStyle):
                 DTensor.from_local(a, mesh, [Replicate()], run_check=False) if _is_plain(a) else a for a in args
             )
 
-        def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        def outputs(mod: nn.Module, out: object, mesh: DeviceMesh) -> object:
             return out.to_local() if isinstance(out, DTensor) else out
 
         # torch annotates output_fn as returning None, but distribute_module returns its result from a forward hook
@@ -272,6 +285,7 @@ class ExpertTensorParallel(ParallelStyle):
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale`` (a rank's share of a whole gradient that a TP sum adds up)."""
 
+    # ctx: Any: autograd's context, which carries what forward saves for backward (torch types it so)
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
@@ -282,7 +296,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _is_plain(x: Any) -> bool:
+def _is_plain(x: object) -> TypeGuard[torch.Tensor]:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
@@ -353,7 +367,9 @@ class _VocabParallelCE(torch.autograd.Function):
     (all-reduce SUM). Backward is local: softmax - one_hot on this rank's vocab slice."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
@@ -558,7 +574,9 @@ def _write_full(original: DTensor, full: torch.Tensor) -> None:
     original.to_local().copy_(chunks[rank] if rank < len(chunks) else inner_local[:0])
 
 
-def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+def dcp_view(
+    state: dict[str, Any],  # Any: a model + optimizer state tree (tensors, numbers, FQN lists), as DCP types it
+) -> tuple[dict[str, Any], Callable[[], None]]:  # Any: as state
     """Make a (nested) state dict storable by DCP, plus a function that copies loaded values back.
 
     DCP stores one contiguous chunk per rank, so a ``_StridedShard`` tensor (fc1's ``[gate_k; up_k]``) is replaced
@@ -567,7 +585,7 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
     function to write the values back into the strided originals (a no-op after ``dcp.save``)."""
     pairs: list[tuple[DTensor, DTensor]] = []
 
-    def convert(value: Any) -> Any:
+    def convert(value: object) -> object:
         if isinstance(value, dict):
             return {k: convert(v) for k, v in value.items()}
         if isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements):
@@ -588,4 +606,6 @@ def dcp_view(state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]
                 else:
                     original.copy_(copy.redistribute(placements=original.placements))
 
-    return convert(state), restore
+    view = convert(state)
+    assert isinstance(view, dict)  # a dict converted is a dict
+    return view, restore

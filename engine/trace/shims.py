@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._utils import (
     InferenceMode,
@@ -24,10 +25,22 @@ from torch.distributed.pipelining._utils import (
     _StageForwardMeta,
     extract_tensor_metas,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+
+    from engine.model.attention import AttentionPlan
+    from engine.parallel.pipeline_parallel import StackedBatches, StageBatch
+    from engine.train.batches import MicroBatch
 
 
-def _local_vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool = False) -> None:
+def _local_vote(
+    self: schedules._PipelineSchedule, stages: list[_PipelineStageBase], has_backward: bool, p2p_done: bool = False
+) -> None:
     for stage in stages:
+        assert isinstance(stage, PipelineStage)  # the engine's pipeline builds no other kind
         dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
         stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
 
@@ -44,17 +57,23 @@ def fake_pipeline_peers(boundary: Callable[[tuple[int, ...]], tuple[tuple[int, .
         PipelineStage._send_meta,
     )
     infer = originals[1]
+    positions: dict[int, tuple[int, ...]] = {}  # id(stage) -> its micro-batch's position_ids shape
 
     def forward_inference(
-        self: Any, args: Any, kwargs: dict[str, Any] | None = None, has_backward: bool = False
-    ) -> Any:
-        self._trace_positions = tuple((kwargs or {})["position_ids"].shape)
+        self: PipelineStage,
+        args: tuple[torch.Tensor, ...] | _StageForwardMeta | None,
+        kwargs: dict[str, Any] | None = None,  # Any: the stage module's keyword arguments, as torch types them
+        has_backward: bool = False,
+    ) -> _StageForwardMeta | None:
+        positions[id(self)] = tuple((kwargs or {})["position_ids"].shape)
         return infer(self, args, kwargs, has_backward)
 
-    def recv_meta(self: Any, src_stage: int) -> Any:
+    def recv_meta(self: PipelineStage, src_stage: int) -> _StageForwardMeta | _StageBackwardMeta:
         if src_stage > self.stage_index:  # the gradient of this stage's outputs: shaped as the outputs
-            return _StageBackwardMeta(backward_metas=self._stage_meta.outputs)
-        shape, dtype = boundary(self._trace_positions)
+            outputs = self._stage_meta.outputs
+            assert outputs is not None  # the forward metadata came first
+            return _StageBackwardMeta(backward_metas=outputs)
+        shape, dtype = boundary(positions[id(self)])
         hidden = torch.empty(shape, dtype=dtype, device="meta", requires_grad=has_grad(self))
         metas = extract_tensor_metas((hidden,))
         assert metas is not None  # one tensor in, one meta out
@@ -88,12 +107,11 @@ class SegmentOracle:
     layout, so a shape names one host tensor: a micro-batch's own, or the pipeline's padding of it to a wider row
     (``stack_micro_batches``)."""
 
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = [mb for mb in batches if mb.segment_ids is not None]
+    def __init__(self, batches: list[MicroBatch]) -> None:
+        self.segments = [mb.segment_ids for mb in batches if mb.segment_ids is not None]
 
     def host(self, shape: tuple[int, ...]) -> torch.Tensor | None:
-        for mb in self.batches:
-            seg = mb.segment_ids
+        for seg in self.segments:
             if tuple(seg.shape) == shape:
                 return seg
             if seg.shape[0] == shape[0] and seg.shape[1] <= shape[1]:
@@ -116,18 +134,19 @@ def host_attention_plans(
         q_len: int,
         past_len: int = 0,
         segment_ids: torch.Tensor | None = None,
-        *args: Any,
-        **kw: Any,
-    ) -> Any:
+        attention_mask: torch.Tensor | None = None,
+        batch: int = 1,
+        runs_only: bool = False,
+    ) -> AttentionPlan:
         host = None if segment_ids is None else oracle.host(tuple(segment_ids.shape))
-        if segment_ids is None and _npu_plain_causal(device, past_len, *args, **kw):
+        if segment_ids is None and _npu_plain_causal(device, past_len, attention_mask, runs_only):
             # the NPU path gives plain causal rows one sample each (``plan_attention``): their ids are zeros
             with unset_fake_temporarily():  # a host tensor, not one of the step's fakes
-                host = torch.zeros(kw.get("batch", args[1] if len(args) > 1 else 1), q_len, dtype=torch.long)
+                host = torch.zeros(batch, q_len, dtype=torch.long)
         if host is None:
-            return original(device, q_len, past_len, segment_ids, *args, **kw)
+            return original(device, q_len, past_len, segment_ids, attention_mask, batch, runs_only)
         with paused(), unset_fake_temporarily():
-            plan = original(device, q_len, past_len, host, *args, **kw)
+            plan = original(device, q_len, past_len, host, attention_mask, batch, runs_only)
         moved = {
             f.name: getattr(plan, f.name).to(device)
             for f in dataclasses.fields(plan)
@@ -144,12 +163,13 @@ def host_attention_plans(
         attention._NPU_CAUSAL_MASK.clear()
 
 
-def _npu_plain_causal(device: torch.device, past_len: int, *args: Any, **kw: Any) -> bool:
+def _npu_plain_causal(
+    device: torch.device, past_len: int, attention_mask: torch.Tensor | None, runs_only: bool
+) -> bool:
     from engine.model.kernels import attention_kernel
 
-    mask = kw.get("attention_mask", args[0] if args else None)
-    runs_only = kw.get("runs_only", args[2] if len(args) > 2 else False)
-    return mask is None and not past_len and not runs_only and attention_kernel(device.type) == "npu_fusion"
+    plain = attention_mask is None and not past_len and not runs_only
+    return plain and attention_kernel(device.type) == "npu_fusion"
 
 
 @contextlib.contextmanager
@@ -160,9 +180,9 @@ def host_batch_staging(paused: Callable[[], contextlib.AbstractContextManager[No
 
     original = step_runner.stack_micro_batches
 
-    def staged(*args: Any, **kwargs: Any) -> Any:
+    def staged(batches: Sequence[StageBatch], width: int) -> StackedBatches:
         with paused():
-            return original(*args, **kwargs)
+            return original(batches, width)
 
     step_runner.stack_micro_batches = staged
     try:
@@ -179,9 +199,9 @@ def sharding_propagation_paused(paused: Callable[[], contextlib.AbstractContextM
 
     original = ShardingPropagator.propagate_op_sharding_non_cached
 
-    def propagated(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def propagated(self: ShardingPropagator, op_schema: OpSchema) -> OutputSharding:
         with paused():
-            return original(self, *args, **kwargs)
+            return original(self, op_schema)
 
     ShardingPropagator.propagate_op_sharding_non_cached = propagated  # type: ignore[method-assign]
     try:
@@ -199,12 +219,11 @@ def local_tied_shape(fallback: tuple[int, ...] | None) -> Iterator[None]:
 
     original = pp._local_embedding_shape
 
-    def answered(pipe: Any, ref: torch.Tensor | None) -> tuple[int, ...] | None:
+    def answered(pipe: pp.Pipeline, ref: torch.Tensor | None) -> tuple[int, ...] | None:
         if "shape" not in pipe._norm:
             mine = None if ref is None or not ref.requires_grad else tuple(pp._local(ref).shape)
             pipe._norm["shape"] = mine if ref is not None else fallback
-        shape: tuple[int, ...] | None = pipe._norm["shape"]
-        return shape
+        return pipe._norm["shape"]
 
     pp._local_embedding_shape = answered
     try:
@@ -234,7 +253,7 @@ def fake_activations_freed() -> Iterator[None]:
         if not (torch.is_grad_enabled() and out.requires_grad and act.is_contiguous()) or in_backward():
             return
         size = act.untyped_storage().nbytes()
-        held: list[Any] = [act, values]
+        held: list[Any] = [act, values]  # Any: the activation and its rebuild, unpacked together
 
         def rebuild(grad: torch.Tensor) -> None:
             if held:
@@ -262,21 +281,25 @@ def host_mesh_coordinates() -> Iterator[None]:
     ``DeviceMesh._concatenate``; sub-meshes by name; EP's split of DP, ``_unflatten``) build their rank table from the host tables of the job's mesh,
     then find this rank in it (``nonzero``), which a fake tensor cannot answer: they are made outside the fake mode,
     on host tensors, as in a job."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     concatenate, getitem, unflatten = DeviceMesh._concatenate, DeviceMesh.__getitem__, DeviceMesh._unflatten
 
-    def concatenated(meshes: Any) -> Any:
+    def concatenated(meshes: list[DeviceMesh]) -> DeviceMesh:
         with unset_fake_temporarily():
             return concatenate(meshes)
 
-    def item(self: Any, names: Any) -> Any:
+    def item(self: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
         with unset_fake_temporarily():
             return getitem(self, names)
 
-    def unflattened(self: Any, *args: Any, **kwargs: Any) -> Any:  # EP's dp -> (dp / ep, ep) split
+    def unflattened(  # EP's dp -> (dp / ep, ep) split
+        self: DeviceMesh,
+        dim: int | str,
+        mesh_sizes: tuple[int, ...],
+        mesh_dim_names: tuple[str, ...],
+        backend_override: dict[str, str | C10dBackend.Options | tuple[str, C10dBackend.Options]] | None = None,
+    ) -> DeviceMesh:
         with unset_fake_temporarily():
-            return unflatten(self, *args, **kwargs)
+            return unflatten(self, dim, mesh_sizes, mesh_dim_names, backend_override)
 
     DeviceMesh._concatenate = staticmethod(concatenated)  # type: ignore[method-assign, assignment]
     DeviceMesh.__getitem__ = item  # type: ignore[method-assign]

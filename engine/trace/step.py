@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._guards import active_fake_mode
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -103,7 +105,7 @@ class RankTrace:
     wall_s: float
     host_peak_bytes: int = 0  # the host's peak over the step: the offloaded optimizer state and its step's slices
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, Any]:  # Any: JSON values the trace CLI reads back as numbers
         return dataclasses.asdict(self)
 
 
@@ -119,7 +121,7 @@ class StepWatch(TorchDispatchMode):
         super().__init__()
         self.host_ops: dict[str, int] = {}
         self.collectives: dict[str, int] = {}
-        self._entry_mode: Any = None
+        self._entry_mode: FakeTensorMode | None = None
         self._paused = False
         self.label_rows: int | None = None  # labelled tokens of a worst-case micro-batch (the oracle's answer)
         self.host_syncs: dict[str, int] = {}
@@ -144,7 +146,13 @@ class StepWatch(TorchDispatchMode):
         self._entry_mode = active_fake_mode()
         return super().__enter__()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),  # Any: an op's arguments are whatever its schema takes (tensors, sizes, lists)
+        kwargs: dict[str, Any] | None = None,  # Any: as args
+    ) -> object:
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
         if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) in self._scalars:
@@ -185,16 +193,18 @@ class StepWatch(TorchDispatchMode):
                     self.host_ops[str(func)] = self.host_ops.get(str(func), 0) + 1
         return out
 
-    def _remember_counted_sum(self, args: Any, out: Any) -> None:
+    def _remember_counted_sum(self, args: tuple[Any, ...], out: torch.Tensor) -> None:  # Any: as dispatch's
         """A whole sum of a device ``counted`` mask (bool, rows of the shard's width): its value from the host."""
-        mask = args[0]
+        mask: torch.Tensor = args[0]
         assert self.counted_row is not None
         width, per_row = self.counted_row
         whole = len(args) == 1 or args[1] is None
         if whole and mask.dtype == torch.bool and mask.device.type != "cpu" and mask.shape[-1] == width:
             self._scalars[id(out)] = (weakref.ref(out), mask.numel() // width * per_row)
 
-    def _remember_ep_splits(self, func: Any, args: Any, out: Any) -> None:
+    def _remember_ep_splits(
+        self, func: OpOverload, args: tuple[Any, ...], out: torch.Tensor | Sequence[torch.Tensor]
+    ) -> None:  # Any: as dispatch's
         """MoE's host reads of the routing, answered as balanced routing (each rank's ``rows``, tokens × top-k, split
         evenly over the EP ranks and the experts; the planner's assumption): expert parallelism's all-to-all splits
         (``AllToAllDispatch.dispatch``: ``counts.reshape(ep, local).sum(1).tolist()``, rows sent to and received from
@@ -203,22 +213,28 @@ class StepWatch(TorchDispatchMode):
         ep, rows, local = self.ep_rows
         if func is torch.ops.aten.max.default:  # ``GroupedExperts``' padded kernel: the busiest local expert's rows
             counts = args[0]
-            if counts.dim() == 1 and counts.shape[0] == local and counts.dtype == torch.long:
+            if (
+                isinstance(out, torch.Tensor)
+                and counts.dim() == 1
+                and counts.shape[0] == local
+                and counts.dtype == torch.long
+            ):
                 self._scalars[id(out)] = (weakref.ref(out), -(-rows // local))
         elif func is torch.ops.aten.sum.dim_IntList and ep > 1:
             counts = args[0]
-            if counts.dim() == 2 and counts.shape[0] == ep and counts.dtype == torch.long and list(args[1]) == [1]:
+            two_d = counts.dim() == 2 and counts.shape[0] == ep and counts.dtype == torch.long
+            if isinstance(out, torch.Tensor) and two_d and list(args[1]) == [1]:
                 self._ep_sums[id(out)] = weakref.ref(out)
         elif func is torch.ops.aten.unbind.int and self._ep_sums.get(id(args[0]), _gone)() is args[0]:
             for i, element in enumerate(out):  # the first ``rows % ep`` ranks take one row more
                 self._scalars[id(element)] = (weakref.ref(element), rows // ep + (i < rows % ep))
 
-    def _counts_rows(self, args: Any, kwargs: dict[str, Any]) -> bool:
+    def _counts_rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:  # Any: as dispatch's
         minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
         weights = args[1] if len(args) > 1 else kwargs.get("weights")
         return bool(minlength) and weights is None and args[0].device.type != "cpu" and not self._paused
 
-    def _answers(self, mask: Any) -> bool:
+    def _answers(self, mask: torch.Tensor) -> bool:
         """A labelled-token mask of one micro-batch: the only data-dependent shape the oracle answers."""
         on_device = mask.device.type != "cpu"
         return (
@@ -275,7 +291,7 @@ class StepTracker(MemTracker):
         if not self.module_hooks:
             self._track_module_params_and_buffers(model, install_grad_hooks=True)
 
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:  # Any: as MemTracker's (a module's inputs)
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
@@ -290,7 +306,7 @@ class StepTracker(MemTracker):
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
     return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
@@ -313,7 +329,7 @@ def worst_case_batches(spec: TrainSpec, cfg: ModelConfig, micro_batches: int, se
     return out
 
 
-def context_shards(batches: list[MicroBatch], dims: ParallelDims, mesh: Any) -> list[MicroBatch]:
+def context_shards(batches: list[MicroBatch], dims: ParallelDims, mesh: DeviceMesh) -> list[MicroBatch]:
     """Under context parallelism the rank's share of every row, cut as the job cuts it (``Trainer._context_shards``:
     one row width for the pipeline's micro-batches under PP), whole rows otherwise. The model plans its attention
     for CP × the local width with the whole segment ids the shard carries."""
@@ -325,7 +341,7 @@ def context_shards(batches: list[MicroBatch], dims: ParallelDims, mesh: Any) -> 
 
 
 def _preference_loss(
-    spec: TrainSpec, cfg: ModelConfig, mesh: Any, model: nn.Module, gbs: int, device: Device
+    spec: TrainSpec, cfg: ModelConfig, mesh: DeviceMesh, model: nn.Module, gbs: int, device: Device
 ) -> MicroBatchLoss | None:
     """Stage dpo's loss with its reference model built as ``Trainer._preference_losses`` builds it (a frozen copy of
     the policy in the compute dtype, sharded like it; LoRA's reference is the policy with its adapters off); None
@@ -353,7 +369,7 @@ def _one_step(
     dims: ParallelDims,
     gbs: int,
     device: Device,
-    mesh: Any,
+    mesh: DeviceMesh,
     batches: list[MicroBatch],
     tracker: StepTracker,
     building: Callable[[], contextlib.AbstractContextManager[None]],
@@ -393,7 +409,9 @@ def _one_step(
         runner.reduce(losses)
 
 
-def _boundary(spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims) -> Any:
+def _boundary(
+    spec: TrainSpec, cfg: ModelConfig, dims: ParallelDims
+) -> Callable[[tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of the hidden state one pipeline stage sends the next, for a micro-batch's positions shape."""
     sp = dims.tp if spec.sequence_parallel else 1
 
@@ -467,11 +485,11 @@ class _ClearShardingCache(torch.autograd.Function):
     """Identity whose backward clears the C++ fast path's sharding cache of the thread running it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # the context is not used
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
         torch._C._clear_DTensor_sharding_propagator_cache()
         return grad
 
@@ -487,7 +505,7 @@ def _clear_in_backward_thread(device: torch.device | None) -> None:
         _ClearShardingCache.apply(x).sum().backward()
 
 
-def rank_trace(rank: int, peak: dict[Any, int], watch: StepWatch, started: float, host_peak: int = 0) -> RankTrace:
+def rank_trace(rank: int, peak: dict[str, int], watch: StepWatch, started: float, host_peak: int = 0) -> RankTrace:
     """One rank's figures from MemTracker's peak snapshot of the device (and the host's peak) and the step's watch."""
     breakdown = {KINDS.get(k, k): v for k, v in peak.items() if k != "Total" and v}
     return RankTrace(
