@@ -27,6 +27,7 @@ from engine.checkpoint.durable import fsync_dir, fsync_tree
 from engine.checkpoint.fastcopy import Piece, RowPlan, Segment, coalesce, copy_segments, size_of
 from engine.checkpoint.layout import FINAL_NORM, layer_of, native_shapes, shard, split_rule
 from engine.checkpoint.reader import SafetensorsFile, TensorRef
+from engine.checkpoint.sources import NativeTensors
 from engine.checkpoint.torchfile import BackgroundWriter, tensor_bytes
 from engine.contract.constants import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 from engine.contract.model_config import ModelConfig
@@ -306,17 +307,17 @@ def plan_shards(
     return shards
 
 
-def as_getter(source: Mapping[str, torch.Tensor] | Getter | Any) -> Getter:
+def as_getter(source: NativeTensors) -> Getter:
     """A ``get(native_key)`` from a state dict, a callable, or a checkpoint object with ``get_native``."""
     if isinstance(source, Mapping):
         return source.__getitem__
-    if hasattr(source, "get_native"):
-        return source.get_native
-    return source
+    if callable(source):
+        return source
+    return source.get_native
 
 
 def save_hf(
-    source: Mapping[str, torch.Tensor] | Getter | Any,
+    source: NativeTensors,
     cfg: ModelConfig,
     out_dir: str | os.PathLike[str],
     dtype: torch.dtype | None = None,

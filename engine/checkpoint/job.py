@@ -15,7 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tqdm import tqdm
@@ -26,6 +26,7 @@ from engine.checkpoint.load import detect_format, open_checkpoint
 from engine.checkpoint.lora_merge import LoraOverlay, PeftOverlay, is_peft_adapter, save_peft_adapter
 from engine.checkpoint.megatron_read import MegatronCheckpoint
 from engine.checkpoint.megatron_write import save_mcore
+from engine.checkpoint.sources import WeightSource
 from engine.contract import layout
 from engine.contract.guard import check_output
 from engine.contract.lora_targets import resolve_targets
@@ -96,7 +97,7 @@ def _hf_reference(spec: ConvertSpec) -> dict[str, Any] | None:
     return None
 
 
-def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
+def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, WeightSource]:
     fmt = detect_format(spec.load_dir)
     if spec.load_model_type == "hf":
         if fmt != "hf":
@@ -125,7 +126,7 @@ def _open_source(spec: ConvertSpec, run: RunDir) -> tuple[ModelConfig, Any]:
     return ckpt.config, ckpt
 
 
-def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, Any]:
+def _with_lora(spec: ConvertSpec, base: WeightSource, run: RunDir) -> tuple[ModelConfig, WeightSource]:
     """An HF or training-checkpoint base, with ``lora_load``'s adapters (Megatron's, ours or PEFT's) merged on top."""
     if not spec.lora_load:
         return base.config, base
@@ -136,7 +137,7 @@ def _with_lora(spec: ConvertSpec, base: Any, run: RunDir) -> tuple[ModelConfig, 
     return source.config, source
 
 
-def _peft_overlay(spec: ConvertSpec, base: Any, lora_load: str) -> PeftOverlay:
+def _peft_overlay(spec: ConvertSpec, base: WeightSource, lora_load: str) -> PeftOverlay:
     overlay = PeftOverlay(base, lora_load, spec.lora_alpha)
     if spec.lora_r is not None and spec.lora_r != overlay.facts["lora_r"]:
         raise BadInput(
@@ -146,7 +147,7 @@ def _peft_overlay(spec: ConvertSpec, base: Any, lora_load: str) -> PeftOverlay:
     return overlay
 
 
-def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
+def _check_lora(spec: ConvertSpec, ckpt: WeightSource, run: RunDir) -> None:
     modules = ckpt.lora_modules()
     if not modules:
         if spec.lora_r is not None or spec.lora_load:
@@ -167,7 +168,7 @@ def _check_lora(spec: ConvertSpec, ckpt: Any, run: RunDir) -> None:
 
 
 def _to_mcore(
-    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype, progress: _Progress
+    spec: ConvertSpec, cfg: ModelConfig, source: WeightSource, dtype: torch.dtype, progress: _Progress
 ) -> tuple[Path, list[Path]]:
     dims = spec.target_parallel_dims
     tp, pp, ep = dims.tp, dims.pp, dims.ep
@@ -193,7 +194,7 @@ def _to_mcore(
 
 
 def _to_hf(
-    spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype, progress: _Progress
+    spec: ConvertSpec, cfg: ModelConfig, source: WeightSource, dtype: torch.dtype, progress: _Progress
 ) -> tuple[Path, list[Path]]:
     out, reference = _hf_target(spec)
     if spec.load_model_type == "hf" and reference is None:
@@ -207,8 +208,22 @@ def _to_hf(
     return out, files
 
 
-def _to_adapter(spec: ConvertSpec, cfg: ModelConfig, source: Any, dtype: torch.dtype) -> tuple[Path, list[Path]]:
-    if not hasattr(source, "lora_modules"):
+@runtime_checkable
+class _Adapters(Protocol):
+    """A Megatron checkpoint's LoRA adapters, as a PEFT export reads them."""
+
+    @property
+    def lora_r(self) -> int | None: ...
+    @property
+    def lora_alpha(self) -> float | None: ...
+    def lora_modules(self) -> list[str]: ...
+    def lora_tensor(self, key: str) -> torch.Tensor: ...
+
+
+def _to_adapter(
+    spec: ConvertSpec, cfg: ModelConfig, source: WeightSource, dtype: torch.dtype
+) -> tuple[Path, list[Path]]:
+    if not isinstance(source, _Adapters):
         raise BadInput("save_lora_to_hf: adapters are read from Megatron checkpoints only", field="save_lora_to_hf")
     r = spec.lora_r or source.lora_r
     alpha = spec.lora_alpha or source.lora_alpha

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,14 +38,14 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     return fmt
 
 
-def open_checkpoint(path: str | os.PathLike[str], **mcore_kwargs: Any) -> tuple[ModelConfig, WeightSource]:
+def open_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, WeightSource]:
     """(config, reader implementing ``sources.WeightSource``) without reading any tensor data yet."""
     fmt = detect_format(path)
     if fmt == "hf":
         hf = HFCheckpoint(path)
         return hf.config, hf
     if fmt == "mcore":
-        mcore = MegatronCheckpoint(path, **mcore_kwargs)
+        mcore = MegatronCheckpoint(path)
         return mcore.config, mcore
     source = _open_native(path)
     return source.config, source
@@ -58,7 +57,7 @@ def load_model_weights(path: str | os.PathLike[str]) -> tuple[ModelConfig | None
     return cfg, {k: ckpt.get_native(k) for k in native_keys(cfg)}
 
 
-def _open_native(path: str | os.PathLike[str]) -> Any:
+def _open_native(path: str | os.PathLike[str]) -> WeightSource:
     try:
         dcp = importlib.import_module("engine.checkpoint.dcp")
     except ModuleNotFoundError:

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.hf import expected_hf_shapes
 from engine.checkpoint.layout import shard, split_rule
-from engine.checkpoint.sources import expert_range
+from engine.checkpoint.sources import WeightSource, expert_range
 from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.model.hf_mapping import HF_MODULES, LAYER_MAP
@@ -225,7 +225,7 @@ class LoraOverlay:
 
     def __init__(
         self,
-        base: Any,
+        base: WeightSource,
         lora_dir: str | os.PathLike[str],
         lora_alpha: float | None,
         lora_r: int | None,
@@ -286,7 +286,7 @@ class PeftOverlay:
 
     def __init__(
         self,
-        base: Any,
+        base: WeightSource,
         adapter_dir: str | os.PathLike[str],
         lora_alpha: float | None,
         dtype: torch.dtype | None = None,

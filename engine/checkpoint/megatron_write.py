@@ -36,7 +36,7 @@ from engine.checkpoint.layout import (
 from engine.checkpoint.megatron_read import CHECKPOINT_VERSION, MODEL_FILE
 
 Progress = Callable[[int, int], None]
-from engine.checkpoint.sources import expert_range
+from engine.checkpoint.sources import NativeTensors, WeightSource, expert_range
 from engine.checkpoint.torchfile import LazyTensor, TorchFileWriter
 from engine.contract import layout, rope_scaling
 from engine.contract.inspect import TRACKER, iteration_dir_name
@@ -140,15 +140,15 @@ def _moe_args(cfg: ModelConfig, grouped: bool) -> dict[str, Any]:
     }
 
 
-def _shard_getter(source: Any) -> Callable[[str, int, int], torch.Tensor]:
+def _shard_getter(source: NativeTensors) -> Callable[[str, int, int], torch.Tensor]:
     """``(native_key, tp, rank) -> shard``: sources that can read one rank's piece directly do so."""
-    if hasattr(source, "get_native_shard"):
+    if isinstance(source, WeightSource):
         return source.get_native_shard
     get = as_getter(source)
     return lambda key, tp, rank: shard(get(key), split_rule(key), tp, rank)
 
 
-def slot_getter(source: Any) -> Callable[[Slot, int, int], torch.Tensor]:
+def slot_getter(source: NativeTensors) -> Callable[[Slot, int, int], torch.Tensor]:
     """``(slot, tp, rank) -> the tensor stored for it`` (``layout.cut``) from a native source."""
     get_shard = _shard_getter(source)
 
@@ -206,7 +206,7 @@ def rank_file_plan(
 
 
 def save_mcore(
-    source: Any,
+    source: NativeTensors,
     cfg: ModelConfig,
     out_dir: str | os.PathLike[str],
     tp: int = 1,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -66,7 +66,11 @@ class ExpertRanges(Protocol):
     def get_experts(self, key: str, lo: int, hi: int) -> torch.Tensor: ...
 
 
-def expert_range(source: Any, key: str, lo: int, hi: int) -> torch.Tensor:
+# What a conversion or a load reads native tensors from: a state dict, a ``get(key)`` callable or a checkpoint reader
+NativeTensors = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor] | WeightSource
+
+
+def expert_range(source: NativeTensors, key: str, lo: int, hi: int) -> torch.Tensor:
     """Experts [lo, hi) of the stacked native ``key``: read alone where the source can (``get_experts``: HF files,
     mcore rank files, the seeded init), so one SequentialMLP expert or one expert-parallel rank's block never costs
     the whole layer's experts; else cut from the whole tensor (a state dict, a getter, ``get_native``)."""
@@ -74,9 +78,9 @@ def expert_range(source: Any, key: str, lo: int, hi: int) -> torch.Tensor:
         return source.get_experts(key, lo, hi)
     if isinstance(source, Mapping):
         return source[key][lo:hi]
-    if hasattr(source, "get_native"):
-        return source.get_native(key)[lo:hi]
-    return source(key)[lo:hi]
+    if callable(source):
+        return source(key)[lo:hi]
+    return source.get_native(key)[lo:hi]
 
 
 def _tp_rows(shape: tuple[int, ...], key: str, tp: int, rank: int) -> torch.Tensor:
