@@ -41,14 +41,15 @@ V = TypeVar("V")
 
 
 class TTLCache(Generic[K, V]):
-    """Entries that expire ``ttl_s`` after they were stored (read at each get); at most ``max_entries``. Thread-safe: it is cleared from
-    the worker threads that write the database."""
+    """Entries that expire ``ttl_s`` after they were stored (read at each get); at most ``max_entries``. Thread-safe:
+    it is cleared from the worker threads that write the database."""
 
     def __init__(self, ttl_s: float, max_entries: int):
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()  # key -> (stored at, value)
         self._lock = threading.Lock()
         self.generation = 0  # bumped by clear: an answer looked up before it is not stored
+        self._pending: dict[K, anyio.Event] = {}  # keys being looked up (on the event loop only)
 
     def get(self, key: K) -> V | None:
         with self._lock:
@@ -80,14 +81,24 @@ class TTLCache(Generic[K, V]):
         self, key: K, lookup: Callable[[], V | None], keep: Callable[[V], bool] = lambda _: True
     ) -> tuple[V | None, bool]:
         """(the value, True) when remembered; else (``lookup()`` run in a worker thread, False), stored when found
-        and ``keep`` accepts it."""
+        and ``keep`` accepts it. Requests that miss together wait for the first one's look-up (a burst after expiry
+        is one look-up, not one per request) and look up themselves only when it stored nothing."""
+        waited = self._pending.get(key)
+        if waited is not None:
+            await waited.wait()
         hit = self.get(key)
         if hit is not None:
             return hit, True
-        generation = self.generation
-        value = await anyio.to_thread.run_sync(lookup)
-        if value is not None and keep(value):
-            self.put(key, value, generation)
+        generation, owned = self.generation, waited is None  # the first to miss: the others wait for its look-up
+        if owned:
+            self._pending[key] = anyio.Event()
+        try:
+            value = await anyio.to_thread.run_sync(lookup)
+            if value is not None and keep(value):
+                self.put(key, value, generation)
+        finally:
+            if owned:
+                self._pending.pop(key).set()
         return value, False
 
 
