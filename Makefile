@@ -62,6 +62,11 @@ TRACE_TESTS := tests/unit/engine/trace/test_trace.py tests/unit/engine/trace/tes
 
 PYTEST_ARGS ?=
 
+# These machines set PYTHONDONTWRITEBYTECODE=1: then no process keeps the .pyc of the project's own modules, nor
+# pytest its rewritten test modules, and each of the suite's thousands of processes (torchrun ranks, services,
+# workers) compiled them again. The venv's packages get theirs at install (scripts/pip-install.sh).
+unexport PYTHONDONTWRITEBYTECODE
+
 test: setup
 	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS) \
 	  $(addprefix --ignore=,$(SERIAL_TESTS) $(TRACE_TESTS))
