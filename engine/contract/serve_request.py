@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
@@ -33,15 +33,18 @@ class RequestError(ValueError):
         self.field, self.detail, self.code = field, message, code
 
 
-def _is_int(v: Any) -> bool:
+T = TypeVar("T")
+
+
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)  # json.loads reads NaN and Infinity
 
 
-def _is_strings(v: Any) -> bool:
+def _is_strings(v: object) -> bool:
     return isinstance(v, str) or (isinstance(v, list | tuple) and all(isinstance(s, str) for s in v))
 
 
@@ -50,9 +53,9 @@ class Kind:
     """A JSON type: its test and how an error names it ("must be <name>")."""
 
     name: str
-    test: Callable[[Any], bool]
+    test: Callable[[object], bool]
 
-    def check(self, field: str, value: Any) -> None:
+    def check(self, field: str, value: object) -> None:
         if not self.test(value):
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise RequestError(field, f"must be {self.name}, got {shown}", "invalid_type")
@@ -65,7 +68,7 @@ STRINGS = Kind("a string or a list of strings", _is_strings)
 TOKEN_IDS = Kind("a list of token ids", lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v))
 
 
-def _option(default: Any, kind: Kind, ok: Callable[[Any], bool], rule: str) -> Any:
+def _option(default: T, kind: Kind, ok: Callable[[Any], bool], rule: str) -> T:  # Any: ok reads the kind's type
     """A sampling field: its default, JSON type and range (``ok`` sees a value of that type, never None)."""
     return dataclasses.field(default=default, metadata={"kind": kind, "ok": ok, "rule": rule})
 

@@ -39,6 +39,7 @@ class LoopExpertMLP(torch.autograd.Function):
     With ``order`` (M,) and ``k``, x is the (N, H) tokens and row r is token ``order[r] // k`` (the dispatch
     gather done here, so that x and order are saved rather than the k-times-larger gathered rows)."""
 
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(
         ctx: Any,

@@ -22,6 +22,7 @@ class GatheredGroupedMatmul(torch.autograd.Function):
     """(x (N, H) tokens, order (M,), k, w (E, out, H), offs (E,) int32 row ends) -> (M, out): row r is token
     ``order[r] // k`` through its expert's matrix (rows sorted by expert, ``offs`` their cumulative counts)."""
 
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, order: torch.Tensor, k: int, w: torch.Tensor, offs: torch.Tensor

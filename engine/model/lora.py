@@ -81,6 +81,7 @@ class _AdapterIn(torch.autograd.Function):
     """A(x) computed in A's dtype (fp32) but saving x in its own (the compute dtype, bf16): an fp32 copy of every
     adapted module's input would be saved otherwise, twice the bytes of the input itself."""
 
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, a)

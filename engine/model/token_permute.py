@@ -35,6 +35,7 @@ def sum_choices(rows: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torc
 class DispatchRows(torch.autograd.Function):
     """x (N, H) -> (M, H): row r is token ``order[r] // k``."""
 
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(order)
@@ -50,6 +51,7 @@ class DispatchRows(torch.autograd.Function):
 class CombineRows(torch.autograd.Function):
     """y (M, H) expert-sorted rows -> (N, H): each token's sum over its k choices (the adjoint of DispatchRows)."""
 
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
         ctx.save_for_backward(order)

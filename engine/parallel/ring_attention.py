@@ -189,6 +189,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tenso
 
 
 class _RingAttention(torch.autograd.Function):
+    # ctx: Any (forward, backward): autograd's context, carrying what forward saves for backward (torch types it so)
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, runs: torch.Tensor | None

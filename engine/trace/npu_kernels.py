@@ -177,7 +177,7 @@ def _fusion_attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any
     ctx.save_for_backward(*tensors, smax, ssum, sout, out)
 
 
-def _fusion_attention_backward(ctx: Any, dy: torch.Tensor, *unused: object) -> tuple[Any, ...]:
+def _fusion_attention_backward(ctx: Any, dy: torch.Tensor, *unused: object) -> tuple[torch.Tensor | None, ...]:
     q, k, v, pse, padding_mask, mask, smax, ssum, sout, out = ctx.saved_tensors
     a = ctx.args
     dq, dk, dv, _ = torch.ops.npu.npu_fusion_attention_grad(
@@ -233,7 +233,7 @@ def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) 
     ctx.save_for_backward(inputs[0], inputs[1], output[1])
 
 
-def _rms_norm_backward(ctx: Any, dy: torch.Tensor, _drstd: object) -> tuple[Any, ...]:
+def _rms_norm_backward(ctx: Any, dy: torch.Tensor, _drstd: object) -> tuple[torch.Tensor | None, ...]:
     x, gamma, rstd = ctx.saved_tensors
     dx, dgamma = torch.ops.npu.npu_rms_norm_backward(dy, x, gamma, rstd)
     return dx, dgamma, None
@@ -260,7 +260,7 @@ def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: object) -> None:
     ctx.dim = inputs[1]
 
 
-def _swiglu_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _swiglu_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (x,) = ctx.saved_tensors
     return torch.ops.npu.npu_swiglu_backward(grad, x, ctx.dim), None
 
@@ -293,7 +293,7 @@ def _rotary_mul_setup(ctx: Any, inputs: tuple[Any, ...], output: object) -> None
     ctx.mode = inputs[3]
 
 
-def _rotary_mul_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _rotary_mul_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, r1, r2 = ctx.saved_tensors
     dx, dr1, dr2 = torch.ops.npu.npu_rotary_mul_backward(grad, x, r1, r2, ctx.mode)
     return dx, dr1 if ctx.needs_input_grad[1] else None, dr2 if ctx.needs_input_grad[2] else None, None

@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engine.contract.layout import ParallelDims
@@ -53,7 +53,7 @@ def config_only_checkpoint(cfg: ModelConfig) -> Iterator[None]:
         inference.open_source, inference.fill_parts = originals
 
 
-def _step_at_full_cache(spec: ServeSpec, cfg: ModelConfig, device: Device, tp_mesh: Any) -> None:
+def _step_at_full_cache(spec: ServeSpec, cfg: ModelConfig, device: Device, tp_mesh: DeviceMesh | None) -> None:
     model, cfg, _ = build_model(spec, tp_mesh=tp_mesh, device=device.torch_device)
     dtype = next(model.parameters()).dtype
     kv_heads = cfg.num_query_groups // spec.tensor_model_parallel_size

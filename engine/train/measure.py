@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.contract.runfiles import RunDir
 from engine.contract.spec import TrainSpec
 
 
@@ -63,7 +64,7 @@ def warm_up() -> None:
     torch.optim.AdamW(model.parameters(), fused=True).step()
 
 
-def _build_only(spec: TrainSpec, run_dir: Any) -> None:
+def _build_only(spec: TrainSpec, run_dir: RunDir) -> None:
     """Plan, start the process group and build this rank's trainer (model built and loaded), then stop."""
     import torch.distributed as dist
 
@@ -84,7 +85,6 @@ def main(spec_path: str, run_dir: str, until: str = "done") -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.contract.runfiles import RunDir
     from engine.contract.spec import TrainSpec, load_spec_file
     from engine.train.entry import run
 
