@@ -1,6 +1,6 @@
 """One decode step of the serving loop, with and without the bf16 greedy head (``engine.serve.greedy_head``): where
-the time of a step goes at ``--seqs`` running greedy sequences on the bench model of ``bench/serve_peer.py`` (a random
-Qwen3, hidden 512, 8 layers, the real 151,936-token vocabulary; built here, not loaded).
+the time of a step goes at ``--seqs`` running greedy sequences on the bench model of ``bench/common/qwen3.py`` (a
+random Qwen3, hidden 512, 8 layers, the real 151,936-token vocabulary; built here, not loaded).
 
 Two batchers over copies of the same model, the same prompts, prefilled; then ``--steps`` decode steps each,
 alternating A (full fp32 head) and B (greedy head). Per side, the median step and its parts: the layers' forward
@@ -26,6 +26,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
+
+from bench.common.qwen3 import SHAPE  # noqa: E402
 
 
 def _timed(store: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,16 +60,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.smoke:
         args.seqs, args.steps = 4, 2
-    hf = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=2 if args.smoke else 8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        tie_word_embeddings=True,
-    )
+    hf = Qwen3Config(**{**SHAPE, "num_hidden_layers": 2 if args.smoke else SHAPE["num_hidden_layers"]})
     cfg = ModelConfig.from_hf(hf.to_dict())
     torch.manual_seed(0)
     model = Qwen3Model(cfg)

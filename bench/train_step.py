@@ -36,28 +36,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.memory import peak_mb, rss_mb  # noqa: E402
 from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+from bench.common.qwen3 import SHAPE, SMOKE_SHAPE  # noqa: E402
 from bench.common.seed_data import INTENTS, intent_question, tokenizer_dir  # noqa: E402
 
 SEQ_LENGTH = 800
-SHAPE = dict(
-    num_layers=8,
-    hidden_size=512,
-    ffn_hidden_size=1536,
-    num_attention_heads=8,
-    num_query_groups=4,
-    kv_channels=64,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
-SMOKE_SHAPE = {
-    **SHAPE,
-    "num_layers": 1,
-    "hidden_size": 64,
-    "ffn_hidden_size": 128,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "kv_channels": 16,
-}  # --smoke: the real vocabulary (the samples' token ids)
 
 
 def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -84,7 +66,7 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 def _config(shape: dict):
     from engine.contract.model_config import ModelConfig
 
-    return ModelConfig(**shape, max_position_embeddings=40960)
+    return ModelConfig.from_hf(shape)  # Qwen3's defaults (RoPE theta 1e6, RMSNorm eps 1e-6, 40,960 positions)
 
 
 class OursSide:
