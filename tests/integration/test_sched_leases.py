@@ -71,6 +71,11 @@ def rows(settings: Settings, *ids: str) -> list[Job]:
         return [session.get(Job, i) for i in ids]  # type: ignore[misc]
 
 
+def reasons(settings: Settings) -> dict[str, str | None]:
+    with session_scope(settings.database_url) as session:
+        return dict(session.execute(select(Job.id, Job.pending_reason)).tuples().all())
+
+
 def nodes(settings: Settings, job_id: str) -> list[JobNode]:
     with session_scope(settings.database_url) as session:
         return list(
@@ -104,24 +109,33 @@ def test_three_two_slot_jobs_on_four_slots(settings: Settings) -> None:
 
 
 def test_a_long_queue_is_counted_in_steps_so_one_start_rewrites_few_reasons(settings: Settings) -> None:
-    """Exact counts past 20 would change every waiting job's reason whenever one ahead starts (a write per waiting
-    job per pass); in 1-2-5 steps only the jobs near the front and those crossing a step change."""
+    """Exact counts would change every waiting job's reason whenever one ahead starts (a row write per waiting job
+    per pass); from 5 on, in 1-2-5 steps, only the jobs near the front and those crossing a step change."""
     add_host(settings, "h1", 1)
     ids = [job(settings) for _ in range(60)]
     assert [g.job_id for g in schedule(settings)] == [ids[0]]
-    front, far = rows(settings, ids[5], ids[45])
+    front, middle, far = rows(settings, ids[5], ids[15], ids[45])
     assert (
         front.pending_reason
         == behind_reason(4, "cpu")
         == ("waiting behind 4 jobs (higher priority or queued earlier) for cpu devices")
     )
+    assert middle.pending_reason == "waiting behind 10+ jobs (higher priority or queued earlier) for cpu devices"
     assert far.pending_reason == "waiting behind 20+ jobs (higher priority or queued earlier) for cpu devices"
     finish(settings, ids[0])
+    before = reasons(settings)
     assert [g.job_id for g in schedule(settings)] == [ids[1]]
-    front, far = rows(settings, ids[5], ids[45])
+    front, middle, far = rows(settings, ids[5], ids[15], ids[45])
     assert front.pending_reason == behind_reason(3, "cpu")
+    assert middle.pending_reason == behind_reason(13, "cpu") == behind_reason(14, "cpu")  # not rewritten
     assert far.pending_reason == "waiting behind 20+ jobs (higher priority or queued earlier) for cpu devices"
+    after = reasons(settings)
+    rewritten = sorted(ids.index(i) for i in before if before[i] != after[i])
+    # the start, the newly blocked job, 4 exact counts, the jobs crossing a step (5+ -> 4, 10+ -> 5+, 20+ -> 10+)
+    # and the pass's window's last: 9 rows of the 50 in the window, where exact counts up to 20 rewrote 22
+    assert rewritten == [1, 2, 3, 4, 5, 6, 11, 21, 50], rewritten
     assert "behind 1000+ jobs" in behind_reason(1234, "cpu") and "behind 50+ jobs" in behind_reason(99, "cpu")
+    assert "behind 5+ jobs" in behind_reason(9, "cpu") and "behind 2 jobs" in behind_reason(2, "cpu")
 
 
 def test_priority_first_then_fifo_and_no_backfill(settings: Settings) -> None:
