@@ -36,28 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
 from bench.common.memory import peak_mb  # noqa: E402
 from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+from bench.common.qwen3 import SHAPE, SMOKE_SHAPE, write_side_models  # noqa: E402
 from bench.common.seed_data import INTENTS, intent_question  # noqa: E402
 from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
-
-SHAPE = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
-SMOKE_SHAPE = {
-    **SHAPE,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 
 
 def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
@@ -93,14 +74,6 @@ def tokenize(pairs: list[dict[str, str]]) -> list[dict[str, list[int]]]:
     ]
 
 
-def write_model(shape: dict, seed: int, out: Path) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    Qwen3ForCausalLM(Qwen3Config(**shape, max_position_embeddings=40960)).save_pretrained(out)
-
-
 def write_pairs(tokens: list[dict[str, list[int]]], prefix: Path) -> str:
     """The pairs as MindSpeed's pairwise dataset (prompt tokens masked from the labels)."""
     import numpy as np
@@ -122,27 +95,19 @@ def write_pairs(tokens: list[dict[str, list[int]]], prefix: Path) -> str:
 
 def run_ours(work: Path, steps: int, mbs: int, gbs: int) -> list[float]:
     """Our job on the pairs: each iteration's time (ms, Megatron's iteration time) from its metrics."""
+    from bench.common.trl import matched_spec
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import parse_spec
     from engine.train import entry
 
     spec = {
-        "kind": "train",
+        **matched_spec(steps),
         "stage": "dpo",
         "is_pairwise_dataset": True,
         "data_path": [str(work / "pairs")],
         "load": str(work / "model"),
-        "split": "100,0,0",
-        "train_iters": steps,
-        "lr": 1e-6,
-        "lr_decay_style": "constant",
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "seq_length": 1024,
-        "variable_seq_lengths": True,
         "micro_batch_size": mbs,
         "global_batch_size": gbs,
-        "log_interval": 1,
         "eval_iters": 0,
         "dpo_loss_type": "sigmoid",
         "dpo_beta": 0.1,
@@ -232,9 +197,8 @@ def main() -> None:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for side in ("ours", "trl"):
-            (work / side).mkdir()
-            write_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed, work / side / "model")
+        shape = SMOKE_SHAPE if args.smoke else SHAPE
+        write_side_models(work, ("ours", "trl"), shape, args.seed, max_position_embeddings=40960)
         write_pairs(tokens, work / "ours" / "pairs")
 
         def run(side: str) -> dict:

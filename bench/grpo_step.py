@@ -1,6 +1,6 @@
 """One GRPO step: this engine's stage grpo vs TRL's ``GRPOTrainer``, same model, prompts and settings.
 
-CPU, fp32, one intra-op thread per side, each side in its own fresh process. Model: ``bench/dpo_step.py``'s Qwen3
+CPU, fp32, one intra-op thread per side, each side in its own fresh process. Model: ``bench/common/qwen3.py``'s Qwen3
 shape (random weights saved once as an HF checkpoint both sides load; ``--smoke``: its one-layer hidden-64 shape).
 Prompts: ``bench/dpo_step.py``'s seed-like intent questions in Qwen3's chat template; the reward is an exact match of
 the answer with the intent label (a Python function on TRL's side, ``exact_match`` on ours). Both sides: ``--prompts``
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
 from bench.common.memory import peak_mb  # noqa: E402
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
+from bench.common.qwen3 import SHAPE, SMOKE_SHAPE, write_side_models  # noqa: E402
 from bench.common.seed_data import INTENTS, UTTERANCES  # noqa: E402
 from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
-from bench.dpo_step import SHAPE, SMOKE_SHAPE, write_model  # noqa: E402
 
 
 def make_prompts(n: int, seed: int) -> list[dict[str, str]]:
@@ -81,6 +81,7 @@ def write_prompts(prompts: list[dict[str, str]], prefix: Path) -> tuple[str, int
 
 
 def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[str, list[float]]:
+    from bench.common.trl import matched_spec
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import TrainSpec, parse_spec
     from engine.train import entry, grpo
@@ -99,24 +100,15 @@ def run_ours(work: Path, steps: int, prompts: int, g: int, length: int) -> dict[
     grpo.GRPOLoop.make_rollout = clocked(grpo.GRPOLoop.make_rollout, "generation_s")  # type: ignore[method-assign]
     grpo.GRPOLoop.step = clocked(grpo.GRPOLoop.step, "train_s")  # type: ignore[method-assign]
     spec = {
-        "kind": "train",
+        **matched_spec(steps),
         "stage": "grpo",
         "data_path": [str(work / "prompts")],
         "load": str(work / "model"),
         "tokenizer_name_or_path": str(_tokenizer_dir()),
-        "split": "100,0,0",
-        "train_iters": steps,
-        "lr": 1e-6,
-        "lr_decay_style": "constant",
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "seq_length": 1024,
-        "variable_seq_lengths": True,
         "micro_batch_size": prompts * g,
         "global_batch_size": prompts * g,
         "num_generations": g,
         "max_completion_length": length,
-        "log_interval": 1,
         "reward_funcs": [{"name": "exact_match"}],
     }
     entry.run(cast(TrainSpec, parse_spec(spec)), RunDir(work / "run"))
@@ -210,9 +202,8 @@ def main() -> None:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for side in ("ours", "trl"):
-            (work / side).mkdir()
-            write_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed, work / side / "model")
+        shape = SMOKE_SHAPE if args.smoke else SHAPE
+        write_side_models(work, ("ours", "trl"), shape, args.seed, max_position_embeddings=40960)
         _, prompt_tokens = write_prompts(prompts, work / "ours" / "prompts")
         per_step_prompt_tokens = prompt_tokens / steps * g  # each prompt's tokens feed its g completions
         completion_tokens = args.prompts * g * length

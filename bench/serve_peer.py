@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench.common.chat_stream import pct, stream_chat  # noqa: E402
+from bench.common.qwen3 import SHAPE  # noqa: E402
+from bench.common.qwen3 import write_model as write_weights  # noqa: E402
 
 NAME = "peer-bench"
 WORDS = [
@@ -124,26 +126,10 @@ WORDS = [
 
 def write_model(out: Path) -> Path:
     """The random Qwen3 both sides serve, as an HF directory with the real tokenizer."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from cli.demo import tokenizer_source
     from engine.checkpoint.hf import copy_tokenizer
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        initializer_range=0.05,
-    )
-    Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    write_weights(out, SHAPE, 0, max_position_embeddings=4096, initializer_range=0.05)
     copy_tokenizer(tokenizer_source(), out)
     return out
 

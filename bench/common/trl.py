@@ -1,5 +1,6 @@
-"""TRL's side of the training benchmarks (a helper of ``bench/``, not a benchmark): the trainer settings that match
-our train specs and a clock on each optimizer step. Imports ``transformers``: import it inside a side's process."""
+"""The TRL training benchmarks' matched settings (a helper of ``bench/``, not a benchmark): our train spec's and TRL's
+trainer arguments for the same run, side by side so they cannot drift apart, and a clock on each TRL optimizer step.
+Imports ``transformers``: import it inside a side's process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+
+
+def matched_spec(steps: int) -> dict[str, Any]:
+    """Our train spec's side of ``matched_args``: ``steps`` iterations at a constant lr 1e-6, no weight decay, clip
+    1.0, rows as long as their sample (up to 1,024 tokens), a metrics line each iteration."""
+    return {
+        "kind": "train",
+        "split": "100,0,0",
+        "train_iters": steps,
+        "lr": 1e-6,
+        "lr_decay_style": "constant",
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "seq_length": 1024,
+        "variable_seq_lengths": True,
+        "log_interval": 1,
+    }
 
 
 def matched_args(work: Path, steps: int) -> dict[str, Any]:
