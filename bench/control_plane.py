@@ -38,7 +38,11 @@ still heart-beating and the API up, with how many hosts it judged down; ``reconc
 ``pg_total_relation_size`` with indexes and TOAST, dead rows included, less the submissions' own rows, per 1,000 jobs
 finished: a submission's rows (job, spec, event and their index entries) are measured on the backlog's inserts
 (``submission_kib``) and ``jobs_submitted`` times that is subtracted, since submissions outrun finished jobs 3-4 to 1
-here and are not what a job's run costs; ``db_growth_with_submissions_mib_per_1000_finished`` keeps them; by
+here and are not what a job's run costs; ``db_growth_with_submissions_mib_per_1000_finished`` keeps them;
+``db_growth_in_use_mib_per_1000_finished`` counts only the bytes rows hold (dead ones included), leaving out the free
+room inside the tables' pages at both ends (``pgstattuple``: pages PostgreSQL allocated ahead of the API's concurrent
+inserts, fillfactor's room, but also room a row left when an update moved it to another page: a floor where the
+allocated figure is a ceiling) and ``db_free_room_kib_per_1000_finished_by_table`` that room by table; by
 table with and without each table's share of the submissions, and ``db_row_writes_per_finished_job``: each table's
 inserts, updates, HOT updates (no new index entries) and deletes, ``pg_stat_user_tables``), ``heartbeat_lag_p99_s`` (a beat's commit past its due time), ``hosts_judged_down_during_load`` (the
 API leader's host verdicts through the load, ``host_stale_after_s`` as deployed: 30 s) and ``nodes_lost``. ``growth`` gives each figure's factor from one scale to the next against the host factor
@@ -442,6 +446,26 @@ def table_bytes(engine: sa.Engine) -> dict[str, int]:
         return {name: int(size) for name, size in connection.execute(query)}
 
 
+def heap_free_bytes(engine: sa.Engine) -> dict[str, int]:
+    """Each table's free space inside its own pages (``pgstattuple``; {} where the extension is missing): room that
+    ``table_bytes`` counts as grown though no row holds it. Concurrent inserts (the API's) make PostgreSQL extend a
+    table by many pages at once, which the next inserts fill, and fillfactor keeps room on each page for updates."""
+    query = sa.text(
+        "SELECT c.relname, (pgstattuple(c.oid)).free_space FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+    )
+    try:
+        with engine.begin() as connection:
+            connection.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pgstattuple"))
+            return {name: int(free) for name, free in connection.execute(query)}
+    except sa.exc.DBAPIError:
+        return {}
+
+
+def in_use(sizes: dict[str, int], free: dict[str, int]) -> int:
+    return sum(sizes.values()) - sum(free.values())
+
+
 def count_jobs(engine: sa.Engine) -> int:
     with engine.connect() as connection:
         return int(connection.scalar(sa.select(sa.func.count()).select_from(Job)) or 0)
@@ -682,13 +706,14 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
                     device_memory=80 * 2**30,
                 )
             engine = sa.create_engine(url)
-            empty_by_table = table_bytes(engine)
+            empty_by_table, empty_free = table_bytes(engine), heap_free_bytes(engine)
             empty = sum(empty_by_table.values())
             queue_backlog(settings, data, jobs, rng)
             # what one submission's own rows take (its job, spec and event rows with their index entries), measured
             # on the backlog's inserts: the load's submissions are subtracted from the growth at this rate
             backlog = table_bytes(engine)
             submission_bytes = (sum(backlog.values()) - empty) / jobs
+            submission_in_use = (in_use(backlog, heap_free_bytes(engine)) - in_use(empty_by_table, empty_free)) / jobs
             submission_by_table = {t: (b - empty_by_table.get(t, 0)) / jobs for t, b in backlog.items()}
             mark_dispatched(settings)
             # the backlog takes minutes at 1,000 hosts, past host_stale_after_s: without a beat here the fill found
@@ -714,6 +739,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
                 taken = count_jobs(engine) - submitted0
                 api_submission_bytes = (sum(table_bytes(engine).values()) - sum(before.values())) / taken
             size0, finished0, jobs0 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            free0 = heap_free_bytes(engine)
             writes0 = table_writes(engine)
             sim.start(beats=False)
             hogs = start_hogs(args.starve) if args.starve else []
@@ -740,6 +766,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             proc = None
             time.sleep(1.0)  # the backends' table counters reach pg_stat_user_tables within a second
             size1, finished1, jobs1 = table_bytes(engine), count_finished(settings), count_jobs(engine)
+            free1 = heap_free_bytes(engine)
             writes1 = table_writes(engine)
             engine.dispose()
             # the API's leader judged the hosts every presence_interval_s through the load (core.host_verdicts):
@@ -762,6 +789,9 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     finished, submitted = finished1 - finished0, jobs1 - jobs0
     grown = sum(size1.values()) - sum(size0.values())
     grown_by_finishing = grown - submitted * submission_bytes  # the submissions' own rows are not the jobs' runs
+    # the same in bytes that rows hold (dead ones included), pages' free room left out at both ends and in the
+    # submissions' own cost: what the jobs' runs wrote, not what PostgreSQL allocated ahead of the inserts
+    in_use_by_finishing = in_use(size1, free1) - in_use(size0, free0) - submitted * submission_in_use
     row: dict[str, Any] = {
         "hosts": hosts,
         "devices": hosts * DEVICES,
@@ -810,6 +840,11 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         if finished and api_submission_bytes
         else None,
         "db_growth_mib_per_1000_finished": round(grown_by_finishing / 2**20 / finished * 1000, 2) if finished else None,
+        "db_growth_in_use_mib_per_1000_finished": round(in_use_by_finishing / 2**20 / finished * 1000, 2)
+        if finished and free1
+        else None,
+        # the free room inside each table's pages grown during the load (pages allocated ahead, fillfactor's room)
+        "db_free_room_kib_per_1000_finished_by_table": growth_per_1000(free0, free1, finished),
         "db_growth_with_submissions_mib_per_1000_finished": round(grown / 2**20 / finished * 1000, 2)
         if finished
         else None,
