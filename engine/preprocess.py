@@ -23,7 +23,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from engine.data.formats import Converter, where
 from engine.data.packing import pack_rows
 from engine.data.readers import count_records, input_files, iter_raw
 from engine.data.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +265,7 @@ def _dataset_names(spec: PreprocessSpec, config: EncodeConfig) -> tuple[list[str
     return (names + [bounds], stale) if spec.pack else (names, [*stale, str(directory / bounds)])
 
 
-def _check(spec: PreprocessSpec, config: EncodeConfig) -> Any:
+def _check(spec: PreprocessSpec, config: EncodeConfig) -> PreTrainedTokenizerBase:
     """Fail fast on setup problems, before any worker starts. Returns the tokenizer."""
     tokenizer = load_tokenizer(config.tokenizer_path, config.use_fast)
     if config.instruction:

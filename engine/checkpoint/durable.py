@@ -4,11 +4,12 @@ previous file set or the new one, never a name over half-written bytes."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 
-def write_synced(path: Path, write: Any) -> None:
+def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(file)`` then flush and fsync: on disk before anything names it."""
     with open(path, "wb") as f:
         write(f)

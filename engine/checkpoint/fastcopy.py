@@ -16,10 +16,13 @@ reading the bytes again for the CRC.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.checkpoint.reader import TensorRef
 
 CHUNK = 1 << 20
 Segment = tuple[int, int, int]  # (fd, offset, nbytes) of a source file
@@ -117,7 +120,7 @@ def copy_segments(dst_fd: int, dst_offset: int, segments: Iterable[Piece]) -> in
 class MergedRows:
     """The rows of a tensor stored as TP pieces (``TensorRef``s, one per rank) cut by ``rule`` (layout.split_rule)."""
 
-    def __init__(self, refs: list[Any], rule: str, rows: int | None = None):
+    def __init__(self, refs: list[TensorRef], rule: str, rows: int | None = None):
         self.refs, self.rule, self.tp = refs, rule, len(refs)
         first = refs[0]
         self.flat = len(first.shape) <= 1  # a norm vector: one "row" holding all of it
@@ -129,7 +132,7 @@ class MergedRows:
         whole = self.local * (self.tp if rule in ("dim0", "glu") and not self.flat else 1)
         self.rows = whole if rows is None else min(rows, whole)
 
-    def _piece(self, ref: Any, start: int, stop: int) -> Segment:
+    def _piece(self, ref: TensorRef, start: int, stop: int) -> Segment:
         size = ref.nbytes if self.flat else ref.row_bytes // self.per_row
         return (ref.file.fd, ref.offset + start * size, (stop - start) * size)
 
@@ -156,7 +159,7 @@ class MergedRows:
 class RowPlan:
     """``get(native_key)`` for the HF mapping that returns row numbers; ``segments(rows)`` turns them into bytes."""
 
-    def __init__(self, source_of: Any):
+    def __init__(self, source_of: Callable[[str], RowSource]):
         self.source_of = source_of  # native key -> RowSource
         self.bases: list[tuple[int, RowSource]] = []
         self.next = 0

@@ -214,7 +214,7 @@ class RankFiles:
             return False
         return local in self.models[(t, p, 0)].get(n, {})
 
-    def raw(self, key: str, t: int) -> Any:
+    def raw(self, key: str, t: int) -> Any:  # Any: the unpickled reference (TensorRef or MemoryRef), unchecked
         """TP rank ``t``'s stored piece of ``key`` as a lazy reference (``.shape``, ``.read()``)."""
         p, n, local = self.local(key)
         tensors = self.models[(t, p, 0)].get(n, {})
@@ -287,7 +287,7 @@ def _expert_block(tensors: Mapping[str, Any], i: int, suffix: str, a: int, b: in
     return torch.stack([tensors[n].read() for n in names])
 
 
-def _as_rows(ref: Any, rows: int) -> Any:
+def _as_rows(ref: TensorRef | MemoryRef, rows: int) -> TensorRef | MemoryRef:
     """``ref`` seen as ``rows`` equal rows (a contiguous tensor's bytes, reshaped)."""
     numel = int(torch.Size(ref.shape).numel())
     if isinstance(ref, TensorRef):
@@ -605,7 +605,7 @@ class RankView:
     keys: Callable[[ModelConfig], list[str]]
 
 
-def _first_attr(objs: list[Any], name: str) -> Any:
+def _first_attr(objs: list[object], name: str) -> Any:  # Any: a Megatron argument's value, of any flag's type
     for obj in objs:
         if getattr(obj, name, None) is not None:
             return getattr(obj, name)
@@ -626,7 +626,7 @@ def _rank_files(iter_dir: Path) -> tuple[int, int, int, dict[tuple[int, int, int
 
 
 def _as_expert_ranks(
-    args: Any, tp: int, pp: int, ep: int, files: dict[tuple[int, int, int], Path]
+    args: object, tp: int, pp: int, ep: int, files: dict[tuple[int, int, int], Path]
 ) -> tuple[int, int, dict[tuple[int, int, int], Path]]:
     """(PP, EP, files) with ``mp_rank_TT_XXX`` taken as EP ranks when ``args`` say PP 1 and EP = the XXX count
     (Megatron's ``get_checkpoint_name`` gives PP > 1 and EP > 1 the same two-part name)."""

@@ -147,7 +147,7 @@ class _StorageRef:
 class _LazyUnpickler(TorchUnpickler):
     """Turns tensors into ``(storage key, offset, shape, stride)`` records; other globals pass the allow-list."""
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> Any:  # Any: as pickle.Unpickler's (a record the stream holds)
         _, storage_type, key, _location, numel = pid
         dtype = storage_type if isinstance(storage_type, torch.dtype) else getattr(storage_type, "_dtype", None)
         if dtype is None:
@@ -156,7 +156,7 @@ class _LazyUnpickler(TorchUnpickler):
                 dtype = storage_type.dtype
         return _StorageRef(str(key), dtype, int(numel))
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Any:  # Any: as pickle.Unpickler's (a global the stream names)
         if module == "torch._utils" and name in ("_rebuild_tensor", "_rebuild_tensor_v2"):
             return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
         if module == "torch._utils" and name == "_rebuild_parameter":
@@ -189,7 +189,7 @@ class TorchZipFile(_File):
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         return info.header_offset + 30 + name_len + extra_len
 
-    def _resolve(self, obj: Any, path: str) -> Any:
+    def _resolve(self, obj: Any, path: str) -> Any:  # Any: an unpickled tree, walked by its shape
         if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "tensor" and isinstance(obj[1], _StorageRef):
             return self._tensor(path, *obj[1:])
         if isinstance(obj, dict):

@@ -21,13 +21,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from engine.contract import allow_list
 from engine.contract.runfiles import BadInput
 from engine.torch_compat import LegacyStorage, set_element
 
 
-def torch_value(name: str) -> Any:
+def torch_value(name: str) -> object:
     """``torch.<name>`` where a checkpoint may name it: a dtype, layout, memory format or storage class; else None."""
     obj = getattr(torch, name, None)
     if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
@@ -41,7 +42,7 @@ def torch_value(name: str) -> Any:
 class TorchUnpickler(allow_list.SafeUnpickler):
     """The allow-list unpickler of a process reading tensors: torch's values on the list resolve."""
 
-    def torch_value(self, name: str) -> Any:
+    def torch_value(self, name: str) -> object:
         return torch_value(name)
 
 
@@ -69,7 +70,9 @@ def _refuse_tar(source: str | os.PathLike[str] | IO[bytes], name: object, field:
         raise BadInput(f"{name}: a torch < 0.4 tar checkpoint (not read: save it again with torch.save)", field=field)
 
 
-def load_torch_file(path: str | os.PathLike[str] | IO[bytes], field: str | None = "load_dir") -> Any:
+def load_torch_file(  # Any: as torch.load's (whatever the file holds; callers check its shape)
+    path: str | os.PathLike[str] | IO[bytes], field: str | None = "load_dir"
+) -> Any:
     """``torch.load`` of a file written by someone else, onto the CPU, through the allow-list.
 
     Refused classes, truncated or corrupt files all raise ``BadInput`` (naming the file and, if refused, the class).
@@ -99,7 +102,7 @@ def load_torch_file(path: str | os.PathLike[str] | IO[bytes], field: str | None 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with ``.metadata`` read through the allow-list (torch reads it with plain pickle)."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # Any: FileSystemReader's own signature
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             try:
@@ -129,7 +132,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner with non-tensor items (``BYTE_IO``: step counts, param-group floats) read through the
     allow-list (``DefaultLoadPlanner.load_bytes`` uses ``torch.load(weights_only=False)``)."""
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = load_torch_file(value)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -70,7 +70,7 @@ class BackgroundWriter:
                 except BaseException as err:  # noqa: BLE001 - re-raised in the producer thread
                     self.error = err
 
-    def put(self, item: Any) -> None:
+    def put(self, item: object) -> None:
         if self.error is not None:
             raise self.error
         self.queue.put(item)
@@ -100,13 +100,13 @@ class LazyTensor:
         self.shape, self.dtype = tuple(shape), dtype
         self.storage = _Storage(key, dtype, int(torch.Size(shape).numel()))
 
-    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[object, ...]:
         stride = torch.empty(self.shape, device="meta").stride()
         return (rebuild_tensor_v2, (self.storage, 0, self.shape, stride, False, collections.OrderedDict()))
 
 
 class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> tuple[object, ...] | None:
         if isinstance(obj, _Storage):
             return ("storage", getattr(torch, _STORAGE_TYPES[obj.dtype]), obj.key, "cpu", obj.numel)
         return None
@@ -115,7 +115,7 @@ class _Pickler(pickle.Pickler):
 class TorchFileWriter:
     """``with TorchFileWriter(path, obj, lazies) as w: w.write(lazy, tensor)`` for every placeholder, in order."""
 
-    def __init__(self, path: str | os.PathLike[str], obj: Any, lazy: Iterable[LazyTensor]):
+    def __init__(self, path: str | os.PathLike[str], obj: object, lazy: Iterable[LazyTensor]):
         self.path = Path(path)
         self.prefix = self.path.stem
         self.pending = collections.deque(lazy)

@@ -213,7 +213,7 @@ def _is_system(turn: object, tags: dict[str, str]) -> bool:
     return isinstance(turn, dict) and turn.get(tags["role_tag"]) == tags.get("system_tag")
 
 
-def _require(obj: dict[str, Any], key: str, where: str = "") -> Any:
+def _require(obj: dict[str, Any], key: str, where: str = "") -> Any:  # Any: a JSON record's value
     if key not in obj or obj[key] is None:
         raise FormatError(f"{where}missing key {key!r}")
     return obj[key]

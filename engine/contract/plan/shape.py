@@ -131,7 +131,7 @@ def check_sizes(fields: dict[str, Any], where: str, field: str, lenient: bool = 
             raise BadInput(f"{where}: {name} is {_show(value)}: {why}", field=field)
 
 
-def read_json(path: Path, field: str) -> Any:
+def read_json(path: Path, field: str) -> Any:  # Any: JSON's value (callers check its shape)
     """A checkpoint's small JSON file, at most ``_MAX_JSON_BYTES``; ``BadInput`` naming ``field`` otherwise."""
     with path.open("rb") as f:
         data = f.read(_MAX_JSON_BYTES + 1)
