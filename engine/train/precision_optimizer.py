@@ -140,6 +140,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         state["step"] = torch.tensor(0.0)
         return state
 
+    # Any: closure and result as torch's overloaded Optimizer.step takes them (one signature cannot match both)
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: ARG002 - torch's signature; no closure is taken
         for group in self.param_groups:

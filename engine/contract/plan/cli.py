@@ -26,7 +26,7 @@ from engine.contract.guard import WRITE_ENV
 from engine.contract.plan.memory import MIB, Layout, RankMemory
 from engine.contract.plan.planner import MemoryPlan, node_host_bytes, plan_spec
 from engine.contract.plan.suggest import candidates, suggestion_table
-from engine.contract.spec import TrainSpec, first_error
+from engine.contract.spec import EvalSpec, ModelSpec, ServeSpec, TrainSpec, first_error
 
 _TORCHRUN_VALUE_FLAGS = {
     "--nproc_per_node",
@@ -95,7 +95,7 @@ def parse_command(
     return (opts, *split_torchrun(rest))
 
 
-def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data_root: str | None = None) -> Any:
+def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data_root: str | None = None) -> ModelSpec:
     from engine.contract.flags import build_parser
     from engine.contract.spec import parse_spec
 
@@ -111,11 +111,13 @@ def _spec_from_args(kind: str, flags: list[str], resources: dict[str, Any], data
     data["kind"] = data.get("kind", kind)
     for key, value in _PLACEHOLDERS.get(data["kind"], {}).items():
         data.setdefault(key, value)
-    if data_root is None:
-        return parse_spec(data)
     # Relative paths start at the team area, as the API resolves them; "/" as a second root keeps any absolute path
     # of the user's own machine valid (a plan reads checkpoints' config.json, never writes).
-    return parse_spec(data, data_roots=[str(Path(data_root).resolve()), "/"])
+    roots = None if data_root is None else [str(Path(data_root).resolve()), "/"]
+    spec = parse_spec(data, data_roots=roots)
+    if isinstance(spec, TrainSpec | EvalSpec | ServeSpec):
+        return spec
+    raise ValueError(f"kind: only train, eval and serve jobs have a memory plan, not {data['kind']!r}")
 
 
 def default_data_root() -> str | None:
