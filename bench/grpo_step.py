@@ -190,12 +190,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and TRL's (A B, B A, ...)")
     parser.add_argument(
-        "--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8, 2 pairs"
+        "--smoke", action="store_true", help="a one-layer hidden-64 model, 2 × 4 completions of 8, 1 pair"
     )
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.num_generations, args.max_completion_length, args.pairs = 1, 4, 8, 2
+        args.repeats, args.num_generations, args.max_completion_length, args.pairs = 1, 4, 8, 1
     g, length, steps = args.num_generations, args.max_completion_length, 1 + args.repeats
     prompts = make_prompts(args.prompts * steps, args.seed)
     apply_to_children(args.malloc)
