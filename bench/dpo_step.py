@@ -41,13 +41,13 @@ from bench.common.seed_data import INTENTS, intent_question  # noqa: E402
 from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
 
 
-def make_pairs(n: int, seed: int) -> list[dict[str, str]]:
+def make_pairs(n: int, seed: int, max_turns: int = 12) -> list[dict[str, str]]:
     """Intent-classification preference pairs with ``bench/train_step.py``'s seed-like prompts (a list of skills,
-    0-12 turns of history, the last utterance): the right label chosen, another rejected."""
+    0-``max_turns`` turns of history, the last utterance): the right label chosen, another rejected."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
-        prompt = intent_question(rng)
+        prompt = intent_question(rng, max_turns)
         right = rng.randrange(len(INTENTS))
         wrong = (right + rng.randrange(1, len(INTENTS))) % len(INTENTS)
         pairs.append({"prompt": prompt, "chosen": INTENTS[right], "rejected": INTENTS[wrong]})
@@ -175,13 +175,18 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=8, help="pairs per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, 2 pairs, one timed step")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a one-layer hidden-64 model, 2 pairs with at most 2 turns of history, one timed step",
+    )
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 1
     mbs, gbs, steps = args.micro_batch_size, args.global_batch_size, 1 + args.repeats
-    pairs = make_pairs(gbs, args.seed)  # one global batch: every step (an epoch) trains the same pairs on both sides
+    # One global batch: every step (an epoch) trains the same pairs on both sides.
+    pairs = make_pairs(gbs, args.seed, 2 if args.smoke else 12)
     tokens = tokenize(pairs)
     step_tokens = sum(2 * len(t["prompt_ids"]) + len(t["chosen_ids"]) + len(t["rejected_ids"]) for t in tokens)
     print(

@@ -42,8 +42,9 @@ from bench.common.seed_data import INTENTS, intent_question, tokenizer_dir  # no
 SEQ_LENGTH = 800
 
 
-def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) of ``n`` seed-like intent-classification conversations."""
+def make_samples(n: int, seed: int, max_turns: int = 12) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of ``n`` seed-like intent-classification conversations (0-``max_turns`` turns of
+    history)."""
     from engine.data.templates import encode_conversations
     from engine.data.tokenizer import load_tokenizer
 
@@ -51,7 +52,7 @@ def make_samples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(seed)
     conversations = []
     for _ in range(n):
-        user = intent_question(rng)
+        user = intent_question(rng, max_turns)
         conversations.append(
             [
                 {"role": "system", "content": "You are a helpful assistant."},
@@ -207,12 +208,16 @@ def main() -> None:
         help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
         "wait for its slowest thread (many small ops suffer more than a few large GEMMs)",
     )
-    parser.add_argument("--smoke", action="store_true", help="a one-layer hidden-64 model, batch 2, one timed step")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a one-layer hidden-64 model, batch 2 with at most 2 turns of history, one timed step",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.micro_batch_size, args.global_batch_size, args.pairs = 1, 1, 2, 1
     mbs, gbs = args.micro_batch_size, args.global_batch_size
-    samples = make_samples(2 * gbs, args.seed)
+    samples = make_samples(2 * gbs, args.seed, 2 if args.smoke else 12)
     warmup, timed = samples[:gbs], samples[gbs:]
     lengths = sorted(len(i) for i, _ in samples)
     tokens = sum(len(i) for i, _ in timed)

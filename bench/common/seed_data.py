@@ -35,9 +35,10 @@ UTTERANCES = [
 ]
 
 
-def intent_question(rng: random.Random) -> str:
-    """The seed's user turn: a list of 3-10 skills, 0-12 turns of history, the last utterance, the question."""
-    history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, 12)))
+def intent_question(rng: random.Random, max_turns: int = 12) -> str:
+    """The seed's user turn: a list of 3-10 skills, 0-``max_turns`` turns of history (the seed's 12; a smoke's fewer
+    keep its sequences, and so its full-vocabulary logits, short), the last utterance, the question."""
+    history = "".join(f"用户：{rng.choice(UTTERANCES)}\n助手：好的。\n" for _ in range(rng.randint(0, max_turns)))
     skills = "、".join(rng.sample(INTENTS, rng.randint(3, len(INTENTS))))
     return (
         f"请你判读用户的意图。可选的技能和意图有：{skills}。交互历史：{history}用户：{rng.choice(UTTERANCES)}\n"
