@@ -91,14 +91,14 @@ def _run_hf(model: Qwen3ForCausalLM, prompts: list[list[int]], new: int, device:
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    kwargs = dict(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=list(STOPS),
-        pad_token_id=PAD,
-    )
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "max_new_tokens": new,
+        "do_sample": False,
+        "eos_token_id": list(STOPS),
+        "pad_token_id": PAD,
+    }
 
     def go():
         with torch.inference_mode():
@@ -132,10 +132,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5, help="pairs of timed runs (ours, HF; then HF, ours; ...)")
-    parser.add_argument("--smoke", action="store_true", help="2 layers, 4 new tokens, one rep: the same code path")
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 layers, batch 4, 4 new tokens, one rep: the same code path"
+    )
     args = parser.parse_args()
     if args.smoke:
-        args.layers, args.hidden, args.new_tokens, args.reps = 2, 64, 4, 2
+        args.layers, args.hidden, args.batch, args.new_tokens, args.reps = 2, 64, 4, 4, 1
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     hf, ours = _models(args, device, dtype)

@@ -74,12 +74,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="1M elements, 2 steps, 1 round")
+    parser.add_argument("--smoke", action="store_true", help="64K elements, 2 steps, 1 round")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     add_malloc_flag(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.numel, args.steps, args.repeats = 2**20, 2, 1
+        args.numel, args.steps, args.repeats = 2**16, 2, 1
     if args.side:
         print(json.dumps(run_side(args.side, args.numel, args.steps, args.seed)))
         return

