@@ -43,6 +43,7 @@ def _run(module: SelfAttention, x: torch.Tensor, positions: torch.Tensor, weight
 
 
 def _rank(rank: int, world: int, store: str) -> None:
+    torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1): two ranks x two threads on two cores thrash
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         gen = torch.Generator().manual_seed(1)

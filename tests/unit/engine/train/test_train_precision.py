@@ -104,7 +104,9 @@ def test_policy_table() -> None:
     ]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# fp16 is left out: it takes bf16's path with another compute dtype (compute_dtype, proven by test_policy_table);
+# fp32 covers the uncast path, bf16 the cast of a full model, lora_fp32 / lora_bf16 a frozen base uncast / cast.
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "fp16"])
 def test_storage_compute_grad_and_adam_dtypes(mode: str, one_rank_group: None) -> None:
     spec = make_spec(**MODES[mode])
     want = param_dtypes(spec)
@@ -218,7 +220,7 @@ TOLERANCE = {"fp32": (1e-6, 1e-5), "lora_bf16": (2e-4, 2e-3)}
 def test_tiny_job_losses_unchanged(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "d" / "sft")
     for name, flags in {"fp32": {}, "lora_bf16": {"bf16": True, "lora_r": 4, "lora_alpha": 8}}.items():
-        spec = parse_spec(tiny_spec(data, train_iters=4, save=str(tmp_path / name / "save"), **flags))
+        spec = parse_spec(tiny_spec(data, train_iters=4, **flags))  # no save: a checkpoint moves no loss
         entry.run(spec, RunDir(tmp_path / name / "run"))
         rows = metric_rows(tmp_path / name / "run")
         loss_rel, norm_rel = TOLERANCE[name]
