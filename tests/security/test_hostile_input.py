@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,17 +30,18 @@ def database_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
     if request.param == "sqlite":
         yield None
         return
-    with fresh_postgres_database(request.getfixturevalue("postgres_url")) as url:
+    with fresh_postgres_database(request.getfixturevalue("postgres_url"), migrated=True) as url:
         yield url
 
 
-@pytest.fixture
-def settings(tmp_path: Path, database_url: str | None) -> Settings:
-    settings = isolated_settings(tmp_path, database_url=database_url)
-    return settings
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory, database_url: str | None) -> Settings:
+    """One service per database for the module: each test works as a team of its own (``team``), and what it
+    checks is that team's (its jobs, its webhooks), so the tests share the database and the app."""
+    return isolated_settings(tmp_path_factory.mktemp("hostile"), database_url=database_url)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings, reconcile=False), raise_server_exceptions=False) as client:
         yield client

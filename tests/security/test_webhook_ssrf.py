@@ -6,15 +6,17 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from security_support import Receiver, finish_job
 
+from app.main import create_app
 from core import net_guard, webhooks
 from core.settings import Settings
-from core_support import auth, make_token
+from core_support import auth, isolated_settings, make_token
 
 HOSTILE = [
     "https://169.254.169.254/latest/meta-data/iam/",  # cloud metadata (link-local)
@@ -54,9 +56,18 @@ def _register(client: TestClient, token: str, url: str) -> Any:
     return client.post("/v1/webhooks", json={"url": url}, headers=auth(token))
 
 
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, str]]:
+    """One service and alpha's token for every hostile target: a refused registration stores nothing, so they share
+    it; each checks after its own that alpha has no webhook (one that stored one fails there itself)."""
+    settings = isolated_settings(tmp_path_factory.mktemp("ssrf"))
+    with TestClient(create_app(settings, reconcile=False)) as client:
+        yield client, make_token(settings, "alpha")
+
+
 @pytest.mark.parametrize("url", HOSTILE, ids=lambda u: u[:40])
-def test_hostile_targets_are_refused_at_registration(client: TestClient, settings: Settings, url: str) -> None:
-    token = make_token(settings, "alpha")
+def test_hostile_targets_are_refused_at_registration(registry: tuple[TestClient, str], url: str) -> None:
+    client, token = registry
     answer = _register(client, token, url)
     assert answer.status_code == 422, answer.text
     assert answer.json()["field"] == "url" and answer.json()["code"] == "validation_error"

@@ -4,22 +4,39 @@ and none leaves a job or a file behind. The table in docs/submission-mistakes.md
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from app.main import create_app
 from core.db import session_scope
 from core.models import Host
 from core.settings import Settings
-from core_support import auth, isolated_settings, team_dir
+from core_support import auth, isolated_settings, make_token, team_dir
 from engine.contract import owner
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    settings = isolated_settings(tmp_path, max_train_iters=10_000, max_train_tokens=10**9)
+    return _settings(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, str, Settings]]:
+    """One service (client, alpha's token, settings; a 4-slot cpu host) for the whole sweep: a refused mistake
+    stores nothing, so the cases can share its database and files. Each still checks, after its own submission,
+    that alpha has no job and its area no new file (a case that stored one fails there itself)."""
+    settings = _settings(tmp_path_factory.mktemp("sweep"))
+    register_host(settings, 4)
+    with TestClient(create_app(settings, reconcile=False)) as client:
+        yield client, make_token(settings, "alpha"), settings
+
+
+def _settings(var: Path) -> Settings:
+    settings = isolated_settings(var, max_train_iters=10_000, max_train_tokens=10**9)
     _team_files(team_dir(settings, "alpha"))
     return settings
 
@@ -359,9 +376,9 @@ def _files(root: Path) -> set[Path]:
 
 @pytest.mark.parametrize(("body", "field", "text"), [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
 def test_a_realistic_mistake_is_refused_with_the_field_named(
-    client: TestClient, token: str, settings: Settings, body: dict[str, Any], field: str, text: str
+    sweep: tuple[TestClient, str, Settings], body: dict[str, Any], field: str, text: str
 ) -> None:
-    register_host(settings, 4)
+    client, token, settings = sweep
     area = team_dir(settings, "alpha")
     before = _files(area)
     answer = client.post("/v1/jobs", json={k: v for k, v in body.items() if v is not None}, headers=auth(token))

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from app.main import create_app
 from core.admission import suggest
 from core.settings import Settings
-from core_support import auth, isolated_settings, team_dir
+from core_support import auth, isolated_settings, make_token, team_dir
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
+    return _settings(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, str]]:
+    """One service and alpha's token for the tests whose every submission is refused: a refusal stores nothing, so
+    they share it (test_refused_before_any_worker checks after each that alpha still has no job)."""
+    settings = _settings(tmp_path_factory.mktemp("refusing"))
+    with TestClient(create_app(settings, reconcile=False)) as client:
+        yield client, make_token(settings, "alpha")
+
+
+def _settings(var: Path) -> Settings:
     settings = isolated_settings(
-        tmp_path,
+        var,
         max_train_iters=10_000,
         max_train_tokens=10**9,
         default_run_deadline_s=3600,
@@ -101,8 +116,9 @@ def test_openais_dpo_method_is_mapped_onto_mindspeeds_fields(client: TestClient,
     ],
 )
 def test_bad_openai_methods_name_the_field(
-    client: TestClient, token: str, method: dict, extra: dict, field: str
+    refusing: tuple[TestClient, str], method: dict, extra: dict, field: str
 ) -> None:
+    client, token = refusing
     answer = client.post("/v1/jobs", json=train(data_path="pairs", method=method, **extra), headers=auth(token))
     assert answer.status_code == 422 and answer.json()["field"] == field, answer.text
 
@@ -247,7 +263,10 @@ def test_pipeline_steps_get_the_team_deadline_unless_they_set_their_own(client: 
         ),
     ],
 )
-def test_refused_before_any_worker(client: TestClient, token: str, body: dict[str, Any], field: str, text: str) -> None:
+def test_refused_before_any_worker(
+    refusing: tuple[TestClient, str], body: dict[str, Any], field: str, text: str
+) -> None:
+    client, token = refusing
     error = refused(client, token, {k: v for k, v in body.items() if v is not None})
     assert error["field"] == field and text in error["message"], error
     assert client.get("/v1/jobs", headers=auth(token)).json()["data"] == []
@@ -263,25 +282,29 @@ def test_refused_before_any_worker(client: TestClient, token: str, body: dict[st
         ("tensor-model-parallel-size", "tensor_model_parallel_size"),
     ],
 )
-def test_unknown_fields_say_what_was_meant(client: TestClient, token: str, name: str, meant: str) -> None:
+def test_unknown_fields_say_what_was_meant(refusing: tuple[TestClient, str], name: str, meant: str) -> None:
+    client, token = refusing
     error = refused(client, token, {**train(), name: 1})
     assert error["field"] == name and f"did you mean {meant!r}" in error["message"], error
 
 
-def test_unknown_resources_field_and_ignored_mindspeed_flag(client: TestClient, token: str) -> None:
+def test_unknown_resources_field_and_ignored_mindspeed_flag(refusing: tuple[TestClient, str]) -> None:
+    client, token = refusing
     error = refused(client, token, train(resources={"nproc-per-node": 1}))
     assert error["field"] == "resources.nproc-per-node" and "'nproc_per_node'" in error["message"]
     error = refused(client, token, {**train(), "use-flash-attn": True})
     assert "no effect in this engine" in error["message"]
 
 
-def test_a_kind_typo_lists_the_kinds(client: TestClient, token: str) -> None:
+def test_a_kind_typo_lists_the_kinds(refusing: tuple[TestClient, str]) -> None:
+    client, token = refusing
     error = refused(client, token, {**train(), "kind": "trian"})
     assert error["field"] == "kind" and "did you mean 'train'" in error["message"]
     assert "preprocess, convert, train, eval, serve, pipeline" in error["message"]
 
 
-def test_an_unknown_state_filter_is_refused_like_an_unknown_kind(client: TestClient, token: str) -> None:
+def test_an_unknown_state_filter_is_refused_like_an_unknown_kind(refusing: tuple[TestClient, str]) -> None:
+    client, token = refusing
     for query, field in [("state=runing", "state"), ("kind=trian", "kind")]:
         answer = client.get(f"/v1/jobs?{query}", headers=auth(token))
         assert answer.status_code == 422, answer.text
