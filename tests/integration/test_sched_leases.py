@@ -33,7 +33,7 @@ def db_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
     if request.param == "sqlite":
         yield None
         return
-    with fresh_postgres_database(request.getfixturevalue("postgres_url")) as url:
+    with fresh_postgres_database(request.getfixturevalue("postgres_url"), migrated=True) as url:
         yield url
 
 
@@ -268,15 +268,22 @@ def test_a_claim_retried_after_its_lost_answer_takes_its_node(settings: Settings
     assert claim_node(settings, j, 1, 0, "h1", utcnow()) is None  # another message's claim does not
 
 
+# A registered host stays live (schedulable) STALE_S after its last heartbeat: 5 s was shorter than these tests
+# take at load 20 (h2, registered at the start, went stale before the retry's grant); a dead host's heartbeat is
+# SILENT old, well past it.
+STALE_S = 60
+SILENT = timedelta(seconds=10 * STALE_S)
+
+
 def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str | None) -> None:
-    settings = _settings(tmp_path, db_url, host_stale_after_s=5, retry_backoff_s=0)  # backoff: test_retry_backoff
+    settings = _settings(tmp_path, db_url, host_stale_after_s=STALE_S, retry_backoff_s=0)  # backoff: test_retry_backoff
     add_host(settings, "h1", 1)
     add_host(settings, "h2", 1)
     j = job(settings, max_restarts=1)
     first = schedule(settings)[0].hosts[0]
     assert claim_node(settings, j, 1, 0, first) is not None  # its worker launched it: the attempt counts
     with session_scope(settings.database_url) as session:
-        session.execute(update(Host).where(Host.name == first).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+        session.execute(update(Host).where(Host.name == first).values(heartbeat_at=utcnow() - SILENT))
     recover(settings)
     row = rows(settings, j)[0]
     assert row.state == "retrying" and "lost" in nodes(settings, j)[0].state
@@ -285,7 +292,7 @@ def test_dead_host_requeues_then_exhausts_restarts(tmp_path: Path, db_url: str |
     assert claim_node(settings, j, 2, 0, second) is not None
     with session_scope(settings.database_url) as session:  # the dead host keeps its lease until its worker checks
         assert session.scalar(select(Lease.job_id).where(Lease.host == first)) == j
-        session.execute(update(Host).where(Host.name == second).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+        session.execute(update(Host).where(Host.name == second).values(heartbeat_at=utcnow() - SILENT))
     recover(settings)
     row = rows(settings, j)[0]
     assert (row.state, row.error_code) == ("failed", "retries_exhausted")
@@ -296,13 +303,13 @@ def test_an_attempt_lost_before_its_launch_uses_no_restart(tmp_path: Path, db_ur
     job is retried without using its budget, up to FREE_UNSTARTED_ATTEMPTS such attempts; then they count."""
     from core.recovery import FREE_UNSTARTED_ATTEMPTS
 
-    settings = _settings(tmp_path, db_url, host_stale_after_s=5)
+    settings = _settings(tmp_path, db_url, host_stale_after_s=STALE_S)
     j = job(settings, max_restarts=0)
     for attempt in range(1, FREE_UNSTARTED_ATTEMPTS + 2):
         add_host(settings, f"h{attempt}", 1)
         assert schedule(settings)[0].hosts[0] == f"h{attempt}"
         with session_scope(settings.database_url) as session:
-            session.execute(update(Host).values(heartbeat_at=utcnow() - timedelta(seconds=60)))
+            session.execute(update(Host).values(heartbeat_at=utcnow() - SILENT))
         recover(settings)
         row = rows(settings, j)[0]
         if attempt <= FREE_UNSTARTED_ATTEMPTS:
