@@ -137,6 +137,25 @@ def run_train(spec: dict[str, Any], run_dir: Path, nproc: int, expect_rc: int = 
     return proc
 
 
+def train_in_process(spec: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """The metric rows of ``spec`` trained in this process (the runner ``python -m engine train`` calls, without a
+    fresh interpreter's ~20 s of imports), on one intra-op thread like ``run_train``'s OMP_NUM_THREADS=1, so that
+    its arithmetic is a one-process run's."""
+    import torch
+
+    from engine.contract.runfiles import RunDir
+    from engine.contract.spec import parse_spec
+    from engine.train import entry
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        entry.run(parse_spec(spec), RunDir(run_dir))
+    finally:
+        torch.set_num_threads(threads)
+    return metric_rows(run_dir)
+
+
 _ONE_PROCESS_ROWS: dict[str, list[dict[str, Any]]] = {}
 
 

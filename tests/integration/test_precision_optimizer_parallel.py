@@ -1,5 +1,6 @@
 """The precision-aware optimizer and its offload under DP2 (FSDP2, distributed optimizer), TP2 (SP) and PP2 on gloo
-equal one process, through the trainer itself (``python -m engine train`` under torchrun, 5 steps of the tiny model),
+equal one process, through the trainer itself (``python -m engine train`` under torchrun, 5 steps of the tiny model;
+the one-process reference runs the same runner in the test's process),
 and resume bit-identically under DP2 (issue 42).
 
 - fp32 compute, bf16 moments, the whole optimizer state offloaded: losses and grad norms within the tolerance of the
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from train_support import metric_rows, run_train, tiny_spec, write_instruction_data
+from train_support import metric_rows, run_train, tiny_spec, train_in_process, write_instruction_data
 
 # each test launches 4-7 trainings under torchrun (20-40 s each under CI's load; 180 s was hit once at load ~20)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -43,8 +44,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def train(data: str, run: Path, layout: str, **flags: Any) -> list[dict[str, Any]]:
+    """The layout's run: the one-process reference in this process (a torchrun's interpreter start is most of a
+    5-step run's time), the others under torchrun."""
     nproc, parallel = LAYOUTS[layout]
-    run_train(tiny_spec(data, train_iters=5, lr=1e-3, **parallel, **flags), run, nproc)
+    spec = tiny_spec(data, train_iters=5, lr=1e-3, **parallel, **flags)
+    if nproc == 1:
+        return train_in_process(spec, run)
+    run_train(spec, run, nproc)
     return metric_rows(run)
 
 
