@@ -100,19 +100,20 @@ def fresh_postgres_database(server_url: str, migrated: bool = False) -> Iterator
         connection.execute(sa.text(f'CREATE DATABASE "{name}"{template}'))
     url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
     if migrated:
-        _AT_HEAD.add(url)
+        _AT_HEAD[url] = _TEMPLATES[server_url]
     try:
         yield url
     finally:
-        _AT_HEAD.discard(url)
+        _AT_HEAD.pop(url, None)
         get_engine(url).dispose()
         with admin.connect() as connection:
             connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
 
 
-_AT_HEAD: set[str] = set()  # URLs of databases cloned at head: isolated_settings does not migrate them again
+_AT_HEAD: dict[str, str] = {}  # URL of a database cloned at head -> its template (isolated_settings skips these)
 _TEMPLATES: dict[str, str] = {}  # server URL -> this process's migrated template database on it
+_SEEDED: dict[str, dict[str, list[dict[str, Any]]]] = {}  # template -> the rows its migrations wrote, by table
 
 
 def _postgres_template(server_url: str) -> str:
@@ -127,7 +128,9 @@ def _postgres_template(server_url: str) -> str:
     admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
         connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    upgrade_head(make_url(server_url).set(database=name).render_as_string(hide_password=False), [])
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    upgrade_head(url, [])
+    _SEEDED[name] = _seeded_rows(url)
 
     def drop() -> None:
         with admin.connect() as connection:
@@ -137,6 +140,47 @@ def _postgres_template(server_url: str) -> str:
     atexit.register(drop)
     _TEMPLATES[server_url] = name
     return name
+
+
+def _seeded_rows(url: str) -> dict[str, list[dict[str, Any]]]:
+    """The rows of every table of ``url`` but alembic_version (the scheduler's lock rows at head); disconnects."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as connection:
+            tables = connection.execute(sa.text(_PUBLIC_TABLES)).scalars().all()
+            return {
+                t: [dict(r) for r in connection.execute(sa.text(f'SELECT * FROM "{t}"')).mappings()] for t in tables
+            }
+    finally:
+        engine.dispose()
+
+
+_PUBLIC_TABLES = "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename != 'alembic_version'"
+
+
+def reset_postgres_database(url: str) -> None:
+    """``url`` (from ``fresh_postgres_database(migrated=True)``) back to what the clone held: every table emptied
+    (foreign keys unchecked meanwhile), every sequence restarted, the migrations' rows written again. ~20 ms, where a
+    new clone took 1.5 s and its drop 4 s (load 21): for modules whose every test wants a database of its own."""
+    import sqlalchemy as sa
+
+    from core.db import get_engine
+
+    seeded = _SEEDED[_AT_HEAD[url]]
+    with get_engine(url).begin() as connection:
+        connection.execute(sa.text("SET LOCAL session_replication_role = replica"))  # no FK order to follow
+        for table in connection.execute(sa.text(_PUBLIC_TABLES)).scalars().all():
+            connection.execute(sa.text(f'DELETE FROM "{table}"'))
+        for table, rows in seeded.items():
+            if rows:
+                names = list(rows[0])
+                columns, values = ", ".join(f'"{n}"' for n in names), ", ".join(f":{n}" for n in names)
+                connection.execute(sa.text(f'INSERT INTO "{table}" ({columns}) VALUES ({values})'), rows)
+        connection.execute(
+            sa.text("SELECT setval(oid, seqstart, false) FROM pg_class JOIN pg_sequence ON seqrelid = oid")
+        )
 
 
 def claim(settings: Settings, job_id: str, host: str) -> bool:
