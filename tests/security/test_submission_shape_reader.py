@@ -119,16 +119,22 @@ def test_only_the_args_at_the_head_of_a_large_file_are_read(tmp_path: Path) -> N
     assert cfg is not None and cfg.num_layers == 2
 
 
-@pytest.mark.parametrize("kind", ["serve", "eval"])
+ROUTE_FILES = {**HOSTILE, "bomb": b"\x80\x02}X\x04\x00\x00\x00args})" + b"\x85" * 300_000 + b"K\x01ss."}
+
+
+# serve takes every file through the route; eval (the same reader behind another kind's load) one of each way a
+# refusal reaches the API: the reader's own (bytes_2_64), the shape's check after it (heads_x), the reader's crash
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [("serve", list(ROUTE_FILES)), ("eval", ["bytes_2_64", "heads_x", "bomb"])],
+    ids=["serve", "eval"],
+)
 def test_hostile_rank_files_answer_422_through_the_submission_route(
-    client: TestClient, settings: Settings, kind: str
+    client: TestClient, settings: Settings, kind: str, names: list[str]
 ) -> None:
     token = make_token(settings, "alpha")
     area = team_dir(settings, "alpha")
-    for name, data in {
-        **HOSTILE,
-        "bomb": b"\x80\x02}X\x04\x00\x00\x00args})" + b"\x85" * 300_000 + b"K\x01ss.",
-    }.items():
+    for name, data in ((n, ROUTE_FILES[n]) for n in names):
         _megatron_dir(area / name, data)
         body = {"kind": kind, "load": name, "tokenizer_name_or_path": "tok"}
         if kind == "eval":
