@@ -4,8 +4,6 @@ bad-line policies, checkpoint/flag mismatch, loss mode against transformers, and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -99,8 +97,17 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def test_known_answers_accuracy_and_predictions(setup, tmp_path: Path) -> None:
-    assert _eval(setup, tmp_path, "--eval-batch-size", "3") == EXIT_OK
+@pytest.fixture(scope="module")
+def greedy(setup, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One greedy eval of the loaded checkpoint (batches of 3, KV cache on): the known answers, the deployment and
+    the no-KV-cache tests all compare against this run."""
+    run_dir = tmp_path_factory.mktemp("greedy")
+    assert _eval(setup, run_dir, "--eval-batch-size", "3") == EXIT_OK
+    return run_dir
+
+
+def test_known_answers_accuracy_and_predictions(setup, greedy: Path) -> None:
+    tmp_path = greedy
     result = json.loads((tmp_path / "result.json").read_text())
     s = result["summary"]
     assert (s["total"], s["correct"], s["skipped"]) == (8, N_RIGHT, 2)
@@ -121,19 +128,18 @@ def test_known_answers_accuracy_and_predictions(setup, tmp_path: Path) -> None:
     assert sum(e["type"] == "warning" and "skipped" in e["message"] for e in events) == 2
 
 
-def test_eval_through_a_deployment_equals_the_loaded_model(setup, tmp_path: Path) -> None:
+def test_eval_through_a_deployment_equals_the_loaded_model(setup, greedy: Path, tmp_path: Path) -> None:
     """Issue 24 item 6: the same eval generated through a running serve engine (``deployment_url``) instead of a
     loaded checkpoint: the same greedy answers, accuracy and predictions, four prompts in flight at once."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from serve_support import running_engine
 
-    assert _eval(setup, tmp_path / "loaded", "--eval-batch-size", "3") == EXIT_OK
     serve = {"load": str(setup["hf"]), "tokenizer_name_or_path": setup["tok"], "max_num_seqs": 4, "max_model_len": 256}
     with running_engine(tmp_path / "serve", **serve) as (url, _):
         flags = ["--tokenizer-name-or-path", setup["tok"], "--eval-data-path", str(setup["data"])]
         flags += ["--max-new-tokens", str(MAX_NEW), "--temperature", "0.00001", "--eval-batch-size", "4"]
         assert main(["eval", "--deployment-url", url, *flags, "--run-dir", str(tmp_path / "remote")]) == EXIT_OK
-    loaded, remote = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("loaded", "remote"))
+    loaded, remote = (json.loads((d / "result.json").read_text()) for d in (greedy, tmp_path / "remote"))
     for key in ("total", "correct", "skipped", "accuracy", "generated_tokens", "stopped_by_length"):
         assert remote["summary"][key] == loaded["summary"][key], key
     assert remote["summary"]["model"]["deployment_url"] == url
@@ -143,10 +149,10 @@ def test_eval_through_a_deployment_equals_the_loaded_model(setup, tmp_path: Path
     assert rows[0] == rows[1]
 
 
-def test_no_kv_cache_and_batch_1_give_the_same_predictions(setup, tmp_path: Path) -> None:
-    assert _eval(setup, tmp_path / "a", "--eval-batch-size", "8") == EXIT_OK
-    assert _eval(setup, tmp_path / "b", "--no-kv-cache") == EXIT_OK  # micro_batch_size 1
-    a, b = ((tmp_path / d / "predictions.jsonl").read_text() for d in "ab")
+def test_no_kv_cache_and_batch_1_give_the_same_predictions(setup, greedy: Path, tmp_path: Path) -> None:
+    """Against the shared run's batches of 3 (padded to their longest prompt, KV cache on)."""
+    assert _eval(setup, tmp_path, "--no-kv-cache") == EXIT_OK  # micro_batch_size 1
+    a, b = ((d / "predictions.jsonl").read_text() for d in (greedy, tmp_path))
     assert a == b
 
 
@@ -236,7 +242,9 @@ def test_loss_mode_on_an_indexed_dataset_equals_the_jsonl(setup, tmp_path: Path,
 
 
 def test_seed_command_line(setup, tmp_path: Path) -> None:
-    """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through ``python -m engine``."""
+    """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through the CLI's ``main``,
+    in this process: a fresh interpreter's imports were most of this test's time, and ``python -m engine`` only
+    raises SystemExit with main's code (run in a subprocess by test_plan_data_shape's refusal)."""
     cfg = preset("qwen3-tiny")
     argv = [
         "--use-mcore-models",
@@ -308,15 +316,7 @@ def test_seed_command_line(setup, tmp_path: Path) -> None:
         "--temperature",
         "0.00001",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine", "eval", *argv, "--run-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "accuracy 0.6250 (5/8)" in proc.stderr
+    assert main(["eval", *argv, "--run-dir", str(tmp_path)]) == EXIT_OK
+    assert "accuracy 0.6250 (5/8)" in (tmp_path / "logs" / "rank0.log").read_text()  # the log stderr also gets
     s = json.loads((tmp_path / "result.json").read_text())["summary"]
     assert s["accuracy"] == pytest.approx(N_RIGHT / 8) and (tmp_path / "predictions.jsonl").is_file()

@@ -100,9 +100,9 @@ def test_greedy_generation_equals_transformers(setup: dict, tmp_path: Path, load
     assert len({a for a in setup["answers"]}) > 1  # the answers are not one degenerate string
 
 
-@pytest.mark.parametrize("load", ["hf", "mg"])
-def test_loss_mode_equals_transformers(setup: dict, tmp_path: Path, load: str) -> None:
-    s = _eval(setup, load, tmp_path, "--eval-mode", "loss", "--eval-batch-size", "4")["summary"]
+@pytest.fixture(scope="module")
+def hf_loss(setup: dict) -> tuple[float, int]:
+    """transformers' mean loss over the answers' tokens and their count: both loads are compared with it."""
     tok = AutoTokenizer.from_pretrained(setup["tok"])
     total, count = 0.0, 0
     for line in setup["data"].read_text().splitlines():
@@ -111,5 +111,11 @@ def test_loss_mode_equals_transformers(setup: dict, tmp_path: Path, load: str) -
             loss = setup["hf"](input_ids=torch.tensor(ids[None]).long(), labels=torch.tensor(labels[None]).long()).loss
         n = int((labels[1:] != -100).sum())
         total, count = total + float(loss) * n, count + n
-    assert s["tokens"] == count
-    assert s["loss"] == pytest.approx(total / count, rel=1e-5)
+    return total / count, count
+
+
+@pytest.mark.parametrize("load", ["hf", "mg"])
+def test_loss_mode_equals_transformers(setup: dict, hf_loss: tuple[float, int], tmp_path: Path, load: str) -> None:
+    s = _eval(setup, load, tmp_path, "--eval-mode", "loss", "--eval-batch-size", "4")["summary"]
+    assert s["tokens"] == hf_loss[1]
+    assert s["loss"] == pytest.approx(hf_loss[0], rel=1e-5)
