@@ -1,6 +1,6 @@
 """The seed's full-SFT script (seed 004, tiny model, paths changed) under TP=1 PP=2, TP=2 and TP=2×PP=2 with
-``python -m engine train`` under torchrun: the same losses and grad norms as one process, and the final checkpoint
-in the seed's mcore layout for that TP/PP (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``).
+``python -m engine train`` under torchrun: the same losses and grad norms as one process (the CLI's main in the test's
+process), and the final checkpoint in the seed's mcore layout for that TP/PP (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``).
 
 The flags and assets are test_train_seed_scripts.py's (the seed's lines verbatim but for the shape and paths); here
 only the parallel sizes change. The seed trains in bf16, so layouts agree to bf16 rounding, not to fp32 precision

@@ -1,6 +1,7 @@
 """The seed's training scripts (seed 004: tune_qwen3_4B_4K_full / _lora) run with paths changed and a tiny model,
-on 1 and 2 processes: flags accepted (MindSpeed-only ones reported as ignored), loss falls, and the save directory
-has the seed's layout (latest_checkpointed_iteration.txt + iter_XXXXXXX/mp_rank_00/model_optim_rng.pt).
+on 1 process (the CLI's main in the test's process) and 2 (torchrun): flags accepted (MindSpeed-only ones reported
+as ignored), loss falls, and the save directory has the seed's layout (latest_checkpointed_iteration.txt +
+iter_XXXXXXX/mp_rank_00/model_optim_rng.pt).
 
 Changed from the seed besides paths: the model shape (2 layers, hidden 64, the real 151,936 vocabulary and Qwen3
 tokenizer), PP 2 -> 1 (pipeline parallelism is not in this engine yet; the loaded checkpoint is still tp1pp2),
@@ -10,6 +11,7 @@ fewer iterations and a smaller global batch, and a larger LR so that a few itera
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -89,9 +91,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+# the assets by tokenizer directory, built once per test process: test_parallel_seed_scripts.py imports the fixture,
+# and pytest would otherwise build them again for that module (a module fixture is per module)
+_ASSETS: dict[Path, dict[str, Path]] = {}
+
+
 @pytest.fixture(scope="module")
 def seed_assets(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_dir: Path) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("seed")
+    if qwen_tokenizer_dir not in _ASSETS:
+        _ASSETS[qwen_tokenizer_dir] = _build_assets(tmp_path_factory.mktemp("seed"), qwen_tokenizer_dir)
+    return _ASSETS[qwen_tokenizer_dir]
+
+
+def _build_assets(base: Path, qwen_tokenizer_dir: Path) -> dict[str, Path]:
+    """The seed's raw intent data preprocessed as its script does, and a tiny tied Qwen3 saved as mcore TP1 PP2."""
     raw = base / "customed_train.jsonl"
     with raw.open("w", encoding="utf-8") as f:
         for i in range(64):
@@ -165,23 +178,36 @@ def _run(flags: str, assets: dict[str, Path], name: str, nproc: int) -> tuple[Pa
         "tb": out / "tb",
         "iters": TRAIN_ITERS,
     }
-    argv = shlex.split(flags.format(**values))
-    run_dir = out / "run"
-    launcher = (
-        [PY, "-m", "engine"]
-        if nproc == 1
-        else [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
-    )
-    proc = subprocess.run(
-        [*launcher, "train", *argv, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = ["train", *shlex.split(flags.format(**values)), "--run-dir", str(out / "run")]
+    if nproc == 1:
+        _main_in_process(argv, out / "run")
+        return out / "save", out / "run"
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
+    proc = subprocess.run([*launcher, *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out / "save", run_dir
+    return out / "save", out / "run"
+
+
+def _main_in_process(argv: list[str], run_dir: Path) -> None:
+    """``python -m engine <argv>`` on one process, in this one: the CLI's own main without a fresh interpreter's
+    imports (most of a short run's time), on one intra-op thread like the ranks' OMP_NUM_THREADS=1. The CLI points
+    the root logger at the run's files; pytest's handlers are put back after."""
+    from engine.cli import main
+
+    root = logging.getLogger()
+    handlers, level, threads = list(root.handlers), root.level, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    log = run_dir / "logs" / "rank0.log"
+    assert code == 0, log.read_text()[-4000:] if log.is_file() else f"exit {code}"
 
 
 def _check_run(save: Path, run_dir: Path, nproc: int) -> list[dict]:
