@@ -244,7 +244,7 @@ def test_loss_mode_on_an_indexed_dataset_equals_the_jsonl(setup, tmp_path: Path,
 def test_seed_command_line(setup, tmp_path: Path) -> None:
     """eval_qwen3_4B_full_customed10k.sh's flags (paths changed, the tiny model's shape) through the CLI's ``main``,
     in this process: a fresh interpreter's imports were most of this test's time, and ``python -m engine`` only
-    raises SystemExit with main's code (run in a subprocess by test_plan_data_shape's refusal)."""
+    raises SystemExit with main's code (started by train_support.run_train's one-process runs, e.g. test_train_dp)."""
     cfg = preset("qwen3-tiny")
     argv = [
         "--use-mcore-models",

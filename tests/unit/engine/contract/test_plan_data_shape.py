@@ -3,6 +3,7 @@ trainer really forms from the same data, in every batching mode, and its any-ord
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -136,10 +137,14 @@ def test_unreadable_data_leaves_the_worst_case(tmp_path: Path) -> None:
 
 def test_engine_refuses_a_micro_batch_beyond_the_admitted_one(tmp_path: Path) -> None:
     """The data changed after admission: the first micro-batch over ``max_micro_batch_tokens`` fails the job as bad
-    input naming its dataset rows (exit 2), before any step could run out of memory."""
-    from train_support import run_train, tiny_spec
+    input naming its dataset rows (exit 2), before any step could run out of memory. Through the CLI's ``main`` in
+    this process: ``python -m engine`` only raises SystemExit with its code (run_train's one-process runs start it)."""
+    from engine.cli import main
+    from train_support import tiny_spec
 
     prefix = write_instruction_data(tmp_path / "d", n=16)
-    spec = tiny_spec(prefix, max_micro_batch_tokens=20, train_iters=1)
-    proc = run_train(spec, tmp_path / "run", nproc=1, expect_rc=2)
-    assert "micro-batch 0 (dataset rows [" in proc.stderr and "max_micro_batch_tokens" in proc.stderr
+    (tmp_path / "spec.json").write_text(json.dumps(tiny_spec(prefix, max_micro_batch_tokens=20, train_iters=1)))
+    assert main(["train", "--spec", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")]) == 2
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    error = next(e["message"] for e in events if e["type"] == "error")
+    assert "micro-batch 0 (dataset rows [" in error and "max_micro_batch_tokens" in error, error

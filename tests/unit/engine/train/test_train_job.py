@@ -159,7 +159,7 @@ def test_global_batch_must_divide_by_micro_batch_times_dp(data: str, tmp_path: P
 
 def test_missing_data_files_exit_2_with_message(tmp_path: Path):
     """Through the CLI's ``main`` in this process (``python -m engine`` only raises SystemExit with its code: that
-    wrapper is run in a subprocess by test_plan_data_shape's refusal)."""
+    wrapper is started by train_support.run_train's one-process runs, e.g. test_train_dp)."""
     spec = tiny_spec(str(tmp_path / "nowhere" / "sft"))
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     assert main(["train", "--spec", str(tmp_path / "spec.json"), "--run-dir", str(tmp_path / "run")]) == 2
