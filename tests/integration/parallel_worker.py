@@ -221,10 +221,18 @@ def reference(
     return train(runner, spec, {**opts, "load": "", "save_at": 0}, 1, 0, router, router_rows)
 
 
+# Options the one-process reference does not depend on: the layout (``reference`` resets tp/pp/ep/list/vpp, dp only
+# shards the batch, sp and ac only act under ``parallelize``) and the checkpoint ones (it never loads or saves).
+LAYOUT_ONLY = frozenset({"name", "tp", "pp", "dp", "ep", "sp", "vpp", "list", "ac", "save_at", "ckpt"})
+
+
 def run_cases(cases: list[str]) -> dict[str, Any]:
     # One single-rank group per rank (created collectively, in the same order everywhere) for the reference.
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     results = {}
+    # Cases of one model (say TP2, TP2 without SP, TP2 with recompute) share one reference run: the rank-0 time the
+    # other ranks wait through, once per model instead of once per layout.
+    references: dict[tuple, tuple[list, list]] = {}
     for case in cases:
         opts = parse(case)
         par_router: list[dict[str, float]] = []
@@ -232,9 +240,11 @@ def run_cases(cases: list[str]) -> dict[str, Any]:
         entry: dict[str, Any] = {"parallel": parallel(opts, par_router, layout), "parallel_router": par_router}
         entry["expert_layout"] = layout  # rank 0's
         if not opts["load"] and dist.get_rank() == 0:
-            ref_router: list[dict[str, float]] = []
-            entry["reference"] = reference(opts, own, ref_router)
-            entry["reference_router"] = ref_router
+            key = tuple(sorted((k, v) for k, v in opts.items() if k not in LAYOUT_ONLY))
+            if key not in references:
+                ref_router: list[dict[str, float]] = []
+                references[key] = (reference(opts, own, ref_router), ref_router)
+            entry["reference"], entry["reference_router"] = references[key]
         results[opts["name"]] = entry
     return results
 
