@@ -169,20 +169,20 @@ PRECISION_AWARE = {
 
 
 def _final_weights(save: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(save / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    state = torch.load(save / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     return state["model"]
 
 
 def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **flags: object) -> None:
-    """A 6-step run vs the same run crashed after its iteration-3 checkpoint and re-queued: equal losses, grad norms
+    """A 4-step run vs the same run crashed after its iteration-2 checkpoint and re-queued: equal losses, grad norms
     and final weights, bit for bit (``tests/unit/engine/train/test_train_job.py``'s crash, with exact equality)."""
-    spec = tiny_spec(data, train_iters=6, save_interval=3, lr=1e-3, **flags)
+    spec = tiny_spec(data, train_iters=4, save_interval=2, lr=1e-3, **flags)
     entry.run(parse_spec({**spec, "save": str(tmp_path / "a")}), RunDir(tmp_path / "run_a"))
     original = job.Trainer._save
 
     def save_then_crash(self: job.Trainer, iteration: int) -> None:
         original(self, iteration)
-        if iteration == 3:
+        if iteration == 2:
             raise RuntimeError("simulated crash")
 
     monkeypatch.setattr(job.Trainer, "_save", save_then_crash)
@@ -191,8 +191,8 @@ def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(job.Trainer, "_save", original)
     entry.run(parse_spec({**spec, "save": str(tmp_path / "b")}), RunDir(tmp_path / "run_b2"))
     straight, after = metric_rows(tmp_path / "run_a"), metric_rows(tmp_path / "run_b2")
-    assert [r["iteration"] for r in after] == [4, 5, 6]
-    for a, b in zip(straight[3:], after, strict=True):
+    assert [r["iteration"] for r in after] == [3, 4]
+    for a, b in zip(straight[2:], after, strict=True):
         assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"])
     first, second = _final_weights(tmp_path / "a"), _final_weights(tmp_path / "b")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
@@ -200,7 +200,7 @@ def resume_is_bit_identical(data: str, tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_bf16_grads_and_moments_resume_bit_identically(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     resume_is_bit_identical(data, tmp_path, monkeypatch, **PRECISION_AWARE)
-    ckpt = tmp_path / "b" / "train_state" / "iter_0000003"
+    ckpt = tmp_path / "b" / "train_state" / "iter_0000002"
     metadata = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     saved = {k: v.properties.dtype for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
     by_kind: dict[str, set[torch.dtype]] = {}
