@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench.common.chat_stream import pct, stream_chat  # noqa: E402
-from bench.common.qwen3 import SHAPE  # noqa: E402
+from bench.common.qwen3 import SHAPE, SMOKE_SHAPE  # noqa: E402
 from bench.common.qwen3 import write_model as write_weights  # noqa: E402
 
 NAME = "peer-bench"
@@ -124,12 +124,12 @@ WORDS = [
 # ------------------------------------------------------------------ the model and prompts
 
 
-def write_model(out: Path) -> Path:
-    """The random Qwen3 both sides serve, as an HF directory with the real tokenizer."""
+def write_model(out: Path, shape: dict[str, Any] = SHAPE) -> Path:
+    """The random Qwen3 of ``shape`` both sides serve, as an HF directory with the real tokenizer."""
     from cli.demo import tokenizer_source
     from engine.checkpoint.hf import copy_tokenizer
 
-    write_weights(out, SHAPE, 0, max_position_embeddings=4096, initializer_range=0.05)
+    write_weights(out, shape, 0, max_position_embeddings=4096, initializer_range=0.05)
     copy_tokenizer(tokenizer_source(), out)
     return out
 
@@ -359,7 +359,11 @@ def main() -> None:
         help="OMP_NUM_THREADS of our engine alone (default: --threads); 1 is how the worker launches a CPU engine "
         "(worker/launcher.py), the peer keeping --threads",
     )
-    parser.add_argument("--smoke", action="store_true", help="one 2-client wave of 20-token prompts per side")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one 2-client wave of 20-token prompts per side, the one-layer hidden-64 model",
+    )
     parser.add_argument("--child-engine", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--child-api", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -381,7 +385,7 @@ def main() -> None:
     loads = [load()]
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "sides.log", "wb") as log:
         root = Path(tmp)
-        model_dir = write_model(root / "model")
+        model_dir = write_model(root / "model", SMOKE_SHAPE if args.smoke else SHAPE)
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         try:
             peer, port = spawn_peer(
