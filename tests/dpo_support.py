@@ -3,14 +3,35 @@ MindSpeed's pairwise layout so our jobs train on exactly TRL's tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
 
 from engine.contract.indexed import PAIRWISE_FIELDS, IndexedDatasetWriter, instruction_prefix
+
+
+@contextlib.contextmanager
+def unhashed_maps() -> Iterator[None]:
+    """``datasets``' ``map`` names its result by hashing its function's arguments with dill, and TRL's tokenizing map
+    passes the tokenizer: pickling Qwen3's vocabulary was 85 s of a DPOTrainer's 124 s start (load 20).
+    Inside this block every map takes the random fingerprint ``datasets`` itself falls back to for an unhashable
+    transform: a fingerprint only names cache files, which in-memory datasets do not write, so TRL computes the same."""
+    from datasets import arrow_dataset, fingerprint
+
+    def random(*_: Any) -> str:
+        return fingerprint.generate_random_fingerprint()
+
+    with (
+        mock.patch.object(arrow_dataset, "update_fingerprint", random),
+        mock.patch.object(fingerprint, "update_fingerprint", random),
+    ):
+        yield
 
 
 def trl_run(
@@ -28,8 +49,6 @@ def trl_run(
     reference-free loss)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     simpo = args.get("loss_type") == "simpo"
     common = dict(
@@ -49,6 +68,18 @@ def trl_run(
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     data = Dataset.from_dict(pairs)
+    with unhashed_maps():
+        trainer = _trainer(model, ref, tokenizer, data, common, simpo)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], batch
+
+
+def _trainer(model: Any, ref: Any, tokenizer: Any, data: Any, common: dict[str, Any], simpo: bool) -> Any:
+    """TRL's DPOTrainer (the reference ``ref``, default the model) or, for SimPO, its CPOTrainer."""
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
     if simpo:
         trainer: Any = CPOTrainer(
             model=copy.deepcopy(model),
@@ -64,9 +95,7 @@ def trl_run(
             train_dataset=data,
             processing_class=tokenizer,
         )
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h], batch
+    return trainer
 
 
 def trl_rows(batch: dict[str, torch.Tensor]) -> list[tuple[str, np.ndarray, np.ndarray]]:
