@@ -48,6 +48,12 @@ def prompts(qwen_tokenizer_dir: Path) -> list[list[int]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def expected(models, prompts) -> list[list[int]]:
+    """transformers' 12-token greedy rows (stopped on IM_END or PAD), computed once: every test compares with it."""
+    return _hf_generate(models[0], prompts, 12, [IM_END, PAD])
+
+
 def _hf_generate(
     hf: Qwen3ForCausalLM, prompts: list[list[int]], max_new: int, stop: list[int], use_cache: bool = True
 ) -> list[list[int]]:
@@ -83,30 +89,36 @@ def _ours(
     return rows
 
 
-@pytest.mark.parametrize("use_cache", [True, False], ids=["kv_cache", "no_cache"])
-@pytest.mark.parametrize("batch_size", [1, 3], ids=["batch1", "batched"])
-def test_greedy_matches_transformers(models, prompts, use_cache: bool, batch_size: int) -> None:
-    hf, ours = models
-    expected = _hf_generate(hf, prompts, 12, [IM_END, PAD])
+# batched-kv_cache: the left-padded cache; batched-no_cache: left padding in a full forward (its longest row unpadded);
+# batch1-kv_cache: the one-row path. Batch 1 without the cache (the costliest, a full forward per row and token)
+# joins two paths these already cover.
+@pytest.mark.parametrize(
+    ("use_cache", "batch_size"),
+    [(True, 3), (False, 3), (True, 1)],
+    ids=["batched-kv_cache", "batched-no_cache", "batch1-kv_cache"],
+)
+def test_greedy_matches_transformers(models, prompts, expected, use_cache: bool, batch_size: int) -> None:
+    _, ours = models
     assert len({len(p) for p in prompts}) == 3  # batched run really is left-padded
     assert _ours(ours, prompts, 12, [IM_END, PAD], use_cache, batch_size) == expected
 
 
-def test_stop_token_ends_each_row_at_its_own_step(models, prompts) -> None:
+def test_stop_token_ends_each_row_at_its_own_step(models, prompts, expected) -> None:
     hf, ours = models
-    free = _hf_generate(hf, prompts, 10, [IM_END])
-    # Make a token the model really produces a stop token, so rows stop at different steps while others go on.
-    stop = [IM_END, free[0][3]]
-    expected = _hf_generate(hf, prompts, 10, stop)
-    assert len(expected[0]) == 3 and any(len(r) > 3 for r in expected)
+    # Make a token the model really produces a stop token, so rows stop at different steps while others go on
+    # (greedy rows are prefixes of one another, so the 12-token run's fourth token is the 10-token run's).
+    stop = [IM_END, expected[0][3]]
+    cut = _hf_generate(hf, prompts, 10, stop)
+    assert len(cut[0]) == 3 and any(len(r) > 3 for r in cut)
     opts = DecodeOptions(max_new_tokens=10, stop_ids=tuple(stop), pad_id=PAD)
     gen = generate_batch(ours, ours.cfg, prompts, opts)
-    assert gen.tokens == expected
+    assert gen.tokens == cut
     assert gen.finish_reasons[0] == "stop"
     assert gen.num_generated == sum(len(r) + (reason == "stop") for r, reason in zip(gen.tokens, gen.finish_reasons))
 
 
-def test_hf_cache_free_generation_agrees_too(models, prompts) -> None:
+def test_hf_cache_free_generation_agrees_too(models, prompts, expected) -> None:
     """The reference itself is consistent (so a cache bug on our side cannot hide behind one on theirs)."""
     hf, _ = models
-    assert _hf_generate(hf, prompts, 6, [IM_END], use_cache=False) == _hf_generate(hf, prompts, 6, [IM_END])
+    # greedy rows are prefixes of one another: 6 tokens without the cache are the cached 12 tokens' first 6
+    assert _hf_generate(hf, prompts, 6, [IM_END, PAD], use_cache=False) == [row[:6] for row in expected]
