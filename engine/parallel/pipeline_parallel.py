@@ -29,8 +29,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.contract import layout
@@ -42,6 +40,8 @@ from engine.model.moe import paused_router_stats
 from engine.parallel.tensor_parallel import dcp_view, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
     from engine.model.qwen3 import Qwen3Model
 
 WIDTH_BUCKET = 64  # micro-batch widths under PP are rounded up to this many tokens
@@ -291,6 +291,10 @@ def build_pipeline(
     loss_fn = make_loss_fn(last_part, norm, tp_mesh, sp_mesh is not None, loss_chunk_size)
 
     def make_schedule() -> _PipelineSchedule:
+        # imported here, not at the top: torch.distributed.pipelining brings torch._dynamo and sympy (~0.7 s of CPU
+        # per process), which every engine process imported through this module though only PP > 1 runs a schedule
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
         stages = [
             PipelineStage(StageModule(part, sp_mesh), s, n_stages, device, group=group)
             for part, s in zip(parts, stage_ids, strict=True)
