@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dpo_support import unhashed_maps
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.model_config import ModelConfig
 from engine.model import hf_mapping
@@ -86,23 +87,31 @@ def models() -> tuple[Any, Any]:
     return policy, ref
 
 
-def _trl(policy: Any, ref: Any, tokenizer_dir: Path, tmp_path: Path, **args: Any) -> tuple[Any, torch.Tensor, Any]:
+@pytest.fixture(scope="module")
+def tokenizer(qwen_tokenizer_dir: Path) -> Any:
+    """Loaded once: DPOTrainer only sets its pad token to the one it has."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+
+
+def _trl(policy: Any, ref: Any, tokenizer: Any, tmp_path: Path, **args: Any) -> tuple[Any, torch.Tensor, Any]:
     """TRL's batch, its loss (backward run) and its trainer."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     # bf16 off: TRL's default bf16 (on CPU too) runs its reference forward in bf16 (3.8e-3 off a summed log-prob)
     config = DPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=3, report_to=[], use_cpu=True, bf16=False, **args
     )
-    trainer = DPOTrainer(
-        model=copy.deepcopy(policy),
-        ref_model=copy.deepcopy(ref),
-        args=config,
-        train_dataset=Dataset.from_dict(PAIRS),
-        processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
-    )
+    with unhashed_maps():
+        trainer = DPOTrainer(
+            model=copy.deepcopy(policy),
+            ref_model=copy.deepcopy(ref),
+            args=config,
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=tokenizer,
+        )
     batch = next(iter(trainer.get_train_dataloader()))
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
@@ -148,7 +157,7 @@ def test_sequence_logprobs_of_the_model_equal_transformers_in_fp64(models: tuple
 )
 def test_dpo_equals_trl(
     models: tuple[Any, Any],
-    qwen_tokenizer_dir: Path,
+    tokenizer: Any,
     tmp_path: Path,
     loss_types: list[str],
     weights: list[float],
@@ -156,7 +165,7 @@ def test_dpo_equals_trl(
 ) -> None:
     policy, ref = models
     batch, trl_loss, trainer = _trl(
-        policy, ref, qwen_tokenizer_dir, tmp_path, beta=cfg.beta, loss_type=loss_types, loss_weights=weights
+        policy, ref, tokenizer, tmp_path, beta=cfg.beta, loss_type=loss_types, loss_weights=weights
     )
     ours = _ours(policy)
     sums, counts = _pair_logps(ours, batch)
