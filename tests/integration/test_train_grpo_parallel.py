@@ -19,8 +19,8 @@ import torch
 from grpo_support import tiny_qwen3, write_prompts
 from train_support import metric_rows, run_train
 
-# two engine runs per case (the first of a case runs its one-process side too): ~90 s on a quiet host, past
-# 300 s under a load average of 70
+# up to three engine runs per test (a case's first test runs its one-process side too, the resume test the DP2 grpo
+# run unless a test before it in this process did): ~90 s on a quiet host, past 300 s under a load average of 70
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REWARDS = [
@@ -30,9 +30,17 @@ REWARDS = [
 CASES = {
     # one rollout, two steps on it (the ratio moves off 1), a reference, batch-scaled advantages, dapo's token count
     "dapo_batch_beta_mu2": {"loss_type": "dapo", "scale_rewards": "batch", "beta": 0.04, "num_iterations": 2},
-    # two rollouts (the second from updated weights), per-sequence means, group advantages
-    "grpo_group_two_rollouts": {"loss_type": "grpo", "scale_rewards": "group"},
+    # two rollouts (the second from updated weights), per-sequence means, group advantages, a reference (the DP2 run
+    # is also the resume test's uninterrupted run)
+    "grpo_group_two_rollouts": {"loss_type": "grpo", "scale_rewards": "group", "beta": 0.04},
 }
+
+
+# Adam's first step moves every weight by lr times the sign of its gradient, also where that gradient is rounding noise
+# (its sign then depends on the layout's reduction order). At 3e-2 that put step 2's grad norm 4e-5 off one process
+# under TP2 (the run's completions and step 1 identical); the error scales with lr, and 1e-3 still moves every weight
+# by 5% of its init scale, so the second rollout's tokens come from visibly updated weights.
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,7 @@ def _spec(setup: dict[str, Any], moe: bool, **extra: Any) -> dict[str, Any]:
         "kind": "train", "stage": "grpo", "data_path": [str(setup["root"] / "data")],
         "load": str(setup["root"] / ("policy_moe" if moe else "policy")), "tokenizer_name_or_path": setup["tokenizer"], "split": "100,0,0",
         "seq_length": 128, "micro_batch_size": 4, "global_batch_size": 8, "num_generations": 4,
-        "max_completion_length": 8, "temperature": 0.9, "train_iters": 2, "lr": 3e-2, "lr_decay_style": "constant",
+        "max_completion_length": 8, "temperature": 0.9, "train_iters": 2, "lr": LR, "lr_decay_style": "constant",
         "weight_decay": 0.0, "clip_grad": 1.0, "log_interval": 1, "seed": 3, "reward_funcs": REWARDS,
         "variable_seq_lengths": True, **extra,
     }  # fmt: skip
@@ -71,27 +79,44 @@ LAYOUTS = {
     # LoRA (both sides): the reference of beta > 0 is the base with the adapters off, under TP too
     "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
 }
+# One case per layout where one covers what the layout changes, both where the batch is split over the ranks:
+# DP2 splits it (each case's denominators and gathered rewards span the ranks); TP2 decodes the second rollout on
+# updated shards; SP's sequence-sharded training, forward and reference; EP2 (a DP split too) its all-to-all in decode,
+# training and the reference forward with dapo's batch-wide token count; LoRA's reference with the adapters off.
+MATRIX = [
+    ("dapo_batch_beta_mu2", "dp2"),
+    ("grpo_group_two_rollouts", "dp2"),
+    ("grpo_group_two_rollouts", "tp2"),
+    ("dapo_batch_beta_mu2", "tp2_sp"),
+    ("dapo_batch_beta_mu2", "ep2"),
+    ("dapo_batch_beta_mu2", "lora_tp2"),
+]
 BOTH_SIDES = ("lora_r", "lora_target_modules")  # a layout's keys the one-process run takes too
-_ONE_PROCESS: dict[str, Path] = {}
+_RUNS: dict[str, Path] = {}
 
 
-def _one_process(spec: dict[str, Any], run_dir: Path) -> Path:
-    """The one-process run of ``spec``, once per test process (every layout compares with it)."""
-    key = json.dumps(spec, sort_keys=True)
-    if key not in _ONE_PROCESS:
-        run_train(spec, run_dir, 1)
-        _ONE_PROCESS[key] = run_dir
-    return _ONE_PROCESS[key]
+def _run(spec: dict[str, Any], run_dir: Path, nproc: int) -> Path:
+    """The run of ``spec`` on ``nproc`` processes, once per test process (the one-process side of a case serves every
+    layout, and the DP2 grpo run the resume test as well)."""
+    key = json.dumps([spec, nproc], sort_keys=True)
+    if key not in _RUNS:
+        run_train(spec, run_dir, nproc)
+        _RUNS[key] = run_dir
+    return _RUNS[key]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("case", list(CASES))
-def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: Path, case: str, layout: str) -> None:
+def _specs(setup: dict[str, Any], case: str, layout: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(one process, two ranks) specs of ``case`` under ``layout``."""
     both = {k: v for k, v in LAYOUTS[layout].items() if k in BOTH_SIDES}
-    one_spec = _spec(setup, "expert_model_parallel_size" in LAYOUTS[layout], **CASES[case], **both)
-    one_dir = _one_process(one_spec, tmp_path / "one")
-    run_train({**one_spec, **LAYOUTS[layout], "resources": {"nproc_per_node": 2}}, tmp_path / "two", 2)
-    one, two = _completions(one_dir), _completions(tmp_path / "two")
+    one = _spec(setup, "expert_model_parallel_size" in LAYOUTS[layout], **CASES[case], **both)
+    return one, {**one, **LAYOUTS[layout], "resources": {"nproc_per_node": 2}}
+
+
+@pytest.mark.parametrize(("case", "layout"), MATRIX, ids=[f"{c}-{lay}" for c, lay in MATRIX])
+def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: Path, case: str, layout: str) -> None:
+    one_spec, two_spec = _specs(setup, case, layout)
+    one_dir, two_dir = _run(one_spec, tmp_path / "one", 1), _run(two_spec, tmp_path / "two", 2)
+    one, two = _completions(one_dir), _completions(two_dir)
     assert len(one) == len(two) == 8 * (2 // one_spec.get("num_iterations", 1))
     for a, b in zip(one, two, strict=True):
         assert (a["iteration"], a["prompt_id"], a["completion_ids"]) == (
@@ -102,7 +127,7 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
         assert b["reward"] == a["reward"]
         assert b["advantage"] == pytest.approx(a["advantage"], rel=1e-6, abs=1e-7)
     assert len({tuple(r["completion_ids"]) for r in one}) > 1  # sampled, not one repeated completion
-    rows_one, rows_two = metric_rows(one_dir), metric_rows(tmp_path / "two")
+    rows_one, rows_two = metric_rows(one_dir), metric_rows(two_dir)
     assert len(rows_one) == len(rows_two) == 2
     for a, b in zip(rows_one, rows_two, strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5, abs=1e-7), "lm_loss"
@@ -110,23 +135,24 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
         for key in ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "completions/mean_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert a["grad_norm"] > 0
-    parallel = json.loads((tmp_path / "two" / "result.json").read_text())["summary"]["parallel"]
+    parallel = json.loads((two_dir / "result.json").read_text())["summary"]["parallel"]
     tp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "expert"))
     assert parallel == {"dp": 2 // tp, "tp": tp, "ep": ep}
 
 
 def test_a_dp2_run_resumed_from_its_checkpoint_continues_bit_identically(setup: dict[str, Any], tmp_path: Path) -> None:
     """Each group's sampler is a function of (seed, rollout, prompt), so a DP2 run stopped after its first rollout and
-    resumed from that checkpoint samples and trains exactly as the run that never stopped."""
-    extra = {"beta": 0.04, "save_interval": 1, "resources": {"nproc_per_node": 2}}
-    whole = {**_spec(setup, False, **extra), "train_iters": 3, "save": str(tmp_path / "a")}
-    run_train(whole, tmp_path / "whole", 2)
-    part = {**whole, "save": str(tmp_path / "b")}
+    resumed from that checkpoint samples and trains exactly as the run that never stopped (the reference that of the
+    run's start: beta > 0)."""
+    _, whole_spec = _specs(setup, "grpo_group_two_rollouts", "dp2")
+    whole = _run(whole_spec, tmp_path / "whole", 2)
+    part = {**whole_spec, "save": str(tmp_path / "b"), "save_interval": 1}
     run_train({**part, "train_iters": 1}, tmp_path / "part", 2)
     run_train(part, tmp_path / "part", 2)
-    assert _completions(tmp_path / "part") == _completions(tmp_path / "whole")
-    ours, theirs = metric_rows(tmp_path / "whole"), metric_rows(tmp_path / "part")
-    assert [r["iteration"] for r in theirs] == [1, 2, 3]
+    assert _completions(tmp_path / "part") == _completions(whole)
+    ours, theirs = metric_rows(whole), metric_rows(tmp_path / "part")
+    assert [r["iteration"] for r in theirs] == [1, 2]
+    assert ours[1]["kl"] > 0  # the reference differs from the policy after step 1
     for a, b in zip(ours, theirs, strict=True):
         assert (a["lm_loss"], a["grad_norm"], a["reward"], a["kl"]) == (
             b["lm_loss"],
