@@ -15,7 +15,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2]))
 from moe_support import write_hf_moe_dir  # noqa: E402
 
-from train_support import TINY_SHAPE, metric_rows, run_train, tiny_spec, write_instruction_data  # noqa: E402
+from train_support import (  # noqa: E402
+    TINY_SHAPE,
+    metric_rows,
+    run_train,
+    tiny_spec,
+    train_in_process,
+    write_instruction_data,
+)
 
 MOE_FLAGS = {
     "num_experts": 4,
@@ -50,9 +57,9 @@ def _rank_file(save: Path, iteration: int) -> dict:
 @pytest.mark.slow
 def test_ep2_equals_one_process_exports_the_same_and_resumes(data: str, tmp_path: Path) -> None:
     spec = tiny_spec(data, **MOE_FLAGS, train_iters=5, save_hf=True)
-    run_train({**spec, "save": str(tmp_path / "s1")}, tmp_path / "one", 1)
+    one = train_in_process({**spec, "save": str(tmp_path / "s1")}, tmp_path / "one")
     run_train({**spec, **EP2, "save": str(tmp_path / "s2"), "save_interval": 3}, tmp_path / "ep2", 2)
-    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "ep2")
+    two = metric_rows(tmp_path / "ep2")
     assert len(one) == 5
     _same_steps(one, two, (*ROUTER_KEYS, "expert_load_imbalance_layer_0"))
 
@@ -75,8 +82,9 @@ def test_ep2_equals_one_process_exports_the_same_and_resumes(data: str, tmp_path
     # and a re-queued job that got one process reshards it (DCP), continuing the one-process curve
     single = tmp_path / "single"
     shutil.copytree(tmp_path / "s2" / "train_state", single / "train_state")
-    run_train({**spec, "save": str(single), "save_hf": False}, tmp_path / "on_one", 1)
-    _same_steps(one[3:], metric_rows(tmp_path / "on_one"), ROUTER_KEYS)
+    _same_steps(
+        one[3:], train_in_process({**spec, "save": str(single), "save_hf": False}, tmp_path / "on_one"), ROUTER_KEYS
+    )
 
 
 @pytest.mark.slow
@@ -87,9 +95,9 @@ def test_ep2_lora_on_experts_from_hf_equals_one_process(data: str, tmp_path: Pat
     )
     for key in TINY_SHAPE:  # the shape comes from the checkpoint
         spec.pop(key)
-    run_train({**spec, "save": str(tmp_path / "s1")}, tmp_path / "one", 1)
+    one = train_in_process({**spec, "save": str(tmp_path / "s1")}, tmp_path / "one")
     run_train({**spec, **EP2, "save": str(tmp_path / "s2")}, tmp_path / "ep2", 2)
-    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "ep2")
+    two = metric_rows(tmp_path / "ep2")
     assert one[-1]["lm_loss"] < one[0]["lm_loss"]
     _same_steps(one, two, (*ROUTER_KEYS, "expert_load_imbalance_layer_0", "expert_load_imbalance_layer_1"))
     a, b = _rank_file(tmp_path / "s1", 5)["model"], _rank_file(tmp_path / "s2", 5)["model"]
@@ -115,15 +123,14 @@ def test_ep2_with_tp2_with_pp2_and_with_both_jobs_equal_one_process(data: str, t
     spec = tiny_spec(data, **MOE_FLAGS, train_iters=3, save_hf=True, padding_free=False)
     four = {"expert_model_parallel_size": 2, "resources": {"nproc_per_node": 4}}
     eight = {"expert_model_parallel_size": 2, "resources": {"nproc_per_node": 8}}
+    one = train_in_process({**spec, "save": str(tmp_path / "one" / "save")}, tmp_path / "one")
     runs = {
-        "one": (spec, 1),
         "ep2tp2": ({**spec, **four, "tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
         "ep2pp2": ({**spec, **four, "pipeline_model_parallel_size": 2}, 4),
         "ep2tp2pp2": ({**spec, **eight, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8),
     }
     for name, (run_spec, nproc) in runs.items():
         run_train({**run_spec, "save": str(tmp_path / name / "save")}, tmp_path / name, nproc)
-    one = metric_rows(tmp_path / "one")
     expected = _hf_tensors(tmp_path / "one" / "save" / "hf")
     for name in ("ep2tp2", "ep2pp2", "ep2tp2pp2"):
         rows = metric_rows(tmp_path / name)
