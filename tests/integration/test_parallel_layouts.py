@@ -17,7 +17,7 @@ import pytest
 
 from torchrun_support import launch_worker
 
-# two- and eight-rank torchrun layouts: the slowest 99 s at load ~15 on 2 cores (the four-rank test: its own mark)
+# two- and eight-rank torchrun layouts: 66 s and 81 s at load ~20 on 2 cores (the four-rank test: its own mark)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -88,7 +88,7 @@ def test_two_process_layouts(tmp_path: Path) -> None:
 
 
 # one-rank save, four-rank layouts, two- and one-rank resumes: 1 + 4 + 2 + 1 ranks started instead of 23 over 8
-# launches (the three tests this one merged)
+# launches (the three tests this one merged); 197 s at load ~20
 @pytest.mark.timeout(480)
 def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     """Four ranks, dense: TP2×PP2 and PP2×DP2 (tied; each saves a checkpoint after step 3), TP2×DP2 (tied: the
