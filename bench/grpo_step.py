@@ -149,7 +149,7 @@ def run_trl(work: Path, steps: int, prompts: list[dict[str, str]], g: int, lengt
         reward_funcs=exact_match,
         args=GRPOConfig(
             **matched_args(work, steps),
-            per_device_train_batch_size=len(prompts) * g,
+            per_device_train_batch_size=len(prompts) // steps * g,  # one step's prompts, as ours
             num_generations=g,
             max_completion_length=length,
             temperature=1.0,
@@ -173,7 +173,7 @@ def measure(side: str, work: str, steps: int, prompts: list, g: int, length: int
 
     rss0 = start_side(threads)
     if side == "ours":
-        times = run_ours(Path(work) / "ours", steps, len(prompts), g, length)
+        times = run_ours(Path(work) / "ours", steps, len(prompts) // steps, g, length)  # prompts holds every step's
         times["step_s"] = [a + b for a, b in zip(times["generation_s"], times["train_s"], strict=True)]
     else:
         times = run_trl(Path(work) / "trl", steps, prompts, g, length)
