@@ -23,17 +23,25 @@ from core.jobs import create_job, transition
 from core.models import Job, ServedName
 from core.settings import REPO_ROOT, Settings
 from core.states import JobState
-from core_support import fresh_postgres_database, isolated_settings
+from core_support import fresh_postgres_database, isolated_settings, reset_postgres_database
 from engine.contract.spec import parse_spec
 
 
+@pytest.fixture(scope="module")
+def postgres_database(postgres_url: str) -> Iterator[str]:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
+        yield url
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    """SQLite: a new file per test. PostgreSQL: the module's database (cloned at head), reset to that state before
+    each test (a new database migrated per test took ~5.6 s at load 18, the reset ~0.1 s)."""
     if request.param == "sqlite":
-        yield isolated_settings(tmp_path)
-        return
-    with fresh_postgres_database(request.getfixturevalue("postgres_url")) as url:
-        yield isolated_settings(tmp_path, database_url=url)
+        return isolated_settings(tmp_path)
+    url: str = request.getfixturevalue("postgres_database")
+    reset_postgres_database(url)
+    return isolated_settings(tmp_path, database_url=url)
 
 
 def _serve(**extra: Any) -> dict[str, Any]:
