@@ -114,7 +114,7 @@ class Target:
 
 @pytest.fixture(scope="module")
 def postgres_target(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    with fresh_postgres_database(postgres_url) as url:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
         settings = isolated_settings(tmp_path_factory.mktemp("fuzz-pg"), database_url=url)
         yield Target(create_app(settings, reconcile=False), make_token(settings, "fuzz"))
 

@@ -32,7 +32,7 @@ STARVED_S = 9.0  # three times host_stale_after_s
 
 @pytest.fixture
 def pg_url(postgres_url: str) -> Iterator[str]:
-    with fresh_postgres_database(postgres_url) as url:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
         yield url
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture
 def pg_database(postgres_url: str) -> Iterator[str]:
-    with fresh_postgres_database(postgres_url) as url:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
         yield url
 
 

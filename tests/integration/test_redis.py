@@ -69,7 +69,7 @@ def test_sse_is_pushed_through_redis(tmp_path: Path, redis_url: str) -> None:
 
 @pytest.fixture
 def production_env(tmp_path: Path, postgres_url: str, redis_url: str) -> Iterator[dict[str, str]]:
-    with fresh_postgres_database(postgres_url) as database_url:
+    with fresh_postgres_database(postgres_url, migrated=True) as database_url:
         yield {
             "LLMJOBS_VAR_DIR": str(tmp_path / "var"),
             "LLMJOBS_DATABASE_URL": database_url,

@@ -23,7 +23,7 @@ TRIALS = int(os.environ.get("LLMJOBS_SWEEP_TRIALS", "4"))  # 12 for the figure i
 
 @pytest.fixture
 def settings(tmp_path: Path, postgres_url: str) -> Iterator[Settings]:
-    with fresh_postgres_database(postgres_url) as url:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
         yield isolated_settings(tmp_path, url, heartbeat_interval_s=1.0, ingest_interval_s=0.2, cancel_grace_s=3.0)
 
 

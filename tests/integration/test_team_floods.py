@@ -45,7 +45,7 @@ class Api:
 @pytest.fixture(scope="module")
 def api(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     var = tmp_path_factory.mktemp("floods")
-    with fresh_postgres_database(postgres_url) as url:
+    with fresh_postgres_database(postgres_url, migrated=True) as url:
         settings = isolated_settings(var, url)
         for team in ("red", "blue"):
             (team_dir(settings, team) / "in.jsonl").write_text('{"text": "hi"}\n')

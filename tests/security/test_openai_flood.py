@@ -87,7 +87,7 @@ def api(postgres_url: str, qwen_tokenizer_dir: Path, tmp_path_factory: pytest.Te
     torch.manual_seed(3)
     model = real_vocab_qwen3(var / "hf", initializer_range=0.5)
     with ExitStack() as stack:
-        url = stack.enter_context(fresh_postgres_database(postgres_url))
+        url = stack.enter_context(fresh_postgres_database(postgres_url, migrated=True))
         settings = isolated_settings(var, url)
         engines = {team: _engine(stack, var / f"engine-{team}", model, qwen_tokenizer_dir) for team in ("red", "blue")}
         for team, engine_url in engines.items():  # both start at once

@@ -28,7 +28,7 @@ def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     tmp = tmp_path_factory.mktemp("sort")
     with ExitStack() as stack:
         server = None if request.param == "sqlite" else request.getfixturevalue("postgres_url")
-        url = stack.enter_context(fresh_postgres_database(server)) if server else None
+        url = stack.enter_context(fresh_postgres_database(server, migrated=True)) if server else None
         settings = isolated_settings(tmp, database_url=url)
         rows = _jobs(settings)
         client = stack.enter_context(TestClient(create_app(settings, reconcile=False)))
