@@ -16,6 +16,7 @@ from cli.demo import prepare_demo
 from core.settings import Settings
 from core_support import team_dir
 from demo_fixtures import demo_client, demo_settings
+from grpo_example_support import assert_grpo_step_reported
 from sched_support import log_text, start_worker, stop_worker, wait_terminal
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -139,6 +140,8 @@ def test_every_example_succeeds_in_order(
             if name == "08-pipeline-sft-dpo-eval":  # the DPO step learnt the preference (held-out pairs included)
                 dpo = _step_metrics(settings, job.id, "dpo")
                 assert dpo["lm_loss"][-1] < dpo["lm_loss"][0] and dpo["val_rewards/accuracies"][-1] > 0.5, dpo
+            if name == "10-grpo":  # TRL's metric names and every completion kept (was test_grpo_example's own run)
+                assert_grpo_step_reported(settings, client, headers, job.id)
         assert deployments, "no serve example ran"
         for name, job_id in deployments.items():
             job = wait_terminal(settings, job_id, 300)
