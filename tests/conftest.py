@@ -29,6 +29,18 @@ REDIS_URL = os.environ.get("LLMJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ISOLATION = {"postgres_url": "fresh_postgres_database(", "redis_url": "uuid"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread in each test process, as the ranks and engines the tests start have (OMP_NUM_THREADS=1):
+    two xdist workers on two cores, each with torch's default of one thread per core, thrashed. The same 4-iteration
+    tiny training job in one process at load ~21 took 2.3 and 0.75 s on one thread, 27.4 and 33.1 s on two
+    (alternating); test_train_precision at load 5: 3.5 s against 11.0. Set in the process, not through
+    OMP_NUM_THREADS, which the launcher's tests read from the environment."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: it would run one of several items sharing a node id
         repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
