@@ -25,7 +25,7 @@ from engine.train import entry  # noqa: E402
 from grpo_support import tiny_qwen3, write_prompts  # type: ignore[import-not-found]  # noqa: E402
 from train_support import metric_rows  # type: ignore[import-not-found]  # noqa: E402
 
-G, GBS, MAX_LEN, TEMPERATURE, LR, BETA = 4, 8, 8, 0.9, 3e-2, 0.04
+G, GBS, MAX_LEN, TEMPERATURE, LR, BETA = 4, 8, 8, 0.9, 1e-3, 0.04
 # rewards that differ among random completions: an ASCII vowel in the text, the text's length parity
 REWARDS = [
     {"name": "regex", "pattern": "[aeiou]", "strip_thinking": False},
