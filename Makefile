@@ -46,9 +46,10 @@ lint: $(STAMP)
 # after another fails some day, not never. The tests on PostgreSQL or Redis keep to their own databases and keys
 # (tests/conftest.py checks it), so they need no worker of their own and xdist spreads them like any other.
 # Longest first: tests/suite_order.py puts the modules with a longer timeout mark, then those with a slow test, ahead
-# (stable, so still in the seed's order within each rank), and xdist's plain `load` spreads them over both workers.
-# (`--dist loadfile`, a whole module per worker, was tried: the whole xdist stage took 50 min against ~25 with `load`,
-# on a machine not fully quiet; not kept until a quiet pair says otherwise: docs/testing.md.)
+# (stable, so still in the seed's order within each rank), and xdist's `worksteal` spreads them over both workers: a
+# worker that runs out takes half of the other's queue. Plain `load` hands out chunks of up to an eighth of what is
+# left and never takes them back: at stop 52 one worker sat idle for the last ~15 minutes of the stage while the other
+# worked through its chunk (docs/testing.md). (`--dist loadfile`, a whole module per worker, took 50 min against ~25.)
 # SERIAL_TESTS run after, in one process: schemathesis gives every case it generates its test function's node id, and
 # xdist, which schedules by node id, would run one case of each (tests/conftest.py refuses such duplicates under xdist).
 # The chat-flood replay holds another team's p99 under 1 s: on 2 cores it needs the machine to itself.
@@ -68,7 +69,7 @@ PYTEST_ARGS ?=
 unexport PYTHONDONTWRITEBYTECODE
 
 test: setup
-	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS) \
+	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) \
 	  $(addprefix --ignore=,$(SERIAL_TESTS) $(TRACE_TESTS))
 	$(PY) -m pytest -ra -p no:randomly $(TRACE_TESTS)
 	$(PY) -m pytest -ra $(PYTEST_ARGS) $(SERIAL_TESTS)

@@ -19,9 +19,8 @@ def longest_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
     Why: the xdist stage ends when its last test does, and a 5-minute test drawn near the end of the random order keeps
     one worker busy while the other has nothing left (longest-first is the classic fix). The sort is stable, so the
     order within each rank of length, and within each module, is still pytest-randomly's (same seed, same order: it
-    documents stable sorts on top of its shuffle as reproducible). With the Makefile's `--dist loadfile
-    --no-loadscope-reorder` xdist hands a free worker the next whole module in this order (without
-    `--no-loadscope-reorder` it would sort modules by their number of tests instead)."""
+    documents stable sorts on top of its shuffle as reproducible). With the Makefile's `--dist worksteal` each worker
+    starts on half of this order and one that runs out takes half of the other's unstarted tests (docs/testing.md)."""
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
