@@ -956,6 +956,7 @@ def test_completions_tab_pages_a_grpo_run_s_completions(page: Any, service: Serv
     page.evaluate("t => localStorage.setItem('llmjobs.token', t)", service.token)
     page.goto(f"{service.url}/#/jobs/{job['id']}?tab=completions")
     page.wait_for_selector("#completions-table tbody tr")
+    page.wait_for_selector(".job-head h2")  # the job itself has loaded, so its tab bar is final
     assert page.locator('button[data-tab="completions"]').is_hidden()  # a preprocess job: no tab of its own
     table = page.locator("#completions-table")
     assert table.locator("tbody tr").count() == 50 and page.inner_text("#completions-note") == "completions 1–50"
@@ -972,3 +973,12 @@ def test_completions_tab_pages_a_grpo_run_s_completions(page: Any, service: Serv
     page.click(".completions-panel button[type=submit]")
     page.wait_for_selector("#completions-note:has-text('completions 1–40')")
     assert set(table.locator("tbody tr").evaluate_all("rows => rows.map((r) => r.dataset.iteration)")) == {"2"}
+
+    def as_grpo(route: Any) -> None:  # the same job as the API gives it, seen as a stage grpo run
+        real = route.fetch().json()
+        route.fulfill(json={**real, "kind": "train", "spec": {**real["spec"], "stage": "grpo"}})
+
+    page.route(re.compile(rf".*/v1/jobs/{job['id']}$"), as_grpo)
+    page.reload()
+    page.wait_for_selector(".job-head h2")
+    assert page.locator('button[data-tab="completions"]').is_visible()

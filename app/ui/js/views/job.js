@@ -38,7 +38,9 @@ export function renderJob(root, {params: [jobId], query}) {
   const overview = h("div", {class: "overview"});
   const live = h("span", {class: "live", id: "stream-status"});
   const tabBar = h("nav", {class: "tabs", "aria-label": "Job sections"},
-    TABS.map((t) => h("button", {type: "button", dataset: {tab: t}, onclick: () => showTab(t)}, t)));
+    // completions starts hidden: refresh() shows it once the job is known to be a stage grpo run, so no other job's
+    // page flashes a tab it does not have
+    TABS.map((t) => h("button", {type: "button", dataset: {tab: t}, hidden: t === "completions", onclick: () => showTab(t)}, t)));
   const tabBody = h("div", {class: "tab-body"}, Object.values(panels));
   root.append(h("section", {class: "card"}, head, overview), h("section", {class: "card"}, h("div", {class: "tab-row"}, tabBar, live), tabBody));
 
