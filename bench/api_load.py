@@ -1,8 +1,8 @@
 """API latency under load: GET job and POST job against /healthz, measured in the same run on PostgreSQL.
 
 Starts ``llmjobs api`` (uvicorn, one process, its reconciler, webhook sender and dispatcher loops running) on a
-loopback port against a fresh schema in the local PostgreSQL (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
-test``; the schema is dropped afterwards), then runs ``--clients`` concurrent clients for ``--seconds`` (or until
+loopback port against a database of its own created on the PostgreSQL server ``--postgres`` names
+(``bench.common.postgres.own_database``; dropped afterwards, never the tests' shared ``test`` database), then runs ``--clients`` concurrent clients for ``--seconds`` (or until
 ``--max-requests``), each cycling through ``GET /healthz``, ``GET /v1/jobs/{id}`` and ``POST /v1/jobs``. The first
 ``--warmup`` seconds are not counted. The baseline is /healthz: the same server, event loop, thread pool and client
 doing no database work, so the ratios say what a job read or a submission adds under the same load.
@@ -27,18 +27,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common.postgres import DEFAULT_SERVER, own_database  # noqa: E402
 from cli.env import prepare  # noqa: E402
 from core.auth import create_token  # noqa: E402
-from core.db import session_scope  # noqa: E402
+from core.db import get_engine, session_scope  # noqa: E402
 from core.paths import ensure_team_areas  # noqa: E402
 from core.settings import Settings  # noqa: E402
 
@@ -56,10 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def schema_url(server_url: str, schema: str) -> str:
-    return f"{server_url}?options=-csearch_path%3D{schema}"
 
 
 def start_api(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -145,13 +140,13 @@ async def load(
     return lat, errors
 
 
-def run_load(args: argparse.Namespace, schema: str, tmp: Path) -> tuple[dict[str, list[float]], list[str]]:
-    """Start the API on ``tmp`` and the schema, submit the first job, run the load; the API is stopped before the
+def run_load(args: argparse.Namespace, url: str, tmp: Path) -> tuple[dict[str, list[float]], list[str]]:
+    """Start the API on ``tmp`` and the database ``url``, submit the first job, run the load; the API is stopped before the
     caller removes ``tmp`` (it writes its log and run files there until it exits)."""
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("LLMJOBS_")},
         "LLMJOBS_VAR_DIR": str(tmp),
-        "LLMJOBS_DATABASE_URL": schema_url(args.postgres, schema),
+        "LLMJOBS_DATABASE_URL": url,
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
     }
     settings = Settings(
@@ -188,23 +183,18 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=100_000)
     parser.add_argument(
         "--postgres",
-        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+        default=DEFAULT_SERVER,
+        help="a PostgreSQL server (the database named is only where this run creates and drops its own)",
     )
     parser.add_argument("--smoke", action="store_true", help="a seconds-long run of the same code path")
     args = parser.parse_args()
     if args.smoke:
         args.clients, args.seconds, args.warmup = 4, 2.0, 0.5
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(args.postgres, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        with tempfile.TemporaryDirectory(prefix="llmjobs-load-") as tmp:
-            lat, errors = run_load(args, schema, Path(tmp))
-    finally:
-        with admin.connect() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with own_database(args.postgres, "api") as url, tempfile.TemporaryDirectory(prefix="llmjobs-load-") as tmp:
+        try:
+            lat, errors = run_load(args, url, Path(tmp))
+        finally:
+            get_engine(url).dispose()  # this process's pooled connections, before the drop
     figures: dict[str, Any] = {"bench": "api_load", "clients": args.clients, "seconds": args.seconds}
     for route in ROUTES:
         p50, p99 = pct(lat[route], 0.5), pct(lat[route], 0.99)

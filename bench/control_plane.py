@@ -1,7 +1,8 @@
 """Control-plane scale: scheduling passes, API latency, reconciler passes and database growth at 10 -> 1,000 hosts.
 
 Per scale (``--hosts 10,100,1000``), on a database of its own created on the PostgreSQL server ``--postgres`` names
-(``bench_cp_<random>``, dropped afterwards with its connections: never the tests' shared ``test`` database) and Redis
+(``llmjobs_bench_cp_<random>``, ``bench.common.postgres.own_database``: dropped afterwards with its connections,
+never the tests' shared ``test`` database) and Redis
 as the broker (``--redis``, default db 5; this run's queues are deleted afterwards):
 
 - ``hosts`` simulated 8-device ``cuda`` hosts register (``worker.hosts.register_host``) and heart-beat, one beat per
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -77,7 +79,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / 
 
 from api_load import free_port, pct, start_api, timed  # noqa: E402
 
+from bench.common.postgres import DEFAULT_SERVER, own_database  # noqa: E402
 from cli.env import prepare  # noqa: E402
 from core import scheduler  # noqa: E402
 from core.auth import create_token  # noqa: E402
@@ -658,11 +660,8 @@ def count_down(settings: Settings) -> int:
 def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]:
     rng = random.Random(hosts)
     # a database of its own on the server ``--postgres`` names (never the tests' shared one), dropped afterwards
-    database = f"bench_cp_{uuid.uuid4().hex[:10]}"
-    server = sa.engine.make_url(args.postgres)
-    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE DATABASE "{database}"'))
+    database = contextlib.ExitStack()
+    url = database.enter_context(own_database(args.postgres, "cp"))
     proc, sim, clock = None, None, PassClock()
     passes, quiet, quiet_cpu, judged_during, lost_during, started_jobs = 0, list[float](), list[float](), 0, 0, 0
     stopped_down_s: float | None = None
@@ -670,7 +669,6 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     settings: Settings | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="llmjobs-cp-") as tmp:
-            url = server.set(database=database).render_as_string(hide_password=False)
             # host_stale_after_s as deployed (30 s): the host verdicts must hold under the load. One team submits the
             # whole load, so the per-team unfinished-job limit (default 200) is off; its priorities (the default, 0)
             # are under the ceiling
@@ -781,9 +779,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             proc.kill()
         if settings is not None:
             get_engine(settings.database_url).dispose()  # this process's pooled connections, before the drop
-        with admin.connect() as connection:  # FORCE: a child process's connection left behind does not keep it
-            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-        admin.dispose()
+        database.close()  # the drop
         queues = [f"host.{name}" for name in names] + ([settings.queue_for("cuda")] if settings else [])
         redis.Redis.from_url(args.redis).delete(*queues)  # the messages nobody consumed: only this run's queues
     finished, submitted = finished1 - finished0, jobs1 - jobs0
@@ -942,7 +938,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--postgres",
-        default=os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"),
+        default=DEFAULT_SERVER,
         help="a PostgreSQL server (the database named is only where this run creates and drops its own)",
     )
     parser.add_argument(
