@@ -80,7 +80,7 @@ def _unquote(text: str) -> str:
 def _entity_key(entity: str | None, key: str, where: str) -> tuple[str, str]:
     name = _ENTITIES.get((entity or "attributes").lower())
     if name is None:
-        raise MlflowError.invalid(
+        raise MlflowError(
             f"{where}: invalid entity type {entity!r}; use metrics, params, tags or attributes (datasets are not "
             "supported here)"
         )
@@ -89,7 +89,7 @@ def _entity_key(entity: str | None, key: str, where: str) -> tuple[str, str]:
         key = _ATTRIBUTE_ALIASES.get(key, key)
         if key not in _NUMERIC_ATTRIBUTES | _STRING_ATTRIBUTES:
             allowed = ", ".join(sorted(_NUMERIC_ATTRIBUTES | _STRING_ATTRIBUTES))
-            raise MlflowError.invalid(f"{where}: invalid attribute key {key!r}; use one of {allowed}")
+            raise MlflowError(f"{where}: invalid attribute key {key!r}; use one of {allowed}")
     return name, key
 
 
@@ -97,20 +97,20 @@ def _literal(entity: str, key: str, op: str, text: str) -> Any:
     numeric = entity == "metrics" or (entity == "attributes" and key in _NUMERIC_ATTRIBUTES)
     if op in ("IN", "NOT IN"):
         if numeric or not (text.startswith("(") and text.endswith(")")):
-            raise MlflowError.invalid(f"filter: {op} takes a parenthesised list of quoted strings, for {entity}.{key}")
+            raise MlflowError(f"filter: {op} takes a parenthesised list of quoted strings, for {entity}.{key}")
         items = re.findall(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", text)
         return frozenset(_unquote(item) for item in items)
     if numeric:
         if op not in ("=", "!=", "<", "<=", ">", ">="):
-            raise MlflowError.invalid(f"filter: {op} does not compare numbers ({entity}.{key})")
+            raise MlflowError(f"filter: {op} does not compare numbers ({entity}.{key})")
         try:
             return float(text)
         except ValueError:
-            raise MlflowError.invalid(f"filter: {entity}.{key} compares with a number, not {text}") from None
+            raise MlflowError(f"filter: {entity}.{key} compares with a number, not {text}") from None
     if not (text[:1] in "'\"" and text[-1:] == text[:1]):
-        raise MlflowError.invalid(f"filter: the value of {entity}.{key} must be a quoted string, not {text}")
+        raise MlflowError(f"filter: the value of {entity}.{key} must be a quoted string, not {text}")
     if op not in ("=", "!=", "LIKE", "ILIKE", "NOT LIKE", "NOT ILIKE"):
-        raise MlflowError.invalid(f"filter: {op} does not compare strings ({entity}.{key})")
+        raise MlflowError(f"filter: {op} does not compare strings ({entity}.{key})")
     return _unquote(text)
 
 
@@ -151,9 +151,7 @@ def parse_filter(text: str | None) -> list[Clause]:
     while at < len(text):
         found = _CLAUSE.match(text, at)
         if found is None:
-            raise MlflowError.invalid(
-                f"filter: cannot parse {text[at:][:80]!r} (e.g. metrics.loss < 2 AND params.x = 'y')"
-            )
+            raise MlflowError(f"filter: cannot parse {text[at:][:80]!r} (e.g. metrics.loss < 2 AND params.x = 'y')")
         entity, key = _entity_key(found["entity"], found["key"], "filter")
         op = " ".join(found["op"].upper().split())
         clauses.append(Clause(entity, key, op, _literal(entity, key, op, found["value"])))
@@ -161,10 +159,10 @@ def parse_filter(text: str | None) -> list[Clause]:
         if at < len(text):
             joined = _AND.match(text, at)
             if joined is None:
-                raise MlflowError.invalid(f"filter: clauses are joined by AND only, at {text[at:][:40]!r}")
+                raise MlflowError(f"filter: clauses are joined by AND only, at {text[at:][:40]!r}")
             at = joined.end()
             if at >= len(text.rstrip()):
-                raise MlflowError.invalid("filter: AND at the end of the string")
+                raise MlflowError("filter: AND at the end of the string")
     return clauses
 
 
@@ -180,7 +178,7 @@ def parse_order_by(items: list[str]) -> list[OrderKey]:
     for item in items:
         found = _ORDER.match(item)
         if found is None:
-            raise MlflowError.invalid(f"order_by: cannot parse {item!r} (e.g. metrics.loss ASC)")
+            raise MlflowError(f"order_by: cannot parse {item!r} (e.g. metrics.loss ASC)")
         entity, key = _entity_key(found["entity"], found["key"], "order_by")
         keys.append(OrderKey(entity, key, (found["dir"] or "ASC").upper() == "DESC"))
     return keys

@@ -85,7 +85,7 @@ def experiment_by_name(session: Session, team: str, name: str) -> MlflowExperime
     sync_job_experiments(session, team)
     exp = session.scalar(select(MlflowExperiment).where(MlflowExperiment.team == team, MlflowExperiment.name == name))
     if exp is None:
-        raise MlflowError.missing(f"Could not find experiment with name '{name}'")
+        raise MlflowError(f"Could not find experiment with name '{name}'", code="RESOURCE_DOES_NOT_EXIST")
     return exp
 
 
@@ -94,23 +94,23 @@ def experiment_by_id(session: Session, team: str, experiment_id: str) -> MlflowE
         return experiment_by_name(session, team, team)
     exp = session.get(MlflowExperiment, int(experiment_id)) if experiment_id.isdigit() else None
     if exp is None or exp.team != team:
-        raise MlflowError.missing(f"No Experiment with id={experiment_id} exists")
+        raise MlflowError(f"No Experiment with id={experiment_id} exists", code="RESOURCE_DOES_NOT_EXIST")
     return exp
 
 
 def create_experiment(session: Session, team: str, name: str, tags: dict[str, str]) -> MlflowExperiment:
     name = name.strip()
     if not name:
-        raise MlflowError.invalid("Invalid experiment name: ''. 'name' must be a non-empty string.")
+        raise MlflowError("Invalid experiment name: ''. 'name' must be a non-empty string.")
     if len(name) > 500:
-        raise MlflowError.invalid("experiment name: at most 500 characters")
+        raise MlflowError("experiment name: at most 500 characters")
     sync_job_experiments(session, team)
     try:
         exp = _insert_experiment(session, team, name, tags)
         session.commit()
     except IntegrityError:
         session.rollback()
-        raise MlflowError.exists(f"Experiment(name={name}) already exists.") from None
+        raise MlflowError(f"Experiment(name={name}) already exists.", code="RESOURCE_ALREADY_EXISTS") from None
     return exp
 
 
@@ -146,7 +146,7 @@ def _job(session: Session, team: str, run_id: str) -> Job | None:
 
 
 def _missing_run(run_id: str) -> MlflowError:
-    return MlflowError.missing(f"Run with id={run_id} not found")
+    return MlflowError(f"Run with id={run_id} not found", code="RESOURCE_DOES_NOT_EXIST")
 
 
 def writable_run(session: Session, team: str, run_id: str) -> MlflowRun:
@@ -154,9 +154,10 @@ def writable_run(session: Session, team: str, run_id: str) -> MlflowRun:
     if run is not None:
         return run
     if _job(session, team, run_id) is not None:
-        raise MlflowError.denied(
+        raise MlflowError(
             f"run {run_id} is a job of the service: its params, metrics and tags come from the job and cannot be "
-            "logged here"
+            "logged here",
+            code="PERMISSION_DENIED",
         )
     raise _missing_run(run_id)
 
@@ -195,7 +196,7 @@ def update_run(
     run = writable_run(session, team, run_id)
     if status is not None:
         if status not in _STATUSES:
-            raise MlflowError.invalid(f"status: {status!r} is not one of {', '.join(sorted(_STATUSES))}")
+            raise MlflowError(f"status: {status!r} is not one of {', '.join(sorted(_STATUSES))}")
         run.status = status
     if end_time is not None:
         run.end_time = end_time
@@ -208,7 +209,7 @@ def update_run(
 
 def _check_key(key: str, what: str) -> None:
     if not key or len(key) > MAX_KEY or not _KEY_CHARS.match(key) or key.startswith("/") or ".." in key.split("/"):
-        raise MlflowError.invalid(
+        raise MlflowError(
             f"Invalid {what} name: {key!r}. Names may be at most {MAX_KEY} characters of letters, digits, "
             "underscores, dashes, periods, spaces, colons and slashes."
         )
@@ -218,7 +219,7 @@ def _check_tags(tags: dict[str, str]) -> None:
     for key, value in tags.items():
         _check_key(key, "tag")
         if len(value) > MAX_TAG_VALUE:
-            raise MlflowError.invalid(f"Tag value of '{key}' is longer than {MAX_TAG_VALUE} characters")
+            raise MlflowError(f"Tag value of '{key}' is longer than {MAX_TAG_VALUE} characters")
 
 
 def _set_tags(session: Session, run_id: str, tags: dict[str, str]) -> None:
@@ -242,17 +243,15 @@ def log_batch(
         (tags, MAX_TAGS, "tags"),
     ):
         if len(items) > limit:
-            raise MlflowError.invalid(
-                f"A batch logging request can contain at most {limit} {what}. Got {len(items)} {what}."
-            )
+            raise MlflowError(f"A batch logging request can contain at most {limit} {what}. Got {len(items)} {what}.")
     run = writable_run(session, team, run_id)
     wanted: dict[str, str] = {}
     for key, value in params:
         _check_key(key, "parameter")
         if len(value) > MAX_PARAM_VALUE:
-            raise MlflowError.invalid(f"Param value of '{key}' is longer than {MAX_PARAM_VALUE} characters")
+            raise MlflowError(f"Param value of '{key}' is longer than {MAX_PARAM_VALUE} characters")
         if wanted.setdefault(key, value) != value:
-            raise MlflowError.invalid(f"Duplicate parameter keys with different values in one batch: {key!r}")
+            raise MlflowError(f"Duplicate parameter keys with different values in one batch: {key!r}")
     stored = dict(
         session.execute(
             select(MlflowParam.key, MlflowParam.value).where(
@@ -264,7 +263,7 @@ def log_batch(
     )
     for key, value in wanted.items():
         if key in stored and stored[key] != value:
-            raise MlflowError.invalid(
+            raise MlflowError(
                 f"Changing param values is not allowed. Param with key='{key}' was already logged with "
                 f"value='{stored[key]}' for run ID='{run.id}'. Attempted logging new value '{value}'."
             )
@@ -284,7 +283,7 @@ def delete_tag(session: Session, team: str, run_id: str, key: str) -> None:
     run = writable_run(session, team, run_id)
     gone = session.execute(delete(MlflowTag).where(MlflowTag.run_id == run.id, MlflowTag.key == key))
     if not gone.rowcount:  # type: ignore[attr-defined]
-        raise MlflowError.missing(f"No tag with name: {key} in run with id {run_id}")
+        raise MlflowError(f"No tag with name: {key} in run with id {run_id}", code="RESOURCE_DOES_NOT_EXIST")
     session.commit()
 
 
@@ -393,7 +392,7 @@ def search_runs(
     """Runs of the team's experiments among ``experiment_ids`` (others' ids find nothing), filtered and ordered in
     memory (``core.mlflow_search``) and paged by offset."""
     if not 1 <= max_results <= MAX_SEARCH_RESULTS:
-        raise MlflowError.invalid(f"Invalid value {max_results} for parameter 'max_results': 1 to {MAX_SEARCH_RESULTS}")
+        raise MlflowError(f"Invalid value {max_results} for parameter 'max_results': 1 to {MAX_SEARCH_RESULTS}")
     clauses, order, offset = parse_filter(filter_string), parse_order_by(order_by), _offset(page_token)
     if run_view_type == "DELETED_ONLY":
         return [], None
@@ -463,7 +462,7 @@ def _read_token(token: str) -> Any:
     try:
         return json.loads(base64.urlsafe_b64decode(token.encode()))["at"]
     except (ValueError, KeyError, TypeError):
-        raise MlflowError.invalid(f"Invalid page token {token[:40]!r}") from None
+        raise MlflowError(f"Invalid page token {token[:40]!r}") from None
 
 
 def _offset(token: str | None) -> int:
@@ -471,7 +470,7 @@ def _offset(token: str | None) -> int:
         return 0
     value = _read_token(token)
     if not isinstance(value, int) or value < 0:
-        raise MlflowError.invalid(f"Invalid page token {token[:40]!r}")
+        raise MlflowError(f"Invalid page token {token[:40]!r}")
     return value
 
 
@@ -481,5 +480,5 @@ def _history_cursor(token: str | None) -> tuple[int, int] | None:
     value = _read_token(token)
     step, _, row_id = str(value).partition(":")
     if not (step.lstrip("-").isdigit() and row_id.isdigit()):
-        raise MlflowError.invalid(f"Invalid page token {token[:40]!r}")
+        raise MlflowError(f"Invalid page token {token[:40]!r}")
     return int(step), int(row_id)

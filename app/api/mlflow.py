@@ -40,7 +40,7 @@ class MlflowRoute(APIRoute):
             except RequestValidationError as err:
                 first = err.errors()[0] if err.errors() else {}
                 where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
-                bad = MlflowError.invalid(f"Invalid value for parameter '{where}': {first.get('msg', 'invalid')}")
+                bad = MlflowError(f"Invalid value for parameter '{where}': {first.get('msg', 'invalid')}")
                 return JSONResponse(bad.body(), status_code=400)
             except ApiError as err:
                 code = _API_CODES.get(err.status, "INVALID_PARAMETER_VALUE")
@@ -138,7 +138,7 @@ class SearchExperiments(_Body):
 def _run_ref(run_id: str | None, run_uuid: str | None) -> str:
     ref = run_id or run_uuid
     if not ref:
-        raise MlflowError.invalid("Missing value for required parameter 'run_id'")
+        raise MlflowError("Missing value for required parameter 'run_id'")
     return ref
 
 
@@ -264,4 +264,4 @@ def delete_tag(body: DeleteTag, session: SessionDep, principal: PrincipalDep) ->
 # so the client reports "not supported" rather than an unparsed 404.
 @router.api_route("/{rest:path}", methods=["GET", "POST", "PATCH", "DELETE"])
 def not_supported(rest: str, principal: PrincipalDep) -> dict[str, Any]:
-    raise MlflowError(404, "ENDPOINT_NOT_FOUND", f"/api/2.0/mlflow/{rest} is not supported by this server")
+    raise MlflowError(f"/api/2.0/mlflow/{rest} is not supported by this server", code="ENDPOINT_NOT_FOUND")
