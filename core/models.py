@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timezone
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -35,6 +35,10 @@ from core.states import WAITING
 
 # BIGINT on PostgreSQL, INTEGER on SQLite (the only type SQLite auto-increments).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+# The surrogate key of the tables that grow without bound (events, metrics, logs, attempts, ...), spelled once.
+BigPk = Annotated[int, mapped_column(BigId, primary_key=True, autoincrement=True)]
+# A row that belongs to one job and goes with it when the job is deleted.
+JobFk = Annotated[str, mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))]
 
 
 def utcnow() -> datetime:
@@ -175,15 +179,15 @@ class ServedName(Base):
 
     team: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[JobFk]
 
 
 class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     number: Mapped[int] = mapped_column(Integer)
     host: Mapped[str | None] = mapped_column(String(255))
     pid: Mapped[int | None] = mapped_column(Integer)
@@ -199,8 +203,8 @@ class Event(Base):
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_job_id", "job_id", "id"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     attempt: Mapped[int | None] = mapped_column(Integer)
     time: Mapped[datetime] = mapped_column(default=utcnow)
     type: Mapped[str] = mapped_column(String(32))
@@ -216,8 +220,8 @@ class MetricPoint(Base):
         Index("ix_metric_points_job_id", "job_id", "id"),
     )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float | None] = mapped_column(Float)  # NULL = NaN/Inf (JSON and SQLite have no NaN)
@@ -232,8 +236,8 @@ class LogLine(Base):
         Index("ix_log_lines_job_id", "job_id", "id"),
     )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     stream: Mapped[str] = mapped_column(String(32))  # 'launcher', 'rank0', 'rank1', ...
     seq: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
@@ -244,8 +248,8 @@ class Artifact(Base):
     __tablename__ = "artifacts"
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_artifacts_job_name"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     name: Mapped[str] = mapped_column(String(128))
     path: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
@@ -256,7 +260,7 @@ class Artifact(Base):
 class ApiToken(Base):
     __tablename__ = "api_tokens"
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[BigPk]
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     team: Mapped[str] = mapped_column(String(64))
@@ -292,10 +296,10 @@ class Lease(Base):
         Index("ix_leases_job", "job_id"),
     )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[BigPk]
     host: Mapped[str] = mapped_column(String(255))
     device: Mapped[int] = mapped_column(Integer)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[JobFk]
     team: Mapped[str] = mapped_column(String(64))
     attempt: Mapped[int] = mapped_column(Integer)
     node_rank: Mapped[int] = mapped_column(Integer)
@@ -322,8 +326,8 @@ class JobNode(Base):
         ),
     )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[BigPk]
+    job_id: Mapped[JobFk]
     attempt: Mapped[int] = mapped_column(Integer)
     node_rank: Mapped[int] = mapped_column(Integer)
     host: Mapped[str] = mapped_column(String(255))
@@ -403,7 +407,7 @@ class WebhookAttempt(Base):
     __tablename__ = "webhook_attempts"
     __table_args__ = (Index("ix_webhook_attempts_delivery", "delivery_id", "number"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[BigPk]
     delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"))
     number: Mapped[int] = mapped_column(Integer)
     time: Mapped[datetime] = mapped_column(default=utcnow)
@@ -420,7 +424,7 @@ class MlflowExperiment(Base):
     __tablename__ = "mlflow_experiments"
     __table_args__ = (UniqueConstraint("team", "name", name="uq_mlflow_experiments_team_name"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[BigPk]
     team: Mapped[str] = mapped_column(String(64))
     name: Mapped[str] = mapped_column(String(500))
     artifact_location: Mapped[str] = mapped_column(Text, default="")
@@ -470,7 +474,7 @@ class MlflowMetric(Base):
     __tablename__ = "mlflow_metrics"
     __table_args__ = (Index("ix_mlflow_metrics_run_key", "run_id", "key", "id"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[BigPk]
     run_id: Mapped[str] = mapped_column(ForeignKey("mlflow_runs.id", ondelete="CASCADE"))
     key: Mapped[str] = mapped_column(String(250))
     value: Mapped[float | None] = mapped_column(Float)
