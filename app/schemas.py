@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 T = TypeVar("T")
 
 
-class _FromRow(BaseModel):
+class FromRow(BaseModel):
+    """A response built from an ORM row (``model_validate(row)``): every ``*Public`` model that reads a table."""
+
     model_config = ConfigDict(from_attributes=True)
 
 
@@ -128,7 +130,7 @@ class ListPage(BaseModel, Generic[T]):
         )
 
 
-class EventPublic(_FromRow):
+class EventPublic(FromRow):
     id: int
     attempt: int | None
     time: datetime
@@ -138,7 +140,7 @@ class EventPublic(_FromRow):
     data: dict[str, Any]
 
 
-class MetricPointPublic(_FromRow):
+class MetricPointPublic(FromRow):
     id: int
     step: int
     name: str
@@ -163,7 +165,7 @@ class MetricsPage(BaseModel):
     )
 
 
-class LogLinePublic(_FromRow):
+class LogLinePublic(FromRow):
     id: int
     stream: str
     seq: int
@@ -178,7 +180,7 @@ class LogsPage(BaseModel):
     next_offset: int = Field(description="pass as offset for the next page")
 
 
-class ArtifactPublic(_FromRow):
+class ArtifactPublic(FromRow):
     name: str
     path: str
     size_bytes: int | None

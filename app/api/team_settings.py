@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from app.schemas import ListPage
+from app.schemas import FromRow, ListPage
 from core import team_secrets, tracking
 from core.auth import Principal
 from core.errors import ApiError
@@ -28,9 +28,7 @@ class SecretValue(BaseModel):
     value: str = Field(min_length=1, max_length=team_secrets.MAX_VALUE, description="Stored encrypted; never shown.")
 
 
-class SecretPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
+class SecretPublic(FromRow):
     object: Literal["secret"] = "secret"
     name: str
     team: str
@@ -49,9 +47,7 @@ class TeamTrackingBody(BaseModel):
     )
 
 
-class TeamTrackingPublic(TeamTrackingBody):
-    model_config = ConfigDict(from_attributes=True)
-
+class TeamTrackingPublic(TeamTrackingBody, FromRow):
     object: Literal["team_tracking"] = "team_tracking"
     team: str
 

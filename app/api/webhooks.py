@@ -10,7 +10,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from app.schemas import ListPage
+from app.schemas import FromRow, ListPage
 from core.auth import Principal, load_visible
 from core.models import Webhook
 from core.webhook_rules import check_registration
@@ -52,9 +52,7 @@ class WebhookCreate(BaseModel):
         return value
 
 
-class WebhookPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
+class WebhookPublic(FromRow):
     object: Literal["webhook"] = "webhook"
     id: str
     team: str
@@ -68,9 +66,7 @@ class WebhookPublic(BaseModel):
     disabled_at: datetime | None
 
 
-class AttemptPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
+class AttemptPublic(FromRow):
     number: int
     time: datetime
     status_code: int | None
@@ -78,9 +74,7 @@ class AttemptPublic(BaseModel):
     duration_ms: float
 
 
-class DeliveryPublic(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
+class DeliveryPublic(FromRow):
     object: Literal["webhook.delivery"] = "webhook.delivery"
     id: str = Field(description="the webhook-id header of every attempt")
     type: str
