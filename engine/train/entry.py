@@ -15,7 +15,8 @@ from engine.contract.runfiles import RunDir
 from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ensure_process_group
-from engine.train.grpo import GRPOLoop, grpo_loss
+from engine.train.grpo import GRPOLoop
+from engine.train.grpo_tokens import grpo_loss
 from engine.train.job import Plan, Trainer, plan_run
 
 

@@ -36,21 +36,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
-from engine.contract.spec import TrainSpec
-from engine.model.decoder_lm import decoder_lm
 from engine.parallel.data_parallel import reshard_all
-from engine.parallel.tensor_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
+from engine.parallel.pipeline_parallel import PipelineModel
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.data import TrainData
 from engine.train.export import export_final
-from engine.train.grpo_loss import SurrogateConfig, aggregate, denominator, group_advantages, group_std_is_zero
-from engine.train.grpo_loss import token_terms as surrogate_terms
+from engine.train.grpo_loss import denominator, group_advantages, group_std_is_zero
+from engine.train.grpo_pipeline import PipelineGRPOLoss, TokenLogps
 from engine.train.grpo_rollout import (
     DecodeOptions,
     Prompt,
@@ -60,130 +56,17 @@ from engine.train.grpo_rollout import (
     stop_ids,
 )
 from engine.train.grpo_sampling import Sampling
+from engine.train.grpo_tokens import GRPOMicroBatch, token_logps
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
-from engine.train.preference import _TokenLogprobs
 from engine.train.rewards import Completion, build_rewards, json_rewards, score
-from engine.train.step_runner import Losses, MicroBatchLoss
+from engine.train.step_runner import PipelineRunner
 
 if TYPE_CHECKING:
     from engine.train.dpo import Reference
     from engine.train.job import Trainer
 
 COMPLETIONS = "completions.jsonl"
-STEP_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-
-@dataclasses.dataclass
-class GRPOMicroBatch(MicroBatch):
-    """A micro-batch of prompt + completion rows; per completion token (in ``loss_index`` order): its sequence in
-    the micro-batch, advantage, mask (0: a truncated completion under ``mask_truncated_completions``), and the old
-    policy's / reference's log-probs when the step needs them."""
-
-    sequences: int = 0
-    token_seq: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    old_logps: torch.Tensor | None = None
-    ref_token_logps: torch.Tensor | None = None
-
-    def to(self, device: torch.device) -> GRPOMicroBatch:
-        moved = super().to(device)
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return dataclasses.replace(
-            cast(GRPOMicroBatch, moved),
-            token_seq=move(self.token_seq),
-            advantages=move(self.advantages),
-            mask=move(self.mask),
-            old_logps=move(self.old_logps),
-            ref_token_logps=move(self.ref_token_logps),
-        )
-
-
-def token_logps(
-    model: nn.Module, mb: MicroBatch, chunk_size: int, temperature: float, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each completion token's log-prob under logits / temperature (fp32, differentiable), and with ``entropy``
-    each position's entropy of that distribution (detached), chunk by chunk through the head (vocab-parallel
-    under TP: the same figures on every TP rank)."""
-    hidden = model(
-        mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
-    )
-    head = decoder_lm(model).output_weight()
-    if temperature != 1.0:
-        hidden = hidden / temperature
-    if isinstance(head, DTensor):
-        logps = vocab_parallel_token_logprobs(hidden, head, mb.labels, chunk_size, mb.loss_index)
-        ent = vocab_parallel_token_entropy(hidden, head, mb.loss_index, chunk_size) if entropy else None
-        return logps, ent
-    rows = hidden.flatten(0, 1).index_select(0, mb.loss_index)
-    # into .grad while training (a tied head's gradient does not wait beside the embedding's: one (V, H) less)
-    into_grad = torch.is_grad_enabled()
-    if not entropy:
-        return _TokenLogprobs.apply(rows, head, mb.loss_labels, chunk_size, into_grad), None
-    logps, ent = _TokenLogprobsEntropy.apply(rows, head, mb.loss_labels, chunk_size, into_grad)
-    return logps, ent
-
-
-class _TokenLogprobsEntropy(_TokenLogprobs):
-    """``_TokenLogprobs`` that also returns each row's entropy (detached) from the same chunks' logits: one pass
-    through the head instead of two. Backward is ``_TokenLogprobs``' (the entropy takes no gradient)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, into_grad):
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
-        lse, ent = torch.empty_like(out), torch.empty_like(out)
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = (hidden[rows] @ weight.t()).to(acc)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
-            # H = lse - sum(p · logits), p = exp(logits - lse)
-            ent[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(dim=-1)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size = chunk_size
-        ctx.into_grad = into_grad and weight.is_leaf
-        ctx.mark_non_differentiable(ent)
-        return out, ent
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_ent):  # type: ignore[override]
-        return _TokenLogprobs.backward(ctx, grad_out)
-
-
-def grpo_loss(spec: TrainSpec) -> MicroBatchLoss:
-    """The micro-batch loss of stage grpo: the numerator of ``loss_type``'s aggregation, with the step's stats as
-    token sums over their counts (``x`` and ``x#per``)."""
-    cfg = SurrogateConfig(spec.beta, spec.epsilon, spec.epsilon_high or spec.epsilon, spec.kl_clamp)
-    chunk, temperature, loss_type = spec.cross_entropy_chunk_size, spec.temperature, spec.loss_type
-
-    def loss(model: nn.Module, mb: MicroBatch) -> Losses:
-        g = cast(GRPOMicroBatch, mb)
-        assert g.token_seq is not None and g.advantages is not None and g.mask is not None
-        logp, ent = token_logps(model, g, chunk, temperature, entropy=True)
-        old = logp.detach() if g.old_logps is None else g.old_logps
-        adv = g.advantages[g.token_seq].to(logp.dtype)
-        terms = surrogate_terms(cfg, logp, old, adv, g.ref_token_logps)
-        numerator = aggregate(loss_type, terms.loss, g.mask.to(logp.dtype), g.token_seq, g.sequences)
-        m = g.mask.float()
-        tokens = m.sum()
-        zero = torch.zeros((), device=logp.device)
-        assert ent is not None
-        stats = {
-            "kl": zero if terms.kl is None else (terms.kl.float() * m).sum(),
-            "entropy": (ent * m).sum(),
-            "clip_ratio/low_mean": (terms.low_clipped.float() * m).sum(),
-            "clip_ratio/high_mean": (terms.high_clipped.float() * m).sum(),
-            "clip_ratio/region_mean": ((terms.low_clipped | terms.high_clipped).float() * m).sum(),
-        }
-        stats.update({f"{name}{PER}": tokens for name in STEP_STATS})
-        return Losses(numerator.float(), stats=stats)
-
-    return loss
 
 
 @dataclasses.dataclass
@@ -240,6 +123,12 @@ class GRPOLoop:
                 spec, plan.cfg, trainer.mesh, trainer.model, plan.global_batch_size, plan.seq_length,
                 trainer.device.torch_device,
             )  # fmt: skip
+        # pipeline parallel: the loss on the last stage, and forward-only schedules for the old and reference passes
+        self.pipeline_loss = PipelineGRPOLoss(spec)
+        self.pipeline_logps = TokenLogps(spec)
+        self.reference_runner: PipelineRunner | None = None
+        if isinstance(trainer.runner, PipelineRunner) and self.reference and not self.reference.adapters_off:
+            self.reference_runner = PipelineRunner(cast(PipelineModel, self.reference.module), trainer.mesh)
         dims = trainer.plan.dims
         self.dp, self.dp_rank = dims.dp, trainer.mesh["dp"].get_local_rank()
         self.dp_group = trainer.mesh["dp"].get_group()
@@ -295,7 +184,7 @@ class GRPOLoop:
         model = t.runner.module
         model.eval()
         decoded = decode(model, t.plan.cfg, [p.ids for p in rows], opts, generators)
-        reshard_all([model])
+        reshard_all(model.pipeline.parts if isinstance(model, PipelineModel) else [model])
         model.train()
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in decoded.completions]
         prompt_texts = {p.index: self.tokenizer.decode(p.ids) for p in rows}  # as the model saw it (http rewards)
@@ -370,6 +259,9 @@ class GRPOLoop:
         """The old policy's token log-probs (μ > 1) and the reference's (β > 0), before the rollout's first step."""
         from engine.model.lora import adapters_disabled
 
+        if isinstance(self.t.runner, PipelineRunner):
+            self._old_and_reference_staged(self.t.runner, batches)
+            return
         spec, device = self.spec, self.t.device.torch_device
         chunk = spec.cross_entropy_chunk_size
         for mb in batches:
@@ -386,6 +278,19 @@ class GRPOLoop:
                 mb.ref_token_logps = logp.detach()
         # forward-only passes leave FSDP's kept-gathered groups gathered (``reshard_all``)
         reshard_all([self.t.runner.module] + ([self.reference.module] if self.reference is not None else []))
+
+    def _old_and_reference_staged(self, runner: PipelineRunner, batches: list[GRPOMicroBatch]) -> None:
+        """``_old_and_reference`` under PP: forward-only schedules, the log-probs kept on the last stage (the only
+        one whose loss reads them)."""
+        old = self.pipeline_logps(runner, batches) if self.spec.num_iterations > 1 else None
+        ref = None
+        if self.reference is not None and self.reference_runner is not None:
+            ref = self.pipeline_logps(self.reference_runner, batches)
+        elif self.reference is not None:  # LoRA: the policy's own pipeline with the adapters off
+            ref = self.pipeline_logps(runner, batches, adapters_off=True)
+        for i, mb in enumerate(batches):
+            mb.old_logps = None if old is None else old[i]
+            mb.ref_token_logps = None if ref is None else ref[i]
 
     def _rollout_stats(
         self,
@@ -464,7 +369,11 @@ class GRPOLoop:
         denom = torch.tensor(rollout.denominator, dtype=torch.float64, device=device)
         if t.router:  # MoE: one routed token's aux loss weighs as in SFT (loss scale / the batch's real tokens)
             t.router.set_token_weight(t.scaler.scale / max(rollout.real_tokens, 1.0))
-        losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
+        if isinstance(t.runner, PipelineRunner):
+            with t.runner.using(self.pipeline_loss):
+                losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
+        else:
+            losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
         t.router.discard()  # the rollout's decoding and this step's figures are not reported (dense: a no-op)
         if t.scaler.scale != 1.0:
             for p in params:
@@ -543,7 +452,7 @@ class GRPOLoop:
         final = metrics.last
         summary = {
             **t._run_summary(start, warnings),
-            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp, "ep": plan.dims.ep},
+            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp, "pp": plan.dims.pp, "ep": plan.dims.ep},
             "final_reward": final.get("reward"),
             **metrics.summary(),
         }

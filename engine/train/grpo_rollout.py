@@ -15,7 +15,8 @@ samples exactly what it would have, and a DP rank decoding its share of the grou
 Under data parallel each rank decodes its share of the groups, padded to the whole rollout's longest prompt, and
 the ranks step together until every rank's rows have stopped (FSDP's forwards are collective). Under tensor
 parallel every TP rank decodes the same rows on its shard: the head's logits are all-gathered, the same generators
-draw the same tokens.
+draw the same tokens. Under pipeline parallel each token's forward runs stage by stage (``engine.parallel.
+pipeline_decode``, each rank's KV cache holding its own layers); the last stage samples and broadcasts the tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from engine.contract.model_config import ModelConfig
 from engine.contract.runfiles import BadInput
 from engine.model.decoder_lm import decoder_lm
 from engine.model.kv_cache import KVCache
+from engine.parallel.pipeline_decode import PipelineDecode
+from engine.parallel.pipeline_parallel import PipelineModel
 from engine.train.data import TrainData
 from engine.train.grpo_sampling import Sampling, draw_uniforms, next_tokens
 
@@ -125,6 +128,46 @@ def _all_done(done: torch.Tensor, together: bool) -> bool:
     return int(left) == 0
 
 
+class _Stepper:
+    """Decode's forwards and sampling on one module holding every layer (plain, FSDP, TP/SP): every rank has the
+    last position's hidden states, and under TP every TP rank samples the same tokens from all-gathered logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.layers: list[int] | None = None  # the KV cache's layers: all
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        hidden = self.model(ids, position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
+        if isinstance(hidden, DTensor):  # sequence parallel: each TP rank holds a slice of the positions
+            hidden = hidden.full_tensor()
+        return hidden[:, -1:]
+
+    def sample(self, hidden: torch.Tensor | None, sampling: Sampling, u: torch.Tensor) -> torch.Tensor:
+        assert hidden is not None  # every rank holds the whole model's output
+        return next_tokens(_last_logits(self.model, hidden), sampling, u)
+
+
+class _PipelineStepper:
+    """Under PP (``engine.parallel.pipeline_decode``): each rank runs its stages on a KV cache of its own layers;
+    the last stage samples, and its tokens are broadcast to every PP rank."""
+
+    def __init__(self, model: PipelineModel, cfg: ModelConfig) -> None:
+        self.staged = PipelineDecode(model.pipeline, cfg.hidden_size)
+        self.last = model.pipeline.parts[-1]
+        self.layers: list[int] | None = self.staged.layers
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        hidden = self.staged.forward(ids, pos, mask, cache)
+        return None if hidden is None else hidden[:, -1:]
+
+    def sample(self, hidden: torch.Tensor | None, sampling: Sampling, u: torch.Tensor) -> torch.Tensor:
+        if hidden is None:
+            token = torch.empty(u.shape[0], dtype=torch.long, device=u.device)
+        else:
+            token = next_tokens(_last_logits(self.last, hidden), sampling, u)
+        return self.staged.from_last(token)
+
+
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -133,11 +176,15 @@ def decode(
     opts: DecodeOptions,
     generators: Sequence[torch.Generator | None],
 ) -> Decoded:
-    """Sample one completion per prompt, all rows in one batch, through a KV cache. ``no_grad``, not
-    ``inference_mode``: FSDP keeps the root's gathered parameters after forward for the training step that follows,
-    and inference tensors could not take part in its autograd."""
-    param = next(model.parameters())
+    """Sample one completion per prompt, all rows in one batch, through a KV cache (under PP each rank's stages on
+    a cache of their layers). ``no_grad``, not ``inference_mode``: FSDP keeps the root's gathered parameters after
+    forward for the training step that follows, and inference tensors could not take part in its autograd."""
+    params = list(model.parameters())
+    # the cache's dtype: the embedding's on one process (the frozen base's under LoRA, else the trainable weights');
+    # a later pipeline stage holds no embedding, so a parameter of the same kind, frozen or not
+    param = next((p for p in params if not p.requires_grad), params[0])
     device, dtype = param.device, param.dtype
+    step = _PipelineStepper(model, cfg) if isinstance(model, PipelineModel) else _Stepper(model)
     ids, mask = _left_pad(prompts, opts.pad_id, device, opts.width)
     pos = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     kv_heads = cfg.num_query_groups // opts.tp
@@ -150,24 +197,21 @@ def decode(
         and all(prompts[i] == prompts[i - i % group] for i in range(len(prompts)))
     )
     if shared:  # each group's rows share its prompt: prefill it once, then each row decodes on its own copy
-        once = KVCache(cfg, ids.shape[0] // group, ids.shape[1], dtype, device, num_kv_heads=kv_heads)
+        once = KVCache(cfg, ids.shape[0] // group, ids.shape[1], dtype, device, kv_heads, step.layers)
         firsts = slice(None, None, group)
-        hidden = model(ids[firsts], position_ids=pos[firsts], attention_mask=mask[firsts], kv_cache=once,
-                       return_hidden=True)  # fmt: skip
+        hidden = step.forward(ids[firsts], pos[firsts], mask[firsts], once)
         cache = once.repeat_rows(group, length)
         del once
-        if isinstance(hidden, DTensor):  # sequence parallel: each TP rank holds a slice of the positions
-            hidden = hidden.full_tensor()
-        hidden = hidden[:, -1:].repeat_interleave(group, dim=0)
+        hidden = None if hidden is None else hidden.repeat_interleave(group, dim=0)
     else:
-        cache = KVCache(cfg, ids.shape[0], length, dtype, device, num_kv_heads=kv_heads)
-        hidden = model(ids, position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
+        cache = KVCache(cfg, ids.shape[0], length, dtype, device, kv_heads, step.layers)
+        hidden = step.forward(ids, pos, mask, cache)
     stop = torch.tensor(sorted(opts.stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     out: list[torch.Tensor] = []
     uniforms = draw_uniforms(generators, opts.group, opts.max_new, device)
     for t in range(opts.max_new):
-        token = next_tokens(_last_logits(model, hidden), opts.sampling, uniforms[t])
+        token = step.sample(hidden, opts.sampling, uniforms[t])
         token = torch.where(done, torch.full_like(token, opts.pad_id), token)
         out.append(token)
         done = done | torch.isin(token, stop)
@@ -175,7 +219,7 @@ def decode(
             break
         pos = pos[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        hidden = model(token[:, None], position_ids=pos, attention_mask=mask, kv_cache=cache, return_hidden=True)
+        hidden = step.forward(token[:, None], pos, mask, cache)
     rows = torch.stack(out, dim=1).tolist()
     completions, truncated = [], []
     for row in rows:

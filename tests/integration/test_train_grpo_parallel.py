@@ -1,8 +1,9 @@
 """Stage grpo on two ranks (torchrun, gloo) equals one process, and a DP2 run resumes bit-identically.
 
 Under data parallel (FSDP2) each rank samples its share of the prompts' groups with the groups' own generators; under
-tensor parallel (with or without SP) both ranks decode every row on their shards; under expert parallel (Qwen3-MoE)
-the ranks' decoding meets in the all-to-all. Either way the completions the run writes are the very token ids one
+tensor parallel (with or without SP) both ranks decode every row on their shards; under pipeline parallel each
+token's forward passes stage to stage and the last stage's sampled tokens go back to the first; under expert parallel
+(Qwen3-MoE) the ranks' decoding meets in the all-to-all. Either way the completions the run writes are the very token ids one
 process writes (asserted, not fed), and on them the steps' loss, grad norm, rewards and advantages equal the
 one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens, grpo: its sequences)
 and batch-scaled advantages (the ranks' rewards gathered)."""
@@ -76,13 +77,17 @@ LAYOUTS = {
     # a Qwen3-MoE's experts split over the two DP ranks: each rank's decode and training tokens reach every expert
     # through the all-to-all (the ranks step together), the aux loss weighted per routed token as in SFT
     "ep2": {"expert_model_parallel_size": 2},
+    # a layer per stage: decoding passes hidden states stage to stage (each stage's KV cache its own layer's), the loss
+    # and the old-policy and reference passes on the last stage through the schedule (the reference its own pipeline)
+    "pp2": {"pipeline_model_parallel_size": 2},
     # LoRA (both sides): the reference of beta > 0 is the base with the adapters off, under TP too
     "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
 }
 # One case per layout where one covers what the layout changes, both where the batch is split over the ranks:
 # DP2 splits it (each case's denominators and gathered rewards span the ranks); TP2 decodes the second rollout on
 # updated shards; SP's sequence-sharded training, forward and reference; EP2 (a DP split too) its all-to-all in decode,
-# training and the reference forward with dapo's batch-wide token count; LoRA's reference with the adapters off.
+# training and the reference forward with dapo's batch-wide token count; LoRA's reference with the adapters off; PP2
+# its staged decoding, and the schedule's loss, old-policy (mu 2) and frozen-reference passes.
 MATRIX = [
     ("dapo_batch_beta_mu2", "dp2"),
     ("grpo_group_two_rollouts", "dp2"),
@@ -90,6 +95,7 @@ MATRIX = [
     ("dapo_batch_beta_mu2", "tp2_sp"),
     ("dapo_batch_beta_mu2", "ep2"),
     ("dapo_batch_beta_mu2", "lora_tp2"),
+    ("dapo_batch_beta_mu2", "pp2"),
 ]
 BOTH_SIDES = ("lora_r", "lora_target_modules")  # a layout's keys the one-process run takes too
 _RUNS: dict[str, Path] = {}
@@ -136,8 +142,8 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert a["grad_norm"] > 0
     parallel = json.loads((two_dir / "result.json").read_text())["summary"]["parallel"]
-    tp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "expert"))
-    assert parallel == {"dp": 2 // tp, "tp": tp, "ep": ep}
+    tp, pp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "pipeline", "expert"))
+    assert parallel == {"dp": 2 // (tp * pp), "tp": tp, "pp": pp, "ep": ep}
 
 
 def test_a_dp2_run_resumed_from_its_checkpoint_continues_bit_identically(setup: dict[str, Any], tmp_path: Path) -> None:

@@ -560,17 +560,17 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                         f"overlong_buffer: {f.overlong_buffer} is beyond max_completion_length "
                         f"{self.max_completion_length}"
                     )
-        if self.pipeline_model_parallel_size > 1:
+        if self.pipeline_model_parallel_size > 1 and self.sequence_parallel:
             raise ValueError(
-                "pipeline_model_parallel_size: stage grpo decodes token by token on the policy's own weights, which "
-                "the pipeline schedule does not run (no PP or CP yet; DP, TP and EP do)"
+                "sequence_parallel: stage grpo's pipelined decoding hands whole hidden states from stage to stage, "
+                "not sequence shards (PP with TP runs without sequence_parallel)"
             )
         if self.context_parallel_size > 1:
             raise ValueError(
                 "context_parallel_size: stage grpo's decoding keeps each sequence's KV cache whole on one rank, which "
-                "context parallelism splits (no PP or CP yet; DP, TP and EP do)"
+                "context parallelism splits (no CP yet; DP, TP, PP and EP do)"
             )
-        dp = self.parallel_dims.dp  # PP and CP are 1 here; EP is carved out of DP
+        dp = self.parallel_dims.dp  # CP is 1 here; EP is carved out of DP
         if (gbs // self.num_generations) % dp:
             raise ValueError(
                 f"global_batch_size: {gbs // self.num_generations} prompts per step ({gbs} completions / "

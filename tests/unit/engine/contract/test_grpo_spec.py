@@ -67,7 +67,7 @@ def test_sft_and_dpo_specs_are_unchanged() -> None:
         parse_spec({**sft, "stage": "sft", "ref_model": "r"})  # still dpo's only
 
 
-# layouts: DP, TP and EP run (equal to one process: tests/integration/test_train_grpo_parallel.py) when the step's
+# layouts: DP, TP, PP and EP run (equal to one process: tests/integration/test_train_grpo_parallel.py) when the step's
 # prompts split over the DP ranks (each rank samples whole groups); what does not run yet is refused by name
 LAYOUT_BASE = {**BASE, "micro_batch_size": 2, "num_generations": 4}
 TWO = {"resources": {"nproc_per_node": 2}}
@@ -81,6 +81,9 @@ MOE = {"num_experts": 4, "moe_router_topk": 2}
         {"resources": {"nproc_per_node": 4}},
         {"resources": {"nproc_per_node": 2}, "tensor_model_parallel_size": 2, "sequence_parallel": True},
         {"resources": {"nproc_per_node": 2}, "expert_model_parallel_size": 2, **MOE},
+        {"resources": {"nproc_per_node": 2}, "pipeline_model_parallel_size": 2},
+        # PP2 × TP2 × DP2 (without sequence parallelism)
+        {"resources": {"nproc_per_node": 8}, "pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
         # TP2 × DP4: the 4 prompts split over the 4 DP ranks
         {"resources": {"nproc_per_node": 8}, "tensor_model_parallel_size": 2, "micro_batch_size": 1},
     ],
@@ -100,8 +103,17 @@ def test_data_and_tensor_parallel_are_accepted_when_the_prompts_split(extra: dic
             "global_batch_size",
             "do not split over DP 8",
         ),
-        ({"pipeline_model_parallel_size": 2, **TWO}, "pipeline_model_parallel_size", "no PP or CP yet"),
-        ({"context_parallel_size": 2, **TWO}, "context_parallel_size", "no PP or CP yet"),
+        (
+            {
+                "resources": {"nproc_per_node": 4},
+                "pipeline_model_parallel_size": 2,
+                "tensor_model_parallel_size": 2,
+                "sequence_parallel": True,
+            },
+            "sequence_parallel",
+            "not sequence shards",
+        ),
+        ({"context_parallel_size": 2, **TWO}, "context_parallel_size", "no CP yet"),
     ],
 )
 def test_layouts_not_run_yet_are_refused_by_name(extra: dict[str, Any], field: str, words: str) -> None:
