@@ -2,9 +2,13 @@
 engines that stopped answering.
 
 - Clients: an ``httpx.AsyncClient`` costs ~23 ms to build (its TLS context), so each engine URL gets one, made on first
-  use and shared by every request to it. The engine answers HTTP/1.0 (a connection per request, closed at the end of
-  its answer), so a client keeps no idle sockets; it has no connection cap of its own, the per-team request limit
-  (``settings.team_max_chat_requests``) bounds what one team opens.
+  use and shared by every request to it. The engine speaks HTTP/1.1 with keep-alive (``engine.serve.server``): a
+  client keeps up to ``KEEPALIVE_CONNECTIONS`` idle connections for ``KEEPALIVE_S`` (under the engine's own idle
+  limit, so this side always closes first and never reuses a connection the engine is closing), and a request reuses
+  one instead of connecting. It has no cap on open connections: the per-team request limit
+  (``settings.team_max_chat_requests``) bounds what one team opens, and the engine queues or refuses (429) the rest.
+  A request given up before its answer ended (its client left) closes its connection, which is how the engine learns
+  to cancel it.
 - Closing: every client on the app's shutdown (the router's lifespan, ``aclose``); and, at most every ``PRUNE_S``, the
   clients of URLs that no ready deployment has any more (a job that ended, a restarted attempt on a new port).
 - Timeouts: connect 5 s; read ``settings.engine_read_timeout_s``: the most silence allowed before the engine's answer
@@ -38,6 +42,8 @@ from engine.contract.serve_request import ServeRequest
 log = logging.getLogger(__name__)
 PRUNE_S = 60.0  # how often the clients of deployments that went away are closed
 CONNECT_S, WRITE_S = 5.0, 30.0
+KEEPALIVE_CONNECTIONS = 256  # idle connections kept per engine: a burst's worth, each holds an engine thread
+KEEPALIVE_S = 30.0  # an idle connection's life here (the engine closes its side after engine.serve.server.IDLE_S)
 
 
 class EngineProxy:
@@ -68,7 +74,9 @@ class EngineProxy:
         """The one client of ``url``, made on first use."""
         client = self._clients.get(url)
         if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # HTTP/1.0: nothing to keep
+            limits = httpx.Limits(
+                max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS, keepalive_expiry=KEEPALIVE_S
+            )
             client = self._clients[url] = httpx.AsyncClient(timeout=self.timeout, limits=limits)
         return client
 
@@ -164,7 +172,7 @@ class EngineStream:
         except (httpx.HTTPError, ValueError) as err:
             message = f"deployment {self.dep.name!r}: its answer broke off: {err}"
             raise OpenAIError(502, message, None, "engine_error") from err
-        if not done:  # HTTP/1.0: an engine that died mid-answer looks like an answer that ended
+        if not done:  # an answer that ended without its last line (an HTTP/1.0 engine that died mid-answer)
             raise OpenAIError(502, f"deployment {self.dep.name!r}: its answer ended early", None, "engine_error")
 
     async def aclose(self) -> None:

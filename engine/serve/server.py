@@ -1,12 +1,21 @@
 """The engine's own HTTP endpoint on the worker host: the standard library's ``ThreadingHTTPServer`` (the engine
-imports no web framework, see the import contracts in pyproject.toml), one thread per request.
+imports no web framework, see the import contracts in pyproject.toml), one thread per connection.
+
+HTTP/1.1 with keep-alive: the API's proxy keeps a pool of connections to each engine, so a request does not pay a TCP
+connect (and a thread start here). ``http.server`` parses HTTP/1.1 and keeps the connection open when an answer is
+framed; it does not frame a streamed body, so the few lines of chunked transfer encoding are ours (``_chunk``): a
+framework would only bring this one thing and the import contracts keep web frameworks out of the engine. An
+HTTP/1.0 request (no chunked encoding) gets its stream ended by the connection's close, as before. A connection
+idle for ``IDLE_S`` between requests is closed (the API's pool lets its idle ones go sooner). A request whose body was
+not read (refused before reading it) is answered with ``Connection: close``: its bytes must not be taken for the
+next request. Every socket is ``TCP_NODELAY``: the small lines of a stream go out at once, not held back by Nagle's
+algorithm for the previous one's ACK (the ~40 ms stall of kept-alive connections).
 
 ``GET /health`` answers the deployment's state: 200 while the batching loop serves, 503 while it restarts after a
 failure or once it is dead. ``GET /metrics`` is the Prometheus exposition under vLLM's names (``engine.serve.prom``).
 ``POST /tokenize`` / ``POST /detokenize`` answer vLLM's shapes with the deployment's tokenizer and template.
 ``POST /v1/generate`` takes the internal protocol's request (``engine.serve.protocol``)
-and streams JSON lines as tokens come out of the ``Batcher``. The response body ends with the connection (HTTP/1.0
-framing, no length needed).
+and streams JSON lines as tokens come out of the ``Batcher`` (one chunk a line).
 
 The status line waits for the request's first event, so a request that fails before its first token (a sampling
 failure, the loop failing) is a plain 500 ``{"error": ...}``; once tokens were sent, a failure is a last line
@@ -57,6 +66,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 8 << 20
 POLL_S = 0.5  # while no event comes, how often the client's socket is checked for a hang-up
 KEEPALIVE_S = 10.0  # the longest silence on an answer: well under the API's read timeout (queued, long prefill)
+IDLE_S = 120.0  # a kept-alive connection's longest wait for its next request (the API's pool expires its own at 30 s)
 
 
 class ClientGone(Exception):
@@ -139,19 +149,46 @@ class Deployment:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    protocol_version = "HTTP/1.0"
+    protocol_version = "HTTP/1.1"
     _started = False  # whether this request's 200 and start line went out
+    _chunked = False  # whether this request's stream is chunked (an HTTP/1.1 request) or ends with the connection
+    _unread = False  # whether this request's body is still unread: the connection cannot carry another request
     _prompt_tokens = 0
     _last_write = 0.0
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def handle_one_request(self) -> None:
+        self.connection.settimeout(IDLE_S)  # the wait for a request line; http.server closes the connection on expiry
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        self.connection.settimeout(None)  # a request came: its handling waits as long as it needs
+        ok = super().parse_request()
+        self._started, self._chunked = False, self.request_version not in ("HTTP/0.9", "HTTP/1.0")
+        self._unread = self.command == "POST"
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
 
+    def _head(self, status: int, content_type: str, length: int | None = None) -> None:
+        """The status line and headers of an answer: of ``length`` bytes, else a stream (chunked, or for an HTTP/1.0
+        client ended by the close)."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        elif self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        if self._unread or (length is None and not self._chunked):
+            self.send_header("Connection", "close")  # http.server then closes the connection after this answer
+
     def _json(self, status: int, obj: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
+        self._head(status, "application/json", len(data))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -183,9 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _raw(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
+        self._head(status, content_type, len(data))
         self.end_headers()
         self.wfile.write(data)
 
@@ -249,12 +284,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(429, str(err), None, "rate_limit_error", **{"Retry-After": f"{err.retry_after:.0f}"})
         except LoopDead as err:
             return self._error(503, str(err), None, "engine_unavailable", **{"Retry-After": "5"})
-        self._started = False
         try:
             self._stream(seqs, len(prompt))
         except _Failed as err:
             self._fail(str(err))
         except (BrokenPipeError, ConnectionResetError, ClientGone):
+            self.close_connection = True
             log.info("client gone: %d sequence(s) cancelled", len(seqs))
         except Exception:  # noqa: BLE001 - a bug here must still end the request with an error, not a cut stream
             log.exception("serving a request failed")
@@ -262,6 +297,16 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             for seq in seqs:
                 seq.cancel()  # no-op for finished ones; frees the slots of a disconnected client
+        self._end_stream()
+
+    def _end_stream(self) -> None:
+        """The chunked stream's last chunk, after which the connection carries the client's next request."""
+        if not (self._started and self._chunked and not self.close_connection):
+            return
+        try:
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
 
     def _fail(self, message: str) -> None:
         """End the request with an error: a 500 before the stream began, else its last line."""
@@ -272,14 +317,18 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._json(500, {"error": error})
         except OSError:
+            self.close_connection = True
             log.info("client gone before hearing of its error")
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        given = self.headers.get("Content-Length") or "0"
+        length = int(given) if given.isdigit() else 0  # a chunked or garbled body is refused, not a crashed thread
         if not 0 < length <= MAX_BODY:
             raise BadRequest(f"body: a JSON object of 1 to {MAX_BODY} bytes is required", field="body")
         try:
-            body = json.loads(self.rfile.read(length))
+            data = self.rfile.read(length)
+            self._unread = False
+            body = json.loads(data)
         except ValueError as err:
             raise BadRequest(f"body: not JSON: {err}", field="body") from err
         if not isinstance(body, dict):
@@ -317,13 +366,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _line(self, obj: dict[str, Any]) -> None:
         if not self._started:  # the status line waits for the first event (see the module docstring)
             self._started = True
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "application/x-ndjson")
+            self._head(HTTPStatus.OK, "application/x-ndjson")
             self.end_headers()
             self._line({"type": "start", "prompt_tokens": self._prompt_tokens})
-        self.wfile.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
-        self.wfile.flush()
+        self.wfile.write(self._chunk(json.dumps(obj, ensure_ascii=False).encode() + b"\n"))
         self._last_write = time.monotonic()
+
+    def _chunk(self, data: bytes) -> bytes:
+        """``data`` framed for this request's stream: one chunk (one write, one TCP segment), or as is for HTTP/1.0."""
+        return b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
 
     def _client_gone(self) -> bool:
         """Whether the client hung up: its socket reads as end-of-file (it sends nothing after its request)."""

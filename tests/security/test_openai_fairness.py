@@ -174,10 +174,12 @@ def test_one_pooled_client_per_engine_url_closed_with_the_app(tmp_path: Path, en
     deploy(settings, "alpha", "alpha-too", engine.url)  # a second deployment on the same engine URL
     token = make_token(settings, "alpha")
     with served(settings) as (url, app):
+        connections = engine.connections
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             for model in ("alpha-chat", "alpha-too", "alpha-chat"):
                 answer = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES})
                 assert answer.status_code == 200, answer.text
+        assert engine.connections - connections == 1  # the three requests went over one kept-alive connection
         proxy = app.state.openai_serving.proxy
         assert proxy.urls() == [engine.url]
         client = proxy.client(engine.url)

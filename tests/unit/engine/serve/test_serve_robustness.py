@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import math
@@ -266,11 +267,11 @@ def test_an_eval_on_the_deployment_fails_retryably_not_with_an_empty_answer(
     assert len(generate_one(engine.url, PROMPT, opts)["tokens"]) > 0
 
 
-def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
+def _raw_request(url: str, body: dict[str, Any], version: str = "HTTP/1.0") -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     data = json.dumps(body).encode()
-    head = f"POST /v1/generate HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    head = f"POST /v1/generate {version}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock.sendall(head.encode() + data)
     return sock
 
@@ -283,20 +284,56 @@ def _wait_for(engine: Engine, ok: Callable[[dict[str, Any]], bool], what: str, t
     return health
 
 
-def test_a_client_that_leaves_mid_stream_stops_its_generation(engine, monkeypatch) -> None:
+@pytest.mark.parametrize("version", ["HTTP/1.0", "HTTP/1.1"])  # its stream ended by the close / chunked, kept alive
+def test_a_client_that_leaves_mid_stream_stops_its_generation(engine, monkeypatch, version) -> None:
     body = {"prompt_token_ids": PROMPT, "max_tokens": 100, "temperature": 0}
     status, lines = _post(engine.url, body)  # left alone, this request generates all 100 tokens
     assert status == 200 and lines[-2]["finish_reason"] == "length", lines[-2:]
     _faults(monkeypatch, lambda i: False, delay_s=0.05)  # slow steps: 100 tokens would take 5 s
     before = engine.health().json()["generated_tokens"]
-    sock = _raw_request(engine.url, body)
+    sock = _raw_request(engine.url, body, version)
     reader = sock.makefile("rb")
-    while not reader.readline().startswith(b'{"type": "token"'):
+    while not reader.readline().startswith(b'{"type": "token"'):  # (a chunk's size line comes before its line)
         pass
     reader.close()
     sock.close()  # as the API does when its client leaves, streaming or not (it always reads the engine's stream)
     health = _wait_for(engine, lambda h: h["running"] == 0 and h["free_slots"] == 2, "the slot was not freed")
     assert health["generated_tokens"] - before < 20
+
+
+def _connection(url: str) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=30)
+
+
+def _exchange(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    return answer.status, answer.read()
+
+
+def test_one_connection_carries_request_after_request(engine) -> None:
+    """HTTP/1.1 keep-alive (the API's pooled client): streamed answers (chunked), refusals and health, one after the
+    other on one socket; a body left unread (a refused path) ends the connection, lest it be read as a request."""
+    conn = _connection(engine.url)
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 3, "temperature": 0}
+    status, raw = _exchange(conn, "POST", "/v1/generate", body)
+    sock = conn.sock
+    assert status == 200 and sock is not None
+    first = [json.loads(line) for line in raw.splitlines() if line]
+    assert [x["type"] for x in first] == ["start", "token", "token", "token", "finish", "done"], first
+    assert _exchange(conn, "POST", "/v1/generate", {**body, "stop": [1]})[0] == 400
+    assert _exchange(conn, "GET", "/health")[0] == 200
+    status, raw = _exchange(conn, "POST", "/v1/generate", body)
+    assert status == 200 and [json.loads(line) for line in raw.splitlines() if line] == first
+    assert conn.sock is sock  # the same connection throughout: never closed, never reopened
+    conn.request("POST", "/nowhere", b'{"a": 1}', {"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    assert answer.status == 404 and answer.getheader("Connection") == "close"
+    answer.read()
+    assert conn.sock is None  # http.client closed it as told
+    conn.close()
 
 
 def test_a_client_that_leaves_while_queued_is_dropped_before_it_runs(engine, monkeypatch) -> None:
@@ -324,7 +361,7 @@ def test_a_waiting_request_gets_keepalive_lines(engine, monkeypatch) -> None:
     _wait_for(engine, lambda h: h["running"] == 2, "the slots were not taken")
     queued = _raw_request(engine.url, body)
     reader = queued.makefile("rb")
-    assert reader.readline().startswith(b"HTTP/1.0 200")
+    assert reader.readline().startswith(b"HTTP/1.1 200")  # the server's own version (RFC 9110), framed for 1.0
     while reader.readline() not in (b"\r\n", b""):
         pass  # the headers
     assert [json.loads(reader.readline())["type"] for _ in range(3)] == ["start", "keepalive", "keepalive"]
