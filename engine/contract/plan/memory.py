@@ -547,13 +547,14 @@ def kv_cache_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
     return rows * cfg.kv_channels * lay.compute_bytes
 
 
-def generation_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
+def generation_bytes(cfg: ModelConfig, lay: Layout, layers: int, last: bool = True) -> int:
     """Stage grpo's rollout (``engine.train.grpo_rollout.decode``): the rank's ``generation_rows`` completions decoded
     in one batch through a KV cache of prompt + max_completion_length positions (at most ``seq_length``, which the
     engine holds them to), in the dtype of the model's first parameter (decode's choice: the stored trainable
     weights', fp32 under bf16 unless precision-aware; a LoRA run's frozen base in the compute dtype) with the TP
-    rank's KV heads; plus the prefill's no-grad transient (one layer's working set over every row's prompt, its CPU
-    mask) and the last position's logits. 0 otherwise."""
+    rank's KV heads, for the rank's ``layers`` (a pipeline stage caches its own); plus the prefill's no-grad
+    transient (one layer's working set over every row's prompt, its CPU mask) and, on the ``last`` stage (the one
+    that samples), the last position's logits. 0 otherwise."""
     if not lay.generation_rows:
         return 0
     e = lay.compute_bytes if lay.lora_r is not None else max(lay.compute_bytes, lay.optim.weights)
@@ -564,7 +565,8 @@ def generation_bytes(cfg: ModelConfig, lay: Layout, layers: int) -> int:
     rows, width = lay.generation_rows, lay.seq_length
     cache = kv_cache_bytes(cfg, gen, layers) + gqa_expansion_bytes(cfg, gen)
     prefill = layer_activation_bytes(cfg, gen, rows * width) + (rows * width**2 if lay.device_type == "cpu" else 0)
-    return cache + prefill + rows * cfg.vocab_size // lay.dims.tp * 4
+    logits = rows * cfg.vocab_size // lay.dims.tp * 4 if last else 0
+    return cache + prefill + logits
 
 
 def gqa_expansion_bytes(cfg: ModelConfig, lay: Layout) -> int:
@@ -600,7 +602,7 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             if lay.optim.offload > 0:  # the host steps its share in the same slices
                 m.host += precision_step_bytes(cfg, lay, trainable, host=True)
             m.reference = reference_bytes(cfg, lay, m)
-            m.generation = generation_bytes(cfg, lay, len(layers))
+            m.generation = generation_bytes(cfg, lay, len(layers), last)
         else:  # evaluation loads the weights in the dtype it runs in; nothing trains
             m.params = total * lay.compute_bytes
         tokens = lay.tokens

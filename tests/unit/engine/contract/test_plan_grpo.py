@@ -106,3 +106,21 @@ def test_submission_refuses_a_grpo_job_whose_generation_does_not_fit(
     assert response.status_code == 422, response.text
     assert response.json()["code"] == "does_not_fit" and response.json()["field"] == "global_batch_size"
     assert client.post("/v1/jobs", json=grpo(bf16=True, global_batch_size=16), headers=auth(token)).status_code == 201
+
+
+def test_under_pp_each_stage_counts_its_own_layers_cache_and_the_last_the_logits() -> None:
+    """Under PP each rank's decode caches its stage's layers (``engine.parallel.pipeline_decode``) and only the last
+    stage samples: the stages' caches add up to one process's, the logits are counted once."""
+    one = plan_spec(_spec(shape=TINY_SHAPE))
+    two = {"device_type": "npu", "nproc_per_node": 2}
+    pp = plan_spec(_spec(shape=TINY_SHAPE, pipeline_model_parallel_size=2, resources=two))
+    lay, cfg = one.layout, one.cfg
+    assert pp.layout.generation_rows == lay.generation_rows  # DP 1 either way: every completion on each stage
+    gen = dataclasses.replace(lay, micro_batch_size=lay.generation_rows, eval_tokens=lay.seq_length)
+    first, last = pp.ranks
+    logits = lay.generation_rows * cfg.vocab_size * 4
+    assert len(first.layers) + len(last.layers) == cfg.num_layers
+    for rank in (first, last):
+        assert rank.generation - kv_cache_bytes(cfg, gen, len(rank.layers)) == (
+            one.ranks[0].generation - kv_cache_bytes(cfg, gen, cfg.num_layers) - (0 if rank is last else logits)
+        )
