@@ -1,4 +1,4 @@
-"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process or under DP and TP.
+"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process or under DP, TP, PP and EP.
 
 Iteration ``i`` is one optimizer step (TRL's step). Every ``num_iterations`` (μ) iterations a rollout samples
 ``num_generations`` completions for each of ``global_batch_size / num_generations`` prompts (the data order's next
@@ -20,7 +20,9 @@ and rewards are gathered so every rank computes every advantage (``scale_rewards
 and ``loss_type``'s denominator over the whole batch, then each rank trains on its own rows; FSDP sums the
 gradients, so the step equals one process's. Tensor parallel (sequence parallel too): every TP rank decodes the same
 rows on its shard of the policy (``engine.train.grpo_rollout``), and the log-probs and entropies go through the
-vocab-parallel head (``engine.parallel.tensor_parallel``), the same figures on every TP rank.
+vocab-parallel head (``engine.parallel.tensor_parallel``), the same figures on every TP rank. Pipeline parallel:
+decoding runs stage to stage (``engine.train.grpo_rollout``), the loss and the old/reference passes on the last
+stage through the schedule (``engine.train.grpo_pipeline``).
 
 Resume: checkpoints fall between rollouts (the spec holds save_interval to multiples of μ) and the sampler is seeded
 by (seed, rollout), so a resumed run repeats the rollout it would have made; completions.jsonl drops the rows of
