@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.models import Job, JobNode, Lease, utcnow
@@ -88,13 +89,19 @@ def release_node(settings: Settings, node_id: int) -> bool:
             node.reason = f"processes {survivors} survive SIGKILL; devices {node.devices} stay leased"
             log.error("node %s of job %s: %s", node.node_rank, node.job_id, node.reason)
             return False
-        session.execute(
-            delete(Lease).where(
-                Lease.job_id == node.job_id, Lease.attempt == node.attempt, Lease.node_rank == node.node_rank
-            )
-        )
+        delete_leases(session, node.job_id, node.attempt, node.node_rank)
         node.released_at = utcnow()
     return True
+
+
+def processes_gone(job_id: str, attempt: int, node_rank: int) -> bool:
+    """Whether none of the node's processes lives, once its stragglers are killed: its devices may go back."""
+    return not kill_node_processes(node_token(job_id, attempt, node_rank))
+
+
+def delete_leases(session: Session, job_id: str, attempt: int, node_rank: int) -> None:
+    """The node's devices back, in the caller's transaction (which sets the node's ``released_at``)."""
+    session.execute(delete(Lease).where(Lease.job_id == job_id, Lease.attempt == attempt, Lease.node_rank == node_rank))
 
 
 def sweep_host(settings: Settings, host: str, worker_pid: int | None = None) -> int:

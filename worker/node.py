@@ -49,7 +49,15 @@ from worker.execute import log_tail, record_artifacts, write_spec
 from worker.hosts import set_host_state
 from worker.ingest import RunIngestor
 from worker.launcher import LaunchPlan, Rendezvous, build_launch
-from worker.leases import NODE_ENV, RUNNING_HERE, node_token, release_node, running_here
+from worker.leases import (
+    NODE_ENV,
+    RUNNING_HERE,
+    delete_leases,
+    node_token,
+    processes_gone,
+    release_node,
+    running_here,
+)
 from worker.parked import ParkedExit, park, read_parked, unpark
 from worker.supervisor import Supervised
 from worker.telemetry import start_telemetry
@@ -312,10 +320,24 @@ def until_stored(what: str, step: Callable[[], T], give_up_at: float, max_delay_
 
 
 def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None) -> None:
+    """The node's exit; with it its devices, once none of its processes lives (its stragglers killed): one new
+    version of the node's row, where a release after the outcome wrote a second (issue 47). A node whose processes
+    survive, or that was moved meanwhile (lost), keeps its leases for ``release_node``."""
+    free = processes_gone(work.job_id, work.attempt, work.node_rank)
     with session_scope(settings.database_url) as session:
-        move_nodes(
-            session, NodeState.exited, JobNode.id == work.node_id, exit_code=code, finished_at=utcnow(), reason=stop
+        now = utcnow()
+        released = {"released_at": now} if free else {}
+        exited = move_nodes(
+            session,
+            NodeState.exited,
+            JobNode.id == work.node_id,
+            exit_code=code,
+            finished_at=now,
+            reason=stop,
+            **released,
         )
+        if exited and free:
+            delete_leases(session, work.job_id, work.attempt, work.node_rank)
         if work.node_rank == 0:
             session.execute(
                 update(Attempt)

@@ -19,10 +19,12 @@ from app.main import create_app
 from core.db import session_scope
 from core.jobs import request_cancel
 from core.models import Event, Host, Job, JobNode, Lease, SchedulerLock, utcnow
+from core.nodes import move_nodes
 from core.reconciler import reconcile_once
 from core.recovery import recover
 from core.scheduler import behind_reason, schedule
 from core.settings import Settings
+from core.states import NodeState
 from core_support import (
     auth,
     fresh_postgres_database,
@@ -33,7 +35,7 @@ from core_support import (
     team_dir,
 )
 from worker.leases import release_node
-from worker.node import claim_node
+from worker.node import claim_node, mark_running, record_exit
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +284,31 @@ def test_a_claim_retried_after_its_lost_answer_takes_its_node(settings: Settings
     # the commit went through, its answer was lost: the retry passes the same claimed_at and gets the same node
     assert claim_node(settings, j, 1, 0, "h1", claimed_at) == first
     assert claim_node(settings, j, 1, 0, "h1", utcnow()) is None  # another message's claim does not
+
+
+def test_a_node_exit_gives_its_devices_back_in_the_same_write(settings: Settings) -> None:
+    """The exit record sets ``released_at`` and deletes the node's leases in its own statement and transaction, not
+    in a second update of the node's row after the outcome (issue 47: each update is a new row version); a node
+    moved meanwhile (lost) keeps its leases for ``release_node``, which the lease sweep calls."""
+    add_host(settings, "h1", 2)
+    done, lost = job(settings), job(settings)
+    assert len(schedule(settings)) == 2
+    works = {j: claim_node(settings, j, 1, 0, "h1") for j in (done, lost)}
+    for work in works.values():
+        assert work is not None
+        mark_running(settings, work, 1, ["engine"], "h1")  # no process carries the node's token: none to kill
+    with session_scope(settings.database_url) as session:
+        move_nodes(session, NodeState.lost, JobNode.job_id == lost, finished_at=utcnow(), reason="host lost")
+    for work in works.values():
+        record_exit(settings, work, 0, None)  # type: ignore[arg-type]
+    (exited,), (gone,) = nodes(settings, done), nodes(settings, lost)
+    assert exited.state == "exited" and exited.released_at is not None and exited.released_at == exited.finished_at
+    assert gone.state == "lost" and gone.released_at is None
+    with session_scope(settings.database_url) as session:
+        assert sorted(session.scalars(select(Lease.job_id))) == [lost]
+    assert release_node(settings, gone.id)
+    with session_scope(settings.database_url) as session:
+        assert session.scalars(select(Lease)).all() == []
 
 
 # A registered host stays live (schedulable) STALE_S after its last heartbeat: 5 s was shorter than these tests
