@@ -326,7 +326,6 @@ def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None)
     free = processes_gone(work.job_id, work.attempt, work.node_rank)
     with session_scope(settings.database_url) as session:
         now = utcnow()
-        released = {"released_at": now} if free else {}
         exited = move_nodes(
             session,
             NodeState.exited,
@@ -334,7 +333,7 @@ def record_exit(settings: Settings, work: NodeWork, code: int, stop: str | None)
             exit_code=code,
             finished_at=now,
             reason=stop,
-            **released,
+            released_at=now if free else JobNode.released_at,
         )
         if exited and free:
             delete_leases(session, work.job_id, work.attempt, work.node_rank)
