@@ -90,6 +90,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "LLMJOBS_BROKER_URL": settings.broker_url,
         "LLMJOBS_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
         "LLMJOBS_HOST_STALE_AFTER_S": str(settings.host_stale_after_s),
+        "LLMJOBS_RETRY_BACKOFF_S": str(settings.retry_backoff_s),  # a worker ends a failed attempt: its own backoff
         "LLMJOBS_WORKER_ADDRESS": "127.0.0.1",
         "LLMJOBS_INGEST_INTERVAL_S": str(settings.ingest_interval_s),
         "OMP_NUM_THREADS": "1",

@@ -40,7 +40,8 @@ def _rank(job_id: str, local_rank: str) -> psutil.Process:
 
 
 def test_dead_rank_requeues_and_resumes(tmp_path: Path) -> None:
-    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
+    # no retry backoff (tests/unit/core/test_retry_backoff.py): the default 10 s was waited out before attempt 2
+    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3, retry_backoff_s=0)
     spec = resumable_spec(tiny_data(settings), team_dir(settings, "t") / "ckpt", iters=100, max_restarts=1)
     with running_worker(settings, "h1", 2, tmp_path / "h1.log"), reconciler(settings):
         job_id = submit(settings, spec)

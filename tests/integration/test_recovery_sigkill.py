@@ -37,7 +37,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigkilled_worker_leaves_no_orphan_and_job_resumes(tmp_path: Path) -> None:
-    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3)
+    # no retry backoff (tests/unit/core/test_retry_backoff.py): its default 10 s was waited out after the host came back
+    settings = isolated_settings(
+        tmp_path, heartbeat_interval_s=1, host_stale_after_s=6, ingest_interval_s=0.3, retry_backoff_s=0
+    )
     spec = resumable_spec(tiny_data(settings), team_dir(settings, "t") / "ckpt", iters=120, max_restarts=2)
     worker = start_worker(settings, "h1", 2, tmp_path / "h1.log")
     try:
