@@ -43,7 +43,8 @@ def _tokens(url: str) -> list[int]:
 
 
 def test_killed_engine_is_restarted_and_ready_again(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
-    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3)
+    # no retry backoff (tests/unit/core/test_retry_backoff.py): the default 10 s was waited out before attempt 2
+    settings = isolated_settings(tmp_path, heartbeat_interval_s=1, ingest_interval_s=0.3, retry_backoff_s=0)
     area = team_dir(settings, "t") / "serve"
     shutil.copytree(qwen_tokenizer_dir, area / "tok")
     torch.manual_seed(3)
