@@ -140,6 +140,21 @@ class JobSpec(Base):
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
+# The specs that set a start deadline (``core.reconciler._waiting``, every reconciler pass), as literal SQL that the
+# query names too: a stored spec holds only the fields its user set (``spec_to_json``), so a text match finds them.
+START_DEADLINE_SPECS = text("""CAST(spec AS TEXT) LIKE '%"start_deadline_s"%'""")
+Index(
+    "ix_job_specs_start_deadline",
+    JobSpec.job_id,
+    postgresql_where=START_DEADLINE_SPECS,
+    sqlite_where=START_DEADLINE_SPECS,
+)
+
+# Waiting rows without ``resources`` (inserted by a replica older than migration 0007): ``core.scheduler.fill_resources``
+# on every reconciler pass, which read every waiting job without it. Empty otherwise.
+UNFILLED_ROWS = text("resources IS NULL")
+Index("ix_jobs_unfilled", Job.state, postgresql_where=UNFILLED_ROWS, sqlite_where=UNFILLED_ROWS)
+
 # The rows a scheduling pass may start, as literal SQL: a query uses the partial index below only where its own
 # WHERE names these same terms (SQLite compares them term by term; PostgreSQL proves the implication at planning,
 # which a generic plan of bound parameters cannot), so ``core.scheduler`` renders them with these literals too.
@@ -306,6 +321,14 @@ class Lease(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+# What the job_nodes indexes by state hold on PostgreSQL, where every update writes a new version of the row with an
+# entry in each index it matches (migration 0017): every read of them by host and state asks for active nodes, the
+# one by state alone for assigned ones. SQLite updates in place and keeps them whole (a partial index serves a query
+# there only where the query names the same literal terms).
+ACTIVE_NODES = text("state IN ('assigned', 'launching', 'running')")
+ASSIGNED_NODES = text("state = 'assigned'")
+
+
 class JobNode(Base):
     """One node of one attempt of a (possibly multi-node) job: where it runs, its devices, its rendezvous, its state.
 
@@ -316,8 +339,9 @@ class JobNode(Base):
     __tablename__ = "job_nodes"
     __table_args__ = (
         UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_attempt_rank"),
-        Index("ix_job_nodes_host_state", "host", "state"),
-        Index("ix_job_nodes_state", "state"),  # nodes still assigned (lost messages)
+        # partial on PostgreSQL (migration 0017): a node's later versions (exited, lost, dropped) add no entry
+        Index("ix_job_nodes_host_state", "host", "state", postgresql_where=ACTIVE_NODES),  # read for active ones
+        Index("ix_job_nodes_state", "state", postgresql_where=ASSIGNED_NODES),  # nodes still assigned (lost messages)
         Index(  # a host's nodes holding devices, read on every heartbeat of every host
             "ix_job_nodes_unreleased",
             "host",
