@@ -25,8 +25,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -87,6 +85,8 @@ class Grammars:
     def ll_tokenizer(self) -> Any:
         with self._lock:
             if self._ll is None:
+                import llguidance.hf  # transformers: kept out of a serve process's start, as is llguidance.torch
+
                 self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_id)
             return self._ll
 
@@ -104,15 +104,20 @@ class Constraint:
     """One sequence's grammar state: ``mask`` before each sample, ``advance`` with the token sampled."""
 
     def __init__(self, matcher: Any, vocab_size: int, think: tuple[int, int] | None) -> None:
+        # imported on the first constrained sequence: its module-level torch.compile pulls torch._dynamo and
+        # inductor, ~2 s of CPU that every serve process (and test) paid at start, structured requests or none
+        import llguidance.torch
+
         self.matcher, self.think = matcher, think
         self.state = "first" if think else "grammar"  # first -> thinking -> grammar, or first -> grammar
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._fill = llguidance.torch.fill_next_token_bitmask
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` (V,) with every token the grammar forbids at -inf (left alone while thinking)."""
         if self.state == "thinking":
             return scores
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        self._fill(self.matcher, self._bitmask, 0)
         allowed = _unpack(self._bitmask[0], scores.shape[-1])
         if self.state == "first" and self.think is not None:
             allowed[self.think[0]] = True
