@@ -66,8 +66,8 @@ def token_logps(
         mb.input_ids, position_ids=mb.position_ids, segment_ids=mb.segment_ids, return_hidden=True, counted=mb.counted
     )
     head = decoder_lm(model).output_weight()
-    # into .grad while training (a tied head's gradient does not wait beside the embedding's: one (V, H) less)
     rows = TokenRows(mb.labels, mb.loss_index, mb.loss_labels)
+    # into .grad while training (a tied head's gradient does not wait beside the embedding's: one (V, H) less)
     return hidden_token_logps(hidden, head, rows, chunk_size, temperature, entropy, torch.is_grad_enabled())
 
 
