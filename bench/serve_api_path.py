@@ -1,13 +1,15 @@
 """What the API adds to a streamed generation: our ``serve`` deployment through the API (the ``openai`` client, SSE
 chunks from ``app/api/openai_compat.py`` over ``app/engine_proxy.py``) vs straight to the same engine's
-``/v1/generate`` (its JSON lines read with httpx), the two paths alternating wave by wave (A B, then B A) on one
-engine, in one run.
+``/v1/generate`` (its JSON lines read with httpx) over kept-alive connections as the API's pool keeps them, and
+straight to it with a new connection per request (``direct_fresh``: what the API's proxy paid before the engine
+spoke HTTP/1.1 keep-alive), the paths rotating wave by wave (A B C, then B C A, ...) on one engine, in one run.
 
 The deployment and model are ``bench/serve_peer.py``'s (the random Qwen3 with the real vocabulary, the API and the
 engine in processes of their own, our engine on ``--threads`` OpenMP threads, 1 as the worker gives a CPU engine).
 A wave: ``clients`` concurrent greedy streams of ``--max-tokens`` tokens, 20-token chat prompts. Per path and row:
 generated tokens/s, TTFT p50/p99 (time to the first non-empty text), each side's median over its waves; the ratio
-API / direct and the outputs the two paths agree on. The last line is one JSON object.
+API / direct, the TTFT p50 ratio fresh / kept-alive connections, and the outputs the API and direct paths agree on.
+The last line is one JSON object.
 
     .venv/bin/python bench/serve_api_path.py [--clients 8,32] [--waves 2] [--max-tokens 64] [--threads 1] [--smoke]
 """
@@ -33,7 +35,8 @@ from serve_peer import load, make_prompts, one, pct, start_ours, write_model  # 
 
 def direct(client: Any, engine_url: str, msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One request straight to the engine on ``client`` (one httpx.Client for all: building one costs ~23 ms of
-    TLS context, which would count in each TTFT), timed as ``serve_peer.one`` times one through the API."""
+    TLS context, which would count in each TTFT; its pool keeps connections alive or not), timed as
+    ``serve_peer.one`` times one through the API."""
     body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0}
     body["chat_template_kwargs"] = {"enable_thinking": False}
     start, stamps, text = time.perf_counter(), [], ""
@@ -82,20 +85,23 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         side = start_ours(root, model_dir, max(clients), 20 + 64 + args.max_tokens, log, args.threads)
         engine_url = json.loads((root / "run" / "serve.json").read_text())["url"]
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # HTTP/1.0, as the API's client
-        http = httpx.Client(timeout=1800, limits=limits)
+        # kept alive as the API's pool keeps them (app/engine_proxy.py), and a new connection per request
+        http = httpx.Client(timeout=1800, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        fresh = httpx.Client(timeout=1800, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
         paths = {
             "api": lambda m: one(side, m, args.max_tokens),
             "direct": lambda m: direct(http, engine_url, m, args.max_tokens),
+            "direct_fresh": lambda m: direct(fresh, engine_url, m, args.max_tokens),
         }
+        names = list(paths)
         try:
             for request in paths.values():  # warm-up: first-request costs are not throughput
                 request([{"role": "user", "content": "hello"}])
             for count in clients:
-                waves: dict[str, list[dict[str, Any]]] = {"api": [], "direct": []}
+                waves: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
                 for w in range(args.waves):
                     prompts = make_prompts(tok, "20", count, seed=1000 * w + count)
-                    for name in ("api", "direct") if w % 2 == 0 else ("direct", "api"):
+                    for name in names[w % len(names) :] + names[: w % len(names)]:
                         waves[name].append(wave(paths[name], prompts))
                         loads.append(load())
                 row: dict[str, Any] = {"clients": count, "waves": args.waves}
@@ -103,6 +109,9 @@ def main() -> None:
                     keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s")
                     row[name] = {k: round(statistics.median(w[k] for w in got), 4) for k in keys}
                 row["ratio_tokens_per_s"] = round(row["api"]["tokens_per_s"] / row["direct"]["tokens_per_s"], 3)
+                row["ttft_p50_fresh_over_kept"] = round(
+                    row["direct_fresh"]["ttft_p50_s"] / row["direct"]["ttft_p50_s"], 3
+                )
                 equal = sum(
                     a == b
                     for x, y in zip(waves["api"], waves["direct"], strict=True)
@@ -113,6 +122,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         finally:
             http.close()
+            fresh.close()
             side.close()
     summary = {"bench": "serve_api_path", "smoke": args.smoke, "max_tokens": args.max_tokens, "threads": args.threads}
     print(json.dumps({**summary, "load_min": min(loads), "load_max": max(loads), "rows": rows}))
