@@ -19,6 +19,8 @@ gloo has it).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -143,3 +145,35 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, algo: CpAlgo, ove
         layer.context_group = lm.context_group
     lm.ring_attention = algo != "ulysses_cp_algo"
     return model
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """``model``'s forwards run on whole sequences for a while, as without context parallelism: every CP rank gives
+    the same tokens and keeps them all (stage grpo's decoding: each CP rank decodes its DP group's rows whole, its KV
+    cache holding every position, as TP ranks do), then the wrapping ``apply_context_parallel`` made is restored. A
+    no-op on a model without it."""
+    from engine.model.decoder_lm import decoder_lm
+    from engine.model.moe import moe_layers
+    from engine.model.qwen3 import SelfAttention
+
+    lm = decoder_lm(model)
+    if lm.context_parallel == 1:
+        yield
+        return
+    attends = {m: m.attend for m in model.modules() if isinstance(m, SelfAttention)}
+    routers = moe_layers(model)
+    kept = (lm.context_parallel, lm.ring_attention, {i: layer.context_group for i, layer in routers.items()})
+    for module in attends:
+        module.attend = core_attention
+    lm.context_parallel, lm.ring_attention = 1, False
+    for layer in routers.values():  # the rows are the same on every CP rank: routing counts are this rank's own
+        layer.context_group = None
+    try:
+        yield
+    finally:
+        for module, attend in attends.items():
+            module.attend = attend
+        lm.context_parallel, lm.ring_attention = kept[0], kept[1]
+        for i, layer in routers.items():
+            layer.context_group = kept[2][i]

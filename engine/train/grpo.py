@@ -1,4 +1,4 @@
-"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process or under DP, TP, PP and EP.
+"""Stage grpo: online RL with rule rewards (TRL's ``GRPOTrainer``), on one process or under DP, TP, PP, EP and CP.
 
 Iteration ``i`` is one optimizer step (TRL's step). Every ``num_iterations`` (μ) iterations a rollout samples
 ``num_generations`` completions for each of ``global_batch_size / num_generations`` prompts (the data order's next
@@ -22,7 +22,12 @@ gradients, so the step equals one process's. Tensor parallel (sequence parallel 
 rows on its shard of the policy (``engine.train.grpo_rollout``), and the log-probs and entropies go through the
 vocab-parallel head (``engine.parallel.tensor_parallel``), the same figures on every TP rank. Pipeline parallel:
 decoding runs stage to stage (``engine.train.grpo_rollout``), the loss and the old/reference passes on the last
-stage through the schedule (``engine.train.grpo_pipeline``).
+stage through the schedule (``engine.train.grpo_pipeline``). Context parallel: every CP rank of a DP group decodes
+the group's rows whole, CP's attention set aside (``engine.parallel.context_parallel.whole_sequences``: the same
+weights, rows and generators, so the same tokens; CP rank 0's are kept on all), then each rank trains on its share of
+every row (``engine.train.grpo_tokens.grpo_context_shard``, cut before the old and reference passes): its numerator
+uses the whole sequences' token counts, so the CP ranks' numerators and gradients (summed over DP × CP) add up to
+the micro-batch's.
 
 Resume: checkpoints fall between rollouts (the spec holds save_interval to multiples of μ) and the sampler is seeded
 by (seed, rollout), so a resumed run repeats the rollout it would have made; completions.jsonl drops the rows of
@@ -42,7 +47,9 @@ import torch.distributed as dist
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
+from engine.parallel.context_parallel import whole_sequences
 from engine.parallel.data_parallel import reshard_all
+from engine.parallel.mesh import context_mesh
 from engine.parallel.pipeline_parallel import PipelineModel
 from engine.train.batches import MicroBatch, Sample, collate
 from engine.train.data import TrainData
@@ -50,6 +57,7 @@ from engine.train.export import export_final
 from engine.train.grpo_loss import denominator, group_advantages, group_std_is_zero
 from engine.train.grpo_pipeline import PipelineGRPOLoss, TokenLogps
 from engine.train.grpo_rollout import (
+    Decoded,
     DecodeOptions,
     Prompt,
     decode,
@@ -58,7 +66,7 @@ from engine.train.grpo_rollout import (
     stop_ids,
 )
 from engine.train.grpo_sampling import Sampling
-from engine.train.grpo_tokens import GRPOMicroBatch, token_logps
+from engine.train.grpo_tokens import GRPOMicroBatch, grpo_context_shard, token_logps
 from engine.train.metrics import PER, MetricsLogger, StepRecord
 from engine.train.optim import clip_grads
 from engine.train.rewards import Completion, build_rewards, json_rewards, score
@@ -134,6 +142,7 @@ class GRPOLoop:
         dims = trainer.plan.dims
         self.dp, self.dp_rank = dims.dp, trainer.mesh["dp"].get_local_rank()
         self.dp_group = trainer.mesh["dp"].get_group()
+        self.cp = context_mesh(trainer.mesh)
         if self.prompts_per_step % self.dp:
             raise BadInput(
                 f"global_batch_size: {self.prompts_per_step} prompts per step ({trainer.plan.global_batch_size} "
@@ -185,7 +194,8 @@ class GRPOLoop:
         generators = [group_generator(spec.seed, rollout, first + k, device) for k in range(share)]
         model = t.runner.module
         model.eval()
-        decoded = decode(model, t.plan.cfg, [p.ids for p in rows], opts, generators)
+        with whole_sequences(model):  # CP: each CP rank decodes its DP group's rows whole, as a TP rank does
+            decoded = self._same_on_context_ranks(decode(model, t.plan.cfg, [p.ids for p in rows], opts, generators))
         reshard_all(model.pipeline.parts if isinstance(model, PipelineModel) else [model])
         model.train()
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in decoded.completions]
@@ -203,7 +213,7 @@ class GRPOLoop:
         rewards = (per_func * torch.tensor(self.weights, dtype=torch.float32)[None]).nansum(dim=1)
         advantages = group_advantages(rewards, group, spec.scale_rewards, spec.advantage_eps)
         own = advantages[first * group : (first + share) * group]
-        batches = self._micro_batches(rows, decoded.completions, decoded.truncated, own)
+        batches = self._context_shards(self._micro_batches(rows, decoded.completions, decoded.truncated, own))
         self._old_and_reference(batches)
         self._write_completions(iteration, all_rows, whole, rewards, advantages)
         lengths = [len(c) for c in whole.completions]
@@ -214,6 +224,24 @@ class GRPOLoop:
         micro_batches = len(batches) * self.dp  # every DP rank holds as many
         denom = denominator(spec.loss_type, len(all_rows), micro_batches, tokens, spec.max_completion_length)
         return Rollout(rollout, batches, denom, float(sum(real)), float(sum(n * n for n in real)), stats)
+
+    def _same_on_context_ranks(self, decoded: Decoded) -> Decoded:
+        """Under CP, CP rank 0's completions on every CP rank of its group: the ranks decode the same rows with the
+        same weights and generators, so they sample the same tokens; this makes it hold whatever the kernels'
+        rounding, since the loss's sequence split needs every CP rank to cut the very same rows."""
+        if self.cp is None:
+            return decoded
+        group = self.cp.get_group()
+        box: list[Decoded | None] = [decoded]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return cast(Decoded, box[0])
+
+    def _context_shards(self, batches: list[GRPOMicroBatch]) -> list[GRPOMicroBatch]:
+        """Under CP this rank's share of every micro-batch's rows (``grpo_context_shard``); whole ones otherwise."""
+        if self.cp is None:
+            return batches
+        dims, rank = self.t.plan.dims, self.cp.get_local_rank()
+        return [grpo_context_shard(mb, dims.ring_degree, dims.ulysses_degree, rank) for mb in batches]
 
     def _gather(self, mine: Scored) -> Scored:
         """The whole rollout's completions and scores, in prompt order, from every DP rank's share."""
@@ -248,12 +276,15 @@ class GRPOLoop:
             seq = torch.repeat_interleave(torch.arange(len(idx)), counts)
             if seq.numel() != mb.num_loss_tokens:
                 raise RuntimeError("grpo: the micro-batch's labelled tokens are not its completions' tokens")
-            keep = [0.0 if (truncated[i] and spec.mask_truncated_completions) else 1.0 for i in idx]
-            mask = torch.tensor(keep, dtype=torch.float32)[seq]
-            fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
-            out.append(
-                GRPOMicroBatch(**fields, sequences=len(idx), token_seq=seq, advantages=advantages[list(idx)], mask=mask)
+            keep = torch.tensor(
+                [0.0 if (truncated[i] and spec.mask_truncated_completions) else 1.0 for i in idx], dtype=torch.float32
             )
+            fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
+            g = GRPOMicroBatch(
+                **fields, sequences=len(idx), token_seq=seq, advantages=advantages[list(idx)], mask=keep[seq],
+                seq_tokens=keep * counts,
+            )  # fmt: skip
+            out.append(g)
         return out
 
     @torch.no_grad()
@@ -454,7 +485,13 @@ class GRPOLoop:
         final = metrics.last
         summary = {
             **t._run_summary(start, warnings),
-            "parallel": {"dp": plan.dims.dp, "tp": plan.dims.tp, "pp": plan.dims.pp, "ep": plan.dims.ep},
+            "parallel": {
+                "dp": plan.dims.dp,
+                "tp": plan.dims.tp,
+                "pp": plan.dims.pp,
+                "ep": plan.dims.ep,
+                "cp": plan.dims.cp,
+            },
             "final_reward": final.get("reward"),
             **metrics.summary(),
         }

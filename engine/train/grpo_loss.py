@@ -104,17 +104,26 @@ def token_terms(
 
 
 def aggregate(
-    loss_type: LossType, token_loss: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, sequences: int
+    loss_type: LossType,
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    seq: torch.Tensor,
+    sequences: int,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A micro-batch's numerator: ``token_loss`` and ``mask`` (N,) over its completion tokens, ``seq`` (N,) each
-    token's sequence (0..sequences-1)."""
+    token's sequence (0..sequences-1). ``counts`` (sequences,): each sequence's masked tokens where this rank holds
+    only some of them (context parallelism: the CP ranks' numerators then add up to the micro-batch's); None: the
+    tokens given are every token of the micro-batch."""
     masked = token_loss * mask
+    if counts is None:
+        counts = torch.zeros(sequences, dtype=mask.dtype, device=mask.device).index_add(0, seq, mask)
+    counts = counts.to(mask.dtype)
     if loss_type == "grpo":
         sums = torch.zeros(sequences, dtype=masked.dtype, device=masked.device).index_add(0, seq, masked)
-        counts = torch.zeros(sequences, dtype=mask.dtype, device=mask.device).index_add(0, seq, mask)
         return (sums / counts.clamp(min=1.0)).sum()
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return masked.sum() / counts.sum().clamp(min=1.0)
     return masked.sum()
 
 

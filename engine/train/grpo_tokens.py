@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -16,8 +17,9 @@ from torch.distributed.tensor import DTensor
 from engine.contract.constants import IGNORE_INDEX
 from engine.contract.spec import TrainSpec
 from engine.model.decoder_lm import decoder_lm
+from engine.parallel.context_parallel import shard_index, shard_multiple
 from engine.parallel.tensor_parallel import vocab_parallel_token_entropy, vocab_parallel_token_logprobs
-from engine.train.batches import MicroBatch
+from engine.train.batches import MicroBatch, context_shard
 from engine.train.grpo_loss import LossType, SurrogateConfig, aggregate
 from engine.train.grpo_loss import token_terms as surrogate_terms
 from engine.train.metrics import PER
@@ -31,7 +33,8 @@ STEP_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "c
 class GRPOMicroBatch(MicroBatch):
     """A micro-batch of prompt + completion rows; per completion token (in ``loss_index`` order): its sequence in
     the micro-batch, advantage, mask (0: a truncated completion under ``mask_truncated_completions``), and the old
-    policy's / reference's log-probs when the step needs them."""
+    policy's / reference's log-probs when the step needs them; per sequence, its masked completion tokens
+    (``seq_tokens``: all of them, also where a CP rank holds only some)."""
 
     sequences: int = 0
     token_seq: torch.Tensor | None = None
@@ -39,6 +42,7 @@ class GRPOMicroBatch(MicroBatch):
     mask: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_token_logps: torch.Tensor | None = None
+    seq_tokens: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> GRPOMicroBatch:
         moved = super().to(device)
@@ -53,7 +57,38 @@ class GRPOMicroBatch(MicroBatch):
             mask=move(self.mask),
             old_logps=move(self.old_logps),
             ref_token_logps=move(self.ref_token_logps),
+            seq_tokens=move(self.seq_tokens),
         )
+
+
+def grpo_context_shard(g: GRPOMicroBatch, ring: int, ulysses: int, rank: int) -> GRPOMicroBatch:
+    """This context-parallel rank's share of ``g`` (``engine.train.batches.context_shard``) with the fields of the
+    completion tokens it holds, in its own loss order; ``advantages`` and ``seq_tokens`` stay whole (per sequence),
+    so the CP ranks' numerators add up to ``g``'s. Cut before the old and reference log-probs, which are the shard's."""
+    if g.old_logps is not None or g.ref_token_logps is not None:
+        raise ValueError("grpo_context_shard: shard the micro-batch before its old and reference log-probs")
+    assert g.token_seq is not None and g.mask is not None
+    local = context_shard(g, ring, ulysses, rank)
+    labels = g.labels.numpy()
+    rows, t = labels.shape
+    multiple = shard_multiple(ring, ulysses)
+    labelled = labels != IGNORE_INDEX
+    # each labelled position's place among the micro-batch's completion tokens (row-major, as ``loss_index``)
+    ordinal = np.full((rows, -(-t // multiple) * multiple), -1, dtype=np.int64)
+    ordinal[:, :t] = np.where(labelled, np.cumsum(labelled.reshape(-1)).reshape(rows, t) - 1, -1)
+    here = ordinal[:, shard_index(ordinal.shape[1], ring, ulysses, rank)].reshape(-1)
+    picks = torch.from_numpy(here[here >= 0])
+    if picks.numel() != local.num_loss_tokens:
+        raise RuntimeError("grpo_context_shard: the shard's labelled tokens are not the picked completion tokens")
+    fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(MicroBatch)}
+    return GRPOMicroBatch(
+        **fields,
+        sequences=g.sequences,
+        token_seq=g.token_seq[picks],
+        advantages=g.advantages,
+        mask=g.mask[picks],
+        seq_tokens=g.seq_tokens,
+    )
 
 
 def token_logps(
@@ -166,7 +201,7 @@ def surrogate_losses(
     old = logp.detach() if g.old_logps is None else g.old_logps
     adv = g.advantages[g.token_seq].to(logp.dtype)
     terms = surrogate_terms(cfg, logp, old, adv, g.ref_token_logps)
-    numerator = aggregate(loss_type, terms.loss, g.mask.to(logp.dtype), g.token_seq, g.sequences)
+    numerator = aggregate(loss_type, terms.loss, g.mask.to(logp.dtype), g.token_seq, g.sequences, g.seq_tokens)
     m = g.mask.float()
     tokens = m.sum()
     zero = torch.zeros((), device=logp.device)

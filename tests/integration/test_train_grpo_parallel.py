@@ -3,7 +3,8 @@
 Under data parallel (FSDP2) each rank samples its share of the prompts' groups with the groups' own generators; under
 tensor parallel (with or without SP) both ranks decode every row on their shards; under pipeline parallel each
 token's forward passes stage to stage and the last stage's sampled tokens go back to the first; under expert parallel
-(Qwen3-MoE) the ranks' decoding meets in the all-to-all. Either way the completions the run writes are the very token ids one
+(Qwen3-MoE) the ranks' decoding meets in the all-to-all; under context parallelism both CP ranks decode every row
+whole and train on their shares of each row. Either way the completions the run writes are the very token ids one
 process writes (asserted, not fed), and on them the steps' loss, grad norm, rewards and advantages equal the
 one-process run's, for loss types whose denominators span the whole batch (dapo: its tokens, grpo: its sequences)
 and batch-scaled advantages (the ranks' rewards gathered)."""
@@ -80,6 +81,9 @@ LAYOUTS = {
     # a layer per stage: decoding passes hidden states stage to stage (each stage's KV cache its own layer's), the loss
     # and the old-policy and reference passes on the last stage through the schedule (the reference its own pipeline)
     "pp2": {"pipeline_model_parallel_size": 2},
+    # both CP ranks decode every row whole (CP's attention set aside); the loss, old-policy and reference passes on
+    # each rank's head/tail chunks of every row, grpo's per-sequence token means from the CP ranks' partial sums
+    "cp2": {"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo"},
     # LoRA (both sides): the reference of beta > 0 is the base with the adapters off, under TP too
     "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
 }
@@ -87,7 +91,8 @@ LAYOUTS = {
 # DP2 splits it (each case's denominators and gathered rewards span the ranks); TP2 decodes the second rollout on
 # updated shards; SP's sequence-sharded training, forward and reference; EP2 (a DP split too) its all-to-all in decode,
 # training and the reference forward with dapo's batch-wide token count; LoRA's reference with the adapters off; PP2
-# its staged decoding, and the schedule's loss, old-policy (mu 2) and frozen-reference passes.
+# its staged decoding, and the schedule's loss, old-policy (mu 2) and frozen-reference passes; CP2 its whole-row
+# decoding on both ranks (the second rollout from updated weights) and grpo's per-sequence means over split rows.
 MATRIX = [
     ("dapo_batch_beta_mu2", "dp2"),
     ("grpo_group_two_rollouts", "dp2"),
@@ -96,6 +101,7 @@ MATRIX = [
     ("dapo_batch_beta_mu2", "ep2"),
     ("dapo_batch_beta_mu2", "lora_tp2"),
     ("dapo_batch_beta_mu2", "pp2"),
+    ("grpo_group_two_rollouts", "cp2"),
 ]
 BOTH_SIDES = ("lora_r", "lora_target_modules")  # a layout's keys the one-process run takes too
 _RUNS: dict[str, Path] = {}
@@ -143,7 +149,8 @@ def test_grpo_on_two_ranks_equals_one_process(setup: dict[str, Any], tmp_path: P
         assert a["grad_norm"] > 0
     parallel = json.loads((two_dir / "result.json").read_text())["summary"]["parallel"]
     tp, pp, ep = (LAYOUTS[layout].get(f"{k}_model_parallel_size", 1) for k in ("tensor", "pipeline", "expert"))
-    assert parallel == {"dp": 2 // (tp * pp), "tp": tp, "pp": pp, "ep": ep}
+    cp = LAYOUTS[layout].get("context_parallel_size", 1)
+    assert parallel == {"dp": 2 // (tp * pp * cp), "tp": tp, "pp": pp, "ep": ep, "cp": cp}
 
 
 def test_a_dp2_run_resumed_from_its_checkpoint_continues_bit_identically(setup: dict[str, Any], tmp_path: Path) -> None:

@@ -565,12 +565,12 @@ class TrainSpec(JobBase, ParallelArgs, ModelArgs):
                 "sequence_parallel: stage grpo's pipelined decoding hands whole hidden states from stage to stage, "
                 "not sequence shards (PP with TP runs without sequence_parallel)"
             )
-        if self.context_parallel_size > 1:
+        if self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1:
             raise ValueError(
-                "context_parallel_size: stage grpo's decoding keeps each sequence's KV cache whole on one rank, which "
-                "context parallelism splits (no CP yet; DP, TP, PP and EP do)"
+                "context_parallel_size: stage grpo under PP decodes stage to stage on whole sequences, and its "
+                "schedule's loss takes no CP shards yet (CP runs with DP, TP and EP; PP without CP)"
             )
-        dp = self.parallel_dims.dp  # CP is 1 here; EP is carved out of DP
+        dp = self.parallel_dims.dp  # CP ranks decode their DP group's groups together; EP is carved out of DP
         if (gbs // self.num_generations) % dp:
             raise ValueError(
                 f"global_batch_size: {gbs // self.num_generations} prompts per step ({gbs} completions / "

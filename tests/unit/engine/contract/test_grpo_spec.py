@@ -67,7 +67,7 @@ def test_sft_and_dpo_specs_are_unchanged() -> None:
         parse_spec({**sft, "stage": "sft", "ref_model": "r"})  # still dpo's only
 
 
-# layouts: DP, TP, PP and EP run (equal to one process: tests/integration/test_train_grpo_parallel.py) when the step's
+# layouts: DP, TP, PP, EP and CP run (equal to one process: tests/integration/test_train_grpo_parallel.py) when the step's
 # prompts split over the DP ranks (each rank samples whole groups); what does not run yet is refused by name
 LAYOUT_BASE = {**BASE, "micro_batch_size": 2, "num_generations": 4}
 TWO = {"resources": {"nproc_per_node": 2}}
@@ -86,6 +86,9 @@ MOE = {"num_experts": 4, "moe_router_topk": 2}
         {"resources": {"nproc_per_node": 8}, "pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
         # TP2 × DP4: the 4 prompts split over the 4 DP ranks
         {"resources": {"nproc_per_node": 8}, "tensor_model_parallel_size": 2, "micro_batch_size": 1},
+        # CP2, and CP2 × DP2: the CP ranks of a DP group decode its groups together (CP is no DP split)
+        {"resources": {"nproc_per_node": 2}, "context_parallel_size": 2},
+        {"resources": {"nproc_per_node": 4}, "context_parallel_size": 2, "micro_batch_size": 1},
     ],
 )
 def test_data_and_tensor_parallel_are_accepted_when_the_prompts_split(extra: dict[str, Any]) -> None:
@@ -113,7 +116,17 @@ def test_data_and_tensor_parallel_are_accepted_when_the_prompts_split(extra: dic
             "sequence_parallel",
             "not sequence shards",
         ),
-        ({"context_parallel_size": 2, **TWO}, "context_parallel_size", "no CP yet"),
+        (
+            {"resources": {"nproc_per_node": 4}, "context_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            "context_parallel_size",
+            "takes no CP shards",
+        ),
+        # CP2 × DP4: 4 prompts over 4 DP ranks split; over DP 8 (CP2 × DP8 of 16 ranks) they do not
+        (
+            {"resources": {"nproc_per_node": 16}, "context_parallel_size": 2, "micro_batch_size": 1},
+            "global_batch_size",
+            "do not split over DP 8",
+        ),
     ],
 )
 def test_layouts_not_run_yet_are_refused_by_name(extra: dict[str, Any], field: str, words: str) -> None:

@@ -124,3 +124,19 @@ def test_under_pp_each_stage_counts_its_own_layers_cache_and_the_last_the_logits
         assert rank.generation - kv_cache_bytes(cfg, gen, len(rank.layers)) == (
             one.ranks[0].generation - kv_cache_bytes(cfg, gen, cfg.num_layers) - (0 if rank is last else logits)
         )
+
+
+def test_under_cp_every_cp_rank_counts_the_whole_rows_generation() -> None:
+    """Under CP every CP rank decodes its DP group's rows whole (``engine.parallel.context_parallel.
+    whole_sequences``): each counts one process's generation (every row, the full-length KV cache), not a 1/CP share
+    of the positions; CP2 × DP2 halves the rows only."""
+    one = plan_spec(_spec(shape=TINY_SHAPE))
+    cp2 = plan_spec(
+        _spec(shape=TINY_SHAPE, context_parallel_size=2, resources={"device_type": "npu", "nproc_per_node": 2})
+    )
+    assert cp2.layout.generation_rows == one.layout.generation_rows
+    assert [r.generation for r in cp2.ranks] == [one.ranks[0].generation] * 2
+    four = {"device_type": "npu", "nproc_per_node": 4}
+    cp2_dp2 = plan_spec(_spec(shape=TINY_SHAPE, context_parallel_size=2, resources=four))
+    assert cp2_dp2.layout.generation_rows == one.layout.generation_rows // 2
+    assert cp2_dp2.peak.generation > 0
