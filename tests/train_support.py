@@ -160,10 +160,10 @@ _ONE_PROCESS_ROWS: dict[str, list[dict[str, Any]]] = {}
 
 
 def one_process_rows(spec: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
-    """The metric rows of ``spec`` trained on one process. The layout tests compare many layouts against the same
-    one-process run: an equal spec (data path included) runs once per test process and is read from memory after."""
+    """The metric rows of ``spec`` trained on one process (this one: ``train_in_process``). The layout tests compare
+    many layouts against the same one-process run: an equal spec (data path included) runs once per test process and
+    is read from memory after."""
     key = json.dumps(spec, sort_keys=True)
     if key not in _ONE_PROCESS_ROWS:
-        run_train(spec, run_dir, 1)
-        _ONE_PROCESS_ROWS[key] = metric_rows(run_dir)
+        _ONE_PROCESS_ROWS[key] = train_in_process(spec, run_dir)
     return [dict(row) for row in _ONE_PROCESS_ROWS[key]]

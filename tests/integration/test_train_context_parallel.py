@@ -16,7 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_support import metric_rows, one_process_rows, run_train, tiny_spec, write_instruction_data
+from train_support import (
+    metric_rows,
+    one_process_rows,
+    run_train,
+    tiny_spec,
+    train_in_process,
+    write_instruction_data,
+)
 
 # KV groups 4 (one query head per group) so CP 4 gets whole groups
 FOUR_GROUPS = {"num_attention_heads": 4, "num_query_groups": 4}
@@ -146,7 +153,7 @@ def test_context_parallel_equals_one_process(tmp_path: Path, shared_data: str, l
 def test_a_cp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
     data = write_instruction_data(tmp_path / "data" / "sft")
     spec = tiny_spec(data, train_iters=5, use_distributed_optimizer=True)
-    run_train({**spec, "save": str(tmp_path / "one"), "save_hf": True}, tmp_path / "run1", 1)
+    train_in_process({**spec, "save": str(tmp_path / "one"), "save_hf": True}, tmp_path / "run1")
     cp2 = {**spec, "context_parallel_size": 2, "save": str(tmp_path / "cp"), "save_interval": 3, "save_hf": True}
     run_train(cp2, tmp_path / "run2", 2)
     # the CP2 run's HF export: the same files and tensors as the one process's, up to the run's rounding
@@ -161,7 +168,7 @@ def test_a_cp2_checkpoint_resumes_on_one_process(tmp_path: Path) -> None:
             torch.testing.assert_close(b[key], value, rtol=0, atol=1e-6)
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "cp" / "train_state", resumed / "train_state")
-    run_train({**spec, "save": str(resumed)}, tmp_path / "run3", 1)
+    train_in_process({**spec, "save": str(resumed)}, tmp_path / "run3")  # one process: this one
     one, after = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run3")
     assert [r["iteration"] for r in after] == [4, 5]
     _equal(one[3:], after)
