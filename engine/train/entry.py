@@ -15,19 +15,26 @@ from engine.contract.runfiles import RunDir
 from engine.contract.spec import TrainSpec
 from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import ensure_process_group
-from engine.train.grpo import GRPOLoop
-from engine.train.grpo_tokens import grpo_loss
 from engine.train.job import Plan, Trainer, plan_run
 
 
 def build_trainer(spec: TrainSpec, run: RunDir, plan: Plan, device: Device) -> Trainer:
     """This rank's trainer with the stage's own loss (stage grpo's surrogate, else the trainer's LM/DPO losses)."""
-    return Trainer(spec, run, plan, device, grpo_loss(spec) if spec.stage == "grpo" else None)
+    if spec.stage != "grpo":
+        return Trainer(spec, run, plan, device, None)
+    # stage grpo's modules only where it runs: its rewards bring jsonschema, regex and httpx into a rank
+    from engine.train.grpo_tokens import grpo_loss
+
+    return Trainer(spec, run, plan, device, grpo_loss(spec))
 
 
 def fit(trainer: Trainer) -> tuple[dict[str, str], dict[str, Any]]:
     """The stage's loop over a built trainer: rollouts, rewards and grpo's own steps, or supervised/preference fit."""
-    return GRPOLoop(trainer).fit() if trainer.spec.stage == "grpo" else trainer.fit()
+    if trainer.spec.stage != "grpo":
+        return trainer.fit()
+    from engine.train.grpo import GRPOLoop
+
+    return GRPOLoop(trainer).fit()
 
 
 def run(spec: TrainSpec, run: RunDir) -> tuple[dict[str, str], dict[str, Any]]:
