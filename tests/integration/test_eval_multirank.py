@@ -5,7 +5,6 @@ model instead of sharding it)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from engine.checkpoint.hf import save_hf
 from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
-from torchrun_support import run_ok, torchrun
+from torchrun_support import main_in_process, run_ok, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +33,12 @@ def _lines(n: int) -> str:
 
 def _run(cmd: list[str], run_dir: Path) -> dict:
     run_ok([*cmd, "--run-dir", str(run_dir)], timeout=300)
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def run_one(args: list[str], run_dir: Path) -> dict:
+    """The one-process eval, in this process (``main_in_process``: a fresh interpreter's imports were most of it)."""
+    main_in_process([*args, "--run-dir", str(run_dir)], run_dir)
     return json.loads((run_dir / "result.json").read_text())
 
 
@@ -63,7 +68,7 @@ def eval_args(tmp_path: Path, tokenizer: Path, model: str, seed: int, samples: i
 
 def test_two_ranks_split_the_test_set_and_match_one_process(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
     args = eval_args(tmp_path, qwen_tokenizer_dir, "qwen3-tiny-tied", seed=5, samples=7, new_tokens=3)
-    single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
+    single = run_one(args, tmp_path / "one")
     tp1pp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     multi = _run(torchrun(2, "-m", "engine", *args, *tp1pp2), tmp_path / "two")
     assert multi["summary"]["world_size"] == 2 and single["summary"]["world_size"] == 1

@@ -6,12 +6,11 @@ gathered across the TP group, and greedy predictions equal a one-process run —
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_eval_multirank import _run, eval_args
+from test_eval_multirank import _run, eval_args, run_one
 from torchrun_support import torchrun
 
 pytestmark = pytest.mark.slow
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_tensor_parallel_eval_matches_one_process(tmp_path: Path, qwen_tokenizer_dir: Path, model: str) -> None:
     # untied: the head is its own vocab-parallel output_layer; the MoE model's experts are cut per expert
     args = eval_args(tmp_path, qwen_tokenizer_dir, model, seed=7, samples=5, new_tokens=4)
-    single = _run([sys.executable, "-m", "engine", *args], tmp_path / "one")
+    single = run_one(args, tmp_path / "one")
     multi = _run(torchrun(2, "-m", "engine", *args, "--tensor-model-parallel-size", "2"), tmp_path / "tp")
     assert multi["summary"]["world_size"] == 2 and multi["summary"]["tensor_model_parallel_size"] == 2
     assert multi["summary"]["total"] == single["summary"]["total"] == 5

@@ -11,7 +11,6 @@ fewer iterations and a smaller global batch, and a larger LR so that a few itera
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import subprocess
@@ -24,6 +23,7 @@ import torch
 from engine.checkpoint.megatron_write import save_mcore
 from engine.contract.model_config import preset
 from engine.model.qwen3 import Qwen3Model
+from torchrun_support import main_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -180,34 +180,12 @@ def _run(flags: str, assets: dict[str, Path], name: str, nproc: int) -> tuple[Pa
     }
     argv = ["train", *shlex.split(flags.format(**values)), "--run-dir", str(out / "run")]
     if nproc == 1:
-        _main_in_process(argv, out / "run")
+        main_in_process(argv, out / "run")
         return out / "save", out / "run"
     launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "engine"]
     proc = subprocess.run([*launcher, *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out / "save", out / "run"
-
-
-def _main_in_process(argv: list[str], run_dir: Path) -> None:
-    """``python -m engine <argv>`` on one process, in this one: the CLI's own main without a fresh interpreter's
-    imports (most of a short run's time), on one intra-op thread like the ranks' OMP_NUM_THREADS=1. The CLI points
-    the root logger at the run's files; pytest's handlers are put back after."""
-    from engine.cli import main
-
-    root = logging.getLogger()
-    handlers, level, threads = list(root.handlers), root.level, torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        code = main(argv)
-    finally:
-        torch.set_num_threads(threads)
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    log = run_dir / "logs" / "rank0.log"
-    assert code == 0, log.read_text()[-4000:] if log.is_file() else f"exit {code}"
 
 
 def _check_run(save: Path, run_dir: Path, nproc: int) -> list[dict]:
