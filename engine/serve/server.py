@@ -153,6 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
     _started = False  # whether this request's 200 and start line went out
     _chunked = False  # whether this request's stream is chunked (an HTTP/1.1 request) or ends with the connection
     _unread = False  # whether this request's body is still unread: the connection cannot carry another request
+    _gone = False  # whether this request's client hung up: nothing more is written to it
     _prompt_tokens = 0
     _last_write = 0.0
 
@@ -167,7 +168,8 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         self.connection.settimeout(None)  # a request came: its handling waits as long as it needs
         ok = super().parse_request()
-        self._started, self._chunked = False, self.request_version not in ("HTTP/0.9", "HTTP/1.0")
+        self._started, self._gone = False, False
+        self._chunked = self.request_version not in ("HTTP/0.9", "HTTP/1.0")
         self._unread = self.command == "POST"
         return ok
 
@@ -289,7 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _Failed as err:
             self._fail(str(err))
         except (BrokenPipeError, ConnectionResetError, ClientGone):
-            self.close_connection = True
+            self._gone = self.close_connection = True
             log.info("client gone: %d sequence(s) cancelled", len(seqs))
         except Exception:  # noqa: BLE001 - a bug here must still end the request with an error, not a cut stream
             log.exception("serving a request failed")
@@ -300,13 +302,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._end_stream()
 
     def _end_stream(self) -> None:
-        """The chunked stream's last chunk, after which the connection carries the client's next request."""
-        if not (self._started and self._chunked and not self.close_connection):
+        """The chunked stream's last chunk, after which the connection carries the client's next request (or closes,
+        when the client asked for ``Connection: close``)."""
+        if not (self._started and self._chunked and not self._gone):
             return
         try:
             self.wfile.write(b"0\r\n\r\n")
         except OSError:
-            self.close_connection = True
+            self._gone = self.close_connection = True
 
     def _fail(self, message: str) -> None:
         """End the request with an error: a 500 before the stream began, else its last line."""
@@ -317,7 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._json(500, {"error": error})
         except OSError:
-            self.close_connection = True
+            self._gone = self.close_connection = True
             log.info("client gone before hearing of its error")
 
     def _body(self) -> dict[str, Any]:

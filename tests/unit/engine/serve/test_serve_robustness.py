@@ -336,6 +336,18 @@ def test_one_connection_carries_request_after_request(engine) -> None:
     conn.close()
 
 
+def test_a_client_asking_to_close_still_gets_the_last_chunk(engine) -> None:
+    """``Connection: close`` (urllib's way, the remote eval's client): the answer is whole, its last chunk sent."""
+    conn = _connection(engine.url)
+    body = json.dumps({"prompt_token_ids": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    conn.request("POST", "/v1/generate", body, {"Content-Type": "application/json", "Connection": "close"})
+    answer = conn.getresponse()
+    raw = answer.read()  # http.client raises IncompleteRead for a chunked answer cut before its last chunk
+    assert answer.getheader("Transfer-Encoding") == "chunked"
+    assert [json.loads(line)["type"] for line in raw.splitlines() if line][-1] == "done"
+    conn.close()
+
+
 def test_a_client_that_leaves_while_queued_is_dropped_before_it_runs(engine, monkeypatch) -> None:
     _faults(monkeypatch, lambda i: False, delay_s=0.05)
     body = {"prompt_token_ids": PROMPT, "max_tokens": 100, "temperature": 0}
