@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train_support import metric_rows, run_train, tiny_spec, write_instruction_data
+from train_support import metric_rows, run_train, tiny_spec, train_in_process, write_instruction_data
 
 
 @pytest.mark.slow
@@ -16,7 +16,7 @@ def test_fsdp_dp2_matches_one_process_and_resumes_on_one(tmp_path: Path):
     data = write_instruction_data(tmp_path / "data" / "sft")
     # fp32, 4 micro-batches of 2 per step on one process = 2 per rank on two; the sharded optimizer (ZeRO-3 style).
     spec = tiny_spec(data, train_iters=5, use_distributed_optimizer=True)
-    run_train({**spec, "save": str(tmp_path / "one")}, tmp_path / "run1", 1)
+    train_in_process({**spec, "save": str(tmp_path / "one")}, tmp_path / "run1")  # the one process: this one
     run_train({**spec, "save": str(tmp_path / "two"), "save_interval": 3}, tmp_path / "run2", 2)
     one, two = metric_rows(tmp_path / "run1"), metric_rows(tmp_path / "run2")
     assert len(one) == len(two) == 5
@@ -30,7 +30,7 @@ def test_fsdp_dp2_matches_one_process_and_resumes_on_one(tmp_path: Path):
     # that got only one process.
     resumed_save = tmp_path / "resumed"
     shutil.copytree(tmp_path / "two" / "train_state", resumed_save / "train_state")
-    run_train({**spec, "save": str(resumed_save)}, tmp_path / "run3", 1)
+    train_in_process({**spec, "save": str(resumed_save)}, tmp_path / "run3")
     after = metric_rows(tmp_path / "run3")
     assert [r["iteration"] for r in after] == [4, 5]
     for a, b in zip(one[3:], after):
