@@ -49,6 +49,7 @@ from engine.contract.guard import check_output
 from engine.contract.runfiles import BadInput
 from engine.parallel.context_parallel import whole_sequences
 from engine.parallel.data_parallel import reshard_all
+from engine.parallel.expert_parallel import reduce_over_context
 from engine.parallel.mesh import context_mesh
 from engine.parallel.pipeline_parallel import PipelineModel
 from engine.train.batches import MicroBatch, Sample, collate
@@ -407,6 +408,7 @@ class GRPOLoop:
                 losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
         else:
             losses = t.runner.forward_backward(rollout.batches, denom, t.scaler.scale)
+        reduce_over_context(t.runner.module)  # experts under EP × CP (``engine.train.loop.train_step``'s)
         t.router.discard()  # the rollout's decoding and this step's figures are not reported (dense: a no-op)
         if t.scaler.scale != 1.0:
             for p in params:
