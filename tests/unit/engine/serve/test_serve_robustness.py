@@ -336,6 +336,20 @@ def test_one_connection_carries_request_after_request(engine) -> None:
     conn.close()
 
 
+def test_an_idle_kept_alive_connection_is_closed_by_the_engine(engine, monkeypatch) -> None:
+    """A connection waiting for its next request longer than IDLE_S frees its thread (the API's pool lets its own go
+    sooner)."""
+    monkeypatch.setattr(server_module, "IDLE_S", 0.3)
+    conn = _connection(engine.url)
+    assert _exchange(conn, "GET", "/health")[0] == 200
+    assert conn.sock is not None
+    conn.sock.settimeout(5)
+    start = time.monotonic()
+    assert conn.sock.recv(1) == b""  # end-of-file: the engine closed it
+    assert time.monotonic() - start < 3
+    conn.close()
+
+
 def test_a_client_asking_to_close_still_gets_the_last_chunk(engine) -> None:
     """``Connection: close`` (urllib's way, the remote eval's client): the answer is whole, its last chunk sent."""
     conn = _connection(engine.url)
