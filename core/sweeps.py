@@ -11,11 +11,8 @@ pruner stops (their jobs are cancelled and listed in ``sweeps.pruned``), asks th
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
-from optuna.trial import TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -33,13 +30,21 @@ from core.states import TERMINAL, JobState
 from core.sweep_spec import SweepSpec
 from engine.contract.spec import first_error, parse_spec
 
+# optuna is imported where a sweep is driven: every API process imports this module (its routes, the leader's loop)
+# and optuna's import (redis, its storages) cost ~0.2 s of CPU at each start, sweeps or none
+if TYPE_CHECKING:
+    import optuna
+    from optuna.distributions import BaseDistribution
+    from optuna.trial import TrialState
+
 log = logging.getLogger(__name__)
-optuna.logging.set_verbosity(optuna.logging.WARNING)
 SWEEP_LABEL, TRIAL_LABEL = "sweep", "trial"
 INTERVAL_S = 3.0  # between the leader's passes
 
 
 def distributions(spec: SweepSpec) -> dict[str, BaseDistribution]:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
     out: dict[str, BaseDistribution] = {}
     for name, dim in spec.space.items():
         if dim.choices is not None:
@@ -52,6 +57,8 @@ def distributions(spec: SweepSpec) -> dict[str, BaseDistribution]:
 
 
 def _sampler(spec: SweepSpec, asked: int) -> optuna.samplers.BaseSampler:
+    import optuna
+
     seed = spec.seed + asked  # rebuilt every pass: a seed that moves on, so a new pass draws new points
     if spec.sampler == "grid":
         return optuna.samplers.GridSampler({k: list(d.choices or ()) for k, d in spec.space.items()}, seed=seed)
@@ -61,6 +68,8 @@ def _sampler(spec: SweepSpec, asked: int) -> optuna.samplers.BaseSampler:
 
 
 def _pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
+    import optuna
+
     if spec.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
     if spec.pruner == "asha":
@@ -93,6 +102,8 @@ def series(session: Session, job_id: str, metric: str) -> dict[int, float]:
 
 
 def _state(job: Job, values: dict[int, float], pruned: set[str]) -> tuple[TrialState, float | None]:
+    from optuna.trial import TrialState
+
     if job.id in pruned:
         return TrialState.PRUNED, None
     if job.state == JobState.succeeded.value:
@@ -104,6 +115,10 @@ def _state(job: Job, values: dict[int, float], pruned: set[str]) -> tuple[TrialS
 
 def rebuild(session: Session, sweep: Sweep, spec: SweepSpec, jobs: list[Job]) -> optuna.Study:
     """The study as the database has it: one trial per job, in trial order."""
+    import optuna
+    from optuna.trial import create_trial
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name=sweep.id, direction=spec.direction, sampler=_sampler(spec, len(jobs)), pruner=_pruner(spec)
     )
@@ -143,6 +158,8 @@ def _create_trial_job(
 
 
 def _finish(session: Session, sweep: Sweep, study: optuna.Study, jobs: list[Job]) -> None:
+    from optuna.trial import TrialState
+
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     summary = {
         "trials": len(jobs),
@@ -170,6 +187,8 @@ def _finish(session: Session, sweep: Sweep, study: optuna.Study, jobs: list[Job]
 
 def drive(settings: Settings, sweep_id: str, dispatch_now: bool = True) -> str:
     """One pass for one sweep: prune, ask for new trials, or finish. Returns its state afterwards."""
+    from optuna.trial import TrialState
+
     created: list[Job] = []
     with session_scope(settings.database_url) as session:
         sweep = session.get(Sweep, sweep_id)
