@@ -28,8 +28,8 @@ counts 18 bytes per parameter, 6 + 12/DP with the distributed optimizer) as this
   compute-dtype copy), the hidden-state gradient it writes in forward, and, when the head trains, its fp32 gradient
   twice (the accumulator and the chunk product added to it in forward; the accumulator and its scaled copy in
   backward).
-- ``comm``: pipeline send/recv of one micro-batch's hidden states, FSDP's gathered layer and its reduce-scatter
-  buffer, the sequence-parallel all-gather of a layer's input.
+- ``comm``: the pipeline's receive buffers, one per micro-batch of the step (``pipeline_buffer_bytes``), FSDP's
+  gathered layer and its reduce-scatter buffer, the sequence-parallel all-gather of a layer's input.
 - precision-aware optimizer and offload (``OptimizerBytes``, ``engine.train.precision_optimizer``): per trainable
   element the stored weights (4, or 2 with bf16 main grads), the grads (``main_grads_dtype``), the moments in their
   dtypes and, where the weights are not the master, the master in ``main_params_dtype``; the offloaded share of the
@@ -437,6 +437,25 @@ def in_flight(lay: Layout, pp_rank: int, chunks: int) -> int:
     return min(m * chunks, warmup + 1)
 
 
+def boundary_bytes(cfg: ModelConfig, lay: Layout) -> int:
+    """The hidden states of one micro-batch that a pipeline stage sends the next (a sequence shard under SP)."""
+    return lay.tokens * cfg.hidden_size * lay.compute_bytes // (lay.dims.tp if lay.sequence_parallel else 1)
+
+
+def pipeline_buffer_bytes(cfg: ModelConfig, lay: Layout, stage_ids: list[int], n_stages: int, held: int) -> int:
+    """What ``torch.distributed.pipelining`` keeps on a training rank beside the activations, over the whole step.
+    Each ``PipelineStage`` allocates, once per micro-batch index, a buffer for the hidden states the previous stage
+    sends and one for the gradient the next stage sends back, and keeps them all: they grow with the step's
+    micro-batches (global_batch_size / (micro_batch_size × DP)), not with those in flight. A received input in flight
+    is its first layer's saved input (counted with the activations) and its output, kept until its backward, is
+    not: they cancel past the first stage; the first stage adds its ``held`` outputs (under the interleaved
+    schedule every chunk in flight: a bound). Plus every micro-batch's ids, labels and positions, int64, stacked on
+    the device for the step (``engine.parallel.pipeline_parallel.stack_micro_batches``)."""
+    m = lay.micro_batches
+    buffers = sum(m * ((s > 0) + (s < n_stages - 1)) for s in stage_ids) + (held if 0 in stage_ids else 0)
+    return buffers * boundary_bytes(cfg, lay) + m * 3 * 8 * lay.tokens
+
+
 def loss_bytes(cfg: ModelConfig, lay: Layout, head_trains: bool) -> int:
     e, v = lay.compute_bytes, cfg.vocab_size // lay.dims.tp
     rows = min(lay.loss_chunk, lay.tokens)
@@ -622,8 +641,11 @@ def plan_ranks(cfg: ModelConfig, lay: Layout) -> list[RankMemory]:
             m.activations += gqa_expansion_bytes(cfg, lay)
             if last:
                 m.loss = lay.rows * cfg.vocab_size // lay.dims.tp * 4
-        if lay.dims.pp > 1:
-            m.comm += 2 * tokens * cfg.hidden_size * lay.compute_bytes // (lay.dims.tp if lay.sequence_parallel else 1)
+        if lay.dims.pp > 1 and lay.train:
+            stage_ids = [v * lay.dims.pp + pp_rank for v in range(chunks)]
+            m.comm += pipeline_buffer_bytes(cfg, lay, stage_ids, len(stages), m.micro_batches_in_flight)
+        elif lay.dims.pp > 1:  # forward only: one micro-batch's hidden states sent and received
+            m.comm += 2 * boundary_bytes(cfg, lay)
         if lay.dims.tp > 1 and lay.sequence_parallel:
             m.comm += tokens * cfg.hidden_size * lay.compute_bytes
         if (
