@@ -54,6 +54,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 SchedulerType=sched/backfill
+# a requeued job (its begin time pushed back) waited for the main scheduler's periodic pass (every 60 s by default):
+# 11-13 s after its begin time in test_usr2_saves_requeues_and_resumes; every 2 s here
+SchedulerParameters=sched_interval=2
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd-%n.pid
 StateSaveLocation=/var/spool/slurmctld
