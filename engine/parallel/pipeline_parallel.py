@@ -210,7 +210,10 @@ class Pipeline:
         if key not in self._schedules:
             self._schedules[key] = self.make_schedule()
         if train:
-            self._schedules[key].step(*args, target=target, losses=losses, **kwargs)
+            # return_outputs=False: the last stage would keep every micro-batch's output (its final hidden states)
+            # until the step ends, only to concatenate them for a return value nobody reads: GBS / MBS of them held
+            # at once (640 MiB for Qwen3-32B TP4 PP2 SP at GBS 64), which no fixed micro-batch count bounds
+            self._schedules[key].step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
             sync_tied_grads(self)
         else:  # forward only (torch.distributed.pipelining switches the stages to eval and back by itself)
             self._schedules[key].eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)

@@ -122,6 +122,21 @@ def test_both_pipeline_stages_trace_with_no_host_tensor() -> None:
 
 
 @pytest.mark.slow
+def test_pipeline_stages_grow_with_the_micro_batch_count_as_planned() -> None:
+    """From 3 to 6 micro-batches (both past 1F1B's warm-up on every stage) each stage's traced peak grows as the
+    planner's does: the receive buffers torch.distributed.pipelining keeps per micro-batch and the stacked ids,
+    labels and positions (``pipeline_buffer_bytes``), within one micro-batch's hidden states. The schedule's
+    ``step`` used to keep every micro-batch's output on the last stage until the step ended, to concatenate them
+    for a return value nobody read: one more hidden state per micro-batch there (640 MiB for Qwen3-32B TP4 PP2 SP
+    at GBS 64)."""
+    few, many = (trace_spec(tiny_spec(pipeline_model_parallel_size=2, global_batch_size=g), None) for g in (6, 12))
+    hidden = 2 * 128 * TINY["hidden_size"] * 2  # one micro-batch's hidden states: MBS 2 x 128 tokens, bf16
+    for a, b in zip(few["ranks"], many["ranks"], strict=True):
+        traced, planned = b["peak_bytes"] - a["peak_bytes"], b["planner_bytes"] - a["planner_bytes"]
+        assert planned > 0 and abs(traced - planned) < hidden, (a["rank"], traced, planned)
+
+
+@pytest.mark.slow
 def test_lora_traces_with_its_frozen_base() -> None:
     """LoRA over DP2: the frozen base takes no gradient hook (MemTracker used to refuse it), the adapters' Adam state
     is all the optimizer holds, and building the adapters on the host is construction, not the step."""
