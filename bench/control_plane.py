@@ -34,7 +34,8 @@ CPU (PostgreSQL's answers, row locks, the GIL) and inside statements), ``schedul
 exit, a beat's backstop, the reconciler), ``schedule_quiet_p99_ms`` (``--quiet-passes`` passes after the load, alone on the
 machine: the pass's own cost), ``get_p99_ratio``/``post_p99_ratio`` (p99 vs ``/healthz`` p99 in the same run; the
 README's load table targets 2 and 4), ``reconcile_s`` (one ``reconcile_once`` at the end of the load, the hosts
-still heart-beating and the API up, with how many hosts it judged down; ``reconcile_cpu_s`` its own CPU time),
+still heart-beating and the API up, with how many hosts it judged down; ``reconcile_cpu_s`` its own CPU time,
+``reconcile_in_statements_s`` its time inside statements and ``reconcile_slowest_statements_ms`` the slowest),
 ``db_growth_mib_per_1000_finished`` (the database's growth during the load, every table's
 ``pg_total_relation_size`` with indexes and TOAST, dead rows included, less the submissions' own rows, per 1,000 jobs
 finished: a submission's rows (job, spec, event and their index entries) are measured on the backlog's inserts
@@ -226,6 +227,35 @@ class PassClock:
         ):
             if sa.event.contains(sa.engine.Engine, name, listener):
                 sa.event.remove(sa.engine.Engine, name, listener)
+
+
+class StatementClock:
+    """Each statement's wall time (cursor execute: sent, waited for, answered) while ``recording``, by its first
+    words: where a reconciler pass's wall time went under the load (its own CPU time is a small part of it)."""
+
+    def __init__(self) -> None:
+        self.by_statement: Counter[str] = Counter()
+        self._local = threading.local()
+
+    def _before(self, *args: Any) -> None:
+        self._local.began = time.perf_counter()
+
+    def _after(self, _conn: Any, _cursor: Any, statement: str, *args: Any) -> None:
+        if getattr(self._local, "began", None) is not None:
+            self.by_statement[" ".join(statement.split())[:90]] += time.perf_counter() - self._local.began
+
+    @contextlib.contextmanager
+    def recording(self) -> Any:
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", self._before)
+        sa.event.listen(sa.engine.Engine, "after_cursor_execute", self._after)
+        try:
+            yield self
+        finally:
+            sa.event.remove(sa.engine.Engine, "before_cursor_execute", self._before)
+            sa.event.remove(sa.engine.Engine, "after_cursor_execute", self._after)
+
+    def slowest(self, n: int = 6) -> list[list[Any]]:
+        return [[round(s * 1000, 1), text] for text, s in self.by_statement.most_common(n)]
 
 
 def guarded(errors: list[str], what: str, step: Callable[[], object]) -> None:
@@ -665,6 +695,7 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
     proc, sim, clock = None, None, PassClock()
     passes, quiet, quiet_cpu, judged_during, lost_during, started_jobs = 0, list[float](), list[float](), 0, 0, 0
     stopped_down_s: float | None = None
+    statements: StatementClock | None = None
     names = [f"sim-{i:04d}" for i in range(hosts)]
     settings: Settings | None = None
     try:
@@ -750,7 +781,8 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
             down0 = count_down(settings)
             clock.label = "reconciler"
             began, began_cpu = time.perf_counter(), time.thread_time()
-            reconcile_once(settings)
+            with StatementClock().recording() as statements:
+                reconcile_once(settings)
             reconcile_s, reconcile_cpu_s = time.perf_counter() - began, time.thread_time() - began_cpu
             hosts_judged_down = count_down(settings) - down0
             judged_during = (Path(tmp) / "api.log").read_text(errors="replace").count("; marked down")
@@ -824,6 +856,9 @@ def run_scale(args: argparse.Namespace, hosts: int, jobs: int) -> dict[str, Any]
         "reconcile_s": round(reconcile_s, 3),
         "reconcile_cpu_s": round(reconcile_cpu_s, 3),  # its own CPU time (this thread), whatever shares the CPUs
         "hosts_judged_down_by_that_pass": hosts_judged_down,
+        # that pass's time inside statements, and its slowest statements (ms, the first words)
+        "reconcile_in_statements_s": round(sum(statements.by_statement.values()), 3) if statements else None,
+        "reconcile_slowest_statements_ms": statements.slowest() if statements else [],
         "db_growth_mib": round(grown / 2**20, 2),
         "jobs_submitted": submitted,
         "submission_kib": round(submission_bytes / 1024, 2),
