@@ -82,8 +82,10 @@ LAYOUTS = {
     # and the old-policy and reference passes on the last stage through the schedule (the reference its own pipeline)
     "pp2": {"pipeline_model_parallel_size": 2},
     # both CP ranks decode every row whole (CP's attention set aside); the loss, old-policy and reference passes on
-    # each rank's head/tail chunks of every row, grpo's per-sequence token means from the CP ranks' partial sums
-    "cp2": {"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo"},
+    # each rank's head/tail chunks of every row, grpo's per-sequence token means from the CP ranks' partial sums.
+    # Padded rows: packed, a micro-batch's four equal-length rows fall on the ring's four chunks whole, and no
+    # completion would be split over the two ranks
+    "cp2": {"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo", "padding_free": False},
     # LoRA (both sides): the reference of beta > 0 is the base with the adapters off, under TP too
     "lora_tp2": {"tensor_model_parallel_size": 2, "lora_r": 4, "lora_target_modules": ["linear_qkv", "linear_fc1"]},
 }
