@@ -12,8 +12,12 @@ from contextlib import contextmanager
 import sqlalchemy as sa
 
 # The server's maintenance database: only this run's CREATE/DROP DATABASE go through it. LLMJOBS_BENCH_POSTGRES_URL
-# names another server (trust auth, or a password in the URL).
-DEFAULT_SERVER = os.environ.get("LLMJOBS_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+# names one (trust auth, or a password in the URL); else the tests' server (LLMJOBS_TEST_POSTGRES_URL), its
+# ``postgres`` database.
+TESTS_SERVER = os.environ.get("LLMJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+DEFAULT_SERVER = os.environ.get("LLMJOBS_BENCH_POSTGRES_URL") or sa.engine.make_url(TESTS_SERVER).set(
+    database="postgres"
+).render_as_string(hide_password=False)
 PREFIX = "llmjobs_bench"
 
 
