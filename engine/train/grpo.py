@@ -36,6 +36,7 @@ iterations after the checkpoint it resumed from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -195,7 +196,8 @@ class GRPOLoop:
         generators = [group_generator(spec.seed, rollout, first + k, device) for k in range(share)]
         model = t.runner.module
         model.eval()
-        with whole_sequences(model):  # CP: each CP rank decodes its DP group's rows whole, as a TP rank does
+        # CP: each CP rank decodes its DP group's rows whole, as a TP rank does (PP with CP is refused at submission)
+        with contextlib.nullcontext() if isinstance(model, PipelineModel) else whole_sequences(model):
             decoded = self._same_on_context_ranks(decode(model, t.plan.cfg, [p.ids for p in rows], opts, generators))
         reshard_all(model.pipeline.parts if isinstance(model, PipelineModel) else [model])
         model.train()
