@@ -166,8 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
         super().handle_one_request()
 
     def parse_request(self) -> bool:
+        ok = super().parse_request()  # the headers are read under IDLE_S too: a stalled head cannot hold a thread
         self.connection.settimeout(None)  # a request came: its handling waits as long as it needs
-        ok = super().parse_request()
         self._started, self._gone = False, False
         self._chunked = self.request_version not in ("HTTP/0.9", "HTTP/1.0")
         self._unread = self.command == "POST"
@@ -325,7 +325,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> dict[str, Any]:
         given = self.headers.get("Content-Length") or "0"
-        length = int(given) if given.isdigit() else 0  # a chunked or garbled body is refused, not a crashed thread
+        # a chunked or garbled length is refused, not a crashed thread (isdigit alone takes latin-1's superscripts)
+        length = int(given) if given.isascii() and given.isdigit() else 0
         if not 0 < length <= MAX_BODY:
             raise BadRequest(f"body: a JSON object of 1 to {MAX_BODY} bytes is required", field="body")
         try:

@@ -276,6 +276,16 @@ def _raw_request(url: str, body: dict[str, Any], version: str = "HTTP/1.0") -> s
     return sock
 
 
+@pytest.mark.parametrize("length", ["\N{SUPERSCRIPT TWO}", "-1", "1e3", ""])
+def test_a_garbled_content_length_is_a_400_naming_the_body(engine, length) -> None:
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
+        sock.sendall(head.encode("latin-1"))
+        answer = sock.makefile("rb").read()  # the unread body ends the connection after the answer
+    assert answer.startswith(b"HTTP/1.1 400") and b'"field": "body"' in answer, answer[:300]
+
+
 def _wait_for(engine: Engine, ok: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10) -> dict:
     deadline = time.monotonic() + timeout
     while not ok(health := engine.health().json()):
@@ -348,6 +358,17 @@ def test_an_idle_kept_alive_connection_is_closed_by_the_engine(engine, monkeypat
     assert conn.sock.recv(1) == b""  # end-of-file: the engine closed it
     assert time.monotonic() - start < 3
     conn.close()
+
+
+def test_a_request_head_that_stalls_is_closed_by_the_engine(engine, monkeypatch) -> None:
+    """A request line, then headers that never end: the wait for the rest of the head is under IDLE_S too."""
+    monkeypatch.setattr(server_module, "IDLE_S", 0.3)
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert sock.recv(1) == b""  # end-of-file: the engine closed it
+        assert time.monotonic() - start < 3
 
 
 def test_a_client_asking_to_close_still_gets_the_last_chunk(engine) -> None:
