@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, Select, create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -16,6 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from core.settings import REPO_ROOT
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +93,22 @@ def upgrade_head(url: str, secret_keys: list[str] | None = None) -> None:
     (``app.secrets_box.keys``) seal stored secrets that a migration encrypts. Processes that start together take
     turns (``migration_lock``): the first migrates, the others then find the schema at head and change nothing."""
     from alembic import command
+
+    config = alembic_config(url)
+    config.attributes["secret_keys"] = secret_keys
+    with migration_lock(url):
+        command.upgrade(config, "head")
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic's configuration for the database at ``url``: the repository's migrations, whatever the working
+    directory (what ``upgrade_head``, the tests' downgrades and ``alembic`` commands run with)."""
     from alembic.config import Config
 
     config = Config(str(ALEMBIC_INI))
     config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
     config.attributes["database_url"] = url
-    config.attributes["secret_keys"] = secret_keys
-    with migration_lock(url):
-        command.upgrade(config, "head")
+    return config
 
 
 @contextmanager

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from alembic import command
-from alembic.config import Config
 
-from core.db import ALEMBIC_INI, get_engine, upgrade_head
-from core.settings import REPO_ROOT
+from core.db import alembic_config, get_engine, upgrade_head
 from core_support import fresh_postgres_database
 
 pytestmark = pytest.mark.postgres
@@ -28,13 +26,6 @@ INFO = (
 def pg_database(postgres_url: str) -> Iterator[str]:
     with fresh_postgres_database(postgres_url) as url:
         yield url
-
-
-def _config(url: str) -> Config:
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
-    return config
 
 
 def _fillfactors(engine: sa.Engine) -> dict[str, list[str] | None]:
@@ -91,7 +82,7 @@ def test_heartbeats_stay_on_their_page_after_0016_and_not_before(pg_database: st
     assert options["hosts"] == ["fillfactor=70"] and options["jobs"] == ["fillfactor=70"]
     assert options["job_nodes"] == ["fillfactor=80"] and options["scheduler_lock"] == ["fillfactor=50"]
     with_room = _hot_share(engine)
-    command.downgrade(_config(pg_database), "0015_team_tracking")
+    command.downgrade(alembic_config(pg_database), "0015_team_tracking")
     assert all(o is None for o in _fillfactors(engine).values())
     packed = _hot_share(engine)
     # measured: 93 % HOT, 24 KiB grown with room; 76 %, 48 KiB packed (the first round moves every row of a full page)

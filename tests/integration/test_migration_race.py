@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from core.db import ALEMBIC_INI, REPO_ROOT, migration_lock
+from core.db import ALEMBIC_INI, REPO_ROOT, alembic_config, migration_lock
 from core_support import fresh_postgres_database
 
 PROCESSES = 6
@@ -58,11 +58,8 @@ def _race(url: str, var_dir: Path) -> list[int | None]:
 
 def _upgrade_to(url: str, revision: str) -> None:
     from alembic import command
-    from alembic.config import Config
 
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
+    config = alembic_config(url)
     with migration_lock(url):
         command.upgrade(config, revision)
 

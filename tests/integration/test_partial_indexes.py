@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from alembic import command
-from alembic.config import Config
 
-from core.db import ALEMBIC_INI, get_engine, session_scope
+from core.db import alembic_config, get_engine, session_scope
 from core.models import Job, JobNode, utcnow
 from core.reconciler import _waiting
 from core.scheduler import fill_resources
-from core.settings import REPO_ROOT, Settings
+from core.settings import Settings
 from core_support import fresh_postgres_database, isolated_settings, make_job
 
 WAITING = 2000  # enough rows that a scan costs more than the partial index
@@ -34,13 +33,6 @@ CLONES = (
 def pg_database(postgres_url: str) -> Iterator[str]:
     with fresh_postgres_database(postgres_url) as url:
         yield url
-
-
-def _config(url: str) -> Config:
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
-    return config
 
 
 def _plans(engine: sa.Engine, settings: Settings) -> list[str]:
@@ -89,7 +81,7 @@ def test_the_reconciler_reads_through_partial_indexes_on_postgres(pg_database: s
     defs = _index_defs(engine)
     assert "WHERE ((state)::text = 'assigned'::text)" in defs["ix_job_nodes_state"]
     assert "launching" in defs["ix_job_nodes_host_state"] and "exited" not in defs["ix_job_nodes_host_state"]
-    command.downgrade(_config(pg_database), "0016_hot_updates")
+    command.downgrade(alembic_config(pg_database), "0016_hot_updates")
     defs = _index_defs(engine)
     assert "WHERE" not in defs["ix_job_nodes_state"] and "WHERE" not in defs["ix_job_nodes_host_state"]
     assert "ix_job_specs_start_deadline" not in defs and "ix_jobs_unfilled" not in defs
@@ -98,7 +90,7 @@ def test_the_reconciler_reads_through_partial_indexes_on_postgres(pg_database: s
 
 def test_0017_goes_down_and_up_on_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    config = _config(url)
+    config = alembic_config(url)
     command.upgrade(config, "head")
     command.downgrade(config, "0016_hot_updates")
     with get_engine(url).connect() as connection:

@@ -12,16 +12,15 @@ from typing import Any
 
 import pytest
 from alembic import command
-from alembic.config import Config
 from sqlalchemy import select, text
 
 import core.jobs
 import core.live_adapters
-from core.db import ALEMBIC_INI, get_engine, session_scope
+from core.db import alembic_config, get_engine, session_scope
 from core.errors import ApiError
 from core.jobs import create_job, transition
 from core.models import Job, ServedName
-from core.settings import REPO_ROOT, Settings
+from core.settings import Settings
 from core.states import JobState
 from core_support import fresh_postgres_database, isolated_settings, reset_postgres_database
 from engine.contract.spec import parse_spec
@@ -144,9 +143,7 @@ def test_a_name_loaded_into_a_running_deployment_is_taken(settings: Settings) ->
 
 def test_migration_backfills_the_live_deployments_names(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
+    config = alembic_config(url)
     command.upgrade(config, "0010")
     jobs = [  # id, state, name, spec, created: two live ones share demo-chat (possible before 0011)
         ("old", "running", None, {"served_model_name": "demo-chat", "lora_adapters": {"jazz": "a"}}, "01"),

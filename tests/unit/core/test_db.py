@@ -9,7 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import select
 
-from core.db import each_row, get_engine, session_scope
+from core.db import alembic_config, each_row, get_engine, session_scope
 from core.jobs import transition
 from core.models import Base, Event, Job
 from core.states import JobState
@@ -71,17 +71,12 @@ def test_job_resources_are_filled_for_old_rows_and_read_either_way(tmp_path: Pat
     import json
 
     from alembic import command
-    from alembic.config import Config
     from sqlalchemy import text, update
 
-    from core.db import ALEMBIC_INI
     from core.scheduler import fill_resources, waiting_jobs
-    from core.settings import REPO_ROOT
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
+    config = alembic_config(url)
     command.upgrade(config, "0006")
     spec = {"kind": "train", "resources": {"device_type": "cuda", "nnodes": 2, "nproc_per_node": 8}}
     with get_engine(url).begin() as connection:
@@ -110,16 +105,10 @@ def test_job_specs_move_to_their_table_and_back(tmp_path: Path) -> None:
     import json
 
     from alembic import command
-    from alembic.config import Config
     from sqlalchemy import text
 
-    from core.db import ALEMBIC_INI
-    from core.settings import REPO_ROOT
-
     url = f"sqlite:///{tmp_path / 'specs.db'}"
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
+    config = alembic_config(url)
     command.upgrade(config, "0013")
     spec = {"kind": "train", "train_iters": 4, "resources": {"device_type": "cpu", "nnodes": 1, "nproc_per_node": 1}}
     insert = (

@@ -22,7 +22,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from app.main import create_app
 from core import webhooks
-from core.db import session_scope
+from core.db import alembic_config, session_scope
 from core.jobs import add_event, transition
 from core.settings import Settings
 from core.states import JobState
@@ -228,16 +228,11 @@ def test_the_api_sends_in_the_background(settings: Settings, receiver: Receiver)
 
 def test_webhook_migration_is_the_single_head_and_reverts(tmp_path: Path) -> None:
     from alembic import command
-    from alembic.config import Config
     from alembic.script import ScriptDirectory
     from sqlalchemy import create_engine, inspect
 
-    from core.db import ALEMBIC_INI, REPO_ROOT
-
     url = f"sqlite:///{tmp_path / 'm.db'}"
-    config = Config(str(ALEMBIC_INI))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
-    config.attributes["database_url"] = url
+    config = alembic_config(url)
     assert len(ScriptDirectory.from_config(config).get_heads()) == 1
     command.upgrade(config, "0003")
     command.downgrade(config, "0002")
