@@ -87,7 +87,7 @@ def _start_engine(model_dir: Path, run_dir: Path, slots: int) -> tuple[str, thre
     return json.loads((run_dir / "serve.json").read_text())["url"], stop, thread
 
 
-def _start_api(var: Path, model_dir: Path, engine_url: str) -> tuple[str, str, uvicorn.Server]:
+def _start_api(var: Path, model_dir: Path, engine_url: str) -> tuple[str, str, uvicorn.Server, threading.Thread]:
     settings = Settings(var_dir=var, database_url="", broker_url="", redis_url=None, data_roots=[], runs_dir=None)
     settings.ensure_dirs()
     upgrade_head(settings.database_url, secrets_box.keys(settings))
@@ -99,11 +99,25 @@ def _start_api(var: Path, model_dir: Path, engine_url: str) -> tuple[str, str, u
         token = create_token(session, team="bench")
     config = uvicorn.Config(create_app(settings, reconcile=False), host="127.0.0.1", port=0, log_level="warning")
     server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1", token, server
+    return f"http://127.0.0.1:{port}/v1", token, server, thread
+
+
+def _stop(server: uvicorn.Server, api: threading.Thread, stop: threading.Event, engine: threading.Thread) -> None:
+    """Both servers stopped and their threads joined before the interpreter exits: a daemon thread still running
+    (the API's shutdown, under load) when it finalizes is killed mid-call, which aborted CI's smoke once
+    ("terminate called without an active exception" after the JSON line)."""
+    server.should_exit = True
+    api.join(timeout=60)
+    stop.set()
+    engine.join(timeout=60)
+    alive = [t.name for t in (api, engine) if t.is_alive()]
+    if alive:
+        raise RuntimeError(f"still running after 60 s: {alive}")
 
 
 def main() -> None:
@@ -123,7 +137,7 @@ def main() -> None:
         prompts = _messages(clients)
         baseline = _baseline(model_dir, prompts, max_tokens)
         engine_url, stop, engine = _start_engine(model_dir, root / "run", clients)
-        api_url, token, server = _start_api(root / "var", model_dir, engine_url)
+        api_url, token, server, api = _start_api(root / "var", model_dir, engine_url)
         client = openai.OpenAI(base_url=api_url, api_key=token, max_retries=0, timeout=600)
         stream_chat(client, NAME, prompts[0], 2)  # warm-up: first-request costs are not throughput
 
@@ -135,9 +149,8 @@ def main() -> None:
 
         waves = {"served": served, "baseline": baseline}
         rounds = alternate(lambda side: waves[side](), ("served", "baseline"), args.pairs, log=_log)
-        server.should_exit = True
-        stop.set()
-        engine.join(timeout=30)
+        client.close()
+        _stop(server, api, stop, engine)
     rates = [
         {
             "served": sum(r["tokens"] for r in pair["served"]["results"]) / pair["served"]["seconds"],
