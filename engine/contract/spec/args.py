@@ -1,5 +1,6 @@
-"""The flag groups the kinds that build a model share: ``ModelArgs`` (the shape, Megatron's ``GPT_ARGS``) and
-``ParallelArgs`` (the parallel layout, checked by ``engine.contract.layout``)."""
+"""The flag groups the kinds that build a model share: ``ModelArgs`` (the shape, Megatron's ``GPT_ARGS``),
+``ParallelArgs`` (the parallel layout, checked by ``engine.contract.layout``) and ``LoraLoadArgs`` (the adapters eval
+and serve apply to their base)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine.contract.spec.common import (
     IntList,
     JobBase,
     LayerFreq,
+    LoraTargets,
     _Strict,
 )
 
@@ -314,3 +316,32 @@ class ParallelArgs(_Strict):
         """Samples per optimizer step: ``global_batch_size``, else ``micro_batch_size`` × DP (Megatron's default);
         the one copy of the rule."""
         return self.global_batch_size or self.micro_batch_size * self.parallel_dims.dp
+
+
+class LoraLoadArgs(_Strict):
+    """LoRA adapters applied to the loaded base (eval and serve: ``engine.load.adapters`` reads them for both).
+    convert's ``lora_load`` is not this group: it merges the adapters into the checkpoint it writes."""
+
+    lora_load: DataPath | None = Field(
+        None,
+        description=(
+            "LoRA adapters applied to the base: ours or MindSpeed's (unmerged), or a Hugging Face PEFT adapter "
+            "directory (merged)."
+        ),
+    )
+    lora_r: int | None = Field(
+        None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset)."
+    )
+    lora_alpha: float | None = Field(
+        None, gt=0, description="--lora-alpha: LoRA scale numerator (read from the checkpoint when unset)."
+    )
+    lora_target_modules: LoraTargets = Field(
+        default_factory=list,
+        description="--lora-target-modules: modules the adapters wrap (read from the checkpoint when unset).",
+    )
+
+    @model_validator(mode="after")
+    def _check_lora_load(self) -> LoraLoadArgs:
+        if self.lora_load is None and self.lora_r is not None:
+            raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
+        return self

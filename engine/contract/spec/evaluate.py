@@ -10,18 +10,17 @@ from pydantic import (
 )
 
 from engine.contract.data_formats import TEMPLATES
-from engine.contract.spec.args import ModelArgs, ParallelArgs
+from engine.contract.spec.args import LoraLoadArgs, ModelArgs, ParallelArgs
 from engine.contract.spec.common import (
     DataPath,
     JobBase,
     JsonObject,
-    LoraTargets,
     StrList,
     TriState,
 )
 
 
-class EvalSpec(JobBase, ParallelArgs, ModelArgs):
+class EvalSpec(JobBase, LoraLoadArgs, ParallelArgs, ModelArgs):
     """``inference_4_midea_test.py``: generation over a JSONL test set with accuracy, or loss evaluation."""
 
     kind: Literal["eval"] = Field("eval", description='Job kind "eval" (the discriminator).')
@@ -46,12 +45,6 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
         pattern=r"^https?://",
         description="Engine extension: the URL of a running `python -m engine serve` endpoint to generate through; "
         "the worker sets it from deployment when the job starts.",
-    )
-    lora_load: DataPath | None = Field(
-        None,
-        description=(
-            "LoRA adapters: ours or MindSpeed's (applied unmerged), or a Hugging Face PEFT adapter directory (merged)."
-        ),
     )
     no_load_optim: bool = Field(
         False, description="--no-load-optim: do not read optimizer state (evaluation never needs it)."
@@ -84,16 +77,6 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
         None,
         description='Column and role-tag mapping of the test set, e.g. {"messages":"messages","tags":{"role_tag":"role",...}}.',
     )
-    lora_r: int | None = Field(
-        None, ge=1, description="LoRA rank of lora_load's adapters (read from the checkpoint when unset)."
-    )
-    lora_alpha: float | None = Field(
-        None, gt=0, description="--lora-alpha: LoRA scale numerator (read from the checkpoint when unset)."
-    )
-    lora_target_modules: LoraTargets = Field(
-        default_factory=list,
-        description="--lora-target-modules: modules the adapters wrap (read from the checkpoint when unset).",
-    )
     greedy: bool = Field(
         False, description="Argmax decoding whatever the temperature (temperature below 1e-3 is greedy too)."
     )
@@ -121,8 +104,6 @@ class EvalSpec(JobBase, ParallelArgs, ModelArgs):
         unknown = [r for r in self.answer_normalization if r not in ("trim", "case")]
         if unknown:
             raise ValueError(f"answer_normalization: unknown rule(s) {unknown}; known: trim, case")
-        if self.lora_load is None and self.lora_r is not None:
-            raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
         self._check_model_source()
         return self
 

@@ -11,11 +11,10 @@ from pydantic import (
 )
 
 from engine.contract.data_formats import TEMPLATES
-from engine.contract.spec.args import ModelArgs, ParallelArgs
+from engine.contract.spec.args import LoraLoadArgs, ModelArgs, ParallelArgs
 from engine.contract.spec.common import (
     DataPath,
     JobBase,
-    LoraTargets,
 )
 
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
@@ -46,7 +45,7 @@ def serve_training_field(name: str) -> str:
     return f"{name}: a training field, not one of serving's{hint}"
 
 
-class ServeSpec(JobBase, ParallelArgs, ModelArgs):
+class ServeSpec(JobBase, LoraLoadArgs, ParallelArgs, ModelArgs):
     """``generate_qwen3_4b_ptd.sh`` as a service: the model behind an OpenAI-compatible API (``docs/serving.md``).
     Runs until cancelled, deleted or idle for ``idle_timeout_s``."""
 
@@ -57,14 +56,6 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
             "--load: the model: a Megatron checkpoint root or an HF model directory; over the API also a train job's "
             'checkpoint by reference, {"job": ID, "iteration": N}.'
         ),
-    )
-    lora_load: DataPath | None = Field(
-        None, description="LoRA adapters applied to the base: ours or MindSpeed's (unmerged), or an HF PEFT directory."
-    )
-    lora_r: int | None = Field(None, ge=1, description="LoRA rank of lora_load's adapters (read when unset).")
-    lora_alpha: float | None = Field(None, gt=0, description="--lora-alpha of lora_load's adapters (read when unset).")
-    lora_target_modules: LoraTargets = Field(
-        default_factory=list, description="--lora-target-modules of lora_load's adapters (read when unset)."
     )
     lora_adapters: dict[str, DataPath] = Field(
         default_factory=dict,
@@ -119,8 +110,6 @@ class ServeSpec(JobBase, ParallelArgs, ModelArgs):
         training = [f for f in SERVE_TRAINING_FIELDS if f in self.model_fields_set]
         if training:
             raise ValueError(serve_training_field(training[0]))
-        if self.lora_load is None and self.lora_r is not None:
-            raise ValueError("lora_r: given without lora_load (the adapter checkpoint to apply)")
         if self.pipeline_model_parallel_size > 1:
             raise ValueError("pipeline_model_parallel_size: serving does not pipeline a model; use 1")
         self._check_ranks()
