@@ -3,6 +3,7 @@ LLMJOBS_REQUIRE_SERVICES=1 (set by .ci/run), which turns the skip into a failure
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import socket
@@ -56,6 +57,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     f"{item.nodeid} asks for {fixture} but its module has no {ISOLATION[fixture]!r}: give the "
                     "test a database or keys of its own (tests/conftest.py, ISOLATION)"
                 )
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' teardown, still before xdist sends `workerfinished`
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In an xdist worker, collect the garbage now and freeze what survives. After `workerfinished` the controller
+    closes the worker's gateway, and execnet SIGINTs a worker still running 5 s later; pytest's two full collections
+    at unconfigure (unraisable exceptions) took longer than that on a heap grown over the whole stage at CI's load,
+    hence a KeyboardInterrupt inside hypothesis' gc callback (PytestUnraisableExceptionWarning). Collected here, the
+    garbage's unraisable exceptions are still reported; frozen, those collections have nothing left to walk."""
+    if hasattr(session.config, "workerinput"):
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture(autouse=True)
