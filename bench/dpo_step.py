@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common.allocator import add_malloc_flag, apply_to_children  # noqa: E402
 from bench.common.memory import peak_mb  # noqa: E402
-from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+from bench.common.pairs import add_step_pair_flags, alternate, speed_and_memory  # noqa: E402
 from bench.common.qwen3 import SHAPE, SMOKE_SHAPE, write_side_models  # noqa: E402
 from bench.common.seed_data import INTENTS, intent_question  # noqa: E402
 from bench.common.seed_data import tokenizer_dir as _tokenizer_dir  # noqa: E402
@@ -169,16 +169,13 @@ def measure(side: str, work: str, steps: int, mbs: int, gbs: int, threads: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up step")
-    parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and TRL's (A B, B A, ...)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pairs per micro-batch")
     parser.add_argument("--global-batch-size", type=int, default=8, help="pairs per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a one-layer hidden-64 model, 2 pairs with at most 2 turns of history, one timed step",
+    add_step_pair_flags(
+        parser,
+        rival="TRL",
+        repeats=3,
+        smoke="a one-layer hidden-64 model, 2 pairs with at most 2 turns of history, one timed step",
     )
     add_malloc_flag(parser)
     args = parser.parse_args()

@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common.memory import peak_mb, rss_mb  # noqa: E402
-from bench.common.pairs import alternate, speed_and_memory  # noqa: E402
+from bench.common.pairs import add_step_pair_flags, alternate, speed_and_memory  # noqa: E402
 from bench.common.qwen3 import SHAPE, SMOKE_SHAPE  # noqa: E402
 from bench.common.seed_data import INTENTS, intent_question, tokenizer_dir  # noqa: E402
 
@@ -196,22 +196,13 @@ def measure(side: str, batches: list[list], mbs: int, seed: int, threads: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per process (the same global batch)")
-    parser.add_argument("--pairs", type=int, default=3, help="pairs of fresh processes, ours and HF's (A B, B A, ...)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
-        "wait for its slowest thread (many small ops suffer more than a few large GEMMs)",
-    )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a one-layer hidden-64 model, batch 2 with at most 2 turns of history, one timed step",
+    add_step_pair_flags(
+        parser,
+        rival="HF",
+        repeats=3,
+        smoke="a one-layer hidden-64 model, batch 2 with at most 2 turns of history, one timed step",
     )
     args = parser.parse_args()
     if args.smoke:

@@ -9,6 +9,7 @@ runs made under about the same load, and the figure is the median of the pairwis
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,6 +29,24 @@ def alternate(
             log(results[side])
         rounds.append(results)
     return rounds
+
+
+def add_step_pair_flags(parser: argparse.ArgumentParser, *, rival: str, repeats: int, smoke: str) -> None:
+    """The flags every training-step bench of ours against ``rival`` (train_step, dpo_step, grpo_step) takes, each
+    with one meaning: timed steps and pairs of fresh processes, the seed, each side's threads, and ``--smoke``."""
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed steps per process, after one warm-up step")
+    parser.add_argument(
+        "--pairs", type=int, default=3, help=f"pairs of fresh processes, ours and {rival}'s (A B, B A, ...)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per side; 1 keeps a shared machine's other load from making every op "
+        "wait for its slowest thread (many small ops suffer more than a few large GEMMs)",
+    )
+    parser.add_argument("--smoke", action="store_true", help=smoke)
 
 
 def pair_ratios(name: str, ratios: list[float], digits: int = 3) -> dict[str, float | int]:
