@@ -25,41 +25,36 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.common import qwen3  # noqa: E402
 from bench.common.pairs import alternate, pair_ratios  # noqa: E402
 
-SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-)
-SMOKE_SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)  # --smoke: the same conversions of a tiny model (2 MB)
+SHAPE: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+# --smoke: the same conversions of the benches' hidden-64 stand-in (2 MB): 4 layers, so PP2 has layers to split, and
+# a 1,024-token vocabulary
+SMOKE_SHAPE: dict[str, Any] = {**qwen3.SMOKE_SHAPE, "num_hidden_layers": 4, "vocab_size": 1024}
 
 
-def generate(path: Path, shape: dict[str, int]) -> Path:
+def generate(path: Path, shape: dict[str, Any]) -> Path:
     """Qwen3-0.6B's published shape (or ``shape``), bf16, random values, saved by transformers (about 1.2 GB)."""
     if (path / "config.json").is_file():
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        **shape, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6
-    )
+    config = Qwen3Config(**shape, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
