@@ -1,5 +1,5 @@
 """TP / SP / PP / DP layouts on gloo match one process step by step (5 steps of the trainer's own ``train_step``,
-AdamW, fp32, gradients clipped), and a checkpoint saved under TP2×PP2 (``engine.checkpoint.dcp``) resumes under DP2
+AdamW, fp32, gradients clipped), and a checkpoint saved under TP2×PP2 (``engine.checkpoint.dcp``) resumes under DP4
 and TP1×PP1 with the same next-step losses.
 
 Each launch runs several layouts in one torchrun (``parallel_worker.py``) to pay the start-up once (at load 20 a
@@ -87,8 +87,9 @@ def test_two_process_layouts(tmp_path: Path) -> None:
         assert_router_matches(result, case.split(":")[0])
 
 
-# one-rank save, four-rank layouts, two- and one-rank resumes: 1 + 4 + 2 + 1 ranks started instead of 23 over 8
-# launches (the three tests this one merged); 197 s at load ~20
+# one-rank save, four-rank layouts and resumes, one-rank resumes: 1 + 4 + 1 ranks started instead of 23 over 8
+# launches (the three tests this one merged; the two-rank resumes now run as four-rank layouts in the four-rank
+# launch, after the cases that save); 197 s at load ~20 with the two-rank launch
 @pytest.mark.timeout(480)
 def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     """Four ranks, dense: TP2×PP2 and PP2×DP2 (tied; each saves a checkpoint after step 3), TP2×DP2 (tied: the
@@ -100,10 +101,11 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     expert over tp; with and without sequence parallelism, with a dense layer among the MoE ones, and LoRA on the
     experts; saves after step 3). Each equals one process in loss and grad norm, the MoE ones in router figures too.
 
-    Resumes, whose two next steps equal the uninterrupted runs': the dense TP2×PP2 checkpoint under DP2 and TP1×PP1,
-    the PP2×DP2 one under PP2 interleaved; the MoE TP2×PP2, EP2×PP2 and EP2×TP2 ones in one process, and a
-    one-process MoE checkpoint under EP2×TP2 (the dense fc1 under TP × FSDP, a strided shard of a strided shard,
-    goes through ``tensor_parallel.full_tensor`` / ``dcp_view``)."""
+    Resumes, whose two next steps equal the uninterrupted runs': the dense TP2×PP2 checkpoint under DP4 (in the same
+    launch, after the case that saved it) and TP1×PP1, the PP2×DP2 one under PP2 interleaved × DP2; the MoE
+    TP2×PP2, EP2×PP2 and EP2×TP2 ones in one process, and a one-process MoE checkpoint under EP2×TP2 (the dense fc1
+    under TP × FSDP, a strided shard of a strided shard, goes through ``tensor_parallel.full_tensor`` /
+    ``dcp_view``)."""
     ck = {name: tmp_path / f"ckpt_{name}" for name in ("tp2pp2", "pp2dp2", "moe_tp2pp2", "ep2pp2", "ep2tp2", "one")}
     saved_one = launch(tmp_path, 1, f"one:layers=4,moe=1,save_at=3,ckpt={ck['one']}")["one"]["parallel"]
     dense = ["tp2pp2", "pp2dp2", "tp2dp2", "pp4_tied"]
@@ -125,6 +127,8 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
         "moe_ep2tp2_nosp:tp=2,dp=2,ep=2,sp=0,moe=1",
         "moe_lora_ep2tp2:tp=2,dp=2,ep=2,lora=1,moe=1",
         f"moe_ep2tp2_resumed:tp=2,dp=2,ep=2,layers=4,moe=1,load={ck['one']},start=3,steps=2",
+        f"dp4:dp=4,layers=4,tied=1,load={ck['tp2pp2']},start=3,steps=2",
+        f"vpp_dp2:pp=2,dp=2,vpp=1,layers=4,tied=1,load={ck['pp2dp2']},start=3,steps=2",
     )
     for name in dense + moe:
         assert_matches(result, name)
@@ -141,12 +145,6 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
     fc1 = result["moe_ep2pp2"]["expert_layout"]["decoder.layers.0.mlp.experts.linear_fc1.weight"]
     assert fc1[0] == ["edp", "ep"] and fc1[2] == [2, 64, 64]
 
-    two = launch(
-        tmp_path,
-        2,
-        f"dp2:dp=2,layers=4,tied=1,load={ck['tp2pp2']},start=3,steps=2",
-        f"vpp:pp=2,vpp=1,layers=4,tied=1,load={ck['pp2dp2']},start=3,steps=2",
-    )
     one = launch(
         tmp_path,
         1,
@@ -156,9 +154,9 @@ def test_four_process_layouts_and_cross_layout_resume(tmp_path: Path) -> None:
         f"one_tp:layers=4,moe=1,load={ck['ep2tp2']},start=3,steps=2",
     )
     resumed = [
-        (two["dp2"], "tp2pp2"),
+        (result["dp4"], "tp2pp2"),
         (one["one"], "tp2pp2"),
-        (two["vpp"], "pp2dp2"),
+        (result["vpp_dp2"], "pp2dp2"),
         (one["one_moe"], "moe_tp2pp2"),
         (one["one_pp"], "moe_ep2pp2"),
         (one["one_tp"], "moe_ep2tp2"),
