@@ -39,9 +39,25 @@ class AttentionPlan:
     # when context parallelism padded the rows itself, so that padding weighs nothing one process would not route
     counted: torch.Tensor | None = None
     counted_tokens: int = 0
-    # serving's 4-D cache mask: on CPU, SDPA takes GQA with it directly (4x faster than expanding k/v at 32 decode
-    # rows); training and eval keep the expansion, whose float order the layout and reference tests are pinned to
+    # serving's 4-D cache mask and a one-token decode step: on CPU, SDPA takes GQA with the mask directly (4x faster
+    # than expanding k/v at 32 decode rows); training and prefill keep the expansion, whose float order the layout
+    # and reference tests are pinned to
     native_gqa: bool = False
+    # ``mask`` as SDPA's CPU kernel takes it (additive, in the queries' dtype), converted once for every layer
+    additive: torch.Tensor | None = None
+
+    def sdpa_mask(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The mask given to SDPA. On CPU a boolean mask is converted here, once per plan, to the additive mask SDPA
+        would convert it to (0 / -inf, the same numbers): SDPA's CPU kernel saves its own converted copy for backward
+        in every layer, a (B, 1, T, T_kv) fp32 tensor each (16 MB at 2,040 packed tokens), where all layers can share
+        one."""
+        if self.mask is None or self.mask.dtype != torch.bool or q.device.type != "cpu":
+            return self.mask
+        if self.additive is None or self.additive.dtype != q.dtype:
+            self.additive = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~self.mask, float("-inf")
+            )
+        return self.additive
 
 
 def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -128,7 +144,9 @@ def plan_attention(
                 f"attention_mask: has {attention_mask.shape[1]} columns, expected cache length + new tokens "
                 f"= {past_len} + {q_len}"
             )
-        return AttentionPlan(mask=padded_causal_mask(attention_mask, q_len), is_causal=False)
+        # one new token (a decode step): SDPA's GQA without expanding the cache's k/v (bitwise the same output on
+        # CPU, 4x faster at 16 rows); longer queries keep the expansion the layout tests' float order is pinned to
+        return AttentionPlan(mask=padded_causal_mask(attention_mask, q_len), is_causal=False, native_gqa=q_len == 1)
     if past_len:
         # One new token attends to everything cached; several new tokens need the offset causal mask.
         if q_len == 1:
@@ -155,7 +173,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
         q,
         k,
         v,
-        attn_mask=plan.mask,
+        attn_mask=plan.sdpa_mask(q),
         is_causal=plan.is_causal,
         scale=q.shape[-1] ** -0.5,
         enable_gqa=gqa,

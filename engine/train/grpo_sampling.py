@@ -90,12 +90,13 @@ def _candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.
     return values.masked_fill(above >= s.top_p, float("-inf")), ids
 
 
-def next_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     """One token per row of (B, V) logits: temperature, then top-k, then top-p, drawn with the (B,) float64
-    uniforms ``u``."""
+    uniforms ``u``. ``scratch``: ``logits`` may be overwritten (the same numbers, no (B, V) temporaries)."""
+    scratch = scratch and logits.dtype == torch.float32
     logits = logits.float()
     if s.temperature != 1.0:  # TRL's default 1: no (B, V) copy
-        logits = logits / s.temperature
+        logits = logits.div_(s.temperature) if scratch else logits / s.temperature
     picked = _candidates(logits, s)
     if picked is not None:
         values, ids = picked
@@ -106,5 +107,6 @@ def next_tokens(logits: torch.Tensor, s: Sampling, u: torch.Tensor) -> torch.Ten
         drop_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - s.top_p)
         drop_sorted[..., -1] = False  # the most likely token stays
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
-    return _inverse_cdf(weights, u)
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = logits.sub_(top) if scratch else logits - top
+    return _inverse_cdf(weights.exp_(), u)

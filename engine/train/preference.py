@@ -39,6 +39,7 @@ class _TokenLogprobs(torch.autograd.Function):
             logits = (hidden[rows] @ weight.t()).to(acc)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             out[rows] = logits.gather(1, labels[rows, None])[:, 0] - lse[rows]
+            del logits  # freed before the next chunk's: one (chunk, V) buffer at a time, not two
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_size = chunk_size
         ctx.into_grad = into_grad and weight.is_leaf
@@ -53,22 +54,54 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_weight = _weight_grad_buffer(weight, lse.dtype, ctx.into_grad)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            h = hidden[rows]
-            # d logp / d logits = onehot(y) - softmax, scaled by each row's upstream gradient
-            # in place over the one (chunk, V) buffer: the chunk's logits become -softmax without a temporary
-            d_logits = (h @ weight.t()).to(lse.dtype).sub_(lse[rows, None]).exp_().neg_()
-            d_logits.scatter_add_(1, labels[rows, None], torch.ones_like(lse[rows, None]))
-            d_logits *= grad_out[rows, None]
-            if grad_hidden is not None:
-                grad_hidden[rows] = (d_logits @ weight.to(lse.dtype)).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(d_logits.t(), h.to(lse.dtype))  # in place: no second (V, H) buffer
+            g = _chunk_grads(
+                hidden[rows], weight, labels[rows], lse[rows], grad_out[rows], grad_weight, grad_hidden is not None
+            )
+            if grad_hidden is not None and g is not None:
+                grad_hidden[rows] = g.to(hidden.dtype)
         if grad_weight is None or grad_weight is weight.grad:
             return grad_hidden, None, None, None, None  # already in weight.grad
         if ctx.into_grad:  # a .grad of another dtype (bf16 parameters): add the fp32 sum once, rounded
             weight.grad.add_(grad_weight.to(weight.dtype))
             return grad_hidden, None, None, None, None
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+BACKWARD_VOCAB_SPLIT = 4  # vocabulary slices a chunk's backward walks: (chunk, V / 4) of d_logits at a time
+
+
+def _chunk_grads(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_weight: torch.Tensor | None,
+    need_hidden: bool,
+) -> torch.Tensor | None:
+    """One chunk's backward: its rows' hidden gradient (returned in fp32 with ``need_hidden``) and the head's gradient added into
+    ``grad_weight``, a vocabulary slice at a time. Backward is a training step's peak (every activation, the (V, H)
+    head gradient and this buffer at once): a slice's d_logits is a quarter of the chunk's (39 MB, not 155, at 256 ×
+    151,936), and each slice of W is still read once per chunk."""
+    acc = lse.dtype
+    hw = h.to(acc)
+    vocab = weight.shape[0]
+    width = -(-vocab // BACKWARD_VOCAB_SPLIT)
+    grad_h = torch.zeros((h.shape[0], weight.shape[1]), dtype=acc, device=h.device) if need_hidden else None
+    for first in range(0, vocab, width):
+        w = weight[first : first + width]
+        # d logp / d logits = onehot(y) - softmax, scaled by each row's upstream gradient; in place over the slice's
+        # one buffer: its logits become -softmax without a temporary
+        d_logits = (h @ w.t()).to(acc).sub_(lse[:, None]).exp_().neg_()
+        here = ((labels >= first) & (labels < first + width)).nonzero().squeeze(1)
+        d_logits.index_put_((here, labels[here] - first), torch.ones_like(here, dtype=acc), accumulate=True)
+        d_logits *= grad_out[:, None]
+        if grad_h is not None:
+            grad_h.addmm_(d_logits, w.to(acc))
+        if grad_weight is not None:
+            grad_weight[first : first + width].addmm_(d_logits.t(), hw)  # in place: no second (V, H) buffer
+        del d_logits  # freed before the next slice's
+    return grad_h
 
 
 def _weight_grad_buffer(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) -> torch.Tensor:
