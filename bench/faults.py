@@ -20,7 +20,7 @@ Each kind builds its deployment from ``tests/integration``'s support modules (``
 
     python bench/faults.py --fault worker-kill --runs 3
     python bench/faults.py --fault db-restart --runs 5
-    python bench/faults.py --smoke   # worker-kill once, 10 iterations (CI; a resumed run needs iterations left after its checkpoint)
+    python bench/faults.py --smoke   # worker-kill once, 30 iterations (CI; a resumed run needs iterations left after its checkpoint)
 """
 
 from __future__ import annotations
@@ -375,10 +375,12 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-6, help="worker-kill: relative loss difference")
     parser.add_argument("--jobs", type=int, default=2, help="jobs per run (replica-kill: default 2 is small; try 12)")
     parser.add_argument("--outage-s", type=float, default=5.0, help="db-restart, broker-restart: seconds stopped")
-    parser.add_argument("--smoke", action="store_true", help="worker-kill once, 10 iterations: the same code path")
+    parser.add_argument("--smoke", action="store_true", help="worker-kill once, 30 iterations: the same code path")
     args = parser.parse_args()
     if args.smoke:
-        args.fault, args.runs, args.iters, args.save_interval = "worker-kill", 1, 10, 5
+        # 30, not 10: the tiny job ran all 10 before the kill landed (its first checkpoint is seen ~1 s late), so the
+        # resumed attempt trained nothing and reported no final loss (final_lm_losses [null]); 30 costs no more wall
+        args.fault, args.runs, args.iters, args.save_interval = "worker-kill", 1, 30, 5
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llmjobs-faults-") as tmp:
         figures = FAULTS[args.fault](args, Path(tmp))
