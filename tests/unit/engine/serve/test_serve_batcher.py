@@ -11,11 +11,12 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from engine.contract.model_config import preset
+from engine.model.attention import AttentionPlan
 from engine.model.hf_mapping import native_from_hf
 from engine.model.qwen3 import Qwen3Model
 from engine.serve.batcher import Batcher, QueueFull, Sequence
 from engine.serve.sampling import RequestOptions, apply_penalties
-from engine.serve.slots import SlotCache
+from engine.serve.slots import SlotCache, SlotView
 from tests.unit.moe_support import hf_pair
 
 STOP = 1
@@ -125,3 +126,34 @@ def test_penalties() -> None:
     assert freq.tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25]
     with pytest.raises(ValueError, match="top_p"):
         RequestOptions(top_p=0.0)
+
+
+def test_a_whole_prompt_attends_causally_without_a_mask(dense, monkeypatch) -> None:
+    """A prompt from column 0 runs SDPA's causal kernel (no mask to build or read), with the masked path's numbers
+    bit for bit; a later chunk (it starts after its slot's first columns) keeps its mask."""
+    _, model = dense
+    prompt = _prompts(model.cfg.vocab_size)[2]  # 14 tokens
+
+    def hidden(masked: bool) -> tuple[torch.Tensor, list[AttentionPlan]]:
+        cache = SlotCache(model.cfg, 2, 64)
+        batcher, plans = Batcher(model, cache, {STOP}), []
+        plain_view = cache.view
+
+        def view(slots: list[int], counts: list[int]) -> SlotView:
+            v = plain_view(slots, counts)
+            for g in v.groups:
+                if masked:  # the mask the view built before: query k sees columns <= k
+                    tril = torch.ones(g.new, g.width, dtype=torch.bool).tril()[None, None]
+                    g.plan = AttentionPlan(mask=tril, is_causal=False, native_gqa=True)
+                plans.append(g.plan)
+            return v
+
+        monkeypatch.setattr(cache, "view", view)
+        out = batcher._compute([0], [0], [prompt[:10]])
+        batcher._compute([0], [0], [prompt[10:]])  # the rest, after the first 10 columns
+        return out, plans
+
+    (fast, plans), (masked, _) = hidden(masked=False), hidden(masked=True)
+    assert plans[0].mask is None and plans[0].is_causal  # the whole first chunk: causal, no mask
+    assert plans[1].mask is not None and not plans[1].is_causal  # the later chunk: masked from its start
+    assert torch.equal(fast, masked)
