@@ -14,8 +14,12 @@ CYCLE = """
 import ctypes, ctypes.util, json, resource, sys
 import torch
 from engine.serve import host_memory
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+# no transparent huge pages (THP "always", or torch's THP_MEM_ALLOC_ENABLE): a 2 MiB page per fault would cut the
+# plain run's faults below the count asserted
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 # glibc's own starting thresholds, fixed (its dynamic raise would make the plain run's faults vary from run to run)
-mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+mallopt = libc.mallopt
 mallopt(host_memory.M_MMAP_THRESHOLD, 128 << 10)
 mallopt(host_memory.M_TRIM_THRESHOLD, 128 << 10)
 kept = host_memory.keep_freed_memory() if sys.argv[1] == "keep" else False
