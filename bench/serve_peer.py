@@ -163,8 +163,10 @@ def child_engine(model_dir: str, run_dir: str, slots: int, max_len: int) -> None
     """Our engine (the ``serve`` job's runner) until SIGTERM."""
     from engine.contract.runfiles import RunDir
     from engine.contract.spec import parse_spec
+    from engine.serve.host_memory import keep_freed_memory
     from engine.serve.job import run as serve_run
 
+    keep_freed_memory()  # as `python -m engine serve` does (engine/cli.py): this child is the serving process
     spec = parse_spec({"kind": "serve", "load": model_dir, "max_num_seqs": slots, "max_model_len": max_len})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     run.event("started", f"{kind} started", kind=kind)
     try:
         check_spec(spec)  # the job's data areas, when a worker gave them (engine.contract.guard)
+        if kind == "serve":  # a process-wide allocator setting: set by the serving process's entry, not by the
+            # runner, which tests and benches also call inside processes that serve nothing (engine.serve.host_memory)
+            from engine.serve.host_memory import keep_freed_memory
+
+            keep_freed_memory()
         outputs, summary = _runner(kind)(spec, run)
     except BadInput as err:
         log.error("%s", err)

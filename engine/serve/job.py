@@ -35,7 +35,6 @@ from engine.parallel.device import Device, init_distributed
 from engine.parallel.mesh import build_mesh
 from engine.serve.adapters import apply_adapters, read_adapter
 from engine.serve.batcher import DEAD, Batcher
-from engine.serve.host_memory import keep_freed_memory
 from engine.serve.server import Deployment, make_server
 from engine.serve.slots import SlotCache
 from engine.serve.tp_sync import StepSync
@@ -106,7 +105,6 @@ def run(
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Entry point for ``python -m engine serve`` (see the module docstring); ``stop`` ends it (tests); a metrics
     point every ``metrics_interval_s`` while requests come (``engine.serve.stats``)."""
-    keep_freed_memory()  # prefills reuse freed host memory instead of faulting it in again (engine.serve.host_memory)
     tokenizer = spec_tokenizer(spec)
     device = init_distributed(spec.resources.device_type)
     tp_mesh = _tp_mesh(spec, device)

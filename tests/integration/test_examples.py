@@ -152,7 +152,7 @@ def test_no_example_reads_what_a_later_one_writes() -> None:
     for i, name in enumerate(names):
         for later in names[i + 1 :]:
             written = _written(example(later))
-            clash = {n for n in _named(example(name)) if any(n.startswith(w) for w in written)}
+            clash = {n for n in _named(example(name)) if any(n == w or n.startswith(w + "/") for w in written)}
             assert not clash, f"{name} names {sorted(clash)}, which the later {later} writes"
 
 
