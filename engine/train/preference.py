@@ -93,8 +93,10 @@ def _chunk_grads(
         # d logp / d logits = onehot(y) - softmax, scaled by each row's upstream gradient; in place over the slice's
         # one buffer: its logits become -softmax without a temporary
         d_logits = (h @ w.t()).to(acc).sub_(lse[:, None]).exp_().neg_()
-        here = ((labels >= first) & (labels < first + width)).nonzero().squeeze(1)
-        d_logits.index_put_((here, labels[here] - first), torch.ones_like(here, dtype=acc), accumulate=True)
+        # the one-hot's 1 where a row's label falls in this slice, 0 added elsewhere: no host sync (a nonzero() would
+        # wait for the device at every slice)
+        inside = ((labels >= first) & (labels < first + d_logits.shape[1])).to(acc)
+        d_logits.scatter_add_(1, (labels - first).clamp(0, d_logits.shape[1] - 1)[:, None], inside[:, None])
         d_logits *= grad_out[:, None]
         if grad_h is not None:
             grad_h.addmm_(d_logits, w.to(acc))
