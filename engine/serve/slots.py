@@ -258,7 +258,7 @@ class _Group:
             # whole prompts from column 0 (no cached prefix, no earlier chunk): the mask is plain causal, and CPU
             # SDPA's causal kernel skips the blocks above the diagonal (a 2,000-token prompt's attention 75 -> 38 ms
             # a layer, 1 thread) with the mask's numbers (checked bit for bit, 1 to 2,015 tokens, 1 and 2 threads)
-            self.plan = AttentionPlan(mask=None, is_causal=True, native_gqa=True)
+            self.plan = AttentionPlan(mask=None, is_causal=True)
             return
         query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(self.new, device=device)[None, :]
         mask = (torch.arange(self.width, device=device)[None, None, :] <= query_pos[:, :, None])[:, None]
